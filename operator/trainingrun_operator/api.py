@@ -1,0 +1,459 @@
+"""The TrainingRun API (trainingrun.dev/v1alpha1): the single source of truth.
+
+The CRD in manifests/crds/ and charts/*/crds/ is generated from these models (see `crd.py`), the
+builders read them, and `trainingrun validate` checks files against them. A rule that the API
+server must also enforce is written twice on purpose: as a pydantic validator (for `validate` and
+the operator) and as a CEL rule in `x-kubernetes-validations` (for `kubectl apply`); the tests run
+every invalid example through both.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainingrun_trainer.config import ApiModel, CheckpointConfig, TrainerConfig
+
+GROUP = "trainingrun.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainingRun"
+PLURAL = "trainingruns"
+SINGULAR = "trainingrun"
+SHORT_NAMES = ["tr"]
+
+# Children are named <run>-a<attempt> (PyTorchJob) and Kubeflow names pods and Services
+# <job>-worker-<index>; a Service name is a DNS-1035 label of at most 63 characters. 40 leaves room
+# for an attempt of up to 4 digits and a replica index of up to 5 digits: 40+2+4+8+5 = 59.
+MAX_RUN_NAME_LENGTH = 40
+RUN_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_REPLICAS = 10000
+MAX_ATTEMPT_BUDGET = 1000
+
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+QUANTITY = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
+EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+# Environment names the operator sets itself; a user value would silently break the contract.
+RESERVED_ENV_PREFIXES = ("TRAININGRUN_", "PET_")
+RESERVED_ENV_NAMES = {
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+}
+
+
+def _cel(*rules: tuple[str, str]) -> ConfigDict:
+    """Model config that carries CEL rules into the generated CRD schema."""
+    return ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+    )
+
+
+class Replicas(ApiModel):
+    """How many pods (nodes) the elastic job may run; the job starts once `min` pods are ready."""
+
+    model_config = _cel(
+        ("!has(self.max) || self.min <= self.max", "replicas.min must be <= replicas.max; raise max or lower min")
+    )
+
+    min: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="Fewest pods the job runs with.")
+    max: Optional[int] = Field(
+        default=None,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="Most pods the job scales to; defaults to min (a fixed-size job).",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Replicas":
+        if self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max}); raise max or lower min")
+        return self
+
+    @property
+    def effective_max(self) -> int:
+        return self.max if self.max is not None else self.min
+
+
+class Resources(ApiModel):
+    """Per-pod compute. CPU and memory are requests (memory is also the limit); GPUs are whole devices."""
+
+    gpu: int = Field(default=0, ge=0, le=16, description="GPUs per pod, requested as gpuResourceName.")
+    gpu_resource_name: str = Field(
+        default="nvidia.com/gpu",
+        pattern=EXTENDED_RESOURCE,
+        max_length=253,
+        description="Extended resource name of the GPU device plugin.",
+    )
+    cpu: Optional[str] = Field(
+        default=None, pattern=QUANTITY, max_length=64, description="CPU request per pod, e.g. '8' or '7500m'."
+    )
+    memory: Optional[str] = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=64,
+        description="Memory request and limit per pod, e.g. '64Gi'.",
+    )
+    shared_memory: str = Field(
+        default="1Gi",
+        pattern=QUANTITY,
+        max_length=64,
+        description="Size of the in-memory /dev/shm volume that DataLoader workers and NCCL use.",
+    )
+
+
+class SecretKeyRef(ApiModel):
+    """One key of a Secret in the run's namespace. The operator never reads its value."""
+
+    secret_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Name of the Secret.")
+    key: str = Field(pattern=SECRET_KEY, min_length=1, max_length=253, description="Key within the Secret.")
+
+
+class S3Credentials(ApiModel):
+    """A Secret with S3 access keys, exposed to the trainer as AWS_* variables."""
+
+    secret_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Name of the Secret.")
+    access_key_id_key: str = Field(
+        default="AWS_ACCESS_KEY_ID", pattern=SECRET_KEY, max_length=253, description="Key holding the access key id."
+    )
+    secret_access_key_key: str = Field(
+        default="AWS_SECRET_ACCESS_KEY",
+        pattern=SECRET_KEY,
+        max_length=253,
+        description="Key holding the secret access key.",
+    )
+    session_token_key: Optional[str] = Field(
+        default=None, pattern=SECRET_KEY, max_length=253, description="Key holding a session token, if any."
+    )
+
+
+class SecretEnv(ApiModel):
+    """An environment variable whose value comes from a Secret key (tracker API keys and the like)."""
+
+    name: str = Field(pattern=ENV_NAME, max_length=128, description="Variable name, e.g. WANDB_API_KEY.")
+    secret_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Name of the Secret.")
+    key: str = Field(pattern=SECRET_KEY, min_length=1, max_length=253, description="Key within the Secret.")
+
+
+class Secrets(ApiModel):
+    """Credentials by reference only. With neither storage secret, pods use workload identity."""
+
+    gcs_key_file: Optional[SecretKeyRef] = Field(
+        default=None,
+        description="A GCP service-account key file; mounted read-only and named by GOOGLE_APPLICATION_CREDENTIALS.",
+    )
+    s3_credentials: Optional[S3Credentials] = Field(
+        default=None, description="S3 access keys, passed as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
+    )
+    env: list[SecretEnv] = Field(
+        default_factory=list, max_length=64, description="More variables from Secret keys."
+    )
+
+
+class EnvVar(ApiModel):
+    """A plain (non-secret) environment variable for the trainer containers."""
+
+    name: str = Field(pattern=ENV_NAME, max_length=128, description="Variable name.")
+    value: str = Field(default="", max_length=32768, description="Value. Never put secrets here; use secrets.env.")
+
+
+class Recovery(ApiModel):
+    """Restart budgets and timing. Preemptions and failures are counted separately."""
+
+    model_config = _cel(
+        (
+            "self.backoffSeconds <= self.maxBackoffSeconds",
+            "recovery.backoffSeconds must be <= recovery.maxBackoffSeconds",
+        )
+    )
+
+    max_failures: int = Field(
+        default=3, ge=0, le=MAX_ATTEMPT_BUDGET, description="Failed attempts (crash, OOM, stall) tolerated before the run fails."
+    )
+    max_preemptions: int = Field(
+        default=20,
+        ge=0,
+        le=MAX_ATTEMPT_BUDGET,
+        description="Preempted attempts (node drain, spot reclaim, SIGTERM) tolerated before the run fails.",
+    )
+    backoff_seconds: int = Field(
+        default=10, ge=0, le=3600, description="Wait before the first retry; doubles with each retry."
+    )
+    max_backoff_seconds: int = Field(default=600, ge=0, le=86400, description="Cap on the retry wait.")
+    stall_timeout_seconds: int = Field(
+        default=1800,
+        ge=0,
+        le=7 * 86400,
+        description="Restart an attempt whose progress has not moved for this long; 0 turns it off.",
+    )
+    max_restarts_per_attempt: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="In-place worker-group restarts torchrun may do within one attempt (elasticPolicy.maxRestarts).",
+    )
+
+    @model_validator(mode="after")
+    def _backoff_ordered(self) -> "Recovery":
+        if self.backoff_seconds > self.max_backoff_seconds:
+            raise ValueError(
+                f"backoffSeconds ({self.backoff_seconds}) is greater than maxBackoffSeconds "
+                f"({self.max_backoff_seconds}); lower backoffSeconds or raise maxBackoffSeconds"
+            )
+        return self
+
+
+class Metrics(ApiModel):
+    """The Prometheus endpoint every trainer rank serves."""
+
+    enabled: bool = Field(default=True, description="Serve metrics and expose the port.")
+    port: int = Field(default=9464, ge=1024, le=65535, description="Port of the metrics endpoint.")
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration, as in a pod spec."""
+
+    key: Optional[str] = Field(default=None, max_length=316, description="Taint key; empty matches all keys with Exists.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: Optional[str] = Field(default=None, max_length=63, description="Taint value for Equal.")
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = Field(
+        default=None, description="Taint effect to match; empty matches all."
+    )
+    toleration_seconds: Optional[int] = Field(
+        default=None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears."
+    )
+
+
+class TrainingRunSpec(ApiModel):
+    """What to train, where to checkpoint, how many pods, and how to recover from failures."""
+
+    model_config = _cel(
+        (
+            "self.resources.gpu == 0 || self.nprocPerNode <= self.resources.gpu",
+            "nprocPerNode must be <= resources.gpu: each process drives one GPU",
+        ),
+        (
+            "self.trainer.precision != '16-mixed' || self.resources.gpu > 0",
+            "trainer.precision 16-mixed needs a GPU: set resources.gpu or use bf16-mixed",
+        ),
+    )
+
+    image: Optional[str] = Field(
+        default=None,
+        pattern=r"^\S+$",
+        max_length=1024,
+        description="Trainer image. Defaults to the trainer image the operator was installed with.",
+    )
+    image_pull_policy: Optional[Literal["Always", "IfNotPresent", "Never"]] = Field(
+        default=None, description="Image pull policy of the trainer container."
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, max_length=16, description="Names of registry Secrets for a private image."
+    )
+    command: Optional[list[str]] = Field(
+        default=None,
+        max_length=64,
+        description="Container command. Defaults to torchrun running `python -m trainingrun_trainer`.",
+    )
+    args: Optional[list[str]] = Field(default=None, max_length=256, description="Container arguments.")
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="The trainer config, mounted into every pod from a ConfigMap.",
+    )
+    checkpoint: CheckpointConfig = Field(description="Checkpoint storage, frequency and retention.")
+    replicas: Replicas = Field(default_factory=Replicas, description="Elastic pod count.")
+    nproc_per_node: int = Field(default=1, ge=1, le=64, description="Training processes per pod.")
+    resources: Resources = Field(default_factory=Resources, description="Per-pod compute.")
+    secrets: Secrets = Field(default_factory=Secrets, description="Credentials, by reference only.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Plain environment variables.")
+    recovery: Recovery = Field(default_factory=Recovery, description="Restart budgets and timing.")
+    metrics: Metrics = Field(default_factory=Metrics, description="Trainer metrics endpoint.")
+    suspend: bool = Field(default=False, description="Stop the pods (keeping checkpoints); false resumes.")
+    active_deadline_seconds: Optional[int] = Field(
+        default=None, ge=1, description="Fail an attempt that runs longer than this."
+    )
+    queue_name: Optional[str] = Field(
+        default=None,
+        pattern=LABEL_VALUE,
+        max_length=63,
+        description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label of the PyTorchJob.",
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Pod tolerations.")
+    affinity: Optional[dict[str, Any]] = Field(default=None, description="Pod affinity, as in a pod spec.")
+    priority_class_name: Optional[str] = Field(
+        default=None, pattern=DNS_SUBDOMAIN, max_length=253, description="PriorityClass of the pods."
+    )
+    service_account_name: Optional[str] = Field(
+        default=None,
+        pattern=DNS_SUBDOMAIN,
+        max_length=253,
+        description="Run pods as this existing ServiceAccount (e.g. one bound to a cloud identity); "
+        "the operator grants it status reporting for this run. Defaults to a per-run ServiceAccount.",
+    )
+    pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on the pods.")
+    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on the pods.")
+    termination_grace_period_seconds: int = Field(
+        default=300,
+        ge=30,
+        le=3600,
+        description="Time between SIGTERM and SIGKILL; the trainer writes an emergency checkpoint in it.",
+    )
+
+    @field_validator("command")
+    @classmethod
+    def _command_not_empty(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        if value is not None and not value:
+            raise ValueError("is an empty list; remove it to use the default torchrun command")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "TrainingRunSpec":
+        if self.resources.gpu and self.nproc_per_node > self.resources.gpu:
+            raise ValueError(
+                f"nprocPerNode ({self.nproc_per_node}) is greater than resources.gpu ({self.resources.gpu}); "
+                "each process drives one GPU: lower nprocPerNode or raise resources.gpu"
+            )
+        if self.trainer.precision == "16-mixed" and not self.resources.gpu:
+            raise ValueError(
+                "trainer.precision 16-mixed needs a GPU: set resources.gpu or use bf16-mixed"
+            )
+        names: dict[str, str] = {}
+        for where, name in [(f"env[{i}]", e.name) for i, e in enumerate(self.env)] + [
+            (f"secrets.env[{i}]", e.name) for i, e in enumerate(self.secrets.env)
+        ]:
+            if name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES):
+                raise ValueError(
+                    f"{where}.name {name} is set by the operator; choose another name "
+                    "(storage credentials go in secrets.gcsKeyFile or secrets.s3Credentials)"
+                )
+            if name in names:
+                raise ValueError(f"{where}.name {name} is already set by {names[name]}; set each variable once")
+            names[name] = where
+        return self
+
+
+# ---------------------------------------------------------------- status
+
+Phase = Literal["Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
+
+
+class Progress(ApiModel):
+    """Training progress as last reported by rank 0."""
+
+    step: Optional[int] = Field(default=None, description="Last completed optimizer step.")
+    total_steps: Optional[int] = Field(default=None, description="Steps the run trains for.")
+    loss: Optional[float] = Field(default=None, description="Training loss at `step`.")
+    samples_per_second: Optional[float] = Field(default=None, description="Throughput over all ranks.")
+    productive_seconds: Optional[float] = Field(
+        default=None, description="Step time kept in the current model, summed over attempts (for goodput)."
+    )
+    updated_at: Optional[str] = Field(default=None, description="When rank 0 last reported (RFC 3339).")
+
+
+class CheckpointRef(ApiModel):
+    """The newest checkpoint whose manifest was committed."""
+
+    uri: Optional[str] = Field(default=None, description="URI of the checkpoint directory.")
+    step: Optional[int] = Field(default=None, description="Step the checkpoint holds.")
+    time: Optional[str] = Field(default=None, description="When it was committed (RFC 3339).")
+    sha256: Optional[str] = Field(default=None, description="SHA-256 of its manifest.")
+
+
+class Restarts(ApiModel):
+    """Attempts restarted, by cause."""
+
+    failures: int = Field(default=0, description="Attempts lost to application failures and stalls.")
+    preemptions: int = Field(default=0, description="Attempts lost to preemption or eviction.")
+    total: int = Field(default=0, description="failures + preemptions.")
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(description="Condition type, e.g. Ready, SecretMissing.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: Optional[str] = Field(default=None, description="CamelCase reason for the last transition.")
+    message: Optional[str] = Field(default=None, description="Human-readable details.")
+    last_transition_time: Optional[str] = Field(default=None, description="When status last changed (RFC 3339).")
+    observed_generation: Optional[int] = Field(default=None, description="Spec generation the condition is based on.")
+
+
+class TrainingRunStatus(ApiModel):
+    """Observed state, written by the operator and (progress, checkpoints) by the trainer's rank 0."""
+
+    phase: Optional[Phase] = Field(default=None, description="Pending, Running, Recovering, Suspended, Succeeded or Failed.")
+    attempt: Optional[int] = Field(default=None, description="Current attempt number, from 1.")
+    job_name: Optional[str] = Field(default=None, description="PyTorchJob of the current attempt.")
+    start_time: Optional[str] = Field(default=None, description="When the first attempt started (RFC 3339).")
+    completion_time: Optional[str] = Field(default=None, description="When the run succeeded or failed (RFC 3339).")
+    progress: Optional[Progress] = Field(default=None, description="Training progress.")
+    last_good_checkpoint: Optional[CheckpointRef] = Field(default=None, description="Newest committed checkpoint.")
+    restarts: Optional[Restarts] = Field(default=None, description="Restarts by cause.")
+    goodput: Optional[float] = Field(
+        default=None, description="Productive step time kept in the model divided by wall time since start."
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="Conditions, one per type.")
+    observed_generation: Optional[int] = Field(default=None, description="Spec generation last acted on.")
+
+
+# ---------------------------------------------------------------- the resource
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metadata the operator uses; everything else is kept as it is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    namespace: str = "default"
+    uid: Optional[str] = None
+    generation: Optional[int] = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        import re
+
+        if len(value) > MAX_RUN_NAME_LENGTH:
+            raise ValueError(
+                f"'{value}' is {len(value)} characters; a TrainingRun name may have at most "
+                f"{MAX_RUN_NAME_LENGTH} so that its pods and Services (<name>-a<attempt>-worker-<i>) fit in 63; "
+                "choose a shorter name"
+            )
+        if not re.match(RUN_NAME_PATTERN, value):
+            raise ValueError(
+                f"'{value}' is not a valid name: use lowercase letters, digits and '-', starting with a "
+                "letter and ending with a letter or digit (it becomes part of Service names)"
+            )
+        return value
+
+
+class TrainingRun(BaseModel):
+    """A whole TrainingRun object as read from a file or the API."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    api_version: Literal["trainingrun.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["TrainingRun"]
+    metadata: ObjectMeta
+    spec: TrainingRunSpec
+    status: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def from_body(cls, body: Any) -> "TrainingRun":
+        """Parse an API object or YAML document (raises pydantic.ValidationError)."""
+        return cls.model_validate(dict(body))

@@ -1,0 +1,347 @@
+"""Pure builders: a TrainingRun (and an attempt number) in, Kubernetes objects out.
+
+Nothing here calls the API; the kopf handlers call these and send what they return. Every child is
+named deterministically from the run, so a restarted operator finds what it made before instead of
+making it twice, and is owned by the run, so deleting the run deletes them.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import yaml
+
+from trainingrun_trainer.config import RunConfig
+
+from . import api
+from .settings import Settings
+
+DEFAULT_COMMAND = ["torchrun", "--module", "trainingrun_trainer"]
+CONTAINER_NAME = "pytorch"  # the Kubeflow Training Operator finds the trainer container by this name
+LABEL_RUN = "trainingrun.dev/run"
+LABEL_ATTEMPT = "trainingrun.dev/attempt"
+ANNOTATION_RESUME_FROM = "trainingrun.dev/resume-from"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+SECRET_FILE_MODE = 0o440  # group-readable, so the non-root trainer reads it through fsGroup
+
+
+# ---------------------------------------------------------------- names
+
+
+def job_name(run_name: str, attempt: int) -> str:
+    return f"{run_name}-a{attempt}"
+
+
+def config_map_name(run_name: str) -> str:
+    return f"{run_name}-config"
+
+
+def trainer_account_name(run_name: str) -> str:
+    return f"{run_name}-trainer"
+
+
+def pod_service_account(run: api.TrainingRun) -> str:
+    return run.spec.service_account_name or trainer_account_name(run.metadata.name)
+
+
+# ---------------------------------------------------------------- shared parts
+
+
+def labels(run: api.TrainingRun, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "trainingrun",
+        "app.kubernetes.io/instance": run.metadata.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "trainingrun-operator",
+        LABEL_RUN: run.metadata.name,
+    }
+
+
+def owner_reference(run: api.TrainingRun) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": run.metadata.name,
+        "uid": run.metadata.uid or "",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(run: api.TrainingRun, name: str, component: str, **extra_labels: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": run.metadata.namespace,
+        "labels": {**labels(run, component), **extra_labels},
+        "ownerReferences": [owner_reference(run)],
+    }
+
+
+# ---------------------------------------------------------------- children
+
+
+def config_map(run: api.TrainingRun) -> dict[str, Any]:
+    """The trainer config every pod mounts; defaults are filled in so the pod sees what ran."""
+    config = RunConfig(trainer=run.spec.trainer, checkpoint=run.spec.checkpoint)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(run, config_map_name(run.metadata.name), "config"),
+        "data": {"config.yaml": yaml.safe_dump(config.to_wire(), sort_keys=False)},
+    }
+
+
+def service_account(run: api.TrainingRun) -> Optional[dict[str, Any]]:
+    """The per-run identity of trainer pods; none when the run names its own ServiceAccount."""
+    if run.spec.service_account_name:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(run, trainer_account_name(run.metadata.name), "rbac"),
+    }
+
+
+def role(run: api.TrainingRun) -> dict[str, Any]:
+    """Rank 0 may read and patch the status of its own run, and nothing else."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(run, trainer_account_name(run.metadata.name), "rbac"),
+        "rules": [
+            {
+                "apiGroups": [api.GROUP],
+                "resources": [f"{api.PLURAL}/status"],
+                "resourceNames": [run.metadata.name],
+                "verbs": ["get", "patch"],
+            }
+        ],
+    }
+
+
+def role_binding(run: api.TrainingRun) -> dict[str, Any]:
+    name = trainer_account_name(run.metadata.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(run, name, "rbac"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [
+            {"kind": "ServiceAccount", "name": pod_service_account(run), "namespace": run.metadata.namespace}
+        ],
+    }
+
+
+def trainer_env(
+    run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
+) -> list[dict[str, Any]]:
+    """The operator-trainer contract of DESIGN.md; secrets appear only as secretKeyRef."""
+    spec = run.spec
+    env: list[dict[str, Any]] = [
+        {"name": "TRAININGRUN_NAME", "value": run.metadata.name},
+        {"name": "TRAININGRUN_NAMESPACE", "value": run.metadata.namespace},
+        {"name": "TRAININGRUN_UID", "value": run.metadata.uid or ""},
+        {"name": "TRAININGRUN_ATTEMPT", "value": str(attempt)},
+        {"name": "TRAININGRUN_CONFIG", "value": settings.config_path},
+        {"name": "TRAININGRUN_CHECKPOINT_URI", "value": spec.checkpoint.uri},
+        {"name": "TRAININGRUN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if resume_from:
+        env.append({"name": "TRAININGRUN_RESUME_FROM", "value": resume_from})
+    if spec.metrics.enabled:
+        env.append({"name": "TRAININGRUN_METRICS_PORT", "value": str(spec.metrics.port)})
+    if spec.secrets.gcs_key_file:
+        env.append(
+            {"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": f"{settings.gcs_key_dir}/key.json"}
+        )
+    s3 = spec.secrets.s3_credentials
+    if s3:
+        for name, key in (
+            ("AWS_ACCESS_KEY_ID", s3.access_key_id_key),
+            ("AWS_SECRET_ACCESS_KEY", s3.secret_access_key_key),
+            ("AWS_SESSION_TOKEN", s3.session_token_key),
+        ):
+            if key:
+                env.append(secret_env(name, s3.secret_name, key))
+    if spec.checkpoint.endpoint_url:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": spec.checkpoint.endpoint_url})
+    env += [secret_env(e.name, e.secret_name, e.key) for e in spec.secrets.env]
+    env += [{"name": e.name, "value": e.value} for e in spec.env]
+    return env
+
+
+def secret_env(name: str, secret_name: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}}
+
+
+def resources(spec: api.TrainingRunSpec) -> dict[str, Any]:
+    """Requests for CPU and memory, memory also as the limit (no CPU limit: throttling slows steps)."""
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if spec.resources.cpu:
+        requests["cpu"] = spec.resources.cpu
+    if spec.resources.memory:
+        requests["memory"] = limits["memory"] = spec.resources.memory
+    if spec.resources.gpu:
+        requests[spec.resources.gpu_resource_name] = limits[spec.resources.gpu_resource_name] = str(
+            spec.resources.gpu
+        )
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def volumes_and_mounts(run: api.TrainingRun, settings: Settings) -> tuple[list[dict], list[dict]]:
+    spec = run.spec
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(run.metadata.name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": settings.config_dir, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    key_file = spec.secrets.gcs_key_file
+    if key_file:
+        volumes.append(
+            {
+                "name": "gcs-key",
+                "secret": {
+                    "secretName": key_file.secret_name,
+                    "items": [{"key": key_file.key, "path": "key.json"}],
+                    "defaultMode": SECRET_FILE_MODE,
+                },
+            }
+        )
+        mounts.append({"name": "gcs-key", "mountPath": settings.gcs_key_dir, "readOnly": True})
+    return volumes, mounts
+
+
+def tolerations(spec: api.TrainingRunSpec) -> list[dict[str, Any]]:
+    result = [t.to_wire() for t in spec.tolerations]
+    if spec.resources.gpu and not any(t.get("key") == spec.resources.gpu_resource_name for t in result):
+        # GPU node pools are commonly tainted with the device resource name.
+        result.append({"key": spec.resources.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"})
+    return result
+
+
+def pod_template(
+    run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
+) -> dict[str, Any]:
+    spec = run.spec
+    volumes, mounts = volumes_and_mounts(run, settings)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image or settings.default_trainer_image,
+        "command": list(spec.command or DEFAULT_COMMAND),
+        "env": trainer_env(run, attempt, settings, resume_from),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if spec.args is not None:
+        container["args"] = list(spec.args)
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    if spec.metrics.enabled:
+        container["ports"] = [{"name": "metrics", "containerPort": spec.metrics.port, "protocol": "TCP"}]
+    container_resources = resources(spec)
+    if container_resources:
+        container["resources"] = container_resources
+
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": pod_service_account(run),
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.trainer_uid,
+            "runAsGroup": settings.trainer_uid,
+            "fsGroup": settings.trainer_uid,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    optional = {
+        "nodeSelector": dict(spec.node_selector),
+        "tolerations": tolerations(spec),
+        "affinity": spec.affinity,
+        "priorityClassName": spec.priority_class_name,
+        "imagePullSecrets": [{"name": n} for n in spec.image_pull_secrets],
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v})
+    template_metadata: dict[str, Any] = {
+        "labels": {**spec.pod_labels, **labels(run, "trainer"), LABEL_ATTEMPT: str(attempt)}
+    }
+    if spec.pod_annotations:
+        template_metadata["annotations"] = dict(spec.pod_annotations)
+    return {"metadata": template_metadata, "spec": pod_spec}
+
+
+def pytorch_job(
+    run: api.TrainingRun,
+    attempt: int,
+    settings: Settings = Settings(),
+    resume_from: Optional[str] = None,
+) -> dict[str, Any]:
+    """The kubeflow.org/v1 PyTorchJob of one attempt: elastic workers only, rendezvous over c10d."""
+    if attempt < 1:
+        raise ValueError(f"attempt must be 1 or more, got {attempt}")
+    spec = run.spec
+    name = job_name(run.metadata.name, attempt)
+    meta = metadata(run, name, "trainer", **{LABEL_ATTEMPT: str(attempt)})
+    if spec.queue_name:
+        meta["labels"][KUEUE_QUEUE_LABEL] = spec.queue_name
+    if resume_from:
+        meta["annotations"] = {ANNOTATION_RESUME_FROM: resume_from}
+    run_policy: dict[str, Any] = {
+        # Pods stay after the job ends so their logs can be read; deleting the job removes them.
+        "cleanPodPolicy": "None",
+        "backoffLimit": spec.recovery.max_restarts_per_attempt,
+        "suspend": spec.suspend,
+    }
+    if spec.active_deadline_seconds:
+        run_policy["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": meta,
+        "spec": {
+            "nprocPerNode": str(spec.nproc_per_node),
+            "elasticPolicy": {
+                "minReplicas": spec.replicas.min,
+                "maxReplicas": spec.replicas.effective_max,
+                "rdzvBackend": "c10d",
+                # Unique per run and attempt: a new attempt never joins a stale rendezvous.
+                "rdzvId": f"{run.metadata.uid or run.metadata.name}-a{attempt}",
+                "maxRestarts": spec.recovery.max_restarts_per_attempt,
+            },
+            "runPolicy": run_policy,
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": spec.replicas.effective_max,
+                    "restartPolicy": "ExitCode",
+                    "template": pod_template(run, attempt, settings, resume_from),
+                }
+            },
+        },
+    }
+
+
+def children(
+    run: api.TrainingRun,
+    attempt: int = 1,
+    settings: Settings = Settings(),
+    resume_from: Optional[str] = None,
+) -> list[dict[str, Any]]:
+    """Everything one attempt of a run needs, in the order it should be created."""
+    objects = [config_map(run), service_account(run), role(run), role_binding(run)]
+    objects.append(pytorch_job(run, attempt, settings, resume_from))
+    return [o for o in objects if o is not None]

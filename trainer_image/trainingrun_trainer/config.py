@@ -1,0 +1,301 @@
+"""The trainer's configuration: the `spec.trainer` and `spec.checkpoint` sections of a TrainingRun.
+
+This module imports no torch on purpose: the operator and `trainingrun validate` use these models
+to check a TrainingRun before any pod or process exists. The mounted config file that a trainer pod
+reads (`TRAININGRUN_CONFIG`) is a `RunConfig`: the same two sections, in the same camelCase shape
+as in the TrainingRun, so a user can copy between them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+Precision = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
+ScheduleName = Literal["cosine", "cosine-warm-restarts", "inverse-sqrt", "exponential", "step", "constant"]
+OptimizerName = Literal["adamw", "sgd"]
+Strategy = Literal["ddp", "fsdp2"]
+
+CHECKPOINT_URI_PATTERN = r"^(gs|s3|file)://.+"
+_PYTHON_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
+class ApiModel(BaseModel):
+    """Base of every API model: camelCase on the wire, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+        # Kubernetes rejects "2" for an integer field; so do we, so `validate` agrees with the API server.
+        strict=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The camelCase dict form used in YAML, CRDs and the mounted config."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Component(ApiModel):
+    """A Python class built from config: `classPath` names it, `initArgs` are its keyword arguments."""
+
+    class_path: str = Field(
+        description="Dotted import path of the class, e.g. trainingrun_trainer.models.CharTransformer. "
+        "A class from a package installed in a derived image works the same way.",
+        max_length=253,
+    )
+    init_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the class's constructor.",
+    )
+
+    @field_validator("class_path")
+    @classmethod
+    def _dotted_path(cls, value: str) -> str:
+        if not _PYTHON_PATH.match(value):
+            raise ValueError(
+                f"'{value}' is not a dotted Python path; write it as package.module.ClassName"
+            )
+        return value
+
+
+def default_model() -> Component:
+    return Component(class_path="trainingrun_trainer.models.CharTransformer")
+
+
+def default_dataset() -> Component:
+    return Component(class_path="trainingrun_trainer.data.SyntheticText")
+
+
+class DataConfig(ApiModel):
+    """Where batches come from and how they are cut."""
+
+    dataset: Component = Field(
+        default_factory=default_dataset,
+        description="The dataset class; it is built once per split ('train' and 'eval') with `split` "
+        "added to initArgs. Defaults to the seeded synthetic text dataset that ships with the trainer.",
+    )
+    batch_size: int = Field(
+        default=32, ge=1, le=65536, description="Samples per process per micro-step (before accumulation)."
+    )
+    num_workers: int = Field(
+        default=0, ge=0, le=64, description="DataLoader worker processes per rank; each is seeded."
+    )
+
+
+class OptimizerConfig(ApiModel):
+    """The optimizer and its weight-decay groups."""
+
+    name: OptimizerName = Field(default="adamw", description="Optimizer: adamw or sgd.")
+    lr: float = Field(default=3e-4, gt=0, le=10, description="Peak learning rate (after warmup).")
+    weight_decay: float = Field(default=0.01, ge=0, le=1, description="Decoupled weight decay.")
+    no_decay_for_bias_and_norm: bool = Field(
+        default=True,
+        description="Exclude biases and normalization weights from weight decay (a second param group).",
+    )
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW first-moment decay.")
+    beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW second-moment decay.")
+    eps: float = Field(default=1e-8, gt=0, le=1, description="AdamW epsilon.")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD momentum.")
+
+
+class ScheduleConfig(ApiModel):
+    """Learning-rate schedule, applied per optimizer step after an optional linear warmup."""
+
+    name: ScheduleName = Field(
+        default="cosine",
+        description="cosine (to minLrRatio at maxSteps), cosine-warm-restarts (SGDR), inverse-sqrt, "
+        "exponential (gamma per step), step (gamma every stepSize steps) or constant.",
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup from 0 to the peak LR.")
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Floor of cosine schedules as a fraction of the peak LR."
+    )
+    restart_period_steps: int = Field(
+        default=1000, ge=1, description="cosine-warm-restarts: steps in the first cycle."
+    )
+    restart_period_mult: int = Field(
+        default=1, ge=1, le=16, description="cosine-warm-restarts: each cycle is this many times longer."
+    )
+    gamma: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="Decay factor: per step for exponential, every stepSize steps for step.",
+    )
+    step_size: int = Field(default=1000, ge=1, description="step: steps between decays.")
+
+
+class EmaConfig(ApiModel):
+    """Exponential moving average of the weights, kept alongside the model and checkpointed."""
+
+    enabled: bool = Field(default=False, description="Keep an EMA copy of the weights.")
+    decay: float = Field(default=0.999, gt=0, lt=1, description="EMA decay per optimizer step.")
+
+
+class EvalConfig(ApiModel):
+    """Periodic evaluation on the held-out split."""
+
+    interval_steps: int = Field(
+        default=0, ge=0, description="Evaluate every this many steps; 0 turns evaluation off."
+    )
+    batches: int = Field(default=10, ge=1, le=100000, description="Batches per evaluation.")
+
+
+class HealthConfig(ApiModel):
+    """What the trainer does when loss or gradients stop being finite."""
+
+    max_consecutive_non_finite: int = Field(
+        default=3,
+        ge=1,
+        le=10000,
+        description="Skip non-finite steps; after this many in a row, roll back to the last good checkpoint.",
+    )
+    rollback_lr_scale: float = Field(
+        default=0.5, gt=0, le=1, description="Multiply the learning rate by this after each rollback."
+    )
+    max_rollbacks: int = Field(
+        default=2,
+        ge=0,
+        le=100,
+        description="After this many rollbacks the trainer stops with a permanent exit code.",
+    )
+
+
+class TrainerConfig(ApiModel):
+    """Everything about the training loop: model, data, optimizer, schedule, precision and practices."""
+
+    model: Component = Field(
+        default_factory=default_model,
+        description="The model class; defaults to the small character-level transformer that ships with the trainer.",
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Dataset and batching.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
+    max_steps: int = Field(default=1000, ge=1, le=10**9, description="Optimizer steps to train for.")
+    grad_accumulation_steps: int = Field(
+        default=1, ge=1, le=4096, description="Micro-batches accumulated into each optimizer step."
+    )
+    grad_clip_norm: Optional[float] = Field(
+        default=1.0, gt=0, description="Clip the global gradient norm to this; null turns clipping off."
+    )
+    precision: Precision = Field(
+        default="32-true",
+        description="32-true, 16-mixed (fp16 autocast with a grad scaler; needs a GPU), bf16-mixed or bf16-true.",
+    )
+    strategy: Strategy = Field(
+        default="ddp", description="ddp (replicated weights) or fsdp2 (sharded with fully_shard)."
+    )
+    activation_checkpointing: bool = Field(
+        default=False, description="Recompute activations in the backward pass to save memory."
+    )
+    compile: bool = Field(default=False, description="Wrap the model with torch.compile.")
+    seed: int = Field(
+        default=0, ge=0, le=2**32 - 1, description="Seeds python, numpy, torch and DataLoader workers."
+    )
+    deterministic: bool = Field(
+        default=False,
+        description="Use deterministic algorithms only, so a resumed run matches an uninterrupted one bit for bit.",
+    )
+    ema: EmaConfig = Field(default_factory=EmaConfig, description="Weight EMA.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
+    health: HealthConfig = Field(default_factory=HealthConfig, description="Non-finite loss policy.")
+    log_interval_steps: int = Field(
+        default=10, ge=1, description="Steps between log lines and progress reports."
+    )
+
+
+class CheckpointInterval(ApiModel):
+    """When to checkpoint; whichever limit is reached first triggers a save."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.steps) || has(self.seconds)",
+                    "message": "set checkpoint.interval.steps, checkpoint.interval.seconds or both",
+                }
+            ]
+        }
+    )
+
+    steps: Optional[int] = Field(default=500, ge=1, description="Save every this many optimizer steps.")
+    seconds: Optional[int] = Field(
+        default=None, ge=10, description="Save when this many seconds passed since the last save."
+    )
+
+    @model_validator(mode="after")
+    def _at_least_one(self) -> "CheckpointInterval":
+        if self.steps is None and self.seconds is None:
+            raise ValueError(
+                "neither steps nor seconds is set; set checkpoint.interval.steps, "
+                "checkpoint.interval.seconds or both"
+            )
+        return self
+
+
+class CheckpointConfig(ApiModel):
+    """Where and how often the trainer checkpoints, and which checkpoints it keeps."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.endpointUrl) || self.uri.startsWith('s3://')",
+                    "message": "endpointUrl is only used with s3:// URIs; remove it or use an s3:// uri",
+                }
+            ]
+        }
+    )
+
+    uri: str = Field(
+        pattern=CHECKPOINT_URI_PATTERN,
+        max_length=1024,
+        description="Base URI of this run's checkpoints: gs://bucket/path, s3://bucket/path or "
+        "file:///path (a volume shared by all pods). The operator never deletes anything here.",
+    )
+    interval: CheckpointInterval = Field(
+        default_factory=CheckpointInterval, description="How often to save."
+    )
+    keep: int = Field(default=3, ge=1, le=1000, description="Newest checkpoints to keep.")
+    keep_every: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Also keep every checkpoint whose step is a multiple of this (milestones).",
+    )
+    async_save: bool = Field(
+        default=True, description="Save in the background; training blocks only while state is staged."
+    )
+    endpoint_url: Optional[str] = Field(
+        default=None,
+        pattern=r"^https?://.+",
+        max_length=1024,
+        description="Endpoint of an S3-compatible store (MinIO, Ceph, R2); only for s3:// URIs.",
+    )
+
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _scheme(cls, value: Any) -> Any:
+        if isinstance(value, str) and not re.match(CHECKPOINT_URI_PATTERN, value):
+            scheme = value.split("://", 1)[0] if "://" in value else ""
+            found = f"scheme '{scheme}'" if scheme else "no scheme"
+            raise ValueError(
+                f"'{value}' has {found}; use gs://bucket/path, s3://bucket/path or file:///path"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _endpoint_only_for_s3(self) -> "CheckpointConfig":
+        if self.endpoint_url and not self.uri.startswith("s3://"):
+            raise ValueError("endpointUrl is only used with s3:// URIs; remove it or use an s3:// uri")
+        return self
+
+
+class RunConfig(ApiModel):
+    """The file mounted into every trainer container at TRAININGRUN_CONFIG."""
+
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig
