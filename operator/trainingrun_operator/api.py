@@ -53,6 +53,20 @@ RESERVED_ENV_NAMES = {
 }
 
 
+# Lists of named items are maps for the API server: it rejects a name given twice.
+_LIST_MAP_BY_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+
+
+def _reserved_env_rule(list_path: str) -> tuple[str, str]:
+    names = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV_NAMES))
+    prefixes = " || ".join(f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
+    return (
+        f"self.{list_path}.all(e, !({prefixes} || e.name in [{names}]))",
+        f"{list_path}: names starting with TRAININGRUN_ or PET_ and storage credential variables are set "
+        "by the operator; choose another name (credentials go in secrets.gcsKeyFile or secrets.s3Credentials)",
+    )
+
+
 def _cel(*rules: tuple[str, str]) -> ConfigDict:
     """Model config that carries CEL rules into the generated CRD schema."""
     return ConfigDict(
@@ -157,7 +171,10 @@ class Secrets(ApiModel):
         default=None, description="S3 access keys, passed as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
     )
     env: list[SecretEnv] = Field(
-        default_factory=list, max_length=64, description="More variables from Secret keys."
+        default_factory=list,
+        max_length=64,
+        description="More variables from Secret keys.",
+        json_schema_extra=_LIST_MAP_BY_NAME,
     )
 
 
@@ -247,6 +264,12 @@ class TrainingRunSpec(ApiModel):
             "self.trainer.precision != '16-mixed' || self.resources.gpu > 0",
             "trainer.precision 16-mixed needs a GPU: set resources.gpu or use bf16-mixed",
         ),
+        _reserved_env_rule("env"),
+        _reserved_env_rule("secrets.env"),
+        (
+            "self.env.all(e, !self.secrets.env.exists(s, s.name == e.name))",
+            "a variable is set in both env and secrets.env; set each variable once",
+        ),
     )
 
     image: Optional[str] = Field(
@@ -263,6 +286,7 @@ class TrainingRunSpec(ApiModel):
     )
     command: Optional[list[str]] = Field(
         default=None,
+        min_length=1,
         max_length=64,
         description="Container command. Defaults to torchrun running `python -m trainingrun_trainer`.",
     )
@@ -276,7 +300,12 @@ class TrainingRunSpec(ApiModel):
     nproc_per_node: int = Field(default=1, ge=1, le=64, description="Training processes per pod.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod compute.")
     secrets: Secrets = Field(default_factory=Secrets, description="Credentials, by reference only.")
-    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Plain environment variables.")
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=128,
+        description="Plain environment variables.",
+        json_schema_extra=_LIST_MAP_BY_NAME,
+    )
     recovery: Recovery = Field(default_factory=Recovery, description="Restart budgets and timing.")
     metrics: Metrics = Field(default_factory=Metrics, description="Trainer metrics endpoint.")
     suspend: bool = Field(default=False, description="Stop the pods (keeping checkpoints); false resumes.")
@@ -310,13 +339,6 @@ class TrainingRunSpec(ApiModel):
         le=3600,
         description="Time between SIGTERM and SIGKILL; the trainer writes an emergency checkpoint in it.",
     )
-
-    @field_validator("command")
-    @classmethod
-    def _command_not_empty(cls, value: Optional[list[str]]) -> Optional[list[str]]:
-        if value is not None and not value:
-            raise ValueError("is an empty list; remove it to use the default torchrun command")
-        return value
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainingRunSpec":
@@ -456,4 +478,4 @@ class TrainingRun(BaseModel):
     @classmethod
     def from_body(cls, body: Any) -> "TrainingRun":
         """Parse an API object or YAML document (raises pydantic.ValidationError)."""
-        return cls.model_validate(dict(body))
+        return cls.model_validate(dict(body), by_alias=True, by_name=False)

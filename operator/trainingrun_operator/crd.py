@@ -16,7 +16,7 @@ from . import api
 _DROPPED_KEYS = {"title", "additionalProperties"}
 _PASSED_KEYS = {
     "type", "description", "default", "enum", "format", "pattern", "minimum", "maximum",
-    "minLength", "maxLength", "minItems", "maxItems", "required", "x-kubernetes-validations",
+    "minLength", "maxLength", "minItems", "maxItems", "required",
 }
 
 
@@ -35,7 +35,9 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         node["nullable"] = True
         return node
 
-    out: dict[str, Any] = {k: v for k, v in schema.items() if k in _PASSED_KEYS}
+    out: dict[str, Any] = {
+        k: v for k, v in schema.items() if k in _PASSED_KEYS or k.startswith("x-kubernetes-")
+    }
     if out.get("default", 0) is None:
         del out["default"]
     if "const" in schema:

@@ -130,6 +130,9 @@ _TYPE_WORDS = {
 
 def _message(item: dict[str, Any], loc: list[Any]) -> str:
     kind, ctx, value = item["type"], item.get("ctx") or {}, item.get("input")
+    if loc[:2] == ["spec", "secrets"] and kind != "extra_forbidden":
+        # Someone may have pasted a secret value where a reference goes: never echo it.
+        value = "<value not shown>"
     if kind == "missing":
         return "is required but missing; add it"
     if kind == "extra_forbidden":
@@ -151,9 +154,10 @@ def _message(item: dict[str, Any], loc: list[Any]) -> str:
     if kind in bounds:
         symbol, key = bounds[kind]
         limit = ctx.get(key)
+        limit = f"{limit:g}" if isinstance(limit, float) else limit
         return f"must be {symbol} {limit}, got {_show(value)}; set a value {symbol} {limit}"
     if kind == "string_pattern_mismatch":
-        return f"{_show(value)} does not have the expected form (pattern {ctx.get('pattern')}); correct the value"
+        return f"{_show(value)} does not have the expected form; make it match {ctx.get('pattern')}"
     if kind == "string_too_long":
         return f"is longer than {ctx.get('max_length')} characters; shorten it"
     if kind == "string_too_short":

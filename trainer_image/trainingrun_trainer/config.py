@@ -19,7 +19,7 @@ OptimizerName = Literal["adamw", "sgd"]
 Strategy = Literal["ddp", "fsdp2"]
 
 CHECKPOINT_URI_PATTERN = r"^(gs|s3|file)://.+"
-_PYTHON_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+PYTHON_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
 
 class ApiModel(BaseModel):
@@ -34,6 +34,11 @@ class ApiModel(BaseModel):
         strict=True,
     )
 
+    @classmethod
+    def from_wire(cls, data: Any):
+        """Parse YAML/JSON data: camelCase names only, as the CRD accepts (snake_case is for Python)."""
+        return cls.model_validate(data, by_alias=True, by_name=False)
+
     def to_wire(self) -> dict[str, Any]:
         """The camelCase dict form used in YAML, CRDs and the mounted config."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -45,6 +50,7 @@ class Component(ApiModel):
     class_path: str = Field(
         description="Dotted import path of the class, e.g. trainingrun_trainer.models.CharTransformer. "
         "A class from a package installed in a derived image works the same way.",
+        pattern=PYTHON_PATH_PATTERN,
         max_length=253,
     )
     init_args: dict[str, Any] = Field(
@@ -52,10 +58,10 @@ class Component(ApiModel):
         description="Keyword arguments passed to the class's constructor.",
     )
 
-    @field_validator("class_path")
+    @field_validator("class_path", mode="before")
     @classmethod
-    def _dotted_path(cls, value: str) -> str:
-        if not _PYTHON_PATH.match(value):
+    def _dotted_path(cls, value: Any) -> Any:
+        if isinstance(value, str) and not re.match(PYTHON_PATH_PATTERN, value):
             raise ValueError(
                 f"'{value}' is not a dotted Python path; write it as package.module.ClassName"
             )

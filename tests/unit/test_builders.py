@@ -1,0 +1,258 @@
+"""The builders turn every valid TrainingRun into children the real schemas accept."""
+import copy
+import json
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import EXAMPLES
+
+from trainingrun_operator import builders, validation
+from trainingrun_operator.api import MAX_RUN_NAME_LENGTH
+from trainingrun_operator.settings import Settings
+
+K8S_VERSION = "1.30.0"
+
+
+def pytorchjob_problems(job: dict, schema: dict) -> list[str]:
+    """Schema errors plus the rules the Kubeflow Training Operator enforces in its webhook."""
+    problems = [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(job)]
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    if "elasticPolicy" in job["spec"] and "Worker" not in replicas:
+        problems.append("elasticPolicy needs a Worker replica spec")
+    if replicas.get("Master", {}).get("replicas", 1) != 1:
+        problems.append("Master replicas must be 1")
+    for kind, replica in replicas.items():
+        names = [c["name"] for c in replica["template"]["spec"]["containers"]]
+        if "pytorch" not in names:
+            problems.append(f"{kind} has no container named pytorch")
+    return problems
+
+
+def assert_valid_builtins(objects: list[dict]) -> None:
+    for obj in objects:
+        if obj["kind"] == "PyTorchJob":
+            template = obj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+            obj = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def run_from(body: dict):
+    return validation.parse(body)
+
+
+def job_of(objects: list[dict]) -> dict:
+    return next(o for o in objects if o["kind"] == "PyTorchJob")
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_render_children_that_real_schemas_accept(example, pytorchjob_schema):
+    runs = validation.load_runs(str(example))
+    assert runs
+    for run in runs:
+        run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"uid": "u-1"})})
+        objects = builders.children(run, attempt=2, resume_from="s3://b/ckpt/step-100")
+        assert pytorchjob_problems(job_of(objects), pytorchjob_schema) == []
+        assert_valid_builtins(objects)
+
+
+def test_schema_check_catches_a_broken_job(pytorchjob_schema, minimal_body):
+    """The checks above must be able to fail."""
+    job = job_of(builders.children(run_from(minimal_body)))
+    broken = copy.deepcopy(job)
+    broken["spec"]["elasticPolicy"]["minReplicas"] = "two"
+    broken["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    problems = pytorchjob_problems(broken, pytorchjob_schema)
+    assert any("'two' is not of type 'integer'" in p for p in problems)
+    assert "Worker has no container named pytorch" in problems
+    with pytest.raises(kubernetes_validate.ValidationError):
+        template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+        bad = copy.deepcopy(template)
+        bad["spec"]["containers"][0]["env"][0]["valueFrom"] = "nope"
+        assert_valid_builtins([{**job, "spec": {**job["spec"], "pytorchReplicaSpecs": {"Worker": {"template": bad}}}}])
+
+
+def test_elastic_job_shape(minimal_body):
+    minimal_body["spec"].update({"replicas": {"min": 2, "max": 4}, "nprocPerNode": 2, "resources": {"gpu": 2}})
+    run = run_from(minimal_body)
+    job = builders.pytorch_job(run, attempt=3, resume_from="s3://bucket/runs/demo/step-00000500")
+    assert job["metadata"]["name"] == "demo-a3"
+    assert job["metadata"]["namespace"] == "team-a"
+    elastic = job["spec"]["elasticPolicy"]
+    assert elastic["minReplicas"] == 2 and elastic["maxReplicas"] == 4
+    assert elastic["rdzvBackend"] == "c10d"
+    assert elastic["rdzvId"] == "3f1c2a9e-0000-4000-8000-000000000001-a3"
+    assert elastic["maxRestarts"] == run.spec.recovery.max_restarts_per_attempt
+    assert job["spec"]["nprocPerNode"] == "2"
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 4 and worker["restartPolicy"] == "ExitCode"
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TRAININGRUN_ATTEMPT"] == "3"
+    assert env["TRAININGRUN_RESUME_FROM"] == "s3://bucket/runs/demo/step-00000500"
+    assert env["TRAININGRUN_CHECKPOINT_URI"] == "s3://bucket/runs/demo"
+    assert env["TRAININGRUN_CONFIG"] == "/etc/trainingrun/config.yaml"
+    assert env["TRAININGRUN_UID"] == "3f1c2a9e-0000-4000-8000-000000000001"
+    assert env["TRAININGRUN_METRICS_PORT"] == "9464"
+    owner = job["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "TrainingRun" and owner["controller"] is True and owner["name"] == "demo"
+    pod = worker["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 30
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert worker["template"]["metadata"]["labels"]["trainingrun.dev/run"] == "demo"
+
+
+def test_attempts_get_distinct_names_and_rendezvous(minimal_body):
+    run = run_from(minimal_body)
+    first, second = builders.pytorch_job(run, 1), builders.pytorch_job(run, 2)
+    assert first["metadata"]["name"] != second["metadata"]["name"]
+    assert first["spec"]["elasticPolicy"]["rdzvId"] != second["spec"]["elasticPolicy"]["rdzvId"]
+    assert builders.pytorch_job(run, 1) == first  # deterministic: a restarted operator renders the same
+    with pytest.raises(ValueError, match="attempt must be 1 or more"):
+        builders.pytorch_job(run, 0)
+
+
+def test_run_policy_and_scheduling(minimal_body):
+    minimal_body["spec"].update(
+        {
+            "suspend": True,
+            "activeDeadlineSeconds": 7200,
+            "queueName": "team-queue",
+            "nodeSelector": {"pool": "a100"},
+            "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+            "priorityClassName": "high",
+            "imagePullSecrets": ["registry"],
+            "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+        }
+    )
+    job = builders.pytorch_job(run_from(minimal_body), 1)
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    assert job["spec"]["runPolicy"]["activeDeadlineSeconds"] == 7200
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-queue"
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    pod = template["spec"]
+    assert pod["nodeSelector"] == {"pool": "a100"}
+    assert pod["tolerations"] == [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["affinity"]["nodeAffinity"]
+    assert pod["priorityClassName"] == "high"
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert template["metadata"]["annotations"] == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+
+
+def test_rbac_lets_the_run_patch_only_its_own_status(minimal_body):
+    run = run_from(minimal_body)
+    role = builders.role(run)
+    assert role["rules"] == [
+        {
+            "apiGroups": ["trainingrun.dev"],
+            "resources": ["trainingruns/status"],
+            "resourceNames": ["demo"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    binding = builders.role_binding(run)
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-trainer", "namespace": "team-a"}]
+    job = builders.pytorch_job(run, 1)
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["serviceAccountName"] == "demo-trainer"
+
+
+def test_own_service_account_is_bound_not_created(minimal_body):
+    minimal_body["spec"]["serviceAccountName"] = "workload-identity-sa"
+    run = run_from(minimal_body)
+    kinds = [o["kind"] for o in builders.children(run)]
+    assert "ServiceAccount" not in kinds
+    assert builders.role_binding(run)["subjects"][0]["name"] == "workload-identity-sa"
+    pod = builders.pytorch_job(run, 1)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "workload-identity-sa"
+
+
+def test_config_map_holds_the_trainer_config_with_defaults(minimal_body):
+    minimal_body["spec"]["trainer"] = {"maxSteps": 77, "optimizer": {"lr": 0.001}}
+    config_map = builders.config_map(run_from(minimal_body))
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert config["trainer"]["maxSteps"] == 77
+    assert config["trainer"]["optimizer"]["lr"] == 0.001
+    assert config["trainer"]["optimizer"]["name"] == "adamw"  # default filled in
+    assert config["checkpoint"]["uri"] == "s3://bucket/runs/demo"
+    from trainingrun_trainer.config import RunConfig
+
+    assert RunConfig.from_wire(config).trainer.max_steps == 77  # the trainer can read it back
+
+
+def test_children_are_all_owned_and_labelled(minimal_body):
+    for obj in builders.children(run_from(minimal_body)):
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "3f1c2a9e-0000-4000-8000-000000000001"
+        assert obj["metadata"]["labels"]["trainingrun.dev/run"] == "demo"
+        assert obj["metadata"]["name"].startswith("demo-")
+
+
+def test_longest_allowed_name_fits_every_generated_name(minimal_body):
+    """Kubeflow names pods and Services <job>-worker-<index>; Services must be <= 63 characters."""
+    name = "r" * MAX_RUN_NAME_LENGTH
+    minimal_body["metadata"]["name"] = name
+    minimal_body["spec"]["replicas"] = {"min": 1, "max": 10000}
+    run = run_from(minimal_body)
+    worst_attempt = 1 + 2 * 1000  # every failure and preemption budget spent
+    job = builders.pytorch_job(run, worst_attempt)
+    assert len(f"{job['metadata']['name']}-worker-{10000 - 1}") <= 63
+    for obj in builders.children(run):
+        assert len(obj["metadata"]["name"]) <= 63
+
+
+SECRET_VALUES = ["AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "-----BEGIN PRIVATE KEY-----"]
+
+
+def test_no_secret_value_can_reach_a_rendered_object(minimal_body):
+    """Secrets are references: the spec has no field that takes a value, and values never leak.
+
+    A user who pastes a value where a secret *name* goes gets a validation error, and the
+    Secret's name and key (not content) are all that reach pods.
+    """
+    minimal_body["spec"]["secrets"] = {
+        "s3Credentials": {"secretName": "s3-keys", "sessionTokenKey": "token"},
+        "gcsKeyFile": {"secretName": "gcs", "key": "key.json"},
+        "env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}],
+    }
+    objects = builders.children(run_from(minimal_body))
+    text = json.dumps(objects)
+    job = job_of(objects)
+    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    secret_env = {e["name"]: e for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert set(secret_env) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "WANDB_API_KEY"}
+    assert all("value" not in e for e in secret_env.values())
+    assert secret_env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "wandb", "key": "api-key"}
+    volumes = {v["name"]: v for v in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["volumes"]}
+    assert volumes["gcs-key"]["secret"]["secretName"] == "gcs"
+    for value in SECRET_VALUES:
+        assert value not in text
+
+    # Pasting a value where a reference goes is rejected, and the value is not echoed back in full.
+    for value in SECRET_VALUES:
+        body = copy.deepcopy(minimal_body)
+        body["spec"]["secrets"]["env"][0]["secretName"] = value
+        with pytest.raises(validation.InvalidTrainingRun) as caught:
+            run_from(body)
+        assert "spec.secrets.env[0].secretName" in str(caught.value)
+    # There is no field that takes a secret value: a `value` next to a reference is unknown.
+    body = copy.deepcopy(minimal_body)
+    body["spec"]["secrets"]["env"][0]["value"] = SECRET_VALUES[1]
+    with pytest.raises(validation.InvalidTrainingRun, match=r"spec.secrets.env\[0\].value: unknown field"):
+        run_from(body)
+
+
+def test_settings_default_image_and_override(minimal_body, monkeypatch):
+    run = run_from(minimal_body)
+    image = lambda job: job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
+    assert image(builders.pytorch_job(run, 1)) == Settings().default_trainer_image
+    settings = Settings.from_env({"TRAININGRUN_TRAINER_IMAGE": "registry.local/trainer:dev"})
+    assert image(builders.pytorch_job(run, 1, settings)) == "registry.local/trainer:dev"
+    minimal_body["spec"]["image"] = "mine:1"
+    assert image(builders.pytorch_job(run_from(minimal_body), 1, settings)) == "mine:1"
