@@ -1,0 +1,121 @@
+"""`trainingrun crd | validate | render`: exit codes, output, and messages a person can act on."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import EXAMPLES
+
+from trainingrun_operator import cli, crd
+
+
+def run_cli(*argv):
+    """The installed console script, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "trainingrun_operator.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("command", [[], ["crd"], ["validate"], ["render"]])
+def test_help_on_every_command(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: trainingrun" in result.stdout
+
+
+def test_crd_prints_the_generated_crd(capsys):
+    assert cli.main(["crd"]) == 0
+    assert capsys.readouterr().out == crd.crd_yaml()
+
+
+def test_crd_write(tmp_path, capsys):
+    assert cli.main(["crd", "--write", str(tmp_path)]) == 0
+    for relative in crd.CRD_PATHS:
+        assert (tmp_path / relative).read_text() == crd.crd_yaml()
+
+
+def test_validate_all_examples(capsys):
+    assert cli.main(["validate", *map(str, EXAMPLES)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("is valid") == len(EXAMPLES)
+
+
+def write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD = """\
+apiVersion: trainingrun.dev/v1alpha1
+kind: TrainingRun
+metadata: {name: demo}
+spec:
+  replica: {min: 1}
+  checkpoint: {uri: "ftp://host/x"}
+  trainer: {precision: fp8, model: {class_path: a.B}}
+"""
+
+
+def test_validate_prints_one_line_per_problem_and_exits_1(tmp_path, capsys):
+    path = write(tmp_path, BAD)
+    assert cli.main(["validate", path]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"{path}: spec.trainer.model.classPath: is required but missing; add it",
+        f"{path}: spec.trainer.model.class_path: unknown field; did you mean 'classPath'?",
+        f"{path}: spec.trainer.precision: 'fp8' is not allowed; use one of: 32-true, 16-mixed, bf16-mixed, bf16-true",
+        f"{path}: spec.checkpoint.uri: 'ftp://host/x' has scheme 'ftp'; use gs://bucket/path, s3://bucket/path or file:///path",
+        f"{path}: spec.replica: unknown field; did you mean 'replicas'?",
+    ]
+
+
+def test_validate_subprocess_has_no_traceback(tmp_path):
+    result = run_cli("validate", write(tmp_path, BAD))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "did you mean 'replicas'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("spec: [unclosed", "is not valid YAML at line 1"),
+        ("", "holds no YAML document"),
+        ("- just\n- a list\n", "expected a TrainingRun mapping, got list"),
+    ],
+)
+def test_validate_unreadable_documents(tmp_path, capsys, text, expected):
+    assert cli.main(["validate", write(tmp_path, text)]) == 1
+    assert expected in capsys.readouterr().err
+
+
+def test_validate_missing_file(tmp_path, capsys):
+    assert cli.main(["validate", str(tmp_path / "nope.yaml")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_multi_document_file_names_the_document(tmp_path, capsys):
+    good = next(p for p in EXAMPLES if p.name == "minimal-cpu.yaml").read_text()
+    path = write(tmp_path, good + "\n---\n" + good.replace("spec:", "spec:\n  nprocPerNode: 0", 1))
+    assert cli.main(["validate", path]) == 1
+    assert f"{path}: document 2: spec.nprocPerNode: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_render_prints_children_as_yaml(capsys):
+    example = next(p for p in EXAMPLES if p.name == "gpu-gcs.yaml")
+    assert cli.main(["render", str(example), "--attempt", "3", "--resume-from", "gs://b/x/step-1"]) == 0
+    captured = capsys.readouterr()
+    documents = [d for d in yaml.safe_load_all(captured.out) if d]
+    assert [d["kind"] for d in documents] == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "PyTorchJob"]
+    job = documents[-1]
+    assert job["metadata"]["name"] == "charlm-gpu-a3"
+    env = {e["name"]: e.get("value") for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TRAININGRUN_RESUME_FROM"] == "gs://b/x/step-1"
+    assert "no metadata.uid" in captured.err  # the placeholder is announced, not hidden
+
+
+def test_render_rejects_invalid_input_and_bad_attempt(tmp_path, capsys):
+    assert cli.main(["render", write(tmp_path, BAD)]) == 1
+    assert "did you mean 'replicas'" in capsys.readouterr().err
+    result = run_cli("render", str(EXAMPLES[0]), "--attempt", "0")
+    assert result.returncode == 2 and "must be 1 or more" in result.stderr

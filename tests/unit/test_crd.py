@@ -1,0 +1,88 @@
+"""The CRD is generated from the API model, committed, and a valid apiextensions/v1 object."""
+import kubernetes_validate
+import pytest
+import yaml
+
+from trainingrun_operator import crd
+
+
+@pytest.mark.parametrize("relative", crd.CRD_PATHS)
+def test_committed_crd_matches_the_model(repo, relative):
+    committed = (repo / relative).read_text()
+    assert committed == crd.crd_yaml(), (
+        f"{relative} differs from what operator/trainingrun_operator/api.py generates; run `make crd`"
+    )
+
+
+def test_crd_is_a_valid_apiextensions_v1_object():
+    kubernetes_validate.validate(yaml.safe_load(crd.crd_yaml()), "1.30.0", strict=True)
+
+
+def walk(node, path="", parent_is_properties=False):
+    yield path, node
+    for key in ("properties",):
+        for name, child in node.get(key, {}).items():
+            yield from walk(child, f"{path}.{name}" if path else name, True)
+    if "items" in node:
+        yield from walk(node["items"], path + "[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], path + "{}")
+
+
+def schema():
+    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_schema_is_structural():
+    """Every node has a type, or says it keeps unknown fields; no $ref, anyOf or empty schemas."""
+    for path, node in walk(schema()):
+        assert "$ref" not in node and "anyOf" not in node and "allOf" not in node, path
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+
+
+def test_every_spec_and_status_field_is_documented():
+    undocumented = [
+        path for path, node in walk(schema())
+        if path.startswith(("spec.", "status.")) and not path.endswith(("[]", "{}")) and not node.get("description")
+    ]
+    assert undocumented == []
+
+
+def test_api_names_and_printer_columns():
+    definition = crd.crd()
+    assert definition["metadata"]["name"] == "trainingruns.trainingrun.dev"
+    names = definition["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("TrainingRun", "trainingruns", ["tr"])
+    version = definition["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Phase", "Step", "Loss", "Restarts", "Checkpoint", "Age"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for column, json_path in columns.items():
+        if json_path.startswith(".status."):
+            node = status
+            for part in json_path.split(".")[2:]:
+                node = node["properties"][part]  # the column points at a field that exists
+            assert node["type"] in ("string", "integer", "number"), column
+
+
+def test_status_has_the_design_fields_and_no_defaults():
+    status = schema()["properties"]["status"]
+    assert {
+        "phase", "attempt", "jobName", "progress", "lastGoodCheckpoint", "restarts", "goodput",
+        "conditions", "observedGeneration",
+    } <= set(status["properties"])
+    assert set(status["properties"]["phase"]["enum"]) == {
+        "Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"
+    }
+    assert set(status["properties"]["conditions"]["items"]["properties"]) >= {
+        "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"
+    }
+    assert not [p for p, n in walk(status) if "default" in n]
+
+
+def test_structural_rejects_what_a_crd_cannot_express():
+    with pytest.raises(ValueError, match="unions other than Optional"):
+        crd.structural({"anyOf": [{"type": "string"}, {"type": "integer"}]}, {})
+    with pytest.raises(ValueError, match="without a type"):
+        crd.structural({"description": "anything"}, {})
