@@ -61,7 +61,8 @@ def _reserved_env_rule(list_path: str) -> tuple[str, str]:
     names = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV_NAMES))
     prefixes = " || ".join(f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
     return (
-        f"self.{list_path}.all(e, !({prefixes} || e.name in [{names}]))",
+        # env lists have no default: a rule that reads an absent field fails, so guard with has().
+        f"!has(self.{list_path}) || self.{list_path}.all(e, !({prefixes} || e.name in [{names}]))",
         f"{list_path}: names starting with TRAININGRUN_ or PET_ and storage credential variables are set "
         "by the operator; choose another name (credentials go in secrets.gcsKeyFile or secrets.s3Credentials)",
     )
@@ -267,6 +268,7 @@ class TrainingRunSpec(ApiModel):
         _reserved_env_rule("env"),
         _reserved_env_rule("secrets.env"),
         (
+            "!has(self.env) || !has(self.secrets.env) || "
             "self.env.all(e, !self.secrets.env.exists(s, s.name == e.name))",
             "a variable is set in both env and secrets.env; set each variable once",
         ),
