@@ -47,13 +47,33 @@ def parse(document: Any) -> api.TrainingRun:
         raise InvalidTrainingRun(problems_from(error)) from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """Rejects a key given twice in one mapping; plain YAML silently keeps the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice in one mapping; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
+
+
 def load_file(path: str) -> list[Any]:
     """YAML documents of a file (empty ones dropped); raises InvalidTrainingRun for unreadable files."""
     try:
         with open(path, encoding="utf-8") as stream:
-            documents = [d for d in yaml.safe_load_all(stream) if d is not None]
+            documents = [d for d in yaml.load_all(stream, Loader=_StrictLoader) if d is not None]
     except OSError as error:
         raise InvalidTrainingRun([Problem("", f"cannot read {path}: {error.strerror}")]) from None
+    except UnicodeDecodeError:
+        raise InvalidTrainingRun([Problem("", f"{path} is not UTF-8 text; save it as UTF-8 YAML")]) from None
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""

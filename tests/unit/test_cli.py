@@ -82,11 +82,19 @@ def test_validate_subprocess_has_no_traceback(tmp_path):
         ("spec: [unclosed", "is not valid YAML at line 1"),
         ("", "holds no YAML document"),
         ("- just\n- a list\n", "expected a TrainingRun mapping, got list"),
+        ("kind: TrainingRun\nspec: {}\nkind: Other\n", "key 'kind' is given twice in one mapping; keep one"),
     ],
 )
 def test_validate_unreadable_documents(tmp_path, capsys, text, expected):
     assert cli.main(["validate", write(tmp_path, text)]) == 1
     assert expected in capsys.readouterr().err
+
+
+def test_validate_binary_file(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    assert cli.main(["validate", str(path)]) == 1
+    assert "is not UTF-8 text" in capsys.readouterr().err
 
 
 def test_validate_missing_file(tmp_path, capsys):
