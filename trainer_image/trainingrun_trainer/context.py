@@ -1,0 +1,68 @@
+"""The operator-trainer contract: what a trainer process learns from its environment.
+
+The operator (and `trainingrun local`) set these variables; torchrun adds RANK, WORLD_SIZE,
+LOCAL_RANK and friends. Reading them in one place keeps the contract in one place.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+
+class ContextError(ValueError):
+    """A contract variable is missing or malformed; a permanent error."""
+
+
+@dataclass(frozen=True)
+class RunContext:
+    name: str  #: TRAININGRUN_NAME
+    namespace: str  #: TRAININGRUN_NAMESPACE
+    uid: str  #: TRAININGRUN_UID
+    attempt: int  #: TRAININGRUN_ATTEMPT, from 1
+    config_path: str  #: TRAININGRUN_CONFIG: the mounted RunConfig YAML
+    checkpoint_uri: Optional[str]  #: TRAININGRUN_CHECKPOINT_URI; overrides checkpoint.uri of the config
+    resume_from: Optional[str]  #: TRAININGRUN_RESUME_FROM: a specific checkpoint to start from
+    metrics_port: Optional[int]  #: TRAININGRUN_METRICS_PORT
+    pod_name: str  #: TRAININGRUN_POD_NAME (downward API), or the host name
+    rank: int  #: RANK (torchrun)
+    local_rank: int  #: LOCAL_RANK
+    world_size: int  #: WORLD_SIZE
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "RunContext":
+        env = os.environ if env is None else env
+
+        def integer(name: str, default: Optional[int]) -> Optional[int]:
+            raw = env.get(name)
+            if raw in (None, ""):
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ContextError(f"environment variable {name}={raw!r} is not a whole number") from None
+
+        config_path = env.get("TRAININGRUN_CONFIG")
+        if not config_path:
+            raise ContextError(
+                "TRAININGRUN_CONFIG is not set: point it at a trainer config YAML "
+                "(the operator mounts one; `trainingrun local FILE` sets it for you)"
+            )
+        return cls(
+            name=env.get("TRAININGRUN_NAME", "local"),
+            namespace=env.get("TRAININGRUN_NAMESPACE", "default"),
+            uid=env.get("TRAININGRUN_UID", ""),
+            attempt=integer("TRAININGRUN_ATTEMPT", 1) or 1,
+            config_path=config_path,
+            checkpoint_uri=env.get("TRAININGRUN_CHECKPOINT_URI") or None,
+            resume_from=env.get("TRAININGRUN_RESUME_FROM") or None,
+            metrics_port=integer("TRAININGRUN_METRICS_PORT", None),
+            pod_name=env.get("TRAININGRUN_POD_NAME") or env.get("HOSTNAME", "localhost"),
+            rank=integer("RANK", 0) or 0,
+            local_rank=integer("LOCAL_RANK", 0) or 0,
+            world_size=integer("WORLD_SIZE", 1) or 1,
+        )
