@@ -1,0 +1,203 @@
+"""Build the model and datasets named in the trainer config (`classPath` + `initArgs`).
+
+Why this module exists: a TrainingRun names its model and dataset as text, and the first place the
+text meets Python is a pod that is already part of a multi-node job. A typo found there costs a
+rendezvous, an image pull and a restart per rank, and a bare `TypeError` traceback from deep inside
+the trainer does not say which field of the TrainingRun to fix. So every failure here is a
+`ConfigError` whose message starts with the field path (`spec.trainer.model.initArgs: ...`), says
+what is wrong and how to fix it, and `check()` finds all of it without constructing anything, so
+the trainer can call it before it creates a process group or allocates memory.
+
+Names in `initArgs` arrive camelCase from YAML, like every other field of the API
+(`contextLength`); Python constructors take snake_case (`context_length`). `build()` converts each
+key with `snake_case()` before calling, so `contextLength` and `context_length` mean the same
+argument (giving both is an error). Messages show argument names camelCase, as the user writes them.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from typing import Any, Callable, Iterable
+
+from trainingrun_trainer.config import Component
+
+__all__ = ["ConfigError", "build", "check", "resolve", "snake_case", "camel_case"]
+
+
+class ConfigError(ValueError):
+    """A trainer config that cannot work; the message names the field path and the fix.
+
+    A ValueError, so callers that already treat bad values as permanent failures (exit code 1-127)
+    treat this one the same way.
+    """
+
+
+_WORD_BOUNDARY = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def snake_case(name: str) -> str:
+    """`contextLength` -> `context_length`, `imageURL` -> `image_url`; snake_case stays as it is."""
+    return _WORD_BOUNDARY.sub("_", name).lower()
+
+
+def camel_case(name: str) -> str:
+    """`context_length` -> `contextLength`: how a Python argument name is written in YAML."""
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def resolve(class_path: str, field: str = "component") -> Callable[..., Any]:
+    """Import `package.module.ClassName` and return the class; errors name `<field>.classPath`."""
+    where = f"{field}.classPath"
+    module_name, _, class_name = class_path.rpartition(".")
+    if not module_name or not class_name:
+        raise ConfigError(f"{where}: '{class_path}' is not a dotted path; write it as package.module.ClassName")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(
+            f"{where}: cannot import module '{module_name}' ({err}); "
+            "install the package in the trainer image or fix the path"
+        ) from err
+    except Exception as err:  # the module was found, but running it failed: show the user's error
+        raise ConfigError(
+            f"{where}: importing module '{module_name}' failed: {type(err).__name__}: {err}"
+        ) from err
+
+    if not hasattr(module, class_name):
+        classes = _public_classes(module)
+        close = difflib.get_close_matches(class_name, classes, n=1)
+        if close:
+            hint = f"did you mean '{close[0]}'?"
+        elif classes:
+            hint = f"it has: {', '.join(classes)}"
+        else:
+            hint = "it defines no public classes"
+        raise ConfigError(f"{where}: module '{module_name}' has no class '{class_name}'; {hint}")
+
+    target = getattr(module, class_name)
+    # A factory function works as well as a class, so allow any callable, but nothing else.
+    if not callable(target):
+        raise ConfigError(
+            f"{where}: '{class_path}' is not a class (it is of type {type(target).__name__}); "
+            "name a class to construct"
+        )
+    return target
+
+
+def check(component: Component, field: str = "component", **extra_kwargs: Any) -> Callable[..., Any]:
+    """Everything `build()` checks, without constructing: import, then match arguments to the signature.
+
+    `extra_kwargs` are the arguments the trainer itself adds (e.g. `split` for datasets); only their
+    names matter here. Returns the class.
+    """
+    target, _ = _prepare(component, field, extra_kwargs)
+    return target
+
+
+def build(component: Component, field: str = "component", **extra_kwargs: Any) -> Any:
+    """Construct `component.class_path(**snake_cased(init_args), **extra_kwargs)`.
+
+    `field` is the component's path in the config (`spec.trainer.model`); messages name
+    `<field>.classPath` or `<field>.initArgs`. `extra_kwargs` are added by the trainer and may not
+    also appear in `initArgs` (that would silently drop what the user wrote). A ValueError or
+    TypeError raised by the constructor itself (e.g. `dim must be divisible by heads`) is re-raised
+    as a ConfigError naming `<field>.initArgs`.
+    """
+    target, kwargs = _prepare(component, field, extra_kwargs)
+    try:
+        return target(**kwargs)
+    except (ValueError, TypeError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{field}.initArgs: {_display_name(target)}(): {err}") from err
+
+
+def _prepare(
+    component: Component, field: str, extra_kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """Import the class and build its keyword arguments, checked against its signature."""
+    target = resolve(component.class_path, field)
+    where = f"{field}.initArgs"
+
+    kwargs: dict[str, Any] = {}
+    written_as: dict[str, str] = {}  # snake_case name -> the key as the user wrote it, for messages
+    for key, value in component.init_args.items():
+        name = snake_case(key)
+        if name in written_as:
+            raise ConfigError(
+                f"{where}: '{written_as[name]}' and '{key}' are the same argument; keep one of them"
+            )
+        written_as[name] = key
+        kwargs[name] = value
+    for name, value in extra_kwargs.items():
+        if name in kwargs:
+            raise ConfigError(
+                f"{where}: '{written_as[name]}' is set by the trainer for {_display_name(target)}; "
+                "remove it from initArgs"
+            )
+        kwargs[name] = value
+
+    _check_signature(target, kwargs, written_as, where)
+    return target, kwargs
+
+
+def _check_signature(
+    target: Callable[..., Any], kwargs: dict[str, Any], written_as: dict[str, str], where: str
+) -> None:
+    """Fail before construction, so a bad argument never leaves a half-built object behind."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # some builtins have no signature; the constructor will complain itself
+    params = signature.parameters.values()
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    by_keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    accepted = [p.name for p in by_keyword]
+    name = _display_name(target)
+
+    if not accepts_any:
+        for key in kwargs:
+            if key in accepted:
+                continue
+            shown = [camel_case(a) for a in accepted]
+            accepted_text = ", ".join(shown) if shown else "no arguments"
+            if key not in written_as:
+                raise ConfigError(
+                    f"{where}: {name}() does not accept '{key}', which the trainer passes; "
+                    f"add a '{key}' parameter to it (accepted: {accepted_text})"
+                )
+            close = difflib.get_close_matches(written_as[key], shown, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{where}: {name}() got an unexpected keyword argument '{written_as[key]}'; "
+                f"accepted: {accepted_text}{hint}"
+            )
+
+    missing = [p.name for p in by_keyword if p.default is p.empty and p.name not in kwargs]
+    if missing:
+        plural = "s" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{where}: {name}() is missing required argument{plural} "
+            f"{_quoted(camel_case(m) for m in missing)}; add {'them' if plural else 'it'} to initArgs"
+        )
+    positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional_only:
+        raise ConfigError(
+            f"{where}: {name}() needs positional-only argument(s) {_quoted(positional_only)}, "
+            "which a config cannot pass; give them defaults or make them keyword arguments"
+        )
+
+
+def _public_classes(module: Any) -> list[str]:
+    return sorted(n for n, v in vars(module).items() if not n.startswith("_") and inspect.isclass(v))
+
+
+def _display_name(target: Callable[..., Any]) -> str:
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+
+
+def _quoted(names: Iterable[str]) -> str:
+    return ", ".join(f"'{n}'" for n in names)

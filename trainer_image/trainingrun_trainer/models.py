@@ -1,0 +1,295 @@
+"""Models that ship with the trainer, and the contract every model (shipped or user's) follows.
+
+Why these two: a tiny character-level transformer and a tiny masked autoencoder are enough to
+exercise everything the trainer does (DDP, FSDP2, activation checkpointing, mixed precision,
+checkpoint and exact resume) on a laptop CPU in seconds, with data generated in-process
+(`trainingrun_trainer.data`), so a new user sees a run learn before spending a cluster.
+
+The model contract
+------------------
+A model named by `spec.trainer.model.classPath` is an `nn.Module` with:
+
+- `forward(batch: dict[str, Tensor]) -> Tensor`: the scalar mean loss of the batch. The trainer
+  owns the loop, so the model owns the loss: the trainer only calls `loss = model(batch)`,
+  `loss.backward()`. The batch is whatever the dataset's items collate to (`default_collate` of
+  dicts of tensors). Call through `forward` only (not a helper method): under FSDP2 the
+  parameters are gathered by forward hooks.
+- `blocks: nn.ModuleList`: the repeated layers. The trainer applies activation checkpointing and
+  FSDP2 `fully_shard` to each element, and may replace an element in place with a wrapper, so
+  `forward` must reach the blocks through `self.blocks[i]` (iterating the list is fine), and
+  each block must take and return one tensor.
+- `tokens_per_sample() -> int`: what one sample counts for throughput (tokens/s): predicted
+  tokens for text, patches for images.
+- `flops_per_sample() -> int`: approximate forward+backward FLOPs of one sample, for MFU. The
+  6 x parameters x tokens rule (2 for the forward matmuls, 4 for the backward), plus the attention
+  score and value matmuls, which the parameter count misses.
+
+Randomness comes only from the global torch RNG (initialisation, dropout, MAE masking), on the
+input's device, so a run is reproducible from its seed and the trainer's saved RNG states make a
+resumed run continue exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["CharTransformer", "MaskedAutoencoder", "TransformerBlock"]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _require_positive(**values: int) -> None:
+    for name, value in values.items():
+        _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2 style init: small normal weights, zero biases; uses the global torch RNG."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def _attention_flops(layers: int, dim: int, tokens: int) -> int:
+    """Forward+backward FLOPs of QK^T and attention x V over one sequence (not parameters).
+
+    Counted for the full square, as the PaLM/nanoGPT MFU formula does, even when causal.
+    """
+    return 12 * layers * dim * tokens * tokens
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through `scaled_dot_product_attention` (flash/efficient kernels)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float, causal: bool):
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.causal = causal
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
+        )
+        return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); pre-norm trains stably without warmup."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(dim)
+        self.attn = SelfAttention(dim, heads, dropout, causal)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class CharTransformer(nn.Module):
+    """A small decoder-only (GPT-style) transformer over characters, trained on next-token loss.
+
+    batch: `{"tokens": LongTensor[B, T + 1]}` with T <= context_length; position t predicts t + 1.
+    Learned position embeddings. The output head is untied from the token embedding: tied weights
+    are one parameter under two names, which complicates FSDP2 sharding (embedding and head live in
+    different wrapped units) and state-dict checkpoints; at this size it costs nothing.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        dim: int = 128,
+        layers: int = 2,
+        heads: int = 4,
+        context_length: int = 64,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        _require_positive(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, context_length=context_length)
+        _require(vocab_size >= 2, f"vocab_size must be at least 2, got {vocab_size}")
+        _require(dim % heads == 0, f"dim ({dim}) must be divisible by heads ({heads})")
+        _require(0.0 <= dropout < 1.0, f"dropout must be in [0, 1), got {dropout}")
+        self.vocab_size = vocab_size
+        self.dim = dim
+        self.context_length = context_length
+        self.token_embedding = nn.Embedding(vocab_size, dim)
+        self.position_embedding = nn.Embedding(context_length, dim)
+        self.embedding_dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, dropout, causal=True) for _ in range(layers))
+        self.final_norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        tokens = batch["tokens"]
+        _require(
+            tokens.dim() == 2 and 2 <= tokens.size(1) <= self.context_length + 1,
+            f"tokens must be [batch, length] with 2 <= length <= context_length + 1 = "
+            f"{self.context_length + 1}, got shape {tuple(tokens.shape)}",
+        )
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.size(1), device=tokens.device)
+        x = self.embedding_dropout(self.token_embedding(inputs) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.final_norm(x))
+        # The loss in float32 even under bf16 autocast: log-softmax over the vocab loses accuracy in bf16.
+        return F.cross_entropy(logits.float().reshape(-1, self.vocab_size), targets.reshape(-1))
+
+    def tokens_per_sample(self) -> int:
+        return self.context_length
+
+    def flops_per_sample(self) -> int:
+        # Embedding lookups do no matmuls, so their parameters are left out of the 6N rule.
+        embedding_params = self.token_embedding.weight.numel() + self.position_embedding.weight.numel()
+        matmul_params = sum(p.numel() for p in self.parameters()) - embedding_params
+        tokens = self.context_length
+        return 6 * matmul_params * tokens + _attention_flops(len(self.blocks), self.dim, tokens)
+
+
+class MaskedAutoencoder(nn.Module):
+    """A small masked autoencoder (He et al., 2021) on image patches.
+
+    batch: `{"images": FloatTensor[B, C, H, W]}`. Each sample hides a random `mask_ratio` of its
+    patches; the encoder sees only the visible ones, a light decoder fills in the rest from mask
+    tokens, and the loss is the mean squared error on the hidden patches' pixels.
+
+    `blocks` holds the encoder blocks followed by the decoder blocks (their widths differ, which
+    per-block sharding and checkpointing do not mind), so the trainer treats both the same way.
+    """
+
+    def __init__(
+        self,
+        image_size: int = 32,
+        patch_size: int = 4,
+        channels: int = 3,
+        dim: int = 128,
+        layers: int = 2,
+        heads: int = 4,
+        decoder_dim: int = 64,
+        decoder_layers: int = 1,
+        mask_ratio: float = 0.75,
+    ):
+        super().__init__()
+        _require_positive(
+            image_size=image_size, patch_size=patch_size, channels=channels, dim=dim, layers=layers,
+            heads=heads, decoder_dim=decoder_dim, decoder_layers=decoder_layers,
+        )  # fmt: skip
+        _require(
+            image_size % patch_size == 0,
+            f"image_size ({image_size}) must be divisible by patch_size ({patch_size})",
+        )
+        _require(dim % heads == 0, f"dim ({dim}) must be divisible by heads ({heads})")
+        _require(
+            decoder_dim % heads == 0, f"decoder_dim ({decoder_dim}) must be divisible by heads ({heads})"
+        )
+        _require(0.0 < mask_ratio < 1.0, f"mask_ratio must be between 0 and 1 (exclusive), got {mask_ratio}")
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.channels = channels
+        self.dim = dim
+        self.decoder_dim = decoder_dim
+        self.encoder_layers = layers
+        self.num_patches = (image_size // patch_size) ** 2
+        _require(
+            self.num_patches >= 2,
+            f"image_size ({image_size}) must be at least 2 x patch_size ({patch_size}): masking needs 2+ patches",
+        )
+        # At least one patch visible and one hidden, whatever the ratio, so both halves have work.
+        self.num_visible = min(max(1, round(self.num_patches * (1.0 - mask_ratio))), self.num_patches - 1)
+        patch_dim = patch_size * patch_size * channels
+
+        self.patch_embedding = nn.Linear(patch_dim, dim)
+        self.position_embedding = nn.Parameter(torch.zeros(1, self.num_patches, dim))
+        self.blocks = nn.ModuleList(
+            [TransformerBlock(dim, heads) for _ in range(layers)]
+            + [TransformerBlock(decoder_dim, heads) for _ in range(decoder_layers)]
+        )
+        self.encoder_norm = nn.LayerNorm(dim)
+        self.decoder_embedding = nn.Linear(dim, decoder_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_dim))
+        self.decoder_position_embedding = nn.Parameter(torch.zeros(1, self.num_patches, decoder_dim))
+        self.decoder_norm = nn.LayerNorm(decoder_dim)
+        self.decoder_head = nn.Linear(decoder_dim, patch_dim)
+        self.apply(_init_weights)
+        for parameter in (self.position_embedding, self.mask_token, self.decoder_position_embedding):
+            nn.init.normal_(parameter, std=0.02)
+
+    def patchify(self, images: Tensor) -> Tensor:
+        """[B, C, H, W] -> [B, patches, patch_size * patch_size * C], patches in row-major order."""
+        batch = images.size(0)
+        p, side = self.patch_size, self.image_size // self.patch_size
+        x = images.reshape(batch, self.channels, side, p, side, p)
+        return x.permute(0, 2, 4, 3, 5, 1).reshape(batch, side * side, p * p * self.channels)
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        images = batch["images"]
+        expected = (self.channels, self.image_size, self.image_size)
+        _require(
+            images.dim() == 4 and tuple(images.shape[1:]) == expected,
+            f"images must be [batch, {', '.join(map(str, expected))}], got shape {tuple(images.shape)}",
+        )
+        # Pixels arrive float32; with bf16 weights (precision bf16-true) the matmuls need bf16 input.
+        patches = self.patchify(images).to(self.patch_embedding.weight.dtype)
+        batch_size = patches.size(0)
+
+        # Per-sample random masking from the global RNG on the input's device, so the checkpointed
+        # RNG state replays the same masks after a resume.
+        noise = torch.rand(batch_size, self.num_patches, device=images.device)
+        shuffle = noise.argsort(dim=1)
+        restore = shuffle.argsort(dim=1)
+        visible = shuffle[:, : self.num_visible]
+
+        x = self.patch_embedding(patches) + self.position_embedding
+        x = x.gather(1, visible.unsqueeze(-1).expand(-1, -1, x.size(-1)))
+        for block in self.blocks[: self.encoder_layers]:
+            x = block(x)
+        x = self.decoder_embedding(self.encoder_norm(x))
+
+        # Append one mask token per hidden patch, then put every patch back in its place.
+        hidden_count = self.num_patches - self.num_visible
+        x = torch.cat([x, self.mask_token.to(x.dtype).expand(batch_size, hidden_count, -1)], dim=1)
+        x = x.gather(1, restore.unsqueeze(-1).expand(-1, -1, x.size(-1))) + self.decoder_position_embedding
+        for block in self.blocks[self.encoder_layers :]:
+            x = block(x)
+        prediction = self.decoder_head(self.decoder_norm(x)).float()
+
+        hidden = torch.ones(batch_size, self.num_patches, device=images.device)
+        hidden.scatter_(1, visible, 0.0)
+        per_patch_error = (prediction - patches.float()).pow(2).mean(dim=-1)
+        return (per_patch_error * hidden).sum() / hidden.sum()
+
+    def tokens_per_sample(self) -> int:
+        return self.num_patches
+
+    def flops_per_sample(self) -> int:
+        def params(*modules: nn.Module) -> int:
+            return sum(p.numel() for m in modules for p in m.parameters())
+
+        encoder_blocks = self.blocks[: self.encoder_layers]
+        decoder_blocks = self.blocks[self.encoder_layers :]
+        visible, everything = self.num_visible, self.num_patches
+        # Each part counts the tokens that actually pass through it: the encoder sees visible patches.
+        matmul_flops = 6 * (
+            params(self.patch_embedding) * everything
+            + params(*encoder_blocks, self.encoder_norm, self.decoder_embedding) * visible
+            + params(*decoder_blocks, self.decoder_norm, self.decoder_head) * everything
+        )
+        return (
+            matmul_flops
+            + _attention_flops(len(encoder_blocks), self.dim, visible)
+            + _attention_flops(len(decoder_blocks), self.decoder_dim, everything)
+        )
