@@ -1,0 +1,423 @@
+"""The checkpoint store on file:// (tmp_path): round trip, async staging, commit marker,
+corruption fallback, rotation, model digest, storage failures, and a 2-process gloo run."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from fsspec.implementations.local import LocalFileOpener
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainingrun_trainer import checkpoint as ckpt
+from trainingrun_trainer.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointInfo,
+    CheckpointStore,
+    format_table,
+    model_digest,
+    to_json,
+    verify,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    model(torch.randn(5, 8, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def trained(seed: int = 0):
+    model = make_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt)
+    return model, opt
+
+
+def app_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def weights(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / ckpt.step_dir_name(step)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def store(root):
+    with CheckpointStore(f"file://{root}", keep=10) as s:
+        yield s
+
+
+def test_round_trip_model_optimizer_and_extra(store, root):
+    model, opt = trained()
+    extra = {"rng": torch.get_rng_state(), "sampler": {"epoch": 2, "index": 37}}
+    digest = model_digest(model.state_dict())
+    pending = store.save(10, app_state(model, opt), extra, config_hash="cfg123", model_digest=digest)
+    info = pending.result()
+    assert info == store.wait()
+    assert info.valid and info.step == 10 and info.world_size == 1 and info.model_digest == digest
+    assert info.uri == f"file://{root}/step-00000010"
+    assert store.last_save_seconds > 0 and store.last_save_bytes == info.size_bytes > 0
+
+    manifest = json.loads((step_dir(root, 10) / MANIFEST_NAME).read_text())
+    on_disk = sorted(p.name for p in step_dir(root, 10).iterdir() if p.name != MANIFEST_NAME)
+    assert [f["path"] for f in manifest["files"]] == on_disk == [".metadata", "__0_0.distcp", "extra-rank-0.pt"]
+    assert manifest["config_hash"] == "cfg123" and manifest["step"] == 10 and manifest["format_version"] == 1
+
+    fresh_model, fresh_opt = trained(seed=5)
+    state = app_state(fresh_model, fresh_opt)
+    latest = store.latest_valid()
+    assert latest.step == 10 and latest.manifest_sha256 == info.manifest_sha256
+    got_extra = store.load(latest, state)
+    set_state_dict(fresh_model, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert_same(weights(fresh_model), weights(model))
+    assert torch.equal(got_extra["rng"], extra["rng"]) and got_extra["sampler"] == extra["sampler"]
+    assert store.last_restore_seconds > 0
+    # The optimizer state came back too: the next step is identical.
+    train_step(model, opt, seed=7)
+    train_step(fresh_model, fresh_opt, seed=7)
+    assert_same(weights(fresh_model), weights(model))
+    assert verify(info.uri).valid
+
+
+def test_async_save_stages_a_copy_before_returning(store, root, monkeypatch):
+    """save() returns while the write is still pending; changing the live tensors afterwards
+    does not change what gets written (staging copied them, CPU tensors included)."""
+    entered, release = threading.Event(), threading.Event()
+    real_save = dcp.save
+
+    def gated_save(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", gated_save)
+    model = make_model()
+    before = weights(model)
+    pending = store.save(1, {"model": model.state_dict()})
+    assert entered.wait(30)
+    assert not pending.done()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    release.set()
+    info = store.wait()
+    assert info.valid and pending.done()
+    assert store.last_blocking_seconds < store.last_save_seconds
+
+    loaded = make_model(seed=9)
+    state = {"model": loaded.state_dict()}
+    store.load(info, state)
+    assert_same(weights(loaded), before)
+
+
+def test_a_later_save_finishes_the_previous_one(store):
+    model = make_model()
+    first = store.save(1, {"model": model.state_dict()})
+    second = store.save(2, {"model": model.state_dict()})
+    assert first.done()
+    assert second.result().step == 2
+    assert [i.step for i in store.list()] == [2, 1]
+
+
+def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, monkeypatch, caplog):
+    model = make_model()
+    store.save(1, {"model": model.state_dict()}, blocking=True)
+
+    seen_when_committing = []
+    real_write = ckpt._Storage.write_bytes
+
+    def spy(self, uri, data, atomic=False):
+        if uri.endswith(MANIFEST_NAME):
+            directory = Path(uri[len("file://"):]).parent
+            seen_when_committing.append(sorted(p.name for p in directory.iterdir()))
+        return real_write(self, uri, data, atomic)
+
+    monkeypatch.setattr(ckpt._Storage, "write_bytes", spy)
+    assert store.save(2, {"model": model.state_dict()}, blocking=True).result().valid
+    # Every other file was complete before the manifest was written.
+    assert seen_when_committing == [[".metadata", "__0_0.distcp", "extra-rank-0.pt"]]
+
+    # A process that dies before the commit leaves the data without a manifest.
+    def crash_before_commit(self, uri, data, atomic=False):
+        if uri.endswith(MANIFEST_NAME):
+            raise OSError("killed before the commit")
+        return real_write(self, uri, data, atomic)
+
+    monkeypatch.setattr(ckpt._Storage, "write_bytes", crash_before_commit)
+    caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
+    assert store.save(3, {"model": model.state_dict()}).result() is None
+    assert store.failed_saves == 1
+    errors = [r for r in caplog.records if r.name == "trainingrun.checkpoint" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "killed before the commit" in errors[0].getMessage()
+    monkeypatch.setattr(ckpt._Storage, "write_bytes", real_write)
+
+    assert (step_dir(root, 3) / "__0_0.distcp").exists()
+    assert not (step_dir(root, 3) / MANIFEST_NAME).exists()
+    listed = {i.step: i for i in store.list()}
+    assert not listed[3].valid and listed[3].reason == "no manifest (partial save)"
+    assert listed[2].valid and listed[1].valid
+    assert store.latest_valid().step == 2
+    with pytest.raises(ValueError, match="no manifest"):
+        store.load(listed[3].uri, {"model": make_model().state_dict()})
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda d: flip_byte(d / "__0_0.distcp"), "sha256 mismatch in __0_0.distcp"),
+        (lambda d: flip_byte(d / ".metadata"), "sha256 mismatch in .metadata"),
+        (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-10]),
+         "size mismatch in __0_0.distcp"),
+        (lambda d: (d / "extra-rank-0.pt").unlink(), "missing file extra-rank-0.pt"),
+        (lambda d: (d / MANIFEST_NAME).write_text("{not json"), "manifest unreadable"),
+    ],
+    ids=["flipped-byte", "flipped-metadata-byte", "truncated", "missing", "bad-manifest"],
+)
+def test_damaged_checkpoint_is_skipped_and_older_one_used(store, root, damage, reason):
+    old, new = make_model(1), make_model(2)
+    store.save(1, {"model": old.state_dict()})
+    store.save(2, {"model": new.state_dict()})
+    store.wait()
+    damage(step_dir(root, 2))
+
+    listed = store.list()
+    assert [(i.step, i.valid) for i in listed] == [(2, False), (1, True)]
+    assert listed[0].reason.startswith(reason)
+    assert verify(listed[0].uri).reason.startswith(reason)
+    latest = store.latest_valid()  # the same store wrote step 2: it is re-hashed all the same
+    assert latest.step == 1
+    loaded = make_model(3)
+    store.load(latest, {"model": loaded.state_dict()})
+    assert_same(weights(loaded), weights(old))
+
+
+def test_rotation_keeps_newest_and_milestones(root):
+    model = make_model()
+    with CheckpointStore(str(root), keep=2, keep_every=3) as store:  # a plain path works too
+        for step in range(1, 8):
+            store.save(step, {"model": model.state_dict()})
+        store.wait()
+        assert sorted(p.name for p in root.iterdir()) == ["step-00000003", "step-00000006", "step-00000007"]
+
+        # Leftovers of failed saves: one older than the newest valid checkpoint (never usable:
+        # deleted), one newer (maybe a save in progress: kept).
+        for step in (4, 9):
+            step_dir(root, step).mkdir()
+            (step_dir(root, step) / "__0_0.distcp").write_bytes(b"partial")
+        assert store.rotate() == [f"{root}/step-00000004"]
+        assert sorted(p.name for p in root.iterdir()) == [
+            "step-00000003", "step-00000006", "step-00000007", "step-00000009"]
+
+    # Another process sees the newest checkpoint corrupt: it is never counted, and rotation
+    # never deletes the newest valid one (6) or anything newer.
+    flip_byte(step_dir(root, 7) / "__0_0.distcp")
+    with CheckpointStore(str(root), keep=1) as other:
+        assert other.rotate() == [f"{root}/step-00000003"]
+        assert other.latest_valid().step == 6
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000006", "step-00000007", "step-00000009"]
+
+
+@pytest.mark.filterwarnings("error:Detected an existing checkpoint")
+def test_resaving_a_step_replaces_it(store, root):
+    first, second = make_model(1), make_model(2)
+    store.save(4, {"model": first.state_dict()})
+    stale = step_dir(root, 4) / "__1_0.distcp"  # e.g. left by a run with more ranks
+    store.wait()
+    stale.write_bytes(b"old")
+    info = store.save(4, {"model": second.state_dict()}).result()
+    assert info.valid and not stale.exists()
+    loaded = make_model(3)
+    store.load(store.latest_valid(), {"model": loaded.state_dict()})
+    assert_same(weights(loaded), weights(second))
+
+
+def test_model_digest():
+    a, b = make_model(0), make_model(0)
+    assert model_digest(a.state_dict()) == model_digest(b.state_dict())
+    # Wrapping (DDP's "module.", torch.compile's "_orig_mod.") does not change the digest.
+    wrapped = {f"module._orig_mod.{k}": v for k, v in a.state_dict().items()}
+    assert model_digest(wrapped) == model_digest(a.state_dict())
+    with torch.no_grad():
+        b[0].weight[0, 0] += 1e-6
+    assert model_digest(a.state_dict()) != model_digest(b.state_dict())
+    assert model_digest(a.state_dict()) != model_digest(a.to(torch.float64).state_dict())
+    renamed = {k.replace("weight", "w"): v for k, v in make_model(0).state_dict().items()}
+    assert model_digest(renamed) != model_digest(make_model(0).state_dict())
+
+
+def test_storage_failure_is_logged_counted_and_recovered(store, root, monkeypatch, caplog):
+    model = make_model()
+    store.save(1, {"model": model.state_dict()})
+    store.wait()
+
+    real_write = LocalFileOpener.write
+
+    def disk_full(self, *args, **kwargs):
+        if "step-00000002" in self.path:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileOpener, "write", disk_full)
+    caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
+    pending = store.save(2, {"model": model.state_dict()})  # no exception here...
+    assert pending.result() is None  # ...nor here
+    assert store.wait() is None
+    assert store.failed_saves == 1
+    errors = [r for r in caplog.records if r.name == "trainingrun.checkpoint" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    assert "rank 0: OSError: [Errno 28] No space left on device" in errors[0].getMessage()
+    assert not (step_dir(root, 2) / MANIFEST_NAME).exists()
+
+    # A blocking save fails the same way: no exception.
+    assert store.save(2, {"model": model.state_dict()}, blocking=True).result() is None
+    assert store.failed_saves == 2
+
+    monkeypatch.setattr(LocalFileOpener, "write", real_write)  # storage is back
+    assert store.save(3, {"model": model.state_dict()}).result().valid
+    assert store.failed_saves == 2
+    assert store.latest_valid().step == 3
+    # The commit of step 3 rotated out the failed step-2 directory: it can never be resumed from.
+    assert [(i.step, i.valid) for i in store.list()] == [(3, True), (1, True)]
+
+
+def test_cli_helpers(store):
+    model = make_model()
+    store.save(5, {"model": model.state_dict()}, model_digest=model_digest(model.state_dict()))
+    store.save(6, {"model": model.state_dict()})
+    store.wait()
+    os.remove(store.list()[0].uri[len("file://"):] + "/" + MANIFEST_NAME)
+    infos = store.list()
+    table = format_table(infos).splitlines()
+    assert table[0].split() == ["STEP", "VALID", "TIME", "SIZE", "MODEL", "URI", "/", "REASON"]
+    assert table[1].split()[:2] == ["6", "NO"] and "(no manifest (partial save))" in table[1]
+    assert table[2].split()[:2] == ["5", "yes"] and infos[1].model_digest[:12] in table[2]
+    data = json.loads(to_json(infos))
+    assert [d["step"] for d in data] == [6, 5]
+    for d, info in zip(data, infos):
+        assert CheckpointInfo(**d) == info
+        assert {"step", "valid", "model_digest", "uri", "time", "size_bytes", "reason"} <= d.keys()
+    assert data[1]["time"].endswith("Z") and data[1]["size_bytes"] > 0
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, out_dir: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ddp = DDP(make_model(0))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        train_step(ddp, opt, seed=100 + rank)  # different data per rank; DDP keeps replicas equal
+        store = CheckpointStore(uri, keep=2)
+        state = app_state(ddp, opt)
+        digest = model_digest(state["model"])
+        saved = store.save(5, state, {"rank": rank, "rng": torch.get_rng_state()}, model_digest=digest).result()
+
+        fresh = DDP(make_model(1))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        train_step(fresh, fresh_opt, seed=3)
+        fresh_state = app_state(fresh, fresh_opt)
+        latest = store.latest_valid()
+        extra = store.load(latest, fresh_state)
+        set_state_dict(fresh, fresh_opt, model_state_dict=fresh_state["model"], optim_state_dict=fresh_state["optim"])
+        # Rank 1's storage fails during the next save: neither rank raises, both count the
+        # failure, no manifest appears, and the save after that commits again.
+        real_write = LocalFileOpener.write
+
+        def disk_full(self, *args, **kwargs):
+            if "step-00000006" in self.path:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(self, *args, **kwargs)
+
+        if rank == 1:
+            LocalFileOpener.write = disk_full
+        failed_info = store.save(6, app_state(ddp, opt)).result()
+        LocalFileOpener.write = real_write
+        recovered = store.save(7, app_state(ddp, opt)).result()
+        result = {
+            "failed_info": failed_info,
+            "recovered_step": recovered.step if recovered else None,
+            "digest": digest,
+            "saved_step": saved.step if saved else None,
+            "latest_step": latest.step,
+            "world_size": latest.world_size,
+            "extra_rank": extra["rank"],
+            "loaded_digest": model_digest(fresh.module.state_dict()),
+            "failed": store.failed_saves,
+        }
+        store.close()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_save_and_load_then_one_rank_loads(tmp_path):
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), uri, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["saved_step"] == result["latest_step"] == 5 and result["world_size"] == 2
+        assert result["extra_rank"] == rank
+        assert result["failed_info"] is None and result["failed"] == 1 and result["recovered_step"] == 7
+        assert result["loaded_digest"] == result["digest"] == results[0]["digest"]
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "step-00000005").iterdir())
+    assert "extra-rank-0.pt" in files and "extra-rank-1.pt" in files and MANIFEST_NAME in files
+
+    # World size 2 -> 1: a single process loads the DDP checkpoint into a plain model.
+    with CheckpointStore(uri) as store:
+        assert [(i.step, i.valid) for i in store.list()] == [(7, True), (5, True)]  # 6 rotated out
+        assert store.latest_valid().step == 7
+        info = store.list()[1]
+        assert info.world_size == 2 and info.model_digest == results[0]["digest"]
+        model = make_model(7)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt)
+        state = app_state(model, opt)
+        extra = store.load(info, state)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert extra["rank"] == 0
+        assert model_digest(model.state_dict()) == info.model_digest

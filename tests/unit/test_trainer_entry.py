@@ -1,0 +1,52 @@
+"""`python -m trainingrun_trainer` as a pod runs it (one process here; torchrun tests come with the runtime)."""
+import os
+import subprocess
+import sys
+
+import yaml
+
+from trainingrun_trainer import exit_codes
+from trainingrun_trainer.checkpoint import CheckpointStore
+
+TINY = {
+    "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
+              "initArgs": {"dim": 16, "layers": 1, "heads": 2, "contextLength": 16}},
+    "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
+                         "initArgs": {"numSamples": 512, "contextLength": 16}}, "batchSize": 8},
+    "deterministic": True,
+    "logIntervalSteps": 5,
+}
+
+
+def run_trainer(tmp_path, trainer, checkpoint_uri, extra_env=None):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": checkpoint_uri, "interval": {"steps": 10}}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "RANK", "WORLD_SIZE"))}
+    env.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": "t", **(extra_env or {})})
+    return subprocess.run([sys.executable, "-m", "trainingrun_trainer"], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_trains_checkpoints_and_resumes_where_it_stopped(tmp_path):
+    uri = f"file://{tmp_path}/ckpt"
+    first = run_trainer(tmp_path, {**TINY, "maxSteps": 20}, uri)
+    assert first.returncode == exit_codes.OK, first.stderr[-3000:]
+    steps = sorted(i.step for i in CheckpointStore(uri).list() if i.valid)
+    assert steps == [10, 20]
+    second = run_trainer(tmp_path, {**TINY, "maxSteps": 30}, uri)
+    assert second.returncode == exit_codes.OK, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "at step 20" in second.stderr
+    assert max(i.step for i in CheckpointStore(uri).list() if i.valid) == 30
+
+
+def test_bad_class_path_fails_fast_with_a_permanent_code(tmp_path):
+    trainer = {**TINY, "model": {"classPath": "trainingrun_trainer.models.NoSuchModel"}}
+    result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/ckpt")
+    assert result.returncode == exit_codes.CONFIG_ERROR
+    assert "spec.trainer.model.classPath" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_config_variable(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRAININGRUN_CONFIG"}
+    result = subprocess.run([sys.executable, "-m", "trainingrun_trainer"], env=env, capture_output=True, text=True)
+    assert result.returncode == exit_codes.CONFIG_ERROR and "TRAININGRUN_CONFIG is not set" in result.stderr

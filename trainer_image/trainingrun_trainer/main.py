@@ -1,0 +1,82 @@
+"""Entry point: read the contract and the config, check everything that can be checked before any
+process group exists, then train. Every failure ends in an exit code that tells the operator (or
+`trainingrun local`) whether retrying can help; see `exit_codes`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional, Sequence
+
+import yaml
+from pydantic import ValidationError
+
+from . import exit_codes
+from .config import RunConfig
+from .context import ContextError, RunContext
+
+log = logging.getLogger("trainingrun.trainer")
+
+
+def load_config(path: str) -> RunConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as error:
+        raise ConfigError(f"cannot read the trainer config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"the trainer config {path} is not valid YAML: {error}") from None
+    try:
+        return RunConfig.from_wire(data or {})
+    except ValidationError as error:
+        lines = [
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors(include_url=False)
+        ]
+        raise ConfigError(f"invalid trainer config {path}:\n  " + "\n  ".join(lines)) from None
+
+
+class ConfigError(ValueError):
+    """Raised for problems that no retry can fix."""
+
+
+def preflight(config: RunConfig, device_type: str) -> None:
+    """Checks that need no process group: classes import, arguments fit, precision runs here."""
+    from . import components, precision
+
+    components.check(config.trainer.model, "spec.trainer.model")
+    components.check(config.trainer.data.dataset, "spec.trainer.data.dataset", split="train")
+    precision.check_supported(config.trainer.precision, device_type)
+
+
+def configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        context = RunContext.from_env()
+    except ContextError as error:
+        print(f"trainingrun-trainer: {error}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+    configure_logging(context.rank)
+
+    import torch
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        config = load_config(context.config_path)
+        if context.checkpoint_uri:
+            config.checkpoint.uri = context.checkpoint_uri
+        preflight(config, device_type)
+    except ValueError as error:  # ConfigError, components.ConfigError, precision checks
+        log.error("%s", error)
+        print(f"trainingrun-trainer: {error}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+
+    from .trainer import Trainer
+
+    return Trainer(config, context, device_type).run()
