@@ -67,6 +67,29 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    # Imported here: the operator image has no torch; this command runs where the trainer extra is.
+    try:
+        from trainingrun_trainer import checkpoint
+    except ImportError as error:
+        print(f"trainingrun checkpoints needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
+              file=sys.stderr)
+        return 1
+    try:
+        store = checkpoint.CheckpointStore(args.uri, endpoint_url=args.endpoint_url)
+        infos = store.list()
+    except (OSError, ValueError) as error:
+        print(f"cannot list checkpoints under {args.uri}: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(checkpoint.to_json(infos))
+    elif infos:
+        print(checkpoint.format_table(infos))
+    else:
+        print(f"no checkpoints under {args.uri}")
+    return 0
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -103,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attempt", type=positive_int, default=1, help="attempt number (default 1)")
     p.add_argument("--resume-from", metavar="URI", help="checkpoint the attempt resumes from (TRAININGRUN_RESUME_FROM)")
     p.set_defaults(func=cmd_render)
+
+    p = commands.add_parser("checkpoints", help="list the checkpoints under a URI",
+                            description="List the checkpoints under a run's checkpoint URI, newest first, "
+                                        "verifying each against its manifest; invalid ones are marked with the reason.")
+    p.add_argument("uri", metavar="URI", help="gs://, s3:// or file:// URI of a run's checkpoints")
+    p.add_argument("--json", action="store_true", help="print a JSON list (step, valid, model_digest, uri, time, ...)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
+    p.set_defaults(func=cmd_checkpoints)
     return parser
 
 

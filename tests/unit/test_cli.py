@@ -16,7 +16,7 @@ def run_cli(*argv):
     )
 
 
-@pytest.mark.parametrize("command", [[], ["crd"], ["validate"], ["render"]])
+@pytest.mark.parametrize("command", [[], ["crd"], ["validate"], ["render"], ["checkpoints"]])
 def test_help_on_every_command(command):
     result = run_cli(*command, "--help")
     assert result.returncode == 0
@@ -127,3 +127,28 @@ def test_render_rejects_invalid_input_and_bad_attempt(tmp_path, capsys):
     assert "did you mean 'replicas'" in capsys.readouterr().err
     result = run_cli("render", str(EXAMPLES[0]), "--attempt", "0")
     assert result.returncode == 2 and "must be 1 or more" in result.stderr
+
+
+def test_checkpoints_lists_valid_and_invalid(tmp_path, capsys):
+    import json
+
+    import torch
+
+    from trainingrun_trainer.checkpoint import CheckpointStore
+
+    uri = f"file://{tmp_path}/ckpt"
+    store = CheckpointStore(uri, keep=5)
+    for step in (10, 20):
+        store.save(step, {"model": {"w": torch.full((4,), float(step))}}, {"step": step}, model_digest=f"d{step}",
+                   blocking=True)
+    store.close()
+    (tmp_path / "ckpt" / "step-00000020" / "manifest.json").unlink()  # as if the save died before its commit
+    assert cli.main(["checkpoints", uri, "--json"]) == 0
+    listed = {c["step"]: c for c in json.loads(capsys.readouterr().out)}
+    assert listed[10]["valid"] is True and listed[10]["model_digest"] == "d10"
+    assert listed[20]["valid"] is False and "no manifest" in listed[20]["reason"]
+    assert cli.main(["checkpoints", uri]) == 0
+    table = capsys.readouterr().out
+    assert "STEP" in table and "no manifest (partial save)" in table
+    assert cli.main(["checkpoints", f"file://{tmp_path}/empty"]) == 0
+    assert "no checkpoints under" in capsys.readouterr().out
