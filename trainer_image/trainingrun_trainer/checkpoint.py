@@ -747,6 +747,8 @@ class CheckpointStore:
         self.last_save_bytes = sum(size for size, _ in record.values())
         if self.rank == 0:
             self.last_save_bytes += self._manifest_bytes
+            logger.info("committed checkpoint step %d to %s (%d bytes, %.2f s)", job.step, info.uri,
+                        info.size_bytes, self.last_save_seconds)
             try:
                 self._rotate()
             except Exception as exc:
