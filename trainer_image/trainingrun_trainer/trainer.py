@@ -171,7 +171,15 @@ class Trainer:
             # Per-rank streams cannot be mapped to another world size; derive fresh, reproducible ones.
             seed_everything(self.cfg.seed + self.step, self.context.rank)
 
+    def _report_committed(self) -> None:
+        """Finish the in-flight save (the next save would wait for it anyway) and report it."""
+        info = self.store.wait()
+        if info is not None and self.context.is_rank_zero:
+            self.reporter.report(lastGoodCheckpoint={"uri": info.uri, "step": info.step, "time": info.time,
+                                                     "sha256": info.manifest_sha256})
+
     def _save(self, blocking: bool) -> None:
+        self._report_committed()
         self.store.save(
             self.step,
             self._state(),
@@ -236,7 +244,7 @@ class Trainer:
         self.last_save_time = time.monotonic()
         batches = self._batches()
         code = self._loop(batches)
-        self.store.wait()
+        self._report_committed()
         self.reporter.close()
         if self.distributed:
             dist.destroy_process_group()
