@@ -22,12 +22,22 @@ TRAINER = {
     "gradAccumulationSteps": 2,
     "ema": {"enabled": True},
 }
+# The masked autoencoder draws its masks from the torch RNG, and evaluation runs between
+# checkpoints: resume must restore RNG streams and evaluation must not disturb them.
+MAE_TRAINER = {
+    **TRAINER,
+    "model": {"classPath": "trainingrun_trainer.models.MaskedAutoencoder",
+              "initArgs": {"imageSize": 8, "patchSize": 4, "dim": 16, "layers": 1, "heads": 2, "decoderDim": 8}},
+    "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticImages",
+                         "initArgs": {"numSamples": 4096, "imageSize": 8}}, "batchSize": 8},
+    "eval": {"intervalSteps": 7, "batches": 2},
+}
 
 
-def torchrun(tmp_path: Path, name: str, nproc: int = 2) -> subprocess.Popen:
+def torchrun(tmp_path: Path, name: str, nproc: int = 2, trainer: dict = TRAINER) -> subprocess.Popen:
     config = tmp_path / f"{name}.yaml"
     uri = f"file://{tmp_path}/{name}"
-    config.write_text(yaml.safe_dump({"trainer": TRAINER, "checkpoint": {"uri": uri, "interval": {"steps": 10}}}))
+    config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": uri, "interval": {"steps": 10}}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
     env.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": name, "OMP_NUM_THREADS": "1"})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -59,13 +69,17 @@ def kill_one_worker_at(process: subprocess.Popen, *markers: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_after_step", [11, 15], ids=["right-after-a-checkpoint", "between-checkpoints"])
-def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, kill_after_step):
-    reference = torchrun(tmp_path, "reference")
+@pytest.mark.parametrize(
+    "kill_after_step,trainer",
+    [(11, TRAINER), (15, TRAINER), (15, MAE_TRAINER)],
+    ids=["right-after-a-checkpoint", "between-checkpoints", "mae-with-eval-between-checkpoints"],
+)
+def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, kill_after_step, trainer):
+    reference = torchrun(tmp_path, "reference", trainer=trainer)
     _, err = reference.communicate(timeout=300)
     assert reference.returncode == 0, err[-3000:]
 
-    interrupted = torchrun(tmp_path, "interrupted")
+    interrupted = torchrun(tmp_path, "interrupted", trainer=trainer)
     log = kill_one_worker_at(
         interrupted,
         "committed checkpoint step 10 ",  # the kill must come after the commit, else nothing to resume from
@@ -73,7 +87,7 @@ def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, kill_after_step):
     )
     assert interrupted.returncode != 0, "".join(log[-30:])
 
-    resumed = torchrun(tmp_path, "interrupted")
+    resumed = torchrun(tmp_path, "interrupted", trainer=trainer)
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 10" in err

@@ -50,3 +50,11 @@ def test_missing_config_variable(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRAININGRUN_CONFIG"}
     result = subprocess.run([sys.executable, "-m", "trainingrun_trainer"], env=env, capture_output=True, text=True)
     assert result.returncode == exit_codes.CONFIG_ERROR and "TRAININGRUN_CONFIG is not set" in result.stderr
+
+
+def test_periodic_evaluation_on_the_held_out_split(tmp_path):
+    trainer = {**TINY, "maxSteps": 20, "eval": {"intervalSteps": 10, "batches": 2}, "ema": {"enabled": True}}
+    result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/ckpt")
+    assert result.returncode == exit_codes.OK, result.stderr[-3000:]
+    evals = [line for line in result.stderr.splitlines() if "eval step" in line]
+    assert len(evals) == 2 and "eval step 10 eval_loss" in evals[0] and "eval_loss_ema" in evals[0]

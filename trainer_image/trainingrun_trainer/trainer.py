@@ -8,6 +8,7 @@ computes the same steps an uninterrupted run would, and in deterministic mode th
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -36,6 +37,10 @@ from .seeding import rng_state, seed_everything, set_rng_state, use_deterministi
 log = logging.getLogger("trainingrun.trainer")
 
 
+def rfc3339_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def config_hash(config: RunConfig) -> str:
     """Identifies the training recipe; the checkpoint URI is left out so a run can move buckets."""
     recipe = config.trainer.to_wire()
@@ -50,6 +55,8 @@ class Trainer:
         self.cfg = config.trainer
         self.stop_requested = False
         self.step = 0
+        #: Step time that produced the current weights, summed over attempts (goodput's numerator).
+        self.productive_seconds = 0.0
 
     # ------------------------------------------------------------ setup
 
@@ -106,6 +113,9 @@ class Trainer:
             samples_per_step=data.batch_size * self.cfg.grad_accumulation_steps,
         )
         self.global_batch = data.batch_size * self.context.world_size
+        self.eval_dataset = None
+        if self.cfg.eval.interval_steps:
+            self.eval_dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="eval")
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
@@ -144,6 +154,7 @@ class Trainer:
     def _extra(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "productive_seconds": self.productive_seconds,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
@@ -161,6 +172,8 @@ class Trainer:
         if self.ema:
             self.ema.load_state_dict(state["ema"])
         self.step = int(extra["step"])
+        # Work after this checkpoint is lost; only the time that produced this state still counts.
+        self.productive_seconds = float(extra.get("productive_seconds", 0.0))
         self.scheduler.load_state_dict(extra["scheduler"])
         self.scaler.load_state_dict(extra["scaler"])
         self.sampler.load_state_dict(extra["sampler"])
@@ -250,10 +263,55 @@ class Trainer:
             dist.destroy_process_group()
         return code
 
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, float]:
+        """Mean loss on the held-out split (and with EMA weights when enabled), over all ranks.
+
+        Each rank reads its own slice of the first `batches` global batches, so the figure does not
+        depend on the world size more than rounding. RNG is forked so evaluation never changes
+        the training stream: a resumed run and an uninterrupted one stay identical.
+        """
+        assert self.eval_dataset is not None
+        cfg = self.cfg
+        per_rank = cfg.data.batch_size
+        world, rank = self.context.world_size, self.context.rank
+        count = min(len(self.eval_dataset) // world, cfg.eval.batches * per_rank)
+        indices = list(range(rank, count * world, world))
+        loader = DataLoader(torch.utils.data.Subset(self.eval_dataset, indices), batch_size=per_rank)
+
+        def mean_loss() -> float:
+            total = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for batch in loader:
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                with self.plan.autocast():
+                    total[0] += float(self.model(batch)) * len(next(iter(batch.values())))
+                total[1] += len(next(iter(batch.values())))
+            if self.distributed:
+                dist.all_reduce(total)
+            return float(total[0] / max(total[1], 1))
+
+        results = {}
+        with torch.random.fork_rng(devices=[self.device] if self.device_type == "cuda" else []):
+            self.model.eval()
+            try:
+                results["eval_loss"] = mean_loss()
+                if self.ema:
+                    live = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+                    self.ema.copy_to(self.model)
+                    try:
+                        results["eval_loss_ema"] = mean_loss()
+                    finally:
+                        for name, p in self.model.named_parameters():
+                            p.copy_(live[name])
+            finally:
+                self.model.train()
+        return results
+
     def _loop(self, batches: Iterator[dict[str, torch.Tensor]]) -> int:
         cfg, ckpt = self.cfg, self.config.checkpoint
         window_start, window_steps = time.monotonic(), 0
         while self.step < cfg.max_steps:
+            step_started = time.monotonic()
             loss, grad_norm = self._train_step(batches)
             verdict = self.guard.observe(self.step + 1, math.isfinite(loss), math.isfinite(grad_norm))
             if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.plan.precision == "16-mixed"):
@@ -274,6 +332,11 @@ class Trainer:
             self.scheduler.step()
             self.step += 1
             window_steps += 1
+            self.productive_seconds += time.monotonic() - step_started
+
+            if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
+                results = self._evaluate()
+                log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
                 elapsed = time.monotonic() - window_start
@@ -282,7 +345,9 @@ class Trainer:
                          loss, grad_norm, self.scheduler.get_last_lr()[0], rate)
                 self.reporter.report(progress={"step": self.step, "totalSteps": cfg.max_steps,
                                                "loss": loss if math.isfinite(loss) else None,
-                                               "samplesPerSecond": rate})
+                                               "samplesPerSecond": rate,
+                                               "productiveSeconds": round(self.productive_seconds, 3),
+                                               "updatedAt": rfc3339_now()})
                 window_start, window_steps = time.monotonic(), 0
 
             interval = ckpt.interval

@@ -1,0 +1,316 @@
+"""Trainer overhead: `python -m trainingrun_trainer` vs a bare hand-written DDP loop.
+
+What is measured
+    The wall time of the same training steps done two ways, on the same model
+    (`trainingrun_trainer.models.CharTransformer`, default dim 128, 2 layers, 4 heads, context 64,
+    about 0.44 M parameters), the same data (`trainingrun_trainer.data.SyntheticText`, read through a
+    DataLoader with `num_workers=0` on both sides), the same batch size per rank, the same number of
+    steps and the same number of processes (default 2, torchrun + gloo on CPU, nccl on CUDA):
+
+    * bare: a loop written in this file and run under torchrun too: DDP, AdamW (the trainer's
+      hyper-parameters and decay groups), the same LR schedule (cosine with linear warmup, a
+      LambdaLR), `loss.backward()`, `clip_grad_norm_`, `optimizer.step()`, `scheduler.step()`,
+      `zero_grad`, and nothing else (it logs a "step N/M" line every log interval, as the trainer
+      does, so both sides are timed the same way).
+    * trainer: `python -m torch.distributed.run --standalone --nproc-per-node N -m trainingrun_trainer`
+      with a generated config (TRAININGRUN_CONFIG) and a file:// checkpoint store in a temp dir.
+      Row "trainer (final save only)": checkpoint interval so large that only the final blocking
+      save happens, after the timed window. Row "trainer (async ckpt every K)": periodic async
+      checkpoints inside the timed window as well (`--checkpoint-every`, 0 drops the row).
+
+How
+    Process start, imports, model build, rendezvous and the final save are excluded on both
+    sides: each side logs "step N/M ..." every `--log-interval` steps with a millisecond
+    `%(asctime)s` timestamp (rank 0's lines are parsed), and the figure is the time between the
+    logged step `--warmup-steps` (the first window is warm-up and is skipped) and the last logged
+    step (`--steps`). OMP_NUM_THREADS is set to `--threads` (default 1) for every process, so 2
+    processes on 2 cores do not oversubscribe. Each side runs `--repeats` times (default 3), the
+    order of the sides rotating each round so slow drift of the machine hits every side alike;
+    the median is reported, with every run's figure beside it.
+
+Target
+    overhead_ratio = trainer_seconds / bare_seconds <= 1.03 (medians, final-save-only trainer row).
+
+Run by hand, never by the test suite:
+    /work/venv/bin/python benchmarks/trainer_overhead.py            # defaults: CPU, ~3-4 minutes
+    /work/venv/bin/python benchmarks/trainer_overhead.py --device cuda --nproc 8 --dim 1024 \
+        --layers 12 --heads 16 --context 256 --batch-size 32 --steps 500 --threads 4
+The last line is `result: overhead_ratio=<x> trainer_seconds=<x> bare_seconds=<x> ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+STEP_LINE = re.compile(
+    r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO [\w.]+: step (?P<step>\d+)/(?P<total>\d+)\b"
+)
+PEAK_LR = 3e-4
+WEIGHT_DECAY = 0.01
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+MIN_LR_RATIO = 0.1
+CLIP = 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# The bare loop (runs inside torchrun workers: `trainer_overhead.py --bare-worker SPEC.json`)
+
+
+def bare_worker(spec_path: str) -> int:
+    """DDP + AdamW + LambdaLR cosine + backward + clip + step; nothing else."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from trainingrun_trainer.data import SyntheticText
+    from trainingrun_trainer.models import CharTransformer
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s rank{rank} %(levelname)s bench.bare: %(message)s")
+    log = logging.getLogger("bench.bare")
+
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if spec["device"] == "cuda" else "gloo")
+    torch.manual_seed(spec["seed"])
+
+    model = CharTransformer(vocab_size=128, dim=spec["dim"], layers=spec["layers"], heads=spec["heads"],
+                            context_length=spec["context"]).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if spec["device"] == "cuda" else None)
+    # The trainer's groups: no weight decay for biases, norms and embeddings.
+    no_decay_ids = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.Embedding))
+                    for p in m.parameters(recurse=False)}
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and id(p) not in no_decay_ids]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and id(p) not in no_decay_ids)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=PEAK_LR, betas=BETAS, eps=EPS)
+    steps, warmup = spec["steps"], spec["lr_warmup"]
+
+    def lr_factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    dataset = SyntheticText(num_samples=spec["num_samples"], context_length=spec["context"], vocab_size=128,
+                            seed=spec["seed"], split="train")
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec["seed"],
+                                 drop_last=True)
+    loader = DataLoader(dataset, batch_size=spec["batch_size"], sampler=sampler, drop_last=True, num_workers=0)
+    autocast_dtype = torch.bfloat16 if spec["precision"] == "bf16-mixed" else None
+
+    step, epoch = 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = ddp(batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % spec["log_interval"] == 0 or step == steps:
+                log.info("step %d/%d loss %.4f", step, steps, loss.item())  # .item(): same sync point as the trainer
+            if step >= steps:
+                break
+        epoch += 1
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+
+
+def parse_step_times(text: str) -> dict[int, float]:
+    """{step: unix time} of rank 0's "step N/M" log lines."""
+    out = {}
+    for line in text.splitlines():
+        match = STEP_LINE.match(line.strip())
+        if match:
+            stamp = datetime.strptime(match["time"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out[int(match["step"])] = stamp
+    return out
+
+
+def trainer_config(args: argparse.Namespace, checkpoint_uri: str, checkpoint_every: int) -> dict:
+    return {
+        "trainer": {
+            "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
+                      "initArgs": {"vocabSize": 128, "dim": args.dim, "layers": args.layers, "heads": args.heads,
+                                   "contextLength": args.context}},
+            "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
+                                 "initArgs": {"numSamples": args.num_samples, "contextLength": args.context,
+                                              "vocabSize": 128}},
+                     "batchSize": args.batch_size, "numWorkers": 0},
+            "optimizer": {"name": "adamw", "lr": PEAK_LR, "weightDecay": WEIGHT_DECAY, "beta1": BETAS[0],
+                          "beta2": BETAS[1], "eps": EPS, "noDecayForBiasAndNorm": True},
+            "schedule": {"name": "cosine", "warmupSteps": args.lr_warmup, "minLrRatio": MIN_LR_RATIO},
+            "maxSteps": args.steps,
+            "gradClipNorm": CLIP,
+            "precision": args.precision,
+            "seed": args.seed,
+            "logIntervalSteps": args.log_interval,
+        },
+        "checkpoint": {"uri": checkpoint_uri, "interval": {"steps": checkpoint_every}, "keep": 2,
+                       "asyncSave": True},
+    }
+
+
+def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) -> dict:
+    """One torchrun launch; returns {'seconds', 'wall', 'steps'} of the timed window."""
+    import yaml
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KUBERNETES_", "TRAININGRUN_", "PET_"))}
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer picks cuda whenever it sees one
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    rundir = workdir / run_id
+    rundir.mkdir()
+    if kind == "bare":
+        spec = {"device": args.device, "dim": args.dim, "layers": args.layers, "heads": args.heads,
+                "context": args.context, "batch_size": args.batch_size, "num_samples": args.num_samples,
+                "steps": args.steps, "lr_warmup": args.lr_warmup, "log_interval": args.log_interval,
+                "seed": args.seed, "precision": args.precision}
+        (rundir / "spec.json").write_text(json.dumps(spec))
+        command = launcher + [str(Path(__file__).resolve()), "--bare-worker", str(rundir / "spec.json")]
+    else:
+        every = args.checkpoint_every if kind == "trainer-ckpt" else 10**9
+        config = trainer_config(args, (rundir / "ckpt").resolve().as_uri(), every)
+        (rundir / "config.yaml").write_text(yaml.safe_dump(config))
+        env.update({"TRAININGRUN_CONFIG": str(rundir / "config.yaml"), "TRAININGRUN_NAME": "bench"})
+        command = launcher + ["-m", "trainingrun_trainer"]
+    began = time.perf_counter()
+    proc = subprocess.run(command, env=env, cwd=rundir, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - began
+    output = proc.stderr + proc.stdout
+    (rundir / "output.log").write_text(output)
+    if proc.returncode != 0:
+        tail = "\n".join(output.splitlines()[-30:])
+        raise SystemExit(f"{kind} run {run_id} exited {proc.returncode}; log {rundir / 'output.log'}:\n{tail}")
+    times = parse_step_times(output)
+    start, end = args.warmup_steps, args.steps
+    if start not in times or end not in times:
+        raise SystemExit(f"{kind} run {run_id}: no 'step {start}/..' or 'step {end}/..' line from rank 0 "
+                         f"(found steps {sorted(times)}); log {rundir / 'output.log'}")
+    return {"seconds": times[end] - times[start], "wall": wall, "steps": end - start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Target: overhead_ratio = trainer / bare <= 1.03.")
+    parser.add_argument("--bare-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("--nproc", type=int, default=2, help="processes per side, torchrun --nproc-per-node (default 2)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu (gloo) or cuda (nccl, one GPU per process) (default cpu)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (default 1)")
+    parser.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--context", type=int, default=64, help="context length in tokens (default 64)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per process per step (default 16)")
+    parser.add_argument("--num-samples", type=int, default=10000, help="SyntheticText samples (default 10000)")
+    parser.add_argument("--steps", type=int, default=160, help="optimizer steps per run (default 160)")
+    parser.add_argument("--log-interval", type=int, default=10, help="steps between log lines (default 10)")
+    parser.add_argument("--warmup-steps", type=int, default=20,
+                        help="timing starts at this logged step; a multiple of --log-interval (default 20)")
+    parser.add_argument("--lr-warmup", type=int, default=10, help="linear LR warmup steps of the schedule (default 10)")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="precision on both sides (default 32-true)")
+    parser.add_argument("--checkpoint-every", type=int, default=50,
+                        help="steps between async checkpoints in the extra trainer row; 0 drops it (default 50)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, rotating order (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of both sides (default 0)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one launch may take (default 600)")
+    parser.add_argument("--keep", metavar="DIR", help="write configs and logs of every run below DIR (default: temp dir, deleted)")
+    args = parser.parse_args(argv)
+    if args.bare_worker:
+        return bare_worker(args.bare_worker)
+    if args.warmup_steps % args.log_interval or not 0 < args.warmup_steps < args.steps:
+        parser.error("--warmup-steps must be a positive multiple of --log-interval below --steps")
+    if args.steps % args.log_interval:
+        parser.error("--steps must be a multiple of --log-interval")
+
+    sides = [("bare", "bare DDP loop"), ("trainer", "trainer (final save only)")]
+    if args.checkpoint_every:
+        sides.append(("trainer-ckpt", f"trainer (async ckpt every {args.checkpoint_every})"))
+    results: dict[str, list[dict]] = {kind: [] for kind, _ in sides}
+
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trainer-overhead-") as tmp:
+        workdir = Path(args.keep) if args.keep else Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for round_ in range(args.repeats):
+            order = sides[round_ % len(sides):] + sides[:round_ % len(sides)]
+            for kind, _ in order:
+                result = run_side(kind, args, workdir, f"r{round_ + 1}-{kind}-{os.getpid()}")
+                results[kind].append(result)
+                print(f"  round {round_ + 1}: {kind:<13} {result['seconds']:8.3f} s timed "
+                      f"({result['wall']:.1f} s with start-up)", flush=True)
+    total = time.perf_counter() - began
+
+    timed = args.steps - args.warmup_steps
+    medians = {kind: statistics.median(r["seconds"] for r in runs) for kind, runs in results.items()}
+    bare = medians["bare"]
+    print()
+    print(f"CharTransformer dim={args.dim} layers={args.layers} heads={args.heads} context={args.context}; "
+          f"batch {args.batch_size}/process x {args.nproc} processes ({args.device}, "
+          f"{'nccl' if args.device == 'cuda' else 'gloo'}, {args.precision}, OMP_NUM_THREADS={args.threads})")
+    print(f"timed: steps {args.warmup_steps} -> {args.steps} ({timed} steps) from rank 0's log timestamps; "
+          f"{args.repeats} runs per side, order rotating; benchmark wall time {total:.0f} s")
+    print()
+    runs_header = "  ".join(f"{'run ' + str(i + 1):>8}" for i in range(args.repeats))
+    header = f"{'side':<32}{runs_header}  {'median s':>9}  {'spread':>7}  {'steps/s':>8}  {'ms/step':>8}  {'vs bare':>8}"
+    print(header)
+    print("-" * len(header))
+    for kind, label in sides:
+        runs = [r["seconds"] for r in results[kind]]
+        median = medians[kind]
+        spread = (max(runs) - min(runs)) / median
+        cells = "  ".join(f"{s:8.3f}" for s in runs)
+        print(f"{label:<32}{cells}  {median:9.3f}  {spread:6.1%}  {timed / median:8.2f}  "
+              f"{1000 * median / timed:8.2f}  {median / bare:8.3f}")
+    print()
+    ratio = medians["trainer"] / bare
+    verdict = "met" if ratio <= 1.03 else "NOT met"
+    print(f"overhead_ratio = trainer / bare = {medians['trainer']:.3f} / {bare:.3f} = {ratio:.3f} "
+          f"(target <= 1.03: {verdict})")
+    extra = ""
+    if "trainer-ckpt" in medians:
+        ckpt_ratio = medians["trainer-ckpt"] / bare
+        print(f"with async checkpoints every {args.checkpoint_every} steps: {ckpt_ratio:.3f} x bare")
+        extra = f" ckpt_overhead_ratio={ckpt_ratio:.4f} ckpt_trainer_seconds={medians['trainer-ckpt']:.3f}"
+    print(f"result: overhead_ratio={ratio:.4f} trainer_seconds={medians['trainer']:.3f} bare_seconds={bare:.3f}"
+          f"{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
