@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -146,6 +147,87 @@ def bare_worker(spec_path: str) -> int:
 # Driver
 
 
+class CpuMonitor(threading.Thread):
+    """Samples, every `period` seconds, the machine's busy and stolen CPU seconds (/proc/stat) and the
+    CPU seconds of the launched process tree (/proc/<pid>/stat), so a run can say how much CPU other
+    processes on the machine took during its timed window ("foreign" cores). Linux only; elsewhere
+    the figures are NaN."""
+
+    def __init__(self, root_pid: int, period: float = 0.5):
+        super().__init__(daemon=True)
+        self.root_pid = root_pid
+        self.period = period
+        self.samples: list[tuple[float, float, float, float]] = []  # (unix time, busy, steal, ours)
+        self._stop_event = threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def _machine(self) -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        return (user + nice + system + irq + softirq) / self._tick, steal / self._tick
+
+    def _ours(self) -> float:
+        parents, cpu = {}, {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(rest[1])
+            cpu[int(entry)] = (int(rest[11]) + int(rest[12])) / self._tick
+        tree, total = {self.root_pid}, 0.0
+        changed = True
+        while changed:
+            changed = False
+            for pid, ppid in parents.items():
+                if ppid in tree and pid not in tree:
+                    tree.add(pid)
+                    changed = True
+        return sum(cpu.get(pid, 0.0) for pid in tree)
+
+    def sample(self) -> None:
+        try:
+            busy, steal = self._machine()
+            self.samples.append((time.time(), busy, steal, self._ours()))
+        except (OSError, ValueError, IndexError):
+            pass
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.sample()
+            self._stop_event.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def window(self, start: float, end: float) -> dict[str, float]:
+        """Figures between the first and the last sample inside [start, end] (unix times; inside,
+        so the process tree is complete at both ends): `foreign` and `steal` cores (averages),
+        `ours` (CPU seconds of the launched tree) and the sub-window's `begin` and `end` times.
+        NaN when fewer than two samples fall inside."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return {"foreign": math.nan, "steal": math.nan, "ours": math.nan, "begin": start, "end": end}
+        a, b = inside[0], inside[-1]
+        span = b[0] - a[0]
+        return {"foreign": max(0.0, (b[1] - a[1]) - (b[3] - a[3])) / span, "steal": (b[2] - a[2]) / span,
+                "ours": b[3] - a[3], "begin": a[0], "end": b[0]}
+
+
+def steps_at(times: dict[int, float], when: float) -> float:
+    """Optimizer steps done at unix time `when`, interpolated linearly between logged steps."""
+    points = sorted(times.items())
+    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        if t0 <= when <= t1:
+            return s0 + (s1 - s0) * (when - t0) / max(t1 - t0, 1e-9)
+    return math.nan
+
+
 def parse_step_times(text: str) -> dict[int, float]:
     """{step: unix time} of rank 0's "step N/M" log lines."""
     out = {}
@@ -207,19 +289,36 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         env.update({"TRAININGRUN_CONFIG": str(rundir / "config.yaml"), "TRAININGRUN_NAME": "bench"})
         command = launcher + ["-m", "trainingrun_trainer"]
     began = time.perf_counter()
-    proc = subprocess.run(command, env=env, cwd=rundir, capture_output=True, text=True, timeout=args.timeout)
+    log_path = rundir / "output.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(command, env=env, cwd=rundir, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        monitor = CpuMonitor(proc.pid)
+        monitor.start()
+        try:
+            returncode = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise SystemExit(f"{kind} run {run_id} took longer than --timeout {args.timeout:.0f} s; log {log_path}")
+        finally:
+            monitor.stop()
     wall = time.perf_counter() - began
-    output = proc.stderr + proc.stdout
-    (rundir / "output.log").write_text(output)
-    if proc.returncode != 0:
+    output = log_path.read_text()
+    if returncode != 0:
         tail = "\n".join(output.splitlines()[-30:])
-        raise SystemExit(f"{kind} run {run_id} exited {proc.returncode}; log {rundir / 'output.log'}:\n{tail}")
+        raise SystemExit(f"{kind} run {run_id} exited {returncode}; log {log_path}:\n{tail}")
     times = parse_step_times(output)
     start, end = args.warmup_steps, args.steps
     if start not in times or end not in times:
         raise SystemExit(f"{kind} run {run_id}: no 'step {start}/..' or 'step {end}/..' line from rank 0 "
                          f"(found steps {sorted(times)}); log {rundir / 'output.log'}")
-    return {"seconds": times[end] - times[start], "wall": wall, "steps": end - start}
+    window = monitor.window(times[start], times[end])
+    steps_sampled = steps_at(times, window["end"]) - steps_at(times, window["begin"])
+    # CPU seconds of all processes of this side per optimizer step: the work done, which contention
+    # from other processes on the machine changes far less than it changes wall time.
+    cpu_ms = 1000 * window["ours"] / steps_sampled if steps_sampled > 0 else math.nan
+    return {"seconds": times[end] - times[start], "wall": wall, "steps": end - start,
+            "foreign": window["foreign"], "steal": window["steal"], "cpu_ms": cpu_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_side(kind, args, workdir, f"r{round_ + 1}-{kind}-{os.getpid()}")
                 results[kind].append(result)
                 print(f"  round {round_ + 1}: {kind:<13} {result['seconds']:8.3f} s timed "
-                      f"({result['wall']:.1f} s with start-up)", flush=True)
+                      f"({result['wall']:.1f} s with start-up); other processes used "
+                      f"{result['foreign']:.2f} cores, hypervisor stole {result['steal']:.2f}; "
+                      f"{result['cpu_ms']:.1f} CPU ms/step", flush=True)
     total = time.perf_counter() - began
 
     timed = args.steps - args.warmup_steps
@@ -287,16 +388,29 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats} runs per side, order rotating; benchmark wall time {total:.0f} s")
     print()
     runs_header = "  ".join(f"{'run ' + str(i + 1):>8}" for i in range(args.repeats))
-    header = f"{'side':<32}{runs_header}  {'median s':>9}  {'spread':>7}  {'steps/s':>8}  {'ms/step':>8}  {'vs bare':>8}"
+    header = (f"{'side':<32}{runs_header}  {'median s':>9}  {'min s':>8}  {'spread':>7}  {'steps/s':>8}  "
+              f"{'ms/step':>8}  {'vs bare':>8}  {'min vs bare':>11}  {'CPU ms/step':>11}  {'vs bare':>8}  {'foreign':>7}")
     print(header)
     print("-" * len(header))
+    best_bare = min(r["seconds"] for r in results["bare"])
+    cpu = {kind: statistics.median(r["cpu_ms"] for r in runs) for kind, runs in results.items()}
+    worst_foreign = 0.0
     for kind, label in sides:
         runs = [r["seconds"] for r in results[kind]]
         median = medians[kind]
         spread = (max(runs) - min(runs)) / median
+        foreign = max(r["foreign"] for r in results[kind])
+        worst_foreign = max(worst_foreign, foreign) if not math.isnan(foreign) else worst_foreign
         cells = "  ".join(f"{s:8.3f}" for s in runs)
-        print(f"{label:<32}{cells}  {median:9.3f}  {spread:6.1%}  {timed / median:8.2f}  "
-              f"{1000 * median / timed:8.2f}  {median / bare:8.3f}")
+        print(f"{label:<32}{cells}  {median:9.3f}  {min(runs):8.3f}  {spread:6.1%}  {timed / median:8.2f}  "
+              f"{1000 * median / timed:8.2f}  {median / bare:8.3f}  {min(runs) / best_bare:11.3f}  "
+              f"{cpu[kind]:11.1f}  {cpu[kind] / cpu['bare']:8.3f}  {foreign:7.2f}")
+    print("spread = (max - min) / median. CPU ms/step = CPU time of all processes of a side (every rank, "
+          "all threads) per step, median of runs.\nforeign = the most CPU cores that other processes on this "
+          "machine took during a timed window of that side.")
+    if worst_foreign > 0.1 * os.cpu_count():
+        print(f"WARNING: other processes took up to {worst_foreign:.2f} of {os.cpu_count()} cores during timed "
+              "windows; the figures include their interference. Re-run on a quiet machine.")
     print()
     ratio = medians["trainer"] / bare
     verdict = "met" if ratio <= 1.03 else "NOT met"
@@ -307,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_ratio = medians["trainer-ckpt"] / bare
         print(f"with async checkpoints every {args.checkpoint_every} steps: {ckpt_ratio:.3f} x bare")
         extra = f" ckpt_overhead_ratio={ckpt_ratio:.4f} ckpt_trainer_seconds={medians['trainer-ckpt']:.3f}"
+    cpu_ratio = cpu["trainer"] / cpu["bare"]
+    print(f"CPU time per step, trainer / bare = {cpu_ratio:.3f} (less sensitive to other load on the machine)")
     print(f"result: overhead_ratio={ratio:.4f} trainer_seconds={medians['trainer']:.3f} bare_seconds={bare:.3f}"
-          f"{extra}")
+          f" cpu_overhead_ratio={cpu_ratio:.4f}{extra}")
     return 0
 
 

@@ -1,5 +1,27 @@
-"""trainingrun_trainer: the in-pod training runtime of trainingrun-operator.
+"""trainingrun_trainer: the in-pod training runtime of trainingrun-operator, and a small library.
 
-`trainingrun_trainer.config` imports no torch, so the operator can validate trainer configs.
+`python -m trainingrun_trainer` runs the built-in trainer under torchrun. A script with its own loop
+uses `Run` (checkpoint store, resume, preemption, status reporting) the same way; see
+examples/custom_loop.py. `trainingrun_trainer.config` imports no torch, so the operator can validate
+trainer configs.
 """
 __version__ = "0.1.0"
+
+__all__ = ["Run", "CheckpointStore", "RunContext", "model_digest"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing the package (e.g. for its config models) must not import torch.
+    if name == "Run":
+        from .session import Run
+
+        return Run
+    if name in ("CheckpointStore", "model_digest"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
+    if name == "RunContext":
+        from .context import RunContext
+
+        return RunContext
+    raise AttributeError(f"module 'trainingrun_trainer' has no attribute {name!r}")

@@ -8,14 +8,12 @@ computes the same steps an uninterrupted run would, and in deterministic mode th
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import logging
 import math
-import signal
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import components, exit_codes
-from .checkpoint import CheckpointStore, model_digest
+from .checkpoint import model_digest
 from .config import RunConfig
 from .context import RunContext
 from .data import ResumableSampler, seed_worker
@@ -31,14 +29,10 @@ from .ema import WeightEMA
 from .health import NonFiniteGuard, Verdict
 from .optim import build_optimizer, build_scheduler, scale_learning_rate
 from .precision import PrecisionPlan
-from .reporting import ApiEndpoint, StatusReporter
+from .session import Run
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
 
 log = logging.getLogger("trainingrun.trainer")
-
-
-def rfc3339_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def config_hash(config: RunConfig) -> str:
@@ -53,7 +47,6 @@ class Trainer:
         self.context = context
         self.device_type = device_type
         self.cfg = config.trainer
-        self.stop_requested = False
         self.step = 0
         #: Step time that produced the current weights, summed over attempts (goodput's numerator).
         self.productive_seconds = 0.0
@@ -163,11 +156,10 @@ class Trainer:
             "world_size": self.context.world_size,
         }
 
-    def _restore(self, source: Any) -> None:
+    def _apply_restored(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Install a checkpoint that was loaded into `state` (in place) with this rank's `extra`."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        state = self._state()
-        extra = self.store.load(source, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.ema:
             self.ema.load_state_dict(state["ema"])
@@ -184,37 +176,11 @@ class Trainer:
             # Per-rank streams cannot be mapped to another world size; derive fresh, reproducible ones.
             seed_everything(self.cfg.seed + self.step, self.context.rank)
 
-    def _report_committed(self) -> None:
-        """Finish the in-flight save (the next save would wait for it anyway) and report it."""
-        info = self.store.wait()
-        if info is not None and self.context.is_rank_zero:
-            self.reporter.report(lastGoodCheckpoint={"uri": info.uri, "step": info.step, "time": info.time,
-                                                     "sha256": info.manifest_sha256})
-
     def _save(self, blocking: bool) -> None:
-        self._report_committed()
-        self.store.save(
-            self.step,
-            self._state(),
-            self._extra(),
-            config_hash=self.config_hash,
-            model_digest=model_digest(self._state()["model"]),
-            blocking=blocking,
-        )
-        self.last_save_time = time.monotonic()
+        state = self._state()
+        self.run.save(self.step, state, self._extra(), model_digest=model_digest(state["model"]), blocking=blocking)
 
     # ------------------------------------------------------------ the loop
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.stop_requested = True
-
-    def _agree(self, stop: bool, save_due: bool) -> tuple[bool, bool]:
-        """All ranks act together: a stop or a save on one rank is a stop or save on all."""
-        if not self.distributed:
-            return stop, save_due
-        flags = torch.tensor([float(stop), float(save_due)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
 
     def _train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float]:
         accumulation = self.cfg.grad_accumulation_steps
@@ -243,22 +209,14 @@ class Trainer:
         self._init_distributed()
         self._build_model()
         self._build_data()
-        self.config_hash = config_hash(self.config)
-        ckpt = self.config.checkpoint
-        self.store = CheckpointStore(ckpt.uri, keep=ckpt.keep, keep_every=ckpt.keep_every, endpoint_url=ckpt.endpoint_url)
-        endpoint = ApiEndpoint.in_cluster() if self.context.is_rank_zero else None
-        self.reporter = StatusReporter(endpoint, self.context.namespace, self.context.name)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-        source = self.context.resume_from or self.store.latest_valid()
-        if source is not None:
-            self._restore(source)
-            log.info("resumed from %s at step %d", getattr(source, "uri", source), self.step)
-        self.last_save_time = time.monotonic()
+        self.run = Run(self.context, self.config.checkpoint, config_hash=config_hash(self.config))
+        state = self._state()
+        extra = self.run.resume(state)
+        if extra is not None:
+            self._apply_restored(state, extra)
         batches = self._batches()
         code = self._loop(batches)
-        self._report_committed()
-        self.reporter.close()
+        self.run.close()
         if self.distributed:
             dist.destroy_process_group()
         return code
@@ -308,7 +266,7 @@ class Trainer:
         return results
 
     def _loop(self, batches: Iterator[dict[str, torch.Tensor]]) -> int:
-        cfg, ckpt = self.cfg, self.config.checkpoint
+        cfg = self.cfg
         window_start, window_steps = time.monotonic(), 0
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
@@ -343,35 +301,29 @@ class Trainer:
                 rate = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
                 log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f", self.step, cfg.max_steps,
                          loss, grad_norm, self.scheduler.get_last_lr()[0], rate)
-                self.reporter.report(progress={"step": self.step, "totalSteps": cfg.max_steps,
-                                               "loss": loss if math.isfinite(loss) else None,
-                                               "samplesPerSecond": rate,
-                                               "productiveSeconds": round(self.productive_seconds, 3),
-                                               "updatedAt": rfc3339_now()})
+                self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=rate,
+                                productive_seconds=self.productive_seconds)
                 window_start, window_steps = time.monotonic(), 0
 
-            interval = ckpt.interval
-            save_due = (interval.steps is not None and self.step % interval.steps == 0) or (
-                interval.seconds is not None and time.monotonic() - self.last_save_time >= interval.seconds
-            )
-            stop, save_due = self._agree(self.stop_requested, save_due)
+            stop, save_due = self.run.checkpoint_due(self.step)
             if stop:
                 log.warning("SIGTERM: writing an emergency checkpoint at step %d", self.step)
                 self._save(blocking=True)
                 return exit_codes.PREEMPTED
             if save_due and self.step < cfg.max_steps:
-                self._save(blocking=not ckpt.async_save)
+                self._save(blocking=False)
         self._save(blocking=True)
         return exit_codes.OK
 
     def _rollback(self) -> bool:
-        self.store.wait()
-        info = self.store.latest_valid()
+        self.run.report_committed()
+        info = self.run.store.latest_valid()
         if info is None:
             log.error("non-finite steps and no checkpoint to roll back to: %s", self.guard.abort_message())
             return False
         rollbacks = self.guard.rollbacks
-        self._restore(info)
+        state = self._state()
+        self._apply_restored(state, self.run.store.load(info, state))
         self.guard.rollbacks = rollbacks  # the count survives the restore, or we would loop forever
         # The restored scheduler holds the LR from before any rollback; apply every rollback's scale.
         scale_learning_rate(self.scheduler, self.cfg.health.rollback_lr_scale**rollbacks)

@@ -1,0 +1,181 @@
+"""`Run`: what any training loop needs from the platform, for the built-in trainer and your own.
+
+A script that keeps its own loop gets the same checkpoint store, resume, preemption handling and
+status reporting as the built-in trainer by using this class (see examples/custom_loop.py):
+
+    run = trainingrun_trainer.Run.from_env()          # reads the operator's environment contract
+    extra = run.resume(state)                          # newest valid checkpoint (or RESUME_FROM), in place
+    step = extra["step"] if extra else 0
+    while step < total:
+        ...one optimizer step...
+        step += 1
+        run.report(step, total_steps=total, loss=loss)  # rank 0 -> status.progress, rate-bounded
+        stop, save = run.checkpoint_due(step)           # agreed by all ranks
+        if save or stop:
+            run.save(step, state, {"step": step}, blocking=stop)
+        if stop:
+            run.close(); sys.exit(run.PREEMPTED_EXIT_CODE)
+    run.save(step, state, {"step": step}, blocking=True); run.close()
+
+`state` is what torch.distributed.checkpoint saves (tensors, nested dicts; sharded or not);
+`extra` is this rank's small picklable state (step, RNG, sampler position).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import signal
+import time
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import exit_codes
+from .checkpoint import CheckpointInfo, CheckpointStore
+from .config import CheckpointConfig
+from .context import RunContext
+from .reporting import ApiEndpoint, StatusReporter
+
+log = logging.getLogger("trainingrun.session")
+
+
+def rfc3339_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Run:
+    """One attempt of a TrainingRun as seen from inside a training process."""
+
+    #: Exit with this after a SIGTERM save: the operator counts it as a preemption and retries.
+    PREEMPTED_EXIT_CODE = exit_codes.PREEMPTED
+
+    def __init__(
+        self,
+        context: RunContext,
+        checkpoint: CheckpointConfig,
+        *,
+        config_hash: str = "",
+        reporter: Optional[StatusReporter] = None,
+        handle_sigterm: bool = True,
+    ):
+        self.context = context
+        self.checkpoint = checkpoint
+        self.config_hash = config_hash
+        self.store = CheckpointStore(
+            context.checkpoint_uri or checkpoint.uri,
+            keep=checkpoint.keep,
+            keep_every=checkpoint.keep_every,
+            endpoint_url=checkpoint.endpoint_url,
+        )
+        if reporter is None:
+            endpoint = ApiEndpoint.in_cluster() if context.is_rank_zero else None
+            reporter = StatusReporter(endpoint, context.namespace, context.name)
+        self.reporter = reporter
+        self.preempted = False
+        self._last_save = time.monotonic()
+        if handle_sigterm:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "Run":
+        """Build from TRAININGRUN_* variables and the `checkpoint` section of TRAININGRUN_CONFIG."""
+        from .main import load_config
+
+        context = RunContext.from_env()
+        return cls(context, load_config(context.config_path).checkpoint, **kwargs)
+
+    # ------------------------------------------------------------ resume and save
+
+    def resume(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Load TRAININGRUN_RESUME_FROM, else the newest valid checkpoint, into `state` in place.
+
+        Returns this rank's `extra` from that checkpoint, or None when there is nothing to resume.
+        """
+        source: Any = self.context.resume_from or self.store.latest_valid()
+        if source is None:
+            return None
+        extra = self.store.load(source, state)
+        log.info("resumed from %s at step %s", getattr(source, "uri", source), extra.get("step"))
+        return extra
+
+    def checkpoint_due(self, step: int) -> tuple[bool, bool]:
+        """(stop, save): whether to stop for preemption and whether a periodic save is due.
+
+        Collective under torch.distributed: every rank must call it at the same step, and all get
+        the same answer, so a SIGTERM that reaches one rank first still stops all of them together.
+        """
+        interval = self.checkpoint.interval
+        save = (interval.steps is not None and step % interval.steps == 0) or (
+            interval.seconds is not None and time.monotonic() - self._last_save >= interval.seconds
+        )
+        stop = self.preempted
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+            flags = torch.tensor([float(stop), float(save)], device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            stop, save = bool(flags[0]), bool(flags[1])
+        return stop, save
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        extra: Optional[Mapping[str, Any]] = None,
+        *,
+        model_digest: str = "",
+        blocking: bool = False,
+    ) -> None:
+        """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors."""
+        self.report_committed()
+        self.store.save(
+            step,
+            state,
+            extra,
+            config_hash=self.config_hash,
+            model_digest=model_digest,
+            blocking=blocking or not self.checkpoint.async_save,
+        )
+        self._last_save = time.monotonic()
+
+    def report_committed(self) -> Optional[CheckpointInfo]:
+        """Finish the save in flight (the next save waits for it anyway) and report it as lastGoodCheckpoint."""
+        info = self.store.wait()
+        if info is not None:
+            self.reporter.report(
+                lastGoodCheckpoint={"uri": info.uri, "step": info.step, "time": info.time, "sha256": info.manifest_sha256}
+            )
+        return info
+
+    # ------------------------------------------------------------ reporting
+
+    def report(
+        self,
+        step: int,
+        *,
+        total_steps: Optional[int] = None,
+        loss: Optional[float] = None,
+        samples_per_second: Optional[float] = None,
+        productive_seconds: Optional[float] = None,
+    ) -> None:
+        """Queue status.progress (rank 0 only; never blocks, never raises)."""
+        progress: dict[str, Any] = {"step": step, "updatedAt": rfc3339_now()}
+        optional = {
+            "totalSteps": total_steps,
+            "loss": loss if loss is not None and math.isfinite(loss) else None,
+            "samplesPerSecond": samples_per_second,
+            "productiveSeconds": None if productive_seconds is None else round(productive_seconds, 3),
+        }
+        progress.update({k: v for k, v in optional.items() if v is not None})
+        self.reporter.report(progress=progress)
+
+    def close(self) -> None:
+        """Finish the last save, report it, and flush the reporter."""
+        self.report_committed()
+        self.store.close()
+        self.reporter.close()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM received: will checkpoint and stop after the current step")
+        self.preempted = True
