@@ -1,0 +1,303 @@
+"""Checkpoint stall: how long an async `CheckpointStore.save` blocks training, vs a plain `torch.save`.
+
+What is measured
+    A training state of model + AdamW (both moments initialised by real steps) for a
+    `trainingrun_trainer.models.CharTransformer` (default dim 768, 3 layers, 12 heads, context 64:
+    about 21.7 M parameters, so about 87 MB of weights + 174 MB of AdamW moments = about 261 MB of
+    state; `--dim/--layers` scale it), single process, written to a local temp dir (file://, same
+    disk for every side; `--dir` picks the disk). Per repeat (default 3; medians are reported):
+
+    * async save: `store.save(step, {"model": ..., "optim": ...}, extra, model_digest=...,
+      blocking=False)` with the state built as trainer.py builds it
+      (`torch.distributed.checkpoint.state_dict.get_state_dict`); the wall time of the `save()` call
+      and `PendingSave.blocking_seconds` are the time the training loop is blocked.
+    * the step after it: a real training step (forward, backward, clip, AdamW step, which changes
+      the very tensors being saved) runs at once; the benchmark checks the background write was still
+      in flight when the step began (the overlap is real), times the step against a step with no
+      save in flight, then `store.wait()`; "save-to-commit" is `store.last_save_seconds` (staging
+      start to manifest written). The committed checkpoint must restore to the pre-step weights.
+    * trainer's save path: what `Trainer._save` does on the training thread around `store.save`:
+      `get_state_dict` twice and `model_digest` of the weights (timed separately, reported as its
+      own row, since the trainer pays it on every save).
+    * sync baselines: `torch.save` of the same state dict to a file in the same directory (the
+      denominator of the ratio; page cache only), the same plus `os.fsync` (durable, as the store's
+      files are), and `store.save(..., blocking=True)`.
+    * restore: `CheckpointStore.load` into a freshly built model + AdamW state (then
+      `set_state_dict`, as `Trainer._restore` does), vs `torch.load` + `set_state_dict`; and the
+      resume path `latest_valid()` (re-hashes every file) + load. The files were just written, so
+      the page cache is warm for every reader alike.
+
+Target
+    blocking_ratio = async_blocking_seconds / sync_torch_save_seconds <= 0.10 (medians), where
+    async_blocking_seconds is the wall time of the `store.save(..., blocking=False)` call.
+
+Run by hand, never by the test suite:
+    /work/venv/bin/python benchmarks/checkpoint_stall.py                      # defaults, ~1 minute
+    /work/venv/bin/python benchmarks/checkpoint_stall.py --dim 2048 --layers 8 --device cuda
+The last line is `result: blocking_ratio=<x> async_blocking_seconds=<x> sync_save_seconds=<x>
+restore_seconds=<x> state_mb=<x> ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Target: blocking_ratio = async save() blocking / torch.save <= 0.10.")
+    parser.add_argument("--dim", type=int, default=768, help="CharTransformer width (default 768)")
+    parser.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
+    parser.add_argument("--heads", type=int, default=12, help="attention heads (default 12)")
+    parser.add_argument("--context", type=int, default=64, help="context length (default 64)")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per training step (default 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="saves per method; medians reported (default 3)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model trains; staging copies it to CPU (default cpu)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads; 0 leaves torch's default (default 0)")
+    parser.add_argument("--dir", default=None, help="parent directory of the temp checkpoint dir (default: system temp)")
+    parser.add_argument("--min-state-mb", type=float, default=200.0,
+                        help="refuse to run with a smaller state (default 200)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from trainingrun_trainer.checkpoint import CheckpointStore, model_digest
+    from trainingrun_trainer.data import SyntheticText
+    from trainingrun_trainer.models import CharTransformer
+    from trainingrun_trainer.seeding import rng_state
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = CharTransformer(vocab_size=128, dim=args.dim, layers=args.layers, heads=args.heads,
+                                context_length=args.context).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+        return model, optimizer
+
+    dataset = SyntheticText(num_samples=1000, context_length=args.context, vocab_size=128, seed=0)
+    batches = [{"tokens": torch.stack([dataset[i * args.batch_size + j]["tokens"]
+                                       for j in range(args.batch_size)]).to(device)} for i in range(8)]
+    model, optimizer = build(0)
+    step_no = 0
+
+    def train_step() -> float:
+        nonlocal step_no
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(batches[step_no % len(batches)])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        sync()
+        step_no += 1
+        return time.perf_counter() - began
+
+    for _ in range(2):  # warm up kernels and create AdamW's moments
+        train_step()
+
+    def state_now() -> dict:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def tensor_bytes(tree) -> int:
+        if isinstance(tree, torch.Tensor):
+            return tree.numel() * tree.element_size()
+        if isinstance(tree, dict):
+            return sum(tensor_bytes(v) for v in tree.values())
+        if isinstance(tree, (list, tuple)):
+            return sum(tensor_bytes(v) for v in tree)
+        return 0
+
+    state = state_now()
+    state_bytes = tensor_bytes(state)
+    state_mb = state_bytes / 1e6
+    params = sum(p.numel() for p in model.parameters())
+    if state_mb < args.min_state_mb:
+        parser.error(f"state is {state_mb:.0f} MB (< --min-state-mb {args.min_state_mb:.0f}); raise --dim/--layers")
+
+    rows: dict[str, list[float]] = {}
+
+    def record(name: str, seconds: float) -> None:
+        rows.setdefault(name, []).append(seconds)
+
+    overlapped = []  # was the background write still running when the next step started / ended?
+    restored_ok = []
+    began_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="checkpoint-stall-", dir=args.dir) as tmp:
+        root = Path(tmp)
+        store = CheckpointStore((root / "store").resolve().as_uri(), keep=2)
+        sync_store = CheckpointStore((root / "sync-store").resolve().as_uri(), keep=2)
+        for repeat in range(args.repeats):
+            record("training step, no save in flight", train_step())
+            extra = {"step": step_no, "rng": rng_state(), "sampler": {"epoch": 0, "consumed": step_no * 4}}
+
+            # What Trainer._save does on the training thread before store.save: _state() twice, digest.
+            t = time.perf_counter()
+            state = state_now()
+            record("  get_state_dict (trainer calls it twice)", time.perf_counter() - t)
+            t = time.perf_counter()
+            digest = model_digest(state_now()["model"])
+            record("  model_digest of the weights", time.perf_counter() - t)
+
+            # The async save and the real step right after it.
+            t = time.perf_counter()
+            pending = store.save(step_no, state, extra, model_digest=digest, blocking=False)
+            save_call = time.perf_counter() - t
+            record("async store.save() call (wall)", save_call)
+            record("  PendingSave.blocking_seconds", pending.blocking_seconds)
+            in_flight_at_step_start = not pending.done()
+            step_seconds = train_step()
+            in_flight_at_step_end = not pending.done()
+            record("training step during background write", step_seconds)
+            overlapped.append((in_flight_at_step_start, in_flight_at_step_end))
+            info = store.wait()
+            if info is None:
+                raise SystemExit(f"async save of step {pending.step} did not commit; see the log above")
+            record("save-to-commit (store.last_save_seconds)", store.last_save_seconds)
+            record("trainer _save path blocking (2 x get_state_dict + digest + save())",
+                   2 * rows["  get_state_dict (trainer calls it twice)"][-1]
+                   + rows["  model_digest of the weights"][-1] + save_call)
+
+            # Synchronous baselines, same state, same disk.
+            path = root / f"torch-save-{repeat}.pt"
+            state = state_now()
+            t = time.perf_counter()
+            torch.save(state, path)
+            record("sync torch.save (page cache)", time.perf_counter() - t)
+            t = time.perf_counter()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            record("  + os.fsync of that file", time.perf_counter() - t)
+            rows.setdefault("sync torch.save + fsync", []).append(
+                rows["sync torch.save (page cache)"][-1] + rows["  + os.fsync of that file"][-1])
+            t = time.perf_counter()
+            sync_store.save(step_no, state_now(), extra, model_digest=digest, blocking=True)
+            record("sync store.save(blocking=True)", time.perf_counter() - t)
+            if sync_store.wait() is None:
+                raise SystemExit("blocking save did not commit; see the log above")
+
+            # Restore into a fresh model + optimizer, as Trainer._restore does.
+            fresh_model, fresh_optimizer = build(1000 + repeat)
+            model_state, optim_state = get_state_dict(fresh_model, fresh_optimizer)  # initialises AdamW state
+            fresh = {"model": model_state, "optim": optim_state}
+            t = time.perf_counter()
+            store.load(info, fresh)
+            record("CheckpointStore.load (restore)", time.perf_counter() - t)
+            t = time.perf_counter()
+            set_state_dict(fresh_model, fresh_optimizer, model_state_dict=fresh["model"],
+                           optim_state_dict=fresh["optim"])
+            record("  + set_state_dict", time.perf_counter() - t)
+            restored_ok.append(model_digest(get_state_dict(fresh_model, fresh_optimizer)[0]) == digest)
+
+            t = time.perf_counter()
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            record("torch.load", time.perf_counter() - t)
+            fresh_model, fresh_optimizer = build(2000 + repeat)
+            get_state_dict(fresh_model, fresh_optimizer)
+            t = time.perf_counter()
+            set_state_dict(fresh_model, fresh_optimizer, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optim"])
+            record("  + set_state_dict ", time.perf_counter() - t)
+            del loaded, fresh_model, fresh_optimizer, fresh
+
+            t = time.perf_counter()
+            latest = store.latest_valid()
+            record("resume: latest_valid() (re-hash every file)", time.perf_counter() - t)
+            if latest is None or latest.step != info.step:
+                raise SystemExit(f"latest_valid() found {latest}, expected step {info.step}")
+            path.unlink()
+            print(f"  repeat {repeat + 1}: save() blocked {save_call:.3f} s, torch.save "
+                  f"{rows['sync torch.save (page cache)'][-1]:.3f} s, commit after "
+                  f"{store.last_save_seconds:.3f} s, restore {rows['CheckpointStore.load (restore)'][-1]:.3f} s",
+                  flush=True)
+        store.close()
+        sync_store.close()
+    total = time.perf_counter() - began_all
+
+    med = {name: statistics.median(values) for name, values in rows.items()}
+    sync_save = med["sync torch.save (page cache)"]
+    print()
+    print(f"state: CharTransformer dim={args.dim} layers={args.layers} heads={args.heads} context={args.context} "
+          f"({params / 1e6:.1f} M parameters) + AdamW moments = {state_mb:.0f} MB of tensors; device {args.device}, "
+          f"torch threads {torch.get_num_threads()}; {args.repeats} repeats, medians; dir {args.dir or tempfile.gettempdir()}; "
+          f"benchmark {total:.0f} s")
+    print()
+    runs_header = "  ".join(f"{'run ' + str(i + 1):>7}" for i in range(args.repeats))
+    header = f"{'what':<68}{runs_header}  {'median s':>9}  {'vs torch.save':>13}  {'MB/s':>7}"
+    print(header)
+    print("-" * len(header))
+    order = [
+        "async store.save() call (wall)", "  PendingSave.blocking_seconds",
+        "trainer _save path blocking (2 x get_state_dict + digest + save())",
+        "  get_state_dict (trainer calls it twice)", "  model_digest of the weights",
+        "training step, no save in flight", "training step during background write",
+        "save-to-commit (store.last_save_seconds)",
+        "sync torch.save (page cache)", "  + os.fsync of that file", "sync torch.save + fsync",
+        "sync store.save(blocking=True)",
+        "CheckpointStore.load (restore)", "  + set_state_dict", "torch.load", "  + set_state_dict ",
+        "resume: latest_valid() (re-hash every file)",
+    ]
+    throughput_rows = {"async store.save() call (wall)", "save-to-commit (store.last_save_seconds)",
+                       "sync torch.save (page cache)", "sync torch.save + fsync", "sync store.save(blocking=True)",
+                       "CheckpointStore.load (restore)", "torch.load", "resume: latest_valid() (re-hash every file)"}
+    for name in order:
+        values = rows[name]
+        cells = "  ".join(f"{v:7.3f}" for v in values)
+        rate = f"{state_mb / med[name]:7.0f}" if name in throughput_rows and med[name] > 0 else f"{'':>7}"
+        print(f"{name:<68}{cells}  {med[name]:9.3f}  {med[name] / sync_save:13.3f}  {rate}")
+    print()
+
+    blocking = med["async store.save() call (wall)"]
+    ratio = blocking / sync_save
+    trainer_blocking = med["trainer _save path blocking (2 x get_state_dict + digest + save())"]
+    trainer_ratio = trainer_blocking / sync_save
+    restore = med["CheckpointStore.load (restore)"]
+    step_base = med["training step, no save in flight"]
+    step_during = med["training step during background write"]
+    began_in_flight = sum(start for start, _ in overlapped)
+    ended_in_flight = sum(end for _, end in overlapped)
+    print(f"overlap: the background write was still in flight when the next training step began in "
+          f"{began_in_flight}/{len(overlapped)} repeats and when it ended in {ended_in_flight}/{len(overlapped)}; "
+          f"that step took {step_during:.3f} s vs {step_base:.3f} s with no save in flight "
+          f"({step_during / step_base:.2f}x)")
+    print(f"consistency: restored weights equal the weights at save() time (not the step after) in "
+          f"{sum(restored_ok)}/{len(restored_ok)} repeats")
+    print(f"blocking_ratio = save() blocking / torch.save = {blocking:.3f} / {sync_save:.3f} = {ratio:.3f} "
+          f"(target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'})")
+    print(f"trainer's whole _save path on the training thread: {trainer_blocking:.3f} s = {trainer_ratio:.3f} x torch.save")
+    print(f"restore: CheckpointStore.load {restore:.3f} s vs torch.load {med['torch.load']:.3f} s "
+          f"({restore / med['torch.load']:.2f}x); resume incl. latest_valid re-hash "
+          f"{med['resume: latest_valid() (re-hash every file)'] + restore:.3f} s")
+    if not all(restored_ok) or began_in_flight == 0:
+        print("WARNING: " + ("a restore did not reproduce the saved weights; " if not all(restored_ok) else "")
+              + ("the background write never overlapped the next step" if began_in_flight == 0 else ""))
+    print(f"result: blocking_ratio={ratio:.4f} async_blocking_seconds={blocking:.4f} sync_save_seconds={sync_save:.4f} "
+          f"restore_seconds={restore:.4f} state_mb={state_mb:.1f} background_seconds={med['save-to-commit (store.last_save_seconds)']:.4f} "
+          f"trainer_blocking_seconds={trainer_blocking:.4f} torch_load_seconds={med['torch.load']:.4f}")
+    return 0 if all(restored_ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

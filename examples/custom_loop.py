@@ -1,0 +1,79 @@
+"""A training script with its own loop that still gets the platform's checkpoints, resume,
+preemption handling and status reporting, through `trainingrun_trainer.Run`.
+
+Run it in a TrainingRun by setting `spec.command: [torchrun, --module, ...]` or
+`spec.args` to this script in your own image; locally:
+
+    TRAININGRUN_CONFIG=run.yaml torchrun --standalone --nproc-per-node 2 examples/custom_loop.py
+
+where run.yaml has at least `checkpoint: {uri: file:///tmp/ckpt}` (the `trainer` section is
+yours to ignore: this script reads its own settings from the environment).
+"""
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import trainingrun_trainer
+from trainingrun_trainer.seeding import rng_state, seed_everything, set_rng_state
+
+TOTAL_STEPS = int(os.environ.get("CUSTOM_LOOP_STEPS", "50"))
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    seed_everything(0, rank)
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    target = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
+
+    run = trainingrun_trainer.Run.from_env()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    extra = run.resume(state)  # loads in place, or None on a fresh start
+    step = 0
+    if extra is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        step = extra["step"]
+        set_rng_state(extra["rng"])
+
+    loss = torch.tensor(float("nan"))
+    while step < TOTAL_STEPS:
+        x = torch.randn(64, 8)
+        loss = nn.functional.mse_loss(ddp(x), x @ target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        run.report(step, total_steps=TOTAL_STEPS, loss=loss.item())
+
+        stop, save = run.checkpoint_due(step)
+        if stop or (save and step < TOTAL_STEPS):  # the last step is saved below, once
+            model_state, optim_state = get_state_dict(model, optimizer)
+            run.save(step, {"model": model_state, "optim": optim_state}, {"step": step, "rng": rng_state()},
+                     blocking=stop)
+        if stop:
+            run.close()
+            return run.PREEMPTED_EXIT_CODE
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    run.save(step, {"model": model_state, "optim": optim_state}, {"step": step, "rng": rng_state()},
+             model_digest=trainingrun_trainer.model_digest(model_state), blocking=True)
+    run.close()
+    if rank == 0:
+        print(f"done: step {step} loss {loss.item():.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
