@@ -290,7 +290,8 @@ class TrainingRunSpec(ApiModel):
         default=None,
         min_length=1,
         max_length=64,
-        description="Container command. Defaults to torchrun running `python -m trainingrun_trainer`.",
+        description="Container command. Defaults to torchrun's elastic agent (through "
+        "`python -m trainingrun_trainer.launch`, which keeps exit codes meaningful) running `trainingrun_trainer`.",
     )
     args: Optional[list[str]] = Field(default=None, max_length=256, description="Container arguments.")
     trainer: TrainerConfig = Field(

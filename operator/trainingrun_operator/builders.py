@@ -15,7 +15,11 @@ from trainingrun_trainer.config import RunConfig
 from . import api
 from .settings import Settings
 
-DEFAULT_COMMAND = ["torchrun", "--module", "trainingrun_trainer"]
+# torchrun's elastic agent, wrapped so the container's exit code keeps ExitCode semantics (launch.py).
+DEFAULT_COMMAND = ["python", "-m", "trainingrun_trainer.launch", "--module", "trainingrun_trainer"]
+# How long the agent leaves workers to write the emergency checkpoint after SIGTERM, short of the
+# pod's grace period so the agent itself still exits before the kubelet's SIGKILL.
+SHUTDOWN_MARGIN_SECONDS = 15
 CONTAINER_NAME = "pytorch"  # the Kubeflow Training Operator finds the trainer container by this name
 LABEL_RUN = "trainingrun.dev/run"
 LABEL_ATTEMPT = "trainingrun.dev/attempt"
@@ -145,6 +149,10 @@ def trainer_env(
         {"name": "TRAININGRUN_CHECKPOINT_URI", "value": spec.checkpoint.uri},
         {"name": "TRAININGRUN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {
+            "name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+            "value": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
+        },
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
     ]

@@ -97,6 +97,9 @@ def test_elastic_job_shape(minimal_body):
     assert env["TRAININGRUN_CONFIG"] == "/etc/trainingrun/config.yaml"
     assert env["TRAININGRUN_UID"] == "3f1c2a9e-0000-4000-8000-000000000001"
     assert env["TRAININGRUN_METRICS_PORT"] == "9464"
+    # the agent gives workers most of the grace period for the emergency checkpoint, and exits before SIGKILL
+    assert 0 < int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < worker["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert container["command"] == ["python", "-m", "trainingrun_trainer.launch", "--module", "trainingrun_trainer"]
     owner = job["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "TrainingRun" and owner["controller"] is True and owner["name"] == "demo"
     pod = worker["template"]["spec"]

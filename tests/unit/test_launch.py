@@ -1,0 +1,42 @@
+"""The container entry point maps worker exit codes so PyTorchJob's ExitCode policy means what it says."""
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainingrun_trainer import exit_codes
+from trainingrun_trainer.launch import container_exit_code
+
+WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"
+
+
+def test_mapping():
+    assert container_exit_code([3, -15]) == 3  # a permanent error wins over the peers it took down
+    assert container_exit_code([143, -15]) == 143
+    assert container_exit_code([-15]) == 143
+    assert container_exit_code([-9, 143]) == 137  # the first failure is the cause; 143 is the agent stopping a peer
+    assert container_exit_code([-9]) == 137
+    assert container_exit_code([139]) == 139
+    assert all(not exit_codes.is_permanent(container_exit_code([c])) for c in (-9, -15, 143, 137))
+
+
+def launch(**env):
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
+    return subprocess.run(
+        [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone", "--nproc-per-node=2",
+         "--max-restarts=0", str(WORKER)],
+        env=full, capture_output=True, text=True, timeout=180,
+    )
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [({"EXIT_CODE": 0}, 0), ({"EXIT_CODE": 3}, 3), ({"EXIT_CODE": 143}, 143), ({"EXIT_SIGNAL": int(signal.SIGKILL)}, 137)],
+    ids=["success", "permanent", "preempted", "killed"],
+)
+def test_real_agent_exit_codes(env, expected):
+    result = launch(**env)
+    assert result.returncode == expected, result.stderr[-2000:]
