@@ -14,11 +14,14 @@ WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"
 
 
 def test_mapping():
-    assert container_exit_code([3, -15]) == 3  # a permanent error wins over the peers it took down
+    assert container_exit_code([3, -15]) == 3  # a deliberate permanent error wins over the peers it took down
+    assert container_exit_code([-9, 3]) == 3  # even when the agent had to SIGKILL a hung peer
     assert container_exit_code([143, -15]) == 143
     assert container_exit_code([-15]) == 143
-    assert container_exit_code([-9, 143]) == 137  # the first failure is the cause; 143 is the agent stopping a peer
-    assert container_exit_code([-9]) == 137
+    assert container_exit_code([-9, 1]) == 137  # the peer of an OOM-killed worker fails its collective: not permanent
+    assert container_exit_code([1, -9]) == 137
+    assert container_exit_code([-9, 143]) == 137
+    assert container_exit_code([1, -15]) == 1  # an uncaught exception that nothing else explains
     assert container_exit_code([139]) == 139
     assert all(not exit_codes.is_permanent(container_exit_code([c])) for c in (-9, -15, 143, 137))
 

@@ -77,3 +77,10 @@ def test_in_cluster_endpoint_from_service_account(tmp_path):
     endpoint = ApiEndpoint.in_cluster(env={"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "6443"},
                                       account_dir=str(tmp_path))
     assert endpoint == ApiEndpoint("https://10.0.0.1:6443", TOKEN, None)
+
+
+def test_local_status_url_wins_over_the_cluster(tmp_path):
+    env = {"TRAININGRUN_STATUS_URL": "http://127.0.0.1:8123/", "TRAININGRUN_STATUS_TOKEN": "t",
+           "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    assert ApiEndpoint.from_env(env) == ApiEndpoint("http://127.0.0.1:8123", "t", None)
+    assert ApiEndpoint.from_env({}) is None

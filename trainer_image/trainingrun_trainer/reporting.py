@@ -31,6 +31,16 @@ class ApiEndpoint:
     ca_file: Optional[str]
 
     @classmethod
+    def from_env(cls, env: Optional[dict] = None) -> Optional["ApiEndpoint"]:
+        """TRAININGRUN_STATUS_URL (set by `trainingrun local`, which serves the status API itself),
+        else the in-cluster API server, else None."""
+        env = os.environ if env is None else env
+        local = env.get("TRAININGRUN_STATUS_URL")
+        if local:
+            return cls(local.rstrip("/"), env.get("TRAININGRUN_STATUS_TOKEN", ""), None)
+        return cls.in_cluster(env)
+
+    @classmethod
     def in_cluster(cls, env: Optional[dict] = None, account_dir: str = SERVICE_ACCOUNT_DIR) -> Optional["ApiEndpoint"]:
         env = os.environ if env is None else env
         host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")

@@ -160,6 +160,13 @@ class Trainer:
         """Install a checkpoint that was loaded into `state` (in place) with this rank's `extra`."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        if self.distributed:
+            # A rank that the checkpoint's world did not have (the job grew) has no extra state of
+            # its own; all of it but the RNG streams is the same on every rank, so it takes rank 0's.
+            box = [extra if self.context.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            if "step" not in extra:
+                extra = box[0]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.ema:
             self.ema.load_state_dict(state["ema"])
@@ -271,7 +278,14 @@ class Trainer:
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
             loss, grad_norm = self._train_step(batches)
-            verdict = self.guard.observe(self.step + 1, math.isfinite(loss), math.isfinite(grad_norm))
+            finite = [math.isfinite(loss), math.isfinite(grad_norm)]
+            if self.distributed:
+                # The loss is per rank: a NaN on one rank alone (its gradients may well be finite)
+                # must skip or roll back every rank, or replicas drift and a lone rollback hangs.
+                flags = torch.tensor([float(f) for f in finite], device=self.device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+                finite = [bool(f) for f in flags.tolist()]
+            verdict = self.guard.observe(self.step + 1, *finite)
             if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.plan.precision == "16-mixed"):
                 self.scaler.step(self.optimizer)  # with fp16 the scaler itself skips inf steps
                 self.scaler.update()
@@ -313,6 +327,12 @@ class Trainer:
             if save_due and self.step < cfg.max_steps:
                 self._save(blocking=False)
         self._save(blocking=True)
+        if self.run.store.wait() is None:
+            # Exiting 0 would report success with the final weights lost; a retry redoes the steps
+            # after the last good checkpoint and saves again.
+            log.error("the final checkpoint at step %d was not committed; exiting with the retryable code %d",
+                      self.step, exit_codes.RETRYABLE)
+            return exit_codes.RETRYABLE
         return exit_codes.OK
 
     def _rollback(self) -> bool:
@@ -324,9 +344,11 @@ class Trainer:
         rollbacks = self.guard.rollbacks
         state = self._state()
         self._apply_restored(state, self.run.store.load(info, state))
+        # The restored scheduler holds the LR scaled by the rollbacks made before that checkpoint
+        # was saved (its guard state counts them); apply the scale of the ones made since.
+        scaled_already = self.guard.rollbacks
         self.guard.rollbacks = rollbacks  # the count survives the restore, or we would loop forever
-        # The restored scheduler holds the LR from before any rollback; apply every rollback's scale.
-        scale_learning_rate(self.scheduler, self.cfg.health.rollback_lr_scale**rollbacks)
+        scale_learning_rate(self.scheduler, self.cfg.health.rollback_lr_scale ** (rollbacks - scaled_already))
         log.warning("rolled back to step %d (%s); learning rate scaled by %s", self.step, self.guard.last_reason,
                     self.cfg.health.rollback_lr_scale)
         return True

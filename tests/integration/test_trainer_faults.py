@@ -1,0 +1,588 @@
+"""The trainer's fault handling end to end: real torchrun processes (gloo, CPU), real signals, real
+storage servers (GCS emulator, moto S3), and faults injected by a model and a dataset from
+tests/fault_injection.py, which the trainer imports by classPath from the PYTHONPATH, as it would a
+user's own class.
+
+Every run starts the operator's container command (`DEFAULT_COMMAND`: torchrun's agent wrapped
+by trainingrun_trainer.launch so the container's exit code keeps the workers' meaning) with
+torchrun's options in PET_* variables, as the Kubeflow Training Operator starts it in a pod.
+
+Synchronisation is by log lines, files and process exit only, never by sleeping: the
+`FaultyText` dataset pauses a trainer before a chosen item (so at a known step), logs that, and
+waits until the test creates a release file; the test acts in between (breaks storage, sends a
+signal, kills a worker). The deadlines below only bound how long a broken test can hang.
+
+Besides the container's exit code, the tests read each worker's from torchrun's failure summary
+(`exitcode : N` per rank), which says what the trainer itself did.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import yaml
+
+from trainingrun_operator.builders import DEFAULT_COMMAND
+from trainingrun_trainer import exit_codes
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
+from trainingrun_trainer.data import ResumableSampler
+
+from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+#: Safety bound for one wait on a log line or an exit; never a synchronisation device.
+DEADLINE_S = 120.0
+
+MODEL = {"classPath": "trainingrun_trainer.models.CharTransformer",
+         "initArgs": {"dim": 16, "layers": 1, "heads": 2, "contextLength": 16}}
+BATCH = 8
+
+
+def dataset(**init_args) -> dict:
+    return {"classPath": "fault_injection.FaultyText",
+            "initArgs": {"numSamples": 4096, "contextLength": 16, **init_args}}
+
+
+def first_item_of_step(step: int, per_step: int = BATCH) -> int:
+    """The per-process item count at which a FaultyText pause stops the trainer before `step`."""
+    return (step - 1) * per_step + 1
+
+
+# ------------------------------------------------------------------------------------ processes
+
+
+class Launched:
+    """A torchrun (or single trainer) process group: its merged output is read by a thread so a
+    test can wait for lines while the process runs."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.argv = argv
+        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._eof = False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._eof = True
+            self._changed.notify_all()
+
+    @property
+    def log(self) -> str:
+        with self._changed:
+            return "".join(self.lines)
+
+    def tail(self, n: int = 400) -> str:
+        with self._changed:
+            return "".join(self.lines[-n:])
+
+    def wait_for(self, *patterns: str) -> list[str]:
+        """Wait until each regex matched a line; returns the first matching line of each."""
+        compiled = [re.compile(p) for p in patterns]
+        found: list[Optional[str]] = [None] * len(compiled)
+        seen = 0
+        deadline = time.monotonic() + DEADLINE_S
+        with self._changed:
+            while True:
+                for line in self.lines[seen:]:
+                    for i, regex in enumerate(compiled):
+                        if found[i] is None and regex.search(line):
+                            found[i] = line
+                seen = len(self.lines)
+                if all(f is not None for f in found):
+                    return found  # type: ignore[return-value]
+                missing = [p for p, f in zip(patterns, found) if f is None]
+                if self._eof:
+                    raise AssertionError(f"process ended without {missing}:\n{self.tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {missing} within {DEADLINE_S:.0f} s:\n{self.tail()}")
+                self._changed.wait(left)
+
+    def finish(self, deadline_s: float = DEADLINE_S) -> int:
+        """Wait for the exit (bounded) and for the whole output; returns the exit code."""
+        try:
+            self.process.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.argv} did not exit within {deadline_s:.0f} s:\n{self.tail()}")
+        self._reader.join(timeout=DEADLINE_S)
+        return self.process.returncode
+
+    def workers(self) -> dict[int, int]:
+        """{local rank: pid} of torchrun's worker processes (its children)."""
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True,
+                             text=True).stdout.split()
+        found = {}
+        for pid in map(int, out):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            local_rank = next(v for k, _, v in (e.partition(b"=") for e in environ) if k == b"LOCAL_RANK")
+            found[int(local_rank)] = pid
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL the process and its descendants (torchrun starts each worker in a session of
+        its own, so killing torchrun's process group would orphan them)."""
+        if self.process.poll() is not None:
+            return
+        descendants, parents = [], [self.process.pid]
+        while parents:
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", ",".join(map(str, parents))],
+                                 capture_output=True, text=True).stdout.split()
+            parents = [int(pid) for pid in out]
+            descendants += parents
+        for pid in [self.process.pid, *descendants]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def launched():
+    """Processes a test started; whatever of them still runs at teardown is killed."""
+    started: list[Launched] = []
+    yield started
+    for proc in started:
+        proc.kill()
+
+
+def rank_line(rank: int, logger: str, message: str, level: str = r"\w+") -> str:
+    """Regex of one trainer log line: `<time> rank<r> <LEVEL> <logger>: <message>`."""
+    return rf" rank{rank} {level} {re.escape(logger)}: {message}"
+
+
+def worker_exit_codes(log: str) -> dict[int, int]:
+    """{rank: exitcode} from torchrun's failure summary (printed when workers failed)."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", log)
+    return {int(rank): int(code) for rank, code in found}
+
+
+def assert_workers_exited(log: str, code: int) -> None:
+    """Every worker exited with `code`, or with -15: killed by torchrun's SIGTERM while the Python
+    interpreter was finalizing (which takes a second or two), after another worker had exited."""
+    codes = worker_exit_codes(log)
+    assert code in codes.values() and set(codes.values()) <= {code, -signal.SIGTERM}, codes
+
+
+def release(pause_dir: Path, item: int) -> None:
+    (pause_dir / f"release-{item}").touch()
+
+
+class Run:
+    """One TrainingRun's files below tmp_path: config, checkpoints (file:// unless `uri`), pauses."""
+
+    def __init__(self, tmp_path: Path, name: str, trainer: dict, *, uri: Optional[str] = None,
+                 interval: int = 10, keep: int = 5, endpoint_url: Optional[str] = None,
+                 env: Optional[dict] = None):
+        self.dir = tmp_path / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.pauses = self.dir / "pauses"
+        self.pauses.mkdir(exist_ok=True)
+        self.served = self.dir / "served"
+        self.served.mkdir(exist_ok=True)
+        self.uri = uri or f"file://{self.dir}/checkpoints"
+        self.trainer = copy.deepcopy(trainer)
+        self.checkpoint = {"uri": self.uri, "interval": {"steps": interval}, "keep": keep}
+        if endpoint_url:
+            self.checkpoint["endpointUrl"] = endpoint_url
+        self.env = dict(env or {})
+        self.config = self.dir / "config.yaml"
+        self.write_config()
+
+    def inject(self, *, pause_at_items: tuple = (), record: bool = False) -> "Run":
+        """Configure the FaultyText dataset: pause before these items, record the served indices."""
+        args = self.trainer["data"]["dataset"]["initArgs"]
+        if pause_at_items:
+            args.update(pauseAtItems=list(pause_at_items), pauseDir=str(self.pauses))
+        if record:
+            args["recordDir"] = str(self.served)
+        self.write_config()
+        return self
+
+    def write_config(self) -> None:
+        self.config.write_text(yaml.safe_dump({"trainer": self.trainer, "checkpoint": self.checkpoint}))
+
+    def environment(self) -> dict[str, str]:
+        keep = {k: v for k, v in os.environ.items()
+                if not k.startswith(("TRAININGRUN_", "PET_", "AWS_", "GOOGLE_", "STORAGE_EMULATOR", "FAULT_INJECTION"))
+                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+        keep.update({"TRAININGRUN_CONFIG": str(self.config), "TRAININGRUN_NAME": self.dir.name,
+                     "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **self.env})
+        return keep
+
+    def start(self, launched: list, nproc: int = 2) -> Launched:
+        """Start the operator's container command with torchrun's options in PET_* variables, as
+        the Kubeflow Training Operator passes them, on one node of `nproc` workers."""
+        env = {**self.environment(), "PET_STANDALONE": "1", "PET_NPROC_PER_NODE": str(nproc),
+               "PET_MAX_RESTARTS": "0"}
+        proc = Launched(runnable(DEFAULT_COMMAND), env)
+        launched.append(proc)
+        return proc
+
+    def store(self, **kwargs) -> CheckpointStore:
+        return CheckpointStore(self.uri, **kwargs)
+
+    def served_indices(self) -> list[int]:
+        out: list[int] = []
+        for path in sorted(self.served.glob("served-*.txt")):
+            out += [int(x) for x in path.read_text().split()]
+        return out
+
+
+def runnable(command: list[str]) -> list[str]:
+    """A container command as this machine runs it: `torchrun` is this Python's
+    torch.distributed.run, `python` this Python."""
+    program, *args = command
+    if program == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *args]
+    if program in ("python", "python3"):
+        return [sys.executable, *args]
+    raise AssertionError(f"do not know how to run the container command {command}")
+
+
+def losses(log: str, rank: int = 0) -> list[float]:
+    return [float(x) for x in re.findall(rf" rank{rank} INFO trainingrun\.trainer: step \d+/\d+ loss (\S+)", log)]
+
+
+# ------------------------------------------------------------------------------------ 1. exact resume on buckets
+
+# As tests/integration/test_trainer_resume.py: deterministic, accumulation 2, EMA; the data is
+# FaultyText (the same items as SyntheticText) so the run can be paused at a known step.
+EXACT = {
+    "model": MODEL,
+    "data": {"dataset": dataset(), "batchSize": BATCH},
+    "maxSteps": 30,
+    "deterministic": True,
+    "logIntervalSteps": 1,
+    "gradAccumulationSteps": 2,
+    "ema": {"enabled": True},
+}
+
+
+@pytest.fixture(scope="module")
+def reference_digest(tmp_path_factory) -> str:
+    """Model digest at step 30 of an uninterrupted 2-process run (file://; the bits do not depend on storage)."""
+    run = Run(tmp_path_factory.mktemp("reference"), "reference", EXACT)
+    started: list[Launched] = []
+    try:
+        proc = run.start(started)
+        assert proc.finish() == 0, proc.tail()
+    finally:
+        for p in started:
+            p.kill()
+    return {i.step: i for i in run.store().list()}[30].model_digest
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket_run(request, tmp_path):
+    """A Run whose checkpoints go to a fresh bucket, with what the trainer process needs to reach it.
+
+    s3://: `checkpoint.endpointUrl` and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (moto's dummies),
+    as the operator passes them. gs://: the config has no endpoint for gs (the CRD allows endpointUrl
+    with s3 only), so the trainer finds the emulator the way gcsfs does for any GCS client:
+    STORAGE_EMULATOR_HOST; with no credentials in the environment, gcsfs falls back to anonymous
+    access (NO_GCE_CHECK=true skips google-auth's metadata-server probe). The store renames on gs://
+    too (DCP commits `.metadata` by renaming `.metadata.tmp`; the manifest is one PUT), so the
+    trainer processes import fault_injection with FAULT_INJECTION_GCS_MOVE_IS_COPY=1, which makes
+    gcsfs's move a copy + delete: the emulator answers gcsfs's moveTo with 501 and gcsfs retries it
+    for about 33 s per save before falling back to exactly that.
+    """
+    if request.param == "gs":
+        server = request.getfixturevalue("gcs_server")
+        bucket = request.getfixturevalue("gcs_bucket")
+        env = {"STORAGE_EMULATOR_HOST": server.endpoint_url, "NO_GCE_CHECK": "true",
+               "FAULT_INJECTION_GCS_MOVE_IS_COPY": "1"}
+        endpoint = None
+    else:
+        server = request.getfixturevalue("s3_server")
+        bucket = request.getfixturevalue("s3_bucket")
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        endpoint = server.endpoint_url
+    pause_at = first_item_of_step(16, BATCH * 2)
+    run = Run(tmp_path, f"on-{request.param}", EXACT, uri=f"{bucket}/runs/exact", endpoint_url=endpoint, env=env)
+    run.inject(pause_at_items=(pause_at,))
+    run.server = server
+    run.pause_at = pause_at
+    return run
+
+
+def test_exact_resume_on_object_storage(bucket_run, reference_digest, launched):
+    """A worker SIGKILLed between checkpoints (after step 15, step 10 committed to the bucket); the
+    rerun resumes from the bucket at step 10 and ends with the uninterrupted run's model."""
+    run = bucket_run
+    interrupted = run.start(launched)
+    interrupted.wait_for(
+        rank_line(0, "fault_injection", f"paused at item {run.pause_at} "),
+        rank_line(1, "fault_injection", f"paused at item {run.pause_at} "),
+        rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 to " + re.escape(run.uri)),
+    )
+    os.kill(interrupted.workers()[1], signal.SIGKILL)
+    release(run.pauses, run.pause_at)  # the survivor fails in its next collective
+    assert interrupted.finish() != 0, interrupted.tail()
+    assert "step 16/30" not in interrupted.log
+
+    resumed = run.start(launched)
+    assert resumed.finish() == 0, resumed.tail()
+    resumed.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000010 at step 10"))
+    infos = {i.step: i for i in CheckpointStore(run.uri, **run.server.store_kwargs).list()}
+    assert infos[30].valid and infos[30].model_digest == reference_digest
+
+
+# ------------------------------------------------------------------------------------ 2, 3. preemption
+
+LEARNING = {
+    "model": MODEL,
+    "data": {"dataset": dataset(), "batchSize": BATCH},
+    "optimizer": {"lr": 0.01},
+    "maxSteps": 30,
+    "logIntervalSteps": 1,
+}
+STOP_AT = 16  # the step a test stops a run at: the pause holds the trainer before it
+
+
+def preempt_at(run: Run, proc: Launched, nproc: int, step: int, target: int) -> None:
+    """With every rank paused before `step`, SIGTERM `target` (torchrun, as the kubelet does to the
+    container's PID 1, or one worker), wait until it reached the workers, then let them go on."""
+    item = first_item_of_step(step)
+    proc.wait_for(*(rank_line(r, "fault_injection", f"paused at item {item} ") for r in range(nproc)))
+    os.kill(target, signal.SIGTERM)
+    signalled = range(nproc) if target == proc.process.pid else [
+        rank for rank, pid in proc.workers().items() if pid == target]
+    proc.wait_for(*(rank_line(r, "trainingrun.session", "SIGTERM received") for r in signalled))
+    release(run.pauses, item)
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_preempted_run_resumes_at_another_world_size(tmp_path, launched, before, after):
+    """Preempted at step 16 with one world size, resumed with another: it continues from step 16,
+    reaches maxSteps, learns, and sees every sample of the epoch's order exactly once."""
+    run = Run(tmp_path, "elastic", LEARNING).inject(pause_at_items=(first_item_of_step(STOP_AT),), record=True)
+    first = run.start(launched, nproc=before)
+    preempt_at(run, first, before, STOP_AT, first.process.pid)
+    assert first.finish() == exit_codes.PREEMPTED, first.tail()
+    first.wait_for(rank_line(0, "trainingrun.checkpoint", f"committed checkpoint step {STOP_AT} "))
+
+    second = run.start(launched, nproc=after)
+    assert second.finish() == 0, second.tail()
+    second.wait_for(
+        rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-{STOP_AT:08d} at step {STOP_AT}"),
+        *(rank_line(r, "trainingrun.trainer", "step 30/30 ") for r in range(after)),
+    )
+    assert not re.search(rf"step {STOP_AT}/30 ", second.log), "the resumed run repeated a step"
+    start, end = losses(first.log)[:5], losses(second.log)[-5:]
+    assert sum(end) / 5 < sum(start) / 5 - 0.5, (start, end)  # it learns: about 4.85 -> 3.8 nats
+
+    served = run.served_indices()
+    expected = STOP_AT * BATCH * before + (30 - STOP_AT) * BATCH * after
+    assert len(served) == expected and len(set(served)) == expected, "a sample was served twice"
+    order = ResumableSampler(4096, rank=0, world_size=1, seed=0).permutation(0)
+    assert set(served) == set(order[:expected]), "a sample of the epoch's order was skipped"
+
+
+def test_sigterm_to_the_container_checkpoints_and_the_rerun_resumes_there(tmp_path, launched):
+    """SIGTERM to the container's PID 1 (the kubelet signals nothing else): every rank finishes its
+    step and writes an emergency checkpoint at it, and the container exits 143 (retryable; plain
+    torchrun would exit 1, permanent); the next attempt resumes from exactly that step."""
+    run = Run(tmp_path, "preempted", LEARNING).inject(pause_at_items=(first_item_of_step(STOP_AT),))
+    first = run.start(launched)
+    preempt_at(run, first, 2, STOP_AT, first.process.pid)
+    assert first.finish() == exit_codes.PREEMPTED, first.tail()
+    first.wait_for(
+        *(rank_line(r, "trainingrun.trainer", f"SIGTERM: writing an emergency checkpoint at step {STOP_AT}$")
+          for r in range(2)),
+        rank_line(0, "trainingrun.checkpoint", f"committed checkpoint step {STOP_AT} "),
+    )
+    assert max(i.step for i in run.store().list() if i.valid) == STOP_AT
+
+    rerun = run.start(launched)
+    assert rerun.finish() == 0, rerun.tail()
+    rerun.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-{STOP_AT:08d} "
+                                                       f"at step {STOP_AT}"))
+    assert f"step {STOP_AT + 1}/30 " in rerun.log and f"step {STOP_AT}/30 " not in rerun.log
+
+
+def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path, launched):
+    run = Run(tmp_path, "one-worker", LEARNING).inject(pause_at_items=(first_item_of_step(STOP_AT),))
+    proc = run.start(launched)
+    proc.wait_for(*(rank_line(r, "fault_injection", "paused at item") for r in range(2)))
+    rank1 = proc.workers()[1]
+    preempt_at(run, proc, 2, STOP_AT, rank1)
+    assert proc.finish() == exit_codes.PREEMPTED, proc.tail()
+    proc.wait_for(
+        *(rank_line(r, "trainingrun.trainer", f"SIGTERM: writing an emergency checkpoint at step {STOP_AT}$")
+          for r in range(2)),
+        rank_line(0, "trainingrun.checkpoint", f"committed checkpoint step {STOP_AT} "),
+    )
+    # Rank 0 never got the signal before it stopped: it stopped because rank 1 did.
+    rank0 = [line for line in proc.lines if " rank0 " in line]
+    emergency = next(i for i, line in enumerate(rank0) if "emergency checkpoint" in line)
+    assert not any("SIGTERM received" in line for line in rank0[:emergency])
+    assert_workers_exited(proc.log, exit_codes.PREEMPTED)
+    assert {i.step for i in run.store().list() if i.valid} == {10, STOP_AT}
+
+
+# ------------------------------------------------------------------------------------ 4. storage outage
+
+
+def test_storage_outage_during_saves(tmp_path, launched):
+    """file:// checkpoints on a volume that goes away (the path is replaced by a plain file, so
+    even root cannot write there) for the save at step 20 and again for the final save at step 40.
+    Training goes on past the failed periodic save and the next save commits; the failed final save
+    ends the attempt with the retryable code; the next attempt skips a partial and a corrupt newer
+    checkpoint, resumes from the last committed one and finishes."""
+    run = Run(tmp_path, "outage", {**LEARNING, "maxSteps": 40})
+    items = {step: first_item_of_step(step) for step in (13, 25, 40)}
+    run.inject(pause_at_items=tuple(items.values()))
+    base, away = run.dir / "checkpoints", run.dir / "checkpoints.away"
+
+    def storage_down() -> None:
+        base.rename(away)
+        base.write_text("the checkpoint volume is gone\n")
+
+    def storage_back() -> None:
+        base.unlink()
+        away.rename(base)
+
+    def paused_before(proc: Launched, step: int, *also: str) -> None:
+        paused = (rank_line(r, "fault_injection", f"paused at item {items[step]} ") for r in range(2))
+        proc.wait_for(*paused, *also)
+
+    proc = run.start(launched)
+    paused_before(proc, 13, rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "))
+    storage_down()
+    release(run.pauses, items[13])
+    # Step 20's save fails in the background on both ranks while they train on to step 25.
+    paused_before(proc, 25, *(rank_line(r, "trainingrun.checkpoint", "checkpoint step 20: .*could not write", "ERROR")
+                              for r in range(2)))
+    storage_back()
+    release(run.pauses, items[25])
+    paused_before(proc, 40, rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 30 "))
+    storage_down()
+    release(run.pauses, items[40])
+    code = proc.finish()
+    storage_back()
+    proc.wait_for(*(rank_line(r, "trainingrun.trainer", "step 40/40 ") for r in range(2)),
+                  rank_line(0, "trainingrun.checkpoint", "checkpoint step 40: .*could not write", "ERROR"))
+    assert_workers_exited(proc.log, exit_codes.RETRYABLE)
+    assert code == exit_codes.RETRYABLE and not exit_codes.is_permanent(code), proc.tail()
+    assert [(i.step, i.valid) for i in run.store().list()] == [(30, True), (10, True)]
+
+    # Newer than the last good checkpoint: a save that died before its manifest, and a committed
+    # checkpoint whose data was corrupted afterwards. Neither may be resumed from.
+    partial, corrupt = base / "step-00000035", base / "step-00000038"
+    shutil.copytree(base / "step-00000030", partial)
+    (partial / MANIFEST_NAME).unlink()
+    shutil.copytree(base / "step-00000030", corrupt)
+    manifest = json.loads((corrupt / MANIFEST_NAME).read_text())
+    (corrupt / MANIFEST_NAME).write_text(json.dumps({**manifest, "step": 38}))
+    data = next(corrupt.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+    rerun = run.start(launched)
+    assert rerun.finish() == 0, rerun.tail()
+    uri = re.escape(run.uri)
+    rerun.wait_for(
+        rank_line(0, "trainingrun.checkpoint", f"skipping checkpoint {uri}/step-00000038: sha256 mismatch"),
+        rank_line(0, "trainingrun.checkpoint", f"skipping checkpoint {uri}/step-00000035: no manifest"),
+        rank_line(0, "trainingrun.session", f"resumed from {uri}/step-00000030 at step 30"),
+        rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 40 "),
+    )
+    assert max(i.step for i in run.store().list() if i.valid) == 40
+
+
+# ------------------------------------------------------------------------------------ 5. non-finite losses
+
+
+def test_non_finite_losses_are_skipped_then_rolled_back_then_abort(tmp_path, launched):
+    """NaN losses on rank 0 only (its gradients stay finite, so nothing else tells rank 1): every
+    rank must still take the same decision at the same step.
+
+    Forward calls -> steps (checkpoints every 5 steps, 3 in a row roll back, 2 rollbacks allowed):
+    call 5 -> step 5 skipped; calls 12-14 -> steps 12, 13 skipped, 14 rolls back to step 10 (LR x0.5);
+    calls 15-24 -> steps 11-20 (checkpoints 15, 20 hold the lowered LR); calls 25-27 -> steps 21-23,
+    roll back to step 20 (LR x0.25 of the original, not x0.125); calls 33-35 -> steps 26-28: abort.
+    """
+    trainer = {
+        **LEARNING,
+        "model": {"classPath": "fault_injection.NaNCharTransformer",
+                  "initArgs": {"nanCalls": [5, 12, 13, 14, 25, 26, 27, 33, 34, 35], "nanRanks": [0]}},
+        "optimizer": {"lr": 0.001},
+        "schedule": {"name": "constant"},
+        "maxSteps": 60,
+        "health": {"maxConsecutiveNonFinite": 3, "maxRollbacks": 2, "rollbackLrScale": 0.5},
+    }
+    run = Run(tmp_path, "nan", trainer, interval=5)
+    proc = run.start(launched)
+    code = proc.finish()
+    log = proc.log
+    for rank in range(2):
+        proc.wait_for(
+            rank_line(rank, "trainingrun.trainer", "skipped step 5: non-finite loss at step 5$", "WARNING"),
+            rank_line(rank, "trainingrun.trainer", r"rolled back to step 10 \(non-finite loss at step 14\)"),
+            rank_line(rank, "trainingrun.trainer", r"rolled back to step 20 \(non-finite loss at step 23\)"),
+            rank_line(rank, "trainingrun.trainer", r"training diverged: non-finite loss at step 28; .*"
+                                                   r"spec\.trainer\.health\.maxRollbacks=2", "ERROR"),
+        )
+        steps = re.findall(rf" rank{rank} INFO trainingrun\.trainer: step (\d+)/60 loss (\S+) .* lr (\S+) ", log)
+        # Each completed step as logged, in order (a step that rolls back or aborts is not logged).
+        assert [int(s) for s, _, _ in steps] == [*range(1, 14), *range(11, 23), *range(21, 28)], steps
+        lrs = [float(lr) for _, _, lr in steps]
+        assert lrs == [0.001] * 13 + [0.0005] * 12 + [0.00025] * 7, lrs
+    assert_workers_exited(log, exit_codes.DIVERGED)
+    assert code == exit_codes.DIVERGED and exit_codes.is_permanent(code), proc.tail()
+    assert "step 29/60" not in log
+
+
+# ------------------------------------------------------------------------------------ 6. invalid configs
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model": {"classPath": "trainingrun_trainer.models.CharTransformr"}},
+     "spec.trainer.model.classPath: module 'trainingrun_trainer.models' has no class 'CharTransformr'; "
+     "did you mean 'CharTransformer'?"),
+    ({"model": {"classPath": "fault_injection.NaNCharTransformer", "initArgs": {"nanCals": [3]}}},
+     "spec.trainer.model.initArgs: NaNCharTransformer() got an unexpected keyword argument 'nanCals'; "
+     "accepted: nanCalls, nanRanks, vocabSize, dim, layers, heads, contextLength; did you mean 'nanCalls'?"),
+    ({"precision": "16-mixed"}, "spec.trainer.precision: 16-mixed needs a CUDA GPU"),
+], ids=["unknown-class", "unknown-init-arg", "fp16-on-cpu"])
+def test_invalid_config_fails_before_any_process_group(tmp_path, launched, change, message):
+    """Rank 0 of a 2-process world started alone: a trainer that reached init_process_group would
+    wait there for rank 1 (gloo's default timeout is 30 minutes) and never exit on its own. It must
+    exit at once with the permanent config-error code and a message naming the field."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = Run(tmp_path, "invalid", {**LEARNING, **change})
+    env = {**run.environment(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    proc = Launched([sys.executable, "-m", "trainingrun_trainer"], env)
+    launched.append(proc)
+    assert proc.finish(deadline_s=60) == exit_codes.CONFIG_ERROR, proc.tail()
+    assert message in proc.log and "Traceback" not in proc.log
+    assert not (run.dir / "checkpoints").exists()
