@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 invalid input (one line per problem on stderr), 2 usage
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -90,6 +91,38 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_local(args: argparse.Namespace) -> int:
+    from . import local
+
+    options = local.LocalOptions(
+        nproc=args.nproc, checkpoint_uri=args.checkpoint_uri, max_steps=args.max_steps,
+        chaos_kill_steps=args.chaos_kill_step or [], chaos_kill_every=args.chaos_kill_every,
+        metrics_port=args.metrics_port, env_file=args.env_file, runs_dir=args.runs_dir,
+    )
+    try:
+        run = local.load_run(args.file, options)
+        secrets = local.resolve_secrets(run.spec, dict(os.environ), options.env_file)
+    except validation.InvalidTrainingRun as error:
+        for problem in error.problems:
+            print(f"{args.file}: {problem}", file=sys.stderr)
+        return 1
+    except local.LocalRunError as error:
+        print(f"{args.file}: {error}", file=sys.stderr)
+        return 1
+    display = local.RichDisplay(sys.stdout) if sys.stdout.isatty() else local.PlainDisplay(sys.stdout)
+    print(f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {options.nproc or run.spec.nproc_per_node} "
+          f"process(es), checkpoints in {run.spec.checkpoint.uri}", flush=True)
+    try:
+        summary = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display).execute()
+    finally:
+        display.close()
+    if summary.message:
+        print(summary.message, file=sys.stderr if summary.outcome != "succeeded" else sys.stdout)
+    print(f"{summary.outcome} after {summary.attempts} attempt(s); logs in {Path(options.runs_dir) / run.metadata.name}")
+    print(summary.result_line(), flush=True)
+    return {"succeeded": 0, "interrupted": 130}.get(summary.outcome, 1)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -126,6 +159,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attempt", type=positive_int, default=1, help="attempt number (default 1)")
     p.add_argument("--resume-from", metavar="URI", help="checkpoint the attempt resumes from (TRAININGRUN_RESUME_FROM)")
     p.set_defaults(func=cmd_render)
+
+    p = commands.add_parser("local", help="run a TrainingRun on this machine, with recovery and fault injection",
+                            description="Run the TrainingRun in FILE on this machine (CPU gloo, or local GPUs) with "
+                                        "the same trainer, environment and recovery as in a cluster. Secrets the "
+                                        "file references are read from same-named environment variables or a .env "
+                                        "file. Ends with a line `result: steps=... goodput=...`.")
+    p.add_argument("file", metavar="FILE", help="TrainingRun YAML (the same file you kubectl apply)")
+    p.add_argument("--nproc", type=positive_int, help="processes (default: spec.nprocPerNode)")
+    p.add_argument("--checkpoint-uri", metavar="URI", help="override spec.checkpoint.uri "
+                   "(default when the file has none: file://./runs/<name>/checkpoints)")
+    p.add_argument("--max-steps", type=positive_int, help="override spec.trainer.maxSteps")
+    p.add_argument("--chaos-kill-step", type=positive_int, action="append", metavar="STEP",
+                   help="SIGKILL one worker when the run reaches STEP (repeatable)")
+    p.add_argument("--chaos-kill-every", type=float, metavar="SECONDS", help="SIGKILL a random worker every SECONDS")
+    p.add_argument("--metrics-port", type=positive_int, help="port of the trainer's metrics endpoint")
+    p.add_argument("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)")
+    p.add_argument("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)")
+    p.set_defaults(func=cmd_local)
 
     p = commands.add_parser("checkpoints", help="list the checkpoints under a URI",
                             description="List the checkpoints under a run's checkpoint URI, newest first, "

@@ -28,6 +28,9 @@ class RunContext:
     rank: int  #: RANK (torchrun)
     local_rank: int  #: LOCAL_RANK
     world_size: int  #: WORLD_SIZE
+    #: TRAININGRUN_CHAOS_KILL_AT_STEP (fault injection by `trainingrun local`): one worker SIGKILLs
+    #: itself right after completing this step, a crash at a precise point for demos and tests.
+    chaos_kill_at_step: Optional[int] = None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -65,4 +68,5 @@ class RunContext:
             rank=integer("RANK", 0) or 0,
             local_rank=integer("LOCAL_RANK", 0) or 0,
             world_size=integer("WORLD_SIZE", 1) or 1,
+            chaos_kill_at_step=integer("TRAININGRUN_CHAOS_KILL_AT_STEP", None),
         )

@@ -33,12 +33,19 @@ import torch
 import torch.distributed as dist
 
 from . import exit_codes
-from .checkpoint import CheckpointInfo, CheckpointStore
+from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave
 from .config import CheckpointConfig
 from .context import RunContext
 from .reporting import ApiEndpoint, StatusReporter
 
 log = logging.getLogger("trainingrun.session")
+
+
+def report_interval() -> float:
+    """Seconds between status patches: 10 in a cluster (API server load), less for `trainingrun local`."""
+    import os
+
+    return float(os.environ.get("TRAININGRUN_REPORT_INTERVAL_SECONDS", "10"))
 
 
 def rfc3339_now() -> str:
@@ -70,8 +77,9 @@ class Run:
             endpoint_url=checkpoint.endpoint_url,
         )
         if reporter is None:
-            endpoint = ApiEndpoint.in_cluster() if context.is_rank_zero else None
-            reporter = StatusReporter(endpoint, context.namespace, context.name)
+            endpoint = ApiEndpoint.from_env() if context.is_rank_zero else None
+            reporter = StatusReporter(endpoint, context.namespace, context.name, min_interval_seconds=report_interval())
+        self._pending: Optional[PendingSave] = None
         self.reporter = reporter
         self.preempted = False
         self._last_save = time.monotonic()
@@ -97,7 +105,8 @@ class Run:
         if source is None:
             return None
         extra = self.store.load(source, state)
-        log.info("resumed from %s at step %s", getattr(source, "uri", source), extra.get("step"))
+        if self.context.is_rank_zero:
+            log.info("resumed from %s at step %s", getattr(source, "uri", source), extra.get("step"))
         return extra
 
     def checkpoint_due(self, step: int) -> tuple[bool, bool]:
@@ -106,6 +115,8 @@ class Run:
         Collective under torch.distributed: every rank must call it at the same step, and all get
         the same answer, so a SIGTERM that reaches one rank first still stops all of them together.
         """
+        if self._pending is not None and self._pending.done():
+            self.report_committed()  # promptly, so the operator resumes from it after a crash
         interval = self.checkpoint.interval
         save = (interval.steps is not None and step % interval.steps == 0) or (
             interval.seconds is not None and time.monotonic() - self._last_save >= interval.seconds
@@ -129,7 +140,7 @@ class Run:
     ) -> None:
         """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors."""
         self.report_committed()
-        self.store.save(
+        self._pending = self.store.save(
             step,
             state,
             extra,
@@ -142,6 +153,7 @@ class Run:
     def report_committed(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight (the next save waits for it anyway) and report it as lastGoodCheckpoint."""
         info = self.store.wait()
+        self._pending = None
         if info is not None:
             self.reporter.report(
                 lastGoodCheckpoint={"uri": info.uri, "step": info.step, "time": info.time, "sha256": info.manifest_sha256}

@@ -12,6 +12,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import signal
 import time
 from typing import Any, Iterator
 
@@ -50,6 +52,8 @@ class Trainer:
         self.step = 0
         #: Step time that produced the current weights, summed over attempts (goodput's numerator).
         self.productive_seconds = 0.0
+        self.samples_per_second: float | None = None  #: over the last logging window
+        self.last_loss: float | None = None
 
     # ------------------------------------------------------------ setup
 
@@ -148,6 +152,7 @@ class Trainer:
         return {
             "step": self.step,
             "productive_seconds": self.productive_seconds,
+            "loss": self.last_loss,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
@@ -173,6 +178,7 @@ class Trainer:
         self.step = int(extra["step"])
         # Work after this checkpoint is lost; only the time that produced this state still counts.
         self.productive_seconds = float(extra.get("productive_seconds", 0.0))
+        self.last_loss = extra.get("loss")
         self.scheduler.load_state_dict(extra["scheduler"])
         self.scaler.load_state_dict(extra["scaler"])
         self.sampler.load_state_dict(extra["sampler"])
@@ -221,6 +227,9 @@ class Trainer:
         extra = self.run.resume(state)
         if extra is not None:
             self._apply_restored(state, extra)
+            # Where the run stands now, before the first new step (which may be a while, or never).
+            self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
+                            productive_seconds=self.productive_seconds)
         batches = self._batches()
         code = self._loop(batches)
         self.run.close()
@@ -305,18 +314,24 @@ class Trainer:
             self.step += 1
             window_steps += 1
             self.productive_seconds += time.monotonic() - step_started
+            if self.step == self.context.chaos_kill_at_step and self.context.rank == self.step % self.context.world_size:
+                log.warning("chaos: SIGKILL worker rank %d at step %d", self.context.rank, self.step)
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
 
             if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
                 results = self._evaluate()
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
+            self.last_loss = loss
+            # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
+            self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=self.samples_per_second,
+                            productive_seconds=self.productive_seconds)
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
                 elapsed = time.monotonic() - window_start
-                rate = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
+                self.samples_per_second = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
                 log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f", self.step, cfg.max_steps,
-                         loss, grad_norm, self.scheduler.get_last_lr()[0], rate)
-                self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=rate,
-                                productive_seconds=self.productive_seconds)
+                         loss, grad_norm, self.scheduler.get_last_lr()[0], self.samples_per_second)
                 window_start, window_steps = time.monotonic(), 0
 
             stop, save_due = self.run.checkpoint_due(self.step)

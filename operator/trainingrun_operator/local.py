@@ -1,0 +1,485 @@
+"""`trainingrun local FILE`: run a TrainingRun on this machine, supervised the way the operator would.
+
+Each attempt is the same launcher a pod runs (`python -m trainingrun_trainer.launch`, torchrun's
+elastic agent) with the same environment contract. The trainer reports progress and committed
+checkpoints to a small status endpoint served here, exactly as it patches `status` in a cluster,
+so the runner sees what the operator would: when an attempt dies it is classified (permanent,
+preemption, failure), charged to the run's recovery budget, and a new attempt resumes from the last
+good checkpoint after the backoff. Fault injection (`--chaos-kill-step`, `--chaos-kill-every`)
+SIGKILLs a worker to show that this works.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
+
+import yaml
+
+from trainingrun_trainer import exit_codes
+from trainingrun_trainer.config import RunConfig
+
+from . import api, validation
+
+DEFAULT_RUNS_DIR = "runs"
+
+
+class LocalRunError(Exception):
+    """A problem found before anything started; the message says what to do."""
+
+
+@dataclass
+class LocalOptions:
+    nproc: Optional[int] = None  #: processes (default: spec.nprocPerNode)
+    checkpoint_uri: Optional[str] = None  #: default: file://./runs/<name>/checkpoints
+    max_steps: Optional[int] = None  #: override spec.trainer.maxSteps
+    chaos_kill_steps: list[int] = field(default_factory=list)  #: SIGKILL a worker when the run reaches each
+    chaos_kill_every: Optional[float] = None  #: SIGKILL a random worker every N seconds
+    metrics_port: Optional[int] = None  #: TRAININGRUN_METRICS_PORT for the trainer
+    env_file: str = ".env"  #: where secrets come from when not in the environment
+    runs_dir: str = DEFAULT_RUNS_DIR
+    chaos_seed: int = 0
+
+
+# ---------------------------------------------------------------- loading and secrets
+
+
+def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
+    """Parse the file the way `validate` does, filling in what a laptop run may leave out."""
+    documents = validation.load_file(path)
+    if len(documents) != 1:
+        raise validation.InvalidTrainingRun(
+            [validation.Problem("", f"{path} holds {len(documents)} documents; `trainingrun local` runs one TrainingRun")]
+        )
+    document = documents[0]
+    if isinstance(document, dict) and isinstance(document.get("spec"), dict):
+        spec = document["spec"]
+        name = str((document.get("metadata") or {}).get("name", "run"))
+        checkpoint = spec.setdefault("checkpoint", {})
+        if isinstance(checkpoint, dict):
+            uri = options.checkpoint_uri or checkpoint.get("uri") or f"file://{Path(options.runs_dir).resolve()}/{name}/checkpoints"
+            checkpoint["uri"] = uri
+        if options.max_steps is not None:
+            trainer = spec.setdefault("trainer", {})
+            if isinstance(trainer, dict):
+                trainer["maxSteps"] = options.max_steps
+    return validation.parse(document)
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """KEY=VALUE lines (# comments, optional quotes, optional `export`); a missing file is empty."""
+    values: dict[str, str] = {}
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return values
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ").strip()
+        if "=" not in line:
+            raise LocalRunError(f"{path}:{number}: expected KEY=VALUE")  # never echo the line: it may hold a secret
+        key, value = line.split("=", 1)
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[key.strip()] = value
+    return values
+
+
+def secret_variables(spec: api.TrainingRunSpec) -> list[tuple[str, str]]:
+    """(variable, what it stands for) for every secret the run references."""
+    wanted = [(e.name, f"secrets.env {e.secret_name}/{e.key}") for e in spec.secrets.env]
+    if spec.secrets.gcs_key_file:
+        ref = spec.secrets.gcs_key_file
+        wanted.append(("GOOGLE_APPLICATION_CREDENTIALS", f"path of the key file for secrets.gcsKeyFile {ref.secret_name}/{ref.key}"))
+    s3 = spec.secrets.s3_credentials
+    if s3:
+        wanted += [("AWS_ACCESS_KEY_ID", f"secrets.s3Credentials {s3.secret_name}/{s3.access_key_id_key}"),
+                   ("AWS_SECRET_ACCESS_KEY", f"secrets.s3Credentials {s3.secret_name}/{s3.secret_access_key_key}")]
+        if s3.session_token_key:
+            wanted.append(("AWS_SESSION_TOKEN", f"secrets.s3Credentials {s3.secret_name}/{s3.session_token_key}"))
+    return wanted
+
+
+def resolve_secrets(spec: api.TrainingRunSpec, environ: dict[str, str], env_file: str) -> dict[str, str]:
+    """Values for the referenced secrets from the environment or the .env file; names only in errors."""
+    from_file = read_env_file(env_file)
+    values, missing = {}, []
+    for variable, meaning in secret_variables(spec):
+        value = environ.get(variable, from_file.get(variable))
+        if value:
+            values[variable] = value
+        else:
+            missing.append(f"{variable} ({meaning})")
+    if missing:
+        raise LocalRunError(
+            "missing secrets: " + ", ".join(missing)
+            + f"; set them in the environment or in {env_file} (see .env.example)"
+        )
+    return values
+
+
+# ---------------------------------------------------------------- the status endpoint
+
+
+class StatusServer:
+    """Accepts the trainer's status merge-patches on 127.0.0.1, like the API server's status subresource."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PATCH(self) -> None:  # noqa: N802 - http.server naming
+                length = int(self.headers.get("Content-Length", 0))
+                patch = json.loads(self.rfile.read(length) or b"{}").get("status", {})
+                with server.changed:
+                    for key, value in patch.items():
+                        if isinstance(value, dict):
+                            server.status.setdefault(key, {}).update(value)
+                        else:
+                            server.status[key] = value
+                    server.changed.notify_all()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="local-status", daemon=True)
+        self.thread.start()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return json.loads(json.dumps(self.status))
+
+    def forget(self, key: str) -> None:
+        with self.lock:
+            self.status.pop(key, None)
+
+    def wait_for_change(self, timeout: float) -> None:
+        with self.changed:
+            self.changed.wait(timeout)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# ---------------------------------------------------------------- processes
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (the agent's workers), from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return sorted(children)
+
+
+def classify(code: int) -> str:
+    if code == exit_codes.OK:
+        return "succeeded"
+    if exit_codes.is_permanent(code):
+        return "permanent"
+    if code in (exit_codes.PREEMPTED, 128 + signal.SIGINT):
+        return "preemption"
+    return "failure"
+
+
+RESUMED = re.compile(r"resumed from \S+ at step (\d+)")
+CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
+
+
+@dataclass
+class Attempt:
+    number: int
+    code: Optional[int] = None
+    resumed_step: int = 0
+    last_step: int = 0
+    log_path: Optional[Path] = None
+
+    def trainer_message(self) -> str:
+        """The lines where the trainer said why it stopped."""
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        said = [l for l in lines if l.startswith("trainingrun-trainer:") or " ERROR trainingrun" in l]
+        return "\n".join(dict.fromkeys(said))  # each once, in order
+
+
+@dataclass
+class Summary:
+    steps: int
+    final_loss: Optional[float]
+    attempts: int
+    lost_steps: int
+    goodput: float
+    wall_seconds: float
+    outcome: str
+    message: str = ""
+
+    def result_line(self) -> str:
+        loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
+        return (f"result: steps={self.steps} final_loss={loss} attempts={self.attempts} "
+                f"lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}")
+
+
+class LocalRunner:
+    """Supervises attempts of one TrainingRun on this machine."""
+
+    def __init__(self, run: api.TrainingRun, options: LocalOptions, secrets: dict[str, str],
+                 out: TextIO = sys.stdout, display: Optional[Callable[["LocalRunner", dict], None]] = None):
+        self.run = run
+        self.spec = run.spec
+        self.options = options
+        self.secrets = secrets
+        self.out = out
+        self.display = display
+        self.run_dir = Path(options.runs_dir) / run.metadata.name
+        self.attempts: list[Attempt] = []
+        self.failures = 0
+        self.preemptions = 0
+        self.interrupted = False
+        self.current: Optional[subprocess.Popen] = None
+        self._kill_steps = sorted(set(options.chaos_kill_steps))
+        self._chaos = random.Random(options.chaos_seed)
+
+    @property
+    def nproc(self) -> int:
+        return self.options.nproc or self.spec.nproc_per_node
+
+    def _environment(self, attempt: int, status_url: str, config_path: Path) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
+        env.update({e.name: e.value for e in self.spec.env})
+        env.update(self.secrets)
+        env.update({
+            "TRAININGRUN_NAME": self.run.metadata.name,
+            "TRAININGRUN_NAMESPACE": self.run.metadata.namespace,
+            "TRAININGRUN_UID": self.run.metadata.uid or "local",
+            "TRAININGRUN_ATTEMPT": str(attempt),
+            "TRAININGRUN_CONFIG": str(config_path),
+            "TRAININGRUN_CHECKPOINT_URI": self.spec.checkpoint.uri,
+            "TRAININGRUN_STATUS_URL": status_url,
+            "TRAININGRUN_REPORT_INTERVAL_SECONDS": "0.1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        if self.spec.checkpoint.endpoint_url:
+            env["AWS_ENDPOINT_URL"] = self.spec.checkpoint.endpoint_url
+        port = self.options.metrics_port or (self.spec.metrics.port if self.spec.metrics.enabled else None)
+        if port:
+            env["TRAININGRUN_METRICS_PORT"] = str(port)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
+        return env
+
+    def _write_config(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "config.yaml"
+        config = RunConfig(trainer=self.spec.trainer, checkpoint=self.spec.checkpoint)
+        path.write_text(yaml.safe_dump(config.to_wire(), sort_keys=False), encoding="utf-8")
+        return path
+
+    def _kill_a_worker(self, reason: str) -> None:
+        if self.current is None:
+            return
+        workers = child_pids(self.current.pid)
+        if workers:
+            victim = self._chaos.choice(workers)
+            print(f"chaos: SIGKILL worker pid {victim} ({reason})", file=self.out, flush=True)
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _supervise(self, process: subprocess.Popen, attempt: Attempt, status: StatusServer) -> int:
+        started = time.monotonic()
+        next_random_kill = started + self.options.chaos_kill_every if self.options.chaos_kill_every else None
+        while True:
+            code = process.poll()
+            snapshot = status.snapshot()
+            step = int(snapshot.get("progress", {}).get("step") or 0)
+            attempt.last_step = max(attempt.last_step, step)
+            if self.display:
+                self.display(self, snapshot)
+            if code is not None:
+                return code
+            if next_random_kill and time.monotonic() >= next_random_kill:
+                self._kill_a_worker(f"--chaos-kill-every {self.options.chaos_kill_every:g}s")
+                next_random_kill = time.monotonic() + self.options.chaos_kill_every
+            status.wait_for_change(0.25)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # Like a pod deletion: the agent forwards SIGTERM, workers checkpoint and exit 143.
+        self.interrupted = True
+        if self.current and self.current.poll() is None:
+            print("interrupted: stopping workers after an emergency checkpoint", file=self.out, flush=True)
+            self.current.send_signal(signal.SIGTERM)
+
+    def execute(self) -> Summary:
+        started = time.monotonic()
+        config_path = self._write_config()
+        status = StatusServer()
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        outcome, message = "succeeded", ""
+        try:
+            number = 0
+            while True:
+                number += 1
+                attempt = Attempt(number, log_path=self.run_dir / f"attempt-{number}.log")
+                self.attempts.append(attempt)
+                status.forget("progress")  # the previous attempt's last step is not this one's
+                command = [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone",
+                           f"--nproc-per-node={self.nproc}", "--max-restarts=0", "--module", "trainingrun_trainer"]
+                env = self._environment(number, status.url, config_path)
+                if self._kill_steps:
+                    # The trainer kills one of its workers itself, right after this step: precise.
+                    env["TRAININGRUN_CHAOS_KILL_AT_STEP"] = str(self._kill_steps[0])
+                with open(attempt.log_path, "w", encoding="utf-8") as log:
+                    self.current = subprocess.Popen(
+                        command, env=env,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    )
+                    attempt.code = self._supervise(self.current, attempt, status)
+                self.current = None
+                log_text = attempt.log_path.read_text(errors="replace")
+                found = RESUMED.findall(log_text)
+                attempt.resumed_step = int(found[0]) if found else 0
+                for killed in CHAOS_KILLED.findall(log_text):
+                    print(f"chaos: SIGKILL worker rank {killed[0]} at step {killed[1]} (--chaos-kill-step)",
+                          file=self.out, flush=True)
+                    attempt.last_step = max(attempt.last_step, int(killed[1]))
+                    if self._kill_steps and self._kill_steps[0] == int(killed[1]):
+                        self._kill_steps.pop(0)
+                kind = classify(attempt.code)
+                if kind == "succeeded":
+                    break
+                if kind == "permanent":
+                    outcome, message = "failed", attempt.trainer_message() or f"the trainer exited with {attempt.code}"
+                    break
+                if self.interrupted:
+                    outcome, message = "interrupted", "stopped by Ctrl-C; rerun the same command to resume"
+                    break
+                if kind == "preemption":
+                    self.preemptions += 1
+                    budget, used, field_name = self.spec.recovery.max_preemptions, self.preemptions, "maxPreemptions"
+                else:
+                    self.failures += 1
+                    budget, used, field_name = self.spec.recovery.max_failures, self.failures, "maxFailures"
+                if used > budget:
+                    outcome = "failed"
+                    message = (f"attempt {number} ended with exit code {attempt.code} ({kind}); the recovery budget "
+                               f"spec.recovery.{field_name}={budget} is spent")
+                    break
+                delay = min(self.spec.recovery.backoff_seconds * 2 ** (self.failures + self.preemptions - 1),
+                            self.spec.recovery.max_backoff_seconds)
+                print(f"attempt {number} ended with exit code {attempt.code} ({kind}); "
+                      f"attempt {number + 1} resumes from the last good checkpoint in {delay}s", file=self.out, flush=True)
+                if delay:
+                    time.sleep(delay)  # the backoff itself, as the operator would wait
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            if self.current and self.current.poll() is None:
+                self.current.kill()
+            final = status.snapshot()
+            status.close()
+        return self._summary(final, time.monotonic() - started, outcome, message)
+
+    def _summary(self, status: dict, wall: float, outcome: str, message: str) -> Summary:
+        progress = status.get("progress", {})
+        lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.attempts, self.attempts[1:]))
+        productive = float(progress.get("productiveSeconds") or 0.0)
+        return Summary(
+            steps=int(progress.get("step") or 0),
+            final_loss=progress.get("loss"),
+            attempts=len(self.attempts),
+            lost_steps=lost,
+            goodput=min(1.0, productive / wall) if wall > 0 else 0.0,
+            wall_seconds=wall,
+            outcome=outcome,
+            message=message,
+        )
+
+
+# ---------------------------------------------------------------- showing progress
+
+
+class PlainDisplay:
+    """Log lines for pipes and CI: one when the step moves by a tenth of the run or 10 s pass."""
+
+    def __init__(self, out: TextIO):
+        self.out, self.last_step, self.last_time = out, -1, 0.0
+
+    def __call__(self, runner: LocalRunner, status: dict) -> None:
+        progress = status.get("progress", {})
+        step, total = progress.get("step"), progress.get("totalSteps")
+        if step is None or step == self.last_step:
+            return
+        now = time.monotonic()
+        if total and step - self.last_step < max(1, total // 10) and now - self.last_time < 10 and step != total:
+            return
+        self.last_step, self.last_time = step, now
+        loss, rate = progress.get("loss"), progress.get("samplesPerSecond")
+        print(f"attempt {len(runner.attempts)} step {step}/{total} loss {'-' if loss is None else f'{loss:.4f}'} "
+              f"samples/s {'-' if rate is None else f'{rate:.1f}'}", file=self.out, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RichDisplay:
+    """A live progress bar for terminals: step/total, loss, samples/s, ETA, attempt."""
+
+    def __init__(self, out: TextIO):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]attempt {task.fields[attempt]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]} samples/s"),
+            TimeRemainingColumn(),
+            console=Console(file=out),
+        )
+        self.task = None
+        self.progress.start()
+
+    def __call__(self, runner: LocalRunner, status: dict) -> None:
+        progress = status.get("progress", {})
+        total = progress.get("totalSteps") or runner.spec.trainer.max_steps
+        if self.task is None:
+            self.task = self.progress.add_task("train", total=total, attempt=1, loss="-", rate="-")
+        loss = progress.get("loss")
+        self.progress.update(
+            self.task, completed=progress.get("step") or 0, total=total, attempt=len(runner.attempts),
+            loss="-" if loss is None else f"{loss:.4f}",
+            rate="-" if progress.get("samplesPerSecond") is None else f"{progress['samplesPerSecond']:.0f}",
+        )
+
+    def close(self) -> None:
+        self.progress.stop()

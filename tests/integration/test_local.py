@@ -1,0 +1,131 @@
+"""`trainingrun local`: the same TrainingRun on this machine, with supervision, fault injection and goodput."""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from trainingrun_trainer.checkpoint import CheckpointStore
+
+INTERVAL = 10
+
+
+def training_run(name="demo", **trainer):
+    return {
+        "apiVersion": "trainingrun.dev/v1alpha1",
+        "kind": "TrainingRun",
+        "metadata": {"name": name},
+        "spec": {
+            "trainer": {
+                "maxSteps": 60,
+                "deterministic": True,
+                "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
+                          "initArgs": {"dim": 16, "layers": 1, "heads": 2, "contextLength": 16}},
+                "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
+                                     "initArgs": {"numSamples": 4096, "contextLength": 16}}, "batchSize": 8},
+                **trainer,
+            },
+            "checkpoint": {"uri": "file:///unused", "interval": {"steps": INTERVAL}},
+            "nprocPerNode": 2,
+            "recovery": {"backoffSeconds": 0},
+        },
+    }
+
+
+def write_run(tmp_path, body, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def local(tmp_path, run_file, *flags, checkpoints="ckpt", env=None, **popen):
+    command = [sys.executable, "-m", "trainingrun_operator.cli", "local", str(run_file),
+               "--checkpoint-uri", f"file://{tmp_path}/{checkpoints}", "--runs-dir", str(tmp_path / "runs"),
+               "--env-file", str(tmp_path / ".env"), *flags]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
+    full_env.update(env or {})
+    if popen:
+        return subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def result_of(stdout):
+    line = [l for l in stdout.splitlines() if l.startswith("result: ")][-1]
+    return {k: v for k, v in re.findall(r"(\w+)=(\S+)", line)}
+
+
+def final_digest(tmp_path, checkpoints, step):
+    infos = {i.step: i for i in CheckpointStore(f"file://{tmp_path}/{checkpoints}").list() if i.valid}
+    return infos[step].model_digest
+
+
+@pytest.mark.slow
+def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
+    run_file = write_run(tmp_path, training_run())
+    reference = local(tmp_path, run_file, checkpoints="reference")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert result_of(reference.stdout)["attempts"] == "1"
+
+    chaos = local(tmp_path, run_file, "--chaos-kill-step", "15", "--chaos-kill-step", "35", checkpoints="chaos")
+    assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]
+    result = result_of(chaos.stdout)
+    assert result["attempts"] == "3" and result["steps"] == "60"
+    assert chaos.stdout.count("chaos: SIGKILL worker") == 2
+    assert int(result["lost_steps"]) <= 2 * INTERVAL
+    assert 0 < float(result["goodput"]) <= 1
+    assert float(result["final_loss"]) > 0
+    assert final_digest(tmp_path, "chaos", 60) == final_digest(tmp_path, "reference", 60)
+
+
+@pytest.mark.slow
+def test_permanent_failure_stops_without_retry_and_shows_the_trainers_message(tmp_path):
+    body = training_run(model={"classPath": "trainingrun_trainer.models.CharTransformer", "initArgs": {"dimm": 8}})
+    result = local(tmp_path, write_run(tmp_path, body))
+    assert result.returncode == 1
+    assert result_of(result.stdout)["attempts"] == "1"
+    assert "spec.trainer.model.initArgs" in result.stderr and "did you mean 'dim'" in result.stderr
+
+
+def test_missing_secret_is_named_before_anything_starts(tmp_path):
+    body = training_run()
+    body["spec"]["secrets"] = {"env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}],
+                               "s3Credentials": {"secretName": "s3"}}
+    (tmp_path / ".env").write_text("AWS_ACCESS_KEY_ID=AKIA-from-dotenv\n")
+    result = local(tmp_path, write_run(tmp_path, body), env={"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"})
+    assert result.returncode == 1
+    assert "missing secrets: WANDB_API_KEY (secrets.env wandb/api-key)" in result.stderr
+    assert "AWS_ACCESS_KEY_ID" not in result.stderr  # found in .env
+    assert "s3cr3t-value" not in result.stdout + result.stderr and "AKIA-from-dotenv" not in result.stdout + result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_invalid_file_is_rejected_like_validate(tmp_path):
+    body = training_run(precision="fp8")
+    result = local(tmp_path, write_run(tmp_path, body))
+    assert result.returncode == 1
+    assert "spec.trainer.precision: 'fp8' is not allowed" in result.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_a_rerun_resumes(tmp_path):
+    run_file = write_run(tmp_path, training_run(maxSteps=100000, logIntervalSteps=5))
+    process = local(tmp_path, run_file, start_new_session=True)
+    for line in process.stdout:  # the first progress line means training is under way
+        if line.startswith("attempt 1 step"):
+            break
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stdout + stderr
+    assert "stopped by Ctrl-C" in stderr
+    saved = max(i.step for i in CheckpointStore(f"file://{tmp_path}/ckpt").list() if i.valid)
+    assert saved > 0  # the emergency checkpoint
+
+    body = training_run(maxSteps=saved + 5)
+    rerun = local(tmp_path, write_run(tmp_path, body))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert result_of(rerun.stdout)["steps"] == str(saved + 5)
+    log = (tmp_path / "runs" / "demo" / "attempt-1.log").read_text()
+    assert f"at step {saved}" in log
