@@ -13,10 +13,14 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[operator,trainer,dev]"
 	touch $@
 
-# Until the local runner exists, the demo validates the examples and shows what a run becomes.
+# The main job on this machine: the minimal example on CPU (2 processes, ~1 minute), one worker
+# SIGKILLed at step 260, recovery from the last checkpoint, and the goodput summary.
+DEMO_RUN := runs/minimal-cpu
 demo: setup
-	$(BIN)/trainingrun validate manifests/examples/*.yaml
-	$(BIN)/trainingrun render manifests/examples/minimal-cpu.yaml
+	rm -rf $(DEMO_RUN)
+	$(BIN)/trainingrun local manifests/examples/minimal-cpu.yaml --nproc 2 --max-steps 500 \
+		--chaos-kill-step 260 --checkpoint-uri file://$(CURDIR)/$(DEMO_RUN)/checkpoints
+	$(BIN)/trainingrun checkpoints file://$(CURDIR)/$(DEMO_RUN)/checkpoints
 
 test: setup
 	$(BIN)/pytest

@@ -1,0 +1,60 @@
+"""Pure parts of the local runner: defaults, .env parsing, secret resolution, exit classification."""
+import pytest
+
+from trainingrun_operator import local
+
+BODY = """\
+apiVersion: trainingrun.dev/v1alpha1
+kind: TrainingRun
+metadata: {name: laptop}
+spec:
+  trainer: {maxSteps: 10}
+  secrets:
+    env: [{name: WANDB_API_KEY, secretName: wandb, key: api-key}]
+    gcsKeyFile: {secretName: gcs, key: key.json}
+"""
+
+
+def test_checkpoint_uri_defaults_under_runs_and_flags_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY)
+    run = local.load_run(str(path), local.LocalOptions(runs_dir=str(tmp_path / "runs")))
+    assert run.spec.checkpoint.uri == f"file://{tmp_path}/runs/laptop/checkpoints"
+    run = local.load_run(str(path), local.LocalOptions(checkpoint_uri="s3://b/p", max_steps=3))
+    assert run.spec.checkpoint.uri == "s3://b/p" and run.spec.trainer.max_steps == 3
+
+
+def test_env_file_parsing(tmp_path):
+    env = tmp_path / ".env"
+    env.write_text("# comment\nexport A=1\nB = 'two words'\nC=\"x=y\"\n\n")
+    assert local.read_env_file(str(env)) == {"A": "1", "B": "two words", "C": "x=y"}
+    assert local.read_env_file(str(tmp_path / "absent")) == {}
+    env.write_text("TOKEN supersecret\n")
+    with pytest.raises(local.LocalRunError) as caught:
+        local.read_env_file(str(env))
+    assert ":1: expected KEY=VALUE" in str(caught.value) and "supersecret" not in str(caught.value)
+
+
+def test_secrets_come_from_environment_then_env_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY)
+    spec = local.load_run(str(path), local.LocalOptions()).spec
+    (tmp_path / ".env").write_text("WANDB_API_KEY=from-file\nGOOGLE_APPLICATION_CREDENTIALS=/k.json\n")
+    values = local.resolve_secrets(spec, {"WANDB_API_KEY": "from-env"}, str(tmp_path / ".env"))
+    assert values == {"WANDB_API_KEY": "from-env", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}
+    with pytest.raises(local.LocalRunError, match=r"missing secrets: WANDB_API_KEY \(secrets.env wandb/api-key\), "
+                                                  r"GOOGLE_APPLICATION_CREDENTIALS"):
+        local.resolve_secrets(spec, {}, str(tmp_path / "none"))
+
+
+def test_exit_classification_matches_the_operator():
+    assert local.classify(0) == "succeeded"
+    assert local.classify(2) == local.classify(3) == local.classify(1) == "permanent"
+    assert local.classify(143) == local.classify(130) == "preemption"
+    assert local.classify(137) == local.classify(138) == "failure"
+
+
+def test_result_line_format():
+    summary = local.Summary(steps=5, final_loss=1.23456, attempts=2, lost_steps=3, goodput=0.91234,
+                            wall_seconds=12.34, outcome="succeeded")
+    assert summary.result_line() == "result: steps=5 final_loss=1.2346 attempts=2 lost_steps=3 goodput=0.912 wall_seconds=12.3"
