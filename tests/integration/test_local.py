@@ -129,3 +129,15 @@ def test_ctrl_c_checkpoints_and_a_rerun_resumes(tmp_path):
     assert result_of(rerun.stdout)["steps"] == str(saved + 5)
     log = (tmp_path / "runs" / "demo" / "attempt-1.log").read_text()
     assert f"at step {saved}" in log
+
+
+@pytest.mark.slow
+def test_chaos_kill_every_until_the_failure_budget_is_spent(tmp_path):
+    body = training_run(maxSteps=1000000)
+    body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 1}
+    result = local(tmp_path, write_run(tmp_path, body), "--chaos-kill-every", "4")
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert result.stdout.count("chaos: SIGKILL worker pid") == 2
+    assert "ended with exit code 137 (failure)" in result.stdout
+    assert "the recovery budget spec.recovery.maxFailures=1 is spent" in result.stderr
+    assert result_of(result.stdout)["attempts"] == "2"

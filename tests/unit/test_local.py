@@ -58,3 +58,26 @@ def test_result_line_format():
     summary = local.Summary(steps=5, final_loss=1.23456, attempts=2, lost_steps=3, goodput=0.91234,
                             wall_seconds=12.34, outcome="succeeded")
     assert summary.result_line() == "result: steps=5 final_loss=1.2346 attempts=2 lost_steps=3 goodput=0.912 wall_seconds=12.3"
+
+
+def test_displays_render_progress():
+    import io
+
+    class FakeRunner:
+        attempts = [object(), object()]
+
+        class spec:  # noqa: N801 - stands in for the TrainingRunSpec
+            class trainer:  # noqa: N801
+                max_steps = 100
+
+    status = {"progress": {"step": 50, "totalSteps": 100, "loss": 1.5, "samplesPerSecond": 320.0}}
+    out = io.StringIO()
+    plain = local.PlainDisplay(out)
+    plain(FakeRunner, status)
+    plain(FakeRunner, status)  # same step: no second line
+    assert out.getvalue() == "attempt 2 step 50/100 loss 1.5000 samples/s 320.0\n"
+    rich_out = io.StringIO()
+    display = local.RichDisplay(rich_out)
+    display(FakeRunner, status)
+    display.close()
+    assert "attempt 2" in rich_out.getvalue() and "50/100" in rich_out.getvalue()
