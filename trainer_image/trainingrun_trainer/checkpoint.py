@@ -63,7 +63,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 # gcsfs's experimental zonal/HNS bucket support probes every bucket first; against the GCS
 # emulator that probe hangs for about a minute. We need neither; a user may still opt in.
@@ -520,7 +520,7 @@ class _SaveJob:
     state: Any
     extra: bytes
     config_hash: str
-    model_digest: str
+    model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
     started: float
     logged: bool = False  # this rank already logged the failure
 
@@ -609,14 +609,16 @@ class CheckpointStore:
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int, state: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None, *,
-             config_hash: str = "", model_digest: str = "", blocking: bool = False) -> PendingSave:
+             config_hash: str = "", model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
+             blocking: bool = False) -> PendingSave:
         """Checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank.
 
         ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
         ``torch.distributed.checkpoint.state_dict.get_state_dict`` for model + optimizer).
         ``extra``: this rank's own small state (RNG states, sampler position...), torch.save'd to
         ``extra-rank-<r>.pt``. ``config_hash`` and ``model_digest`` (see :func:`model_digest`)
-        are recorded in the manifest as given ("" = not recorded).
+        are recorded in the manifest as given ("" = not recorded); ``model_digest`` may be a
+        function of the staged state, then rank 0 computes it in the background.
 
         Finishes the previous save first, then stages (copies) state and extra and returns; the
         write and commit run in the background unless ``blocking``. Never raises a storage error:
@@ -722,6 +724,10 @@ class CheckpointStore:
             logger.error("checkpoint step %d: rank %d could not write %s: %s",
                          job.step, self.rank, step_uri, error, exc_info=True)
             job.logged = True
+        if callable(job.model_digest):
+            # From the staged copy, in the background, so training does not wait for it; rank 0 only
+            # writes the manifest, so only rank 0 computes it.
+            job.model_digest = job.model_digest(job.state) if self.rank == 0 and error is None else ""
         job.state = None  # drop the staged copy
 
         outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str]]] = None

@@ -115,19 +115,28 @@ class Run:
         Collective under torch.distributed: every rank must call it at the same step, and all get
         the same answer, so a SIGTERM that reaches one rank first still stops all of them together.
         """
+        stop, save = self.agree(step)
+        return stop, save
+
+    def agree(self, step: int, *flags: bool) -> tuple[bool, ...]:
+        """(stop, save, *flags), each True on every rank when it is True on any, in ONE collective.
+
+        A training loop that needs other per-step agreements (the built-in trainer's non-finite
+        check) passes them here, so a step pays for one small all-reduce, not one per question.
+        """
         if self._pending is not None and self._pending.done():
             self.report_committed()  # promptly, so the operator resumes from it after a crash
         interval = self.checkpoint.interval
         save = (interval.steps is not None and step % interval.steps == 0) or (
             interval.seconds is not None and time.monotonic() - self._last_save >= interval.seconds
         )
-        stop = self.preempted
+        local = [self.preempted, save, *flags]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-            flags = torch.tensor([float(stop), float(save)], device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            stop, save = bool(flags[0]), bool(flags[1])
-        return stop, save
+            tensor = torch.tensor([float(f) for f in local], device=device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            local = [bool(v) for v in tensor.tolist()]
+        return tuple(local)
 
     def save(
         self,
@@ -135,7 +144,7 @@ class Run:
         state: Mapping[str, Any],
         extra: Optional[Mapping[str, Any]] = None,
         *,
-        model_digest: str = "",
+        model_digest: Any = "",
         blocking: bool = False,
     ) -> None:
         """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors."""

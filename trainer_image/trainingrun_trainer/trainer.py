@@ -191,7 +191,11 @@ class Trainer:
 
     def _save(self, blocking: bool) -> None:
         state = self._state()
-        self.run.save(self.step, state, self._extra(), model_digest=model_digest(state["model"]), blocking=blocking)
+        if self.cfg.strategy == "fsdp2" and self.distributed:
+            digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
+        else:
+            digest = lambda staged: model_digest(staged["model"])  # noqa: E731 - rank 0 computes it in the background
+        self.run.save(self.step, state, self._extra(), model_digest=digest, blocking=blocking)
 
     # ------------------------------------------------------------ the loop
 
@@ -287,14 +291,12 @@ class Trainer:
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
             loss, grad_norm = self._train_step(batches)
-            finite = [math.isfinite(loss), math.isfinite(grad_norm)]
-            if self.distributed:
-                # The loss is per rank: a NaN on one rank alone (its gradients may well be finite)
-                # must skip or roll back every rank, or replicas drift and a lone rollback hangs.
-                flags = torch.tensor([float(f) for f in finite], device=self.device)
-                dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-                finite = [bool(f) for f in flags.tolist()]
-            verdict = self.guard.observe(self.step + 1, *finite)
+            # One collective per step: stop/save for the step about to complete, and whether the loss
+            # or gradients are non-finite on ANY rank (a NaN on one rank must skip or roll back all).
+            stop, save_due, loss_bad, grad_bad = self.run.agree(
+                self.step + 1, not math.isfinite(loss), not math.isfinite(grad_norm)
+            )
+            verdict = self.guard.observe(self.step + 1, not loss_bad, not grad_bad)
             if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.plan.precision == "16-mixed"):
                 self.scaler.step(self.optimizer)  # with fp16 the scaler itself skips inf steps
                 self.scaler.update()
@@ -334,7 +336,6 @@ class Trainer:
                          loss, grad_norm, self.scheduler.get_last_lr()[0], self.samples_per_second)
                 window_start, window_steps = time.monotonic(), 0
 
-            stop, save_due = self.run.checkpoint_due(self.step)
             if stop:
                 log.warning("SIGTERM: writing an emergency checkpoint at step %d", self.step)
                 self._save(blocking=True)
