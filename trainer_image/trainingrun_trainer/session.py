@@ -27,7 +27,7 @@ import logging
 import math
 import signal
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -124,19 +124,28 @@ class Run:
         A training loop that needs other per-step agreements (the built-in trainer's non-finite
         check) passes them here, so a step pays for one small all-reduce, not one per question.
         """
+        return self.agree_async(step, *flags)()
+
+    def agree_async(self, step: int, *flags: bool) -> Callable[[], tuple[bool, ...]]:
+        """Start `agree` without waiting; call the result to get the answer (e.g. after backward)."""
         if self._pending is not None and self._pending.done():
             self.report_committed()  # promptly, so the operator resumes from it after a crash
         interval = self.checkpoint.interval
         save = (interval.steps is not None and step % interval.steps == 0) or (
             interval.seconds is not None and time.monotonic() - self._last_save >= interval.seconds
         )
-        local = [self.preempted, save, *flags]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-            tensor = torch.tensor([float(f) for f in local], device=device)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-            local = [bool(v) for v in tensor.tolist()]
-        return tuple(local)
+        local = (self.preempted, save, *flags)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return lambda: local
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        tensor = torch.tensor([float(f) for f in local], device=device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+
+        def result() -> tuple[bool, ...]:
+            work.wait()
+            return tuple(bool(v) for v in tensor.tolist())
+
+        return result
 
     def save(
         self,

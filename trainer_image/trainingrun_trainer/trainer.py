@@ -15,7 +15,7 @@ import math
 import os
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -199,10 +199,17 @@ class Trainer:
 
     # ------------------------------------------------------------ the loop
 
-    def _train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float]:
+    def _train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float, Callable[[], tuple]]:
+        """Forward/backward over the accumulation, clip; returns (loss, grad norm, agreement).
+
+        The per-step agreement between ranks (stop? save? was the loss non-finite anywhere?) is
+        started right after the last forward pass and completes during the backward pass, so it
+        costs no extra round trip. The gradient norm needs none: it is already global.
+        """
         accumulation = self.cfg.grad_accumulation_steps
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        agreement: Callable[[], tuple] = lambda: (False, False, False)  # noqa: E731 - replaced below
         for micro in range(accumulation):
             batch = next(batches)
             last = micro == accumulation - 1
@@ -211,13 +218,15 @@ class Trainer:
             with self.wrapped.no_sync() if not sync else contextlib.nullcontext():
                 with self.plan.autocast():
                     loss = self.wrapped(batch) / accumulation
+                total += float(loss.detach())
+                if last:
+                    agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
                 self.scaler.scale(loss).backward()
-            total += float(loss.detach())
         self.sampler.advance(self.global_batch * accumulation)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        return total, grad_norm
+        return total, grad_norm, agreement
 
     def run(self) -> int:
         cfg = self.cfg
@@ -290,13 +299,10 @@ class Trainer:
         window_start, window_steps = time.monotonic(), 0
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
-            loss, grad_norm = self._train_step(batches)
-            # One collective per step: stop/save for the step about to complete, and whether the loss
-            # or gradients are non-finite on ANY rank (a NaN on one rank must skip or roll back all).
-            stop, save_due, loss_bad, grad_bad = self.run.agree(
-                self.step + 1, not math.isfinite(loss), not math.isfinite(grad_norm)
-            )
-            verdict = self.guard.observe(self.step + 1, not loss_bad, not grad_bad)
+            loss, grad_norm, agreement = self._train_step(batches)
+            # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
+            stop, save_due, loss_bad = agreement()
+            verdict = self.guard.observe(self.step + 1, not loss_bad, math.isfinite(grad_norm))
             if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.plan.precision == "16-mixed"):
                 self.scaler.step(self.optimizer)  # with fp16 the scaler itself skips inf steps
                 self.scaler.update()
