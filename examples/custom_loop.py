@@ -64,6 +64,8 @@ def main() -> int:
                      blocking=stop)
         if stop:
             run.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             return run.PREEMPTED_EXIT_CODE
 
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -72,6 +74,8 @@ def main() -> int:
     run.close()
     if rank == 0:
         print(f"done: step {step} loss {loss.item():.4f}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

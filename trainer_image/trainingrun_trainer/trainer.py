@@ -323,6 +323,9 @@ class Trainer:
             window_steps += 1
             self.productive_seconds += time.monotonic() - step_started
             if self.step == self.context.chaos_kill_at_step and self.context.rank == self.step % self.context.world_size:
+                # Earlier checkpoints are made durable first, so the injected crash loses exactly
+                # the steps since the last checkpoint, whatever the machine's load.
+                self.run.store.wait()
                 log.warning("chaos: SIGKILL worker rank %d at step %d", self.context.rank, self.step)
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
