@@ -8,6 +8,8 @@ import sys
 import pytest
 import yaml
 
+from tiny_runs import tiny_trainer
+
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 INTERVAL = 10
@@ -19,15 +21,7 @@ def training_run(name="demo", **trainer):
         "kind": "TrainingRun",
         "metadata": {"name": name},
         "spec": {
-            "trainer": {
-                "maxSteps": 60,
-                "deterministic": True,
-                "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
-                          "initArgs": {"dim": 16, "layers": 1, "heads": 2, "contextLength": 16}},
-                "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
-                                     "initArgs": {"numSamples": 4096, "contextLength": 16}}, "batchSize": 8},
-                **trainer,
-            },
+            "trainer": tiny_trainer(**{"maxSteps": 60, "deterministic": True, **trainer}),
             "checkpoint": {"uri": "file:///unused", "interval": {"steps": INTERVAL}},
             "nprocPerNode": 2,
             "recovery": {"backoffSeconds": 0},

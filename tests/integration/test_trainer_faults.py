@@ -39,6 +39,7 @@ from trainingrun_trainer import exit_codes
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
 from trainingrun_trainer.data import ResumableSampler
 
+from tiny_runs import tiny_model
 from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -47,8 +48,7 @@ TESTS_DIR = Path(__file__).resolve().parent.parent
 #: Safety bound for one wait on a log line or an exit; never a synchronisation device.
 DEADLINE_S = 120.0
 
-MODEL = {"classPath": "trainingrun_trainer.models.CharTransformer",
-         "initArgs": {"dim": 16, "layers": 1, "heads": 2, "contextLength": 16}}
+MODEL = tiny_model()
 BATCH = 8
 
 

@@ -9,19 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tiny_runs import tiny_trainer
+
 from trainingrun_trainer.checkpoint import CheckpointStore
 
-TRAINER = {
-    "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
-              "initArgs": {"dim": 16, "layers": 1, "heads": 2, "contextLength": 16}},
-    "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
-                         "initArgs": {"numSamples": 4096, "contextLength": 16}}, "batchSize": 8},
-    "maxSteps": 40,
-    "deterministic": True,
-    "logIntervalSteps": 1,
-    "gradAccumulationSteps": 2,
-    "ema": {"enabled": True},
-}
+TRAINER = tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, gradAccumulationSteps=2,
+                       ema={"enabled": True})
 # The masked autoencoder draws its masks from the torch RNG, and evaluation runs between
 # checkpoints: resume must restore RNG streams and evaluation must not disturb them.
 MAE_TRAINER = {

@@ -6,16 +6,11 @@ import sys
 import pytest
 import yaml
 
+from tiny_runs import tiny_trainer
+
 from trainingrun_trainer.checkpoint import CheckpointStore
 
-TINY = {
-    "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
-              "initArgs": {"dim": 16, "layers": 2, "heads": 2, "contextLength": 16}},
-    "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
-                         "initArgs": {"numSamples": 2048, "contextLength": 16}}, "batchSize": 8},
-    "logIntervalSteps": 5,
-    "maxSteps": 20,
-}
+TINY = tiny_trainer(samples=2048, layers=2, logIntervalSteps=5, maxSteps=20)
 
 
 def torchrun(tmp_path, name, trainer, nproc=2):

@@ -5,17 +5,12 @@ import sys
 
 import yaml
 
+from tiny_runs import tiny_trainer
+
 from trainingrun_trainer import exit_codes
 from trainingrun_trainer.checkpoint import CheckpointStore
 
-TINY = {
-    "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
-              "initArgs": {"dim": 16, "layers": 1, "heads": 2, "contextLength": 16}},
-    "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
-                         "initArgs": {"numSamples": 512, "contextLength": 16}}, "batchSize": 8},
-    "deterministic": True,
-    "logIntervalSteps": 5,
-}
+TINY = tiny_trainer(samples=512, deterministic=True, logIntervalSteps=5)
 
 
 def run_trainer(tmp_path, trainer, checkpoint_uri, extra_env=None):
