@@ -135,31 +135,45 @@ def role_binding(run: api.TrainingRun) -> dict[str, Any]:
     }
 
 
+def contract_env(
+    run: api.TrainingRun, attempt: int, config_path: str, resume_from: Optional[str] = None
+) -> dict[str, str]:
+    """The plain-valued part of DESIGN.md's operator-trainer contract: the same for a pod and for
+    `trainingrun local`, so the two cannot drift apart."""
+    spec = run.spec
+    env = {
+        "TRAININGRUN_NAME": run.metadata.name,
+        "TRAININGRUN_NAMESPACE": run.metadata.namespace,
+        "TRAININGRUN_UID": run.metadata.uid or "",
+        "TRAININGRUN_ATTEMPT": str(attempt),
+        "TRAININGRUN_CONFIG": config_path,
+        "TRAININGRUN_CHECKPOINT_URI": spec.checkpoint.uri,
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
+    }
+    if resume_from:
+        env["TRAININGRUN_RESUME_FROM"] = resume_from
+    if spec.metrics.enabled:
+        env["TRAININGRUN_METRICS_PORT"] = str(spec.metrics.port)
+    if spec.checkpoint.endpoint_url:
+        env["AWS_ENDPOINT_URL"] = spec.checkpoint.endpoint_url
+    return env
+
+
 def trainer_env(
     run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
 ) -> list[dict[str, Any]]:
-    """The operator-trainer contract of DESIGN.md; secrets appear only as secretKeyRef."""
+    """The contract as container env; secrets appear only as secretKeyRef."""
     spec = run.spec
     env: list[dict[str, Any]] = [
-        {"name": "TRAININGRUN_NAME", "value": run.metadata.name},
-        {"name": "TRAININGRUN_NAMESPACE", "value": run.metadata.namespace},
-        {"name": "TRAININGRUN_UID", "value": run.metadata.uid or ""},
-        {"name": "TRAININGRUN_ATTEMPT", "value": str(attempt)},
-        {"name": "TRAININGRUN_CONFIG", "value": settings.config_path},
-        {"name": "TRAININGRUN_CHECKPOINT_URI", "value": spec.checkpoint.uri},
+        {"name": name, "value": value}
+        for name, value in contract_env(run, attempt, settings.config_path, resume_from).items()
+    ]
+    env += [
         {"name": "TRAININGRUN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {
-            "name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-            "value": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
-        },
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
     ]
-    if resume_from:
-        env.append({"name": "TRAININGRUN_RESUME_FROM", "value": resume_from})
-    if spec.metrics.enabled:
-        env.append({"name": "TRAININGRUN_METRICS_PORT", "value": str(spec.metrics.port)})
     if spec.secrets.gcs_key_file:
         env.append(
             {"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": f"{settings.gcs_key_dir}/key.json"}
@@ -173,8 +187,6 @@ def trainer_env(
         ):
             if key:
                 env.append(secret_env(name, s3.secret_name, key))
-    if spec.checkpoint.endpoint_url:
-        env.append({"name": "AWS_ENDPOINT_URL", "value": spec.checkpoint.endpoint_url})
     env += [secret_env(e.name, e.secret_name, e.key) for e in spec.secrets.env]
     env += [{"name": e.name, "value": e.value} for e in spec.env]
     return env

@@ -16,6 +16,11 @@ from .settings import Settings
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 
 
+def print_problems(path: str, error: validation.InvalidTrainingRun) -> None:
+    for problem in error.problems:
+        print(f"{path}: {problem}", file=sys.stderr)
+
+
 def cmd_crd(args: argparse.Namespace) -> int:
     text = crd.crd_yaml()
     if not args.write:
@@ -37,8 +42,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             runs = validation.load_runs(path)
         except validation.InvalidTrainingRun as error:
             failed = True
-            for problem in error.problems:
-                print(f"{path}: {problem}", file=sys.stderr)
+            print_problems(path, error)
             continue
         for run in runs:
             print(f"{path}: TrainingRun {run.metadata.namespace}/{run.metadata.name} is valid")
@@ -49,8 +53,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     try:
         runs = validation.load_runs(args.file)
     except validation.InvalidTrainingRun as error:
-        for problem in error.problems:
-            print(f"{args.file}: {problem}", file=sys.stderr)
+        print_problems(args.file, error)
         return 1
     settings = Settings.from_env()
     documents = []
@@ -103,8 +106,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         run = local.load_run(args.file, options)
         secrets = local.resolve_secrets(run.spec, dict(os.environ), options.env_file)
     except validation.InvalidTrainingRun as error:
-        for problem in error.problems:
-            print(f"{args.file}: {problem}", file=sys.stderr)
+        print_problems(args.file, error)
         return 1
     except local.LocalRunError as error:
         print(f"{args.file}: {error}", file=sys.stderr)

@@ -29,7 +29,7 @@ import yaml
 from trainingrun_trainer import exit_codes
 from trainingrun_trainer.config import RunConfig
 
-from . import api, validation
+from . import api, builders, validation
 
 DEFAULT_RUNS_DIR = "runs"
 
@@ -277,22 +277,13 @@ class LocalRunner:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
         env.update({e.name: e.value for e in self.spec.env})
         env.update(self.secrets)
+        env.update(builders.contract_env(self.run, attempt, str(config_path)))  # as in a pod
         env.update({
-            "TRAININGRUN_NAME": self.run.metadata.name,
-            "TRAININGRUN_NAMESPACE": self.run.metadata.namespace,
-            "TRAININGRUN_UID": self.run.metadata.uid or "local",
-            "TRAININGRUN_ATTEMPT": str(attempt),
-            "TRAININGRUN_CONFIG": str(config_path),
-            "TRAININGRUN_CHECKPOINT_URI": self.spec.checkpoint.uri,
             "TRAININGRUN_STATUS_URL": status_url,
             "TRAININGRUN_REPORT_INTERVAL_SECONDS": "0.1",
-            "PYTHONUNBUFFERED": "1",
         })
-        if self.spec.checkpoint.endpoint_url:
-            env["AWS_ENDPOINT_URL"] = self.spec.checkpoint.endpoint_url
-        port = self.options.metrics_port or (self.spec.metrics.port if self.spec.metrics.enabled else None)
-        if port:
-            env["TRAININGRUN_METRICS_PORT"] = str(port)
+        if self.options.metrics_port:
+            env["TRAININGRUN_METRICS_PORT"] = str(self.options.metrics_port)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
         return env
 

@@ -164,7 +164,7 @@ class PendingSave:
 # Helpers: time, names, storage
 
 
-def _now_rfc3339() -> str:
+def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
@@ -773,7 +773,7 @@ class CheckpointStore:
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": job.step,
-            "time": _now_rfc3339(),
+            "time": now_rfc3339(),
             "world_size": self.world_size,
             "config_hash": job.config_hash,
             "model_digest": job.model_digest,

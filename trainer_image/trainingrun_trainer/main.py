@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from . import exit_codes
+from .components import ConfigError
 from .config import RunConfig
 from .context import ContextError, RunContext
 
@@ -33,10 +34,6 @@ def load_config(path: str) -> RunConfig:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors(include_url=False)
         ]
         raise ConfigError(f"invalid trainer config {path}:\n  " + "\n  ".join(lines)) from None
-
-
-class ConfigError(ValueError):
-    """Raised for problems that no retry can fix."""
 
 
 def preflight(config: RunConfig, device_type: str) -> None:
@@ -72,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if context.checkpoint_uri:
             config.checkpoint.uri = context.checkpoint_uri
         preflight(config, device_type)
-    except ValueError as error:  # ConfigError, components.ConfigError, precision checks
+    except ValueError as error:  # ConfigError and the precision checks
         log.error("%s", error)
         print(f"trainingrun-trainer: {error}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR

@@ -22,7 +22,6 @@ status reporting as the built-in trainer by using this class (see examples/custo
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import signal
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import exit_codes
-from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave
+from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, now_rfc3339
 from .config import CheckpointConfig
 from .context import RunContext
 from .reporting import ApiEndpoint, StatusReporter
@@ -46,10 +45,6 @@ def report_interval() -> float:
     import os
 
     return float(os.environ.get("TRAININGRUN_REPORT_INTERVAL_SECONDS", "10"))
-
-
-def rfc3339_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Run:
@@ -190,7 +185,7 @@ class Run:
         productive_seconds: Optional[float] = None,
     ) -> None:
         """Queue status.progress (rank 0 only; never blocks, never raises)."""
-        progress: dict[str, Any] = {"step": step, "updatedAt": rfc3339_now()}
+        progress: dict[str, Any] = {"step": step, "updatedAt": now_rfc3339()}
         optional = {
             "totalSteps": total_steps,
             "loss": loss if loss is not None and math.isfinite(loss) else None,
