@@ -28,7 +28,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
-        dist.init_process_group("gloo")
+        trainingrun_trainer.init_process_group("gloo")  # safe across torchrun's in-place restarts
     rank = dist.get_rank() if dist.is_initialized() else 0
     seed_everything(0, rank)
 

@@ -188,7 +188,7 @@ class StatusServer:
 
 
 def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (the agent's workers), from /proc."""
+    """Direct children of `pid`, from /proc."""
     children = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -201,6 +201,29 @@ def child_pids(pid: int) -> list[int]:
     return sorted(children)
 
 
+def worker_pids(agent_pid: int) -> list[int]:
+    """The training processes of an attempt: the launcher forks them from its forkserver, a child of the agent."""
+    return [worker for child in child_pids(agent_pid) for worker in child_pids(child)]
+
+
+class LogFollower:
+    """The complete lines appended to a log file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
 def classify(code: int) -> str:
     if code == exit_codes.OK:
         return "succeeded"
@@ -211,16 +234,26 @@ def classify(code: int) -> str:
     return "failure"
 
 
-RESUMED = re.compile(r"resumed from \S+ at step (\d+)")
+#: Rank 0 says one of these when a worker group starts training (each attempt, each in-place restart).
+GROUP_STARTED = re.compile(r"(?:resumed from \S+ at step (\d+)|no checkpoint to resume from)")
 CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
 
 
 @dataclass
+class WorkerGroup:
+    """One start of the training processes: a new attempt, or torchrun restarting the group in place."""
+
+    attempt: int
+    resumed_step: int = 0
+    last_step: int = 0  #: the furthest step it computed: what a crash throws away back to the next resume
+
+
+@dataclass
 class Attempt:
+    """One launcher process (one PyTorchJob in a cluster); torchrun may restart its worker group in place."""
+
     number: int
     code: Optional[int] = None
-    resumed_step: int = 0
-    last_step: int = 0
     log_path: Optional[Path] = None
 
     def trainer_message(self) -> str:
@@ -262,12 +295,18 @@ class LocalRunner:
         self.display = display
         self.run_dir = Path(options.runs_dir) / run.metadata.name
         self.attempts: list[Attempt] = []
+        self.groups: list[WorkerGroup] = []  #: every start of the workers, for attempts and lost steps
         self.failures = 0
         self.preemptions = 0
         self.interrupted = False
         self.current: Optional[subprocess.Popen] = None
         self._kill_steps = sorted(set(options.chaos_kill_steps))
         self._chaos = random.Random(options.chaos_seed)
+
+    @property
+    def attempt_count(self) -> int:
+        """Worker-group starts, the `attempts` users see: new attempts and torchrun's in-place restarts alike."""
+        return max(len(self.groups), len(self.attempts))
 
     @property
     def nproc(self) -> int:
@@ -297,7 +336,7 @@ class LocalRunner:
     def _kill_a_worker(self, reason: str) -> None:
         if self.current is None:
             return
-        workers = child_pids(self.current.pid)
+        workers = worker_pids(self.current.pid)
         if workers:
             victim = self._chaos.choice(workers)
             print(f"chaos: SIGKILL worker pid {victim} ({reason})", file=self.out, flush=True)
@@ -307,21 +346,46 @@ class LocalRunner:
                 pass
 
     def _supervise(self, process: subprocess.Popen, attempt: Attempt, status: StatusServer) -> int:
-        started = time.monotonic()
-        next_random_kill = started + self.options.chaos_kill_every if self.options.chaos_kill_every else None
+        log = LogFollower(attempt.log_path)
+        next_random_kill = time.monotonic() + self.options.chaos_kill_every if self.options.chaos_kill_every else None
         while True:
             code = process.poll()
-            snapshot = status.snapshot()
-            step = int(snapshot.get("progress", {}).get("step") or 0)
-            attempt.last_step = max(attempt.last_step, step)
+            for line in log.new_lines():
+                self._on_log_line(line, attempt, status)
+            step = int(status.snapshot().get("progress", {}).get("step") or 0)
+            if self.groups and self.groups[-1].attempt == attempt.number:
+                self.groups[-1].last_step = max(self.groups[-1].last_step, step)
             if self.display:
-                self.display(self, snapshot)
+                self.display(self, status.snapshot())
             if code is not None:
+                for line in log.new_lines():
+                    self._on_log_line(line, attempt, status)
                 return code
             if next_random_kill and time.monotonic() >= next_random_kill:
                 self._kill_a_worker(f"--chaos-kill-every {self.options.chaos_kill_every:g}s")
                 next_random_kill = time.monotonic() + self.options.chaos_kill_every
             status.wait_for_change(0.25)
+
+    def _on_log_line(self, line: str, attempt: Attempt, status: StatusServer) -> None:
+        started = GROUP_STARTED.search(line)
+        if started:
+            restarted_in_place = bool(self.groups) and self.groups[-1].attempt == attempt.number
+            resumed = int(started.group(1) or 0)
+            status.forget("progress")  # the dead group's last step is not this one's
+            self.groups.append(WorkerGroup(attempt.number, resumed_step=resumed, last_step=resumed))
+            if restarted_in_place:
+                print(f"attempt {attempt.number}: torchrun restarted the worker group in place "
+                      f"(spec.recovery.maxRestartsPerAttempt={self.spec.recovery.max_restarts_per_attempt}); "
+                      f"resumed at step {resumed}", file=self.out, flush=True)
+            return
+        killed = CHAOS_KILLED.search(line)
+        if killed:
+            rank, step = int(killed.group(1)), int(killed.group(2))
+            print(f"chaos: SIGKILL worker rank {rank} at step {step} (--chaos-kill-step)", file=self.out, flush=True)
+            if self.groups:
+                self.groups[-1].last_step = max(self.groups[-1].last_step, step)
+            if step in self._kill_steps:
+                self._kill_steps.remove(step)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Like a pod deletion: the agent forwards SIGTERM, workers checkpoint and exit 143.
@@ -344,11 +408,12 @@ class LocalRunner:
                 self.attempts.append(attempt)
                 status.forget("progress")  # the previous attempt's last step is not this one's
                 command = [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone",
-                           f"--nproc-per-node={self.nproc}", "--max-restarts=0", "--module", "trainingrun_trainer"]
+                           f"--nproc-per-node={self.nproc}", f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}",
+                           "--module", "trainingrun_trainer"]
                 env = self._environment(number, status.url, config_path)
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
-                    env["TRAININGRUN_CHAOS_KILL_AT_STEP"] = str(self._kill_steps[0])
+                    env["TRAININGRUN_CHAOS_KILL_AT_STEP"] = ",".join(map(str, self._kill_steps))
                 with open(attempt.log_path, "w", encoding="utf-8") as log:
                     self.current = subprocess.Popen(
                         command, env=env,
@@ -356,15 +421,6 @@ class LocalRunner:
                     )
                     attempt.code = self._supervise(self.current, attempt, status)
                 self.current = None
-                log_text = attempt.log_path.read_text(errors="replace")
-                found = RESUMED.findall(log_text)
-                attempt.resumed_step = int(found[0]) if found else 0
-                for killed in CHAOS_KILLED.findall(log_text):
-                    print(f"chaos: SIGKILL worker rank {killed[0]} at step {killed[1]} (--chaos-kill-step)",
-                          file=self.out, flush=True)
-                    attempt.last_step = max(attempt.last_step, int(killed[1]))
-                    if self._kill_steps and self._kill_steps[0] == int(killed[1]):
-                        self._kill_steps.pop(0)
                 kind = classify(attempt.code)
                 if kind == "succeeded":
                     break
@@ -401,12 +457,12 @@ class LocalRunner:
 
     def _summary(self, status: dict, wall: float, outcome: str, message: str) -> Summary:
         progress = status.get("progress", {})
-        lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.attempts, self.attempts[1:]))
+        lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.groups, self.groups[1:]))
         productive = float(progress.get("productiveSeconds") or 0.0)
         return Summary(
             steps=int(progress.get("step") or 0),
             final_loss=progress.get("loss"),
-            attempts=len(self.attempts),
+            attempts=self.attempt_count,
             lost_steps=lost,
             goodput=min(1.0, productive / wall) if wall > 0 else 0.0,
             wall_seconds=wall,
@@ -434,7 +490,7 @@ class PlainDisplay:
             return
         self.last_step, self.last_time = step, now
         loss, rate = progress.get("loss"), progress.get("samplesPerSecond")
-        print(f"attempt {len(runner.attempts)} step {step}/{total} loss {'-' if loss is None else f'{loss:.4f}'} "
+        print(f"attempt {runner.attempt_count} step {step}/{total} loss {'-' if loss is None else f'{loss:.4f}'} "
               f"samples/s {'-' if rate is None else f'{rate:.1f}'}", file=self.out, flush=True)
 
     def close(self) -> None:
@@ -467,7 +523,7 @@ class RichDisplay:
             self.task = self.progress.add_task("train", total=total, attempt=1, loss="-", rate="-")
         loss = progress.get("loss")
         self.progress.update(
-            self.task, completed=progress.get("step") or 0, total=total, attempt=len(runner.attempts),
+            self.task, completed=progress.get("step") or 0, total=total, attempt=runner.attempt_count,
             loss="-" if loss is None else f"{loss:.4f}",
             rate="-" if progress.get("samplesPerSecond") is None else f"{progress['samplesPerSecond']:.0f}",
         )

@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tiny_runs import tiny_trainer
 from trainingrun_trainer import exit_codes
 from trainingrun_trainer.launch import container_exit_code
 
@@ -43,3 +45,22 @@ def launch(**env):
 def test_real_agent_exit_codes(env, expected):
     result = launch(**env)
     assert result.returncode == expected, result.stderr[-2000:]
+
+
+def test_built_in_trainer_permanent_exit_is_not_retried_in_place(tmp_path):
+    # The built-in trainer runs in forkserver workers; torchrun would restart a bad config
+    # --max-restarts times, but the restarted groups exit with the remembered code at once.
+    config = tmp_path / "config.yaml"
+    trainer = tiny_trainer(model={"classPath": "trainingrun_trainer.models.NoSuchModel"})
+    config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
+    env.update({"TRAININGRUN_CONFIG": str(config), "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone", "--nproc-per-node=2",
+         "--max-restarts=2", "--module", "trainingrun_trainer"],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr[-3000:]
+    # Only the first group ran the trainer (one message per rank); the two restarted groups did not.
+    assert result.stderr.count("trainingrun-trainer: spec.trainer.model.classPath") == 2
+    assert result.stderr.count("failed (exitcode: 2)") == 3

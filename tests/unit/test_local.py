@@ -64,7 +64,7 @@ def test_displays_render_progress():
     import io
 
     class FakeRunner:
-        attempts = [object(), object()]
+        attempt_count = 2
 
         class spec:  # noqa: N801 - stands in for the TrainingRunSpec
             class trainer:  # noqa: N801
@@ -81,3 +81,26 @@ def test_displays_render_progress():
     display(FakeRunner, status)
     display.close()
     assert "attempt 2" in rich_out.getvalue() and "50/100" in rich_out.getvalue()
+
+
+def test_log_follower_returns_each_complete_line_once(tmp_path):
+    path = tmp_path / "attempt-1.log"
+    follower = local.LogFollower(path)
+    assert follower.new_lines() == []  # not created yet
+    path.write_text("one\ntw")
+    assert follower.new_lines() == ["one"]
+    with open(path, "a") as f:
+        f.write("o\nthree\n")
+    assert follower.new_lines() == ["two", "three"]
+    assert follower.new_lines() == []
+
+
+def test_chaos_kill_steps_are_taken_one_per_worker_group():
+    from trainingrun_trainer.context import ContextError, chaos_step
+
+    assert chaos_step("300,450", 0) == 300
+    assert chaos_step("300,450", 1) == 450  # the group torchrun restarted once does not die at 300 again
+    assert chaos_step("300,450", 2) is None
+    assert chaos_step("", 0) is None
+    with pytest.raises(ContextError, match="TRAININGRUN_CHAOS_KILL_AT_STEP"):
+        chaos_step("3OO", 0)

@@ -53,3 +53,14 @@ def test_periodic_evaluation_on_the_held_out_split(tmp_path):
     assert result.returncode == exit_codes.OK, result.stderr[-3000:]
     evals = [line for line in result.stderr.splitlines() if "eval step" in line]
     assert len(evals) == 2 and "eval step 10 eval_loss" in evals[0] and "eval_loss_ema" in evals[0]
+
+
+def test_a_dead_peer_is_retryable_not_a_bug():
+    import torch.distributed as dist
+
+    from trainingrun_trainer.main import peer_failure
+
+    assert peer_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    assert peer_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert not peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not peer_failure(ValueError("Connection reset by peer"))

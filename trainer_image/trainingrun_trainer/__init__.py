@@ -7,15 +7,15 @@ trainer configs.
 """
 __version__ = "0.1.0"
 
-__all__ = ["Run", "CheckpointStore", "RunContext", "model_digest"]
+__all__ = ["Run", "CheckpointStore", "RunContext", "model_digest", "init_process_group"]
 
 
 def __getattr__(name: str):
     # Lazy: importing the package (e.g. for its config models) must not import torch.
-    if name == "Run":
-        from .session import Run
+    if name in ("Run", "init_process_group"):
+        from . import session
 
-        return Run
+        return getattr(session, name)
     if name in ("CheckpointStore", "model_digest"):
         from . import checkpoint
 

@@ -14,6 +14,14 @@ class ContextError(ValueError):
     """A contract variable is missing or malformed; a permanent error."""
 
 
+def chaos_step(steps: str, restart_count: int) -> Optional[int]:
+    try:
+        planned = [int(step) for step in steps.split(",") if step.strip()]
+    except ValueError:
+        raise ContextError(f"TRAININGRUN_CHAOS_KILL_AT_STEP={steps!r} is not a comma-separated list of steps") from None
+    return planned[restart_count] if restart_count < len(planned) else None
+
+
 @dataclass(frozen=True)
 class RunContext:
     name: str  #: TRAININGRUN_NAME
@@ -30,6 +38,9 @@ class RunContext:
     world_size: int  #: WORLD_SIZE
     #: TRAININGRUN_CHAOS_KILL_AT_STEP (fault injection by `trainingrun local`): one worker SIGKILLs
     #: itself right after completing this step, a crash at a precise point for demos and tests.
+    #: The variable holds one step per worker group ("300,450"): the group torchrun restarted in
+    #: place N times (TORCHELASTIC_RESTART_COUNT) takes the N-th, so a resumed group does not
+    #: kill itself again at a step its predecessor already died at.
     chaos_kill_at_step: Optional[int] = None
 
     @property
@@ -68,5 +79,6 @@ class RunContext:
             rank=integer("RANK", 0) or 0,
             local_rank=integer("LOCAL_RANK", 0) or 0,
             world_size=integer("WORLD_SIZE", 1) or 1,
-            chaos_kill_at_step=integer("TRAININGRUN_CHAOS_KILL_AT_STEP", None),
+            chaos_kill_at_step=chaos_step(env.get("TRAININGRUN_CHAOS_KILL_AT_STEP", ""),
+                                          integer("TORCHELASTIC_RESTART_COUNT", 0) or 0),
         )

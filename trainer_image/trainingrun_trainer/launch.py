@@ -8,14 +8,28 @@ deliberately chosen by the trainer wins; a worker killed by a signal explains it
 SIGTERM becomes 143 (see `container_exit_code`).
 
     python -m trainingrun_trainer.launch [torchrun options] --module trainingrun_trainer
+
+For the built-in trainer module, workers are forked from a forkserver that has already imported
+torch and the trainer, so a worker group restarted in place (`--max-restarts`, the PyTorchJob's
+elasticPolicy.maxRestarts) starts in well under a second instead of re-importing for seconds:
+restart time is most of what a crash costs (benchmarks/goodput.py). A deliberate permanent exit
+(bad config, divergence) is remembered for the rest of the attempt, so the restarted groups exit
+the same way at once instead of failing slowly `--max-restarts` more times.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
-from typing import Iterable, Optional, Sequence
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
 
 from . import exit_codes
+
+TRAINER_MODULE = "trainingrun_trainer"
+#: Imported once by the forkserver, so forked workers start with them loaded.
+PRELOAD = ["trainingrun_trainer.trainer"]
 
 
 def container_exit_code(worker_codes: Iterable[int]) -> int:
@@ -47,13 +61,47 @@ def container_exit_code(worker_codes: Iterable[int]) -> int:
     return exit_codes.RETRYABLE
 
 
+def run_trainer_worker(verdict_path: str, *argv: str) -> None:
+    """One worker of the built-in trainer, forked from the preloaded forkserver."""
+    verdict = Path(verdict_path)
+    if verdict.exists():  # an earlier worker group of this attempt chose a permanent exit
+        sys.exit(int(verdict.read_text()))
+    from .main import main as trainer_main
+
+    code = trainer_main(argv)
+    if 2 <= code <= 127:  # deliberate (exit 1 may be a peer's broken collective)
+        verdict.write_text(str(code))
+    sys.exit(code)
+
+
+def _launch(args: Any) -> None:
+    from torch.distributed.run import config_from_args, run
+
+    if not (args.module and args.training_script == TRAINER_MODULE and not args.no_python):
+        run(args)  # any other program: exactly torchrun
+        return
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+
+    if args.standalone:  # as torchrun does it
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
+        verdict = os.path.join(scratch, "permanent-exit-code")
+        elastic_launch(config=config, entrypoint=run_trainer_worker)(verdict, *args.training_script_args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
     try:
-        run(parse_args(list(argv) if argv is not None else sys.argv[1:]))
+        _launch(parse_args(list(argv) if argv is not None else sys.argv[1:]))
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr)
         codes = [failure.exitcode for failure in error.failures.values()]

@@ -76,4 +76,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .trainer import Trainer
 
-    return Trainer(config, context, device_type).run()
+    try:
+        return Trainer(config, context, device_type).run()
+    except Exception as error:
+        if not peer_failure(error):
+            raise
+        # Not this worker's fault: retrying can help, so it must not read as a permanent exit 1.
+        log.error("a peer worker is gone (%s); exiting %d so the attempt is retried",
+                  str(error).splitlines()[0][:200], exit_codes.RETRYABLE)
+        return exit_codes.RETRYABLE
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether a collective failed because another worker died (killed, OOM, preempted)."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    message = str(error)
+    return isinstance(error, RuntimeError) and any(
+        sign in message for sign in ("Connection reset by peer", "Connection closed by peer", "gloo/transport")
+    )

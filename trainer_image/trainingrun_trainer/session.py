@@ -40,6 +40,30 @@ from .reporting import ApiEndpoint, StatusReporter
 log = logging.getLogger("trainingrun.session")
 
 
+def init_process_group(backend: str) -> None:
+    """`dist.init_process_group(backend)` that survives torchrun restarting the worker group in place.
+
+    torchrun hands every restarted group the agent's store with no per-restart key prefix (it
+    assumes a fresh store per round, which the c10d rendezvous does not give), so a restarted
+    group can read the dead group's gloo/NCCL addresses and fail with "Connection refused" or
+    hang. Prefixing the store with TORCHELASTIC_RESTART_COUNT keeps each group's keys its own.
+    """
+    import os
+    from datetime import timedelta
+
+    if dist.is_initialized():
+        return
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    timeout = timedelta(minutes=10)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"trainingrun/restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=prefixed, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                            timeout=timeout)
+
+
 def report_interval() -> float:
     """Seconds between status patches: 10 in a cluster (API server load), less for `trainingrun local`."""
     import os
@@ -98,6 +122,8 @@ class Run:
         """
         source: Any = self.context.resume_from or self.store.latest_valid()
         if source is None:
+            if self.context.is_rank_zero:
+                log.info("no checkpoint to resume from: starting at step 0")
             return None
         extra = self.store.load(source, state)
         if self.context.is_rank_zero:

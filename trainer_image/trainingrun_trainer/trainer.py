@@ -31,7 +31,7 @@ from .ema import WeightEMA
 from .health import NonFiniteGuard, Verdict
 from .optim import build_optimizer, build_scheduler, scale_learning_rate
 from .precision import PrecisionPlan
-from .session import Run
+from .session import Run, init_process_group
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
 
 log = logging.getLogger("trainingrun.trainer")
@@ -64,8 +64,8 @@ class Trainer:
             self.device = torch.device("cuda", self.context.local_rank)
         else:
             self.device = torch.device("cpu")
-        if self.distributed and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device_type == "cuda" else "gloo")
+        if self.distributed:
+            init_process_group("nccl" if self.device_type == "cuda" else "gloo")
 
     def _build_model(self) -> None:
         model = components.build(self.cfg.model, "spec.trainer.model")
