@@ -422,6 +422,13 @@ class TrainingRunStatus(ApiModel):
     attempt: Optional[int] = Field(default=None, description="Current attempt number, from 1.")
     job_name: Optional[str] = Field(default=None, description="PyTorchJob of the current attempt.")
     start_time: Optional[str] = Field(default=None, description="When the first attempt started (RFC 3339).")
+    attempt_start_time: Optional[str] = Field(default=None, description="When the current attempt started (RFC 3339).")
+    next_attempt_time: Optional[str] = Field(
+        default=None, description="While Recovering or Suspended-then-resumed: when the next attempt starts (RFC 3339)."
+    )
+    checkpoint_uri: Optional[str] = Field(
+        default=None, description="The checkpoint URI the run started with; it cannot change while the run is active."
+    )
     completion_time: Optional[str] = Field(default=None, description="When the run succeeded or failed (RFC 3339).")
     progress: Optional[Progress] = Field(default=None, description="Training progress.")
     last_good_checkpoint: Optional[CheckpointRef] = Field(default=None, description="Newest committed checkpoint.")

@@ -6,6 +6,8 @@ making it twice, and is owned by the run, so deleting the run deletes them.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Optional
 
 import yaml
@@ -24,6 +26,8 @@ CONTAINER_NAME = "pytorch"  # the Kubeflow Training Operator finds the trainer c
 LABEL_RUN = "trainingrun.dev/run"
 LABEL_ATTEMPT = "trainingrun.dev/attempt"
 ANNOTATION_RESUME_FROM = "trainingrun.dev/resume-from"
+#: On each PyTorchJob: a digest of the spec its pods were built from, so a later spec change shows.
+ANNOTATION_SPEC_HASH = "trainingrun.dev/spec-hash"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 SECRET_FILE_MODE = 0o440  # group-readable, so the non-root trainer reads it through fsGroup
 
@@ -33,6 +37,13 @@ SECRET_FILE_MODE = 0o440  # group-readable, so the non-root trainer reads it thr
 
 def job_name(run_name: str, attempt: int) -> str:
     return f"{run_name}-a{attempt}"
+
+
+def spec_hash(run: api.TrainingRun) -> str:
+    """Digest of what an attempt's pods are built from; `suspend` changes no pod and is left out."""
+    spec = run.spec.model_dump(mode="json", by_alias=True)
+    spec.pop("suspend", None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def config_map_name(run_name: str) -> str:
@@ -319,8 +330,9 @@ def pytorch_job(
     meta = metadata(run, name, "trainer", **{LABEL_ATTEMPT: str(attempt)})
     if spec.queue_name:
         meta["labels"][KUEUE_QUEUE_LABEL] = spec.queue_name
+    meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(run)}
     if resume_from:
-        meta["annotations"] = {ANNOTATION_RESUME_FROM: resume_from}
+        meta["annotations"][ANNOTATION_RESUME_FROM] = resume_from
     run_policy: dict[str, Any] = {
         # Pods stay after the job ends so their logs can be read; deleting the job removes them.
         "cleanPodPolicy": "None",

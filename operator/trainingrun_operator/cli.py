@@ -35,6 +35,37 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+    import logging
+
+    from .handlers import OperatorState, run_operator
+
+    try:
+        settings = Settings.from_env()
+    except ValueError as error:
+        print(f"trainingrun operator: {error}", file=sys.stderr)
+        return 2
+    overrides: dict = {}
+    if args.namespace:
+        overrides["namespaces"] = tuple(args.namespace)
+    if args.all_namespaces:
+        overrides["namespaces"] = ()
+    if args.peering is not None:
+        overrides["peering"] = args.peering
+    if args.standalone:
+        overrides["peering"] = ""
+    for name in ("metrics_port", "health_port"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    settings = dataclasses.replace(settings, **overrides)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run_operator(OperatorState(settings)))
+    return 0
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
@@ -147,6 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Print the TrainingRun CRD generated from the API model.")
     p.add_argument("--write", metavar="REPO_ROOT", help="write it to manifests/crds/ and the chart's crds/ under REPO_ROOT instead")
     p.set_defaults(func=cmd_crd)
+
+    p = commands.add_parser("operator", help="run the operator (kopf) against the current cluster",
+                            description="Run the TrainingRun operator: reconcile TrainingRuns into PyTorchJob attempts "
+                                        "with recovery, status and Events. Logs in with the pod's service account, "
+                                        "else the kubeconfig. Flags override the TRAININGRUN_* environment "
+                                        "(see settings.py).")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", metavar="NS",
+                       help="watch only this namespace (repeatable; env TRAININGRUN_NAMESPACES=a,b)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster (the default)")
+    ha = p.add_mutually_exclusive_group()
+    ha.add_argument("--peering", metavar="NAME", help="kopf peering object: of several replicas, one acts "
+                    "(env TRAININGRUN_PEERING)")
+    ha.add_argument("--standalone", action="store_true", help="no peering: the only replica (the default)")
+    p.add_argument("--metrics-port", type=int, help="port of /metrics and /readyz (default 9090, 0 = off)")
+    p.add_argument("--health-port", type=int, help="port of kopf's liveness /healthz (default 8081, 0 = off)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=cmd_operator)
 
     p = commands.add_parser("validate", help="check TrainingRun files",
                             description="Check TrainingRun files. Exit 0 when all are valid; exit 1 with "

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from . import __version__
 
 
 @dataclass(frozen=True)
 class Settings:
-    """How the operator renders children. Field by field:"""
+    """How the operator renders children and runs. Field by field (environment variable in brackets):"""
 
     #: Image used when a TrainingRun has no `spec.image` (TRAININGRUN_TRAINER_IMAGE).
     default_trainer_image: str = f"ghcr.io/trainingrun-dev/trainer:{__version__}"
@@ -23,14 +24,48 @@ class Settings:
     config_dir: str = "/etc/trainingrun"
     #: Where a GCS key-file Secret is mounted.
     gcs_key_dir: str = "/var/run/secrets/trainingrun/gcs"
+    #: Namespaces to watch, comma-separated; empty means the whole cluster (TRAININGRUN_NAMESPACES).
+    namespaces: tuple[str, ...] = ()
+    #: kopf peering object shared by the replicas, of which one acts; empty runs standalone
+    #: (TRAININGRUN_PEERING). The chart creates the peering resources when it runs several replicas.
+    peering: str = ""
+    #: Port of /metrics and /readyz (TRAININGRUN_OPERATOR_METRICS_PORT); 0 turns them off.
+    metrics_port: int = 9090
+    #: Port of kopf's liveness endpoint /healthz (TRAININGRUN_OPERATOR_HEALTH_PORT); 0 turns it off.
+    health_port: int = 8081
+    #: Every run is re-examined this often even without events: backoff waits end, stalls are found,
+    #: and a failed API call is retried (TRAININGRUN_RECONCILE_INTERVAL_SECONDS).
+    reconcile_interval_seconds: float = 10.0
+    #: Failed attempts whose PyTorchJob (and pods, for their logs) are kept while the run goes on;
+    #: older ones are deleted. When the run ends only the final attempt is kept (TRAININGRUN_KEEP_FAILED_ATTEMPTS).
+    keep_failed_attempts: int = 1
+    #: How often readiness re-checks that the PyTorchJob CRD is served (TRAININGRUN_CRD_CHECK_SECONDS).
+    crd_check_seconds: float = 30.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
         env = os.environ if environ is None else environ
         defaults = cls()
+        def number(name: str, default: float, kind: type = int) -> Any:
+            raw = env.get(name)
+            if raw in (None, ""):
+                return default
+            try:
+                return kind(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number") from None
+
         return cls(
             default_trainer_image=env.get("TRAININGRUN_TRAINER_IMAGE", defaults.default_trainer_image),
-            trainer_uid=int(env.get("TRAININGRUN_TRAINER_UID", defaults.trainer_uid)),
+            trainer_uid=number("TRAININGRUN_TRAINER_UID", defaults.trainer_uid),
+            namespaces=tuple(n.strip() for n in env.get("TRAININGRUN_NAMESPACES", "").split(",") if n.strip()),
+            peering=env.get("TRAININGRUN_PEERING", defaults.peering),
+            metrics_port=number("TRAININGRUN_OPERATOR_METRICS_PORT", defaults.metrics_port),
+            health_port=number("TRAININGRUN_OPERATOR_HEALTH_PORT", defaults.health_port),
+            reconcile_interval_seconds=number("TRAININGRUN_RECONCILE_INTERVAL_SECONDS",
+                                              defaults.reconcile_interval_seconds, float),
+            keep_failed_attempts=number("TRAININGRUN_KEEP_FAILED_ATTEMPTS", defaults.keep_failed_attempts),
+            crd_check_seconds=number("TRAININGRUN_CRD_CHECK_SECONDS", defaults.crd_check_seconds, float),
         )
 
     @property

@@ -1,0 +1,357 @@
+"""kopf handlers: keep kopf's in-memory indexes of runs, jobs and pods, and reconcile on any change.
+
+Every trigger (a TrainingRun event, a PyTorchJob or pod event, a periodic timer) leads to the same
+level-triggered `reconcile_run`: read the run and its children from the indexes (no API reads),
+let `reconcile.decide` choose, then create/patch/delete what the plan says and write status.
+Handlers stay thin; decisions are in reconcile.py, objects in builders.py, API calls in kube.py.
+
+Runs are reconciled one at a time per run (a lock each), and the status fields the operator owns
+are taken from its own last write until the watch delivers it, so two quick triggers can never
+charge one failure twice or start an attempt twice. Everything else survives a restart in status.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import logging
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Awaitable, Callable, Optional
+
+import kopf
+
+from . import api, builders, reconcile, validation
+from .kube import ApiError, Kube
+from .metrics import OperatorMetrics
+from .settings import Settings
+
+log = logging.getLogger("trainingrun.operator")
+
+RUNS = (api.GROUP, api.VERSION, api.PLURAL)
+JOBS = ("kubeflow.org", "v1", "pytorchjobs")
+PODS = ("", "v1", "pods")
+CHILD_FILTER = {builders.LABEL_RUN: kopf.PRESENT}
+#: Status fields only the operator writes (the trainer writes progress and lastGoodCheckpoint).
+OPERATOR_FIELDS = ("phase", "attempt", "jobName", "startTime", "attemptStartTime", "nextAttemptTime", "checkpointUri",
+                   "completionTime", "restarts", "goodput", "conditions", "observedGeneration")
+CRD_MISSING = ("the PyTorchJob CRD (kubeflow.org/v1) is not served: install the Kubeflow Training Operator v1.9 "
+               "(kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/manifests/overlays/"
+               "standalone?ref=v1.9.0\"); until then TrainingRuns wait and /readyz answers 503")
+
+Key = tuple[str, str]  # (namespace, name) of a TrainingRun
+
+
+async def default_login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
+    """In a pod: the service account; elsewhere: the kubeconfig (as kopf itself would)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@dataclass
+class OperatorState:
+    """What one operator process keeps in memory; all of it can be rebuilt from the cluster."""
+
+    settings: Settings
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    login: Callable[..., Awaitable[Optional[kopf.ConnectionInfo]]] = default_login
+    clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
+    connection: Optional[kopf.ConnectionInfo] = None
+    kube: Optional[Kube] = None
+    ready: bool = False
+    logged_in: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Operator-owned status as last written, until the watch shows it: no double charging.
+    written: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    locks: dict[Key, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
+    #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
+    created_jobs: set[tuple[str, str]] = field(default_factory=set)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def client(self) -> Kube:
+        if self.kube is None:
+            assert self.connection is not None, "no login yet"
+            self.kube = Kube(self.connection, on_error=lambda code: self.metrics.api_errors.labels(str(code)).inc())
+        return self.kube
+
+    def forget(self, key: Key) -> None:
+        self.written.pop(key, None)
+        self.metrics.phases.pop(key, None)
+        self.locks.pop(key, None)
+
+
+def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
+    status = dict(observed)
+    for key, value in written.items():
+        if value is None:
+            status.pop(key, None)
+        else:
+            status[key] = value
+    return status
+
+
+def slim_job(body: Any) -> dict[str, Any]:
+    meta = body.get("metadata", {})
+    return {
+        "metadata": {k: copy.deepcopy(meta.get(k)) for k in ("name", "labels", "annotations", "deletionTimestamp")},
+        "spec": {"runPolicy": {"suspend": ((body.get("spec") or {}).get("runPolicy") or {}).get("suspend")}},
+        "status": {"conditions": copy.deepcopy((body.get("status") or {}).get("conditions") or [])},
+    }
+
+
+def slim_pod(body: Any) -> dict[str, Any]:
+    meta, status = body.get("metadata", {}), body.get("status") or {}
+    return {
+        "metadata": {k: copy.deepcopy(meta.get(k)) for k in ("name", "labels", "deletionTimestamp")},
+        "status": {k: copy.deepcopy(status.get(k)) for k in ("reason", "message", "conditions", "containerStatuses")},
+    }
+
+
+def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
+    """Add the operator's handlers to `registry`, bound to `state`."""
+    settings, metrics = state.settings, state.metrics
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # The CRD's status schema is typed, so kopf keeps its own bookkeeping in annotations.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+        settings.posting.enabled = False  # Events are the operator's own, never copies of log lines
+        settings.peering.name = state.settings.peering or "trainingrun-operator"
+        settings.peering.standalone = not state.settings.peering
+        settings.peering.mandatory = bool(state.settings.peering)
+        state.tasks.append(asyncio.create_task(_watch_crd(state), name="trainingrun-crd-check"))
+        if state.settings.metrics_port:
+            state.tasks.append(asyncio.create_task(_serve_metrics(state), name="trainingrun-metrics"))
+
+    @kopf.on.login(registry=registry)
+    async def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
+        info = await state.login(**kwargs)
+        if info is not None and info != state.connection:
+            if state.kube is not None:
+                await state.kube.close()
+                state.kube = None
+            state.connection = info
+        state.logged_in.set()
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        for task in state.tasks:
+            task.cancel()
+        await asyncio.gather(*state.tasks, return_exceptions=True)
+        if state.kube is not None:
+            await state.kube.close()
+
+    @kopf.index(*RUNS, id="runs", registry=registry)
+    def runs(namespace: str, name: str, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+        return {(namespace, name): copy.deepcopy(dict(body))}
+
+    @kopf.index(*JOBS, labels=CHILD_FILTER, id="jobs", registry=registry)
+    def jobs(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+        return {(namespace, labels[builders.LABEL_RUN]): slim_job(body)}
+
+    @kopf.index(*PODS, labels=CHILD_FILTER, id="pods", registry=registry)
+    def pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+        return {(namespace, labels[builders.LABEL_RUN]): slim_pod(body)}
+
+    @kopf.on.event(*RUNS, registry=registry)
+    async def run_event(type: str, namespace: str, name: str, **kwargs: Any) -> None:
+        if type == "DELETED":
+            state.forget((namespace, name))  # children go with it (ownerReferences); checkpoints stay
+            return
+        await reconcile_run(state, (namespace, name), **kwargs)
+
+    @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
+    async def job_event(type: str, namespace: str, name: str, labels: Any, **kwargs: Any) -> None:
+        if type == "DELETED":
+            state.created_jobs.discard((namespace, name))
+        await reconcile_run(state, (namespace, labels[builders.LABEL_RUN]), **kwargs)
+
+    @kopf.on.event(*PODS, labels=CHILD_FILTER, registry=registry)
+    async def pod_event(namespace: str, labels: Any, **kwargs: Any) -> None:
+        await reconcile_run(state, (namespace, labels[builders.LABEL_RUN]), **kwargs)
+
+    @kopf.timer(*RUNS, interval=settings.reconcile_interval_seconds, registry=registry)
+    async def tick(namespace: str, name: str, **kwargs: Any) -> None:
+        try:
+            await reconcile_run(state, (namespace, name), **kwargs)
+        except Exception as error:  # noqa: BLE001 - the next tick retries; kopf's timer backoff is a minute
+            log.warning("%s/%s: reconcile failed, retrying in %ss: %s", namespace, name,
+                        settings.reconcile_interval_seconds, error)
+
+
+async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index, pods: kopf.Index,
+                        **_: Any) -> None:
+    async with state.locks[key]:
+        body = next(iter(runs.get(key, [])), None)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        started = time.monotonic()
+        try:
+            status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+            try:
+                run = validation.parse({k: v for k, v in body.items() if k != "status"})
+            except validation.InvalidTrainingRun as error:
+                await _reject(state, key, body, status, error)
+                return
+            observed = reconcile.Observed(
+                run=run, status=status,
+                jobs={j["metadata"]["name"]: j for j in jobs.get(key, [])},
+                pods=list(pods.get(key, [])), now=state.clock(),
+                keep_failed_attempts=state.settings.keep_failed_attempts,
+            )
+            plan = reconcile.decide(observed)
+            await _carry_out(state, key, run, body, plan)
+            state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
+        finally:
+            state.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+
+async def _carry_out(state: OperatorState, key: Key, run: api.TrainingRun, body: dict[str, Any],
+                     plan: reconcile.Plan) -> None:
+    kube, (namespace, name) = state.client(), key
+    if plan.start_attempt:
+        job_name = builders.job_name(name, plan.start_attempt)
+        if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
+            built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
+            children = builders.children(built, plan.start_attempt, state.settings, plan.resume_from)
+            created = await asyncio.gather(*(_ensure(kube, child) for child in children))
+            state.created_jobs.add((namespace, job_name))
+            if created[-1]:  # the PyTorchJob is new, not adopted
+                state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
+    if plan.suspend_job:
+        await kube.patch("kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job,
+                         {"spec": {"runPolicy": {"suspend": True}}})
+    for job_name in plan.delete_jobs:
+        await kube.delete("kubeflow.org/v1", "PyTorchJob", namespace, job_name)
+        state.created_jobs.discard((namespace, job_name))
+    if plan.status:
+        await kube.patch(api.API_VERSION, api.KIND, namespace, name, {"status": plan.status}, subresource="status")
+        written = state.written.setdefault(key, {})
+        written.update({k: v for k, v in plan.status.items() if k in OPERATOR_FIELDS})
+        if plan.restart_cause:
+            state.metrics.restarts.labels(plan.restart_cause).inc()
+    for note in plan.events:
+        await post_event(kube, body, note, state.clock())
+
+
+async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
+    """Create a child; if it exists, adopt it (a PyTorchJob is never changed) or bring it up to date."""
+    try:
+        await kube.create(child)
+        return True
+    except ApiError as error:
+        if error.status != 409:
+            raise
+    if child["kind"] != "PyTorchJob":
+        meta = child["metadata"]
+        await kube.patch(child["apiVersion"], child["kind"], meta["namespace"], meta["name"], child)
+    return False
+
+
+async def _reject(state: OperatorState, key: Key, body: dict[str, Any], status: dict[str, Any],
+                  error: validation.InvalidTrainingRun) -> None:
+    """A spec the CRD let through but the operator cannot run: say why, create nothing, wait for a fix."""
+    message = "; ".join(str(p) for p in error.problems)[:2000]
+    conditions = reconcile.Conditions(status.get("conditions") or [], reconcile.rfc3339(state.clock()),
+                                      (body.get("metadata") or {}).get("generation"))
+    if conditions.set("SpecRejected", True, "InvalidSpec", message):
+        kube = state.client()
+        patch = {"conditions": conditions.as_list()}
+        await kube.patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": patch}, subresource="status")
+        state.written.setdefault(key, {}).update(patch)
+        await post_event(kube, body, reconcile.Note("Warning", "SpecRejected", message), state.clock())
+
+
+async def post_event(kube: Kube, body: dict[str, Any], note: reconcile.Note, now: datetime) -> None:
+    """A core/v1 Event on the TrainingRun; a failure to post is logged, never fatal."""
+    meta = body.get("metadata") or {}
+    stamp = reconcile.rfc3339(now)
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}", "namespace": meta.get("namespace")},
+        "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta.get("name"),
+                           "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+        "type": note.type,
+        "reason": note.reason,
+        "message": note.message[:1024],
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+        "source": {"component": "trainingrun-operator"},
+        "reportingComponent": "trainingrun-operator",
+        "reportingInstance": socket.gethostname(),
+    }
+    try:
+        await kube.create(event)
+    except (ApiError, OSError) as error:
+        log.warning("could not post Event %s on %s/%s: %s", note.reason, meta.get("namespace"), meta.get("name"), error)
+    else:
+        log.info("%s/%s: %s: %s", meta.get("namespace"), meta.get("name"), note.reason, note.message)
+
+
+async def _watch_crd(state: OperatorState) -> None:
+    """Readiness: whether the PyTorchJob CRD is served, checked at start and then periodically."""
+    await state.logged_in.wait()
+    said: Optional[bool] = None
+    while True:
+        try:
+            served = await state.client().serves("kubeflow.org/v1", "pytorchjobs")
+        except (ApiError, OSError) as error:
+            log.warning("cannot check the PyTorchJob CRD: %s", error)
+            served = False
+        state.ready = served
+        state.metrics.ready.set(1 if served else 0)
+        if served != said:
+            if served:
+                log.info("the PyTorchJob CRD (kubeflow.org/v1) is served: ready")
+            else:
+                log.error(CRD_MISSING)
+            said = served
+        await asyncio.sleep(state.settings.crd_check_seconds)
+
+
+async def _serve_metrics(state: OperatorState) -> None:
+    from aiohttp import web
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=state.metrics.exposition(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def ready(request: web.Request) -> web.Response:
+        if state.ready:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text=CRD_MISSING + "\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/readyz", ready)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "0.0.0.0", state.settings.metrics_port)
+    await site.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+async def run_operator(state: OperatorState, *, stop_flag: Optional[asyncio.Future] = None,
+                       ready_flag: Optional[asyncio.Event] = None) -> None:
+    """The whole operator in the current event loop (the CLI and the tests both use this)."""
+    registry = kopf.OperatorRegistry()
+    register(registry, state)
+    settings = state.settings
+    await kopf.operator(
+        registry=registry,
+        standalone=not settings.peering,
+        peering_name=settings.peering or None,
+        namespaces=list(settings.namespaces),
+        clusterwide=not settings.namespaces,
+        liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )

@@ -1,0 +1,108 @@
+"""A small async Kubernetes API client for the operator's own calls (kopf keeps its own for watching).
+
+Only what the operator does: create, merge-patch, delete and discover. It connects with the same
+credentials kopf logged in with (`kopf.ConnectionInfo`), retries throttling and server errors with
+backoff (honouring Retry-After), and raises `ApiError` with the status code for everything else,
+so callers can treat 409 on create as "already there" and 404 on delete as "already gone".
+Every error is counted by status code in the operator metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional
+
+import aiohttp
+
+#: (apiVersion, kind) -> plural, for the kinds the operator writes.
+PLURALS = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "Event"): "events",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
+    ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
+}
+RETRIED_STATUSES = (429, 500, 502, 503, 504)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+def collection_path(api_version: str, kind: str, namespace: Optional[str]) -> str:
+    plural = PLURALS[(api_version, kind)]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
+
+
+def object_path(api_version: str, kind: str, namespace: Optional[str], name: str, subresource: str = "") -> str:
+    path = f"{collection_path(api_version, kind, namespace)}/{name}"
+    return f"{path}/{subresource}" if subresource else path
+
+
+class Kube:
+    """API calls with kopf's credentials. `on_error(status)` is told about every failed call."""
+
+    def __init__(self, info: Any, *, on_error: Callable[[int], None] = lambda status: None,
+                 retries: int = 4, backoff_seconds: float = 0.2):
+        self.server = info.server.rstrip("/")
+        self.on_error = on_error
+        self.retries, self.backoff_seconds = retries, backoff_seconds
+        headers = {"Accept": "application/json", **info.as_http_headers()}  # bearer token or basic auth
+        self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(
+            ssl=info.as_ssl_context(), limit=64))  # kopf's: CA, client certificate, insecure
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def request(self, method: str, path: str, body: Any = None,
+                      content_type: str = "application/json") -> dict[str, Any]:
+        for attempt in range(self.retries + 1):
+            async with self._session.request(method, self.server + path, json=body,
+                                             headers={"Content-Type": content_type}) as response:
+                if response.status < 400:
+                    return await response.json(content_type=None) or {}
+                self.on_error(response.status)
+                if response.status in RETRIED_STATUSES and attempt < self.retries:
+                    retry_after = response.headers.get("Retry-After", "")
+                    delay = float(retry_after) if retry_after.isdigit() else self.backoff_seconds * 2 ** attempt
+                    await asyncio.sleep(min(delay, 10.0))
+                    continue
+                try:
+                    payload = await response.json(content_type=None) or {}
+                except (ValueError, aiohttp.ContentTypeError):
+                    payload = {}
+                raise ApiError(response.status, str(payload.get("reason") or response.reason),
+                               str(payload.get("message") or ""))
+        raise AssertionError("unreachable")
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        return await self.request("POST", collection_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
+
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any],
+                    subresource: str = "") -> dict[str, Any]:
+        path = object_path(api_version, kind, namespace, name, subresource)
+        return await self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        try:
+            await self.request("DELETE", object_path(api_version, kind, namespace, name),
+                               {"propagationPolicy": "Background"})
+        except ApiError as error:
+            if error.status != 404:
+                raise
+
+    async def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves this resource (e.g. a CRD is installed)."""
+        try:
+            found = await self.request("GET", f"/apis/{api_version}")
+        except ApiError as error:
+            if error.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources", []))
+

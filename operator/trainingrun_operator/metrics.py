@@ -1,0 +1,59 @@
+"""The operator's Prometheus metrics, served on /metrics next to /readyz.
+
+Names follow DESIGN.md (base units, `_total` for counters). A registry per operator instance keeps
+tests independent of each other.
+
+    trainingrun_operator_runs{phase}                         TrainingRuns this operator sees, by phase
+    trainingrun_operator_attempts_total{cause}               attempts started: initial, recovery, resume, recreate
+    trainingrun_operator_restarts_total{cause}               attempts ended early: failure, preemption, stall
+    trainingrun_operator_reconcile_duration_seconds          one reconcile, decision and API calls
+    trainingrun_operator_api_errors_total{code}              failed Kubernetes API calls by HTTP status
+    trainingrun_operator_ready                               1 when the PyTorchJob CRD is served
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from .api import Phase
+
+PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.phases: dict[tuple[str, str], str] = {}  #: (namespace, name) -> phase, for the runs gauge
+        self.attempts = Counter("trainingrun_operator_attempts", "Attempts started, by cause.", ["cause"],
+                                registry=self.registry)
+        self.restarts = Counter("trainingrun_operator_restarts", "Attempts that ended early, by cause.", ["cause"],
+                                registry=self.registry)
+        self.reconcile_seconds = Histogram(
+            "trainingrun_operator_reconcile_duration_seconds", "Time to reconcile one TrainingRun.",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)
+        self.api_errors = Counter("trainingrun_operator_api_errors", "Failed Kubernetes API calls, by HTTP status.",
+                                  ["code"], registry=self.registry)
+        self.ready = Gauge("trainingrun_operator_ready", "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",
+                           registry=self.registry)
+        self.registry.register(_RunsByPhase(self))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RunsByPhase:
+    """Counted at scrape time from what the operator last saw, so it never drifts."""
+
+    def __init__(self, metrics: OperatorMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("trainingrun_operator_runs", "TrainingRuns by phase.", labels=["phase"])
+        counts = {phase: 0 for phase in PHASES}
+        for phase in list(self.metrics.phases.values()):
+            counts[phase] = counts.get(phase, 0) + 1
+        for phase, count in counts.items():
+            family.add_metric([phase], count)
+        yield family

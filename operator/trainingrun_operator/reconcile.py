@@ -1,0 +1,444 @@
+"""What to do for one TrainingRun, decided from what is observed. Pure: no API calls, no clock.
+
+`decide(Observed) -> Plan` is the whole operator logic: which attempt should exist, how a failed
+attempt is classified and charged, when the next one starts, what the status and conditions say
+and which Events tell the story. The kopf handlers (handlers.py) only gather the observation from
+kopf's in-memory indexes and carry the plan out, so every decision here is unit-tested without a
+cluster, and a restarted operator decides the same from the same status.
+
+Everything the operator must remember lives in `status`: attempt, jobName, restarts by cause,
+nextAttemptTime while Recovering, startTime for goodput and the checkpoint URI the run started with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Optional
+
+from . import api, builders
+
+TERMINAL = ("Succeeded", "Failed")
+KUBEFLOW_JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+#: Pod-level reasons that mean the node or the scheduler took the pod away, not the training code.
+DISRUPTION_POD_REASONS = {"Evicted", "Preempting", "Terminated", "NodeShutdown", "Shutdown", "NodeLost"}
+#: How long a failed PyTorchJob whose pods show no reason yet is given for the pod watch to catch up
+#: (the job and pod watches are separate streams); after that it is classified as a failure.
+FAILURE_EVIDENCE_GRACE = timedelta(seconds=30)
+PREEMPTED_EXIT_CODE = 143  # the launcher's exit after an emergency checkpoint on SIGTERM
+SIGKILL_EXIT_CODE = 137
+
+
+@dataclass
+class Observed:
+    """One run and its children as the operator sees them now."""
+
+    run: api.TrainingRun
+    status: dict[str, Any]  #: wire form (camelCase)
+    jobs: dict[str, dict[str, Any]]  #: this run's PyTorchJobs by name
+    pods: list[dict[str, Any]]  #: this run's pods, every attempt
+    now: datetime
+    keep_failed_attempts: int = 1  #: failed attempts whose PyTorchJob (and pods, for logs) stay until the run ends
+
+
+@dataclass
+class Note:
+    """A Kubernetes Event to post on the TrainingRun."""
+
+    type: str  #: Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    status: dict[str, Any] = field(default_factory=dict)  #: merge patch for status
+    start_attempt: Optional[int] = None  #: create (or adopt) the children of this attempt
+    resume_from: Optional[str] = None  #: TRAININGRUN_RESUME_FROM of that attempt
+    checkpoint_uri: Optional[str] = None  #: the URI attempts use (the one the run started with)
+    suspend_job: Optional[str] = None
+    delete_jobs: list[str] = field(default_factory=list)
+    events: list[Note] = field(default_factory=list)
+    restart_cause: Optional[str] = None  #: failure, preemption or stall, when an attempt ended here (metrics)
+    attempt_cause: Optional[str] = None  #: initial, recovery, resume or recreate, when an attempt starts (metrics)
+
+
+@dataclass
+class Failure:
+    cause: str  #: permanent, preemption or failure
+    detail: str  #: what happened, for the Event and the condition
+    exit_code: Optional[int] = None
+    from_pods: bool = True  #: False when no pod said why (they may be gone, or not seen yet)
+
+
+# ---------------------------------------------------------------- small pure helpers
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Optional[str]) -> Optional[datetime]:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def with_checkpoint_uri(run: api.TrainingRun, uri: str) -> api.TrainingRun:
+    """The run as its attempts are built: with the checkpoint URI it started with."""
+    if run.spec.checkpoint.uri == uri:
+        return run
+    changed = run.model_copy(deep=True)
+    changed.spec.checkpoint.uri = uri
+    return changed
+
+
+def job_state(job: dict[str, Any]) -> Optional[str]:
+    """Succeeded, Failed, Suspended, Running, Restarting or Created, from the Kubeflow job conditions."""
+    true = {c.get("type") for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"}
+    for state in ("Succeeded", "Failed", "Suspended", "Running", "Restarting", "Created"):
+        if state in true:
+            return state
+    return None
+
+
+def attempt_of(obj: dict[str, Any]) -> Optional[int]:
+    value = ((obj.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_ATTEMPT)
+    return int(value) if value and value.isdigit() else None
+
+
+def pods_of(pods: list[dict[str, Any]], job_name: str, attempt: int) -> list[dict[str, Any]]:
+    def belongs(pod: dict[str, Any]) -> bool:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        return labels.get(KUBEFLOW_JOB_NAME_LABEL) == job_name or attempt_of(pod) == attempt
+
+    return [p for p in pods if belongs(p)]
+
+
+def _trainer_terminations(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The trainer container's termination records (current state and the last one)."""
+    found = []
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") != builders.CONTAINER_NAME:
+            continue
+        for key in ("state", "lastState"):
+            terminated = (status.get(key) or {}).get("terminated")
+            if terminated:
+                found.append(terminated)
+    return found
+
+
+def _disruption(pod: dict[str, Any]) -> Optional[str]:
+    status = pod.get("status") or {}
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            return f"pod {pod['metadata']['name']} was disrupted ({condition.get('reason') or 'DisruptionTarget'})"
+    if status.get("reason") in DISRUPTION_POD_REASONS:
+        return f"pod {pod['metadata']['name']} was {status['reason'].lower()}: {status.get('message') or ''}".rstrip(": ")
+    return None
+
+
+def classify_failure(job: dict[str, Any], pods: list[dict[str, Any]]) -> Failure:
+    """Why an attempt's PyTorchJob failed: preemption, a permanent error, or a (retryable) failure.
+
+    A disrupted pod (DisruptionTarget condition, eviction, node shutdown) or the launcher's exit 143
+    (emergency checkpoint after SIGTERM) is a preemption; 137 is one too when the pod was being
+    deleted (SIGKILL after the grace period), else an OOM kill or crash. Exit codes 1-127 are the
+    trainer's permanent verdicts (bad config, divergence): retrying cannot help.
+    """
+    for pod in pods:
+        disrupted = _disruption(pod)
+        if disrupted:
+            return Failure("preemption", disrupted)
+    codes = []
+    for pod in pods:
+        deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+        for terminated in _trainer_terminations(pod):
+            code = terminated.get("exitCode")
+            if code is None or code == 0:
+                continue
+            name = pod["metadata"]["name"]
+            message = (terminated.get("message") or "").strip()
+            reason = terminated.get("reason") or ""
+            codes.append((code, name, reason, message, deleting))
+    for code, name, reason, message, deleting in codes:
+        if code == PREEMPTED_EXIT_CODE or (code == SIGKILL_EXIT_CODE and deleting):
+            return Failure("preemption", f"pod {name} stopped after SIGTERM (exit code {code})", code)
+    for code, name, reason, message, _ in codes:
+        if 1 <= code <= 127:
+            said = f": {message}" if message else (f" ({reason})" if reason else "")
+            return Failure("permanent", f"pod {name} exited with {code}{said}", code)
+    if codes:
+        code, name, reason, message, _ = codes[0]
+        said = f" ({reason})" if reason else ""
+        return Failure("failure", f"pod {name} exited with {code}{said}", code)
+    job_message = next((c.get("message") for c in (job.get("status") or {}).get("conditions") or []
+                        if c.get("type") == "Failed" and c.get("status") == "True"), None)
+    return Failure("failure", f"PyTorchJob {job['metadata']['name']} failed: {job_message or 'no reason given'}",
+                   from_pods=False)
+
+
+def failed_since(job: dict[str, Any]) -> Optional[datetime]:
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Failed" and condition.get("status") == "True":
+            return parse_time(condition.get("lastTransitionTime"))
+    return None
+
+
+def missing_secret(pods: list[dict[str, Any]]) -> Optional[str]:
+    """The kubelet's message for a container that cannot start because a Secret or key is missing."""
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (status.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") == "CreateContainerConfigError":
+                return f"pod {pod['metadata']['name']}: {waiting.get('message') or 'a Secret or key is missing'}"
+    return None
+
+
+def backoff_seconds(recovery: api.Recovery, restarts_so_far: int) -> int:
+    """Exponential from spec.recovery.backoffSeconds, capped at maxBackoffSeconds."""
+    return int(min(recovery.backoff_seconds * 2 ** max(0, restarts_so_far - 1), recovery.max_backoff_seconds))
+
+
+def goodput(status: dict[str, Any]) -> Optional[float]:
+    """Productive step time the trainer reports / wall time from start to that report.
+
+    Measured to the report's own time, not to now, so it is a function of status alone: writing it
+    never changes it, and a restarted operator computes the same figure.
+    """
+    progress = status.get("progress") or {}
+    started, reported = parse_time(status.get("startTime")), parse_time(progress.get("updatedAt"))
+    productive = progress.get("productiveSeconds")
+    if productive is None or not started or not reported or reported <= started:
+        return None
+    return round(min(1.0, productive / (reported - started).total_seconds()), 4)
+
+
+class Conditions:
+    """Edits to status.conditions: one per type; a transition time changes only with the status."""
+
+    def __init__(self, current: list[dict[str, Any]], now: str, generation: Optional[int]):
+        self.items = {c["type"]: dict(c) for c in current if c.get("type")}
+        self.now, self.generation, self.changed = now, generation, False
+
+    def is_true(self, type_: str) -> bool:
+        return self.items.get(type_, {}).get("status") == "True"
+
+    def set(self, type_: str, true: bool, reason: str, message: str = "") -> bool:
+        """Set a condition; returns whether its status flipped (worth an Event)."""
+        old = self.items.get(type_)
+        status = "True" if true else "False"
+        if old is None and not true:
+            return False  # a condition that never was True needs no False entry
+        flipped = old is None or old.get("status") != status
+        new = {"type": type_, "status": status, "reason": reason, "message": message,
+               "lastTransitionTime": self.now if flipped else old.get("lastTransitionTime", self.now)}
+        if self.generation is not None:
+            new["observedGeneration"] = self.generation
+        if new != old:
+            self.items[type_], self.changed = new, True
+        return flipped
+
+    def as_list(self) -> list[dict[str, Any]]:
+        return list(self.items.values())
+
+
+# ---------------------------------------------------------------- the decision
+
+
+def decide(o: Observed) -> Plan:
+    plan = Plan()
+    status, spec = o.status, o.run.spec
+    phase, attempt = status.get("phase"), int(status.get("attempt") or 0)
+    now = rfc3339(o.now)
+    generation = o.run.metadata.generation
+    conditions = Conditions(status.get("conditions") or [], now, generation)
+    plan.checkpoint_uri = status.get("checkpointUri") or spec.checkpoint.uri
+
+    if phase in TERMINAL:
+        plan.delete_jobs = _old_jobs(o, keep_after=attempt - 1, keep=0)
+        return plan
+
+    if phase is None:
+        _start(plan, o, 1, "initial", conditions, resume_from=None)
+        plan.status.update(startTime=now, checkpointUri=spec.checkpoint.uri)
+        if spec.suspend:
+            plan.status["phase"] = "Suspended"
+        return _finish(plan, o, conditions)
+
+    job_name = status.get("jobName") or builders.job_name(o.run.metadata.name, attempt)
+    job = o.jobs.get(job_name)
+    _check_spec(plan, o, job, conditions)
+
+    if spec.suspend:
+        if phase != "Suspended":
+            if job is not None and job_state(job) not in TERMINAL:
+                plan.suspend_job = job_name
+            plan.status["phase"] = "Suspended"
+            plan.events.append(Note("Normal", "Suspended", f"attempt {attempt} suspended: its pods stop after an "
+                                    "emergency checkpoint; set spec.suspend to false to resume"))
+        return _finish(plan, o, conditions)
+
+    if phase == "Suspended":
+        plan.delete_jobs.append(job_name)
+        _start(plan, o, attempt + 1, "resume", conditions, resume_from=_last_good(status))
+        return _finish(plan, o, conditions)
+
+    if phase == "Recovering":
+        due = parse_time(status.get("nextAttemptTime"))
+        if due is None or o.now >= due:
+            _start(plan, o, attempt + 1, "recovery", conditions, resume_from=_last_good(status))
+        return _finish(plan, o, conditions)
+
+    # Pending or Running: follow the current attempt.
+    if job is None:
+        # Created but not seen yet, or removed by someone: (re)create it; an existing one is adopted.
+        plan.start_attempt, plan.resume_from, plan.attempt_cause = attempt, _last_good(status), "recreate"
+        return _finish(plan, o, conditions)
+
+    pods = pods_of(o.pods, job_name, attempt)
+    secret = missing_secret(pods)
+    if secret:
+        if conditions.set("SecretMissing", True, "CreateContainerConfigError", secret):
+            plan.events.append(Note("Warning", "SecretMissing", f"{secret}; create it in namespace "
+                                    f"{o.run.metadata.namespace} (no restart is charged while waiting)"))
+    elif conditions.is_true("SecretMissing"):
+        conditions.set("SecretMissing", False, "SecretsFound", "all referenced Secrets and keys exist")
+        plan.events.append(Note("Normal", "SecretsFound", "the missing Secret is there now; the pods are starting"))
+
+    state = job_state(job)
+    if state == "Succeeded":
+        step = (status.get("progress") or {}).get("step")
+        plan.status.update(phase="Succeeded", completionTime=now)
+        conditions.set("Complete", True, "Succeeded", f"finished in attempt {attempt}")
+        plan.events.append(Note("Normal", "Succeeded", f"training finished in attempt {attempt}"
+                                + (f" at step {step}" if step is not None else "")))
+        plan.delete_jobs = _old_jobs(o, keep_after=attempt - 1, keep=0)
+    elif state == "Failed":
+        failure = classify_failure(job, pods)
+        since = failed_since(job)
+        if not failure.from_pods and since and o.now < since + FAILURE_EVIDENCE_GRACE:
+            return _finish(plan, o, conditions)  # the pods' story is probably on its way: decide then
+        _attempt_ended(plan, o, attempt, failure, conditions)
+    else:
+        if state == "Running" and phase == "Pending":
+            plan.status["phase"] = "Running"
+            plan.events.append(Note("Normal", "Running", f"attempt {attempt} is running (PyTorchJob {job_name})"))
+        if (plan.status.get("phase") or phase) == "Running":
+            _check_stall(plan, o, attempt, job_name, conditions)
+    return _finish(plan, o, conditions)
+
+
+def _last_good(status: dict[str, Any]) -> Optional[str]:
+    return (status.get("lastGoodCheckpoint") or {}).get("uri")
+
+
+def _old_jobs(o: Observed, keep_after: int, keep: int) -> list[str]:
+    """This run's PyTorchJobs of attempts up to `keep_after`, except the newest `keep` of them."""
+    old = sorted((attempt_of(j) or 0, name) for name, j in o.jobs.items() if (attempt_of(j) or 0) <= keep_after)
+    return [name for _, name in old[: max(0, len(old) - keep)]]
+
+
+def _start(plan: Plan, o: Observed, number: int, cause: str, conditions: Conditions,
+           resume_from: Optional[str]) -> None:
+    name = builders.job_name(o.run.metadata.name, number)
+    plan.start_attempt, plan.resume_from, plan.attempt_cause = number, resume_from, cause
+    plan.status.update(phase="Pending", attempt=number, jobName=name, attemptStartTime=rfc3339(o.now),
+                       nextAttemptTime=None)
+    if conditions.is_true("SpecChangePending"):
+        conditions.set("SpecChangePending", False, "Applied", f"attempt {number} runs the current spec")
+    where = f"resuming from {resume_from}" if resume_from else "from the start"
+    plan.events.append(Note("Normal", "AttemptStarted", f"attempt {number} started (PyTorchJob {name}), {where}"))
+    plan.delete_jobs += _old_jobs(o, keep_after=number - 1, keep=o.keep_failed_attempts)
+
+
+def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, conditions: Conditions,
+                   stalled: bool = False) -> None:
+    status, recovery = o.status, o.run.spec.recovery
+    if failure.cause == "permanent":
+        message = f"attempt {attempt}: {failure.detail}; retrying cannot help, fix the cause and create the run again"
+        _fail(plan, o, "PermanentError", message, conditions)
+        return
+    restarts = dict(status.get("restarts") or {"failures": 0, "preemptions": 0, "total": 0})
+    budget_field = "maxPreemptions" if failure.cause == "preemption" else "maxFailures"
+    counter = "preemptions" if failure.cause == "preemption" else "failures"
+    budget = recovery.max_preemptions if failure.cause == "preemption" else recovery.max_failures
+    restarts[counter] = int(restarts.get(counter) or 0) + 1
+    restarts["total"] = int(restarts.get("failures") or 0) + int(restarts.get("preemptions") or 0)
+    plan.status["restarts"] = restarts
+    plan.restart_cause = "stall" if stalled else failure.cause
+    if restarts[counter] > budget:
+        reason = "PreemptionBudgetSpent" if failure.cause == "preemption" else "FailureBudgetSpent"
+        _fail(plan, o, reason, f"attempt {attempt}: {failure.detail}; spec.recovery.{budget_field}={budget} "
+              f"is spent ({restarts[counter]} {counter}); raise it to allow more", conditions)
+        return
+    delay = backoff_seconds(recovery, restarts["total"])
+    plan.status.update(phase="Recovering", nextAttemptTime=rfc3339(o.now + timedelta(seconds=delay)))
+    resume = _last_good(status)
+    plan.events.append(Note(
+        "Warning", "AttemptPreempted" if failure.cause == "preemption" else "AttemptFailed",
+        f"attempt {attempt}: {failure.detail}; {counter} {restarts[counter]}/{budget}; attempt {attempt + 1} "
+        f"starts in {delay}s from " + (resume or "the start (no checkpoint yet)"),
+    ))
+
+
+def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Conditions) -> None:
+    plan.status.update(phase="Failed", completionTime=rfc3339(o.now), nextAttemptTime=None)
+    conditions.set("Failed", True, reason, message)
+    plan.events.append(Note("Warning", reason, message))
+
+
+def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> None:
+    timeout = o.run.spec.recovery.stall_timeout_seconds
+    if not timeout:
+        return
+    progress = o.status.get("progress") or {}
+    reported = parse_time(progress.get("updatedAt"))
+    started = parse_time(o.status.get("attemptStartTime"))
+    last = max([t for t in (reported, started) if t is not None], default=None)
+    if last is None or (o.now - last).total_seconds() <= timeout:
+        return
+    if reported and started and reported >= started:
+        where = f"last step {progress.get('step')} reported at {progress.get('updatedAt')}"
+    else:
+        where = f"no step reported since attempt {attempt} started at {o.status.get('attemptStartTime')}"
+    detail = f"no progress for more than spec.recovery.stallTimeoutSeconds={timeout}s ({where})"
+    plan.events.append(Note("Warning", "Stalled", f"attempt {attempt}: {detail}; restarting it"))
+    plan.delete_jobs.append(job_name)
+    _attempt_ended(plan, o, attempt, Failure("failure", detail), conditions, stalled=True)
+
+
+def _check_spec(plan: Plan, o: Observed, job: Optional[dict[str, Any]], conditions: Conditions) -> None:
+    """Immutable fields are refused; other changes wait for the next attempt, and say so."""
+    started_uri, wanted_uri = plan.checkpoint_uri, o.run.spec.checkpoint.uri
+    if wanted_uri != started_uri:
+        message = (f"spec.checkpoint.uri cannot change once the run has started (it is {started_uri}): "
+                   "set it back, or create a new TrainingRun to train elsewhere")
+        if conditions.set("SpecRejected", True, "CheckpointUriImmutable", message):
+            plan.events.append(Note("Warning", "SpecRejected", message))
+    elif conditions.is_true("SpecRejected"):
+        conditions.set("SpecRejected", False, "Accepted", "the spec is accepted")
+    if job is None or o.status.get("phase") in TERMINAL:
+        return
+    built_from = ((job.get("metadata") or {}).get("annotations") or {}).get(builders.ANNOTATION_SPEC_HASH)
+    if built_from and built_from != builders.spec_hash(with_checkpoint_uri(o.run, started_uri)):
+        attempt = int(o.status.get("attempt") or 0)
+        message = (f"the spec changed; attempt {attempt} keeps running as it was built, "
+                   f"the change applies from attempt {attempt + 1} (suspend and resume the run to apply it now)")
+        if conditions.set("SpecChangePending", True, "AppliesOnNextAttempt", message):
+            plan.events.append(Note("Normal", "SpecChangePending", message))
+
+
+def _finish(plan: Plan, o: Observed, conditions: Conditions) -> Plan:
+    """Status fields computed from everything else; only what differs from the current status stays."""
+    if conditions.changed:
+        plan.status["conditions"] = conditions.as_list()
+    figure = goodput(o.status)
+    if figure is not None:
+        plan.status["goodput"] = figure
+    if o.run.metadata.generation is not None:
+        plan.status["observedGeneration"] = o.run.metadata.generation
+    plan.status = {k: v for k, v in plan.status.items() if o.status.get(k) != v}
+    return plan
