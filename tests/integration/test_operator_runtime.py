@@ -1,0 +1,169 @@
+"""The operator process: API errors survived, readiness and metrics, namespaces, peering, no secret leaks."""
+import logging
+import socket
+
+import aiohttp
+import kmock as kmock_lib
+import pytest
+
+from operator_harness import (JOBS, NAMESPACE, RUNS, Cluster, declare_resources, eventually, operator, running,
+                              settings, terminated, training_run)
+
+pytestmark = pytest.mark.asyncio
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def get(url):
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.text()
+
+
+async def test_api_errors_are_survived(kmock):
+    declare_resources(kmock)
+    cluster = Cluster(kmock)
+    gone = {"type": "ERROR", "object": {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 410,
+                                        "reason": "Expired", "message": "too old resource version: 1 (42)"}}
+    kmock[kmock_lib.action.WATCH, kmock_lib.resource(JOBS)][:1] << gone
+    kmock[f"post /apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs"][:1] << 500
+    kmock[f"post /api/v1/namespaces/{NAMESPACE}/configmaps"][:2] << 429
+    kmock[f"patch /apis/trainingrun.dev/v1alpha1/namespaces/{NAMESPACE}/trainingruns/demo/status"][:1] << 500
+    async with operator(kmock) as state:
+        await cluster.create_run(training_run())
+        status = await eventually(lambda: cluster.status().get("attempt") == 1 and cluster.status())
+        assert status["phase"] == "Pending" and cluster.job_names() == ["demo-a1"]
+        # the job watch was answered 410 Gone once and kopf watched again: the run still follows its job
+        await cluster.job_condition("demo-a1", "Created", "Running")
+        await eventually(lambda: cluster.status()["phase"] == "Running")
+        errors = {labels["code"]: value for labels, value in _samples(state, "trainingrun_operator_api_errors_total")}
+    assert errors.get("500", 0) >= 2 and errors.get("429", 0) >= 1  # each seen, and retried
+    assert errors.get("409", 0) >= 2  # the job and the config map were there after all: adopted, not errors
+    watches = [r for r in list(kmock) if "pytorchjobs" in str(r.url) and "watch=true" in str(r.url)]
+    assert len(watches) >= 2
+
+
+def _samples(state, name):
+    for family in state.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                yield sample.labels, sample.value
+
+
+async def test_readiness_reports_a_missing_pytorchjob_crd(kmock, caplog):
+    declare_resources(kmock, pytorchjobs=False)
+    port = free_port()
+    caplog.set_level(logging.INFO, "trainingrun.operator")
+    async with operator(kmock, settings(metrics_port=port)):
+        message = await eventually(lambda: [r.message for r in caplog.records if "PyTorchJob CRD" in r.message])
+        status, body = await get(f"http://127.0.0.1:{port}/readyz")
+        metrics = (await get(f"http://127.0.0.1:{port}/metrics"))[1]
+    assert "is not served: install the Kubeflow Training Operator" in message[0] and len(message) == 1
+    assert status == 503 and "kubeflow.org/v1" in body
+    assert "trainingrun_operator_ready 0.0" in metrics
+
+
+async def test_metrics_count_runs_attempts_and_restarts(kmock):
+    declare_resources(kmock)
+    cluster = Cluster(kmock)
+    port = free_port()
+    async with operator(kmock, settings(metrics_port=port)):
+        await cluster.create_run(training_run())
+        await eventually(lambda: cluster.job("demo-a1"))
+        pod = await cluster.add_pod("demo-a1", status=running())
+        await cluster.pod_status(pod, terminated(137, "OOMKilled"))
+        await cluster.job_condition("demo-a1", "Failed")
+        await eventually(lambda: cluster.status().get("attempt") == 2)
+        status, ready = await get(f"http://127.0.0.1:{port}/readyz")
+        metrics = (await get(f"http://127.0.0.1:{port}/metrics"))[1]
+    assert status == 200
+    assert 'trainingrun_operator_runs{phase="Pending"} 1.0' in metrics
+    assert 'trainingrun_operator_attempts_total{cause="initial"} 1.0' in metrics
+    assert 'trainingrun_operator_attempts_total{cause="recovery"} 1.0' in metrics
+    assert 'trainingrun_operator_restarts_total{cause="failure"} 1.0' in metrics
+    assert "trainingrun_operator_reconcile_duration_seconds_count" in metrics
+    assert "trainingrun_operator_ready 1.0" in metrics
+
+
+@pytest.fixture
+def namespaces_path_fixed(monkeypatch):
+    """kmock 0.8 fails to parse /api/v1/namespaces (the plural is taken for the namespaces/<ns> prefix),
+    and a namespaced kopf lists and watches it. Fixed here, in the test server only."""
+    from kmock._internal import parsing
+
+    original = parsing.parse_path
+
+    def parse_path(path):
+        if path.strip("/") == "api/v1/namespaces":
+            return parsing.ParsedPath("", "v1", "namespaces", None, None, None)
+        return original(path)
+
+    monkeypatch.setattr(parsing, "parse_path", parse_path)
+
+
+async def test_namespaced_operator_leaves_other_namespaces_alone(kmock, namespaces_path_fixed):
+    declare_resources(kmock)
+    for namespace in (NAMESPACE, "team-b"):
+        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "resourceVersion": "1"}}
+        async with kmock.post("/api/v1/namespaces", json=body) as response:
+            assert response.status < 300, await response.text()
+    cluster = Cluster(kmock)
+    async with operator(kmock, settings(namespaces=(NAMESPACE,))):
+        other = training_run(name="other")
+        other["metadata"]["namespace"] = "team-b"
+        await cluster.create_run(other)
+        await cluster.create_run(training_run())
+        await eventually(lambda: cluster.job("demo-a1"))
+    # it never looked at other namespaces, so it cannot have acted there
+    watched = {str(r.url).split("?")[0] for r in list(kmock) if r.method == "GET" and "trainingruns" in str(r.url)}
+    assert watched and all(f"/namespaces/{NAMESPACE}/" in url for url in watched), watched
+    assert cluster.obj(JOBS, "other-a1", namespace="team-b") is None
+    assert "status" not in cluster.obj(RUNS, "other", namespace="team-b")
+
+
+async def test_peering_registers_this_replica_and_it_acts(kmock):
+    declare_resources(kmock)
+    kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock_lib.ResourceInfo(
+        kind="ClusterKopfPeering", namespaced=False, verbs={"list", "watch", "get", "patch", "create"})
+    peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+               "metadata": {"name": "trainingrun-operator", "resourceVersion": "1"}}
+    async with kmock.post("/apis/kopf.dev/v1/clusterkopfpeerings", json=peering) as response:
+        assert response.status < 300
+    cluster = Cluster(kmock)
+    async with operator(kmock, settings(peering="trainingrun-operator")):
+        await cluster.create_run(training_run())
+        await eventually(lambda: cluster.job("demo-a1"))
+        patches = [r for r in list(kmock) if r.method == "PATCH" and "clusterkopfpeerings" in str(r.url)]
+    assert patches and "status" in patches[0].data  # the replica announced itself in the peering object
+
+
+async def test_no_secret_value_reaches_logs_events_or_status(kmock, caplog):
+    declare_resources(kmock)
+    kmock.resources["v1/secrets"] = kmock_lib.ResourceInfo(kind="Secret", namespaced=True, verbs={"get", "list"})
+    value = "s3cr3t-Value-0f-the-API-key"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "wandb", "namespace": NAMESPACE},
+              "stringData": {"api-key": value}}
+    async with kmock.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret) as response:
+        assert response.status < 300
+    cluster = Cluster(kmock)
+    caplog.set_level(logging.DEBUG)
+    async with operator(kmock):
+        body = training_run(secrets={"env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}]})
+        await cluster.create_run(body)
+        await eventually(lambda: cluster.job("demo-a1"))
+        waiting = {"containerStatuses": [{"name": "pytorch", "state": {"waiting": {
+            "reason": "CreateContainerConfigError", "message": "couldn't find key api-key in Secret team-a/wandb"}}}]}
+        pod = await cluster.add_pod("demo-a1", status=waiting)
+        await eventually(lambda: cluster.events("SecretMissing"))
+        await cluster.pod_status(pod, terminated(1, "Error", "crashed"))
+        await cluster.job_condition("demo-a1", "Failed")
+        await eventually(lambda: cluster.status().get("phase") == "Failed")
+    assert not [r for r in list(kmock) if "/secrets" in str(r.url) and r.method != "POST"]  # never read
+    env = cluster.env_of("demo-a1")["WANDB_API_KEY"]
+    assert env == {"secretKeyRef": {"name": "wandb", "key": "api-key"}}  # by reference only
+    everything = caplog.text + repr(cluster.events()) + repr(cluster.run()) + repr(cluster.job("demo-a1"))
+    assert value not in everything
+    assert "couldn't find key api-key in Secret team-a/wandb" in repr(cluster.events("SecretMissing"))
