@@ -62,6 +62,10 @@ def cmd_operator(args: argparse.Namespace) -> int:
     settings = dataclasses.replace(settings, **overrides)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        # kopf says "Handler ... succeeded" for every event of every object; the operator's own
+        # log (trainingrun.operator) already tells each decision once.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     asyncio.run(run_operator(OperatorState(settings)))
     return 0
 

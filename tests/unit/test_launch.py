@@ -61,6 +61,7 @@ def test_built_in_trainer_permanent_exit_is_not_retried_in_place(tmp_path):
         env=env, capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr[-3000:]
-    # Only the first group ran the trainer (one message per rank); the two restarted groups did not.
-    assert result.stderr.count("trainingrun-trainer: spec.trainer.model.classPath") == 2
+    # Only the first group ran the trainer (a message per rank that got that far before the agent
+    # stopped its peer); the two restarted groups exited with the remembered code at once.
+    assert 1 <= result.stderr.count("trainingrun-trainer: spec.trainer.model.classPath") <= 2
     assert result.stderr.count("failed (exitcode: 2)") == 3

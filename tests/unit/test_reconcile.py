@@ -1,0 +1,206 @@
+"""reconcile.decide and its helpers: the operator's decisions without a cluster."""
+import functools
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from trainingrun_operator import api, builders, reconcile, validation
+from trainingrun_operator.handlers import merged_status
+
+NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def run_of(**spec):
+    body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "demo", "namespace": "ns", "uid": "u"},
+            "spec": {"checkpoint": {"uri": "s3://b/demo"}, **spec}}
+    return validation.parse(body)
+
+
+def job(attempt, *conditions, run=None, since=NOW):
+    built = builders.pytorch_job(run or run_of(), attempt)
+    built["status"] = {"conditions": [{"type": c, "status": "True", "lastTransitionTime": reconcile.rfc3339(since)}
+                                      for c in conditions]}
+    return built
+
+
+def pod(attempt, status, **metadata):
+    return {"metadata": {"name": f"demo-a{attempt}-worker-0", "labels": {builders.LABEL_ATTEMPT: str(attempt)},
+                         **metadata}, "status": status}
+
+
+def ended(code, reason="Error", message="", key="state"):
+    return {"containerStatuses": [{"name": "pytorch", key: {"terminated": {
+        "exitCode": code, "reason": reason, "message": message}}}]}
+
+
+def observe(run=None, status=None, jobs=(), pods=(), now=NOW):
+    return reconcile.Observed(run=run or run_of(), status=status or {},
+                              jobs={j["metadata"]["name"]: j for j in jobs}, pods=list(pods), now=now)
+
+
+def running_status(attempt=1, **extra):
+    return {"phase": "Running", "attempt": attempt, "jobName": f"demo-a{attempt}", "startTime": "2026-11-21T11:00:00Z",
+            "attemptStartTime": "2026-11-21T11:59:00Z", "checkpointUri": "s3://b/demo", **extra}
+
+
+# ---------------------------------------------------------------- classification
+
+
+@pytest.mark.parametrize("pod_status,metadata,cause", [
+    ({"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]}, {}, "preemption"),
+    ({"reason": "Evicted", "message": "The node was low on resource: memory."}, {}, "preemption"),
+    (ended(143), {}, "preemption"),
+    (ended(137, "Error"), {"deletionTimestamp": "2026-11-21T11:59:59Z"}, "preemption"),
+    (ended(137, "OOMKilled"), {}, "failure"),
+    (ended(138), {}, "failure"),
+    (ended(2, message="spec.trainer.model: no such class"), {}, "permanent"),
+    (ended(3, key="lastState"), {}, "permanent"),
+])
+def test_failure_causes(pod_status, metadata, cause):
+    failure = reconcile.classify_failure(job(1, "Failed"), [pod(1, pod_status, **metadata)])
+    assert failure.cause == cause and failure.from_pods
+
+
+def test_permanent_failure_carries_the_termination_message():
+    failure = reconcile.classify_failure(job(1, "Failed"), [pod(1, ended(2, message="bad classPath\n"))])
+    assert failure.detail == "pod demo-a1-worker-0 exited with 2: bad classPath" and failure.exit_code == 2
+
+
+def test_failure_without_pods_says_so():
+    failed = job(1, "Failed")
+    failed["status"]["conditions"][0]["message"] = "PyTorchJob demo-a1 is failed because 1 Worker replica(s) failed."
+    failure = reconcile.classify_failure(failed, [])
+    assert failure.cause == "failure" and not failure.from_pods and "1 Worker replica(s) failed" in failure.detail
+
+
+def test_backoff_is_exponential_and_capped():
+    recovery = api.Recovery(backoffSeconds=10, maxBackoffSeconds=60)
+    assert [reconcile.backoff_seconds(recovery, n) for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
+
+
+def test_goodput_is_a_function_of_status():
+    status = {"startTime": "2026-11-21T11:00:00Z",
+              "progress": {"productiveSeconds": 1800.0, "updatedAt": "2026-11-21T12:00:00Z"}}
+    assert reconcile.goodput(status) == 0.5
+    assert reconcile.goodput({"startTime": "2026-11-21T11:00:00Z"}) is None
+
+
+def test_conditions_keep_their_transition_time_until_the_status_flips():
+    conditions = reconcile.Conditions([], "t1", 3)
+    assert conditions.set("SecretMissing", True, "CreateContainerConfigError", "m")
+    later = reconcile.Conditions(conditions.as_list(), "t2", 3)
+    assert not later.set("SecretMissing", True, "CreateContainerConfigError", "m2")
+    assert later.items["SecretMissing"]["lastTransitionTime"] == "t1"
+    assert later.set("SecretMissing", False, "SecretsFound")
+    assert later.items["SecretMissing"]["lastTransitionTime"] == "t2"
+    assert not reconcile.Conditions([], "t", None).set("Never", False, "x")  # no False entry for a new type
+
+
+# ---------------------------------------------------------------- decisions
+
+
+def test_a_new_run_starts_attempt_one():
+    plan = reconcile.decide(observe())
+    assert plan.start_attempt == 1 and plan.resume_from is None and plan.attempt_cause == "initial"
+    assert plan.status["phase"] == "Pending" and plan.status["jobName"] == "demo-a1"
+    assert plan.status["checkpointUri"] == "s3://b/demo" and plan.status["startTime"] == "2026-11-21T12:00:00Z"
+
+
+def test_a_run_created_suspended_creates_a_suspended_job():
+    run = run_of(suspend=True)
+    plan = reconcile.decide(observe(run))
+    assert plan.status["phase"] == "Suspended" and plan.start_attempt == 1
+    assert builders.pytorch_job(run, 1)["spec"]["runPolicy"]["suspend"] is True
+
+
+def test_failed_job_without_the_pods_story_waits_then_counts_as_a_failure():
+    status = running_status()
+    failed = job(1, "Failed", since=NOW)
+    assert reconcile.decide(observe(status=status, jobs=[failed])).status == {}
+    later = NOW + reconcile.FAILURE_EVIDENCE_GRACE + timedelta(seconds=1)
+    plan = reconcile.decide(observe(status=status, jobs=[failed], now=later))
+    assert plan.status["phase"] == "Recovering" and plan.status["restarts"]["failures"] == 1
+
+
+def test_budget_spent_fails_the_run():
+    run = run_of(recovery={"maxFailures": 1, "backoffSeconds": 0})
+    status = running_status(2, restarts={"failures": 1, "preemptions": 0, "total": 1})
+    plan = reconcile.decide(observe(run, status, [job(1, "Failed"), job(2, "Failed")],
+                                    [pod(2, ended(137, "OOMKilled"))]))
+    assert plan.status["phase"] == "Failed" and plan.status["restarts"]["failures"] == 2
+    failed = next(c for c in plan.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "FailureBudgetSpent" and "maxFailures=1" in failed["message"]
+    assert plan.start_attempt is None
+
+
+def test_recovering_waits_until_the_next_attempt_time():
+    status = running_status(phase="Recovering", nextAttemptTime="2026-11-21T12:00:30Z",
+                            lastGoodCheckpoint={"uri": "s3://b/demo/step-00000100", "step": 100})
+    assert reconcile.decide(observe(status=status, jobs=[job(1, "Failed")])).start_attempt is None
+    plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed")], now=NOW + timedelta(seconds=30)))
+    assert plan.start_attempt == 2 and plan.resume_from == "s3://b/demo/step-00000100"
+    assert plan.status["nextAttemptTime"] is None  # a merge patch removes it
+
+
+def test_old_attempts_are_deleted_and_the_last_failed_one_kept():
+    status = running_status(3, phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z")
+    plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed"), job(2, "Failed"), job(3, "Failed")]))
+    assert plan.start_attempt == 4 and plan.delete_jobs == ["demo-a1", "demo-a2"]
+
+
+def test_a_finished_run_keeps_only_its_final_attempt():
+    status = running_status(3, phase="Succeeded")
+    plan = reconcile.decide(observe(status=status, jobs=[job(2, "Failed"), job(3, "Succeeded")]))
+    assert plan.delete_jobs == ["demo-a2"] and plan.status == {} and plan.events == []
+
+
+def test_stall_without_any_reported_step():
+    run = run_of(recovery={"stallTimeoutSeconds": 60})
+    status = running_status()
+    plan = reconcile.decide(observe(run, status, [job(1, "Running")], now=NOW + timedelta(seconds=1)))
+    assert plan.status["phase"] == "Recovering" and plan.delete_jobs == ["demo-a1"]
+    stalled = next(e for e in plan.events if e.reason == "Stalled")
+    assert "no step reported since attempt 1 started" in stalled.message and plan.restart_cause == "stall"
+
+
+def test_spec_change_is_pending_until_the_next_attempt():
+    old = run_of(image="r/t:1")
+    new = run_of(image="r/t:2")
+    plan = reconcile.decide(observe(new, running_status(), [job(1, "Running", run=old)]))
+    pending = next(c for c in plan.status["conditions"] if c["type"] == "SpecChangePending")
+    assert pending["status"] == "True" and "applies from attempt 2" in pending["message"]
+    suspend_only = run_of(image="r/t:1", suspend=False)
+    assert reconcile.decide(observe(suspend_only, running_status(), [job(1, "Running", run=old)])).status == {}
+
+
+@pytest.mark.parametrize("scenario", ["new", "running", "failed", "recovering", "secret", "stalled", "rejected"])
+def test_deciding_again_after_the_plan_changes_nothing(scenario):
+    """Level-triggered and idempotent: a reconcile right after another acts and says nothing."""
+    run, status, jobs, pods = run_of(recovery={"stallTimeoutSeconds": 600}), running_status(), [], []
+    job = functools.partial(globals()["job"], run=run)
+    if scenario == "running":
+        jobs = [job(1, "Running")]
+        status["phase"] = "Pending"
+    elif scenario == "failed":
+        jobs, pods = [job(1, "Failed")], [pod(1, ended(137, "OOMKilled"))]
+    elif scenario == "recovering":
+        jobs, status = [job(1, "Failed")], running_status(phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z")
+    elif scenario == "secret":
+        jobs = [job(1, "Created")]
+        pods = [pod(1, {"containerStatuses": [{"name": "pytorch", "state": {"waiting": {
+            "reason": "CreateContainerConfigError", "message": 'secret "s" not found'}}}]})]
+    elif scenario == "stalled":
+        jobs, status["attemptStartTime"] = [job(1, "Running")], "2026-11-21T10:00:00Z"
+    elif scenario == "rejected":
+        jobs, run = [job(1, "Running")], run_of(checkpoint={"uri": "s3://other/demo"},
+                                                 recovery={"stallTimeoutSeconds": 600})
+    if scenario == "new":
+        status = {}
+    first = reconcile.decide(observe(run, status, jobs, pods))
+    assert first.status or first.events
+    status = merged_status(status, first.status)
+    jobs = [j for j in jobs if j["metadata"]["name"] not in first.delete_jobs]
+    if first.start_attempt and not any(j["metadata"]["name"] == status["jobName"] for j in jobs):
+        jobs.append(job(first.start_attempt))
+    second = reconcile.decide(observe(run, status, jobs, pods))
+    assert second.status == {} and second.events == [] and second.start_attempt in (None,)
