@@ -40,6 +40,37 @@ def declare(kmock, kmock_lib) -> None:
         kmock.resources[f"rbac.authorization.k8s.io/v1/{plural}"] = info(kind=kind, namespaced=True, verbs=verbs)
 
 
+def speed_up_kmock() -> None:
+    """Make kmock's reaction lookup O(1) per request instead of O(requests so far).
+
+    kmock decides whether a reaction applies to a request with `request in view`, which replays the
+    view's filters over the whole request history; with a thousand requests in a burst, kmock (not
+    the operator) used ~95% of the CPU (13 s against the operator's 0.5 s for 50 runs). For views
+    built only from filters and priorities over the root, which is all this benchmark uses, the
+    same answer is `request in source and criteria(request)`. Other views keep kmock's own check.
+    """
+    from kmock._internal import dsl, rendering
+
+    original = dsl.View.__contains__
+
+    def contains(view, item):
+        if isinstance(item, rendering.Request):
+            if isinstance(view, dsl.Root):
+                return True  # every request arrives at the root first
+            if type(view) in (dsl.Priority, dsl.Reaction):
+                return contains(view._source, item)
+            if type(view) is dsl.Filter:
+                return contains(view._source, item) and bool(view.criteria(item))
+        return original(view, item)
+
+    dsl.View.__contains__ = contains
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def memory_kb(pid: int) -> dict[str, int]:
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -53,6 +84,7 @@ async def main_async(count: int) -> int:
     import aiohttp
     import kmock as kmock_lib
 
+    speed_up_kmock()
     async with kmock_lib.KubernetesEmulator() as kmock, kmock_lib.Server(kmock):
         declare(kmock, kmock_lib)
         url = str(kmock.url).rstrip("/")
@@ -67,7 +99,8 @@ async def main_async(count: int) -> int:
             env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
                    "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
             log = open(Path(tmp) / "operator.log", "w")
-            operator = subprocess.Popen([sys.executable, "-m", "trainingrun_operator", "--standalone"],
+            profile = ["-m", "cProfile", "-o", os.environ["OPERATOR_PROFILE"]] if os.environ.get("OPERATOR_PROFILE") else []
+            operator = subprocess.Popen([sys.executable, *profile, "-m", "trainingrun_operator", "--standalone"],
                                         env=env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 deadline = time.monotonic() + 60
@@ -77,6 +110,7 @@ async def main_async(count: int) -> int:
                         raise SystemExit("the operator did not start watching")
                     await asyncio.sleep(0.05)
                 idle = memory_kb(operator.pid)
+                cpu_before = cpu_seconds(operator.pid), time.process_time()
 
                 created: dict[str, float] = {}
                 appeared: dict[str, float] = {}
@@ -93,15 +127,21 @@ async def main_async(count: int) -> int:
                         assert response.status < 300, await response.text()
                     created[name] = time.monotonic()
 
-                async def watch_jobs() -> None:
-                    while len(appeared) < count:
-                        now = time.monotonic()
-                        for (resource, _, name), obj in list(kmock.objects.items()):
-                            if resource == job and name.endswith("-a1") and name[:-3] not in appeared:
-                                appeared[name[:-3]] = now
-                        await asyncio.sleep(0.002)
+                def record(request) -> bool:
+                    """Sees every request as it arrives (a criterion that never matches): the jobs' POSTs."""
+                    if request.method == "POST" and request.resource == job:
+                        name = (request.data or {}).get("metadata", {}).get("name", "")
+                        if name.endswith("-a1"):
+                            appeared.setdefault(name[:-3], time.monotonic())
+                    return False
 
-                watcher = asyncio.create_task(watch_jobs())
+                kmock[record] << 500
+
+                async def all_appeared() -> None:
+                    while len(appeared) < count:
+                        await asyncio.sleep(0.05)
+
+                watcher = asyncio.create_task(all_appeared())
                 started = time.monotonic()
                 async with aiohttp.ClientSession() as session:
                     await asyncio.gather(*(create(session, i) for i in range(count)))
@@ -109,6 +149,7 @@ async def main_async(count: int) -> int:
                 total = max(appeared.values()) - started
                 latencies = sorted(max(0.0, appeared[n] - created[n]) * 1000 for n in created)
                 busy = memory_kb(operator.pid)
+                cpu = cpu_seconds(operator.pid) - cpu_before[0], time.process_time() - cpu_before[1]
             finally:
                 operator.terminate()
                 operator.wait(30)
@@ -125,6 +166,9 @@ async def main_async(count: int) -> int:
         ratio = f"{value / target:.2f}" if target else "-"
         print(f"{label:24} {value:>10.1f} {target if target else '-':>10} {ratio:>7}")
     print(f"operator RSS before the burst: {idle['VmRSS'] / 1024:.1f} MB")
+    print(f"the {count} creates returned over {max(created.values()) - min(created.values()):.2f} s "
+          f"(the API emulator serves them and the operator's calls on the same 2 cores)")
+    print(f"CPU during the burst: operator {cpu[0]:.1f} s, kmock + this client {cpu[1]:.1f} s (2 cores here)")
     print(f"result: p50_ms={p50:.1f} p95_ms={p95:.1f} total_s={total:.2f} rss_mb={rss_mb:.1f}")
     return 0
 

@@ -1,6 +1,6 @@
 """kopf handlers: keep kopf's in-memory indexes of runs, jobs and pods, and reconcile on any change.
 
-Every trigger (a TrainingRun event, a PyTorchJob or pod event, a periodic timer) leads to the same
+Every trigger (a TrainingRun event, a PyTorchJob or pod event, the periodic resync) leads to the same
 level-triggered `reconcile_run`: read the run and its children from the indexes (no API reads),
 let `reconcile.decide` choose, then create/patch/delete what the plan says and write status.
 Handlers stay thin; decisions are in reconcile.py, objects in builders.py, API calls in kube.py.
@@ -68,6 +68,8 @@ class OperatorState:
     #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
     created_jobs: set[tuple[str, str]] = field(default_factory=set)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    #: kopf's indexes of runs, jobs and pods, as handed to the first handler (for the periodic resync).
+    indexes: Optional[dict[str, kopf.Index]] = None
 
     def client(self) -> Kube:
         if self.kube is None:
@@ -89,6 +91,16 @@ def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str
         else:
             status[key] = value
     return status
+
+
+def slim_run(body: Any) -> dict[str, Any]:
+    meta = body.get("metadata", {})
+    kept = ("name", "namespace", "uid", "generation", "labels", "annotations", "deletionTimestamp")
+    return {
+        "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+        "metadata": {k: copy.deepcopy(meta[k]) for k in kept if k in meta},
+        "spec": copy.deepcopy(body.get("spec") or {}), "status": copy.deepcopy(body.get("status") or {}),
+    }
 
 
 def slim_job(body: Any) -> dict[str, Any]:
@@ -124,6 +136,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         state.tasks.append(asyncio.create_task(_watch_crd(state), name="trainingrun-crd-check"))
         if state.settings.metrics_port:
             state.tasks.append(asyncio.create_task(_serve_metrics(state), name="trainingrun-metrics"))
+        state.tasks.append(asyncio.create_task(_resync(state), name="trainingrun-resync"))
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
@@ -146,7 +159,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
 
     @kopf.index(*RUNS, id="runs", registry=registry)
     def runs(namespace: str, name: str, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
-        return {(namespace, name): copy.deepcopy(dict(body))}
+        return {(namespace, name): slim_run(body)}
 
     @kopf.index(*JOBS, labels=CHILD_FILTER, id="jobs", registry=registry)
     def jobs(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
@@ -158,6 +171,8 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
 
     @kopf.on.event(*RUNS, registry=registry)
     async def run_event(type: str, namespace: str, name: str, **kwargs: Any) -> None:
+        if state.indexes is None:
+            state.indexes = {k: kwargs[k] for k in ("runs", "jobs", "pods")}
         if type == "DELETED":
             state.forget((namespace, name))  # children go with it (ownerReferences); checkpoints stay
             return
@@ -173,13 +188,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
     async def pod_event(namespace: str, labels: Any, **kwargs: Any) -> None:
         await reconcile_run(state, (namespace, labels[builders.LABEL_RUN]), **kwargs)
 
-    @kopf.timer(*RUNS, interval=settings.reconcile_interval_seconds, registry=registry)
-    async def tick(namespace: str, name: str, **kwargs: Any) -> None:
-        try:
-            await reconcile_run(state, (namespace, name), **kwargs)
-        except Exception as error:  # noqa: BLE001 - the next tick retries; kopf's timer backoff is a minute
-            log.warning("%s/%s: reconcile failed, retrying in %ss: %s", namespace, name,
-                        settings.reconcile_interval_seconds, error)
+
 
 
 async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index, pods: kopf.Index,
@@ -217,9 +226,13 @@ async def _carry_out(state: OperatorState, key: Key, run: api.TrainingRun, body:
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
             built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
             children = builders.children(built, plan.start_attempt, state.settings, plan.resume_from)
-            created = await asyncio.gather(*(_ensure(kube, child) for child in children))
+            *support, job = children
+            # The pods' ServiceAccount, ConfigMap and RBAC first: a pod created before its
+            # ServiceAccount exists is rejected by admission, and the Kubeflow operator backs off.
+            await asyncio.gather(*(_ensure(kube, child) for child in support))
+            job_is_new = await _ensure(kube, job)
             state.created_jobs.add((namespace, job_name))
-            if created[-1]:  # the PyTorchJob is new, not adopted
+            if job_is_new:  # the PyTorchJob is new, not adopted
                 state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
     if plan.suspend_job:
         await kube.patch("kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job,
@@ -291,6 +304,22 @@ async def post_event(kube: Kube, body: dict[str, Any], note: reconcile.Note, now
         log.warning("could not post Event %s on %s/%s: %s", note.reason, meta.get("namespace"), meta.get("name"), error)
     else:
         log.info("%s/%s: %s: %s", meta.get("namespace"), meta.get("name"), note.reason, note.message)
+
+
+async def _resync(state: OperatorState) -> None:
+    """Every run, every reconcile interval, even without events: backoffs end, stalls are found and a
+    reconcile that failed on an API error is retried. One loop, not a kopf timer per run: no
+    per-object task and no finalizer, so deleting a run never waits for the operator."""
+    while True:
+        await asyncio.sleep(state.settings.reconcile_interval_seconds)
+        if state.indexes is None:
+            continue  # no run seen yet
+        for key in list(state.indexes["runs"].keys()):
+            try:
+                await reconcile_run(state, key, **state.indexes)
+            except Exception as error:  # noqa: BLE001 - the next round retries
+                log.warning("%s/%s: reconcile failed, retrying in %ss: %s", key[0], key[1],
+                            state.settings.reconcile_interval_seconds, error)
 
 
 async def _watch_crd(state: OperatorState) -> None:
