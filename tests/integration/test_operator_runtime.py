@@ -167,3 +167,11 @@ async def test_no_secret_value_reaches_logs_events_or_status(kmock, caplog):
     everything = caplog.text + repr(cluster.events()) + repr(cluster.run()) + repr(cluster.job("demo-a1"))
     assert value not in everything
     assert "couldn't find key api-key in Secret team-a/wandb" in repr(cluster.events("SecretMissing"))
+
+
+async def test_liveness_endpoint(kmock):
+    declare_resources(kmock)
+    port = free_port()
+    async with operator(kmock, settings(health_port=port)):
+        status, _ = await get(f"http://127.0.0.1:{port}/healthz")
+    assert status == 200

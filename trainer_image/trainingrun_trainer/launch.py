@@ -77,6 +77,23 @@ def run_trainer_worker(verdict_path: str, *argv: str) -> None:
     sys.exit(code)
 
 
+def _plain_torch_log_format() -> None:
+    """The agent's torch log lines, formatted without torch's formatter.
+
+    torch's formatter imports all of torch._dynamo (1-1.5 s here) the first time it formats an
+    exception, and the agent formats one exactly when a worker has died: the first in-place
+    restart would wait for it. Same glog-like prefix, plain `logging.Formatter`.
+    """
+    import logging
+
+    plain = logging.Formatter("%(levelname).1s%(asctime)s.%(msecs)03d %(process)d %(pathname)s:%(lineno)d] "
+                              "%(message)s", datefmt="%m%d %H:%M:%S")
+    for name in ("torch", "torch.distributed"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler.formatter).__name__ == "TorchLogsFormatter":
+                handler.setFormatter(plain)
+
+
 def _launch(args: Any) -> None:
     from torch.distributed.run import config_from_args, run
 
@@ -88,6 +105,7 @@ def _launch(args: Any) -> None:
 
     from torch.distributed.launcher.api import elastic_launch
 
+    _plain_torch_log_format()
     if args.standalone:  # as torchrun does it
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)

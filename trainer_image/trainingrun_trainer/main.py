@@ -5,6 +5,7 @@ process group exists, then train. Every failure ends in an exit code that tells 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -84,7 +85,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Not this worker's fault: retrying can help, so it must not read as a permanent exit 1.
         log.error("a peer worker is gone (%s); exiting %d so the attempt is retried",
                   str(error).splitlines()[0][:200], exit_codes.RETRYABLE)
-        return exit_codes.RETRYABLE
+        # At once: the process group is broken and a save in flight can never commit, and a normal
+        # interpreter exit waits on those threads for about a second that the restart then lacks.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(exit_codes.RETRYABLE)
 
 
 def peer_failure(error: BaseException) -> bool:

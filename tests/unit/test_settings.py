@@ -1,0 +1,39 @@
+"""Operator settings come from TRAININGRUN_* variables; a bad value names the variable."""
+import pytest
+
+from trainingrun_operator.settings import Settings
+
+
+def test_defaults_and_environment():
+    assert Settings.from_env({}) == Settings()
+    settings = Settings.from_env({
+        "TRAININGRUN_NAMESPACES": "team-a, team-b,", "TRAININGRUN_PEERING": "trainingrun-operator",
+        "TRAININGRUN_OPERATOR_METRICS_PORT": "0", "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "2.5",
+        "TRAININGRUN_KEEP_FAILED_ATTEMPTS": "3",
+    })
+    assert settings.namespaces == ("team-a", "team-b") and settings.peering == "trainingrun-operator"
+    assert settings.metrics_port == 0 and settings.reconcile_interval_seconds == 2.5
+    assert settings.keep_failed_attempts == 3
+
+
+def test_a_bad_number_names_the_variable():
+    with pytest.raises(ValueError, match="TRAININGRUN_OPERATOR_METRICS_PORT='nine' is not a whole number"):
+        Settings.from_env({"TRAININGRUN_OPERATOR_METRICS_PORT": "nine"})
+
+
+def test_cli_flags_override_the_environment(monkeypatch):
+    import trainingrun_operator.handlers as handlers
+    from trainingrun_operator import cli
+
+    seen = {}
+
+    async def fake_run_operator(state, **_):
+        seen["settings"] = state.settings
+
+    monkeypatch.setattr(handlers, "run_operator", fake_run_operator)  # the kopf loop itself is tested against kmock
+    monkeypatch.setenv("TRAININGRUN_NAMESPACES", "from-env")
+    assert cli.main(["operator", "-n", "a", "-n", "b", "--peering", "ha", "--metrics-port", "0"]) == 0
+    assert seen["settings"].namespaces == ("a", "b") and seen["settings"].peering == "ha"
+    assert seen["settings"].metrics_port == 0
+    assert cli.main(["operator", "-A", "--standalone"]) == 0
+    assert seen["settings"].namespaces == () and seen["settings"].peering == ""
