@@ -131,15 +131,16 @@ class Launched:
         return self.process.returncode
 
     def workers(self) -> dict[int, int]:
-        """{local rank: pid} of torchrun's worker processes (its children)."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True,
-                             text=True).stdout.split()
-        found = {}
-        for pid in map(int, out):
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            local_rank = next(v for k, _, v in (e.partition(b"=") for e in environ) if k == b"LOCAL_RANK")
-            found[int(local_rank)] = pid
-        return found
+        """{local rank: pid} of the worker processes. The launcher forks the built-in trainer's workers
+        from its forkserver (a child of the agent), one per local rank in rank order, so they are the
+        agent's grandchildren by increasing pid (their /proc environ is the forkserver's, without
+        LOCAL_RANK)."""
+        def children(pid: int) -> list[int]:
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+            return sorted(map(int, out.split()))
+
+        grandchildren = sorted(w for child in children(self.process.pid) for w in children(child))
+        return dict(enumerate(grandchildren))
 
     def kill(self) -> None:
         """SIGKILL the process and its descendants (torchrun starts each worker in a session of
