@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test crd clean
+.PHONY: setup demo test crd monitoring clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ test: setup
 # Regenerate the committed CRD files after changing operator/trainingrun_operator/api.py.
 crd: setup
 	$(BIN)/trainingrun crd --write .
+
+# Regenerate manifests/monitoring/ after changing operator/trainingrun_operator/monitoring.py.
+monitoring: setup
+	$(BIN)/trainingrun monitoring --write .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -70,6 +70,22 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_monitoring(args: argparse.Namespace) -> int:
+    from . import monitoring
+
+    generated = monitoring.files()
+    if not args.write:
+        for path in generated:
+            print(path)
+        return 0
+    for relative, content in generated.items():
+        target = Path(args.write) / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+        print(f"wrote {target}")
+    return 0
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
@@ -200,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-port", type=int, help="port of kopf's liveness /healthz (default 8081, 0 = off)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_operator)
+
+    p = commands.add_parser("monitoring", help="list (or write) the alert rules, monitors and Grafana dashboards",
+                            description="Generate manifests/monitoring/: the PrometheusRule (and the same rules as a "
+                                        "plain rules file), the trainers' PodMonitor, the operator's ServiceMonitor and "
+                                        "the TrainingRun and fleet dashboards (JSON, and as ConfigMaps labelled "
+                                        "grafana_dashboard=1), from operator/trainingrun_operator/monitoring.py.")
+    p.add_argument("--write", metavar="REPO_ROOT", help="write the files below this directory")
+    p.set_defaults(func=cmd_monitoring)
 
     p = commands.add_parser("validate", help="check TrainingRun files",
                             description="Check TrainingRun files. Exit 0 when all are valid; exit 1 with "

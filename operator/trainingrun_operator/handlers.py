@@ -81,6 +81,7 @@ class OperatorState:
         self.written.pop(key, None)
         self.metrics.phases.pop(key, None)
         self.locks.pop(key, None)
+        self.metrics.forget_run(*key)
 
 
 def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
@@ -245,7 +246,7 @@ async def _carry_out(state: OperatorState, key: Key, run: api.TrainingRun, body:
         written = state.written.setdefault(key, {})
         written.update({k: v for k, v in plan.status.items() if k in OPERATOR_FIELDS})
         if plan.restart_cause:
-            state.metrics.restarts.labels(plan.restart_cause).inc()
+            state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
     for note in plan.events:
         await post_event(kube, body, note, state.clock())
 

@@ -5,7 +5,7 @@ tests independent of each other.
 
     trainingrun_operator_runs{phase}                         TrainingRuns this operator sees, by phase
     trainingrun_operator_attempts_total{cause}               attempts started: initial, recovery, resume, recreate
-    trainingrun_operator_restarts_total{cause}               attempts ended early: failure, preemption, stall
+    trainingrun_operator_restarts_total{namespace,run,cause}  attempts ended early: failure, preemption, stall
     trainingrun_operator_reconcile_duration_seconds          one reconcile, decision and API calls
     trainingrun_operator_api_errors_total{code}              failed Kubernetes API calls by HTTP status
     trainingrun_operator_ready                               1 when the PyTorchJob CRD is served
@@ -28,8 +28,8 @@ class OperatorMetrics:
         self.phases: dict[tuple[str, str], str] = {}  #: (namespace, name) -> phase, for the runs gauge
         self.attempts = Counter("trainingrun_operator_attempts", "Attempts started, by cause.", ["cause"],
                                 registry=self.registry)
-        self.restarts = Counter("trainingrun_operator_restarts", "Attempts that ended early, by cause.", ["cause"],
-                                registry=self.registry)
+        self.restarts = Counter("trainingrun_operator_restarts", "Attempts that ended early, by run and cause.",
+                                ["namespace", "run", "cause"], registry=self.registry)
         self.reconcile_seconds = Histogram(
             "trainingrun_operator_reconcile_duration_seconds", "Time to reconcile one TrainingRun.",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)
@@ -38,6 +38,14 @@ class OperatorMetrics:
         self.ready = Gauge("trainingrun_operator_ready", "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",
                            registry=self.registry)
         self.registry.register(_RunsByPhase(self))
+
+    def forget_run(self, namespace: str, run: str) -> None:
+        """A deleted run's series go with it."""
+        for cause in ("failure", "preemption", "stall"):
+            try:
+                self.restarts.remove(namespace, run, cause)
+            except KeyError:
+                pass
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

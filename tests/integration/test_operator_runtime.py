@@ -1,6 +1,8 @@
 """The operator process: API errors survived, readiness and metrics, namespaces, peering, no secret leaks."""
 import logging
+import shutil
 import socket
+import subprocess
 
 import aiohttp
 import kmock as kmock_lib
@@ -83,9 +85,13 @@ async def test_metrics_count_runs_attempts_and_restarts(kmock):
     assert 'trainingrun_operator_runs{phase="Pending"} 1.0' in metrics
     assert 'trainingrun_operator_attempts_total{cause="initial"} 1.0' in metrics
     assert 'trainingrun_operator_attempts_total{cause="recovery"} 1.0' in metrics
-    assert 'trainingrun_operator_restarts_total{cause="failure"} 1.0' in metrics
+    assert 'trainingrun_operator_restarts_total{cause="failure",namespace="team-a",run="demo"} 1.0' in metrics
     assert "trainingrun_operator_reconcile_duration_seconds_count" in metrics
     assert "trainingrun_operator_ready 1.0" in metrics
+    promtool = shutil.which("promtool")
+    if promtool:  # installed by .ci/run
+        check = subprocess.run([promtool, "check", "metrics"], input=metrics, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
 
 
 @pytest.fixture

@@ -558,7 +558,7 @@ class CheckpointStore:
             so construct the store on every rank at the same point of the program.
         storage_options: extra keyword arguments for the fsspec filesystem (e.g. ``token``).
 
-    Metrics of this rank, for Prometheus: ``failed_saves``; ``last_blocking_seconds`` (how long
+    Metrics of this rank, for Prometheus: ``failed_saves``, ``committed_saves``, ``restores``; ``last_blocking_seconds`` (how long
     ``save()`` held the training loop, including waiting for the previous save);
     ``last_save_seconds`` (staging start to commit); ``last_save_bytes`` (bytes this rank wrote,
     manifest included on rank 0); ``last_restore_seconds`` (last ``load()``).
@@ -601,6 +601,8 @@ class CheckpointStore:
         self._manifest_bytes = 0
 
         self.failed_saves = 0
+        self.committed_saves = 0
+        self.restores = 0
         self.last_save_seconds = 0.0
         self.last_save_bytes = 0
         self.last_blocking_seconds = 0.0
@@ -751,6 +753,7 @@ class CheckpointStore:
 
         self.last_save_seconds = time.perf_counter() - job.started
         self.last_save_bytes = sum(size for size, _ in record.values())
+        self.committed_saves += 1
         if self.rank == 0:
             self.last_save_bytes += self._manifest_bytes
             logger.info("committed checkpoint step %d to %s (%d bytes, %.2f s)", job.step, info.uri,
@@ -873,6 +876,7 @@ class CheckpointStore:
             # Trusted storage, as DCP's own loader (weights_only=False for non-tensor values).
             extra = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
         self.last_restore_seconds = time.perf_counter() - began
+        self.restores += 1
         return extra
 
     # ------------------------------------------------------------------ rotation

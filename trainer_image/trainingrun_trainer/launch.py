@@ -94,8 +94,23 @@ def _plain_torch_log_format() -> None:
                 handler.setFormatter(plain)
 
 
+def _serve_metrics() -> None:
+    """Every worker of this launcher writes its series to one directory; the launcher serves them all
+    on TRAININGRUN_METRICS_PORT, also while torchrun restarts the workers."""
+    port = os.environ.get("TRAININGRUN_METRICS_PORT")
+    if not port:
+        return
+    from . import metrics
+
+    directory = tempfile.mkdtemp(prefix="trainingrun-metrics-")
+    os.environ[metrics.MULTIPROC_DIR] = directory  # before any worker (or the forkserver) starts
+    metrics.serve(int(port), directory)
+
+
 def _launch(args: Any) -> None:
     from torch.distributed.run import config_from_args, run
+
+    _serve_metrics()
 
     if not (args.module and args.training_script == TRAINER_MODULE and not args.no_python):
         run(args)  # any other program: exactly torchrun

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import components, exit_codes
+from . import components, exit_codes, metrics
 from .checkpoint import model_digest
 from .config import RunConfig
 from .context import RunContext
@@ -53,6 +53,9 @@ class Trainer:
         #: Step time that produced the current weights, summed over attempts (goodput's numerator).
         self.productive_seconds = 0.0
         self.samples_per_second: float | None = None  #: over the last logging window
+        self.tokens_per_second: float | None = None  #: the same, for models that count tokens
+        self.data_wait_seconds = 0.0  #: of the step in progress
+        self.metrics: metrics.NullMetrics = metrics.NullMetrics()
         self.last_loss: float | None = None
 
     # ------------------------------------------------------------ setup
@@ -78,6 +81,8 @@ class Trainer:
             for i, block in enumerate(blocks):
                 blocks[i] = checkpoint_wrapper(block)
         self.model = model  # the unwrapped module: what gets checkpointed and digested
+        counts_tokens = getattr(model, "tokens_per_sample", None)
+        self.tokens_per_sample = int(counts_tokens()) if callable(counts_tokens) else 0
         if self.cfg.strategy == "fsdp2" and self.distributed:
             from torch.distributed.fsdp import fully_shard
 
@@ -211,7 +216,9 @@ class Trainer:
         total = 0.0
         agreement: Callable[[], tuple] = lambda: (False, False, False)  # noqa: E731 - replaced below
         for micro in range(accumulation):
+            waited = time.perf_counter()
             batch = next(batches)
+            self.data_wait_seconds += time.perf_counter() - waited
             last = micro == accumulation - 1
             sync = last or not isinstance(self.wrapped, nn.parallel.DistributedDataParallel)
             # Gradients are all-reduced only on the last micro-batch of an accumulation.
@@ -233,6 +240,7 @@ class Trainer:
         seed_everything(cfg.seed, self.context.rank)
         use_deterministic_algorithms(cfg.deterministic)
         self._init_distributed()
+        self.metrics = metrics.for_rank(self.context, self.device_type)
         self._build_model()
         self._build_data()
         self.run = Run(self.context, self.config.checkpoint, config_hash=config_hash(self.config))
@@ -244,7 +252,10 @@ class Trainer:
             self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
                             productive_seconds=self.productive_seconds)
         batches = self._batches()
-        code = self._loop(batches)
+        try:
+            code = self._loop(batches)
+        finally:
+            self.metrics.close()
         self.run.close()
         if self.distributed:
             dist.destroy_process_group()
@@ -299,6 +310,7 @@ class Trainer:
         window_start, window_steps = time.monotonic(), 0
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
+            self.data_wait_seconds = 0.0
             loss, grad_norm, agreement = self._train_step(batches)
             # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
             stop, save_due, loss_bad = agreement()
@@ -309,6 +321,8 @@ class Trainer:
                 if self.ema:
                     self.ema.update(self.model)
             elif verdict is Verdict.ROLLBACK:
+                self.metrics.nonfinite_step()
+                self.metrics.rollback()
                 if not self._rollback():
                     return exit_codes.DIVERGED
                 batches = self._batches()
@@ -317,6 +331,7 @@ class Trainer:
                 log.error("%s", self.guard.abort_message())
                 return exit_codes.DIVERGED
             else:
+                self.metrics.nonfinite_step()
                 log.warning("skipped step %d: %s", self.step + 1, self.guard.last_reason)
             self.scheduler.step()
             self.step += 1
@@ -335,12 +350,19 @@ class Trainer:
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
             self.last_loss = loss
+            self.metrics.step(step=self.step, loss=loss, learning_rate=self.scheduler.get_last_lr()[0],
+                              grad_norm=grad_norm, step_seconds=time.monotonic() - step_started,
+                              data_wait_seconds=self.data_wait_seconds, productive_seconds=self.productive_seconds,
+                              samples_per_second=self.samples_per_second, tokens_per_second=self.tokens_per_second)
+            self.metrics.checkpoints(self.run.store)
             # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
             self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=self.samples_per_second,
                             productive_seconds=self.productive_seconds)
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
                 elapsed = time.monotonic() - window_start
                 self.samples_per_second = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
+                if self.tokens_per_sample:
+                    self.tokens_per_second = self.samples_per_second * self.tokens_per_sample
                 log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f", self.step, cfg.max_steps,
                          loss, grad_norm, self.scheduler.get_last_lr()[0], self.samples_per_second)
                 window_start, window_steps = time.monotonic(), 0

@@ -1,0 +1,69 @@
+"""Trainer metrics: off unless the launcher serves them; NVML read in the background, never in a step."""
+import subprocess
+import sys
+import textwrap
+
+
+def run_python(script: str, **env) -> str:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          check=True, env=full, timeout=120).stdout
+
+
+def test_metrics_are_off_without_the_launchers_directory():
+    out = run_python("""
+        from trainingrun_trainer.context import RunContext
+        from trainingrun_trainer import metrics
+        context = RunContext.from_env({"TRAININGRUN_CONFIG": "x"})
+        print(type(metrics.for_rank(context, "cpu")).__name__)
+    """)
+    assert out.strip() == "NullMetrics"
+
+
+def test_cpu_ranks_have_no_gpu_series(tmp_path):
+    out = run_python("""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        from trainingrun_trainer.context import RunContext
+        from trainingrun_trainer import metrics
+        context = RunContext.from_env({"TRAININGRUN_CONFIG": "x", "TRAININGRUN_NAME": "r", "RANK": "1"})
+        m = metrics.for_rank(context, "cpu")
+        m.step(step=3, loss=1.5, learning_rate=0.1, grad_norm=2.0, step_seconds=0.2, data_wait_seconds=0.01,
+               productive_seconds=0.6)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=%r)
+        print(generate_latest(registry).decode())
+    """ % str(tmp_path), PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    assert 'trainingrun_step{namespace="default",rank="1",run="r"} 3.0' in out
+    assert 'trainingrun_loss{namespace="default",rank="1",run="r"} 1.5' in out
+    assert "trainingrun_gpu" not in out and "trainingrun_emissions" not in out
+
+
+def test_nvml_polling_never_blocks_a_step():
+    """A stand-in NVML that hangs until released: steps still record (NVML is read in its own thread);
+    were a step to call NVML, this would hang and the subprocess timeout would fail the test."""
+    out = run_python("""
+        import sys, threading, types
+        gate, inside = threading.Event(), threading.Event()
+        def hang(*args):
+            inside.set()
+            gate.wait()
+            return types.SimpleNamespace(gpu=50, used=1, total=2)
+        sys.modules["pynvml"] = types.SimpleNamespace(
+            nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i, NVML_TEMPERATURE_GPU=0,
+            nvmlDeviceGetUtilizationRates=hang, nvmlDeviceGetMemoryInfo=hang, nvmlDeviceGetTemperature=hang,
+            nvmlDeviceGetPowerUsage=hang, nvmlDeviceGetTotalEnergyConsumption=hang)
+        from trainingrun_trainer.metrics import TrainerMetrics
+        m = TrainerMetrics("r", "ns", 0, gpu_index=0)
+        inside.wait()  # the poller is now stuck inside NVML
+        for step in range(100):
+            m.step(step=step, loss=1.0, learning_rate=0.1, grad_norm=1.0, step_seconds=0.1,
+                   data_wait_seconds=0.0, productive_seconds=step * 0.1)
+        print("steps recorded while NVML hung:", m._step._value.get())
+        gate.set()
+        m.close()
+    """)
+    assert out.strip() == "steps recorded while NVML hung: 99.0"

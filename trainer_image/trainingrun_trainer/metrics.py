@@ -1,0 +1,273 @@
+"""Prometheus metrics of a training process, and the endpoint that serves every rank's.
+
+Each rank writes its series to files (prometheus-client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR);
+the launcher, torchrun's agent, which outlives in-place restarts of its workers, serves all ranks
+of the pod on TRAININGRUN_METRICS_PORT (`serve`). Without that port nothing is recorded at all
+(`NullMetrics`), so metrics cost nothing when off.
+
+Series (labels run, namespace, rank; GPU series add gpu; base units; counters end in _total):
+
+    trainingrun_step, trainingrun_loss, trainingrun_learning_rate, trainingrun_grad_norm
+    trainingrun_samples_per_second, trainingrun_tokens_per_second (models that count tokens)
+    trainingrun_step_duration_seconds, trainingrun_data_wait_seconds            histograms
+    trainingrun_last_step_timestamp_seconds                                       for stall alerts
+    trainingrun_productive_seconds, trainingrun_goodput_ratio                     this attempt's view
+    trainingrun_checkpoint_save_seconds, trainingrun_checkpoint_restore_seconds   histograms
+    trainingrun_checkpoint_saved_bytes_total, trainingrun_checkpoint_failures_total
+    trainingrun_nonfinite_steps_total, trainingrun_rollbacks_total
+    trainingrun_gpu_utilization_ratio, trainingrun_gpu_memory_used_bytes, trainingrun_gpu_memory_total_bytes,
+    trainingrun_gpu_temperature_celsius, trainingrun_gpu_power_watts, trainingrun_gpu_energy_joules_total
+    trainingrun_emissions_grams_total                  energy x TRAININGRUN_GRID_INTENSITY_G_PER_KWH, when set
+
+GPU series exist only where NVML finds this rank's GPU: absent, not zero, on CPU.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional
+
+log = logging.getLogger("trainingrun.metrics")
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+CHECKPOINT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: How often NVML is read, at most (DESIGN.md: at most once a second).
+GPU_POLL_SECONDS = 1.0
+
+
+class NullMetrics:
+    """Metrics off: every call is a no-op."""
+
+    def step(self, **_: Any) -> None:
+        pass
+
+    def checkpoints(self, store: Any) -> None:
+        pass
+
+    def nonfinite_step(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TrainerMetrics(NullMetrics):
+    """This rank's series, label children bound once; `step()` is a handful of float writes."""
+
+    def __init__(self, run: str, namespace: str, rank: int, gpu_index: Optional[int] = None,
+                 grid_intensity_g_per_kwh: Optional[float] = None, attempt: int = 1, group_restarts: int = 0):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        labels = {"run": run, "namespace": namespace, "rank": str(rank)}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, names, multiprocess_mode="livemostrecent").labels(**labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, names).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(name, doc, names, buckets=buckets).labels(**labels)
+
+        self._step = gauge("trainingrun_step", "Last completed optimizer step.")
+        self._loss = gauge("trainingrun_loss", "Training loss of the last step on this rank.")
+        self._lr = gauge("trainingrun_learning_rate", "Learning rate of the first parameter group.")
+        self._grad_norm = gauge("trainingrun_grad_norm", "Global gradient norm before clipping.")
+        self._samples = gauge("trainingrun_samples_per_second", "Samples per second over all ranks, last window.")
+        self._tokens = gauge("trainingrun_tokens_per_second", "Tokens per second over all ranks, last window.")
+        self._last_step = gauge("trainingrun_last_step_timestamp_seconds", "Unix time of the last completed step.")
+        self._productive = gauge("trainingrun_productive_seconds", "Step time kept in the current model.")
+        self._goodput = gauge("trainingrun_goodput_ratio", "Productive seconds over this attempt's wall time.")
+        gauge("trainingrun_attempt", "Attempt number (TRAININGRUN_ATTEMPT).").set(attempt)
+        gauge("trainingrun_worker_group_restarts",
+              "In-place restarts of this attempt's worker group (TORCHELASTIC_RESTART_COUNT).").set(group_restarts)
+        self._step_seconds = histogram("trainingrun_step_duration_seconds", "Wall time of one optimizer step.",
+                                       STEP_BUCKETS)
+        self._data_wait = histogram("trainingrun_data_wait_seconds", "Time a step waited for its batches.",
+                                    WAIT_BUCKETS)
+        self._save_seconds = histogram("trainingrun_checkpoint_save_seconds",
+                                       "Staging start to commit of a checkpoint.", CHECKPOINT_BUCKETS)
+        self._restore_seconds = histogram("trainingrun_checkpoint_restore_seconds", "Time to load a checkpoint.",
+                                          CHECKPOINT_BUCKETS)
+        self._saved_bytes = counter("trainingrun_checkpoint_saved_bytes", "Bytes this rank wrote to checkpoints.")
+        self._save_failures = counter("trainingrun_checkpoint_failures", "Checkpoints that were not committed.")
+        self._nonfinite = counter("trainingrun_nonfinite_steps", "Steps with a non-finite loss or gradient.")
+        self._rollbacks = counter("trainingrun_rollbacks", "Rollbacks to the last good checkpoint.")
+        for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes):
+            child.inc(0)  # present from the start, so alerts see 0 rather than nothing
+        self._started = time.monotonic()
+        self._seen = {"committed": 0, "failed": 0, "restores": 0}
+        self._gpu = GpuPoller(labels, gpu_index, grid_intensity_g_per_kwh) if gpu_index is not None else None
+
+    def step(self, *, step: int, loss: float, learning_rate: float, grad_norm: float, step_seconds: float,
+             data_wait_seconds: float, productive_seconds: float, samples_per_second: Optional[float] = None,
+             tokens_per_second: Optional[float] = None) -> None:
+        self._step.set(step)
+        self._loss.set(loss)
+        self._lr.set(learning_rate)
+        self._grad_norm.set(grad_norm)
+        self._step_seconds.observe(step_seconds)
+        self._data_wait.observe(data_wait_seconds)
+        self._last_step.set(time.time())
+        self._productive.set(productive_seconds)
+        self._goodput.set(min(1.0, productive_seconds / max(time.monotonic() - self._started, 1e-9)))
+        if samples_per_second is not None:
+            self._samples.set(samples_per_second)
+        if tokens_per_second is not None:
+            self._tokens.set(tokens_per_second)
+
+    def checkpoints(self, store: Any) -> None:
+        """Record what the checkpoint store did since the last call (its own counters)."""
+        if store.committed_saves > self._seen["committed"]:
+            self._seen["committed"] = store.committed_saves
+            self._save_seconds.observe(store.last_save_seconds)
+            self._saved_bytes.inc(store.last_save_bytes)
+        if store.failed_saves > self._seen["failed"]:
+            self._save_failures.inc(store.failed_saves - self._seen["failed"])
+            self._seen["failed"] = store.failed_saves
+        if store.restores > self._seen["restores"]:
+            self._seen["restores"] = store.restores
+            self._restore_seconds.observe(store.last_restore_seconds)
+
+    def nonfinite_step(self) -> None:
+        self._nonfinite.inc()
+
+    def rollback(self) -> None:
+        self._rollbacks.inc()
+
+    def close(self) -> None:
+        if self._gpu:
+            self._gpu.stop()
+
+
+class GpuPoller:
+    """Reads this rank's GPU through NVML in a thread, at most once a second; a step never waits for it."""
+
+    def __init__(self, labels: dict[str, str], index: int, grid_intensity_g_per_kwh: Optional[float]):
+        import pynvml
+        from prometheus_client import Counter, Gauge
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        labels = {**labels, "gpu": str(index)}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, names, multiprocess_mode="livemostrecent").labels(**labels)
+
+        self.utilization = gauge("trainingrun_gpu_utilization_ratio", "GPU busy fraction over NVML's sample period.")
+        self.memory_used = gauge("trainingrun_gpu_memory_used_bytes", "GPU memory in use.")
+        self.memory_total = gauge("trainingrun_gpu_memory_total_bytes", "GPU memory installed.")
+        self.temperature = gauge("trainingrun_gpu_temperature_celsius", "GPU temperature.")
+        self.power = gauge("trainingrun_gpu_power_watts", "GPU power draw.")
+        self.energy = Counter("trainingrun_gpu_energy_joules", "GPU energy since this process started.",
+                              names).labels(**labels)
+        self.emissions = None
+        if grid_intensity_g_per_kwh:
+            self.grams_per_joule = grid_intensity_g_per_kwh / 3.6e6
+            self.emissions = Counter("trainingrun_emissions_grams", "Estimated CO2e: GPU energy x grid intensity.",
+                                     names).labels(**labels)
+        self._energy_mj: Optional[int] = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="trainingrun-nvml", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception as error:  # noqa: BLE001 - a flaky sensor must never stop training
+                log.debug("NVML poll failed: %s", error)
+            self._stop.wait(GPU_POLL_SECONDS)
+
+    def poll(self) -> None:
+        nvml, handle = self.nvml, self.handle
+        self.utilization.set(nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        self.memory_used.set(memory.used)
+        self.memory_total.set(memory.total)
+        self.temperature.set(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+        self.power.set(nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
+        energy_mj = nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        if self._energy_mj is not None and energy_mj >= self._energy_mj:
+            joules = (energy_mj - self._energy_mj) / 1000.0
+            self.energy.inc(joules)
+            if self.emissions is not None:
+                self.emissions.inc(joules * self.grams_per_joule)
+        self._energy_mj = energy_mj
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def for_rank(context: Any, device_type: str) -> NullMetrics:
+    """This rank's metrics when the launcher serves them (PROMETHEUS_MULTIPROC_DIR), else NullMetrics."""
+    if not os.environ.get(MULTIPROC_DIR):
+        return NullMetrics()
+    gpu_index = context.local_rank if device_type == "cuda" and _nvml_available() else None
+    intensity = os.environ.get("TRAININGRUN_GRID_INTENSITY_G_PER_KWH")
+    return TrainerMetrics(context.name, context.namespace, context.rank, gpu_index,
+                          float(intensity) if intensity else None, attempt=context.attempt,
+                          group_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0))
+
+
+def _nvml_available() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return True
+    except Exception:  # noqa: BLE001 - no driver, no library: no GPU series
+        return False
+
+
+# ---------------------------------------------------------------- the launcher's endpoint
+
+
+def serve(port: int, directory: str) -> Any:
+    """Serve every rank's series from `directory` on `port` (in the launcher process); returns the server."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    class LiveRanksCollector(MultiProcessCollector):
+        """Gauges of workers that died (killed, restarted in place) are dropped; their counters stay summed."""
+
+        def collect(self):  # type: ignore[override]
+            for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
+                pid = int(os.path.basename(path).rsplit("_", 1)[1].split(".")[0])
+                if not _alive(pid):
+                    try:
+                        os.remove(path)
+                    except FileNotFoundError:
+                        pass
+            return super().collect()
+
+    registry = CollectorRegistry()
+    LiveRanksCollector(registry, path=directory)
+    server, _thread = start_http_server(port, registry=registry)
+    return server
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by the agent) is as good as dead for its gauges.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
