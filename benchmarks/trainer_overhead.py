@@ -17,6 +17,9 @@ What is measured
       Row "trainer (final save only)": checkpoint interval so large that only the final blocking
       save happens, after the timed window. Row "trainer (async ckpt every K)": periodic async
       checkpoints inside the timed window as well (`--checkpoint-every`, 0 drops the row).
+      Row "trainer + metrics": the final-save-only trainer recording its Prometheus metrics (every
+      rank writes them, as under the launcher, to PROMETHEUS_MULTIPROC_DIR) while this script reads
+      them every second as the launcher's endpoint would for a scrape (`--no-metrics` drops the row).
 
 How
     Process start, imports, model build, rendezvous and the final save are excluded on both
@@ -34,14 +37,15 @@ How
     pooled over runs), and the CPU time all processes of a side spent per step.
 
 Target
-    overhead_ratio = trainer_seconds / bare_seconds <= 1.03 (medians, final-save-only trainer row).
+    overhead_ratio = trainer_seconds / bare_seconds <= 1.03 (medians, final-save-only trainer row);
+    metrics_overhead_ratio = trainer + metrics / trainer <= 1.01.
 
 Run by hand, never by the test suite:
     /work/venv/bin/python benchmarks/trainer_overhead.py            # defaults: CPU, ~2-3 minutes
     /work/venv/bin/python benchmarks/trainer_overhead.py --device cuda --nproc 8 --dim 1024 \
         --layers 12 --heads 16 --context 256 --batch-size 32 --steps 500 --threads 4
 The last line is `result: overhead_ratio=<x> trainer_seconds=<x> bare_seconds=<x> quiet_overhead_ratio=<x>
-cpu_overhead_ratio=<x> ckpt_overhead_ratio=<x> ckpt_trainer_seconds=<x>`.
+cpu_overhead_ratio=<x> ckpt_overhead_ratio=<x> ckpt_trainer_seconds=<x> metrics_overhead_ratio=<x>`.
 """
 from __future__ import annotations
 
@@ -283,6 +287,28 @@ def trainer_config(args: argparse.Namespace, checkpoint_uri: str, checkpoint_eve
     }
 
 
+class Scraper(threading.Thread):
+    """Reads every rank's metrics files once a second, as the launcher's /metrics does for Prometheus."""
+
+    def __init__(self, directory: Path):
+        super().__init__(daemon=True)
+        self.directory, self.last, self._done = directory, "", threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.directory))
+        while not self._done.wait(1.0):
+            self.last = generate_latest(registry).decode()
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
 def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) -> dict:
     """One torchrun launch; returns {'seconds', 'wall', 'steps'} of the timed window."""
     import yaml
@@ -307,6 +333,9 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         config = trainer_config(args, (rundir / "ckpt").resolve().as_uri(), every)
         (rundir / "config.yaml").write_text(yaml.safe_dump(config))
         env.update({"TRAININGRUN_CONFIG": str(rundir / "config.yaml"), "TRAININGRUN_NAME": "bench"})
+        if kind == "trainer-metrics":
+            (rundir / "metrics").mkdir()
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(rundir / "metrics")
         command = launcher + ["-m", "trainingrun_trainer"]
     began = time.perf_counter()
     log_path = rundir / "output.log"
@@ -314,6 +343,7 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         proc = subprocess.Popen(command, env=env, cwd=rundir, stdout=log_file, stderr=subprocess.STDOUT, text=True)
         monitor = CpuMonitor(proc.pid, period=0.25)
         monitor.start()
+        scraper = Scraper(rundir / "metrics") if kind == "trainer-metrics" else None
         try:
             returncode = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -322,8 +352,12 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
             raise SystemExit(f"{kind} run {run_id} took longer than --timeout {args.timeout:.0f} s; log {log_path}")
         finally:
             monitor.stop()
+            if scraper:
+                scraper.stop()
     wall = time.perf_counter() - began
     output = log_path.read_text()
+    if scraper and "trainingrun_step" not in scraper.last:
+        raise SystemExit(f"{kind} run {run_id}: the metrics files had no trainingrun_step series")
     if returncode != 0:
         tail = "\n".join(output.splitlines()[-30:])
         raise SystemExit(f"{kind} run {run_id} exited {returncode}; log {log_path}:\n{tail}")
@@ -370,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="precision on both sides (default 32-true)")
     parser.add_argument("--checkpoint-every", type=int, default=50,
                         help="steps between async checkpoints in the extra trainer row; 0 drops it (default 50)")
+    parser.add_argument("--no-metrics", action="store_true", help="drop the trainer + metrics row")
     parser.add_argument("--quiet-threshold", type=float, default=0.1,
                         help="a log window counts as quiet when other processes took at most this many cores "
                              "(default 0.1); the quiet-window figures use only those")
@@ -388,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     sides = [("bare", "bare DDP loop"), ("trainer", "trainer (final save only)")]
     if args.checkpoint_every:
         sides.append(("trainer-ckpt", f"trainer (async ckpt every {args.checkpoint_every})"))
+    if not args.no_metrics:
+        sides.append(("trainer-metrics", "trainer + metrics"))
     results: dict[str, list[dict]] = {kind: [] for kind, _ in sides}
 
     began = time.perf_counter()
@@ -461,6 +498,13 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_ratio = medians["trainer-ckpt"] / bare
         print(f"with async checkpoints every {args.checkpoint_every} steps: {ckpt_ratio:.3f} x bare")
         extra = f" ckpt_overhead_ratio={ckpt_ratio:.4f} ckpt_trainer_seconds={medians['trainer-ckpt']:.3f}"
+    if "trainer-metrics" in medians:
+        metrics_ratio = medians["trainer-metrics"] / medians["trainer"]
+        print(f"metrics_overhead_ratio = trainer + metrics / trainer = {metrics_ratio:.3f} (target <= 1.01: "
+              f"{'met' if metrics_ratio <= 1.01 else 'NOT met'}); CPU ms/step "
+              f"{cpu['trainer-metrics'] / cpu['trainer']:.3f} x; quiet windows "
+              f"{quiet['trainer-metrics'] / quiet['trainer']:.3f} x")
+        extra += f" metrics_overhead_ratio={metrics_ratio:.4f}"
     cpu_ratio = cpu["trainer"] / cpu["bare"]
     quiet_ratio = quiet["trainer"] / quiet["bare"]
     print(f"quiet-window ms/step, trainer / bare = {quiet_ratio:.3f} (timed only where the machine was otherwise idle)")

@@ -21,17 +21,21 @@ def print_problems(path: str, error: validation.InvalidTrainingRun) -> None:
         print(f"{path}: {problem}", file=sys.stderr)
 
 
+def write_files(root: str, files: dict[str, str]) -> None:
+    """Generated files (relative path -> content) below `root`."""
+    for relative, content in files.items():
+        target = Path(root) / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+        print(f"wrote {target}")
+
+
 def cmd_crd(args: argparse.Namespace) -> int:
     text = crd.crd_yaml()
     if not args.write:
         sys.stdout.write(text)
         return 0
-    root = Path(args.write)
-    for relative in crd.CRD_PATHS:
-        target = root / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-        print(f"wrote {target}")
+    write_files(args.write, {relative: text for relative in crd.CRD_PATHS})
     return 0
 
 
@@ -78,11 +82,7 @@ def cmd_monitoring(args: argparse.Namespace) -> int:
         for path in generated:
             print(path)
         return 0
-    for relative, content in generated.items():
-        target = Path(args.write) / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content, encoding="utf-8")
-        print(f"wrote {target}")
+    write_files(args.write, generated)
     return 0
 
 

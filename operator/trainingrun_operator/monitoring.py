@@ -122,7 +122,7 @@ def rules_file() -> dict[str, Any]:
 
 
 def pod_monitor(namespace: str = "trainingrun-system") -> dict[str, Any]:
-    """Scrapes every trainer pod's launcher endpoint (all its ranks), labelled with its run."""
+    """Scrapes every trainer pod's launcher endpoint (all its ranks), selected by the run labels."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
@@ -131,15 +131,11 @@ def pod_monitor(namespace: str = "trainingrun-system") -> dict[str, Any]:
         "spec": {
             "namespaceSelector": {"any": True},
             "selector": {"matchLabels": {"app.kubernetes.io/name": "trainingrun",
-                                         "app.kubernetes.io/component": "trainer"}},
-            "podMetricsEndpoints": [{
-                "port": "metrics", "interval": "15s",
-                "relabelings": [
-                    {"sourceLabels": [f"__meta_kubernetes_pod_label_{_label(builders.LABEL_RUN)}"],
-                     "targetLabel": "run"},
-                    {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"},
-                ],
-            }],
+                                         "app.kubernetes.io/component": "trainer"},
+                         "matchExpressions": [{"key": builders.LABEL_RUN, "operator": "Exists"}]},
+            # The series carry run, namespace and rank themselves; honorLabels keeps them as they are
+            # (the target's own namespace label would otherwise rename theirs to exported_namespace).
+            "podMetricsEndpoints": [{"port": "metrics", "interval": "15s", "honorLabels": True}],
         },
     }
 
@@ -157,10 +153,6 @@ def service_monitor(namespace: str = "trainingrun-system") -> dict[str, Any]:
                            "relabelings": [{"targetLabel": "job", "replacement": OPERATOR_JOB}]}],
         },
     }
-
-
-def _label(name: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
 # ---------------------------------------------------------------- dashboards
