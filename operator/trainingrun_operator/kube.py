@@ -51,7 +51,10 @@ class Kube:
         self.server = info.server.rstrip("/")
         self.on_error = on_error
         self.retries, self.backoff_seconds = retries, backoff_seconds
-        headers = {"Accept": "application/json", **info.as_http_headers()}  # bearer token or basic auth
+        from . import __version__
+
+        headers = {"Accept": "application/json", "User-Agent": f"trainingrun-operator/{__version__}",
+                   **info.as_http_headers()}  # bearer token or basic auth
         self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(
             ssl=info.as_ssl_context(), limit=64))  # kopf's: CA, client certificate, insecure
 

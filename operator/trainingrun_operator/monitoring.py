@@ -280,4 +280,8 @@ def files() -> dict[str, str]:
     for name, body in dashboards().items():
         out[f"manifests/monitoring/dashboards/{name}"] = json.dumps(body, indent=2, sort_keys=True) + "\n"
         out[f"manifests/monitoring/dashboard-{name.removesuffix('.json')}.yaml"] = dump(dashboard_config_map(name, body))
+    # The chart templates the same objects (namespace and extra labels set at install).
+    for relative, content in list(out.items()):
+        if relative.endswith(".yaml") and not relative.endswith("rules.yaml"):
+            out["charts/trainingrun-operator/files/monitoring/" + relative.rsplit("/", 1)[1]] = content
     return out

@@ -1,0 +1,55 @@
+{{- define "trainingrun.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "trainingrun.labels" -}}
+app.kubernetes.io/name: trainingrun-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "trainingrun.selector" -}}
+app.kubernetes.io/name: trainingrun-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "trainingrun.serviceAccount" -}}
+{{- default (include "trainingrun.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{/* What the operator may do to the resources it manages, in every namespace it watches. */}}
+{{- define "trainingrun.namespacedRules" -}}
+- apiGroups: [trainingrun.dev]
+  resources: [trainingruns]
+  verbs: [get, list, watch]
+- apiGroups: [trainingrun.dev]
+  resources: [trainingruns/status]
+  verbs: [get, patch]
+- apiGroups: [trainingrun.dev]
+  resources: [trainingruns/finalizers]
+  verbs: [update]
+- apiGroups: [kubeflow.org]
+  resources: [pytorchjobs]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [configmaps, serviceaccounts]
+  verbs: [create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [create, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if and (gt (int .Values.replicaCount) 1) .Values.watchNamespaces }}
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [list, watch, get, patch]
+{{- end }}
+{{- end -}}
