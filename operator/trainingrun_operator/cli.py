@@ -70,7 +70,15 @@ def cmd_operator(args: argparse.Namespace) -> int:
         # kopf says "Handler ... succeeded" for every event of every object; the operator's own
         # log (trainingrun.operator) already tells each decision once.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    asyncio.run(run_operator(OperatorState(settings)))
+    state = OperatorState(settings)
+    try:
+        asyncio.run(run_operator(state))
+    except Exception:  # noqa: BLE001 - kopf re-raises what made it stop; say it in one line when we know why
+        if not state.fatal:
+            raise
+    if state.fatal:
+        print(f"trainingrun operator: {state.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 

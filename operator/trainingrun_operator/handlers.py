@@ -45,9 +45,18 @@ CRD_MISSING = ("the PyTorchJob CRD (kubeflow.org/v1) is not served: install the 
 Key = tuple[str, str]  # (namespace, name) of a TrainingRun
 
 
+NO_CREDENTIALS = ("no Kubernetes credentials: no service account token in this pod "
+                  "(/var/run/secrets/kubernetes.io/serviceaccount/token) and no kubeconfig ($KUBECONFIG or "
+                  "~/.kube/config); run it in a pod with a ServiceAccount, or point KUBECONFIG at a cluster")
+
+
 async def default_login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
     """In a pod: the service account; elsewhere: the kubeconfig (as kopf itself would)."""
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is None:
+        log.error(NO_CREDENTIALS)
+        raise kopf.PermanentError(NO_CREDENTIALS)  # no retries: nothing will change by waiting
+    return info
 
 
 @dataclass
@@ -70,6 +79,9 @@ class OperatorState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     #: kopf's indexes of runs, jobs and pods, as handed to the first handler (for the periodic resync).
     indexes: Optional[dict[str, kopf.Index]] = None
+    #: Why the operator gave up (e.g. no credentials); the CLI exits 1 with it.
+    fatal: Optional[str] = None
+    stop: Optional[asyncio.Future] = None
 
     def client(self) -> Kube:
         if self.kube is None:
@@ -141,7 +153,13 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
-        info = await state.login(**kwargs)
+        try:
+            info = await state.login(**kwargs)
+        except kopf.PermanentError as error:
+            state.fatal = str(error)  # kopf would wait forever; stop, and let the CLI exit 1 saying why
+            if state.stop is not None and not state.stop.done():
+                state.stop.set_result(None)
+            raise
         if info is not None and info != state.connection:
             if state.kube is not None:
                 await state.kube.close()
@@ -375,6 +393,9 @@ async def run_operator(state: OperatorState, *, stop_flag: Optional[asyncio.Futu
     registry = kopf.OperatorRegistry()
     register(registry, state)
     settings = state.settings
+    if stop_flag is None:
+        stop_flag = asyncio.get_running_loop().create_future()
+    state.stop = stop_flag
     await kopf.operator(
         registry=registry,
         standalone=not settings.peering,

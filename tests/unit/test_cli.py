@@ -1,4 +1,5 @@
 """`trainingrun crd | validate | render`: exit codes, output, and messages a person can act on."""
+import os
 import subprocess
 import sys
 
@@ -152,3 +153,12 @@ def test_checkpoints_lists_valid_and_invalid(tmp_path, capsys):
     assert "STEP" in table and "no manifest (partial save)" in table
     assert cli.main(["checkpoints", f"file://{tmp_path}/empty"]) == 0
     assert "no checkpoints under" in capsys.readouterr().out
+
+
+def test_operator_without_credentials_says_why_and_exits_1(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config
+    result = subprocess.run([sys.executable, "-m", "trainingrun_operator", "--metrics-port", "0", "--health-port", "0"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("trainingrun operator: no Kubernetes credentials")
