@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test crd monitoring clean
+.PHONY: setup demo test crd monitoring manifests clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ crd: setup
 # Regenerate manifests/monitoring/ after changing operator/trainingrun_operator/monitoring.py.
 monitoring: setup
 	$(BIN)/trainingrun monitoring --write .
+
+# Regenerate manifests/operator/ (and the kopf peering CRDs in manifests/crds/) from the Helm chart.
+manifests:
+	bash scripts/install-helm.sh
+	bash scripts/render-manifests.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -129,3 +129,24 @@ def test_rbac_covers_every_call_the_operator_makes_and_nothing_more(tmp_path):
     assert used - rules == set(), "calls the chart does not allow"
     unused = rules - used - set(GRANTED_FOR_REASONS)
     assert unused == set(), "granted but never used (remove, or say why in GRANTED_FOR_REASONS)"
+
+
+def test_plain_manifests_are_the_charts_defaults(tmp_path):
+    (tmp_path / "manifests" / "crds").mkdir(parents=True)
+    env = {**os.environ, "HELM": HELM}
+    subprocess.run(["bash", str(REPO / "scripts/render-manifests.sh"), str(tmp_path)], check=True, env=env)
+    for relative in ("manifests/operator/trainingrun-operator.yaml", "manifests/crds/kopf-peering.yaml"):
+        assert (tmp_path / relative).read_text() == (REPO / relative).read_text(), f"{relative}: run `make manifests`"
+
+
+def test_chart_monitoring_objects_are_manifests_monitoring():
+    from trainingrun_operator import monitoring
+
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in render(CHART / "ci/monitoring-values.yaml")}
+    for relative, content in monitoring.files().items():
+        if not relative.startswith("manifests/monitoring/") or not relative.endswith(".yaml") \
+                or relative.endswith("rules.yaml"):
+            continue
+        expected = yaml.safe_load(content)
+        got = rendered[(expected["kind"], expected["metadata"]["name"])]
+        assert {k: v for k, v in got.items() if k != "metadata"} == {k: v for k, v in expected.items() if k != "metadata"}
