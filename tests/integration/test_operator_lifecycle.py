@@ -1,4 +1,6 @@
 """The operator for real against kmock: lifecycle, recovery, budgets, stalls, secrets, suspend, spec changes."""
+from datetime import datetime, timedelta
+
 import pytest
 
 from operator_harness import (JOBS, RUNS, Cluster, declare_resources, eventually, operator, running, terminated,
@@ -130,9 +132,13 @@ async def test_stalled_attempt_is_restarted_and_charged_as_a_failure(kmock, clus
     async with operator(kmock):
         await cluster.create_run(training_run(recovery={"backoffSeconds": 0, "stallTimeoutSeconds": 1}))
         await eventually(lambda: cluster.job("demo-a1"))
+        started = datetime.fromisoformat(cluster.status()["attemptStartTime"].replace("Z", "+00:00"))
+        reported = (started + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await cluster.progress("demo", 42, reported, productive_seconds=0.5)
+        # goodput is computed from that report: the operator has seen it before the attempt runs
+        await eventually(lambda: "goodput" in cluster.status(), what="the operator to see step 42")
         await cluster.add_pod("demo-a1", status=running())
         await cluster.job_condition("demo-a1", "Created", "Running")
-        await cluster.progress("demo", 42, cluster.status()["attemptStartTime"])
         await eventually(lambda: cluster.job("demo-a2"), timeout=10, what="a restart after the stall")
         stalled = await eventually(lambda: cluster.events("Stalled"))
         assert len(stalled) == 1 and "last step 42" in stalled[0]["message"]
