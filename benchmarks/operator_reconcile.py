@@ -23,21 +23,9 @@ from pathlib import Path
 
 import yaml
 
-RUNS = "trainingrun.dev/v1alpha1/trainingruns"
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the resources the operator touches, as the kmock tests declare them
 NAMESPACE = "bench"
-
-
-def declare(kmock, kmock_lib) -> None:
-    verbs = {"list", "watch", "get", "patch", "create", "delete", "update"}
-    info = kmock_lib.ResourceInfo
-    kmock.resources[RUNS] = info(kind="TrainingRun", namespaced=True, verbs=verbs, subresources={"status"})
-    kmock.resources["kubeflow.org/v1/pytorchjobs"] = info(kind="PyTorchJob", namespaced=True, verbs=verbs)
-    kmock.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=verbs)
-    kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
-    for plural, kind in (("events", "Event"), ("configmaps", "ConfigMap"), ("serviceaccounts", "ServiceAccount")):
-        kmock.resources[f"v1/{plural}"] = info(kind=kind, namespaced=True, verbs=verbs)
-    for plural, kind in (("roles", "Role"), ("rolebindings", "RoleBinding")):
-        kmock.resources[f"rbac.authorization.k8s.io/v1/{plural}"] = info(kind=kind, namespaced=True, verbs=verbs)
 
 
 def speed_up_kmock() -> None:
@@ -83,10 +71,11 @@ def memory_kb(pid: int) -> dict[str, int]:
 async def main_async(count: int) -> int:
     import aiohttp
     import kmock as kmock_lib
+    from operator_harness import declare_resources
 
     speed_up_kmock()
     async with kmock_lib.KubernetesEmulator() as kmock, kmock_lib.Server(kmock):
-        declare(kmock, kmock_lib)
+        declare_resources(kmock)
         url = str(kmock.url).rstrip("/")
         with tempfile.TemporaryDirectory() as tmp:
             kubeconfig = Path(tmp) / "kubeconfig"

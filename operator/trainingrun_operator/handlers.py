@@ -135,7 +135,6 @@ def slim_pod(body: Any) -> dict[str, Any]:
 
 def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
     """Add the operator's handlers to `registry`, bound to `state`."""
-    settings, metrics = state.settings, state.metrics
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -237,10 +236,13 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
             state.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
 
-async def _carry_out(state: OperatorState, key: Key, run: api.TrainingRun, body: dict[str, Any],
+async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingRun], body: dict[str, Any],
                      plan: reconcile.Plan) -> None:
+    """Children, suspension, deletions, then status (remembered until the watch shows it), then Events.
+    `run` (the parsed spec) is needed only when the plan starts an attempt."""
     kube, (namespace, name) = state.client(), key
     if plan.start_attempt:
+        assert run is not None
         job_name = builders.job_name(name, plan.start_attempt)
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
             built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
@@ -290,11 +292,9 @@ async def _reject(state: OperatorState, key: Key, body: dict[str, Any], status: 
     conditions = reconcile.Conditions(status.get("conditions") or [], reconcile.rfc3339(state.clock()),
                                       (body.get("metadata") or {}).get("generation"))
     if conditions.set("SpecRejected", True, "InvalidSpec", message):
-        kube = state.client()
-        patch = {"conditions": conditions.as_list()}
-        await kube.patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": patch}, subresource="status")
-        state.written.setdefault(key, {}).update(patch)
-        await post_event(kube, body, reconcile.Note("Warning", "SpecRejected", message), state.clock())
+        plan = reconcile.Plan(status={"conditions": conditions.as_list()},
+                              events=[reconcile.Note("Warning", "SpecRejected", message)])
+        await _carry_out(state, key, None, body, plan)
 
 
 async def post_event(kube: Kube, body: dict[str, Any], note: reconcile.Note, now: datetime) -> None:

@@ -106,12 +106,15 @@ ALERTS = [
 ]
 
 
+def _metadata(name: str, namespace: str, **labels: str) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": {**labels, "app.kubernetes.io/name": "trainingrun-operator"}}
+
+
 def prometheus_rule(namespace: str = "trainingrun-system") -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "trainingrun", "namespace": namespace,
-                     "labels": {"app.kubernetes.io/name": "trainingrun-operator"}},
+        "metadata": _metadata("trainingrun", namespace),
         "spec": {"groups": [{"name": "trainingrun", "rules": [a.rule() for a in ALERTS]}]},
     }
 
@@ -126,8 +129,7 @@ def pod_monitor(namespace: str = "trainingrun-system") -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": {"name": "trainingrun-trainers", "namespace": namespace,
-                     "labels": {"app.kubernetes.io/name": "trainingrun-operator"}},
+        "metadata": _metadata("trainingrun-trainers", namespace),
         "spec": {
             "namespaceSelector": {"any": True},
             "selector": {"matchLabels": {"app.kubernetes.io/name": "trainingrun",
@@ -144,8 +146,7 @@ def service_monitor(namespace: str = "trainingrun-system") -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": {"name": OPERATOR_JOB, "namespace": namespace,
-                     "labels": {"app.kubernetes.io/name": "trainingrun-operator"}},
+        "metadata": _metadata(OPERATOR_JOB, namespace),
         "spec": {
             "selector": {"matchLabels": {"app.kubernetes.io/name": "trainingrun-operator",
                                          "app.kubernetes.io/component": "operator"}},
@@ -254,9 +255,8 @@ def dashboards() -> dict[str, dict[str, Any]]:
 
 def dashboard_config_map(file_name: str, body: dict[str, Any], namespace: str = "trainingrun-system") -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": "trainingrun-dashboard-" + file_name.removesuffix(".json").removeprefix("trainingrun-")
-                         .replace("trainingrun", "run"), "namespace": namespace,
-                         "labels": {"grafana_dashboard": "1", "app.kubernetes.io/name": "trainingrun-operator"}},
+            "metadata": _metadata("trainingrun-dashboard-" + file_name.removesuffix(".json").removeprefix("trainingrun-")
+                                  .replace("trainingrun", "run"), namespace, grafana_dashboard="1"),
             "data": {file_name: json.dumps(body, indent=2, sort_keys=True)}}
 
 

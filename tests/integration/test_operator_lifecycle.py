@@ -250,3 +250,15 @@ async def test_deleting_the_run_leaves_no_children_to_the_operator(kmock, cluste
         assert cluster.job("demo-a1")["metadata"]["ownerReferences"][0]["name"] == "demo"
         deletes = [r for r in list(kmock) if r.method == "DELETE" and "trainingruns" not in str(r.url)]
         assert deletes == []  # the operator deletes nothing itself, checkpoints least of all
+
+
+async def test_a_spec_the_operator_cannot_run_is_rejected_without_children(kmock, cluster):
+    async with operator(kmock):
+        body = training_run()
+        body["spec"]["replicas"] = {"min": 3, "max": 1}  # the API server's CEL rule would refuse it; kmock does not
+        await cluster.create_run(body)
+        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
+                                                  if c["type"] == "SpecRejected"))
+        await eventually(lambda: cluster.events("SpecRejected"))
+        assert condition["reason"] == "InvalidSpec" and "spec.replicas" in condition["message"]
+        assert cluster.job("demo-a1") is None
