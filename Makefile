@@ -7,10 +7,12 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The images' pinned versions (images/*-constraints.txt) hold here too, so the tests run what the images ship.
+$(VENV)/.installed: pyproject.toml images/operator-constraints.txt images/trainer-constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[operator,trainer,dev]"
+	$(BIN)/pip install --quiet -e ".[operator,trainer,dev]" \
+		-c images/operator-constraints.txt -c images/trainer-constraints.txt
 	touch $@
 
 # The main job on this machine: the minimal example on CPU (2 processes, ~1 minute), one worker

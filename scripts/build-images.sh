@@ -30,7 +30,7 @@ if ! podman image exists "$BASE"; then
   rm -rf "$WORK/rootfs"
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
     http://deb.debian.org/debian >/dev/null
-  tar -C "$WORK/rootfs" -c . | podman import - "$BASE" >/dev/null
+  tar -C "$WORK/rootfs" -c . | podman import --quiet - "$BASE" >/dev/null
 fi
 cp -f /opt/wheels/torch-2.13.0*.whl wheels/ 2>/dev/null || echo "no local torch wheel: the trainer build pulls torch from PyPI"
 # This machine reaches PyPI through a TLS-intercepting proxy: give the builds the host's CA bundle.
@@ -47,17 +47,39 @@ podman build --isolation chroot -q "${CA_ARGS[@]}" -f Dockerfile.trainer --build
   -t "localhost/trainingrun-trainer:$VERSION" .
 podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep trainingrun
 
+fail() { echo "SMOKE FAILED: $*" >&2; exit 1; }
+
 echo "== smoke: operator --help"
-podman run --rm --network none "localhost/trainingrun-operator:$VERSION" --help | head -3
-echo "== smoke: operator against an unreachable API"
+help=$(podman run --rm --network none "localhost/trainingrun-operator:$VERSION" --help)
+echo "$help" | head -3
+grep -q "operator" <<<"$help" || fail "trainingrun --help does not list the operator command"
+
+echo "== smoke: operator in a pod without credentials"
 set +e
 out=$(timeout 120 podman run --rm --network none -e KUBERNETES_SERVICE_HOST=10.255.255.1 \
   -e KUBERNETES_SERVICE_PORT=443 "localhost/trainingrun-operator:$VERSION" operator --metrics-port 0 \
-  --health-port 0 2>&1 | tail -5)
+  --health-port 0 2>&1)
 code=$?
 set -e
-echo "$out"
+echo "$out" | tail -1
 echo "(exit $code)"
+[ "$code" = 1 ] || fail "the operator without credentials should exit 1, exited $code"
+grep -q "no Kubernetes credentials" <<<"$out" || fail "the operator did not say why it cannot start"
+
+echo "== smoke: operator against an unreachable API (15 s of it; it retries, then exits 1 after about a minute)"
+kubeconfig_dir=$(mktemp -d)
+cat > "$kubeconfig_dir/config" <<EOF
+apiVersion: v1
+kind: Config
+current-context: unreachable
+clusters: [{name: unreachable, cluster: {server: "https://10.255.255.1:6443"}}]
+users: [{name: smoke, user: {token: smoke}}]
+contexts: [{name: unreachable, context: {cluster: unreachable, user: smoke}}]
+EOF
+chmod -R a+rX "$kubeconfig_dir"
+out=$(timeout 15 podman run --rm --network none -v "$kubeconfig_dir:/kube:ro" -e KUBECONFIG=/kube/config \
+  "localhost/trainingrun-operator:$VERSION" operator 2>&1 || true)
+grep "cannot reach the Kubernetes API" <<<"$out" || { echo "$out" | tail -5; fail "no clear line about the API"; }
 
 echo "== smoke: trainer, 5 CPU steps to file:// as a non-root user"
 run_dir=$(mktemp -d)
@@ -70,7 +92,11 @@ trainer:
 checkpoint: {uri: "file:///tmp/ckpt", interval: {steps: 5}}
 EOF
 chmod -R a+rX "$run_dir"
-podman run --rm --network none -v "$run_dir:/etc/trainingrun:ro" -e TRAININGRUN_CONFIG=/etc/trainingrun/config.yaml \
-  -e TRAININGRUN_NAME=smoke -e PET_STANDALONE=1 -e PET_NPROC_PER_NODE=1 \
-  "localhost/trainingrun-trainer:$VERSION" sh -c 'id -u && python -m trainingrun_trainer.launch --module trainingrun_trainer && ls /tmp/ckpt'
+trainer_script='echo "uid=$(id -u)" && python -m trainingrun_trainer.launch --module trainingrun_trainer && trainingrun checkpoints file:///tmp/ckpt'
+out=$(podman run --rm --network none -v "$run_dir:/etc/trainingrun:ro" -e TRAININGRUN_CONFIG=/etc/trainingrun/config.yaml \
+  -e TRAININGRUN_NAME=smoke -e PET_STANDALONE=1 -e PET_NPROC_PER_NODE=1 "localhost/trainingrun-trainer:$VERSION" \
+  sh -c "$trainer_script" 2>&1) || { echo "$out"; fail "the trainer did not exit 0"; }
+echo "$out" | tail -4
+grep -q "^uid=1000$" <<<"$out" || fail "the trainer did not run as uid 1000"
+grep -Eq "^ *5 +yes .*/step-00000005$" <<<"$out" || fail "no valid checkpoint at step 5 listed"
 echo "== images built and smoke-tested"

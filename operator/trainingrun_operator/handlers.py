@@ -342,23 +342,28 @@ async def _resync(state: OperatorState) -> None:
 
 
 async def _watch_crd(state: OperatorState) -> None:
-    """Readiness: whether the PyTorchJob CRD is served, checked at start and then periodically."""
+    """Readiness: whether the PyTorchJob CRD is served, checked at start and then periodically. Each change
+    of the answer (served, not served, API unreachable) is logged once, saying what to do."""
     await state.logged_in.wait()
-    said: Optional[bool] = None
+    said: Optional[str] = None
     while True:
         try:
             served = await state.client().serves("kubeflow.org/v1", "pytorchjobs")
-        except (ApiError, OSError) as error:
-            log.warning("cannot check the PyTorchJob CRD: %s", error)
+            answer, line = ("served", "the PyTorchJob CRD (kubeflow.org/v1) is served: ready") if served else \
+                ("missing", CRD_MISSING)
+        except ApiError as error:
             served = False
+            answer, line = "refused", f"the Kubernetes API answered the PyTorchJob CRD check with {error}; not ready"
+        except (OSError, asyncio.TimeoutError) as error:
+            served = False
+            server = state.connection.server if state.connection is not None else "?"
+            answer, line = "unreachable", (f"cannot reach the Kubernetes API at {server} ({error}); not ready "
+                                           "until it answers: check the cluster address and the network policy")
         state.ready = served
         state.metrics.ready.set(1 if served else 0)
-        if served != said:
-            if served:
-                log.info("the PyTorchJob CRD (kubeflow.org/v1) is served: ready")
-            else:
-                log.error(CRD_MISSING)
-            said = served
+        if answer != said:
+            log.info(line) if served else log.error(line)
+            said = answer
         await asyncio.sleep(state.settings.crd_check_seconds)
 
 

@@ -68,6 +68,39 @@ async def test_readiness_reports_a_missing_pytorchjob_crd(kmock, caplog):
     assert "trainingrun_operator_ready 0.0" in metrics
 
 
+async def test_an_unreachable_api_is_named_as_such_and_not_ready(tmp_path):
+    """The operator's own process against an address where nothing listens: one line naming the API server,
+    not the missing-CRD advice, and /readyz 503 while kopf keeps retrying."""
+    import os
+    import sys
+    import yaml
+
+    api = f"https://127.0.0.1:{free_port()}"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": api}}], "users": [{"name": "u", "user": {"token": "t0k3n"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    port, log_path = free_port(), tmp_path / "operator.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "trainingrun_operator", "--metrics-port", str(port),
+                                    "--health-port", "0"], env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await eventually(lambda: "cannot reach the Kubernetes API" in log_path.read_text(), 30,
+                         lambda: log_path.read_text()[-2000:])
+        status, body = await get(f"http://127.0.0.1:{port}/readyz")
+    finally:
+        process.terminate()
+        process.wait(30)
+    text = log_path.read_text()
+    lines = [line for line in text.splitlines() if "cannot reach the Kubernetes API" in line]
+    assert len(lines) == 1 and f"at {api} " in lines[0]
+    assert "install the Kubeflow Training Operator" not in text
+    assert "t0k3n" not in text
+    assert status == 503
+
+
 async def test_metrics_count_runs_attempts_and_restarts(kmock):
     declare_resources(kmock)
     cluster = Cluster(kmock)
