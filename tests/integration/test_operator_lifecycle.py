@@ -131,8 +131,8 @@ async def test_permanent_exit_fails_at_once_with_the_trainers_message(kmock, clu
 async def test_stalled_attempt_is_restarted_and_charged_as_a_failure(kmock, cluster):
     async with operator(kmock):
         await cluster.create_run(training_run(recovery={"backoffSeconds": 0, "stallTimeoutSeconds": 1}))
-        await eventually(lambda: cluster.job("demo-a1"))
-        started = datetime.fromisoformat(cluster.status()["attemptStartTime"].replace("Z", "+00:00"))
+        started = await eventually(lambda: cluster.job("demo-a1") and cluster.status().get("attemptStartTime"))
+        started = datetime.fromisoformat(started.replace("Z", "+00:00"))
         reported = (started + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
         await cluster.progress("demo", 42, reported, productive_seconds=0.5)
         # goodput is computed from that report: the operator has seen it before the attempt runs
