@@ -57,6 +57,11 @@ RESERVED_ENV_NAMES = {
 _LIST_MAP_BY_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
 
 
+# A file:// path is on each pod's own disk: several pods would each hold a part of every checkpoint.
+FILE_URI_ONE_POD = ("a file:// checkpoint is local to each pod, so a run of several pods could not resume from it; "
+                    "use gs:// or s3://, or set replicas.min and replicas.max to 1")
+
+
 def _reserved_env_rule(list_path: str) -> tuple[str, str]:
     names = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV_NAMES))
     prefixes = " || ".join(f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
@@ -272,6 +277,11 @@ class TrainingRunSpec(ApiModel):
             "self.env.all(e, !self.secrets.env.exists(s, s.name == e.name))",
             "a variable is set in both env and secrets.env; set each variable once",
         ),
+        (
+            "!self.checkpoint.uri.startsWith('file://') || !has(self.replicas) || "
+            "(self.replicas.min == 1 && (!has(self.replicas.max) || self.replicas.max == 1))",
+            FILE_URI_ONE_POD,
+        ),
     )
 
     image: Optional[str] = Field(
@@ -354,6 +364,9 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(
                 "trainer.precision 16-mixed needs a GPU: set resources.gpu or use bf16-mixed"
             )
+        if self.checkpoint.uri.startswith("file://") and self.replicas.effective_max > 1:
+            raise ValueError(f"checkpoint.uri {self.checkpoint.uri} with up to {self.replicas.effective_max} pods: "
+                             + FILE_URI_ONE_POD)
         names: dict[str, str] = {}
         for where, name in [(f"env[{i}]", e.name) for i, e in enumerate(self.env)] + [
             (f"secrets.env[{i}]", e.name) for i, e in enumerate(self.secrets.env)

@@ -69,6 +69,8 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
         if isinstance(checkpoint, dict):
             uri = options.checkpoint_uri or checkpoint.get("uri") or f"file://{Path(options.runs_dir).resolve()}/{name}/checkpoints"
             checkpoint["uri"] = uri
+        # This machine is one node: a cluster file's several pods become one here, so a local file:// URI is fine.
+        spec["replicas"] = {"min": 1}
         if options.max_steps is not None:
             trainer = spec.setdefault("trainer", {})
             if isinstance(trainer, dict):

@@ -57,6 +57,7 @@ CASES = [
     ("replicas-min-over-max", put("spec.replicas", {"min": 3, "max": 2}), "spec.replicas: min (3) is greater than max (2); raise max or lower min", "spec.replicas"),
     ("replicas-min-string", put("spec.replicas", {"min": "2"}), "spec.replicas.min: must be an integer, got '2'", "spec.replicas.min"),
     ("replicas-max-negative", put("spec.replicas", {"max": -1}), "spec.replicas.max: must be >= 1, got -1", "spec.replicas.max"),
+    ("file-uri-several-pods", both(put("spec.checkpoint.uri", "file:///tmp/ckpt"), put("spec.replicas", {"min": 1, "max": 2})), "spec: checkpoint.uri file:///tmp/ckpt with up to 2 pods: a file:// checkpoint is local to each pod", "spec"),
     ("nproc-zero", put("spec.nprocPerNode", 0), "spec.nprocPerNode: must be >= 1, got 0", "spec.nprocPerNode"),
     ("nproc-over-gpus", both(GPU, put("spec.nprocPerNode", 4)), "nprocPerNode (4) is greater than resources.gpu (2)", "spec"),
     ("gpu-negative", put("spec.resources", {"gpu": -1}), "spec.resources.gpu: must be >= 0, got -1", "spec.resources.gpu"),

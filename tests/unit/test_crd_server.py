@@ -100,6 +100,12 @@ CEL_CASES = [
         "endpointUrl is only used with s3:// URIs",
     ),
     ("nproc-over-gpu", with_spec(nprocPerNode=4, resources={"gpu": 2}), "spec", "nprocPerNode must be <= resources.gpu"),
+    (
+        "file-uri-several-pods",
+        with_spec(checkpoint={"uri": "file:///tmp/ckpt"}, replicas={"min": 2}),
+        "spec",
+        "a file:// checkpoint is local to each pod",
+    ),
     ("fp16-without-gpu", with_spec(trainer={"precision": "16-mixed"}), "spec", "trainer.precision 16-mixed needs a GPU"),
     (
         "backoff-over-max",

@@ -24,6 +24,13 @@ def test_checkpoint_uri_defaults_under_runs_and_flags_override(tmp_path):
     assert run.spec.checkpoint.uri == "s3://b/p" and run.spec.trainer.max_steps == 3
 
 
+def test_a_cluster_file_of_several_pods_runs_locally_on_a_file_uri(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY.replace("spec:\n", "spec:\n  replicas: {min: 2, max: 4}\n  checkpoint: {uri: gs://b/p}\n"))
+    run = local.load_run(str(path), local.LocalOptions(checkpoint_uri=f"file://{tmp_path}/ckpt"))
+    assert run.spec.checkpoint.uri == f"file://{tmp_path}/ckpt" and run.spec.replicas.effective_max == 1
+
+
 def test_env_file_parsing(tmp_path):
     env = tmp_path / ".env"
     env.write_text("# comment\nexport A=1\nB = 'two words'\nC=\"x=y\"\n\n")
