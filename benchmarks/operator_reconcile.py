@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the resources the operator touches, as the kmock tests declare them
 NAMESPACE = "bench"
@@ -120,18 +118,12 @@ async def burst(count: int, namespace: str, command: Callable[[str, str], list[s
     wait until it watches TrainingRuns, create `count` runs at once in `namespace`, and time each
     create -> its `<run>-a1` PyTorchJob POST arriving at the API."""
     import kmock as kmock_lib
-    from operator_harness import declare_resources
+    from operator_harness import declare_resources, write_kubeconfig
 
     async with kmock_lib.KubernetesEmulator() as kmock, kmock_lib.Server(kmock):
         declare_resources(kmock)
         url = str(kmock.url).rstrip("/")
-        kubeconfig = workdir / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-            "users": [{"name": "bench", "user": {"token": "bench"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "bench"}}],
-        }))
+        kubeconfig = write_kubeconfig(workdir / "kubeconfig", url, token="bench")
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
                "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
         return await _burst(kmock, url, count, namespace, command(url, namespace), env, workdir / f"{namespace}.log")

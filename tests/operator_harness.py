@@ -14,9 +14,11 @@ import dataclasses
 import logging
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional
 
 import kmock as kmock_lib
+import yaml
 import kopf
 
 from trainingrun_operator import api
@@ -46,6 +48,17 @@ def declare_resources(kmock: Any, pytorchjobs: bool = True) -> None:
     kmock.resources["v1/serviceaccounts"] = info(kind="ServiceAccount", namespaced=True, verbs=VERBS)
     kmock.resources["rbac.authorization.k8s.io/v1/roles"] = info(kind="Role", namespaced=True, verbs=VERBS)
     kmock.resources["rbac.authorization.k8s.io/v1/rolebindings"] = info(kind="RoleBinding", namespaced=True, verbs=VERBS)
+
+
+def write_kubeconfig(path: Path, server: str, token: str) -> Path:
+    """A kubeconfig for an operator process of its own (one cluster, one token user)."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": server}}],
+        "users": [{"name": "test", "user": {"token": token}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+    }))
+    return path
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 15.0, what: Any = "") -> Any:

@@ -75,8 +75,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         asyncio.run(run_operator(state))
     except Exception as error:  # noqa: BLE001 - kopf re-raises what made it stop; say it in one line when we know why
         if not state.fatal and isinstance(error, OSError):  # kopf gave up on the API server after ~1 minute of retries
-            server = state.connection.server if state.connection is not None else "?"
-            state.fatal = f"cannot reach the Kubernetes API at {server}: {error}"
+            state.fatal = f"cannot reach the Kubernetes API at {state.api_server}: {error}"
         if not state.fatal:
             raise
     if state.fatal:

@@ -83,6 +83,11 @@ class OperatorState:
     fatal: Optional[str] = None
     stop: Optional[asyncio.Future] = None
 
+    @property
+    def api_server(self) -> str:
+        """The API server's address, for messages (never the credentials)."""
+        return self.connection.server if self.connection is not None else "?"
+
     def client(self) -> Kube:
         if self.kube is None:
             assert self.connection is not None, "no login yet"
@@ -354,22 +359,20 @@ async def _watch_crd(state: OperatorState) -> None:
     await state.logged_in.wait()
     said: Optional[str] = None
     while True:
+        served = False
         try:
             served = await state.client().serves("kubeflow.org/v1", "pytorchjobs")
             answer, line = ("served", "the PyTorchJob CRD (kubeflow.org/v1) is served: ready") if served else \
                 ("missing", CRD_MISSING)
         except ApiError as error:
-            served = False
             answer, line = "refused", f"the Kubernetes API answered the PyTorchJob CRD check with {error}; not ready"
         except (OSError, asyncio.TimeoutError) as error:
-            served = False
-            server = state.connection.server if state.connection is not None else "?"
-            answer, line = "unreachable", (f"cannot reach the Kubernetes API at {server} ({error}); not ready "
-                                           "until it answers: check the cluster address and the network policy")
+            answer, line = "unreachable", (f"cannot reach the Kubernetes API at {state.api_server} ({error}); not "
+                                           "ready until it answers: check the cluster address and the network policy")
         state.ready = served
         state.metrics.ready.set(1 if served else 0)
         if answer != said:
-            log.info(line) if served else log.error(line)
+            (log.info if served else log.error)(line)
             said = answer
         await asyncio.sleep(state.settings.crd_check_seconds)
 

@@ -1,15 +1,17 @@
 """The operator process: API errors survived, readiness and metrics, namespaces, peering, no secret leaks."""
 import logging
+import os
 import shutil
 import socket
 import subprocess
+import sys
 
 import aiohttp
 import kmock as kmock_lib
 import pytest
 
 from operator_harness import (JOBS, NAMESPACE, RUNS, Cluster, declare_resources, eventually, operator, running,
-                              settings, terminated, training_run)
+                              settings, terminated, training_run, write_kubeconfig)
 
 pytestmark = pytest.mark.asyncio
 
@@ -88,16 +90,8 @@ async def test_readiness_reports_a_missing_pytorchjob_crd(kmock, caplog):
 async def test_an_unreachable_api_is_named_as_such_and_not_ready(tmp_path):
     """The operator's own process against an address where nothing listens: one line naming the API server,
     not the missing-CRD advice, and /readyz 503 while kopf keeps retrying."""
-    import os
-    import sys
-    import yaml
-
     api = f"https://127.0.0.1:{free_port()}"
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": api}}], "users": [{"name": "u", "user": {"token": "t0k3n"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api, token="t0k3n")
     port, log_path = free_port(), tmp_path / "operator.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "trainingrun_operator", "--metrics-port", str(port),

@@ -54,14 +54,15 @@ def test_both_images_install_with_their_pins_and_the_context_admits_them():
     assert "!images/*-constraints.txt" in ignore
 
 
+def pins(extra: str) -> dict[str, str]:
+    lines = (REPO / f"images/{extra}-constraints.txt").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
 def test_pins_hold_torch_at_the_supported_version():
-    pins = dict(line.split("==") for line in (REPO / "images/trainer-constraints.txt").read_text().splitlines()
-                if line and not line.startswith("#"))
-    assert pins["torch"] == "2.13.0"
-    assert "kubernetes" in (REPO / "images/operator-constraints.txt").read_text()
-    operator_pins = dict(line.split("==") for line in (REPO / "images/operator-constraints.txt").read_text()
-                         .splitlines() if line and not line.startswith("#"))
-    assert int(operator_pins["kubernetes"].split(".")[0]) < 36
+    assert pins("trainer")["torch"] == "2.13.0"
+    assert "kubernetes" in pins("operator")
+    assert int(pins("operator")["kubernetes"].split(".")[0]) < 36
 
 
 def test_trainer_image_runs_the_builders_command_as_the_operators_trainer_uid():
