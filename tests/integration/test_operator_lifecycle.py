@@ -19,14 +19,15 @@ async def test_full_lifecycle_create_running_succeeded(kmock, cluster):
     async with operator(kmock):
         await cluster.create_run(training_run())
         await eventually(lambda: cluster.job("demo-a1"), what="attempt 1's PyTorchJob")
+        # status is written once all five children exist (they are created together)
+        status = await eventually(lambda: cluster.status().get("phase") == "Pending" and cluster.status())
+        assert status["attempt"] == 1 and status["jobName"] == "demo-a1"
         for kind, name in [("v1/configmaps", "demo-config"), ("v1/serviceaccounts", "demo-trainer"),
                            ("rbac.authorization.k8s.io/v1/roles", "demo-trainer"),
                            ("rbac.authorization.k8s.io/v1/rolebindings", "demo-trainer")]:
             child = cluster.obj(kind, name)
             assert child is not None, name
             assert child["metadata"]["ownerReferences"][0]["uid"] == "0000-demo"
-        status = await eventually(lambda: cluster.status().get("phase") == "Pending" and cluster.status())
-        assert status["attempt"] == 1 and status["jobName"] == "demo-a1"
 
         pod = await cluster.add_pod("demo-a1", status=running())
         await cluster.job_condition("demo-a1", "Created", "Running")
@@ -35,6 +36,8 @@ async def test_full_lifecycle_create_running_succeeded(kmock, cluster):
         await cluster.job_condition("demo-a1", "Created", "Succeeded")
         status = await eventually(lambda: cluster.status().get("phase") == "Succeeded" and cluster.status())
         assert status["completionTime"]
+        # Events are posted right after the status they explain: wait for the last one, then compare all
+        await eventually(lambda: cluster.events("Succeeded"), what="the Succeeded Event")
         assert [e["reason"] for e in cluster.events()] == ["AttemptStarted", "Running", "Succeeded"]
 
 
