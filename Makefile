@@ -24,8 +24,11 @@ demo: setup
 		--chaos-kill-step 260 --checkpoint-uri file://$(CURDIR)/$(DEMO_RUN)/checkpoints
 	$(BIN)/trainingrun checkpoints file://$(CURDIR)/$(DEMO_RUN)/checkpoints
 
+# The real-API tier (tests/real_api/) runs when KUBEBUILDER_ASSETS names the Kubernetes binaries; by default
+# those scripts/install-k8s.sh unpacked into .tools/k8s (it skips, saying how, when there are none).
+K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURDIR)/.tools/k8s))
 test: setup
-	$(BIN)/pytest
+	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest
 
 # Regenerate the committed CRD files after changing operator/trainingrun_operator/api.py.
 crd: setup

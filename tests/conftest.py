@@ -9,6 +9,8 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import kube_cluster  # noqa: E402  (needs tests/ on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
 PYTORCHJOB_CRD = REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
@@ -36,3 +38,48 @@ def minimal_body() -> dict:
 def pytorchjob_schema() -> dict:
     crd = yaml.safe_load(PYTORCHJOB_CRD.read_text())
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="session")
+def kube_cluster_session(tmp_path_factory) -> "kube_cluster.ControlPlane":
+    """A real control plane (etcd, kube-apiserver, kube-controller-manager) for the whole session.
+
+    Needs the binaries in $KUBEBUILDER_ASSETS; without them the real-API tests skip with one line saying
+    how to get them, except under TRAININGRUN_CI, where the tier must run and a missing binary fails.
+    Tests isolate themselves by namespace (fixture `kube_namespace`)."""
+    assets = os.environ.get(kube_cluster.ASSETS_ENV)
+    missing = kube_cluster.missing_binaries(assets)
+    if missing:
+        message = f"real-API tier: missing {', '.join(missing)}; {kube_cluster.HOW_TO_GET}"
+        if os.environ.get("TRAININGRUN_CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    plane = kube_cluster.ControlPlane(Path(assets), tmp_path_factory.mktemp("kube-cluster"))
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_cluster_with_crds(kube_cluster_session) -> "kube_cluster.ControlPlane":
+    """The control plane with the project's CRDs and Kubeflow's PyTorchJob CRD installed, as a user would
+    (`kubectl apply --server-side`)."""
+    plane = kube_cluster_session
+    plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"), "-f", str(PYTORCHJOB_CRD))
+    for name in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org"):
+        plane.wait_established(name)
+    return plane
+
+
+@pytest.fixture
+def kube_namespace(kube_cluster_session, request) -> str:
+    """A fresh namespace per test (deleted afterwards without waiting)."""
+    import re
+    import uuid
+
+    name = (re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6])
+    kube_cluster_session.create_namespace(name)
+    yield name
+    kube_cluster_session.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -199,3 +199,22 @@ def _path(parts: list | tuple) -> str:
     for part in parts:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "<root>"
+
+
+def default_errors(schema: dict, path: tuple = ()) -> list[str]:
+    """Every `default` in a schema checked as the API server checks it when the CRD is created: against its
+    own node's schema and CEL rules, with no defaulting inside it (so `default: {}` fails a rule that
+    reads a field whose own default would only be filled in on objects)."""
+    errors = []
+    if "default" in schema:
+        value = schema["default"]
+        for error in Draft4Validator(_jsonschema(schema)).iter_errors(value):
+            errors.append(f"{_path(path)}.default: {error.message}")
+        for node, item, where in _nodes(schema, value, path):
+            errors += [f"{e} (in the default of {_path(path)})" for e in _cel(node, item, where)]
+    for key, sub in schema.get("properties", {}).items():
+        errors += default_errors(sub, path + (key,))
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            errors += default_errors(schema[key], path + ("*",))
+    return errors

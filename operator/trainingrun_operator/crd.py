@@ -7,6 +7,7 @@ translation; everything else (descriptions, defaults, enums, bounds, CEL rules) 
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import yaml
@@ -53,8 +54,10 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         extra = schema.get("additionalProperties")
         if properties:
             out["properties"] = {name: structural(p, defs) for name, p in properties.items()}
-            # A nested object whose fields all have defaults defaults to {}, so the API server
-            # fills those in and CEL rules can rely on them; the values live only in the model.
+            # A nested object whose fields all have defaults gets a default, so the API server fills
+            # it in and CEL rules can rely on its fields. The default is written out in full, not as
+            # {}: the API server checks each default against the node's own CEL rules *without*
+            # defaulting inside it, so `{}` fails any rule that reads a defaulted field.
             for name, prop in out["properties"].items():
                 if (
                     prop.get("type") == "object"
@@ -62,7 +65,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
                     and not prop.get("required")
                     and not prop.get("nullable")
                 ):
-                    prop["default"] = {}
+                    prop["default"] = filled_default(prop)
                     out["properties"][name] = _ordered(prop)
         elif isinstance(extra, dict) and extra:
             out["additionalProperties"] = structural(extra, defs)
@@ -73,6 +76,12 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     elif kind is None and "enum" not in out:
         raise ValueError(f"schema node without a type cannot be expressed in a CRD: {schema}")
     return _ordered(out)
+
+
+def filled_default(node: dict[str, Any]) -> dict[str, Any]:
+    """What the API server makes of `{}` at this object node: every property that has a default."""
+    return {name: copy.deepcopy(prop["default"]) for name, prop in node.get("properties", {}).items()
+            if "default" in prop}
 
 
 def _ordered(node: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ how to fix it. Pydantic finds the problems; this module only words them.
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -63,6 +64,14 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
+# YAML 1.1 (PyYAML) reads 1e-8 as a string; Kubernetes reads YAML as 1.2 does, as a number, and `kubectl get -o
+# yaml` writes floats that way. Resolve them as YAML 1.2's core schema does, so a file the cluster accepts validates.
+_StrictLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
 
 
 def load_file(path: str) -> list[Any]:

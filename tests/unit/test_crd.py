@@ -86,3 +86,22 @@ def test_structural_rejects_what_a_crd_cannot_express():
         crd.structural({"anyOf": [{"type": "string"}, {"type": "integer"}]}, {})
     with pytest.raises(ValueError, match="without a type"):
         crd.structural({"description": "anything"}, {})
+
+
+def test_every_default_satisfies_its_own_rules():
+    """The API server refuses a CRD whose defaults break the schema's CEL rules (it checks each default
+    without filling in the defaults inside it): `recovery: {}` failed 'backoffSeconds <= maxBackoffSeconds'."""
+    from crd_server import default_errors
+
+    assert default_errors(schema()) == []
+
+
+def test_the_default_check_catches_an_empty_object_default():
+    from crd_server import default_errors
+
+    broken = schema()
+    broken["properties"]["spec"]["properties"]["recovery"]["default"] = {}
+    errors = default_errors(broken)
+    # The API server said: "no such key: backoffSeconds evaluating rule: recovery.backoffSeconds must be <= ..."
+    assert any(e.startswith("spec.recovery:") and "no such member in mapping: 'backoffSeconds'" in e
+               for e in errors), errors

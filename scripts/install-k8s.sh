@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Unpacks the real Kubernetes binaries (etcd, kube-apiserver, kube-controller-manager, kubectl, ...) that
+# ../shared/k8s ships into .tools/k8s, for the real-API test tier (tests/real_api/). Point
+# KUBEBUILDER_ASSETS at .tools/k8s (`make test` does when it exists), or at any folder with the same binaries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SHARED_K8S=${SHARED_K8S:-../shared/k8s}
+TARGET=.tools/k8s
+if [ -x "$TARGET/kube-apiserver" ] && [ -x "$TARGET/kube-controller-manager" ]; then
+  "$TARGET/kube-apiserver" --version
+  exit 0
+fi
+archive=$(ls "$SHARED_K8S"/kubernetes-v*-linux-amd64.tar.xz 2>/dev/null | head -1 || true)
+if [ -z "$archive" ]; then
+  echo "install-k8s.sh: no $SHARED_K8S/kubernetes-v*-linux-amd64.tar.xz; set SHARED_K8S to its folder" >&2
+  exit 1
+fi
+command -v openssl >/dev/null || { echo "install-k8s.sh: openssl is needed for the test PKI" >&2; exit 1; }
+mkdir -p "$TARGET"
+tar -xJf "$archive" -C "$TARGET"
+"$TARGET/kube-apiserver" --version

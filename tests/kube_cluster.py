@@ -1,0 +1,279 @@
+"""A real Kubernetes control plane for tests: etcd, kube-apiserver and kube-controller-manager.
+
+The binaries come from the folder named by KUBEBUILDER_ASSETS (the envtest convention): `.ci/run`
+unpacks ../shared/k8s/kubernetes-v1.36.2-linux-amd64.tar.xz there; `setup-envtest` folders work
+too once kube-controller-manager is added beside them. Everything runs on free loopback ports with a
+fresh data and PKI folder, RBAC on (`Node,RBAC`), ServiceAccount tokens signed, and the controller
+manager running the garbage collector and the ServiceAccount controllers, so tests see what a
+cluster does: defaults checked against CEL rules, strict field validation, RBAC escalation checks,
+ownerReferences cascading, status subresource semantics, Pod admission (`dryRun=All`).
+
+Used by the session fixture `kube_cluster` (tests/conftest.py) and by benchmarks/operator_reconcile.py.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+ASSETS_ENV = "KUBEBUILDER_ASSETS"
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+HOW_TO_GET = (f"set {ASSETS_ENV} to a folder with {', '.join(BINARIES)}: e.g. `mkdir -p .tools/k8s && "
+              "tar -xJf ../shared/k8s/kubernetes-v1.36.2-linux-amd64.tar.xz -C .tools/k8s && "
+              f"export {ASSETS_ENV}=$PWD/.tools/k8s` (bash .ci/run does this)")
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+READY_TIMEOUT_SECONDS = 120
+
+
+def missing_binaries(assets: Optional[str]) -> list[str]:
+    if not assets:
+        return list(BINARIES)
+    return [b for b in BINARIES if not os.access(Path(assets) / b, os.X_OK)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(folder: Path) -> None:
+    """A CA, the API server's serving certificate, client certificates for the admin (system:masters)
+    and the controller manager, and the ServiceAccount token key pair."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "30", "-subj", "/CN=trainingrun-test-ca", cwd=folder)
+
+    def sign(name: str, subject: str, usage: str, sans: str = "") -> None:
+        _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", subject, cwd=folder)
+        ext = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment",
+               f"extendedKeyUsage={usage}"] + ([f"subjectAltName={sans}"] if sans else [])
+        (folder / f"{name}.ext").write_text("\n".join(ext) + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "30", "-extfile", f"{name}.ext", cwd=folder)
+
+    sign("apiserver", "/CN=kube-apiserver", "serverAuth",
+         "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:localhost,IP:127.0.0.1,IP:10.96.0.1")
+    sign("admin", "/O=system:masters/CN=kubernetes-admin", "clientAuth")
+    sign("controller-manager", "/CN=system:kube-controller-manager", "clientAuth")
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
+
+
+def kubeconfig(server: str, ca_file: Path, user: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {
+            "server": server, "certificate-authority-data": base64.b64encode(ca_file.read_bytes()).decode()}}],
+        "users": [{"name": "test", "user": user}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+    }
+
+
+@dataclass
+class ControlPlane:
+    """One etcd + kube-apiserver + kube-controller-manager, started by `start()`, ended by `stop()`."""
+
+    assets: Path
+    workdir: Path
+    server: str = ""
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def pki(self) -> Path:
+        return self.workdir / "pki"
+
+    @property
+    def admin_kubeconfig(self) -> Path:
+        return self.workdir / "admin.kubeconfig"
+
+    def log(self, component: str) -> Path:
+        return self.workdir / f"{component}.log"
+
+    def start(self) -> "ControlPlane":
+        started = time.monotonic()
+        make_pki(self.pki)
+        etcd_port, etcd_peer, api_port, kcm_port = free_port(), free_port(), free_port(), free_port()
+        self.server = f"https://127.0.0.1:{api_port}"
+        pki = self.pki
+        self._spawn("etcd", [
+            "--name", "test", "--data-dir", str(self.workdir / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-cluster", f"test=http://127.0.0.1:{etcd_peer}",
+            "--unsafe-no-fsync", "--log-level", "warn",
+        ])
+        self._spawn("kube-apiserver", [
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1", f"--secure-port={api_port}", "--advertise-address=127.0.0.1",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--authorization-mode=Node,RBAC",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            "--enable-bootstrap-token-auth=false", "--profiling=false", "--v=1",
+        ])
+        self.admin_kubeconfig.write_text(yaml.safe_dump(kubeconfig(self.server, pki / "ca.crt", {
+            "client-certificate-data": base64.b64encode((pki / "admin.crt").read_bytes()).decode(),
+            "client-key-data": base64.b64encode((pki / "admin.key").read_bytes()).decode()})))
+        self._wait("kube-apiserver /readyz", lambda: self.get_raw("/readyz") == "ok")
+        kcm_config = self.workdir / "controller-manager.kubeconfig"
+        kcm_config.write_text(yaml.safe_dump(kubeconfig(self.server, pki / "ca.crt", {
+            "client-certificate-data": base64.b64encode((pki / "controller-manager.crt").read_bytes()).decode(),
+            "client-key-data": base64.b64encode((pki / "controller-manager.key").read_bytes()).decode()})))
+        self._spawn("kube-controller-manager", [
+            f"--kubeconfig={kcm_config}", f"--authentication-kubeconfig={kcm_config}",
+            f"--authorization-kubeconfig={kcm_config}",
+            "--bind-address=127.0.0.1", f"--secure-port={kcm_port}", "--leader-elect=false",
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+            "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*", "--concurrent-gc-syncs=5",
+            "--profiling=false", "--v=1",
+        ])
+        # The default ServiceAccount appears once the controllers run (the garbage collector with them).
+        self._wait("the default ServiceAccount", lambda: self.kubectl(
+            "-n", "default", "get", "serviceaccount", "default", check=False).returncode == 0)
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _spawn(self, component: str, args: list[str]) -> None:
+        with open(self.log(component), "wb") as log:
+            # A session of its own: a test killed by Ctrl-C does not take the servers with it mid-write.
+            self.processes[component] = subprocess.Popen([str(self.assets / component), *args], stdout=log,
+                                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                         start_new_session=True)
+
+    def _wait(self, what: str, ready: Any) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while True:
+            for component, process in self.processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{component} exited with {process.returncode} while waiting for {what}:\n"
+                                       + self.tail(component))
+            try:
+                if ready():
+                    return
+            except (OSError, urllib.error.URLError, ssl.SSLError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {READY_TIMEOUT_SECONDS}s waiting for {what}:\n"
+                                   + "\n".join(self.tail(c) for c in self.processes))
+            time.sleep(0.1)
+
+    def tail(self, component: str, lines: int = 30) -> str:
+        text = self.log(component).read_text(errors="replace").splitlines()[-lines:]
+        return f"--- {component} ---\n" + "\n".join(text)
+
+    def stop(self) -> None:
+        for component in ("kube-controller-manager", "kube-apiserver", "etcd"):
+            process = self.processes.pop(component, None)
+            if process is None or process.poll() is not None:
+                continue
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+
+    # ------------------------------------------------------------ talking to it
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return context
+
+    def get_raw(self, path: str) -> str:
+        with urllib.request.urlopen(self.server + path, context=self.ssl_context(), timeout=5) as response:
+            return response.read().decode()
+
+    def request(self, method: str, path: str, body: Any = None, token: Optional[str] = None,
+                content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
+        """One API call as the admin (or as the holder of `token`): (status code, decoded answer)."""
+        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        else:
+            context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, context=context, timeout=30) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read() or b"{}")
+
+    def kubectl(self, *args: str, input: Optional[str] = None, check: bool = True,
+                kubeconfig_file: Optional[Path] = None) -> subprocess.CompletedProcess:
+        command = [str(self.assets / "kubectl"), f"--kubeconfig={kubeconfig_file or self.admin_kubeconfig}", *args]
+        result = subprocess.run(command, input=input, capture_output=True, text=True, timeout=120)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+        return result
+
+    def apply(self, documents: Any, *extra: str) -> subprocess.CompletedProcess:
+        text = documents if isinstance(documents, str) else yaml.safe_dump_all(list(documents))
+        return self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", *extra, input=text)
+
+    def wait_established(self, crd_name: str) -> None:
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd_name}")
+
+    def create_namespace(self, name: str) -> str:
+        self.kubectl("create", "namespace", name)
+        return name
+
+    def token(self, namespace: str, service_account: str, audience: Optional[str] = None) -> str:
+        args = ["-n", namespace, "create", "token", service_account, "--duration=2h"]
+        if audience:
+            args.append(f"--audience={audience}")
+        return self.kubectl(*args).stdout.strip()
+
+    def token_kubeconfig(self, path: Path, token: str) -> Path:
+        """A kubeconfig that authenticates with `token` only (as a pod's ServiceAccount would)."""
+        path.write_text(yaml.safe_dump(kubeconfig(self.server, self.pki / "ca.crt", {"token": token})))
+        return path
+
+
+#: (apiVersion, kind) -> plural, for the kinds tests create through `dry_run_create`/`create`.
+PLURALS = {
+    ("v1", "ConfigMap"): "configmaps", ("v1", "ServiceAccount"): "serviceaccounts", ("v1", "Pod"): "pods",
+    ("v1", "Secret"): "secrets", ("v1", "Event"): "events",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles", ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs", ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
+}
+
+
+def collection(obj: dict[str, Any], namespace: str) -> str:
+    api_version, kind = obj["apiVersion"], obj["kind"]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{PLURALS[(api_version, kind)]}"
+
+
+def refusal(answer: dict[str, Any]) -> str:
+    """The API server's message for a refused request, causes included."""
+    causes = [f"{c.get('field', '')}: {c.get('message', '')}" for c in (answer.get("details") or {}).get("causes", [])]
+    return "\n".join([answer.get("message", "")] + causes)
