@@ -8,11 +8,14 @@ every invalid example through both.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainingrun_trainer.config import ApiModel, CheckpointConfig, TrainerConfig
+
+from . import scheduling
+from .scheduling import DNS_SUBDOMAIN, LABEL_VALUE, Affinity, Toleration
 
 GROUP = "trainingrun.dev"
 VERSION = "v1alpha1"
@@ -30,12 +33,14 @@ RUN_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_REPLICAS = 10000
 MAX_ATTEMPT_BUDGET = 1000
 
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+#: A Secret (or ConfigMap) key: letters, digits, '-', '_', '.'; not '.', '..' or anything starting with '..'.
+SECRET_KEY = r"^([-_a-zA-Z0-9]|\.[-_a-zA-Z0-9])[-._a-zA-Z0-9]*$"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 QUANTITY = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
-EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
-LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: A device plugin's extended resource: fully qualified (domain/name), so never cpu, memory or another standard one.
+EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
+#: The port the Kubeflow Training Operator gives the c10d rendezvous in every PyTorchJob pod.
+KUBEFLOW_RENDEZVOUS_PORT = 23456
 
 # Environment names the operator sets itself; a user value would silently break the contract.
 RESERVED_ENV_PREFIXES = ("TRAININGRUN_", "PET_")
@@ -114,7 +119,7 @@ class Resources(ApiModel):
         default="nvidia.com/gpu",
         pattern=EXTENDED_RESOURCE,
         max_length=253,
-        description="Extended resource name of the GPU device plugin.",
+        description="Extended resource name of the GPU device plugin (domain/name, e.g. nvidia.com/gpu, amd.com/gpu).",
     )
     cpu: Optional[str] = Field(
         default=None, pattern=QUANTITY, max_length=64, description="CPU request per pod, e.g. '8' or '7500m'."
@@ -241,21 +246,19 @@ class Metrics(ApiModel):
     """The Prometheus endpoint every trainer rank serves."""
 
     enabled: bool = Field(default=True, description="Serve metrics and expose the port.")
+    model_config = _cel((f"self.port != {KUBEFLOW_RENDEZVOUS_PORT}",
+                         f"metrics.port {KUBEFLOW_RENDEZVOUS_PORT} is the Kubeflow rendezvous port in every pod; "
+                         "choose another port"))
+
     port: int = Field(default=9464, ge=1024, le=65535, description="Port of the metrics endpoint.")
 
-
-class Toleration(ApiModel):
-    """A Kubernetes toleration, as in a pod spec."""
-
-    key: Optional[str] = Field(default=None, max_length=316, description="Taint key; empty matches all keys with Exists.")
-    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: Optional[str] = Field(default=None, max_length=63, description="Taint value for Equal.")
-    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = Field(
-        default=None, description="Taint effect to match; empty matches all."
-    )
-    toleration_seconds: Optional[int] = Field(
-        default=None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears."
-    )
+    @field_validator("port")
+    @classmethod
+    def _not_rendezvous(cls, port: int) -> int:
+        if port == KUBEFLOW_RENDEZVOUS_PORT:
+            raise ValueError(f"{port} is the port the Kubeflow Training Operator gives the rendezvous in every pod; "
+                             "choose another port (the default is 9464)")
+        return port
 
 
 class TrainingRunSpec(ApiModel):
@@ -293,7 +296,7 @@ class TrainingRunSpec(ApiModel):
     image_pull_policy: Optional[Literal["Always", "IfNotPresent", "Never"]] = Field(
         default=None, description="Image pull policy of the trainer container."
     )
-    image_pull_secrets: list[str] = Field(
+    image_pull_secrets: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]] = Field(
         default_factory=list, max_length=16, description="Names of registry Secrets for a private image."
     )
     command: Optional[list[str]] = Field(
@@ -331,9 +334,12 @@ class TrainingRunSpec(ApiModel):
         max_length=63,
         description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label of the PyTorchJob.",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
+        default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Node labels the pods require.",
+        json_schema_extra=scheduling.label_map_schema("nodeSelector"),
+    )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Pod tolerations.")
-    affinity: Optional[dict[str, Any]] = Field(default=None, description="Pod affinity, as in a pod spec.")
+    affinity: Optional[Affinity] = Field(default=None, description="Pod affinity, as in a pod spec.")
     priority_class_name: Optional[str] = Field(
         default=None, pattern=DNS_SUBDOMAIN, max_length=253, description="PriorityClass of the pods."
     )
@@ -344,14 +350,35 @@ class TrainingRunSpec(ApiModel):
         description="Run pods as this existing ServiceAccount (e.g. one bound to a cloud identity); "
         "the operator grants it status reporting for this run. Defaults to a per-run ServiceAccount.",
     )
-    pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on the pods.")
-    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on the pods.")
+    pod_labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
+        default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Extra labels on the pods.",
+        json_schema_extra=scheduling.label_map_schema("podLabels", reserved=True),
+    )
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Extra annotations on the pods.",
+        json_schema_extra=scheduling.annotation_map_schema("podAnnotations"),
+    )
     termination_grace_period_seconds: int = Field(
         default=300,
         ge=30,
         le=3600,
         description="Time between SIGTERM and SIGKILL; the trainer writes an emergency checkpoint in it.",
     )
+
+    @field_validator("node_selector")
+    @classmethod
+    def _node_selector(cls, labels: dict[str, str]) -> dict[str, str]:
+        return scheduling.check_labels(labels)
+
+    @field_validator("pod_labels")
+    @classmethod
+    def _pod_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        return scheduling.check_labels(labels, reserved=True)
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _pod_annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
+        return scheduling.check_annotations(annotations)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainingRunSpec":
@@ -457,9 +484,11 @@ class TrainingRunStatus(ApiModel):
 
 
 class ObjectMeta(BaseModel):
-    """The parts of metadata the operator uses; everything else is kept as it is."""
+    """Kubernetes object metadata: the fields the operator uses, typed and checked as the API server checks
+    them, and the rest of ObjectMeta's fields kept as they are; any other field is refused, as the API
+    server's strict field validation (kubectl's default) refuses `metadata.lables`."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     name: str
     namespace: str = "default"
@@ -467,6 +496,25 @@ class ObjectMeta(BaseModel):
     generation: Optional[int] = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+    generate_name: Optional[str] = Field(default=None, alias="generateName")
+    resource_version: Optional[str] = Field(default=None, alias="resourceVersion")
+    creation_timestamp: Optional[str] = Field(default=None, alias="creationTimestamp")
+    deletion_timestamp: Optional[str] = Field(default=None, alias="deletionTimestamp")
+    deletion_grace_period_seconds: Optional[int] = Field(default=None, alias="deletionGracePeriodSeconds")
+    finalizers: Optional[list[str]] = None
+    owner_references: Optional[list[dict[str, Any]]] = Field(default=None, alias="ownerReferences")
+    managed_fields: Optional[list[dict[str, Any]]] = Field(default=None, alias="managedFields")
+    self_link: Optional[str] = Field(default=None, alias="selfLink")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        return scheduling.check_labels(labels)
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
+        return scheduling.check_annotations(annotations)
 
     @field_validator("name")
     @classmethod

@@ -178,8 +178,12 @@ def contract_env(
 def trainer_env(
     run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
 ) -> list[dict[str, Any]]:
-    """The contract as container env; secrets appear only as secretKeyRef."""
+    """The contract as container env; secrets appear only as secretKeyRef. A variable the user sets in
+    env or secrets.env that the operator also sets as a default (HOME, PYTHONUNBUFFERED,
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT) is the user's: the default is left out, never listed twice (the
+    PyTorchJob CRD refuses a name given twice). Names the contract needs are refused by validation."""
     spec = run.spec
+    users = {e.name for e in spec.env} | {e.name for e in spec.secrets.env}
     env: list[dict[str, Any]] = [
         {"name": name, "value": value}
         for name, value in contract_env(run, attempt, settings.config_path, resume_from).items()
@@ -189,6 +193,7 @@ def trainer_env(
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
     ]
+    env = [e for e in env if e["name"] not in users]
     if spec.secrets.gcs_key_file:
         env.append(
             {"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": f"{settings.gcs_key_dir}/key.json"}
@@ -307,7 +312,7 @@ def pod_template(
     optional = {
         "nodeSelector": dict(spec.node_selector),
         "tolerations": tolerations(spec),
-        "affinity": spec.affinity,
+        "affinity": spec.affinity.to_wire() if spec.affinity else None,
         "priorityClassName": spec.priority_class_name,
         "imagePullSecrets": [{"name": n} for n in spec.image_pull_secrets],
     }

@@ -17,7 +17,7 @@ from . import api
 _DROPPED_KEYS = {"title", "additionalProperties"}
 _PASSED_KEYS = {
     "type", "description", "default", "enum", "format", "pattern", "minimum", "maximum",
-    "minLength", "maxLength", "minItems", "maxItems", "required",
+    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "required",
 }
 
 

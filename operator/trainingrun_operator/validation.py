@@ -6,6 +6,7 @@ how to fix it. Pydantic finds the problems; this module only words them.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 import types
 import typing
@@ -42,10 +43,99 @@ def parse(document: Any) -> api.TrainingRun:
             [Problem("", f"expected a TrainingRun mapping, got {type(document).__name__}; "
                          "the file must be a YAML object with apiVersion, kind, metadata and spec")]
         )
+    document = without_pruned_nulls(document, _crd_schema())
+    too_big = [Problem(path, f"{value} is outside the 64-bit integers Kubernetes stores; use a smaller number")
+               for path, value in _huge_integers(document, "")]
     try:
-        return api.TrainingRun.from_body(document)
+        run = api.TrainingRun.from_body(document)
     except ValidationError as error:
-        raise InvalidTrainingRun(problems_from(error)) from None
+        raise InvalidTrainingRun(problems_from(error) + too_big) from None
+    if too_big:
+        raise InvalidTrainingRun(too_big)
+    return run
+
+
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _huge_integers(value: Any, path: str) -> Iterable[tuple[str, int]]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _huge_integers(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _huge_integers(item, f"{path}[{index}]")
+
+
+@functools.lru_cache(maxsize=1)
+def _crd_schema() -> dict[str, Any]:
+    from . import crd
+
+    return crd.openapi_schema()
+
+
+def without_pruned_nulls(value: Any, schema: dict[str, Any]) -> Any:
+    """The document as the API server sees it before defaulting: a null in a field that is not nullable
+    is dropped (so its default applies), as apiextensions' pruning of nulls does."""
+    if isinstance(value, dict):
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        out = {}
+        for key, item in value.items():
+            sub = properties.get(key) if properties else (extra if isinstance(extra, dict) else None)
+            if item is None and sub is not None and not sub.get("nullable"):
+                continue
+            out[key] = without_pruned_nulls(item, sub) if sub is not None else item
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [without_pruned_nulls(item, schema["items"]) for item in value]
+    return value
+
+
+#: What the API server and etcd take: a ConfigMap's data is at most 1 MiB (core/v1 validation), and
+#: etcd refuses a write over 1.5 MiB; a run's PyTorchJob and the run itself are kept under 1 MiB so
+#: they fit with room for status and managedFields.
+MAX_CONFIG_MAP_BYTES = 1024 * 1024
+MAX_OBJECT_BYTES = 1024 * 1024
+
+
+def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Problem]:
+    """Problems that show only once the children are rendered: sizes the API server or etcd refuse."""
+    import json
+
+    from . import builders
+
+    problems = []
+    size = len(json.dumps(document, separators=(",", ":")))
+    if size > MAX_OBJECT_BYTES:
+        problems.append(Problem("", f"the TrainingRun is {size} bytes; Kubernetes keeps objects under "
+                                    f"{MAX_OBJECT_BYTES} bytes: move large values (initArgs, env) into the image "
+                                    "or storage"))
+    config = builders.config_map(run)
+    size = sum(len(v.encode()) for v in config["data"].values())  # the API server counts values only
+    if size > MAX_CONFIG_MAP_BYTES:
+        problems.append(Problem("spec.trainer", f"renders to a {size}-byte config; a ConfigMap holds at most "
+                                                f"{MAX_CONFIG_MAP_BYTES} bytes: move large initArgs into the image "
+                                                "or storage"))
+    job = builders.pytorch_job(run, 1)
+    size = len(json.dumps(job, separators=(",", ":")))
+    if size > MAX_OBJECT_BYTES:
+        problems.append(Problem("spec.env", f"the PyTorchJob would be {size} bytes; Kubernetes keeps objects under "
+                                            f"{MAX_OBJECT_BYTES} bytes: shorten env values (or mount a ConfigMap)"))
+    return problems
+
+
+def check(document: Any) -> api.TrainingRun:
+    """`parse`, then the rendered children's limits: everything `trainingrun validate` checks."""
+    run = parse(document)
+    problems = rendered_problems(document, run)
+    if problems:
+        raise InvalidTrainingRun(problems)
+    return run
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -74,11 +164,42 @@ _StrictLoader.add_implicit_resolver(
 )
 
 
+#: Nodes a document may have once its YAML aliases are expanded; a "billion laughs" file of a few lines
+#: expands to billions and would take every byte of memory when rendered.
+MAX_EXPANDED_NODES = 100_000
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    if id(node) not in memo:
+        memo[id(node)] = 1  # a recursive alias counts once instead of looping
+        if isinstance(node, yaml.SequenceNode):
+            memo[id(node)] = 1 + sum(_expanded_size(child, memo) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            memo[id(node)] = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    return memo[id(node)]
+
+
+def _load_all(stream: Any) -> Iterable[Any]:
+    loader = _StrictLoader(stream)
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            size = _expanded_size(node, {})
+            if size > MAX_EXPANDED_NODES:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the document expands to {size} nodes through its aliases (*name); at most "
+                    f"{MAX_EXPANDED_NODES} are read: write the values out instead of repeating aliases",
+                    node.start_mark)
+            yield loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def load_file(path: str) -> list[Any]:
     """YAML documents of a file (empty ones dropped); raises InvalidTrainingRun for unreadable files."""
     try:
         with open(path, encoding="utf-8") as stream:
-            documents = [d for d in yaml.load_all(stream, Loader=_StrictLoader) if d is not None]
+            documents = [d for d in _load_all(stream) if d is not None]
     except OSError as error:
         raise InvalidTrainingRun([Problem("", f"cannot read {path}: {error.strerror}")]) from None
     except UnicodeDecodeError:
@@ -100,7 +221,7 @@ def load_runs(path: str) -> list[api.TrainingRun]:
     runs, problems = [], []
     for index, document in enumerate(documents):
         try:
-            runs.append(parse(document))
+            runs.append(check(document))
         except InvalidTrainingRun as error:
             prefix = f"document {index + 1}: " if len(documents) > 1 else ""
             problems += [Problem(prefix + p.path, p.message) for p in error.problems]

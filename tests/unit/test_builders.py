@@ -52,7 +52,7 @@ def test_examples_render_children_that_real_schemas_accept(example, pytorchjob_s
     assert runs
     for run in runs:
         run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"uid": "u-1"})})
-        objects = builders.children(run, attempt=2, resume_from="s3://b/ckpt/step-100")
+        objects = builders.children(run, attempt=2, resume_from="s3://bkt/ckpt/step-100")
         assert pytorchjob_problems(job_of(objects), pytorchjob_schema) == []
         assert_valid_builtins(objects)
 

@@ -112,14 +112,14 @@ def test_multi_document_file_names_the_document(tmp_path, capsys):
 
 def test_render_prints_children_as_yaml(capsys):
     example = next(p for p in EXAMPLES if p.name == "gpu-gcs.yaml")
-    assert cli.main(["render", str(example), "--attempt", "3", "--resume-from", "gs://b/x/step-1"]) == 0
+    assert cli.main(["render", str(example), "--attempt", "3", "--resume-from", "gs://bkt/x/step-1"]) == 0
     captured = capsys.readouterr()
     documents = [d for d in yaml.safe_load_all(captured.out) if d]
     assert [d["kind"] for d in documents] == ["ConfigMap", "ServiceAccount", "Role", "RoleBinding", "PyTorchJob"]
     job = documents[-1]
     assert job["metadata"]["name"] == "charlm-gpu-a3"
     env = {e["name"]: e.get("value") for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["TRAININGRUN_RESUME_FROM"] == "gs://b/x/step-1"
+    assert env["TRAININGRUN_RESUME_FROM"] == "gs://bkt/x/step-1"
     assert "no metadata.uid" in captured.err  # the placeholder is announced, not hidden
 
 

@@ -16,7 +16,7 @@ MINIMAL = {
     "apiVersion": "trainingrun.dev/v1alpha1",
     "kind": "TrainingRun",
     "metadata": {"name": "demo"},
-    "spec": {"checkpoint": {"uri": "s3://b/p"}},
+    "spec": {"checkpoint": {"uri": "s3://bkt/p"}},
 }
 
 
@@ -59,7 +59,7 @@ def test_minimal_run_is_admitted_and_defaulted(crd):
     assert spec["trainer"]["optimizer"]["name"] == "adamw"
     assert spec["checkpoint"]["interval"]["steps"] == 500
     assert spec["resources"]["gpu"] == 0
-    assert MINIMAL["spec"] == {"checkpoint": {"uri": "s3://b/p"}}  # the input is not changed
+    assert MINIMAL["spec"] == {"checkpoint": {"uri": "s3://bkt/p"}}  # the input is not changed
 
 
 def test_given_values_win_over_defaults(crd):
@@ -78,7 +78,7 @@ def test_null_in_non_nullable_field_is_pruned_then_defaulted(crd):
 
 
 def test_null_in_nullable_field_is_kept_and_not_defaulted(crd):
-    defaulted, errors = admit(crd, with_spec(checkpoint={"uri": "s3://b/p", "interval": {"steps": None, "seconds": 60}}))
+    defaulted, errors = admit(crd, with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": None, "seconds": 60}}))
     assert errors == []
     assert defaulted["spec"]["checkpoint"]["interval"] == {"steps": None, "seconds": 60}
 
@@ -89,13 +89,13 @@ CEL_CASES = [
     ("replicas-min-over-max", with_spec(replicas={"min": 3, "max": 2}), "spec.replicas", "replicas.min must be <= replicas.max"),
     (
         "interval-neither-steps-nor-seconds",
-        with_spec(checkpoint={"uri": "s3://b/p", "interval": {"steps": None}}),
+        with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": None}}),
         "spec.checkpoint.interval",
         "set checkpoint.interval.steps, checkpoint.interval.seconds or both",
     ),
     (
         "endpoint-url-with-gs-uri",
-        with_spec(checkpoint={"uri": "gs://b/p", "endpointUrl": "http://minio:9000"}),
+        with_spec(checkpoint={"uri": "gs://bkt/p", "endpointUrl": "http://minio:9000"}),
         "spec.checkpoint",
         "endpointUrl is only used with s3:// URIs",
     ),
@@ -133,6 +133,20 @@ CEL_CASES = [
         "spec",
         "a variable is set in both env and secrets.env",
     ),
+    ("uri-credentials", with_spec(checkpoint={"uri": "s3://KEY:SECRET@bkt/p"}), "spec.checkpoint", "checkpoint.uri holds credentials"),
+    ("uri-whitespace", with_spec(checkpoint={"uri": "s3://bkt/a b"}), "spec.checkpoint", "checkpoint.uri contains whitespace"),
+    ("uri-scheme", with_spec(checkpoint={"uri": "http://bkt/p"}), "spec.checkpoint", "checkpoint.uri must start with gs://"),
+    ("uri-no-bucket", with_spec(checkpoint={"uri": "gs:///p"}), "spec.checkpoint", "checkpoint.uri needs a bucket name"),
+    ("uri-relative-file", with_spec(checkpoint={"uri": "file://rel"}), "spec.checkpoint", "checkpoint.uri: a file:// URI must be absolute"),
+    ("endpoint-credentials", with_spec(checkpoint={"uri": "s3://bkt/p", "endpointUrl": "https://u:p@minio"}), "spec.checkpoint", "checkpoint.endpointUrl holds credentials"),
+    ("metrics-rendezvous-port", with_spec(metrics={"port": 23456}), "spec.metrics", "metrics.port 23456 is the Kubeflow rendezvous port"),
+    ("node-selector-key", with_spec(nodeSelector={"a b": "c"}), "spec.nodeSelector", "nodeSelector: every key must be a Kubernetes qualified name"),
+    ("pod-label-key", with_spec(podLabels={"x/" + "a" * 64: "c"}), "spec.podLabels", "podLabels: every key must be a Kubernetes qualified name"),
+    ("pod-label-reserved", with_spec(podLabels={"training.kubeflow.org/job-name": "x"}), "spec.podLabels", "podLabels: keys under trainingrun.dev/"),
+    ("pod-annotation-key", with_spec(podAnnotations={"a" * 254 + "/b": "c"}), "spec.podAnnotations", "podAnnotations: every key must be"),
+    ("toleration-exists-with-value", with_spec(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]), "spec.tolerations[0]", "tolerations: value must be empty when operator is Exists"),
+    ("toleration-no-key-equal", with_spec(tolerations=[{"value": "v"}]), "spec.tolerations[0]", "tolerations: operator must be Exists when key is empty"),
+    ("toleration-seconds-not-noexecute", with_spec(tolerations=[{"key": "k", "tolerationSeconds": 5}]), "spec.tolerations[0]", "tolerations: tolerationSeconds needs effect NoExecute"),
 ]
 
 
@@ -152,7 +166,7 @@ def test_every_cel_rule_of_the_crd_has_a_violating_case(schema):
 def test_valid_boundaries_pass_the_rules(crd):
     body = with_spec(replicas={"min": 2, "max": 2}, nprocPerNode=2, resources={"gpu": 2}, trainer={"precision": "16-mixed"})
     body["metadata"]["name"] = "a" * 40
-    body["spec"]["checkpoint"] = {"uri": "s3://b/p", "endpointUrl": "http://minio:9000", "interval": {"seconds": 60}}
+    body["spec"]["checkpoint"] = {"uri": "s3://bkt/p", "endpointUrl": "http://minio:9000", "interval": {"seconds": 60}}
     body["spec"]["recovery"] = {"backoffSeconds": 600, "maxBackoffSeconds": 600}
     body["spec"]["env"] = [{"name": "A", "value": "1"}]
     body["spec"]["secrets"] = {"env": [{"name": "B", "secretName": "s", "key": "k"}]}
@@ -176,7 +190,7 @@ def test_rule_that_cannot_evaluate_is_an_error_not_a_pass(crd):
         (with_spec(replicas={"min": "2"}), "spec.replicas.min: '2' is not of type 'integer'"),
         (with_spec(trainer={"precision": "fp8"}), "spec.trainer.precision: 'fp8' is not one of"),
         (with_spec(replicas={"min": 0}), "spec.replicas.min: 0 is less than the minimum of 1"),
-        (with_spec(checkpoint={"uri": "http://x"}), "spec.checkpoint.uri: 'http://x' does not match"),
+        (with_spec(queueName="bad queue"), "spec.queueName: 'bad queue' does not match"),
         ({**MINIMAL, "spec": {}}, "spec.checkpoint: 'checkpoint' is a required property"),
         (with_spec(replica={"min": 1}), "spec.replica: unknown field"),
         (with_spec(env=[{"name": "A"}, {"name": "A"}]), "spec.env[1]: Duplicate value"),

@@ -20,13 +20,13 @@ def test_checkpoint_uri_defaults_under_runs_and_flags_override(tmp_path):
     path.write_text(BODY)
     run = local.load_run(str(path), local.LocalOptions(runs_dir=str(tmp_path / "runs")))
     assert run.spec.checkpoint.uri == f"file://{tmp_path}/runs/laptop/checkpoints"
-    run = local.load_run(str(path), local.LocalOptions(checkpoint_uri="s3://b/p", max_steps=3))
-    assert run.spec.checkpoint.uri == "s3://b/p" and run.spec.trainer.max_steps == 3
+    run = local.load_run(str(path), local.LocalOptions(checkpoint_uri="s3://bkt/p", max_steps=3))
+    assert run.spec.checkpoint.uri == "s3://bkt/p" and run.spec.trainer.max_steps == 3
 
 
 def test_a_cluster_file_of_several_pods_runs_locally_on_a_file_uri(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(BODY.replace("spec:\n", "spec:\n  replicas: {min: 2, max: 4}\n  checkpoint: {uri: gs://b/p}\n"))
+    path.write_text(BODY.replace("spec:\n", "spec:\n  replicas: {min: 2, max: 4}\n  checkpoint: {uri: gs://bkt/p}\n"))
     run = local.load_run(str(path), local.LocalOptions(checkpoint_uri=f"file://{tmp_path}/ckpt"))
     assert run.spec.checkpoint.uri == f"file://{tmp_path}/ckpt" and run.spec.replicas.effective_max == 1
 

@@ -12,7 +12,7 @@ NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
 
 def run_of(**spec):
     body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "demo", "namespace": "ns", "uid": "u"},
-            "spec": {"checkpoint": {"uri": "s3://b/demo"}, **spec}}
+            "spec": {"checkpoint": {"uri": "s3://bkt/demo"}, **spec}}
     return validation.parse(body)
 
 
@@ -40,7 +40,7 @@ def observe(run=None, status=None, jobs=(), pods=(), now=NOW):
 
 def running_status(attempt=1, **extra):
     return {"phase": "Running", "attempt": attempt, "jobName": f"demo-a{attempt}", "startTime": "2026-11-21T11:00:00Z",
-            "attemptStartTime": "2026-11-21T11:59:00Z", "checkpointUri": "s3://b/demo", **extra}
+            "attemptStartTime": "2026-11-21T11:59:00Z", "checkpointUri": "s3://bkt/demo", **extra}
 
 
 # ---------------------------------------------------------------- classification
@@ -103,7 +103,7 @@ def test_a_new_run_starts_attempt_one():
     plan = reconcile.decide(observe())
     assert plan.start_attempt == 1 and plan.resume_from is None and plan.attempt_cause == "initial"
     assert plan.status["phase"] == "Pending" and plan.status["jobName"] == "demo-a1"
-    assert plan.status["checkpointUri"] == "s3://b/demo" and plan.status["startTime"] == "2026-11-21T12:00:00Z"
+    assert plan.status["checkpointUri"] == "s3://bkt/demo" and plan.status["startTime"] == "2026-11-21T12:00:00Z"
 
 
 def test_a_run_created_suspended_creates_a_suspended_job():
@@ -135,10 +135,10 @@ def test_budget_spent_fails_the_run():
 
 def test_recovering_waits_until_the_next_attempt_time():
     status = running_status(phase="Recovering", nextAttemptTime="2026-11-21T12:00:30Z",
-                            lastGoodCheckpoint={"uri": "s3://b/demo/step-00000100", "step": 100})
+                            lastGoodCheckpoint={"uri": "s3://bkt/demo/step-00000100", "step": 100})
     assert reconcile.decide(observe(status=status, jobs=[job(1, "Failed")])).start_attempt is None
     plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed")], now=NOW + timedelta(seconds=30)))
-    assert plan.start_attempt == 2 and plan.resume_from == "s3://b/demo/step-00000100"
+    assert plan.start_attempt == 2 and plan.resume_from == "s3://bkt/demo/step-00000100"
     assert plan.status["nextAttemptTime"] is None  # a merge patch removes it
 
 

@@ -39,7 +39,7 @@ def test_reports_are_coalesced_and_the_newest_wins(api_server):
     reporter = StatusReporter(ApiEndpoint(url, TOKEN, None), "team-a", "demo", min_interval_seconds=3600)
     for step in range(1, 101):
         reporter.report(progress={"step": step, "loss": 1.0 / step})
-    reporter.report(lastGoodCheckpoint={"uri": "s3://b/step-100", "step": 100})
+    reporter.report(lastGoodCheckpoint={"uri": "s3://bkt/step-100", "step": 100})
     reporter.close()
     # The first report may go out alone; everything after it waits for the interval and is merged.
     assert 1 <= len(received) <= 2

@@ -19,6 +19,44 @@ OptimizerName = Literal["adamw", "sgd"]
 Strategy = Literal["ddp", "fsdp2"]
 
 CHECKPOINT_URI_PATTERN = r"^(gs|s3|file)://.+"
+#: A bucket as both GCS and S3 name them: 3-222 lowercase letters, digits, '.', '-', '_'.
+BUCKET_URI_PATTERN = r"^(gs|s3)://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/|$)"
+#: user:password@ (or any userinfo) in a URI's authority.
+CREDENTIALS_IN_URI = r"^[A-Za-z][-+.A-Za-z0-9]*://[^/]*@"
+NO_CREDENTIALS = ("holds credentials (user:password@ before the bucket or host): remove them; give storage "
+                  "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)")
+#: The URI rules as CEL on the checkpoint object, not on the string: for a rule on a string (and for `pattern`)
+#: the API server repeats the value in its error, and a URI may hold credentials; for an object it says "object".
+CHECKPOINT_URI_RULES = [
+    {"rule": f"!self.uri.matches(r'{CREDENTIALS_IN_URI}')", "message": f"checkpoint.uri {NO_CREDENTIALS}"},
+    {"rule": "!self.uri.matches(r'\\s')", "message": "checkpoint.uri contains whitespace; remove it"},
+    {"rule": f"self.uri.matches(r'{CHECKPOINT_URI_PATTERN}')",
+     "message": "checkpoint.uri must start with gs://, s3:// or file:// (gs://bucket/path, s3://bucket/path, "
+                "file:///path)"},
+    {"rule": f"!self.uri.matches(r'^(gs|s3)://') || self.uri.matches(r'{BUCKET_URI_PATTERN}')",
+     "message": "checkpoint.uri needs a bucket name after gs:// or s3:// (3-222 lowercase letters, digits, '.', "
+                "'-'): gs://bucket/path"},
+    {"rule": "!self.uri.startsWith('file://') || self.uri.startsWith('file:///')",
+     "message": "checkpoint.uri: a file:// URI must be absolute: file:///path"},
+]
+
+
+def checkpoint_uri_problem(uri: str) -> Optional[str]:
+    """What is wrong with a checkpoint URI, in words that never repeat credentials; None if it is fine."""
+    if re.match(CREDENTIALS_IN_URI, uri):
+        return NO_CREDENTIALS
+    if re.search(r"\s", uri):
+        return f"{uri.strip()!r} contains whitespace; remove it"
+    if not re.match(CHECKPOINT_URI_PATTERN, uri):
+        scheme = uri.split("://", 1)[0] if "://" in uri else ""
+        found = f"scheme '{scheme}'" if scheme else "no scheme"
+        return f"'{uri}' has {found}; use gs://bucket/path, s3://bucket/path or file:///path"
+    if re.match(r"^(gs|s3)://", uri) and not re.match(BUCKET_URI_PATTERN, uri):
+        return (f"'{uri}' has no valid bucket name after the scheme (3-222 lowercase letters, digits, '.', '-'); "
+                "write gs://bucket/path or s3://bucket/path")
+    if uri.startswith("file://") and not uri.startswith("file:///"):
+        return f"'{uri}' is a relative file:// URI; write it absolute: file:///path"
+    return None
 PYTHON_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
 
@@ -248,17 +286,20 @@ class CheckpointConfig(ApiModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [
+            "x-kubernetes-validations": CHECKPOINT_URI_RULES + [
                 {
                     "rule": "!has(self.endpointUrl) || self.uri.startsWith('s3://')",
                     "message": "endpointUrl is only used with s3:// URIs; remove it or use an s3:// uri",
-                }
+                },
+                {
+                    "rule": f"!has(self.endpointUrl) || !self.endpointUrl.matches(r'{CREDENTIALS_IN_URI}')",
+                    "message": f"checkpoint.endpointUrl {NO_CREDENTIALS}",
+                },
             ]
         }
     )
 
     uri: str = Field(
-        pattern=CHECKPOINT_URI_PATTERN,
         max_length=1024,
         description="Base URI of this run's checkpoints: gs://bucket/path, s3://bucket/path or "
         "file:///path (a volume shared by all pods). The operator never deletes anything here.",
@@ -284,13 +325,17 @@ class CheckpointConfig(ApiModel):
 
     @field_validator("uri", mode="before")
     @classmethod
-    def _scheme(cls, value: Any) -> Any:
-        if isinstance(value, str) and not re.match(CHECKPOINT_URI_PATTERN, value):
-            scheme = value.split("://", 1)[0] if "://" in value else ""
-            found = f"scheme '{scheme}'" if scheme else "no scheme"
-            raise ValueError(
-                f"'{value}' has {found}; use gs://bucket/path, s3://bucket/path or file:///path"
-            )
+    def _uri(cls, value: Any) -> Any:
+        problem = checkpoint_uri_problem(value) if isinstance(value, str) else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("endpoint_url", mode="before")
+    @classmethod
+    def _endpoint(cls, value: Any) -> Any:
+        if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
+            raise ValueError(NO_CREDENTIALS)  # before the pattern check, whose message would repeat the value
         return value
 
     @model_validator(mode="after")

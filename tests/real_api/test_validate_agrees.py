@@ -1,0 +1,172 @@
+"""`trainingrun validate` == a real API server.
+
+Every document of the valid and invalid tables (tests/run_documents.py) and the property test's random
+documents go to kube-apiserver v1.36 as a create with `dryRun=All` and `fieldValidation=Strict` (what
+`kubectl apply` does, without storing anything), with the generated CRD and Kubeflow's v1.9 PyTorchJob CRD
+installed. For every document validate accepts, everything the builders render (ConfigMap, ServiceAccount,
+Role, RoleBinding, PyTorchJob, and a Pod made from the Worker template, where Kubernetes checks labels,
+tolerations, affinity, env, volumes and resources) is accepted too.
+"""
+import copy
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kube_cluster import collection, refusal
+from run_documents import CASES, GAP_CASES, VALID_CASES, documents
+
+from trainingrun_operator import builders, validation
+
+DRY_RUN = "?dryRun=All&fieldValidation=Strict"
+
+#: Documents validate refuses that the API server stores, and why refusing them is right.
+STRICTER_THAN_THE_SERVER = {
+    "pod-label-reserved": "the operator's own label would overwrite it on every pod (the user's value is lost)",
+    "pod-annotations-too-big": "the TrainingRun stores it; every pod of the run is refused (pod_change shows it)",
+    "toleration-key": "the CRD has no CEL rule for it (cost); every pod of the run is refused (pod_change shows it)",
+    "affinity-in-without-values": "the CRD types affinity but not its operator rules; the pods are refused",
+    "integer-past-int64-in-init-args": "initArgs keeps unknown fields: the server stores the number as a float, "
+                                       "so the model would get 1.8446744073709552e+19 instead",
+    "config-map-over-1mib": "the TrainingRun fits etcd's 1.5 MiB; its ConfigMap is over the 1 MiB ConfigMap limit "
+                            "(test_a_config_map_over_1_mib_is_refused shows the limit)",
+}
+
+
+def dry_run(plane, obj, namespace):
+    """(HTTP status, the server's message) for creating `obj` with dryRun=All and strict field validation."""
+    code, answer = plane.request("POST", collection(obj, namespace) + DRY_RUN, obj)
+    return code, refusal(answer) if code >= 400 else ""
+
+
+def server_body(body, namespace):
+    body = copy.deepcopy(body)
+    body["metadata"] = {k: v for k, v in body["metadata"].items() if k not in ("uid", "namespace")}
+    body["metadata"]["namespace"] = namespace
+    return body
+
+
+def pod_from(job, namespace):
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {**copy.deepcopy(template["metadata"]), "name": "worker-0",
+                                                            "namespace": namespace},
+            "spec": copy.deepcopy(template["spec"])}
+
+
+def children_refusals(plane, run, namespace):
+    """Every rendered child of attempt 2 (with a resume point) that the API server refuses, with its message.
+    The run's pods name a ServiceAccount: admission needs it to exist, as it would once the operator made it."""
+    objects = builders.children(run, attempt=2, resume_from=run.spec.checkpoint.uri + "/step-00000100")
+    job = objects[-1]
+    refused = []
+    for obj in objects + [pod_from(job, namespace)]:
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["namespace"] = namespace
+        obj["metadata"].pop("ownerReferences", None)  # the run does not exist (dry run): no owner to point at
+        code, message = dry_run(plane, obj, namespace)
+        if code == 409 and obj["kind"] == "ServiceAccount":
+            continue  # made for real by with_service_accounts: Pod admission looks it up
+        if code >= 300:
+            refused.append(f"{obj['kind']}: {code} {message}")
+    return refused
+
+
+@pytest.fixture(scope="module")
+def namespace(kube_cluster_with_crds):
+    plane = kube_cluster_with_crds
+    name = plane.create_namespace("validate-agrees")
+    for account in ("default",):  # pods admitted by dry run need their ServiceAccount to exist
+        plane.kubectl("-n", name, "get", "serviceaccount", account)
+    return name
+
+
+def with_service_accounts(plane, run, namespace):
+    """The ServiceAccount the pods run as, really created (Pod admission looks it up)."""
+    name = builders.pod_service_account(run)
+    plane.kubectl("-n", namespace, "create", "serviceaccount", name, check=False)
+
+
+@pytest.mark.parametrize("change,crd_path", [(c[1], c[3]) for c in CASES], ids=[c[0] for c in CASES])
+def test_invalid_documents_are_refused_by_the_server_too(kube_cluster_with_crds, namespace, minimal_body, change,
+                                                         crd_path):
+    change(minimal_body)
+    with pytest.raises(validation.InvalidTrainingRun):
+        validation.check(minimal_body)
+    code, message = dry_run(kube_cluster_with_crds, server_body(minimal_body, namespace), namespace)
+    assert code in (400, 422), f"the server accepted ({code}) what validate refuses"
+    if crd_path:
+        assert crd_path in message, message
+
+
+@pytest.mark.parametrize("case", GAP_CASES, ids=[c[0] for c in GAP_CASES])
+def test_what_the_cluster_refuses_validate_refuses(kube_cluster_with_crds, namespace, minimal_body, case):
+    case_id, change, expected, crd_path, pod_change = case
+    plane = kube_cluster_with_crds
+    change(minimal_body)
+    with pytest.raises(validation.InvalidTrainingRun) as caught:
+        validation.check(minimal_body)
+    assert any(expected in str(p) for p in caught.value.problems)
+    code, message = dry_run(plane, server_body(minimal_body, namespace), namespace)
+    if code >= 400:
+        assert code in (400, 422), message
+        if crd_path:
+            assert crd_path in message, message
+    else:
+        assert case_id in STRICTER_THAN_THE_SERVER, f"the server stores it ({code}) and no reason is given"
+    for secret in ("wJalrSECRET", "s3cr3tpass"):
+        assert secret not in message  # the server's own messages do not repeat URI credentials either
+    if pod_change is not None:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "namespace": namespace},
+               "spec": {"containers": [{"name": "c", "image": "trainer"}]}}
+        pod_change(pod)
+        code, message = dry_run(plane, pod, namespace)
+        assert code == 422, f"a Pod with the same value was accepted ({code})"
+
+
+def test_a_config_map_over_1_mib_is_refused(kube_cluster_with_crds, namespace):
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big", "namespace": namespace},
+                  "data": {"config.yaml": "x" * (validation.MAX_CONFIG_MAP_BYTES + 1)}}
+    code, message = dry_run(kube_cluster_with_crds, config_map, namespace)
+    assert code == 422 and "1048576" in message, message
+    config_map["data"]["config.yaml"] = config_map["data"]["config.yaml"][:-1]
+    assert dry_run(kube_cluster_with_crds, config_map, namespace)[0] == 201
+
+
+@pytest.mark.parametrize("change", [c[1] for c in VALID_CASES], ids=[c[0] for c in VALID_CASES])
+def test_valid_documents_and_their_children_are_accepted(kube_cluster_with_crds, namespace, minimal_body, change):
+    plane = kube_cluster_with_crds
+    change(minimal_body)
+    run = validation.check(minimal_body)
+    code, message = dry_run(plane, server_body(minimal_body, namespace), namespace)
+    assert code == 201, message
+    run.metadata.namespace = namespace
+    with_service_accounts(plane, run, namespace)
+    assert children_refusals(plane, run, namespace) == []
+
+
+def test_a_users_value_for_an_operator_default_wins_without_a_duplicate(minimal_body):
+    minimal_body["spec"]["env"] = [{"name": "PYTHONUNBUFFERED", "value": "0"}, {"name": "HOME", "value": "/data"}]
+    job = builders.pytorch_job(validation.check(minimal_body), 1)
+    env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+    names = [e["name"] for e in env]
+    assert len(names) == len(set(names))
+    assert {"name": "PYTHONUNBUFFERED", "value": "0"} in env and {"name": "HOME", "value": "/data"} in env
+
+
+# ---------------------------------------------------------------- random documents
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(body=documents())
+def test_random_documents_get_the_same_verdict(kube_cluster_with_crds, namespace, body):
+    plane = kube_cluster_with_crds
+    code, message = dry_run(plane, server_body(body, namespace), namespace)
+    try:
+        run = validation.check(body)
+    except validation.InvalidTrainingRun as error:
+        assert code >= 400, f"validate refuses ({error}) but the server accepts"
+        return
+    assert code == 201, f"validate accepts but the server refuses: {message}"
+    run.metadata.namespace = namespace
+    with_service_accounts(plane, run, namespace)
+    assert children_refusals(plane, run, namespace) == []
