@@ -32,7 +32,8 @@ EVENTS = "v1/events"
 NAMESPACE = "team-a"
 VERBS = {"list", "watch", "get", "patch", "create", "delete", "update"}
 
-TEST_SETTINGS = Settings(metrics_port=0, health_port=0, reconcile_interval_seconds=0.2, crd_check_seconds=0.5)
+TEST_SETTINGS = Settings(metrics_port=0, health_port=0, reconcile_interval_seconds=0.2, crd_check_seconds=0.5,
+                         child_rejected_backoff_seconds=0.5)
 
 
 def declare_resources(kmock: Any, pytorchjobs: bool = True) -> None:

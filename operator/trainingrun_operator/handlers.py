@@ -74,6 +74,8 @@ class OperatorState:
     #: Operator-owned status as last written, until the watch shows it: no double charging.
     written: dict[Key, dict[str, Any]] = field(default_factory=dict)
     locks: dict[Key, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
+    #: Runs whose children the API server refused, until when they wait (see _children_refused).
+    rejections: dict[Key, "Rejection"] = field(default_factory=dict)
     #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
     created_jobs: set[tuple[str, str]] = field(default_factory=set)
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -96,6 +98,7 @@ class OperatorState:
 
     def forget(self, key: Key) -> None:
         self.written.pop(key, None)
+        self.rejections.pop(key, None)
         self.metrics.phases.pop(key, None)
         self.locks.pop(key, None)
         self.metrics.forget_run(*key)
@@ -251,22 +254,45 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
         job_name = builders.job_name(name, plan.start_attempt)
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
             built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
+            generation = (body.get("metadata") or {}).get("generation")
+            held = state.rejections.get(key)
+            if held and held.generation == generation and time.monotonic() < held.retry_at:
+                return  # the server refused this spec's children: wait for the backoff or a spec change
             children = builders.children(built, plan.start_attempt, state.settings, plan.resume_from)
             *support, job = children
+            role_binding = support.pop() if support and support[-1]["kind"] == "RoleBinding" else None
+            role = support.pop() if role_binding and support and support[-1]["kind"] == "Role" else None
             # All at once: in a burst of runs, sending the support children first put every job behind
             # every run's four other creates (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator
             # creates pods only after it has seen the job, by which time the ServiceAccount exists; if
             # not, admission rejects the pod and the Kubeflow operator retries it within milliseconds.
+            # The RoleBinding alone waits for its Role: a real API server's escalation check looks the
+            # Role up and answers 404 while it does not exist yet.
             # Status is written only when all five exist, so a failure here starts the same attempt again.
+            ordered = [job, *support] + ([role, role_binding] if role_binding else [])
             outcomes = await asyncio.gather(_ensure(kube, job), *(_ensure(kube, child) for child in support),
+                                            *([_ensure_in_turn(kube, [c for c in (role, role_binding) if c])]
+                                              if role_binding else []),
                                             return_exceptions=True)
+            if role_binding:  # _ensure_in_turn never raises: its last outcome is the list of both
+                outcomes = [*outcomes[:-1], *outcomes[-1]]
             if not isinstance(outcomes[0], BaseException):
                 state.created_jobs.add((namespace, job_name))
             if outcomes[0] is True:  # the PyTorchJob is new, not adopted
                 state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
+            refused = [(child, outcome) for child, outcome in zip(ordered, outcomes) if _is_refusal(outcome)]
+            if refused:
+                await _children_refused(state, key, body, refused)
+                return
             failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
             if failed:
                 raise failed[0]
+            if state.rejections.pop(key, None) is not None:
+                conditions = reconcile.Conditions(plan.status.get("conditions") or
+                                                  merged_status(body.get("status") or {}, state.written.get(key, {}))
+                                                  .get("conditions") or [], reconcile.rfc3339(state.clock()), generation)
+                if conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects"):
+                    plan.status["conditions"] = conditions.as_list()
     if plan.suspend_job:
         await kube.patch("kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job,
                          {"spec": {"runPolicy": {"suspend": True}}})
@@ -281,6 +307,61 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
             state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
     for note in plan.events:
         await post_event(kube, body, note, state.clock())
+
+
+async def _ensure_in_turn(kube: Kube, children: list[dict[str, Any]]) -> list[Any]:
+    """Create children one after the other (outcomes as gather's, one per child; after a failure, the rest
+    are not tried and carry the same error)."""
+    outcomes: list[Any] = []
+    for child in children:
+        try:
+            outcomes.append(await _ensure(kube, child))
+        except Exception as error:  # noqa: BLE001 - reported like gather's return_exceptions
+            outcomes += [error] * (len(children) - len(outcomes))
+            break
+    return outcomes
+
+
+#: Answers to a create that come right by waiting (namespace or CRD appearing, already exists, throttled);
+#: any other 4xx refuses the object itself, and retrying the same object would be refused again.
+TRANSIENT_CREATE_STATUSES = {404, 409, 429}
+CHILD_REJECTED_MAX_BACKOFF_SECONDS = 300.0
+
+
+@dataclass
+class Rejection:
+    generation: Optional[int]  #: the spec generation whose children were refused
+    retry_at: float  #: time.monotonic() of the next try
+    delay: float
+
+
+def _is_refusal(outcome: Any) -> bool:
+    return isinstance(outcome, ApiError) and 400 <= outcome.status < 500 \
+        and outcome.status not in TRANSIENT_CREATE_STATUSES
+
+
+async def _children_refused(state: OperatorState, key: Key, body: dict[str, Any],
+                            refused: list[tuple[dict[str, Any], ApiError]]) -> None:
+    """The API server refused a child: condition ChildRejected with its words, one Event, and a backoff
+    instead of the same refusal at every resync. A spec change (new generation) tries again at once."""
+    generation = (body.get("metadata") or {}).get("generation")
+    previous = state.rejections.get(key)
+    first, cap = state.settings.child_rejected_backoff_seconds, CHILD_REJECTED_MAX_BACKOFF_SECONDS
+    delay = min(previous.delay * 2, cap) if previous and previous.generation == generation else first
+    state.rejections[key] = Rejection(generation, time.monotonic() + delay, delay)
+    message = "; ".join(f"{c['kind']} {c['metadata']['name']}: {e.status} {e.reason}: {e.message}"
+                        for c, e in refused)[:2000]
+    status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+    conditions = reconcile.Conditions(status.get("conditions") or [], reconcile.rfc3339(state.clock()), generation)
+    flipped = conditions.set("ChildRejected", True, "ChildRejected",
+                             f"the API server refused this run's objects (next try in {delay:.0f}s, or at once after "
+                             f"a spec change): {message}")
+    if flipped:
+        log.warning("%s/%s: the API server refused its objects: %s", key[0], key[1], message)
+    if conditions.changed:
+        plan = reconcile.Plan(status={"conditions": conditions.as_list()},
+                              events=[reconcile.Note("Warning", "ChildRejected", message)] if flipped else [])
+        await _carry_out(state, key, None, body, plan)
 
 
 async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:

@@ -83,8 +83,11 @@ class Kube:
         raise AssertionError("unreachable")
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """POST with strict field validation: a field the server does not know is an error (400), never
+        silently dropped (the PyTorchJob CRD would prune it without a word)."""
         meta = obj["metadata"]
-        return await self.request("POST", collection_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
+        path = collection_path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
+        return await self.request("POST", path + "?fieldValidation=Strict", obj)
 
     async def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any],
                     subresource: str = "") -> dict[str, Any]:

@@ -41,6 +41,9 @@ class Settings:
     keep_failed_attempts: int = 1
     #: How often readiness re-checks that the PyTorchJob CRD is served (TRAININGRUN_CRD_CHECK_SECONDS).
     crd_check_seconds: float = 30.0
+    #: After the API server refuses a run's objects (condition ChildRejected), the first wait before trying
+    #: the same spec again; it doubles up to 300 s, and a spec change tries at once.
+    child_rejected_backoff_seconds: float = 10.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":

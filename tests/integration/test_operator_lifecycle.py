@@ -239,7 +239,7 @@ async def test_operator_restarted_mid_recovery_makes_no_duplicate(kmock, cluster
         status = cluster.status()
     assert cluster.job_names() == ["demo-a1", "demo-a2"]
     assert status["attempt"] == 2 and status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
-    posts = [r for r in list(kmock) if r.method == "POST" and str(r.url).endswith("/pytorchjobs")]
+    posts = [r for r in list(kmock) if r.method == "POST" and str(r.url).split("?")[0].endswith("/pytorchjobs")]
     assert sorted(r.data["metadata"]["name"] for r in posts) == ["demo-a1", "demo-a2"]
 
 

@@ -67,6 +67,29 @@ async def test_a_child_refused_while_the_job_was_created_is_retried_and_the_atte
     assert attempts == {"initial": 1.0}
 
 
+async def test_a_child_the_server_refuses_is_a_condition_and_one_event_then_backed_off(kmock):
+    """A 422 on the PyTorchJob (a real server's answer to an object it will never take): the run says so in
+    condition ChildRejected with the server's words and one Event, retries after a backoff instead of at
+    every resync, and clears the condition once the server takes the objects."""
+    declare_resources(kmock)
+    cluster = Cluster(kmock)
+    refusal = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 422, "reason": "Invalid",
+               "message": 'PyTorchJob.kubeflow.org "demo-a1" is invalid: spec.x: Invalid value: "y"'}
+    kmock[f"post /apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs"][:1] << 422 << refusal
+    async with operator(kmock):
+        await cluster.create_run(training_run())
+        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
+                                                  if c["type"] == "ChildRejected" and c["status"] == "True"))
+        assert "PyTorchJob demo-a1: 422 Invalid" in condition["message"] and "spec.x" in condition["message"]
+        await eventually(lambda: cluster.job("demo-a1"), what="the job once the server takes it")
+        cleared = await eventually(lambda: next(c for c in cluster.status()["conditions"]
+                                                if c["type"] == "ChildRejected" and c["status"] == "False"))
+        assert cleared["reason"] == "Accepted"
+    assert len(cluster.events("ChildRejected")) == 1
+    posts = [r for r in list(kmock) if r.method == "POST" and "pytorchjobs" in str(r.url)]
+    assert len(posts) == 2  # refused, then created after the backoff
+
+
 def _samples(state, name):
     for family in state.metrics.registry.collect():
         for sample in family.samples:

@@ -111,3 +111,30 @@ def test_wrong_api_version_and_kind(minimal_body):
     text = str(caught.value)
     assert "apiVersion: 'trainingrun.dev/v1' is not allowed; did you mean 'trainingrun.dev/v1alpha1'?" in text
     assert "kind: 'TrainingJob' is not allowed; did you mean 'TrainingRun'?" in text
+
+
+def test_a_yaml_alias_bomb_is_refused_without_expanding_it(tmp_path):
+    """Nine levels of nine aliases: 9^9 nodes once expanded (rendering it took ~2 GB before the limit)."""
+    lines = ['a0: &a0 ["x"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(validation.InvalidTrainingRun) as caught:
+        validation.load_file(str(path))
+    assert "expands to" in str(caught.value) and "aliases" in str(caught.value)
+
+
+def test_a_few_aliases_are_fine(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
+                    "spec:\n  checkpoint: {uri: &u 's3://bucket/x'}\n  env: [{name: URI, value: *u}]\n")
+    [run] = validation.load_runs(str(path))
+    assert run.spec.env[0].value == "s3://bucket/x"
+
+
+def test_floats_read_as_kubernetes_reads_them(tmp_path):
+    """kubectl get -o yaml writes 1e-08; YAML 1.1 (PyYAML) would read it as a string."""
+    path = tmp_path / "run.yaml"
+    path.write_text("apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
+                    "spec:\n  checkpoint: {uri: 's3://bucket/x'}\n  trainer: {optimizer: {eps: 1e-08, lr: 3e-4}}\n")
+    [run] = validation.load_runs(str(path))
+    assert run.spec.trainer.optimizer.eps == 1e-08 and run.spec.trainer.optimizer.lr == 3e-4
