@@ -239,8 +239,18 @@ class ControlPlane:
         text = documents if isinstance(documents, str) else yaml.safe_dump_all(list(documents))
         return self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", *extra, input=text)
 
-    def wait_established(self, crd_name: str) -> None:
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd_name}")
+    def wait_established(self, crd_name: str, timeout: float = 60.0) -> None:
+        """Until the CRD is served. (`kubectl wait` fails outright when it looks before the CRD has any
+        conditions: "status.conditions accessor error".)"""
+        deadline = time.monotonic() + timeout
+        while True:
+            code, crd = self.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd_name}")
+            conditions = (crd.get("status") or {}).get("conditions") or [] if code == 200 else []
+            if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"CRD {crd_name} not Established after {timeout}s: {conditions}")
+            time.sleep(0.1)
 
     def create_namespace(self, name: str) -> str:
         self.kubectl("create", "namespace", name)

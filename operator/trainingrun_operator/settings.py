@@ -42,7 +42,8 @@ class Settings:
     #: How often readiness re-checks that the PyTorchJob CRD is served (TRAININGRUN_CRD_CHECK_SECONDS).
     crd_check_seconds: float = 30.0
     #: After the API server refuses a run's objects (condition ChildRejected), the first wait before trying
-    #: the same spec again; it doubles up to 300 s, and a spec change tries at once.
+    #: the same spec again; it doubles up to 300 s, and a spec change tries at once
+    #: (TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS).
     child_rejected_backoff_seconds: float = 10.0
 
     @classmethod
@@ -69,6 +70,8 @@ class Settings:
                                               defaults.reconcile_interval_seconds, float),
             keep_failed_attempts=number("TRAININGRUN_KEEP_FAILED_ATTEMPTS", defaults.keep_failed_attempts),
             crd_check_seconds=number("TRAININGRUN_CRD_CHECK_SECONDS", defaults.crd_check_seconds, float),
+            child_rejected_backoff_seconds=number("TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS",
+                                                  defaults.child_rejected_backoff_seconds, float),
         )
 
     @property

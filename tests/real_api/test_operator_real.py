@@ -1,0 +1,210 @@
+"""The operator against a real API server, as the chart installs it.
+
+The operator runs as its own process (`trainingrun operator`) authenticated with a token of the chart's
+ServiceAccount (`kubectl create token`), so the chart's RBAC is what is tested: a missing rule is a 403
+here. The test plays the Kubeflow Training Operator (PyTorchJob status through its status subresource, a
+worker pod owned by the job, as Kubeflow creates it) and the kubelet (the pod's status). What a real
+server adds over kmock: uids, generations and resourceVersions it sets itself, the status subresource,
+RBAC with its escalation check, quota admission, and the garbage collector that removes a deleted
+run's children.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+from conftest import REPO
+
+RUNS = "trainingruns.trainingrun.dev"
+JOBS = "pytorchjobs.kubeflow.org"
+RELEASE, RELEASE_NAMESPACE = "tr-real", "trainingrun-real"
+HELM = REPO / ".tools/bin/helm"
+
+
+def wait_for(check, timeout=30.0, what=""):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or check}")
+        time.sleep(0.1)
+
+
+class RealCluster:
+    """kubectl-like reads and writes as the cluster admin (the user, Kubeflow and the kubelet in one)."""
+
+    def __init__(self, plane, namespace):
+        self.plane, self.namespace = plane, namespace
+
+    def get(self, kind, name):
+        result = self.plane.kubectl("-n", self.namespace, "get", kind, name, "-o", "json", check=False)
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    def status(self, name="demo"):
+        return (self.get(RUNS, name) or {}).get("status") or {}
+
+    def condition(self, type_, name="demo"):
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), None)
+
+    def events(self, reason=None):
+        items = json.loads(self.plane.kubectl("-n", self.namespace, "get", "events", "-o", "json").stdout)["items"]
+        return [e for e in items if reason is None or e["reason"] == reason]
+
+    def patch_status(self, kind, name, status):
+        self.plane.kubectl("-n", self.namespace, "patch", kind, name, "--subresource=status", "--type=merge",
+                           "-p", json.dumps({"status": status}))
+
+    def job_condition(self, job_name, *types):
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.patch_status(JOBS, job_name, {"conditions": [
+            {"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": "", "lastUpdateTime": now,
+             "lastTransitionTime": now} for t in types]})
+
+    def worker_pod(self, job_name, index=0):
+        """A worker pod as Kubeflow creates it: the template's labels, owned by the job."""
+        job = self.get(JOBS, job_name)
+        template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+        name = f"{job_name}-worker-{index}"
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": self.namespace,
+                            "labels": {**template["metadata"]["labels"], "training.kubeflow.org/job-name": job_name},
+                            "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                                 "name": job_name, "uid": job["metadata"]["uid"],
+                                                 "controller": True, "blockOwnerDeletion": True}]},
+               "spec": template["spec"]}
+        self.plane.kubectl("create", "-f", "-", input=json.dumps(pod))
+        return name
+
+    def container_terminated(self, pod_name, exit_code, reason):
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.patch_status("pod", pod_name, {"phase": "Failed", "containerStatuses": [{
+            "name": "pytorch", "image": "trainer", "imageID": "", "ready": False, "restartCount": 0,
+            "state": {"terminated": {"exitCode": exit_code, "reason": reason, "startedAt": now, "finishedAt": now}}}]})
+
+    def env_of(self, job_name):
+        container = self.get(JOBS, job_name)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
+    """The chart's identity for the operator (default values: cluster-wide), and a kubeconfig holding only its
+    token, as the operator's pod would have."""
+    plane = kube_cluster_with_crds
+    assert HELM.exists(), f"{HELM} missing: run scripts/install-helm.sh"
+    rendered = subprocess.run([str(HELM), "template", RELEASE, str(REPO / "charts/trainingrun-operator"),
+                               "--namespace", RELEASE_NAMESPACE], capture_output=True, text=True, check=True).stdout
+    # Everything but the Deployment: this test runs the operator itself, with the Deployment's identity.
+    documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "Deployment"]
+    plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
+    plane.apply(documents)
+    account = next(d for d in documents if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    token = plane.token(RELEASE_NAMESPACE, account)
+    return plane.token_kubeconfig(tmp_path_factory.mktemp("operator") / "kubeconfig", token)
+
+
+@pytest.fixture
+def operator_process(operator_kubeconfig, tmp_path):
+    log = tmp_path / "operator.log"
+    env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "0.5",
+           "TRAININGRUN_CRD_CHECK_SECONDS": "1", "TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS": "1",
+           "TRAININGRUN_OPERATOR_METRICS_PORT": "0", "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "trainingrun_operator"], env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "PyTorchJob CRD (kubeflow.org/v1) is served" in log.read_text() or process.poll() is not None,
+                 timeout=60, what="the operator to see the PyTorchJob CRD")
+        assert process.poll() is None, log.read_text()[-3000:]
+        yield log
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        text = log.read_text()
+        # The chart's RBAC allowed every call: RBAC's refusal names the user ("forbidden: User ... cannot ...").
+        assert 'forbidden: User "system:serviceaccount' not in text, text[-3000:]
+
+
+@pytest.fixture
+def cluster(kube_cluster_with_crds, kube_namespace):
+    return RealCluster(kube_cluster_with_crds, kube_namespace)
+
+
+def training_run(namespace, **spec):
+    body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
+            "metadata": {"name": "demo", "namespace": namespace},
+            "spec": {"checkpoint": {"uri": "s3://bucket/demo"}, "recovery": {"backoffSeconds": 0}, **spec}}
+    return json.dumps(body)
+
+
+def test_lifecycle_with_the_charts_identity(cluster, operator_process):
+    plane, ns = cluster.plane, cluster.namespace
+    plane.kubectl("create", "-f", "-", input=training_run(ns))
+    run = cluster.get(RUNS, "demo")
+    wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
+    status = wait_for(lambda: cluster.status().get("phase") == "Pending" and cluster.status())
+    assert status["attempt"] == 1 and status["jobName"] == "demo-a1"
+    assert status["observedGeneration"] == run["metadata"]["generation"]  # the server's, not the test's
+    children = [("configmap", "demo-config"), ("serviceaccount", "demo-trainer"), ("role", "demo-trainer"),
+                ("rolebinding", "demo-trainer"), (JOBS, "demo-a1")]
+    for kind, name in children:
+        owner = cluster.get(kind, name)["metadata"]["ownerReferences"][0]
+        assert owner["uid"] == run["metadata"]["uid"] and owner["controller"] is True, (kind, name)
+
+    cluster.job_condition("demo-a1", "Created", "Running")
+    wait_for(lambda: cluster.status().get("phase") == "Running", what="phase Running")
+    # rank 0 reports a committed checkpoint (through the status subresource, as the trainer does today)
+    checkpoint = {"uri": "s3://bucket/demo/step-00000300", "step": 300, "time": "2026-11-23T00:00:00Z"}
+    cluster.patch_status(RUNS, "demo", {"progress": {"step": 310, "updatedAt": "2026-11-23T00:00:05Z"},
+                                        "lastGoodCheckpoint": checkpoint})
+    pod = cluster.worker_pod("demo-a1")
+    cluster.container_terminated(pod, 134, "Error")  # SIGABRT: a failure, retryable
+    cluster.job_condition("demo-a1", "Created", "Failed")
+
+    wait_for(lambda: cluster.get(JOBS, "demo-a2"), what="attempt 2")
+    assert cluster.env_of("demo-a2")["TRAININGRUN_RESUME_FROM"] == checkpoint["uri"]
+    status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
+    assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
+    assert status["lastGoodCheckpoint"]["step"] == 300  # the operator's status writes kept the trainer's fields
+
+    cluster.job_condition("demo-a2", "Created", "Running")
+    cluster.job_condition("demo-a2", "Created", "Succeeded")
+    status = wait_for(lambda: cluster.status().get("phase") == "Succeeded" and cluster.status())
+    assert status["completionTime"]
+    wait_for(lambda: cluster.events("Succeeded"), what="the Succeeded Event")
+    reasons = [e["reason"] for e in sorted(cluster.events(), key=lambda e: e["metadata"]["creationTimestamp"])]
+    assert reasons.count("AttemptStarted") == 2 and "AttemptFailed" in reasons
+
+    # Deleting the run: the garbage collector removes every child (and the job's pod), the operator nothing.
+    # The collector starts watching a kind it did not know at its next discovery resync (every 30 s): on this
+    # fresh cluster the CRD is seconds old, so the children went 39 s after the delete (built-ins: ~0.2 s).
+    plane.kubectl("-n", ns, "delete", RUNS, "demo", "--wait=true", "--timeout=60s")
+    for kind, name in children + [(JOBS, "demo-a2"), ("pod", pod)]:
+        wait_for(lambda: cluster.get(kind, name) is None, timeout=120,
+                 what=f"the garbage collector to delete {kind}/{name}")
+
+
+def test_a_quota_refusal_is_a_condition_until_the_quota_allows_it(cluster, operator_process):
+    """A refusal the real server makes (quota admission, 403): condition ChildRejected with the server's words
+    and one Event; when the quota is lifted the attempt starts and the condition clears."""
+    plane, ns = cluster.plane, cluster.namespace
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-jobs", "namespace": ns},
+             "spec": {"hard": {"count/pytorchjobs.kubeflow.org": "0"}}}
+    plane.kubectl("create", "-f", "-", input=json.dumps(quota))
+    plane.kubectl("create", "-f", "-", input=training_run(ns))
+    condition = wait_for(lambda: cluster.condition("ChildRejected"), what="condition ChildRejected")
+    # "exceeded quota: no-jobs", or "status unknown for quota: no-jobs" while the quota controller has not yet
+    # counted the new kind: both are the quota admission's 403
+    assert condition["status"] == "True" and "quota: no-jobs" in condition["message"], condition
+    assert "403 Forbidden" in condition["message"]
+    assert cluster.get(JOBS, "demo-a1") is None
+    plane.kubectl("-n", ns, "delete", "resourcequota", "no-jobs")
+    wait_for(lambda: cluster.get(JOBS, "demo-a1"), timeout=30, what="the attempt once the quota is gone")
+    wait_for(lambda: (cluster.condition("ChildRejected") or {}).get("status") == "False", what="the condition cleared")
+    assert len(cluster.events("ChildRejected")) == 1
