@@ -74,6 +74,8 @@ class OperatorState:
     #: Operator-owned status as last written, until the watch shows it: no double charging.
     written: dict[Key, dict[str, Any]] = field(default_factory=dict)
     locks: dict[Key, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
+    #: Warning Events of runs Pending for a while: (when read, what was found), see _pending_warnings.
+    warnings: dict[Key, tuple[float, list[dict[str, Any]]]] = field(default_factory=dict)
     #: Runs whose children the API server refused, until when they wait (see _children_refused).
     rejections: dict[Key, "Rejection"] = field(default_factory=dict)
     #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
@@ -99,6 +101,7 @@ class OperatorState:
     def forget(self, key: Key) -> None:
         self.written.pop(key, None)
         self.rejections.pop(key, None)
+        self.warnings.pop(key, None)
         self.metrics.phases.pop(key, None)
         self.locks.pop(key, None)
         self.metrics.forget_run(*key)
@@ -236,12 +239,40 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
                 jobs={j["metadata"]["name"]: j for j in jobs.get(key, [])},
                 pods=list(pods.get(key, [])), now=state.clock(),
                 keep_failed_attempts=state.settings.keep_failed_attempts,
+                warnings=await _pending_warnings(state, key, status),
             )
             plan = reconcile.decide(observed)
             await _carry_out(state, key, run, body, plan)
             state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
         finally:
             state.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+
+async def _pending_warnings(state: OperatorState, key: Key, status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Warning Events about the current attempt's job and pods, once it has been Pending for a while; read at
+    most once per reconcile interval per run (Events are not watched: they are the busiest kind there is)."""
+    started = reconcile.parse_time(status.get("attemptStartTime"))
+    job_name = status.get("jobName")
+    if status.get("phase") != "Pending" or not started or not job_name or \
+            (state.clock() - started).total_seconds() < state.settings.pending_events_after_seconds:
+        state.warnings.pop(key, None)
+        return []
+    read_at, found = state.warnings.get(key, (float("-inf"), []))
+    if time.monotonic() - read_at < state.settings.reconcile_interval_seconds:
+        return found
+    try:
+        events = await state.client().list("v1", "Event", key[0], fieldSelector="type=Warning", limit="500")
+    except (ApiError, OSError, asyncio.TimeoutError) as error:
+        log.warning("%s/%s: could not read Warning Events: %s", key[0], key[1], error)
+        events = []
+    found = [{"reason": e.get("reason"), "message": e.get("message"), "involvedObject": e.get("involvedObject")}
+             for e in events if _about_job((e.get("involvedObject") or {}).get("name") or "", job_name)]
+    state.warnings[key] = (time.monotonic(), found)
+    return found
+
+
+def _about_job(name: str, job_name: str) -> bool:
+    return name == job_name or name.startswith(job_name + "-")  # the job, or its pods (<job>-worker-<i>)
 
 
 async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingRun], body: dict[str, Any],

@@ -12,6 +12,7 @@ import asyncio
 from typing import Any, Callable, Optional
 
 import aiohttp
+from urllib.parse import urlencode
 
 #: (apiVersion, kind) -> plural, for the kinds the operator writes.
 PLURALS = {
@@ -101,6 +102,12 @@ class Kube:
         except ApiError as error:
             if error.status != 404:
                 raise
+
+    async def list(self, api_version: str, kind: str, namespace: str, **params: str) -> list[dict[str, Any]]:
+        """The items of a collection (one page; `limit` and selectors as keyword arguments)."""
+        query = "?" + urlencode(params) if params else ""
+        found = await self.request("GET", collection_path(api_version, kind, namespace) + query)
+        return found.get("items") or []
 
     async def serves(self, api_version: str, plural: str) -> bool:
         """Whether the API server serves this resource (e.g. a CRD is installed)."""

@@ -38,6 +38,10 @@ class Observed:
     pods: list[dict[str, Any]]  #: this run's pods, every attempt
     now: datetime
     keep_failed_attempts: int = 1  #: failed attempts whose PyTorchJob (and pods, for logs) stay until the run ends
+    #: Warning Events about the current attempt's job and pods (reason, message, involvedObject), read only while
+    #: an attempt has been Pending for a while: they are how pods that are never created, never scheduled or
+    #: never started show (Kubeflow's FailedCreate, the kubelet's FailedMount).
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -197,6 +201,42 @@ def missing_secret(pods: list[dict[str, Any]]) -> Optional[str]:
     return None
 
 
+#: Why an attempt's pods do not run, by condition type: (reason, message). Reported while the run is Pending.
+BLOCKED_CONDITIONS = ("PodsNotCreated", "Unschedulable", "VolumeMountFailed")
+FAILED_CREATE_REASONS = ("FailedCreate", "FailedCreatePod")  # what Kubeflow's pod control records on the job
+
+
+def blocked_pods(job_name: str, pods: list[dict[str, Any]], warnings: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """What keeps an attempt's pods from running, from the scheduler's pod conditions and the Warning Events
+    of Kubeflow (on the job) and the kubelet (on the pods). A missing Secret volume is `missing_secret_volume`'s."""
+    found: dict[str, tuple[str, str]] = {}
+    for pod in pods:
+        for condition in (pod.get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                    and condition.get("reason") == "Unschedulable":
+                found.setdefault("Unschedulable", ("Unschedulable", f"pod {pod['metadata']['name']}: "
+                                                   f"{condition.get('message') or 'no node fits'}"))
+    for event in warnings:
+        about, reason, message = (event.get("involvedObject") or {}).get("name"), event.get("reason"), event.get("message")
+        if about == job_name and reason in FAILED_CREATE_REASONS:
+            found.setdefault("PodsNotCreated", ("FailedCreate", f"PyTorchJob {job_name}: {message}"))
+        elif reason == "FailedMount" and not _about_secret(message):
+            found.setdefault("VolumeMountFailed", ("FailedMount", f"pod {about}: {message}"))
+    return found
+
+
+def _about_secret(message: Any) -> bool:
+    return isinstance(message, str) and 'secret "' in message and "not found" in message
+
+
+def missing_secret_volume(warnings: list[dict[str, Any]]) -> Optional[str]:
+    """The kubelet's FailedMount message for a Secret volume (the GCS key file) that does not exist."""
+    for event in warnings:
+        if event.get("reason") == "FailedMount" and _about_secret(event.get("message")):
+            return f"pod {(event.get('involvedObject') or {}).get('name')}: {event['message']}"
+    return None
+
+
 def backoff_seconds(recovery: api.Recovery, restarts_so_far: int) -> int:
     """Exponential from spec.recovery.backoffSeconds, capped at maxBackoffSeconds."""
     return int(min(recovery.backoff_seconds * 2 ** max(0, restarts_so_far - 1), recovery.max_backoff_seconds))
@@ -299,7 +339,7 @@ def decide(o: Observed) -> Plan:
         return _finish(plan, o, conditions)
 
     pods = pods_of(o.pods, job_name, attempt)
-    secret = missing_secret(pods)
+    secret = missing_secret(pods) or (missing_secret_volume(o.warnings) if phase == "Pending" else None)
     if secret:
         if conditions.set("SecretMissing", True, "CreateContainerConfigError", secret):
             plan.events.append(Note("Warning", "SecretMissing", f"{secret}; create it in namespace "
@@ -309,6 +349,14 @@ def decide(o: Observed) -> Plan:
         plan.events.append(Note("Normal", "SecretsFound", "the missing Secret is there now; the pods are starting"))
 
     state = job_state(job)
+    blocked = blocked_pods(job_name, pods, o.warnings) if phase == "Pending" and state not in TERMINAL else {}
+    for type_ in BLOCKED_CONDITIONS:
+        if type_ in blocked:
+            reason, message = blocked[type_]
+            if conditions.set(type_, True, reason, message[:1000]):
+                plan.events.append(Note("Warning", type_, f"attempt {attempt}: {message}"[:1000]))
+        elif conditions.is_true(type_):
+            conditions.set(type_, False, "Resolved", "no longer seen")
     if state == "Succeeded":
         step = (status.get("progress") or {}).get("step")
         plan.status.update(phase="Succeeded", completionTime=now)

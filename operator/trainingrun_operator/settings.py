@@ -45,6 +45,9 @@ class Settings:
     #: the same spec again; it doubles up to 300 s, and a spec change tries at once
     #: (TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS).
     child_rejected_backoff_seconds: float = 10.0
+    #: An attempt Pending for longer than this has its Warning Events read at each reconcile, so pods that are
+    #: never created, scheduled or started show as a condition (TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS).
+    pending_events_after_seconds: float = 15.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -72,6 +75,8 @@ class Settings:
             crd_check_seconds=number("TRAININGRUN_CRD_CHECK_SECONDS", defaults.crd_check_seconds, float),
             child_rejected_backoff_seconds=number("TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS",
                                                   defaults.child_rejected_backoff_seconds, float),
+            pending_events_after_seconds=number("TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS",
+                                                defaults.pending_events_after_seconds, float),
         )
 
     @property

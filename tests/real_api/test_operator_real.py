@@ -87,6 +87,16 @@ class RealCluster:
             "name": "pytorch", "image": "trainer", "imageID": "", "ready": False, "restartCount": 0,
             "state": {"terminated": {"exitCode": exit_code, "reason": reason, "startedAt": now, "finishedAt": now}}}]})
 
+    def warning(self, kind, name, reason, message):
+        """A Warning Event, as Kubeflow (on the job) or the kubelet (on a pod) records one."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"name": f"{name}.{uuid.uuid4().hex[:10]}", "namespace": self.namespace},
+                 "involvedObject": {"kind": kind, "name": name, "namespace": self.namespace}, "type": "Warning",
+                 "reason": reason, "message": message, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+                 "source": {"component": "test"}}
+        self.plane.kubectl("create", "-f", "-", input=json.dumps(event))
+
     def env_of(self, job_name):
         container = self.get(JOBS, job_name)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
         return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
@@ -114,6 +124,7 @@ def operator_process(operator_kubeconfig, tmp_path):
     log = tmp_path / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "0.5",
            "TRAININGRUN_CRD_CHECK_SECONDS": "1", "TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS": "1",
+           "TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS": "1",
            "TRAININGRUN_OPERATOR_METRICS_PORT": "0", "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "trainingrun_operator"], env=env, stdout=out,
@@ -208,3 +219,36 @@ def test_a_quota_refusal_is_a_condition_until_the_quota_allows_it(cluster, opera
     wait_for(lambda: cluster.get(JOBS, "demo-a1"), timeout=30, what="the attempt once the quota is gone")
     wait_for(lambda: (cluster.condition("ChildRejected") or {}).get("status") == "False", what="the condition cleared")
     assert len(cluster.events("ChildRejected")) == 1
+
+
+def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_process):
+    """Pods never created (Kubeflow's FailedCreate on the job), never scheduled (the scheduler's condition), or
+    never started (the kubelet's FailedMount of a missing Secret): each is a condition within a minute, and
+    all clear when the attempt runs. The test plays Kubeflow, the scheduler and the kubelet."""
+    plane, ns = cluster.plane, cluster.namespace
+    plane.kubectl("create", "-f", "-", input=training_run(ns))
+    wait_for(lambda: cluster.status().get("phase") == "Pending", what="phase Pending")
+    cluster.warning("PyTorchJob", "demo-a1", "FailedCreate",
+                    'Error creating: pods "demo-a1-worker-0" is forbidden: exceeded quota: pods')
+    condition = wait_for(lambda: cluster.condition("PodsNotCreated"), timeout=60, what="condition PodsNotCreated")
+    assert condition["status"] == "True" and "exceeded quota: pods" in condition["message"]
+
+    pod = cluster.worker_pod("demo-a1")
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    cluster.patch_status("pod", pod, {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                      "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+                                                      "lastTransitionTime": now}]})
+    condition = wait_for(lambda: cluster.condition("Unschedulable"), timeout=60, what="condition Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in condition["message"]
+
+    cluster.warning("Pod", pod, "FailedMount", 'MountVolume.SetUp failed for volume "gcs-key" : secret "gcs" not found')
+    condition = wait_for(lambda: cluster.condition("SecretMissing"), timeout=60, what="condition SecretMissing")
+    assert 'secret "gcs" not found' in condition["message"]
+    assert {e["reason"] for e in cluster.events()} >= {"PodsNotCreated", "Unschedulable", "SecretMissing"}
+
+    cluster.patch_status("pod", pod, {"phase": "Running", "conditions": [
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": now}]})
+    cluster.job_condition("demo-a1", "Created", "Running")
+    wait_for(lambda: cluster.status().get("phase") == "Running", what="phase Running")
+    for type_ in ("PodsNotCreated", "Unschedulable", "SecretMissing"):
+        wait_for(lambda: cluster.condition(type_)["status"] == "False", what=f"{type_} cleared")

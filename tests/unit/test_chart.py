@@ -98,6 +98,8 @@ GRANTED_FOR_REASONS = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "get"): "kopf's resource discovery",
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"): "kopf's resource discovery",
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"): "kopf's resource discovery",
+    ("", "events", "list"): "Warning Events of an attempt Pending for 15 s or more (FailedCreate, FailedMount); "
+                            "tests/real_api/test_operator_real.py makes that call",
     ("", "namespaces", "get"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "list"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "watch"): "namespaced mode: kopf matches its namespaces",

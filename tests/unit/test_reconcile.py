@@ -204,3 +204,42 @@ def test_deciding_again_after_the_plan_changes_nothing(scenario):
         jobs.append(job(first.start_attempt))
     second = reconcile.decide(observe(run, status, jobs, pods))
     assert second.status == {} and second.events == [] and second.start_attempt in (None,)
+
+
+# ---------------------------------------------------------------- pods that never run
+
+
+def pending_status(attempt=1):
+    return {**running_status(attempt), "phase": "Pending"}
+
+
+@pytest.mark.parametrize("pods,warnings,type_,words", [
+    ([pod(1, {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                              "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]})], [],
+     "Unschedulable", "3 Insufficient nvidia.com/gpu"),
+    ([], [{"reason": "FailedCreate", "message": 'Error creating: pods "demo-a1-worker-0" is forbidden: exceeded quota',
+           "involvedObject": {"kind": "PyTorchJob", "name": "demo-a1"}}], "PodsNotCreated", "exceeded quota"),
+    ([], [{"reason": "FailedMount", "message": 'MountVolume.SetUp failed for volume "data" : nfs: access denied',
+           "involvedObject": {"kind": "Pod", "name": "demo-a1-worker-0"}}], "VolumeMountFailed", "nfs: access denied"),
+])
+def test_a_pending_attempt_says_why_its_pods_do_not_run(pods, warnings, type_, words):
+    observed = observe(status=pending_status(), jobs=[job(1, "Created")], pods=pods)
+    observed.warnings = warnings
+    plan = reconcile.decide(observed)
+    condition = next(c for c in plan.status["conditions"] if c["type"] == type_)
+    assert condition["status"] == "True" and words in condition["message"]
+    assert [e.reason for e in plan.events] == [type_]
+    # once the attempt runs, the condition is cleared
+    status = merged_status(pending_status(), plan.status)
+    later = reconcile.decide(observe(status={**status, "phase": "Running"}, jobs=[job(1, "Created", "Running")]))
+    assert next(c for c in later.status["conditions"] if c["type"] == type_)["status"] == "False"
+
+
+def test_a_missing_secret_volume_is_secret_missing():
+    observed = observe(status=pending_status(), jobs=[job(1, "Created")])
+    observed.warnings = [{"reason": "FailedMount", "involvedObject": {"kind": "Pod", "name": "demo-a1-worker-0"},
+                          "message": 'MountVolume.SetUp failed for volume "gcs-key" : secret "gcs" not found'}]
+    plan = reconcile.decide(observed)
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "SecretMissing")
+    assert condition["status"] == "True" and 'secret "gcs" not found' in condition["message"]
+    assert not any(c["type"] == "VolumeMountFailed" for c in plan.status["conditions"])

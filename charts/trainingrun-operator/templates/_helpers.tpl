@@ -46,7 +46,7 @@ app.kubernetes.io/component: operator
   verbs: [create, patch]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, list]
 {{- if and (gt (int .Values.replicaCount) 1) .Values.watchNamespaces }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
