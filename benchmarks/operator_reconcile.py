@@ -10,6 +10,13 @@ here for the burst, most of it kmock's). Each burst gets a fresh kmock; medians 
 Targets (issue 5): p50 <= 100 ms, all 200 within 20 s, RSS <= 150 MB.
 
     python benchmarks/operator_reconcile.py [--runs 200] [--repeat 3]
+
+With --real the same is measured against a real control plane (tests/kube_cluster.py, binaries from
+$KUBEBUILDER_ASSETS): bursts of 1, 30, 200 and 2,000 runs, p50/p95 create -> PyTorchJob (seen by a watch),
+runs admitted per second, RSS and CPU per run, beside the bare-watcher floor on the same server.
+Targets (issue 13): p50 <= 100 ms for 30 at once, >= 100 runs/s with 2,000, RSS <= 150 MB with 2,000.
+
+    KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/operator_reconcile.py --real [--sizes 1,30,200,2000]
 """
 from __future__ import annotations
 
@@ -236,11 +243,189 @@ async def main_async(count: int, repeats: int) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- against a real API server (--real)
+
+# The same floor against the real API server: watch TrainingRuns in one namespace, POST a minimal valid
+# PyTorchJob per ADDED event, with the admin's client certificate (kubeconfig's files given as arguments).
+REAL_FLOOR_WATCHER = """
+import asyncio, json, ssl, sys, aiohttp
+url, namespace, ca, cert, key = sys.argv[1:6]
+context = ssl.create_default_context(cafile=ca)
+context.load_cert_chain(cert, key)
+def job(name):
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name + "-a1", "namespace": namespace},
+            "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {"containers": [
+                {"name": "pytorch", "image": "trainer"}]}}}}}}
+async def main():
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=64)) as session:
+        tasks = set()
+        async def create_job(name):
+            async with session.post(f"{url}/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs", json=job(name)) as r:
+                await r.read()
+        print("watching", flush=True)
+        async with session.get(f"{url}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns",
+                               params={"watch": "true"}, timeout=aiohttp.ClientTimeout(total=None)) as response:
+            async for line in response.content:
+                event = json.loads(line)
+                if event["type"] == "ADDED":
+                    task = asyncio.create_task(create_job(event["object"]["metadata"]["name"]))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+asyncio.run(main())
+"""
+
+
+async def real_burst(plane, count: int, namespace: str, command: list[str], env: dict[str, str], ready_line: str,
+                     log_path: Path) -> Burst:
+    """Create `count` TrainingRuns at once in a fresh namespace of the real API server and time each create ->
+    its `<run>-a1` PyTorchJob, as seen by a watch on PyTorchJobs opened before the burst."""
+    import aiohttp
+    import json as json_lib
+
+    plane.create_namespace(namespace)
+    context = plane.ssl_context()
+    log = open(log_path, "w")
+    controller = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while ready_line not in log_path.read_text():
+            if controller.poll() is not None or time.monotonic() > deadline:
+                print(log_path.read_text()[-3000:], file=sys.stderr)
+                raise SystemExit(f"{command[:3]} did not get ready")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # the watches are opened right after that line; give them a moment
+        idle = memory_kb(controller.pid)
+        cpu_before = cpu_seconds(controller.pid), time.process_time()
+        created: dict[str, float] = {}
+        appeared: dict[str, float] = {}
+        connector = aiohttp.TCPConnector(ssl=context, limit=64)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            watching = asyncio.Event()
+
+            async def watch_jobs() -> None:
+                """Until every run's job was seen. A fresh CRD's watch cache can answer the first watches with
+                "Too large resource version" (504): watch again. `watching` is set once a probe job is seen."""
+                while len(appeared) < count:
+                    async with session.get(f"{plane.server}/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs",
+                                           params={"watch": "true"},
+                                           timeout=aiohttp.ClientTimeout(total=None)) as response:
+                        async for line in response.content:
+                            event = json_lib.loads(line)
+                            if event["type"] == "ERROR":
+                                await asyncio.sleep(0.2)
+                                break
+                            name = event["object"]["metadata"].get("name", "")
+                            if name == "probe":
+                                watching.set()
+                            elif event["type"] == "ADDED" and name.endswith("-a1"):
+                                appeared.setdefault(name[:-3], time.monotonic())
+                                if len(appeared) >= count:
+                                    return
+
+            async def probe() -> None:
+                job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                       "metadata": {"name": "probe", "namespace": namespace},
+                       "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {
+                           "containers": [{"name": "pytorch", "image": "trainer"}]}}}}}}
+                url = f"{plane.server}/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs"
+                while not watching.is_set():
+                    async with session.post(url, json=job) as response:
+                        await response.read()
+                    await asyncio.sleep(0.3)
+                    async with session.delete(f"{url}/probe") as response:
+                        await response.read()
+
+            async def create(index: int) -> None:
+                name = f"run-{index:04d}"
+                body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
+                        "metadata": {"name": name, "namespace": namespace},
+                        "spec": {"checkpoint": {"uri": f"s3://bench/{name}"}}}
+                async with session.post(f"{plane.server}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}"
+                                        "/trainingruns", json=body) as response:
+                    assert response.status < 300, await response.text()
+                created[name] = time.monotonic()
+
+            watcher = asyncio.create_task(watch_jobs())
+            await asyncio.wait_for(probe(), 60)
+            started = time.monotonic()
+            await asyncio.gather(*(create(i) for i in range(count)))
+            await asyncio.wait_for(watcher, 600)
+        return Burst(
+            latencies_ms=sorted(max(0.0, appeared[n] - created[n]) * 1000 for n in created),
+            total_s=max(appeared.values()) - started,
+            spread_s=max(created.values()) - min(created.values()),
+            idle_kb=idle, busy_kb=memory_kb(controller.pid),
+            cpu_s=(cpu_seconds(controller.pid) - cpu_before[0], time.process_time() - cpu_before[1]))
+    finally:
+        controller.terminate()
+        controller.wait(30)
+        log.close()
+
+
+async def main_real(sizes: list[int]) -> int:
+    """Every size once against one real control plane (a fresh namespace per burst, the operator watching only
+    it), the operator beside the floor."""
+    import kube_cluster
+
+    assets = os.environ.get(kube_cluster.ASSETS_ENV)
+    missing = kube_cluster.missing_binaries(assets)
+    if missing:
+        raise SystemExit(f"--real needs {', '.join(missing)}: {kube_cluster.HOW_TO_GET}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        plane = kube_cluster.ControlPlane(Path(assets), Path(tmp) / "cluster").start()
+        try:
+            plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"),
+                          "-f", str(REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"))
+            for crd in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org"):
+                plane.wait_established(crd)
+            env = {**os.environ, "KUBECONFIG": str(plane.admin_kubeconfig), "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
+                   "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
+            pki = plane.pki
+            for count in sizes:
+                namespace = f"bench-{count}"
+                operator = await real_burst(plane, count, namespace, [
+                    sys.executable, "-m", "trainingrun_operator", "--standalone", "-n", namespace], env,
+                    "PyTorchJob CRD (kubeflow.org/v1) is served", Path(tmp) / f"{namespace}.log")
+                floor = await real_burst(plane, count, namespace + "-floor", [
+                    sys.executable, "-c", REAL_FLOOR_WATCHER, plane.server, namespace + "-floor", str(pki / "ca.crt"),
+                    str(pki / "admin.crt"), str(pki / "admin.key")], env, "watching", Path(tmp) / f"{namespace}-floor.log")
+                rows.append((count, operator, floor))
+                print(f"  {count} runs: operator p50 {operator.p50:.0f} ms, floor p50 {floor.p50:.0f} ms", flush=True)
+        finally:
+            plane.stop()
+    print("TrainingRuns created at once against a real kube-apiserver v1.36 (etcd, 2 cores shared with it); the "
+          "operator (admin kubeconfig, watching the burst's namespace) beside the floor (a bare watcher POSTing one "
+          "job per run)")
+    print(f"{'runs':>6} {'p50 ms':>8} {'p95 ms':>8} {'runs/s':>8} {'RSS MB':>7} {'CPU ms/run':>10} | "
+          f"{'floor p50':>9} {'floor p95':>9} {'floor runs/s':>12} | {'p50 ratio':>9}")
+    for count, op, fl in rows:
+        print(f"{count:>6} {op.p50:>8.0f} {op.p95:>8.0f} {count / op.total_s:>8.1f} {op.busy_kb['VmRSS'] / 1024:>7.1f} "
+              f"{op.cpu_s[0] * 1000 / count:>10.1f} | {fl.p50:>9.0f} {fl.p95:>9.0f} {count / fl.total_s:>12.1f} | "
+              f"{op.p50 / max(fl.p50, 0.001):>9.2f}")
+    print("targets: p50 <= 100 ms for 30 at once; >= 100 runs/s admitted with 2,000; RSS <= 150 MB with 2,000")
+    by_size = {count: op for count, op, _ in rows}
+    figures = []
+    for count in (1, 30, 200):
+        if count in by_size:
+            figures.append(f"real_p50_ms_{count}={by_size[count].p50:.1f}")
+    if 2000 in by_size:
+        figures += [f"real_runs_per_s_2000={2000 / by_size[2000].total_s:.1f}",
+                    f"real_rss_mb_2000={by_size[2000].busy_kb['VmRSS'] / 1024:.1f}"]
+    print("result: " + " ".join(figures))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3, help="bursts per controller (medians are printed)")
+    parser.add_argument("--real", action="store_true",
+                        help="against a real kube-apiserver started from $KUBEBUILDER_ASSETS, bursts of --sizes")
+    parser.add_argument("--sizes", default="1,30,200,2000", help="with --real: burst sizes, comma-separated")
     args = parser.parse_args()
+    if args.real:
+        return asyncio.run(main_real([int(n) for n in args.sizes.split(",")]))
     return asyncio.run(main_async(args.runs, args.repeat))
 
 
