@@ -284,46 +284,8 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
         assert run is not None
         job_name = builders.job_name(name, plan.start_attempt)
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
-            built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
-            generation = (body.get("metadata") or {}).get("generation")
-            held = state.rejections.get(key)
-            if held and held.generation == generation and time.monotonic() < held.retry_at:
-                return  # the server refused this spec's children: wait for the backoff or a spec change
-            children = builders.children(built, plan.start_attempt, state.settings, plan.resume_from)
-            *support, job = children
-            role_binding = support.pop() if support and support[-1]["kind"] == "RoleBinding" else None
-            role = support.pop() if role_binding and support and support[-1]["kind"] == "Role" else None
-            # All at once: in a burst of runs, sending the support children first put every job behind
-            # every run's four other creates (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator
-            # creates pods only after it has seen the job, by which time the ServiceAccount exists; if
-            # not, admission rejects the pod and the Kubeflow operator retries it within milliseconds.
-            # The RoleBinding alone waits for its Role: a real API server's escalation check looks the
-            # Role up and answers 404 while it does not exist yet.
-            # Status is written only when all five exist, so a failure here starts the same attempt again.
-            ordered = [job, *support] + ([role, role_binding] if role_binding else [])
-            outcomes = await asyncio.gather(_ensure(kube, job), *(_ensure(kube, child) for child in support),
-                                            *([_ensure_in_turn(kube, [c for c in (role, role_binding) if c])]
-                                              if role_binding else []),
-                                            return_exceptions=True)
-            if role_binding:  # _ensure_in_turn never raises: its last outcome is the list of both
-                outcomes = [*outcomes[:-1], *outcomes[-1]]
-            if not isinstance(outcomes[0], BaseException):
-                state.created_jobs.add((namespace, job_name))
-            if outcomes[0] is True:  # the PyTorchJob is new, not adopted
-                state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
-            refused = [(child, outcome) for child, outcome in zip(ordered, outcomes) if _is_refusal(outcome)]
-            if refused:
-                await _children_refused(state, key, body, refused)
+            if not await _create_children(state, key, body, plan, run, job_name):
                 return
-            failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-            if failed:
-                raise failed[0]
-            if state.rejections.pop(key, None) is not None:
-                conditions = reconcile.Conditions(plan.status.get("conditions") or
-                                                  merged_status(body.get("status") or {}, state.written.get(key, {}))
-                                                  .get("conditions") or [], reconcile.rfc3339(state.clock()), generation)
-                if conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects"):
-                    plan.status["conditions"] = conditions.as_list()
     if plan.suspend_job:
         await kube.patch("kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job,
                          {"spec": {"runPolicy": {"suspend": True}}})
@@ -338,6 +300,47 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
             state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
     for note in plan.events:
         await post_event(kube, body, note, state.clock())
+
+
+async def _create_children(state: OperatorState, key: Key, body: dict[str, Any], plan: reconcile.Plan,
+                           run: api.TrainingRun, job_name: str) -> bool:
+    """Create (or adopt) an attempt's children; False when the plan must wait (refused now or recently)."""
+    kube, generation = state.client(), (body.get("metadata") or {}).get("generation")
+    held = state.rejections.get(key)
+    if held and held.generation == generation and time.monotonic() < held.retry_at:
+        return False  # the server refused this spec's children: wait for the backoff or a spec change
+    built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
+    *support, job = builders.children(built, plan.start_attempt, state.settings, plan.resume_from)
+    # All groups at once: in a burst of runs, sending the support children first put every job behind
+    # every run's four other creates (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates
+    # pods only after it has seen the job, by which time the ServiceAccount exists; if not, admission
+    # rejects the pod and the Kubeflow operator retries it within milliseconds. Within a group, in turn:
+    # the RoleBinding waits for its Role, as a real API server's escalation check looks the Role up and
+    # answers 404 while it does not exist. Status is written only when all exist, so a failure here
+    # starts the same attempt again.
+    rbac = [c for c in support if c["kind"] in ("Role", "RoleBinding")]
+    groups = [[job]] + [[c] for c in support if c not in rbac] + ([rbac] if rbac else [])
+    results = await asyncio.gather(*(_ensure_in_turn(kube, group) for group in groups))
+    ordered = [child for group in groups for child in group]
+    outcomes = [outcome for result in results for outcome in result]
+    if not isinstance(outcomes[0], BaseException):
+        state.created_jobs.add((key[0], job_name))
+    if outcomes[0] is True:  # the PyTorchJob is new, not adopted
+        state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
+    refused = [(child, outcome) for child, outcome in zip(ordered, outcomes) if _is_refusal(outcome)]
+    if refused:
+        await _children_refused(state, key, body, refused)
+        return False
+    failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if failed:
+        raise failed[0]
+    if state.rejections.pop(key, None) is not None:
+        status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+        conditions = reconcile.Conditions(plan.status.get("conditions") or status.get("conditions") or [],
+                                          reconcile.rfc3339(state.clock()), generation)
+        if conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects"):
+            plan.status["conditions"] = conditions.as_list()
+    return True
 
 
 async def _ensure_in_turn(kube: Kube, children: list[dict[str, Any]]) -> list[Any]:
