@@ -66,7 +66,7 @@ echo "(exit $code)"
 [ "$code" = 1 ] || fail "the operator without credentials should exit 1, exited $code"
 grep -q "no Kubernetes credentials" <<<"$out" || fail "the operator did not say why it cannot start"
 
-echo "== smoke: operator against an unreachable API (15 s of it; it retries, then exits 1 after about a minute)"
+echo "== smoke: operator against an unreachable API (40 s of it at most; it retries, then exits 1 after about a minute)"
 kubeconfig_dir=$(mktemp -d)
 cat > "$kubeconfig_dir/config" <<EOF
 apiVersion: v1
@@ -77,7 +77,7 @@ users: [{name: smoke, user: {token: smoke}}]
 contexts: [{name: unreachable, context: {cluster: unreachable, user: smoke}}]
 EOF
 chmod -R a+rX "$kubeconfig_dir"
-out=$(timeout 15 podman run --rm --network none -v "$kubeconfig_dir:/kube:ro" -e KUBECONFIG=/kube/config \
+out=$(timeout 40 podman run --rm --network none -v "$kubeconfig_dir:/kube:ro" -e KUBECONFIG=/kube/config \
   "localhost/trainingrun-operator:$VERSION" operator 2>&1 || true)
 grep "cannot reach the Kubernetes API" <<<"$out" || { echo "$out" | tail -5; fail "no clear line about the API"; }
 
