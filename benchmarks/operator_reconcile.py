@@ -382,10 +382,11 @@ async def main_real(sizes: list[int]) -> int:
             env = {**os.environ, "KUBECONFIG": str(plane.admin_kubeconfig), "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
                    "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
             pki = plane.pki
+            profile = ["-m", "cProfile", "-o", os.environ["OPERATOR_PROFILE"]] if os.environ.get("OPERATOR_PROFILE") else []
             for count in sizes:
                 namespace = f"bench-{count}"
                 operator = await real_burst(plane, count, namespace, [
-                    sys.executable, "-m", "trainingrun_operator", "--standalone", "-n", namespace], env,
+                    sys.executable, *profile, "-m", "trainingrun_operator", "--standalone", "-n", namespace], env,
                     "PyTorchJob CRD (kubeflow.org/v1) is served", Path(tmp) / f"{namespace}.log")
                 floor = await real_burst(plane, count, namespace + "-floor", [
                     sys.executable, "-c", REAL_FLOOR_WATCHER, plane.server, namespace + "-floor", str(pki / "ca.crt"),

@@ -36,16 +36,19 @@ class InvalidTrainingRun(Exception):
         super().__init__("\n".join(str(p) for p in problems))
 
 
-def parse(document: Any) -> api.TrainingRun:
-    """Parse one TrainingRun document or raise InvalidTrainingRun listing all its problems."""
+def parse(document: Any, from_server: bool = False) -> api.TrainingRun:
+    """Parse one TrainingRun document or raise InvalidTrainingRun listing all its problems. `from_server`: the
+    document was stored by the API server, which already pruned nulls and refused integers past int64."""
     if not isinstance(document, dict):
         raise InvalidTrainingRun(
             [Problem("", f"expected a TrainingRun mapping, got {type(document).__name__}; "
                          "the file must be a YAML object with apiVersion, kind, metadata and spec")]
         )
-    document = without_pruned_nulls(document, _crd_schema())
-    too_big = [Problem(path, f"{value} is outside the 64-bit integers Kubernetes stores; use a smaller number")
-               for path, value in _huge_integers(document, "")]
+    too_big = []
+    if not from_server:
+        document = without_pruned_nulls(document, _crd_schema())
+        too_big = [Problem(path, f"{value} is outside the 64-bit integers Kubernetes stores; use a smaller number")
+                   for path, value in _huge_integers(document, "")]
     try:
         run = api.TrainingRun.from_body(document)
     except ValidationError as error:

@@ -63,7 +63,9 @@ async def test_failure_recovers_into_attempt_2_resuming_from_the_last_good_check
         assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
         failed = await eventually(lambda: cluster.events("AttemptFailed"))
         assert len(failed) == 1 and "exited with 137 (OOMKilled)" in failed[0]["message"]
-        assert "resuming from s3://bucket/demo/step-00000300" in cluster.events("AttemptStarted")[-1]["message"]
+        # the Event is posted just after the status it explains: wait for it rather than read it at once
+        await eventually(lambda: any("resuming from s3://bucket/demo/step-00000300" in e["message"]
+                                     for e in cluster.events("AttemptStarted")), what="attempt 2's Event")
         assert cluster.job_names() == ["demo-a1", "demo-a2"]  # the failed attempt stays for its logs
 
 
