@@ -6,6 +6,7 @@ offline tool did: every CRD default against the schema's own CEL rules, CEL cost
 decoding, and RBAC objects as the RBAC API stores them.
 """
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -39,7 +40,13 @@ def test_crds_install_server_side_and_explain_answers(kube_cluster_with_crds):
     stored = yaml.safe_load(plane.kubectl("get", "crd", "trainingruns.trainingrun.dev", "-o", "yaml").stdout)
     conditions = {c["type"]: c["status"] for c in stored["status"]["conditions"]}
     assert conditions["Established"] == "True" and conditions["NamesAccepted"] == "True"
-    explained = plane.kubectl("explain", "trainingrun.spec.recovery").stdout
+    # Established comes before the API server publishes the kind's discovery and OpenAPI (seen in CI:
+    # "couldn't find resource"): a user running explain right after apply waits the same way.
+    deadline = time.monotonic() + 60
+    while (result := plane.kubectl("explain", "trainingrun.spec.recovery", check=False)).returncode != 0:
+        assert time.monotonic() < deadline, result.stderr
+        time.sleep(0.5)
+    explained = result.stdout
     assert "backoffSeconds" in explained and "maxBackoffSeconds" in explained and "Restart budgets" in explained
     # Re-applying the committed files is a no-op, as `helm upgrade` and GitOps tools do it.
     again = plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds")).stdout
