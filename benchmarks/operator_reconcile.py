@@ -111,6 +111,16 @@ class Burst:
     busy_kb: dict[str, int]
     cpu_s: tuple[float, float]  # (controller, kmock + this client)
 
+    @classmethod
+    def measured(cls, created: dict[str, float], appeared: dict[str, float], started: float, pid: int,
+                 idle: dict[str, int], cpu_before: tuple[float, float]) -> "Burst":
+        """From each run's create time and its job's arrival (time.monotonic()), and the controller's process."""
+        return cls(latencies_ms=sorted(max(0.0, appeared[n] - created[n]) * 1000 for n in created),
+                   total_s=max(appeared.values()) - started,
+                   spread_s=max(created.values()) - min(created.values()),
+                   idle_kb=idle, busy_kb=memory_kb(pid),
+                   cpu_s=(cpu_seconds(pid) - cpu_before[0], time.process_time() - cpu_before[1]))
+
     @property
     def p50(self) -> float:
         return statistics.median(self.latencies_ms)
@@ -188,12 +198,7 @@ async def _burst(kmock, url: str, count: int, namespace: str, command: list[str]
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(create(session, i) for i in range(count)))
         await asyncio.wait_for(watcher, 120)
-        return Burst(
-            latencies_ms=sorted(max(0.0, appeared[n] - created[n]) * 1000 for n in created),
-            total_s=max(appeared.values()) - started,
-            spread_s=max(created.values()) - min(created.values()),
-            idle_kb=idle, busy_kb=memory_kb(controller.pid),
-            cpu_s=(cpu_seconds(controller.pid) - cpu_before[0], time.process_time() - cpu_before[1]))
+        return Burst.measured(created, appeared, started, controller.pid, idle, cpu_before)
     finally:
         controller.terminate()
         controller.wait(30)
@@ -350,12 +355,7 @@ async def real_burst(plane, count: int, namespace: str, command: list[str], env:
             started = time.monotonic()
             await asyncio.gather(*(create(i) for i in range(count)))
             await asyncio.wait_for(watcher, 600)
-        return Burst(
-            latencies_ms=sorted(max(0.0, appeared[n] - created[n]) * 1000 for n in created),
-            total_s=max(appeared.values()) - started,
-            spread_s=max(created.values()) - min(created.values()),
-            idle_kb=idle, busy_kb=memory_kb(controller.pid),
-            cpu_s=(cpu_seconds(controller.pid) - cpu_before[0], time.process_time() - cpu_before[1]))
+        return Burst.measured(created, appeared, started, controller.pid, idle, cpu_before)
     finally:
         controller.terminate()
         controller.wait(30)

@@ -96,6 +96,7 @@ class ControlPlane:
     workdir: Path
     server: str = ""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _contexts: dict[bool, ssl.SSLContext] = field(default_factory=dict, repr=False)
 
     @property
     def pki(self) -> Path:
@@ -201,10 +202,14 @@ class ControlPlane:
 
     # ------------------------------------------------------------ talking to it
 
-    def ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
-        return context
+    def ssl_context(self, admin: bool = True) -> ssl.SSLContext:
+        """TLS to the API server (as the admin, by client certificate, unless `admin` is False); made once."""
+        if admin not in self._contexts:
+            context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+            if admin:
+                context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+            self._contexts[admin] = context
+        return self._contexts[admin]
 
     def get_raw(self, path: str) -> str:
         with urllib.request.urlopen(self.server + path, context=self.ssl_context(), timeout=5) as response:
@@ -213,12 +218,10 @@ class ControlPlane:
     def request(self, method: str, path: str, body: Any = None, token: Optional[str] = None,
                 content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
         """One API call as the admin (or as the holder of `token`): (status code, decoded answer)."""
-        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        context = self.ssl_context(admin=not token)
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        else:
-            context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
         try:

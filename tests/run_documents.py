@@ -97,10 +97,6 @@ CASES = [
 # (found on a real API server). Each: (id, change, what validate says, path the CRD reports or None when only
 # a rendered child shows the problem or crd_server cannot model it (metadata), pod_change: the same value put
 # into a Pod, which the server refuses).
-def pod_put(path: str, value):
-    return put(path, value)
-
-
 def container_env(env):
     def change(pod):
         pod["spec"]["containers"][0]["env"] = copy.deepcopy(env)
@@ -109,19 +105,19 @@ def container_env(env):
 
 
 GAP_CASES = [
-    ("pod-label-key", put("spec.podLabels", {"team a": "x"}), "spec.podLabels: key 'team a' is not a valid Kubernetes key", "spec.podLabels", pod_put("metadata.labels", {"team a": "x"})),
-    ("pod-label-value", put("spec.podLabels", {"team": "a b"}), "spec.podLabels.team: 'a b' does not have the expected form", "spec.podLabels.team", pod_put("metadata.labels", {"team": "a b"})),
+    ("pod-label-key", put("spec.podLabels", {"team a": "x"}), "spec.podLabels: key 'team a' is not a valid Kubernetes key", "spec.podLabels", put("metadata.labels", {"team a": "x"})),
+    ("pod-label-value", put("spec.podLabels", {"team": "a b"}), "spec.podLabels.team: 'a b' does not have the expected form", "spec.podLabels.team", put("metadata.labels", {"team": "a b"})),
     ("pod-label-reserved", put("spec.podLabels", {"trainingrun.dev/run": "other"}), "spec.podLabels: label 'trainingrun.dev/run' is set by the operator", "spec.podLabels", None),
-    ("pod-annotation-key", put("spec.podAnnotations", {"bad key": "x"}), "spec.podAnnotations: key 'bad key' is not a valid Kubernetes key", "spec.podAnnotations", pod_put("metadata.annotations", {"bad key": "x"})),
-    ("pod-annotations-too-big", put("spec.podAnnotations", {"a": "x" * 262144}), "spec.podAnnotations: annotations total 262145 bytes", None, pod_put("metadata.annotations", {"a": "x" * 262144})),
-    ("node-selector-key", put("spec.nodeSelector", {"zone name": "a"}), "spec.nodeSelector: key 'zone name' is not a valid Kubernetes key", "spec.nodeSelector", pod_put("spec.nodeSelector", {"zone name": "a"})),
-    ("node-selector-value", put("spec.nodeSelector", {"zone": "a b"}), "spec.nodeSelector.zone: 'a b' does not have the expected form", "spec.nodeSelector.zone", pod_put("spec.nodeSelector", {"zone": "a b"})),
-    ("toleration-key", put("spec.tolerations", [{"key": "a b", "operator": "Exists"}]), "spec.tolerations[0].key: key 'a b' is not a valid Kubernetes key", None, pod_put("spec.tolerations", [{"key": "a b", "operator": "Exists"}])),
-    ("toleration-exists-with-value", put("spec.tolerations", [{"key": "spot", "operator": "Exists", "value": "x"}]), "spec.tolerations[0]: value must be empty when operator is Exists", "spec.tolerations[0]", pod_put("spec.tolerations", [{"key": "spot", "operator": "Exists", "value": "x"}])),
-    ("toleration-equal-without-key", put("spec.tolerations", [{"value": "x"}]), "spec.tolerations[0]: operator must be Exists when key is empty", "spec.tolerations[0]", pod_put("spec.tolerations", [{"operator": "Equal", "value": "x"}])),
-    ("toleration-seconds-without-noexecute", put("spec.tolerations", [{"key": "spot", "operator": "Exists", "tolerationSeconds": 5}]), "spec.tolerations[0]: tolerationSeconds needs effect NoExecute", "spec.tolerations[0]", pod_put("spec.tolerations", [{"key": "spot", "operator": "Exists", "tolerationSeconds": 5}])),
+    ("pod-annotation-key", put("spec.podAnnotations", {"bad key": "x"}), "spec.podAnnotations: key 'bad key' is not a valid Kubernetes key", "spec.podAnnotations", put("metadata.annotations", {"bad key": "x"})),
+    ("pod-annotations-too-big", put("spec.podAnnotations", {"a": "x" * 262144}), "spec.podAnnotations: annotations total 262145 bytes", None, put("metadata.annotations", {"a": "x" * 262144})),
+    ("node-selector-key", put("spec.nodeSelector", {"zone name": "a"}), "spec.nodeSelector: key 'zone name' is not a valid Kubernetes key", "spec.nodeSelector", put("spec.nodeSelector", {"zone name": "a"})),
+    ("node-selector-value", put("spec.nodeSelector", {"zone": "a b"}), "spec.nodeSelector.zone: 'a b' does not have the expected form", "spec.nodeSelector.zone", put("spec.nodeSelector", {"zone": "a b"})),
+    ("toleration-key", put("spec.tolerations", [{"key": "a b", "operator": "Exists"}]), "spec.tolerations[0].key: key 'a b' is not a valid Kubernetes key", None, put("spec.tolerations", [{"key": "a b", "operator": "Exists"}])),
+    ("toleration-exists-with-value", put("spec.tolerations", [{"key": "spot", "operator": "Exists", "value": "x"}]), "spec.tolerations[0]: value must be empty when operator is Exists", "spec.tolerations[0]", put("spec.tolerations", [{"key": "spot", "operator": "Exists", "value": "x"}])),
+    ("toleration-equal-without-key", put("spec.tolerations", [{"value": "x"}]), "spec.tolerations[0]: operator must be Exists when key is empty", "spec.tolerations[0]", put("spec.tolerations", [{"operator": "Equal", "value": "x"}])),
+    ("toleration-seconds-without-noexecute", put("spec.tolerations", [{"key": "spot", "operator": "Exists", "tolerationSeconds": 5}]), "spec.tolerations[0]: tolerationSeconds needs effect NoExecute", "spec.tolerations[0]", put("spec.tolerations", [{"key": "spot", "operator": "Exists", "tolerationSeconds": 5}])),
     ("affinity-unknown-field", put("spec.affinity", {"nodeAffinity": {"requiredDuringScheduling": {}}}), "spec.affinity.nodeAffinity.requiredDuringScheduling: unknown field", "spec.affinity.nodeAffinity.requiredDuringScheduling", None),
-    ("affinity-in-without-values", put("spec.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In"}]}]}}}), "operator In needs values", None, pod_put("spec.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In"}]}]}}})),
+    ("affinity-in-without-values", put("spec.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In"}]}]}}}), "operator In needs values", None, put("spec.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In"}]}]}}})),
     ("gpu-resource-standard", put("spec.resources", {"gpu": 1, "gpuResourceName": "memory"}), "spec.resources.gpuResourceName: 'memory' does not have the expected form", "spec.resources.gpuResourceName", None),
     ("integer-past-int64", put("spec.trainer", {"maxSteps": 2**63}), "spec.trainer.maxSteps: 9223372036854775808 is outside the 64-bit integers", "spec.trainer.maxSteps", None),
     ("integer-past-int64-in-init-args", put("spec.trainer", {"model": {"classPath": "a.B", "initArgs": {"seed": 2**64}}}), "spec.trainer.model.initArgs.seed: 18446744073709551616 is outside the 64-bit integers", None, None),

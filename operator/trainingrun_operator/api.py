@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from trainingrun_trainer.config import ApiModel, CheckpointConfig, TrainerConfig
 
 from . import scheduling
-from .scheduling import DNS_SUBDOMAIN, LABEL_VALUE, Affinity, Toleration
+from .scheduling import (DNS_SUBDOMAIN, LABEL_VALUE, Affinity, Annotations, Labels, NodeSelectorLabels, PodLabels,
+                         Toleration)
 
 GROUP = "trainingrun.dev"
 VERSION = "v1alpha1"
@@ -334,7 +335,7 @@ class TrainingRunSpec(ApiModel):
         max_length=63,
         description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label of the PyTorchJob.",
     )
-    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
+    node_selector: NodeSelectorLabels = Field(
         default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Node labels the pods require.",
         json_schema_extra=scheduling.label_map_schema("nodeSelector"),
     )
@@ -350,11 +351,11 @@ class TrainingRunSpec(ApiModel):
         description="Run pods as this existing ServiceAccount (e.g. one bound to a cloud identity); "
         "the operator grants it status reporting for this run. Defaults to a per-run ServiceAccount.",
     )
-    pod_labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
+    pod_labels: PodLabels = Field(
         default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Extra labels on the pods.",
         json_schema_extra=scheduling.label_map_schema("podLabels", reserved=True),
     )
-    pod_annotations: dict[str, str] = Field(
+    pod_annotations: Annotations = Field(
         default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Extra annotations on the pods.",
         json_schema_extra=scheduling.annotation_map_schema("podAnnotations"),
     )
@@ -364,21 +365,6 @@ class TrainingRunSpec(ApiModel):
         le=3600,
         description="Time between SIGTERM and SIGKILL; the trainer writes an emergency checkpoint in it.",
     )
-
-    @field_validator("node_selector")
-    @classmethod
-    def _node_selector(cls, labels: dict[str, str]) -> dict[str, str]:
-        return scheduling.check_labels(labels)
-
-    @field_validator("pod_labels")
-    @classmethod
-    def _pod_labels(cls, labels: dict[str, str]) -> dict[str, str]:
-        return scheduling.check_labels(labels, reserved=True)
-
-    @field_validator("pod_annotations")
-    @classmethod
-    def _pod_annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
-        return scheduling.check_annotations(annotations)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainingRunSpec":
@@ -494,8 +480,8 @@ class ObjectMeta(BaseModel):
     namespace: str = "default"
     uid: Optional[str] = None
     generation: Optional[int] = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
+    annotations: Annotations = Field(default_factory=dict)
     generate_name: Optional[str] = Field(default=None, alias="generateName")
     resource_version: Optional[str] = Field(default=None, alias="resourceVersion")
     creation_timestamp: Optional[str] = Field(default=None, alias="creationTimestamp")
@@ -505,16 +491,6 @@ class ObjectMeta(BaseModel):
     owner_references: Optional[list[dict[str, Any]]] = Field(default=None, alias="ownerReferences")
     managed_fields: Optional[list[dict[str, Any]]] = Field(default=None, alias="managedFields")
     self_link: Optional[str] = Field(default=None, alias="selfLink")
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
-        return scheduling.check_labels(labels)
-
-    @field_validator("annotations")
-    @classmethod
-    def _annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
-        return scheduling.check_annotations(annotations)
 
     @field_validator("name")
     @classmethod

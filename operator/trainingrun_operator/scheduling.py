@@ -9,10 +9,11 @@ and, where the API server's CEL can express it within its cost budget, as a CRD 
 """
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from trainingrun_trainer.config import ApiModel
 
@@ -75,6 +76,22 @@ def check_annotations(annotations: dict[str, str]) -> dict[str, str]:
     return annotations
 
 
+def _qualified(key: str) -> str:
+    problem = qualified_name_problem(key)
+    if problem:
+        raise ValueError(problem)
+    return key
+
+
+#: Field types that carry Kubernetes' rules (pydantic checks them; the CRD gets bounds and patterns from them).
+QualifiedName = Annotated[str, Field(max_length=317), AfterValidator(_qualified)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
+Labels = Annotated[dict[str, str], AfterValidator(check_labels)]
+PodLabels = Annotated[dict[str, LabelValue], AfterValidator(functools.partial(check_labels, reserved=True))]
+NodeSelectorLabels = Annotated[dict[str, LabelValue], AfterValidator(check_labels)]
+Annotations = Annotated[dict[str, str], AfterValidator(check_annotations)]
+
+
 def _keys_rule(what: str) -> dict[str, Any]:
     return {"rule": f"self.all(k, k.matches(r'{QUALIFIED_NAME}') && k.matches(r'{QUALIFIED_NAME_LENGTHS}'))",
             "message": f"{what}: every key must be a Kubernetes qualified name (optional DNS prefix and '/', then "
@@ -126,11 +143,7 @@ class Toleration(ApiModel):
     @field_validator("key")
     @classmethod
     def _key(cls, key: Optional[str]) -> Optional[str]:
-        if key:
-            problem = qualified_name_problem(key)
-            if problem:
-                raise ValueError(problem)
-        return key
+        return _qualified(key) if key else key  # empty: every key (with Exists)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Toleration":
@@ -148,28 +161,33 @@ class Toleration(ApiModel):
 _SET_OPERATORS = ("In", "NotIn")
 
 
+def requirement_problem(key: str, operator: str, values: list[str]) -> Optional[str]:
+    """Why a label/node selector requirement is refused (core/v1 validation), or None."""
+    if operator in _SET_OPERATORS and not values:
+        return f"operator {operator} needs values; add them"
+    if operator in ("Exists", "DoesNotExist") and values:
+        return f"operator {operator} takes no values; remove them"
+    if operator in ("Gt", "Lt") and (len(values) != 1 or not re.match(r"^-?[0-9]+$", values[0])):
+        return f"operator {operator} needs exactly one integer value"
+    for value in values if operator in _SET_OPERATORS else ():
+        problem = label_value_problem(key, value)
+        if problem:
+            return problem
+    return None
+
+
 class NodeSelectorRequirement(ApiModel):
     """A node label requirement."""
 
-    key: str = Field(max_length=317, description="Node label key.")
+    key: QualifiedName = Field(description="Node label key.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(description="How key and values relate.")
     values: list[str] = Field(default_factory=list, max_length=64, description="Values for In/NotIn; one integer for Gt/Lt.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "NodeSelectorRequirement":
-        problem = qualified_name_problem(self.key)
+        problem = requirement_problem(self.key, self.operator, self.values)
         if problem:
             raise ValueError(problem)
-        if self.operator in _SET_OPERATORS and not self.values:
-            raise ValueError(f"operator {self.operator} needs values; add them")
-        if self.operator in ("Exists", "DoesNotExist") and self.values:
-            raise ValueError(f"operator {self.operator} takes no values; remove them")
-        if self.operator in ("Gt", "Lt") and (len(self.values) != 1 or not re.match(r"^-?[0-9]+$", self.values[0])):
-            raise ValueError(f"operator {self.operator} needs exactly one integer value")
-        for value in self.values if self.operator in _SET_OPERATORS else ():
-            problem = label_value_problem(self.key, value)
-            if problem:
-                raise ValueError(problem)
         return self
 
 
@@ -207,37 +225,24 @@ class NodeAffinity(ApiModel):
 class LabelSelectorRequirement(ApiModel):
     """A pod label requirement."""
 
-    key: str = Field(max_length=317, description="Label key.")
+    key: QualifiedName = Field(description="Label key.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="How key and values relate.")
     values: list[str] = Field(default_factory=list, max_length=64, description="Values for In/NotIn.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "LabelSelectorRequirement":
-        problem = qualified_name_problem(self.key)
+        problem = requirement_problem(self.key, self.operator, self.values)
         if problem:
             raise ValueError(problem)
-        if self.operator in _SET_OPERATORS and not self.values:
-            raise ValueError(f"operator {self.operator} needs values; add them")
-        if self.operator not in _SET_OPERATORS and self.values:
-            raise ValueError(f"operator {self.operator} takes no values; remove them")
-        for value in self.values:
-            problem = label_value_problem(self.key, value)
-            if problem:
-                raise ValueError(problem)
         return self
 
 
 class LabelSelector(ApiModel):
     """Selects pods by labels."""
 
-    match_labels: dict[str, str] = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES, description="Exact labels.")
+    match_labels: Labels = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES, description="Exact labels.")
     match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=64,
                                                               description="Label requirements.")
-
-    @field_validator("match_labels")
-    @classmethod
-    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
-        return check_labels(labels)
 
 
 class PodAffinityTerm(ApiModel):
@@ -246,17 +251,9 @@ class PodAffinityTerm(ApiModel):
     label_selector: Optional[LabelSelector] = Field(default=None, description="Pods this term is about.")
     namespace_selector: Optional[LabelSelector] = Field(default=None, description="Namespaces of those pods.")
     namespaces: list[str] = Field(default_factory=list, max_length=64, description="Namespace names.")
-    topology_key: str = Field(min_length=1, max_length=317, description="Node label that defines a domain.")
+    topology_key: QualifiedName = Field(min_length=1, description="Node label that defines a domain.")
     match_label_keys: list[str] = Field(default_factory=list, max_length=64, description="Keys merged from the pod.")
     mismatch_label_keys: list[str] = Field(default_factory=list, max_length=64, description="Keys excluded from the pod.")
-
-    @field_validator("topology_key")
-    @classmethod
-    def _topology_key(cls, key: str) -> str:
-        problem = qualified_name_problem(key)
-        if problem:
-            raise ValueError(problem)
-        return key
 
 
 class WeightedPodAffinityTerm(ApiModel):
