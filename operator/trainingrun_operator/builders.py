@@ -150,6 +150,12 @@ def role_binding(run: api.TrainingRun) -> dict[str, Any]:
     }
 
 
+#: torchrun settings every pod of a multi-pod run needs. torch reuses the first round's rendezvous store
+#: as the workers' store and never republishes its address: a pod that replaces a deleted one would
+#: wait for the next round until the survivors time out (exit 1, the run fails).
+RENDEZVOUS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def contract_env(
     run: api.TrainingRun, attempt: int, config_path: str, resume_from: Optional[str] = None
 ) -> dict[str, str]:
@@ -165,6 +171,7 @@ def contract_env(
         "TRAININGRUN_CHECKPOINT_URI": spec.checkpoint.uri,
         "PYTHONUNBUFFERED": "1",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
+        **RENDEZVOUS_ENV,
     }
     if resume_from:
         env["TRAININGRUN_RESUME_FROM"] = resume_from

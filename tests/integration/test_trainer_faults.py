@@ -34,6 +34,7 @@ from typing import Optional
 import pytest
 import yaml
 
+from trainingrun_operator import builders
 from trainingrun_operator.builders import DEFAULT_COMMAND
 from trainingrun_trainer import exit_codes
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
@@ -587,3 +588,106 @@ def test_invalid_config_fails_before_any_process_group(tmp_path, launched, chang
     assert proc.finish(deadline_s=60) == exit_codes.CONFIG_ERROR, proc.tail()
     assert message in proc.log and "Traceback" not in proc.log
     assert not (run.dir / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------ 7. pods of a multi-pod run
+
+# Each "pod" is one launcher with one worker, joined over c10d rendezvous as the Kubeflow Training
+# Operator starts elastic workers (PET_* variables); the first one started hosts the rendezvous store,
+# as worker-0 does in a PyTorchJob (its Service name is the rendezvous endpoint).
+POD_RUN = {**EXACT, "maxSteps": 30}
+MAX_RESTARTS = 3
+
+
+def start_pod(run: Run, launched: list, rdzv_port: int, extra_env: Optional[dict] = None) -> Launched:
+    env = {**run.environment(), **builders.RENDEZVOUS_ENV, "PET_NNODES": "2:2", "PET_NPROC_PER_NODE": "1",
+           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{rdzv_port}",
+           "PET_RDZV_ID": run.dir.name, "PET_MAX_RESTARTS": str(MAX_RESTARTS), **(extra_env or {})}
+    proc = Launched(runnable(DEFAULT_COMMAND), env)
+    launched.append(proc)
+    return proc
+
+
+def wait_listening(port: int, proc: Launched) -> None:
+    """Until the rendezvous store accepts connections (the launcher logs nothing while it waits)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert proc.process.poll() is None, f"the launcher exited:\n{proc.tail()}"
+            assert time.monotonic() < deadline, f"nothing listens on {port}:\n{proc.tail()}"
+            time.sleep(0.05)  # polling the port, not a guess at how long it takes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_pods_paused(run: Run, launched: list, pause_at: int) -> tuple[Launched, Launched, int]:
+    """worker-0 (the rendezvous host) and worker-1, both trained to the pause with step 10 committed."""
+    port = free_port()
+    host = start_pod(run, launched, port)
+    wait_listening(port, host)  # its store is up before the second pod looks for it
+    other = start_pod(run, launched, port)
+    for pod in (host, other):
+        pod.wait_for(rank_line(r"\d", "fault_injection", f"paused at item {pause_at} "))
+    host.wait_for(rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "))
+    return host, other, port
+
+
+def test_deleting_the_rendezvous_host_pod_is_retryable(tmp_path, launched):
+    """worker-0 deleted (SIGKILL to all its processes): the other pod's worker fails in its next
+    collective, its agent restarts in place and cannot reach the rendezvous store: the container exits
+    with the retryable code, so Kubeflow restarts it, instead of torchrun's exit 1 (permanent)."""
+    pause_at = first_item_of_step(16, BATCH * 2)
+    run = Run(tmp_path, "host-deleted", POD_RUN).inject(pause_at_items=(pause_at,))
+    host, other, _ = two_pods_paused(run, launched, pause_at)
+    host.kill()
+    release(run.pauses, pause_at)
+    code = other.finish()
+    assert code == exit_codes.RETRYABLE, other.tail()
+    assert "trainingrun launch: rendezvous lost" in other.log
+
+
+def test_a_replaced_pod_rejoins_and_training_resumes_from_the_last_checkpoint(tmp_path, launched, reference_digest):
+    """worker-1 deleted and started again (as Kubeflow does with a deleted pod): the survivor restarts its
+    worker in place, both rejoin a new rendezvous round, resume from step 10 and end with the model
+    of an uninterrupted run. Without RENDEZVOUS_ENV torch 2.13's survivor waits for a store address
+    that is never published and fails after its timeout."""
+    pause_at = first_item_of_step(16, BATCH * 2)
+    run = Run(tmp_path, "worker-replaced", POD_RUN).inject(pause_at_items=(pause_at,))
+    host, other, port = two_pods_paused(run, launched, pause_at)
+    other.kill()
+    release(run.pauses, pause_at)
+    replacement = start_pod(run, launched, port)
+    assert replacement.finish() == 0, replacement.tail()
+    assert host.finish() == 0, host.tail()
+    host.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000010 at step 10"))
+    replacement_steps = [int(s) for s in re.findall(r" rank1 INFO trainingrun\.trainer: step (\d+)/30 ", replacement.log)]
+    assert replacement_steps == list(range(11, 31)), replacement_steps
+    infos = {i.step: i for i in run.store().list()}
+    assert infos[30].valid and infos[30].model_digest == reference_digest
+
+
+def test_a_pod_waiting_in_rendezvous_stops_at_once_on_sigterm_as_pid_1(tmp_path, launched):
+    """The launcher as PID 1 of its own PID namespace, as in a container: the kernel delivers SIGTERM to
+    PID 1 only when it has a handler, and torch installs its handler only once workers run. A pod
+    deleted while it waits for its peers must stop at once (143), not after the grace period."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare --pid (root or user namespaces) to run the launcher as PID 1")
+    run = Run(tmp_path, "alone", POD_RUN)
+    port = free_port()
+    env = {**run.environment(), **builders.RENDEZVOUS_ENV, "PET_NNODES": "2:2", "PET_NPROC_PER_NODE": "1",
+           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}", "PET_RDZV_ID": "alone"}
+    proc = Launched(["unshare", "--pid", "--fork", "--kill-child", *runnable(DEFAULT_COMMAND)], env)
+    launched.append(proc)
+    wait_listening(port, proc)
+    pid_1 = int(subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.process.pid)], capture_output=True,
+                               text=True).stdout.split()[0])
+    os.kill(pid_1, signal.SIGTERM)
+    assert proc.finish(deadline_s=30) == exit_codes.PREEMPTED, proc.tail()
+    assert "trainingrun launch: stopped by SIGTERM" in proc.log

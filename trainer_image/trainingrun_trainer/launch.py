@@ -7,6 +7,12 @@ and turns the workers' exit codes into the container's: a permanent code (1-127)
 deliberately chosen by the trainer wins; a worker killed by a signal explains its peers' failures;
 SIGTERM becomes 143 (see `container_exit_code`).
 
+In a pod the agent is PID 1, which the kernel shields from every signal it has no handler for, and
+torch installs its SIGTERM handler only when workers start: `main` installs one from the start, so a
+pod deleted while it waits in rendezvous stops at once (143) instead of after the grace period.
+A lost rendezvous (its store's host, worker-0, deleted; a round that timed out) is retryable: the
+pod is restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1.
+
     python -m trainingrun_trainer.launch [torchrun options] --module trainingrun_trainer
 
 For the built-in trainer module, workers are forked from a forkserver that has already imported
@@ -131,11 +137,26 @@ def _launch(args: Any) -> None:
         elastic_launch(config=config, entrypoint=run_trainer_worker)(verdict, *args.training_script_args)
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM/SIGINT raise torch's SignalException from the start, as they do once workers run: the
+    agent then stops its workers (if any) without closing the rendezvous, and `main` exits 128+signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args
 
+    _stop_on_signals()
     try:
         _launch(parse_args(list(argv) if argv is not None else sys.argv[1:]))
     except ChildFailedError as error:
@@ -148,6 +169,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The agent got SIGTERM/SIGINT itself (pod deletion, Ctrl-C) and has stopped the workers.
         print(f"trainingrun launch: stopped by {signal.Signals(error.sigval).name}", file=sys.stderr)
         return 128 + int(error.sigval)
+    except (RendezvousError, DistNetworkError, DistStoreError) as error:
+        # The rendezvous store went with its host, or a round never completed: not the trainer's fault.
+        print(f"trainingrun launch: rendezvous lost ({type(error).__name__}: {error}) -> exit "
+              f"{exit_codes.RETRYABLE} (retryable: the pod restarts and rejoins)", file=sys.stderr)
+        return exit_codes.RETRYABLE
     return exit_codes.OK
 
 
