@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test crd monitoring manifests clean
+.PHONY: setup demo test e2e crd monitoring manifests clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,14 @@ demo: setup
 K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURDIR)/.tools/k8s))
 test: setup
 	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest
+
+# The end-to-end tier (tests/e2e/): a real single-node cluster, Kubeflow, our chart and images; as root.
+# Needs the node's packages and the image archives: scripts/install-node.sh, scripts/build-images.sh,
+# scripts/e2e-images.sh (bash .ci/run does all of it).
+e2e: setup
+	bash scripts/install-helm.sh
+	bash scripts/install-node.sh
+	KUBEBUILDER_ASSETS=$(CURDIR)/.tools/k8s $(BIN)/pytest -m e2e tests/e2e
 
 # Regenerate the committed CRD files after changing operator/trainingrun_operator/api.py.
 crd: setup

@@ -54,9 +54,11 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_pki(folder: Path) -> None:
+def make_pki(folder: Path, node: Optional[tuple[str, str]] = None) -> None:
     """A CA, the API server's serving certificate, client certificates for the admin (system:masters)
-    and the controller manager, and the ServiceAccount token key pair."""
+    and the controller manager, and the ServiceAccount token key pair; with `node` (its name and
+    address) also the node's: the kubelet's client and serving certificates, the scheduler's,
+    kube-proxy's, the DNS server's and the API server's client certificate for kubelets."""
     folder.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
              "-days", "30", "-subj", "/CN=trainingrun-test-ca", cwd=folder)
@@ -70,10 +72,21 @@ def make_pki(folder: Path) -> None:
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", f"{name}.crt", "-days", "30", "-extfile", f"{name}.ext", cwd=folder)
 
+    node_ip = f",IP:{node[1]}" if node else ""
     sign("apiserver", "/CN=kube-apiserver", "serverAuth",
-         "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:localhost,IP:127.0.0.1,IP:10.96.0.1")
+         "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,"
+         f"DNS:localhost,IP:127.0.0.1,IP:10.96.0.1{node_ip}")
     sign("admin", "/O=system:masters/CN=kubernetes-admin", "clientAuth")
     sign("controller-manager", "/CN=system:kube-controller-manager", "clientAuth")
+    if node:
+        name, address = node
+        sign("kubelet-client", f"/O=system:nodes/CN=system:node:{name}", "clientAuth")
+        sign("kubelet-serving", f"/O=system:nodes/CN=system:node:{name}", "serverAuth",
+             f"DNS:{name},DNS:localhost,IP:127.0.0.1,IP:{address}")
+        sign("scheduler", "/CN=system:kube-scheduler", "clientAuth")
+        sign("kube-proxy", "/CN=system:kube-proxy", "clientAuth")
+        sign("dns", "/CN=e2e-dns", "clientAuth")
+        sign("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client", "clientAuth")
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 
@@ -94,6 +107,9 @@ class ControlPlane:
 
     assets: Path
     workdir: Path
+    #: (name, address) of a node that will join (tests/kube_node.py): the API server then listens on
+    #: every address and advertises this one, which pods reach through the `kubernetes` Service.
+    node: Optional[tuple[str, str]] = None
     server: str = ""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     _contexts: dict[bool, ssl.SSLContext] = field(default_factory=dict, repr=False)
@@ -111,7 +127,7 @@ class ControlPlane:
 
     def start(self) -> "ControlPlane":
         started = time.monotonic()
-        make_pki(self.pki)
+        make_pki(self.pki, self.node)
         etcd_port, etcd_peer, api_port, kcm_port = free_port(), free_port(), free_port(), free_port()
         self.server = f"https://127.0.0.1:{api_port}"
         pki = self.pki
@@ -124,9 +140,14 @@ class ControlPlane:
             "--initial-cluster", f"test=http://127.0.0.1:{etcd_peer}",
             "--unsafe-no-fsync", "--log-level", "warn",
         ])
+        node_flags = [
+            "--bind-address=0.0.0.0", f"--advertise-address={self.node[1]}",
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}", "--kubelet-preferred-address-types=InternalIP",
+        ] if self.node else ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
         self._spawn("kube-apiserver", [
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1", f"--secure-port={api_port}", "--advertise-address=127.0.0.1",
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}", f"--secure-port={api_port}", *node_flags,
             "--service-cluster-ip-range=10.96.0.0/16",
             "--authorization-mode=Node,RBAC",
             f"--client-ca-file={pki / 'ca.crt'}",
@@ -136,14 +157,9 @@ class ControlPlane:
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             "--enable-bootstrap-token-auth=false", "--profiling=false", "--v=1",
         ])
-        self.admin_kubeconfig.write_text(yaml.safe_dump(kubeconfig(self.server, pki / "ca.crt", {
-            "client-certificate-data": base64.b64encode((pki / "admin.crt").read_bytes()).decode(),
-            "client-key-data": base64.b64encode((pki / "admin.key").read_bytes()).decode()})))
+        self.client_kubeconfig("admin")
         self._wait("kube-apiserver /readyz", lambda: self.get_raw("/readyz") == "ok")
-        kcm_config = self.workdir / "controller-manager.kubeconfig"
-        kcm_config.write_text(yaml.safe_dump(kubeconfig(self.server, pki / "ca.crt", {
-            "client-certificate-data": base64.b64encode((pki / "controller-manager.crt").read_bytes()).decode(),
-            "client-key-data": base64.b64encode((pki / "controller-manager.key").read_bytes()).decode()})))
+        kcm_config = self.client_kubeconfig("controller-manager")
         self._spawn("kube-controller-manager", [
             f"--kubeconfig={kcm_config}", f"--authentication-kubeconfig={kcm_config}",
             f"--authorization-kubeconfig={kcm_config}",
@@ -158,6 +174,14 @@ class ControlPlane:
             "-n", "default", "get", "serviceaccount", "default", check=False).returncode == 0)
         self.startup_seconds = time.monotonic() - started
         return self
+
+    def client_kubeconfig(self, certificate: str) -> Path:
+        """A kubeconfig that authenticates with the PKI's client certificate `certificate`."""
+        path = self.workdir / f"{certificate}.kubeconfig"
+        path.write_text(yaml.safe_dump(kubeconfig(self.server, self.pki / "ca.crt", {
+            "client-certificate-data": base64.b64encode((self.pki / f"{certificate}.crt").read_bytes()).decode(),
+            "client-key-data": base64.b64encode((self.pki / f"{certificate}.key").read_bytes()).decode()})))
+        return path
 
     def _spawn(self, component: str, args: list[str]) -> None:
         with open(self.log(component), "wb") as log:

@@ -23,6 +23,7 @@ import os
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported anywhere
 
+import contextlib
 import itertools
 import socket
 import subprocess
@@ -76,7 +77,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(argv: list[str], port: int, name: str) -> tuple[subprocess.Popen, Any]:
+def _start(argv: list[str], port: int, name: str, host: str = "127.0.0.1") -> tuple[subprocess.Popen, Any]:
     """Start a server and poll its port until it accepts a connection, within a deadline."""
     log = tempfile.TemporaryFile(prefix=f"{name}-")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -86,7 +87,7 @@ def _start(argv: list[str], port: int, name: str) -> tuple[subprocess.Popen, Any
             log.seek(0)
             raise RuntimeError(f"{name} exited with {process.returncode}:\n{log.read().decode(errors='replace')}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return process, log
         except OSError:
             pass
@@ -135,14 +136,15 @@ def gcs_server() -> Iterator[StorageServer]:
         log.close()
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[StorageServer]:
-    """moto's S3 server for the whole session (credentials are moto's dummies)."""
+@contextlib.contextmanager
+def moto_s3(host: str = "127.0.0.1") -> Iterator[StorageServer]:
+    """moto's S3 server on `host` (credentials are moto's dummies); the end-to-end tier binds it to the
+    node's address so pods reach it."""
     import s3fs
 
     port = _free_port()
-    process, log = _start([_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, "moto_server")
-    endpoint = f"http://127.0.0.1:{port}"
+    process, log = _start([_bin("moto_server"), "-H", host, "-p", str(port)], port, "moto_server", host)
+    endpoint = f"http://{host}:{port}"
     options = {"key": "testing", "secret": "testing"}
     try:
         fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, **options)
@@ -150,6 +152,13 @@ def s3_server() -> Iterator[StorageServer]:
     finally:
         _stop(process)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[StorageServer]:
+    """moto's S3 server for the whole session."""
+    with moto_s3() as server:
+        yield server
 
 
 @pytest.fixture
