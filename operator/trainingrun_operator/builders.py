@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from decimal import Decimal
 from typing import Any, Optional
 
 import yaml
@@ -156,6 +157,28 @@ def role_binding(run: api.TrainingRun) -> dict[str, Any]:
 RENDEZVOUS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+_QUANTITY_SUFFIXES = {"n": "1e-9", "u": "1e-6", "m": "1e-3", "k": "1e3", "M": "1e6", "G": "1e9", "T": "1e12",
+                      "P": "1e15", "E": "1e18", "Ki": "1024", "Mi": "1048576", "Gi": "1073741824"}
+
+
+def quantity_value(quantity: str) -> Decimal:
+    """A Kubernetes quantity as a number: '500m' -> 0.5, '2' -> 2, '1e3' -> 1000."""
+    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if quantity.endswith(suffix) and not quantity[: -len(suffix)].endswith(("e", "E")):
+            return Decimal(quantity[: -len(suffix)]) * Decimal(_QUANTITY_SUFFIXES[suffix])
+    return Decimal(quantity)
+
+
+def omp_threads(spec: api.TrainingRunSpec) -> Optional[int]:
+    """Intra-op threads per process: the pod's CPU request shared by its processes (at least 1).
+    torch otherwise starts a thread per core of the node, whatever the pod may use: oversubscribed
+    processes, and numerics that change with the node (a run and its resumed attempts, or the same
+    file under `trainingrun local`, would not compute the same model)."""
+    if not spec.resources.cpu:
+        return None
+    return max(1, int(quantity_value(spec.resources.cpu) // spec.nproc_per_node))
+
+
 def contract_env(
     run: api.TrainingRun, attempt: int, config_path: str, resume_from: Optional[str] = None
 ) -> dict[str, str]:
@@ -173,6 +196,9 @@ def contract_env(
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
         **RENDEZVOUS_ENV,
     }
+    threads = omp_threads(spec)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     if resume_from:
         env["TRAININGRUN_RESUME_FROM"] = resume_from
     if spec.metrics.enabled:
@@ -187,7 +213,7 @@ def trainer_env(
 ) -> list[dict[str, Any]]:
     """The contract as container env; secrets appear only as secretKeyRef. A variable the user sets in
     env or secrets.env that the operator also sets as a default (HOME, PYTHONUNBUFFERED,
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT) is the user's: the default is left out, never listed twice (the
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE, OMP_NUM_THREADS) is the user's: the default is left out, never listed twice (the
     PyTorchJob CRD refuses a name given twice). Names the contract needs are refused by validation."""
     spec = run.spec
     users = {e.name for e in spec.env} | {e.name for e in spec.secrets.env}

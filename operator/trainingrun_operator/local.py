@@ -318,7 +318,10 @@ class LocalRunner:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
         env.update({e.name: e.value for e in self.spec.env})
         env.update(self.secrets)
-        env.update(builders.contract_env(self.run, attempt, str(config_path)))  # as in a pod
+        users = {e.name for e in self.spec.env} | set(self.secrets)
+        # As in a pod: the contract, where a default the user also set (OMP_NUM_THREADS, HOME, ...) is the user's.
+        env.update({k: v for k, v in builders.contract_env(self.run, attempt, str(config_path)).items()
+                    if k not in users or k.startswith("TRAININGRUN_")})
         env.update({
             "TRAININGRUN_STATUS_URL": status_url,
             "TRAININGRUN_REPORT_INTERVAL_SECONDS": "0.1",

@@ -259,3 +259,25 @@ def test_settings_default_image_and_override(minimal_body, monkeypatch):
     assert image(builders.pytorch_job(run, 1, settings)) == "registry.local/trainer:dev"
     minimal_body["spec"]["image"] = "mine:1"
     assert image(builders.pytorch_job(run_from(minimal_body), 1, settings)) == "mine:1"
+
+
+@pytest.mark.parametrize("cpu,nproc,threads", [("500m", 1, "1"), ("8", 2, "4"), ("7500m", 2, "3"), ("1e1", 4, "2"),
+                                               (None, 2, None)])
+def test_each_process_gets_its_share_of_the_cpu_request_as_threads(minimal_body, cpu, nproc, threads):
+    """torch starts a thread per node core whatever the pod may use: oversubscribed, and numerics that
+    depend on the node, so the same file would compute another model on another node or locally."""
+    minimal_body["spec"]["nprocPerNode"] = nproc
+    if cpu:
+        minimal_body["spec"]["resources"] = {"cpu": cpu}
+    container = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env.get("OMP_NUM_THREADS") == threads
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_the_users_thread_count_wins_without_a_duplicate(minimal_body):
+    minimal_body["spec"].update(resources={"cpu": "8"}, env=[{"name": "OMP_NUM_THREADS", "value": "3"}])
+    container = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "template"]["spec"]["containers"][0]
+    assert [e.get("value") for e in container["env"] if e["name"] == "OMP_NUM_THREADS"] == ["3"]

@@ -152,3 +152,16 @@ def test_chart_monitoring_objects_are_manifests_monitoring():
         expected = yaml.safe_load(content)
         got = rendered[(expected["kind"], expected["metadata"]["name"])]
         assert {k: v for k, v in got.items() if k != "metadata"} == {k: v for k, v in expected.items() if k != "metadata"}
+
+
+def test_images_pinned_by_digest():
+    digest = "sha256:" + "ab" * 32
+    pinned = render(None, f"image.digest={digest}", f"trainer.imageDigest={digest}",
+                    "trainer.image=registry.example:5000/team/trainer:1.2")
+    container = next(d for d in pinned if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == f"ghcr.io/trainingrun-dev/operator@{digest}"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TRAININGRUN_TRAINER_IMAGE"] == f"registry.example:5000/team/trainer@{digest}"
+    result = subprocess.run([HELM, "template", "tr", str(CHART), "--set", "image.digest=sha256:short"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "digest" in result.stderr

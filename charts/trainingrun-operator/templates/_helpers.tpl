@@ -53,3 +53,15 @@ app.kubernetes.io/component: operator
   verbs: [list, watch, get, patch]
 {{- end }}
 {{- end -}}
+
+{{/* The operator image: repository@digest when image.digest is set (what a scanner or admission policy can pin), else repository:tag. */}}
+{{- define "trainingrun.operatorImage" -}}
+{{- if .Values.image.digest -}}{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
+{{- end -}}
+
+{{/* The trainer image for runs without spec.image: trainer.image with its tag replaced by trainer.imageDigest when set. */}}
+{{- define "trainingrun.trainerImage" -}}
+{{- if .Values.trainer.imageDigest -}}{{ regexReplaceAll ":[^:/@]+$" (.Values.trainer.image | splitList "@" | first) "" }}@{{ .Values.trainer.imageDigest }}
+{{- else -}}{{ .Values.trainer.image }}{{- end -}}
+{{- end -}}

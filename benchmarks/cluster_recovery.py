@@ -1,0 +1,166 @@
+"""What losing a pod costs on a real cluster: time from a worker pod's deletion to the run training again,
+and the steps lost, beside the time from `kubectl apply` to the first step.
+
+Starts the end-to-end tier's cluster (tests/kube_journey.py: a real control plane and node, the real
+Kubeflow Training Operator, our chart with `helm install`, moto's S3 on the node's address), applies
+the journey's 2-pod CPU TrainingRun (logging every step), waits until a checkpoint is committed and
+rank 0 has reported twice, deletes a worker pod and follows the recovery by polling the API (every
+0.1 s) and reading the pods' logs (the trainer's lines carry millisecond timestamps; one machine, one
+clock). Phases of deletion -> training again:
+  detection    deletion -> the replacement pod exists (Kubeflow saw the pod go and created it again)
+               or, when Kubeflow gave up, -> our operator's next attempt's job exists (our decision)
+  pod start    replacement created -> its container running
+  rendezvous   container running -> every rank restored from the checkpoint ("resumed from ...")
+  + restore
+  first step   restored -> the first step after it
+Lost steps: the last step any rank trained before the deletion minus the step training resumed from.
+Target (issue 14): deletion -> training again <= 10 s on this machine; lost steps <= one checkpoint interval.
+
+Needs root, the node's packages and the image archives (as `make e2e`):
+    KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/cluster_recovery.py [--pod 0|1] [--repeat 1]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+import kube_journey  # noqa: E402
+from kube_journey import CHECKPOINT_STEPS, Cluster  # noqa: E402
+
+LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank(\d+) \w+ ([\w.]+): (.*)$")
+
+
+def parse_lines(text: str) -> list[tuple[float, int, str, str]]:
+    """(epoch seconds, rank, logger, message) of each trainer log line (UTC in the container and here)."""
+    out = []
+    for line in text.splitlines():
+        match = LINE.match(line)
+        if match:
+            when = datetime.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=datetime.timezone.utc)
+            out.append((when.timestamp(), int(match[2]), match[3], match[4]))
+    return out
+
+
+def step_of_message(message: str) -> Optional[int]:
+    match = re.match(r"step (\d+)/\d+ ", message)
+    return int(match[1]) if match else None
+
+
+def pods(cluster: Cluster, namespace: str) -> dict[str, dict[str, Any]]:
+    answer = cluster.get(f"/api/v1/namespaces/{namespace}/pods")
+    return {p["metadata"]["name"]: p for p in answer.get("items", [])}
+
+
+def running(pod: dict[str, Any]) -> bool:
+    return any("running" in (s.get("state") or {}) for s in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def one_loss(cluster: Cluster, index: int) -> dict[str, float]:
+    namespace = cluster.plane.create_namespace(f"bench-{uuid.uuid4().hex[:6]}")
+    cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
+                    "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
+    document = kube_journey.run_file(cluster.s3.new_bucket(), "bench", cluster.s3.endpoint_url)
+    document["spec"]["trainer"]["logIntervalSteps"] = 1
+    path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    applied = time.time()
+    cluster.kubectl("-n", namespace, "apply", "-f", str(path))
+    explain = lambda: cluster.diagnose(namespace)  # noqa: E731
+    run = lambda: cluster.run(namespace, "bench")  # noqa: E731
+    cluster.wait("a committed checkpoint", lambda: (run().get("status") or {}).get("lastGoodCheckpoint"), explain=explain)
+    reported = (run()["status"].get("progress") or {}).get("updatedAt")
+    cluster.wait("a second report", lambda: (run()["status"].get("progress") or {}).get("updatedAt") != reported,
+                 explain=explain)
+    status = run()["status"]
+    job, attempt = status["jobName"], status["attempt"]
+    victim = f"{job}-worker-{index}"
+    survivor = f"{job}-worker-{1 - index}"
+    old_uid = pods(cluster, namespace)[victim]["metadata"]["uid"]
+    before_logs = parse_lines(cluster.kubectl("-n", namespace, "logs", survivor).stdout)
+    first_step = min(t for t, _, logger, m in before_logs if logger == "trainingrun.trainer" and step_of_message(m))
+
+    deleted = time.time()
+    cluster.kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
+    replaced = started = None
+    deadline = time.monotonic() + kube_journey.DEADLINE_S
+    while started is None:
+        now = time.time()
+        current = pods(cluster, namespace)
+        pod = current.get(victim)
+        new_job = (run().get("status") or {}).get("attempt", attempt) != attempt
+        if replaced is None and ((pod and pod["metadata"]["uid"] != old_uid) or new_job):
+            replaced = now
+        if replaced is not None and pod and pod["metadata"]["uid"] != old_uid and running(pod):
+            started = now
+        if new_job:
+            victim = f"{run()['status']['jobName']}-worker-{index}"
+        assert time.monotonic() < deadline, explain()
+        time.sleep(0.1)  # polling the API
+    cluster.wait("Succeeded", lambda: (run().get("status") or {}).get("phase") in ("Succeeded", "Failed"), explain=explain)
+    assert run()["status"]["phase"] == "Succeeded", explain()
+
+    lines = []
+    for name in pods(cluster, namespace):
+        lines += parse_lines(cluster.kubectl("-n", namespace, "logs", name, check=False).stdout)
+    lines.sort()
+    before = [step_of_message(m) for t, _, logger, m in lines + before_logs
+              if t < deleted and logger == "trainingrun.trainer" and step_of_message(m)]
+    resumes = [(t, m) for t, _, logger, m in lines if t >= deleted and m.startswith("resumed from ")]
+    assert resumes, explain()
+    restored = max(t for t, _ in resumes)
+    resumed_step = int(re.search(r"at step (\d+)", resumes[0][1])[1])
+    training = min(t for t, _, logger, m in lines if t > restored and logger == "trainingrun.trainer"
+                   and step_of_message(m))
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    return {
+        "apply_to_first_step_s": first_step - applied,
+        "detection_s": replaced - deleted,
+        "pod_start_s": started - replaced,
+        "rendezvous_restore_s": restored - started,
+        "first_step_s": training - restored,
+        "deletion_to_training_s": training - deleted,
+        "lost_steps": max(before) - resumed_step,
+        "new_attempt": float(run()["status"]["attempt"] != attempt),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pod", type=int, choices=(0, 1), default=0, help="worker deleted (0 hosts the rendezvous)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs, each losing one pod; medians printed")
+    args = parser.parse_args()
+    gaps = kube_journey.missing()
+    if gaps:
+        sys.exit("cluster_recovery: missing " + "; ".join(gaps))
+    with tempfile.TemporaryDirectory(prefix="cluster-recovery-") as workdir, \
+            kube_journey.started(Path(workdir)) as cluster:
+        kube_journey.install_chart(cluster)
+        results = [one_loss(cluster, args.pod) for _ in range(args.repeat)]
+    keys = list(results[0])
+    print(f"worker-{args.pod} deleted, {len(results)} run(s); median [each]")
+    for key in keys:
+        values = [r[key] for r in results]
+        print(f"  {key:24s} {statistics.median(values):8.2f}   {' '.join(f'{v:.2f}' for v in values)}")
+    median = {key: statistics.median(r[key] for r in results) for key in keys}
+    print(f"target deletion_to_training_s <= 10: {'met' if median['deletion_to_training_s'] <= 10 else 'NOT met'}; "
+          f"lost_steps <= {CHECKPOINT_STEPS}: {'met' if median['lost_steps'] <= CHECKPOINT_STEPS else 'NOT met'}")
+    print(f"result: apply_to_first_step_s={median['apply_to_first_step_s']:.1f} "
+          f"deletion_to_training_s={median['deletion_to_training_s']:.1f} lost_steps={median['lost_steps']:.0f} "
+          f"checkpoint_interval_steps={CHECKPOINT_STEPS}")
+
+
+if __name__ == "__main__":
+    main()
