@@ -250,7 +250,9 @@ class Node:
 
     def import_image(self, archive: Path, name: str) -> None:
         """Load an OCI archive (podman save --format oci-archive) into the node under `name`."""
-        self.ctr("images", "import", "--index-name", name, str(archive))
+        self.ctr("images", "rm", name, check=False)  # containerd's store outlives the node: an older build
+        imported = self.ctr("images", "import", "--index-name", name, str(archive), check=False)
+        assert imported.returncode == 0, f"ctr images import {archive}: {imported.stderr}"
         listed = self.ctr("images", "ls", "-q").stdout.split()
         assert name in listed, f"{archive} imported, but containerd has no image {name}: {listed}"
 

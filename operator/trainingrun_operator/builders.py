@@ -169,14 +169,14 @@ def quantity_value(quantity: str) -> Decimal:
     return Decimal(quantity)
 
 
-def omp_threads(spec: api.TrainingRunSpec) -> Optional[int]:
+def omp_threads(spec: api.TrainingRunSpec, nproc: Optional[int] = None) -> Optional[int]:
     """Intra-op threads per process: the pod's CPU request shared by its processes (at least 1).
     torch otherwise starts a thread per core of the node, whatever the pod may use: oversubscribed
     processes, and numerics that change with the node (a run and its resumed attempts, or the same
     file under `trainingrun local`, would not compute the same model)."""
     if not spec.resources.cpu:
         return None
-    return max(1, int(quantity_value(spec.resources.cpu) // spec.nproc_per_node))
+    return max(1, int(quantity_value(spec.resources.cpu) // (nproc or spec.nproc_per_node)))
 
 
 def contract_env(

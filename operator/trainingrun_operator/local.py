@@ -328,7 +328,13 @@ class LocalRunner:
         })
         if self.options.metrics_port:
             env["TRAININGRUN_METRICS_PORT"] = str(self.options.metrics_port)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
+        if "OMP_NUM_THREADS" in os.environ and "OMP_NUM_THREADS" not in users:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]  # the shell's choice
+        elif "OMP_NUM_THREADS" not in users:
+            # The pod's share of its CPU request, for this run's process count, and no more than this machine has.
+            machine_share = max(1, (os.cpu_count() or 1) // self.nproc)
+            env["OMP_NUM_THREADS"] = str(min(builders.omp_threads(self.spec, self.nproc) or machine_share,
+                                             machine_share))
         return env
 
     def _write_config(self) -> Path:

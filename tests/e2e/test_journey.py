@@ -149,8 +149,11 @@ def test_helm_uninstall_and_crd_removal_leave_nothing_behind(installed):
     cluster = installed
     kube_journey.helm("uninstall", "trainingrun", "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=cluster.plane.admin_kubeconfig)
     cluster.kubectl("delete", "-f", str(CHART / "crds"), "--wait=true", "--timeout=120s")
+    # The operator's pod goes after its Deployment, through the garbage collector and its grace period.
+    cluster.kubectl("-n", OPERATOR_NAMESPACE, "wait", "--for=delete", "pod", "-l",
+                    "app.kubernetes.io/instance=trainingrun", "--timeout=60s")
     leftovers = cluster.kubectl("get", "clusterroles,clusterrolebindings,crds", "-o", "name").stdout
     assert not re.search(r"trainingrun", leftovers), leftovers
-    assert not cluster.kubectl("-n", OPERATOR_NAMESPACE, "get", "all,serviceaccounts,configmaps,roles,rolebindings",
+    assert not cluster.kubectl("-n", OPERATOR_NAMESPACE, "get", "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings",
                                "-l", "app.kubernetes.io/instance=trainingrun", "-o", "name").stdout.strip()
     assert not cluster.kubectl("get", "trainingruns.trainingrun.dev", "-A", check=False).stdout.strip()

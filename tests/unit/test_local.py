@@ -111,3 +111,29 @@ def test_chaos_kill_steps_are_taken_one_per_worker_group():
     assert chaos_step("", 0) is None
     with pytest.raises(ContextError, match="TRAININGRUN_CHAOS_KILL_AT_STEP"):
         chaos_step("3OO", 0)
+
+
+@pytest.mark.parametrize("cpu,nproc,shell,user,expected", [
+    ("500m", 2, None, None, "1"),     # the pod's share, as the PyTorchJob gets it
+    ("8", 1, None, None, "cores"),    # never more than this machine has
+    (None, 1, None, None, "cores"),
+    ("8", 1, "3", None, "3"),         # the shell's OMP_NUM_THREADS
+    ("8", 1, "3", "5", "5"),          # the file's env wins over both
+])
+def test_threads_per_process(tmp_path, monkeypatch, cpu, nproc, shell, user, expected):
+    body = "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: laptop}\nspec:\n  trainer: {maxSteps: 10}\n"
+    if cpu:
+        body += f"  resources: {{cpu: '{cpu}'}}\n"
+    if user:
+        body += f"  env: [{{name: OMP_NUM_THREADS, value: '{user}'}}]\n"
+    path = tmp_path / "run.yaml"
+    path.write_text(body)
+    monkeypatch.setattr(local.os, "cpu_count", lambda: 4)
+    if shell:
+        monkeypatch.setenv("OMP_NUM_THREADS", shell)
+    else:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    options = local.LocalOptions(nproc=nproc, runs_dir=str(tmp_path / "runs"))
+    runner = local.LocalRunner(local.load_run(str(path), options), options, secrets={})
+    env = runner._environment(1, "http://127.0.0.1:1", tmp_path / "config.yaml")
+    assert env["OMP_NUM_THREADS"] == (str(4 // nproc) if expected == "cores" else expected)
