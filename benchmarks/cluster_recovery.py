@@ -25,6 +25,7 @@ import argparse
 import datetime
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import kube_journey  # noqa: E402
 from kube_journey import CHECKPOINT_STEPS, Cluster  # noqa: E402
 
+LOGS_DIR: Optional[Path] = None
 LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank(\d+) \w+ ([\w.]+): (.*)$")
 
 
@@ -89,8 +91,10 @@ def one_loss(cluster: Cluster, index: int) -> dict[str, float]:
     victim = f"{job}-worker-{index}"
     survivor = f"{job}-worker-{1 - index}"
     old_uid = pods(cluster, namespace)[victim]["metadata"]["uid"]
-    before_logs = parse_lines(cluster.kubectl("-n", namespace, "logs", survivor).stdout)
-    first_step = min(t for t, _, logger, m in before_logs if logger == "trainingrun.trainer" and step_of_message(m))
+    # Follow both pods' logs to their end: a pod Kubeflow replaces takes its log with it.
+    followers = [subprocess.Popen([str(cluster.plane.assets / "kubectl"), f"--kubeconfig={cluster.plane.admin_kubeconfig}",
+                                   "-n", namespace, "logs", "-f", name], stdout=subprocess.PIPE, text=True)
+                 for name in (victim, survivor)]
 
     deleted = time.time()
     cluster.kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
@@ -112,18 +116,31 @@ def one_loss(cluster: Cluster, index: int) -> dict[str, float]:
     cluster.wait("Succeeded", lambda: (run().get("status") or {}).get("phase") in ("Succeeded", "Failed"), explain=explain)
     assert run()["status"]["phase"] == "Succeeded", explain()
 
+    before_logs = []
+    for follower in followers:
+        out, _ = follower.communicate(timeout=60)
+        before_logs += parse_lines(out)
+    first_step = min(t for t, _, logger, m in before_logs if logger == "trainingrun.trainer" and step_of_message(m))
     lines = []
     for name in pods(cluster, namespace):
         lines += parse_lines(cluster.kubectl("-n", namespace, "logs", name, check=False).stdout)
     lines.sort()
-    before = [step_of_message(m) for t, _, logger, m in lines + before_logs
-              if t < deleted and logger == "trainingrun.trainer" and step_of_message(m)]
     resumes = [(t, m) for t, _, logger, m in lines if t >= deleted and m.startswith("resumed from ")]
     assert resumes, explain()
+    # Trained before the resume, by the old processes (they may go on for a moment after the deletion call).
+    before = [step_of_message(m) for t, _, logger, m in lines + before_logs
+              if t < resumes[0][0] and logger == "trainingrun.trainer" and step_of_message(m)]
     restored = max(t for t, _ in resumes)
     resumed_step = int(re.search(r"at step (\d+)", resumes[0][1])[1])
     training = min(t for t, _, logger, m in lines if t > restored and logger == "trainingrun.trainer"
                    and step_of_message(m))
+    if LOGS_DIR:
+        for name in pods(cluster, namespace):
+            (LOGS_DIR / f"{namespace}-{name}.log").write_text(
+                cluster.kubectl("-n", namespace, "logs", name, check=False).stdout)
+        (LOGS_DIR / f"{namespace}-survivor-before.log").write_text("\n".join(map(str, before_logs)))
+        (LOGS_DIR / f"{namespace}-times.txt").write_text(f"applied {applied}\ndeleted {deleted}\nreplaced {replaced}\n"
+                                                        f"started {started}\n")
     cluster.kubectl("delete", "namespace", namespace, "--wait=false")
     return {
         "apply_to_first_step_s": first_step - applied,
@@ -141,7 +158,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pod", type=int, choices=(0, 1), default=0, help="worker deleted (0 hosts the rendezvous)")
     parser.add_argument("--repeat", type=int, default=1, help="runs, each losing one pod; medians printed")
+    parser.add_argument("--logs", type=Path, help="keep each run's pod logs and timestamps in this folder")
     args = parser.parse_args()
+    global LOGS_DIR
+    LOGS_DIR = args.logs
+    if LOGS_DIR:
+        LOGS_DIR.mkdir(parents=True, exist_ok=True)
     gaps = kube_journey.missing()
     if gaps:
         sys.exit("cluster_recovery: missing " + "; ".join(gaps))
