@@ -423,11 +423,19 @@ class CheckpointRef(ApiModel):
 
 
 class Restarts(ApiModel):
-    """Attempts restarted, by cause."""
+    """Attempts restarted, by cause, and pods restarted within attempts."""
 
     failures: int = Field(default=0, description="Attempts lost to application failures and stalls.")
     preemptions: int = Field(default=0, description="Attempts lost to preemption or eviction.")
     total: int = Field(default=0, description="failures + preemptions.")
+    in_place: int = Field(
+        default=0,
+        description="Times the Kubeflow Training Operator restarted pods within an attempt (a pod deleted, evicted or "
+        "exited retryably); they rejoin and resume from the last checkpoint, no new attempt is charged.",
+    )
+    last_in_place_time: Optional[str] = Field(
+        default=None, description="When the PyTorchJob last reported Restarting (RFC 3339): the last restart counted."
+    )
 
 
 class Condition(ApiModel):

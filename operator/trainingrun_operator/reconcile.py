@@ -108,6 +108,13 @@ def job_state(job: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def restarting(job: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The PyTorchJob's Restarting condition while it is true: Kubeflow sets it (and drops Running) each time it
+    replaces a pod of the job, and drops it when the job runs again."""
+    return next((c for c in (job.get("status") or {}).get("conditions") or []
+                 if c.get("type") == "Restarting" and c.get("status") == "True"), None)
+
+
 def attempt_of(obj: dict[str, Any]) -> Optional[int]:
     value = ((obj.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_ATTEMPT)
     return int(value) if value and value.isdigit() else None
@@ -371,6 +378,7 @@ def decide(o: Observed) -> Plan:
             return _finish(plan, o, conditions)  # the pods' story is probably on its way: decide then
         _attempt_ended(plan, o, attempt, failure, conditions)
     else:
+        _count_in_place_restart(plan, o, attempt, job)
         if state == "Running" and phase == "Pending":
             plan.status["phase"] = "Running"
             plan.events.append(Note("Normal", "Running", f"attempt {attempt} is running (PyTorchJob {job_name})"))
@@ -430,6 +438,22 @@ def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, cond
         f"attempt {attempt}: {failure.detail}; {counter} {restarts[counter]}/{budget}; attempt {attempt + 1} "
         f"starts in {delay}s from " + (resume or "the start (no checkpoint yet)"),
     ))
+
+
+def _count_in_place_restart(plan: Plan, o: Observed, attempt: int, job: dict[str, Any]) -> None:
+    """A Restarting condition not counted yet (its transition time is the key): one more in-place restart."""
+    condition = restarting(job)
+    restarts = dict(o.status.get("restarts") or {"failures": 0, "preemptions": 0, "total": 0})
+    since = condition and condition.get("lastTransitionTime")
+    if not since or since == restarts.get("lastInPlaceTime"):
+        return
+    restarts["inPlace"] = int(restarts.get("inPlace") or 0) + 1
+    restarts["lastInPlaceTime"] = since
+    plan.status["restarts"] = restarts
+    plan.events.append(Note("Warning", "PodsRestarted", f"attempt {attempt}: {condition.get('message') or 'pods restarted'} "
+                            f"Its pods rejoin and resume from the last checkpoint (in-place restart "
+                            f"{restarts['inPlace']} of this run; Kubeflow allows {o.run.spec.recovery.max_restarts_per_attempt} "
+                            "per attempt, spec.recovery.maxRestartsPerAttempt)."))
 
 
 def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Conditions) -> None:

@@ -132,6 +132,11 @@ def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed,
     done = cluster.wait("Succeeded", lambda: (cluster.run(namespace, name).get("status") or {}).get("phase") in (
         "Succeeded", "Failed") and cluster.run(namespace, name), explain=explain)
     assert done["status"]["phase"] == "Succeeded", explain()
+    # Kubeflow replaced pods within the attempt: the run counts it and says so.
+    assert done["status"]["restarts"]["inPlace"] >= 1 and done["status"]["attempt"] == 1, done["status"]
+    events = cluster.kubectl("-n", namespace, "get", "events", "--field-selector",
+                             f"involvedObject.name={name},reason=PodsRestarted", "-o", "name").stdout
+    assert events.strip(), explain()
     logs = "\n".join(cluster.kubectl("-n", namespace, "logs", p, check=False).stdout for p in
                      cluster.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout.split())
     resumed = [int(s) for s in re.findall(r"resumed from s3://\S+ at step (\d+)", logs)]

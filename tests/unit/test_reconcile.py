@@ -243,3 +243,26 @@ def test_a_missing_secret_volume_is_secret_missing():
     condition = next(c for c in plan.status["conditions"] if c["type"] == "SecretMissing")
     assert condition["status"] == "True" and 'secret "gcs" not found' in condition["message"]
     assert not any(c["type"] == "VolumeMountFailed" for c in plan.status["conditions"])
+
+
+def test_pods_restarted_in_place_are_counted_once_each_with_an_event():
+    """Kubeflow replaces a deleted, evicted or retryably failed pod within the attempt and marks the job
+    Restarting (dropping Running) until it runs again: the run counts each such restart once, by the
+    condition's transition time, and says so in an Event."""
+    def restarting_job(since):
+        built = job(1, "Restarting", since=since)
+        built["status"]["conditions"][0]["message"] = "PyTorchJob demo-a1 is restarting because 1 Worker replica(s) failed."
+        return built
+
+    status = running_status()
+    first = reconcile.decide(observe(status=status, jobs=[restarting_job(NOW)]))
+    assert first.status["restarts"] == {"failures": 0, "preemptions": 0, "total": 0, "inPlace": 1,
+                                        "lastInPlaceTime": reconcile.rfc3339(NOW)}
+    assert [(n.reason, n.type) for n in first.events] == [("PodsRestarted", "Warning")]
+    assert "because 1 Worker replica(s) failed" in first.events[0].message and "restart 1 " in first.events[0].message
+    status = merged_status(status, first.status)
+    assert reconcile.decide(observe(status=status, jobs=[restarting_job(NOW)])).events == []  # the same restart
+    assert reconcile.decide(observe(status=status, jobs=[job(1, "Running")])).status.get("restarts") is None
+    later = reconcile.decide(observe(status=status, jobs=[restarting_job(NOW + timedelta(minutes=5))]))
+    assert later.status["restarts"]["inPlace"] == 2 and later.status["restarts"]["total"] == 0
+    api.TrainingRunStatus.model_validate(merged_status(status, later.status))  # the CRD's status schema takes it
