@@ -9,8 +9,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
+import shutil
 import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -75,6 +78,8 @@ def missing() -> list[str]:
         gaps.append(f"image archives in {IMAGES} (bash scripts/build-images.sh && bash scripts/e2e-images.sh)")
     if not KUBEFLOW_MANIFEST.exists():
         gaps.append(f"Kubeflow's standalone manifests at {KUBEFLOW_MANIFEST}")
+    if not shutil.which("prometheus"):
+        gaps.append("prometheus (Debian's 'prometheus' package)")
     if not os.access(HELM, os.X_OK):
         gaps.append(f"helm at {HELM} (bash scripts/install-helm.sh)")
     return gaps
@@ -165,3 +170,38 @@ def install_chart(cluster: Cluster) -> None:
          "--set", "image.repository=localhost/trainingrun-operator", "--set", f"image.tag={VERSION}",
          "--set", f"trainer.image=localhost/trainingrun-trainer:{VERSION}",
          "--wait", "--timeout=180s", kubeconfig=cluster.plane.admin_kubeconfig)
+
+
+def pod_monitor_targets(pod_monitor: dict[str, Any], plane: kube_cluster.ControlPlane) -> list[dict[str, Any]]:
+    """The targets the Prometheus Operator would scrape for `pod_monitor`, found through the API server: the
+    pods its selector matches (in any namespace, as its namespaceSelector says), at their port of the
+    PodMonitor's port name, as Prometheus file_sd groups. (Debian's Prometheus is built without Kubernetes
+    service discovery, so the test resolves the selector itself with the same API query.)"""
+    spec = pod_monitor["spec"]
+    assert spec.get("namespaceSelector") == {"any": True}, spec.get("namespaceSelector")
+    terms = [f"{k}={v}" for k, v in spec["selector"].get("matchLabels", {}).items()]
+    for expression in spec["selector"].get("matchExpressions", []):
+        assert expression["operator"] == "Exists", expression  # the only kind the chart's PodMonitor uses
+        terms.append(expression["key"])
+    port_name = spec["podMetricsEndpoints"][0]["port"]
+    code, pods = plane.request("GET", "/api/v1/pods?" + urllib.parse.urlencode({"labelSelector": ",".join(terms)}))
+    assert code == 200, pods
+    groups = []
+    for pod in pods["items"]:
+        ip = (pod.get("status") or {}).get("podIP")
+        ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
+                 if p.get("name") == port_name]
+        finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")  # dropped, as the operator does
+        if ip and ports and not finished:
+            groups.append({"targets": [f"{ip}:{ports[0]}"],
+                           "labels": {"pod": pod["metadata"]["name"], "pod_namespace": pod["metadata"]["namespace"]}})
+    return groups
+
+
+def scrape_config(pod_monitor: dict[str, Any], targets_file: Path, interval: str) -> dict[str, Any]:
+    """The scrape job for `pod_monitor`'s targets (written to `targets_file` by the caller), with its
+    honorLabels; `interval` replaces the PodMonitor's, for a test's pace."""
+    endpoint = pod_monitor["spec"]["podMetricsEndpoints"][0]
+    return {"job_name": f"podMonitor/{pod_monitor['metadata']['name']}", "scrape_interval": interval,
+            "honor_labels": endpoint.get("honorLabels", False),
+            "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "1s"}]}

@@ -14,11 +14,15 @@ how to get them, except under TRAININGRUN_CI, where it must run.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -26,9 +30,11 @@ from typing import Any, Iterator, Optional
 import pytest
 import yaml
 
+import kube_cluster
 import kube_journey
 import kube_node
 from kube_journey import CHART, OPERATOR_NAMESPACE, RUN_FILE, Cluster, run_file
+from trainingrun_operator import monitoring
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -148,6 +154,76 @@ def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed,
     assert final.valid and final.model_digest == reference_digest
     print(f"{loss}: resumed from {resumed} (committed {committed_before} before the loss); "
           f"succeeded {time.monotonic() - deleted_at:.1f} s after it")
+
+
+def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, tmp_path):
+    """Debian's Prometheus on the host scrapes the trainer pods through the chart's PodMonitor selector (the
+    Prometheus Operator is not to be had here, and Debian's Prometheus has no Kubernetes discovery: the test
+    finds the targets with the PodMonitor's selector through the API server and gives them as file_sd), and
+    every query of the "TrainingRun" dashboard returns data for the run (GPU panels excepted on CPU)."""
+    cluster = installed
+    namespace = cluster.plane.create_namespace(f"metrics-{uuid.uuid4().hex[:6]}")
+    cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
+                    "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
+    document = run_file(cluster.s3.new_bucket(), "watched", cluster.s3.endpoint_url)
+    document["spec"]["trainer"]["maxSteps"] = 1_000_000  # trains until deleted
+    path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    cluster.kubectl("-n", namespace, "apply", "-f", str(path))
+    pod_monitor = next(d for d in yaml.safe_load_all(kube_journey.helm(
+        "template", "trainingrun", str(CHART), "--namespace", OPERATOR_NAMESPACE, "--set", "monitoring.podMonitor=true",
+        kubeconfig=cluster.plane.admin_kubeconfig).stdout) if d and d["kind"] == "PodMonitor")
+    targets_file = tmp_path / "targets.json"
+    targets_file.write_text("[]")
+    config = {"global": {"evaluation_interval": "1s"},
+              "scrape_configs": [kube_journey.scrape_config(pod_monitor, targets_file, interval="1s")]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = kube_cluster.free_port()
+    server = subprocess.Popen([shutil.which("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def query(expr: str) -> list:
+            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    answer = json.loads(response.read())
+            except OSError:
+                return []
+            assert answer["status"] == "success", answer
+            return answer["data"]["result"]
+
+        def explain() -> str:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/targets", timeout=5) as response:
+                    targets = json.loads(response.read())["data"]
+            except OSError as error:
+                targets = f"prometheus did not answer: {error}"
+            return f"prometheus targets: {json.dumps(targets)[:3000]}"
+
+        # Both trainer pods running (with their addresses), then handed to Prometheus as the selector finds them.
+        def both_pods() -> list:
+            groups = kube_journey.pod_monitor_targets(pod_monitor, cluster.plane)
+            return groups if sum(g["labels"]["pod_namespace"] == namespace for g in groups) == 2 else []
+
+        targets = cluster.wait("both trainer pods as targets", both_pods, explain=lambda: cluster.diagnose(namespace))
+        targets_file.write_text(json.dumps(targets))
+        checked = 0
+        for panel in monitoring.RUN_PANELS:
+            for expr, _ in panel.targets:
+                concrete = expr.replace("$namespace", namespace).replace("$run", "watched")
+                if panel.title in monitoring.GPU_PANELS:
+                    continue
+                cluster.wait(f"series for panel {panel.title!r}: {concrete}", lambda: query(concrete),
+                             deadline_s=180, explain=explain)
+                checked += 1
+        assert checked >= 15
+        ranks = {r["metric"].get("rank") for r in query(f'trainingrun_step{{namespace="{namespace}",run="watched"}}')}
+        assert ranks == {"0", "1"}, ranks  # both pods scraped, through the selector
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        cluster.kubectl("-n", namespace, "delete", "trainingrun", "watched", "--wait=false")
 
 
 def test_helm_uninstall_and_crd_removal_leave_nothing_behind(installed):
