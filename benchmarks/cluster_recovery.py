@@ -41,7 +41,6 @@ sys.path.insert(0, str(REPO / "tests"))
 import kube_journey  # noqa: E402
 from kube_journey import CHECKPOINT_STEPS, Cluster  # noqa: E402
 
-LOGS_DIR: Optional[Path] = None
 LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank(\d+) \w+ ([\w.]+): (.*)$")
 
 
@@ -70,7 +69,7 @@ def running(pod: dict[str, Any]) -> bool:
     return any("running" in (s.get("state") or {}) for s in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
-def one_loss(cluster: Cluster, index: int) -> dict[str, float]:
+def one_loss(cluster: Cluster, index: int, logs_dir: Optional[Path] = None) -> dict[str, float]:
     namespace = cluster.plane.create_namespace(f"bench-{uuid.uuid4().hex[:6]}")
     cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
                     "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
@@ -102,15 +101,16 @@ def one_loss(cluster: Cluster, index: int) -> dict[str, float]:
     deadline = time.monotonic() + kube_journey.DEADLINE_S
     while started is None:
         now = time.time()
-        current = pods(cluster, namespace)
-        pod = current.get(victim)
-        new_job = (run().get("status") or {}).get("attempt", attempt) != attempt
-        if replaced is None and ((pod and pod["metadata"]["uid"] != old_uid) or new_job):
+        now_status = run().get("status") or {}
+        new_job = now_status.get("attempt", attempt) != attempt
+        if new_job:  # our operator started the next attempt: its pod replaces the lost one
+            victim = f"{now_status['jobName']}-worker-{index}"
+        pod = pods(cluster, namespace).get(victim)
+        replacement = pod is not None and pod["metadata"]["uid"] != old_uid
+        if replaced is None and (replacement or new_job):
             replaced = now
-        if replaced is not None and pod and pod["metadata"]["uid"] != old_uid and running(pod):
+        if replaced is not None and replacement and running(pod):
             started = now
-        if new_job:
-            victim = f"{run()['status']['jobName']}-worker-{index}"
         assert time.monotonic() < deadline, explain()
         time.sleep(0.1)  # polling the API
     cluster.wait("Succeeded", lambda: (run().get("status") or {}).get("phase") in ("Succeeded", "Failed"), explain=explain)
@@ -134,12 +134,12 @@ def one_loss(cluster: Cluster, index: int) -> dict[str, float]:
     resumed_step = int(re.search(r"at step (\d+)", resumes[0][1])[1])
     training = min(t for t, _, logger, m in lines if t > restored and logger == "trainingrun.trainer"
                    and step_of_message(m))
-    if LOGS_DIR:
+    if logs_dir:
         for name in pods(cluster, namespace):
-            (LOGS_DIR / f"{namespace}-{name}.log").write_text(
+            (logs_dir / f"{namespace}-{name}.log").write_text(
                 cluster.kubectl("-n", namespace, "logs", name, check=False).stdout)
-        (LOGS_DIR / f"{namespace}-survivor-before.log").write_text("\n".join(map(str, before_logs)))
-        (LOGS_DIR / f"{namespace}-times.txt").write_text(f"applied {applied}\ndeleted {deleted}\nreplaced {replaced}\n"
+        (logs_dir / f"{namespace}-survivor-before.log").write_text("\n".join(map(str, before_logs)))
+        (logs_dir / f"{namespace}-times.txt").write_text(f"applied {applied}\ndeleted {deleted}\nreplaced {replaced}\n"
                                                         f"started {started}\n")
     cluster.kubectl("delete", "namespace", namespace, "--wait=false")
     return {
@@ -160,17 +160,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs, each losing one pod; medians printed")
     parser.add_argument("--logs", type=Path, help="keep each run's pod logs and timestamps in this folder")
     args = parser.parse_args()
-    global LOGS_DIR
-    LOGS_DIR = args.logs
-    if LOGS_DIR:
-        LOGS_DIR.mkdir(parents=True, exist_ok=True)
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     gaps = kube_journey.missing()
     if gaps:
         sys.exit("cluster_recovery: missing " + "; ".join(gaps))
     with tempfile.TemporaryDirectory(prefix="cluster-recovery-") as workdir, \
             kube_journey.started(Path(workdir)) as cluster:
         kube_journey.install_chart(cluster)
-        results = [one_loss(cluster, args.pod) for _ in range(args.repeat)]
+        results = [one_loss(cluster, args.pod, args.logs) for _ in range(args.repeat)]
     keys = list(results[0])
     print(f"worker-{args.pod} deleted, {len(results)} run(s); median [each]")
     for key in keys:

@@ -101,8 +101,44 @@ def kubeconfig(server: str, ca_file: Path, user: dict[str, Any]) -> dict[str, An
     }
 
 
+class ProcessGroup:
+    """Background processes of a test cluster, each logging to `<workdir>/<component>.log`: started by
+    `spawn`, awaited by `wait` (which fails at once, with the log's tail, when one of them dies)."""
+
+    workdir: Path
+    processes: dict[str, subprocess.Popen]
+
+    def spawn(self, component: str, argv: list[str]) -> None:
+        with open(self.log(component), "wb") as log:
+            # A session of its own: a test killed by Ctrl-C does not take the servers with it mid-write.
+            self.processes[component] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait(self, what: str, ready: Any) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while True:
+            for component, process in self.processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{component} exited with {process.returncode} while waiting for {what}:\n"
+                                       + self.tail(component))
+            try:
+                if ready():
+                    return
+            except OSError:  # not listening yet (URLError and SSLError are OSErrors too)
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {READY_TIMEOUT_SECONDS}s waiting for {what}:\n"
+                                   + "\n".join(self.tail(c) for c in self.processes))
+            time.sleep(0.1)
+
+    def tail(self, component: str, lines: int = 40) -> str:
+        path = self.log(component)
+        text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+        return f"--- {component} ---\n" + "\n".join(text)
+
+
 @dataclass
-class ControlPlane:
+class ControlPlane(ProcessGroup):
     """One etcd + kube-apiserver + kube-controller-manager, started by `start()`, ended by `stop()`."""
 
     assets: Path
@@ -131,7 +167,7 @@ class ControlPlane:
         etcd_port, etcd_peer, api_port, kcm_port = free_port(), free_port(), free_port(), free_port()
         self.server = f"https://127.0.0.1:{api_port}"
         pki = self.pki
-        self._spawn("etcd", [
+        self.spawn("etcd", [str(self.assets / "etcd"),
             "--name", "test", "--data-dir", str(self.workdir / "etcd"),
             "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
             "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
@@ -146,7 +182,7 @@ class ControlPlane:
             f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
             f"--kubelet-certificate-authority={pki / 'ca.crt'}", "--kubelet-preferred-address-types=InternalIP",
         ] if self.node else ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
-        self._spawn("kube-apiserver", [
+        self.spawn("kube-apiserver", [str(self.assets / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{etcd_port}", f"--secure-port={api_port}", *node_flags,
             "--service-cluster-ip-range=10.96.0.0/16",
             "--authorization-mode=Node,RBAC",
@@ -158,9 +194,9 @@ class ControlPlane:
             "--enable-bootstrap-token-auth=false", "--profiling=false", "--v=1",
         ])
         self.client_kubeconfig("admin")
-        self._wait("kube-apiserver /readyz", lambda: self.get_raw("/readyz") == "ok")
+        self.wait("kube-apiserver /readyz", lambda: self.get_raw("/readyz") == "ok")
         kcm_config = self.client_kubeconfig("controller-manager")
-        self._spawn("kube-controller-manager", [
+        self.spawn("kube-controller-manager", [str(self.assets / "kube-controller-manager"),
             f"--kubeconfig={kcm_config}", f"--authentication-kubeconfig={kcm_config}",
             f"--authorization-kubeconfig={kcm_config}",
             "--bind-address=127.0.0.1", f"--secure-port={kcm_port}", "--leader-elect=false",
@@ -170,7 +206,7 @@ class ControlPlane:
             "--profiling=false", "--v=1",
         ])
         # The default ServiceAccount appears once the controllers run (the garbage collector with them).
-        self._wait("the default ServiceAccount", lambda: self.kubectl(
+        self.wait("the default ServiceAccount", lambda: self.kubectl(
             "-n", "default", "get", "serviceaccount", "default", check=False).returncode == 0)
         self.startup_seconds = time.monotonic() - started
         return self
@@ -182,34 +218,6 @@ class ControlPlane:
             "client-certificate-data": base64.b64encode((self.pki / f"{certificate}.crt").read_bytes()).decode(),
             "client-key-data": base64.b64encode((self.pki / f"{certificate}.key").read_bytes()).decode()})))
         return path
-
-    def _spawn(self, component: str, args: list[str]) -> None:
-        with open(self.log(component), "wb") as log:
-            # A session of its own: a test killed by Ctrl-C does not take the servers with it mid-write.
-            self.processes[component] = subprocess.Popen([str(self.assets / component), *args], stdout=log,
-                                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                         start_new_session=True)
-
-    def _wait(self, what: str, ready: Any) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-        while True:
-            for component, process in self.processes.items():
-                if process.poll() is not None:
-                    raise RuntimeError(f"{component} exited with {process.returncode} while waiting for {what}:\n"
-                                       + self.tail(component))
-            try:
-                if ready():
-                    return
-            except (OSError, urllib.error.URLError, ssl.SSLError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {READY_TIMEOUT_SECONDS}s waiting for {what}:\n"
-                                   + "\n".join(self.tail(c) for c in self.processes))
-            time.sleep(0.1)
-
-    def tail(self, component: str, lines: int = 30) -> str:
-        text = self.log(component).read_text(errors="replace").splitlines()[-lines:]
-        return f"--- {component} ---\n" + "\n".join(text)
 
     def stop(self) -> None:
         for component in ("kube-controller-manager", "kube-apiserver", "etcd"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import re
 import shutil
 import subprocess
 import time

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import yaml
 
-from kube_cluster import READY_TIMEOUT_SECONDS, ControlPlane
+from kube_cluster import ControlPlane, ProcessGroup
 
 NODE_NAME = "e2e-node"
 NODE_IP = "10.250.0.1"
@@ -190,7 +190,7 @@ def _without_our_chains(dump: str) -> str:
 
 
 @dataclass
-class Node:
+class Node(ProcessGroup):
     """The node's processes beside `plane` (started with `node_address=NODE_IP`); `start()`, `stop()`."""
 
     plane: ControlPlane
@@ -213,12 +213,12 @@ class Node:
         (cni_dir / "10-e2e.conflist").write_text(json.dumps(cni_config(self.workdir / "ipam"), indent=1))
         (self.workdir / "containerd.toml").write_text(containerd_config(cni_dir))
         Path("/run/containerd").mkdir(parents=True, exist_ok=True)
-        self._spawn("containerd", ["/usr/bin/containerd", "--config", str(self.workdir / "containerd.toml")])
-        self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0)
+        self.spawn("containerd", ["/usr/bin/containerd", "--config", str(self.workdir / "containerd.toml")])
+        self.wait("containerd", lambda: self.ctr("version", check=False).returncode == 0)
 
         kubeconfigs = {name: self.plane.client_kubeconfig(name) for name in
                        ("scheduler", "kube-proxy", "kubelet-client", "dns")}
-        self._spawn("kube-scheduler", [str(self.plane.assets / "kube-scheduler"),
+        self.spawn("kube-scheduler", [str(self.plane.assets / "kube-scheduler"),
                                        f"--kubeconfig={kubeconfigs['scheduler']}",
                                        f"--authentication-kubeconfig={kubeconfigs['scheduler']}",
                                        f"--authorization-kubeconfig={kubeconfigs['scheduler']}",
@@ -226,20 +226,20 @@ class Node:
                                        "--v=1"])
         (self.workdir / "kubelet.yaml").write_text(yaml.safe_dump(kubelet_config(pki)))
         Path("/var/lib/kubelet").mkdir(parents=True, exist_ok=True)
-        self._spawn("kubelet", [str(self.plane.assets / "kubelet"), f"--config={self.workdir / 'kubelet.yaml'}",
+        self.spawn("kubelet", [str(self.plane.assets / "kubelet"), f"--config={self.workdir / 'kubelet.yaml'}",
                                 f"--kubeconfig={kubeconfigs['kubelet-client']}", f"--hostname-override={NODE_NAME}",
                                 f"--node-ip={NODE_IP}", "--v=1"])
         (self.workdir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(kubeconfigs["kube-proxy"])))
-        self._spawn("kube-proxy", [str(self.plane.assets / "kube-proxy"),
+        self.spawn("kube-proxy", [str(self.plane.assets / "kube-proxy"),
                                    f"--config={self.workdir / 'kube-proxy.yaml'}", "--v=1"])
         self.plane.apply(cluster_dns_objects())
         (self.workdir / "Corefile").write_text(corefile(kubeconfigs["dns"]))
-        self._spawn("coredns", [str(self.plane.assets / "coredns"), "-conf", str(self.workdir / "Corefile")])
+        self.spawn("coredns", [str(self.plane.assets / "coredns"), "-conf", str(self.workdir / "Corefile")])
 
-        self._wait("kubelet /healthz", lambda: self._http_ok("http://127.0.0.1:10248/healthz"))
-        self._wait("kube-proxy /healthz", lambda: self._http_ok("http://127.0.0.1:10256/healthz"))
-        self._wait("CoreDNS /ready", lambda: self._http_ok("http://127.0.0.1:18181/ready"))
-        self._wait(f"node {NODE_NAME} Ready", self._node_ready)
+        self.wait("kubelet /healthz", lambda: self._http_ok("http://127.0.0.1:10248/healthz"))
+        self.wait("kube-proxy /healthz", lambda: self._http_ok("http://127.0.0.1:10256/healthz"))
+        self.wait("CoreDNS /ready", lambda: self._http_ok("http://127.0.0.1:18181/ready"))
+        self.wait(f"node {NODE_NAME} Ready", self._node_ready)
         self.startup_seconds = time.monotonic() - started
         return self
 
@@ -255,11 +255,6 @@ class Node:
         assert imported.returncode == 0, f"ctr images import {archive}: {imported.stderr}"
         listed = self.ctr("images", "ls", "-q").stdout.split()
         assert name in listed, f"{archive} imported, but containerd has no image {name}: {listed}"
-
-    def tail(self, component: str, lines: int = 40) -> str:
-        path = self.workdir / f"{component}.log"
-        text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
-        return f"--- {component} ---\n" + "\n".join(text)
 
     # ------------------------------------------------------------ stopping
 
@@ -317,11 +312,6 @@ class Node:
 
     # ------------------------------------------------------------ helpers
 
-    def _spawn(self, component: str, argv: list[str]) -> None:
-        with open(self.workdir / f"{component}.log", "wb") as log:
-            self.processes[component] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
     def _alive(self, component: str) -> bool:
         process = self.processes.get(component)
         return process is not None and process.poll() is None
@@ -346,20 +336,3 @@ class Node:
         code, node = self.plane.request("GET", f"/api/v1/nodes/{NODE_NAME}")
         conditions = (node.get("status") or {}).get("conditions") or [] if code == 200 else []
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-    def _wait(self, what: str, ready: Any) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-        while True:
-            for component, process in self.processes.items():
-                if process.poll() is not None:
-                    raise RuntimeError(f"{component} exited with {process.returncode} while waiting for {what}:\n"
-                                       + self.tail(component))
-            try:
-                if ready():
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {READY_TIMEOUT_SECONDS}s waiting for {what}:\n"
-                                   + "\n".join(self.tail(c) for c in self.processes))
-            time.sleep(0.2)

@@ -158,7 +158,8 @@ RENDEZVOUS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 _QUANTITY_SUFFIXES = {"n": "1e-9", "u": "1e-6", "m": "1e-3", "k": "1e3", "M": "1e6", "G": "1e9", "T": "1e12",
-                      "P": "1e15", "E": "1e18", "Ki": "1024", "Mi": "1048576", "Gi": "1073741824"}
+                      "P": "1e15", "E": "1e18", "Ki": "1024", "Mi": "1048576", "Gi": "1073741824", "Ti": "1099511627776",
+                      "Pi": "1125899906842624", "Ei": "1152921504606846976"}
 
 
 def quantity_value(quantity: str) -> Decimal:
@@ -347,7 +348,8 @@ def pod_template(
         "tolerations": tolerations(spec),
         "affinity": spec.affinity.to_wire() if spec.affinity else None,
         "priorityClassName": spec.priority_class_name,
-        "imagePullSecrets": [{"name": n} for n in spec.image_pull_secrets],
+        # A name listed twice is listed once: the PyTorchJob CRD refuses duplicates, the run means the same.
+        "imagePullSecrets": [{"name": n} for n in dict.fromkeys(spec.image_pull_secrets)],
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
     template_metadata: dict[str, Any] = {

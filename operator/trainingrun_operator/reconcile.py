@@ -417,7 +417,7 @@ def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, cond
         message = f"attempt {attempt}: {failure.detail}; retrying cannot help, fix the cause and create the run again"
         _fail(plan, o, "PermanentError", message, conditions)
         return
-    restarts = dict(status.get("restarts") or {"failures": 0, "preemptions": 0, "total": 0})
+    restarts = _restarts(status)
     budget_field = "maxPreemptions" if failure.cause == "preemption" else "maxFailures"
     counter = "preemptions" if failure.cause == "preemption" else "failures"
     budget = recovery.max_preemptions if failure.cause == "preemption" else recovery.max_failures
@@ -440,10 +440,15 @@ def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, cond
     ))
 
 
+def _restarts(status: dict[str, Any]) -> dict[str, Any]:
+    """A copy of status.restarts to change, zeros when there is none yet."""
+    return dict(status.get("restarts") or {"failures": 0, "preemptions": 0, "total": 0})
+
+
 def _count_in_place_restart(plan: Plan, o: Observed, attempt: int, job: dict[str, Any]) -> None:
     """A Restarting condition not counted yet (its transition time is the key): one more in-place restart."""
     condition = restarting(job)
-    restarts = dict(o.status.get("restarts") or {"failures": 0, "preemptions": 0, "total": 0})
+    restarts = _restarts(o.status)
     since = condition and condition.get("lastTransitionTime")
     if not since or since == restarts.get("lastInPlaceTime"):
         return

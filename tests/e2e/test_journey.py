@@ -135,8 +135,11 @@ def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed,
     lose(cluster, namespace, pod)
     deleted_at = time.monotonic()
 
-    done = cluster.wait("Succeeded", lambda: (cluster.run(namespace, name).get("status") or {}).get("phase") in (
-        "Succeeded", "Failed") and cluster.run(namespace, name), explain=explain)
+    def finished() -> dict[str, Any]:
+        run = cluster.run(namespace, name)
+        return run if (run.get("status") or {}).get("phase") in ("Succeeded", "Failed") else {}
+
+    done = cluster.wait("Succeeded", finished, explain=explain)
     assert done["status"]["phase"] == "Succeeded", explain()
     # Kubeflow replaced pods within the attempt: the run counts it and says so.
     assert done["status"]["restarts"]["inPlace"] >= 1 and done["status"]["attempt"] == 1, done["status"]

@@ -281,3 +281,10 @@ def test_the_users_thread_count_wins_without_a_duplicate(minimal_body):
     container = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
         "template"]["spec"]["containers"][0]
     assert [e.get("value") for e in container["env"] if e["name"] == "OMP_NUM_THREADS"] == ["3"]
+
+
+def test_an_image_pull_secret_named_twice_is_listed_once(minimal_body):
+    """The PyTorchJob CRD refuses a duplicate (the real API server's 422, found by the random documents)."""
+    minimal_body["spec"]["imagePullSecrets"] = ["wandb", "regcred", "wandb"]
+    pod = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "wandb"}, {"name": "regcred"}]
