@@ -108,6 +108,9 @@ class ProcessGroup:
     workdir: Path
     processes: dict[str, subprocess.Popen]
 
+    def log(self, component: str) -> Path:
+        return self.workdir / f"{component}.log"
+
     def spawn(self, component: str, argv: list[str]) -> None:
         with open(self.log(component), "wb") as log:
             # A session of its own: a test killed by Ctrl-C does not take the servers with it mid-write.
@@ -157,9 +160,6 @@ class ControlPlane(ProcessGroup):
     @property
     def admin_kubeconfig(self) -> Path:
         return self.workdir / "admin.kubeconfig"
-
-    def log(self, component: str) -> Path:
-        return self.workdir / f"{component}.log"
 
     def start(self) -> "ControlPlane":
         started = time.monotonic()
