@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import grpc
 import yaml
 
 from kube_cluster import ControlPlane, ProcessGroup
@@ -214,7 +215,9 @@ class Node(ProcessGroup):
         (self.workdir / "containerd.toml").write_text(containerd_config(cni_dir))
         Path("/run/containerd").mkdir(parents=True, exist_ok=True)
         self.spawn("containerd", ["/usr/bin/containerd", "--config", str(self.workdir / "containerd.toml")])
-        self.wait("containerd", lambda: self.ctr("version", check=False).returncode == 0)
+        # The socket answers before the CRI plugin has finished starting, and the kubelet exits on
+        # "server is not initialized yet": wait for the call the kubelet makes first.
+        self.wait("containerd's CRI service", self._cri_serving)
 
         kubeconfigs = {name: self.plane.client_kubeconfig(name) for name in
                        ("scheduler", "kube-proxy", "kubelet-client", "dns")}
@@ -326,6 +329,17 @@ class Node(ProcessGroup):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+    @staticmethod
+    def _cri_serving() -> bool:
+        """RuntimeService.Version answers (an empty VersionRequest is zero bytes; the reply is not parsed)."""
+        with grpc.insecure_channel(f"unix://{CONTAINERD_SOCKET}") as channel:
+            version = channel.unary_unary("/runtime.v1.RuntimeService/Version")
+            try:
+                version(b"", timeout=2)
+            except grpc.RpcError:
+                return False
+            return True
 
     @staticmethod
     def _http_ok(url: str) -> bool:
