@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -65,6 +66,9 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
     if isinstance(document, dict) and isinstance(document.get("spec"), dict):
         spec = document["spec"]
         name = str((document.get("metadata") or {}).get("name", "run"))
+        if isinstance(document.get("metadata"), dict):
+            # Each invocation is a run of its own, as a TrainingRun created again is (goodput, resume).
+            document["metadata"].setdefault("uid", str(uuid.uuid4()))
         checkpoint = spec.setdefault("checkpoint", {})
         if isinstance(checkpoint, dict):
             uri = options.checkpoint_uri or checkpoint.get("uri") or f"file://{Path(options.runs_dir).resolve()}/{name}/checkpoints"

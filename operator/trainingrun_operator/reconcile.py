@@ -208,7 +208,8 @@ def missing_secret(pods: list[dict[str, Any]]) -> Optional[str]:
     return None
 
 
-#: Why an attempt's pods do not run, by condition type: (reason, message). Reported while the run is Pending.
+#: Why an attempt's pods do not run, by condition type: (reason, message). Reported while the run is Pending
+#: or Running (a replacement pod within the attempt).
 BLOCKED_CONDITIONS = ("PodsNotCreated", "Unschedulable", "VolumeMountFailed")
 FAILED_CREATE_REASONS = ("FailedCreate", "FailedCreatePod")  # what Kubeflow's pod control records on the job
 
@@ -356,7 +357,8 @@ def decide(o: Observed) -> Plan:
         plan.events.append(Note("Normal", "SecretsFound", "the missing Secret is there now; the pods are starting"))
 
     state = job_state(job)
-    blocked = blocked_pods(job_name, pods, o.warnings) if phase == "Pending" and state not in TERMINAL else {}
+    # Also while Running: a pod replaced within the attempt (deleted, evicted, its node gone) can find no node.
+    blocked = blocked_pods(job_name, pods, o.warnings) if state not in TERMINAL else {}
     for type_ in BLOCKED_CONDITIONS:
         if type_ in blocked:
             reason, message = blocked[type_]
@@ -382,7 +384,8 @@ def decide(o: Observed) -> Plan:
         if state == "Running" and phase == "Pending":
             plan.status["phase"] = "Running"
             plan.events.append(Note("Normal", "Running", f"attempt {attempt} is running (PyTorchJob {job_name})"))
-        if (plan.status.get("phase") or phase) == "Running":
+        if (plan.status.get("phase") or phase) == "Running" and not blocked:
+            # Waiting for a node is not a stall: a new attempt would wait for the same node, charged as a failure.
             _check_stall(plan, o, attempt, job_name, conditions)
     return _finish(plan, o, conditions)
 

@@ -4,8 +4,10 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tiny_runs import tiny_trainer
@@ -152,3 +154,20 @@ def test_in_place_restarts_count_as_attempts_and_end_in_the_runners_budget(tmp_p
     summary = result_of(result.stdout)
     assert summary["attempts"] == "3" and 25 <= int(summary["steps"]) <= 38
     assert int(summary["lost_steps"]) <= 3 * INTERVAL
+
+
+def productive_seconds_at(tmp_path, checkpoints, step):
+    """What the trainer keeps in rank 0's extra state: the step time that produced this model."""
+    info = {i.step: i for i in CheckpointStore(f"file://{tmp_path}/{checkpoints}").list() if i.valid}[step]
+    path = Path(info.uri.removeprefix("file://")) / "extra-rank-0.pt"
+    return float(torch.load(path, weights_only=False)["productive_seconds"])
+
+
+@pytest.mark.slow
+def test_a_new_run_on_an_existing_uri_counts_only_its_own_productive_time(tmp_path):
+    first = local(tmp_path, write_run(tmp_path, training_run(maxSteps=60)))
+    assert first.returncode == 0, first.stderr[-3000:]
+    rerun = local(tmp_path, write_run(tmp_path, training_run(maxSteps=62)))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # Two steps of the new run, not sixty of the earlier one plus two: its goodput is over its own wall time.
+    assert productive_seconds_at(tmp_path, "ckpt", 62) < productive_seconds_at(tmp_path, "ckpt", 60)

@@ -235,6 +235,26 @@ def test_a_pending_attempt_says_why_its_pods_do_not_run(pods, warnings, type_, w
     assert next(c for c in later.status["conditions"] if c["type"] == type_)["status"] == "False"
 
 
+def test_a_running_attempt_whose_replacement_pod_finds_no_node_says_so_and_is_not_a_stall():
+    """A pod replaced within the attempt (deleted, evicted, node gone) can be Unschedulable while the run is
+    Running: the run says so, and waiting for a node past stallTimeoutSeconds starts no new attempt."""
+    run = run_of(recovery={"stallTimeoutSeconds": 60})
+    status = running_status(attemptStartTime="2026-11-21T11:50:00Z",
+                            progress={"step": 40, "updatedAt": "2026-11-21T11:55:00Z"})
+    unschedulable = pod(1, {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                            "message": "0/1 nodes are available: 1 Insufficient cpu."}]})
+    plan = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], [unschedulable]))
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "Unschedulable")
+    assert condition["status"] == "True" and "Insufficient cpu" in condition["message"]
+    assert [e.reason for e in plan.events] == ["Unschedulable"]
+    assert "phase" not in plan.status and plan.delete_jobs == []
+    # scheduled again, the stall check is back
+    status = merged_status(status, plan.status)
+    later = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], []))
+    assert next(c for c in later.status["conditions"] if c["type"] == "Unschedulable")["status"] == "False"
+    assert later.status["phase"] == "Recovering" and later.restart_cause == "stall"
+
+
 def test_a_missing_secret_volume_is_secret_missing():
     observed = observe(status=pending_status(), jobs=[job(1, "Created")])
     observed.warnings = [{"reason": "FailedMount", "involvedObject": {"kind": "Pod", "name": "demo-a1-worker-0"},

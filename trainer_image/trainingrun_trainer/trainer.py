@@ -157,6 +157,7 @@ class Trainer:
         return {
             "step": self.step,
             "productive_seconds": self.productive_seconds,
+            "run_uid": self.context.uid,
             "loss": self.last_loss,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -181,8 +182,11 @@ class Trainer:
         if self.ema:
             self.ema.load_state_dict(state["ema"])
         self.step = int(extra["step"])
-        # Work after this checkpoint is lost; only the time that produced this state still counts.
-        self.productive_seconds = float(extra.get("productive_seconds", 0.0))
+        # Work after this checkpoint is lost; only the time that produced this state still counts, and only
+        # when this run produced it: goodput is over this run's wall time, so a TrainingRun created again on
+        # an existing URI starts from zero (not from the earlier run's seconds).
+        same_run = extra.get("run_uid", self.context.uid) == self.context.uid
+        self.productive_seconds = float(extra.get("productive_seconds", 0.0)) if same_run else 0.0
         self.last_loss = extra.get("loss")
         self.scheduler.load_state_dict(extra["scheduler"])
         self.scaler.load_state_dict(extra["scaler"])
