@@ -36,7 +36,7 @@ import yaml
 
 from trainingrun_operator import builders
 from trainingrun_operator.builders import DEFAULT_COMMAND
-from trainingrun_trainer import exit_codes
+from trainingrun_trainer import exit_codes, launch
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
 from trainingrun_trainer.data import ResumableSampler
 
@@ -627,30 +627,60 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: worker-1 on a cluster: its hostname is not the endpoint's, so it never hosts the store (here every
+#: launcher is on 127.0.0.1 and would take the free port), and a short store timeout for "never comes back".
+NOT_THE_HOST = {"PET_RDZV_CONF": "is_host=false,read_timeout=5"}
+
+
 def two_pods_paused(run: Run, launched: list, pause_at: int) -> tuple[Launched, Launched, int]:
     """worker-0 (the rendezvous host) and worker-1, both trained to the pause with step 10 committed."""
     port = free_port()
     host = start_pod(run, launched, port)
     wait_listening(port, host)  # its store is up before the second pod looks for it
-    other = start_pod(run, launched, port)
+    other = start_pod(run, launched, port, NOT_THE_HOST)
     for pod in (host, other):
         pod.wait_for(rank_line(r"\d", "fault_injection", f"paused at item {pause_at} "))
     host.wait_for(rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "))
     return host, other, port
 
 
-def test_deleting_the_rendezvous_host_pod_is_retryable(tmp_path, launched):
-    """worker-0 deleted (SIGKILL to all its processes): the other pod's worker fails in its next
-    collective, its agent restarts in place and cannot reach the rendezvous store: the container exits
-    with the retryable code, so Kubeflow restarts it, instead of torchrun's exit 1 (permanent)."""
+REJOINING = "rejoining in this container"
+
+
+def test_the_survivor_of_the_rendezvous_host_rejoins_its_replacement_without_restarting(
+        tmp_path, launched, reference_digest):
+    """worker-0 deleted (SIGKILL to all its processes) and started again, as Kubeflow does: the other pod's
+    worker fails in its next collective, its agent cannot reach the lost store and starts again in the
+    same container, joins the replacement's store, and both resume from step 10 to the uninterrupted
+    run's model. (Exiting instead made Kubeflow replace the survivor's pod too: ~2 s more.)"""
     pause_at = first_item_of_step(16, BATCH * 2)
-    run = Run(tmp_path, "host-deleted", POD_RUN).inject(pause_at_items=(pause_at,))
-    host, other, _ = two_pods_paused(run, launched, pause_at)
+    run = Run(tmp_path, "host-replaced", POD_RUN).inject(pause_at_items=(pause_at,))
+    host, survivor, port = two_pods_paused(run, launched, pause_at)
     host.kill()
     release(run.pauses, pause_at)
-    code = other.finish()
-    assert code == exit_codes.RETRYABLE, other.tail()
-    assert "trainingrun launch: rendezvous lost" in other.log
+    survivor.wait_for(re.escape(REJOINING))
+    replacement = start_pod(run, launched, port)
+    assert replacement.finish() == 0, replacement.tail()
+    assert survivor.finish() == 0, survivor.tail()
+    assert re.search(f"resumed from {re.escape(run.uri)}/step-00000010 at step 10", survivor.log + replacement.log)
+    replacement_steps = [int(s) for s in re.findall(r" rank\d INFO trainingrun\.trainer: step (\d+)/30 ", replacement.log)]
+    assert replacement_steps == list(range(11, 31)), replacement_steps
+    infos = {i.step: i for i in run.store().list()}
+    assert infos[30].valid and infos[30].model_digest == reference_digest
+
+
+def test_when_the_rendezvous_host_does_not_come_back_the_survivor_exits_retryable(tmp_path, launched):
+    """No replacement within the store's read_timeout, REJOINS times: the container exits with the
+    retryable code, so Kubeflow restarts it, instead of torchrun's exit 1 (permanent)."""
+    pause_at = first_item_of_step(16, BATCH * 2)
+    run = Run(tmp_path, "host-deleted", POD_RUN).inject(pause_at_items=(pause_at,))
+    host, survivor, _ = two_pods_paused(run, launched, pause_at)
+    host.kill()
+    release(run.pauses, pause_at)
+    code = survivor.finish()
+    assert code == exit_codes.RETRYABLE, survivor.tail()
+    assert survivor.log.count(REJOINING) == launch.REJOINS
+    assert "trainingrun launch: rendezvous lost" in survivor.log
 
 
 def test_a_replaced_pod_rejoins_and_training_resumes_from_the_last_checkpoint(tmp_path, launched, reference_digest):

@@ -10,8 +10,12 @@ SIGTERM becomes 143 (see `container_exit_code`).
 In a pod the agent is PID 1, which the kernel shields from every signal it has no handler for, and
 torch installs its SIGTERM handler only when workers start: `main` installs one from the start, so a
 pod deleted while it waits in rendezvous stops at once (143) instead of after the grace period.
-A lost rendezvous (its store's host, worker-0, deleted; a round that timed out) is retryable: the
-pod is restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1.
+A lost rendezvous store (its host, worker-0, deleted) does not end this pod: the agent is started
+again in this container and waits for the replacement host's store (up to the rendezvous
+`read_timeout`, `REJOINS` times), so only the lost pod is recreated; Kubeflow replacing the survivor too
+made losing worker-0 ~2 s slower than losing another worker (benchmarks/cluster_recovery.py). When the
+store does not come back, or a round times out, the container exits retryable (138): the pod is
+restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1.
 
     python -m trainingrun_trainer.launch [torchrun options] --module trainingrun_trainer
 
@@ -34,6 +38,8 @@ from typing import Any, Iterable, Optional, Sequence
 from . import exit_codes
 
 TRAINER_MODULE = "trainingrun_trainer"
+#: Agent restarts in this container after its rendezvous store was lost, before exiting retryable.
+REJOINS = 2
 #: Imported once by the forkserver, so forked workers start with them loaded: the trainer and
 #: what its first step imports lazily (DDP and the optimizers pull in torch._dynamo, ~0.3 s each time).
 PRELOAD = ["trainingrun_trainer.main", "trainingrun_trainer.trainer", "trainingrun_trainer.models",
@@ -134,7 +140,24 @@ def _launch(args: Any) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
         verdict = os.path.join(scratch, "permanent-exit-code")
-        elastic_launch(config=config, entrypoint=run_trainer_worker)(verdict, *args.training_script_args)
+        _rejoining(lambda: elastic_launch(config=config, entrypoint=run_trainer_worker)(
+            verdict, *args.training_script_args), standalone=args.standalone)
+
+
+def _rejoining(launch: Any, standalone: bool) -> None:
+    """Run `launch` (one elastic agent to its end); when its rendezvous store is lost, start a new agent
+    here (a new store connection, a new round) up to REJOINS times, keeping the warm forkserver."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    for rejoin in range(REJOINS + 1):
+        try:
+            launch()
+            return
+        except RendezvousConnectionError as error:
+            if standalone or rejoin == REJOINS:
+                raise
+            print(f"trainingrun launch: rendezvous store lost ({error}); rejoining in this container "
+                  f"({rejoin + 1}/{REJOINS})", file=sys.stderr, flush=True)
 
 
 def _stop_on_signals() -> None:
