@@ -154,10 +154,18 @@ class NoDiffBase(kopf.DiffBaseStorage):
         pass
 
 
+def controller_uid(obj: dict[str, Any]) -> Optional[str]:
+    """The uid of the object's controlling owner (ownerReferences with controller: true), if any."""
+    return next((ref.get("uid") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
+                 if ref.get("controller")), None)
+
+
 def slim_job(body: Any) -> dict[str, Any]:
     meta = body.get("metadata", {})
     return {
-        "metadata": {k: copy.deepcopy(meta.get(k)) for k in ("name", "labels", "annotations", "deletionTimestamp")},
+        "metadata": {**{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "annotations",
+                                                                 "deletionTimestamp")},
+                     "ownerReferences": [{"uid": controller_uid(body), "controller": True}]},
         "spec": {"runPolicy": {"suspend": ((body.get("spec") or {}).get("runPolicy") or {}).get("suspend")}},
         "status": {"conditions": copy.deepcopy((body.get("status") or {}).get("conditions") or [])},
     }
@@ -261,15 +269,18 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
             except validation.InvalidTrainingRun as error:
                 await _reject(state, key, body, status, error)
                 return
+            # Only this run's own jobs: anyone may label a PyTorchJob with the run's name; it is not this run's.
+            owned = [j for j in jobs.get(key, []) if controller_uid(j) == run.metadata.uid]
             observed = reconcile.Observed(
                 run=run, status=status,
-                jobs={j["metadata"]["name"]: j for j in jobs.get(key, [])},
+                jobs={j["metadata"]["name"]: j for j in owned},
                 pods=list(pods.get(key, [])), now=state.clock(),
                 keep_failed_attempts=state.settings.keep_failed_attempts,
                 warnings=await _pending_warnings(state, key, status),
             )
             plan = reconcile.decide(observed)
-            await _carry_out(state, key, run, body, plan)
+            await _carry_out(state, key, run, body, plan,
+                             job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()})
             state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
         finally:
             state.metrics.reconcile_seconds.observe(time.monotonic() - started)
@@ -303,9 +314,10 @@ def _about_job(name: str, job_name: str) -> bool:
 
 
 async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingRun], body: dict[str, Any],
-                     plan: reconcile.Plan) -> None:
+                     plan: reconcile.Plan, job_uids: Optional[dict[str, str]] = None) -> None:
     """Children, suspension, deletions, then status (remembered until the watch shows it), then Events.
-    `run` (the parsed spec) is needed only when the plan starts an attempt."""
+    `run` (the parsed spec) is needed only when the plan starts an attempt; `job_uids` (name: uid of the
+    run's own jobs) only when it deletes jobs."""
     kube, (namespace, name) = state.client(), key
     if plan.start_attempt:
         assert run is not None
@@ -317,7 +329,11 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
         await kube.patch("kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job,
                          {"spec": {"runPolicy": {"suspend": True}}})
     for job_name in plan.delete_jobs:
-        await kube.delete("kubeflow.org/v1", "PyTorchJob", namespace, job_name)
+        try:  # exactly the job this run owns: the name may belong to someone else's object by now
+            await kube.delete("kubeflow.org/v1", "PyTorchJob", namespace, job_name, uid=(job_uids or {}).get(job_name))
+        except ApiError as error:
+            if error.status != 409:
+                raise
         state.created_jobs.discard((namespace, job_name))
     if plan.status:
         await kube.patch(api.API_VERSION, api.KIND, namespace, name, {"status": plan.status}, subresource="status")
@@ -354,9 +370,10 @@ async def _create_children(state: OperatorState, key: Key, body: dict[str, Any],
         state.created_jobs.add((key[0], job_name))
     if outcomes[0] is True:  # the PyTorchJob is new, not adopted
         state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
+    conflicts = [(child, outcome) for child, outcome in zip(ordered, outcomes) if isinstance(outcome, NotOwned)]
     refused = [(child, outcome) for child, outcome in zip(ordered, outcomes) if _is_refusal(outcome)]
-    if refused:
-        await _children_refused(state, key, body, refused)
+    if conflicts or refused:
+        await _children_refused(state, key, body, refused, conflicts)
         return False
     failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
     if failed:
@@ -365,7 +382,9 @@ async def _create_children(state: OperatorState, key: Key, body: dict[str, Any],
         status = merged_status(body.get("status") or {}, state.written.get(key, {}))
         conditions = reconcile.Conditions(plan.status.get("conditions") or status.get("conditions") or [],
                                           reconcile.rfc3339(state.clock()), generation)
-        if conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects"):
+        conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects")
+        conditions.set("NameConflict", False, "Resolved", "every object of this attempt is the run's own")
+        if conditions.changed:
             plan.status["conditions"] = conditions.as_list()
     return True
 
@@ -402,40 +421,75 @@ def _is_refusal(outcome: Any) -> bool:
 
 
 async def _children_refused(state: OperatorState, key: Key, body: dict[str, Any],
-                            refused: list[tuple[dict[str, Any], ApiError]]) -> None:
-    """The API server refused a child: condition ChildRejected with its words, one Event, and a backoff
-    instead of the same refusal at every resync. A spec change (new generation) tries again at once."""
+                            refused: list[tuple[dict[str, Any], ApiError]],
+                            conflicts: list[tuple[dict[str, Any], "NotOwned"]]) -> None:
+    """The API server refused a child (condition ChildRejected with its words), or a child's name is taken by
+    an object this run does not own (condition NameConflict; that object is left as it is): one Event each,
+    and a backoff instead of the same answer at every resync. A spec change (new generation) tries at once."""
     generation = (body.get("metadata") or {}).get("generation")
     previous = state.rejections.get(key)
     first, cap = state.settings.child_rejected_backoff_seconds, CHILD_REJECTED_MAX_BACKOFF_SECONDS
     delay = min(previous.delay * 2, cap) if previous and previous.generation == generation else first
     state.rejections[key] = Rejection(generation, time.monotonic() + delay, delay)
-    message = "; ".join(f"{c['kind']} {c['metadata']['name']}: {e.status} {e.reason}: {e.message}"
-                        for c, e in refused)[:2000]
     status = merged_status(body.get("status") or {}, state.written.get(key, {}))
     conditions = reconcile.Conditions(status.get("conditions") or [], reconcile.rfc3339(state.clock()), generation)
-    flipped = conditions.set("ChildRejected", True, "ChildRejected",
-                             f"the API server refused this run's objects (next try in {delay:.0f}s, or at once after "
-                             f"a spec change): {message}")
-    if flipped:
-        log.warning("%s/%s: the API server refused its objects: %s", key[0], key[1], message)
+    events = []
+    retry = f"next try in {delay:.0f}s, or at once after a spec change"
+    if refused:
+        message = "; ".join(f"{c['kind']} {c['metadata']['name']}: {e.status} {e.reason}: {e.message}"
+                            for c, e in refused)[:2000]
+        if conditions.set("ChildRejected", True, "ChildRejected",
+                          f"the API server refused this run's objects ({retry}): {message}"):
+            log.warning("%s/%s: the API server refused its objects: %s", key[0], key[1], message)
+            events.append(reconcile.Note("Warning", "ChildRejected", message))
+    if conflicts:
+        message = ("; ".join(str(conflict) for _, conflict in conflicts)
+                   + f"; this run changes and deletes only its own objects: delete or rename "
+                     f"{'those' if len(conflicts) > 1 else 'it'}, or create the run under another name")[:2000]
+        if conditions.set("NameConflict", True, "NotOwned", f"{message} ({retry})"):
+            log.warning("%s/%s: %s", key[0], key[1], message)
+            events.append(reconcile.Note("Warning", "NameConflict", message))
     if conditions.changed:
-        plan = reconcile.Plan(status={"conditions": conditions.as_list()},
-                              events=[reconcile.Note("Warning", "ChildRejected", message)] if flipped else [])
+        plan = reconcile.Plan(status={"conditions": conditions.as_list()}, events=events)
         await _carry_out(state, key, None, body, plan)
 
 
+class NotOwned(Exception):
+    """A child's name is taken by an object whose controller is not this run."""
+
+    def __init__(self, child: dict[str, Any]):
+        super().__init__(f"{child['kind']} {child['metadata']['name']} already exists and is not controlled by "
+                         "this run (left as it is)")
+
+
 async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
-    """Create a child; if it exists, adopt it (a PyTorchJob is never changed) or bring it up to date."""
+    """Create a child. If the name exists and this run controls that object, bring it up to date (a PyTorchJob
+    is never changed); if anyone else does, or no one, raise NotOwned and leave it untouched.
+
+    One JSON patch whose first operations test the controller reference: the server applies all of it or
+    none (422), so an object that is not the run's is never written, not even between a read and a write,
+    and the operator needs no read access to ConfigMaps."""
     try:
         await kube.create(child)
         return True
     except ApiError as error:
         if error.status != 409:
             raise
+    meta = child["metadata"]
+    operations: list[dict[str, Any]] = [
+        {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": controller_uid(child)},
+        {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True}]
     if child["kind"] != "PyTorchJob":
-        meta = child["metadata"]
-        await kube.patch(child["apiVersion"], child["kind"], meta["namespace"], meta["name"], child)
+        operations.append({"op": "add", "path": "/metadata/labels", "value": meta.get("labels") or {}})
+        operations += [{"op": "add", "path": f"/{key}", "value": value} for key, value in child.items()
+                       if key not in ("apiVersion", "kind", "metadata")]
+    try:
+        await kube.patch(child["apiVersion"], child["kind"], meta["namespace"], meta["name"], operations,
+                         json_patch=True)
+    except ApiError as error:
+        if error.status == 422:  # a test operation failed
+            raise NotOwned(child) from None
+        raise
     return False
 
 

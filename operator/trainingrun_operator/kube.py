@@ -1,6 +1,6 @@
 """A small async Kubernetes API client for the operator's own calls (kopf keeps its own for watching).
 
-Only what the operator does: create, merge-patch, delete and discover. It connects with the same
+Only what the operator does: create, patch (merge or JSON), delete and discover. It connects with the same
 credentials kopf logged in with (`kopf.ConnectionInfo`), retries throttling and server errors with
 backoff (honouring Retry-After), and raises `ApiError` with the status code for everything else,
 so callers can treat 409 on create as "already there" and 404 on delete as "already gone".
@@ -90,15 +90,20 @@ class Kube:
         path = collection_path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
         return await self.request("POST", path + "?fieldValidation=Strict", obj)
 
-    async def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any],
-                    subresource: str = "") -> dict[str, Any]:
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Any,
+                    subresource: str = "", json_patch: bool = False) -> dict[str, Any]:
+        """A merge patch (a dict), or with `json_patch` a JSON patch (a list of operations, all or none)."""
         path = object_path(api_version, kind, namespace, name, subresource)
-        return await self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+        content_type = "application/json-patch+json" if json_patch else "application/merge-patch+json"
+        return await self.request("PATCH", path, patch, content_type=content_type)
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: Optional[str] = None) -> None:
+        """Delete (background propagation); with `uid`, only that object (409 when the name is another's now)."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            await self.request("DELETE", object_path(api_version, kind, namespace, name),
-                               {"propagationPolicy": "Background"})
+            await self.request("DELETE", object_path(api_version, kind, namespace, name), body)
         except ApiError as error:
             if error.status != 404:
                 raise

@@ -19,6 +19,8 @@ import pytest
 import yaml
 from conftest import REPO
 
+from trainingrun_operator import builders, validation
+
 RUNS = "trainingruns.trainingrun.dev"
 JOBS = "pytorchjobs.kubeflow.org"
 RELEASE, RELEASE_NAMESPACE = "tr-real", "trainingrun-real"
@@ -252,3 +254,47 @@ def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_proces
     wait_for(lambda: cluster.status().get("phase") == "Running", what="phase Running")
     for type_ in ("PodsNotCreated", "Unschedulable", "SecretMissing"):
         wait_for(lambda: cluster.condition(type_)["status"] == "False", what=f"{type_} cleared")
+
+
+def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alone(cluster, operator_process):
+    """A ConfigMap, ServiceAccount, Role and PyTorchJob (labelled as the run's) that exist before the run, not
+    controlled by it: none is changed or gains an owner reference (so none goes with the run); the run says
+    NameConflict, naming them, with one Event. Once they are gone, the run creates its own and it clears."""
+    plane, ns = cluster.plane, cluster.namespace
+    labels = {builders.LABEL_RUN: "demo"}
+    job = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 1)
+    del job["metadata"]["ownerReferences"]
+    foreign = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "demo-config", "labels": labels},
+         "data": {"settings": "someone else's"}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "demo-trainer"}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "demo-trainer"},
+         "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}]},
+        job,
+    ]
+    for document in foreign:
+        document["metadata"]["namespace"] = ns
+        plane.kubectl("create", "-f", "-", input=json.dumps(document))
+    kinds = [("configmap", "demo-config"), ("serviceaccount", "demo-trainer"), ("role", "demo-trainer"),
+             (JOBS, "demo-a1")]
+    before = {kind: cluster.get(kind, name)["metadata"]["resourceVersion"] for kind, name in kinds}
+
+    plane.kubectl("create", "-f", "-", input=training_run(ns))
+    condition = wait_for(lambda: cluster.condition("NameConflict"), timeout=60, what="condition NameConflict")
+    assert condition["status"] == "True", condition
+    for kind in ("ConfigMap demo-config", "Role demo-trainer", "PyTorchJob demo-a1"):
+        assert f"{kind} already exists and is not controlled by this run" in condition["message"], condition
+    wait_for(lambda: cluster.events("NameConflict"), what="the NameConflict Event")
+    for kind, name in kinds:
+        now = cluster.get(kind, name)
+        assert now["metadata"]["resourceVersion"] == before[kind], f"{kind}/{name} was changed"
+        assert not now["metadata"].get("ownerReferences"), f"{kind}/{name} was adopted"
+    assert cluster.status().get("phase") != "Running"
+
+    for kind, name in kinds:
+        plane.kubectl("-n", ns, "delete", kind, name)
+    wait_for(lambda: (cluster.condition("NameConflict") or {}).get("status") == "False", timeout=60,
+             what="NameConflict resolved")
+    run_uid = cluster.get(RUNS, "demo")["metadata"]["uid"]
+    assert cluster.get("configmap", "demo-config")["metadata"]["ownerReferences"][0]["uid"] == run_uid
+    assert len(cluster.events("NameConflict")) == 1
