@@ -10,10 +10,12 @@ SIGKILLs a worker to show that this works.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from typing import Any, Callable, Optional, TextIO
 
 import yaml
 
-from trainingrun_trainer import exit_codes
+from trainingrun_trainer import contract, exit_codes
 from trainingrun_trainer.config import RunConfig
 
 from . import api, builders, validation
@@ -141,41 +143,72 @@ def resolve_secrets(spec: api.TrainingRunSpec, environ: dict[str, str], env_file
 
 
 class StatusServer:
-    """Accepts the trainer's status merge-patches on 127.0.0.1, like the API server's status subresource."""
+    """The operator's report endpoint on 127.0.0.1 for one local run: the same protocol (contract.Report,
+    a bearer token read from a file at each report), the same checks, and the status it keeps."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: api.TrainingRun, token_file: Path) -> None:
         self.status: dict[str, Any] = {}
+        self.attempt = 0  #: reports of other attempts are refused, as the operator does
+        self.refused = 0
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.touch(mode=0o600)
+        token_file.write_text(secrets.token_urlsafe(32))
+        self.token_file = token_file
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_PATCH(self) -> None:  # noqa: N802 - http.server naming
-                length = int(self.headers.get("Content-Length", 0))
-                patch = json.loads(self.rfile.read(length) or b"{}").get("status", {})
+            def do_POST(self) -> None:  # noqa: N802 - http.server naming
+                length = int(self.headers.get("Content-Length") or 0)
+                if self.path != contract.REPORT_PATH:
+                    return self._answer(404, "no such endpoint")
+                if not hmac.compare_digest(self.headers.get("Authorization", ""),
+                                           f"Bearer {server.token_file.read_text()}"):
+                    return self._answer(401, "a bearer token is required")
+                if length > contract.MAX_REPORT_BYTES:
+                    return self._answer(413, "report too large")
+                try:
+                    report = contract.Report.from_json(self.rfile.read(length))
+                except contract.ReportError as error:
+                    return self._answer(400, str(error))
+                meta = run.metadata
+                refusal = report.refusal(meta.namespace, meta.name, meta.uid or "", server.attempt,
+                                         run.spec.checkpoint.uri)
+                if refusal:
+                    with server.changed:
+                        server.refused += 1
+                    return self._answer(403, refusal)
                 with server.changed:
-                    for key, value in patch.items():
-                        if isinstance(value, dict):
-                            server.status.setdefault(key, {}).update(value)
-                        else:
-                            server.status[key] = value
+                    server.status.update(report.status_fields())
                     server.changed.notify_all()
-                self.send_response(200)
+                self._answer(200, "ok")
+
+            def _answer(self, code: int, message: str) -> None:
+                body = json.dumps({"message": message}).encode()
+                self.send_response(code)
                 self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(b"{}")
+                self.wfile.write(body)
 
             def log_message(self, *args: Any) -> None:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}{contract.REPORT_PATH}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="local-status", daemon=True)
         self.thread.start()
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return json.loads(json.dumps(self.status))
+
+    def new_attempt(self, number: int) -> None:
+        """Reports of earlier attempts are refused from now on, and the previous attempt's step is not this one's."""
+        with self.lock:
+            self.attempt = number
+            self.status.pop("progress", None)
 
     def forget(self, key: str) -> None:
         with self.lock:
@@ -318,7 +351,7 @@ class LocalRunner:
     def nproc(self) -> int:
         return self.options.nproc or self.spec.nproc_per_node
 
-    def _environment(self, attempt: int, status_url: str, config_path: Path) -> dict[str, str]:
+    def _environment(self, attempt: int, status: StatusServer, config_path: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
         env.update({e.name: e.value for e in self.spec.env})
         env.update(self.secrets)
@@ -327,8 +360,9 @@ class LocalRunner:
         env.update({k: v for k, v in builders.contract_env(self.run, attempt, str(config_path)).items()
                     if k not in users or k.startswith("TRAININGRUN_")})
         env.update({
-            "TRAININGRUN_STATUS_URL": status_url,
-            "TRAININGRUN_REPORT_INTERVAL_SECONDS": "0.1",
+            contract.REPORT_URL: status.url,
+            contract.REPORT_TOKEN_FILE: str(status.token_file),
+            contract.REPORT_INTERVAL_SECONDS: "0.1",
         })
         if self.options.metrics_port:
             env["TRAININGRUN_METRICS_PORT"] = str(self.options.metrics_port)
@@ -412,7 +446,7 @@ class LocalRunner:
     def execute(self) -> Summary:
         started = time.monotonic()
         config_path = self._write_config()
-        status = StatusServer()
+        status = StatusServer(self.run, self.run_dir / "report-token")
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         outcome, message = "succeeded", ""
         try:
@@ -421,11 +455,11 @@ class LocalRunner:
                 number += 1
                 attempt = Attempt(number, log_path=self.run_dir / f"attempt-{number}.log")
                 self.attempts.append(attempt)
-                status.forget("progress")  # the previous attempt's last step is not this one's
+                status.new_attempt(number)
                 command = [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone",
                            f"--nproc-per-node={self.nproc}", f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}",
                            "--module", "trainingrun_trainer"]
-                env = self._environment(number, status.url, config_path)
+                env = self._environment(number, status, config_path)
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
                     env["TRAININGRUN_CHAOS_KILL_AT_STEP"] = ",".join(map(str, self._kill_steps))

@@ -231,6 +231,79 @@ def test_damaged_checkpoint_is_skipped_and_older_one_used(store, root, damage, r
     assert_same(weights(loaded), weights(old))
 
 
+class RunsCode:
+    """Unpickling this runs code: it creates the file at `path`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) -> None:
+    """Someone who may write the bucket replaces a file and fixes the manifest to match."""
+    import hashlib
+
+    (directory / name).write_bytes(content)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == name:
+            entry["size"], entry["sha256"] = len(content), hashlib.sha256(content).hexdigest()
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["extra-rank-0.pt", ".metadata", "__0_0.distcp"])
+def test_nothing_read_from_storage_runs_code(store, root, tmp_path, name):
+    """An extra file, DCP's metadata or a non-tensor value in DCP's data (optimizer hyperparameters are
+    stored that way) that would run code when unpickled: the load refuses, and nothing ran."""
+    import io
+    import pickle
+
+    model, opt = trained()
+    store.save(2, app_state(model, opt), {"step": 2})
+    store.wait()
+    marker = tmp_path / "code-ran"
+    if name == "__0_0.distcp":
+        # a dict of plain values in the optimizer state, replaced by the payload in DCP's own byte format
+        state = app_state(model, opt)
+        state["optim"]["param_groups"][0]["lr"] = RunsCode(marker)
+        payload = tmp_path / "payload"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(payload)), no_dist=True)
+        for copied in (".metadata", "__0_0.distcp"):
+            rewrite_with_a_valid_manifest(step_dir(root, 2), copied, (payload / copied).read_bytes())
+    else:
+        buffer = io.BytesIO()
+        if name == ".metadata":
+            pickle.dump(RunsCode(marker), buffer)
+        else:
+            torch.save({"step": 2, "payload": RunsCode(marker)}, buffer)
+        rewrite_with_a_valid_manifest(step_dir(root, 2), name, buffer.getvalue())
+    assert store.latest_valid().step == 2  # the manifest matches: only loading can tell
+    assert not marker.exists()
+    with pytest.raises(ckpt.CheckpointLoadError, match="refusing|[Uu]nsupported global"):
+        store.load(store.latest_valid(), app_state(*trained(seed=5)))
+    assert not marker.exists()
+
+
+def test_plain_values_survive_the_safe_loader(store):
+    """What the built-in trainer keeps in extra: RNG states (numpy's is an array), scheduler, sampler."""
+    import random
+
+    import numpy as np
+
+    from trainingrun_trainer.seeding import rng_state
+
+    extra = {"rng": rng_state(), "sampler": {"epoch": 1}, "loss": 0.5, "run_uid": "u", "items": [1, (2, 3)]}
+    store.save(1, {"model": make_model().state_dict()}, extra)
+    store.wait()
+    loaded = store.load(store.latest_valid(), {"model": make_model(3).state_dict()})
+    assert loaded["rng"]["python"] == random.getstate() or loaded["rng"]["python"] == extra["rng"]["python"]
+    assert np.array_equal(loaded["rng"]["numpy"][1], extra["rng"]["numpy"][1])
+    assert {k: loaded[k] for k in ("sampler", "loss", "run_uid", "items")} == \
+        {k: extra[k] for k in ("sampler", "loss", "run_uid", "items")}
+
+
 def test_rotation_keeps_newest_and_milestones(root):
     model = make_model()
     with CheckpointStore(str(root), keep=2, keep_every=3) as store:  # a plain path works too

@@ -135,5 +135,50 @@ def test_threads_per_process(tmp_path, monkeypatch, cpu, nproc, shell, user, exp
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     options = local.LocalOptions(nproc=nproc, runs_dir=str(tmp_path / "runs"))
     runner = local.LocalRunner(local.load_run(str(path), options), options, secrets={})
-    env = runner._environment(1, "http://127.0.0.1:1", tmp_path / "config.yaml")
+    status = local.StatusServer(runner.run, tmp_path / "token")
+    try:
+        env = runner._environment(1, status, tmp_path / "config.yaml")
+    finally:
+        status.close()
     assert env["OMP_NUM_THREADS"] == (str(4 // nproc) if expected == "cores" else expected)
+
+
+def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
+    """Same protocol and checks as the operator's endpoint: the bearer token from the file, this run and
+    attempt only, checkpoints only under the run's URI; status holds only what was accepted."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from trainingrun_trainer.contract import CommittedCheckpoint, Progress, Report
+
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY)
+    run = local.load_run(str(path), local.LocalOptions(runs_dir=str(tmp_path / "runs")))
+    status = local.StatusServer(run, tmp_path / "token")
+    status.new_attempt(2)
+    meta, uri = run.metadata, run.spec.checkpoint.uri
+
+    def post(report, token=None):
+        request = urllib.request.Request(status.url, data=report.to_json(), method="POST", headers={
+            "Authorization": f"Bearer {token or status.token_file.read_text()}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, ""
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())["message"]
+
+    progress = Progress(5, "2026-11-24T00:00:00Z")
+    try:
+        assert post(Report(meta.namespace, meta.name, meta.uid, 2, progress=progress), token="guess")[0] == 401
+        assert post(Report(meta.namespace, meta.name, meta.uid, 1, progress=progress))[0] == 403
+        elsewhere = CommittedCheckpoint("s3://attacker/x/step-00000010", 10, "2026-11-24T00:00:00Z")
+        code, message = post(Report(meta.namespace, meta.name, meta.uid, 2, last_good_checkpoint=elsewhere))
+        assert code == 403 and "not the step-00000010 directory" in message
+        assert status.snapshot() == {}
+        good = CommittedCheckpoint(f"{uri}/step-00000010", 10, "2026-11-24T00:00:00Z")
+        assert post(Report(meta.namespace, meta.name, meta.uid, 2, progress=progress, last_good_checkpoint=good))[0] == 200
+        assert status.snapshot() == {"progress": {"step": 5, "updatedAt": "2026-11-24T00:00:00Z"},
+                                     "lastGoodCheckpoint": {"uri": good.uri, "step": 10, "time": good.time}}
+    finally:
+        status.close()

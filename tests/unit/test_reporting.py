@@ -1,86 +1,146 @@
-"""Status reporting against a real local HTTP server: coalesced, rate-bounded, never blocking."""
+"""Progress reporting against a real local HTTP server: newest values, heartbeats, rotated tokens,
+never blocking, never leaking the token."""
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trainingrun_trainer.reporting import ApiEndpoint, StatusReporter
+from trainingrun_trainer import contract
+from trainingrun_trainer.contract import CommittedCheckpoint, Progress, Report
+from trainingrun_trainer.reporting import ProgressReporter, ReportEndpoint, from_env
 
-TOKEN = "sa-token-must-not-leak"
+TOKEN = "projected-token-must-not-leak"
+IDENTITY = Report("team-a", "demo", "uid-1", 2)
 
 
 @pytest.fixture
-def api_server():
+def endpoint():
     received = []
+    arrived = threading.Condition()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            received.append((self.path, dict(self.headers), body))
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            with arrived:
+                received.append((self.path, dict(self.headers), Report.from_json(body)))
+                arrived.notify_all()
             self.send_response(200)
-            self.send_header("Content-Type", "application/json")
             self.end_headers()
-            self.wfile.write(b"{}")
 
         def log_message(self, *args):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", received
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def wait_until(check, timeout=30):
+        deadline = time.monotonic() + timeout
+        with arrived:
+            while not check(received):
+                assert time.monotonic() < deadline, f"not received: {received[-3:]}"
+                arrived.wait(deadline - time.monotonic())
+
+    yield f"http://127.0.0.1:{server.server_address[1]}{contract.REPORT_PATH}", received, wait_until
     server.shutdown()
 
 
-def test_reports_are_coalesced_and_the_newest_wins(api_server):
-    url, received = api_server
-    reporter = StatusReporter(ApiEndpoint(url, TOKEN, None), "team-a", "demo", min_interval_seconds=3600)
+def progress(step):
+    return Progress(step=step, updated_at="2026-11-24T00:00:00Z", loss=1.0 / step)
+
+
+def test_the_newest_values_are_sent_with_the_runs_identity(endpoint, tmp_path):
+    url, received, wait_until = endpoint
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    reporter = ProgressReporter(ReportEndpoint(url, str(token), None), IDENTITY, interval_seconds=3600)
     for step in range(1, 101):
-        reporter.report(progress={"step": step, "loss": 1.0 / step})
-    reporter.report(lastGoodCheckpoint={"uri": "s3://bkt/step-100", "step": 100})
+        reporter.progress(progress(step))
+    reporter.committed(CommittedCheckpoint("s3://bkt/demo/step-00000100", 100, "2026-11-24T00:00:00Z"))
     reporter.close()
-    # The first report may go out alone; everything after it waits for the interval and is merged.
+    # One report at start (whatever was there), one on close with the newest of everything.
     assert 1 <= len(received) <= 2
-    path, headers, body = received[-1]
-    assert path == "/apis/trainingrun.dev/v1alpha1/namespaces/team-a/trainingruns/demo/status"
-    assert headers["Content-Type"] == "application/merge-patch+json"
-    assert headers["Authorization"] == f"Bearer {TOKEN}"
-    assert body["status"]["progress"]["step"] == 100
-    assert body["status"]["lastGoodCheckpoint"]["step"] == 100
+    path, headers, report = received[-1]
+    assert path == contract.REPORT_PATH and headers["Authorization"] == f"Bearer {TOKEN}"
+    assert (report.namespace, report.name, report.uid, report.attempt) == ("team-a", "demo", "uid-1", 2)
+    assert report.progress.step == 100 and report.last_good_checkpoint.step == 100
 
 
-def test_unreachable_api_is_logged_once_and_never_raises(caplog):
-    reporter = StatusReporter(ApiEndpoint("http://127.0.0.1:9", TOKEN, None), "ns", "demo",
-                              min_interval_seconds=0, timeout_seconds=2)
+def test_heartbeats_repeat_the_last_values_and_a_rotated_token_is_used(endpoint, tmp_path):
+    """Nothing new is still reported (the operator tells a stalled trainer from an outage by it), and the
+    token file is read at each report: the kubelet replaces a projected token before it expires."""
+    url, received, wait_until = endpoint
+    token = tmp_path / "token"
+    token.write_text("first")
+    reporter = ProgressReporter(ReportEndpoint(url, str(token), None), IDENTITY, interval_seconds=0.05)
+    reporter.progress(progress(7))
+    wait_until(lambda r: sum(1 for _, _, report in r if report.progress and report.progress.step == 7) >= 3)
+    token.write_text("rotated")
+    wait_until(lambda r: r[-1][1]["Authorization"] == "Bearer rotated")
+    reporter.close()
+    assert {report.progress.step for _, _, report in received if report.progress} == {7}
+
+
+def test_an_unreachable_endpoint_is_logged_once_and_never_raises(caplog, tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    reporter = ProgressReporter(ReportEndpoint("http://127.0.0.1:9/v1/reports", str(token), None), IDENTITY,
+                                interval_seconds=0.01, timeout_seconds=2)
     with caplog.at_level(logging.WARNING, logger="trainingrun.reporting"):
-        for step in range(3):
-            reporter.report(progress={"step": step})
+        for step in range(1, 4):
+            reporter.progress(progress(step))
+        deadline = time.monotonic() + 30
+        while reporter.failures < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling a counter the reporter's own thread raises
         reporter.close()
-    assert reporter.failures >= 1 and reporter.sent == 0
-    warnings = [r for r in caplog.records if "cannot report status" in r.getMessage()]
-    assert len(warnings) == 1
+    assert reporter.sent == 0
+    assert len([r for r in caplog.records if "cannot report progress" in r.getMessage()]) == 1
     assert TOKEN not in caplog.text
 
 
-def test_outside_a_cluster_it_does_nothing(tmp_path):
-    assert ApiEndpoint.in_cluster(env={}, account_dir=str(tmp_path)) is None
-    reporter = StatusReporter(None, "ns", "demo")
-    reporter.report(progress={"step": 1})
+def test_without_a_report_url_nothing_is_sent():
+    reporter = from_env(IDENTITY, env={})
+    reporter.progress(progress(1))
     reporter.close()
     assert not reporter.enabled and reporter.sent == 0
 
 
-def test_in_cluster_endpoint_from_service_account(tmp_path):
-    (tmp_path / "token").write_text(TOKEN + "\n")
-    endpoint = ApiEndpoint.in_cluster(env={"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "6443"},
-                                      account_dir=str(tmp_path))
-    assert endpoint == ApiEndpoint("https://10.0.0.1:6443", TOKEN, None)
+def test_endpoint_from_the_contracts_environment():
+    env = {contract.REPORT_URL: "https://op.ns.svc:8443/v1/reports", contract.REPORT_TOKEN_FILE: "/t",
+           contract.REPORT_CA_FILE: "/ca.crt", contract.REPORT_INTERVAL_SECONDS: "2.5"}
+    reporter = from_env(IDENTITY, env=env)
+    try:
+        assert reporter.endpoint == ReportEndpoint("https://op.ns.svc:8443/v1/reports", "/t", "/ca.crt")
+        assert reporter.interval == 2.5
+    finally:
+        reporter._stop.set()
 
 
-def test_local_status_url_wins_over_the_cluster(tmp_path):
-    env = {"TRAININGRUN_STATUS_URL": "http://127.0.0.1:8123/", "TRAININGRUN_STATUS_TOKEN": "t",
-           "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
-    assert ApiEndpoint.from_env(env) == ApiEndpoint("http://127.0.0.1:8123", "t", None)
-    assert ApiEndpoint.from_env({}) is None
+@pytest.mark.parametrize("body, field", [
+    ({"name": "demo", "uid": "u", "attempt": 1}, "namespace"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 0}, "attempt"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "progress": {"step": -1}}, "progress.step"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "progress": {"step": 1, "updatedAt": "2026-11-24T00:00:00Z", "loss": "nan"}}, "progress.loss"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "lastGoodCheckpoint": {"uri": "s3://b/x/step-00000001", "step": 1, "time": "yesterday"}}, "lastGoodCheckpoint.time"),
+])
+def test_a_malformed_report_names_its_field(body, field):
+    with pytest.raises(contract.ReportError, match=field.replace(".", r"\.")):
+        Report.from_json(json.dumps(body).encode())
+
+
+def test_a_report_is_refused_for_another_run_or_attempt_or_a_checkpoint_elsewhere():
+    checkpoint = CommittedCheckpoint("s3://bkt/demo/step-00000010", 10, "2026-11-24T00:00:00Z")
+    report = Report("ns", "demo", "u", 2, last_good_checkpoint=checkpoint)
+    assert report.refusal("ns", "demo", "u", 2, "s3://bkt/demo") is None
+    assert "not this run" in report.refusal("ns", "demo", "other-uid", 2, "s3://bkt/demo")
+    assert "current attempt is 3" in report.refusal("ns", "demo", "u", 3, "s3://bkt/demo")
+    assert "not the step-00000010 directory" in report.refusal("ns", "demo", "u", 2, "s3://attacker/demo")
+    report.last_good_checkpoint = CommittedCheckpoint("s3://bkt/demo/step-00000010", 11, "2026-11-24T00:00:00Z")
+    assert report.refusal("ns", "demo", "u", 2, "s3://bkt/demo")
+    with pytest.raises(contract.ReportError, match="larger than"):
+        Report.from_json(b"x" * (contract.MAX_REPORT_BYTES + 1))

@@ -43,9 +43,12 @@ A storage error in steps 2-4 never raises into the training loop: each rank logs
 the next save starts from scratch. Errors while staging (a caller bug such as an unpicklable
 ``extra``) do raise.
 
-Trust model: like DCP itself (which unpickles non-tensor values with ``weights_only=False``),
-the store trusts its own storage: ``extra`` files are unpickled. The sha256 in the manifest
-detects corruption, not tampering.
+Trust model: nothing read from storage can run code. ``extra`` files and DCP's non-tensor values
+are loaded with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples, dicts,
+numpy arrays), DCP's ``.metadata`` with an unpickler that admits only DCP's metadata classes, torch
+dtypes and sizes; anything else fails the load, and resume falls back to an older checkpoint. Keep
+``extra`` to such plain values. The sha256 in the manifest detects corruption (every file is
+re-hashed before a resume), not tampering by someone who may write the bucket.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import posixpath
 import re
 import time
@@ -75,11 +79,13 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from fsspec.core import url_to_fs  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.staging import BlockingAsyncStager  # noqa: E402
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
 
 __all__ = [
     "CheckpointInfo",
+    "CheckpointLoadError",
     "CheckpointStore",
     "PendingSave",
     "FORMAT_VERSION",
@@ -106,6 +112,70 @@ _SAVE_ERRORS = (Exception, CheckpointException)
 # DCP warns on every single-process save/load that torch.distributed is not initialized;
 # single-process is a supported mode here, so that one message is silenced.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading what storage holds without running code from it
+
+
+class CheckpointLoadError(Exception):
+    """A committed checkpoint that cannot be loaded (its content, not its files, is wrong)."""
+
+
+#: numpy's RNG state (in ``extra``) is an array: admitted by torch.load(weights_only=True) with these.
+_NUMPY_ARRAY_GLOBALS: list = []
+try:
+    import numpy as _np
+
+    _NUMPY_ARRAY_GLOBALS = [_np._core.multiarray._reconstruct, _np.ndarray, _np.dtype, _np.dtypes.UInt32DType]
+except (ImportError, AttributeError):  # numpy absent or 1.x: no arrays to admit
+    pass
+
+
+def load_plain(raw: bytes) -> Any:
+    """torch.load of bytes from storage, admitting only plain values (weights_only) and numpy arrays."""
+    with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP writes ``.metadata`` with plain pickle; this admits only what that pickle is made of."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata",)
+    NAMES = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in self.MODULES or (module, name) in self.NAMES or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint "
+                                     "never holds: refusing to load it")
+
+
+class _PlainReader(FsspecReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _PlainLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, loading non-tensor values (optimizer hyperparameters...) as plain values only."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        loaded = load_plain(value.getvalue())
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 # --------------------------------------------------------------------------------------------
@@ -840,6 +910,8 @@ class CheckpointStore:
         result = self._broadcast(result)
         if isinstance(result, Exception):
             raise result
+        if result is not None:
+            self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
         return result
 
     def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict) -> dict:
@@ -848,24 +920,25 @@ class CheckpointStore:
         return this rank's ``extra`` dict ({} with a warning when the checkpoint was written by
         fewer ranks). Under torch.distributed, call on every rank.
 
-        A URI string is checked first (manifest present, files present with their sizes; no
-        re-hash) and a ValueError raised if it is not a committed checkpoint; a CheckpointInfo
-        from :meth:`latest_valid` was already verified.
+        Every file is re-hashed against the manifest first, and a ValueError raised if it is not a
+        committed checkpoint, unless this process wrote or verified this very manifest (a
+        CheckpointInfo from :meth:`latest_valid` was).
         """
         self.wait()
         began = time.perf_counter()
-        if isinstance(info_or_uri, CheckpointInfo):
-            uri = info_or_uri.uri
-        else:
-            uri = str(info_or_uri).rstrip("/")
-            match = _STEP_DIR.match(posixpath.basename(uri))
-            if not match:
-                raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
-            info = _inspect(self._storage, uri, int(match.group(1)), deep=False)
-            if not info.valid:
-                raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
-        reader = FsspecReader(uri, **self._options)
-        dcp.load(state, storage_reader=reader, process_group=self._pg, no_dist=not self._distributed)
+        uri = info_or_uri.uri if isinstance(info_or_uri, CheckpointInfo) else str(info_or_uri).rstrip("/")
+        match = _STEP_DIR.match(posixpath.basename(uri))
+        if not match:
+            raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
+        info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
+        if not info.valid:
+            raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
+        reader = _PlainReader(uri, **self._options)
+        try:
+            dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), process_group=self._pg,
+                     no_dist=not self._distributed)
+        except CheckpointException as exc:  # a BaseException: make it an error that says what failed
+            raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
         extra_uri = _join(uri, _EXTRA.format(rank=self.rank))
         try:
             raw = self._storage.read_bytes(extra_uri)
@@ -873,8 +946,11 @@ class CheckpointStore:
             logger.warning("%s has no extra state for rank %d (saved by fewer ranks)", uri, self.rank)
             extra: dict = {}
         else:
-            # Trusted storage, as DCP's own loader (weights_only=False for non-tensor values).
-            extra = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+            try:
+                extra = load_plain(raw)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointLoadError(f"cannot load {extra_uri}: it holds more than plain values "
+                                          f"(refusing to run code from storage): {exc}".splitlines()[0]) from None
         self.last_restore_seconds = time.perf_counter() - began
         self.restores += 1
         return extra

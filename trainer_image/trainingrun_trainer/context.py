@@ -30,7 +30,7 @@ class RunContext:
     attempt: int  #: TRAININGRUN_ATTEMPT, from 1
     config_path: str  #: TRAININGRUN_CONFIG: the mounted RunConfig YAML
     checkpoint_uri: Optional[str]  #: TRAININGRUN_CHECKPOINT_URI; overrides checkpoint.uri of the config
-    resume_from: Optional[str]  #: TRAININGRUN_RESUME_FROM: a specific checkpoint to start from
+    resume_from: Optional[str]  #: TRAININGRUN_RESUME_FROM: the operator's last reported checkpoint, a floor
     metrics_port: Optional[int]  #: TRAININGRUN_METRICS_PORT
     pod_name: str  #: TRAININGRUN_POD_NAME (downward API), or the host name
     rank: int  #: RANK (torchrun)

@@ -4,12 +4,12 @@ A script that keeps its own loop gets the same checkpoint store, resume, preempt
 status reporting as the built-in trainer by using this class (see examples/custom_loop.py):
 
     run = trainingrun_trainer.Run.from_env()          # reads the operator's environment contract
-    extra = run.resume(state)                          # newest valid checkpoint (or RESUME_FROM), in place
+    extra = run.resume(state)                          # newest verified checkpoint, loaded in place
     step = extra["step"] if extra else 0
     while step < total:
         ...one optimizer step...
         step += 1
-        run.report(step, total_steps=total, loss=loss)  # rank 0 -> status.progress, rate-bounded
+        run.report(step, total_steps=total, loss=loss)  # rank 0 -> the operator -> status.progress
         stop, save = run.checkpoint_due(step)           # agreed by all ranks
         if save or stop:
             run.save(step, state, {"step": step}, blocking=stop)
@@ -18,7 +18,8 @@ status reporting as the built-in trainer by using this class (see examples/custo
     run.save(step, state, {"step": step}, blocking=True); run.close()
 
 `state` is what torch.distributed.checkpoint saves (tensors, nested dicts; sharded or not);
-`extra` is this rank's small picklable state (step, RNG, sampler position).
+`extra` is this rank's small state of plain values (step, RNG, sampler position): numbers, strings,
+tensors, numpy arrays, lists and dicts of them; nothing read from storage may run code.
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ from . import exit_codes
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, now_rfc3339
 from .config import CheckpointConfig
 from .context import RunContext
-from .reporting import ApiEndpoint, StatusReporter
+from . import reporting
+from .contract import CommittedCheckpoint, Progress, Report
+from .reporting import ProgressReporter
 
 log = logging.getLogger("trainingrun.session")
 
@@ -64,13 +67,6 @@ def init_process_group(backend: str) -> None:
                             timeout=timeout)
 
 
-def report_interval() -> float:
-    """Seconds between status patches: 10 in a cluster (API server load), less for `trainingrun local`."""
-    import os
-
-    return float(os.environ.get("TRAININGRUN_REPORT_INTERVAL_SECONDS", "10"))
-
-
 class Run:
     """One attempt of a TrainingRun as seen from inside a training process."""
 
@@ -83,7 +79,7 @@ class Run:
         checkpoint: CheckpointConfig,
         *,
         config_hash: str = "",
-        reporter: Optional[StatusReporter] = None,
+        reporter: Optional[ProgressReporter] = None,
         handle_sigterm: bool = True,
     ):
         self.context = context
@@ -96,8 +92,8 @@ class Run:
             endpoint_url=checkpoint.endpoint_url,
         )
         if reporter is None:
-            endpoint = ApiEndpoint.from_env() if context.is_rank_zero else None
-            reporter = StatusReporter(endpoint, context.namespace, context.name, min_interval_seconds=report_interval())
+            identity = Report(context.namespace, context.name, context.uid, context.attempt)
+            reporter = reporting.from_env(identity) if context.is_rank_zero else ProgressReporter(None, identity)
         self._pending: Optional[PendingSave] = None
         self.reporter = reporter
         self.preempted = False
@@ -116,19 +112,36 @@ class Run:
     # ------------------------------------------------------------ resume and save
 
     def resume(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """Load TRAININGRUN_RESUME_FROM, else the newest valid checkpoint, into `state` in place.
+        """Load the newest checkpoint under the run's URI whose every file matches its manifest into
+        `state` in place; returns this rank's `extra` from it, or None when there is nothing to resume.
 
-        Returns this rank's `extra` from that checkpoint, or None when there is nothing to resume.
+        TRAININGRUN_RESUME_FROM (the operator's last reported checkpoint) is a floor, never a pin: a
+        worker group restarted within the attempt keeps the attempt's environment, and loading that
+        checkpoint would throw away every one committed since. Falling below it is only logged.
         """
-        source: Any = self.context.resume_from or self.store.latest_valid()
+        source = self.store.latest_valid()
+        if self.context.is_rank_zero:
+            self._check_floor(source)
         if source is None:
             if self.context.is_rank_zero:
                 log.info("no checkpoint to resume from: starting at step 0")
             return None
         extra = self.store.load(source, state)
         if self.context.is_rank_zero:
-            log.info("resumed from %s at step %s", getattr(source, "uri", source), extra.get("step"))
+            log.info("resumed from %s at step %s", source.uri, extra.get("step"))
         return extra
+
+    def _check_floor(self, source: Optional[CheckpointInfo]) -> None:
+        floor = self.context.resume_from
+        if not floor:
+            return
+        parent, _, name = floor.rstrip("/").rpartition("/")
+        if parent != self.store.uri or not name.startswith("step-") or not name[5:].isdigit():
+            log.warning("ignoring TRAININGRUN_RESUME_FROM=%s: not a checkpoint directory under %s", floor,
+                        self.store.uri)
+        elif source is None or source.step < int(name[5:]):
+            log.warning("the operator's resume point %s is not a valid checkpoint any more: resuming from %s",
+                        floor, source.uri if source else "the start")
 
     def checkpoint_due(self, step: int) -> tuple[bool, bool]:
         """(stop, save): whether to stop for preemption and whether a periodic save is due.
@@ -194,9 +207,7 @@ class Run:
         info = self.store.wait()
         self._pending = None
         if info is not None:
-            self.reporter.report(
-                lastGoodCheckpoint={"uri": info.uri, "step": info.step, "time": info.time, "sha256": info.manifest_sha256}
-            )
+            self.reporter.committed(CommittedCheckpoint(info.uri, info.step, info.time, info.manifest_sha256))
         return info
 
     # ------------------------------------------------------------ reporting
@@ -210,16 +221,12 @@ class Run:
         samples_per_second: Optional[float] = None,
         productive_seconds: Optional[float] = None,
     ) -> None:
-        """Queue status.progress (rank 0 only; never blocks, never raises)."""
-        progress: dict[str, Any] = {"step": step, "updatedAt": now_rfc3339()}
-        optional = {
-            "totalSteps": total_steps,
-            "loss": loss if loss is not None and math.isfinite(loss) else None,
-            "samplesPerSecond": samples_per_second,
-            "productiveSeconds": None if productive_seconds is None else round(productive_seconds, 3),
-        }
-        progress.update({k: v for k, v in optional.items() if v is not None})
-        self.reporter.report(progress=progress)
+        """Report progress (rank 0 only; never blocks, never raises; sent at the reporter's pace)."""
+        self.reporter.progress(Progress(
+            step=step, updated_at=now_rfc3339(), total_steps=total_steps,
+            loss=loss if loss is not None and math.isfinite(loss) else None,
+            samples_per_second=samples_per_second,
+            productive_seconds=None if productive_seconds is None else round(productive_seconds, 3)))
 
     def close(self) -> None:
         """Finish the last save, report it, and flush the reporter."""

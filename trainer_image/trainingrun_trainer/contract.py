@@ -1,0 +1,212 @@
+"""The operator-trainer contract in one place: the environment a trainer container gets and the
+progress report rank 0 sends. The operator's builders, its report endpoint, `trainingrun local` and
+the trainer all import these names; neither side spells them out. Standard library only (no torch),
+so the operator imports it too.
+
+Reports: rank 0 POSTs a JSON `Report` to `TRAININGRUN_REPORT_URL` with `Authorization: Bearer <token>`,
+the token read from `TRAININGRUN_REPORT_TOKEN_FILE` at every report (in a pod: a projected
+ServiceAccount token whose audience is `REPORT_AUDIENCE`, which the kubelet rotates), TLS verified
+with `TRAININGRUN_REPORT_CA_FILE` when set. The operator authenticates the token (TokenReview),
+accepts a report only from a pod of the run's current attempt, checks every value, and alone writes
+status. A report is sent every `TRAININGRUN_REPORT_INTERVAL_SECONDS` even when nothing changed (a
+heartbeat), so the operator can tell a stalled trainer (reports, same step) from a reporting
+outage (no reports).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+# ---------------------------------------------------------------- environment of a trainer container
+
+NAME = "TRAININGRUN_NAME"
+NAMESPACE = "TRAININGRUN_NAMESPACE"
+UID = "TRAININGRUN_UID"
+ATTEMPT = "TRAININGRUN_ATTEMPT"
+CONFIG = "TRAININGRUN_CONFIG"  #: path of the mounted trainer config YAML
+CHECKPOINT_URI = "TRAININGRUN_CHECKPOINT_URI"  #: the URI the run started with
+RESUME_FROM = "TRAININGRUN_RESUME_FROM"  #: the operator's last reported checkpoint: a floor, never a pin
+METRICS_PORT = "TRAININGRUN_METRICS_PORT"
+POD_NAME = "TRAININGRUN_POD_NAME"
+REPORT_URL = "TRAININGRUN_REPORT_URL"
+REPORT_TOKEN_FILE = "TRAININGRUN_REPORT_TOKEN_FILE"
+REPORT_CA_FILE = "TRAININGRUN_REPORT_CA_FILE"
+REPORT_INTERVAL_SECONDS = "TRAININGRUN_REPORT_INTERVAL_SECONDS"
+
+# ---------------------------------------------------------------- the report endpoint
+
+REPORT_PATH = "/v1/reports"
+#: Audience of the projected token; a token for any other audience (the API server's included) is refused.
+REPORT_AUDIENCE = "trainingrun.dev/report"
+#: Where a pod's projected report token is mounted, and its file name.
+REPORT_TOKEN_DIR = "/var/run/secrets/trainingrun.dev/report"
+REPORT_TOKEN_PATH = f"{REPORT_TOKEN_DIR}/token"
+#: Key of the report endpoint's CA certificate in the run's ConfigMap (mounted beside the config).
+REPORT_CA_KEY = "report-ca.crt"
+#: Bodies larger than this are refused unread.
+MAX_REPORT_BYTES = 64 * 1024
+DEFAULT_REPORT_INTERVAL_SECONDS = 10.0
+
+_CHECKPOINT_DIR = re.compile(r"^step-(\d{8,})$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+
+
+class ReportError(ValueError):
+    """A report that is not well formed; the message names the field."""
+
+
+@dataclass
+class Progress:
+    step: int
+    updated_at: str  #: when that step finished (RFC 3339)
+    total_steps: Optional[int] = None
+    loss: Optional[float] = None
+    samples_per_second: Optional[float] = None
+    productive_seconds: Optional[float] = None  #: step time kept in the model, this run only
+
+    WIRE = {"step": "step", "updated_at": "updatedAt", "total_steps": "totalSteps", "loss": "loss",
+            "samples_per_second": "samplesPerSecond", "productive_seconds": "productiveSeconds"}
+
+
+@dataclass
+class CommittedCheckpoint:
+    uri: str  #: <checkpoint URI of the run>/step-NNNNNNNN
+    step: int
+    time: str
+    sha256: Optional[str] = None  #: of the manifest
+
+    WIRE = {"uri": "uri", "step": "step", "time": "time", "sha256": "sha256"}
+
+
+@dataclass
+class Report:
+    """What rank 0 tells the operator: who it is, and progress and/or the last committed checkpoint."""
+
+    namespace: str
+    name: str
+    uid: str
+    attempt: int
+    progress: Optional[Progress] = None
+    last_good_checkpoint: Optional[CommittedCheckpoint] = None
+
+    def to_json(self) -> bytes:
+        body = {"namespace": self.namespace, "name": self.name, "uid": self.uid, "attempt": self.attempt,
+                **self.status_fields()}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Report":
+        """Parse and check a report body; ReportError names the first field that is wrong."""
+        if len(raw) > MAX_REPORT_BYTES:
+            raise ReportError(f"the report is larger than {MAX_REPORT_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as error:
+            raise ReportError(f"the report is not JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise ReportError("the report must be a JSON object")
+        report = cls(namespace=_text(body, "namespace"), name=_text(body, "name"), uid=_text(body, "uid"),
+                     attempt=_integer(body, "attempt", minimum=1))
+        if body.get("progress") is not None:
+            progress = _object(body, "progress")
+            report.progress = Progress(
+                step=_integer(progress, "step", "progress."), updated_at=_time(progress, "updatedAt", "progress."),
+                total_steps=_integer(progress, "totalSteps", "progress.", optional=True),
+                loss=_number(progress, "loss", "progress."),
+                samples_per_second=_number(progress, "samplesPerSecond", "progress.", minimum=0),
+                productive_seconds=_number(progress, "productiveSeconds", "progress.", minimum=0))
+        if body.get("lastGoodCheckpoint") is not None:
+            checkpoint = _object(body, "lastGoodCheckpoint")
+            report.last_good_checkpoint = CommittedCheckpoint(
+                uri=_text(checkpoint, "uri", "lastGoodCheckpoint.", limit=2048),
+                step=_integer(checkpoint, "step", "lastGoodCheckpoint."),
+                time=_time(checkpoint, "time", "lastGoodCheckpoint."),
+                sha256=_sha256(checkpoint, "sha256", "lastGoodCheckpoint."))
+        return report
+
+
+    def status_fields(self) -> dict[str, Any]:
+        """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint), as the CRD spells them."""
+        fields: dict[str, Any] = {}
+        if self.progress:
+            fields["progress"] = _wire(self.progress)
+        if self.last_good_checkpoint:
+            fields["lastGoodCheckpoint"] = _wire(self.last_good_checkpoint)
+        return fields
+
+    def refusal(self, namespace: str, name: str, uid: str, attempt: int, checkpoint_uri: str) -> Optional[str]:
+        """Why this report cannot be taken for that run's current attempt (None when it can): another run or
+        attempt, or a checkpoint that is not a step directory under the URI the run started with."""
+        if (self.namespace, self.name, self.uid) != (namespace, name, uid):
+            return f"the report is for {self.namespace}/{self.name} (uid {self.uid}), not this run"
+        if self.attempt != attempt:
+            return f"the report is for attempt {self.attempt}; the current attempt is {attempt}"
+        checkpoint = self.last_good_checkpoint
+        if checkpoint and checkpoint_step(checkpoint.uri, checkpoint_uri) != checkpoint.step:
+            return (f"lastGoodCheckpoint.uri {checkpoint.uri} is not the step-{checkpoint.step:08d} directory under "
+                    f"the run's checkpoint URI {checkpoint_uri}")
+        return None
+
+
+def checkpoint_step(uri: str, run_uri: str) -> Optional[int]:
+    """The step of `uri` when it is a checkpoint directory directly under `run_uri`, else None."""
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    match = _CHECKPOINT_DIR.match(name)
+    return int(match.group(1)) if match and parent == run_uri.rstrip("/") else None
+
+
+# ---------------------------------------------------------------- checks of single fields
+
+
+def _wire(value: Any) -> dict[str, Any]:
+    return {value.WIRE[k]: v for k, v in asdict(value).items() if v is not None}
+
+
+def _object(body: dict, key: str) -> dict:
+    if not isinstance(body.get(key), dict):
+        raise ReportError(f"{key} must be an object")
+    return body[key]
+
+
+def _text(body: dict, key: str, prefix: str = "", limit: int = 253) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise ReportError(f"{prefix}{key} must be a non-empty string of at most {limit} characters")
+    return value
+
+
+def _integer(body: dict, key: str, prefix: str = "", minimum: int = 0, optional: bool = False) -> Any:
+    value = body.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**63:
+        raise ReportError(f"{prefix}{key} must be a whole number from {minimum}")
+    return value
+
+
+def _number(body: dict, key: str, prefix: str, minimum: Optional[float] = None) -> Optional[float]:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (minimum is not None and value < minimum):
+        raise ReportError(f"{prefix}{key} must be a finite number" + (f" >= {minimum}" if minimum is not None else ""))
+    return float(value)
+
+
+def _time(body: dict, key: str, prefix: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not _TIME.match(value):
+        raise ReportError(f"{prefix}{key} must be an RFC 3339 time")
+    return value
+
+
+def _sha256(body: dict, key: str, prefix: str) -> Optional[str]:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, str) or not _SHA256.match(value)):
+        raise ReportError(f"{prefix}{key} must be 64 lowercase hex digits")
+    return value
