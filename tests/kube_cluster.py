@@ -291,10 +291,15 @@ class ControlPlane(ProcessGroup):
         self.kubectl("create", "namespace", name)
         return name
 
-    def token(self, namespace: str, service_account: str, audience: Optional[str] = None) -> str:
+    def token(self, namespace: str, service_account: str, audience: Optional[str] = None,
+              pod: Optional[tuple[str, str]] = None) -> str:
+        """A token of the ServiceAccount (TokenRequest); with `pod` (name, uid), bound to that pod, as the
+        kubelet's projected tokens are."""
         args = ["-n", namespace, "create", "token", service_account, "--duration=2h"]
         if audience:
             args.append(f"--audience={audience}")
+        if pod:
+            args += ["--bound-object-kind=Pod", f"--bound-object-name={pod[0]}", f"--bound-object-uid={pod[1]}"]
         return self.kubectl(*args).stdout.strip()
 
     def token_kubeconfig(self, path: Path, token: str) -> Path:

@@ -410,7 +410,7 @@ class Progress(ApiModel):
     productive_seconds: Optional[float] = Field(
         default=None, description="Step time kept in the current model, summed over attempts (for goodput)."
     )
-    updated_at: Optional[str] = Field(default=None, description="When rank 0 last reported (RFC 3339).")
+    updated_at: Optional[str] = Field(default=None, description="When `step` finished, as rank 0 reported it (RFC 3339).")
 
 
 class CheckpointRef(ApiModel):
@@ -450,7 +450,7 @@ class Condition(ApiModel):
 
 
 class TrainingRunStatus(ApiModel):
-    """Observed state, written by the operator and (progress, checkpoints) by the trainer's rank 0."""
+    """Observed state, written by the operator alone (progress and checkpoints as rank 0 reported them to it)."""
 
     phase: Optional[Phase] = Field(default=None, description="Pending, Running, Recovering, Suspended, Succeeded or Failed.")
     attempt: Optional[int] = Field(default=None, description="Current attempt number, from 1.")
@@ -466,6 +466,9 @@ class TrainingRunStatus(ApiModel):
     completion_time: Optional[str] = Field(default=None, description="When the run succeeded or failed (RFC 3339).")
     progress: Optional[Progress] = Field(default=None, description="Training progress.")
     last_good_checkpoint: Optional[CheckpointRef] = Field(default=None, description="Newest committed checkpoint.")
+    last_report_time: Optional[str] = Field(
+        default=None, description="When the operator last accepted a report from the current attempt (RFC 3339); "
+        "rank 0 reports every 10 s, also when nothing changed.")
     restarts: Optional[Restarts] = Field(default=None, description="Restarts by cause.")
     goodput: Optional[float] = Field(
         default=None, description="Productive step time kept in the model divided by wall time since start."

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
+from trainingrun_trainer import contract
 from trainingrun_trainer.config import RunConfig
 
 from . import api
@@ -30,6 +31,8 @@ ANNOTATION_RESUME_FROM = "trainingrun.dev/resume-from"
 #: On each PyTorchJob: a digest of the spec its pods were built from, so a later spec change shows.
 ANNOTATION_SPEC_HASH = "trainingrun.dev/spec-hash"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: Lifetime of a pod's report token; the kubelet replaces it at 80% of that.
+REPORT_TOKEN_SECONDS = 3600
 SECRET_FILE_MODE = 0o440  # group-readable, so the non-root trainer reads it through fsGroup
 
 
@@ -53,14 +56,6 @@ def spec_hash(run: api.TrainingRun) -> str:
 
 def config_map_name(run_name: str) -> str:
     return f"{run_name}-config"
-
-
-def trainer_account_name(run_name: str) -> str:
-    return f"{run_name}-trainer"
-
-
-def pod_service_account(run: api.TrainingRun) -> str:
-    return run.spec.service_account_name or trainer_account_name(run.metadata.name)
 
 
 # ---------------------------------------------------------------- shared parts
@@ -99,55 +94,18 @@ def metadata(run: api.TrainingRun, name: str, component: str, **extra_labels: st
 # ---------------------------------------------------------------- children
 
 
-def config_map(run: api.TrainingRun) -> dict[str, Any]:
-    """The trainer config every pod mounts; defaults are filled in so the pod sees what ran."""
+def config_map(run: api.TrainingRun, settings: Settings = Settings()) -> dict[str, Any]:
+    """The trainer config every pod mounts (defaults filled in, so the pod sees what ran), and the CA
+    certificate pods verify the operator's report endpoint with."""
     config = RunConfig(trainer=run.spec.trainer, checkpoint=run.spec.checkpoint)
+    data = {"config.yaml": yaml.dump(config.to_wire(), Dumper=SAFE_DUMPER, sort_keys=False)}
+    if settings.report_ca:
+        data[contract.REPORT_CA_KEY] = settings.report_ca
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(run, config_map_name(run.metadata.name), "config"),
-        "data": {"config.yaml": yaml.dump(config.to_wire(), Dumper=SAFE_DUMPER, sort_keys=False)},
-    }
-
-
-def service_account(run: api.TrainingRun) -> Optional[dict[str, Any]]:
-    """The per-run identity of trainer pods; none when the run names its own ServiceAccount."""
-    if run.spec.service_account_name:
-        return None
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": metadata(run, trainer_account_name(run.metadata.name), "rbac"),
-    }
-
-
-def role(run: api.TrainingRun) -> dict[str, Any]:
-    """Rank 0 may read and patch the status of its own run, and nothing else."""
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": metadata(run, trainer_account_name(run.metadata.name), "rbac"),
-        "rules": [
-            {
-                "apiGroups": [api.GROUP],
-                "resources": [f"{api.PLURAL}/status"],
-                "resourceNames": [run.metadata.name],
-                "verbs": ["get", "patch"],
-            }
-        ],
-    }
-
-
-def role_binding(run: api.TrainingRun) -> dict[str, Any]:
-    name = trainer_account_name(run.metadata.name)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": metadata(run, name, "rbac"),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [
-            {"kind": "ServiceAccount", "name": pod_service_account(run), "namespace": run.metadata.namespace}
-        ],
+        "data": data,
     }
 
 
@@ -187,12 +145,12 @@ def contract_env(
     `trainingrun local`, so the two cannot drift apart."""
     spec = run.spec
     env = {
-        "TRAININGRUN_NAME": run.metadata.name,
-        "TRAININGRUN_NAMESPACE": run.metadata.namespace,
-        "TRAININGRUN_UID": run.metadata.uid or "",
-        "TRAININGRUN_ATTEMPT": str(attempt),
-        "TRAININGRUN_CONFIG": config_path,
-        "TRAININGRUN_CHECKPOINT_URI": spec.checkpoint.uri,
+        contract.NAME: run.metadata.name,
+        contract.NAMESPACE: run.metadata.namespace,
+        contract.UID: run.metadata.uid or "",
+        contract.ATTEMPT: str(attempt),
+        contract.CONFIG: config_path,
+        contract.CHECKPOINT_URI: spec.checkpoint.uri,
         "PYTHONUNBUFFERED": "1",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
         **RENDEZVOUS_ENV,
@@ -201,9 +159,9 @@ def contract_env(
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if resume_from:
-        env["TRAININGRUN_RESUME_FROM"] = resume_from
+        env[contract.RESUME_FROM] = resume_from
     if spec.metrics.enabled:
-        env["TRAININGRUN_METRICS_PORT"] = str(spec.metrics.port)
+        env[contract.METRICS_PORT] = str(spec.metrics.port)
     if spec.checkpoint.endpoint_url:
         env["AWS_ENDPOINT_URL"] = spec.checkpoint.endpoint_url
     return env
@@ -223,10 +181,15 @@ def trainer_env(
         for name, value in contract_env(run, attempt, settings.config_path, resume_from).items()
     ]
     env += [
-        {"name": "TRAININGRUN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
     ]
+    if settings.report_url:
+        env += [{"name": contract.REPORT_URL, "value": settings.report_url},
+                {"name": contract.REPORT_TOKEN_FILE, "value": contract.REPORT_TOKEN_PATH}]
+        if settings.report_ca:
+            env.append({"name": contract.REPORT_CA_FILE, "value": f"{settings.config_dir}/{contract.REPORT_CA_KEY}"})
     env = [e for e in env if e["name"] not in users]
     if spec.secrets.gcs_key_file:
         env.append(
@@ -277,6 +240,13 @@ def volumes_and_mounts(run: api.TrainingRun, settings: Settings) -> tuple[list[d
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if settings.report_url:
+        # The only API token a pod gets: bound to the pod, for the report endpoint's audience only (the API
+        # server refuses it), rotated by the kubelet and read by the trainer at each report.
+        volumes.append({"name": "report-token", "projected": {"sources": [{"serviceAccountToken": {
+            "audience": contract.REPORT_AUDIENCE, "expirationSeconds": REPORT_TOKEN_SECONDS,
+            "path": contract.REPORT_TOKEN_PATH.rsplit("/", 1)[1]}}]}})
+        mounts.append({"name": "report-token", "mountPath": contract.REPORT_TOKEN_DIR, "readOnly": True})
     key_file = spec.secrets.gcs_key_file
     if key_file:
         volumes.append(
@@ -330,7 +300,8 @@ def pod_template(
         container["resources"] = container_resources
 
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": pod_service_account(run),
+        # No API token: a trainer needs none (it reports to the operator with the projected token above).
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
         "enableServiceLinks": False,
         "securityContext": {
@@ -348,6 +319,7 @@ def pod_template(
         "tolerations": tolerations(spec),
         "affinity": spec.affinity.to_wire() if spec.affinity else None,
         "priorityClassName": spec.priority_class_name,
+        "serviceAccountName": spec.service_account_name,  # else the namespace's default account
         # A name listed twice is listed once: the PyTorchJob CRD refuses duplicates, the run means the same.
         "imagePullSecrets": [{"name": n} for n in dict.fromkeys(spec.image_pull_secrets)],
     }
@@ -417,7 +389,5 @@ def children(
     settings: Settings = Settings(),
     resume_from: Optional[str] = None,
 ) -> list[dict[str, Any]]:
-    """Everything one attempt of a run needs, in the order it should be created."""
-    objects = [config_map(run), service_account(run), role(run), role_binding(run)]
-    objects.append(pytorch_job(run, attempt, settings, resume_from))
-    return [o for o in objects if o is not None]
+    """Everything one attempt of a run needs: its ConfigMap and its PyTorchJob."""
+    return [config_map(run, settings), pytorch_job(run, attempt, settings, resume_from)]

@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import kopf
 
-from . import api, builders, reconcile, validation
+from . import api, builders, reconcile, reports, validation
 from .kube import ApiError, Kube
 from .metrics import OperatorMetrics
 from .settings import Settings
@@ -36,9 +36,11 @@ RUNS = (api.GROUP, api.VERSION, api.PLURAL)
 JOBS = ("kubeflow.org", "v1", "pytorchjobs")
 PODS = ("", "v1", "pods")
 CHILD_FILTER = {builders.LABEL_RUN: kopf.PRESENT}
-#: Status fields only the operator writes (the trainer writes progress and lastGoodCheckpoint).
+#: Status fields remembered from the operator's own writes until the watch shows them: all of them, as the
+#: operator alone writes status (progress and lastGoodCheckpoint as pods reported them, see reports.py).
 OPERATOR_FIELDS = ("phase", "attempt", "jobName", "startTime", "attemptStartTime", "nextAttemptTime", "checkpointUri",
-                   "completionTime", "restarts", "goodput", "conditions", "observedGeneration")
+                   "completionTime", "restarts", "goodput", "conditions", "observedGeneration", "progress",
+                   "lastGoodCheckpoint", "lastReportTime")
 CRD_MISSING = ("the PyTorchJob CRD (kubeflow.org/v1) is not served: install the Kubeflow Training Operator v1.9 "
                "(kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/manifests/overlays/"
                "standalone?ref=v1.9.0\"); until then TrainingRuns wait and /readyz answers 503")
@@ -84,6 +86,8 @@ class OperatorState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     #: kopf's indexes of runs, jobs and pods, as handed to the first handler (for the periodic resync).
     indexes: Optional[dict[str, kopf.Index]] = None
+    #: The report endpoint, once it serves (its counters are the tests' and benchmarks' view of it).
+    report_endpoint: Optional[reports.ReportEndpoint] = None
     #: Why the operator gave up (e.g. no credentials); the CLI exits 1 with it.
     fatal: Optional[str] = None
     stop: Optional[asyncio.Future] = None
@@ -174,7 +178,8 @@ def slim_job(body: Any) -> dict[str, Any]:
 def slim_pod(body: Any) -> dict[str, Any]:
     meta, status = body.get("metadata", {}), body.get("status") or {}
     return {
-        "metadata": {k: copy.deepcopy(meta.get(k)) for k in ("name", "labels", "deletionTimestamp")},
+        "metadata": {**{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "deletionTimestamp")},
+                     "ownerReferences": [{"uid": controller_uid(body), "controller": True}]},
         "status": {k: copy.deepcopy(status.get(k)) for k in ("reason", "message", "conditions", "containerStatuses")},
     }
 
@@ -195,6 +200,11 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if state.settings.metrics_port:
             state.tasks.append(asyncio.create_task(_serve_metrics(state), name="trainingrun-metrics"))
         state.tasks.append(asyncio.create_task(_resync(state), name="trainingrun-resync"))
+        if state.settings.report_port and state.settings.report_url:
+            state.tasks.append(asyncio.create_task(_serve_reports(state), name="trainingrun-reports"))
+        elif not state.settings.report_url:
+            log.warning("no report URL (TRAININGRUN_REPORT_URL): trainer pods will not report progress, and status "
+                        "will show no steps or checkpoints; the Helm chart sets it")
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
@@ -354,15 +364,11 @@ async def _create_children(state: OperatorState, key: Key, body: dict[str, Any],
         return False  # the server refused this spec's children: wait for the backoff or a spec change
     built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
     *support, job = builders.children(built, plan.start_attempt, state.settings, plan.resume_from)
-    # All groups at once: in a burst of runs, sending the support children first put every job behind
-    # every run's four other creates (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates
-    # pods only after it has seen the job, by which time the ServiceAccount exists; if not, admission
-    # rejects the pod and the Kubeflow operator retries it within milliseconds. Within a group, in turn:
-    # the RoleBinding waits for its Role, as a real API server's escalation check looks the Role up and
-    # answers 404 while it does not exist. Status is written only when all exist, so a failure here
-    # starts the same attempt again.
-    rbac = [c for c in support if c["kind"] in ("Role", "RoleBinding")]
-    groups = [[job]] + [[c] for c in support if c not in rbac] + ([rbac] if rbac else [])
+    # All at once: in a burst of runs, sending the ConfigMap first put every job behind every run's other
+    # create (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates pods only after it has seen
+    # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is
+    # written only when both exist, so a failure here starts the same attempt again.
+    groups = [[job]] + [[c] for c in support]
     results = await asyncio.gather(*(_ensure_in_turn(kube, group) for group in groups))
     ordered = [child for group in groups for child in group]
     outcomes = [outcome for result in results for outcome in result]
@@ -596,6 +602,42 @@ async def _serve_metrics(state: OperatorState) -> None:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+
+
+def run_view(state: OperatorState, namespace: str, name: str) -> Optional[reports.RunView]:
+    """The report endpoint's view of one run, from the indexes (no API reads): None when it is not active."""
+    if state.indexes is None:
+        return None
+    key = (namespace, name)
+    body = next(iter(state.indexes["runs"].get(key, [])), None)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+    uid, job_name = body["metadata"].get("uid"), status.get("jobName")
+    if status.get("phase") not in ("Pending", "Running") or not job_name or not status.get("checkpointUri"):
+        return None
+    job = next((j for j in state.indexes["jobs"].get(key, []) if j["metadata"].get("name") == job_name
+                and controller_uid(j) == uid), None)
+    return reports.RunView(uid=uid, attempt=int(status.get("attempt") or 0), job_name=job_name,
+                           checkpoint_uri=status["checkpointUri"], status=status,
+                           pods=list(state.indexes["pods"].get(key, [])),
+                           job_uid=job["metadata"].get("uid") if job else None)
+
+
+async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:
+    await state.client().patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status")
+    state.written.setdefault(key, {}).update(fields)
+
+
+async def _serve_reports(state: OperatorState) -> None:
+    await state.logged_in.wait()
+    settings = state.settings
+    state.report_endpoint = reports.ReportEndpoint(
+        reports.TokenReviewer(state.client, settings.report_token_cache_seconds),
+        view=lambda namespace, name: run_view(state, namespace, name),
+        accept=lambda key, fields: accept_report(state, key, fields), clock=state.clock)
+    https = settings.report_url.startswith("https://")
+    await reports.serve(state.report_endpoint, settings.report_port, settings.report_tls_dir if https else None)
 
 
 async def run_operator(state: OperatorState, *, stop_flag: Optional[asyncio.Future] = None,

@@ -471,20 +471,35 @@ def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Condit
 
 
 def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> None:
+    """Reports arrive (rank 0 reports every 10 s, also when nothing changed) but the step does not move: a stall,
+    restarted. No reports at all: the pods may train fine and not reach the report endpoint (network policy,
+    certificate), so that is a condition, never a restart."""
     timeout = o.run.spec.recovery.stall_timeout_seconds
     if not timeout:
         return
     progress = o.status.get("progress") or {}
-    reported = parse_time(progress.get("updatedAt"))
     started = parse_time(o.status.get("attemptStartTime"))
+    heard = parse_time(o.status.get("lastReportTime"))
+    heard = heard if heard and started and heard >= started else None
+    if (o.now - (heard or started or o.now)).total_seconds() > timeout:
+        since = f"since {heard.isoformat()}" if heard else f"since attempt {attempt} started"
+        message = (f"no report from attempt {attempt}'s rank 0 {since}, for more than "
+                   f"spec.recovery.stallTimeoutSeconds={timeout}s; its pods are not restarted for that (they may be "
+                   "training): check that they reach the operator's report endpoint (network policy, certificate)")
+        if conditions.set("ReportingUnavailable", True, "NoReports", message):
+            plan.events.append(Note("Warning", "ReportingUnavailable", message))
+        return
+    if conditions.is_true("ReportingUnavailable"):
+        conditions.set("ReportingUnavailable", False, "ReportsArrive", "rank 0's reports arrive again")
+    reported = parse_time(progress.get("updatedAt"))
     last = max([t for t in (reported, started) if t is not None], default=None)
     if last is None or (o.now - last).total_seconds() <= timeout:
         return
     if reported and started and reported >= started:
-        where = f"last step {progress.get('step')} reported at {progress.get('updatedAt')}"
+        where = f"last step {progress.get('step')} finished at {progress.get('updatedAt')}"
     else:
-        where = f"no step reported since attempt {attempt} started at {o.status.get('attemptStartTime')}"
-    detail = f"no progress for more than spec.recovery.stallTimeoutSeconds={timeout}s ({where})"
+        where = f"no step finished since attempt {attempt} started at {o.status.get('attemptStartTime')}"
+    detail = f"rank 0 reports, but training has not moved for more than spec.recovery.stallTimeoutSeconds={timeout}s ({where})"
     plan.events.append(Note("Warning", "Stalled", f"attempt {attempt}: {detail}; restarting it"))
     plan.delete_jobs.append(job_name)
     _attempt_ended(plan, o, attempt, Failure("failure", detail), conditions, stalled=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -48,6 +49,18 @@ class Settings:
     #: An attempt Pending for longer than this has its Warning Events read at each reconcile, so pods that are
     #: never created, scheduled or started show as a condition (TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS).
     pending_events_after_seconds: float = 15.0
+    #: Port of the HTTPS endpoint where trainer pods report progress (TRAININGRUN_REPORT_PORT); 0 turns it off.
+    report_port: int = 8443
+    #: The report endpoint's URL as trainer pods reach it, e.g. https://trainingrun-operator.<ns>.svc:8443/v1/reports
+    #: (TRAININGRUN_REPORT_URL; the chart sets it). Empty: pods are given none and report nothing.
+    report_url: str = ""
+    #: Directory with the endpoint's certificate: tls.crt, tls.key and ca.crt, the CA pods verify it with
+    #: (TRAININGRUN_REPORT_TLS_DIR; the chart mounts a Secret there).
+    report_tls_dir: str = "/etc/trainingrun-operator/tls"
+    #: PEM of ca.crt in report_tls_dir, read at start; published to pods in each run's ConfigMap.
+    report_ca: str = ""
+    #: How long a TokenReview's answer about a report token is reused (TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS).
+    report_token_cache_seconds: float = 60.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -62,6 +75,13 @@ class Settings:
             except ValueError:
                 raise ValueError(f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number") from None
 
+        report_url = env.get("TRAININGRUN_REPORT_URL", defaults.report_url)
+        tls_dir = env.get("TRAININGRUN_REPORT_TLS_DIR", defaults.report_tls_dir)
+        ca_path = Path(tls_dir) / "ca.crt"
+        ca = ca_path.read_text() if report_url.startswith("https://") and ca_path.is_file() else ""
+        if report_url.startswith("https://") and not ca:
+            raise ValueError(f"TRAININGRUN_REPORT_URL is https, but {ca_path} does not exist: mount the report "
+                             "endpoint's certificate (tls.crt, tls.key, ca.crt) in TRAININGRUN_REPORT_TLS_DIR")
         return cls(
             default_trainer_image=env.get("TRAININGRUN_TRAINER_IMAGE", defaults.default_trainer_image),
             trainer_uid=number("TRAININGRUN_TRAINER_UID", defaults.trainer_uid),
@@ -77,6 +97,12 @@ class Settings:
                                                   defaults.child_rejected_backoff_seconds, float),
             pending_events_after_seconds=number("TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS",
                                                 defaults.pending_events_after_seconds, float),
+            report_port=number("TRAININGRUN_REPORT_PORT", defaults.report_port),
+            report_url=report_url,
+            report_tls_dir=tls_dir,
+            report_ca=ca,
+            report_token_cache_seconds=number("TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS",
+                                              defaults.report_token_cache_seconds, float),
         )
 
     @property

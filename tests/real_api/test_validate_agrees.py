@@ -77,8 +77,8 @@ def namespace(kube_cluster_with_crds):
 
 def with_service_accounts(plane, run, namespace):
     """The ServiceAccount the pods run as, really created (Pod admission looks it up)."""
-    name = builders.pod_service_account(run)
-    plane.kubectl("-n", namespace, "create", "serviceaccount", name, check=False)
+    if run.spec.service_account_name:
+        plane.kubectl("-n", namespace, "create", "serviceaccount", run.spec.service_account_name, check=False)
 
 
 @pytest.mark.parametrize("change,crd_path", [(c[1], c[3]) for c in CASES], ids=[c[0] for c in CASES])

@@ -11,6 +11,7 @@ from conftest import EXAMPLES
 from trainingrun_operator import builders, validation
 from trainingrun_operator.api import MAX_RUN_NAME_LENGTH
 from trainingrun_operator.settings import Settings
+from trainingrun_trainer import contract
 
 K8S_VERSION = "1.30.0"
 
@@ -149,30 +150,34 @@ def test_run_policy_and_scheduling(minimal_body):
     assert template["metadata"]["annotations"] == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 
 
-def test_rbac_lets_the_run_patch_only_its_own_status(minimal_body):
+def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
+    """No per-run ServiceAccount, Role or RoleBinding: a pod runs as the run's serviceAccountName (else the
+    namespace default) with no API token mounted, and reports with a projected token for the report
+    audience, verified against the CA the ConfigMap carries."""
     run = run_from(minimal_body)
-    role = builders.role(run)
-    assert role["rules"] == [
-        {
-            "apiGroups": ["trainingrun.dev"],
-            "resources": ["trainingruns/status"],
-            "resourceNames": ["demo"],
-            "verbs": ["get", "patch"],
-        }
-    ]
-    binding = builders.role_binding(run)
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-trainer", "namespace": "team-a"}]
-    job = builders.pytorch_job(run, 1)
-    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["serviceAccountName"] == "demo-trainer"
+    settings = Settings(report_url="https://op.ops.svc:8443/v1/reports", report_ca="-----BEGIN CERTIFICATE-----\n")
+    objects = builders.children(run, 1, settings)
+    assert [o["kind"] for o in objects] == ["ConfigMap", "PyTorchJob"]
+    pod = objects[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    projected = next(v for v in pod["volumes"] if v["name"] == "report-token")["projected"]["sources"][0]
+    assert projected["serviceAccountToken"]["audience"] == contract.REPORT_AUDIENCE
+    container = pod["containers"][0]
+    assert {"name": "report-token", "mountPath": contract.REPORT_TOKEN_DIR, "readOnly": True} in container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[contract.REPORT_URL] == settings.report_url
+    assert env[contract.REPORT_TOKEN_FILE] == f"{contract.REPORT_TOKEN_DIR}/{projected['serviceAccountToken']['path']}"
+    assert env[contract.REPORT_CA_FILE] == f"{settings.config_dir}/{contract.REPORT_CA_KEY}"
+    assert objects[0]["data"][contract.REPORT_CA_KEY] == settings.report_ca
+    # without a report endpoint: no token at all
+    bare = builders.pytorch_job(run, 1, Settings())["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert not any(v["name"] == "report-token" for v in bare["volumes"]) and bare["automountServiceAccountToken"] is False
 
 
-def test_own_service_account_is_bound_not_created(minimal_body):
+def test_own_service_account_is_used_as_it_is(minimal_body):
     minimal_body["spec"]["serviceAccountName"] = "workload-identity-sa"
     run = run_from(minimal_body)
-    kinds = [o["kind"] for o in builders.children(run)]
-    assert "ServiceAccount" not in kinds
-    assert builders.role_binding(run)["subjects"][0]["name"] == "workload-identity-sa"
+    assert [o["kind"] for o in builders.children(run)] == ["ConfigMap", "PyTorchJob"]
     pod = builders.pytorch_job(run, 1)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["serviceAccountName"] == "workload-identity-sa"
 

@@ -154,13 +154,32 @@ def test_a_finished_run_keeps_only_its_final_attempt():
     assert plan.delete_jobs == ["demo-a2"] and plan.status == {} and plan.events == []
 
 
-def test_stall_without_any_reported_step():
+def test_reports_that_arrive_without_a_step_since_the_attempt_started_are_a_stall():
     run = run_of(recovery={"stallTimeoutSeconds": 60})
-    status = running_status()
-    plan = reconcile.decide(observe(run, status, [job(1, "Running")], now=NOW + timedelta(seconds=1)))
+    status = running_status(lastReportTime=reconcile.rfc3339(NOW))  # heartbeats, no step
+    plan = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], now=NOW + timedelta(seconds=1)))
     assert plan.status["phase"] == "Recovering" and plan.delete_jobs == ["demo-a1"]
     stalled = next(e for e in plan.events if e.reason == "Stalled")
-    assert "no step reported since attempt 1 started" in stalled.message and plan.restart_cause == "stall"
+    assert "no step finished since attempt 1 started" in stalled.message and plan.restart_cause == "stall"
+
+
+def test_no_reports_at_all_is_a_condition_not_a_restart():
+    """Pods that cannot reach the report endpoint may be training: the run says so and restarts nothing;
+    when reports arrive again the condition clears."""
+    run = run_of(recovery={"stallTimeoutSeconds": 60})
+    status = running_status(progress={"step": 40, "updatedAt": "2026-11-21T11:59:10Z"},
+                            lastReportTime="2026-11-21T11:59:10Z")
+    later = NOW + timedelta(minutes=5)
+    plan = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], now=later))
+    assert "phase" not in plan.status and plan.delete_jobs == [] and plan.restart_cause is None
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "ReportingUnavailable")
+    assert condition["status"] == "True" and "stallTimeoutSeconds=60s" in condition["message"]
+    assert [e.reason for e in plan.events] == ["ReportingUnavailable"]
+    status = merged_status(status, plan.status)
+    status.update(lastReportTime=reconcile.rfc3339(later), progress={"step": 90, "updatedAt": reconcile.rfc3339(later)})
+    back = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], now=later))
+    assert next(c for c in back.status["conditions"] if c["type"] == "ReportingUnavailable")["status"] == "False"
+    assert back.delete_jobs == []
 
 
 def test_spec_change_is_pending_until_the_next_attempt():
@@ -248,8 +267,9 @@ def test_a_running_attempt_whose_replacement_pod_finds_no_node_says_so_and_is_no
     assert condition["status"] == "True" and "Insufficient cpu" in condition["message"]
     assert [e.reason for e in plan.events] == ["Unschedulable"]
     assert "phase" not in plan.status and plan.delete_jobs == []
-    # scheduled again, the stall check is back
+    # scheduled again, the stall check is back (rank 0 reports, the step does not move)
     status = merged_status(status, plan.status)
+    status["lastReportTime"] = reconcile.rfc3339(NOW)
     later = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], []))
     assert next(c for c in later.status["conditions"] if c["type"] == "Unschedulable")["status"] == "False"
     assert later.status["phase"] == "Recovering" and later.restart_cause == "stall"

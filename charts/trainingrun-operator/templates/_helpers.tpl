@@ -28,7 +28,7 @@ app.kubernetes.io/component: operator
   verbs: [get, list, watch]
 - apiGroups: [trainingrun.dev]
   resources: [trainingruns/status]
-  verbs: [get, patch]
+  verbs: [patch]
 - apiGroups: [trainingrun.dev]
   resources: [trainingruns/finalizers]
   verbs: [update]
@@ -39,10 +39,7 @@ app.kubernetes.io/component: operator
   resources: [pods]
   verbs: [list, watch]
 - apiGroups: [""]
-  resources: [configmaps, serviceaccounts]
-  verbs: [create, patch]
-- apiGroups: [rbac.authorization.k8s.io]
-  resources: [roles, rolebindings]
+  resources: [configmaps]
   verbs: [create, patch]
 - apiGroups: [""]
   resources: [events]
@@ -64,4 +61,13 @@ app.kubernetes.io/component: operator
 {{- define "trainingrun.trainerImage" -}}
 {{- if .Values.trainer.imageDigest -}}{{ regexReplaceAll ":[^:/@]+$" (.Values.trainer.image | splitList "@" | first) "" }}@{{ .Values.trainer.imageDigest }}
 {{- else -}}{{ .Values.trainer.image }}{{- end -}}
+{{- end -}}
+
+{{/* The report endpoint's Service, its URL as trainer pods use it, and the Secret with its certificate. */}}
+{{- define "trainingrun.reportService" -}}{{ include "trainingrun.fullname" . }}-report{{- end -}}
+{{- define "trainingrun.reportUrl" -}}
+https://{{ include "trainingrun.reportService" . }}.{{ .Release.Namespace }}.svc:{{ .Values.report.port }}/v1/reports
+{{- end -}}
+{{- define "trainingrun.reportTlsSecret" -}}
+{{- .Values.report.tlsSecret | default (printf "%s-report-tls" (include "trainingrun.fullname" .)) -}}
 {{- end -}}

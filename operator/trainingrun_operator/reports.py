@@ -1,0 +1,206 @@
+"""The report endpoint: where rank 0 of a trainer pod reports progress and committed checkpoints.
+
+The operator alone writes a run's status; a pod only tells it what it saw, and what it says is input:
+
+1. Who speaks: the bearer token is a projected ServiceAccount token with the report audience
+   (`contract.REPORT_AUDIENCE`). A TokenReview asking for that audience authenticates it and names the
+   pod it is bound to (name and uid); answers are cached per token (by its sha256) for a while.
+2. May it: the pod must be a pod of the run's current attempt, as the operator sees it (its pod index:
+   same name and uid, the attempt's label, controlled by the attempt's PyTorchJob, which the run
+   controls), in the run's namespace. A pod of another run (sharing a ServiceAccount or not), of an
+   earlier attempt, or any other token is refused (401/403) and status stays as it is.
+3. What it says: the report is parsed field by field (contract.Report) and must be about this run and
+   attempt; a checkpoint must be a step directory under the URI the run started with (status.checkpointUri,
+   which only the operator writes). Phase, budgets and the checkpoint URI are never taken from a report.
+
+Accepted reports become a status patch (progress, lastGoodCheckpoint, lastReportTime). A report that
+changes nothing is written at most every HEARTBEAT_WRITE_SECONDS, so heartbeats cost few API writes.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import ssl
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from aiohttp import web
+
+from trainingrun_trainer import contract
+
+from . import builders, reconcile
+from .kube import ApiError, Kube
+
+log = logging.getLogger("trainingrun.reports")
+
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+#: A report that only says "still here" is written to status at most this often.
+HEARTBEAT_WRITE_SECONDS = 30.0
+#: Refused tokens are remembered this long, so a flood of bad tokens is not a flood of TokenReviews.
+REFUSED_TOKEN_SECONDS = 10.0
+TOKEN_CACHE_SIZE = 20000
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A pod, as its token's TokenReview names it."""
+
+    namespace: str
+    service_account: str
+    pod_name: str
+    pod_uid: str
+
+
+class TokenReviewer:
+    """Authenticates report tokens with TokenReview (audience: contract.REPORT_AUDIENCE), cached per token."""
+
+    def __init__(self, kube: Callable[[], Kube], cache_seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.kube, self.cache_seconds, self.clock = kube, cache_seconds, clock
+        self.cache: dict[str, tuple[float, Optional[Caller]]] = {}
+        self.reviews = 0
+
+    async def caller(self, token: str) -> Optional[Caller]:
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = self.clock()
+        cached = self.cache.get(key)
+        if cached and cached[0] > now:
+            return cached[1]
+        caller = await self._review(token)
+        if len(self.cache) >= TOKEN_CACHE_SIZE:
+            self.cache = {k: v for k, v in self.cache.items() if v[0] > now}
+            if len(self.cache) >= TOKEN_CACHE_SIZE:
+                self.cache.clear()
+        self.cache[key] = (now + (self.cache_seconds if caller else REFUSED_TOKEN_SECONDS), caller)
+        return caller
+
+    async def _review(self, token: str) -> Optional[Caller]:
+        self.reviews += 1
+        review = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                  "spec": {"token": token, "audiences": [contract.REPORT_AUDIENCE]}}
+        answer = (await self.kube().request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", review)) \
+            .get("status") or {}
+        user = answer.get("user") or {}
+        parts = (user.get("username") or "").split(":")
+        extra = user.get("extra") or {}
+        pod_name, pod_uid = (extra.get(POD_NAME_EXTRA) or [None])[0], (extra.get(POD_UID_EXTRA) or [None])[0]
+        if not answer.get("authenticated") or contract.REPORT_AUDIENCE not in (answer.get("audiences") or []) \
+                or len(parts) != 4 or parts[:2] != ["system", "serviceaccount"] or not pod_name or not pod_uid:
+            return None  # not a pod-bound ServiceAccount token for the report audience
+        return Caller(namespace=parts[2], service_account=parts[3], pod_name=pod_name, pod_uid=pod_uid)
+
+
+@dataclass
+class RunView:
+    """What the endpoint needs to know about one run, from the operator's indexes."""
+
+    uid: str
+    attempt: int
+    job_name: str
+    checkpoint_uri: str
+    status: dict[str, Any]
+    pods: list[dict[str, Any]]  #: slim pods of the run (index)
+    job_uid: Optional[str]  #: uid of the current attempt's PyTorchJob, when the run controls it
+
+
+class Refused(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def check_pod(caller: Caller, run: RunView) -> None:
+    """Refused unless the caller is a pod of the run's current attempt, controlled by that attempt's job."""
+    for pod in run.pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("name") != caller.pod_name:
+            continue
+        owner = next((r.get("uid") for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+        attempt = (meta.get("labels") or {}).get(builders.LABEL_ATTEMPT)
+        if meta.get("uid") == caller.pod_uid and attempt == str(run.attempt) and run.job_uid and owner == run.job_uid:
+            return
+        break
+    raise Refused(403, f"pod {caller.namespace}/{caller.pod_name} is not a pod of attempt {run.attempt} "
+                       f"(PyTorchJob {run.job_name}) of this run")
+
+
+class ReportEndpoint:
+    """The aiohttp application; `accept` writes status (the handlers module supplies it)."""
+
+    def __init__(self, reviewer: TokenReviewer, view: Callable[[str, str], Optional[RunView]],
+                 accept: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]],
+                 clock: Callable[[], datetime]):
+        self.reviewer, self.view, self.accept, self.clock = reviewer, view, accept, clock
+        self.accepted = 0
+        self.refused = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=contract.MAX_REPORT_BYTES)
+        app.router.add_post(contract.REPORT_PATH, self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.Response:
+        try:
+            await self._take(request)
+        except Refused as refusal:
+            self.refused += 1
+            return web.json_response({"message": str(refusal)}, status=refusal.code)
+        self.accepted += 1
+        return web.json_response({"message": "accepted"})
+
+    async def _take(self, request: web.Request) -> None:
+        if (request.content_length or 0) > contract.MAX_REPORT_BYTES:
+            raise Refused(413, f"reports are at most {contract.MAX_REPORT_BYTES} bytes")
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme != "Bearer" or not token:
+            raise Refused(401, "a bearer token (the pod's projected report token) is required")
+        try:
+            caller = await self.reviewer.caller(token.strip())
+        except (ApiError, OSError, asyncio.TimeoutError) as error:
+            log.warning("TokenReview failed: %s", error)  # the error, never the token
+            raise Refused(503, "cannot authenticate the report now; try again") from None
+        if caller is None:
+            raise Refused(401, f"the token is not a pod's ServiceAccount token for audience {contract.REPORT_AUDIENCE}")
+        try:
+            report = contract.Report.from_json(await request.read())
+        except (contract.ReportError, web.HTTPRequestEntityTooLarge) as error:
+            raise Refused(400, str(error)) from None
+        if report.namespace != caller.namespace:
+            raise Refused(403, f"a pod of namespace {caller.namespace} cannot report for namespace {report.namespace}")
+        run = self.view(report.namespace, report.name)
+        if run is None:
+            raise Refused(404, f"no TrainingRun {report.namespace}/{report.name} is running")
+        check_pod(caller, run)
+        refusal = report.refusal(report.namespace, report.name, run.uid, run.attempt, run.checkpoint_uri)
+        if refusal:
+            raise Refused(403, refusal)
+        fields = report.status_fields()
+        heard = reconcile.parse_time(run.status.get("lastReportTime"))
+        changed = any(run.status.get(k) != v for k, v in fields.items())
+        now = self.clock()
+        if changed or heard is None or (now - heard).total_seconds() >= HEARTBEAT_WRITE_SECONDS:
+            await self.accept((report.namespace, report.name), {**fields, "lastReportTime": reconcile.rfc3339(now)})
+
+
+def server_ssl_context(tls_dir: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(Path(tls_dir) / "tls.crt"), str(Path(tls_dir) / "tls.key"))
+    return context
+
+
+async def serve(endpoint: ReportEndpoint, port: int, tls_dir: Optional[str]) -> None:
+    """Serve until cancelled; HTTPS with the certificate in tls_dir (plain HTTP only when it is None)."""
+    runner = web.AppRunner(endpoint.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "0.0.0.0", port, ssl_context=server_ssl_context(tls_dir) if tls_dir else None)
+    await site.start()
+    log.info("report endpoint listening on port %d (%s)", port, "https" if tls_dir else "http")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
