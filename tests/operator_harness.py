@@ -168,9 +168,11 @@ class Cluster:
 
     async def progress(self, name: str, step: int, updated_at: str, productive_seconds: float = 0.0,
                        checkpoint: Optional[dict[str, Any]] = None) -> None:
-        """As the trainer's rank 0 reports."""
+        """As the operator writes what the trainer's rank 0 reported (reports.py; the endpoint itself is tested
+        with real tokens in tests/real_api/test_reports_real.py)."""
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         status: dict[str, Any] = {"progress": {"step": step, "updatedAt": updated_at,
-                                               "productiveSeconds": productive_seconds}}
+                                               "productiveSeconds": productive_seconds}, "lastReportTime": now}
         if checkpoint:
             status["lastGoodCheckpoint"] = checkpoint
         await self.patch(RUNS, name, {"status": status}, subresource="status")

@@ -51,19 +51,19 @@ async def test_api_errors_are_survived(kmock):
 
 
 async def test_a_child_refused_while_the_job_was_created_is_retried_and_the_attempt_counted_once(kmock):
-    """The five children are created together: when one is refused (403, not retried by the client) the job may
-    exist already. Status is not written, so the next reconcile ensures all five again and adopts the job."""
+    """The children are created together: when one is refused (403, not retried by the client) the job may
+    exist already. Status is not written, so the next reconcile ensures both again and keeps the job."""
     declare_resources(kmock)
     cluster = Cluster(kmock)
-    kmock[f"post /api/v1/namespaces/{NAMESPACE}/serviceaccounts"][:1] << 403
+    kmock[f"post /api/v1/namespaces/{NAMESPACE}/configmaps"][:1] << 403
     async with operator(kmock) as state:
         await cluster.create_run(training_run())
         status = await eventually(lambda: cluster.status().get("attempt") == 1 and cluster.status())
         attempts = {labels["cause"]: value for labels, value in _samples(state, "trainingrun_operator_attempts_total")}
-    assert cluster.obj("v1/serviceaccounts", "demo-trainer") is not None
+    assert cluster.obj("v1/configmaps", "demo-config") is not None
     assert cluster.job_names() == ["demo-a1"] and status["jobName"] == "demo-a1"
-    service_account_posts = [r for r in list(kmock) if r.method == "POST" and "serviceaccounts" in str(r.url)]
-    assert len(service_account_posts) >= 2  # refused, then created on the retry
+    config_map_posts = [r for r in list(kmock) if r.method == "POST" and "configmaps" in str(r.url)]
+    assert len(config_map_posts) >= 2  # refused, then created on the retry
     assert attempts == {"initial": 1.0}
 
 

@@ -261,9 +261,10 @@ def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_proces
 
 
 def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alone(cluster, operator_process):
-    """A ConfigMap, ServiceAccount, Role and PyTorchJob (labelled as the run's) that exist before the run, not
-    controlled by it: none is changed or gains an owner reference (so none goes with the run); the run says
-    NameConflict, naming them, with one Event. Once they are gone, the run creates its own and it clears."""
+    """A ConfigMap and a PyTorchJob (labelled as the run's) that exist before the run, not controlled by it, and
+    a ServiceAccount and Role named as earlier versions named a run's: none is changed or gains an owner
+    reference (so none goes with the run); the run says NameConflict, naming its two, with one Event. Once
+    those are gone, the run creates its own and the condition clears."""
     plane, ns = cluster.plane, cluster.namespace
     labels = {builders.LABEL_RUN: "demo"}
     job = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 1)
@@ -286,7 +287,7 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
     plane.kubectl("create", "-f", "-", input=training_run(ns))
     condition = wait_for(lambda: cluster.condition("NameConflict"), timeout=60, what="condition NameConflict")
     assert condition["status"] == "True", condition
-    for kind in ("ConfigMap demo-config", "Role demo-trainer", "PyTorchJob demo-a1"):
+    for kind in ("ConfigMap demo-config", "PyTorchJob demo-a1"):
         assert f"{kind} already exists and is not controlled by this run" in condition["message"], condition
     wait_for(lambda: cluster.events("NameConflict"), what="the NameConflict Event")
     for kind, name in kinds:
@@ -295,7 +296,7 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
         assert not now["metadata"].get("ownerReferences"), f"{kind}/{name} was adopted"
     assert cluster.status().get("phase") != "Running"
 
-    for kind, name in kinds:
+    for kind, name in [("configmap", "demo-config"), (JOBS, "demo-a1")]:
         plane.kubectl("-n", ns, "delete", kind, name)
     wait_for(lambda: (cluster.condition("NameConflict") or {}).get("status") == "False", timeout=60,
              what="NameConflict resolved")
