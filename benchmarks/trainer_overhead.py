@@ -20,6 +20,9 @@ What is measured
       Row "trainer + metrics": the final-save-only trainer recording its Prometheus metrics (every
       rank writes them, as under the launcher, to PROMETHEUS_MULTIPROC_DIR) while this script reads
       them every second as the launcher's endpoint would for a scrape (`--no-metrics` drops the row).
+      Row "trainer + reporting": the final-save-only trainer with rank 0 reporting progress to a report
+      endpoint this script serves (HTTP on 127.0.0.1, the contract's protocol and token file) every
+      `--report-interval` seconds (default 1, ten times a cluster's rate; `--no-reporting` drops the row).
 
 How
     Process start, imports, model build, rendezvous and the final save are excluded on both
@@ -39,13 +42,15 @@ How
 Target
     overhead_ratio = trainer_seconds / bare_seconds <= 1.03 (medians, final-save-only trainer row);
     metrics_overhead_ratio = trainer + metrics / trainer <= 1.01.
+    reporting_overhead_ratio = trainer + reporting / trainer <= 1.01.
 
 Run by hand, never by the test suite:
     /work/venv/bin/python benchmarks/trainer_overhead.py            # defaults: CPU, ~2-3 minutes
     /work/venv/bin/python benchmarks/trainer_overhead.py --device cuda --nproc 8 --dim 1024 \
         --layers 12 --heads 16 --context 256 --batch-size 32 --steps 500 --threads 4
 The last line is `result: overhead_ratio=<x> trainer_seconds=<x> bare_seconds=<x> quiet_overhead_ratio=<x>
-cpu_overhead_ratio=<x> ckpt_overhead_ratio=<x> ckpt_trainer_seconds=<x> metrics_overhead_ratio=<x>`.
+cpu_overhead_ratio=<x> ckpt_overhead_ratio=<x> ckpt_trainer_seconds=<x> metrics_overhead_ratio=<x>
+reporting_overhead_ratio=<x>`.
 """
 from __future__ import annotations
 
@@ -309,6 +314,35 @@ class Scraper(threading.Thread):
         self.join()
 
 
+class ReportSink:
+    """A report endpoint on 127.0.0.1 that takes every report (200) and counts them."""
+
+    def __init__(self, token: str):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.received = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                ok = self.headers.get("Authorization") == f"Bearer {token}"
+                sink.received += ok
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) -> dict:
     """One torchrun launch; returns {'seconds', 'wall', 'steps'} of the timed window."""
     import yaml
@@ -336,6 +370,14 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         if kind == "trainer-metrics":
             (rundir / "metrics").mkdir()
             env["PROMETHEUS_MULTIPROC_DIR"] = str(rundir / "metrics")
+        if kind == "trainer-reporting":
+            from trainingrun_trainer import contract
+
+            sink = ReportSink("bench-token")
+            (rundir / "token").write_text("bench-token")
+            env.update({contract.REPORT_URL: f"http://127.0.0.1:{sink.server.server_address[1]}{contract.REPORT_PATH}",
+                        contract.REPORT_TOKEN_FILE: str(rundir / "token"),
+                        contract.REPORT_INTERVAL_SECONDS: str(args.report_interval)})
         command = launcher + ["-m", "trainingrun_trainer"]
     began = time.perf_counter()
     log_path = rundir / "output.log"
@@ -354,10 +396,14 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
             monitor.stop()
             if scraper:
                 scraper.stop()
+            if kind == "trainer-reporting":
+                sink.stop()
     wall = time.perf_counter() - began
     output = log_path.read_text()
     if scraper and "trainingrun_step" not in scraper.last:
         raise SystemExit(f"{kind} run {run_id}: the metrics files had no trainingrun_step series")
+    if kind == "trainer-reporting" and sink.received < 2:
+        raise SystemExit(f"{kind} run {run_id}: the report endpoint got {sink.received} reports")
     if returncode != 0:
         tail = "\n".join(output.splitlines()[-30:])
         raise SystemExit(f"{kind} run {run_id} exited {returncode}; log {log_path}:\n{tail}")
@@ -405,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=50,
                         help="steps between async checkpoints in the extra trainer row; 0 drops it (default 50)")
     parser.add_argument("--no-metrics", action="store_true", help="drop the trainer + metrics row")
+    parser.add_argument("--no-reporting", action="store_true", help="drop the trainer + reporting row")
+    parser.add_argument("--report-interval", type=float, default=1.0,
+                        help="seconds between rank 0's reports in the reporting row (default 1; 10 in a cluster)")
     parser.add_argument("--quiet-threshold", type=float, default=0.1,
                         help="a log window counts as quiet when other processes took at most this many cores "
                              "(default 0.1); the quiet-window figures use only those")
@@ -425,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(("trainer-ckpt", f"trainer (async ckpt every {args.checkpoint_every})"))
     if not args.no_metrics:
         sides.append(("trainer-metrics", "trainer + metrics"))
+    if not args.no_reporting:
+        sides.append(("trainer-reporting", "trainer + reporting"))
     results: dict[str, list[dict]] = {kind: [] for kind, _ in sides}
 
     began = time.perf_counter()
@@ -436,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, _ in order:
                 result = run_side(kind, args, workdir, f"r{round_ + 1}-{kind}-{os.getpid()}")
                 results[kind].append(result)
-                print(f"  round {round_ + 1}: {kind:<13} {result['seconds']:8.3f} s timed "
+                print(f"  round {round_ + 1}: {kind:<17} {result['seconds']:8.3f} s timed "
                       f"({result['wall']:.1f} s with start-up); other processes used "
                       f"{result['foreign']:.2f} cores, hypervisor stole {result['steal']:.2f}; "
                       f"{result['cpu_ms']:.1f} CPU ms/step", flush=True)
@@ -505,6 +556,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{cpu['trainer-metrics'] / cpu['trainer']:.3f} x; quiet windows "
               f"{quiet['trainer-metrics'] / quiet['trainer']:.3f} x")
         extra += f" metrics_overhead_ratio={metrics_ratio:.4f}"
+    if "trainer-reporting" in medians:
+        reporting_ratio = medians["trainer-reporting"] / medians["trainer"]
+        print(f"reporting_overhead_ratio = trainer + reporting / trainer = {reporting_ratio:.3f} (target <= 1.01: "
+              f"{'met' if reporting_ratio <= 1.01 else 'NOT met'}); CPU ms/step "
+              f"{cpu['trainer-reporting'] / cpu['trainer']:.3f} x; quiet windows "
+              f"{quiet['trainer-reporting'] / quiet['trainer']:.3f} x")
+        extra += f" reporting_overhead_ratio={reporting_ratio:.4f}"
     cpu_ratio = cpu["trainer"] / cpu["bare"]
     quiet_ratio = quiet["trainer"] / quiet["bare"]
     print(f"quiet-window ms/step, trainer / bare = {quiet_ratio:.3f} (timed only where the machine was otherwise idle)")
