@@ -286,6 +286,29 @@ def test_nothing_read_from_storage_runs_code(store, root, tmp_path, name):
     assert not marker.exists()
 
 
+def test_metadata_may_name_dcp_enum_members_through_getattr_and_nothing_else():
+    """Found on real pods: the trainer image's Python pickles DCP's enum members as getattr(EnumClass, name).
+    That getattr is admitted for members of DCP's own enums only."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    class Reduced:
+        def __init__(self, *target):
+            self.target = target
+
+        def __reduce__(self):
+            return (getattr, self.target)
+
+    def load(obj):
+        return ckpt._MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+
+    assert load([Reduced(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")]) == [_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT]
+    with pytest.raises(pickle.UnpicklingError, match="only members of DCP's own enums"):
+        load(Reduced(Metadata, "__init__"))
+
+
 def test_plain_values_survive_the_safe_loader(store):
     """What the built-in trainer keeps in extra: RNG states (numpy's is an array), scheduler, sampler."""
     import random

@@ -53,6 +53,7 @@ re-hashed before a resume), not tampering by someone who may write the bucket.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import io
 import json
@@ -149,8 +150,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if module in self.MODULES or (module, name) in self.NAMES or dtype:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # some Pythons pickle an enum member as getattr(EnumClass, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint "
                                      "never holds: refusing to load it")
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """getattr restricted to what DCP metadata uses it for: a member of one of its own enums."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.startswith("torch.distributed.checkpoint.") \
+            and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"checkpoint metadata asks for getattr({cls!r}, {name!r}): only members of DCP's "
+                                 "own enums are loaded")
 
 
 class _PlainReader(FsspecReader):

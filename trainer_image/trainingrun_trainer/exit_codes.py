@@ -5,6 +5,8 @@ OK = 0
 CONFIG_ERROR = 2
 #: The non-finite policy gave up after its rollbacks.
 DIVERGED = 3
+#: The newest committed checkpoint holds what may not be loaded (code, not plain values): a person must look.
+CHECKPOINT_REFUSED = 4
 #: SIGTERM (preemption, node drain): an emergency checkpoint was written; resume elsewhere.
 PREEMPTED = 128 + 15
 #: A failure that may pass (storage down at start, rendezvous lost): retry.

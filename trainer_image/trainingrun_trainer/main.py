@@ -77,8 +77,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .trainer import Trainer
 
+    from .checkpoint import CheckpointLoadError
+
     try:
         return Trainer(config, context, device_type).run()
+    except CheckpointLoadError as error:
+        log.error("%s", error)
+        print(f"trainingrun-trainer: {error}; move that checkpoint directory aside to resume from an older one",
+              file=sys.stderr)
+        return exit_codes.CHECKPOINT_REFUSED
     except Exception as error:
         if not peer_failure(error):
             raise
