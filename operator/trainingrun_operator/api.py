@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trainingrun_trainer import contract
 from trainingrun_trainer.config import ApiModel, CheckpointConfig, TrainerConfig
 
 from . import scheduling
@@ -44,7 +45,7 @@ EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-
 KUBEFLOW_RENDEZVOUS_PORT = 23456
 
 # Environment names the operator sets itself; a user value would silently break the contract.
-RESERVED_ENV_PREFIXES = ("TRAININGRUN_", "PET_")
+RESERVED_ENV_PREFIXES = (contract.PREFIX, "PET_")
 RESERVED_ENV_NAMES = {
     "GOOGLE_APPLICATION_CREDENTIALS",
     "AWS_ACCESS_KEY_ID",

@@ -352,20 +352,20 @@ class LocalRunner:
         return self.options.nproc or self.spec.nproc_per_node
 
     def _environment(self, attempt: int, status: StatusServer, config_path: Path) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith((contract.PREFIX, "PET_"))}
         env.update({e.name: e.value for e in self.spec.env})
         env.update(self.secrets)
         users = {e.name for e in self.spec.env} | set(self.secrets)
         # As in a pod: the contract, where a default the user also set (OMP_NUM_THREADS, HOME, ...) is the user's.
         env.update({k: v for k, v in builders.contract_env(self.run, attempt, str(config_path)).items()
-                    if k not in users or k.startswith("TRAININGRUN_")})
+                    if k not in users or k.startswith(contract.PREFIX)})
         env.update({
             contract.REPORT_URL: status.url,
             contract.REPORT_TOKEN_FILE: str(status.token_file),
             contract.REPORT_INTERVAL_SECONDS: "0.1",
         })
         if self.options.metrics_port:
-            env["TRAININGRUN_METRICS_PORT"] = str(self.options.metrics_port)
+            env[contract.METRICS_PORT] = str(self.options.metrics_port)
         if "OMP_NUM_THREADS" in os.environ and "OMP_NUM_THREADS" not in users:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]  # the shell's choice
         elif "OMP_NUM_THREADS" not in users:
@@ -462,7 +462,7 @@ class LocalRunner:
                 env = self._environment(number, status, config_path)
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
-                    env["TRAININGRUN_CHAOS_KILL_AT_STEP"] = ",".join(map(str, self._kill_steps))
+                    env[contract.CHAOS_KILL_AT_STEP] = ",".join(map(str, self._kill_steps))
                 with open(attempt.log_path, "w", encoding="utf-8") as log:
                     self.current = subprocess.Popen(
                         command, env=env,

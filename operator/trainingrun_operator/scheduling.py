@@ -127,6 +127,10 @@ class Toleration(ApiModel):
          "message": "tolerations: operator must be Exists when key is empty (that matches every taint)"},
         {"rule": "!has(self.tolerationSeconds) || has(self.effect) && self.effect == 'NoExecute'",
          "message": "tolerations: tolerationSeconds needs effect NoExecute"},
+        {"rule": f"!has(self.key) || self.key == '' || self.key.matches(r'{QUALIFIED_NAME}') && "
+                 f"self.key.matches(r'{QUALIFIED_NAME_LENGTHS}')",
+         "message": "tolerations: key must be a Kubernetes qualified name (an optional DNS prefix and '/', then at "
+                    "most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)"},
     ]}}
 
     key: Optional[str] = Field(default=None, max_length=317, description="Taint key; empty matches all keys with Exists.")

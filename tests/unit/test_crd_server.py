@@ -147,6 +147,7 @@ CEL_CASES = [
     ("toleration-exists-with-value", with_spec(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]), "spec.tolerations[0]", "tolerations: value must be empty when operator is Exists"),
     ("toleration-no-key-equal", with_spec(tolerations=[{"value": "v"}]), "spec.tolerations[0]", "tolerations: operator must be Exists when key is empty"),
     ("toleration-seconds-not-noexecute", with_spec(tolerations=[{"key": "k", "tolerationSeconds": 5}]), "spec.tolerations[0]", "tolerations: tolerationSeconds needs effect NoExecute"),
+    ("toleration-key", with_spec(tolerations=[{"key": "a b", "operator": "Exists"}]), "spec.tolerations[0]", "tolerations: key must be a Kubernetes qualified name"),
 ]
 
 

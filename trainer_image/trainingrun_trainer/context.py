@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from . import contract
+
 
 class ContextError(ValueError):
     """A contract variable is missing or malformed; a permanent error."""
@@ -60,25 +62,25 @@ class RunContext:
             except ValueError:
                 raise ContextError(f"environment variable {name}={raw!r} is not a whole number") from None
 
-        config_path = env.get("TRAININGRUN_CONFIG")
+        config_path = env.get(contract.CONFIG)
         if not config_path:
             raise ContextError(
                 "TRAININGRUN_CONFIG is not set: point it at a trainer config YAML "
                 "(the operator mounts one; `trainingrun local FILE` sets it for you)"
             )
         return cls(
-            name=env.get("TRAININGRUN_NAME", "local"),
-            namespace=env.get("TRAININGRUN_NAMESPACE", "default"),
-            uid=env.get("TRAININGRUN_UID", ""),
-            attempt=integer("TRAININGRUN_ATTEMPT", 1) or 1,
+            name=env.get(contract.NAME, "local"),
+            namespace=env.get(contract.NAMESPACE, "default"),
+            uid=env.get(contract.UID, ""),
+            attempt=integer(contract.ATTEMPT, 1) or 1,
             config_path=config_path,
-            checkpoint_uri=env.get("TRAININGRUN_CHECKPOINT_URI") or None,
-            resume_from=env.get("TRAININGRUN_RESUME_FROM") or None,
-            metrics_port=integer("TRAININGRUN_METRICS_PORT", None),
-            pod_name=env.get("TRAININGRUN_POD_NAME") or env.get("HOSTNAME", "localhost"),
+            checkpoint_uri=env.get(contract.CHECKPOINT_URI) or None,
+            resume_from=env.get(contract.RESUME_FROM) or None,
+            metrics_port=integer(contract.METRICS_PORT, None),
+            pod_name=env.get(contract.POD_NAME) or env.get("HOSTNAME", "localhost"),
             rank=integer("RANK", 0) or 0,
             local_rank=integer("LOCAL_RANK", 0) or 0,
             world_size=integer("WORLD_SIZE", 1) or 1,
-            chaos_kill_at_step=chaos_step(env.get("TRAININGRUN_CHAOS_KILL_AT_STEP", ""),
+            chaos_kill_at_step=chaos_step(env.get(contract.CHAOS_KILL_AT_STEP, ""),
                                           integer("TORCHELASTIC_RESTART_COUNT", 0) or 0),
         )

@@ -35,6 +35,10 @@ REPORT_URL = "TRAININGRUN_REPORT_URL"
 REPORT_TOKEN_FILE = "TRAININGRUN_REPORT_TOKEN_FILE"
 REPORT_CA_FILE = "TRAININGRUN_REPORT_CA_FILE"
 REPORT_INTERVAL_SECONDS = "TRAININGRUN_REPORT_INTERVAL_SECONDS"
+#: `trainingrun local` fault injection: one step per worker group at which a worker kills itself.
+CHAOS_KILL_AT_STEP = "TRAININGRUN_CHAOS_KILL_AT_STEP"
+#: Every name above starts so; a user's env may not use it (validation refuses it).
+PREFIX = "TRAININGRUN_"
 
 # ---------------------------------------------------------------- the report endpoint
 

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from . import exit_codes
+from . import contract, exit_codes
 
 TRAINER_MODULE = "trainingrun_trainer"
 #: Agent restarts in this container after its rendezvous store was lost, before exiting retryable.
@@ -109,7 +109,7 @@ def _plain_torch_log_format() -> None:
 def _serve_metrics() -> None:
     """Every worker of this launcher writes its series to one directory; the launcher serves them all
     on TRAININGRUN_METRICS_PORT, also while torchrun restarts the workers."""
-    port = os.environ.get("TRAININGRUN_METRICS_PORT")
+    port = os.environ.get(contract.METRICS_PORT)
     if not port:
         return
     from . import metrics
