@@ -141,12 +141,15 @@ def _launch(args: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
         verdict = os.path.join(scratch, "permanent-exit-code")
         _rejoining(lambda: elastic_launch(config=config, entrypoint=run_trainer_worker)(
-            verdict, *args.training_script_args), standalone=args.standalone)
+            verdict, *args.training_script_args), standalone=args.standalone, endpoint=args.rdzv_endpoint,
+            timeout=float(config.rdzv_configs.get("read_timeout", 60)))
 
 
-def _rejoining(launch: Any, standalone: bool) -> None:
+def _rejoining(launch: Any, standalone: bool, endpoint: str = "", timeout: float = 60.0) -> None:
     """Run `launch` (one elastic agent to its end); when its rendezvous store is lost, start a new agent
-    here (a new store connection, a new round) up to REJOINS times, keeping the warm forkserver."""
+    here (a new store connection, a new round) up to REJOINS times, keeping the warm forkserver. Before
+    that, wait for the replacement's store to accept connections, polling often: the store client's own
+    retries back off to about a second, and every second here is a second of the whole run standing."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     for rejoin in range(REJOINS + 1):
@@ -158,6 +161,24 @@ def _rejoining(launch: Any, standalone: bool) -> None:
                 raise
             print(f"trainingrun launch: rendezvous store lost ({error}); rejoining in this container "
                   f"({rejoin + 1}/{REJOINS})", file=sys.stderr, flush=True)
+            _wait_until_listening(endpoint, timeout)
+
+
+def _wait_until_listening(endpoint: str, timeout: float) -> None:
+    """Until `host:port` accepts a TCP connection (or `timeout`; the agent's own connect then reports it)."""
+    import socket
+    import time
+
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:  # no address yet (the pod is being replaced), or nothing listening yet
+            time.sleep(0.05)
 
 
 def _stop_on_signals() -> None:
