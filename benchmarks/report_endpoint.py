@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "real_api")]
 
 import kube_cluster  # noqa: E402
+from test_operator_real import wait_for  # noqa: E402
 from test_reports_real import certificate  # noqa: E402
 
 from trainingrun_trainer import contract  # noqa: E402
@@ -53,17 +54,6 @@ PYTORCHJOB_CRD = REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def operator_identity(plane: kube_cluster.ControlPlane, workdir: Path) -> Path:

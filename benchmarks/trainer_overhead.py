@@ -549,20 +549,15 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_ratio = medians["trainer-ckpt"] / bare
         print(f"with async checkpoints every {args.checkpoint_every} steps: {ckpt_ratio:.3f} x bare")
         extra = f" ckpt_overhead_ratio={ckpt_ratio:.4f} ckpt_trainer_seconds={medians['trainer-ckpt']:.3f}"
-    if "trainer-metrics" in medians:
-        metrics_ratio = medians["trainer-metrics"] / medians["trainer"]
-        print(f"metrics_overhead_ratio = trainer + metrics / trainer = {metrics_ratio:.3f} (target <= 1.01: "
-              f"{'met' if metrics_ratio <= 1.01 else 'NOT met'}); CPU ms/step "
-              f"{cpu['trainer-metrics'] / cpu['trainer']:.3f} x; quiet windows "
-              f"{quiet['trainer-metrics'] / quiet['trainer']:.3f} x")
-        extra += f" metrics_overhead_ratio={metrics_ratio:.4f}"
-    if "trainer-reporting" in medians:
-        reporting_ratio = medians["trainer-reporting"] / medians["trainer"]
-        print(f"reporting_overhead_ratio = trainer + reporting / trainer = {reporting_ratio:.3f} (target <= 1.01: "
-              f"{'met' if reporting_ratio <= 1.01 else 'NOT met'}); CPU ms/step "
-              f"{cpu['trainer-reporting'] / cpu['trainer']:.3f} x; quiet windows "
-              f"{quiet['trainer-reporting'] / quiet['trainer']:.3f} x")
-        extra += f" reporting_overhead_ratio={reporting_ratio:.4f}"
+    for feature in ("metrics", "reporting"):  # what one feature adds to the trainer
+        kind = f"trainer-{feature}"
+        if kind not in medians:
+            continue
+        feature_ratio = medians[kind] / medians["trainer"]
+        print(f"{feature}_overhead_ratio = trainer + {feature} / trainer = {feature_ratio:.3f} (target <= 1.01: "
+              f"{'met' if feature_ratio <= 1.01 else 'NOT met'}); CPU ms/step {cpu[kind] / cpu['trainer']:.3f} x; "
+              f"quiet windows {quiet[kind] / quiet['trainer']:.3f} x")
+        extra += f" {feature}_overhead_ratio={feature_ratio:.4f}"
     cpu_ratio = cpu["trainer"] / cpu["bare"]
     quiet_ratio = quiet["trainer"] / quiet["bare"]
     print(f"quiet-window ms/step, trainer / bare = {quiet_ratio:.3f} (timed only where the machine was otherwise idle)")

@@ -86,8 +86,6 @@ class OperatorState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     #: kopf's indexes of runs, jobs and pods, as handed to the first handler (for the periodic resync).
     indexes: Optional[dict[str, kopf.Index]] = None
-    #: The report endpoint, once it serves (its counters are the tests' and benchmarks' view of it).
-    report_endpoint: Optional[reports.ReportEndpoint] = None
     #: Why the operator gave up (e.g. no credentials); the CLI exits 1 with it.
     fatal: Optional[str] = None
     stop: Optional[asyncio.Future] = None
@@ -368,10 +366,8 @@ async def _create_children(state: OperatorState, key: Key, body: dict[str, Any],
     # create (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates pods only after it has seen
     # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is
     # written only when both exist, so a failure here starts the same attempt again.
-    groups = [[job]] + [[c] for c in support]
-    results = await asyncio.gather(*(_ensure_in_turn(kube, group) for group in groups))
-    ordered = [child for group in groups for child in group]
-    outcomes = [outcome for result in results for outcome in result]
+    ordered = [job, *support]
+    outcomes = await asyncio.gather(*(_ensure(kube, child) for child in ordered), return_exceptions=True)
     if not isinstance(outcomes[0], BaseException):
         state.created_jobs.add((key[0], job_name))
     if outcomes[0] is True:  # the PyTorchJob is new, not adopted
@@ -393,19 +389,6 @@ async def _create_children(state: OperatorState, key: Key, body: dict[str, Any],
         if conditions.changed:
             plan.status["conditions"] = conditions.as_list()
     return True
-
-
-async def _ensure_in_turn(kube: Kube, children: list[dict[str, Any]]) -> list[Any]:
-    """Create children one after the other (outcomes as gather's, one per child; after a failure, the rest
-    are not tried and carry the same error)."""
-    outcomes: list[Any] = []
-    for child in children:
-        try:
-            outcomes.append(await _ensure(kube, child))
-        except Exception as error:  # noqa: BLE001 - reported like gather's return_exceptions
-            outcomes += [error] * (len(children) - len(outcomes))
-            break
-    return outcomes
 
 
 #: Answers to a create that come right by waiting (namespace or CRD appearing, already exists, throttled);
@@ -632,12 +615,12 @@ async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) 
 async def _serve_reports(state: OperatorState) -> None:
     await state.logged_in.wait()
     settings = state.settings
-    state.report_endpoint = reports.ReportEndpoint(
+    endpoint = reports.ReportEndpoint(
         reports.TokenReviewer(state.client, settings.report_token_cache_seconds),
         view=lambda namespace, name: run_view(state, namespace, name),
         accept=lambda key, fields: accept_report(state, key, fields), clock=state.clock)
     https = settings.report_url.startswith("https://")
-    await reports.serve(state.report_endpoint, settings.report_port, settings.report_tls_dir if https else None)
+    await reports.serve(endpoint, settings.report_port, settings.report_tls_dir if https else None)
 
 
 async def run_operator(state: OperatorState, *, stop_flag: Optional[asyncio.Future] = None,

@@ -149,7 +149,6 @@ class StatusServer:
     def __init__(self, run: api.TrainingRun, token_file: Path) -> None:
         self.status: dict[str, Any] = {}
         self.attempt = 0  #: reports of other attempts are refused, as the operator does
-        self.refused = 0
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         token_file.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +175,6 @@ class StatusServer:
                 refusal = report.refusal(meta.namespace, meta.name, meta.uid or "", server.attempt,
                                          run.spec.checkpoint.uri)
                 if refusal:
-                    with server.changed:
-                        server.refused += 1
                     return self._answer(403, refusal)
                 with server.changed:
                     server.status.update(report.status_fields())

@@ -135,8 +135,6 @@ class ReportEndpoint:
                  accept: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]],
                  clock: Callable[[], datetime]):
         self.reviewer, self.view, self.accept, self.clock = reviewer, view, accept, clock
-        self.accepted = 0
-        self.refused = 0
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=contract.MAX_REPORT_BYTES)
@@ -147,9 +145,7 @@ class ReportEndpoint:
         try:
             await self._take(request)
         except Refused as refusal:
-            self.refused += 1
             return web.json_response({"message": str(refusal)}, status=refusal.code)
-        self.accepted += 1
         return web.json_response({"message": "accepted"})
 
     async def _take(self, request: web.Request) -> None:

@@ -61,7 +61,6 @@ class ProgressReporter:
         self._progress: Optional[Progress] = None
         self._checkpoint: Optional[CommittedCheckpoint] = None
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._failing = False
         self._thread: Optional[threading.Thread] = None
@@ -76,19 +75,16 @@ class ProgressReporter:
     def progress(self, progress: Progress) -> None:
         with self._lock:
             self._progress = progress
-        self._wake.set()
 
     def committed(self, checkpoint: CommittedCheckpoint) -> None:
         with self._lock:
             self._checkpoint = checkpoint
-        self._wake.set()
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Send the newest values (bounded by flush_timeout) and stop the thread."""
         if not self._thread:
             return
         self._stop.set()
-        self._wake.set()
         self._thread.join(flush_timeout)
 
     def _run(self) -> None:

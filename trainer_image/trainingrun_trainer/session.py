@@ -222,6 +222,8 @@ class Run:
         productive_seconds: Optional[float] = None,
     ) -> None:
         """Report progress (rank 0 only; never blocks, never raises; sent at the reporter's pace)."""
+        if not self.reporter.enabled:
+            return  # every step: ranks that do not report build nothing
         self.reporter.progress(Progress(
             step=step, updated_at=now_rfc3339(), total_steps=total_steps,
             loss=loss if loss is not None and math.isfinite(loss) else None,
