@@ -1,6 +1,4 @@
 """`python -m trainingrun_trainer`: the trainer entry point (run it under torchrun)."""
-import sys
+from .main import exit_now, main
 
-from .main import main
-
-sys.exit(main())
+exit_now(main())

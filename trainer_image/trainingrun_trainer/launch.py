@@ -86,6 +86,8 @@ def run_trainer_worker(verdict_path: str, *argv: str) -> None:
     code = trainer_main(argv)
     if 2 <= code <= 127:  # deliberate (exit 1 may be a peer's broken collective)
         verdict.write_text(str(code))
+    # Not main.exit_now: ending a worker with os._exit left the elastic agent waiting forever for the worker
+    # group (tests/integration/test_trainer_faults.py hung); the agent needs the interpreter's own exit here.
     sys.exit(code)
 
 

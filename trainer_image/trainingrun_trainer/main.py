@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import yaml
 from pydantic import ValidationError
@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .checkpoint import CheckpointLoadError
 
     try:
-        return Trainer(config, context, device_type).run()
+        code = Trainer(config, context, device_type).run()
     except CheckpointLoadError as error:
         log.error("%s", error)
         print(f"trainingrun-trainer: {error}; move that checkpoint directory aside to resume from an older one",
@@ -94,9 +94,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   str(error).splitlines()[0][:200], exit_codes.RETRYABLE)
         # At once: the process group is broken and a save in flight can never commit, and a normal
         # interpreter exit waits on those threads for about a second that the restart then lacks.
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(exit_codes.RETRYABLE)
+        exit_now(exit_codes.RETRYABLE)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush the logs and the standard streams, then end the process without the interpreter's teardown.
+
+    How a trainer process ends once `main` returned: everything is written by then (the checkpoint store
+    and the reporter closed, the process groups destroyed). In the interpreter's teardown gloo's C++
+    threads (most likely those FSDP2's device mesh still references) were seen to abort a finished worker ("terminate
+    called without an active exception", exit -6) in about one CI run in several: a successful run
+    would read as a failed attempt.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def peer_failure(error: BaseException) -> bool:
