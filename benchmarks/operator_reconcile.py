@@ -77,6 +77,19 @@ def memory_kb(pid: int) -> dict[str, int]:
     return fields
 
 
+#: The operator as its image runs it. The image has no `kubernetes` package (the dev venv has it, for the tests'
+#: Kubeflow SDK), and kopf imports that library whenever it is installed: ~30 MB of RSS the image does not have.
+AS_IN_IMAGE = ("import runpy, sys; sys.modules['kubernetes'] = None; "
+               "runpy.run_module('trainingrun_operator', run_name='__main__', alter_sys=True)")
+
+
+def operator_command(*args: str) -> list[str]:
+    """`python -m trainingrun_operator ARGS` as in the image; under cProfile when $OPERATOR_PROFILE names a file."""
+    if os.environ.get("OPERATOR_PROFILE"):
+        return [sys.executable, "-m", "cProfile", "-o", os.environ["OPERATOR_PROFILE"], "-m", "trainingrun_operator", *args]
+    return [sys.executable, "-c", AS_IN_IMAGE, *args]
+
+
 # The floor: the least any controller must do per run here (receive the watch event, POST one job), with
 # the same aiohttp client library, against the same kmock on the same cores. No kopf, no children, no status.
 FLOOR_WATCHER = """
@@ -210,10 +223,9 @@ async def main_async(count: int, repeats: int) -> int:
     operators: list[Burst] = []
     floors: list[Burst] = []
     with tempfile.TemporaryDirectory() as tmp:
-        profile = ["-m", "cProfile", "-o", os.environ["OPERATOR_PROFILE"]] if os.environ.get("OPERATOR_PROFILE") else []
         for _ in range(repeats):  # alternated, so drift of the machine hits both alike
-            operators.append(await burst(count, "bench", lambda url, namespace: [
-                sys.executable, *profile, "-m", "trainingrun_operator", "--standalone"], Path(tmp)))
+            operators.append(await burst(count, "bench", lambda url, namespace: operator_command("--standalone"),
+                                         Path(tmp)))
             floors.append(await burst(count, "bench-floor", lambda url, namespace: [
                 sys.executable, "-c", FLOOR_WATCHER, url, namespace], Path(tmp)))
 
@@ -382,11 +394,9 @@ async def main_real(sizes: list[int]) -> int:
             env = {**os.environ, "KUBECONFIG": str(plane.admin_kubeconfig), "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
                    "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
             pki = plane.pki
-            profile = ["-m", "cProfile", "-o", os.environ["OPERATOR_PROFILE"]] if os.environ.get("OPERATOR_PROFILE") else []
             for count in sizes:
                 namespace = f"bench-{count}"
-                operator = await real_burst(plane, count, namespace, [
-                    sys.executable, *profile, "-m", "trainingrun_operator", "--standalone", "-n", namespace], env,
+                operator = await real_burst(plane, count, namespace, operator_command("--standalone", "-n", namespace), env,
                     "PyTorchJob CRD (kubeflow.org/v1) is served", Path(tmp) / f"{namespace}.log")
                 floor = await real_burst(plane, count, namespace + "-floor", [
                     sys.executable, "-c", REAL_FLOOR_WATCHER, plane.server, namespace + "-floor", str(pki / "ca.crt"),

@@ -139,6 +139,15 @@ class Cluster:
         async with self.kmock.delete(f"{prefix}/namespaces/{namespace}/{plural}/{name}") as response:
             assert response.status < 300, await response.text()
 
+    async def warning(self, kind: str, name: str, reason: str, message: str) -> None:
+        """A Warning Event, as Kubeflow (on a job) or the kubelet (on a pod) records one."""
+        event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{name}.{reason.lower()}",
+                                                                   "namespace": NAMESPACE, "resourceVersion": "1"},
+                 "involvedObject": {"kind": kind, "name": name, "namespace": NAMESPACE},
+                 "type": "Warning", "reason": reason, "message": message}
+        async with self.kmock.post(f"/api/v1/namespaces/{NAMESPACE}/events", json=event) as response:
+            assert response.status < 300, await response.text()
+
     async def job_condition(self, job_name: str, *types: str, message: str = "") -> None:
         """As the Kubeflow operator reports a job's state."""
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

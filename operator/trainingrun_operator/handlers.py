@@ -77,8 +77,9 @@ class OperatorState:
     #: Operator-owned status as last written, until the watch shows it: no double charging.
     written: dict[Key, dict[str, Any]] = field(default_factory=dict)
     locks: dict[Key, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
-    #: Warning Events of runs Pending for a while: (when read, what was found), see _pending_warnings.
-    warnings: dict[Key, tuple[float, list[dict[str, Any]]]] = field(default_factory=dict)
+    #: Warning Events of each namespace with runs Pending for a while, see _namespace_warnings.
+    warnings: dict[str, "WarningsRead"] = field(default_factory=dict)
+    warnings_locks: dict[str, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
     #: Runs whose children the API server refused, until when they wait (see _children_refused).
     rejections: dict[Key, "Rejection"] = field(default_factory=dict)
     #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
@@ -104,7 +105,6 @@ class OperatorState:
     def forget(self, key: Key) -> None:
         self.written.pop(key, None)
         self.rejections.pop(key, None)
-        self.warnings.pop(key, None)
         self.metrics.phases.pop(key, None)
         self.locks.pop(key, None)
         self.metrics.forget_run(*key)
@@ -229,16 +229,17 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if state.kube is not None:
             await state.kube.close()
 
+    # Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per watch event.
     @kopf.index(*RUNS, id="runs", registry=registry)
-    def runs(namespace: str, name: str, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+    async def runs(namespace: str, name: str, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, name): slim_run(body)}
 
     @kopf.index(*JOBS, labels=CHILD_FILTER, id="jobs", registry=registry)
-    def jobs(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+    async def jobs(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, labels[builders.LABEL_RUN]): slim_job(body)}
 
     @kopf.index(*PODS, labels=CHILD_FILTER, id="pods", registry=registry)
-    def pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+    async def pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, labels[builders.LABEL_RUN]): slim_pod(body)}
 
     @kopf.on.event(*RUNS, registry=registry)
@@ -295,26 +296,45 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
 
 
 async def _pending_warnings(state: OperatorState, key: Key, status: dict[str, Any]) -> list[dict[str, Any]]:
-    """Warning Events about the current attempt's job and pods, once it has been Pending for a while; read at
-    most once per reconcile interval per run (Events are not watched: they are the busiest kind there is)."""
+    """Warning Events about the current attempt's job and pods, once it has been Pending for a while."""
     started = reconcile.parse_time(status.get("attemptStartTime"))
     job_name = status.get("jobName")
     if status.get("phase") != "Pending" or not started or not job_name or \
             (state.clock() - started).total_seconds() < state.settings.pending_events_after_seconds:
-        state.warnings.pop(key, None)
         return []
-    read_at, found = state.warnings.get(key, (float("-inf"), []))
-    if time.monotonic() - read_at < state.settings.reconcile_interval_seconds:
-        return found
-    try:
-        events = await state.client().list("v1", "Event", key[0], fieldSelector="type=Warning", limit="500")
-    except (ApiError, OSError, asyncio.TimeoutError) as error:
-        log.warning("%s/%s: could not read Warning Events: %s", key[0], key[1], error)
-        events = []
-    found = [{"reason": e.get("reason"), "message": e.get("message"), "involvedObject": e.get("involvedObject")}
-             for e in events if _about_job((e.get("involvedObject") or {}).get("name") or "", job_name)]
-    state.warnings[key] = (time.monotonic(), found)
-    return found
+    return [e for e in await _namespace_warnings(state, key[0])
+            if _about_job((e.get("involvedObject") or {}).get("name") or "", job_name)]
+
+
+@dataclass
+class WarningsRead:
+    at: float  #: time.monotonic() of the read
+    events: list[dict[str, Any]]  #: what reconcile needs of each Warning Event
+
+
+async def _namespace_warnings(state: OperatorState, namespace: str) -> list[dict[str, Any]]:
+    """A namespace's Warning Events, read at most once per reconcile interval and shared by all its runs: Events
+    are not watched (they are the busiest kind there is), and one read per Pending run made a queue of 2,000
+    waiting runs send 2,000 LISTs per interval."""
+    def fresh() -> Optional[WarningsRead]:
+        read = state.warnings.get(namespace)
+        return read if read and time.monotonic() - read.at < state.settings.reconcile_interval_seconds else None
+
+    if (read := fresh()) is not None:
+        return read.events
+    async with state.warnings_locks[namespace]:  # runs that ask meanwhile wait for this read
+        if (read := fresh()) is not None:
+            return read.events
+        try:
+            events = await state.client().list("v1", "Event", namespace, fieldSelector="type=Warning", limit="500")
+        except (ApiError, OSError, asyncio.TimeoutError) as error:
+            log.warning("%s: could not read Warning Events: %s", namespace, error)
+            events = []
+        state.warnings[namespace] = WarningsRead(time.monotonic(), [
+            {"reason": e.get("reason"), "message": e.get("message"),
+             "involvedObject": {k: (e.get("involvedObject") or {}).get(k) for k in ("kind", "name")}}
+            for e in events])
+        return state.warnings[namespace].events
 
 
 def _about_job(name: str, job_name: str) -> bool:

@@ -5,12 +5,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
 import kmock as kmock_lib
 import pytest
 
-from operator_harness import (JOBS, NAMESPACE, RUNS, Cluster, declare_resources, eventually, operator, running,
+from operator_harness import (EVENTS, JOBS, NAMESPACE, RUNS, Cluster, declare_resources, eventually, operator, running,
                               settings, terminated, training_run, write_kubeconfig)
 
 pytestmark = pytest.mark.asyncio
@@ -95,6 +96,37 @@ def _samples(state, name):
         for sample in family.samples:
             if sample.name == name:
                 yield sample.labels, sample.value
+
+
+async def test_pending_runs_of_a_namespace_share_one_read_of_its_warning_events(kmock):
+    """Runs Pending for a while learn why from the namespace's Warning Events (here the kubelet's FailedMount of a
+    missing Secret volume): one LIST per namespace per reconcile interval, however many runs wait (2,000 queued
+    runs sent 2,000 LISTs per interval before)."""
+    declare_resources(kmock)
+    cluster = Cluster(kmock)
+    seen: dict[int, tuple[float, object]] = {}  # kmock may ask a criterion about one request more than once
+
+    def record(request) -> bool:
+        if request.method == "GET" and request.resource == kmock_lib.resource(EVENTS):
+            seen.setdefault(id(request), (time.monotonic(), request))
+        return False  # sees every request, answers none
+
+    kmock[record] << 500
+    interval, names = 0.3, [f"run-{i}" for i in range(4)]
+    async with operator(kmock, settings(reconcile_interval_seconds=interval, pending_events_after_seconds=0)):
+        for name in names:
+            await cluster.create_run(training_run(name, uid=f"uid-{name}"))
+        await eventually(lambda: all(cluster.status(name).get("phase") == "Pending" for name in names))
+        for name in names:
+            await cluster.warning("Pod", f"{name}-a1-worker-0", "FailedMount",
+                                  'MountVolume.SetUp failed for volume "gcs-key" : secret "gcs" not found')
+        await eventually(lambda: all(any(c["type"] == "SecretMissing" and f"{name}-a1-worker-0" in c["message"]
+                                         for c in cluster.status(name).get("conditions") or []) for name in names),
+                         what=lambda: [cluster.status(name) for name in names])
+    reads = sorted(at for at, _ in seen.values())
+    assert reads
+    gaps = [later - earlier for earlier, later in zip(reads, reads[1:])]
+    assert all(gap >= interval * 0.9 for gap in gaps), gaps  # one per run would come in the same instant
 
 
 async def test_readiness_reports_a_missing_pytorchjob_crd(kmock, caplog):
