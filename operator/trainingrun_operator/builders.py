@@ -30,6 +30,9 @@ LABEL_ATTEMPT = "trainingrun.dev/attempt"
 ANNOTATION_RESUME_FROM = "trainingrun.dev/resume-from"
 #: On each PyTorchJob: a digest of the spec its pods were built from, so a later spec change shows.
 ANNOTATION_SPEC_HASH = "trainingrun.dev/spec-hash"
+#: On each PyTorchJob: the run's metadata.generation it was built from. The API server bumps it on every spec
+#: change, so an equal generation answers "unchanged?" without hashing the spec at every reconcile.
+ANNOTATION_GENERATION = "trainingrun.dev/generation"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: Lifetime of a pod's report token; the kubelet replaces it at 80% of that.
 REPORT_TOKEN_SECONDS = 3600
@@ -347,6 +350,8 @@ def pytorch_job(
     if spec.queue_name:
         meta["labels"][KUEUE_QUEUE_LABEL] = spec.queue_name
     meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(run)}
+    if run.metadata.generation is not None:
+        meta["annotations"][ANNOTATION_GENERATION] = str(run.metadata.generation)
     if resume_from:
         meta["annotations"][ANNOTATION_RESUME_FROM] = resume_from
     run_policy: dict[str, Any] = {

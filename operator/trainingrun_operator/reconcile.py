@@ -517,7 +517,11 @@ def _check_spec(plan: Plan, o: Observed, job: Optional[dict[str, Any]], conditio
         conditions.set("SpecRejected", False, "Accepted", "the spec is accepted")
     if job is None or o.status.get("phase") in TERMINAL:
         return
-    built_from = ((job.get("metadata") or {}).get("annotations") or {}).get(builders.ANNOTATION_SPEC_HASH)
+    annotations = (job.get("metadata") or {}).get("annotations") or {}
+    if o.run.metadata.generation is not None and \
+            annotations.get(builders.ANNOTATION_GENERATION) == str(o.run.metadata.generation):
+        return  # built from this very spec
+    built_from = annotations.get(builders.ANNOTATION_SPEC_HASH)
     if built_from and built_from != builders.spec_hash(with_checkpoint_uri(o.run, started_uri)):
         attempt = int(o.status.get("attempt") or 0)
         message = (f"the spec changed; attempt {attempt} keeps running as it was built, "

@@ -192,6 +192,22 @@ def test_spec_change_is_pending_until_the_next_attempt():
     assert reconcile.decide(observe(suspend_only, running_status(), [job(1, "Running", run=old)])).status == {}
 
 
+def test_a_job_built_from_the_runs_generation_is_not_hashed_again():
+    """The generation the job was built from settles "did the spec change?"; the spec hash only when it differs
+    (a job of an older operator has no generation annotation)."""
+    old, new = run_of(image="r/t:1"), run_of(image="r/t:2")
+    old.metadata.generation, new.metadata.generation = 3, 4
+    built = job(1, "Running", run=old)
+    assert built["metadata"]["annotations"][builders.ANNOTATION_GENERATION] == "3"
+    built["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] = "not-this-spec"
+    assert "conditions" not in reconcile.decide(observe(old, running_status(), [built])).status
+    changed = reconcile.decide(observe(new, running_status(), [built]))
+    assert next(c for c in changed.status["conditions"] if c["type"] == "SpecChangePending")["status"] == "True"
+    del built["metadata"]["annotations"][builders.ANNOTATION_GENERATION]  # as an older operator built it
+    hashed = reconcile.decide(observe(old, running_status(), [built]))
+    assert next(c for c in hashed.status["conditions"] if c["type"] == "SpecChangePending")["status"] == "True"
+
+
 @pytest.mark.parametrize("scenario", ["new", "running", "failed", "recovering", "secret", "stalled", "rejected"])
 def test_deciding_again_after_the_plan_changes_nothing(scenario):
     """Level-triggered and idempotent: a reconcile right after another acts and says nothing."""
