@@ -167,20 +167,28 @@ def _rejoining(launch: Any, standalone: bool, endpoint: str = "", timeout: float
 
 
 def _wait_until_listening(endpoint: str, timeout: float) -> None:
-    """Until `host:port` accepts a TCP connection (or `timeout`; the agent's own connect then reports it)."""
+    """Until `host:port` accepts a TCP connection (or `timeout`; the agent's own connect then reports it).
+    Says how long that took and why: the name not resolving yet (the replacement pod has no DNS record
+    yet) or nothing listening yet (its agent is still starting)."""
     import socket
     import time
 
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    unresolved = refused = 0
+    while time.monotonic() - started < timeout:
         try:
             socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:  # no address yet (the pod is being replaced), or nothing listening yet
-            time.sleep(0.05)
+            break
+        except socket.gaierror:
+            unresolved += 1
+        except OSError:
+            refused += 1
+        time.sleep(0.05)
+    print(f"trainingrun launch: waited {time.monotonic() - started:.2f} s for {endpoint} "
+          f"({unresolved} lookups found no address, {refused} connections failed)", file=sys.stderr, flush=True)
 
 
 def _stop_on_signals() -> None:
