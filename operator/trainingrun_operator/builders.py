@@ -170,6 +170,14 @@ def contract_env(
     return env
 
 
+def report_interval_seconds(stall_timeout_seconds: int) -> float:
+    """How often rank 0 reports, also when nothing changed: a quarter of a short stall timeout, so that with the
+    endpoint's heartbeat writes (reports.heartbeat_write_seconds, a third) reports seen in status are never
+    further apart than the timeout, which would read as ReportingUnavailable."""
+    default = contract.DEFAULT_REPORT_INTERVAL_SECONDS
+    return min(default, stall_timeout_seconds / 4) if stall_timeout_seconds else default
+
+
 def trainer_env(
     run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
 ) -> list[dict[str, Any]]:
@@ -191,6 +199,9 @@ def trainer_env(
     if settings.report_url:
         env += [{"name": contract.REPORT_URL, "value": settings.report_url},
                 {"name": contract.REPORT_TOKEN_FILE, "value": contract.REPORT_TOKEN_PATH}]
+        interval = report_interval_seconds(spec.recovery.stall_timeout_seconds)
+        if interval != contract.DEFAULT_REPORT_INTERVAL_SECONDS:
+            env.append({"name": contract.REPORT_INTERVAL_SECONDS, "value": f"{interval:g}"})
         if settings.report_ca:
             env.append({"name": contract.REPORT_CA_FILE, "value": f"{settings.config_dir}/{contract.REPORT_CA_KEY}"})
     env = [e for e in env if e["name"] not in users]

@@ -621,10 +621,13 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
         return None
     job = next((j for j in state.indexes["jobs"].get(key, []) if j["metadata"].get("name") == job_name
                 and controller_uid(j) == uid), None)
+    recovery = json.loads(body[SPEC_JSON]).get("recovery") or {}
     return reports.RunView(uid=uid, attempt=int(status.get("attempt") or 0), job_name=job_name,
                            checkpoint_uri=status["checkpointUri"], status=status,
                            pods=list(state.indexes["pods"].get(key, [])),
-                           job_uid=job["metadata"].get("uid") if job else None)
+                           job_uid=job["metadata"].get("uid") if job else None,
+                           stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds",
+                                                                  api.Recovery().stall_timeout_seconds)))
 
 
 async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:

@@ -39,8 +39,13 @@ log = logging.getLogger("trainingrun.reports")
 
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
-#: A report that only says "still here" is written to status at most this often.
+#: A report that only says "still here" is written to status at most this often (less with a short stall timeout).
 HEARTBEAT_WRITE_SECONDS = 30.0
+
+
+def heartbeat_write_seconds(stall_timeout_seconds: int) -> float:
+    """A third of a short stall timeout: lastReportTime must move more often than the stall check looks for it."""
+    return min(HEARTBEAT_WRITE_SECONDS, stall_timeout_seconds / 3) if stall_timeout_seconds else HEARTBEAT_WRITE_SECONDS
 #: Refused tokens are remembered this long, so a flood of bad tokens is not a flood of TokenReviews.
 REFUSED_TOKEN_SECONDS = 10.0
 TOKEN_CACHE_SIZE = 20000
@@ -105,6 +110,7 @@ class RunView:
     status: dict[str, Any]
     pods: list[dict[str, Any]]  #: slim pods of the run (index)
     job_uid: Optional[str]  #: uid of the current attempt's PyTorchJob, when the run controls it
+    stall_timeout_seconds: int = 0  #: spec.recovery.stallTimeoutSeconds (0: off)
 
 
 class Refused(Exception):
@@ -178,7 +184,8 @@ class ReportEndpoint:
         heard = reconcile.parse_time(run.status.get("lastReportTime"))
         changed = any(run.status.get(k) != v for k, v in fields.items())
         now = self.clock()
-        if changed or heard is None or (now - heard).total_seconds() >= HEARTBEAT_WRITE_SECONDS:
+        if changed or heard is None or \
+                (now - heard).total_seconds() >= heartbeat_write_seconds(run.stall_timeout_seconds):
             await self.accept((report.namespace, report.name), {**fields, "lastReportTime": reconcile.rfc3339(now)})
 
 

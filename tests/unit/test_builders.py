@@ -174,6 +174,22 @@ def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
     assert not any(v["name"] == "report-token" for v in bare["volumes"]) and bare["automountServiceAccountToken"] is False
 
 
+@pytest.mark.parametrize("stall_timeout", [1, 8, 20, 45, 120, 1800])
+def test_reports_reach_status_more_often_than_a_short_stall_timeout_looks(minimal_body, stall_timeout):
+    """Rank 0 reports every report interval and the endpoint writes a heartbeat to status every heartbeat interval:
+    the two together must stay under stallTimeoutSeconds, or a run that trains reads as ReportingUnavailable."""
+    from trainingrun_operator import reports
+
+    minimal_body["spec"]["recovery"] = {"stallTimeoutSeconds": stall_timeout}
+    settings = Settings(report_url="https://op.ops.svc:8443/v1/reports")
+    container = builders.pytorch_job(run_from(minimal_body), 1, settings)["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    interval = float(env.get(contract.REPORT_INTERVAL_SECONDS, contract.DEFAULT_REPORT_INTERVAL_SECONDS))
+    assert interval + reports.heartbeat_write_seconds(stall_timeout) < stall_timeout
+    assert (contract.REPORT_INTERVAL_SECONDS in env) == (stall_timeout < 4 * contract.DEFAULT_REPORT_INTERVAL_SECONDS)
+
+
 def test_own_service_account_is_used_as_it_is(minimal_body):
     minimal_body["spec"]["serviceAccountName"] = "workload-identity-sa"
     run = run_from(minimal_body)
