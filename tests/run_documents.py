@@ -8,6 +8,8 @@ import string
 
 from hypothesis import strategies as st
 
+from trainingrun_trainer import contract
+
 
 def put(path: str, value):
     """A change that sets one dotted path (creating parents); value DELETE removes it."""
@@ -139,6 +141,8 @@ VALID_CASES = [
     ("minimal", put("spec.replicas", {"min": 1})),
     ("user-sets-pythonunbuffered", put("spec.env", [{"name": "PYTHONUNBUFFERED", "value": "0"}])),
     ("user-sets-home-and-shutdown-timeout", put("spec.env", [{"name": "HOME", "value": "/data"}, {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "30"}])),
+    # The trainer's one user knob in the environment: outside the reserved TRAININGRUN_ prefix, so users can set it.
+    ("user-sets-grid-intensity", put("spec.env", [{"name": contract.GRID_INTENSITY, "value": "350"}])),
     ("secret-env-named-home", put("spec.secrets", {"env": [{"name": "HOME", "secretName": "home", "key": "path"}]})),
     ("null-for-defaulted-fields", both(put("spec.recovery", None), put("spec.nprocPerNode", None), put("spec.trainer", {"maxSteps": None}))),
     ("scheduling", both(

@@ -39,6 +39,8 @@ REPORT_INTERVAL_SECONDS = "TRAININGRUN_REPORT_INTERVAL_SECONDS"
 CHAOS_KILL_AT_STEP = "TRAININGRUN_CHAOS_KILL_AT_STEP"
 #: Every name above starts so; a user's env may not use it (validation refuses it).
 PREFIX = "TRAININGRUN_"
+#: Set by the user in spec.env (so outside PREFIX): grams of CO2 per kWh, for the trainer's emissions estimate.
+GRID_INTENSITY = "GRID_INTENSITY_G_PER_KWH"
 
 # ---------------------------------------------------------------- the report endpoint
 

@@ -17,7 +17,7 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
     trainingrun_nonfinite_steps_total, trainingrun_rollbacks_total
     trainingrun_gpu_utilization_ratio, trainingrun_gpu_memory_used_bytes, trainingrun_gpu_memory_total_bytes,
     trainingrun_gpu_temperature_celsius, trainingrun_gpu_power_watts, trainingrun_gpu_energy_joules_total
-    trainingrun_emissions_grams_total                  energy x TRAININGRUN_GRID_INTENSITY_G_PER_KWH, when set
+    trainingrun_emissions_grams_total                  energy x GRID_INTENSITY_G_PER_KWH (spec.env), when set
 
 GPU series exist only where NVML finds this rank's GPU: absent, not zero, on CPU.
 """
@@ -29,6 +29,8 @@ import os
 import threading
 import time
 from typing import Any, Optional
+
+from . import contract
 
 log = logging.getLogger("trainingrun.metrics")
 
@@ -215,7 +217,7 @@ def for_rank(context: Any, device_type: str) -> NullMetrics:
     if not os.environ.get(MULTIPROC_DIR):
         return NullMetrics()
     gpu_index = context.local_rank if device_type == "cuda" and _nvml_available() else None
-    intensity = os.environ.get("TRAININGRUN_GRID_INTENSITY_G_PER_KWH")
+    intensity = os.environ.get(contract.GRID_INTENSITY)
     return TrainerMetrics(context.name, context.namespace, context.rank, gpu_index,
                           float(intensity) if intensity else None, attempt=context.attempt,
                           group_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0))
