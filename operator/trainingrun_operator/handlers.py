@@ -626,8 +626,11 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
                            checkpoint_uri=status["checkpointUri"], status=status,
                            pods=list(state.indexes["pods"].get(key, [])),
                            job_uid=job["metadata"].get("uid") if job else None,
-                           stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds",
-                                                                  api.Recovery().stall_timeout_seconds)))
+                           stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds", DEFAULT_STALL_TIMEOUT)))
+
+
+#: What the API server fills in when spec.recovery.stallTimeoutSeconds is absent (the CRD's default).
+DEFAULT_STALL_TIMEOUT = api.Recovery.model_fields["stall_timeout_seconds"].default
 
 
 async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:

@@ -41,14 +41,14 @@ POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 #: A report that only says "still here" is written to status at most this often (less with a short stall timeout).
 HEARTBEAT_WRITE_SECONDS = 30.0
+#: Refused tokens are remembered this long, so a flood of bad tokens is not a flood of TokenReviews.
+REFUSED_TOKEN_SECONDS = 10.0
+TOKEN_CACHE_SIZE = 20000
 
 
 def heartbeat_write_seconds(stall_timeout_seconds: int) -> float:
     """A third of a short stall timeout: lastReportTime must move more often than the stall check looks for it."""
     return min(HEARTBEAT_WRITE_SECONDS, stall_timeout_seconds / 3) if stall_timeout_seconds else HEARTBEAT_WRITE_SECONDS
-#: Refused tokens are remembered this long, so a flood of bad tokens is not a flood of TokenReviews.
-REFUSED_TOKEN_SECONDS = 10.0
-TOKEN_CACHE_SIZE = 20000
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,9 @@ async def test_pending_runs_of_a_namespace_share_one_read_of_its_warning_events(
     runs sent 2,000 LISTs per interval before)."""
     declare_resources(kmock)
     cluster = Cluster(kmock)
-    seen: dict[int, tuple[float, object]] = {}  # kmock may ask a criterion about one request more than once
+    # kmock may ask a criterion about one request more than once: one entry per request, the request held so
+    # that its id is never reused
+    seen: dict[int, tuple[float, object]] = {}
 
     def record(request) -> bool:
         if request.method == "GET" and request.resource == kmock_lib.resource(EVENTS):

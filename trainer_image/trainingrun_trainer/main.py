@@ -103,9 +103,9 @@ def exit_now(code: int) -> NoReturn:
 
     How a trainer process ends once `main` returned: everything is written by then (the checkpoint store
     and the reporter closed, the process groups destroyed). In the interpreter's teardown gloo's C++
-    threads (most likely those FSDP2's device mesh still references) were seen to abort a finished worker ("terminate
-    called without an active exception", exit -6) in about one CI run in several: a successful run
-    would read as a failed attempt.
+    threads (most likely those FSDP2's device mesh still references) were seen to abort a finished
+    worker ("terminate called without an active exception", exit -6) in about one CI run in several:
+    a successful run would read as a failed attempt.
     """
     logging.shutdown()
     sys.stdout.flush()
