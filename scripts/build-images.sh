@@ -40,10 +40,10 @@ if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
 fi
 
 echo "== building localhost/trainingrun-operator:$VERSION"
-podman build --isolation chroot -q "${CA_ARGS[@]}" -f Dockerfile.operator --build-arg BASE_IMAGE="$BASE" \
+podman build --isolation chroot --layers=false -q "${CA_ARGS[@]}" -f Dockerfile.operator --build-arg BASE_IMAGE="$BASE" \
   -t "localhost/trainingrun-operator:$VERSION" .
 echo "== building localhost/trainingrun-trainer:$VERSION"
-podman build --isolation chroot -q "${CA_ARGS[@]}" -f Dockerfile.trainer --build-arg BASE_IMAGE="$BASE" \
+podman build --isolation chroot --layers=false -q "${CA_ARGS[@]}" -f Dockerfile.trainer --build-arg BASE_IMAGE="$BASE" \
   -t "localhost/trainingrun-trainer:$VERSION" .
 podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep trainingrun
 

@@ -310,7 +310,8 @@ class ControlPlane(ProcessGroup):
 
 #: (apiVersion, kind) -> plural, for the kinds tests create through `dry_run_create`/`create`.
 PLURALS = {
-    ("v1", "ConfigMap"): "configmaps", ("v1", "ServiceAccount"): "serviceaccounts", ("v1", "Pod"): "pods",
+    ("v1", "ConfigMap"): "configmaps", ("v1", "Service"): "services", ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "Pod"): "pods",
     ("v1", "Secret"): "secrets", ("v1", "Event"): "events",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles", ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs", ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",

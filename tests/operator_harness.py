@@ -46,6 +46,7 @@ def declare_resources(kmock: Any, pytorchjobs: bool = True) -> None:
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
     kmock.resources[EVENTS] = info(kind="Event", namespaced=True, verbs=VERBS)
     kmock.resources["v1/configmaps"] = info(kind="ConfigMap", namespaced=True, verbs=VERBS)
+    kmock.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=VERBS)
     kmock.resources["v1/serviceaccounts"] = info(kind="ServiceAccount", namespaced=True, verbs=VERBS)
     kmock.resources["rbac.authorization.k8s.io/v1/roles"] = info(kind="Role", namespaced=True, verbs=VERBS)
     kmock.resources["rbac.authorization.k8s.io/v1/rolebindings"] = info(kind="RoleBinding", namespaced=True, verbs=VERBS)

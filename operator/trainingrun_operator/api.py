@@ -42,7 +42,7 @@ QUANTITY = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]
 #: A device plugin's extended resource: fully qualified (domain/name), so never cpu, memory or another standard one.
 EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
 #: The port the Kubeflow Training Operator gives the c10d rendezvous in every PyTorchJob pod.
-KUBEFLOW_RENDEZVOUS_PORT = 23456
+KUBEFLOW_RENDEZVOUS_PORT = contract.RENDEZVOUS_PORT
 
 # Environment names the operator sets itself; a user value would silently break the contract.
 RESERVED_ENV_PREFIXES = (contract.PREFIX, "PET_")

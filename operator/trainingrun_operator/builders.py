@@ -27,6 +27,8 @@ SHUTDOWN_MARGIN_SECONDS = 15
 CONTAINER_NAME = "pytorch"  # the Kubeflow Training Operator finds the trainer container by this name
 LABEL_RUN = "trainingrun.dev/run"
 LABEL_ATTEMPT = "trainingrun.dev/attempt"
+#: The Kubeflow Training Operator labels each pod with its replica index (0 hosts the rendezvous store).
+KUBEFLOW_REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 ANNOTATION_RESUME_FROM = "trainingrun.dev/resume-from"
 #: On each PyTorchJob: a digest of the spec its pods were built from, so a later spec change shows.
 ANNOTATION_SPEC_HASH = "trainingrun.dev/spec-hash"
@@ -59,6 +61,14 @@ def spec_hash(run: api.TrainingRun) -> str:
 
 def config_map_name(run_name: str) -> str:
     return f"{run_name}-config"
+
+
+def rendezvous_service_name(run_name: str) -> str:
+    return f"{run_name}-rendezvous"
+
+
+def rendezvous_host_pod(run_name: str, attempt: int) -> str:
+    return f"{job_name(run_name, attempt)}-worker-0"  # Kubeflow's pod name for replica 0
 
 
 # ---------------------------------------------------------------- shared parts
@@ -109,6 +119,27 @@ def config_map(run: api.TrainingRun, settings: Settings = Settings()) -> dict[st
         "kind": "ConfigMap",
         "metadata": metadata(run, config_map_name(run.metadata.name), "config"),
         "data": data,
+    }
+
+
+def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
+    """A stable address for the rendezvous store of a multi-pod run: a ClusterIP Service selecting worker 0 of
+    the current attempt (`elasticPolicy.rdzvHost`). Kubeflow's default host is worker 0's own DNS name, which
+    disappears with the pod: a survivor that looks it up before the replacement exists gets "no such name", and
+    cluster DNS caches that answer (5 s with CoreDNS), longer than the replacement takes to start. The Service's
+    name resolves for the whole run; until the replacement has an address, connections are refused at once.
+    Not-ready pods are published: the store listens before any readiness would be known."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(run, rendezvous_service_name(run.metadata.name), "rendezvous"),
+        "spec": {
+            "type": "ClusterIP",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_RUN: run.metadata.name, LABEL_ATTEMPT: str(attempt), KUBEFLOW_REPLICA_INDEX_LABEL: "0"},
+            "ports": [{"name": "rendezvous", "port": contract.RENDEZVOUS_PORT,
+                       "targetPort": contract.RENDEZVOUS_PORT, "protocol": "TCP"}],
+        },
     }
 
 
@@ -193,6 +224,9 @@ def trainer_env(
     ]
     env += [
         {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": contract.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *([{"name": contract.RENDEZVOUS_HOST_POD, "value": rendezvous_host_pod(run.metadata.name, attempt)}]
+          if spec.replicas.effective_max > 1 else []),
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
     ]
@@ -373,20 +407,24 @@ def pytorch_job(
     }
     if spec.active_deadline_seconds:
         run_policy["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    elastic_policy: dict[str, Any] = {
+        "minReplicas": spec.replicas.min,
+        "maxReplicas": spec.replicas.effective_max,
+        "rdzvBackend": "c10d",
+        # Unique per run and attempt: a new attempt never joins a stale rendezvous.
+        "rdzvId": f"{run.metadata.uid or run.metadata.name}-a{attempt}",
+        "maxRestarts": spec.recovery.max_restarts_per_attempt,
+    }
+    if spec.replicas.effective_max > 1:
+        elastic_policy["rdzvHost"] = rendezvous_service_name(run.metadata.name)
+        elastic_policy["rdzvPort"] = contract.RENDEZVOUS_PORT
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": meta,
         "spec": {
             "nprocPerNode": str(spec.nproc_per_node),
-            "elasticPolicy": {
-                "minReplicas": spec.replicas.min,
-                "maxReplicas": spec.replicas.effective_max,
-                "rdzvBackend": "c10d",
-                # Unique per run and attempt: a new attempt never joins a stale rendezvous.
-                "rdzvId": f"{run.metadata.uid or run.metadata.name}-a{attempt}",
-                "maxRestarts": spec.recovery.max_restarts_per_attempt,
-            },
+            "elasticPolicy": elastic_policy,
             "runPolicy": run_policy,
             "pytorchReplicaSpecs": {
                 "Worker": {
@@ -405,5 +443,9 @@ def children(
     settings: Settings = Settings(),
     resume_from: Optional[str] = None,
 ) -> list[dict[str, Any]]:
-    """Everything one attempt of a run needs: its ConfigMap and its PyTorchJob."""
-    return [config_map(run, settings), pytorch_job(run, attempt, settings, resume_from)]
+    """Everything one attempt of a run needs: its ConfigMap, its rendezvous Service (multi-pod runs) and its
+    PyTorchJob, last."""
+    support = [config_map(run, settings)]
+    if run.spec.replicas.effective_max > 1:
+        support.append(rendezvous_service(run, attempt))
+    return [*support, pytorch_job(run, attempt, settings, resume_from)]

@@ -491,7 +491,10 @@ async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
     if child["kind"] != "PyTorchJob":
         operations.append({"op": "add", "path": "/metadata/labels", "value": meta.get("labels") or {}})
         operations += [{"op": "add", "path": f"/{key}", "value": value} for key, value in child.items()
-                       if key not in ("apiVersion", "kind", "metadata")]
+                       if key not in ("apiVersion", "kind", "metadata", "spec")]
+        # Field by field: a Service's spec also holds what the server allocated (clusterIP), which must stay.
+        operations += [{"op": "add", "path": f"/spec/{key}", "value": value}
+                       for key, value in (child.get("spec") or {}).items()]
     try:
         await kube.patch(child["apiVersion"], child["kind"], meta["namespace"], meta["name"], operations,
                          json_patch=True)

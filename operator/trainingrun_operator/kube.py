@@ -17,6 +17,7 @@ from urllib.parse import urlencode
 #: (apiVersion, kind) -> plural, for the kinds the operator writes.
 PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Event"): "events",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",

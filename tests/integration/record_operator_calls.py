@@ -37,7 +37,8 @@ async def record(out: Path) -> None:
         declare_resources(kmock)
         cluster = Cluster(kmock)
         async with operator(kmock):
-            await cluster.create_run(training_run(recovery={"backoffSeconds": 0}))
+            # two pods: a rendezvous Service, created at attempt 1 and brought up to date at each later one
+            await cluster.create_run(training_run(recovery={"backoffSeconds": 0}, replicas={"min": 2, "max": 2}))
             await eventually(lambda: cluster.job("demo-a1"))
             pod = await cluster.add_pod("demo-a1", status=running())
             await cluster.job_condition("demo-a1", "Created", "Running")

@@ -36,7 +36,7 @@ import yaml
 
 from trainingrun_operator import builders
 from trainingrun_operator.builders import DEFAULT_COMMAND
-from trainingrun_trainer import exit_codes, launch
+from trainingrun_trainer import contract, exit_codes, launch
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
 from trainingrun_trainer.data import ResumableSampler
 
@@ -593,16 +593,26 @@ def test_invalid_config_fails_before_any_process_group(tmp_path, launched, chang
 # ------------------------------------------------------------------------------------ 7. pods of a multi-pod run
 
 # Each "pod" is one launcher with one worker, joined over c10d rendezvous as the Kubeflow Training
-# Operator starts elastic workers (PET_* variables); the first one started hosts the rendezvous store,
-# as worker-0 does in a PyTorchJob (its Service name is the rendezvous endpoint).
+# Operator starts elastic workers (PET_* variables), with the env the operator renders for a multi-pod run.
 POD_RUN = {**EXACT, "maxSteps": 30}
 MAX_RESTARTS = 3
+#: The run's rendezvous Service, as worker-0 sees the endpoint: a name that names no machine, so torch's guess
+#: (does the endpoint name this host?) says no, and only TRAININGRUN_RENDEZVOUS_HOST_POD makes worker-0 host.
+SERVICE_HOST = "demo-rendezvous.invalid"
+#: The other pods reach the store at 127.0.0.1, standing in for the Service's address; every launcher here is on
+#: 127.0.0.1, which torch would guess is theirs to host, so they are told they are not (on a cluster the
+#: Service name matches no pod). A short store timeout for "never comes back".
+NOT_THE_HOST = {"PET_RDZV_CONF": "is_host=false,read_timeout=5"}
 
 
-def start_pod(run: Run, launched: list, rdzv_port: int, extra_env: Optional[dict] = None) -> Launched:
+def start_pod(run: Run, launched: list, rdzv_port: int, index: int) -> Launched:
+    """Pod `index` of the run's attempt 1 (worker-0 hosts the rendezvous store)."""
+    host_pod = f"{run.dir.name}-a1-worker-0"
     env = {**run.environment(), **builders.RENDEZVOUS_ENV, "PET_NNODES": "2:2", "PET_NPROC_PER_NODE": "1",
-           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{rdzv_port}",
-           "PET_RDZV_ID": run.dir.name, "PET_MAX_RESTARTS": str(MAX_RESTARTS), **(extra_env or {})}
+           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"{SERVICE_HOST if index == 0 else '127.0.0.1'}:{rdzv_port}",
+           "PET_RDZV_ID": run.dir.name, "PET_MAX_RESTARTS": str(MAX_RESTARTS),
+           contract.POD_NAME: f"{run.dir.name}-a1-worker-{index}", contract.POD_IP: "127.0.0.1",
+           contract.RENDEZVOUS_HOST_POD: host_pod, **(NOT_THE_HOST if index else {})}
     proc = Launched(runnable(DEFAULT_COMMAND), env)
     launched.append(proc)
     return proc
@@ -627,17 +637,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-#: worker-1 on a cluster: its hostname is not the endpoint's, so it never hosts the store (here every
-#: launcher is on 127.0.0.1 and would take the free port), and a short store timeout for "never comes back".
-NOT_THE_HOST = {"PET_RDZV_CONF": "is_host=false,read_timeout=5"}
-
-
 def two_pods_paused(run: Run, launched: list, pause_at: int) -> tuple[Launched, Launched, int]:
     """worker-0 (the rendezvous host) and worker-1, both trained to the pause with step 10 committed."""
     port = free_port()
-    host = start_pod(run, launched, port)
+    host = start_pod(run, launched, port, 0)
     wait_listening(port, host)  # its store is up before the second pod looks for it
-    other = start_pod(run, launched, port, NOT_THE_HOST)
+    other = start_pod(run, launched, port, 1)
     for pod in (host, other):
         pod.wait_for(rank_line(r"\d", "fault_injection", f"paused at item {pause_at} "))
     host.wait_for(rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "))
@@ -659,7 +664,7 @@ def test_the_survivor_of_the_rendezvous_host_rejoins_its_replacement_without_res
     host.kill()
     release(run.pauses, pause_at)
     survivor.wait_for(re.escape(REJOINING))
-    replacement = start_pod(run, launched, port)
+    replacement = start_pod(run, launched, port, 0)
     assert replacement.finish() == 0, replacement.tail()
     assert survivor.finish() == 0, survivor.tail()
     assert re.search(f"resumed from {re.escape(run.uri)}/step-00000010 at step 10", survivor.log + replacement.log)
@@ -693,7 +698,7 @@ def test_a_replaced_pod_rejoins_and_training_resumes_from_the_last_checkpoint(tm
     host, other, port = two_pods_paused(run, launched, pause_at)
     other.kill()
     release(run.pauses, pause_at)
-    replacement = start_pod(run, launched, port)
+    replacement = start_pod(run, launched, port, 1)
     assert replacement.finish() == 0, replacement.tail()
     assert host.finish() == 0, host.tail()
     host.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000010 at step 10"))

@@ -163,13 +163,15 @@ def training_run(namespace, **spec):
 
 def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     plane, ns = cluster.plane, cluster.namespace
-    plane.kubectl("create", "-f", "-", input=training_run(ns))
+    plane.kubectl("create", "-f", "-", input=training_run(ns, replicas={"min": 2, "max": 2}))
     run = cluster.get(RUNS, "demo")
     wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
     status = wait_for(lambda: cluster.status().get("phase") == "Pending" and cluster.status())
     assert status["attempt"] == 1 and status["jobName"] == "demo-a1"
     assert status["observedGeneration"] == run["metadata"]["generation"]  # the server's, not the test's
-    children = [("configmap", "demo-config"), (JOBS, "demo-a1")]
+    children = [("configmap", "demo-config"), ("service", "demo-rendezvous"), (JOBS, "demo-a1")]
+    rendezvous = cluster.get("service", "demo-rendezvous")
+    assert rendezvous["spec"]["selector"][builders.LABEL_ATTEMPT] == "1" and rendezvous["spec"]["clusterIP"]
     for kind, name in children:
         owner = cluster.get(kind, name)["metadata"]["ownerReferences"][0]
         assert owner["uid"] == run["metadata"]["uid"] and owner["controller"] is True, (kind, name)
@@ -186,6 +188,10 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
 
     wait_for(lambda: cluster.get(JOBS, "demo-a2"), what="attempt 2")
     assert cluster.env_of("demo-a2")["TRAININGRUN_RESUME_FROM"] == checkpoint["uri"]
+    # the rendezvous Service now selects attempt 2's worker-0, at the address the server gave it at attempt 1
+    moved = wait_for(lambda: (cluster.get("service", "demo-rendezvous")["spec"]["selector"][builders.LABEL_ATTEMPT]
+                              == "2") and cluster.get("service", "demo-rendezvous"), what="the Service at attempt 2")
+    assert moved["spec"]["clusterIP"] == rendezvous["spec"]["clusterIP"]
     status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
     assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
     assert status["lastGoodCheckpoint"]["step"] == 300  # the operator's status writes kept the trainer's fields

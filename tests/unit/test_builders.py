@@ -121,6 +121,38 @@ def test_attempts_get_distinct_names_and_rendezvous(minimal_body):
         builders.pytorch_job(run, 0)
 
 
+def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_current_attempt(minimal_body):
+    minimal_body["spec"]["replicas"] = {"min": 1, "max": 3}
+    run = run_from(minimal_body)
+    config_map, service, job = builders.children(run, attempt=2)
+    assert [config_map["kind"], service["kind"], job["kind"]] == ["ConfigMap", "Service", "PyTorchJob"]
+    assert job["spec"]["elasticPolicy"]["rdzvHost"] == service["metadata"]["name"] == "demo-rendezvous"
+    assert job["spec"]["elasticPolicy"]["rdzvPort"] == service["spec"]["ports"][0]["port"] == contract.RENDEZVOUS_PORT
+    assert service["spec"]["ports"][0]["targetPort"] == contract.RENDEZVOUS_PORT
+    assert service["spec"]["type"] == "ClusterIP" and service["spec"]["publishNotReadyAddresses"] is True
+    # it selects exactly worker 0 of this attempt: the pod labels plus Kubeflow's replica index
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    worker_labels = {**template["metadata"]["labels"], builders.KUBEFLOW_REPLICA_INDEX_LABEL: "0"}
+    assert service["spec"]["selector"].items() <= worker_labels.items()
+    assert service["spec"]["selector"][builders.LABEL_ATTEMPT] == "2"
+    assert not service["spec"]["selector"].items() <= {**worker_labels, builders.KUBEFLOW_REPLICA_INDEX_LABEL: "1"}.items()
+    assert builders.children(run, attempt=3)[1]["spec"]["selector"][builders.LABEL_ATTEMPT] == "3"
+    env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+    assert env[contract.RENDEZVOUS_HOST_POD]["value"] == "demo-a2-worker-0"
+    assert env[contract.POD_IP]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert_valid_builtins([service])
+
+
+def test_single_pod_runs_have_no_rendezvous_service(minimal_body):
+    minimal_body["spec"]["replicas"] = {"min": 1, "max": 1}
+    run = run_from(minimal_body)
+    assert [o["kind"] for o in builders.children(run)] == ["ConfigMap", "PyTorchJob"]
+    job = builders.pytorch_job(run, 1)
+    assert "rdzvHost" not in job["spec"]["elasticPolicy"]  # Kubeflow's default: the pod's own name
+    env = {e["name"] for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]}
+    assert contract.RENDEZVOUS_HOST_POD not in env and contract.POD_IP in env
+
+
 def test_run_policy_and_scheduling(minimal_body):
     minimal_body["spec"].update(
         {
@@ -193,7 +225,7 @@ def test_reports_reach_status_more_often_than_a_short_stall_timeout_looks(minima
 def test_own_service_account_is_used_as_it_is(minimal_body):
     minimal_body["spec"]["serviceAccountName"] = "workload-identity-sa"
     run = run_from(minimal_body)
-    assert [o["kind"] for o in builders.children(run)] == ["ConfigMap", "PyTorchJob"]
+    assert "ServiceAccount" not in [o["kind"] for o in builders.children(run)]
     pod = builders.pytorch_job(run, 1)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["serviceAccountName"] == "workload-identity-sa"
 

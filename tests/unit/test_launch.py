@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from tiny_runs import tiny_trainer
-from trainingrun_trainer import exit_codes
-from trainingrun_trainer.launch import container_exit_code
+from trainingrun_trainer import contract, exit_codes
+from trainingrun_trainer.launch import rendezvous_addresses, container_exit_code
 
 WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"
 
@@ -65,3 +65,35 @@ def test_built_in_trainer_permanent_exit_is_not_retried_in_place(tmp_path):
     # stopped its peer); the two restarted groups exited with the remembered code at once.
     assert 1 <= result.stderr.count("trainingrun-trainer: spec.trainer.model.classPath") <= 2
     assert result.stderr.count("failed (exitcode: 2)") == 3
+
+
+def agent_args(*argv: str):
+    from torch.distributed.run import parse_args
+
+    return parse_args([*argv, "--module", "trainingrun_trainer"])
+
+
+POD_ENV = {contract.POD_IP: "10.244.0.7", contract.RENDEZVOUS_HOST_POD: "demo-a1-worker-0"}
+
+
+def test_the_rendezvous_host_pod_hosts_the_store_on_its_own_port():
+    """Its peers reach it through the run's Service, a name torch's guess (does the endpoint name this machine?)
+    never matches: without is_host no pod would host the store and the rendezvous would never complete."""
+    args = agent_args("--rdzv-endpoint=demo-rendezvous:23456", "--rdzv-conf=read_timeout=30")
+    rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
+    assert args.rdzv_endpoint == "localhost:23456"
+    assert args.rdzv_conf == "read_timeout=30,is_host=true"
+    assert args.local_addr == "10.244.0.7"
+
+
+def test_other_pods_keep_the_service_endpoint_and_give_peers_their_ip():
+    args = agent_args("--rdzv-endpoint=demo-rendezvous:23456")
+    rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
+    assert (args.rdzv_endpoint, args.rdzv_conf, args.local_addr) == ("demo-rendezvous:23456", "", "10.244.0.7")
+    # a user's own --local-addr stays, and outside a pod nothing changes
+    args = agent_args("--rdzv-endpoint=demo-rendezvous:23456", "--local-addr=node-7")
+    rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
+    assert args.local_addr == "node-7"
+    args = agent_args("--standalone")
+    rendezvous_addresses(args, {})
+    assert (args.rdzv_conf, args.local_addr) == ("", None)

@@ -15,7 +15,9 @@ again in this container and waits for the replacement host's store (up to the re
 `read_timeout`, `REJOINS` times), so only the lost pod is recreated; Kubeflow replacing the survivor too
 made losing worker-0 ~2 s slower than losing another worker (benchmarks/cluster_recovery.py). When the
 store does not come back, or a round times out, the container exits retryable (138): the pod is
-restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1.
+restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1. Peers reach
+the store through the run's rendezvous Service and each other by pod IP (`rendezvous_addresses`), so
+a replacement is reachable as soon as it listens, with no wait for DNS.
 
     python -m trainingrun_trainer.launch [torchrun options] --module trainingrun_trainer
 
@@ -121,10 +123,26 @@ def _serve_metrics() -> None:
     metrics.serve(int(port), directory)
 
 
+def rendezvous_addresses(args: Any, env: Any = os.environ) -> None:
+    """In a pod: this agent's address is the pod IP (what its peers connect to when it is rank 0: an IP works the
+    moment the pod exists, a DNS name only once its record appears). The rendezvous host pod (worker 0 of a
+    multi-pod run, whose peers reach it through the run's rendezvous Service) hosts the store and reaches it
+    itself on localhost: torch would otherwise guess the host by matching the endpoint against its own
+    hostname, which a Service name never matches."""
+    if env.get(contract.POD_IP) and not args.local_addr:
+        args.local_addr = env[contract.POD_IP]
+    host_pod = env.get(contract.RENDEZVOUS_HOST_POD)
+    if host_pod and host_pod == env.get(contract.POD_NAME) and not args.standalone:
+        port = args.rdzv_endpoint.rpartition(":")[2] or str(contract.RENDEZVOUS_PORT)
+        args.rdzv_endpoint = f"localhost:{port}"
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, "is_host=true"]))
+
+
 def _launch(args: Any) -> None:
     from torch.distributed.run import config_from_args, run
 
     _serve_metrics()
+    rendezvous_addresses(args)
 
     if not (args.module and args.training_script == TRAINER_MODULE and not args.no_python):
         run(args)  # any other program: exactly torchrun
