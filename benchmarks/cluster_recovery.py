@@ -69,12 +69,14 @@ def running(pod: dict[str, Any]) -> bool:
     return any("running" in (s.get("state") or {}) for s in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
-def one_loss(cluster: Cluster, index: int, logs_dir: Optional[Path] = None) -> dict[str, float]:
+def one_loss(cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agent_log_level: str = "") -> dict[str, float]:
     namespace = cluster.plane.create_namespace(f"bench-{uuid.uuid4().hex[:6]}")
     cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
                     "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
     document = kube_journey.run_file(cluster.s3.new_bucket(), "bench", cluster.s3.endpoint_url)
     document["spec"]["trainer"]["logIntervalSteps"] = 1
+    if agent_log_level:  # torch's elastic agent logs its rendezvous rounds and worker starts at INFO
+        document["spec"].setdefault("env", []).append({"name": "LOGLEVEL", "value": agent_log_level})
     path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
     path.write_text(yaml.safe_dump(document))
     applied = time.time()
@@ -159,6 +161,8 @@ def main() -> None:
     parser.add_argument("--pod", type=int, choices=(0, 1), default=0, help="worker deleted (0 hosts the rendezvous)")
     parser.add_argument("--repeat", type=int, default=1, help="runs, each losing one pod; medians printed")
     parser.add_argument("--logs", type=Path, help="keep each run's pod logs and timestamps in this folder")
+    parser.add_argument("--agent-log-level", default="", help="LOGLEVEL for torch's elastic agent in the pods "
+                        "(INFO shows its rendezvous rounds in the --logs files)")
     args = parser.parse_args()
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
@@ -168,7 +172,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cluster-recovery-") as workdir, \
             kube_journey.started(Path(workdir)) as cluster:
         kube_journey.install_chart(cluster)
-        results = [one_loss(cluster, args.pod, args.logs) for _ in range(args.repeat)]
+        results = [one_loss(cluster, args.pod, args.logs, args.agent_log_level) for _ in range(args.repeat)]
     keys = list(results[0])
     print(f"worker-{args.pod} deleted, {len(results)} run(s); median [each]")
     for key in keys:
