@@ -97,3 +97,23 @@ def test_other_pods_keep_the_service_endpoint_and_give_peers_their_ip():
     args = agent_args("--standalone")
     rendezvous_addresses(args, {})
     assert (args.rdzv_conf, args.local_addr) == ("", None)
+
+
+@pytest.mark.parametrize("argv, env, starts, omp", [
+    (["--module", "trainingrun_trainer"], {"PET_NPROC_PER_NODE": "2"}, True, "1"),  # as torchrun would set it
+    (["--nproc-per-node=2", "--module", "trainingrun_trainer"], {"OMP_NUM_THREADS": "4"}, True, "4"),
+    (["--nproc_per_node", "1", "-m", "trainingrun_trainer"], {}, True, None),
+    (["--nproc-per-node=auto", "--module", "trainingrun_trainer"], {}, False, None),  # torch decides later
+    (["--module", "my_trainer"], {}, False, None),  # any other program: exactly torchrun
+    (["train.py", "--data", "trainingrun_trainer"], {}, False, None),
+])
+def test_the_forkserver_starts_before_torch_only_for_the_builtin_trainer(monkeypatch, argv, env, starts, omp):
+    from multiprocessing import forkserver
+
+    from trainingrun_trainer import launch as launch_module
+
+    started = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
+    assert launch_module._start_forkserver(argv, env) is starts
+    assert bool(started) is starts
+    assert env.get("OMP_NUM_THREADS") == omp

@@ -138,10 +138,34 @@ def rendezvous_addresses(args: Any, env: Any = os.environ) -> None:
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, "is_host=true"]))
 
 
+def _start_forkserver(argv: Sequence[str], env: Any = os.environ) -> bool:
+    """Start the preloading forkserver before this process imports torch (~2 s in a new container), when `argv`
+    runs the built-in trainer: its imports (3-6 s) then overlap the agent's own and the wait for the other pods
+    in rendezvous. Started by the first worker group, they came after it: a replacement pod trained 4-6 s later.
+    The forkserver keeps the environment it starts with, so OMP_NUM_THREADS is settled first, as torchrun would
+    (1 thread per worker when a pod runs several and the user set none). Returns whether it started it."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    module = "--module" in argv or "-m" in argv or env.get("PET_MODULE", "").lower() in ("1", "true")
+    if not (module and TRAINER_MODULE in argv and "--no-python" not in argv and "--no_python" not in argv):
+        return False
+    nproc = env.get("PET_NPROC_PER_NODE", "1")
+    for i, arg in enumerate(argv):
+        if arg.startswith(("--nproc-per-node", "--nproc_per_node")):
+            nproc = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+    if not nproc.isdigit():  # "auto", "gpu": torchrun decides once torch is imported
+        return False
+    if int(nproc) > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    return True
+
+
 def _launch(args: Any) -> None:
     from torch.distributed.run import config_from_args, run
 
-    _serve_metrics()
     rendezvous_addresses(args)
 
     if not (args.module and args.training_script == TRAINER_MODULE and not args.no_python):
@@ -157,12 +181,7 @@ def _launch(args: Any) -> None:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    # Started now, its imports (~3-6 s in a new container) overlap the wait for the other pods in rendezvous;
-    # started by the first worker group, they came after it (a replacement pod trained ~4 s later).
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # if main did not start it
     with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
         verdict = os.path.join(scratch, "permanent-exit-code")
         _rejoining(lambda: elastic_launch(config=config, entrypoint=run_trainer_worker)(
@@ -227,6 +246,9 @@ def _stop_on_signals() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    _serve_metrics()  # before any worker or the forkserver starts: they write to its directory
+    _start_forkserver(argv)  # before torch is imported here
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -235,7 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     _stop_on_signals()
     try:
-        _launch(parse_args(list(argv) if argv is not None else sys.argv[1:]))
+        _launch(parse_args(argv))
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr)
         codes = [failure.exitcode for failure in error.failures.values()]
