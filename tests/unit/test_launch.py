@@ -73,7 +73,7 @@ def agent_args(*argv: str):
     return parse_args([*argv, "--module", "trainingrun_trainer"])
 
 
-POD_ENV = {contract.POD_IP: "10.244.0.7", contract.RENDEZVOUS_HOST_POD: "demo-a1-worker-0"}
+POD_ENV = {contract.RENDEZVOUS_HOST_POD: "demo-a1-worker-0"}
 
 
 def test_the_rendezvous_host_pod_hosts_the_store_on_its_own_port():
@@ -83,20 +83,17 @@ def test_the_rendezvous_host_pod_hosts_the_store_on_its_own_port():
     rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
     assert args.rdzv_endpoint == "localhost:23456"
     assert args.rdzv_conf == "read_timeout=30,is_host=true"
-    assert args.local_addr == "10.244.0.7"
+    # its own address stays the pod's name (a replacement pod is the same rendezvous node coming back)
+    assert args.local_addr is None
 
 
-def test_other_pods_keep_the_service_endpoint_and_give_peers_their_ip():
+def test_other_pods_keep_the_service_endpoint():
     args = agent_args("--rdzv-endpoint=demo-rendezvous:23456")
     rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
-    assert (args.rdzv_endpoint, args.rdzv_conf, args.local_addr) == ("demo-rendezvous:23456", "", "10.244.0.7")
-    # a user's own --local-addr stays, and outside a pod nothing changes
-    args = agent_args("--rdzv-endpoint=demo-rendezvous:23456", "--local-addr=node-7")
-    rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
-    assert args.local_addr == "node-7"
+    assert (args.rdzv_endpoint, args.rdzv_conf, args.local_addr) == ("demo-rendezvous:23456", "", None)
     args = agent_args("--standalone")
     rendezvous_addresses(args, {})
-    assert (args.rdzv_conf, args.local_addr) == ("", None)
+    assert args.rdzv_conf == ""
 
 
 @pytest.mark.parametrize("argv, env, starts, omp", [

@@ -16,8 +16,8 @@ again in this container and waits for the replacement host's store (up to the re
 made losing worker-0 ~2 s slower than losing another worker (benchmarks/cluster_recovery.py). When the
 store does not come back, or a round times out, the container exits retryable (138): the pod is
 restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1. Peers reach
-the store through the run's rendezvous Service and each other by pod IP (`rendezvous_addresses`), so
-a replacement is reachable as soon as it listens, with no wait for DNS.
+the store through the run's rendezvous Service (`rendezvous_addresses`), so a replacement host is
+reachable as soon as it listens, with no wait for DNS.
 
     python -m trainingrun_trainer.launch [torchrun options] --module trainingrun_trainer
 
@@ -124,13 +124,13 @@ def _serve_metrics() -> None:
 
 
 def rendezvous_addresses(args: Any, env: Any = os.environ) -> None:
-    """In a pod: this agent's address is the pod IP (what its peers connect to when it is rank 0: an IP works the
-    moment the pod exists, a DNS name only once its record appears). The rendezvous host pod (worker 0 of a
-    multi-pod run, whose peers reach it through the run's rendezvous Service) hosts the store and reaches it
-    itself on localhost: torch would otherwise guess the host by matching the endpoint against its own
-    hostname, which a Service name never matches."""
-    if env.get(contract.POD_IP) and not args.local_addr:
-        args.local_addr = env[contract.POD_IP]
+    """The rendezvous host pod (worker 0 of a multi-pod run, whose peers reach it through the run's rendezvous
+    Service) hosts the store and reaches it itself on localhost: torch would otherwise guess the host by matching
+    the endpoint against its own hostname, which a Service name never matches.
+
+    The agent's own address stays torch's default, the pod's FQDN: a replacement pod has the same name, so the
+    rendezvous sees the same node coming back. With the pod IP as --local-addr a replacement was a new node, and
+    the round waited for the lost one's keep-alive to expire (a deleted worker-1 trained again 14-19 s later)."""
     host_pod = env.get(contract.RENDEZVOUS_HOST_POD)
     if host_pod and host_pod == env.get(contract.POD_NAME) and not args.standalone:
         port = args.rdzv_endpoint.rpartition(":")[2] or str(contract.RENDEZVOUS_PORT)
