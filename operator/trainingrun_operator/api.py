@@ -41,9 +41,6 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 QUANTITY = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
 #: A device plugin's extended resource: fully qualified (domain/name), so never cpu, memory or another standard one.
 EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
-#: The port the Kubeflow Training Operator gives the c10d rendezvous in every PyTorchJob pod.
-KUBEFLOW_RENDEZVOUS_PORT = contract.RENDEZVOUS_PORT
-
 # Environment names the operator sets itself; a user value would silently break the contract.
 RESERVED_ENV_PREFIXES = (contract.PREFIX, "PET_")
 RESERVED_ENV_NAMES = {
@@ -248,8 +245,8 @@ class Metrics(ApiModel):
     """The Prometheus endpoint every trainer rank serves."""
 
     enabled: bool = Field(default=True, description="Serve metrics and expose the port.")
-    model_config = _cel((f"self.port != {KUBEFLOW_RENDEZVOUS_PORT}",
-                         f"metrics.port {KUBEFLOW_RENDEZVOUS_PORT} is the Kubeflow rendezvous port in every pod; "
+    model_config = _cel((f"self.port != {contract.RENDEZVOUS_PORT}",
+                         f"metrics.port {contract.RENDEZVOUS_PORT} is the Kubeflow rendezvous port in every pod; "
                          "choose another port"))
 
     port: int = Field(default=9464, ge=1024, le=65535, description="Port of the metrics endpoint.")
@@ -257,7 +254,7 @@ class Metrics(ApiModel):
     @field_validator("port")
     @classmethod
     def _not_rendezvous(cls, port: int) -> int:
-        if port == KUBEFLOW_RENDEZVOUS_PORT:
+        if port == contract.RENDEZVOUS_PORT:
             raise ValueError(f"{port} is the port the Kubeflow Training Operator gives the rendezvous in every pod; "
                              "choose another port (the default is 9464)")
         return port

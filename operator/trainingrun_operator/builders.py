@@ -71,6 +71,11 @@ def rendezvous_host_pod(run_name: str, attempt: int) -> str:
     return f"{job_name(run_name, attempt)}-worker-0"  # Kubeflow's pod name for replica 0
 
 
+def has_rendezvous_service(spec: api.TrainingRunSpec) -> bool:
+    """Pods of a multi-pod run reach the rendezvous store through the run's Service; one pod needs none."""
+    return spec.replicas.effective_max > 1
+
+
 # ---------------------------------------------------------------- shared parts
 
 
@@ -225,7 +230,7 @@ def trainer_env(
     env += [
         {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *([{"name": contract.RENDEZVOUS_HOST_POD, "value": rendezvous_host_pod(run.metadata.name, attempt)}]
-          if spec.replicas.effective_max > 1 else []),
+          if has_rendezvous_service(spec) else []),
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
     ]
@@ -414,7 +419,7 @@ def pytorch_job(
         "rdzvId": f"{run.metadata.uid or run.metadata.name}-a{attempt}",
         "maxRestarts": spec.recovery.max_restarts_per_attempt,
     }
-    if spec.replicas.effective_max > 1:
+    if has_rendezvous_service(spec):
         elastic_policy["rdzvHost"] = rendezvous_service_name(run.metadata.name)
         elastic_policy["rdzvPort"] = contract.RENDEZVOUS_PORT
     return {
@@ -445,6 +450,6 @@ def children(
     """Everything one attempt of a run needs: its ConfigMap, its rendezvous Service (multi-pod runs) and its
     PyTorchJob, last."""
     support = [config_map(run, settings)]
-    if run.spec.replicas.effective_max > 1:
+    if has_rendezvous_service(run.spec):
         support.append(rendezvous_service(run, attempt))
     return [*support, pytorch_job(run, attempt, settings, resume_from)]

@@ -607,7 +607,7 @@ NOT_THE_HOST = {"PET_RDZV_CONF": "is_host=false,read_timeout=5"}
 
 def start_pod(run: Run, launched: list, rdzv_port: int, index: int) -> Launched:
     """Pod `index` of the run's attempt 1 (worker-0 hosts the rendezvous store)."""
-    host_pod = f"{run.dir.name}-a1-worker-0"
+    host_pod = builders.rendezvous_host_pod(run.dir.name, 1)
     env = {**run.environment(), **builders.RENDEZVOUS_ENV, "PET_NNODES": "2:2", "PET_NPROC_PER_NODE": "1",
            "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"{SERVICE_HOST if index == 0 else '127.0.0.1'}:{rdzv_port}",
            "PET_RDZV_ID": run.dir.name, "PET_MAX_RESTARTS": str(MAX_RESTARTS),

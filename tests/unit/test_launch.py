@@ -10,7 +10,7 @@ import yaml
 
 from tiny_runs import tiny_trainer
 from trainingrun_trainer import contract, exit_codes
-from trainingrun_trainer.launch import rendezvous_addresses, container_exit_code
+from trainingrun_trainer.launch import host_rendezvous_store, container_exit_code
 
 WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"
 
@@ -80,7 +80,7 @@ def test_the_rendezvous_host_pod_hosts_the_store_on_its_own_port():
     """Its peers reach it through the run's Service, a name torch's guess (does the endpoint name this machine?)
     never matches: without is_host no pod would host the store and the rendezvous would never complete."""
     args = agent_args("--rdzv-endpoint=demo-rendezvous:23456", "--rdzv-conf=read_timeout=30")
-    rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
+    host_rendezvous_store(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
     assert args.rdzv_endpoint == "localhost:23456"
     assert args.rdzv_conf == "read_timeout=30,is_host=true"
     # its own address stays the pod's name (a replacement pod is the same rendezvous node coming back)
@@ -89,10 +89,10 @@ def test_the_rendezvous_host_pod_hosts_the_store_on_its_own_port():
 
 def test_other_pods_keep_the_service_endpoint():
     args = agent_args("--rdzv-endpoint=demo-rendezvous:23456")
-    rendezvous_addresses(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
+    host_rendezvous_store(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
     assert (args.rdzv_endpoint, args.rdzv_conf, args.local_addr) == ("demo-rendezvous:23456", "", None)
     args = agent_args("--standalone")
-    rendezvous_addresses(args, {})
+    host_rendezvous_store(args, {})
     assert args.rdzv_conf == ""
 
 

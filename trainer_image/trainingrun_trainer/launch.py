@@ -16,7 +16,7 @@ again in this container and waits for the replacement host's store (up to the re
 made losing worker-0 ~2 s slower than losing another worker (benchmarks/cluster_recovery.py). When the
 store does not come back, or a round times out, the container exits retryable (138): the pod is
 restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1. Peers reach
-the store through the run's rendezvous Service (`rendezvous_addresses`), so a replacement host is
+the store through the run's rendezvous Service (see `host_rendezvous_store`), so a replacement host is
 reachable as soon as it listens, with no wait for DNS.
 
     python -m trainingrun_trainer.launch [torchrun options] --module trainingrun_trainer
@@ -123,7 +123,7 @@ def _serve_metrics() -> None:
     metrics.serve(int(port), directory)
 
 
-def rendezvous_addresses(args: Any, env: Any = os.environ) -> None:
+def host_rendezvous_store(args: Any, env: Any = os.environ) -> None:
     """The rendezvous host pod (worker 0 of a multi-pod run, whose peers reach it through the run's rendezvous
     Service) hosts the store and reaches it itself on localhost: torch would otherwise guess the host by matching
     the endpoint against its own hostname, which a Service name never matches.
@@ -166,7 +166,7 @@ def _start_forkserver(argv: Sequence[str], env: Any = os.environ) -> bool:
 def _launch(args: Any) -> None:
     from torch.distributed.run import config_from_args, run
 
-    rendezvous_addresses(args)
+    host_rendezvous_store(args)
 
     if not (args.module and args.training_script == TRAINER_MODULE and not args.no_python):
         run(args)  # any other program: exactly torchrun
