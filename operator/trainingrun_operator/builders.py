@@ -229,6 +229,7 @@ def trainer_env(
     ]
     env += [
         {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": contract.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         *([{"name": contract.RENDEZVOUS_HOST_POD, "value": rendezvous_host_pod(run.metadata.name, attempt)}]
           if has_rendezvous_service(spec) else []),
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.

@@ -611,7 +611,7 @@ def start_pod(run: Run, launched: list, rdzv_port: int, index: int) -> Launched:
     env = {**run.environment(), **builders.RENDEZVOUS_ENV, "PET_NNODES": "2:2", "PET_NPROC_PER_NODE": "1",
            "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"{SERVICE_HOST if index == 0 else '127.0.0.1'}:{rdzv_port}",
            "PET_RDZV_ID": run.dir.name, "PET_MAX_RESTARTS": str(MAX_RESTARTS),
-           contract.POD_NAME: f"{run.dir.name}-a1-worker-{index}",
+           contract.POD_NAME: f"{run.dir.name}-a1-worker-{index}", contract.POD_IP: "127.0.0.1",
            contract.RENDEZVOUS_HOST_POD: host_pod, **(NOT_THE_HOST if index else {})}
     proc = Launched(runnable(DEFAULT_COMMAND), env)
     launched.append(proc)

@@ -139,6 +139,7 @@ def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_curre
     assert builders.children(run, attempt=3)[1]["spec"]["selector"][builders.LABEL_ATTEMPT] == "3"
     env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
     assert env[contract.RENDEZVOUS_HOST_POD]["value"] == "demo-a2-worker-0"
+    assert env[contract.POD_IP]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert_valid_builtins([service])
 
 
@@ -149,7 +150,7 @@ def test_single_pod_runs_have_no_rendezvous_service(minimal_body):
     job = builders.pytorch_job(run, 1)
     assert "rdzvHost" not in job["spec"]["elasticPolicy"]  # Kubeflow's default: the pod's own name
     env = {e["name"] for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]}
-    assert contract.RENDEZVOUS_HOST_POD not in env
+    assert contract.RENDEZVOUS_HOST_POD not in env and contract.POD_IP in env
 
 
 def test_run_policy_and_scheduling(minimal_body):

@@ -10,7 +10,7 @@ import yaml
 
 from tiny_runs import tiny_trainer
 from trainingrun_trainer import contract, exit_codes
-from trainingrun_trainer.launch import host_rendezvous_store, container_exit_code
+from trainingrun_trainer.launch import POD_KEEP_ALIVE, container_exit_code, pod_rendezvous
 
 WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"
 
@@ -73,27 +73,40 @@ def agent_args(*argv: str):
     return parse_args([*argv, "--module", "trainingrun_trainer"])
 
 
-POD_ENV = {contract.RENDEZVOUS_HOST_POD: "demo-a1-worker-0"}
+POD_ENV = {contract.POD_IP: "10.244.0.7", contract.RENDEZVOUS_HOST_POD: "demo-a1-worker-0"}
+
+
+def conf(args) -> dict:
+    return {key.strip(): value for key, _, value in (item.partition("=") for item in args.rdzv_conf.split(","))}
 
 
 def test_the_rendezvous_host_pod_hosts_the_store_on_its_own_port():
     """Its peers reach it through the run's Service, a name torch's guess (does the endpoint name this machine?)
     never matches: without is_host no pod would host the store and the rendezvous would never complete."""
     args = agent_args("--rdzv-endpoint=demo-rendezvous:23456", "--rdzv-conf=read_timeout=30")
-    host_rendezvous_store(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
+    pod_rendezvous(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
     assert args.rdzv_endpoint == "localhost:23456"
-    assert args.rdzv_conf == "read_timeout=30,is_host=true"
-    # its own address stays the pod's name (a replacement pod is the same rendezvous node coming back)
-    assert args.local_addr is None
+    assert conf(args) == {"read_timeout": "30", "is_host": "true", **POD_KEEP_ALIVE}
+    assert args.local_addr == "10.244.0.7"
 
 
-def test_other_pods_keep_the_service_endpoint():
+def test_other_pods_keep_the_service_endpoint_and_give_peers_their_ip():
     args = agent_args("--rdzv-endpoint=demo-rendezvous:23456")
-    host_rendezvous_store(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
-    assert (args.rdzv_endpoint, args.rdzv_conf, args.local_addr) == ("demo-rendezvous:23456", "", None)
-    args = agent_args("--standalone")
-    host_rendezvous_store(args, {})
-    assert args.rdzv_conf == ""
+    pod_rendezvous(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
+    assert (args.rdzv_endpoint, conf(args), args.local_addr) == ("demo-rendezvous:23456", POD_KEEP_ALIVE, "10.244.0.7")
+
+
+def test_what_the_user_set_wins_and_outside_a_pod_nothing_changes():
+    args = agent_args("--rdzv-endpoint=demo-rendezvous:23456", "--local-addr=node-7",
+                      "--rdzv-conf=keep_alive_interval=10, is_host=false")
+    pod_rendezvous(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
+    assert args.local_addr == "node-7"
+    assert conf(args) == {"keep_alive_interval": "10", "is_host": "false", "keep_alive_max_attempt": "2"}
+    for argv, env in [(["--standalone"], {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"}),
+                      (["--rdzv-endpoint=localhost:29500"], {})]:
+        args = agent_args(*argv)
+        pod_rendezvous(args, env)
+        assert (args.rdzv_conf, args.local_addr) == ("", None)
 
 
 @pytest.mark.parametrize("argv, env, starts, omp", [

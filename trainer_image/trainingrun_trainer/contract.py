@@ -31,6 +31,9 @@ CHECKPOINT_URI = "TRAININGRUN_CHECKPOINT_URI"  #: the URI the run started with
 RESUME_FROM = "TRAININGRUN_RESUME_FROM"  #: the operator's last reported checkpoint: a floor, never a pin
 METRICS_PORT = "TRAININGRUN_METRICS_PORT"
 POD_NAME = "TRAININGRUN_POD_NAME"
+#: The pod's IP: the address this pod's agent gives its peers (MASTER_ADDR when it is rank 0), so a replacement
+#: pod is reachable at once instead of after its DNS record appears and its peers' cached "no such name" expires.
+POD_IP = "TRAININGRUN_POD_IP"
 #: Multi-pod runs: the pod that hosts the rendezvous store (`<job>-worker-0`). Its peers reach it through the
 #: run's rendezvous Service (a stable address); that pod hosts the store on its own port.
 RENDEZVOUS_HOST_POD = "TRAININGRUN_RENDEZVOUS_HOST_POD"

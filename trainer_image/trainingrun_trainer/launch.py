@@ -16,8 +16,8 @@ again in this container and waits for the replacement host's store (up to the re
 made losing worker-0 ~2 s slower than losing another worker (benchmarks/cluster_recovery.py). When the
 store does not come back, or a round times out, the container exits retryable (138): the pod is
 restarted and rejoins, instead of the whole run failing permanently on torchrun's exit 1. Peers reach
-the store through the run's rendezvous Service (see `host_rendezvous_store`), so a replacement host is
-reachable as soon as it listens, with no wait for DNS.
+the store through the run's rendezvous Service and each other by pod IP (see `pod_rendezvous`), so a
+replacement is reachable as soon as it listens, with no wait for DNS.
 
     python -m trainingrun_trainer.launch [torchrun options] --module trainingrun_trainer
 
@@ -123,19 +123,33 @@ def _serve_metrics() -> None:
     metrics.serve(int(port), directory)
 
 
-def host_rendezvous_store(args: Any, env: Any = os.environ) -> None:
-    """The rendezvous host pod (worker 0 of a multi-pod run, whose peers reach it through the run's rendezvous
-    Service) hosts the store and reaches it itself on localhost: torch would otherwise guess the host by matching
-    the endpoint against its own hostname, which a Service name never matches.
+#: In a pod, a peer that stops sending keep-alives is dropped from the rendezvous after 1 s x 2 instead of torch's
+#: 5 s x 3: a replacement pod (a new node: its own IP) waited those 15 s for the lost one to be dropped.
+POD_KEEP_ALIVE = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
 
-    The agent's own address stays torch's default, the pod's FQDN: a replacement pod has the same name, so the
-    rendezvous sees the same node coming back. With the pod IP as --local-addr a replacement was a new node, and
-    the round waited for the lost one's keep-alive to expire (a deleted worker-1 trained again 14-19 s later)."""
+
+def pod_rendezvous(args: Any, env: Any = os.environ) -> None:
+    """Rendezvous settings for an agent in a pod (the user's own --local-addr and rdzv-conf keys win):
+
+    - its address (MASTER_ADDR when it is rank 0) is the pod IP: an IP works the moment the pod exists, its DNS
+      name only once the record appears and the peers' cached "no such name" (5 s in CoreDNS) expires;
+    - lost peers are dropped after `POD_KEEP_ALIVE`;
+    - the rendezvous host pod (worker 0, whose peers reach it through the run's rendezvous Service) hosts the
+      store and reaches it itself on localhost: torch would otherwise guess the host by matching the endpoint
+      against its own hostname, which a Service name never matches."""
+    if args.standalone or not env.get(contract.POD_NAME):
+        return
+    if env.get(contract.POD_IP) and not args.local_addr:
+        args.local_addr = env[contract.POD_IP]
+    conf = dict(POD_KEEP_ALIVE)
     host_pod = env.get(contract.RENDEZVOUS_HOST_POD)
-    if host_pod and host_pod == env.get(contract.POD_NAME) and not args.standalone:
+    if host_pod and host_pod == env[contract.POD_NAME]:
         port = args.rdzv_endpoint.rpartition(":")[2] or str(contract.RENDEZVOUS_PORT)
         args.rdzv_endpoint = f"localhost:{port}"
-        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, "is_host=true"]))
+        conf["is_host"] = "true"
+    given = {item.partition("=")[0].strip() for item in args.rdzv_conf.split(",") if item.strip()}
+    args.rdzv_conf = ",".join([*filter(None, [args.rdzv_conf]),
+                               *(f"{key}={value}" for key, value in conf.items() if key not in given)])
 
 
 def _start_forkserver(argv: Sequence[str], env: Any = os.environ) -> bool:
@@ -166,7 +180,7 @@ def _start_forkserver(argv: Sequence[str], env: Any = os.environ) -> bool:
 def _launch(args: Any) -> None:
     from torch.distributed.run import config_from_args, run
 
-    host_rendezvous_store(args)
+    pod_rendezvous(args)
 
     if not (args.module and args.training_script == TRAINER_MODULE and not args.no_python):
         run(args)  # any other program: exactly torchrun
