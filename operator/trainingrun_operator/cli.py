@@ -183,7 +183,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         print(summary.message, file=sys.stderr if summary.outcome != "succeeded" else sys.stdout)
     print(f"{summary.outcome} after {summary.attempts} attempt(s); logs in {Path(options.runs_dir) / run.metadata.name}")
     print(summary.result_line(), flush=True)
-    return {"succeeded": 0, "interrupted": 130}.get(summary.outcome, 1)
+    return summary.exit_code
 
 
 def positive_int(text: str) -> int:

@@ -260,6 +260,15 @@ class LogFollower:
         return [line.decode("utf-8", "replace") for line in lines]
 
 
+def _end_session(launcher: subprocess.Popen) -> None:
+    """Kill what is left of an attempt's processes once its launcher has exited: they share its process group
+    (start_new_session), and the forkserver or a worker would otherwise outlive `trainingrun local`."""
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def classify(code: int) -> str:
     if code == exit_codes.OK:
         return "succeeded"
@@ -301,6 +310,10 @@ class Attempt:
         return "\n".join(dict.fromkeys(said))  # each once, in order
 
 
+#: Signals that stop a local run as a pod deletion would (emergency checkpoint, workers gone), by how they are named.
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+
 @dataclass
 class Summary:
     steps: int
@@ -311,6 +324,14 @@ class Summary:
     wall_seconds: float
     outcome: str
     message: str = ""
+    stop_signal: Optional[int] = None  #: the signal that interrupted the run
+
+    @property
+    def exit_code(self) -> int:
+        """0 succeeded, 128 + the signal when interrupted (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), 1 failed."""
+        if self.outcome == "succeeded":
+            return 0
+        return 128 + self.stop_signal if self.outcome == "interrupted" and self.stop_signal else 1
 
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
@@ -334,7 +355,7 @@ class LocalRunner:
         self.groups: list[WorkerGroup] = []  #: every start of the workers, for attempts and lost steps
         self.failures = 0
         self.preemptions = 0
-        self.interrupted = False
+        self.interrupted: Optional[int] = None  #: the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
         self.current: Optional[subprocess.Popen] = None
         self._kill_steps = sorted(set(options.chaos_kill_steps))
         self._chaos = random.Random(options.chaos_seed)
@@ -433,22 +454,28 @@ class LocalRunner:
             if step in self._kill_steps:
                 self._kill_steps.remove(step)
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
         # Like a pod deletion: the agent forwards SIGTERM, workers checkpoint and exit 143.
-        self.interrupted = True
+        self.interrupted = signum
         if self.current and self.current.poll() is None:
-            print("interrupted: stopping workers after an emergency checkpoint", file=self.out, flush=True)
+            print(f"{STOP_SIGNALS[signum]}: stopping workers after an emergency checkpoint", file=self.out, flush=True)
             self.current.send_signal(signal.SIGTERM)
+
+    def _interrupted_message(self) -> str:
+        return f"stopped by {STOP_SIGNALS[self.interrupted]}; rerun the same command to resume"
 
     def execute(self) -> Summary:
         started = time.monotonic()
         config_path = self._write_config()
         status = StatusServer(self.run, self.run_dir / "report-token")
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        previous = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}
         outcome, message = "succeeded", ""
         try:
             number = 0
             while True:
+                if self.interrupted:  # during the backoff: start nothing more
+                    outcome, message = "interrupted", self._interrupted_message()
+                    break
                 number += 1
                 attempt = Attempt(number, log_path=self.run_dir / f"attempt-{number}.log")
                 self.attempts.append(attempt)
@@ -466,6 +493,7 @@ class LocalRunner:
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                     )
                     attempt.code = self._supervise(self.current, attempt, status)
+                _end_session(self.current)
                 self.current = None
                 kind = classify(attempt.code)
                 if kind == "succeeded":
@@ -474,7 +502,7 @@ class LocalRunner:
                     outcome, message = "failed", attempt.trainer_message() or f"the trainer exited with {attempt.code}"
                     break
                 if self.interrupted:
-                    outcome, message = "interrupted", "stopped by Ctrl-C; rerun the same command to resume"
+                    outcome, message = "interrupted", self._interrupted_message()
                     break
                 if kind == "preemption":
                     self.preemptions += 1
@@ -494,9 +522,12 @@ class LocalRunner:
                 if delay:
                     time.sleep(delay)  # the backoff itself, as the operator would wait
         finally:
-            signal.signal(signal.SIGINT, previous)
-            if self.current and self.current.poll() is None:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            if self.current:
                 self.current.kill()
+                self.current.wait()
+                _end_session(self.current)
             final = status.snapshot()
             status.close()
         return self._summary(final, time.monotonic() - started, outcome, message)
@@ -514,6 +545,7 @@ class LocalRunner:
             wall_seconds=wall,
             outcome=outcome,
             message=message,
+            stop_signal=self.interrupted,
         )
 
 

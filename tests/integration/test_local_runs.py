@@ -4,6 +4,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,17 +106,50 @@ def test_invalid_file_is_rejected_like_validate(tmp_path):
     assert "spec.trainer.precision: 'fp8' is not allowed" in result.stderr
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid`, from /proc (the launcher leads a session of its own, so not by group)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_and_a_rerun_resumes(tmp_path):
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM"),
+                                                (signal.SIGHUP, 129, "SIGHUP")])
+def test_a_stop_signal_checkpoints_leaves_no_process_and_a_rerun_resumes(tmp_path, signum, code, said):
     run_file = write_run(tmp_path, training_run(maxSteps=100000, logIntervalSteps=5))
     process = local(tmp_path, run_file, start_new_session=True)
     for line in process.stdout:  # the first progress line means training is under way
         if line.startswith("attempt 1 step"):
             break
-    process.send_signal(signal.SIGINT)
+    run_processes = descendants(process.pid)
+    assert len(run_processes) >= 3  # the launcher and its two workers
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stdout + stderr
-    assert "stopped by Ctrl-C" in stderr
+    assert process.returncode == code, stdout + stderr
+    assert f"stopped by {said}" in stderr
+    deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously: gone within moments, not at once
+    while (left := [pid for pid in run_processes if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
     saved = max(i.step for i in CheckpointStore(f"file://{tmp_path}/ckpt").list() if i.valid)
     assert saved > 0  # the emergency checkpoint
 
