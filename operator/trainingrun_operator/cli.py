@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from trainingrun_trainer import components
+
 from . import __version__, builders, crd, validation
 from .settings import Settings
 
@@ -107,6 +109,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         for run in runs:
             print(f"{path}: TrainingRun {run.metadata.namespace}/{run.metadata.name} is valid")
+            for component, field, _ in components.named_classes(run.spec.trainer):
+                if not component.class_path.startswith(components.BUILTIN_PACKAGE + "."):
+                    print(f"  {field}.classPath {component.class_path} comes from your image: the trainer checks it "
+                          "and its initArgs when the run starts")
     return 1 if failed else 0
 
 

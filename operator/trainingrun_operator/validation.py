@@ -132,10 +132,26 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
     return problems
 
 
+def component_problems(run: api.TrainingRun) -> list[Problem]:
+    """The trainer's own classes named in `classPath`, and their `initArgs`, checked as the trainer would at start
+    (from the table of its classes: no torch here). A class from the user's image is checked when the run starts."""
+    from trainingrun_trainer import components
+
+    problems = []
+    for component, field, extra in components.named_classes(run.spec.trainer):
+        try:
+            components.check_builtin(component, field, **extra)
+        except components.ConfigError as error:
+            path, _, message = str(error).partition(": ")
+            problems.append(Problem(path, message))
+    return problems
+
+
 def check(document: Any) -> api.TrainingRun:
-    """`parse`, then the rendered children's limits: everything `trainingrun validate` checks."""
+    """`parse`, then the trainer's classes and the rendered children's limits: everything `trainingrun validate`
+    checks."""
     run = parse(document)
-    problems = rendered_problems(document, run)
+    problems = component_problems(run) + rendered_problems(document, run)
     if problems:
         raise InvalidTrainingRun(problems)
     return run

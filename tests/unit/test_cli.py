@@ -71,6 +71,43 @@ def test_validate_prints_one_line_per_problem_and_exits_1(tmp_path, capsys):
     ]
 
 
+MISSPELT_CLASSES = """\
+apiVersion: trainingrun.dev/v1alpha1
+kind: TrainingRun
+metadata: {name: demo}
+spec:
+  checkpoint: {uri: "s3://bucket/demo"}
+  trainer:
+    model: {classPath: trainingrun_trainer.models.CharTransfomer}
+    data: {dataset: {classPath: trainingrun_trainer.data.SyntheticText, initArgs: {contextLen: 8}}}
+"""
+
+
+def test_validate_checks_the_trainers_own_classes_and_their_arguments(tmp_path, capsys):
+    """Before any cluster: a misspelt built-in class or argument, found without importing torch."""
+    path = write(tmp_path, MISSPELT_CLASSES)
+    assert cli.main(["validate", path]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{path}: spec.trainer.model.classPath: module 'trainingrun_trainer.models' has no class 'CharTransfomer'; "
+        "did you mean 'CharTransformer'?",
+        f"{path}: spec.trainer.data.dataset.initArgs: SyntheticText() got an unexpected keyword argument "
+        "'contextLen'; accepted: numSamples, contextLength, vocabSize, seed, split; did you mean 'contextLength'?",
+    ]
+    user_class = MISSPELT_CLASSES.replace("trainingrun_trainer.models.CharTransfomer", "mypkg.models.Net").replace(
+        "contextLen", "contextLength")
+    assert cli.main(["validate", write(tmp_path, user_class)]) == 0
+    assert ("spec.trainer.model.classPath mypkg.models.Net comes from your image: the trainer checks it and its "
+            "initArgs when the run starts") in capsys.readouterr().out
+
+
+def test_validate_needs_no_torch(tmp_path):
+    """The operator's image has no torch: validate (and the operator, which parses the same way) must not import it."""
+    code = ("import sys; sys.modules['torch'] = None; from trainingrun_operator import cli; "
+            f"sys.exit(cli.main(['validate', {write(tmp_path, MISSPELT_CLASSES)!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "did you mean 'CharTransformer'" in result.stderr, result.stderr
+
+
 def test_validate_subprocess_has_no_traceback(tmp_path):
     result = run_cli("validate", write(tmp_path, BAD))
     assert result.returncode == 1

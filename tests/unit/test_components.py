@@ -272,3 +272,51 @@ def test_check_does_not_allocate_parameters():
 def test_all_names_are_exported():
     for name in components.__all__:
         assert hasattr(components, name)
+
+
+# ---------------------------------------------------------------- the table `validate` checks without torch
+
+
+def test_the_table_of_builtin_classes_equals_the_code():
+    import inspect
+
+    found = {}
+    for module in (models, data):
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and value.__module__ == module.__name__ and not name.startswith("_"):
+                found[f"{module.__name__}.{name}"] = {
+                    p.name: p.default is p.empty for p in inspect.signature(value).parameters.values()}
+    assert components.BUILTIN_CLASSES == found
+
+
+@pytest.mark.parametrize("class_path, init_args, field, extra", [
+    ("trainingrun_trainer.models.CharTransfomer", {}, MODEL, {}),  # misspelt class
+    ("trainingrun_trainer.modles.CharTransformer", {}, MODEL, {}),  # misspelt module
+    ("trainingrun_trainer.models.CharTransformer", {"dimm": 64}, MODEL, {}),
+    ("trainingrun_trainer.models.CharTransformer", {"contextLength": 8, "context_length": 8}, MODEL, {}),
+    ("trainingrun_trainer.models.TransformerBlock", {"dim": 8}, MODEL, {}),  # a required argument missing
+    ("trainingrun_trainer.data.SyntheticText", {"split": "eval"}, DATASET, {"split": "train"}),
+    ("trainingrun_trainer.data.SyntheticText", {"numSamples": 8}, DATASET, {"split": "train"}),
+])
+def test_builtin_classes_are_checked_from_the_table_as_the_trainer_checks_them(class_path, init_args, field, extra):
+    """Same verdict as importing the class; the messages name the field and the fix (the module's wording may
+    differ only where importing a module that does not exist says so in Python's own words)."""
+    comp = component(class_path, **init_args)
+    try:
+        check(comp, field, **extra)
+        imported = None
+    except ConfigError as error:
+        imported = str(error)
+    try:
+        assert components.check_builtin(comp, field, **extra) is True
+        table = None
+    except ConfigError as error:
+        table = str(error)
+    assert (imported is None) == (table is None), (imported, table)
+    if table is not None:
+        assert table.startswith(field) and (table == imported or "no module" in table)
+
+
+def test_classes_from_elsewhere_are_left_to_the_trainer(user_module):
+    assert components.check_builtin(component("user_models.Needy", hiddenSize=3), MODEL) is False
+    assert components.check_builtin(component("torchvision.models.ResNet"), MODEL) is False

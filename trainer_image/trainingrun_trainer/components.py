@@ -21,9 +21,30 @@ import inspect
 import re
 from typing import Any, Callable, Iterable
 
-from trainingrun_trainer.config import Component
+from trainingrun_trainer.config import Component, TrainerConfig
 
-__all__ = ["ConfigError", "build", "check", "resolve", "snake_case", "camel_case"]
+__all__ = ["ConfigError", "BUILTIN_CLASSES", "build", "check", "check_builtin", "named_classes", "resolve", "snake_case", "camel_case"]
+
+#: The public classes of the trainer's own modules and their constructor parameters (name: required), so a
+#: TrainingRun that names one is checked without importing torch (`trainingrun validate`, the operator's image).
+#: tests/unit/test_components.py keeps it equal to the code.
+BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
+    "trainingrun_trainer.models.SelfAttention": {"dim": True, "heads": True, "dropout": True, "causal": True},
+    "trainingrun_trainer.models.TransformerBlock": {"dim": True, "heads": True, "dropout": False, "causal": False},
+    "trainingrun_trainer.models.CharTransformer": {
+        "vocab_size": False, "dim": False, "layers": False, "heads": False, "context_length": False, "dropout": False},
+    "trainingrun_trainer.models.MaskedAutoencoder": {
+        "image_size": False, "patch_size": False, "channels": False, "dim": False, "layers": False, "heads": False,
+        "decoder_dim": False, "decoder_layers": False, "mask_ratio": False},
+    "trainingrun_trainer.data.SyntheticText": {
+        "num_samples": False, "context_length": False, "vocab_size": False, "seed": False, "split": False},
+    "trainingrun_trainer.data.SyntheticImages": {
+        "num_samples": False, "image_size": False, "channels": False, "seed": False, "split": False},
+    "trainingrun_trainer.data.ResumableSampler": {
+        "dataset_len": True, "rank": True, "world_size": True, "seed": False, "shuffle": False,
+        "samples_per_step": False},
+}
+BUILTIN_PACKAGE = "trainingrun_trainer"
 
 
 class ConfigError(ValueError):
@@ -87,6 +108,12 @@ def resolve(class_path: str, field: str = "component") -> Callable[..., Any]:
     return target
 
 
+def named_classes(trainer: TrainerConfig) -> list[tuple[Component, str, dict[str, Any]]]:
+    """The classes a trainer config names: each with its field path and the arguments the trainer adds."""
+    return [(trainer.model, "spec.trainer.model", {}),
+            (trainer.data.dataset, "spec.trainer.data.dataset", {"split": "train"})]
+
+
 def check(component: Component, field: str = "component", **extra_kwargs: Any) -> Callable[..., Any]:
     """Everything `build()` checks, without constructing: import, then match arguments to the signature.
 
@@ -95,6 +122,33 @@ def check(component: Component, field: str = "component", **extra_kwargs: Any) -
     """
     target, _ = _prepare(component, field, extra_kwargs)
     return target
+
+
+def check_builtin(component: Component, field: str = "component", **extra_kwargs: Any) -> bool:
+    """`check()` for a class of the trainer's own package, from `BUILTIN_CLASSES` instead of importing it (no
+    torch needed). Returns False, having checked nothing, for a class from anywhere else: only the trainer's
+    image can import those."""
+    module_name, _, class_name = component.class_path.rpartition(".")
+    if module_name != BUILTIN_PACKAGE and not module_name.startswith(BUILTIN_PACKAGE + "."):
+        return False
+    where = f"{field}.classPath"
+    classes = {path.rpartition(".")[2]: params for path, params in BUILTIN_CLASSES.items()
+               if path.rpartition(".")[0] == module_name}
+    if not classes:
+        modules = sorted({path.rpartition(".")[0] for path in BUILTIN_CLASSES})
+        raise ConfigError(f"{where}: the trainer has no module '{module_name}'; its classes are in "
+                          f"{', '.join(modules)}")
+    if class_name not in classes:
+        close = difflib.get_close_matches(class_name, list(classes), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"it has: {', '.join(sorted(classes))}"
+        raise ConfigError(f"{where}: module '{module_name}' has no class '{class_name}'; {hint}")
+    signature = inspect.Signature([
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          default=inspect.Parameter.empty if required else None)
+        for name, required in classes[class_name].items()])
+    kwargs, written_as = _keyword_arguments(component, f"{field}.initArgs", extra_kwargs, class_name)
+    _check_signature(signature, class_name, kwargs, written_as, f"{field}.initArgs")
+    return True
 
 
 def build(component: Component, field: str = "component", **extra_kwargs: Any) -> Any:
@@ -121,42 +175,45 @@ def _prepare(
     """Import the class and build its keyword arguments, checked against its signature."""
     target = resolve(component.class_path, field)
     where = f"{field}.initArgs"
-
-    kwargs: dict[str, Any] = {}
-    written_as: dict[str, str] = {}  # snake_case name -> the key as the user wrote it, for messages
-    for key, value in component.init_args.items():
-        name = snake_case(key)
-        if name in written_as:
-            raise ConfigError(
-                f"{where}: '{written_as[name]}' and '{key}' are the same argument; keep one of them"
-            )
-        written_as[name] = key
-        kwargs[name] = value
-    for name, value in extra_kwargs.items():
-        if name in kwargs:
-            raise ConfigError(
-                f"{where}: '{written_as[name]}' is set by the trainer for {_display_name(target)}; "
-                "remove it from initArgs"
-            )
-        kwargs[name] = value
-
-    _check_signature(target, kwargs, written_as, where)
-    return target, kwargs
-
-
-def _check_signature(
-    target: Callable[..., Any], kwargs: dict[str, Any], written_as: dict[str, str], where: str
-) -> None:
-    """Fail before construction, so a bad argument never leaves a half-built object behind."""
+    kwargs, written_as = _keyword_arguments(component, where, extra_kwargs, _display_name(target))
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
-        return  # some builtins have no signature; the constructor will complain itself
+        return target, kwargs  # some builtins have no signature; the constructor will complain itself
+    _check_signature(signature, _display_name(target), kwargs, written_as, where)
+    return target, kwargs
+
+
+def _keyword_arguments(component: Component, where: str, extra_kwargs: dict[str, Any],
+                       name: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """initArgs snake_cased, plus the trainer's own arguments; and how the user wrote each key."""
+    kwargs: dict[str, Any] = {}
+    written_as: dict[str, str] = {}  # snake_case name -> the key as the user wrote it, for messages
+    for key, value in component.init_args.items():
+        snake = snake_case(key)
+        if snake in written_as:
+            raise ConfigError(
+                f"{where}: '{written_as[snake]}' and '{key}' are the same argument; keep one of them"
+            )
+        written_as[snake] = key
+        kwargs[snake] = value
+    for key, value in extra_kwargs.items():
+        if key in kwargs:
+            raise ConfigError(
+                f"{where}: '{written_as[key]}' is set by the trainer for {name}; remove it from initArgs"
+            )
+        kwargs[key] = value
+    return kwargs, written_as
+
+
+def _check_signature(
+    signature: inspect.Signature, name: str, kwargs: dict[str, Any], written_as: dict[str, str], where: str
+) -> None:
+    """Fail before construction, so a bad argument never leaves a half-built object behind."""
     params = signature.parameters.values()
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in params)
     by_keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     accepted = [p.name for p in by_keyword]
-    name = _display_name(target)
 
     if not accepts_any:
         for key in kwargs:

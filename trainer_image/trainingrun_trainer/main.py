@@ -41,8 +41,8 @@ def preflight(config: RunConfig, device_type: str) -> None:
     """Checks that need no process group: classes import, arguments fit, precision runs here."""
     from . import components, precision
 
-    components.check(config.trainer.model, "spec.trainer.model")
-    components.check(config.trainer.data.dataset, "spec.trainer.data.dataset", split="train")
+    for component, field, extra in components.named_classes(config.trainer):
+        components.check(component, field, **extra)
     precision.check_supported(config.trainer.precision, device_type)
 
 
