@@ -138,6 +138,25 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from . import follow
+
+    try:
+        body = follow.read_run(args.run, args.namespace, args.kubeconfig, args.context)
+    except ImportError:
+        print(follow.CLIENT_MISSING, file=sys.stderr)
+        return 2
+    except follow.RunNotFound as error:
+        print(error, file=sys.stderr)
+        return 1
+    except Exception as error:  # no kubeconfig, unreachable server, denied: one line, no traceback
+        print(f"cannot read TrainingRun {args.run}: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
+              file=sys.stderr)
+        return 1
+    print("\n".join(follow.status_lines(body)))
+    return 0
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     # Imported here: the operator image has no torch; this command runs where the trainer extra is.
     try:
@@ -272,6 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)")
     p.add_argument("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)")
     p.set_defaults(func=cmd_local)
+
+    p = commands.add_parser("status", help="where a run on the cluster stands",
+                            description="Phase, attempt, step and loss with an estimate of the time left, goodput "
+                                        "and restarts, the newest checkpoint and every condition of one TrainingRun, "
+                                        "read with your kubeconfig.")
+    p.add_argument("run", metavar="RUN", help="the TrainingRun's name")
+    p.add_argument("-n", "--namespace", help="default: the kubeconfig context's namespace, else 'default'")
+    p.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    p.set_defaults(func=cmd_status)
 
     p = commands.add_parser("checkpoints", help="list the checkpoints under a URI",
                             description="List the checkpoints under a run's checkpoint URI, newest first, "
