@@ -67,8 +67,12 @@ def rendezvous_service_name(run_name: str) -> str:
     return f"{run_name}-rendezvous"
 
 
+def worker_pod(run_name: str, attempt: int, index: int) -> str:
+    return f"{job_name(run_name, attempt)}-worker-{index}"  # the name Kubeflow gives the pod of Worker replica `index`
+
+
 def rendezvous_host_pod(run_name: str, attempt: int) -> str:
-    return f"{job_name(run_name, attempt)}-worker-0"  # Kubeflow's pod name for replica 0
+    return worker_pod(run_name, attempt, 0)
 
 
 def has_rendezvous_service(spec: api.TrainingRunSpec) -> bool:

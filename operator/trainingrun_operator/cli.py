@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from trainingrun_trainer import components
 
@@ -141,20 +141,39 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from . import follow
 
+    def show(source: "follow.KubeSource") -> int:
+        print("\n".join(follow.status_lines(source.run())))
+        return 0
+
+    return _on_the_cluster(args, "read", show)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from . import follow
+
+    return _on_the_cluster(args, "read the logs of", lambda source: follow.follow_logs(
+        source, pod_index=args.pod, attempt=args.attempt, follow=args.follow))
+
+
+def _on_the_cluster(args: argparse.Namespace, doing: str, action: Callable[[Any], int]) -> int:
+    """`action` with the run's cluster (args.run, namespace, kubeconfig, context); a failure is one line, never a
+    traceback."""
+    from . import follow
+
     try:
-        body = follow.read_run(args.run, args.namespace, args.kubeconfig, args.context)
+        return action(follow.KubeSource(args.run, args.namespace, args.kubeconfig, args.context))
     except ImportError:
         print(follow.CLIENT_MISSING, file=sys.stderr)
         return 2
-    except follow.RunNotFound as error:
+    except (follow.RunNotFound, follow.NothingToShow) as error:
         print(error, file=sys.stderr)
         return 1
-    except Exception as error:  # no kubeconfig, unreachable server, denied: one line, no traceback
-        print(f"cannot read TrainingRun {args.run}: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # no kubeconfig, unreachable server, denied
+        print(f"cannot {doing} TrainingRun {args.run}: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
               file=sys.stderr)
         return 1
-    print("\n".join(follow.status_lines(body)))
-    return 0
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
@@ -209,6 +228,13 @@ def cmd_local(args: argparse.Namespace) -> int:
     print(f"{summary.outcome} after {summary.attempts} attempt(s); logs in {Path(options.runs_dir) / run.metadata.name}")
     print(summary.result_line(), flush=True)
     return summary.exit_code
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which cluster and namespace, as kubectl takes them."""
+    parser.add_argument("-n", "--namespace", help="default: the kubeconfig context's namespace, else 'default'")
+    parser.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
+    parser.add_argument("--context", help="kubeconfig context (default: the current one)")
 
 
 def positive_int(text: str) -> int:
@@ -297,10 +323,21 @@ def build_parser() -> argparse.ArgumentParser:
                                         "and restarts, the newest checkpoint and every condition of one TrainingRun, "
                                         "read with your kubeconfig.")
     p.add_argument("run", metavar="RUN", help="the TrainingRun's name")
-    p.add_argument("-n", "--namespace", help="default: the kubeconfig context's namespace, else 'default'")
-    p.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
-    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    add_cluster_arguments(p)
     p.set_defaults(func=cmd_status)
+
+    p = commands.add_parser("logs", help="a run's trainer log, followed across pod restarts and attempts",
+                            description="The trainer log of one Worker pod, of the current attempt (or "
+                                        "--attempt N). With -f it follows the pod's restarts and each next attempt "
+                                        "until the run ends; a line starting with '==>' marks each pod shown.")
+    p.add_argument("run", metavar="RUN", help="the TrainingRun's name")
+    p.add_argument("-f", "--follow", action="store_true", help="follow across restarts and attempts until the run ends")
+    p.add_argument("--pod", type=int, default=0, metavar="INDEX",
+                   help="Worker pod index (default 0). Ranks are assigned anew at each restart and can move between "
+                        "pods; every log line names its rank")
+    p.add_argument("--attempt", type=positive_int, help="this attempt only (default: the current one, then the next)")
+    add_cluster_arguments(p)
+    p.set_defaults(func=cmd_logs)
 
     p = commands.add_parser("checkpoints", help="list the checkpoints under a URI",
                             description="List the checkpoints under a run's checkpoint URI, newest first, "

@@ -1,17 +1,19 @@
-"""Following a run from the terminal: `trainingrun status RUN`.
+"""Following a run from the terminal: `trainingrun status RUN` and `trainingrun logs RUN [-f]`.
 
-`status_lines` is pure (a TrainingRun as the API server stores it in, lines out), so what a user reads is
-tested without a cluster; `read_run` is the one place that talks to the API server, with the `kubernetes`
-client so that kubeconfig contexts and exec credential plugins work as they do for kubectl.
+`status_lines` is pure (a TrainingRun as the API server stores it in, lines out) and `follow_logs` takes its
+cluster as a `LogSource`, so what a user reads is tested without a cluster; `KubeSource` is
+the only part that talks to the API server, with the `kubernetes` client so that kubeconfig contexts and exec
+credential plugins work as they do for kubectl.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Iterable, Optional, Protocol, TextIO
 
-from . import api, validation
+from . import api, builders, validation
 
 #: What to install when the `kubernetes` client is missing (the operator's image leaves it out on purpose).
-CLIENT_MISSING = ("trainingrun status needs the Kubernetes client: pip install 'trainingrun-operator[cli]' "
+CLIENT_MISSING = ("trainingrun status and logs need the Kubernetes client: pip install 'trainingrun-operator[cli]' "
                   "(or 'kubernetes<36')")
 
 
@@ -19,24 +21,116 @@ class RunNotFound(Exception):
     pass
 
 
-def read_run(name: str, namespace: Optional[str], kubeconfig: Optional[str], context: Optional[str]) -> dict:
-    """The TrainingRun as stored, read with the user's kubeconfig (its current context's namespace by default)."""
-    from kubernetes import client, config
-    from kubernetes.client.rest import ApiException
+class NothingToShow(Exception):
+    """No log to show (yet): the pod has not started, or the rank is not in the run."""
 
-    config.load_kube_config(config_file=kubeconfig, context=context)
-    contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
-    chosen = next((c for c in contexts if c["name"] == context), active) if context else active
-    namespace = namespace or (chosen.get("context") or {}).get("namespace") or "default"
-    with client.ApiClient() as api_client:
+
+class KubeSource:
+    """A run and its pods on the cluster of the user's kubeconfig (its context's namespace by default)."""
+
+    def __init__(self, name: str, namespace: Optional[str], kubeconfig: Optional[str], context: Optional[str]):
+        from kubernetes import client, config
+
+        config.load_kube_config(config_file=kubeconfig, context=context)
+        contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+        chosen = next((c for c in contexts if c["name"] == context), active) if context else active
+        self.name = name
+        self.namespace = namespace or (chosen.get("context") or {}).get("namespace") or "default"
+        self.core = client.CoreV1Api()
+        self.custom = client.CustomObjectsApi()
+
+    def run(self) -> dict:
+        from kubernetes.client.rest import ApiException
+
         try:
-            return client.CustomObjectsApi(api_client).get_namespaced_custom_object(
-                api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+            return self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, api.PLURAL,
+                                                            self.name)
         except ApiException as error:
             if error.status == 404:
-                raise RunNotFound(f"no TrainingRun {name!r} in namespace {namespace!r}; "
-                                  f"`kubectl get tr -n {namespace}` lists the runs there") from None
+                raise RunNotFound(f"no TrainingRun {self.name!r} in namespace {self.namespace!r}; "
+                                  f"`kubectl get tr -n {self.namespace}` lists the runs there") from None
             raise
+
+    def container(self, pod: str) -> Optional[tuple[str, str]]:
+        """(an identity of the pod's trainer container, 'running' or 'terminated'); None while it has not started."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            found = self.core.read_namespaced_pod(pod, self.namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        for status in found.status.container_statuses or []:
+            if status.name == builders.CONTAINER_NAME:
+                state = "running" if status.state.running else "terminated" if status.state.terminated else None
+                return (f"{found.metadata.uid}/{status.restart_count}", state) if state else None
+        return None
+
+    def lines(self, pod: str, follow: bool) -> Iterable[str]:
+        from kubernetes import watch
+
+        yield from watch.Watch().stream(self.core.read_namespaced_pod_log, name=pod, namespace=self.namespace,
+                                        container=builders.CONTAINER_NAME, follow=follow)
+
+
+class LogSource(Protocol):
+    def run(self) -> dict: ...
+    def container(self, pod: str) -> Optional[tuple[str, str]]: ...
+    def lines(self, pod: str, follow: bool) -> Iterable[str]: ...
+
+
+ENDED = ("Succeeded", "Failed")
+
+
+def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = None, follow: bool = False,
+                out: Optional[TextIO] = None, wait: Callable[[float], None] = time.sleep,
+                poll_seconds: float = 1.0) -> int:
+    """Print the trainer log of Worker pod `pod_index`: of the current attempt, or of `attempt`. With `follow`, go
+    on across the pod's restarts and (unless an attempt is given) into each next attempt's pod, until the run
+    ends. A header line marks each container shown. By pod, not by rank: the elastic rendezvous assigns ranks
+    anew at every restart, so a rank can move to another pod (each log line names its rank)."""
+    import sys
+
+    out = out or sys.stdout
+    body = source.run()
+    name = (body.get("metadata") or {}).get("name")
+    spec = validation.parse({**body, "status": {}}, from_server=True).spec
+    index = pod_index
+    if index >= spec.replicas.effective_max:
+        raise NothingToShow(f"--pod {index}: the run has at most {spec.replicas.effective_max} pod(s), "
+                            f"0 to {spec.replicas.effective_max - 1}")
+    shown_attempt, shown, waiting_for = attempt, None, None
+    while True:
+        status = body.get("status") or {}
+        current = status.get("attempt")
+        if shown_attempt is None or (follow and attempt is None and current and current > shown_attempt):
+            shown_attempt = current
+        pod = builders.worker_pod(name, shown_attempt, index) if shown_attempt else None
+        container = source.container(pod) if pod else None
+        if container and container[0] != (shown or ("",))[0]:
+            print(f"==> attempt {shown_attempt}, pod {pod} <==", file=out, flush=True)
+            for line in source.lines(pod, follow and container[1] == "running"):
+                print(line, file=out, flush=True)
+            if not follow:
+                return 0
+            shown, waiting_for = container, None
+        elif status.get("phase") in ENDED and (current == shown_attempt or attempt is not None):
+            print(f"==> run {status['phase']} in attempt {current} <==", file=out, flush=True)
+            return 0
+        elif attempt is not None and current and current > attempt:
+            print(f"==> attempt {attempt} is over (the run is in attempt {current}) <==", file=out, flush=True)
+            return 0
+        elif not follow:
+            raise NothingToShow(f"pod {pod or name + '-a?-worker-' + str(index)} has not started yet; "
+                                "add -f to wait for it")
+        else:
+            if waiting_for != pod:
+                print(f"==> {pod} ended; waiting for it to restart or for the next attempt <==" if shown and container
+                      else f"==> waiting for pod {pod} (attempt {shown_attempt}) <==", file=out, flush=True)
+                waiting_for = pod
+            wait(poll_seconds)
+        body = source.run()
 
 
 def status_lines(body: dict[str, Any]) -> list[str]:

@@ -152,6 +152,17 @@ def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed,
     assert resumed, f"no resume after the pod was lost:\n{explain()}"
     # Lost work: at most what was trained since the last checkpoint before the loss.
     assert min(resumed) >= committed_before, (resumed, committed_before)
+    # From the terminal: `trainingrun status`, and pod 0's log followed to the run's end.
+    terminal = [sys.executable, "-m", "trainingrun_operator.cli"]
+    where = ["-n", namespace, "--kubeconfig", str(cluster.plane.admin_kubeconfig)]
+    status = subprocess.run([*terminal, "status", name, *where], capture_output=True, text=True, timeout=60)
+    assert status.stdout.startswith(f"TrainingRun {namespace}/{name}: Succeeded, attempt 1"), status
+    followed = subprocess.run([*terminal, "logs", name, "-f", *where], capture_output=True, text=True, timeout=60)
+    assert followed.returncode == 0, followed.stderr
+    assert followed.stdout.startswith(f"==> attempt 1, pod {job}-worker-0 <==\n"), followed.stdout[:500]
+    # (ranks are assigned anew at each rendezvous: the replaced worker-0 may hold rank 1 now)
+    assert re.search(r"rank[01] INFO trainingrun.trainer: step 3000/3000", followed.stdout) and \
+        followed.stdout.endswith("==> run Succeeded in attempt 1 <==\n"), followed.stdout[-500:]
     store = CheckpointStore(f"s3://{bucket}/runs/{name}", **cluster.s3.store_kwargs)
     final = {i.step: i for i in store.list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
     assert final.valid and final.model_digest == reference_digest

@@ -17,7 +17,7 @@ def run_cli(*argv):
     )
 
 
-@pytest.mark.parametrize("command", [[], ["crd"], ["validate"], ["render"], ["status"], ["checkpoints"], ["operator"], ["monitoring"]])
+@pytest.mark.parametrize("command", [[], ["crd"], ["validate"], ["render"], ["status"], ["logs"], ["checkpoints"], ["operator"], ["monitoring"]])
 def test_help_on_every_command(command):
     result = run_cli(*command, "--help")
     assert result.returncode == 0

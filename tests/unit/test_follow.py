@@ -40,3 +40,79 @@ def test_a_new_run_says_what_it_waits_for(minimal_body):
         "  goodput     - (restarts: 0 failed, 0 preempted, 0 in place)",
         "  checkpoint  none committed yet (writes to s3://bucket/runs/demo)",
     ]
+
+
+class ScriptedCluster:
+    """A run's life as a list of moments; each poll (`wait`) moves to the next, and a followed log moves on when
+    its container ends. A moment: the run's status, and each pod's container (identity, state, log lines)."""
+
+    def __init__(self, body, moments):
+        self.body, self.moments, self.now = body, moments, 0
+
+    def run(self):
+        return {**self.body, "status": self.moments[self.now]["status"]}
+
+    def container(self, pod):
+        found = self.moments[self.now]["pods"].get(pod)
+        return found[:2] if found else None
+
+    def lines(self, pod, follow):
+        yield from self.moments[self.now]["pods"][pod][2]
+        if follow:  # the stream ends when the container does
+            self.now += 1
+
+    def wait(self, seconds):
+        self.now += 1
+
+
+def moment(phase, attempt, **pods):
+    return {"status": {"phase": phase, "attempt": attempt}, "pods": pods}
+
+
+def test_logs_follow_a_run_across_a_failed_attempt(minimal_body):
+    import io
+
+    a1, a2 = "demo-a1-worker-0", "demo-a2-worker-0"
+    cluster = ScriptedCluster(minimal_body, [
+        moment("Running", 1, **{a1: ("u1/0", "running", ["step 1", "step 2"])}),
+        moment("Recovering", 1, **{a1: ("u1/0", "terminated", ["step 1", "step 2"])}),
+        moment("Pending", 2),
+        moment("Running", 2, **{a2: ("u2/0", "running", ["resumed from step 2", "step 3"])}),
+        moment("Succeeded", 2, **{a2: ("u2/0", "terminated", ["resumed from step 2", "step 3"])}),
+    ])
+    out = io.StringIO()
+    assert follow.follow_logs(cluster, follow=True, out=out, wait=cluster.wait) == 0
+    assert out.getvalue().splitlines() == [
+        "==> attempt 1, pod demo-a1-worker-0 <==", "step 1", "step 2",
+        "==> demo-a1-worker-0 ended; waiting for it to restart or for the next attempt <==",
+        "==> waiting for pod demo-a2-worker-0 (attempt 2) <==",
+        "==> attempt 2, pod demo-a2-worker-0 <==", "resumed from step 2", "step 3",
+        "==> run Succeeded in attempt 2 <==",
+    ]
+
+
+def test_logs_of_one_attempt_of_a_restarted_pod(minimal_body):
+    import io
+
+    import pytest
+
+    pod = "demo-a1-worker-1"
+    two_pods = {**minimal_body, "spec": {**minimal_body["spec"], "replicas": {"min": 2}, "nprocPerNode": 2}}
+    cluster = ScriptedCluster(two_pods, [
+        moment("Running", 1, **{pod: ("u1/0", "running", ["rank 2 step 1"])}),
+        moment("Running", 1, **{pod: ("u1/0", "terminated", ["rank 2 step 1"])}),
+        moment("Running", 1, **{pod: ("u1/1", "running", ["rank 2 resumed"])}),  # restarted in place
+        moment("Running", 2, **{pod: ("u1/1", "terminated", ["rank 2 resumed"])}),
+    ])
+    out = io.StringIO()
+    assert follow.follow_logs(cluster, pod_index=1, attempt=1, follow=True, out=out, wait=cluster.wait) == 0
+    assert out.getvalue().splitlines() == [
+        "==> attempt 1, pod demo-a1-worker-1 <==", "rank 2 step 1",
+        "==> demo-a1-worker-1 ended; waiting for it to restart or for the next attempt <==",
+        "==> attempt 1, pod demo-a1-worker-1 <==", "rank 2 resumed",
+        "==> attempt 1 is over (the run is in attempt 2) <==",
+    ]
+    with pytest.raises(follow.NothingToShow, match="--pod 2: the run has at most 2 pod"):
+        follow.follow_logs(cluster, pod_index=2, out=out)
+    with pytest.raises(follow.NothingToShow, match="pod demo-a3-worker-0 has not started yet; add -f"):
+        follow.follow_logs(ScriptedCluster(minimal_body, [moment("Pending", 3)]), out=out)
