@@ -68,10 +68,16 @@ class KubeSource:
         return None
 
     def lines(self, pod: str, follow: bool) -> Iterable[str]:
+        """The container's log; followed, it ends when the container does."""
         from kubernetes import watch
 
+        if not follow:  # Watch.stream always follows; raw bytes, as the client would parse a log that looks like JSON
+            response = self.core.read_namespaced_pod_log(pod, self.namespace, container=builders.CONTAINER_NAME,
+                                                         _preload_content=False)
+            yield from response.data.decode("utf-8", "replace").splitlines()
+            return
         yield from watch.Watch().stream(self.core.read_namespaced_pod_log, name=pod, namespace=self.namespace,
-                                        container=builders.CONTAINER_NAME, follow=follow)
+                                        container=builders.CONTAINER_NAME)
 
 
 class LogSource(Protocol):

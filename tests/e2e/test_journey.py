@@ -128,6 +128,14 @@ def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed,
     first = step_of(cluster.run(namespace, name))
     cluster.wait("the step moving", lambda: step_of(cluster.run(namespace, name)) > first, explain=explain)
 
+    # Without -f, a running pod's log is printed as it is now and the command returns.
+    terminal = [sys.executable, "-m", "trainingrun_operator.cli"]
+    where = ["-n", namespace, "--kubeconfig", str(cluster.plane.admin_kubeconfig)]
+    once = subprocess.run([*terminal, "logs", name, "--pod", "1", *where], capture_output=True, text=True, timeout=60)
+    assert once.returncode == 0 and once.stdout.startswith(f"==> attempt 1, pod {name}-a1-worker-1 <==\n"), once
+    assert "INFO trainingrun.trainer: step" in once.stdout and "==> run" not in once.stdout, once.stdout[-500:]
+    assert step_of(cluster.run(namespace, name)) < RUN_FILE["spec"]["trainer"]["maxSteps"]  # still training
+
     before = cluster.run(namespace, name)["status"]
     committed_before = before["lastGoodCheckpoint"]["step"]
     job = before["jobName"]
@@ -153,8 +161,6 @@ def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed,
     # Lost work: at most what was trained since the last checkpoint before the loss.
     assert min(resumed) >= committed_before, (resumed, committed_before)
     # From the terminal: `trainingrun status`, and pod 0's log followed to the run's end.
-    terminal = [sys.executable, "-m", "trainingrun_operator.cli"]
-    where = ["-n", namespace, "--kubeconfig", str(cluster.plane.admin_kubeconfig)]
     status = subprocess.run([*terminal, "status", name, *where], capture_output=True, text=True, timeout=60)
     assert status.stdout.startswith(f"TrainingRun {namespace}/{name}: Succeeded, attempt 1"), status
     followed = subprocess.run([*terminal, "logs", name, "-f", *where], capture_output=True, text=True, timeout=60)
