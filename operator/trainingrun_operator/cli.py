@@ -110,7 +110,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         for run in runs:
             print(f"{path}: TrainingRun {run.metadata.namespace}/{run.metadata.name} is valid")
             for component, field, _ in components.named_classes(run.spec.trainer):
-                if not component.class_path.startswith(components.BUILTIN_PACKAGE + "."):
+                if not components.is_builtin(component.class_path):
                     print(f"  {field}.classPath {component.class_path} comes from your image: the trainer checks it "
                           "and its initArgs when the run starts")
     return 1 if failed else 0

@@ -22,7 +22,7 @@ class RunNotFound(Exception):
 
 
 class NothingToShow(Exception):
-    """No log to show (yet): the pod has not started, or the rank is not in the run."""
+    """No log to show (yet): the pod has not started, or the run has no such pod."""
 
 
 class KubeSource:
@@ -89,6 +89,11 @@ class LogSource(Protocol):
 ENDED = ("Succeeded", "Failed")
 
 
+def _spec(body: dict[str, Any]) -> api.TrainingRunSpec:
+    """The spec of a TrainingRun as the API server stored it (defaults filled in)."""
+    return validation.parse({**body, "status": {}}, from_server=True).spec
+
+
 def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = None, follow: bool = False,
                 out: Optional[TextIO] = None, wait: Callable[[float], None] = time.sleep,
                 poll_seconds: float = 1.0) -> int:
@@ -101,10 +106,9 @@ def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = 
     out = out or sys.stdout
     body = source.run()
     name = (body.get("metadata") or {}).get("name")
-    spec = validation.parse({**body, "status": {}}, from_server=True).spec
-    index = pod_index
-    if index >= spec.replicas.effective_max:
-        raise NothingToShow(f"--pod {index}: the run has at most {spec.replicas.effective_max} pod(s), "
+    spec = _spec(body)
+    if pod_index >= spec.replicas.effective_max:
+        raise NothingToShow(f"--pod {pod_index}: the run has at most {spec.replicas.effective_max} pod(s), "
                             f"0 to {spec.replicas.effective_max - 1}")
     shown_attempt, shown, waiting_for = attempt, None, None
     while True:
@@ -112,9 +116,9 @@ def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = 
         current = status.get("attempt")
         if shown_attempt is None or (follow and attempt is None and current and current > shown_attempt):
             shown_attempt = current
-        pod = builders.worker_pod(name, shown_attempt, index) if shown_attempt else None
+        pod = builders.worker_pod(name, shown_attempt, pod_index) if shown_attempt else None
         container = source.container(pod) if pod else None
-        if container and container[0] != (shown or ("",))[0]:
+        if container and (shown is None or container[0] != shown[0]):
             print(f"==> attempt {shown_attempt}, pod {pod} <==", file=out, flush=True)
             for line in source.lines(pod, follow and container[1] == "running"):
                 print(line, file=out, flush=True)
@@ -128,7 +132,7 @@ def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = 
             print(f"==> attempt {attempt} is over (the run is in attempt {current}) <==", file=out, flush=True)
             return 0
         elif not follow:
-            raise NothingToShow(f"pod {pod or name + '-a?-worker-' + str(index)} has not started yet; "
+            raise NothingToShow(f"pod {pod or name + '-a?-worker-' + str(pod_index)} has not started yet; "
                                 "add -f to wait for it")
         else:
             if waiting_for != pod:
@@ -175,7 +179,7 @@ def status_lines(body: dict[str, Any]) -> list[str]:
         lines.append(f"  condition   {condition.type}={condition.status}"
                      + (f" {condition.reason}" if condition.reason else "")
                      + (f": {condition.message}" if condition.message else ""))
-    if status.phase in ("Succeeded", "Failed") and status.completion_time:
+    if status.phase in ENDED and status.completion_time:
         lines.append(f"  ended       {status.completion_time}")
     return lines
 
@@ -186,7 +190,7 @@ def _time_left(body: dict[str, Any], status: api.TrainingRunStatus) -> Optional[
     if not (progress and progress.samples_per_second and progress.total_steps and progress.step is not None):
         return None
     try:
-        spec = validation.parse({**body, "status": {}}, from_server=True).spec
+        spec = _spec(body)
     except validation.InvalidTrainingRun:
         return None
     if spec.replicas.effective_max != spec.replicas.min:

@@ -524,10 +524,9 @@ class LocalRunner:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            if self.current:
-                self.current.kill()
-                self.current.wait()
+            if self.current:  # an exception while it ran: its whole process group goes, the launcher included
                 _end_session(self.current)
+                self.current.wait()
             final = status.snapshot()
             status.close()
         return self._summary(final, time.monotonic() - started, outcome, message)

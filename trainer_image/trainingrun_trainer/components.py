@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 from trainingrun_trainer.config import Component, TrainerConfig
 
-__all__ = ["ConfigError", "BUILTIN_CLASSES", "build", "check", "check_builtin", "named_classes", "resolve", "snake_case", "camel_case"]
+__all__ = ["ConfigError", "BUILTIN_CLASSES", "build", "check", "check_builtin", "is_builtin", "named_classes", "resolve", "snake_case", "camel_case"]
 
 #: The public classes of the trainer's own modules and their constructor parameters (name: required), so a
 #: TrainingRun that names one is checked without importing torch (`trainingrun validate`, the operator's image).
@@ -124,13 +124,18 @@ def check(component: Component, field: str = "component", **extra_kwargs: Any) -
     return target
 
 
+def is_builtin(class_path: str) -> bool:
+    """Whether `class_path` names something in the trainer's own package (checkable from `BUILTIN_CLASSES`)."""
+    return class_path.startswith(BUILTIN_PACKAGE + ".")
+
+
 def check_builtin(component: Component, field: str = "component", **extra_kwargs: Any) -> bool:
     """`check()` for a class of the trainer's own package, from `BUILTIN_CLASSES` instead of importing it (no
     torch needed). Returns False, having checked nothing, for a class from anywhere else: only the trainer's
     image can import those."""
-    module_name, _, class_name = component.class_path.rpartition(".")
-    if module_name != BUILTIN_PACKAGE and not module_name.startswith(BUILTIN_PACKAGE + "."):
+    if not is_builtin(component.class_path):
         return False
+    module_name, _, class_name = component.class_path.rpartition(".")
     where = f"{field}.classPath"
     classes = {path.rpartition(".")[2]: params for path, params in BUILTIN_CLASSES.items()
                if path.rpartition(".")[0] == module_name}
