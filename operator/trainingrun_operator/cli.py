@@ -209,23 +209,32 @@ def cmd_local(args: argparse.Namespace) -> int:
     )
     try:
         run = local.load_run(args.file, options)
+        local.check_options(run, options)
         secrets = local.resolve_secrets(run.spec, dict(os.environ), options.env_file)
     except validation.InvalidTrainingRun as error:
         print_problems(args.file, error)
         return 1
+    except local.LocalOptionError as error:
+        print(f"trainingrun local: {error}", file=sys.stderr)
+        return 2
     except local.LocalRunError as error:
         print(f"{args.file}: {error}", file=sys.stderr)
         return 1
     display = local.RichDisplay(sys.stdout) if sys.stdout.isatty() else local.PlainDisplay(sys.stdout)
+    metrics = f"; metrics on http://127.0.0.1:{options.metrics_port}/metrics" if options.metrics_port else ""
     print(f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {options.nproc or run.spec.nproc_per_node} "
-          f"process(es), checkpoints in {run.spec.checkpoint.uri}", flush=True)
+          f"process(es), checkpoints in {run.spec.checkpoint.uri}{metrics}", flush=True)
     try:
         summary = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display).execute()
     finally:
         display.close()
+    for note in summary.chaos_notes:
+        print(note)
     if summary.message:
         print(summary.message, file=sys.stderr if summary.outcome != "succeeded" else sys.stdout)
-    print(f"{summary.outcome} after {summary.attempts} attempt(s); logs in {Path(options.runs_dir) / run.metadata.name}")
+    in_place = f" and {summary.restarts_in_place} restart(s) in place" if summary.restarts_in_place else ""
+    print(f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in "
+          f"{Path(options.runs_dir) / run.metadata.name}")
     print(summary.result_line(), flush=True)
     return summary.exit_code
 

@@ -41,6 +41,10 @@ class LocalRunError(Exception):
     """A problem found before anything started; the message says what to do."""
 
 
+class LocalOptionError(LocalRunError):
+    """A command-line option that cannot work (a usage error, exit code 2)."""
+
+
 @dataclass
 class LocalOptions:
     nproc: Optional[int] = None  #: processes (default: spec.nprocPerNode)
@@ -68,13 +72,13 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
     if isinstance(document, dict) and isinstance(document.get("spec"), dict):
         spec = document["spec"]
         name = str((document.get("metadata") or {}).get("name", "run"))
-        if isinstance(document.get("metadata"), dict):
-            # Each invocation is a run of its own, as a TrainingRun created again is (goodput, resume).
-            document["metadata"].setdefault("uid", str(uuid.uuid4()))
         checkpoint = spec.setdefault("checkpoint", {})
         if isinstance(checkpoint, dict):
             uri = options.checkpoint_uri or checkpoint.get("uri") or f"file://{Path(options.runs_dir).resolve()}/{name}/checkpoints"
             checkpoint["uri"] = uri
+            if isinstance(document.get("metadata"), dict):
+                # Rerunning the command goes on with the same run (its goodput counts both invocations).
+                document["metadata"].setdefault("uid", RunLedger.load(Path(options.runs_dir) / name, str(uri)).uid)
         # This machine is one node: a cluster file's several pods become one here, so a local file:// URI is fine.
         spec["replicas"] = {"min": 1}
         if options.max_steps is not None:
@@ -82,6 +86,31 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
             if isinstance(trainer, dict):
                 trainer["maxSteps"] = options.max_steps
     return validation.parse(document)
+
+
+def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
+    """Options that could never do what they ask, refused before any process starts."""
+    last = run.spec.trainer.max_steps
+    late = sorted(step for step in options.chaos_kill_steps if step > last)
+    if late:
+        raise LocalOptionError(f"--chaos-kill-step {late[0]} is past the run's last step ({last}, "
+                               f"spec.trainer.maxSteps or --max-steps): it would never fire; pick a step up to {last}")
+    if options.metrics_port and not port_is_free(options.metrics_port):
+        raise LocalOptionError(f"--metrics-port {options.metrics_port} is in use on this machine: pick a free port, "
+                               "or leave --metrics-port out (the run then serves no metrics)")
+
+
+def port_is_free(port: int) -> bool:
+    """Whether the trainer's metrics server could listen on `port` (it binds every interface, reusing TIME_WAIT)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -139,6 +168,35 @@ def resolve_secrets(spec: api.TrainingRunSpec, environ: dict[str, str], env_file
     return values
 
 
+@dataclass
+class RunLedger:
+    """What one local run keeps between invocations of `trainingrun local` (runs/<name>/run.json): its uid, so a
+    rerun resumes as the same run, and the wall time spent so far, for goodput over every invocation. The cluster
+    has both in the TrainingRun itself (metadata.uid, status.startTime). A new checkpoint URI is a new run."""
+
+    path: Path
+    uid: str
+    checkpoint_uri: str
+    wall_seconds: float = 0.0  #: of the earlier invocations
+
+    @classmethod
+    def load(cls, run_dir: Path, checkpoint_uri: str, uid: Optional[str] = None) -> "RunLedger":
+        """The saved one for this checkpoint URI, else a new one (with `uid`, else a fresh uid), not saved yet."""
+        path = run_dir / "run.json"
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if saved.get("checkpointUri") == checkpoint_uri and isinstance(saved.get("uid"), str):
+                return cls(path, saved["uid"], checkpoint_uri, float(saved.get("wallSeconds") or 0.0))
+        except (OSError, ValueError, TypeError):
+            pass  # none yet, or unreadable: a new run
+        return cls(path, uid or str(uuid.uuid4()), checkpoint_uri)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"uid": self.uid, "checkpointUri": self.checkpoint_uri,
+                                         "wallSeconds": round(self.wall_seconds, 3)}), encoding="utf-8")
+
+
 # ---------------------------------------------------------------- the status endpoint
 
 
@@ -149,6 +207,7 @@ class StatusServer:
     def __init__(self, run: api.TrainingRun, token_file: Path) -> None:
         self.status: dict[str, Any] = {}
         self.attempt = 0  #: reports of other attempts are refused, as the operator does
+        self.reports = 0  #: reports taken so far
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         token_file.parent.mkdir(parents=True, exist_ok=True)
@@ -178,6 +237,7 @@ class StatusServer:
                     return self._answer(403, refusal)
                 with server.changed:
                     server.status.update(report.status_fields())
+                    server.reports += 1
                     server.changed.notify_all()
                 self._answer(200, "ok")
 
@@ -201,15 +261,15 @@ class StatusServer:
         with self.lock:
             return json.loads(json.dumps(self.status))
 
+    def report_count(self) -> int:
+        with self.lock:
+            return self.reports
+
     def new_attempt(self, number: int) -> None:
         """Reports of earlier attempts are refused from now on, and the previous attempt's step is not this one's."""
         with self.lock:
             self.attempt = number
             self.status.pop("progress", None)
-
-    def forget(self, key: str) -> None:
-        with self.lock:
-            self.status.pop(key, None)
 
     def wait_for_change(self, timeout: float) -> None:
         with self.changed:
@@ -280,7 +340,7 @@ def classify(code: int) -> str:
 
 
 #: Rank 0 says one of these when a worker group starts training (each attempt, each in-place restart).
-GROUP_STARTED = re.compile(r"(?:resumed from \S+ at step (\d+)|no checkpoint to resume from)")
+GROUP_STARTED = re.compile(r"(?:resumed from (\S+) at step (\d+)|no checkpoint to resume from)")
 CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
 
 
@@ -291,6 +351,8 @@ class WorkerGroup:
     attempt: int
     resumed_step: int = 0
     last_step: int = 0  #: the furthest step it computed: what a crash throws away back to the next resume
+    reports_before: int = 0  #: reports the status endpoint had taken when the group started; later ones are its own
+    resumed: bool = False  #: from a checkpoint, not from step 0
 
 
 @dataclass
@@ -318,13 +380,15 @@ STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHU
 class Summary:
     steps: int
     final_loss: Optional[float]
-    attempts: int
+    attempts: int  #: launcher attempts, as the cluster's status.attempt counts PyTorchJobs
+    restarts_in_place: int  #: worker groups torchrun restarted within an attempt
     lost_steps: int
     goodput: float
     wall_seconds: float
     outcome: str
     message: str = ""
     stop_signal: Optional[int] = None  #: the signal that interrupted the run
+    chaos_notes: list[str] = field(default_factory=list)  #: fault injection asked for that never happened
 
     @property
     def exit_code(self) -> int:
@@ -336,7 +400,7 @@ class Summary:
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
         return (f"result: steps={self.steps} final_loss={loss} attempts={self.attempts} "
-                f"lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}")
+                f"restarts_in_place={self.restarts_in_place} lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}")
 
 
 class LocalRunner:
@@ -359,11 +423,24 @@ class LocalRunner:
         self.current: Optional[subprocess.Popen] = None
         self._kill_steps = sorted(set(options.chaos_kill_steps))
         self._chaos = random.Random(options.chaos_seed)
+        self.random_kills = 0  #: by --chaos-kill-every
+        self.ledger = RunLedger.load(self.run_dir, self.spec.checkpoint.uri, uid=run.metadata.uid)
 
     @property
     def attempt_count(self) -> int:
-        """Worker-group starts, the `attempts` users see: new attempts and torchrun's in-place restarts alike."""
-        return max(len(self.groups), len(self.attempts))
+        """Launcher attempts: what the cluster counts as attempts (one PyTorchJob each)."""
+        return len(self.attempts)
+
+    @property
+    def restarts_in_place(self) -> int:
+        """Worker groups torchrun restarted inside an attempt (spec.recovery.maxRestartsPerAttempt)."""
+        return sum(1 for earlier, group in zip(self.groups, self.groups[1:]) if group.attempt == earlier.attempt)
+
+    def attempt_label(self) -> str:
+        """"attempt 2", or "attempt 2, restart 1 in place" once torchrun has restarted its worker group."""
+        in_place = sum(1 for g in self.groups if g.attempt == self.attempt_count) - 1
+        label = f"attempt {self.attempt_count}"
+        return f"{label}, restart {in_place} in place" if in_place > 0 else label
 
     @property
     def nproc(self) -> int:
@@ -407,6 +484,7 @@ class LocalRunner:
         if workers:
             victim = self._chaos.choice(workers)
             print(f"chaos: SIGKILL worker pid {victim} ({reason})", file=self.out, flush=True)
+            self.random_kills += 1
             try:
                 os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
@@ -419,9 +497,10 @@ class LocalRunner:
             code = process.poll()
             for line in log.new_lines():
                 self._on_log_line(line, attempt, status)
-            step = int(status.snapshot().get("progress", {}).get("step") or 0)
-            if self.groups and self.groups[-1].attempt == attempt.number:
-                self.groups[-1].last_step = max(self.groups[-1].last_step, step)
+            group = self.groups[-1] if self.groups and self.groups[-1].attempt == attempt.number else None
+            if group and status.report_count() > group.reports_before:  # not a dead group's last report
+                step = int(status.snapshot().get("progress", {}).get("step") or 0)
+                group.last_step = max(group.last_step, step)
             if self.display:
                 self.display(self, status.snapshot())
             if code is not None:
@@ -437,13 +516,19 @@ class LocalRunner:
         started = GROUP_STARTED.search(line)
         if started:
             restarted_in_place = bool(self.groups) and self.groups[-1].attempt == attempt.number
-            resumed = int(started.group(1) or 0)
-            status.forget("progress")  # the dead group's last step is not this one's
-            self.groups.append(WorkerGroup(attempt.number, resumed_step=resumed, last_step=resumed))
+            source, resumed = started.group(1), int(started.group(2) or 0)
+            # Its reports are those from now on (the first, at the resumed step, may be in already: it adds nothing).
+            self.groups.append(WorkerGroup(attempt.number, resumed_step=resumed, last_step=resumed,
+                                           reports_before=status.report_count(), resumed=bool(source)))
             if restarted_in_place:
-                print(f"attempt {attempt.number}: torchrun restarted the worker group in place "
-                      f"(spec.recovery.maxRestartsPerAttempt={self.spec.recovery.max_restarts_per_attempt}); "
-                      f"resumed at step {resumed}", file=self.out, flush=True)
+                print(f"{self.attempt_label()}: torchrun restarted the worker group in place "
+                      f"(spec.recovery.maxRestartsPerAttempt={self.spec.recovery.max_restarts_per_attempt})",
+                      file=self.out, flush=True)
+            if source:
+                print(f"{self.attempt_label()}: resumed from step {resumed} ({source})", file=self.out, flush=True)
+            else:
+                print(f"{self.attempt_label()}: no checkpoint to resume from, starting at step 0", file=self.out,
+                      flush=True)
             return
         killed = CHAOS_KILLED.search(line)
         if killed:
@@ -535,17 +620,39 @@ class LocalRunner:
         progress = status.get("progress", {})
         lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.groups, self.groups[1:]))
         productive = float(progress.get("productiveSeconds") or 0.0)
+        steps = int(progress.get("step") or (self.groups[-1].resumed_step if self.groups else 0))
+        if self.groups and not self.groups[0].resumed:
+            self.ledger.wall_seconds = 0.0  # no checkpoint to resume: the run started over, its time with it
+        self.ledger.wall_seconds += wall
+        self.ledger.save()
+        total_wall = self.ledger.wall_seconds
+        first = self.groups[0] if self.groups else None
+        if outcome == "succeeded" and first and first.resumed and first.resumed_step >= self.spec.trainer.max_steps:
+            message = (f"{self.run.metadata.name} had already finished: the checkpoint at step {first.resumed_step} "
+                       f"in {self.spec.checkpoint.uri} is its last step (spec.trainer.maxSteps="
+                       f"{self.spec.trainer.max_steps}), so nothing was trained; raise --max-steps to train on, or "
+                       f"give another --checkpoint-uri to start over")
         return Summary(
-            steps=int(progress.get("step") or 0),
+            steps=steps,
             final_loss=progress.get("loss"),
             attempts=self.attempt_count,
+            restarts_in_place=self.restarts_in_place,
             lost_steps=lost,
-            goodput=min(1.0, productive / wall) if wall > 0 else 0.0,
+            goodput=min(1.0, productive / total_wall) if total_wall > 0 else 0.0,
             wall_seconds=wall,
             outcome=outcome,
             message=message,
             stop_signal=self.interrupted,
+            chaos_notes=self._chaos_that_never_fired(wall),
         )
+
+    def _chaos_that_never_fired(self, wall: float) -> list[str]:
+        notes = [f"chaos: --chaos-kill-step {step} never fired (the workers never computed step {step} in this "
+                 f"invocation)" for step in self._kill_steps]
+        if self.options.chaos_kill_every and not self.random_kills:
+            notes.append(f"chaos: --chaos-kill-every {self.options.chaos_kill_every:g} never fired: the run ended "
+                         f"after {wall:.1f} s; use a shorter interval or more --max-steps")
+        return notes
 
 
 # ---------------------------------------------------------------- showing progress
@@ -567,7 +674,7 @@ class PlainDisplay:
             return
         self.last_step, self.last_time = step, now
         loss, rate = progress.get("loss"), progress.get("samplesPerSecond")
-        print(f"attempt {runner.attempt_count} step {step}/{total} loss {'-' if loss is None else f'{loss:.4f}'} "
+        print(f"{runner.attempt_label()} step {step}/{total} loss {'-' if loss is None else f'{loss:.4f}'} "
               f"samples/s {'-' if rate is None else f'{rate:.1f}'}", file=self.out, flush=True)
 
     def close(self) -> None:
@@ -582,7 +689,7 @@ class RichDisplay:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(
-            TextColumn("[bold]attempt {task.fields[attempt]}"),
+            TextColumn("[bold]{task.fields[attempt]}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
@@ -597,10 +704,11 @@ class RichDisplay:
         progress = status.get("progress", {})
         total = progress.get("totalSteps") or runner.spec.trainer.max_steps
         if self.task is None:
-            self.task = self.progress.add_task("train", total=total, attempt=1, loss="-", rate="-")
+            self.task = self.progress.add_task("train", total=total, attempt=runner.attempt_label(), loss="-",
+                                              rate="-")
         loss = progress.get("loss")
         self.progress.update(
-            self.task, completed=progress.get("step") or 0, total=total, attempt=runner.attempt_count,
+            self.task, completed=progress.get("step") or 0, total=total, attempt=runner.attempt_label(),
             loss="-" if loss is None else f"{loss:.4f}",
             rate="-" if progress.get("samplesPerSecond") is None else f"{progress['samplesPerSecond']:.0f}",
         )

@@ -326,6 +326,9 @@ def _message(item: dict[str, Any], loc: list[Any]) -> str:
         limit = f"{limit:g}" if isinstance(limit, float) else limit
         return f"must be {symbol} {limit}, got {_show(value)}; set a value {symbol} {limit}"
     if kind == "string_pattern_mismatch":
+        if ctx.get("pattern") == api.QUANTITY:
+            return (f"{_show(value)} is not a Kubernetes quantity; write a number with an optional unit, e.g. "
+                    "'900Gi', '512Mi', '8' or '7500m' (no space)")
         return f"{_show(value)} does not have the expected form; make it match {ctx.get('pattern')}"
     if kind == "string_too_long":
         return f"is longer than {ctx.get('max_length')} characters; shorten it"
@@ -350,7 +353,28 @@ def _unknown_field(loc: list[Any]) -> str:
     close = [camel] if camel in known else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     if close:
         return f"unknown field; did you mean '{close[0]}'?"
+    deeper = _nested_paths(api.TrainingRun, [str(p) for p in loc[:-1]], {name, camel})
+    if deeper:
+        return f"unknown field here; did you mean {' or '.join(deeper)}?"
     return f"unknown field; remove it (fields here: {', '.join(sorted(known))})"
+
+
+def _nested_paths(model: type, parent: list[str], names: set[str], depth: int = 3) -> list[str]:
+    """Where a field called one of `names` is, up to `depth` levels below `parent` (a field put one level too
+    high, like spec.interval for spec.checkpoint.interval): the nearest first, at most three."""
+    found: list[str] = []
+    level = [parent]
+    for _ in range(depth):
+        below = []
+        for path in level:
+            for field in _known_fields(model, path) or []:
+                if field in names and path != parent:
+                    found.append(".".join([*path, field]))
+                below.append([*path, field])
+        if found:
+            return found[:3]
+        level = below
+    return []
 
 
 def _known_fields(model: type, loc: Iterable[Any]) -> Optional[list[str]]:

@@ -69,7 +69,9 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     chaos = local(tmp_path, run_file, "--chaos-kill-step", "15", "--chaos-kill-step", "35", checkpoints="chaos")
     assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]
     result = result_of(chaos.stdout)
-    assert result["attempts"] == "3" and result["steps"] == "60"
+    # torchrun restarted the worker group in place twice (maxRestartsPerAttempt defaults to 3): one attempt
+    assert result["attempts"] == "1" and result["restarts_in_place"] == "2" and result["steps"] == "60"
+    assert chaos.stdout.count("attempt 1, restart 2 in place: resumed from step ") == 1
     assert chaos.stdout.count("chaos: SIGKILL worker") == 2
     assert int(result["lost_steps"]) <= 2 * INTERVAL
     assert 0 < float(result["goodput"]) <= 1
@@ -156,9 +158,13 @@ def test_a_stop_signal_checkpoints_leaves_no_process_and_a_rerun_resumes(tmp_pat
     body = training_run(maxSteps=saved + 5)
     rerun = local(tmp_path, write_run(tmp_path, body))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert result_of(rerun.stdout)["steps"] == str(saved + 5)
-    log = (tmp_path / "runs" / "demo" / "attempt-1.log").read_text()
-    assert f"at step {saved}" in log
+    assert f"attempt 1: resumed from step {saved} (file://{tmp_path}/ckpt/step-" in rerun.stdout
+    figures = result_of(rerun.stdout)
+    assert figures["steps"] == str(saved + 5)
+    # Goodput over both invocations, as a cluster run's is over its whole life: productive time / both wall times.
+    walls = float(result_of(stdout)["wall_seconds"]) + float(figures["wall_seconds"])
+    productive = productive_seconds_at(tmp_path, "ckpt", saved + 5)
+    assert float(figures["goodput"]) == pytest.approx(productive / walls, rel=0.05, abs=0.002)
 
 
 @pytest.mark.slow
@@ -175,7 +181,7 @@ def test_chaos_kill_every_until_the_failure_budget_is_spent(tmp_path):
 
 
 @pytest.mark.slow
-def test_in_place_restarts_count_as_attempts_and_end_in_the_runners_budget(tmp_path):
+def test_in_place_restarts_are_counted_apart_from_attempts_and_end_in_the_runners_budget(tmp_path):
     body = training_run()
     body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 0, "maxRestartsPerAttempt": 2}
     kills = ("--chaos-kill-step", "12", "--chaos-kill-step", "25", "--chaos-kill-step", "38")
@@ -186,7 +192,7 @@ def test_in_place_restarts_count_as_attempts_and_end_in_the_runners_budget(tmp_p
     assert result.stdout.count("chaos: SIGKILL worker rank") == 3
     assert "the recovery budget spec.recovery.maxFailures=0 is spent" in result.stderr
     summary = result_of(result.stdout)
-    assert summary["attempts"] == "3" and 25 <= int(summary["steps"]) <= 38
+    assert summary["attempts"] == "1" and summary["restarts_in_place"] == "2" and 25 <= int(summary["steps"]) <= 38
     assert int(summary["lost_steps"]) <= 3 * INTERVAL
 
 
@@ -201,7 +207,43 @@ def productive_seconds_at(tmp_path, checkpoints, step):
 def test_a_new_run_on_an_existing_uri_counts_only_its_own_productive_time(tmp_path):
     first = local(tmp_path, write_run(tmp_path, training_run(maxSteps=60)))
     assert first.returncode == 0, first.stderr[-3000:]
-    rerun = local(tmp_path, write_run(tmp_path, training_run(maxSteps=62)))
+    # Another run (another name: another uid) on the same checkpoints, as a TrainingRun created again would be.
+    rerun = local(tmp_path, write_run(tmp_path, training_run(name="again", maxSteps=62)))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from step 60" in rerun.stdout
     # Two steps of the new run, not sixty of the earlier one plus two: its goodput is over its own wall time.
     assert productive_seconds_at(tmp_path, "ckpt", 62) < productive_seconds_at(tmp_path, "ckpt", 60)
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_run_says_so_with_its_final_figures(tmp_path):
+    run_file = write_run(tmp_path, training_run(maxSteps=20))
+    first = local(tmp_path, run_file)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = local(tmp_path, run_file)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "demo had already finished: the checkpoint at step 20" in again.stdout
+    assert result_of(again.stdout)["steps"] == "20"
+    assert result_of(again.stdout)["final_loss"] == result_of(first.stdout)["final_loss"]
+
+
+@pytest.mark.slow
+def test_chaos_that_never_fires_is_said(tmp_path):
+    result = local(tmp_path, write_run(tmp_path, training_run(maxSteps=20)), "--chaos-kill-every", "3600")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "chaos: --chaos-kill-every 3600 never fired: the run ended after" in result.stdout
+
+
+def test_a_taken_metrics_port_is_one_line_and_exit_2_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = local(tmp_path, write_run(tmp_path, training_run()), "--metrics-port", str(port))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"trainingrun local: --metrics-port {port} is in use on this machine: pick a free port, or leave "
+        "--metrics-port out (the run then serves no metrics)"]
+    assert not (tmp_path / "runs").exists()

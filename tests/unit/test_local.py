@@ -62,16 +62,71 @@ def test_exit_classification_matches_the_operator():
 
 
 def test_result_line_format():
-    summary = local.Summary(steps=5, final_loss=1.23456, attempts=2, lost_steps=3, goodput=0.91234,
-                            wall_seconds=12.34, outcome="succeeded")
-    assert summary.result_line() == "result: steps=5 final_loss=1.2346 attempts=2 lost_steps=3 goodput=0.912 wall_seconds=12.3"
+    summary = local.Summary(steps=5, final_loss=1.23456, attempts=2, restarts_in_place=1, lost_steps=3,
+                            goodput=0.91234, wall_seconds=12.34, outcome="succeeded")
+    assert summary.result_line() == ("result: steps=5 final_loss=1.2346 attempts=2 restarts_in_place=1 lost_steps=3 "
+                                     "goodput=0.912 wall_seconds=12.3")
+
+
+def runner_with_groups(tmp_path, *groups):
+    """A LocalRunner whose attempts and worker-group starts are `groups`: one attempt number per group start."""
+    run = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions(runs_dir=str(tmp_path / "runs")))
+    runner = local.LocalRunner(run, local.LocalOptions(runs_dir=str(tmp_path / "runs")), {})
+    runner.attempts = [local.Attempt(n) for n in sorted(set(groups))]
+    runner.groups = [local.WorkerGroup(n) for n in groups]
+    return runner
+
+
+def write_minimal(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: laptop}\n"
+                    "spec:\n  trainer: {maxSteps: 10}\n")
+    return path
+
+
+def test_one_attempt_numbering_with_in_place_restarts_named_apart(tmp_path):
+    runner = runner_with_groups(tmp_path, 1, 1, 1, 2)
+    assert runner.attempt_count == 2 and runner.restarts_in_place == 2
+    assert runner.attempt_label() == "attempt 2"
+    runner.groups.append(local.WorkerGroup(2))
+    assert runner.attempt_label() == "attempt 2, restart 1 in place"
+
+
+def test_a_rerun_is_the_same_run_and_a_new_checkpoint_uri_a_new_one(tmp_path):
+    options = local.LocalOptions(runs_dir=str(tmp_path / "runs"))
+    first = local.load_run(str(write_minimal(tmp_path)), options)
+    assert not (tmp_path / "runs").exists()  # loading starts nothing and writes nothing
+    local.RunLedger.load(tmp_path / "runs" / "laptop", first.spec.checkpoint.uri, uid=first.metadata.uid).save()
+    again = local.load_run(str(write_minimal(tmp_path)), options)
+    assert again.metadata.uid == first.metadata.uid
+    elsewhere = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions(
+        runs_dir=str(tmp_path / "runs"), checkpoint_uri=f"file://{tmp_path}/other"))
+    assert elsewhere.metadata.uid != first.metadata.uid
+
+
+def test_options_that_could_never_work_are_refused_before_anything_starts(tmp_path):
+    import socket
+
+    run = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions())
+    with pytest.raises(local.LocalOptionError, match=r"--chaos-kill-step 11 is past the run's last step \(10"):
+        local.check_options(run, local.LocalOptions(chaos_kill_steps=[5, 11]))
+    local.check_options(run, local.LocalOptions(chaos_kill_steps=[10]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(local.LocalOptionError, match=f"--metrics-port {port} is in use"):
+            local.check_options(run, local.LocalOptions(metrics_port=port))
+    local.check_options(run, local.LocalOptions(metrics_port=port))  # free again
 
 
 def test_displays_render_progress():
     import io
 
     class FakeRunner:
-        attempt_count = 2
+        @staticmethod
+        def attempt_label():
+            return "attempt 2"
 
         class spec:  # noqa: N801 - stands in for the TrainingRunSpec
             class trainer:  # noqa: N801
