@@ -233,6 +233,19 @@ def test_a_quota_refusal_is_a_condition_until_the_quota_allows_it(cluster, opera
     assert len(cluster.events("ChildRejected")) == 1
 
 
+def test_a_misspelt_builtin_class_is_rejected_before_anything_is_scheduled(cluster, operator_process):
+    """The real server accepts any classPath (the CRD cannot know the trainer's classes); with the operator's own
+    trainer image the operator can, and refuses it with the field and the fix instead of starting pods."""
+    plane, ns = cluster.plane, cluster.namespace
+    model = {"classPath": "trainingrun_trainer.models.CharTransfomer"}
+    plane.kubectl("create", "-f", "-", input=training_run(ns, trainer={"model": model}))
+    condition = wait_for(lambda: cluster.condition("SpecRejected"), what="condition SpecRejected")
+    assert condition["status"] == "True" and condition["reason"] == "InvalidSpec", condition
+    assert "spec.trainer.model.classPath" in condition["message"] and "CharTransformer" in condition["message"]
+    assert cluster.get(JOBS, "demo-a1") is None
+    assert len(wait_for(lambda: cluster.events("SpecRejected"), what="the SpecRejected Event")) == 1
+
+
 def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_process):
     """Pods never created (Kubeflow's FailedCreate on the job), never scheduled (the scheduler's condition), or
     never started (the kubelet's FailedMount of a missing Secret): each is a condition within a minute, and
