@@ -20,8 +20,7 @@ $(VENV)/.installed: pyproject.toml images/operator-constraints.txt images/traine
 DEMO_RUN := runs/minimal-cpu
 demo: setup
 	rm -rf $(DEMO_RUN)
-	$(BIN)/trainingrun local manifests/examples/minimal-cpu.yaml --nproc 2 --max-steps 500 \
-		--chaos-kill-step 260 --checkpoint-uri file://$(CURDIR)/$(DEMO_RUN)/checkpoints
+	$(BIN)/trainingrun local manifests/examples/minimal-cpu.yaml --nproc 2 --max-steps 500 --chaos-kill-step 260
 	$(BIN)/trainingrun checkpoints file://$(CURDIR)/$(DEMO_RUN)/checkpoints
 
 # The real-API tier (tests/real_api/) runs when KUBEBUILDER_ASSETS names the Kubernetes binaries; by default

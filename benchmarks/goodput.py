@@ -65,16 +65,16 @@ def main() -> int:
             summary, _ = run_once(body, workdir, f"kill-{period:g}s", args.nproc, period)
             # Wall time not spent on kept steps: restarts (process start, imports, rendezvous), lost steps.
             unproductive = summary.wall_seconds * (1 - summary.goodput)
-            rows.append((period, interval_steps, summary, unproductive / max(1, summary.attempts - 1)))
+            rows.append((period, interval_steps, summary, unproductive / max(1, summary.attempts + summary.restarts_in_place - 1)))
             print(f"kill every {period:g}s: goodput {summary.goodput:.3f}", flush=True)
 
     print()
-    print(f"{'kill every':>10} {'ckpt every':>11} {'attempts':>8} {'lost steps':>10} {'lost s/kill':>11} "
+    print(f"{'kill every':>10} {'ckpt every':>11} {'starts':>8} {'lost steps':>10} {'lost s/kill':>11} "
           f"{'wall s':>7} {'goodput':>7} {'vs no faults':>12}")
-    print(f"{'-':>10} {args.steps:>11} {baseline.attempts:>8} {baseline.lost_steps:>10} {'-':>11} "
+    print(f"{'-':>10} {args.steps:>11} {baseline.attempts + baseline.restarts_in_place:>8} {baseline.lost_steps:>10} {'-':>11} "
           f"{baseline.wall_seconds:>7.1f} {baseline.goodput:>7.3f} {1.0:>12.3f}")
     for period, interval_steps, summary, restart in rows:
-        print(f"{period:>9g}s {interval_steps:>11} {summary.attempts:>8} {summary.lost_steps:>10} {restart:>11.1f} "
+        print(f"{period:>9g}s {interval_steps:>11} {summary.attempts + summary.restarts_in_place:>8} {summary.lost_steps:>10} {restart:>11.1f} "
               f"{summary.wall_seconds:>7.1f} {summary.goodput:>7.3f} {summary.goodput / baseline.goodput:>12.3f}")
     print()
     print("goodput counts startup (python, torch import, rendezvous) as unproductive, in the baseline too;")

@@ -45,7 +45,7 @@ CASES = [
     ("name-not-dns-label", put("metadata.name", "Bad_Name"), "metadata.name: 'Bad_Name' is not a valid name", ""),
     ("name-starts-with-digit", put("metadata.name", "1run"), "starting with a letter", ""),
     ("spec-missing", put("spec", DELETE), "spec: is required but missing; add it", ""),
-    ("checkpoint-missing", put("spec.checkpoint", DELETE), "spec.checkpoint: is required but missing", "spec"),
+    ("no-checkpoint-several-pods", both(put("spec.checkpoint", DELETE), put("spec.replicas", {"min": 1, "max": 2})), "spec: checkpoint.uri file:///tmp/trainingrun/checkpoints with up to 2 pods: a file:// checkpoint is local to each pod (and without checkpoint.uri, checkpoints go to the pod's own disk)", "spec"),
     ("uri-http-scheme", put("spec.checkpoint.uri", "http://bucket/x"), "spec.checkpoint.uri: 'http://bucket/x' has scheme 'http'; use gs://", "spec.checkpoint"),
     ("uri-no-scheme", put("spec.checkpoint.uri", "bucket/x"), "has no scheme; use gs://bucket/path", "spec.checkpoint"),
     ("keep-zero", put("spec.checkpoint.keep", 0), "spec.checkpoint.keep: must be >= 1, got 0", "spec.checkpoint.keep"),
@@ -162,6 +162,8 @@ VALID_CASES = [
     ("s3-with-endpoint", both(put("spec.checkpoint", {"uri": "s3://bucket/x", "endpointUrl": "http://minio.storage:9000"}),
                               put("spec.secrets", {"s3Credentials": {"secretName": "s3"}}), put("spec.replicas", {"min": 2, "max": 4}))),
     ("file-uri-one-pod", put("spec.checkpoint.uri", "file:///data/ckpt")),
+    ("no-checkpoint-one-pod", put("spec.checkpoint", DELETE)),  # the pod's own disk: a trial's default
+    ("checkpoint-without-uri", put("spec.checkpoint", {"interval": {"steps": 10}})),
 ]
 
 

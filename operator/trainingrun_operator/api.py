@@ -62,8 +62,9 @@ _LIST_MAP_BY_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-key
 
 
 # A file:// path is on each pod's own disk: several pods would each hold a part of every checkpoint.
-FILE_URI_ONE_POD = ("a file:// checkpoint is local to each pod, so a run of several pods could not resume from it; "
-                    "use gs:// or s3://, or set replicas.min and replicas.max to 1")
+FILE_URI_ONE_POD = ("a file:// checkpoint is local to each pod (and without checkpoint.uri, checkpoints go to the pod's "
+                    "own disk), so a run of several pods could not resume from it; set checkpoint.uri to gs:// or "
+                    "s3://, or set replicas.min and replicas.max to 1")
 
 
 def _reserved_env_rule(list_path: str) -> tuple[str, str]:
@@ -310,7 +311,10 @@ class TrainingRunSpec(ApiModel):
         default_factory=TrainerConfig,
         description="The trainer config, mounted into every pod from a ConfigMap.",
     )
-    checkpoint: CheckpointConfig = Field(description="Checkpoint storage, frequency and retention.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="Checkpoint storage, frequency and retention (without it: the pod's own disk, one-pod runs only).",
+    )
     replicas: Replicas = Field(default_factory=Replicas, description="Elastic pod count.")
     nproc_per_node: int = Field(default=1, ge=1, le=64, description="Training processes per pod.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod compute.")

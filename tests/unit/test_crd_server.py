@@ -192,7 +192,7 @@ def test_rule_that_cannot_evaluate_is_an_error_not_a_pass(crd):
         (with_spec(trainer={"precision": "fp8"}), "spec.trainer.precision: 'fp8' is not one of"),
         (with_spec(replicas={"min": 0}), "spec.replicas.min: 0 is less than the minimum of 1"),
         (with_spec(queueName="bad queue"), "spec.queueName: 'bad queue' does not match"),
-        ({**MINIMAL, "spec": {}}, "spec.checkpoint: 'checkpoint' is a required property"),
+        (with_spec(env=[{"value": "x"}]), "spec.env[0].name: 'name' is a required property"),
         (with_spec(replica={"min": 1}), "spec.replica: unknown field"),
         (with_spec(env=[{"name": "A"}, {"name": "A"}]), "spec.env[1]: Duplicate value"),
         ({**MINIMAL, "metadata": {}}, "metadata.name: Required value"),
@@ -220,8 +220,8 @@ def test_non_blocking_schema_error_still_runs_the_rules(crd):
 
 def test_nullable_fields_accept_null_and_others_do_not(crd):
     assert admit(crd, with_spec(image=None))[1] == []
-    _, errors = admit(crd, {**MINIMAL, "spec": {"checkpoint": None}})  # pruned, so missing
-    assert any(e.startswith("spec.checkpoint: 'checkpoint' is a required property") for e in errors)
+    _, errors = admit(crd, with_spec(env=[{"name": None, "value": "x"}]))  # pruned, so missing
+    assert any(e.startswith("spec.env[0].name: 'name' is a required property") for e in errors), errors
 
 
 # ------------------------------------------------------------------ the rules themselves

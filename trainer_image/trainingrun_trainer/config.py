@@ -27,6 +27,9 @@ NO_CREDENTIALS = ("holds credentials (user:password@ before the bucket or host):
                   "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)")
 #: The URI rules as CEL on the checkpoint object, not on the string: for a rule on a string (and for `pattern`)
 #: the API server repeats the value in its error, and a URI may hold credentials; for an object it says "object".
+#: Where a run without spec.checkpoint.uri checkpoints in a pod: its /tmp emptyDir. A trial's default, not a real run's.
+POD_DISK_CHECKPOINTS = "file:///tmp/trainingrun/checkpoints"
+
 CHECKPOINT_URI_RULES = [
     {"rule": f"!self.uri.matches(r'{CREDENTIALS_IN_URI}')", "message": f"checkpoint.uri {NO_CREDENTIALS}"},
     {"rule": "!self.uri.matches(r'\\s')", "message": "checkpoint.uri contains whitespace; remove it"},
@@ -300,9 +303,12 @@ class CheckpointConfig(ApiModel):
     )
 
     uri: str = Field(
+        default=POD_DISK_CHECKPOINTS,
         max_length=1024,
         description="Base URI of this run's checkpoints: gs://bucket/path, s3://bucket/path or "
-        "file:///path (a volume shared by all pods). The operator never deletes anything here.",
+        "file:///path (a volume shared by all pods). The operator never deletes anything here. Default: the pod's "
+        f"own disk ({POD_DISK_CHECKPOINTS}, which outlives in-place restarts of the workers but not the pod; "
+        "one-pod runs only); under `trainingrun local`, ./runs/<name>/checkpoints.",
     )
     interval: CheckpointInterval = Field(
         default_factory=CheckpointInterval, description="How often to save."
