@@ -147,11 +147,11 @@ def component_problems(run: api.TrainingRun) -> list[Problem]:
     return problems
 
 
-def check(document: Any) -> api.TrainingRun:
+def check(document: Any, builtin_classes: bool = True) -> api.TrainingRun:
     """`parse`, then the trainer's classes and the rendered children's limits: everything `trainingrun validate`
-    checks."""
+    checks. Without `builtin_classes`, what the API server can check too (it cannot know the trainer's classes)."""
     run = parse(document)
-    problems = component_problems(run) + rendered_problems(document, run)
+    problems = (component_problems(run) if builtin_classes else []) + rendered_problems(document, run)
     if problems:
         raise InvalidTrainingRun(problems)
     return run

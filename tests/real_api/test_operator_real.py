@@ -178,6 +178,7 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
 
     cluster.job_condition("demo-a1", "Created", "Running")
     wait_for(lambda: cluster.status().get("phase") == "Running", what="phase Running")
+    assert_kubeflows_sdk_reads_the_job(plane, ns, "demo-a1", workers=2)
     # progress and a committed checkpoint in status (the report endpoint writes them: test_reports_real.py)
     checkpoint = {"uri": "s3://bucket/demo/step-00000300", "step": 300, "time": "2026-11-23T00:00:00Z"}
     cluster.patch_status(RUNS, "demo", {"progress": {"step": 310, "updatedAt": "2026-11-23T00:00:05Z"},
@@ -211,6 +212,19 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     for kind, name in children + [(JOBS, "demo-a2"), ("pod", pod)]:
         wait_for(lambda: cluster.get(kind, name) is None, timeout=120,
                  what=f"the garbage collector to delete {kind}/{name}")
+
+
+def assert_kubeflows_sdk_reads_the_job(plane, namespace, name, workers):
+    """Kubeflow's own Python SDK (kubeflow-training 1.9, what users of Kubeflow script with) reads the job the
+    operator made as a typed PyTorchJob: elastic policy, Worker replicas and the job's state as Kubeflow sees it."""
+    from kubeflow.training import TrainingClient
+
+    sdk = TrainingClient(config_file=str(plane.admin_kubeconfig), namespace=namespace)
+    job = sdk.get_job(name, job_kind="PyTorchJob")
+    worker = job.spec.pytorch_replica_specs["Worker"]
+    assert worker.replicas == workers and job.spec.elastic_policy.min_replicas == workers
+    assert worker.template.spec.containers[0].name == "pytorch"  # the container Kubeflow's controller looks for
+    assert sdk.is_job_running(name, job_kind="PyTorchJob")
 
 
 def test_a_quota_refusal_is_a_condition_until_the_quota_allows_it(cluster, operator_process):

@@ -32,6 +32,11 @@ STRICTER_THAN_THE_SERVER = {
 }
 
 
+def deliberately_stricter(problem):
+    """A refusal of a kind STRICTER_THAN_THE_SERVER gives its reason for (random documents make such values too)."""
+    return ".initArgs" in problem.path and "outside the 64-bit integers" in problem.message
+
+
 def dry_run(plane, obj, namespace):
     """(HTTP status, the server's message) for creating `obj` with dryRun=All and strict field validation."""
     code, answer = plane.request("POST", collection(obj, namespace) + DRY_RUN, obj)
@@ -158,10 +163,13 @@ def test_random_documents_get_the_same_verdict(kube_cluster_with_crds, namespace
     plane = kube_cluster_with_crds
     code, message = dry_run(plane, server_body(body, namespace), namespace)
     try:
-        run = validation.check(body)
+        # The server cannot know the trainer's built-in classes; validate (and the operator) refuse a wrong one too.
+        run = validation.check(body, builtin_classes=False)
     except validation.InvalidTrainingRun as error:
-        assert code >= 400, f"validate refuses ({error}) but the server accepts"
+        assert code >= 400 or all(deliberately_stricter(p) for p in error.problems), \
+            f"validate refuses ({error}) but the server accepts"
         return
+    assert all(p.path.startswith("spec.trainer.") for p in validation.component_problems(run))
     assert code == 201, f"validate accepts but the server refuses: {message}"
     run.metadata.namespace = namespace
     with_service_accounts(plane, run, namespace)

@@ -64,3 +64,19 @@ def test_a_dead_peer_is_retryable_not_a_bug():
     assert peer_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert not peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not peer_failure(ValueError("Connection reset by peer"))
+
+
+def test_checkpoint_storage_down_at_start_is_retryable_not_permanent(tmp_path):
+    """An S3 endpoint that refuses connections (a port nothing listens on): exit 138, so the operator retries the
+    attempt after its backoff instead of failing the run for a short outage; the message names the URI."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        result = run_trainer(tmp_path, {**TINY, "maxSteps": 5}, "s3://bucket/run", extra_env={
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_MAX_ATTEMPTS": "1"})
+    assert result.returncode == exit_codes.RETRYABLE, result.stderr[-3000:]
+    assert not exit_codes.is_permanent(result.returncode)
+    assert "trainingrun-trainer: cannot list the checkpoints under s3://bucket/run" in result.stderr

@@ -123,6 +123,10 @@ class CheckpointLoadError(Exception):
     """A committed checkpoint that cannot be loaded (its content, not its files, is wrong)."""
 
 
+class StorageUnavailable(Exception):
+    """The checkpoint storage could not be read (unreachable, refused, timed out): a later attempt may succeed."""
+
+
 #: numpy's RNG state (in ``extra``) is an array: admitted by torch.load(weights_only=True) with these.
 _NUMPY_ARRAY_GLOBALS: list = []
 try:

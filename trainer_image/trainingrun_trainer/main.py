@@ -77,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .trainer import Trainer
 
-    from .checkpoint import CheckpointLoadError
+    from .checkpoint import CheckpointLoadError, StorageUnavailable
 
     try:
         code = Trainer(config, context, device_type).run()
@@ -86,6 +86,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"trainingrun-trainer: {error}; move that checkpoint directory aside to resume from an older one",
               file=sys.stderr)
         return exit_codes.CHECKPOINT_REFUSED
+    except StorageUnavailable as error:
+        # A storage outage at start must not end the run: the attempt is retried after the backoff.
+        log.error("%s; exiting %d so the attempt is retried", error, exit_codes.RETRYABLE)
+        print(f"trainingrun-trainer: {error}; retrying: check the storage endpoint and credentials if this repeats",
+              file=sys.stderr)
+        exit_now(exit_codes.RETRYABLE)
     except Exception as error:
         if not peer_failure(error):
             raise

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import exit_codes
-from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, now_rfc3339
+from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
 from .config import CheckpointConfig
 from .context import RunContext
 from . import reporting
@@ -119,14 +119,21 @@ class Run:
         worker group restarted within the attempt keeps the attempt's environment, and loading that
         checkpoint would throw away every one committed since. Falling below it is only logged.
         """
-        source = self.store.latest_valid()
+        try:
+            source = self.store.latest_valid()
+        except Exception as error:  # each fsspec backend raises its own kinds (OSError, botocore's, google's)
+            raise StorageUnavailable(f"cannot list the checkpoints under {self.store.uri}: "
+                                     f"{str(error).splitlines()[0][:300] if str(error) else type(error).__name__}") from error
         if self.context.is_rank_zero:
             self._check_floor(source)
         if source is None:
             if self.context.is_rank_zero:
                 log.info("no checkpoint to resume from: starting at step 0")
             return None
-        extra = self.store.load(source, state)
+        try:
+            extra = self.store.load(source, state)
+        except OSError as error:
+            raise StorageUnavailable(f"cannot read the checkpoint {source.uri}: {error}") from error
         if self.context.is_rank_zero:
             log.info("resumed from %s at step %s", source.uri, extra.get("step"))
         return extra
