@@ -617,6 +617,7 @@ class LocalRunner:
         return self._summary(final, time.monotonic() - started, outcome, message)
 
     def _summary(self, status: dict, wall: float, outcome: str, message: str) -> Summary:
+        """The run's figures, goodput over every invocation; adds this invocation's wall time to the run's ledger."""
         progress = status.get("progress", {})
         lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.groups, self.groups[1:]))
         productive = float(progress.get("productiveSeconds") or 0.0)
