@@ -32,7 +32,7 @@ import yaml
 from trainingrun_trainer import contract, exit_codes
 from trainingrun_trainer.config import RunConfig
 
-from . import api, builders, validation
+from . import api, builders, recovery, validation
 
 DEFAULT_RUNS_DIR = "runs"
 
@@ -329,14 +329,6 @@ def _end_session(launcher: subprocess.Popen) -> None:
         pass
 
 
-def classify(code: int) -> str:
-    if code == exit_codes.OK:
-        return "succeeded"
-    if exit_codes.is_permanent(code):
-        return "permanent"
-    if code in (exit_codes.PREEMPTED, 128 + signal.SIGINT):
-        return "preemption"
-    return "failure"
 
 
 #: Rank 0 says one of these when a worker group starts training (each attempt, each in-place restart).
@@ -417,8 +409,7 @@ class LocalRunner:
         self.run_dir = Path(options.runs_dir) / run.metadata.name
         self.attempts: list[Attempt] = []
         self.groups: list[WorkerGroup] = []  #: every start of the workers, for attempts and lost steps
-        self.failures = 0
-        self.preemptions = 0
+        self.restarts = recovery.Restarts()  #: attempts lost so far, by cause, as status.restarts counts them
         self.interrupted: Optional[int] = None  #: the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
         self.current: Optional[subprocess.Popen] = None
         self._kill_steps = sorted(set(options.chaos_kill_steps))
@@ -580,28 +571,23 @@ class LocalRunner:
                     attempt.code = self._supervise(self.current, attempt, status)
                 _end_session(self.current)
                 self.current = None
-                kind = classify(attempt.code)
-                if kind == "succeeded":
+                kind = exit_codes.classify(attempt.code, stopping=bool(self.interrupted))
+                if kind == exit_codes.SUCCEEDED:
                     break
-                if kind == "permanent":
+                decision = recovery.after_attempt(self.spec.recovery, self.restarts, kind)
+                if decision.stop_reason == "PermanentError":
                     outcome, message = "failed", attempt.trainer_message() or f"the trainer exited with {attempt.code}"
                     break
                 if self.interrupted:
                     outcome, message = "interrupted", self._interrupted_message()
                     break
-                if kind == "preemption":
-                    self.preemptions += 1
-                    budget, used, field_name = self.spec.recovery.max_preemptions, self.preemptions, "maxPreemptions"
-                else:
-                    self.failures += 1
-                    budget, used, field_name = self.spec.recovery.max_failures, self.failures, "maxFailures"
-                if used > budget:
+                self.restarts = decision.restarts
+                if not decision.retry:
                     outcome = "failed"
                     message = (f"attempt {number} ended with exit code {attempt.code} ({kind}); the recovery budget "
-                               f"spec.recovery.{field_name}={budget} is spent")
+                               + decision.budget_words())
                     break
-                delay = min(self.spec.recovery.backoff_seconds * 2 ** (self.failures + self.preemptions - 1),
-                            self.spec.recovery.max_backoff_seconds)
+                delay = decision.delay_seconds
                 print(f"attempt {number} ended with exit code {attempt.code} ({kind}); "
                       f"attempt {number + 1} resumes from the last good checkpoint in {delay}s", file=self.out, flush=True)
                 if delay:
@@ -639,7 +625,7 @@ class LocalRunner:
             attempts=self.attempt_count,
             restarts_in_place=self.restarts_in_place,
             lost_steps=lost,
-            goodput=min(1.0, productive / total_wall) if total_wall > 0 else 0.0,
+            goodput=contract.goodput(productive, total_wall) or 0.0,
             wall_seconds=wall,
             outcome=outcome,
             message=message,

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Optional
 
-from . import api, builders
+from trainingrun_trainer import contract, exit_codes
+
+from . import api, builders, recovery
 
 TERMINAL = ("Succeeded", "Failed")
 KUBEFLOW_JOB_NAME_LABEL = "training.kubeflow.org/job-name"
@@ -24,8 +26,6 @@ DISRUPTION_POD_REASONS = {"Evicted", "Preempting", "Terminated", "NodeShutdown",
 #: How long a failed PyTorchJob whose pods show no reason yet is given for the pod watch to catch up
 #: (the job and pod watches are separate streams); after that it is classified as a failure.
 FAILURE_EVIDENCE_GRACE = timedelta(seconds=30)
-PREEMPTED_EXIT_CODE = 143  # the launcher's exit after an emergency checkpoint on SIGTERM
-SIGKILL_EXIT_CODE = 137
 
 
 @dataclass
@@ -175,10 +175,10 @@ def classify_failure(job: dict[str, Any], pods: list[dict[str, Any]]) -> Failure
             reason = terminated.get("reason") or ""
             codes.append((code, name, reason, message, deleting))
     for code, name, reason, message, deleting in codes:
-        if code == PREEMPTED_EXIT_CODE or (code == SIGKILL_EXIT_CODE and deleting):
+        if exit_codes.classify(code, stopping=deleting) == exit_codes.PREEMPTION:
             return Failure("preemption", f"pod {name} stopped after SIGTERM (exit code {code})", code)
     for code, name, reason, message, _ in codes:
-        if 1 <= code <= 127:
+        if exit_codes.classify(code) == exit_codes.PERMANENT:
             said = f": {message}" if message else (f" ({reason})" if reason else "")
             return Failure("permanent", f"pod {name} exited with {code}{said}", code)
     if codes:
@@ -245,11 +245,6 @@ def missing_secret_volume(warnings: list[dict[str, Any]]) -> Optional[str]:
     return None
 
 
-def backoff_seconds(recovery: api.Recovery, restarts_so_far: int) -> int:
-    """Exponential from spec.recovery.backoffSeconds, capped at maxBackoffSeconds."""
-    return int(min(recovery.backoff_seconds * 2 ** max(0, restarts_so_far - 1), recovery.max_backoff_seconds))
-
-
 def goodput(status: dict[str, Any]) -> Optional[float]:
     """Productive step time the trainer reports / wall time from start to that report.
 
@@ -259,9 +254,10 @@ def goodput(status: dict[str, Any]) -> Optional[float]:
     progress = status.get("progress") or {}
     started, reported = parse_time(status.get("startTime")), parse_time(progress.get("updatedAt"))
     productive = progress.get("productiveSeconds")
-    if productive is None or not started or not reported or reported <= started:
+    if productive is None or not started or not reported:
         return None
-    return round(min(1.0, productive / (reported - started).total_seconds()), 4)
+    figure = contract.goodput(productive, (reported - started).total_seconds())
+    return None if figure is None else round(figure, 4)
 
 
 class Conditions:
@@ -415,31 +411,28 @@ def _start(plan: Plan, o: Observed, number: int, cause: str, conditions: Conditi
 
 def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, conditions: Conditions,
                    stalled: bool = False) -> None:
-    status, recovery = o.status, o.run.spec.recovery
-    if failure.cause == "permanent":
+    status = o.status
+    decision = recovery.after_attempt(o.run.spec.recovery, recovery.Restarts.from_status(status.get("restarts")),
+                                      failure.cause)
+    if decision.stop_reason == "PermanentError":
         message = f"attempt {attempt}: {failure.detail}; retrying cannot help, fix the cause and create the run again"
         _fail(plan, o, "PermanentError", message, conditions)
         return
-    restarts = _restarts(status)
-    budget_field = "maxPreemptions" if failure.cause == "preemption" else "maxFailures"
-    counter = "preemptions" if failure.cause == "preemption" else "failures"
-    budget = recovery.max_preemptions if failure.cause == "preemption" else recovery.max_failures
-    restarts[counter] = int(restarts.get(counter) or 0) + 1
-    restarts["total"] = int(restarts.get("failures") or 0) + int(restarts.get("preemptions") or 0)
+    restarts = _restarts(status)  # with the in-place counts, which this end does not change
+    restarts.update(decision.restarts.as_status())
     plan.status["restarts"] = restarts
     plan.restart_cause = "stall" if stalled else failure.cause
-    if restarts[counter] > budget:
-        reason = "PreemptionBudgetSpent" if failure.cause == "preemption" else "FailureBudgetSpent"
-        _fail(plan, o, reason, f"attempt {attempt}: {failure.detail}; spec.recovery.{budget_field}={budget} "
-              f"is spent ({restarts[counter]} {counter}); raise it to allow more", conditions)
+    if not decision.retry:
+        _fail(plan, o, decision.stop_reason, f"attempt {attempt}: {failure.detail}; {decision.budget_words()}",
+              conditions)
         return
-    delay = backoff_seconds(recovery, restarts["total"])
+    delay = decision.delay_seconds
     plan.status.update(phase="Recovering", nextAttemptTime=rfc3339(o.now + timedelta(seconds=delay)))
     resume = _last_good(status)
     plan.events.append(Note(
         "Warning", "AttemptPreempted" if failure.cause == "preemption" else "AttemptFailed",
-        f"attempt {attempt}: {failure.detail}; {counter} {restarts[counter]}/{budget}; attempt {attempt + 1} "
-        f"starts in {delay}s from " + (resume or "the start (no checkpoint yet)"),
+        f"attempt {attempt}: {failure.detail}; {decision.counter} {decision.used}/{decision.budget}; attempt "
+        f"{attempt + 1} starts in {delay}s from " + (resume or "the start (no checkpoint yet)"),
     ))
 
 

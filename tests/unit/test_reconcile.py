@@ -73,10 +73,6 @@ def test_failure_without_pods_says_so():
     assert failure.cause == "failure" and not failure.from_pods and "1 Worker replica(s) failed" in failure.detail
 
 
-def test_backoff_is_exponential_and_capped():
-    recovery = api.Recovery(backoffSeconds=10, maxBackoffSeconds=60)
-    assert [reconcile.backoff_seconds(recovery, n) for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
-
 
 def test_goodput_is_a_function_of_status():
     status = {"startTime": "2026-11-21T11:00:00Z",

@@ -166,6 +166,15 @@ class Report:
         return None
 
 
+def goodput(productive_seconds: float, wall_seconds: float) -> Optional[float]:
+    """The one definition of goodput, for status, the trainer's metric and `trainingrun local`: step time kept in
+    the model (progress.productiveSeconds: lost steps are not in it) / wall time since the run started (every
+    attempt, restart and wait included). None before any wall time has passed."""
+    if wall_seconds <= 0:
+        return None
+    return min(1.0, max(0.0, productive_seconds) / wall_seconds)
+
+
 def checkpoint_step(uri: str, run_uri: str) -> Optional[int]:
     """The step of `uri` when it is a checkpoint directory directly under `run_uri`, else None."""
     parent, _, name = uri.rstrip("/").rpartition("/")

@@ -13,5 +13,27 @@ PREEMPTED = 128 + 15
 RETRYABLE = 128 + 10
 
 
+#: What an exit code means to recovery (`classify`).
+SUCCEEDED, PERMANENT, PREEMPTION, FAILURE = "succeeded", "permanent", "preemption", "failure"
+
+
 def is_permanent(code: int) -> bool:
     return 1 <= code <= 127
+
+
+def classify(code: int, stopping: bool = False) -> str:
+    """The one table of what an attempt's exit code means, used by the operator and `trainingrun local`.
+
+    0 succeeded. 143 is the trainer's exit after its emergency checkpoint on SIGTERM: a preemption. 137 (SIGKILL)
+    and 130 (SIGINT) are preemptions only while the process was being stopped (`stopping`: its pod was being
+    deleted, the local run interrupted), when the kill came after or instead of SIGTERM; otherwise they are failures
+    (the OOM killer, a crash). 1-127 are the trainer's permanent verdicts (bad config, divergence). Anything else
+    (138 RETRYABLE, 128 + another signal) is a failure: retried, charged to spec.recovery.maxFailures.
+    """
+    if code == OK:
+        return SUCCEEDED
+    if code == PREEMPTED or (stopping and code in (128 + 9, 128 + 2)):
+        return PREEMPTION
+    if is_permanent(code):
+        return PERMANENT
+    return FAILURE

@@ -121,7 +121,7 @@ class TrainerMetrics(NullMetrics):
         self._data_wait.observe(data_wait_seconds)
         self._last_step.set(time.time())
         self._productive.set(productive_seconds)
-        self._goodput.set(min(1.0, productive_seconds / max(time.monotonic() - self._started, 1e-9)))
+        self._goodput.set(contract.goodput(productive_seconds, time.monotonic() - self._started) or 0.0)
         if samples_per_second is not None:
             self._samples.set(samples_per_second)
         if tokens_per_second is not None:
