@@ -21,7 +21,7 @@ import inspect
 import re
 from typing import Any, Callable, Iterable
 
-from trainingrun_trainer.config import Component, TrainerConfig
+from trainingrun_trainer.config import Component, ConfigError, TrainerConfig
 
 __all__ = ["ConfigError", "BUILTIN_CLASSES", "build", "check", "check_builtin", "is_builtin", "named_classes", "resolve", "snake_case", "camel_case"]
 
@@ -45,14 +45,6 @@ BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
         "samples_per_step": False},
 }
 BUILTIN_PACKAGE = "trainingrun_trainer"
-
-
-class ConfigError(ValueError):
-    """A trainer config that cannot work; the message names the field path and the fix.
-
-    A ValueError, so callers that already treat bad values as permanent failures (exit code 1-127)
-    treat this one the same way.
-    """
 
 
 _WORD_BOUNDARY = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")

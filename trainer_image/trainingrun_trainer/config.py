@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
@@ -27,6 +28,14 @@ NO_CREDENTIALS = ("holds credentials (user:password@ before the bucket or host):
                   "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)")
 #: The URI rules as CEL on the checkpoint object, not on the string: for a rule on a string (and for `pattern`)
 #: the API server repeats the value in its error, and a URI may hold credentials; for an object it says "object".
+class ConfigError(ValueError):
+    """A trainer config that cannot work; the message names the field path and the fix.
+
+    A ValueError, so callers that already treat bad values as permanent failures (exit code 1-127)
+    treat this one the same way.
+    """
+
+
 #: Where a run without spec.checkpoint.uri checkpoints in a pod: its /tmp emptyDir. A trial's default, not a real run's.
 POD_DISK_CHECKPOINTS = "file:///tmp/trainingrun/checkpoints"
 
@@ -356,3 +365,20 @@ class RunConfig(ApiModel):
 
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig
+
+
+def load_config(path: str) -> RunConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as error:
+        raise ConfigError(f"cannot read the trainer config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"the trainer config {path} is not valid YAML: {error}") from None
+    try:
+        return RunConfig.from_wire(data or {})
+    except ValidationError as error:
+        lines = [
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors(include_url=False)
+        ]
+        raise ConfigError(f"invalid trainer config {path}:\n  " + "\n  ".join(lines)) from None

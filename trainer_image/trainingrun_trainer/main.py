@@ -9,32 +9,11 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
-import yaml
-from pydantic import ValidationError
-
 from . import exit_codes
-from .components import ConfigError
-from .config import RunConfig
+from .config import RunConfig, load_config
 from .context import ContextError, RunContext
 
 log = logging.getLogger("trainingrun.trainer")
-
-
-def load_config(path: str) -> RunConfig:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as error:
-        raise ConfigError(f"cannot read the trainer config {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"the trainer config {path} is not valid YAML: {error}") from None
-    try:
-        return RunConfig.from_wire(data or {})
-    except ValidationError as error:
-        lines = [
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors(include_url=False)
-        ]
-        raise ConfigError(f"invalid trainer config {path}:\n  " + "\n  ".join(lines)) from None
 
 
 def preflight(config: RunConfig, device_type: str) -> None:

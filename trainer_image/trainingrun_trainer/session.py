@@ -104,7 +104,7 @@ class Run:
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Run":
         """Build from TRAININGRUN_* variables and the `checkpoint` section of TRAININGRUN_CONFIG."""
-        from .main import load_config
+        from .config import load_config
 
         context = RunContext.from_env()
         return cls(context, load_config(context.config_path).checkpoint, **kwargs)
