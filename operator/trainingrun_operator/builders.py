@@ -184,7 +184,7 @@ def omp_threads(spec: api.TrainingRunSpec, nproc: Optional[int] = None) -> Optio
 def contract_env(
     run: api.TrainingRun, attempt: int, config_path: str, resume_from: Optional[str] = None
 ) -> dict[str, str]:
-    """The plain-valued part of DESIGN.md's operator-trainer contract: the same for a pod and for
+    """The plain-valued part of the operator-trainer contract (docs/architecture.md): the same for a pod and for
     `trainingrun local`, so the two cannot drift apart."""
     spec = run.spec
     env = {

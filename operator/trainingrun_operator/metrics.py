@@ -1,6 +1,6 @@
 """The operator's Prometheus metrics, served on /metrics next to /readyz.
 
-Names follow DESIGN.md (base units, `_total` for counters). A registry per operator instance keeps
+Names follow the Prometheus conventions (base units, `_total` for counters). A registry per operator instance keeps
 tests independent of each other.
 
     trainingrun_operator_runs{phase}                         TrainingRuns this operator sees, by phase

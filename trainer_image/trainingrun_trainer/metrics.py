@@ -38,7 +38,7 @@ MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 CHECKPOINT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-#: How often NVML is read, at most (DESIGN.md: at most once a second).
+#: How often NVML is read, at most: once a second, however often Prometheus scrapes.
 GPU_POLL_SECONDS = 1.0
 
 
