@@ -1,4 +1,6 @@
 """Pure parts of the local runner: defaults, .env parsing, secret resolution, exit classification."""
+import os
+
 import pytest
 
 from trainingrun_operator import local
@@ -178,7 +180,7 @@ def test_threads_per_process(tmp_path, monkeypatch, cpu, nproc, shell, user, exp
         body += f"  env: [{{name: OMP_NUM_THREADS, value: '{user}'}}]\n"
     path = tmp_path / "run.yaml"
     path.write_text(body)
-    monkeypatch.setattr(local.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     if shell:
         monkeypatch.setenv("OMP_NUM_THREADS", shell)
     else:

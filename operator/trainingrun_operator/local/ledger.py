@@ -1,0 +1,37 @@
+"""What one local run keeps between invocations of `trainingrun local`."""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass
+class RunLedger:
+    """What one local run keeps between invocations of `trainingrun local` (runs/<name>/run.json): its uid, so a
+    rerun resumes as the same run, and the wall time spent so far, for goodput over every invocation. The cluster
+    has both in the TrainingRun itself (metadata.uid, status.startTime). A new checkpoint URI is a new run."""
+
+    path: Path
+    uid: str
+    checkpoint_uri: str
+    wall_seconds: float = 0.0  #: of the earlier invocations
+
+    @classmethod
+    def load(cls, run_dir: Path, checkpoint_uri: str, uid: Optional[str] = None) -> "RunLedger":
+        """The saved one for this checkpoint URI, else a new one (with `uid`, else a fresh uid), not saved yet."""
+        path = run_dir / "run.json"
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if saved.get("checkpointUri") == checkpoint_uri and isinstance(saved.get("uid"), str):
+                return cls(path, saved["uid"], checkpoint_uri, float(saved.get("wallSeconds") or 0.0))
+        except (OSError, ValueError, TypeError):
+            pass  # none yet, or unreadable: a new run
+        return cls(path, uid or str(uuid.uuid4()), checkpoint_uri)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"uid": self.uid, "checkpointUri": self.checkpoint_uri,
+                                         "wallSeconds": round(self.wall_seconds, 3)}), encoding="utf-8")
