@@ -12,7 +12,7 @@ nextAttemptTime while Recovering, startTime for goodput and the checkpoint URI t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, Optional
 
 from trainingrun_trainer import contract, exit_codes
@@ -77,17 +77,7 @@ class Failure:
 # ---------------------------------------------------------------- small pure helpers
 
 
-def rfc3339(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(value: Optional[str]) -> Optional[datetime]:
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
+rfc3339, parse_time = contract.rfc3339, contract.parse_time  # the one pair of time helpers, used here often
 
 
 def with_checkpoint_uri(run: api.TrainingRun, uri: str) -> api.TrainingRun:

@@ -84,6 +84,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # n
 from torch.distributed.checkpoint.staging import BlockingAsyncStager  # noqa: E402
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
 
+from .contract import rfc3339  # noqa: E402
+
 __all__ = [
     "CheckpointInfo",
     "CheckpointLoadError",
@@ -251,7 +253,7 @@ class PendingSave:
 
 
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return rfc3339(datetime.now(timezone.utc), fraction=True)
 
 
 def step_dir_name(step: int) -> str:

@@ -18,6 +18,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 # ---------------------------------------------------------------- environment of a trainer container
@@ -163,6 +164,21 @@ class Report:
         if checkpoint and checkpoint_step(checkpoint.uri, checkpoint_uri) != checkpoint.step:
             return (f"lastGoodCheckpoint.uri {checkpoint.uri} is not the step-{checkpoint.step:08d} directory under "
                     f"the run's checkpoint URI {checkpoint_uri}")
+        return None
+
+
+def rfc3339(moment: datetime, fraction: bool = False) -> str:
+    """A time as Kubernetes writes it (UTC, `Z`); with `fraction`, microseconds too (checkpoint manifests)."""
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ" if fraction else "%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Optional[str]) -> Optional[datetime]:
+    """An RFC 3339 time from status or a report; None when absent or malformed."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
         return None
 
 
