@@ -144,3 +144,21 @@ def test_a_report_is_refused_for_another_run_or_attempt_or_a_checkpoint_elsewher
     assert report.refusal("ns", "demo", "u", 2, "s3://bkt/demo")
     with pytest.raises(contract.ReportError, match="larger than"):
         Report.from_json(b"x" * (contract.MAX_REPORT_BYTES + 1))
+
+
+def test_a_report_sets_status_fields_the_status_model_has_under_the_same_names():
+    """The contract's wire names and the typed status model (which generates the CRD's status schema) agree, both
+    ways: a full report validates strictly and dumps back unchanged, and the model has no progress or checkpoint
+    field a report cannot set."""
+    from trainingrun_operator import api
+
+    report = Report("team-a", "demo", "uid-1", 2,
+                    progress=Progress(step=7, updated_at="2026-11-24T00:00:00Z", total_steps=10, loss=1.5,
+                                      samples_per_second=320.0, productive_seconds=12.5),
+                    last_good_checkpoint=CommittedCheckpoint("s3://b/run/step-00000005", 5, "2026-11-24T00:00:00Z",
+                                                             "0" * 64))
+    fields = report.status_fields()
+    status = api.TrainingRunStatus.model_validate(fields)  # extra="forbid": an unknown name fails here
+    assert status.model_dump(by_alias=True, exclude_none=True, include={"progress", "last_good_checkpoint"}) == fields
+    assert set(Progress.WIRE.values()) == {f.alias or n for n, f in api.Progress.model_fields.items()}
+    assert set(CommittedCheckpoint.WIRE.values()) == {f.alias or n for n, f in api.CheckpointRef.model_fields.items()}
