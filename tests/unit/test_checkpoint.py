@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainingrun_trainer import checkpoint as ckpt
+from trainingrun_trainer.checkpoint.safe_load import _MetadataUnpickler
+from trainingrun_trainer.checkpoint.storage import _Storage
 from trainingrun_trainer.checkpoint import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -164,7 +166,7 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
     store.save(1, {"model": model.state_dict()}, blocking=True)
 
     seen_when_committing = []
-    real_write = ckpt._Storage.write_bytes
+    real_write = _Storage.write_bytes
 
     def spy(self, uri, data, atomic=False):
         if uri.endswith(MANIFEST_NAME):
@@ -172,7 +174,7 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
             seen_when_committing.append(sorted(p.name for p in directory.iterdir()))
         return real_write(self, uri, data, atomic)
 
-    monkeypatch.setattr(ckpt._Storage, "write_bytes", spy)
+    monkeypatch.setattr(_Storage, "write_bytes", spy)
     assert store.save(2, {"model": model.state_dict()}, blocking=True).result().valid
     # Every other file was complete before the manifest was written.
     assert seen_when_committing == [[".metadata", "__0_0.distcp", "extra-rank-0.pt"]]
@@ -183,13 +185,13 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
             raise OSError("killed before the commit")
         return real_write(self, uri, data, atomic)
 
-    monkeypatch.setattr(ckpt._Storage, "write_bytes", crash_before_commit)
+    monkeypatch.setattr(_Storage, "write_bytes", crash_before_commit)
     caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
     assert store.save(3, {"model": model.state_dict()}).result() is None
     assert store.failed_saves == 1
     errors = [r for r in caplog.records if r.name == "trainingrun.checkpoint" and r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "killed before the commit" in errors[0].getMessage()
-    monkeypatch.setattr(ckpt._Storage, "write_bytes", real_write)
+    monkeypatch.setattr(_Storage, "write_bytes", real_write)
 
     assert (step_dir(root, 3) / "__0_0.distcp").exists()
     assert not (step_dir(root, 3) / MANIFEST_NAME).exists()
@@ -302,7 +304,7 @@ def test_metadata_may_name_dcp_enum_members_through_getattr_and_nothing_else():
             return (getattr, self.target)
 
     def load(obj):
-        return ckpt._MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
 
     assert load([Reduced(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")]) == [_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT]
     with pytest.raises(pickle.UnpicklingError, match="only members of DCP's own enums"):

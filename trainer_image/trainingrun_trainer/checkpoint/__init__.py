@@ -1,0 +1,93 @@
+"""The trainer's checkpoint store: torch.distributed.checkpoint (DCP) on gs://, s3:// or file://.
+
+Layout of one checkpoint, ``<uri>/step-<step, 8 digits>/``::
+
+    .metadata              DCP's global metadata (rank 0)
+    __<rank>_<n>.distcp    DCP data files, written by every rank (replicated tensors are
+                           de-duplicated by DCP's planner, so a DDP model is written once)
+    extra-rank-<r>.pt      torch.save of that rank's ``extra`` dict (RNG states, sampler...)
+    manifest.json          the commit marker, written LAST by rank 0
+
+``manifest.json`` = ``{format_version, step, time, world_size, config_hash, model_digest,
+torch_version, files: [{path, size, sha256}]}`` listing every other file of the directory.
+A checkpoint without a valid manifest does not exist: readers skip directories with no manifest
+(a save that never finished) and directories whose files are missing or do not match the
+manifest's sizes / sha256 (corruption), and fall back to older ones.
+
+Every scheme goes through fsspec and DCP's ``FsspecWriter`` / ``FsspecReader``, file:// (or a
+plain path) included: one code path, so the fast file:// tests exercise the same code that
+writes to buckets. ``gs://`` uses gcsfs defaults (Application Default Credentials,
+``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``); ``s3://`` uses s3fs defaults
+(``AWS_*`` variables) and honours ``endpoint_url`` (config ``checkpoint.endpointUrl``) or
+``AWS_ENDPOINT_URL``. ``storage_options`` passes anything else to the fsspec filesystem.
+
+How a save is sequenced (same on every rank; collectives use a dedicated gloo group):
+
+1. ``save()`` (training thread) first finishes the previous save, then stages: DCP's
+   ``BlockingAsyncStager`` copies every tensor of ``state`` into new CPU tensors (a real copy,
+   also for CPU tensors), and ``extra`` is serialized to bytes. Then it returns; the training
+   loop may change its tensors at once.
+2. A single background thread (reused across saves, so fsspec/gcsfs sessions are reused) runs
+   ``dcp.save``: rank 0 clears a stale directory of the same step while planning (before any
+   rank writes), every rank writes its data files, rank 0 writes ``.metadata`` after DCP has
+   gathered every rank's write results. Sizes and sha256 are computed while the bytes stream
+   out, so nothing is read back.
+3. Every rank writes ``extra-rank-<r>.pt``; all ranks exchange (ok/error, file hashes).
+4. Only if every rank succeeded, rank 0 writes ``manifest.json`` (file://: temp file, fsync,
+   rename; object stores: one PUT, which is atomic) and broadcasts the outcome, so every rank's
+   ``wait()`` returns the same :class:`CheckpointInfo` (or ``None``).
+5. Rank 0 rotates (:meth:`CheckpointStore.rotate`).
+
+A storage error in steps 2-4 never raises into the training loop: each rank logs it once
+(logger ``trainingrun.checkpoint``), counts it in ``failed_saves``, no manifest is written, and
+the next save starts from scratch. Errors while staging (a caller bug such as an unpicklable
+``extra``) do raise.
+
+Trust model: nothing read from storage can run code. ``extra`` files and DCP's non-tensor values
+are loaded with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples, dicts,
+numpy arrays), DCP's ``.metadata`` with an unpickler that admits only DCP's metadata classes, torch
+dtypes and sizes; anything else fails the load, and resume falls back to an older checkpoint. Keep
+``extra`` to such plain values. The sha256 in the manifest detects corruption (every file is
+re-hashed before a resume), not tampering by someone who may write the bucket.
+
+The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer), `manifest`
+(inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store`
+(`CheckpointStore`), `listing` (the CLI's table).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+# gcsfs's experimental zonal/HNS bucket support probes every bucket first; against the GCS
+# emulator that probe hangs for about a minute. We need neither; a user may still opt in.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+# DCP warns on every single-process save/load that torch.distributed is not initialized;
+# single-process is a supported mode here, so that one message is silenced.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+
+from .digest import model_digest  # noqa: E402
+from .layout import (FORMAT_VERSION, MANIFEST_NAME, CheckpointInfo, CheckpointLoadError, PendingSave,  # noqa: E402
+                     StorageUnavailable, now_rfc3339, step_dir_name)
+from .listing import format_table, to_json  # noqa: E402
+from .manifest import verify  # noqa: E402
+from .safe_load import load_plain  # noqa: E402
+from .store import CheckpointStore  # noqa: E402
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointLoadError",
+    "CheckpointStore",
+    "PendingSave",
+    "StorageUnavailable",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "format_table",
+    "load_plain",
+    "model_digest",
+    "now_rfc3339",
+    "step_dir_name",
+    "to_json",
+    "verify",
+]

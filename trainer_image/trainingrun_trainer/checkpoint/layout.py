@@ -1,0 +1,98 @@
+"""How a checkpoint looks on storage: names, the format version, and the types that describe one."""
+from __future__ import annotations
+
+import logging
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Optional
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..contract import rfc3339
+
+
+logger = logging.getLogger("trainingrun.checkpoint")
+
+#: Version of the manifest format; readers accept this version only.
+FORMAT_VERSION = 1
+#: Name of the commit marker inside a checkpoint directory.
+MANIFEST_NAME = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_EXTRA = "extra-rank-{rank}.pt"
+_HASH_CHUNK = 8 * 1024 * 1024
+# DCP's CheckpointException derives from BaseException, not Exception: catch it by name.
+_SAVE_ERRORS = (Exception, CheckpointException)
+
+
+class CheckpointLoadError(Exception):
+    """A committed checkpoint that cannot be loaded (its content, not its files, is wrong)."""
+
+
+class StorageUnavailable(Exception):
+    """The checkpoint storage could not be read (unreachable, refused, timed out): a later attempt may succeed."""
+
+
+@dataclass
+class CheckpointInfo:
+    """One checkpoint directory as found in storage.
+
+    ``valid`` is False when the directory has no manifest or its files do not match it; then
+    ``reason`` says why ("no manifest (partial save)", "missing file <f>", "size mismatch in <f>",
+    "sha256 mismatch in <f>", "manifest unreadable: ..."). ``time`` is the manifest's commit time
+    (RFC 3339, UTC); for a directory without a readable manifest, the newest file's modification
+    time when storage reports one, else "". ``size_bytes`` counts every file in the directory.
+    ``manifest_sha256`` (sha256 of manifest.json) identifies the committed checkpoint, e.g. in
+    the TrainingRun's ``status.lastGoodCheckpoint.sha256``.
+    """
+
+    step: int
+    uri: str
+    time: str
+    size_bytes: int
+    valid: bool
+    reason: Optional[str] = None
+    model_digest: Optional[str] = None
+    world_size: Optional[int] = None
+    manifest_sha256: Optional[str] = None
+
+
+class PendingSave:
+    """Handle of one save returned by :meth:`CheckpointStore.save`.
+
+    ``step``: the step being saved. ``blocking_seconds``: how long ``save()`` blocked its caller.
+    ``done()``: whether the save finished (committed or failed). ``result(timeout=None)``: waits
+    and returns the committed :class:`CheckpointInfo`, or ``None`` when the save failed; it never
+    raises a storage error.
+    """
+
+    def __init__(self, step: int, future: "Future[Optional[CheckpointInfo]]", blocking_seconds: float):
+        self.step = step
+        self.blocking_seconds = blocking_seconds
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: Optional[float] = None) -> Optional[CheckpointInfo]:
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        return f"PendingSave(step={self.step}, done={self.done()})"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def now_rfc3339() -> str:
+    return rfc3339(datetime.now(timezone.utc), fraction=True)
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of a step's checkpoint: ``step-00000100``."""
+    return f"step-{step:08d}"
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name

@@ -1,0 +1,44 @@
+"""What `trainingrun checkpoints URI [--json]` prints."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterable
+
+from .layout import CheckpointInfo
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def format_table(infos: Iterable[CheckpointInfo]) -> str:
+    """A fixed-width table of checkpoints (step, valid, time, size, model digest prefix, and the
+    URI or, for an invalid one, the reason), one per line, with a header."""
+    rows = [("STEP", "VALID", "TIME", "SIZE", "MODEL", "URI / REASON")]
+    for info in infos:
+        rows.append((
+            str(info.step),
+            "yes" if info.valid else "NO",
+            info.time or "-",
+            _human_bytes(info.size_bytes),
+            (info.model_digest or "-")[:12],
+            info.uri if info.valid else f"{info.uri}  ({info.reason})",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(w) if i in (0, 3) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells + [row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def to_json(infos: Iterable[CheckpointInfo]) -> str:
+    """A JSON array of checkpoints, one object per :class:`CheckpointInfo` with all its fields
+    (step, uri, time, size_bytes, valid, reason, model_digest, world_size, manifest_sha256)."""
+    return json.dumps([dataclasses.asdict(info) for info in infos], indent=2)

@@ -1,0 +1,108 @@
+"""Inspecting checkpoints: a directory's manifest, its files checked against it, and `verify`."""
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from typing import Mapping, Optional
+
+from .layout import CheckpointInfo, FORMAT_VERSION, MANIFEST_NAME, _STEP_DIR, _join
+from .storage import _Storage, _entry_time, _is_file, _storage_options
+
+
+def _parse_manifest(raw: bytes) -> dict:
+    manifest = json.loads(raw)
+    if not isinstance(manifest, dict):
+        raise ValueError("not a JSON object")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(
+        isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
+        and isinstance(f.get("sha256"), str)
+        for f in files
+    ):
+        raise ValueError("'files' is not a list of {path, size, sha256}")
+    if not isinstance(manifest.get("step"), int):
+        raise ValueError("'step' is not an integer")
+    return manifest
+
+
+def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
+             trusted: Optional[Mapping[str, str]] = None) -> CheckpointInfo:
+    """Check one step directory. Shallow: manifest readable, every file present with its size.
+    Deep: also re-hash every file, unless ``trusted`` maps this uri to this very manifest's sha256
+    (this process wrote or verified it; used by rotation only)."""
+    listing = storage.listing(uri)
+    files = {name: e for name, e in listing.items() if _is_file(e)}
+    size = sum(int(e.get("size") or 0) for e in files.values())
+    newest = max((_entry_time(e) for e in files.values()), default="")
+
+    def invalid(reason: str, manifest: Optional[dict] = None, manifest_sha: Optional[str] = None):
+        manifest = manifest or {}
+        return CheckpointInfo(
+            step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=False,
+            reason=reason, model_digest=manifest.get("model_digest") or None,
+            world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
+        )
+
+    if MANIFEST_NAME not in files:
+        return invalid("no manifest (partial save)")
+    try:
+        raw = storage.read_bytes(_join(uri, MANIFEST_NAME))
+        manifest_sha = hashlib.sha256(raw).hexdigest()
+        manifest = _parse_manifest(raw)
+    except FileNotFoundError:
+        return invalid("no manifest (partial save)")
+    except Exception as exc:  # unreadable JSON, wrong format version, storage error
+        return invalid(f"manifest unreadable: {exc}")
+    if manifest["step"] != step:
+        return invalid(f"manifest is for step {manifest['step']}", manifest, manifest_sha)
+    for entry in manifest["files"]:
+        name = entry["path"]
+        if name not in files:
+            return invalid(f"missing file {name}", manifest, manifest_sha)
+        listed = files[name].get("size")
+        if listed is not None and int(listed) != entry["size"]:
+            return invalid(f"size mismatch in {name}", manifest, manifest_sha)
+    if deep and not (trusted and trusted.get(uri) == manifest_sha):
+        for entry in manifest["files"]:
+            name = entry["path"]
+            try:
+                got_size, got_sha = storage.sha256(_join(uri, name))
+            except FileNotFoundError:
+                return invalid(f"missing file {name}", manifest, manifest_sha)
+            if got_size != entry["size"]:
+                return invalid(f"size mismatch in {name}", manifest, manifest_sha)
+            if got_sha != entry["sha256"]:
+                return invalid(f"sha256 mismatch in {name}", manifest, manifest_sha)
+    return CheckpointInfo(
+        step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=True,
+        reason=None, model_digest=manifest.get("model_digest") or None,
+        world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
+    )
+
+
+def _step_dirs(storage: _Storage, base_uri: str) -> list[tuple[int, str]]:
+    """(step, uri) of every step-* directory below base_uri, newest step first."""
+    found = []
+    for name, entry in storage.listing(base_uri).items():
+        match = _STEP_DIR.match(name)
+        if match and not _is_file(entry):
+            found.append((int(match.group(1)), _join(base_uri, name)))
+    return sorted(found, reverse=True)
+
+
+def verify(uri: str, *, endpoint_url: Optional[str] = None,
+           storage_options: Optional[Mapping] = None) -> CheckpointInfo:
+    """Re-hash the files of one checkpoint directory (``<base>/step-NNNNNNNN``) against its
+    manifest and return what was found; ``valid`` False with a ``reason`` when they differ."""
+    uri = uri.rstrip("/")
+    match = _STEP_DIR.match(posixpath.basename(uri))
+    if not match:
+        raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
+    storage = _Storage(uri, _storage_options(uri, endpoint_url, storage_options))
+    return _inspect(storage, uri, int(match.group(1)), deep=True)
+
+
+# --------------------------------------------------------------------------------------------

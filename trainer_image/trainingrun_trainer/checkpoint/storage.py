@@ -1,0 +1,117 @@
+"""fsspec storage for checkpoints: options per scheme, listing and the few operations the store needs."""
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+from datetime import datetime, timezone
+from typing import Mapping, Optional
+
+from fsspec.core import url_to_fs
+
+from .layout import _HASH_CHUNK
+
+
+def _storage_options(uri: str, endpoint_url: Optional[str], storage_options: Optional[Mapping]) -> dict:
+    opts = dict(storage_options or {})
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme in ("s3", "s3a"):
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts.setdefault("endpoint_url", endpoint)
+    elif scheme in ("gs", "gcs"):
+        if endpoint_url:
+            opts.setdefault("endpoint_url", endpoint_url)
+    elif endpoint_url:
+        raise ValueError(f"endpoint_url is only used with s3:// or gs:// URIs, not {uri!r}")
+    return opts
+
+
+def _entry_time(entry: Mapping) -> str:
+    """Best-effort modification time of an fsspec ls entry (local, gcsfs, s3fs) as RFC 3339."""
+    for key in ("mtime", "updated", "LastModified", "last_modified"):
+        value = entry.get(key)
+        if value is None:
+            continue
+        try:
+            if isinstance(value, (int, float)):
+                dt = datetime.fromtimestamp(value, timezone.utc)
+            elif isinstance(value, datetime):
+                dt = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+            else:
+                dt = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+            return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        except (TypeError, ValueError, OverflowError, OSError):
+            continue
+    return ""
+
+
+class _Storage:
+    """The few fsspec operations the store needs, on URIs below one base URI."""
+
+    def __init__(self, uri: str, options: Mapping):
+        self.options = dict(options)
+        self.fs, _ = url_to_fs(uri, **self.options)
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.local = protocol in ("file", "local")
+
+    def _path(self, uri: str) -> str:
+        return self.fs._strip_protocol(uri)
+
+    def listing(self, uri: str) -> dict[str, dict]:
+        """{name: ls entry} of the files and dirs directly below uri ({} when it does not exist).
+
+        Listing caches are dropped first: other ranks and processes write here too.
+        """
+        path = self._path(uri)
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for entry in entries:
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            if name and entry["name"].rstrip("/") != path.rstrip("/"):
+                out[name] = entry
+        return out
+
+    def read_bytes(self, uri: str) -> bytes:
+        return self.fs.cat_file(self._path(uri))
+
+    def sha256(self, uri: str) -> tuple[int, str]:
+        digest = hashlib.sha256()
+        size = 0
+        with self.fs.open(self._path(uri), "rb", block_size=_HASH_CHUNK) as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        return size, digest.hexdigest()
+
+    def write_bytes(self, uri: str, data: bytes, atomic: bool = False) -> None:
+        """Write a whole file. On file://, fsync it, and with atomic=True write a temp file and
+        rename it into place. On object stores, one PUT is already atomic and durable."""
+        path = self._path(uri)
+        if not self.local:
+            self.fs.pipe_file(path, data)
+            return
+        target = path + ".tmp" if atomic else path
+        with open(target, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if atomic:
+            os.replace(target, path)
+
+    def rm_file(self, uri: str) -> None:
+        self.fs.rm_file(self._path(uri))
+
+    def rm_tree(self, uri: str) -> None:
+        self.fs.rm(self._path(uri), recursive=True)
+
+
+def _is_file(entry: Mapping) -> bool:
+    return entry.get("type", "file") == "file"
+
+
+# --------------------------------------------------------------------------------------------

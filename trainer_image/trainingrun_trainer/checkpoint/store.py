@@ -1,0 +1,454 @@
+"""`CheckpointStore`: saves (async, committed by the manifest), lists, loads and rotates checkpoints."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import posixpath
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .layout import (CheckpointInfo, CheckpointLoadError, FORMAT_VERSION, MANIFEST_NAME, PendingSave, _EXTRA,
+                     _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
+from .manifest import _inspect, _step_dirs
+from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
+from .storage import _Storage, _is_file, _storage_options
+from .writer import _Writer
+
+
+@dataclass
+class _SaveJob:
+    step: int
+    state: Any
+    extra: bytes
+    config_hash: str
+    model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
+    started: float
+    logged: bool = False  # this rank already logged the failure
+
+
+def _describe(exc: BaseException) -> str:
+    """One line about an error; for DCP's CheckpointException, the underlying error of each rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict):
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _stage(state: Mapping[str, Any]) -> dict:
+    """CPU copy of `state` (Stateful objects replaced by their state_dict), as DCP's async_save
+    stages it: new CPU tensors filled by copy, containers rebuilt, other values deep-copied."""
+    plain = {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
+    return BlockingAsyncStager(type_check=False).stage(plain)
+
+
+class CheckpointStore:
+    """Saves, lists, loads and rotates checkpoints below ``uri`` (gs://, s3://, file:// or a path).
+
+    Args:
+        uri: base URI of the run's checkpoints; each step gets ``<uri>/step-NNNNNNNN/``.
+        keep: newest valid checkpoints that rotation keeps (>= 1).
+        keep_every: also keep every valid checkpoint whose step is a multiple of this.
+        endpoint_url: S3-compatible endpoint for s3:// (default ``AWS_ENDPOINT_URL``); for gs://,
+            a GCS endpoint such as an emulator.
+        process_group: the ranks that checkpoint together (default: all). Under torch.distributed
+            the store creates its own gloo group over these ranks for its background collectives,
+            so construct the store on every rank at the same point of the program.
+        storage_options: extra keyword arguments for the fsspec filesystem (e.g. ``token``).
+
+    Metrics of this rank, for Prometheus: ``failed_saves``, ``committed_saves``, ``restores``; ``last_blocking_seconds`` (how long
+    ``save()`` held the training loop, including waiting for the previous save);
+    ``last_save_seconds`` (staging start to commit); ``last_save_bytes`` (bytes this rank wrote,
+    manifest included on rank 0); ``last_restore_seconds`` (last ``load()``).
+
+    The store is not thread-safe: call it from the training thread only.
+    """
+
+    def __init__(self, uri: str, keep: int = 3, keep_every: Optional[int] = None,
+                 endpoint_url: Optional[str] = None, process_group: Any = None, *,
+                 storage_options: Optional[Mapping] = None):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be at least 1 or None, got {keep_every}")
+        uri = uri.rstrip("/") if not uri.rstrip("/").endswith(":") else uri
+        self.uri = uri
+        self.keep = keep
+        self.keep_every = keep_every
+        self._options = _storage_options(uri, endpoint_url, storage_options)
+        self._storage = _Storage(uri, self._options)
+
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._pg = None
+        self.rank, self.world_size = 0, 1
+        if self._distributed:
+            if process_group is None:
+                self._pg = dist.new_group(backend="gloo")
+            else:
+                ranks = dist.get_process_group_ranks(process_group)
+                self._pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            self.rank = dist.get_rank(self._pg)
+            self.world_size = dist.get_world_size(self._pg)
+
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
+        self._pending: Optional[PendingSave] = None
+        self._last_result: Optional[CheckpointInfo] = None
+        # uri -> manifest sha256 of checkpoints this process committed or deep-verified.
+        self._trusted: dict[str, str] = {}
+        self._closed = False
+        self._manifest_bytes = 0
+
+        self.failed_saves = 0
+        self.committed_saves = 0
+        self.restores = 0
+        self.last_save_seconds = 0.0
+        self.last_save_bytes = 0
+        self.last_blocking_seconds = 0.0
+        self.last_restore_seconds = 0.0
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, state: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None, *,
+             config_hash: str = "", model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
+             blocking: bool = False) -> PendingSave:
+        """Checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank.
+
+        ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` for model + optimizer).
+        ``extra``: this rank's own small state (RNG states, sampler position...), torch.save'd to
+        ``extra-rank-<r>.pt``. ``config_hash`` and ``model_digest`` (see :func:`model_digest`)
+        are recorded in the manifest as given ("" = not recorded); ``model_digest`` may be a
+        function of the staged state, then rank 0 computes it in the background.
+
+        Finishes the previous save first, then stages (copies) state and extra and returns; the
+        write and commit run in the background unless ``blocking``. Never raises a storage error:
+        a failed save returns a handle whose ``result()`` is None and counts in ``failed_saves``.
+        """
+        if self._closed:
+            raise RuntimeError("the checkpoint store is closed")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        began = time.perf_counter()
+        self.wait()
+        started = time.perf_counter()
+        buffer = io.BytesIO()
+        torch.save(dict(extra or {}), buffer)
+        job = _SaveJob(step=step, state=_stage(state), extra=buffer.getvalue(),
+                       config_hash=config_hash, model_digest=model_digest, started=started)
+        if blocking:
+            future: Future = Future()
+            future.set_result(self._run(job))
+        else:
+            future = self._executor.submit(self._run, job)
+        self.last_blocking_seconds = time.perf_counter() - began
+        pending = PendingSave(step, future, self.last_blocking_seconds)
+        self._pending = pending
+        return pending
+
+    def wait(self) -> Optional[CheckpointInfo]:
+        """Finish the save in flight, if any, and return the most recent save's outcome: the
+        committed :class:`CheckpointInfo`, or None if it failed (or nothing was saved yet)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._last_result = pending.result()
+        return self._last_result
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the background thread. Idempotent."""
+        if self._closed:
+            return
+        self.wait()
+        self._executor.shutdown(wait=True)
+        self._closed = True
+
+    def __enter__(self) -> "CheckpointStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _step_uri(self, step: int) -> str:
+        return _join(self.uri, step_dir_name(step))
+
+    def _clear_step_dir(self, step_uri: str) -> None:
+        """Coordinator, while DCP plans: remove what an earlier save of this step left (manifest
+        first, so the directory is never a committed checkpoint with new data)."""
+        listing = self._storage.listing(step_uri)
+        if not listing:
+            return
+        if MANIFEST_NAME in listing:
+            logger.warning("overwriting the committed checkpoint %s", step_uri)
+            self._storage.rm_file(_join(step_uri, MANIFEST_NAME))
+            self._trusted.pop(step_uri, None)
+        for name, entry in listing.items():
+            if name == MANIFEST_NAME:
+                continue
+            if _is_file(entry):
+                self._storage.rm_file(_join(step_uri, name))
+            else:
+                self._storage.rm_tree(_join(step_uri, name))
+
+    def _gather(self, obj: Any) -> list:
+        if not self._distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self._distributed:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self._pg, group_src=0)
+        return box[0]
+
+    def _run(self, job: _SaveJob) -> Optional[CheckpointInfo]:
+        """Write, commit, rotate. Runs on every rank (background thread unless blocking); never
+        raises: errors become a None result, a log record and failed_saves."""
+        step_uri = self._step_uri(job.step)
+        record: dict[str, tuple[int, str]] = {}
+        error: Optional[str] = None
+        try:
+            writer = _Writer(
+                step_uri, record,
+                on_global_plan=lambda: self._clear_step_dir(step_uri),
+                sync_files=self._storage.local, **self._options,
+            )
+            dcp.save(job.state, storage_writer=writer, process_group=self._pg,
+                     no_dist=not self._distributed)
+            name = _EXTRA.format(rank=self.rank)
+            self._storage.write_bytes(_join(step_uri, name), job.extra)
+            record[name] = (len(job.extra), hashlib.sha256(job.extra).hexdigest())
+        except _SAVE_ERRORS as exc:
+            error = _describe(exc)
+            logger.error("checkpoint step %d: rank %d could not write %s: %s",
+                         job.step, self.rank, step_uri, error, exc_info=True)
+            job.logged = True
+        if callable(job.model_digest):
+            # From the staged copy, in the background, so training does not wait for it; rank 0 only
+            # writes the manifest, so only rank 0 computes it.
+            job.model_digest = job.model_digest(job.state) if self.rank == 0 and error is None else ""
+        job.state = None  # drop the staged copy
+
+        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str]]] = None
+        try:
+            statuses = self._gather((error, record))
+            if self.rank == 0:
+                outcome = self._commit(job, step_uri, statuses)
+            outcome = self._broadcast(outcome)
+        except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
+            outcome = (None, _describe(exc))
+            if not job.logged:
+                logger.error("checkpoint step %d: rank %d lost contact with its peers: %s",
+                             job.step, self.rank, outcome[1], exc_info=True)
+                job.logged = True
+        info, commit_error = outcome
+        if info is None:
+            self.failed_saves += 1
+            if not job.logged:  # another rank failed: one record on this rank too
+                logger.error("checkpoint step %d was not committed: %s", job.step, commit_error)
+            return None
+
+        self.last_save_seconds = time.perf_counter() - job.started
+        self.last_save_bytes = sum(size for size, _ in record.values())
+        self.committed_saves += 1
+        if self.rank == 0:
+            self.last_save_bytes += self._manifest_bytes
+            logger.info("committed checkpoint step %d to %s (%d bytes, %.2f s)", job.step, info.uri,
+                        info.size_bytes, self.last_save_seconds)
+            try:
+                self._rotate()
+            except Exception as exc:
+                logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
+        return info
+
+    def _commit(self, job: _SaveJob, step_uri: str, statuses: list) -> tuple[Optional[CheckpointInfo], Optional[str]]:
+        """Rank 0: write the manifest if every rank succeeded. Returns (info, error)."""
+        self._manifest_bytes = 0
+        failed = [(rank, err) for rank, (err, _) in enumerate(statuses) if err is not None]
+        if failed:
+            return None, "; ".join(f"rank {rank}: {err}" for rank, err in failed)
+        files = {}
+        for _, record in statuses:
+            files.update(record)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": job.step,
+            "time": now_rfc3339(),
+            "world_size": self.world_size,
+            "config_hash": job.config_hash,
+            "model_digest": job.model_digest,
+            "torch_version": torch.__version__,
+            "files": [{"path": name, "size": size, "sha256": sha}
+                      for name, (size, sha) in sorted(files.items())],
+        }
+        raw = (json.dumps(manifest, indent=1) + "\n").encode()
+        try:
+            self._storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)
+            job.logged = True
+            return None, f"rank 0: {error}"
+        self._manifest_bytes = len(raw)
+        manifest_sha = hashlib.sha256(raw).hexdigest()
+        self._trusted[step_uri] = manifest_sha
+        info = CheckpointInfo(
+            step=job.step, uri=step_uri, time=manifest["time"],
+            size_bytes=sum(size for size, _ in files.values()) + len(raw), valid=True, reason=None,
+            model_digest=job.model_digest or None, world_size=self.world_size,
+            manifest_sha256=manifest_sha,
+        )
+        return info, None
+
+    # ------------------------------------------------------------------ reading
+
+    def list(self, verify: bool = True) -> list[CheckpointInfo]:
+        """Every step directory below the store's uri, newest step first, valid or not. With
+        ``verify`` (default) every file is re-hashed; without, only presence and sizes are checked.
+        Works on any single rank (no collective)."""
+        return [_inspect(self._storage, uri, step, deep=verify)
+                for step, uri in _step_dirs(self._storage, self.uri)]
+
+    def _find_latest_valid(self) -> Optional[CheckpointInfo]:
+        for step, uri in _step_dirs(self._storage, self.uri):
+            info = _inspect(self._storage, uri, step, deep=True)  # always re-hash: resume path
+            if info.valid:
+                self._trusted[uri] = info.manifest_sha256
+                return info
+            logger.warning("skipping checkpoint %s: %s", uri, info.reason)
+        return None
+
+    def latest_valid(self) -> Optional[CheckpointInfo]:
+        """The newest checkpoint whose files match its manifest (every file re-hashed, also the
+        ones this process wrote), or None; invalid newer directories are skipped with a warning.
+
+        Finishes the save in flight first. Under torch.distributed this is a collective: call it
+        on every rank; rank 0 verifies and broadcasts the answer, so every rank resumes from the
+        same checkpoint."""
+        self.wait()
+        if not self._distributed:
+            return self._find_latest_valid()
+        result: Any = None
+        if self.rank == 0:
+            try:
+                result = self._find_latest_valid()
+            except Exception as exc:
+                result = exc
+        result = self._broadcast(result)
+        if isinstance(result, Exception):
+            raise result
+        if result is not None:
+            self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
+        return result
+
+    def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict) -> dict:
+        """Load a checkpoint into ``state`` in place (DCP: tensors are copied into the tensors
+        already in ``state``, resharding as needed; Stateful objects get ``load_state_dict``) and
+        return this rank's ``extra`` dict ({} with a warning when the checkpoint was written by
+        fewer ranks). Under torch.distributed, call on every rank.
+
+        Every file is re-hashed against the manifest first, and a ValueError raised if it is not a
+        committed checkpoint, unless this process wrote or verified this very manifest (a
+        CheckpointInfo from :meth:`latest_valid` was).
+        """
+        self.wait()
+        began = time.perf_counter()
+        uri = info_or_uri.uri if isinstance(info_or_uri, CheckpointInfo) else str(info_or_uri).rstrip("/")
+        match = _STEP_DIR.match(posixpath.basename(uri))
+        if not match:
+            raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
+        info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
+        if not info.valid:
+            raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
+        reader = _PlainReader(uri, **self._options)
+        try:
+            dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), process_group=self._pg,
+                     no_dist=not self._distributed)
+        except CheckpointException as exc:  # a BaseException: make it an error that says what failed
+            raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+        extra_uri = _join(uri, _EXTRA.format(rank=self.rank))
+        try:
+            raw = self._storage.read_bytes(extra_uri)
+        except FileNotFoundError:
+            logger.warning("%s has no extra state for rank %d (saved by fewer ranks)", uri, self.rank)
+            extra: dict = {}
+        else:
+            try:
+                extra = load_plain(raw)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointLoadError(f"cannot load {extra_uri}: it holds more than plain values "
+                                          f"(refusing to run code from storage): {exc}".splitlines()[0]) from None
+        self.last_restore_seconds = time.perf_counter() - began
+        self.restores += 1
+        return extra
+
+    # ------------------------------------------------------------------ rotation
+
+    def rotate(self) -> list[str]:
+        """Delete checkpoints that are neither among the ``keep`` newest valid ones nor milestones
+        (valid, step % keep_every == 0), and invalid directories older than the newest valid
+        checkpoint (they can never be resumed from). Never deletes the newest valid checkpoint
+        (verified by re-hash unless this process wrote it) or anything newer than it. Only rank
+        0 deletes; other ranks return []. Returns the deleted URIs. Runs after every commit.
+
+        Checkpoints older than the newest valid one are judged by presence and size only, to
+        avoid reading every checkpoint on every save. A manifest is deleted before its files, so
+        an interrupted deletion leaves a directory that reads as a partial save.
+        """
+        self.wait()
+        return self._rotate()
+
+    def _rotate(self) -> list[str]:
+        if self.rank != 0:
+            return []
+        dirs = _step_dirs(self._storage, self.uri)
+        newest_valid: Optional[int] = None
+        verdicts: list[tuple[int, str, bool]] = []
+        for step, uri in dirs:
+            if newest_valid is None:
+                info = _inspect(self._storage, uri, step, deep=True, trusted=self._trusted)
+                if info.valid:
+                    newest_valid = step
+                    self._trusted[uri] = info.manifest_sha256
+            else:
+                info = _inspect(self._storage, uri, step, deep=False)
+            verdicts.append((step, uri, info.valid))
+        if newest_valid is None:
+            return []
+        kept = 0
+        doomed = []
+        for step, uri, valid in verdicts:
+            if step > newest_valid:
+                continue  # newer than the newest valid: maybe a save in progress elsewhere
+            if valid:
+                kept += 1
+                if kept <= self.keep or (self.keep_every and step % self.keep_every == 0):
+                    continue
+            doomed.append(uri)
+        for uri in doomed:
+            try:
+                self._storage.rm_file(_join(uri, MANIFEST_NAME))
+            except FileNotFoundError:
+                pass
+            self._trusted.pop(uri, None)
+            self._storage.rm_tree(uri)
+            logger.info("rotated out checkpoint %s", uri)
+        return doomed
+
+
+# --------------------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The DCP writer that hashes every file as it is written, for the manifest."""
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+
+class _HashingStream:
+    """Passes writes to a DCP output stream and keeps the size and sha256 of what went through."""
+
+    def __init__(self, raw: Any):
+        self._raw = raw
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        self._sha.update(view)
+        self.size += view.nbytes
+        return view.nbytes if written is None else written
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+    def writable(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, closed, seekable...
+        return getattr(self._raw, name)
+
+
+class _HashingFileSystem:
+    """Wraps DCP's fsspec FileSystem: records {basename: (size, sha256)} of every file DCP writes,
+    following DCP's rename of ``.metadata.tmp`` to ``.metadata``."""
+
+    def __init__(self, inner: Any, record: dict):
+        self._inner = inner
+        self._record = record
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if not any(ch in mode for ch in "wa+"):
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self._inner.create_stream(path, mode) as stream:
+            tee = _HashingStream(stream)
+            yield tee
+        self._record[posixpath.basename(os.fspath(path))] = (tee.size, tee.hexdigest())
+
+    def rename(self, path, new_path) -> None:
+        self._inner.rename(path, new_path)
+        record = self._record.pop(posixpath.basename(os.fspath(path)), None)
+        if record is not None:
+            self._record[posixpath.basename(os.fspath(new_path))] = record
+
+
+class _Writer(FsspecWriter):
+    """DCP's FsspecWriter plus hashing of every file written and, on the coordinator, the removal
+    of a stale directory of the same step while planning (before any rank writes data)."""
+
+    def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool, **storage_options):
+        super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
+        self.fs = _HashingFileSystem(self.fs, record)
+        self._on_global_plan = on_global_plan
+
+    def _metadata_exists(self) -> bool:
+        # DCP warns about an existing .metadata ("overwriting since overwrite=True ...") before
+        # planning; re-saving a step is legitimate here and the coordinator clears the stale
+        # directory in prepare_global_plan, before anything is written.
+        return False
+
+    def prepare_global_plan(self, plans):
+        self._on_global_plan()
+        return super().prepare_global_plan(plans)
+
+
+# --------------------------------------------------------------------------------------------
