@@ -8,6 +8,9 @@ Handlers stay thin; decisions are in reconcile.py, objects in builders.py, API c
 Runs are reconciled one at a time per run (a lock each), and the status fields the operator owns
 are taken from its own last write until the watch delivers it, so two quick triggers can never
 charge one failure twice or start an attempt twice. Everything else survives a restart in status.
+
+Over 500 lines because it is every place the operator touches the API server (children, status, Events,
+backoff on refusals, the health and metrics servers, startup); split it by those before it grows further.
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ cluster, and a restarted operator decides the same from the same status.
 
 Everything the operator must remember lives in `status`: attempt, jobName, restarts by cause,
 nextAttemptTime while Recovering, startTime for goodput and the checkpoint URI the run started with.
+
+Slightly over 500 lines: one decision function and the helpers that read pods and jobs for it, kept together
+so a reader sees the whole decision; the recovery policy itself is in recovery.py.
 """
 from __future__ import annotations
 
