@@ -278,9 +278,10 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
             status = merged_status(body.get("status") or {}, state.written.get(key, {}))
             try:
                 run = validation.parse(run_document(body), from_server=True)
-                if run.spec.image is None:
+                if run.spec.image is None and status.get("observedGeneration") != run.metadata.generation:
                     # The operator's own trainer image: the same release, whose built-in classes it knows. A misspelt
-                    # one is refused now, not after scheduling and an image pull (a user's image may differ).
+                    # one is refused now, not after scheduling and an image pull (a user's image may differ). Once per
+                    # spec generation: a generation the operator has acted on passed this check.
                     problems = validation.component_problems(run)
                     if problems:
                         raise validation.InvalidTrainingRun(problems)

@@ -38,10 +38,14 @@ class Decision:
     retry: bool
     restarts: Restarts  #: counted with this end (unchanged after a permanent error)
     counter: str = ""  #: "failures" or "preemptions": the budget this end is charged to
-    budget_field: str = ""  #: its spec.recovery field, maxFailures or maxPreemptions
-    budget: int = 0
+    budget: int = 0  #: that budget's spec.recovery value
     delay_seconds: int = 0  #: before the next attempt, when retrying
     stop_reason: str = ""  #: PermanentError, FailureBudgetSpent or PreemptionBudgetSpent, when not retrying
+
+    @property
+    def budget_field(self) -> str:
+        """The spec.recovery field of the budget: maxFailures or maxPreemptions."""
+        return {"failures": "maxFailures", "preemptions": "maxPreemptions"}.get(self.counter, "")
 
     @property
     def used(self) -> int:
@@ -64,13 +68,13 @@ def after_attempt(recovery: api.Recovery, restarts: Restarts, cause: str) -> Dec
         return Decision(retry=False, restarts=restarts, stop_reason="PermanentError")
     if cause == PREEMPTION:
         counted = Restarts(restarts.failures, restarts.preemptions + 1)
-        counter, budget_field, budget = "preemptions", "maxPreemptions", recovery.max_preemptions
+        counter, budget = "preemptions", recovery.max_preemptions
     else:
         counted = Restarts(restarts.failures + 1, restarts.preemptions)
-        counter, budget_field, budget = "failures", "maxFailures", recovery.max_failures
+        counter, budget = "failures", recovery.max_failures
     spent = getattr(counted, counter) > budget
     return Decision(
-        retry=not spent, restarts=counted, counter=counter, budget_field=budget_field, budget=budget,
+        retry=not spent, restarts=counted, counter=counter, budget=budget,
         delay_seconds=0 if spent else backoff_seconds(recovery, counted.total),
         stop_reason=("PreemptionBudgetSpent" if cause == PREEMPTION else "FailureBudgetSpent") if spent else "",
     )

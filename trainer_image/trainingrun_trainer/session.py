@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import exit_codes
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
-from .config import CheckpointConfig
+from .config import CheckpointConfig, load_config
 from .context import RunContext
 from . import reporting
 from .contract import CommittedCheckpoint, Progress, Report
@@ -104,8 +104,6 @@ class Run:
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Run":
         """Build from TRAININGRUN_* variables and the `checkpoint` section of TRAININGRUN_CONFIG."""
-        from .config import load_config
-
         context = RunContext.from_env()
         return cls(context, load_config(context.config_path).checkpoint, **kwargs)
 
