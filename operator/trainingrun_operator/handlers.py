@@ -1,8 +1,12 @@
 """kopf handlers: keep kopf's in-memory indexes of runs, jobs and pods, and reconcile on any change.
 
-Every trigger (a TrainingRun event, a PyTorchJob or pod event, the periodic resync) leads to the same
-level-triggered `reconcile_run`: read the run and its children from the indexes (no API reads),
-let `reconcile.decide` choose, then create/patch/delete what the plan says and write status.
+Every trigger (a TrainingRun event, a PyTorchJob or pod event, the periodic resync) queues the run's key;
+a fixed number of workers take keys from the queue and run the same level-triggered `reconcile_run`: read
+the run and its children from the indexes (no API reads), let `reconcile.decide` choose, then
+create/patch/delete what the plan says and write status. A key already queued is not queued again: the
+worker reads the indexes when it starts, so it sees every change that queued it. The kopf handlers only
+queue, so kopf's per-event machinery is never held up by API calls: in a burst of 2,000 runs, reconciles
+waiting inside kopf's handlers held ~4,000 of its handler stacks at once, most of the operator's memory.
 Handlers stay thin; decisions are in reconcile.py, objects in builders.py, API calls in kube.py.
 
 Runs are reconciled one at a time per run (a lock each), and the status fields the operator owns
@@ -29,6 +33,7 @@ from typing import Any, Awaitable, Callable, Optional
 import kopf
 
 from . import api, builders, reconcile, reports, validation
+from . import kube as kube_module
 from .kube import ApiError, Kube
 from .metrics import OperatorMetrics
 from .settings import Settings
@@ -80,6 +85,12 @@ class OperatorState:
     #: Operator-owned status as last written, until the watch shows it: no double charging.
     written: dict[Key, dict[str, Any]] = field(default_factory=dict)
     locks: dict[Key, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
+    #: Runs waiting in `work` for a reconcile worker, each once however often it was triggered meanwhile.
+    queued: set[Key] = field(default_factory=set)
+    work: asyncio.Queue = field(default_factory=asyncio.Queue)
+    #: Events waiting to be posted: a reconcile never waits for one (they have the lowest priority of all
+    #: requests, and a reconcile waiting for its Event held up the runs behind it).
+    events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(EVENTS_QUEUED_MAX))
     #: Warning Events of each namespace with runs Pending for a while, see _namespace_warnings.
     warnings: dict[str, "WarningsRead"] = field(default_factory=dict)
     warnings_locks: dict[str, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
@@ -102,14 +113,30 @@ class OperatorState:
     def client(self) -> Kube:
         if self.kube is None:
             assert self.connection is not None, "no login yet"
-            self.kube = Kube(self.connection, on_error=lambda code: self.metrics.api_errors.labels(str(code)).inc())
+            self.kube = Kube(self.connection, on_error=lambda code: self.metrics.api_errors.labels(str(code)).inc(),
+                             in_flight=self.settings.api_requests_in_flight)
         return self.kube
+
+    def enqueue(self, key: Key) -> None:
+        if key not in self.queued:
+            self.queued.add(key)
+            self.work.put_nowait(key)
+
+    def queue_event(self, body: dict[str, Any], note: reconcile.Note) -> None:
+        try:
+            self.events.put_nowait(event_object(body, note, self.clock()))
+        except asyncio.QueueFull:
+            self.metrics.events_dropped.inc()
+            meta = body.get("metadata") or {}
+            log.warning("%s/%s: %s: %s (not posted as an Event: %d are waiting to be posted)", meta.get("namespace"),
+                        meta.get("name"), note.reason, note.message, EVENTS_QUEUED_MAX)
 
     def forget(self, key: Key) -> None:
         self.written.pop(key, None)
         self.rejections.pop(key, None)
         self.metrics.phases.pop(key, None)
         self.locks.pop(key, None)
+        self.queued.discard(key)
         self.metrics.forget_run(*key)
 
 
@@ -201,6 +228,10 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if state.settings.metrics_port:
             state.tasks.append(asyncio.create_task(_serve_metrics(state), name="trainingrun-metrics"))
         state.tasks.append(asyncio.create_task(_resync(state), name="trainingrun-resync"))
+        state.tasks += [asyncio.create_task(_reconcile_worker(state), name=f"trainingrun-reconcile-{n}")
+                        for n in range(state.settings.reconcile_workers)]
+        state.tasks += [asyncio.create_task(_post_events(state), name=f"trainingrun-events-{n}")
+                        for n in range(EVENT_SENDERS)]
         if state.settings.report_port and state.settings.report_url:
             state.tasks.append(asyncio.create_task(_serve_reports(state), name="trainingrun-reports"))
         elif not state.settings.report_url:
@@ -245,64 +276,91 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
     async def pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, labels[builders.LABEL_RUN]): slim_pod(body)}
 
-    @kopf.on.event(*RUNS, registry=registry)
-    async def run_event(type: str, namespace: str, name: str, **kwargs: Any) -> None:
+    def keep_indexes(kwargs: dict[str, Any]) -> None:
         if state.indexes is None:
             state.indexes = {k: kwargs[k] for k in ("runs", "jobs", "pods")}
+
+    @kopf.on.event(*RUNS, registry=registry)
+    async def run_event(type: str, namespace: str, name: str, **kwargs: Any) -> None:
+        keep_indexes(kwargs)
         if type == "DELETED":
             state.forget((namespace, name))  # children go with it (ownerReferences); checkpoints stay
             return
-        await reconcile_run(state, (namespace, name), **kwargs)
+        state.enqueue((namespace, name))
 
     @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
     async def job_event(type: str, namespace: str, name: str, labels: Any, **kwargs: Any) -> None:
+        keep_indexes(kwargs)
         if type == "DELETED":
             state.created_jobs.discard((namespace, name))
-        await reconcile_run(state, (namespace, labels[builders.LABEL_RUN]), **kwargs)
+        state.enqueue((namespace, labels[builders.LABEL_RUN]))
 
     @kopf.on.event(*PODS, labels=CHILD_FILTER, registry=registry)
     async def pod_event(namespace: str, labels: Any, **kwargs: Any) -> None:
-        await reconcile_run(state, (namespace, labels[builders.LABEL_RUN]), **kwargs)
+        keep_indexes(kwargs)
+        state.enqueue((namespace, labels[builders.LABEL_RUN]))
 
 
+
+
+async def _reconcile_worker(state: OperatorState) -> None:
+    """Reconcile queued runs one after another, for ever. A failure is logged; the resync queues the run again."""
+    while True:
+        key = await state.work.get()
+        state.queued.discard(key)
+        if state.indexes is None:
+            continue
+        try:
+            await reconcile_run(state, key, **state.indexes)
+        except (ApiError, OSError, asyncio.TimeoutError) as error:
+            log.warning("%s/%s: reconcile failed, retrying within %ss: %s", key[0], key[1],
+                        state.settings.reconcile_interval_seconds, error)
+        except Exception:  # noqa: BLE001 - a bug in one run's reconcile must not stop the others
+            log.exception("%s/%s: reconcile failed, retrying within %ss", key[0], key[1],
+                          state.settings.reconcile_interval_seconds)
 
 
 async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index, pods: kopf.Index,
                         **_: Any) -> None:
     async with state.locks[key]:
-        body = next(iter(runs.get(key, [])), None)
-        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-            return
-        started = time.monotonic()
+        await _reconcile_locked(state, key, runs=runs, jobs=jobs, pods=pods)
+
+
+async def _reconcile_locked(state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index,
+                            pods: kopf.Index) -> None:
+    body = next(iter(runs.get(key, [])), None)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    started = time.monotonic()
+    try:
+        status = merged_status(body.get("status") or {}, state.written.get(key, {}))
         try:
-            status = merged_status(body.get("status") or {}, state.written.get(key, {}))
-            try:
-                run = validation.parse(run_document(body), from_server=True)
-                if run.spec.image is None and status.get("observedGeneration") != run.metadata.generation:
-                    # The operator's own trainer image: the same release, whose built-in classes it knows. A misspelt
-                    # one is refused now, not after scheduling and an image pull (a user's image may differ). Once per
-                    # spec generation: a generation the operator has acted on passed this check.
-                    problems = validation.component_problems(run)
-                    if problems:
-                        raise validation.InvalidTrainingRun(problems)
-            except validation.InvalidTrainingRun as error:
-                await _reject(state, key, body, status, error)
-                return
-            # Only this run's own jobs: anyone may label a PyTorchJob with the run's name; it is not this run's.
-            owned = [j for j in jobs.get(key, []) if controller_uid(j) == run.metadata.uid]
-            observed = reconcile.Observed(
-                run=run, status=status,
-                jobs={j["metadata"]["name"]: j for j in owned},
-                pods=list(pods.get(key, [])), now=state.clock(),
-                keep_failed_attempts=state.settings.keep_failed_attempts,
-                warnings=await _pending_warnings(state, key, status),
-            )
-            plan = reconcile.decide(observed)
-            await _carry_out(state, key, run, body, plan,
-                             job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()})
-            state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
-        finally:
-            state.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            run = validation.parse(run_document(body), from_server=True)
+            if run.spec.image is None and status.get("observedGeneration") != run.metadata.generation:
+                # The operator's own trainer image: the same release, whose built-in classes it knows. A misspelt
+                # one is refused now, not after scheduling and an image pull (a user's image may differ). Once per
+                # spec generation: a generation the operator has acted on passed this check.
+                problems = validation.component_problems(run)
+                if problems:
+                    raise validation.InvalidTrainingRun(problems)
+        except validation.InvalidTrainingRun as error:
+            await _reject(state, key, body, status, error)
+            return
+        # Only this run's own jobs: anyone may label a PyTorchJob with the run's name; it is not this run's.
+        owned = [j for j in jobs.get(key, []) if controller_uid(j) == run.metadata.uid]
+        observed = reconcile.Observed(
+            run=run, status=status,
+            jobs={j["metadata"]["name"]: j for j in owned},
+            pods=list(pods.get(key, [])), now=state.clock(),
+            keep_failed_attempts=state.settings.keep_failed_attempts,
+            warnings=await _pending_warnings(state, key, status),
+        )
+        plan = reconcile.decide(observed)
+        await _carry_out(state, key, run, body, plan,
+                         job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()})
+        state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
+    finally:
+        state.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
 
 async def _pending_warnings(state: OperatorState, key: Key, status: dict[str, Any]) -> list[dict[str, Any]]:
@@ -374,13 +432,14 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
                 raise
         state.created_jobs.discard((namespace, job_name))
     if plan.status:
-        await kube.patch(api.API_VERSION, api.KIND, namespace, name, {"status": plan.status}, subresource="status")
+        await kube.patch(api.API_VERSION, api.KIND, namespace, name, {"status": plan.status}, subresource="status",
+                         priority=kube_module.STATUS)
         written = state.written.setdefault(key, {})
         written.update({k: v for k, v in plan.status.items() if k in OPERATOR_FIELDS})
         if plan.restart_cause:
             state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
     for note in plan.events:
-        await post_event(kube, body, note, state.clock())
+        state.queue_event(body, note)
 
 
 async def _create_children(state: OperatorState, key: Key, body: dict[str, Any], plan: reconcile.Plan,
@@ -527,11 +586,11 @@ async def _reject(state: OperatorState, key: Key, body: dict[str, Any], status: 
         await _carry_out(state, key, None, body, plan)
 
 
-async def post_event(kube: Kube, body: dict[str, Any], note: reconcile.Note, now: datetime) -> None:
-    """A core/v1 Event on the TrainingRun; a failure to post is logged, never fatal."""
+def event_object(body: dict[str, Any], note: reconcile.Note, now: datetime) -> dict[str, Any]:
+    """A core/v1 Event about the TrainingRun `body`."""
     meta = body.get("metadata") or {}
     stamp = reconcile.rfc3339(now)
-    event = {
+    return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}", "namespace": meta.get("namespace")},
@@ -547,12 +606,25 @@ async def post_event(kube: Kube, body: dict[str, Any], note: reconcile.Note, now
         "reportingComponent": "trainingrun-operator",
         "reportingInstance": socket.gethostname(),
     }
-    try:
-        await kube.create(event)
-    except (ApiError, OSError) as error:
-        log.warning("could not post Event %s on %s/%s: %s", note.reason, meta.get("namespace"), meta.get("name"), error)
-    else:
-        log.info("%s/%s: %s: %s", meta.get("namespace"), meta.get("name"), note.reason, note.message)
+
+
+#: Events queued at most; past that (the API server far behind) they are logged, counted and not posted.
+EVENTS_QUEUED_MAX = 10_000
+EVENT_SENDERS = 2
+
+
+async def _post_events(state: OperatorState) -> None:
+    """Post queued Events, for ever; a failure to post one is logged, never fatal."""
+    while True:
+        event = await state.events.get()
+        about = event["involvedObject"]
+        try:
+            await state.client().create(event, priority=kube_module.EVENT)
+        except (ApiError, OSError, asyncio.TimeoutError) as error:
+            log.warning("could not post Event %s on %s/%s: %s", event["reason"], about["namespace"], about["name"],
+                        error)
+        else:
+            log.info("%s/%s: %s: %s", about["namespace"], about["name"], event["reason"], event["message"])
 
 
 async def _resync(state: OperatorState) -> None:
@@ -564,11 +636,7 @@ async def _resync(state: OperatorState) -> None:
         if state.indexes is None:
             continue  # no run seen yet
         for key in list(state.indexes["runs"].keys()):
-            try:
-                await reconcile_run(state, key, **state.indexes)
-            except Exception as error:  # noqa: BLE001 - the next round retries
-                log.warning("%s/%s: reconcile failed, retrying in %ss: %s", key[0], key[1],
-                            state.settings.reconcile_interval_seconds, error)
+            state.enqueue(key)
 
 
 async def _watch_crd(state: OperatorState) -> None:

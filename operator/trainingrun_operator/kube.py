@@ -5,10 +5,16 @@ credentials kopf logged in with (`kopf.ConnectionInfo`), retries throttling and 
 backoff (honouring Retry-After), and raises `ApiError` with the status code for everything else,
 so callers can treat 409 on create as "already there" and 404 on delete as "already gone".
 Every error is counted by status code in the operator metrics.
+
+Requests go out at most `in_flight` at a time, the waiting ones by priority: what starts training (an
+attempt's children) before status, status before Events. In a burst of new runs the API server is the
+bottleneck; without an order every run's status and Event write delayed every other run's PyTorchJob.
 """
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from typing import Any, Callable, Optional
 
 import aiohttp
@@ -26,6 +32,41 @@ PLURALS = {
     ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
 }
 RETRIED_STATUSES = (429, 500, 502, 503, 504)
+#: Priorities of requests, most urgent first: creating, changing and deleting children; a run's status;
+#: Events (kubectl describe), which nothing waits for.
+ACT, STATUS, EVENT = 0, 1, 2
+
+
+class PriorityGate:
+    """At most `limit` holders at a time; waiters are let in by priority (lowest first), then in order."""
+
+    def __init__(self, limit: int):
+        self.limit, self.holders = limit, 0
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []
+        self._order = itertools.count()
+
+    async def __call__(self, priority: int) -> "PriorityGate":
+        if self.holders < self.limit and not self._waiting:
+            self.holders += 1
+            return self
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (priority, next(self._order), turn))
+        try:
+            await turn  # the releaser counted this holder in already
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # let in, then cancelled before it could use its turn
+            raise
+        return self
+
+    def release(self) -> None:
+        self.holders -= 1
+        while self._waiting:
+            _, _, turn = heapq.heappop(self._waiting)
+            if not turn.done():  # skip waiters that were cancelled
+                self.holders += 1
+                turn.set_result(None)
+                return
 
 
 class ApiError(Exception):
@@ -49,8 +90,9 @@ class Kube:
     """API calls with kopf's credentials. `on_error(status)` is told about every failed call."""
 
     def __init__(self, info: Any, *, on_error: Callable[[int], None] = lambda status: None,
-                 retries: int = 4, backoff_seconds: float = 0.2):
+                 retries: int = 4, backoff_seconds: float = 0.2, in_flight: int = 32):
         self.server = info.server.rstrip("/")
+        self.gate = PriorityGate(in_flight)
         self.on_error = on_error
         self.retries, self.backoff_seconds = retries, backoff_seconds
         from . import __version__
@@ -63,40 +105,44 @@ class Kube:
     async def close(self) -> None:
         await self._session.close()
 
-    async def request(self, method: str, path: str, body: Any = None,
-                      content_type: str = "application/json") -> dict[str, Any]:
+    async def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                      priority: int = ACT) -> dict[str, Any]:
         for attempt in range(self.retries + 1):
-            async with self._session.request(method, self.server + path, json=body,
-                                             headers={"Content-Type": content_type}) as response:
-                if response.status < 400:
-                    return await response.json(content_type=None) or {}
-                self.on_error(response.status)
-                if response.status in RETRIED_STATUSES and attempt < self.retries:
-                    retry_after = response.headers.get("Retry-After", "")
-                    delay = float(retry_after) if retry_after.isdigit() else self.backoff_seconds * 2 ** attempt
-                    await asyncio.sleep(min(delay, 10.0))
-                    continue
-                try:
-                    payload = await response.json(content_type=None) or {}
-                except (ValueError, aiohttp.ContentTypeError):
-                    payload = {}
-                raise ApiError(response.status, str(payload.get("reason") or response.reason),
-                               str(payload.get("message") or ""))
+            await self.gate(priority)
+            try:
+                async with self._session.request(method, self.server + path, json=body,
+                                                 headers={"Content-Type": content_type}) as response:
+                    if response.status < 400:
+                        return await response.json(content_type=None) or {}
+                    self.on_error(response.status)
+                    try:
+                        payload = await response.json(content_type=None) or {}
+                    except (ValueError, aiohttp.ContentTypeError):
+                        payload = {}
+            finally:
+                self.gate.release()
+            if response.status in RETRIED_STATUSES and attempt < self.retries:
+                retry_after = response.headers.get("Retry-After", "")
+                delay = float(retry_after) if retry_after.isdigit() else self.backoff_seconds * 2 ** attempt
+                await asyncio.sleep(min(delay, 10.0))  # outside the gate: a throttled call holds no place
+                continue
+            raise ApiError(response.status, str(payload.get("reason") or response.reason),
+                           str(payload.get("message") or ""))
         raise AssertionError("unreachable")
 
-    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, obj: dict[str, Any], priority: int = ACT) -> dict[str, Any]:
         """POST with strict field validation: a field the server does not know is an error (400), never
         silently dropped (the PyTorchJob CRD would prune it without a word)."""
         meta = obj["metadata"]
         path = collection_path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
-        return await self.request("POST", path + "?fieldValidation=Strict", obj)
+        return await self.request("POST", path + "?fieldValidation=Strict", obj, priority=priority)
 
     async def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Any,
-                    subresource: str = "", json_patch: bool = False) -> dict[str, Any]:
+                    subresource: str = "", json_patch: bool = False, priority: int = ACT) -> dict[str, Any]:
         """A merge patch (a dict), or with `json_patch` a JSON patch (a list of operations, all or none)."""
         path = object_path(api_version, kind, namespace, name, subresource)
         content_type = "application/json-patch+json" if json_patch else "application/merge-patch+json"
-        return await self.request("PATCH", path, patch, content_type=content_type)
+        return await self.request("PATCH", path, patch, content_type=content_type, priority=priority)
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: Optional[str] = None) -> None:
         """Delete (background propagation); with `uid`, only that object (409 when the name is another's now)."""

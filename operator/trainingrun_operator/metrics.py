@@ -8,6 +8,7 @@ tests independent of each other.
     trainingrun_operator_restarts_total{namespace,run,cause}  attempts ended early: failure, preemption, stall
     trainingrun_operator_reconcile_duration_seconds          one reconcile, decision and API calls
     trainingrun_operator_api_errors_total{code}              failed Kubernetes API calls by HTTP status
+    trainingrun_operator_events_dropped_total                Events logged but not posted: too many were waiting
     trainingrun_operator_ready                               1 when the PyTorchJob CRD is served
 """
 from __future__ import annotations
@@ -35,6 +36,9 @@ class OperatorMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)
         self.api_errors = Counter("trainingrun_operator_api_errors", "Failed Kubernetes API calls, by HTTP status.",
                                   ["code"], registry=self.registry)
+        self.events_dropped = Counter("trainingrun_operator_events_dropped",
+                                      "Events logged but not posted, because too many were waiting to be posted.",
+                                      registry=self.registry)
         self.ready = Gauge("trainingrun_operator_ready", "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",
                            registry=self.registry)
         self.registry.register(_RunsByPhase(self))

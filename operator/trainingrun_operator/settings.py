@@ -61,6 +61,13 @@ class Settings:
     report_ca: str = ""
     #: How long a TokenReview's answer about a report token is reused (TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS).
     report_token_cache_seconds: float = 60.0
+    #: The operator's own API requests in flight at once; more wait, children of new attempts first, then
+    #: status, then Events (TRAININGRUN_API_REQUESTS_IN_FLIGHT). kopf's watches are not counted.
+    api_requests_in_flight: int = 32
+    #: Runs reconciled at once (TRAININGRUN_RECONCILE_WORKERS); every trigger queues its run, and a run
+    #: queued several times is reconciled once. Each reconcile holds its run's parsed spec while it waits
+    #: for the API server, so this bounds the operator's memory in a burst.
+    reconcile_workers: int = 64
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -75,6 +82,9 @@ class Settings:
             except ValueError:
                 raise ValueError(f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number") from None
 
+        for name in ("TRAININGRUN_API_REQUESTS_IN_FLIGHT", "TRAININGRUN_RECONCILE_WORKERS"):
+            if number(name, 1) < 1:
+                raise ValueError(f"{name}={env[name]!r} must be at least 1")
         report_url = env.get("TRAININGRUN_REPORT_URL", defaults.report_url)
         tls_dir = env.get("TRAININGRUN_REPORT_TLS_DIR", defaults.report_tls_dir)
         ca_path = Path(tls_dir) / "ca.crt"
@@ -103,6 +113,8 @@ class Settings:
             report_ca=ca,
             report_token_cache_seconds=number("TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS",
                                               defaults.report_token_cache_seconds, float),
+            api_requests_in_flight=number("TRAININGRUN_API_REQUESTS_IN_FLIGHT", defaults.api_requests_in_flight),
+            reconcile_workers=number("TRAININGRUN_RECONCILE_WORKERS", defaults.reconcile_workers),
         )
 
     @property

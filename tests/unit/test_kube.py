@@ -1,4 +1,6 @@
-"""API paths for the kinds the operator writes."""
+"""API paths for the kinds the operator writes, and the order its requests go out in."""
+import pytest
+
 from trainingrun_operator.kube import collection_path, object_path
 
 
@@ -9,3 +11,47 @@ def test_paths():
         "/apis/trainingrun.dev/v1alpha1/namespaces/ns/trainingruns/demo/status"
     assert object_path("rbac.authorization.k8s.io/v1", "Role", "ns", "r") == \
         "/apis/rbac.authorization.k8s.io/v1/namespaces/ns/roles/r"
+
+
+@pytest.mark.asyncio
+async def test_the_gate_lets_waiters_in_by_priority_then_in_order():
+    """Children of new attempts before status writes before Events, whatever order they asked in."""
+    import asyncio
+
+    from trainingrun_operator.kube import ACT, EVENT, STATUS, PriorityGate
+
+    gate = PriorityGate(1)
+    await gate(ACT)  # the one place is taken
+    order = []
+
+    async def wait(label, priority):
+        await gate(priority)
+        order.append(label)
+        gate.release()
+
+    waiters = [asyncio.create_task(wait(label, priority)) for label, priority in
+               (("event", EVENT), ("status 1", STATUS), ("child", ACT), ("status 2", STATUS))]
+    await asyncio.sleep(0)  # all four are waiting
+    assert order == [] and gate.holders == 1
+    gate.release()
+    await asyncio.gather(*waiters)
+    assert order == ["child", "status 1", "status 2", "event"]
+    assert gate.holders == 0
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_waiter_gives_its_place_back():
+    import asyncio
+
+    from trainingrun_operator.kube import ACT, PriorityGate
+
+    gate = PriorityGate(1)
+    await gate(ACT)
+    cancelled = asyncio.create_task(gate(ACT))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    gate.release()  # would hand the place to the cancelled waiter
+    await asyncio.gather(cancelled, return_exceptions=True)
+    assert gate.holders == 0
+    await asyncio.wait_for(gate(ACT), 1)  # the place is free
+    assert gate.holders == 1

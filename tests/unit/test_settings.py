@@ -21,6 +21,13 @@ def test_a_bad_number_names_the_variable():
         Settings.from_env({"TRAININGRUN_OPERATOR_METRICS_PORT": "nine"})
 
 
+@pytest.mark.parametrize("name", ["TRAININGRUN_API_REQUESTS_IN_FLIGHT", "TRAININGRUN_RECONCILE_WORKERS"])
+def test_concurrency_of_at_least_one(name):
+    assert getattr(Settings.from_env({name: "3"}), name.removeprefix("TRAININGRUN_").lower()) == 3
+    with pytest.raises(ValueError, match=f"{name}='0' must be at least 1"):
+        Settings.from_env({name: "0"})
+
+
 def test_cli_flags_override_the_environment(monkeypatch):
     import trainingrun_operator.handlers as handlers
     from trainingrun_operator import cli

@@ -1,0 +1,34 @@
+"""The operator's work queue and Event queue, without a server (the kopf handlers around them are tested in
+tests/integration and tests/real_api)."""
+import logging
+
+import pytest
+
+from trainingrun_operator import handlers, reconcile
+from trainingrun_operator.settings import Settings
+
+
+@pytest.mark.asyncio
+async def test_a_run_triggered_many_times_while_queued_is_reconciled_once():
+    state = handlers.OperatorState(Settings())
+    for _ in range(3):
+        state.enqueue(("team", "a"))
+    state.enqueue(("team", "b"))
+    assert state.work.qsize() == 2
+    assert state.work.get_nowait() == ("team", "a")
+    state.queued.discard(("team", "a"))  # a worker took it: a new trigger queues it again
+    state.enqueue(("team", "a"))
+    assert state.work.qsize() == 2
+
+
+@pytest.mark.asyncio
+async def test_events_past_the_queue_limit_are_logged_and_counted_not_raised(monkeypatch, caplog):
+    monkeypatch.setattr(handlers, "EVENTS_QUEUED_MAX", 2)
+    state = handlers.OperatorState(Settings())
+    body = {"metadata": {"name": "a", "namespace": "team", "uid": "u"}}
+    with caplog.at_level(logging.WARNING, logger="trainingrun.operator"):
+        for n in range(3):
+            state.queue_event(body, reconcile.Note("Normal", "AttemptStarted", f"attempt {n}"))
+    assert state.events.qsize() == 2
+    assert state.metrics.events_dropped._value.get() == 1
+    assert "team/a: AttemptStarted: attempt 2 (not posted as an Event" in caplog.text
