@@ -308,8 +308,6 @@ async def _reconcile_worker(state: OperatorState) -> None:
     while True:
         key = await state.work.get()
         state.queued.discard(key)
-        if state.indexes is None:
-            continue
         try:
             await reconcile_run(state, key, **state.indexes)
         except (ApiError, OSError, asyncio.TimeoutError) as error:
@@ -323,44 +321,39 @@ async def _reconcile_worker(state: OperatorState) -> None:
 async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index, pods: kopf.Index,
                         **_: Any) -> None:
     async with state.locks[key]:
-        await _reconcile_locked(state, key, runs=runs, jobs=jobs, pods=pods)
-
-
-async def _reconcile_locked(state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index,
-                            pods: kopf.Index) -> None:
-    body = next(iter(runs.get(key, [])), None)
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        return
-    started = time.monotonic()
-    try:
-        status = merged_status(body.get("status") or {}, state.written.get(key, {}))
-        try:
-            run = validation.parse(run_document(body), from_server=True)
-            if run.spec.image is None and status.get("observedGeneration") != run.metadata.generation:
-                # The operator's own trainer image: the same release, whose built-in classes it knows. A misspelt
-                # one is refused now, not after scheduling and an image pull (a user's image may differ). Once per
-                # spec generation: a generation the operator has acted on passed this check.
-                problems = validation.component_problems(run)
-                if problems:
-                    raise validation.InvalidTrainingRun(problems)
-        except validation.InvalidTrainingRun as error:
-            await _reject(state, key, body, status, error)
+        body = next(iter(runs.get(key, [])), None)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
-        # Only this run's own jobs: anyone may label a PyTorchJob with the run's name; it is not this run's.
-        owned = [j for j in jobs.get(key, []) if controller_uid(j) == run.metadata.uid]
-        observed = reconcile.Observed(
-            run=run, status=status,
-            jobs={j["metadata"]["name"]: j for j in owned},
-            pods=list(pods.get(key, [])), now=state.clock(),
-            keep_failed_attempts=state.settings.keep_failed_attempts,
-            warnings=await _pending_warnings(state, key, status),
-        )
-        plan = reconcile.decide(observed)
-        await _carry_out(state, key, run, body, plan,
-                         job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()})
-        state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
-    finally:
-        state.metrics.reconcile_seconds.observe(time.monotonic() - started)
+        started = time.monotonic()
+        try:
+            status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+            try:
+                run = validation.parse(run_document(body), from_server=True)
+                if run.spec.image is None and status.get("observedGeneration") != run.metadata.generation:
+                    # The operator's own trainer image: the same release, whose built-in classes it knows. A misspelt
+                    # one is refused now, not after scheduling and an image pull (a user's image may differ). Once per
+                    # spec generation: a generation the operator has acted on passed this check.
+                    problems = validation.component_problems(run)
+                    if problems:
+                        raise validation.InvalidTrainingRun(problems)
+            except validation.InvalidTrainingRun as error:
+                await _reject(state, key, body, status, error)
+                return
+            # Only this run's own jobs: anyone may label a PyTorchJob with the run's name; it is not this run's.
+            owned = [j for j in jobs.get(key, []) if controller_uid(j) == run.metadata.uid]
+            observed = reconcile.Observed(
+                run=run, status=status,
+                jobs={j["metadata"]["name"]: j for j in owned},
+                pods=list(pods.get(key, [])), now=state.clock(),
+                keep_failed_attempts=state.settings.keep_failed_attempts,
+                warnings=await _pending_warnings(state, key, status),
+            )
+            plan = reconcile.decide(observed)
+            await _carry_out(state, key, run, body, plan,
+                             job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()})
+            state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
+        finally:
+            state.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
 
 async def _pending_warnings(state: OperatorState, key: Key, status: dict[str, Any]) -> list[dict[str, Any]]:

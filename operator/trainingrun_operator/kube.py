@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 import aiohttp
 from urllib.parse import urlencode
 
+from .settings import Settings
+
 #: (apiVersion, kind) -> plural, for the kinds the operator writes.
 PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
@@ -90,7 +92,8 @@ class Kube:
     """API calls with kopf's credentials. `on_error(status)` is told about every failed call."""
 
     def __init__(self, info: Any, *, on_error: Callable[[int], None] = lambda status: None,
-                 retries: int = 4, backoff_seconds: float = 0.2, in_flight: int = 32):
+                 retries: int = 4, backoff_seconds: float = 0.2,
+                 in_flight: int = Settings.api_requests_in_flight):
         self.server = info.server.rstrip("/")
         self.gate = PriorityGate(in_flight)
         self.on_error = on_error
