@@ -3,6 +3,9 @@
 Nothing here calls the API; the kopf handlers call these and send what they return. Every child is
 named deterministically from the run, so a restarted operator finds what it made before instead of
 making it twice, and is owned by the run, so deleting the run deletes them.
+
+Over 500 lines because it renders every object the operator sends (ConfigMap, PyTorchJob, rendezvous
+Service, Events) with the contract and quantities they share; split by object before it grows further.
 """
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ import hashlib
 import json
 import re
 from decimal import Decimal
-from typing import Any, Optional
+import socket
+import uuid
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
@@ -19,6 +25,9 @@ from trainingrun_trainer.config import RunConfig
 
 from . import api
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .reconcile import Note
 
 # torchrun's elastic agent, wrapped so the container's exit code keeps ExitCode semantics (launch.py).
 DEFAULT_COMMAND = ["python", "-m", "trainingrun_trainer.launch", "--module", "trainingrun_trainer"]
@@ -538,3 +547,25 @@ def children(
     if has_rendezvous_service(run.spec):
         support.append(rendezvous_service(run, attempt))
     return [*support, pytorch_job(run, attempt, settings, resume_from)]
+
+
+def event_object(body: dict[str, Any], note: "Note", now: datetime) -> dict[str, Any]:
+    """A core/v1 Event about the TrainingRun `body`, from this operator instance (the host name)."""
+    meta = body.get("metadata") or {}
+    stamp = contract.rfc3339(now)
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}", "namespace": meta.get("namespace")},
+        "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta.get("name"),
+                           "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+        "type": note.type,
+        "reason": note.reason,
+        "message": note.message[:1024],
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+        "source": {"component": "trainingrun-operator"},
+        "reportingComponent": "trainingrun-operator",
+        "reportingInstance": socket.gethostname(),
+    }

@@ -13,27 +13,26 @@ Runs are reconciled one at a time per run (a lock each), and the status fields t
 are taken from its own last write until the watch delivers it, so two quick triggers can never
 charge one failure twice or start an attempt twice. Everything else survives a restart in status.
 
-Over 500 lines because it is every place the operator touches the API server (children, status, Events,
-backoff on refusals, the health and metrics servers, startup); split it by those before it grows further.
+What the indexes keep is in indexes.py, the HTTP servers (metrics, readiness, reports) in serving.py, which
+replica acts in leadership.py. Over 500 lines still because carrying out a plan (children created or
+updated only when the run controls them, refusals backed off, status, Events) is one path through the API
+server; split it there (a module that carries out plans) before it grows further.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import copy
-import json
 import logging
-import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Optional
 
 import kopf
 
-from . import api, builders, reconcile, reports, validation
+from . import api, builders, leadership, reconcile, serving, validation
 from . import kube as kube_module
+from .indexes import controller_uid, merged_status, run_document, slim_job, slim_pod, slim_run
 from .kube import ApiError, Kube
 from .metrics import OperatorMetrics
 from .settings import Settings
@@ -49,9 +48,6 @@ CHILD_FILTER = {builders.LABEL_RUN: kopf.PRESENT}
 OPERATOR_FIELDS = ("phase", "attempt", "jobName", "startTime", "attemptStartTime", "nextAttemptTime", "checkpointUri",
                    "completionTime", "restarts", "goodput", "conditions", "observedGeneration", "progress",
                    "lastGoodCheckpoint", "lastReportTime")
-CRD_MISSING = ("the PyTorchJob CRD (kubeflow.org/v1) is not served: install the Kubeflow Training Operator v1.9 "
-               "(kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/manifests/overlays/"
-               "standalone?ref=v1.9.0\"); until then TrainingRuns wait and /readyz answers 503")
 
 Key = tuple[str, str]  # (namespace, name) of a TrainingRun
 
@@ -82,6 +78,10 @@ class OperatorState:
     kube: Optional[Kube] = None
     ready: bool = False
     logged_in: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set while this replica acts: always when standalone, else when kopf's peering lets it (leadership.py).
+    acting: asyncio.Event = field(default_factory=asyncio.Event)
+    identity: str = field(default_factory=leadership.identity)
+    priority: int = field(default_factory=leadership.start_priority)
     #: Operator-owned status as last written, until the watch shows it: no double charging.
     written: dict[Key, dict[str, Any]] = field(default_factory=dict)
     locks: dict[Key, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
@@ -124,7 +124,7 @@ class OperatorState:
 
     def queue_event(self, body: dict[str, Any], note: reconcile.Note) -> None:
         try:
-            self.events.put_nowait(event_object(body, note, self.clock()))
+            self.events.put_nowait(builders.event_object(body, note, self.clock()))
         except asyncio.QueueFull:
             self.metrics.events_dropped.inc()
             meta = body.get("metadata") or {}
@@ -138,38 +138,6 @@ class OperatorState:
         self.locks.pop(key, None)
         self.queued.discard(key)
         self.metrics.forget_run(*key)
-
-
-def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
-    status = dict(observed)
-    for key, value in written.items():
-        if value is None:
-            status.pop(key, None)
-        else:
-            status[key] = value
-    return status
-
-
-def slim_run(body: Any) -> dict[str, Any]:
-    """What the index keeps of a run. The spec, with every default the API server filled in, is kept as its
-    JSON text: as nested dicts it was most of the operator's memory with thousands of runs."""
-    meta = body.get("metadata", {})
-    kept = ("name", "namespace", "uid", "generation", "labels", "annotations", "deletionTimestamp")
-    return {
-        "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-        "metadata": {k: copy.deepcopy(meta[k]) for k in kept if k in meta},
-        SPEC_JSON: json.dumps(body.get("spec") or {}, separators=(",", ":")),
-        "status": copy.deepcopy(body.get("status") or {}),
-    }
-
-
-SPEC_JSON = "specJson"
-
-
-def run_document(slim: dict[str, Any]) -> dict[str, Any]:
-    """The run as a TrainingRun document again (without status), for parsing."""
-    return {"apiVersion": slim.get("apiVersion"), "kind": slim.get("kind"), "metadata": slim.get("metadata") or {},
-            "spec": json.loads(slim[SPEC_JSON])}
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -186,32 +154,6 @@ class NoDiffBase(kopf.DiffBaseStorage):
         pass
 
 
-def controller_uid(obj: dict[str, Any]) -> Optional[str]:
-    """The uid of the object's controlling owner (ownerReferences with controller: true), if any."""
-    return next((ref.get("uid") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
-                 if ref.get("controller")), None)
-
-
-def slim_job(body: Any) -> dict[str, Any]:
-    meta = body.get("metadata", {})
-    return {
-        "metadata": {**{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "annotations",
-                                                                 "deletionTimestamp")},
-                     "ownerReferences": [{"uid": controller_uid(body), "controller": True}]},
-        "spec": {"runPolicy": {"suspend": ((body.get("spec") or {}).get("runPolicy") or {}).get("suspend")}},
-        "status": {"conditions": copy.deepcopy((body.get("status") or {}).get("conditions") or [])},
-    }
-
-
-def slim_pod(body: Any) -> dict[str, Any]:
-    meta, status = body.get("metadata", {}), body.get("status") or {}
-    return {
-        "metadata": {**{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "deletionTimestamp")},
-                     "ownerReferences": [{"uid": controller_uid(body), "controller": True}]},
-        "status": {k: copy.deepcopy(status.get(k)) for k in ("reason", "message", "conditions", "containerStatuses")},
-    }
-
-
 def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
     """Add the operator's handlers to `registry`, bound to `state`."""
 
@@ -224,16 +166,21 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         settings.peering.name = state.settings.peering or "trainingrun-operator"
         settings.peering.standalone = not state.settings.peering
         settings.peering.mandatory = bool(state.settings.peering)
-        state.tasks.append(asyncio.create_task(_watch_crd(state), name="trainingrun-crd-check"))
+        if state.settings.peering:
+            state.tasks.append(asyncio.create_task(_follow_peering(state), name="trainingrun-peering"))
+        else:
+            state.acting.set()
+            state.metrics.acting.set(1)
+        state.tasks.append(asyncio.create_task(serving.watch_crd(state), name="trainingrun-crd-check"))
         if state.settings.metrics_port:
-            state.tasks.append(asyncio.create_task(_serve_metrics(state), name="trainingrun-metrics"))
+            state.tasks.append(asyncio.create_task(serving.serve_metrics(state), name="trainingrun-metrics"))
         state.tasks.append(asyncio.create_task(_resync(state), name="trainingrun-resync"))
         state.tasks += [asyncio.create_task(_reconcile_worker(state), name=f"trainingrun-reconcile-{n}")
                         for n in range(state.settings.reconcile_workers)]
         state.tasks += [asyncio.create_task(_post_events(state), name=f"trainingrun-events-{n}")
                         for n in range(EVENT_SENDERS)]
         if state.settings.report_port and state.settings.report_url:
-            state.tasks.append(asyncio.create_task(_serve_reports(state), name="trainingrun-reports"))
+            state.tasks.append(asyncio.create_task(serving.serve_reports(state), name="trainingrun-reports"))
         elif not state.settings.report_url:
             log.warning("no report URL (TRAININGRUN_REPORT_URL): trainer pods will not report progress, and status "
                         "will show no steps or checkpoints; the Helm chart sets it")
@@ -301,11 +248,10 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         state.enqueue((namespace, labels[builders.LABEL_RUN]))
 
 
-
-
 async def _reconcile_worker(state: OperatorState) -> None:
     """Reconcile queued runs one after another, for ever. A failure is logged; the resync queues the run again."""
     while True:
+        await state.acting.wait()
         key = await state.work.get()
         state.queued.discard(key)
         try:
@@ -579,28 +525,6 @@ async def _reject(state: OperatorState, key: Key, body: dict[str, Any], status: 
         await _carry_out(state, key, None, body, plan)
 
 
-def event_object(body: dict[str, Any], note: reconcile.Note, now: datetime) -> dict[str, Any]:
-    """A core/v1 Event about the TrainingRun `body`."""
-    meta = body.get("metadata") or {}
-    stamp = reconcile.rfc3339(now)
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}", "namespace": meta.get("namespace")},
-        "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta.get("name"),
-                           "namespace": meta.get("namespace"), "uid": meta.get("uid")},
-        "type": note.type,
-        "reason": note.reason,
-        "message": note.message[:1024],
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-        "source": {"component": "trainingrun-operator"},
-        "reportingComponent": "trainingrun-operator",
-        "reportingInstance": socket.gethostname(),
-    }
-
-
 #: Events queued at most; past that (the API server far behind) they are logged, counted and not posted.
 EVENTS_QUEUED_MAX = 10_000
 EVENT_SENDERS = 2
@@ -626,101 +550,18 @@ async def _resync(state: OperatorState) -> None:
     per-object task and no finalizer, so deleting a run never waits for the operator."""
     while True:
         await asyncio.sleep(state.settings.reconcile_interval_seconds)
-        if state.indexes is None:
-            continue  # no run seen yet
+        if state.indexes is None or not state.acting.is_set():
+            continue  # no run seen yet, or another replica acts
         for key in list(state.indexes["runs"].keys()):
             state.enqueue(key)
 
 
-async def _watch_crd(state: OperatorState) -> None:
-    """Readiness: whether the PyTorchJob CRD is served, checked at start and then periodically. Each change
-    of the answer (served, not served, API unreachable) is logged once, saying what to do."""
+async def _follow_peering(state: OperatorState) -> None:
     await state.logged_in.wait()
-    said: Optional[str] = None
-    while True:
-        served = False
-        try:
-            served = await state.client().serves("kubeflow.org/v1", "pytorchjobs")
-            answer, line = ("served", "the PyTorchJob CRD (kubeflow.org/v1) is served: ready") if served else \
-                ("missing", CRD_MISSING)
-        except ApiError as error:
-            answer, line = "refused", f"the Kubernetes API answered the PyTorchJob CRD check with {error}; not ready"
-        except (OSError, asyncio.TimeoutError) as error:
-            answer, line = "unreachable", (f"cannot reach the Kubernetes API at {state.api_server} ({error}); not "
-                                           "ready until it answers: check the cluster address and the network policy")
-        state.ready = served
-        state.metrics.ready.set(1 if served else 0)
-        if answer != said:
-            (log.info if served else log.error)(line)
-            said = answer
-        await asyncio.sleep(state.settings.crd_check_seconds)
-
-
-async def _serve_metrics(state: OperatorState) -> None:
-    from aiohttp import web
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=state.metrics.exposition(), content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
-
-    async def ready(request: web.Request) -> web.Response:
-        if state.ready:
-            return web.Response(text="ready\n")
-        return web.Response(status=503, text=CRD_MISSING + "\n")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/readyz", ready)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "0.0.0.0", state.settings.metrics_port)
-    await site.start()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
-
-
-def run_view(state: OperatorState, namespace: str, name: str) -> Optional[reports.RunView]:
-    """The report endpoint's view of one run, from the indexes (no API reads): None when it is not active."""
-    if state.indexes is None:
-        return None
-    key = (namespace, name)
-    body = next(iter(state.indexes["runs"].get(key, [])), None)
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    status = merged_status(body.get("status") or {}, state.written.get(key, {}))
-    uid, job_name = body["metadata"].get("uid"), status.get("jobName")
-    if status.get("phase") not in ("Pending", "Running") or not job_name or not status.get("checkpointUri"):
-        return None
-    job = next((j for j in state.indexes["jobs"].get(key, []) if j["metadata"].get("name") == job_name
-                and controller_uid(j) == uid), None)
-    recovery = json.loads(body[SPEC_JSON]).get("recovery") or {}
-    return reports.RunView(uid=uid, attempt=int(status.get("attempt") or 0), job_name=job_name,
-                           checkpoint_uri=status["checkpointUri"], status=status,
-                           pods=list(state.indexes["pods"].get(key, [])),
-                           job_uid=job["metadata"].get("uid") if job else None,
-                           stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds", DEFAULT_STALL_TIMEOUT)))
-
-
-#: What the API server fills in when spec.recovery.stallTimeoutSeconds is absent (the CRD's default).
-DEFAULT_STALL_TIMEOUT = api.Recovery.model_fields["stall_timeout_seconds"].default
-
-
-async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:
-    await state.client().patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status")
-    state.written.setdefault(key, {}).update(fields)
-
-
-async def _serve_reports(state: OperatorState) -> None:
-    await state.logged_in.wait()
-    settings = state.settings
-    endpoint = reports.ReportEndpoint(
-        reports.TokenReviewer(state.client, settings.report_token_cache_seconds),
-        view=lambda namespace, name: run_view(state, namespace, name),
-        accept=lambda key, fields: accept_report(state, key, fields), clock=state.clock)
-    https = settings.report_url.startswith("https://")
-    await reports.serve(endpoint, settings.report_port, settings.report_tls_dir if https else None)
+    await leadership.follow(lambda path: state.client().request("GET", path),
+                            leadership.peering_paths(state.settings.peering, state.settings.namespaces),
+                            state.identity, state.priority, state.acting,
+                            on_change=lambda acting: state.metrics.acting.set(1 if acting else 0))
 
 
 async def run_operator(state: OperatorState, *, stop_flag: Optional[asyncio.Future] = None,
@@ -736,6 +577,8 @@ async def run_operator(state: OperatorState, *, stop_flag: Optional[asyncio.Futu
         registry=registry,
         standalone=not settings.peering,
         peering_name=settings.peering or None,
+        identity=state.identity,
+        priority=state.priority,
         namespaces=list(settings.namespaces),
         clusterwide=not settings.namespaces,
         liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None,

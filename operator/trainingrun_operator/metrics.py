@@ -10,6 +10,7 @@ tests independent of each other.
     trainingrun_operator_api_errors_total{code}              failed Kubernetes API calls by HTTP status
     trainingrun_operator_events_dropped_total                Events logged but not posted: too many were waiting
     trainingrun_operator_ready                               1 when the PyTorchJob CRD is served
+    trainingrun_operator_acting                              1 when this replica acts (0: another one does)
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ class OperatorMetrics:
                                       registry=self.registry)
         self.ready = Gauge("trainingrun_operator_ready", "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",
                            registry=self.registry)
+        self.acting = Gauge("trainingrun_operator_acting",
+                            "1 when this replica acts; 0 while it stands by for another (replicaCount > 1).",
+                            registry=self.registry)
         self.registry.register(_RunsByPhase(self))
 
     def forget_run(self, namespace: str, run: str) -> None:

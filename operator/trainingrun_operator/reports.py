@@ -28,11 +28,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
+import pydantic
 from aiohttp import web
 
 from trainingrun_trainer import contract
 
-from . import builders, reconcile
+from . import api, builders, reconcile
 from .kube import ApiError, Kube
 
 log = logging.getLogger("trainingrun.reports")
@@ -134,13 +135,24 @@ def check_pod(caller: Caller, run: RunView) -> None:
                        f"(PyTorchJob {run.job_name}) of this run")
 
 
+def status_fields(report: contract.Report) -> dict[str, Any]:
+    """The status a report sets, read through the status model that generates the CRD's status schema: a
+    field that model lacks, or one of another type, is refused here, never written."""
+    try:
+        status = api.TrainingRunStatus.from_wire(report.status_fields())
+    except pydantic.ValidationError as error:
+        raise Refused(400, f"the report does not fit the TrainingRun status: {error.errors()[0]['msg']}") from None
+    return status.model_dump(by_alias=True, exclude_unset=True)
+
+
 class ReportEndpoint:
     """The aiohttp application; `accept` writes status (the handlers module supplies it)."""
 
     def __init__(self, reviewer: TokenReviewer, view: Callable[[str, str], Optional[RunView]],
                  accept: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]],
-                 clock: Callable[[], datetime]):
+                 clock: Callable[[], datetime], acting: Callable[[], bool] = lambda: True):
         self.reviewer, self.view, self.accept, self.clock = reviewer, view, accept, clock
+        self.acting = acting  #: False on a replica that stands by: its indexes are not kept current
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=contract.MAX_REPORT_BYTES)
@@ -155,6 +167,8 @@ class ReportEndpoint:
         return web.json_response({"message": "accepted"})
 
     async def _take(self, request: web.Request) -> None:
+        if not self.acting():
+            raise Refused(503, "this operator replica stands by for another one; send the report again")
         if (request.content_length or 0) > contract.MAX_REPORT_BYTES:
             raise Refused(413, f"reports are at most {contract.MAX_REPORT_BYTES} bytes")
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -180,7 +194,7 @@ class ReportEndpoint:
         refusal = report.refusal(report.namespace, report.name, run.uid, run.attempt, run.checkpoint_uri)
         if refusal:
             raise Refused(403, refusal)
-        fields = report.status_fields()
+        fields = status_fields(report)
         heard = reconcile.parse_time(run.status.get("lastReportTime"))
         changed = any(run.status.get(k) != v for k, v in fields.items())
         now = self.clock()

@@ -72,6 +72,9 @@ def test_modes_render_what_they_promise():
     assert any(d["kind"] == "ClusterKopfPeering" for d in ha)
     args = next(d for d in ha if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--peering=trainingrun-operator" in args
+    # a lone replica acts without peering: an upgrade must never run the old and the new pod at once
+    assert next(d for d in namespaced if d["kind"] == "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert "strategy" not in next(d for d in ha if d["kind"] == "Deployment")["spec"]
     monitoring = render(CHART / "ci/monitoring-values.yaml")
     dashboards = [d for d in monitoring if d["kind"] == "ConfigMap"]
     assert len(dashboards) == 2 and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)

@@ -162,3 +162,33 @@ def test_a_report_sets_status_fields_the_status_model_has_under_the_same_names()
     assert status.model_dump(by_alias=True, exclude_none=True, include={"progress", "last_good_checkpoint"}) == fields
     assert set(Progress.WIRE.values()) == {f.alias or n for n, f in api.Progress.model_fields.items()}
     assert set(CommittedCheckpoint.WIRE.values()) == {f.alias or n for n, f in api.CheckpointRef.model_fields.items()}
+
+
+@pytest.mark.parametrize("refusals, sent", [(3, 1), (4, 0)])
+def test_a_503_is_sent_again_at_once_on_a_new_connection(refusals, sent):
+    """A standby operator replica answers 503; the operator's Service may route another connection to the
+    replica that acts, so the report is sent again at once, on a new connection, up to SENDS_ON_503 times."""
+    from trainingrun_trainer.reporting import SENDS_ON_503
+
+    answers = [503] * refusals + [200]
+    connections = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            connections.append(self.client_address)
+            self.send_response(answers.pop(0))
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    reporter = ProgressReporter(None, IDENTITY)  # no thread of its own: the one report below is this test's
+    reporter.endpoint = ReportEndpoint(f"http://127.0.0.1:{server.server_address[1]}{contract.REPORT_PATH}",
+                                       None, None)
+    reporter._send(reporter._report())
+    server.shutdown()
+    assert len(connections) == min(refusals + 1, SENDS_ON_503) == len(set(connections))
+    assert (reporter.sent, reporter.failures) == (sent, 1 - sent)

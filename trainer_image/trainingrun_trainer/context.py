@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from . import contract
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 
 class ContextError(ValueError):
@@ -31,7 +34,7 @@ class RunContext:
     uid: str  #: TRAININGRUN_UID
     attempt: int  #: TRAININGRUN_ATTEMPT, from 1
     config_path: str  #: TRAININGRUN_CONFIG: the mounted RunConfig YAML
-    checkpoint_uri: Optional[str]  #: TRAININGRUN_CHECKPOINT_URI; overrides checkpoint.uri of the config
+    checkpoint_uri: Optional[str]  #: TRAININGRUN_CHECKPOINT_URI; overrides checkpoint.uri (see load_config)
     resume_from: Optional[str]  #: TRAININGRUN_RESUME_FROM: the operator's last reported checkpoint, a floor
     metrics_port: Optional[int]  #: TRAININGRUN_METRICS_PORT
     pod_name: str  #: TRAININGRUN_POD_NAME (downward API), or the host name
@@ -48,6 +51,17 @@ class RunContext:
     @property
     def is_rank_zero(self) -> bool:
         return self.rank == 0
+
+    def load_config(self) -> "RunConfig":
+        """The run's config as this process must use it: TRAININGRUN_CONFIG with the run's checkpoint URI (the
+        one it started with, which the operator keeps when spec.checkpoint.uri is edited mid-run). Everything
+        in the process reads the URI from the config this returns, nowhere else."""
+        from .config import load_config
+
+        config = load_config(self.config_path)
+        if self.checkpoint_uri:
+            config.checkpoint.uri = self.checkpoint_uri
+        return config
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RunContext":

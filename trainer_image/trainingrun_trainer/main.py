@@ -10,7 +10,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from . import exit_codes
-from .config import RunConfig, load_config
+from .config import RunConfig
 from .context import ContextError, RunContext
 
 log = logging.getLogger("trainingrun.trainer")
@@ -45,9 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        config = load_config(context.config_path)
-        if context.checkpoint_uri:
-            config.checkpoint.uri = context.checkpoint_uri
+        config = context.load_config()
         preflight(config, device_type)
     except ValueError as error:  # ConfigError and the precision checks
         log.error("%s", error)

@@ -14,6 +14,7 @@ import logging
 import os
 import ssl
 import threading
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -104,12 +105,7 @@ class ProgressReporter:
     def _send(self, report: Report) -> None:
         assert self.endpoint is not None
         try:
-            request = urllib.request.Request(self.endpoint.url, data=report.to_json(), method="POST", headers={
-                "Authorization": f"Bearer {self.endpoint.token()}", "Content-Type": "application/json"})
-            context = ssl.create_default_context(cafile=self.endpoint.ca_file) \
-                if self.endpoint.url.startswith("https://") else None
-            with urllib.request.urlopen(request, timeout=self.timeout, context=context) as response:
-                response.read()
+            self._post(report)
             self.sent += 1
             if self._failing:
                 log.info("progress reporting works again")
@@ -123,6 +119,27 @@ class ProgressReporter:
                             self.endpoint.url, f"{status} " if status else "",
                             getattr(error, "reason", None) or type(error).__name__)
             self._failing = True
+
+    def _post(self, report: Report) -> None:
+        """POST once; a 503 (a standby operator replica, or authentication unavailable for a moment) is sent
+        again at once on a new connection, which the operator's Service may route to the replica that acts."""
+        assert self.endpoint is not None
+        context = ssl.create_default_context(cafile=self.endpoint.ca_file) \
+            if self.endpoint.url.startswith("https://") else None
+        for attempt in range(SENDS_ON_503):
+            request = urllib.request.Request(self.endpoint.url, data=report.to_json(), method="POST", headers={
+                "Authorization": f"Bearer {self.endpoint.token()}", "Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout, context=context) as response:
+                    response.read()
+                return
+            except urllib.error.HTTPError as error:
+                if error.code != 503 or attempt == SENDS_ON_503 - 1:
+                    raise
+
+
+#: Tries per report when the answer is 503: with two operator replicas, 1 in 16 reports is left for the next.
+SENDS_ON_503 = 4
 
 
 def from_env(identity: Report, env: Optional[Mapping[str, str]] = None) -> ProgressReporter:

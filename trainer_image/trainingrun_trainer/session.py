@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import exit_codes
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
-from .config import CheckpointConfig, load_config
+from .config import CheckpointConfig
 from .context import RunContext
 from . import reporting
 from .contract import CommittedCheckpoint, Progress, Report
@@ -86,7 +86,7 @@ class Run:
         self.checkpoint = checkpoint
         self.config_hash = config_hash
         self.store = CheckpointStore(
-            context.checkpoint_uri or checkpoint.uri,
+            checkpoint.uri,
             keep=checkpoint.keep,
             keep_every=checkpoint.keep_every,
             endpoint_url=checkpoint.endpoint_url,
@@ -105,7 +105,7 @@ class Run:
     def from_env(cls, **kwargs: Any) -> "Run":
         """Build from TRAININGRUN_* variables and the `checkpoint` section of TRAININGRUN_CONFIG."""
         context = RunContext.from_env()
-        return cls(context, load_config(context.config_path).checkpoint, **kwargs)
+        return cls(context, context.load_config().checkpoint, **kwargs)
 
     # ------------------------------------------------------------ resume and save
 

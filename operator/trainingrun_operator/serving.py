@@ -1,0 +1,115 @@
+"""The operator's HTTP servers: /metrics and /readyz, and the trainers' report endpoint (reports.py) wired to
+the indexes and to status; and the readiness check they answer from.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from . import api, reports
+from .indexes import SPEC_JSON, controller_uid, merged_status
+from .kube import ApiError
+
+if TYPE_CHECKING:
+    from .handlers import Key, OperatorState
+
+log = logging.getLogger("trainingrun.operator")
+
+
+CRD_MISSING = ("the PyTorchJob CRD (kubeflow.org/v1) is not served: install the Kubeflow Training Operator v1.9 "
+               "(kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/manifests/overlays/"
+               "standalone?ref=v1.9.0\"); until then TrainingRuns wait and /readyz answers 503")
+
+
+async def watch_crd(state: OperatorState) -> None:
+    """Readiness: whether the PyTorchJob CRD is served, checked at start and then periodically. Each change
+    of the answer (served, not served, API unreachable) is logged once, saying what to do."""
+    await state.logged_in.wait()
+    said: Optional[str] = None
+    while True:
+        served = False
+        try:
+            served = await state.client().serves("kubeflow.org/v1", "pytorchjobs")
+            answer, line = ("served", "the PyTorchJob CRD (kubeflow.org/v1) is served: ready") if served else \
+                ("missing", CRD_MISSING)
+        except ApiError as error:
+            answer, line = "refused", f"the Kubernetes API answered the PyTorchJob CRD check with {error}; not ready"
+        except (OSError, asyncio.TimeoutError) as error:
+            answer, line = "unreachable", (f"cannot reach the Kubernetes API at {state.api_server} ({error}); not "
+                                           "ready until it answers: check the cluster address and the network policy")
+        state.ready = served
+        state.metrics.ready.set(1 if served else 0)
+        if answer != said:
+            (log.info if served else log.error)(line)
+            said = answer
+        await asyncio.sleep(state.settings.crd_check_seconds)
+
+
+async def serve_metrics(state: OperatorState) -> None:
+    from aiohttp import web
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=state.metrics.exposition(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def ready(request: web.Request) -> web.Response:
+        if state.ready:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text=CRD_MISSING + "\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/readyz", ready)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "0.0.0.0", state.settings.metrics_port)
+    await site.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_view(state: OperatorState, namespace: str, name: str) -> Optional[reports.RunView]:
+    """The report endpoint's view of one run, from the indexes (no API reads): None when it is not active."""
+    if state.indexes is None:
+        return None
+    key = (namespace, name)
+    body = next(iter(state.indexes["runs"].get(key, [])), None)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+    uid, job_name = body["metadata"].get("uid"), status.get("jobName")
+    if status.get("phase") not in ("Pending", "Running") or not job_name or not status.get("checkpointUri"):
+        return None
+    job = next((j for j in state.indexes["jobs"].get(key, []) if j["metadata"].get("name") == job_name
+                and controller_uid(j) == uid), None)
+    recovery = json.loads(body[SPEC_JSON]).get("recovery") or {}
+    return reports.RunView(uid=uid, attempt=int(status.get("attempt") or 0), job_name=job_name,
+                           checkpoint_uri=status["checkpointUri"], status=status,
+                           pods=list(state.indexes["pods"].get(key, [])),
+                           job_uid=job["metadata"].get("uid") if job else None,
+                           stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds", DEFAULT_STALL_TIMEOUT)))
+
+
+#: What the API server fills in when spec.recovery.stallTimeoutSeconds is absent (the CRD's default).
+DEFAULT_STALL_TIMEOUT = api.Recovery.model_fields["stall_timeout_seconds"].default
+
+
+async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:
+    await state.client().patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status")
+    state.written.setdefault(key, {}).update(fields)
+
+
+async def serve_reports(state: OperatorState) -> None:
+    await state.logged_in.wait()
+    settings = state.settings
+    endpoint = reports.ReportEndpoint(
+        reports.TokenReviewer(state.client, settings.report_token_cache_seconds),
+        view=lambda namespace, name: run_view(state, namespace, name),
+        accept=lambda key, fields: accept_report(state, key, fields), clock=state.clock,
+        acting=state.acting.is_set)
+    https = settings.report_url.startswith("https://")
+    await reports.serve(endpoint, settings.report_port, settings.report_tls_dir if https else None)

@@ -1,0 +1,66 @@
+"""Several operator replicas (the chart's `replicaCount` > 1) against a real API server: one acts, the others
+stand by, and a standby takes over when the one acting goes.
+
+Each replica runs as its own process with the identity the chart gives it (ci/ha-values.yaml: kopf peering
+through a ClusterKopfPeering, its RBAC rule included).
+"""
+import subprocess
+
+import pytest
+import yaml
+from conftest import REPO
+
+from test_operator_real import HELM, JOBS, RealCluster, running_operator, training_run, wait_for
+
+RELEASE, RELEASE_NAMESPACE = "tr-ha", "trainingrun-ha"
+PEERING_CRDS = REPO / "charts/trainingrun-operator/crds/kopf-peering.yaml"
+
+
+@pytest.fixture(scope="module")
+def ha_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
+    plane = kube_cluster_with_crds
+    assert HELM.exists(), f"{HELM} missing: run scripts/install-helm.sh"
+    plane.kubectl("apply", "--server-side", "-f", str(PEERING_CRDS))
+    plane.wait_established("clusterkopfpeerings.kopf.dev")
+    rendered = subprocess.run([str(HELM), "template", RELEASE, str(REPO / "charts/trainingrun-operator"),
+                               "--namespace", RELEASE_NAMESPACE, "-f",
+                               str(REPO / "charts/trainingrun-operator/ci/ha-values.yaml")],
+                              capture_output=True, text=True, check=True).stdout
+    documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "Deployment"]
+    deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
+    peering = next(a.split("=", 1)[1] for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+                   if a.startswith("--peering="))
+    plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
+    plane.apply(documents)
+    account = next(d for d in documents if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    token = plane.token(RELEASE_NAMESPACE, account)
+    return plane.token_kubeconfig(tmp_path_factory.mktemp("operator-ha") / "kubeconfig", token), peering
+
+
+def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_namespace, ha_kubeconfig, tmp_path):
+    kubeconfig, peering = ha_kubeconfig
+    cluster = RealCluster(kube_cluster_with_crds, kube_namespace)
+    (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir()
+    first = running_operator(kubeconfig, tmp_path / "first", TRAININGRUN_PEERING=peering)
+    second = running_operator(kubeconfig, tmp_path / "second", TRAININGRUN_PEERING=peering)
+    first_log = next(first)
+    wait_for(lambda: "acting: no replica started earlier" in first_log.read_text(), timeout=30,
+             what="the first replica to act")
+    second_log = next(second)
+    wait_for(lambda: "standing by" in second_log.read_text(), timeout=30, what="the second replica to stand by")
+
+    cluster.plane.kubectl("create", "-f", "-", input=training_run(kube_namespace))
+    wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
+    wait_for(lambda: cluster.status().get("phase") == "Pending", what="phase Pending")
+    assert f"{kube_namespace}/demo" in first_log.read_text()
+    assert f"{kube_namespace}/demo" not in second_log.read_text()  # the standby did nothing with it
+
+    first.close()  # the acting replica stops (as in a rolling update or a drained node)
+    wait_for(lambda: "acting: no replica started earlier" in second_log.read_text(), timeout=60,
+             what="the standby to take over")
+    cluster.job_condition("demo-a1", "Created", "Failed")
+    wait_for(lambda: cluster.get(JOBS, "demo-a2"), what="attempt 2, started by the replica that took over")
+    status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
+    assert status["restarts"]["failures"] == 1
+    assert f"{kube_namespace}/demo" in second_log.read_text()
+    second.close()
