@@ -30,11 +30,12 @@ TRAINER_SERIES = {
     "trainingrun_gpu_utilization_ratio", "trainingrun_gpu_memory_used_bytes", "trainingrun_gpu_memory_total_bytes",
     "trainingrun_gpu_temperature_celsius", "trainingrun_gpu_power_watts", "trainingrun_gpu_energy_joules_total",
     "trainingrun_emissions_grams_total",
+    "trainingrun_eval_loss", "trainingrun_eval_loss_ema", "trainingrun_eval_step",
 }
 OPERATOR_SERIES = {
     "trainingrun_operator_runs", "trainingrun_operator_attempts_total", "trainingrun_operator_restarts_total",
     "trainingrun_operator_reconcile_duration_seconds", "trainingrun_operator_api_errors_total",
-    "trainingrun_operator_ready",
+    "trainingrun_operator_ready", "trainingrun_operator_acting",
 }
 SERIES = TRAINER_SERIES | OPERATOR_SERIES | {"up"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -103,6 +104,12 @@ ALERTS = [
           "The trainingrun-operator is not being scraped as up",
           "No operator replica answered Prometheus for 5 minutes: failed attempts are not recovered and "
           "status is not updated until it is back."),
+    Alert("OperatorNoReplicaActing",
+          f'max(trainingrun_operator_acting{{job="{OPERATOR_JOB}"}}) == 0', "5m", "critical",
+          "Every trainingrun-operator replica stands by",
+          "Replicas are up but none acts (kopf peering paused them all, or they cannot read their peering "
+          "object): runs are not reconciled. Check the operator logs for 'standing by' and the KopfPeering "
+          "object's status."),
 ]
 
 
@@ -169,6 +176,8 @@ class Panel:
 
 RUN_PANELS = [
     Panel("Loss", ((f"trainingrun_loss{RUN}", "rank {{rank}}"),)),
+    Panel("Eval loss (held-out split)", ((f"max(trainingrun_eval_loss{RUN})", "eval loss"),
+                                         (f"max(trainingrun_eval_loss_ema{RUN})", "eval loss, EMA weights"))),
     Panel("Learning rate", ((f"max(trainingrun_learning_rate{RUN})", "lr"),)),
     Panel("Gradient norm", ((f"max(trainingrun_grad_norm{RUN})", "grad norm"),)),
     Panel("Step", ((f"max(trainingrun_step{RUN})", "step"),), kind="stat"),

@@ -56,7 +56,8 @@ def live_run(tmp_path):
     """A 2-process local run that trains until stopped, serving its metrics; stopped with Ctrl-C after."""
     port = free_port()
     body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": RUN},
-            "spec": {"trainer": tiny_trainer(maxSteps=1000000, logIntervalSteps=5),
+            "spec": {"trainer": tiny_trainer(maxSteps=1000000, logIntervalSteps=5, eval={"intervalSteps": 5, "batches": 1},
+                                             ema={"enabled": True}),
                      "checkpoint": {"uri": "file:///unused", "interval": {"steps": 20}}, "nprocPerNode": 2}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(body))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}

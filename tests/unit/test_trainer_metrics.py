@@ -67,3 +67,27 @@ def test_nvml_polling_never_blocks_a_step():
         m.close()
     """)
     assert out.strip() == "steps recorded while NVML hung: 99.0"
+
+
+def test_eval_series_are_absent_until_the_first_evaluation(tmp_path):
+    out = run_python("""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        from trainingrun_trainer.context import RunContext
+        from trainingrun_trainer import metrics
+        context = RunContext.from_env({"TRAININGRUN_CONFIG": "x", "TRAININGRUN_NAME": "r"})
+        m = metrics.for_rank(context, "cpu")
+        def exposition():
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=%r)
+            return generate_latest(registry).decode()
+        print(exposition())
+        print("----")
+        m.evaluation(40, {"eval_loss": 2.25})
+        print(exposition())
+    """ % str(tmp_path), PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    before, after = out.split("----")
+    assert "trainingrun_eval" not in before  # no made-up 0 loss before any evaluation
+    assert 'trainingrun_eval_loss{namespace="default",rank="0",run="r"} 2.25' in after
+    assert 'trainingrun_eval_step{namespace="default",rank="0",run="r"} 40.0' in after
+    assert "trainingrun_eval_loss_ema{" not in after  # no EMA, no series

@@ -15,6 +15,7 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
     trainingrun_checkpoint_save_seconds, trainingrun_checkpoint_restore_seconds   histograms
     trainingrun_checkpoint_saved_bytes_total, trainingrun_checkpoint_failures_total
     trainingrun_nonfinite_steps_total, trainingrun_rollbacks_total
+    trainingrun_eval_loss, trainingrun_eval_loss_ema, trainingrun_eval_step  the last evaluation (spec.trainer.eval)
     trainingrun_gpu_utilization_ratio, trainingrun_gpu_memory_used_bytes, trainingrun_gpu_memory_total_bytes,
     trainingrun_gpu_temperature_celsius, trainingrun_gpu_power_watts, trainingrun_gpu_energy_joules_total
     trainingrun_emissions_grams_total                  energy x GRID_INTENSITY_G_PER_KWH (spec.env), when set
@@ -55,6 +56,9 @@ class NullMetrics:
         pass
 
     def rollback(self) -> None:
+        pass
+
+    def evaluation(self, step: int, results: dict[str, float]) -> None:
         pass
 
     def close(self) -> None:
@@ -104,6 +108,12 @@ class TrainerMetrics(NullMetrics):
         self._save_failures = counter("trainingrun_checkpoint_failures", "Checkpoints that were not committed.")
         self._nonfinite = counter("trainingrun_nonfinite_steps", "Steps with a non-finite loss or gradient.")
         self._rollbacks = counter("trainingrun_rollbacks", "Rollbacks to the last good checkpoint.")
+        # Series without a value until the first evaluation: absent, never a made-up 0 loss.
+        self._eval = {name: Gauge(f"trainingrun_{name}", doc, names, multiprocess_mode="livemostrecent")
+                      for name, doc in (("eval_loss", "Mean loss on the held-out split at the last evaluation."),
+                                        ("eval_loss_ema", "The same with the EMA weights (spec.trainer.ema)."),
+                                        ("eval_step", "Step of the last evaluation."))}
+        self._labels = labels
         for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes):
             child.inc(0)  # present from the start, so alerts see 0 rather than nothing
         self._started = time.monotonic()
@@ -145,6 +155,11 @@ class TrainerMetrics(NullMetrics):
 
     def rollback(self) -> None:
         self._rollbacks.inc()
+
+    def evaluation(self, step: int, results: dict[str, float]) -> None:
+        for name, value in {**results, "eval_step": float(step)}.items():
+            if name in self._eval:
+                self._eval[name].labels(**self._labels).set(value)
 
     def close(self) -> None:
         if self._gpu:

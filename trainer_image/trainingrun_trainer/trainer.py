@@ -352,6 +352,7 @@ class Trainer:
             if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
                 results = self._evaluate()
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
+                self.metrics.evaluation(self.step, results)
 
             self.last_loss = loss
             self.metrics.step(step=self.step, loss=loss, learning_rate=self.scheduler.get_last_lr()[0],
