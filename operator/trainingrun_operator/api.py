@@ -416,6 +416,15 @@ class Progress(ApiModel):
         default=None, description="Step time kept in the current model, summed over attempts (for goodput)."
     )
     updated_at: Optional[str] = Field(default=None, description="When `step` finished, as rank 0 reported it (RFC 3339).")
+    percent: Optional[float] = Field(
+        default=None, description="step / totalSteps in percent (the operator computes it from the report).")
+    estimated_completion_time: Optional[str] = Field(
+        default=None, description="When the run reaches totalSteps at the step rate between the last two reports "
+        "of this attempt (RFC 3339; the operator computes it).")
+
+
+#: Progress fields the operator derives from reports; a report cannot set them.
+DERIVED_PROGRESS_FIELDS = ("percent", "estimatedCompletionTime")
 
 
 class CheckpointRef(ApiModel):

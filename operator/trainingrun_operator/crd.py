@@ -136,6 +136,8 @@ def printer_columns() -> list[dict[str, Any]]:
     return [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+        {"name": "Progress", "type": "number", "jsonPath": ".status.progress.percent",
+         "description": "Percent of totalSteps done"},
         {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
         {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total"},
         {
@@ -144,6 +146,8 @@ def printer_columns() -> list[dict[str, Any]]:
             "jsonPath": ".status.lastGoodCheckpoint.time",
             "description": "Age of the last good checkpoint",
         },
+        {"name": "ETA", "type": "string", "jsonPath": ".status.progress.estimatedCompletionTime",
+         "description": "When the run reaches totalSteps at its current step rate", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

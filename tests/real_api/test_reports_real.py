@@ -89,7 +89,7 @@ def started(cluster, name, **spec):  # noqa: F811
 
 def report_of(cluster, name, uid, attempt=1, step=5, checkpoint=None):  # noqa: F811
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return Report(cluster.namespace, name, uid, attempt, progress=Progress(step, now, loss=2.5),
+    return Report(cluster.namespace, name, uid, attempt, progress=Progress(step, now, total_steps=20, loss=2.5),
                   last_good_checkpoint=checkpoint)
 
 
@@ -108,6 +108,9 @@ def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endp
     assert post(endpoint, report_of(cluster, "demo", demo_uid, checkpoint=checkpoint), demo_token)[0] == 200
     status = wait_for(lambda: cluster.status("demo").get("progress") and cluster.status("demo"), what="progress")
     assert status["progress"]["step"] == 5 and status["lastGoodCheckpoint"]["uri"] == checkpoint.uri
+    assert status["progress"]["percent"] == 25.0  # the operator's, from totalSteps
+    columns = plane.kubectl("-n", ns, "get", "trainingruns", "demo", "--no-headers").stdout.split()
+    assert columns[2:4] == ["5", "25"], columns  # Step, then the Progress column (percent)
     assert status["lastReportTime"]
 
     refused = {
