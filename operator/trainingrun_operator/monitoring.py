@@ -212,6 +212,8 @@ RUN_PANELS = [
 ]
 #: Panels that have no series without a GPU (the live-scrape test on CPU skips exactly these).
 GPU_PANELS = {"GPU utilization", "GPU memory", "GPU power"}
+#: Panels with data only when the run evaluates (spec.trainer.eval.intervalSteps > 0).
+EVAL_PANELS = {"Eval loss (held-out split)"}
 
 FLEET_PANELS = [
     Panel("Runs by phase", (("sum by (phase) (trainingrun_operator_runs)", "{{phase}}"),)),
