@@ -20,6 +20,8 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
+from trainingrun_trainer import contract
+
 from .kube import ApiError
 
 log = logging.getLogger("trainingrun.operator")
@@ -48,19 +50,13 @@ def acts(peers: Mapping[str, Any], me: str, priority: int, now: datetime) -> boo
     for other, record in peers.items():
         if other == me or not isinstance(record, Mapping):
             continue
-        lastseen = _time(record.get("lastseen"))
+        lastseen = contract.parse_time(str(record.get("lastseen") or ""))
+        if lastseen and lastseen.tzinfo is None:
+            lastseen = lastseen.replace(tzinfo=timezone.utc)  # older kopf versions wrote naive UTC times
         alive = lastseen is None or lastseen + timedelta(seconds=int(record.get("lifetime", 60))) > now
         if alive and int(record.get("priority", 0)) >= priority:
             return False
     return True
-
-
-def _time(value: Any) -> Optional[datetime]:
-    try:
-        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
 def peering_paths(name: str, namespaces: Sequence[str]) -> list[str]:

@@ -27,6 +27,8 @@ def test_an_earlier_start_is_a_higher_priority():
     ({"operator-c/1/cc": record(leadership.start_priority(3_000_000_000))}, True),  # started later
     ({"operator-c/1/cc": record(PRIORITY)}, False),  # the same priority: kopf pauses both
     ({"operator-a/1/bb": None}, True),  # a record kopf removed (merge-patched to null)
+    ({"operator-a/1/bb": {**record(leadership.start_priority(1_000_000_000)),  # older kopf: naive UTC
+                          "lastseen": (NOW - timedelta(seconds=1)).replace(tzinfo=None).isoformat()}}, False),
 ])
 def test_a_replica_acts_when_no_live_replica_started_earlier(others, acts):
     assert leadership.acts({ME: record(PRIORITY), **others}, ME, PRIORITY, NOW) is acts
