@@ -4,6 +4,7 @@ stand by, and a standby takes over when the one acting goes.
 Each replica runs as its own process with the identity the chart gives it (ci/ha-values.yaml: kopf peering
 through a ClusterKopfPeering, its RBAC rule included).
 """
+import contextlib
 import subprocess
 
 import pytest
@@ -41,26 +42,31 @@ def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_
     kubeconfig, peering = ha_kubeconfig
     cluster = RealCluster(kube_cluster_with_crds, kube_namespace)
     (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir()
-    first = running_operator(kubeconfig, tmp_path / "first", TRAININGRUN_PEERING=peering)
-    second = running_operator(kubeconfig, tmp_path / "second", TRAININGRUN_PEERING=peering)
-    first_log = next(first)
-    wait_for(lambda: "acting: no replica started earlier" in first_log.read_text(), timeout=30,
-             what="the first replica to act")
-    second_log = next(second)
-    wait_for(lambda: "standing by" in second_log.read_text(), timeout=30, what="the second replica to stand by")
+    with contextlib.ExitStack() as replicas:  # a failed check must not leave a replica acting in later tests
+        first = running_operator(kubeconfig, tmp_path / "first", TRAININGRUN_PEERING=peering)
+        second = running_operator(kubeconfig, tmp_path / "second", TRAININGRUN_PEERING=peering)
+        replicas.callback(second.close)
+        replicas.callback(first.close)
+        first_log = next(first)
+        wait_for(lambda: "acting: no replica started earlier" in first_log.read_text(), timeout=30,
+                 what="the first replica to act")
+        second_log = next(second)
+        wait_for(lambda: "standing by" in second_log.read_text(), timeout=30, what="the second replica to stand by")
 
-    cluster.plane.kubectl("create", "-f", "-", input=training_run(kube_namespace))
-    wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
-    wait_for(lambda: cluster.status().get("phase") == "Pending", what="phase Pending")
-    assert f"{kube_namespace}/demo" in first_log.read_text()
-    assert f"{kube_namespace}/demo" not in second_log.read_text()  # the standby did nothing with it
+        cluster.plane.kubectl("create", "-f", "-", input=training_run(kube_namespace))
+        wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
+        wait_for(lambda: cluster.status().get("phase") == "Pending", what="phase Pending")
+        assert f"{kube_namespace}/demo" in first_log.read_text()
+        assert f"{kube_namespace}/demo" not in second_log.read_text()  # the standby did nothing with it
 
-    first.close()  # the acting replica stops (as in a rolling update or a drained node)
-    wait_for(lambda: "acting: no replica started earlier" in second_log.read_text(), timeout=60,
-             what="the standby to take over")
-    cluster.job_condition("demo-a1", "Created", "Failed")
-    wait_for(lambda: cluster.get(JOBS, "demo-a2"), what="attempt 2, started by the replica that took over")
-    status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
-    assert status["restarts"]["failures"] == 1
-    assert f"{kube_namespace}/demo" in second_log.read_text()
-    second.close()
+        first.close()  # the acting replica stops (as in a rolling update or a drained node)
+        wait_for(lambda: "acting: no replica started earlier" in second_log.read_text(), timeout=60,
+                 what="the standby to take over")
+        # The pod's exit code is the failure's evidence: without it the operator waits FAILURE_EVIDENCE_GRACE
+        # (30 s) for the pods' story before it starts the next attempt.
+        cluster.container_terminated(cluster.worker_pod("demo-a1"), 134, "Error")
+        cluster.job_condition("demo-a1", "Created", "Failed")
+        wait_for(lambda: cluster.get(JOBS, "demo-a2"), what="attempt 2, started by the replica that took over")
+        status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
+        assert status["restarts"]["failures"] == 1
+        assert f"{kube_namespace}/demo" in second_log.read_text()
