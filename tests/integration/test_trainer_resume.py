@@ -1,6 +1,7 @@
 """Exact resume under torchrun: a 2-process run whose worker is SIGKILLed and resumed ends with the
 same model digest as an uninterrupted run (deterministic mode, CPU, gloo, file:// checkpoints)."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,3 +86,55 @@ def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, kill_after_step, t
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 10" in err
     assert final_digest(tmp_path, "interrupted", 40) == final_digest(tmp_path, "reference", 40)
+
+
+def as_format_1(step_dir: Path) -> None:
+    """Rewrite a checkpoint as trainer images before format 2 saved it: DCP held model, optimizer and EMA, and
+    each rank's extra-rank-<r>.pt held everything else (step, scheduler, scaler, sampler, guard, RNG...)."""
+    import hashlib
+    import io
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    plain = step_dir.parent / "plain.pt"
+    dcp_to_torch_save(str(step_dir), str(plain))
+    everything = torch.load(plain, weights_only=False)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    shutil.rmtree(step_dir)
+    dcp.save({k: everything[k] for k in ("model", "optim", "ema")}, storage_writer=FsspecWriter(f"file://{step_dir}"),
+             no_dist=True)
+    shared = {k: everything.get(k, {}) for k in ("scheduler", "scaler", "sampler", "guard")}  # a disabled scaler: {}
+    for rank in range(manifest["world_size"]):
+        per_rank = torch.load(io.BytesIO(everything[f"extra-rank-{rank}"]), weights_only=False)
+        buffer = io.BytesIO()
+        torch.save({**per_rank, **shared, **everything["train"]}, buffer)
+        (step_dir / f"extra-rank-{rank}.pt").write_bytes(buffer.getvalue())
+    files = [{"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(step_dir.iterdir())]
+    (step_dir / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1, "files": files}))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_format_2_resumes_to_the_same_model(tmp_path):
+    """An operator upgrade mid-run: the next attempt's trainer resumes from a checkpoint the older image wrote."""
+    reference = torchrun(tmp_path, "reference")
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err[-3000:]
+    older = torchrun(tmp_path, "older")
+    _, err = older.communicate(timeout=300)
+    assert older.returncode == 0, err[-3000:]
+    for later in ("step-00000030", "step-00000040"):  # the run got as far as step 20 with the older image
+        shutil.rmtree(tmp_path / "older" / later)
+    as_format_1(tmp_path / "older" / "step-00000020")
+    info = CheckpointStore(f"file://{tmp_path}/older").latest_valid()
+    assert info.step == 20 and info.format_version == 1
+
+    resumed = torchrun(tmp_path, "older")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert "resumed from" in err and "at step 20" in err
+    assert final_digest(tmp_path, "older", 40) == final_digest(tmp_path, "reference", 40)

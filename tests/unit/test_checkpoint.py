@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from fsspec.implementations.local import LocalFileOpener
 from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainingrun_trainer import checkpoint as ckpt
@@ -102,8 +103,9 @@ def test_round_trip_model_optimizer_and_extra(store, root):
 
     manifest = json.loads((step_dir(root, 10) / MANIFEST_NAME).read_text())
     on_disk = sorted(p.name for p in step_dir(root, 10).iterdir() if p.name != MANIFEST_NAME)
-    assert [f["path"] for f in manifest["files"]] == on_disk == [".metadata", "__0_0.distcp", "extra-rank-0.pt"]
-    assert manifest["config_hash"] == "cfg123" and manifest["step"] == 10 and manifest["format_version"] == 1
+    # extra is this rank's entry of DCP's state dict: no file of its own
+    assert [f["path"] for f in manifest["files"]] == on_disk == [".metadata", "__0_0.distcp"]
+    assert manifest["config_hash"] == "cfg123" and manifest["step"] == 10 and manifest["format_version"] == 2
 
     fresh_model, fresh_opt = trained(seed=5)
     state = app_state(fresh_model, fresh_opt)
@@ -177,7 +179,7 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
     monkeypatch.setattr(_Storage, "write_bytes", spy)
     assert store.save(2, {"model": model.state_dict()}, blocking=True).result().valid
     # Every other file was complete before the manifest was written.
-    assert seen_when_committing == [[".metadata", "__0_0.distcp", "extra-rank-0.pt"]]
+    assert seen_when_committing == [[".metadata", "__0_0.distcp"]]
 
     # A process that dies before the commit leaves the data without a manifest.
     def crash_before_commit(self, uri, data, atomic=False):
@@ -210,7 +212,7 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
         (lambda d: flip_byte(d / ".metadata"), "sha256 mismatch in .metadata"),
         (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-10]),
          "size mismatch in __0_0.distcp"),
-        (lambda d: (d / "extra-rank-0.pt").unlink(), "missing file extra-rank-0.pt"),
+        (lambda d: (d / "__0_0.distcp").unlink(), "missing file __0_0.distcp"),
         (lambda d: (d / MANIFEST_NAME).write_text("{not json"), "manifest unreadable"),
     ],
     ids=["flipped-byte", "flipped-metadata-byte", "truncated", "missing", "bad-manifest"],
@@ -255,9 +257,11 @@ def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) ->
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("name", ["extra-rank-0.pt", ".metadata", "__0_0.distcp"])
-def test_nothing_read_from_storage_runs_code(store, root, tmp_path, name):
-    """An extra file, DCP's metadata or a non-tensor value in DCP's data (optimizer hyperparameters are
+@pytest.mark.parametrize("name, refusal", [("extra", "holds more than plain values"),
+                                           (".metadata", "checkpoint metadata refers to pathlib.Path.touch"),
+                                           ("__0_0.distcp", "UnpicklingError: Weights only load failed")])
+def test_nothing_read_from_storage_runs_code(store, root, tmp_path, name, refusal):
+    """A rank's extra state, DCP's metadata or a non-tensor value in DCP's data (optimizer hyperparameters are
     stored that way) that would run code when unpickled: the load refuses, and nothing ran."""
     import io
     import pickle
@@ -266,24 +270,25 @@ def test_nothing_read_from_storage_runs_code(store, root, tmp_path, name):
     store.save(2, app_state(model, opt), {"step": 2})
     store.wait()
     marker = tmp_path / "code-ran"
-    if name == "__0_0.distcp":
-        # a dict of plain values in the optimizer state, replaced by the payload in DCP's own byte format
+    if name != ".metadata":
         state = app_state(model, opt)
-        state["optim"]["param_groups"][0]["lr"] = RunsCode(marker)
+        if name == "extra":  # the rank's entry: the bytes of a torch.save, loaded as plain values too
+            buffer = io.BytesIO()
+            torch.save({"step": 2, "payload": RunsCode(marker)}, buffer)
+            state["extra-rank-0"] = buffer.getvalue()
+        else:  # a dict of plain values in the optimizer state, replaced by the payload in DCP's own byte format
+            state["optim"]["param_groups"][0]["lr"] = RunsCode(marker)
         payload = tmp_path / "payload"
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(payload)), no_dist=True)
+        dcp.save(state, storage_writer=FsspecWriter(f"file://{payload}"), no_dist=True)  # as the store writes
         for copied in (".metadata", "__0_0.distcp"):
             rewrite_with_a_valid_manifest(step_dir(root, 2), copied, (payload / copied).read_bytes())
     else:
         buffer = io.BytesIO()
-        if name == ".metadata":
-            pickle.dump(RunsCode(marker), buffer)
-        else:
-            torch.save({"step": 2, "payload": RunsCode(marker)}, buffer)
+        pickle.dump(RunsCode(marker), buffer)
         rewrite_with_a_valid_manifest(step_dir(root, 2), name, buffer.getvalue())
     assert store.latest_valid().step == 2  # the manifest matches: only loading can tell
     assert not marker.exists()
-    with pytest.raises(ckpt.CheckpointLoadError, match="refusing|[Uu]nsupported global"):
+    with pytest.raises(ckpt.CheckpointLoadError, match=refusal):
         store.load(store.latest_valid(), app_state(*trained(seed=5)))
     assert not marker.exists()
 
@@ -327,6 +332,58 @@ def test_plain_values_survive_the_safe_loader(store):
     assert np.array_equal(loaded["rng"]["numpy"][1], extra["rng"]["numpy"][1])
     assert {k: loaded[k] for k in ("sampler", "loss", "run_uid", "items")} == \
         {k: extra[k] for k in ("sampler", "loss", "run_uid", "items")}
+
+
+def test_a_rank_the_checkpoint_did_not_have_gets_no_extra(store, caplog):
+    """A world that grew: rank 1 loads a checkpoint saved by one rank. Its entry is missing; the rest loads."""
+    model = make_model(1)
+    store.save(1, {"model": model.state_dict()}, {"rank": 0}, blocking=True)
+    store.rank = 1  # as the store of rank 1 would be; the entry lookup is the same code with or without peers
+    loaded = make_model(2)
+    assert store.load(store.latest_valid(), {"model": loaded.state_dict()}) == {}
+    assert_same(weights(loaded), weights(model))
+    assert "no extra state for rank 1 (saved by fewer ranks)" in caplog.text
+
+
+def test_state_may_not_use_the_extra_entries_names(store):
+    with pytest.raises(ValueError, match="reserved for each rank's extra state"):
+        store.save(1, {"model": make_model().state_dict(), "extra-rank-0": 1})
+    with pytest.raises(ValueError, match="reserved for this rank's extra state"):
+        store.load(store.save(1, {"model": make_model().state_dict()}, blocking=True).result(),
+                   {"extra-rank-0": b""})
+
+
+def write_format_1(directory: Path, state: dict, extra: dict, step: int) -> None:
+    """A checkpoint as trainer images before format 2 wrote it: extra in a file of its own."""
+    import hashlib
+    import io
+
+    dcp.save(state, storage_writer=FsspecWriter(f"file://{directory}"), no_dist=True)
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    (directory / "extra-rank-0.pt").write_bytes(buffer.getvalue())
+    files = [{"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(directory.iterdir())]
+    (directory / MANIFEST_NAME).write_text(json.dumps({
+        "format_version": 1, "step": step, "time": "2026-11-20T00:00:00Z", "world_size": 1, "config_hash": "",
+        "model_digest": "", "torch_version": torch.__version__, "files": files}))
+
+
+def test_a_format_1_checkpoint_still_loads(store, root):
+    """Checkpoints written before an upgrade resume: DCP holds the model, extra comes from its own file, and
+    entries the old format kept in extra are left as they were."""
+    model = make_model(1)
+    write_format_1(step_dir(root, 4), {"model": model.state_dict()}, {"step": 4, "sampler": {"epoch": 1}}, step=4)
+    info = store.latest_valid()
+    assert info.step == 4 and info.valid and info.format_version == 1
+    loaded, kept = make_model(2), {"epoch": 0}
+    extra = store.load(info, {"model": loaded.state_dict(), "sampler": kept})
+    assert extra == {"step": 4, "sampler": {"epoch": 1}} and kept == {"epoch": 0}
+    assert_same(weights(loaded), weights(model))
+    # a format the reader does not know is not a checkpoint it can resume from
+    manifest = json.loads((step_dir(root, 4) / MANIFEST_NAME).read_text())
+    (step_dir(root, 4) / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 3}))
+    assert "format_version 3, expected one of 1, 2" in store.list()[0].reason
 
 
 def test_rotation_keeps_newest_and_milestones(root):
@@ -503,7 +560,7 @@ def test_two_ranks_save_and_load_then_one_rank_loads(tmp_path):
         assert result["failed_info"] is None and result["failed"] == 1 and result["recovered_step"] == 7
         assert result["loaded_digest"] == result["digest"] == results[0]["digest"]
     files = sorted(p.name for p in (tmp_path / "ckpt" / "step-00000005").iterdir())
-    assert "extra-rank-0.pt" in files and "extra-rank-1.pt" in files and MANIFEST_NAME in files
+    assert MANIFEST_NAME in files and not [name for name in files if name.startswith("extra")]  # in DCP's files
 
     # World size 2 -> 1: a single process loads the DDP checkpoint into a plain model.
     with CheckpointStore(uri) as store:

@@ -133,7 +133,7 @@ class Run:
         except OSError as error:
             raise StorageUnavailable(f"cannot read the checkpoint {source.uri}: {error}") from error
         if self.context.is_rank_zero:
-            log.info("resumed from %s at step %s", source.uri, extra.get("step"))
+            log.info("resumed from %s at step %d", source.uri, source.step)
         return extra
 
     def _check_floor(self, source: Optional[CheckpointInfo]) -> None:

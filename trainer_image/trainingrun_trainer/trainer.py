@@ -2,7 +2,7 @@
 
 What makes resume exact: the data order is a pure function of (seed, epoch, samples consumed),
 schedules are pure functions of the step, and the checkpoint holds model, optimizer, scheduler,
-grad scaler, EMA, step, sampler position and every RNG state per rank. A resumed run therefore
+grad scaler, EMA, step, sampler position and every RNG state per rank (state.py). A resumed run therefore
 computes the same steps an uninterrupted run would, and in deterministic mode the same bits.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .optim import build_optimizer, build_scheduler, scale_learning_rate
 from .precision import PrecisionPlan
 from .session import Run, init_process_group
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
+from .state import ModelState, OptimizerState, PerRank, TrainState
 
 log = logging.getLogger("trainingrun.trainer")
 
@@ -49,7 +50,7 @@ class Trainer:
         self.context = context
         self.device_type = device_type
         self.cfg = config.trainer
-        self.step = 0
+        self.progress = TrainState(step=0, run_uid=context.uid)
         #: Step time that produced the current weights, summed over attempts (goodput's numerator).
         self.productive_seconds = 0.0
         self.samples_per_second: float | None = None  #: over the last logging window
@@ -57,6 +58,14 @@ class Trainer:
         self.data_wait_seconds = 0.0  #: of the step in progress
         self.metrics: metrics.NullMetrics = metrics.NullMetrics()
         self.last_loss: float | None = None
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress.step = value
 
     # ------------------------------------------------------------ setup
 
@@ -145,66 +154,59 @@ class Trainer:
     # ------------------------------------------------------------ checkpoint state
 
     def _state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+        """Every component, as DCP Stateful entries: saved as they are now, loaded in place (state.py)."""
+        state: dict[str, Any] = {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
+                                 "scheduler": self.scheduler, "scaler": self.scaler, "sampler": self.sampler,
+                                 "guard": self.guard, "train": self.progress}
         if self.ema:
-            state["ema"] = self.ema.state_dict()
+            state["ema"] = self.ema
         return state
 
-    def _extra(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "productive_seconds": self.productive_seconds,
-            "run_uid": self.context.uid,
-            "loss": self.last_loss,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "guard": self.guard.state_dict(),
-            "rng": rng_state(),
-            "world_size": self.context.world_size,
-        }
+    def _per_rank(self) -> dict[str, Any]:
+        return PerRank(rng=rng_state(), world_size=self.context.world_size, loss=self.last_loss,
+                       productive_seconds=self.productive_seconds).as_extra()
 
-    def _apply_restored(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
-        """Install a checkpoint that was loaded into `state` (in place) with this rank's `extra`."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
+    def _apply_restored(self, extra: dict[str, Any]) -> None:
+        """After a checkpoint was loaded into `_state()`'s entries: this rank's own values from its `extra`."""
         if self.distributed:
-            # A rank that the checkpoint's world did not have (the job grew) has no extra state of
-            # its own; all of it but the RNG streams is the same on every rank, so it takes rank 0's.
+            # A rank that the checkpoint's world did not have (the job grew) has no values of its own; it takes
+            # rank 0's (its RNG streams are reseeded below, as the world size changed).
             box = [extra if self.context.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
-            if "step" not in extra:
-                extra = box[0]
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if self.ema:
-            self.ema.load_state_dict(state["ema"])
-        self.step = int(extra["step"])
+            extra = extra or box[0]
+        if "scheduler" in extra:
+            self._apply_format_1(extra)
+        mine = PerRank.from_extra(extra)
         # Work after this checkpoint is lost; only the time that produced this state still counts, and only
         # when this run produced it: goodput is over this run's wall time, so a TrainingRun created again on
         # an existing URI starts from zero (not from the earlier run's seconds).
-        same_run = extra.get("run_uid", self.context.uid) == self.context.uid
-        self.productive_seconds = float(extra.get("productive_seconds", 0.0)) if same_run else 0.0
-        self.last_loss = extra.get("loss")
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.scaler.load_state_dict(extra["scaler"])
-        self.sampler.load_state_dict(extra["sampler"])
-        self.guard.load_state_dict(extra.get("guard", {}))
-        if extra.get("world_size") == self.context.world_size:
-            set_rng_state(extra["rng"])
+        same_run = self.progress.run_uid == self.context.uid
+        self.productive_seconds = mine.productive_seconds if same_run else 0.0
+        self.progress.run_uid = self.context.uid
+        self.last_loss = mine.loss
+        if mine.world_size == self.context.world_size:
+            set_rng_state(mine.rng)
         else:
             # Per-rank streams cannot be mapped to another world size; derive fresh, reproducible ones.
             seed_everything(self.cfg.seed + self.step, self.context.rank)
 
+    def _apply_format_1(self, extra: dict[str, Any]) -> None:
+        """A checkpoint saved before the state dict held every component (format 1): what every rank shares
+        was in each rank's extra, and the store left those entries as they were."""
+        self.progress.load_state_dict({"step": extra["step"], "run_uid": extra.get("run_uid", self.context.uid)})
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.scaler.load_state_dict(extra["scaler"])
+        self.sampler.load_state_dict(extra["sampler"])
+        self.guard.load_state_dict(extra.get("guard", {}))
+
     def _save(self, blocking: bool) -> None:
         state = self._state()
         if self.cfg.strategy == "fsdp2" and self.distributed:
+            state["model"] = state["model"].state_dict()
             digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
         else:
             digest = lambda staged: model_digest(staged["model"])  # noqa: E731 - rank 0 computes it in the background
-        self.run.save(self.step, state, self._extra(), model_digest=digest, blocking=blocking)
+        self.run.save(self.step, state, self._per_rank(), model_digest=digest, blocking=blocking)
 
     # ------------------------------------------------------------ the loop
 
@@ -248,10 +250,9 @@ class Trainer:
         self._build_model()
         self._build_data()
         self.run = Run(self.context, self.config.checkpoint, config_hash=config_hash(self.config))
-        state = self._state()
-        extra = self.run.resume(state)
+        extra = self.run.resume(self._state())
         if extra is not None:
-            self._apply_restored(state, extra)
+            self._apply_restored(extra)
             # Where the run stands now, before the first new step (which may be a while, or never).
             self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
                             productive_seconds=self.productive_seconds)
@@ -394,8 +395,7 @@ class Trainer:
             log.error("non-finite steps and no checkpoint to roll back to: %s", self.guard.abort_message())
             return False
         rollbacks = self.guard.rollbacks
-        state = self._state()
-        self._apply_restored(state, self.run.store.load(info, state))
+        self._apply_restored(self.run.store.load(info, self._state()))
         # The restored scheduler holds the LR scaled by the rollbacks made before that checkpoint
         # was saved (its guard state counts them); apply the scale of the ones made since.
         scaled_already = self.guard.rollbacks

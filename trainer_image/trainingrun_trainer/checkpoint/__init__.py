@@ -4,9 +4,11 @@ Layout of one checkpoint, ``<uri>/step-<step, 8 digits>/``::
 
     .metadata              DCP's global metadata (rank 0)
     __<rank>_<n>.distcp    DCP data files, written by every rank (replicated tensors are
-                           de-duplicated by DCP's planner, so a DDP model is written once)
-    extra-rank-<r>.pt      torch.save of that rank's ``extra`` dict (RNG states, sampler...)
+                           de-duplicated by DCP's planner, so a DDP model is written once);
+                           each rank's ``extra`` dict is its entry ``extra-rank-<r>`` there
     manifest.json          the commit marker, written LAST by rank 0
+
+Format 1 (still read) kept each rank's ``extra`` in a file of its own, ``extra-rank-<r>.pt``.
 
 ``manifest.json`` = ``{format_version, step, time, world_size, config_hash, model_digest,
 torch_version, files: [{path, size, sha256}]}`` listing every other file of the directory.
@@ -25,14 +27,14 @@ How a save is sequenced (same on every rank; collectives use a dedicated gloo gr
 
 1. ``save()`` (training thread) first finishes the previous save, then stages: DCP's
    ``BlockingAsyncStager`` copies every tensor of ``state`` into new CPU tensors (a real copy,
-   also for CPU tensors), and ``extra`` is serialized to bytes. Then it returns; the training
-   loop may change its tensors at once.
+   also for CPU tensors), and ``extra`` is serialized to bytes (this rank's entry of the state).
+   Then it returns; the training loop may change its tensors at once.
 2. A single background thread (reused across saves, so fsspec/gcsfs sessions are reused) runs
    ``dcp.save``: rank 0 clears a stale directory of the same step while planning (before any
    rank writes), every rank writes its data files, rank 0 writes ``.metadata`` after DCP has
    gathered every rank's write results. Sizes and sha256 are computed while the bytes stream
    out, so nothing is read back.
-3. Every rank writes ``extra-rank-<r>.pt``; all ranks exchange (ok/error, file hashes).
+3. All ranks exchange (ok/error, file hashes).
 4. Only if every rank succeeded, rank 0 writes ``manifest.json`` (file://: temp file, fsync,
    rename; object stores: one PUT, which is atomic) and broadcasts the outcome, so every rank's
    ``wait()`` returns the same :class:`CheckpointInfo` (or ``None``).
@@ -43,7 +45,7 @@ A storage error in steps 2-4 never raises into the training loop: each rank logs
 the next save starts from scratch. Errors while staging (a caller bug such as an unpicklable
 ``extra``) do raise.
 
-Trust model: nothing read from storage can run code. ``extra`` files and DCP's non-tensor values
+Trust model: nothing read from storage can run code. ``extra`` and DCP's other non-tensor values
 are loaded with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples, dicts,
 numpy arrays), DCP's ``.metadata`` with an unpickler that admits only DCP's metadata classes, torch
 dtypes and sizes; anything else fails the load, and resume falls back to an older checkpoint. Keep

@@ -15,12 +15,17 @@ from ..contract import rfc3339
 
 logger = logging.getLogger("trainingrun.checkpoint")
 
-#: Version of the manifest format; readers accept this version only.
-FORMAT_VERSION = 1
+#: Version of the checkpoint format that saves write. 2: each rank's ``extra`` is an entry of DCP's state dict.
+FORMAT_VERSION = 2
+#: Versions readers load. 1: each rank's ``extra`` was a file of its own (``extra-rank-<r>.pt``).
+READABLE_FORMATS = (1, 2)
 #: Name of the commit marker inside a checkpoint directory.
 MANIFEST_NAME = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_EXTRA = "extra-rank-{rank}.pt"
+#: A rank's ``extra`` in DCP's state dict (format 2): one value, the bytes of torch.save, so that DCP needs
+#: nothing of its structure to load it and only that rank loads it.
+EXTRA_ENTRY = "extra-rank-{rank}"
+_LEGACY_EXTRA_FILE = "extra-rank-{rank}.pt"  # format 1
 _HASH_CHUNK = 8 * 1024 * 1024
 # DCP's CheckpointException derives from BaseException, not Exception: catch it by name.
 _SAVE_ERRORS = (Exception, CheckpointException)
@@ -56,6 +61,7 @@ class CheckpointInfo:
     model_digest: Optional[str] = None
     world_size: Optional[int] = None
     manifest_sha256: Optional[str] = None
+    format_version: Optional[int] = None
 
 
 class PendingSave:

@@ -6,7 +6,7 @@ import json
 import posixpath
 from typing import Mapping, Optional
 
-from .layout import CheckpointInfo, FORMAT_VERSION, MANIFEST_NAME, _STEP_DIR, _join
+from .layout import CheckpointInfo, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join
 from .storage import _Storage, _entry_time, _is_file, _storage_options
 
 
@@ -14,8 +14,9 @@ def _parse_manifest(raw: bytes) -> dict:
     manifest = json.loads(raw)
     if not isinstance(manifest, dict):
         raise ValueError("not a JSON object")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if manifest.get("format_version") not in READABLE_FORMATS:
+        raise ValueError(f"format_version {manifest.get('format_version')!r}, expected one of "
+                         f"{', '.join(map(str, READABLE_FORMATS))} (written by a newer trainer image?)")
     files = manifest.get("files")
     if not isinstance(files, list) or not all(
         isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
@@ -44,6 +45,7 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
             step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=False,
             reason=reason, model_digest=manifest.get("model_digest") or None,
             world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
+            format_version=manifest.get("format_version"),
         )
 
     if MANIFEST_NAME not in files:
@@ -80,6 +82,7 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=True,
         reason=None, model_digest=manifest.get("model_digest") or None,
         world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
+        format_version=manifest["format_version"],
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import io
 import pickle
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -66,7 +66,26 @@ class _PlainReader(FsspecReader):
 
 
 class _PlainLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, loading non-tensor values (optimizer hyperparameters...) as plain values only."""
+    """DCP's planner, loading non-tensor values (optimizer hyperparameters...) as plain values only.
+
+    Top-level entries named in `optional` that the checkpoint lacks are left out of the load (and listed in
+    `missing`) instead of failing it: a rank's own entry, which a checkpoint saved by fewer ranks has not."""
+
+    def __init__(self, optional: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.optional, self.missing = set(optional), set()
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None:
+            return
+        # Left out of the plan only (the flattened copy): dcp.load hands back every key it was given.
+        entry_of = getattr(self, "mappings", {})
+        absent = [fqn for fqn in self.state_dict if fqn not in metadata.state_dict_metadata
+                  and entry_of.get(fqn, (fqn,))[0] in self.optional]
+        for fqn in absent:
+            del self.state_dict[fqn]
+        self.missing = {entry_of.get(fqn, (fqn,))[0] for fqn in absent}
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element

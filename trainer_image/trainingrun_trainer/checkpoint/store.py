@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .layout import (CheckpointInfo, CheckpointLoadError, FORMAT_VERSION, MANIFEST_NAME, PendingSave, _EXTRA,
-                     _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
+from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
+                     _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_file, _storage_options
@@ -30,7 +30,6 @@ from .writer import _Writer
 class _SaveJob:
     step: int
     state: Any
-    extra: bytes
     config_hash: str
     model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
     started: float
@@ -129,9 +128,9 @@ class CheckpointStore:
 
         ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
         ``torch.distributed.checkpoint.state_dict.get_state_dict`` for model + optimizer).
-        ``extra``: this rank's own small state (RNG states, sampler position...), torch.save'd to
-        ``extra-rank-<r>.pt``. ``config_hash`` and ``model_digest`` (see :func:`model_digest`)
-        are recorded in the manifest as given ("" = not recorded); ``model_digest`` may be a
+        ``extra``: this rank's own small state of plain values (RNG states...), saved as this rank's
+        entry of the same DCP checkpoint (``extra-rank-<r>``). ``config_hash`` and ``model_digest``
+        (see :func:`model_digest`) are recorded in the manifest as given ("" = not recorded); ``model_digest`` may be a
         function of the staged state, then rank 0 computes it in the background.
 
         Finishes the previous save first, then stages (copies) state and extra and returns; the
@@ -145,9 +144,14 @@ class CheckpointStore:
         began = time.perf_counter()
         self.wait()
         started = time.perf_counter()
+        reserved = [key for key in state if str(key).startswith(EXTRA_ENTRY.format(rank=""))]
+        if reserved:
+            raise ValueError(f"state keys {reserved} are reserved for each rank's extra state: rename them")
+        staged = _stage(state)
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
-        job = _SaveJob(step=step, state=_stage(state), extra=buffer.getvalue(),
+        staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
+        job = _SaveJob(step=step, state=staged,
                        config_hash=config_hash, model_digest=model_digest, started=started)
         if blocking:
             future: Future = Future()
@@ -230,9 +234,6 @@ class CheckpointStore:
             )
             dcp.save(job.state, storage_writer=writer, process_group=self._pg,
                      no_dist=not self._distributed)
-            name = _EXTRA.format(rank=self.rank)
-            self._storage.write_bytes(_join(step_uri, name), job.extra)
-            record[name] = (len(job.extra), hashlib.sha256(job.extra).hexdigest())
         except _SAVE_ERRORS as exc:
             error = _describe(exc)
             logger.error("checkpoint step %d: rank %d could not write %s: %s",
@@ -375,27 +376,44 @@ class CheckpointStore:
         info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
         if not info.valid:
             raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
-        reader = _PlainReader(uri, **self._options)
+        entry = EXTRA_ENTRY.format(rank=self.rank)
+        if entry in state:
+            raise ValueError(f"state key {entry!r} is reserved for this rank's extra state: rename it")
+        legacy = info.format_version == 1
+        loading = dict(state) if legacy else {**state, entry: b""}
+        # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
+        planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
         try:
-            dcp.load(state, storage_reader=reader, planner=_PlainLoadPlanner(), process_group=self._pg,
-                     no_dist=not self._distributed)
+            dcp.load(loading, storage_reader=_PlainReader(uri, **self._options), planner=planner,
+                     process_group=self._pg, no_dist=not self._distributed)
         except CheckpointException as exc:  # a BaseException: make it an error that says what failed
             raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
-        extra_uri = _join(uri, _EXTRA.format(rank=self.rank))
-        try:
-            raw = self._storage.read_bytes(extra_uri)
-        except FileNotFoundError:
+        state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
+        if legacy:
+            if planner.missing:
+                logger.info("%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing)))
+            raw, source = self._legacy_extra(uri), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank))
+        else:
+            raw, source = (None if entry in planner.missing else loading[entry]), f"{uri} ({entry})"
+        if raw is None:
             logger.warning("%s has no extra state for rank %d (saved by fewer ranks)", uri, self.rank)
             extra: dict = {}
         else:
             try:
                 extra = load_plain(raw)
             except pickle.UnpicklingError as exc:
-                raise CheckpointLoadError(f"cannot load {extra_uri}: it holds more than plain values "
+                raise CheckpointLoadError(f"cannot load {source}: it holds more than plain values "
                                           f"(refusing to run code from storage): {exc}".splitlines()[0]) from None
         self.last_restore_seconds = time.perf_counter() - began
         self.restores += 1
         return extra
+
+    def _legacy_extra(self, uri: str) -> Optional[bytes]:
+        """This rank's extra state in a format 1 checkpoint: a file of its own."""
+        try:
+            return self._storage.read_bytes(_join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank)))
+        except FileNotFoundError:
+            return None
 
     # ------------------------------------------------------------------ rotation
 
