@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -28,15 +29,17 @@ MAE_TRAINER = {
 }
 
 
-def torchrun(tmp_path: Path, name: str, nproc: int = 2, trainer: dict = TRAINER) -> subprocess.Popen:
+def torchrun(tmp_path: Path, name: str, nproc: int = 2, trainer: dict = TRAINER,
+             env: Optional[dict] = None) -> subprocess.Popen:
     config = tmp_path / f"{name}.yaml"
     uri = f"file://{tmp_path}/{name}"
     config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": uri, "interval": {"steps": 10}}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
-    env.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": name, "OMP_NUM_THREADS": "1"})
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
+    environment.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": name, "OMP_NUM_THREADS": "1",
+                        **(env or {})})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--max-restarts=0", "-m", "trainingrun_trainer"]
-    return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def final_digest(tmp_path: Path, name: str, step: int) -> str:

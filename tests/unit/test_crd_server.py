@@ -107,6 +107,8 @@ CEL_CASES = [
         "a file:// checkpoint is local to each pod",
     ),
     ("fp16-without-gpu", with_spec(trainer={"precision": "16-mixed"}), "spec", "trainer.precision 16-mixed needs a GPU"),
+    ("prefetch-without-workers", with_spec(trainer={"data": {"prefetchFactor": 4}}), "spec.trainer.data",
+     "prefetchFactor needs worker processes"),
     (
         "backoff-over-max",
         with_spec(recovery={"backoffSeconds": 700, "maxBackoffSeconds": 600}),

@@ -55,9 +55,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .trainer import Trainer
 
     from .checkpoint import CheckpointLoadError, StorageUnavailable
+    from .config import ConfigError
+    from .shards import DataError
 
     try:
         code = Trainer(config, context, device_type).run()
+    except (ConfigError, DataError) as error:  # what the dataset found when built or read: fix the data or spec
+        log.error("%s", error)
+        print(f"trainingrun-trainer: {error}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
     except CheckpointLoadError as error:
         log.error("%s", error)
         print(f"trainingrun-trainer: {error}; move that checkpoint directory aside to resume from an older one",

@@ -137,6 +137,8 @@ class Trainer:
                 batch_size=self.cfg.data.batch_size,
                 sampler=self.sampler,
                 num_workers=self.cfg.data.num_workers,
+                prefetch_factor=self.cfg.data.prefetch_factor,
+                pin_memory=self.cfg.data.pin_memory and self.device_type == "cuda",
                 worker_init_fn=seed_worker,
                 generator=generator,
                 drop_last=True,

@@ -1,0 +1,84 @@
+"""The built-in trainer on data in object storage: token shards and text on the GCS emulator and on moto's S3,
+a worker SIGKILLed mid-epoch, and the resumed run ends with the model of an uninterrupted run that read the same
+bytes from local files (tests/unit/test_shards.py covers the formats, the errors and the cache)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
+from test_trainer_resume import final_digest, kill_one_worker_at, torchrun
+from tiny_runs import tiny_model, tiny_trainer
+
+from trainingrun_trainer.data import SyntheticText
+
+pytestmark = pytest.mark.slow
+
+
+def token_shards() -> dict[str, bytes]:
+    """Two nanoGPT shards (uint16, no header) of a learnable sequence: the synthetic text's Markov chain."""
+    text = SyntheticText(num_samples=400, context_length=63, vocab_size=128, seed=3)
+    tokens = np.concatenate([text[i]["tokens"].numpy() for i in range(len(text))]).astype("<u2")
+    half = len(tokens) // 2
+    return {"train_000.bin": tokens[:half].tobytes(), "train_001.bin": tokens[half:].tobytes()}
+
+
+def text_files() -> dict[str, bytes]:
+    rng = np.random.default_rng(4)
+    words = ["checkpoint", "resume", "gradient", "the", "of", "a", "run", "pod", "step", "loss"]
+    return {f"part-{n}.txt": " ".join(rng.choice(words, size=3000)).encode() for n in range(2)}
+
+
+DATASETS = {
+    "tokens": ("trainingrun_trainer.shards.TokenShards", token_shards, {"vocabSize": 128}),
+    "text": ("trainingrun_trainer.shards.TextBytes", text_files, {}),
+}
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket(request):
+    """(server, bucket URI, environment and initArgs a trainer needs to read it)."""
+    if request.param == "gs":  # gcsfs finds the emulator as any GCS client would (see test_trainer_faults.py)
+        server, uri = request.getfixturevalue("gcs_server"), request.getfixturevalue("gcs_bucket")
+        return server, uri, {"STORAGE_EMULATOR_HOST": server.endpoint_url, "NO_GCE_CHECK": "true"}, {}
+    server, uri = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+    return server, uri, {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}, \
+        {"endpointUrl": server.endpoint_url}
+
+
+@pytest.mark.parametrize("kind", sorted(DATASETS))
+def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket, kind, tmp_path):
+    server, uri, env, reach = bucket
+    class_path, files, args = DATASETS[kind]
+    local = tmp_path / "local-copy"
+    local.mkdir()
+    for name, content in files().items():
+        server.fs.pipe_file(f"{uri}/data/{name}".split("://", 1)[1], content)
+        (local / name).write_bytes(content)
+
+    def trainer(data_uri: str, **more: str) -> dict:
+        model = tiny_model()
+        model["initArgs"]["vocabSize"] = 128 if kind == "tokens" else 256
+        dataset = {"classPath": class_path,
+                   "initArgs": {"uri": data_uri, "contextLength": 16, "numSamples": 2000, **args, **more}}
+        return tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, model=model,
+                            data={"dataset": dataset, "batchSize": 8, "numWorkers": 1})
+
+    reference = torchrun(tmp_path, "reference", trainer=trainer(f"file://{local}"),
+                         env={"TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-reference")})
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err[-3000:]
+
+    from_bucket = trainer(f"{uri}/data", **reach)
+    # Each run its own block cache: the resumed run reads the bucket again, not what the first one cached.
+    interrupted = torchrun(tmp_path, "interrupted", trainer=from_bucket,
+                           env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-1")})
+    log = kill_one_worker_at(interrupted, "committed checkpoint step 10 ", "rank0 INFO trainingrun.trainer: step 15/40 ")
+    assert interrupted.returncode != 0, "".join(log[-30:])
+    resumed = torchrun(tmp_path, "interrupted", trainer=from_bucket,
+                       env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-2")})
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert "resumed from" in err and "at step 10" in err
+    assert any((tmp_path / "cache-2").rglob("*.*"))  # blocks were fetched from the bucket and cached
+    assert final_digest(tmp_path, "interrupted", 40) == final_digest(tmp_path, "reference", 40)

@@ -1,0 +1,165 @@
+"""Token shards and text read by byte ranges through fsspec (file:// here; the storage servers in
+tests/integration/test_shards.py)."""
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from torch.utils.data import DataLoader
+
+from trainingrun_trainer.data import ResumableSampler
+from trainingrun_trainer.shards import LLMC_HEADER_BYTES, DataError, TextBytes, TokenShards
+
+
+def write_shard(path, tokens, dtype="uint16", llmc=False):
+    tokens = np.asarray(tokens, dtype=dtype)
+    with open(path, "wb") as out:
+        if llmc:
+            header = np.zeros(256, dtype="<i4")
+            header[:3] = (20240520 if dtype == "uint16" else 20240801, 1, len(tokens))
+            out.write(header.tobytes())
+        out.write(tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Two nanoGPT shards whose tokens count up (mod 60,000) from 0 and from 30,000: each window is a run of
+    consecutive numbers, and its first token says where it came from."""
+    directory = tmp_path / "tokens"
+    directory.mkdir()
+    write_shard(directory / "a.bin", np.arange(0, 5000) % 60000)
+    write_shard(directory / "b.bin", np.arange(30000, 33000) % 60000)
+    return directory
+
+
+def dataset(directory, tmp_path, **kwargs):
+    return TokenShards(f"file://{directory}", cache_dir=str(tmp_path / "cache"), block_bytes=4096, **kwargs)
+
+
+def test_windows_are_consecutive_tokens_of_one_shard_chosen_by_seed_and_index(shards, tmp_path):
+    data = dataset(shards, tmp_path, context_length=16)
+    assert [s.tokens for s in data.shards] == [5000, 3000] and data.shards[0].uri.endswith("/tokens/a.bin")
+    assert len(data) == (4750 + 2850) // 17  # about one pass over the train split by default
+    seen_shards = set()
+    for index in range(200):
+        tokens = data[index]["tokens"]
+        assert tokens.dtype == torch.long and tokens.shape == (17,)
+        assert torch.equal(tokens, torch.arange(int(tokens[0]), int(tokens[0]) + 17))  # one shard, in order
+        seen_shards.add("a" if tokens[0] < 30000 else "b")
+        assert int(tokens[-1]) < 4750 or 30000 <= int(tokens[-1]) < 32850  # never the eval split's tail
+    assert seen_shards == {"a", "b"}
+    again = dataset(shards, tmp_path, context_length=16)
+    assert all(torch.equal(data[i]["tokens"], again[i]["tokens"]) for i in range(50))  # a pure function
+    other_seed = dataset(shards, tmp_path, context_length=16, seed=1)
+    assert not all(torch.equal(data[i]["tokens"], other_seed[i]["tokens"]) for i in range(50))
+
+    evaluation = dataset(shards, tmp_path, context_length=16, split="eval")
+    assert len(evaluation) == (250 + 150) // 17
+    for index in range(len(evaluation)):
+        first = int(evaluation[index]["tokens"][0])
+        assert 4750 <= first < 5000 or 32850 <= first < 33000  # only the held-out tail of each shard
+
+
+def test_an_llmc_shard_is_read_after_its_header_whatever_dtype_says(tmp_path):
+    (tmp_path / "llmc").mkdir()
+    write_shard(tmp_path / "llmc" / "train_000.bin", np.arange(70000, 72000), dtype="uint32", llmc=True)
+    data = dataset(tmp_path / "llmc", tmp_path, context_length=8)
+    shard = data.shards[0]
+    assert (shard.offset, shard.dtype, shard.tokens) == (LLMC_HEADER_BYTES, "uint32", 2000)
+    first = int(data[0]["tokens"][0])
+    assert torch.equal(data[0]["tokens"], torch.arange(first, first + 9)) and first >= 70000
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: write_shard(d / "b.bin", np.arange(10), llmc=True) or
+     (d / "b.bin").write_bytes((d / "b.bin").read_bytes()[:-6]), "header says 10 uint16 tokens (1044 bytes), but the "
+                                                                  "shard has 1038 bytes: truncated?"),
+    (lambda d: (d / "b.bin").write_bytes(b"\x01\x02\x03"), "3 bytes is not a whole number of uint16 tokens"),
+], ids=["truncated-llmc", "odd-size"])
+def test_a_damaged_shard_is_named_with_what_was_expected(shards, tmp_path, damage, words):
+    damage(shards)
+    with pytest.raises(DataError) as error:
+        dataset(shards, tmp_path)
+    assert f"file://{shards}/b.bin" in str(error.value) and words in str(error.value)
+
+
+def test_an_empty_uri_and_a_too_short_split_say_what_to_do(tmp_path, shards):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"no files matching '\*\.bin': check the URI"):
+        dataset(tmp_path / "empty", tmp_path)
+    with pytest.raises(DataError, match="no shard holds a window of context_length \\+ 1 = 5001 tokens in its train"):
+        dataset(shards, tmp_path, context_length=5000)
+
+
+def test_tokens_beyond_the_vocabulary_name_the_shard_and_the_byte(shards, tmp_path):
+    data = dataset(shards, tmp_path, context_length=16, vocab_size=32000)
+    with pytest.raises(DataError, match=r"b\.bin: token 3\d{4} at byte \d+ is not below vocab_size 32000"):
+        for index in range(len(data)):
+            data[index]
+
+
+def test_only_the_blocks_of_a_window_are_fetched_and_then_served_from_the_cache(shards, tmp_path, monkeypatch):
+    fetched = []
+    real = LocalFileSystem.cat_file
+
+    def spy(self, path, start=None, end=None, **kwargs):
+        fetched.append((os.path.basename(path), start, end))
+        return real(self, path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "cat_file", spy)
+    data = dataset(shards, tmp_path, context_length=16)
+    fetched.clear()  # listing read each shard's first 1024 bytes, to look for an llm.c header
+    first = data[0]["tokens"]
+    assert 1 <= len(fetched) <= 2 and all(end - start <= 4096 for _, start, end in fetched)  # a block or two
+    fetched.clear()
+    assert torch.equal(dataset(shards, tmp_path, context_length=16)[0]["tokens"], first)
+    assert [f for f in fetched if (f[1], f[2]) != (0, LLMC_HEADER_BYTES)] == []  # the blocks came from the cache
+
+    # The shard replaced in storage (another size): its blocks are fetched again, not served stale.
+    write_shard(shards / "a.bin", np.arange(1, 6001) % 60000)
+    write_shard(shards / "b.bin", np.arange(1, 3001) % 60000)
+    fresh = dataset(shards, tmp_path, context_length=16)[0]["tokens"]
+    assert int(fresh[0]) < 6001 and torch.equal(fresh, torch.arange(int(fresh[0]), int(fresh[0]) + 17))
+
+
+def test_a_shard_gone_after_listing_is_named(shards, tmp_path):
+    data = dataset(shards, tmp_path, context_length=16)
+    (shards / "a.bin").unlink()
+    (shards / "b.bin").unlink()
+    with pytest.raises(DataError, match=r"tokens/[ab]\.bin: gone from storage since it was listed"):
+        data[0]
+
+
+def test_dataloader_workers_and_the_sampler_serve_each_window_once_across_a_world_size_change(shards, tmp_path):
+    data = dataset(shards, tmp_path, context_length=16, num_samples=64)
+    assert pickle.loads(pickle.dumps(data))[3]["tokens"].equal(data[3]["tokens"])  # workers get a copy
+
+    def served(sampler, steps):
+        loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
+        return [tuple(t.tolist()) for _, batch in zip(range(steps), loader) for t in batch["tokens"]]
+
+    two = [ResumableSampler(len(data), rank=r, world_size=2, seed=0, samples_per_step=4) for r in range(2)]
+    first = served(two[0], 3) + served(two[1], 3)
+    for sampler in two:
+        sampler.advance(3 * 8)  # three steps of both ranks, then the job shrinks to one rank
+    one = ResumableSampler(len(data), rank=0, world_size=1, seed=0, samples_per_step=4)
+    one.load_state_dict(two[0].state_dict())
+    rest = served(one, len(one) // 4)
+    everything = [tuple(data[i]["tokens"].tolist()) for i in range(64)]
+    assert sorted(first + rest) == sorted(everything)  # every item of the epoch once, none twice
+
+
+def test_text_is_read_as_bytes(tmp_path):
+    (tmp_path / "text").mkdir()
+    text = ("The quick brown fox jumps over the lazy dog. " * 40).encode()
+    (tmp_path / "text" / "fox.txt").write_bytes(text)
+    (tmp_path / "text" / "notes.md").write_bytes(b"\xff" * 100)  # not *.txt: not read
+    data = TextBytes(f"file://{tmp_path / 'text'}", context_length=20, cache_dir=str(tmp_path / "cache"))
+    window = bytes(data[5]["tokens"].tolist())
+    assert len(window) == 21 and window in text
+    with pytest.raises(TypeError, match="dtype"):  # bytes are the tokens
+        TextBytes(f"file://{tmp_path / 'text'}", dtype="uint16")

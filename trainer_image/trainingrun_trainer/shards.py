@@ -1,0 +1,265 @@
+"""Datasets in object storage (gs://, s3://, file:// or a path, through fsspec): token shards and plain text.
+
+Shard layouts, as nanoGPT and llm.c users already have them:
+
+- nanoGPT: a `.bin` file of little-endian tokens (`dtype` uint16, or uint32 for vocabularies over 65,536), no header.
+- llm.c: a 1024-byte header of 256 int32 (magic 20240520 with uint16 tokens, or 20240801 with uint32; a version; the
+  token count), then the tokens. Found by its magic, whatever `dtype` says.
+- `TextBytes`: any text file read as bytes, a vocabulary of 256 (the built-in character model with `vocabSize: 256`).
+
+Item i of a split is a window of `context_length + 1` tokens at a position drawn from
+`numpy.random.default_rng([seed, tag, split, i])`: a pure function of (seed, split, index), as the generated datasets
+are, so the `ResumableSampler`'s position resumes exactly at any world size. Positions are uniform over every window
+of every shard; a window never spans two shards. The last `eval_fraction` of each shard's tokens is the eval split.
+
+Only the bytes of a window are read, in blocks of `block_bytes` fetched by byte range and kept in a local cache
+directory shared by the ranks and DataLoader workers of a node: never a whole shard up front. A cached block is
+named after the shard's URI, size and version (ETag or mtime), so a shard replaced in storage is read again.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import posixpath
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .checkpoint.layout import StorageUnavailable
+from .checkpoint.storage import _storage_options
+from .data import _check_common, _split_id
+
+__all__ = ["TokenShards", "TextBytes", "DataError"]
+
+_WINDOW_TAG = 4  # [seed, tag, split, index]: a shard window (data.py's tags are 1-3)
+LLMC_HEADER_BYTES = 1024
+LLMC_MAGICS = {20240520: "uint16", 20240801: "uint32"}
+DTYPES = ("uint8", "uint16", "uint32")
+#: Where blocks are cached when `cache_dir` is not given.
+CACHE_ENV = "TRAININGRUN_DATA_CACHE"
+
+
+class DataError(ValueError):
+    """A shard that is not what the dataset expects (truncated, wrong format): retrying cannot help."""
+
+
+@dataclass(frozen=True)
+class _Shard:
+    uri: str
+    path: str  #: the filesystem's path for it
+    size: int  #: bytes
+    version: str  #: ETag or mtime: a replaced shard gets new cache entries
+    offset: int  #: byte where the tokens start (after an llm.c header)
+    dtype: str
+    tokens: int
+
+
+class TokenShards(Dataset):
+    """Windows of pre-tokenized shards: `{"tokens": LongTensor[context_length + 1]}`.
+
+    Args:
+        uri: a directory (every file matching `pattern` below it, in name order) or one file.
+        context_length: tokens the model sees; each window holds one more (the last target).
+        dtype: token width of headerless shards: uint16 (GPT-2's 50,257 tokens fit) or uint32.
+        pattern: file names to read below a directory.
+        vocab_size: when given, every window is checked to hold only tokens below it (a wrong dtype shows here).
+        num_samples: items per epoch (default: the split's tokens / (context_length + 1), about one pass).
+        eval_fraction: the last part of each shard's tokens that is the eval split, never trained on.
+        seed: chooses the windows.
+        split: "train" or "eval" (the trainer passes it).
+        cache_dir: the block cache (default $TRAININGRUN_DATA_CACHE, else a directory in the system's temp dir).
+        block_bytes: bytes fetched per range request and cached per file.
+        endpoint_url: an S3-compatible endpoint for s3:// (default AWS_ENDPOINT_URL), or a GCS endpoint for gs://.
+    """
+
+    def __init__(self, uri: str, context_length: int = 64, dtype: str = "uint16", pattern: str = "*.bin",
+                 vocab_size: Optional[int] = None, num_samples: Optional[int] = None, eval_fraction: float = 0.05,
+                 seed: int = 0, split: str = "train", cache_dir: Optional[str] = None, block_bytes: int = 1 << 20,
+                 endpoint_url: Optional[str] = None):
+        if not isinstance(uri, str) or not uri:
+            raise ValueError("uri must name a directory or file of shards, e.g. gs://bucket/tokens/")
+        if not isinstance(context_length, int) or context_length < 1:
+            raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 2):
+            raise ValueError(f"vocab_size must be an integer of at least 2, got {vocab_size!r}")
+        if not isinstance(eval_fraction, (int, float)) or not 0 < eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction!r}")
+        if not isinstance(block_bytes, int) or block_bytes < 4096:
+            raise ValueError(f"block_bytes must be an integer of at least 4096, got {block_bytes!r}")
+        self.uri, self.context_length, self.dtype, self.pattern = uri.rstrip("/") or uri, context_length, dtype, pattern
+        self.vocab_size, self.eval_fraction, self.seed, self.split = vocab_size, float(eval_fraction), seed, split
+        self.block_bytes = block_bytes
+        self._split_id = _split_id(split)
+        self._options = _storage_options(uri, endpoint_url, None)
+        self._fs: Any = None
+        self._pid = 0
+        self.cache = Path(cache_dir or os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "trainingrun-data")
+        self.shards = self._discover()
+        self._regions = [self._region(shard) for shard in self.shards]  # (first token, windows) per shard
+        self._ends = np.cumsum([windows for _, windows in self._regions]).tolist()
+        self.windows = self._ends[-1] if self._ends else 0
+        if not self.windows:
+            largest = max((s.tokens for s in self.shards), default=0)
+            raise DataError(f"{self.uri}: no shard holds a window of context_length + 1 = {context_length + 1} tokens in "
+                            f"its {split} split (the largest has {largest} tokens, {self.eval_fraction:g} of each is "
+                            "eval): use a shorter context_length, a different eval_fraction or more data")
+        split_tokens = sum(windows + context_length for _, windows in self._regions if windows)
+        default = max(1, split_tokens // (context_length + 1))
+        self.num_samples = default if num_samples is None else num_samples
+        _check_common(self.num_samples, seed)
+
+    # ------------------------------------------------------------ finding the shards
+
+    def _filesystem(self) -> Any:
+        """A filesystem of this process's own: DataLoader workers are new processes, and async clients
+        (gcsfs, s3fs) do not survive a fork."""
+        if self._fs is None or self._pid != os.getpid():
+            from fsspec.core import url_to_fs
+
+            self._fs, _ = url_to_fs(self.uri, skip_instance_cache=True, **self._options)
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None, "_pid": 0}
+
+    def _discover(self) -> list[_Shard]:
+        fs = self._filesystem()
+        root = fs._strip_protocol(self.uri)
+        scheme = self.uri.split("://", 1)[0] + "://" if "://" in self.uri else ""
+        try:
+            info = fs.info(root)
+            if info.get("type") == "file":
+                entries = {info["name"]: info}
+            else:
+                entries = fs.glob(posixpath.join(root, self.pattern), detail=True)
+        except FileNotFoundError:
+            entries = {}
+        except Exception as error:  # each backend raises its own kinds
+            raise StorageUnavailable(f"cannot list {self.uri}: {_first_line(error)}") from error
+        files = sorted((name, e) for name, e in entries.items() if e.get("type", "file") == "file")
+        if not files:
+            raise DataError(f"{self.uri}: no files matching {self.pattern!r}: check the URI (and that the shards were "
+                            "uploaded, e.g. with `trainingrun data prepare`)")
+        return [self._shard(scheme + name if scheme and "://" not in name else name, name, entry)
+                for name, entry in files]
+
+    #: Whether a shard may start with an llm.c header.
+    headers = True
+
+    def _shard(self, uri: str, path: str, entry: dict[str, Any]) -> _Shard:
+        size = int(entry.get("size") or 0)
+        version = str(next((entry[k] for k in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified")
+                            if entry.get(k) is not None), ""))
+        if self.headers and size >= LLMC_HEADER_BYTES:
+            header = np.frombuffer(self._fetch(path, uri, 0, LLMC_HEADER_BYTES), dtype="<i4")
+            dtype = LLMC_MAGICS.get(int(header[0]))
+            if dtype is not None:
+                tokens, width = int(header[2]), np.dtype(dtype).itemsize
+                expected = LLMC_HEADER_BYTES + tokens * width
+                if size != expected:
+                    raise DataError(f"{uri}: its llm.c header says {tokens} {dtype} tokens ({expected} bytes), but the "
+                                    f"shard has {size} bytes: {'truncated' if size < expected else 'not an llm.c shard'}?"
+                                    " Write it again")
+                return _Shard(uri, path, size, version, LLMC_HEADER_BYTES, dtype, tokens)
+        width = np.dtype(self.dtype).itemsize
+        if size % width:
+            raise DataError(f"{uri}: {size} bytes is not a whole number of {self.dtype} tokens ({width} bytes each): "
+                            "a truncated shard, or set dtype to the width it was written with")
+        return _Shard(uri, path, size, version, 0, self.dtype, size // width)
+
+    def _region(self, shard: _Shard) -> tuple[int, int]:
+        """(first token, number of windows) of this split in a shard."""
+        eval_tokens = int(shard.tokens * self.eval_fraction)
+        first, last = (0, shard.tokens - eval_tokens) if self.split == "train" else (shard.tokens - eval_tokens,
+                                                                                       shard.tokens)
+        return first, max(0, last - first - self.context_length)
+
+    # ------------------------------------------------------------ items
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = int(index)
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        window = int(np.random.default_rng([self.seed, _WINDOW_TAG, self._split_id, index]).integers(self.windows))
+        number = bisect.bisect_right(self._ends, window)
+        shard, (first, _) = self.shards[number], self._regions[number]
+        position = first + window - (self._ends[number - 1] if number else 0)
+        width = np.dtype(shard.dtype).itemsize
+        start = shard.offset + position * width
+        raw = self._read(shard, start, start + (self.context_length + 1) * width)
+        tokens = np.frombuffer(raw, dtype=np.dtype(shard.dtype).newbyteorder("<")).astype(np.int64)
+        if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
+            raise DataError(f"{shard.uri}: token {int(tokens.max())} at byte {start + int(tokens.argmax()) * width} is "
+                            f"not below vocab_size {self.vocab_size}: the shard holds {shard.dtype} tokens of a larger "
+                            "vocabulary, or dtype is wrong")
+        return {"tokens": torch.from_numpy(tokens)}
+
+    # ------------------------------------------------------------ reading
+
+    def _read(self, shard: _Shard, start: int, end: int) -> bytes:
+        first, last = start // self.block_bytes, (end - 1) // self.block_bytes
+        data = b"".join(self._block(shard, block) for block in range(first, last + 1))
+        begin = start - first * self.block_bytes
+        piece = data[begin:begin + end - start]
+        if len(piece) != end - start:
+            raise DataError(f"{shard.uri}: read {len(piece)} bytes at byte {start}, expected {end - start}: the shard "
+                            f"is shorter than the {shard.size} bytes it had when listed (replaced or truncated?)")
+        return piece
+
+    def _block(self, shard: _Shard, block: int) -> bytes:
+        key = hashlib.sha256(f"{shard.uri}\0{shard.size}\0{shard.version}\0{self.block_bytes}".encode()).hexdigest()
+        cached = self.cache / key[:2] / f"{key}.{block}"
+        try:
+            return cached.read_bytes()
+        except FileNotFoundError:
+            pass
+        start = block * self.block_bytes
+        data = self._fetch(shard.path, shard.uri, start, min(start + self.block_bytes, shard.size))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        # Other workers and ranks of this node read the same cache: a block appears whole, or not at all.
+        with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as out:
+            out.write(data)
+        os.replace(out.name, cached)
+        return data
+
+    def _fetch(self, path: str, uri: str, start: int, end: int) -> bytes:
+        try:
+            return self._filesystem().cat_file(path, start=start, end=end)
+        except FileNotFoundError as error:
+            raise DataError(f"{uri}: gone from storage since it was listed: {_first_line(error)}") from error
+        except Exception as error:  # unreachable, refused, timed out: a later attempt may succeed
+            raise StorageUnavailable(f"cannot read {uri} bytes {start}-{end}: {_first_line(error)}") from error
+
+
+class TextBytes(TokenShards):
+    """Plain text files as bytes (a vocabulary of 256): `{"tokens": LongTensor[context_length + 1]}`.
+
+    TokenShards' arguments but `dtype` (bytes are the tokens), with `pattern` "*.txt"."""
+
+    def __init__(self, uri: str, context_length: int = 64, pattern: str = "*.txt", num_samples: Optional[int] = None,
+                 eval_fraction: float = 0.05, seed: int = 0, split: str = "train", cache_dir: Optional[str] = None,
+                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None):
+        super().__init__(uri, context_length=context_length, dtype="uint8", pattern=pattern, num_samples=num_samples,
+                         eval_fraction=eval_fraction, seed=seed, split=split, cache_dir=cache_dir,
+                         block_bytes=block_bytes, endpoint_url=endpoint_url)
+
+    headers = False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0][:300] if str(error) else ""
+    return text or type(error).__name__
