@@ -199,6 +199,58 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    try:
+        from trainingrun_trainer import prepare
+    except ImportError as error:
+        print(f"trainingrun data prepare needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
+              file=sys.stderr)
+        return 1
+    bar = _ByteProgress(sys.stderr)
+    try:
+        done = prepare.prepare_text(Path(args.src), args.dest, shard_bytes=args.shard_mb, overwrite=args.overwrite,
+                                    endpoint_url=args.endpoint_url, progress=bar.update)
+    except prepare.PrepareError as error:
+        bar.close()
+        print(f"trainingrun data prepare: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        bar.close()
+        print(f"trainingrun data prepare: cannot write {args.dest}: {error}", file=sys.stderr)
+        return 1
+    bar.close()
+    print(f"{done.files} files, {done.bytes} bytes -> {len(done.shards)} shards under {args.dest}; train on them with "
+          f"classPath trainingrun_trainer.shards.TextBytes, initArgs {{uri: {args.dest}}} (model vocabSize 256)")
+    return 0
+
+
+class _ByteProgress:
+    """A bar of bytes on terminals, a line per tenth elsewhere."""
+
+    def __init__(self, out: Any):
+        self.out, self.bar, self.task, self.said = out, None, None, -1
+        if out.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+            self.bar = Progress(BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                                console=Console(file=out))
+            self.bar.start()
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            if self.task is None:
+                self.task = self.bar.add_task("prepare", total=total)
+            self.bar.update(self.task, completed=done)
+        elif total and done * 10 // total > self.said:
+            self.said = done * 10 // total
+            print(f"{done}/{total} bytes ({100 * done // total}%)", file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from . import local
 
@@ -355,7 +407,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list (step, valid, model_digest, uri, time, ...)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
     p.set_defaults(func=cmd_checkpoints)
+
+    data = commands.add_parser("data", help="prepare training data in object storage").add_subparsers(
+        dest="data_command", required=True, metavar="COMMAND")
+    p = data.add_parser("prepare", help="turn a folder of text files into shards and upload them",
+                        description="Join the .txt files below SRC (in path order) into shards of about --shard-mb "
+                                    "and upload them to DEST (gs://, s3://, file:// or a path), for "
+                                    "trainingrun_trainer.shards.TextBytes.")
+    p.add_argument("src", metavar="SRC", help="a local folder; every *.txt below it is read")
+    p.add_argument("dest", metavar="DEST", help="where the shards go, e.g. gs://bucket/datasets/mytext")
+    p.add_argument("--shard-mb", type=_shard_mb, default=64 << 20, help="shard size in MiB (default 64)")
+    p.add_argument("--overwrite", action="store_true", help="replace shards DEST already holds")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
+    p.set_defaults(func=cmd_data_prepare)
     return parser
+
+
+def _shard_mb(value: str) -> int:
+    try:
+        megabytes = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of MiB") from None
+    if megabytes <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return max(1, int(megabytes * (1 << 20)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

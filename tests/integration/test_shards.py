@@ -82,3 +82,25 @@ def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket
     assert "resumed from" in err and "at step 10" in err
     assert any((tmp_path / "cache-2").rglob("*.*"))  # blocks were fetched from the bucket and cached
     assert final_digest(tmp_path, "interrupted", 40) == final_digest(tmp_path, "reference", 40)
+
+
+def test_prepare_uploads_text_shards_that_the_dataset_reads(bucket, tmp_path, monkeypatch):
+    """`trainingrun data prepare` to the bucket, then TextBytes over what it wrote."""
+    from trainingrun_trainer.prepare import prepare_text
+    from trainingrun_trainer.shards import TextBytes
+
+    server, uri, env, reach = bucket
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, content in text_files().items():
+        (corpus / name).write_bytes(content)
+    done = prepare_text(corpus, f"{uri}/prepared", shard_bytes=5000, endpoint_url=reach.get("endpointUrl"))
+    text = b"\n".join(p.read_bytes() for p in sorted(corpus.glob("*.txt")))
+    assert len(done.shards) == -(-len(text) // 5000)
+    assert b"".join(server.fs.cat_file(s.split("://", 1)[1]) for s in done.shards) == text
+    data = TextBytes(f"{uri}/prepared", context_length=32, cache_dir=str(tmp_path / "cache"),
+                     endpoint_url=reach.get("endpointUrl"))
+    assert [s.uri for s in data.shards] == done.shards
+    assert all(bytes(data[i]["tokens"].tolist()) in text for i in range(30))
