@@ -109,6 +109,8 @@ CEL_CASES = [
     ("fp16-without-gpu", with_spec(trainer={"precision": "16-mixed"}), "spec", "trainer.precision 16-mixed needs a GPU"),
     ("prefetch-without-workers", with_spec(trainer={"data": {"prefetchFactor": 4}}), "spec.trainer.data",
      "prefetchFactor needs worker processes"),
+    ("tensorboard-without-log-dir", with_spec(trainer={"loggers": [{"kind": "tensorboard"}]}), "spec.trainer.loggers[0]",
+     "a tensorboard logger needs logDir"),
     (
         "backoff-over-max",
         with_spec(recovery={"backoffSeconds": 700, "maxBackoffSeconds": 600}),

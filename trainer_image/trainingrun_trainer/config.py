@@ -18,6 +18,7 @@ Precision = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 ScheduleName = Literal["cosine", "cosine-warm-restarts", "inverse-sqrt", "exponential", "step", "constant"]
 OptimizerName = Literal["adamw", "sgd"]
 Strategy = Literal["ddp", "fsdp2"]
+LoggerKind = Literal["tensorboard"]
 
 CHECKPOINT_URI_PATTERN = r"^(gs|s3|file)://.+"
 #: A bucket as both GCS and S3 name them: 3-222 lowercase letters, digits, '.', '-', '_'.
@@ -227,6 +228,34 @@ class EvalConfig(ApiModel):
     batches: int = Field(default=10, ge=1, le=100000, description="Batches per evaluation.")
 
 
+class LoggerConfig(ApiModel):
+    """An experiment tracker the trainer logs to: rank 0 only, from a background queue that never holds a step.
+
+    One tracked run per TrainingRun across attempts and restarts; steps a resumed run computes again are not logged
+    twice. API keys come only from Secrets by reference (spec.secrets.env: WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...).
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.kind != 'tensorboard' || has(self.logDir)",
+                 "message": "a tensorboard logger needs logDir: a path or gs://, s3:// URI for its event files"},
+            ]
+        }
+    )
+
+    kind: LoggerKind = Field(description="tensorboard: event files under logDir.")
+    log_dir: Optional[str] = Field(
+        default=None, min_length=1, description="tensorboard: the directory of this run's event files (a path, "
+        "or a gs:// or s3:// URI through fsspec). Give each TrainingRun its own.")
+
+    @model_validator(mode="after")
+    def _log_dir_for_tensorboard(self) -> "LoggerConfig":
+        if self.kind == "tensorboard" and self.log_dir is None:
+            raise ValueError("a tensorboard logger needs logDir: a path or gs://, s3:// URI for its event files")
+        return self
+
+
 class HealthConfig(ApiModel):
     """What the trainer does when loss or gradients stop being finite."""
 
@@ -285,6 +314,10 @@ class TrainerConfig(ApiModel):
     ema: EmaConfig = Field(default_factory=EmaConfig, description="Weight EMA.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Non-finite loss policy.")
+    loggers: list[LoggerConfig] = Field(
+        default_factory=list, max_length=8, description="Experiment trackers to log to (rank 0 only, never "
+        "blocking a step): loss, learning rate, grad norm, throughput, eval metrics, checkpoints and restarts, "
+        "with this config as hyperparameters.")
     log_interval_steps: int = Field(
         default=10, ge=1, description="Steps between log lines and progress reports."
     )

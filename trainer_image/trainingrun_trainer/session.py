@@ -95,6 +95,8 @@ class Run:
             identity = Report(context.namespace, context.name, context.uid, context.attempt)
             reporter = reporting.from_env(identity) if context.is_rank_zero else ProgressReporter(None, identity)
         self._pending: Optional[PendingSave] = None
+        #: The newest checkpoint this process committed and reported.
+        self.last_committed: Optional[CheckpointInfo] = None
         self.reporter = reporter
         self.preempted = False
         self._last_save = time.monotonic()
@@ -212,6 +214,7 @@ class Run:
         info = self.store.wait()
         self._pending = None
         if info is not None:
+            self.last_committed = info
             self.reporter.committed(CommittedCheckpoint(info.uri, info.step, info.time, info.manifest_sha256))
         return info
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import components, exit_codes, metrics
+from . import components, exit_codes, metrics, tracking
 from .checkpoint import model_digest
 from .config import RunConfig
 from .context import RunContext
@@ -39,8 +39,10 @@ log = logging.getLogger("trainingrun.trainer")
 
 
 def config_hash(config: RunConfig) -> str:
-    """Identifies the training recipe; the checkpoint URI is left out so a run can move buckets."""
+    """Identifies the training recipe; the checkpoint URI is left out so a run can move buckets, the loggers
+    because where a run is tracked is not what it trains."""
     recipe = config.trainer.to_wire()
+    recipe.pop("loggers", None)
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -57,6 +59,8 @@ class Trainer:
         self.tokens_per_second: float | None = None  #: the same, for models that count tokens
         self.data_wait_seconds = 0.0  #: of the step in progress
         self.metrics: metrics.NullMetrics = metrics.NullMetrics()
+        self.tracker: Any = tracking.NullTracker()
+        self.tracked_checkpoint = 0  #: the newest committed step the trackers were told of
         self.last_loss: float | None = None
 
     @property
@@ -258,11 +262,16 @@ class Trainer:
             # Where the run stands now, before the first new step (which may be a while, or never).
             self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
                             productive_seconds=self.productive_seconds)
+        self.tracker = tracking.for_rank(cfg.loggers, self.context.rank)
+        self.tracker.start(self.step, self.config.to_wire())
+        self.tracker.metrics(self.step, {"run/attempt": self.context.attempt,
+                                         "run/restarts_in_place": float(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)})
         batches = self._batches()
         try:
             code = self._loop(batches)
         finally:
             self.metrics.close()
+            self.tracker.close()
         self.run.close()
         if self.distributed:
             dist.destroy_process_group()
@@ -356,6 +365,8 @@ class Trainer:
                 results = self._evaluate()
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
                 self.metrics.evaluation(self.step, results)
+                self.tracker.metrics(self.step, {f"eval/{name.removeprefix('eval_')}": value
+                                                 for name, value in results.items()})
 
             self.last_loss = loss
             self.metrics.step(step=self.step, loss=loss, learning_rate=self.scheduler.get_last_lr()[0],
@@ -363,6 +374,10 @@ class Trainer:
                               data_wait_seconds=self.data_wait_seconds, productive_seconds=self.productive_seconds,
                               samples_per_second=self.samples_per_second, tokens_per_second=self.tokens_per_second)
             self.metrics.checkpoints(self.run.store)
+            self.tracker.metrics(self.step, {"train/loss": loss, "train/learning_rate": self.scheduler.get_last_lr()[0],
+                                             "train/grad_norm": grad_norm, "train/samples_per_second": self.samples_per_second,
+                                             "train/tokens_per_second": self.tokens_per_second})
+            self._track_commit()
             # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
             self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=self.samples_per_second,
                             productive_seconds=self.productive_seconds)
@@ -388,7 +403,15 @@ class Trainer:
             log.error("the final checkpoint at step %d was not committed; exiting with the retryable code %d",
                       self.step, exit_codes.RETRYABLE)
             return exit_codes.RETRYABLE
+        self.run.report_committed()
+        self._track_commit()
         return exit_codes.OK
+
+    def _track_commit(self) -> None:
+        committed = self.run.last_committed
+        if committed is not None and committed.step != self.tracked_checkpoint:
+            self.tracked_checkpoint = committed.step
+            self.tracker.metrics(self.step, {"checkpoint/committed_step": committed.step})
 
     def _rollback(self) -> bool:
         self.run.report_committed()

@@ -1,0 +1,96 @@
+"""Trackers get rank 0's records from a bounded queue; a slow or failing one never holds training."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from tensorboard_events import scalars
+
+from trainingrun_trainer import tracking
+from trainingrun_trainer.config import LoggerConfig
+
+
+class Recording:
+    def __init__(self, fail_on=None, gate=None):
+        self.records, self.fail_on, self.gate, self.closed = [], fail_on, gate, False
+
+    def start(self, step, config):
+        self.records.append(("start", step, dict(config)))
+
+    def metrics(self, step, values):
+        if self.gate is not None:
+            self.gate.wait()
+        if self.fail_on == step:
+            raise ConnectionError("tracker unreachable")
+        self.records.append(("metrics", step, dict(values)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_records_reach_every_tracker_in_order_without_none_values():
+    first, second = Recording(), Recording()
+    tracker = tracking.Tracker([first, second])
+    tracker.start(0, {"maxSteps": 3})
+    for step in (1, 2, 3):
+        tracker.metrics(step, {"train/loss": 1.0 / step, "train/samples_per_second": None})
+    tracker.metrics(3, {"only": None})  # nothing to log: no record
+    tracker.close()
+    expected = [("start", 0, {"maxSteps": 3})] + [("metrics", s, {"train/loss": 1.0 / s}) for s in (1, 2, 3)]
+    assert first.records == second.records == expected and first.closed and second.closed
+
+
+def test_a_hung_tracker_drops_records_with_one_warning_and_never_blocks(caplog):
+    gate = threading.Event()
+    hung = Recording(gate=gate)
+    tracker = tracking.Tracker([hung], queue_max=4)
+    with caplog.at_level(logging.WARNING, "trainingrun.tracking"):
+        for step in range(1, 101):  # the training thread goes on while the tracker is stuck on the first record
+            tracker.metrics(step, {"train/loss": 1.0})
+        # one record in the tracker's hands, four queued, the rest dropped
+        assert 95 <= tracker.dropped <= 96
+        assert caplog.text.count("records are dropped") == 1
+        tracker.close(timeout=0.2)  # the tracker is still stuck: close gives up after its timeout
+        assert "did not finish within" in caplog.text
+    gate.set()
+
+
+def test_a_failing_tracker_is_logged_once_and_still_gets_later_records(caplog):
+    flaky = Recording(fail_on=2)
+    tracker = tracking.Tracker([flaky])
+    with caplog.at_level(logging.WARNING, "trainingrun.tracking"):
+        for step in (1, 2, 3, 2):
+            tracker.metrics(step, {"train/loss": 0.5})
+        tracker.close()
+    assert [r[1] for r in flaky.records] == [1, 3]
+    assert caplog.text.count("Recording: metrics failed (ConnectionError: tracker unreachable)") == 1
+
+
+def test_only_rank_zero_tracks():
+    loggers = [LoggerConfig(kind="tensorboard", log_dir="/tmp/tb")]
+    assert isinstance(tracking.for_rank(loggers, rank=1), tracking.NullTracker)
+    assert isinstance(tracking.for_rank([], rank=0), tracking.NullTracker)
+    tracker = tracking.for_rank(loggers, rank=0)
+    assert [type(b) for b in tracker.backends] == [tracking.TensorBoard]
+    tracker.close()
+
+
+def test_a_tensorboard_logger_needs_a_log_dir():
+    with pytest.raises(ValueError, match="a tensorboard logger needs logDir"):
+        LoggerConfig.from_wire({"kind": "tensorboard"})
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+    """An attempt logs steps 1-5 and dies; the next resumes from the checkpoint at step 3 and logs 4-6 again."""
+    first = tracking.TensorBoard(str(tmp_path / "tb"))
+    first.start(0, {"maxSteps": 6})
+    for step in range(1, 6):
+        first.metrics(step, {"train/loss": float(step)})
+    first.close()
+    resumed = tracking.TensorBoard(str(tmp_path / "tb"))
+    resumed.start(3, {"maxSteps": 6})
+    for step in range(4, 7):
+        resumed.metrics(step, {"train/loss": 10.0 * step})
+    resumed.close()
+    assert scalars(tmp_path / "tb", "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
