@@ -8,7 +8,10 @@ credential plugins work as they do for kubectl.
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Optional, Protocol, TextIO
+
+from trainingrun_trainer import contract
 
 from . import api, builders, validation
 
@@ -143,9 +146,9 @@ def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = 
         body = source.run()
 
 
-def status_lines(body: dict[str, Any]) -> list[str]:
-    """What `trainingrun status` prints: phase and attempt, progress with an estimate of the time left, goodput
-    and restarts, the newest checkpoint, and every condition."""
+def status_lines(body: dict[str, Any], now: Optional[datetime] = None) -> list[str]:
+    """What `trainingrun status` prints: phase and attempt, progress with the operator's estimate of the time left,
+    goodput and restarts, the newest checkpoint, and every condition."""
     meta, status = body.get("metadata") or {}, api.TrainingRunStatus.model_validate(body.get("status") or {})
     head = f"TrainingRun {meta.get('namespace')}/{meta.get('name')}: {status.phase or 'Pending (not seen by the operator yet)'}"
     if status.attempt:
@@ -155,14 +158,18 @@ def status_lines(body: dict[str, Any]) -> list[str]:
     if progress and progress.step is not None:
         text = f"step {progress.step}"
         if progress.total_steps:
-            text += f"/{progress.total_steps} ({100 * progress.step / progress.total_steps:.0f}%)"
+            percent = progress.percent if progress.percent is not None else 100 * progress.step / progress.total_steps
+            text += f"/{progress.total_steps} ({percent:.0f}%)"
         if progress.loss is not None:
             text += f", loss {progress.loss:.4f}"
         if progress.samples_per_second:
             text += f", {progress.samples_per_second:.0f} samples/s"
-        left = _time_left(body, status)
-        if left is not None and status.phase == "Running":
-            text += f", ETA ~{_duration(left)}"
+        # The operator's estimate, from the step rate between reports (world size changes included): one figure
+        # for status, the kubectl column and this line.
+        eta = contract.parse_time(progress.estimated_completion_time or "")
+        if eta and status.phase == "Running":
+            left = max(0.0, (eta - (now or datetime.now(timezone.utc))).total_seconds())
+            text += f", ETA ~{_duration(left)} ({progress.estimated_completion_time})"
         lines.append(f"  progress    {text}")
     else:
         lines.append("  progress    no step reported yet")
@@ -182,22 +189,6 @@ def status_lines(body: dict[str, Any]) -> list[str]:
     if status.phase in ENDED and status.completion_time:
         lines.append(f"  ended       {status.completion_time}")
     return lines
-
-
-def _time_left(body: dict[str, Any], status: api.TrainingRunStatus) -> Optional[float]:
-    """Seconds to the last step at the reported throughput; None when the world size can change (elastic)."""
-    progress = status.progress
-    if not (progress and progress.samples_per_second and progress.total_steps and progress.step is not None):
-        return None
-    try:
-        spec = _spec(body)
-    except validation.InvalidTrainingRun:
-        return None
-    if spec.replicas.effective_max != spec.replicas.min:
-        return None
-    samples_per_step = (spec.trainer.data.batch_size * spec.trainer.grad_accumulation_steps
-                        * spec.nproc_per_node * spec.replicas.min)
-    return max(0, progress.total_steps - progress.step) * samples_per_step / progress.samples_per_second
 
 
 def _duration(seconds: float) -> str:

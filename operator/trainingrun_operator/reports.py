@@ -24,7 +24,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
@@ -145,28 +145,6 @@ def status_fields(report: contract.Report) -> dict[str, Any]:
     return status.model_dump(by_alias=True, exclude_unset=True)
 
 
-def with_estimates(previous: Optional[dict[str, Any]], progress: dict[str, Any]) -> dict[str, Any]:
-    """`progress` with percent done and the estimated completion time, from the step rate between the
-    previous progress and this one. Without a rate (the first report, a resume below the previous step)
-    the previous estimate is kept while the step stands, else there is none."""
-    step, total = progress.get("step"), progress.get("totalSteps")
-    if step is None or not total:
-        return progress
-    estimated = {**progress, "percent": round(100.0 * min(step, total) / total, 1)}
-    now, before = reconcile.parse_time(progress.get("updatedAt")), previous or {}
-    then = reconcile.parse_time(before.get("updatedAt"))
-    if step >= total:
-        estimated["estimatedCompletionTime"] = progress.get("updatedAt")
-    elif now and then and isinstance(before.get("step"), int) and step > before["step"] and now > then:
-        rate = (step - before["step"]) / (now - then).total_seconds()
-        estimated["estimatedCompletionTime"] = reconcile.rfc3339(now + timedelta(seconds=(total - step) / rate))
-    elif step == before.get("step") and before.get("estimatedCompletionTime"):
-        estimated["estimatedCompletionTime"] = before["estimatedCompletionTime"]
-    elif before.get("estimatedCompletionTime"):
-        estimated["estimatedCompletionTime"] = None  # a merge patch removes the stale one
-    return estimated
-
-
 class ReportEndpoint:
     """The aiohttp application; `accept` writes status (the handlers module supplies it)."""
 
@@ -218,7 +196,7 @@ class ReportEndpoint:
             raise Refused(403, refusal)
         fields = status_fields(report)
         if "progress" in fields:
-            fields["progress"] = with_estimates(run.status.get("progress"), fields["progress"])
+            fields["progress"] = contract.with_estimates(run.status.get("progress"), fields["progress"])
         heard = reconcile.parse_time(run.status.get("lastReportTime"))
         changed = any(run.status.get(k) != v for k, v in fields.items())
         now = self.clock()

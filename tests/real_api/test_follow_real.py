@@ -1,9 +1,11 @@
 """`trainingrun status` against a real API server, read with a kubeconfig as a user has one."""
 import json
+import re
 import os
 import shutil
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 
 import yaml
 
@@ -20,8 +22,10 @@ def test_status_reads_the_run_in_the_contexts_namespace(kube_cluster_with_crds, 
     minimal_body["metadata"] = {"name": "followed"}
     minimal_body["spec"]["trainer"] = {"maxSteps": 3000}
     plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=yaml.safe_dump(minimal_body))
+    eta = (datetime.now(timezone.utc) + timedelta(hours=2, minutes=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
     status = {"phase": "Running", "attempt": 2, "jobName": "followed-a2",
-              "progress": {"step": 1200, "totalSteps": 3000, "loss": 1.5, "samplesPerSecond": 640.0},
+              "progress": {"step": 1200, "totalSteps": 3000, "loss": 1.5, "samplesPerSecond": 640.0, "percent": 40.0,
+                           "estimatedCompletionTime": eta},
               "lastGoodCheckpoint": {"uri": "s3://bucket/runs/demo/step-00001200", "step": 1200}}
     plane.kubectl("-n", kube_namespace, "patch", "tr", "followed", "--subresource=status", "--type=merge",
                   "-p", json.dumps({"status": status}))
@@ -34,7 +38,8 @@ def test_status_reads_the_run_in_the_contexts_namespace(kube_cluster_with_crds, 
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == f"TrainingRun {kube_namespace}/followed: Running, attempt 2 (PyTorchJob followed-a2)"
-    assert lines[1] == "  progress    step 1200/3000 (40%), loss 1.5000, 640 samples/s, ETA ~1m30s"
+    assert re.fullmatch(rf"  progress    step 1200/3000 \(40%\), loss 1.5000, 640 samples/s, ETA ~2h(29|30)m \({eta}\)",
+                        lines[1]), lines[1]
     assert "  checkpoint  step 1200 at s3://bucket/runs/demo/step-00001200" in lines
 
     missing = status_command(kubeconfig, "nope", "-n", "default")

@@ -1,13 +1,17 @@
 """`trainingrun status`: what a user reads about a run, from the TrainingRun as the API server stores it."""
+from datetime import datetime, timezone
+
 from trainingrun_operator import follow
 
 RUNNING = {
     "phase": "Running", "attempt": 2, "jobName": "demo-a2",
-    "progress": {"step": 1200, "totalSteps": 3000, "loss": 1.23456, "samplesPerSecond": 640.0},
+    "progress": {"step": 1200, "totalSteps": 3000, "loss": 1.23456, "samplesPerSecond": 640.0, "percent": 40.0,
+                 "estimatedCompletionTime": "2026-11-24T18:32:32Z", "updatedAt": "2026-11-24T18:31:02Z"},
     "goodput": 0.934, "restarts": {"failures": 1, "preemptions": 0, "total": 1, "inPlace": 2},
     "lastGoodCheckpoint": {"uri": "s3://bucket/runs/demo/step-00001200", "step": 1200, "time": "2026-11-24T18:31:02Z"},
     "conditions": [{"type": "Ready", "status": "True", "reason": "AttemptRunning", "message": "attempt 2 is running"}],
 }
+NOW = datetime(2026, 11, 24, 18, 31, 2, tzinfo=timezone.utc)
 
 
 def with_status(body, status, **spec):
@@ -15,22 +19,27 @@ def with_status(body, status, **spec):
 
 
 def test_a_running_run_shows_progress_eta_goodput_checkpoint_and_conditions(minimal_body):
-    # 32 samples per step (batch 32, one process, one pod) at 640 samples/s: 1800 steps left take 90 s
-    lines = follow.status_lines(with_status(minimal_body, RUNNING, trainer={"maxSteps": 3000}))
+    lines = follow.status_lines(with_status(minimal_body, RUNNING, trainer={"maxSteps": 3000}), now=NOW)
     assert lines == [
         "TrainingRun team-a/demo: Running, attempt 2 (PyTorchJob demo-a2)",
-        "  progress    step 1200/3000 (40%), loss 1.2346, 640 samples/s, ETA ~1m30s",
+        "  progress    step 1200/3000 (40%), loss 1.2346, 640 samples/s, ETA ~1m30s (2026-11-24T18:32:32Z)",
         "  goodput     0.93 (restarts: 1 failed, 0 preempted, 2 in place)",
         "  checkpoint  step 1200 at s3://bucket/runs/demo/step-00001200 (2026-11-24T18:31:02Z)",
         "  condition   Ready=True AttemptRunning: attempt 2 is running",
     ]
 
 
-def test_the_estimate_counts_every_process_and_is_left_out_when_the_world_can_change(minimal_body):
-    two_pods = with_status(minimal_body, RUNNING, replicas={"min": 2}, nprocPerNode=2)
-    assert "ETA ~6m00s" in follow.status_lines(two_pods)[1]  # 4 x 32 samples per step
+def test_the_eta_is_the_operators_estimate_shown_while_running(minimal_body):
+    """The operator's estimatedCompletionTime (the step rate between reports, so an elastic run has one too), the
+    same figure as status and the kubectl column; none without it, and none once the run is not running."""
     elastic = with_status(minimal_body, RUNNING, replicas={"min": 1, "max": 2})
-    assert "ETA" not in follow.status_lines(elastic)[1]
+    assert "ETA ~1m30s" in follow.status_lines(elastic, now=NOW)[1]
+    no_estimate = {**RUNNING, "progress": {k: v for k, v in RUNNING["progress"].items()
+                                           if k != "estimatedCompletionTime"}}
+    assert "ETA" not in follow.status_lines(with_status(minimal_body, no_estimate), now=NOW)[1]
+    assert "ETA ~0m00s" in follow.status_lines(with_status(minimal_body, RUNNING), now=NOW.replace(hour=19))[1]
+    suspended = {**RUNNING, "phase": "Suspended"}
+    assert "ETA" not in follow.status_lines(with_status(minimal_body, suspended), now=NOW)[1]
 
 
 def test_a_new_run_says_what_it_waits_for(minimal_body):

@@ -232,5 +232,11 @@ def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
         assert post(Report(meta.namespace, meta.name, meta.uid, 2, progress=progress, last_good_checkpoint=good))[0] == 200
         assert status.snapshot() == {"progress": {"step": 5, "updatedAt": "2026-11-24T00:00:00Z"},
                                      "lastGoodCheckpoint": {"uri": good.uri, "step": 10, "time": good.time}}
+        # percent and the estimated completion time, as the operator adds them (the step rate between reports)
+        for step, at in ((10, "00:00:10"), (20, "00:00:20")):
+            report = Report(meta.namespace, meta.name, meta.uid, 2, progress=Progress(step, f"2026-11-24T{at}Z", 100))
+            assert post(report)[0] == 200
+        assert status.snapshot()["progress"] == {"step": 20, "updatedAt": "2026-11-24T00:00:20Z", "totalSteps": 100,
+                                                 "percent": 20.0, "estimatedCompletionTime": "2026-11-24T00:01:40Z"}
     finally:
         status.close()

@@ -18,7 +18,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Optional
 
 # ---------------------------------------------------------------- environment of a trainer container
@@ -180,6 +180,28 @@ def parse_time(value: Optional[str]) -> Optional[datetime]:
         return datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         return None
+
+
+def with_estimates(previous: Optional[dict[str, Any]], progress: dict[str, Any]) -> dict[str, Any]:
+    """`progress` (a status.progress dict) with percent done and the estimated completion time, from the step rate
+    between the previous progress and this one: the operator's report endpoint and `trainingrun local` both. Without a rate (the first report, a resume below the previous step)
+    the previous estimate is kept while the step stands, else there is none."""
+    step, total = progress.get("step"), progress.get("totalSteps")
+    if step is None or not total:
+        return progress
+    estimated = {**progress, "percent": round(100.0 * min(step, total) / total, 1)}
+    now, before = parse_time(progress.get("updatedAt")), previous or {}
+    then = parse_time(before.get("updatedAt"))
+    if step >= total:
+        estimated["estimatedCompletionTime"] = progress.get("updatedAt")
+    elif now and then and isinstance(before.get("step"), int) and step > before["step"] and now > then:
+        rate = (step - before["step"]) / (now - then).total_seconds()
+        estimated["estimatedCompletionTime"] = rfc3339(now + timedelta(seconds=(total - step) / rate))
+    elif step == before.get("step") and before.get("estimatedCompletionTime"):
+        estimated["estimatedCompletionTime"] = before["estimatedCompletionTime"]
+    elif before.get("estimatedCompletionTime"):
+        estimated["estimatedCompletionTime"] = None  # a merge patch removes the stale one
+    return estimated
 
 
 def goodput(productive_seconds: float, wall_seconds: float) -> Optional[float]:

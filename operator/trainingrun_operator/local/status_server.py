@@ -49,8 +49,11 @@ class StatusServer:
                                          run.spec.checkpoint.uri)
                 if refusal:
                     return self._answer(403, refusal)
+                fields = report.status_fields()
                 with server.changed:
-                    server.status.update(report.status_fields())
+                    if "progress" in fields:  # percent and ETA as the operator adds them in the cluster
+                        fields["progress"] = contract.with_estimates(server.status.get("progress"), fields["progress"])
+                    server.status.update(fields)
                     server.reports += 1
                     server.changed.notify_all()
                 self._answer(200, "ok")
