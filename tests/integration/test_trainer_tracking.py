@@ -1,10 +1,16 @@
-"""The trainer's TensorBoard logger across a SIGKILLed worker and the resumed run: one run, each step once."""
+"""The trainer's loggers across a SIGKILLed worker and the resumed run: one tracked run, each step once
+(TensorBoard read back with its own reader, MLflow through a real server's REST API)."""
 from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
 
 import pytest
 
 from test_trainer_resume import TRAINER, kill_one_worker_at, torchrun
 from tensorboard_events import scalars
+from tracking_servers import mlflow_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -26,3 +32,36 @@ def test_one_tensorboard_run_across_a_kill_and_a_resume_with_each_step_once(tmp_
     assert [step for step, value in scalars(log_dir, "run/attempt")] == [0, 10]  # each attempt's start
     committed = [value for _, value in scalars(log_dir, "checkpoint/committed_step")]
     assert committed[-1] == 40 and 30 in committed  # the resumed attempt's commits, the final one included
+
+
+def kill_and_resume(tmp_path, trainer, env):
+    interrupted = torchrun(tmp_path, "tracked", trainer=trainer, env=env)
+    log = kill_one_worker_at(interrupted, "committed checkpoint step 10 ", "rank0 INFO trainingrun.trainer: step 15/40 ")
+    assert interrupted.returncode != 0, "".join(log[-30:])
+    resumed = torchrun(tmp_path, "tracked", trainer=trainer, env=env)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+
+
+def rest(server, path, **query):
+    with urllib.request.urlopen(f"{server}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}", timeout=30) as answer:
+        return json.load(answer)
+
+
+def test_one_mlflow_run_across_a_kill_and_a_resume_with_each_step_once(tmp_path, mlflow_server):
+    trainer = {**TRAINER, "loggers": [{"kind": "mlflow", "trackingUri": mlflow_server, "experiment": "resume-test"}]}
+    kill_and_resume(tmp_path, trainer, env={"TRAININGRUN_UID": "uid-of-tracked", "TRAININGRUN_NAMESPACE": "team-a"})
+
+    experiment = rest(mlflow_server, "experiments/get-by-name", experiment_name="resume-test")["experiment"]
+    request = urllib.request.Request(f"{mlflow_server}/api/2.0/mlflow/runs/search", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"experiment_ids": [experiment["experiment_id"]]}).encode())
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        runs = json.load(answer)["runs"]
+    assert len(runs) == 1  # one run for both attempts
+    run = runs[0]
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert tags["trainingrun.uid"] == "uid-of-tracked" and run["info"]["status"] == "FINISHED"
+    assert {p["key"]: p["value"] for p in run["data"]["params"]}["trainer.maxSteps"] == "40"
+    history = rest(mlflow_server, "metrics/get-history", run_id=run["info"]["run_id"], metric_key="train/loss")
+    assert sorted(m["step"] for m in history["metrics"]) == list(range(1, 41))  # steps 11-15 once, not twice

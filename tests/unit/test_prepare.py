@@ -1,5 +1,5 @@
 """`trainingrun data prepare`: text files into TextBytes shards (file:// here; gs:// and s3:// in
-tests/integration/test_shards.py)."""
+tests/integration/test_trainer_shards.py)."""
 from __future__ import annotations
 
 import pytest

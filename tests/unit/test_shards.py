@@ -1,5 +1,5 @@
 """Token shards and text read by byte ranges through fsspec (file:// here; the storage servers in
-tests/integration/test_shards.py)."""
+tests/integration/test_trainer_shards.py)."""
 from __future__ import annotations
 
 import os

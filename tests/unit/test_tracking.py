@@ -25,8 +25,8 @@ class Recording:
             raise ConnectionError("tracker unreachable")
         self.records.append(("metrics", step, dict(values)))
 
-    def close(self):
-        self.closed = True
+    def close(self, finished):
+        self.closed = "finished" if finished else "stopped"
 
 
 def test_records_reach_every_tracker_in_order_without_none_values():
@@ -36,9 +36,9 @@ def test_records_reach_every_tracker_in_order_without_none_values():
     for step in (1, 2, 3):
         tracker.metrics(step, {"train/loss": 1.0 / step, "train/samples_per_second": None})
     tracker.metrics(3, {"only": None})  # nothing to log: no record
-    tracker.close()
+    tracker.close(finished=True)
     expected = [("start", 0, {"maxSteps": 3})] + [("metrics", s, {"train/loss": 1.0 / s}) for s in (1, 2, 3)]
-    assert first.records == second.records == expected and first.closed and second.closed
+    assert first.records == second.records == expected and first.closed == second.closed == "finished"
 
 
 def test_a_hung_tracker_drops_records_with_one_warning_and_never_blocks(caplog):
@@ -67,18 +67,34 @@ def test_a_failing_tracker_is_logged_once_and_still_gets_later_records(caplog):
     assert caplog.text.count("Recording: metrics failed (ConnectionError: tracker unreachable)") == 1
 
 
+def context(rank):
+    from trainingrun_trainer.context import RunContext
+
+    return RunContext(name="demo", namespace="team-a", uid="u-1", attempt=1, config_path="", checkpoint_uri=None,
+                      resume_from=None, metrics_port=None, pod_name="p", rank=rank, local_rank=rank, world_size=2)
+
+
 def test_only_rank_zero_tracks():
-    loggers = [LoggerConfig(kind="tensorboard", log_dir="/tmp/tb")]
-    assert isinstance(tracking.for_rank(loggers, rank=1), tracking.NullTracker)
-    assert isinstance(tracking.for_rank([], rank=0), tracking.NullTracker)
-    tracker = tracking.for_rank(loggers, rank=0)
-    assert [type(b) for b in tracker.backends] == [tracking.TensorBoard]
+    loggers = [LoggerConfig(kind="tensorboard", log_dir="/tmp/tb"),
+               LoggerConfig(kind="mlflow", tracking_uri="http://127.0.0.1:9")]
+    assert isinstance(tracking.for_rank(loggers, context(1)), tracking.NullTracker)
+    assert isinstance(tracking.for_rank([], context(0)), tracking.NullTracker)
+    tracker = tracking.for_rank(loggers, context(0))
+    assert [type(b) for b in tracker.backends] == [tracking.TensorBoard, tracking.MLflow]
+    assert (tracker.backends[1].experiment, tracker.backends[1].run_uid) == ("team-a", "u-1")  # default: namespace
+    tracker.backends = []  # nothing started: close has nothing to close
     tracker.close()
 
 
-def test_a_tensorboard_logger_needs_a_log_dir():
-    with pytest.raises(ValueError, match="a tensorboard logger needs logDir"):
-        LoggerConfig.from_wire({"kind": "tensorboard"})
+@pytest.mark.parametrize("logger, problem", [
+    ({"kind": "tensorboard"}, "a tensorboard logger needs logDir"),
+    ({"kind": "mlflow"}, "a mlflow logger needs trackingUri"),
+    ({"kind": "mlflow", "trackingUri": "http://m:5000", "logDir": "/tb"}, "logDir is for tensorboard loggers only"),
+    ({"kind": "tensorboard", "logDir": "/tb", "experiment": "e"}, "experiment is for mlflow loggers only"),
+])
+def test_each_kind_says_what_it_needs(logger, problem):
+    with pytest.raises(ValueError, match=problem):
+        LoggerConfig.from_wire(logger)
 
 
 def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
@@ -94,3 +110,30 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
         resumed.metrics(step, {"train/loss": 10.0 * step})
     resumed.close()
     assert scalars(tmp_path / "tb", "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+
+
+def test_mlflow_keeps_one_run_per_trainingrun_and_each_step_once(tmp_path):
+    """An attempt logs steps 1-5 and dies; the next resumes from step 3 and computes 4-7: the run (found by the
+    TrainingRun's uid) keeps 4 and 5 as first logged, and gets 6 and 7."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = tracking.MLflow(uri, "team-a", "demo", "u-1", "team-a")
+    first.start(0, {"trainer": {"maxSteps": 7, "optimizer": {"lr": 0.001}}, "checkpoint": {"keep": 3}})
+    for step in range(1, 6):
+        first.metrics(step, {"train/loss": float(step)})
+    first.close(finished=False)
+    resumed = tracking.MLflow(uri, "team-a", "demo", "u-1", "team-a")
+    resumed.start(3, {"trainer": {"maxSteps": 7}})
+    assert resumed.run_id == first.run_id and resumed.logged_up_to == 5
+    for step in range(4, 8):
+        resumed.metrics(step, {"train/loss": 10.0 * step})
+    resumed.close(finished=True)
+
+    client = MlflowClient(uri)
+    history = sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, "train/loss"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 60.0), (7, 70.0)]
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "demo"
+    assert run.data.params == {"trainer.maxSteps": "7", "trainer.optimizer.lr": "0.001", "checkpoint.keep": "3"}
+    assert run.data.tags["trainingrun.uid"] == "u-1"

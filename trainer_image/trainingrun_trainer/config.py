@@ -18,7 +18,7 @@ Precision = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 ScheduleName = Literal["cosine", "cosine-warm-restarts", "inverse-sqrt", "exponential", "step", "constant"]
 OptimizerName = Literal["adamw", "sgd"]
 Strategy = Literal["ddp", "fsdp2"]
-LoggerKind = Literal["tensorboard"]
+LoggerKind = Literal["tensorboard", "mlflow"]
 
 CHECKPOINT_URI_PATTERN = r"^(gs|s3|file)://.+"
 #: A bucket as both GCS and S3 name them: 3-222 lowercase letters, digits, '.', '-', '_'.
@@ -228,31 +228,56 @@ class EvalConfig(ApiModel):
     batches: int = Field(default=10, ge=1, le=100000, description="Batches per evaluation.")
 
 
+#: (kind, its required field, the field as written, what that field is): each kind's one required field.
+LOGGER_FIELDS = (("tensorboard", "log_dir", "logDir", "a path or gs://, s3:// URI for its event files"),
+                 ("mlflow", "tracking_uri", "trackingUri", "the MLflow tracking server, e.g. http://mlflow.mlflow:5000"))
+
+
 class LoggerConfig(ApiModel):
     """An experiment tracker the trainer logs to: rank 0 only, from a background queue that never holds a step.
 
     One tracked run per TrainingRun across attempts and restarts; steps a resumed run computes again are not logged
-    twice. API keys come only from Secrets by reference (spec.secrets.env: WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...).
+    twice. Credentials come only from Secrets by reference (spec.secrets.env: MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; AWS_* or GOOGLE_APPLICATION_CREDENTIALS for a logDir
+    in a bucket).
     """
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                {"rule": "self.kind != 'tensorboard' || has(self.logDir)",
-                 "message": "a tensorboard logger needs logDir: a path or gs://, s3:// URI for its event files"},
-            ]
+                rule
+                for kind, _, wire, what in LOGGER_FIELDS
+                for rule in (
+                    {"rule": f"self.kind != '{kind}' || has(self.{wire})",
+                     "message": f"a {kind} logger needs {wire}: {what}"},
+                    {"rule": f"self.kind == '{kind}' || !has(self.{wire})",
+                     "message": f"{wire} is for {kind} loggers only; remove it"},
+                )
+            ] + [{"rule": "self.kind == 'mlflow' || !has(self.experiment)",
+                  "message": "experiment is for mlflow loggers only; remove it"}]
         }
     )
 
-    kind: LoggerKind = Field(description="tensorboard: event files under logDir.")
+    kind: LoggerKind = Field(description="tensorboard: event files under logDir; mlflow: a run on an MLflow "
+                             "tracking server.")
     log_dir: Optional[str] = Field(
         default=None, min_length=1, description="tensorboard: the directory of this run's event files (a path, "
         "or a gs:// or s3:// URI through fsspec). Give each TrainingRun its own.")
+    tracking_uri: Optional[str] = Field(
+        default=None, min_length=1, description="mlflow: the tracking server (http:// or https://).")
+    experiment: Optional[str] = Field(
+        default=None, min_length=1, max_length=500, description="mlflow: the experiment the run is logged under "
+        "(created when missing). Default: the TrainingRun's namespace.")
 
     @model_validator(mode="after")
-    def _log_dir_for_tensorboard(self) -> "LoggerConfig":
-        if self.kind == "tensorboard" and self.log_dir is None:
-            raise ValueError("a tensorboard logger needs logDir: a path or gs://, s3:// URI for its event files")
+    def _each_kind_its_fields(self) -> "LoggerConfig":
+        for kind, field, wire, what in LOGGER_FIELDS:
+            if self.kind == kind and getattr(self, field) is None:
+                raise ValueError(f"a {kind} logger needs {wire}: {what}")
+            if self.kind != kind and getattr(self, field) is not None:
+                raise ValueError(f"{wire} is for {kind} loggers only; remove it")
+        if self.experiment is not None and self.kind != "mlflow":
+            raise ValueError("experiment is for mlflow loggers only; remove it")
         return self
 
 

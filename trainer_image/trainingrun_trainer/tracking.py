@@ -5,10 +5,13 @@ A slow or unreachable tracker must never cost a step: the training thread only p
 `dropped`, one warning); a tracker that raises is logged once and still gets the later records (it may recover).
 `close()` waits a bounded time (`CLOSE_SECONDS`), so a hung tracker cannot hold the process at exit either.
 
-One tracked run per TrainingRun, whatever the attempts and restarts: TensorBoard's event files under `logDir`
-are reopened with `purge_step` at the first step after the checkpoint the run resumed from, so TensorBoard's readers
-drop what an earlier attempt logged from there on and each step is shown once (a resumed run computes those steps
-again, and with exact resume the same values).
+One tracked run per TrainingRun, whatever the attempts and restarts, and each step once (a resumed run computes
+the steps after its checkpoint again, and with exact resume the same values):
+
+- TensorBoard: the event files under `logDir` are reopened with `purge_step` at the first step after the checkpoint
+  the run resumed from, so TensorBoard's readers drop what an earlier attempt logged from there on.
+- MLflow: the run is found by its tag `trainingrun.uid` (the TrainingRun's uid), or created under the experiment;
+  steps up to the last one the run already holds are not sent again (MLflow keeps every value sent).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 from .config import LoggerConfig
@@ -45,13 +49,80 @@ class TensorBoard:
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
-def backends_for(loggers: Sequence[LoggerConfig]) -> list[Any]:
-    return [TensorBoard(logger.log_dir) for logger in loggers if logger.kind == "tensorboard"]
+class MLflow:
+    """Metrics, the config as parameters, and the run's end, on an MLflow tracking server."""
+
+    UID_TAG = "trainingrun.uid"
+    #: MLflow's own limits: parameters per request, and the length of a parameter's value.
+    PARAMS_PER_BATCH, PARAM_CHARS = 100, 6000
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, run_uid: str, namespace: str):
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.run_uid, self.namespace = run_uid, namespace
+        self.client: Any = None
+        self.run_id = ""
+        self.logged_up_to = -1  #: the last step the run already holds
+
+    def start(self, step: int, config: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(self.tracking_uri)
+        found = self.client.get_experiment_by_name(self.experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
+        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{self.UID_TAG}` = '{self.run_uid}'",
+                                       max_results=1)
+        if runs:
+            self.run_id = runs[0].info.run_id
+            history = self.client.get_metric_history(self.run_id, "train/loss")
+            self.logged_up_to = max((m.step for m in history), default=-1)
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        run = self.client.create_run(experiment_id, run_name=self.run_name, tags={
+            self.UID_TAG: self.run_uid, "trainingrun.namespace": self.namespace})
+        self.run_id = run.info.run_id
+        params = [Param(key, str(value)[: self.PARAM_CHARS]) for key, value in sorted(_flat(config).items())]
+        for first in range(0, len(params), self.PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[first:first + self.PARAMS_PER_BATCH])
+
+    def metrics(self, step: int, values: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        if step <= self.logged_up_to:
+            return  # the run holds this step already, from the attempt that was lost after it
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(name, value, now, step) for name, value in values.items()])
+
+    def close(self, finished: bool = False) -> None:
+        if self.client is not None and self.run_id and finished:
+            self.client.set_terminated(self.run_id, "FINISHED")
+
+
+def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, (list, dict)) else value
+    return flat
+
+
+def backends_for(loggers: Sequence[LoggerConfig], run_name: str = "run", run_uid: str = "",
+                 namespace: str = "default") -> list[Any]:
+    backends: list[Any] = []
+    for logger in loggers:
+        if logger.kind == "tensorboard":
+            backends.append(TensorBoard(logger.log_dir or ""))
+        elif logger.kind == "mlflow":
+            backends.append(MLflow(logger.tracking_uri or "", logger.experiment or namespace, run_name,
+                                   run_uid or run_name, namespace))
+    return backends
 
 
 class Tracker:
@@ -73,8 +144,10 @@ class Tracker:
         if kept:
             self._put(("metrics", step, kept))
 
-    def close(self, timeout: float = CLOSE_SECONDS) -> None:
-        self._put(("close", 0, None), block_for=timeout)
+    def close(self, finished: bool = False, timeout: float = CLOSE_SECONDS) -> None:
+        """`finished`: the run trained its last step (MLflow marks the run FINISHED; otherwise it stays RUNNING
+        for the next attempt)."""
+        self._put(("close", 0, finished), block_for=timeout)
         self._put(_STOP, block_for=timeout)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -95,7 +168,7 @@ class Tracker:
             for number, backend in enumerate(self.backends):
                 try:
                     if kind == "close":
-                        backend.close()
+                        backend.close(payload)
                     else:
                         getattr(backend, kind)(step, payload)
                 except Exception as error:  # noqa: BLE001 - a tracker's failure must not end training
@@ -117,10 +190,11 @@ class NullTracker:
     def metrics(self, step: int, values: Mapping[str, Optional[float]]) -> None:
         pass
 
-    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+    def close(self, finished: bool = False, timeout: float = CLOSE_SECONDS) -> None:
         pass
 
 
-def for_rank(loggers: Sequence[LoggerConfig], rank: int) -> Any:
-    backends = backends_for(loggers) if rank == 0 else []
+def for_rank(loggers: Sequence[LoggerConfig], context: Any) -> Any:
+    """Rank 0's tracker for `context` (a RunContext: the run's name, uid and namespace), else a NullTracker."""
+    backends = backends_for(loggers, context.name, context.uid, context.namespace) if context.rank == 0 else []
     return Tracker(backends) if backends else NullTracker()

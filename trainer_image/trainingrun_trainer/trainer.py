@@ -262,16 +262,17 @@ class Trainer:
             # Where the run stands now, before the first new step (which may be a while, or never).
             self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
                             productive_seconds=self.productive_seconds)
-        self.tracker = tracking.for_rank(cfg.loggers, self.context.rank)
+        self.tracker = tracking.for_rank(cfg.loggers, self.context)
         self.tracker.start(self.step, self.config.to_wire())
         self.tracker.metrics(self.step, {"run/attempt": self.context.attempt,
                                          "run/restarts_in_place": float(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)})
         batches = self._batches()
+        code = None
         try:
             code = self._loop(batches)
         finally:
             self.metrics.close()
-            self.tracker.close()
+            self.tracker.close(finished=code == exit_codes.OK)
         self.run.close()
         if self.distributed:
             dist.destroy_process_group()
