@@ -53,7 +53,10 @@ def shard_bytes(tokens_per_shard: int) -> list[bytes]:
     return [tokens[:tokens_per_shard].tobytes(), tokens[tokens_per_shard:2 * tokens_per_shard].tobytes()]
 
 
-def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, env: dict) -> dict:
+def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, env: dict,
+                **trainer: object) -> dict:
+    """Train `args.steps` steps on `dataset` (one process under torchrun, more `trainer` fields as given); steps/s
+    and the data-wait fraction from the trainer's own Prometheus series."""
     metrics = work / f"metrics-{name}"
     metrics.mkdir()
     model = {"classPath": "trainingrun_trainer.models.CharTransformer",
@@ -64,7 +67,7 @@ def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, 
         data["numWorkers"] = args.workers
     if args.prefetch is not None:
         data["prefetchFactor"] = args.prefetch
-    config = {"trainer": {"model": model, "data": data, "maxSteps": args.steps, "logIntervalSteps": 50},
+    config = {"trainer": {"model": model, "data": data, "maxSteps": args.steps, "logIntervalSteps": 50, **trainer},
               "checkpoint": {"uri": f"file://{work}/ckpt-{name}", "interval": {"steps": 10**6}}}
     (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
@@ -75,6 +78,7 @@ def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, 
     done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{name}: the trainer exited {done.returncode}:\n{done.stderr[-3000:]}")
+    (work / f"{name}.log").write_text(done.stderr)
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 

@@ -208,8 +208,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         return 1
     bar = _ByteProgress(sys.stderr)
     try:
-        done = prepare.prepare_text(Path(args.src), args.dest, shard_bytes=args.shard_mb, overwrite=args.overwrite,
-                                    endpoint_url=args.endpoint_url, progress=bar.update)
+        done = prepare.prepare(Path(args.src), args.dest, args.kind, shard_bytes=args.shard_mb,
+                               overwrite=args.overwrite, endpoint_url=args.endpoint_url, progress=bar.update)
     except prepare.PrepareError as error:
         bar.close()
         print(f"trainingrun data prepare: {error}", file=sys.stderr)
@@ -219,8 +219,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         print(f"trainingrun data prepare: cannot write {args.dest}: {error}", file=sys.stderr)
         return 1
     bar.close()
+    use = ("trainingrun_trainer.shards.TextBytes, initArgs {uri: %s} (model vocabSize 256)" if args.kind == "text"
+           else "trainingrun_trainer.shards.ImageShards, initArgs {uri: %s, imageSize: 32}") % args.dest
     print(f"{done.files} files, {done.bytes} bytes -> {len(done.shards)} shards under {args.dest}; train on them with "
-          f"classPath trainingrun_trainer.shards.TextBytes, initArgs {{uri: {args.dest}}} (model vocabSize 256)")
+          f"classPath {use}")
     return 0
 
 
@@ -410,13 +412,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="prepare training data in object storage").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND")
-    p = data.add_parser("prepare", help="turn a folder of text files into shards and upload them",
+    p = data.add_parser("prepare", help="turn a folder of text files or images into shards and upload them",
                         description="Join the .txt files below SRC (in path order) into shards of about --shard-mb "
-                                    "and upload them to DEST (gs://, s3://, file:// or a path), for "
-                                    "trainingrun_trainer.shards.TextBytes.")
-    p.add_argument("src", metavar="SRC", help="a local folder; every *.txt below it is read")
+                                    "for trainingrun_trainer.shards.TextBytes, or pack its images into WebDataset tar "
+                                    "shards for trainingrun_trainer.shards.ImageShards (--kind images), and upload "
+                                    "them to DEST (gs://, s3://, file:// or a path).")
+    p.add_argument("src", metavar="SRC", help="a local folder; every *.txt (or image) below it is read")
     p.add_argument("dest", metavar="DEST", help="where the shards go, e.g. gs://bucket/datasets/mytext")
     p.add_argument("--shard-mb", type=_shard_mb, default=64 << 20, help="shard size in MiB (default 64)")
+    p.add_argument("--kind", choices=("text", "images"), default="text", help="what SRC holds (default text)")
     p.add_argument("--overwrite", action="store_true", help="replace shards DEST already holds")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
     p.set_defaults(func=cmd_data_prepare)

@@ -29,9 +29,33 @@ def text_files() -> dict[str, bytes]:
     return {f"part-{n}.txt": " ".join(rng.choice(words, size=3000)).encode() for n in range(2)}
 
 
+def image_shards() -> dict[str, bytes]:
+    """WebDataset tar shards of 64 small noisy images, as `trainingrun data prepare --kind images` writes them."""
+    import tempfile
+    from pathlib import Path
+
+    from PIL import Image
+
+    from trainingrun_trainer.prepare import prepare
+
+    rng = np.random.default_rng(5)
+    with tempfile.TemporaryDirectory() as scratch:
+        for number in range(64):
+            Image.fromarray(rng.integers(0, 256, size=(12, 12, 3), dtype=np.uint8)).save(f"{scratch}/{number:03d}.png")
+        prepare(Path(scratch), f"file://{scratch}/out", "images", shard_bytes=16 * 1024)
+        return {p.name: p.read_bytes() for p in sorted(Path(scratch, "out").iterdir())}
+
+
+CHAR_MODEL = {**tiny_model(), "initArgs": {**tiny_model()["initArgs"]}}
+MAE_MODEL = {"classPath": "trainingrun_trainer.models.MaskedAutoencoder",
+             "initArgs": {"imageSize": 8, "patchSize": 4, "dim": 16, "layers": 1, "heads": 2, "decoderDim": 8}}
+# kind: (dataset class, its files, its initArgs, the model and its vocabulary)
 DATASETS = {
-    "tokens": ("trainingrun_trainer.shards.TokenShards", token_shards, {"vocabSize": 128}),
-    "text": ("trainingrun_trainer.shards.TextBytes", text_files, {}),
+    "tokens": ("trainingrun_trainer.shards.TokenShards", token_shards,
+               {"vocabSize": 128, "contextLength": 16, "numSamples": 2000}, CHAR_MODEL, 128),
+    "text": ("trainingrun_trainer.shards.TextBytes", text_files, {"contextLength": 16, "numSamples": 2000},
+             CHAR_MODEL, 256),
+    "images": ("trainingrun_trainer.shards.ImageShards", image_shards, {"imageSize": 8}, MAE_MODEL, None),
 }
 
 
@@ -49,7 +73,7 @@ def bucket(request):
 @pytest.mark.parametrize("kind", sorted(DATASETS))
 def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket, kind, tmp_path):
     server, uri, env, reach = bucket
-    class_path, files, args = DATASETS[kind]
+    class_path, files, args, model, vocabulary = DATASETS[kind]
     local = tmp_path / "local-copy"
     local.mkdir()
     for name, content in files().items():
@@ -57,11 +81,9 @@ def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket
         (local / name).write_bytes(content)
 
     def trainer(data_uri: str, **more: str) -> dict:
-        model = tiny_model()
-        model["initArgs"]["vocabSize"] = 128 if kind == "tokens" else 256
-        dataset = {"classPath": class_path,
-                   "initArgs": {"uri": data_uri, "contextLength": 16, "numSamples": 2000, **args, **more}}
-        return tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, model=model,
+        built = {**model, "initArgs": {**model["initArgs"], **({"vocabSize": vocabulary} if vocabulary else {})}}
+        dataset = {"classPath": class_path, "initArgs": {"uri": data_uri, **args, **more}}
+        return tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, model=built,
                             data={"dataset": dataset, "batchSize": 8, "numWorkers": 1})
 
     reference = torchrun(tmp_path, "reference", trainer=trainer(f"file://{local}"),

@@ -1,9 +1,13 @@
-"""`trainingrun data prepare`: a local folder of text files into shards that `shards.TextBytes` reads, uploaded.
+"""`trainingrun data prepare`: a local folder into shards that `shards.TextBytes` or `shards.ImageShards` read, uploaded.
 
-Text files (`*.txt` below SRC, in path order) are joined, one newline between files, into shards of about
-`shard_bytes` (`shard-00000.txt`, ...; a file larger than a shard is split across shards), each written to a local
-temporary file and uploaded as soon as it is full, so memory stays at one read buffer whatever the data's size.
-A destination that already holds shards is refused unless `overwrite`: nothing there is lost by a typo.
+- text: the `*.txt` files below SRC, in path order, joined with one newline between files into shards of about
+  `shard_bytes` (`shard-00000.txt`, ...; a file larger than a shard is split across shards).
+- images: the image files below SRC, in path order, as WebDataset tar shards (`shard-00000.tar`, ...) of about
+  `shard_bytes`, one sample per image (`<8-digit index>.<ext>`, the file's own bytes: nothing is re-encoded).
+
+Each shard is written to a local temporary file and uploaded as soon as it is full, so memory stays small whatever
+the data's size. A destination that already holds shards is refused unless `overwrite`: nothing there is lost by a
+typo; with `overwrite`, shards beyond the new count are removed.
 """
 from __future__ import annotations
 
@@ -11,11 +15,12 @@ import posixpath
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .checkpoint.storage import _storage_options
 
-SHARD_NAME = "shard-{:05d}.txt"
+SHARD_NAME = "shard-{:05d}.{}"
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm")
 READ_BYTES = 1 << 20
 
 
@@ -27,75 +32,122 @@ class PrepareError(ValueError):
 class Prepared:
     shards: list[str]  #: URIs written, in order
     files: int  #: source files read
-    bytes: int  #: bytes written (text and separators)
+    bytes: int  #: bytes of the source files (and, for text, the separators)
 
 
-def text_files(source: Path) -> list[Path]:
+def source_files(source: Path, kind: str) -> list[Path]:
     if not source.is_dir():
-        raise PrepareError(f"SRC {source} is not a directory: name a local folder of .txt files")
-    files = sorted(p for p in source.rglob("*.txt") if p.is_file())
+        raise PrepareError(f"SRC {source} is not a directory: name a local folder of {kind} files")
+    wanted = (".txt",) if kind == "text" else IMAGE_EXTENSIONS
+    files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in wanted)
     if not files:
-        raise PrepareError(f"SRC {source} has no .txt files (searched below it): nothing to prepare")
+        raise PrepareError(f"SRC {source} has no {' or '.join(wanted)} files (searched below it): nothing to prepare")
     return files
 
 
-def prepare_text(source: Path, destination: str, shard_bytes: int = 64 << 20, overwrite: bool = False,
-                 endpoint_url: Optional[str] = None,
-                 progress: Callable[[int, int], None] = lambda done, total: None) -> Prepared:
-    """Write SRC's text as shards under `destination`; `progress(bytes written, bytes in total)` after each read."""
-    from fsspec.core import url_to_fs
+class _Destination:
+    """Shards uploaded one by one under `destination`, refusing to replace earlier ones unless `overwrite`."""
 
+    def __init__(self, destination: str, extension: str, overwrite: bool, endpoint_url: Optional[str]):
+        from fsspec.core import url_to_fs
+
+        self.destination, self.extension = destination, extension
+        self.fs, self.root = url_to_fs(destination, **_storage_options(destination, endpoint_url, None))
+        self.scheme = destination.split("://", 1)[0] + "://" if "://" in destination else ""
+        self.existing = self.fs.glob(posixpath.join(self.root, f"shard-*.{extension}"))
+        if self.existing and not overwrite:
+            raise PrepareError(f"DEST {destination} already holds {len(self.existing)} shards (e.g. "
+                               f"{posixpath.basename(self.existing[0])}): choose another DEST, or pass --overwrite "
+                               "to replace them")
+        self.fs.makedirs(self.root, exist_ok=True)  # a local destination's folder; nothing on object stores
+        self.written: list[str] = []
+
+    def upload(self, local: Path) -> None:
+        target = posixpath.join(self.root, SHARD_NAME.format(len(self.written), self.extension))
+        self.fs.put_file(str(local), target)
+        self.written.append(self.scheme + target if self.scheme and "://" not in target else target)
+
+    def finish(self) -> list[str]:
+        for stale in self.existing[len(self.written):]:
+            self.fs.rm_file(stale)  # shards of an earlier preparation beyond the new count
+        return self.written
+
+
+def prepare(source: Path, destination: str, kind: str = "text", shard_bytes: int = 64 << 20,
+            overwrite: bool = False, endpoint_url: Optional[str] = None,
+            progress: Callable[[int, int], None] = lambda done, total: None) -> Prepared:
+    """Write SRC's text or images as shards under `destination`; `progress(bytes done, bytes in total)` as it goes."""
+    if kind not in ("text", "images"):
+        raise PrepareError(f"--kind must be text or images, got {kind!r}")
     if shard_bytes < 1:
         raise PrepareError(f"--shard-mb must be positive, got a shard size of {shard_bytes} bytes")
-    files = text_files(source)
-    fs, root = url_to_fs(destination, **_storage_options(destination, endpoint_url, None))
-    scheme = destination.split("://", 1)[0] + "://" if "://" in destination else ""
-    existing = fs.glob(posixpath.join(root, "shard-*.txt"))
-    if existing and not overwrite:
-        raise PrepareError(f"DEST {destination} already holds {len(existing)} shards (e.g. {posixpath.basename(existing[0])})"
-                           ": choose another DEST, or pass --overwrite to replace them")
-    fs.makedirs(root, exist_ok=True)  # a local destination's folder; nothing on object stores
-    total = sum(f.stat().st_size for f in files) + len(files) - 1
-    written: list[str] = []
-    done = 0
+    files = source_files(source, kind)
+    target = _Destination(destination, "txt" if kind == "text" else "tar", overwrite, endpoint_url)
     with tempfile.TemporaryDirectory(prefix="trainingrun-prepare-") as scratch:
-        shard_path = Path(scratch) / "shard"
-        shard = open(shard_path, "wb")
-        in_shard = 0
+        write = _text_shards if kind == "text" else _image_shards
+        total = write(files, Path(scratch) / "shard", shard_bytes, target.upload, progress)
+    return Prepared(target.finish(), len(files), total)
 
-        def upload() -> None:
-            nonlocal shard, in_shard
+
+def _text_shards(files: list[Path], scratch: Path, shard_bytes: int, upload: Callable[[Path], None],
+                 progress: Callable[[int, int], None]) -> int:
+    total = sum(f.stat().st_size for f in files) + len(files) - 1
+    shard, in_shard, done = open(scratch, "wb"), 0, 0
+
+    def emit(data: bytes) -> None:
+        nonlocal shard, in_shard
+        while data:
+            room = shard_bytes - in_shard
+            shard.write(data[:room])
+            in_shard += min(room, len(data))
+            data = data[room:]
+            if in_shard == shard_bytes:
+                shard.close()
+                upload(scratch)
+                shard, in_shard = open(scratch, "wb"), 0
+
+    for number, path in enumerate(files):
+        if number:
+            emit(b"\n")
+            done += 1
+        with open(path, "rb") as text:
+            while chunk := text.read(READ_BYTES):
+                emit(chunk)
+                done += len(chunk)
+                progress(done, total)
+    shard.close()
+    if in_shard:
+        upload(scratch)
+    return total
+
+
+def _image_shards(files: list[Path], scratch: Path, shard_bytes: int, upload: Callable[[Path], None],
+                  progress: Callable[[int, int], None]) -> int:
+    import tarfile
+
+    total, done = sum(f.stat().st_size for f in files), 0
+    shard: Optional[tarfile.TarFile] = None
+    for number, path in enumerate(files):
+        if shard is None:
+            shard = tarfile.open(scratch, "w", format=tarfile.USTAR_FORMAT)
+        info = tarfile.TarInfo(f"{number:08d}{path.suffix.lower()}")
+        info.size, info.mtime, info.mode = path.stat().st_size, 0, 0o644  # no owner or time: the same bytes each time
+        with open(path, "rb") as image:
+            shard.addfile(info, image)
+        done += info.size
+        progress(done, total)
+        if shard.fileobj.tell() >= shard_bytes:
             shard.close()
-            target = posixpath.join(root, SHARD_NAME.format(len(written)))
-            fs.put_file(str(shard_path), target)
-            written.append(scheme + target if scheme and "://" not in target else target)
-            shard, in_shard = open(shard_path, "wb"), 0
-
-        def emit(data: bytes) -> None:
-            nonlocal in_shard
-            while data:
-                room = shard_bytes - in_shard
-                shard.write(data[:room])
-                in_shard += min(room, len(data))
-                data = data[room:]
-                if in_shard == shard_bytes:
-                    upload()
-
-        for number, path in enumerate(files):
-            if number:
-                emit(b"\n")
-                done += 1
-            with open(path, "rb") as text:
-                while chunk := text.read(READ_BYTES):
-                    emit(chunk)
-                    done += len(chunk)
-                    progress(done, total)
-        if in_shard:
-            upload()
+            upload(scratch)
+            shard = None
+    if shard is not None:
         shard.close()
-    for stale in existing[len(written):] if overwrite else []:
-        fs.rm_file(stale)  # shards of the earlier preparation beyond the new count
-    return Prepared(written, len(files), total)
+        upload(scratch)
+    return total
 
 
-__all__ = ["PrepareError", "Prepared", "prepare_text", "text_files", "SHARD_NAME"]
+def prepare_text(source: Path, destination: str, **options: Any) -> Prepared:
+    return prepare(source, destination, "text", **options)
+
+
+__all__ = ["PrepareError", "Prepared", "prepare", "prepare_text", "source_files", "SHARD_NAME"]

@@ -6,11 +6,16 @@ Shard layouts, as nanoGPT and llm.c users already have them:
 - llm.c: a 1024-byte header of 256 int32 (magic 20240520 with uint16 tokens, or 20240801 with uint32; a version; the
   token count), then the tokens. Found by its magic, whatever `dtype` says.
 - `TextBytes`: any text file read as bytes, a vocabulary of 256 (the built-in character model with `vocabSize: 256`).
+- `ImageShards`: WebDataset's layout, tar files whose members `<key>.<ext>` group into samples by key; each sample's
+  image (jpg, png, webp...) is decoded with Pillow, for the built-in masked autoencoder.
 
 Item i of a split is a window of `context_length + 1` tokens at a position drawn from
 `numpy.random.default_rng([seed, tag, split, i])`: a pure function of (seed, split, index), as the generated datasets
 are, so the `ResumableSampler`'s position resumes exactly at any world size. Positions are uniform over every window
 of every shard; a window never spans two shards. The last `eval_fraction` of each shard's tokens is the eval split.
+
+`ImageShards` serves sample i of a split directly (the sampler shuffles): its members' offsets come from reading
+the tar headers once, through the same cache, and are kept beside it.
 
 Only the bytes of a window are read, in blocks of `block_bytes` fetched by byte range and kept in a local cache
 directory shared by the ranks and DataLoader workers of a node: never a whole shard up front. A cached block is
@@ -35,7 +40,7 @@ from .checkpoint.layout import StorageUnavailable
 from .checkpoint.storage import _storage_options
 from .data import _check_common, _split_id
 
-__all__ = ["TokenShards", "TextBytes", "DataError"]
+__all__ = ["TokenShards", "TextBytes", "ImageShards", "DataError"]
 
 _WINDOW_TAG = 4  # [seed, tag, split, index]: a shard window (data.py's tags are 1-3)
 LLMC_HEADER_BYTES = 1024
@@ -107,14 +112,20 @@ class TokenShards(Dataset):
         self._ends = np.cumsum([windows for _, windows in self._regions]).tolist()
         self.windows = self._ends[-1] if self._ends else 0
         if not self.windows:
-            largest = max((s.tokens for s in self.shards), default=0)
-            raise DataError(f"{self.uri}: no shard holds a window of context_length + 1 = {context_length + 1} tokens in "
-                            f"its {split} split (the largest has {largest} tokens, {self.eval_fraction:g} of each is "
-                            "eval): use a shorter context_length, a different eval_fraction or more data")
-        split_tokens = sum(windows + context_length for _, windows in self._regions if windows)
-        default = max(1, split_tokens // (context_length + 1))
-        self.num_samples = default if num_samples is None else num_samples
+            raise DataError(self._nothing_in_split())
+        self.num_samples = self._samples_per_epoch() if num_samples is None else num_samples
         _check_common(self.num_samples, seed)
+
+    def _nothing_in_split(self) -> str:
+        largest = max((s.tokens for s in self.shards), default=0)
+        return (f"{self.uri}: no shard holds a window of context_length + 1 = {self.context_length + 1} tokens in its "
+                f"{self.split} split (the largest has {largest} tokens, {self.eval_fraction:g} of each is eval): use a "
+                "shorter context_length, a different eval_fraction or more data")
+
+    def _samples_per_epoch(self) -> int:
+        """About one pass over the split's tokens."""
+        split_tokens = sum(windows + self.context_length for _, windows in self._regions if windows)
+        return max(1, split_tokens // (self.context_length + 1))
 
     # ------------------------------------------------------------ finding the shards
 
@@ -258,6 +269,130 @@ class TextBytes(TokenShards):
                          block_bytes=block_bytes, endpoint_url=endpoint_url)
 
     headers = False
+
+
+class ImageShards(TokenShards):
+    """WebDataset tar shards of images: `{"images": FloatTensor[channels, image_size, image_size]}` in [-1, 1].
+
+    Args: `uri`, `pattern` (default "*.tar"), `image_size` (each image is centre-cropped to a square and resized),
+    `channels` (3: RGB, 1: grayscale), and TokenShards' `eval_fraction` (the last part of each shard's samples),
+    `cache_dir`, `block_bytes`, `endpoint_url`. Every sample of a split is served once per epoch, in the
+    sampler's order. A sample without an image member is an error that names it.
+    """
+
+    IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm")
+    headers = False
+
+    def __init__(self, uri: str, image_size: int = 32, channels: int = 3, pattern: str = "*.tar",
+                 eval_fraction: float = 0.05, split: str = "train", cache_dir: Optional[str] = None,
+                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None):
+        if not isinstance(image_size, int) or image_size < 1:
+            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
+        self.image_size, self.channels = image_size, channels
+        super().__init__(uri, context_length=1, dtype="uint8", pattern=pattern, num_samples=None,
+                         eval_fraction=eval_fraction, seed=0, split=split, cache_dir=cache_dir,
+                         block_bytes=block_bytes, endpoint_url=endpoint_url)
+
+    def _nothing_in_split(self) -> str:
+        return (f"{self.uri}: no image samples in the {self.split} split of {len(self.shards)} shards "
+                f"({self.eval_fraction:g} of each shard's samples are eval): check the shards hold <key>.<ext> members")
+
+    def _samples_per_epoch(self) -> int:
+        return self.windows  # every sample of the split once
+
+    def _region(self, shard: _Shard) -> tuple[int, int]:
+        """(first sample, samples) of this split in a shard."""
+        samples = len(self._members(shard))
+        eval_samples = int(samples * self.eval_fraction)
+        return (0, samples - eval_samples) if self.split == "train" else (samples - eval_samples, eval_samples)
+
+    def _members(self, shard: _Shard) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+        """[(key, {extension: (offset, size)})] of a shard, from its tar headers (read once, then kept)."""
+        cache = getattr(self, "_member_cache", None)
+        if cache is None:
+            cache = self._member_cache = {}
+        if shard.uri not in cache:
+            cache[shard.uri] = _tar_samples(shard, lambda start, end: self._read(shard, start, end))
+        return cache[shard.uri]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = int(index)
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        number = bisect.bisect_right(self._ends, index)
+        shard, (first, _) = self.shards[number], self._regions[number]
+        key, members = self._members(shard)[first + index - (self._ends[number - 1] if number else 0)]
+        found = next(((ext, members[ext]) for ext in self.IMAGE_EXTENSIONS if ext in members), None)
+        if found is None:
+            raise DataError(f"{shard.uri}: sample {key!r} has no image member (it has {', '.join(sorted(members))}); "
+                            f"expected one of .{', .'.join(self.IMAGE_EXTENSIONS)}")
+        ext, (offset, size) = found
+        return {"images": self._decode(shard, f"{key}.{ext}", self._read(shard, offset, offset + size))}
+
+    def _decode(self, shard: _Shard, member: str, raw: bytes) -> torch.Tensor:
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(raw)) as image:
+                image = image.convert("RGB" if self.channels == 3 else "L")
+                side = min(image.size)
+                left, top = (image.width - side) // 2, (image.height - side) // 2
+                image = image.crop((left, top, left + side, top + side)).resize(
+                    (self.image_size, self.image_size), Image.Resampling.BILINEAR)
+                pixels = np.asarray(image, dtype=np.float32)
+        except (UnidentifiedImageError, OSError, ValueError) as error:
+            raise DataError(f"{shard.uri}: member {member} is not an image Pillow can read: {_first_line(error)}") from None
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]
+        return torch.from_numpy(pixels.transpose(2, 0, 1) / 127.5 - 1.0)
+
+
+def _tar_samples(shard: _Shard, read: Any) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """Walk a tar's headers (ustar, GNU long names, pax paths): samples by key, in the order they appear."""
+    import tarfile
+
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    offset, long_name = 0, None
+    while True:
+        if offset + 512 > shard.size:
+            raise DataError(f"{shard.uri}: ends at byte {shard.size} without tar's end-of-archive marker: truncated? "
+                            "Write the shard again")
+        block = read(offset, offset + 512)
+        if block == bytes(512):
+            break  # the end-of-archive marker
+        try:
+            header = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as error:
+            raise DataError(f"{shard.uri}: no tar header at byte {offset} ({error}): not a WebDataset tar shard, or a "
+                            "damaged one") from None
+        data = offset + 512
+        end = data + (header.size + 511) // 512 * 512
+        if data + header.size > shard.size:
+            raise DataError(f"{shard.uri}: member {header.name} at byte {offset} says {header.size} bytes, past the "
+                            f"shard's end ({shard.size} bytes): truncated?")
+        if header.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE):
+            text = read(data, data + header.size)
+            if header.type == tarfile.GNUTYPE_LONGNAME:
+                long_name = text.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            else:
+                for record in text.decode("utf-8", "surrogateescape").splitlines():
+                    _, _, field = record.partition(" ")
+                    if field.startswith("path="):
+                        long_name = field[5:]
+        elif header.isfile():
+            name, long_name = long_name or header.name, None
+            base = posixpath.basename(name)
+            key, dot, ext = base.partition(".")
+            if dot and not base.startswith("."):
+                samples.setdefault(posixpath.join(posixpath.dirname(name), key), {})[ext.lower()] = (data, header.size)
+        offset = end
+    return list(samples.items())
 
 
 def _first_line(error: BaseException) -> str:

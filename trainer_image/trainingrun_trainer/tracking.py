@@ -147,9 +147,10 @@ class Tracker:
     def close(self, finished: bool = False, timeout: float = CLOSE_SECONDS) -> None:
         """`finished`: the run trained its last step (MLflow marks the run FINISHED; otherwise it stays RUNNING
         for the next attempt)."""
-        self._put(("close", 0, finished), block_for=timeout)
-        self._put(_STOP, block_for=timeout)
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout  # one budget for all of it: exits (a preemption's too) wait little
+        self._put(("close", 0, finished), block_for=max(0.01, deadline - time.monotonic()))
+        self._put(_STOP, block_for=max(0.01, deadline - time.monotonic()))
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log.warning("a tracker did not finish within %.0f s; its last records may be missing", timeout)
 
