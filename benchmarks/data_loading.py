@@ -95,8 +95,9 @@ def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, 
             "data_wait_fraction": sums["trainingrun_data_wait_seconds_sum"] / step_seconds}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def training_arguments(description: str) -> argparse.ArgumentParser:
+    """The training every side of this benchmark (and tracker_overhead.py) runs: model, batch, steps, threads."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--context", type=int, default=64)
@@ -106,6 +107,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workers", type=int, default=None, help="numWorkers (default: the trainer's)")
     parser.add_argument("--prefetch", type=int, default=None, help="prefetchFactor (needs --workers > 0)")
+    return parser
+
+
+def main() -> None:
+    parser = training_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--shard-tokens", type=int, default=2_000_000, help="tokens per shard (two shards)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()

@@ -24,7 +24,6 @@ refused_warnings=<n>`.
 """
 from __future__ import annotations
 
-import argparse
 import socket
 import sys
 import tempfile
@@ -32,20 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from data_loading import run_trainer  # noqa: E402
+from data_loading import run_trainer, training_arguments  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    args.workers, args.prefetch = None, None
+    args = training_arguments(__doc__.split("\n\n")[0]).parse_args()
     env = {"CUDA_VISIBLE_DEVICES": "", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
     work = Path(tempfile.mkdtemp(prefix="tracker-overhead-"))
     dataset = {"classPath": "trainingrun_trainer.data.SyntheticText",

@@ -176,13 +176,21 @@ def _on_the_cluster(args: argparse.Namespace, doing: str, action: Callable[[Any]
         return 1
 
 
-def cmd_checkpoints(args: argparse.Namespace) -> int:
-    # Imported here: the operator image has no torch; this command runs where the trainer extra is.
+def _trainer_module(name: str, command: str) -> Any:
+    """A module of the trainer package, imported when a command runs: the operator image has no torch."""
+    import importlib
+
     try:
-        from trainingrun_trainer import checkpoint
+        return importlib.import_module(f"trainingrun_trainer.{name}")
     except ImportError as error:
-        print(f"trainingrun checkpoints needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
+        print(f"trainingrun {command} needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
               file=sys.stderr)
+        return None
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    checkpoint = _trainer_module("checkpoint", "checkpoints")
+    if checkpoint is None:
         return 1
     try:
         store = checkpoint.CheckpointStore(args.uri, endpoint_url=args.endpoint_url)
@@ -200,11 +208,8 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    try:
-        from trainingrun_trainer import prepare
-    except ImportError as error:
-        print(f"trainingrun data prepare needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
-              file=sys.stderr)
+    prepare = _trainer_module("prepare", "data prepare")
+    if prepare is None:
         return 1
     bar = _ByteProgress(sys.stderr)
     try:

@@ -45,6 +45,17 @@ def _check_common(num_samples: int, seed: int) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
 
 
+def checked_index(index: int, length: int) -> int:
+    """`index` as a position in [0, length), negative ones from the end, as a sequence takes them."""
+    index = int(index)
+    if index < 0:
+        index += length
+    if not 0 <= index < length:
+        # IndexError (not ValueError) so plain iteration over the dataset stops here.
+        raise IndexError(f"index {index} out of range for {length} samples")
+    return index
+
+
 class _SeededItems(Dataset):
     """Map-style dataset of `num_samples` items, item i built from its own seeded numpy Generator."""
 
@@ -59,12 +70,7 @@ class _SeededItems(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        index = int(index)
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            # IndexError (not ValueError) so plain iteration over the dataset stops here.
-            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        index = checked_index(index, self.num_samples)
         return self._make(np.random.default_rng([self.seed, _ITEM_TAG, self._split_id, index]))
 
     def _make(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:

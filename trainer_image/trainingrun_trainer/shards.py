@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 
 from .checkpoint.layout import StorageUnavailable
 from .checkpoint.storage import _storage_options
-from .data import _check_common, _split_id
+from .data import _check_common, _split_id, checked_index
 
 __all__ = ["TokenShards", "TextBytes", "ImageShards", "DataError"]
 
@@ -200,11 +200,7 @@ class TokenShards(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        index = int(index)
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        index = checked_index(index, self.num_samples)
         window = int(np.random.default_rng([self.seed, _WINDOW_TAG, self._split_id, index]).integers(self.windows))
         number = bisect.bisect_right(self._ends, window)
         shard, (first, _) = self.shards[number], self._regions[number]
@@ -318,11 +314,7 @@ class ImageShards(TokenShards):
         return cache[shard.uri]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        index = int(index)
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        index = checked_index(index, self.num_samples)
         number = bisect.bisect_right(self._ends, index)
         shard, (first, _) = self.shards[number], self._regions[number]
         key, members = self._members(shard)[first + index - (self._ends[number - 1] if number else 0)]
