@@ -38,6 +38,10 @@ class TensorBoard:
         self.log_dir = log_dir
         self.writer: Any = None
 
+    @staticmethod
+    def load() -> None:
+        import torch.utils.tensorboard  # noqa: F401
+
     def start(self, step: int, config: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -67,6 +71,11 @@ class MLflow:
         self.client: Any = None
         self.run_id = ""
         self.logged_up_to = -1  #: the last step the run already holds
+
+    @staticmethod
+    def load() -> None:
+        import mlflow.entities  # noqa: F401
+        import mlflow.tracking  # noqa: F401
 
     def start(self, step: int, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -129,6 +138,10 @@ class Tracker:
     """The training thread's side: `start`, `metrics`, `close` only queue records; `backends` get them in order."""
 
     def __init__(self, backends: Sequence[Any], queue_max: int = QUEUE_MAX):
+        # The trackers' libraries are imported here, before the first step: an import holds the GIL for seconds
+        # (mlflow's about 3 s of CPU), which on the delivery thread would slow the steps it overlaps.
+        for backend in backends:
+            getattr(backend, "load", lambda: None)()
         self.backends = list(backends)
         self.dropped = 0
         self._queue: queue.Queue = queue.Queue(queue_max)
