@@ -181,6 +181,9 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
                         for n in range(EVENT_SENDERS)]
         if state.settings.report_port and state.settings.report_url:
             state.tasks.append(asyncio.create_task(serving.serve_reports(state), name="trainingrun-reports"))
+            if state.settings.report_endpoint_slice:
+                state.tasks.append(asyncio.create_task(serving.publish_report_endpoint(state),
+                                                       name="trainingrun-report-endpoint"))
         elif not state.settings.report_url:
             log.warning("no report URL (TRAININGRUN_REPORT_URL): trainer pods will not report progress, and status "
                         "will show no steps or checkpoints; the Helm chart sets it")

@@ -28,6 +28,7 @@ PLURALS = {
     ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Event"): "events",
+    ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",

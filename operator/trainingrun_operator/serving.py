@@ -1,11 +1,13 @@
 """The operator's HTTP servers: /metrics and /readyz, and the trainers' report endpoint (reports.py) wired to
-the indexes and to status; and the readiness check they answer from.
+the indexes and to status; the readiness check they answer from; and, on the replica that acts, the report
+Service's EndpointSlice pointed at this pod.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import api, reports
@@ -14,6 +16,7 @@ from .kube import ApiError
 
 if TYPE_CHECKING:
     from .handlers import Key, OperatorState
+    from .settings import Settings
 
 log = logging.getLogger("trainingrun.operator")
 
@@ -101,6 +104,51 @@ DEFAULT_STALL_TIMEOUT = api.Recovery.model_fields["stall_timeout_seconds"].defau
 async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:
     await state.client().patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status")
     state.written.setdefault(key, {}).update(fields)
+
+
+#: The replica that acts writes its report EndpointSlice again this often, undoing any other change to it.
+REPUBLISH_SECONDS = 30.0
+
+
+def report_endpoints(settings: Settings) -> dict[str, Any]:
+    """The EndpointSlice patch that sends the report Service's traffic to this pod alone."""
+    endpoint: dict[str, Any] = {"addresses": [settings.pod_ip], "conditions": {"ready": True}}
+    if settings.pod_name:
+        namespace = settings.report_endpoint_slice.partition("/")[0]
+        endpoint["targetRef"] = {"kind": "Pod", "namespace": namespace, "name": settings.pod_name}
+    return {"endpoints": [endpoint]}
+
+
+async def publish_report_endpoint(state: OperatorState, check_seconds: float = 1.0) -> None:
+    """While this replica acts, the report Service routes to it alone: a standby's indexes are frozen by kopf's
+    peering, so it could only refuse. A replica that stands by writes nothing; the next to act overwrites the
+    slice. The Service has no selector, so nothing else writes it (the chart makes the slice without endpoints,
+    which `helm upgrade` therefore leaves alone)."""
+    await state.logged_in.wait()
+    namespace, name = state.settings.report_endpoint_slice.split("/", 1)
+    patch, said, published_at = report_endpoints(state.settings), "", None
+    while True:
+        if not state.acting.is_set():
+            published_at, said = None, ""
+            await state.acting.wait()
+        if published_at is None or time.monotonic() - published_at >= REPUBLISH_SECONDS:
+            try:
+                await state.client().patch("discovery.k8s.io/v1", "EndpointSlice", namespace, name, patch)
+            except (ApiError, OSError, asyncio.TimeoutError) as error:
+                line = (f"cannot point the report Service at this replica (EndpointSlice {namespace}/{name}: {error});"
+                        " trainers' reports wait until it can")
+                if isinstance(error, ApiError) and error.status == 404:
+                    line += ": the chart makes that EndpointSlice, apply it again"
+                if line != said:
+                    log.error(line)
+                    said = line
+                await asyncio.sleep(5 * check_seconds)
+                continue
+            published_at = time.monotonic()
+            if said != "published":
+                log.info("reports reach this replica: EndpointSlice %s/%s -> %s", namespace, name, state.settings.pod_ip)
+                said = "published"
+        await asyncio.sleep(check_seconds)
 
 
 async def serve_reports(state: OperatorState) -> None:

@@ -5,6 +5,7 @@ of the chart with every ci/ values file, with Helm 4 and Helm 3. A real API serv
 offline tool did: every CRD default against the schema's own CEL rules, CEL cost budgets, strict
 decoding, and RBAC objects as the RBAC API stores them.
 """
+import json
 import subprocess
 import time
 import uuid
@@ -120,6 +121,22 @@ def test_helm_install_every_scenario(kube_cluster_with_crds, tmp_path, helm, val
     assert can.stdout.strip() == "yes", can.stdout + can.stderr
     cannot = plane.kubectl("auth", "can-i", "get", "secrets", "-n", watched[0], f"--as={identity}", check=False)
     assert cannot.stdout.strip() == "no"
+    # The replica that acts points the report Service at its pod; an upgrade keeps what it wrote.
+    endpoint_slice = f"{release}-trainingrun-operator-report-acting"
+    endpoints = [{"addresses": ["10.244.0.9"], "conditions": {"ready": True}}]
+    may = plane.kubectl("auth", "can-i", "patch", f"endpointslices/{endpoint_slice}", "-n", namespace,
+                        f"--as={identity}", check=False)
+    assert may.stdout.strip() == "yes", may.stdout + may.stderr
+    plane.kubectl("-n", namespace, "patch", "endpointslice", endpoint_slice, "--type=merge",
+                  "-p", json.dumps({"endpoints": endpoints}))
+    upgrade = subprocess.run([str(binary), "upgrade", release, str(CHART), "--namespace", namespace, "-f",
+                              str(values_file), "--set", "report.tokenCacheSeconds=30"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+    kept = plane.kubectl("-n", namespace, "get", "endpointslice", endpoint_slice, "-o", "json").stdout
+    assert json.loads(kept)["endpoints"] == endpoints
+    other = plane.kubectl("auth", "can-i", "patch", "endpointslices", "-n", namespace, f"--as={identity}", check=False)
+    assert other.stdout.strip() == "no"  # that one slice only
     uninstall = subprocess.run([str(binary), "uninstall", release, "--namespace", namespace, "--wait"],
                                capture_output=True, text=True, env=env, timeout=300)
     assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr

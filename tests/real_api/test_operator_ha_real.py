@@ -2,9 +2,12 @@
 stand by, and a standby takes over when the one acting goes.
 
 Each replica runs as its own process with the identity the chart gives it (ci/ha-values.yaml: kopf peering
-through a ClusterKopfPeering, its RBAC rule included).
+through a ClusterKopfPeering, its RBAC rule included), serving the report endpoint and publishing itself in
+the report Service's EndpointSlice while it acts, with a made-up pod IP each.
 """
 import contextlib
+import json
+import socket
 import subprocess
 
 import pytest
@@ -12,6 +15,9 @@ import yaml
 from conftest import REPO
 
 from test_operator_real import HELM, JOBS, RealCluster, running_operator, training_run, wait_for
+from test_reports_real import certificate
+
+from trainingrun_trainer import contract
 
 RELEASE, RELEASE_NAMESPACE = "tr-ha", "trainingrun-ha"
 PEERING_CRDS = REPO / "charts/trainingrun-operator/crds/kopf-peering.yaml"
@@ -29,22 +35,42 @@ def ha_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
                               capture_output=True, text=True, check=True).stdout
     documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "Deployment"]
     deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
-    peering = next(a.split("=", 1)[1] for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-                   if a.startswith("--peering="))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    peering = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--peering="))
+    endpoint_slice = next(e["value"] for e in container["env"] if e["name"] == "TRAININGRUN_REPORT_ENDPOINT_SLICE")
     plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
     plane.apply(documents)
     account = next(d for d in documents if d["kind"] == "ServiceAccount")["metadata"]["name"]
     token = plane.token(RELEASE_NAMESPACE, account)
-    return plane.token_kubeconfig(tmp_path_factory.mktemp("operator-ha") / "kubeconfig", token), peering
+    return plane.token_kubeconfig(tmp_path_factory.mktemp("operator-ha") / "kubeconfig", token), peering, endpoint_slice
+
+
+def replica_env(directory, peering, endpoint_slice, pod_ip):
+    """What the chart's Deployment gives a replica, with its own report port (both run on this machine)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {"TRAININGRUN_PEERING": peering, "TRAININGRUN_REPORT_URL": f"https://127.0.0.1:{port}{contract.REPORT_PATH}",
+            "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(certificate(directory)),
+            "TRAININGRUN_REPORT_ENDPOINT_SLICE": endpoint_slice, "TRAININGRUN_OPERATOR_POD_IP": pod_ip,
+            "TRAININGRUN_OPERATOR_POD_NAME": f"operator-{pod_ip}"}
 
 
 def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_namespace, ha_kubeconfig, tmp_path):
-    kubeconfig, peering = ha_kubeconfig
+    kubeconfig, peering, endpoint_slice = ha_kubeconfig
     cluster = RealCluster(kube_cluster_with_crds, kube_namespace)
+    slice_namespace, slice_name = endpoint_slice.split("/")
+
+    def report_addresses():
+        slice_ = cluster.plane.kubectl("-n", slice_namespace, "get", "endpointslice", slice_name, "-o", "json").stdout
+        return [a for e in json.loads(slice_).get("endpoints") or [] for a in e["addresses"]]
+
     (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir()
     with contextlib.ExitStack() as replicas:  # a failed check must not leave a replica acting in later tests
-        first = running_operator(kubeconfig, tmp_path / "first", TRAININGRUN_PEERING=peering)
-        second = running_operator(kubeconfig, tmp_path / "second", TRAININGRUN_PEERING=peering)
+        first = running_operator(kubeconfig, tmp_path / "first",
+                                 **replica_env(tmp_path / "first", peering, endpoint_slice, "10.244.7.1"))
+        second = running_operator(kubeconfig, tmp_path / "second",
+                                  **replica_env(tmp_path / "second", peering, endpoint_slice, "10.244.7.2"))
         replicas.callback(second.close)
         replicas.callback(first.close)
         first_log = next(first)
@@ -52,6 +78,9 @@ def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_
                  what="the first replica to act")
         second_log = next(second)
         wait_for(lambda: "standing by" in second_log.read_text(), timeout=30, what="the second replica to stand by")
+        # Reports go to the replica that acts, and only to it: the standby wrote nothing.
+        wait_for(lambda: report_addresses() == ["10.244.7.1"], what="the report Service to route to the first")
+        assert "reports reach this replica" not in second_log.read_text()
 
         cluster.plane.kubectl("create", "-f", "-", input=training_run(kube_namespace))
         wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
@@ -62,6 +91,7 @@ def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_
         first.close()  # the acting replica stops (as in a rolling update or a drained node)
         wait_for(lambda: "acting: no replica started earlier" in second_log.read_text(), timeout=60,
                  what="the standby to take over")
+        wait_for(lambda: report_addresses() == ["10.244.7.2"], what="the report Service to route to the second")
         # The pod's exit code is the failure's evidence: without it the operator waits FAILURE_EVIDENCE_GRACE
         # (30 s) for the pods' story before it starts the next attempt.
         cluster.container_terminated(cluster.worker_pod("demo-a1"), 134, "Error")

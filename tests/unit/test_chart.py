@@ -42,6 +42,10 @@ def test_rendered_built_ins_are_valid_kubernetes(values_file):
     for document in render(values_file):
         if document["apiVersion"].startswith(("monitoring.coreos.com", "kopf.dev")):
             continue  # custom resources: kubernetes-validate cannot check them
+        if document["kind"] == "EndpointSlice":
+            # The OpenAPI schema calls `endpoints` required; the API server and Helm accept a slice without it
+            # (tests/real_api/test_install.py), and without it `helm upgrade` keeps the operator's endpoints.
+            document = {**document, "endpoints": []}
         kubernetes_validate.validate(document, "1.30", strict=True)
 
 
@@ -63,7 +67,7 @@ def test_app_version_is_the_package_version():
 
 def test_modes_render_what_they_promise():
     namespaced = render(CHART / "ci/namespaced-values.yaml")
-    roles = [d for d in namespaced if d["kind"] == "Role"]
+    roles = [d for d in namespaced if d["kind"] == "Role" and d["metadata"]["name"] == "tr-trainingrun-operator"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert [d["metadata"]["name"] for d in namespaced if d["kind"] == "ClusterRole"] == ["tr-trainingrun-operator-discovery"]
     args = next(d for d in namespaced if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -80,6 +84,28 @@ def test_modes_render_what_they_promise():
     assert len(dashboards) == 2 and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
     assert all(d["metadata"]["namespace"] == "trainingrun-system" and d["metadata"]["labels"]["release"]
                == "kube-prometheus-stack" for d in monitoring if d["apiVersion"].startswith("monitoring.coreos.com"))
+
+
+@pytest.mark.parametrize("values_file", [None, CHART / "ci/ha-values.yaml"])
+def test_reports_reach_the_slice_the_acting_replica_may_write(values_file):
+    documents = render(values_file)
+    service = next(d for d in documents if d["kind"] == "Service" and d["metadata"]["name"].endswith("-report"))
+    assert "selector" not in service["spec"]  # else the endpoints controller would route to standbys too
+    endpoint_slice = next(d for d in documents if d["kind"] == "EndpointSlice")
+    assert endpoint_slice["metadata"]["labels"]["kubernetes.io/service-name"] == service["metadata"]["name"]
+    assert "endpoints" not in endpoint_slice  # so that helm upgrade leaves the operator's alone
+    assert [p["name"] for p in endpoint_slice["ports"]] == [p["name"] for p in service["spec"]["ports"]]
+    container = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    namespace, name = endpoint_slice["metadata"]["namespace"], endpoint_slice["metadata"]["name"]
+    assert env["TRAININGRUN_REPORT_ENDPOINT_SLICE"]["value"] == f"{namespace}/{name}"
+    assert env["TRAININGRUN_OPERATOR_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    rules = [r for d in documents if d["kind"] == "Role" and d["metadata"]["namespace"] == namespace
+             for r in d["rules"] if "endpointslices" in r["resources"]]
+    assert rules == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "resourceNames": [name],
+                      "verbs": ["patch"]}]
+    assert not any("endpointslices" in r["resources"] for d in documents if d["kind"] == "ClusterRole"
+                   for r in d["rules"])
 
 
 def test_no_rule_grants_secrets():
@@ -101,6 +127,8 @@ GRANTED_FOR_REASONS = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "get"): "kopf's resource discovery",
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"): "kopf's resource discovery",
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"): "kopf's resource discovery",
+    ("discovery.k8s.io", "endpointslices", "patch"): "the replica that acts points the report Service at itself; "
+                                                     "tests/real_api/test_operator_ha_real.py makes that call",
     ("", "events", "list"): "Warning Events of an attempt Pending for 15 s or more (FailedCreate, FailedMount); "
                             "tests/real_api/test_operator_real.py makes that call",
     ("", "namespaces", "get"): "namespaced mode: kopf matches its namespaces",
