@@ -236,11 +236,11 @@ class Run:
                      "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **self.env})
         return keep
 
-    def start(self, launched: list, nproc: int = 2) -> Launched:
+    def start(self, launched: list, nproc: int = 2, max_restarts: int = 0) -> Launched:
         """Start the operator's container command with torchrun's options in PET_* variables, as
         the Kubeflow Training Operator passes them, on one node of `nproc` workers."""
         env = {**self.environment(), "PET_STANDALONE": "1", "PET_NPROC_PER_NODE": str(nproc),
-               "PET_MAX_RESTARTS": "0"}
+               "PET_MAX_RESTARTS": str(max_restarts)}
         proc = Launched(runnable(DEFAULT_COMMAND), env)
         launched.append(proc)
         return proc
@@ -425,6 +425,35 @@ def test_sigterm_to_the_container_checkpoints_and_the_rerun_resumes_there(tmp_pa
     rerun.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-{STOP_AT:08d} "
                                                        f"at step {STOP_AT}"))
     assert f"step {STOP_AT + 1}/30 " in rerun.log and f"step {STOP_AT}/30 " not in rerun.log
+
+
+def test_an_in_place_restart_of_a_later_attempt_resumes_from_the_newest_checkpoint(tmp_path, launched):
+    """Attempt 2 starts with the operator's resume point (step 10) in its environment. torchrun restarts its
+    worker group in place after a worker dies (PET_MAX_RESTARTS, as Kubeflow's pod keeps its env): the new
+    workers resume from step 20, committed since, not from the attempt's starting point."""
+    pause = first_item_of_step(STOP_AT)
+    run = Run(tmp_path, "in-place", LEARNING).inject(pause_at_items=(pause,))
+    first = run.start(launched)
+    first.wait_for(rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "),
+                   *(rank_line(r, "fault_injection", f"paused at item {pause} ") for r in range(2)))
+    first.kill()  # attempt 1's pod is gone; its last report was step 10
+
+    floor = f"{run.uri}/step-00000010"
+    run.env.update({contract.ATTEMPT: "2", contract.RESUME_FROM: floor})
+    second = run.start(launched, max_restarts=1)
+    # The attempt starts from the resume point, trains steps 11-25 (its workers count items from their start)
+    # and commits step 20; then worker 1 dies and torchrun starts a new worker group with the same environment.
+    second.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(floor)} at step 10"),
+                    rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 20 "),
+                    *(rank_line(r, "fault_injection", f"paused at item {pause} ") for r in range(2)))
+    os.kill(second.workers()[1], signal.SIGKILL)
+    release(run.pauses, pause)
+    assert second.finish() == 0, second.tail()
+    newest = re.search(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000020 at step 20"),
+                       second.log)
+    assert newest, second.tail()
+    restarted = second.log[newest.end():]
+    assert " step 30/30 " in restarted and " step 20/30 " not in restarted and " step 11/30 " not in restarted
 
 
 def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path, launched):
