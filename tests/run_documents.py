@@ -53,6 +53,7 @@ CASES = [
     ("interval-seconds-too-small", put("spec.checkpoint.interval", {"seconds": 5}), "spec.checkpoint.interval.seconds: must be >= 10, got 5", "spec.checkpoint.interval.seconds"),
     ("endpoint-not-s3", both(put("spec.checkpoint.uri", "gs://bkt/p"), put("spec.checkpoint.endpointUrl", "http://minio:9000")), "endpointUrl is only used with s3:// URIs", "spec.checkpoint"),
     ("mlflow-without-tracking-uri", put("spec.trainer.loggers", [{"kind": "mlflow"}]), "spec.trainer.loggers[0]: a mlflow logger needs trackingUri", "spec.trainer.loggers[0]"),
+    ("wandb-without-project", put("spec.trainer.loggers", [{"kind": "wandb"}]), "spec.trainer.loggers[0]: a wandb logger needs project", "spec.trainer.loggers[0]"),
     ("tensorboard-without-log-dir", put("spec.trainer.loggers", [{"kind": "tensorboard"}]), "spec.trainer.loggers[0]: a tensorboard logger needs logDir", "spec.trainer.loggers[0]"),
     ("prefetch-without-workers", put("spec.trainer.data", {"prefetchFactor": 4}), "spec.trainer.data: prefetchFactor needs worker processes: set numWorkers", "spec.trainer.data"),
     ("replicas-min-zero", put("spec.replicas", {"min": 0}), "spec.replicas.min: must be >= 1, got 0", "spec.replicas.min"),

@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from test_trainer_resume import TRAINER, kill_one_worker_at, torchrun
+from trainingrun_trainer import tracking
 from tensorboard_events import scalars
 from tracking_servers import mlflow_server  # noqa: F401
 
@@ -65,3 +66,19 @@ def test_one_mlflow_run_across_a_kill_and_a_resume_with_each_step_once(tmp_path,
     assert {p["key"]: p["value"] for p in run["data"]["params"]}["trainer.maxSteps"] == "40"
     history = rest(mlflow_server, "metrics/get-history", run_id=run["info"]["run_id"], metric_key="train/loss")
     assert sorted(m["step"] for m in history["metrics"]) == list(range(1, 41))  # steps 11-15 once, not twice
+
+
+def test_one_wandb_run_across_a_kill_and_a_resume_with_each_step_once(tmp_path):
+    """Offline (WANDB_MODE=offline) each process writes a directory of its own, all for the run's id, which is
+    the TrainingRun's uid: `wandb sync` uploads them into that one run, where each step is once."""
+    directory = tmp_path / "wandb-files"
+    trainer = {**TRAINER, "loggers": [{"kind": "wandb", "project": "resume-test", "logDir": str(directory)}]}
+    kill_and_resume(tmp_path, trainer, env={"TRAININGRUN_UID": "uid-of-tracked", "WANDB_MODE": "offline",
+                                            "WANDB_SILENT": "true"})
+
+    runs = {path.parent.name: list(tracking.wandb_history_steps(str(path)))
+            for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb"))}
+    assert len(runs) == 2 and all(name.endswith("-uid-of-tracked") for name in runs), runs.keys()
+    first, resumed = runs.values()
+    assert first[:16] == list(range(0, 16))  # the attempt's start (run/attempt), then its steps up to the kill
+    assert sorted(first + resumed) == list(range(0, 41))  # steps 11-15 once, not twice

@@ -89,8 +89,11 @@ def test_only_rank_zero_tracks():
 @pytest.mark.parametrize("logger, problem", [
     ({"kind": "tensorboard"}, "a tensorboard logger needs logDir"),
     ({"kind": "mlflow"}, "a mlflow logger needs trackingUri"),
-    ({"kind": "mlflow", "trackingUri": "http://m:5000", "logDir": "/tb"}, "logDir is for tensorboard loggers only"),
-    ({"kind": "tensorboard", "logDir": "/tb", "experiment": "e"}, "experiment is for mlflow loggers only"),
+        ({"kind": "tensorboard", "logDir": "/tb", "experiment": "e"}, "experiment is for mlflow loggers only"),
+    ({"kind": "mlflow", "trackingUri": "http://m:5000", "logDir": "/tb"}, "logDir is for tensorboard and wandb loggers"),
+    ({"kind": "wandb"}, "a wandb logger needs project"),
+    ({"kind": "tensorboard", "logDir": "/tb", "entity": "team"}, "entity is for wandb loggers only"),
+    ({"kind": "mlflow", "trackingUri": "http://m:5000", "project": "p"}, "project is for wandb loggers only"),
 ])
 def test_each_kind_says_what_it_needs(logger, problem):
     with pytest.raises(ValueError, match=problem):
@@ -137,3 +140,47 @@ def test_mlflow_keeps_one_run_per_trainingrun_and_each_step_once(tmp_path):
     assert run.info.status == "FINISHED" and run.info.run_name == "demo"
     assert run.data.params == {"trainer.maxSteps": "7", "trainer.optimizer.lr": "0.001", "checkpoint.keep": "3"}
     assert run.data.tags["trainingrun.uid"] == "u-1"
+
+
+def offline_wandb_steps(directory, run_id):
+    """{run directory: steps of its history records}, as `wandb sync` would upload them into run `run_id`."""
+    return {path.parent.name: list(tracking.wandb_history_steps(str(path)))
+            for path in sorted(directory.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))}
+
+
+def test_wandb_offline_keeps_one_run_id_per_trainingrun_and_each_step_once(tmp_path, monkeypatch):
+    """An attempt logs steps 1-5 and stops; the next resumes from step 3 and computes 4-7. Offline, W&B writes a
+    directory per process, both for the run's id: the second holds only steps 6 and 7."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = tracking.WandB("proj", None, str(tmp_path), "demo", "u-1", "team-a")
+    first.start(0, {"trainer": {"maxSteps": 7}})
+    for step in range(1, 6):
+        first.metrics(step, {"train/loss": float(step)})
+    first.close(finished=False)
+    resumed = tracking.WandB("proj", None, str(tmp_path), "demo", "u-1", "team-a")
+    resumed.start(3, {"trainer": {"maxSteps": 7}})
+    assert resumed.logged_up_to == 5
+    for step in range(4, 8):
+        resumed.metrics(step, {"train/loss": 10.0 * step})
+    resumed.close(finished=True)
+    runs = offline_wandb_steps(tmp_path, "u-1")
+    assert len(runs) == 2 and sorted(s for steps in runs.values() for s in steps) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_torn_wandb_log_is_read_up_to_its_tear(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tracking.WandB("proj", None, str(tmp_path), "demo", "u-2", "team-a")
+    run.start(0, {})
+    for step in range(1, 2001):  # several 32 KiB blocks, so chunks span blocks
+        run.metrics(step, {"train/loss": float(step), "train/lr": 0.1})
+    run.close(finished=True)
+    (path,) = tmp_path.glob("wandb/offline-run-*-u-2/run-u-2.wandb")
+    assert list(tracking.wandb_history_steps(str(path))) == list(range(1, 2001))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])  # a killed process: its last blocks never written
+    torn = list(tracking.wandb_history_steps(str(path)))
+    assert 0 < len(torn) < 2000 and torn == list(range(1, len(torn) + 1))
+    path.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # a flipped bit: nothing after it is trusted
+    assert len(list(tracking.wandb_history_steps(str(path)))) < 2000

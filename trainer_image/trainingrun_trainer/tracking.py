@@ -12,15 +12,24 @@ the steps after its checkpoint again, and with exact resume the same values):
   the run resumed from, so TensorBoard's readers drop what an earlier attempt logged from there on.
 - MLflow: the run is found by its tag `trainingrun.uid` (the TrainingRun's uid), or created under the experiment;
   steps up to the last one the run already holds are not sent again (MLflow keeps every value sent).
+- W&B: the run's id is the TrainingRun's uid and every attempt resumes it. Steps up to the last one it holds are not
+  sent again: W&B says which online; offline (WANDB_MODE=offline) each process writes a directory of its own for
+  the same id (W&B's design: `wandb sync` puts them in one run), and the steps the earlier ones hold are read from
+  their transaction logs.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
 import queue
+import struct
+import tempfile
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+import zlib
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .config import LoggerConfig
 
@@ -112,6 +121,79 @@ class MLflow:
             self.client.set_terminated(self.run_id, "FINISHED")
 
 
+class WandB:
+    """Metrics and the config on Weights & Biases: one W&B run per TrainingRun, whose id is the run's uid."""
+
+    def __init__(self, project: str, entity: Optional[str], directory: str, run_name: str, run_uid: str,
+                 namespace: str):
+        self.project, self.entity, self.run_name, self.namespace = project, entity, run_name, namespace
+        self.directory = directory or tempfile.gettempdir()
+        self.run_id = run_uid
+        self.run: Any = None
+        self.logged_up_to = -1  #: the last step the W&B run already holds
+
+    @staticmethod
+    def load() -> None:
+        import wandb  # noqa: F401
+
+    def start(self, step: int, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        os.makedirs(self.directory, exist_ok=True)
+        self.run = wandb.init(project=self.project, entity=self.entity, id=self.run_id, name=self.run_name,
+                              resume="allow", dir=self.directory, config=dict(config), tags=[self.namespace],
+                              settings=wandb.Settings(console="off"))
+        if self.run.settings._offline:
+            earlier = [p for p in glob.glob(os.path.join(self.run.settings.wandb_dir, f"offline-run-*-{self.run_id}",
+                                                         f"run-{self.run_id}.wandb"))
+                       if os.path.dirname(p) != self.run.settings.sync_dir]
+            self.logged_up_to = max((s for path in earlier for s in wandb_history_steps(path)), default=-1)
+        elif self.run.resumed:
+            self.logged_up_to = self.run.step - 1  # W&B's next step for this run
+
+    def metrics(self, step: int, values: Mapping[str, float]) -> None:
+        if step <= self.logged_up_to:
+            return  # the run holds this step already, from the attempt that was lost after it
+        self.run.log(dict(values), step=step)
+
+    def close(self, finished: bool = False) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=0 if finished else 1)  # 1: the attempt ended early; the next one resumes it
+
+
+#: W&B's transaction log: a 7-byte header (":W&B", 0xBEE1, version 0), then LevelDB's log format: 32 KiB blocks of
+#: chunks, each a little-endian crc32 (over its type and data), length and type (1 whole, 2 first, 3 middle, 4 last).
+WANDB_LOG_HEADER, WANDB_LOG_BLOCK, WANDB_CHUNK_HEADER = b":W&B\xe1\xbe\x00", 32768, 7
+
+
+def wandb_history_steps(path: str) -> Iterator[int]:
+    """The steps of the history records in a W&B transaction log (`run-<id>.wandb`), up to a torn or unknown tail:
+    a killed process leaves its last block unwritten, and what it did not write is logged again."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as log_file:
+        data = log_file.read()
+    if not data.startswith(WANDB_LOG_HEADER):
+        return
+    position, pending = len(WANDB_LOG_HEADER), b""
+    while position + WANDB_CHUNK_HEADER <= len(data):
+        left_in_block = WANDB_LOG_BLOCK - position % WANDB_LOG_BLOCK
+        if left_in_block < WANDB_CHUNK_HEADER:
+            position += left_in_block  # a block's last bytes are padding
+            continue
+        checksum, length, kind = struct.unpack_from("<IHB", data, position)
+        chunk = data[position + WANDB_CHUNK_HEADER:position + WANDB_CHUNK_HEADER + length]
+        if len(chunk) < length or kind not in (1, 2, 3, 4) or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            return
+        position += WANDB_CHUNK_HEADER + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                yield record.history.step.num
+
+
 def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
@@ -131,6 +213,9 @@ def backends_for(loggers: Sequence[LoggerConfig], run_name: str = "run", run_uid
         elif logger.kind == "mlflow":
             backends.append(MLflow(logger.tracking_uri or "", logger.experiment or namespace, run_name,
                                    run_uid or run_name, namespace))
+        elif logger.kind == "wandb":
+            backends.append(WandB(logger.project or "", logger.entity, logger.log_dir or "", run_name,
+                                  run_uid or run_name, namespace))
     return backends
 
 
