@@ -7,7 +7,9 @@ What is measured
     * synthetic: `trainingrun_trainer.data.SyntheticText` (made in memory: the floor of data cost);
     * local shards: `trainingrun_trainer.shards.TokenShards` on file:// (two nanoGPT uint16 shards of the synthetic
       text's tokens, `--shard-tokens` each);
-    * GCS shards, cold: the same shards on gcp-storage-emulator (gs://, on 127.0.0.1), the block cache empty;
+    * GCS shards, cold: the same shards on gcp-storage-emulator (gs://, on 127.0.0.1, behind a proxy that adds
+      `--storage-latency-ms` to each request, default 30, as a cloud bucket's), the block cache empty;
+    * GCS shards, cold, no read-ahead: the same with `readAhead: 0` (every block fetched when an item needs it);
     * GCS shards, warm: again, with the cache the cold run filled (a later epoch, or another rank of the node).
 
     Per side: steps/s and the data-wait fraction, from the trainer's own Prometheus series, written to a
@@ -25,7 +27,7 @@ Run by hand, never by the test suite:
     .venv/bin/python benchmarks/data_loading.py --workers 2
     .venv/bin/python benchmarks/data_loading.py --device cuda --dim 512 --layers 6 --heads 8
 The last line is `result: data_wait_fraction=<x> shards_steps_per_s=<x> synthetic_steps_per_s=<x>
-local_steps_per_s=<x> warm_steps_per_s=<x>`.
+local_steps_per_s=<x> warm_steps_per_s=<x> no_read_ahead_data_wait_fraction=<x>`.
 """
 from __future__ import annotations
 
@@ -51,6 +53,48 @@ def shard_bytes(tokens_per_shard: int) -> list[bytes]:
     text = SyntheticText(num_samples=2 * tokens_per_shard // 64 + 1, context_length=63, vocab_size=128, seed=3)
     tokens = np.concatenate([text[i]["tokens"].numpy() for i in range(len(text))]).astype("<u2")
     return [tokens[:tokens_per_shard].tobytes(), tokens[tokens_per_shard:2 * tokens_per_shard].tobytes()]
+
+
+class SlowProxy:
+    """A TCP proxy in a thread of its own that holds every chunk the client sends for `delay` seconds before
+    forwarding it: each storage request pays that latency, as requests to a cloud bucket do (tens of ms), which
+    the emulator on loopback does not."""
+
+    def __init__(self, target_port: int, delay: float):
+        import asyncio
+        import threading
+
+        self.port, self.delay, self.target_port = _free_port(), delay, target_port
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        threading.Thread(target=self._serve, args=(started,), daemon=True).start()
+        started.wait(10)
+
+    def _serve(self, started) -> None:
+        import asyncio
+
+        async def pipe(reader, writer, delay: float) -> None:
+            try:
+                while data := await reader.read(65536):
+                    if delay:
+                        await asyncio.sleep(delay)
+                    writer.write(data)
+                    await writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+
+        async def handle(client_reader, client_writer) -> None:
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+            await asyncio.gather(pipe(client_reader, server_writer, self.delay), pipe(server_reader, client_writer, 0))
+
+        async def main() -> None:
+            await asyncio.start_server(handle, "127.0.0.1", self.port)
+            started.set()
+            await asyncio.Event().wait()
+
+        self.loop.run_until_complete(main())
 
 
 def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, env: dict,
@@ -112,8 +156,11 @@ def training_arguments(description: str) -> argparse.ArgumentParser:
 
 def main() -> None:
     parser = training_arguments(__doc__.split("\n\n")[0])
-    parser.add_argument("--shard-tokens", type=int, default=2_000_000, help="tokens per shard (two shards)")
+    parser.add_argument("--shard-tokens", type=int, default=20_000_000,
+                        help="tokens per shard (two shards; default 20 M: 80 blocks of 1 MiB to fetch)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--storage-latency-ms", type=float, default=30.0,
+                        help="latency added to each request to the GCS emulator, as a cloud bucket has (default 30)")
     args = parser.parse_args()
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
 
@@ -134,11 +181,12 @@ def main() -> None:
         fs.mkdir("bench")
         for n, content in enumerate(shards):
             fs.pipe_file(f"bench/tokens/train_{n:03d}.bin", content)
-        gcs_env = {**env, "STORAGE_EMULATOR_HOST": endpoint, "NO_GCE_CHECK": "true"}
+        slow = SlowProxy(port, args.storage_latency_ms / 1000)
+        gcs_env = {**env, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{slow.port}", "NO_GCE_CHECK": "true"}
 
-        def tokens(uri: str) -> dict:
+        def tokens(uri: str, **more: int) -> dict:
             return {"classPath": "trainingrun_trainer.shards.TokenShards",
-                    "initArgs": {"uri": uri, "contextLength": args.context, "vocabSize": 128}}
+                    "initArgs": {"uri": uri, "contextLength": args.context, "vocabSize": 128, **more}}
 
         synthetic = {"classPath": "trainingrun_trainer.data.SyntheticText",
                      "initArgs": {"numSamples": 100_000, "contextLength": args.context, "vocabSize": 128}}
@@ -150,21 +198,26 @@ def main() -> None:
                                              {**gcs_env, "TRAININGRUN_DATA_CACHE": str(work / "cache-gcs")})),
             ("GCS shards, warm", run_trainer(work, "warm", tokens("gs://bench/tokens"), args,
                                              {**gcs_env, "TRAININGRUN_DATA_CACHE": str(work / "cache-gcs")})),
+            ("GCS, cold, no read-ahead", run_trainer(work, "cold-no-read-ahead",
+                                                     tokens("gs://bench/tokens", readAhead=0), args,
+                                                     {**gcs_env, "TRAININGRUN_DATA_CACHE": str(work / "cache-gcs-2")})),
         ]
     finally:
         _stop(emulator)
         log.close()
     base = sides[0][1]["steps_per_s"]
     print(f"{args.steps} steps, batch {args.batch_size}, context {args.context}, workers "
-          f"{'default (0)' if args.workers is None else args.workers}, device {args.device}")
-    print(f"{'data':<20}{'steps/s':>10}{'vs synthetic':>14}{'data wait':>12}")
+          f"{'default (0)' if args.workers is None else args.workers}, device {args.device}; GCS requests "
+          f"+{args.storage_latency_ms:g} ms; shards of {args.shard_tokens} tokens")
+    print(f"{'data':<26}{'steps/s':>10}{'vs synthetic':>14}{'data wait':>12}")
     for name, figures in sides:
-        print(f"{name:<20}{figures['steps_per_s']:>10.1f}{figures['steps_per_s'] / base:>14.2f}"
+        print(f"{name:<26}{figures['steps_per_s']:>10.1f}{figures['steps_per_s'] / base:>14.2f}"
               f"{figures['data_wait_fraction']:>11.1%}")
     cold, local_side, warm = sides[2][1], sides[1][1], sides[3][1]
     print(f"result: data_wait_fraction={cold['data_wait_fraction']:.4f} shards_steps_per_s={cold['steps_per_s']:.2f} "
           f"synthetic_steps_per_s={base:.2f} local_steps_per_s={local_side['steps_per_s']:.2f} "
-          f"warm_steps_per_s={warm['steps_per_s']:.2f}")
+          f"warm_steps_per_s={warm['steps_per_s']:.2f} "
+          f"no_read_ahead_data_wait_fraction={sides[4][1]['data_wait_fraction']:.4f}")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,51 @@ def test_only_the_blocks_of_a_window_are_fetched_and_then_served_from_the_cache(
     assert int(fresh[0]) < 6001 and torch.equal(fresh, torch.arange(int(fresh[0]), int(fresh[0]) + 17))
 
 
+def test_prefetch_brings_an_items_blocks_into_the_cache_and_the_read_then_fetches_nothing(shards, tmp_path,
+                                                                                          monkeypatch):
+    fetched = []
+    real = LocalFileSystem.cat_file
+
+    def spy(self, path, start=None, end=None, **kwargs):
+        fetched.append((os.path.basename(path), start, end))
+        return real(self, path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "cat_file", spy)
+    data = dataset(shards, tmp_path, context_length=16)
+    fetched.clear()
+    data.prefetch(7)
+    assert 1 <= len(fetched) <= 2
+    fetched.clear()
+    data.prefetch(7)  # already cached: nothing fetched, nothing read back
+    window = data[7]["tokens"]
+    assert fetched == [] and torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 17) % 60000)
+
+
+def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
+    import threading
+
+    from trainingrun_trainer.data import ReadAhead
+
+    sampler = ResumableSampler(100, rank=0, world_size=1, seed=3)
+    order = list(sampler)
+    prefetched, eleventh_requested = [], threading.Event()
+
+    def prefetch(index):
+        prefetched.append(index)
+        if index == order[10]:
+            eleventh_requested.set()
+        if index % 7 == 0:
+            raise DataError("the read reports this one")
+
+    handed = []
+    for index in ReadAhead(sampler, prefetch, ahead=10, threads=1):
+        if not handed:  # when the first item is handed out, the eleventh is being fetched
+            assert eleventh_requested.wait(timeout=30)
+        handed.append(index)
+    assert handed == order  # the sampler's order; a failed fetch is left for the read
+    assert len(set(prefetched)) == len(prefetched) and set(prefetched) <= set(order)
+
+
 def test_a_shard_gone_after_listing_is_named(shards, tmp_path):
     data = dataset(shards, tmp_path, context_length=16)
     (shards / "a.bin").unlink()

@@ -14,8 +14,10 @@ a run stopped at any world size resumes at any other without skipping or repeati
 from __future__ import annotations
 
 import bisect
+import collections
 import random
-from typing import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -309,6 +311,39 @@ class ResumableSampler(Sampler[int]):
             )
         self.epoch, self.consumed = epoch, consumed
         self._roll_over_if_done()
+
+
+class ReadAhead(Sampler[int]):
+    """A sampler's indices, in its order, with the items `ahead` of the one handed out fetched meanwhile by
+    `prefetch` in a few threads: storage latency is paid before the DataLoader (or its workers, which share the
+    node's block cache) asks. The sampler's position stays the sampler's own (the trainer advances it).
+    A failed fetch is left for the read itself to report, with its clear error."""
+
+    def __init__(self, sampler: Sampler[int], prefetch: Callable[[int], None], ahead: int, threads: int = 4):
+        self.sampler, self.prefetch, self.ahead, self.threads = sampler, prefetch, ahead, threads
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="trainingrun-read-ahead")
+        fetching: collections.deque = collections.deque()
+        try:
+            for index in self.sampler:
+                fetching.append(index)
+                pool.submit(self._quietly, index)
+                if len(fetching) > self.ahead:
+                    yield fetching.popleft()
+            while fetching:
+                yield fetching.popleft()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _quietly(self, index: int) -> None:
+        try:
+            self.prefetch(index)
+        except Exception:  # noqa: BLE001 - the read of this item raises it again, where it is reported
+            pass
 
 
 def seed_worker(worker_id: int) -> None:

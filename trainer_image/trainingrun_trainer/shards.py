@@ -81,12 +81,14 @@ class TokenShards(Dataset):
         cache_dir: the block cache (default $TRAININGRUN_DATA_CACHE, else a directory in the system's temp dir).
         block_bytes: bytes fetched per range request and cached per file.
         endpoint_url: an S3-compatible endpoint for s3:// (default AWS_ENDPOINT_URL), or a GCS endpoint for gs://.
+        read_ahead: items whose blocks are fetched into the cache, in background threads, before the DataLoader asks
+            for them (the trainer wraps its sampler in data.ReadAhead); 0 turns it off.
     """
 
     def __init__(self, uri: str, context_length: int = 64, dtype: str = "uint16", pattern: str = "*.bin",
                  vocab_size: Optional[int] = None, num_samples: Optional[int] = None, eval_fraction: float = 0.05,
                  seed: int = 0, split: str = "train", cache_dir: Optional[str] = None, block_bytes: int = 1 << 20,
-                 endpoint_url: Optional[str] = None):
+                 endpoint_url: Optional[str] = None, read_ahead: int = 512):
         if not isinstance(uri, str) or not uri:
             raise ValueError("uri must name a directory or file of shards, e.g. gs://bucket/tokens/")
         if not isinstance(context_length, int) or context_length < 1:
@@ -99,9 +101,15 @@ class TokenShards(Dataset):
             raise ValueError(f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction!r}")
         if not isinstance(block_bytes, int) or block_bytes < 4096:
             raise ValueError(f"block_bytes must be an integer of at least 4096, got {block_bytes!r}")
+        if not isinstance(read_ahead, int) or read_ahead < 0:
+            raise ValueError(f"read_ahead must be a whole number of items (0 turns it off), got {read_ahead!r}")
         self.uri, self.context_length, self.dtype, self.pattern = uri.rstrip("/") or uri, context_length, dtype, pattern
         self.vocab_size, self.eval_fraction, self.seed, self.split = vocab_size, float(eval_fraction), seed, split
-        self.block_bytes = block_bytes
+        self.block_bytes, self.read_ahead = block_bytes, read_ahead
+        self._cache_keys: dict[str, str] = {}  #: per shard URI: its blocks' name in the cache
+        self._in_cache: set[tuple[str, int]] = set()  #: blocks this process knows are in the cache
+        #: Items' byte ranges the read-ahead found, until the item is read (choosing a window costs ~50 us).
+        self._ranges: dict[int, tuple[_Shard, int, int]] = {}
         self._split_id = _split_id(split)
         self._options = _storage_options(uri, endpoint_url, None)
         self._fs: Any = None
@@ -199,7 +207,8 @@ class TokenShards(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def _item_range(self, index: int) -> tuple[_Shard, int, int]:
+        """(shard, first byte, end byte) of item `index`."""
         index = checked_index(index, self.num_samples)
         window = int(np.random.default_rng([self.seed, _WINDOW_TAG, self._split_id, index]).integers(self.windows))
         number = bisect.bisect_right(self._ends, window)
@@ -207,7 +216,13 @@ class TokenShards(Dataset):
         position = first + window - (self._ends[number - 1] if number else 0)
         width = np.dtype(shard.dtype).itemsize
         start = shard.offset + position * width
-        raw = self._read(shard, start, start + (self.context_length + 1) * width)
+        return shard, start, start + (self.context_length + 1) * width
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        found = self._ranges.pop(index, None)
+        shard, start, end = found if found is not None else self._item_range(index)
+        width = np.dtype(shard.dtype).itemsize
+        raw = self._read(shard, start, end)
         tokens = np.frombuffer(raw, dtype=np.dtype(shard.dtype).newbyteorder("<")).astype(np.int64)
         if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
             raise DataError(f"{shard.uri}: token {int(tokens.max())} at byte {start + int(tokens.argmax()) * width} is "
@@ -215,32 +230,58 @@ class TokenShards(Dataset):
                             "vocabulary, or dtype is wrong")
         return {"tokens": torch.from_numpy(tokens)}
 
+    def prefetch(self, index: int) -> None:
+        """Bring item `index`'s blocks into the node's cache, so that reading it later waits for no storage."""
+        shard, start, end = self._item_range(index)
+        if len(self._ranges) > 4 * max(self.read_ahead, 1):
+            self._ranges.clear()  # items fetched ahead but never read (an epoch's end): forget them
+        self._ranges[index] = (shard, start, end)
+        for block in range(start // self.block_bytes, (end - 1) // self.block_bytes + 1):
+            if (shard.uri, block) not in self._in_cache:
+                cached = self._cached(shard, block)
+                if os.path.exists(cached):
+                    self._in_cache.add((shard.uri, block))
+                else:
+                    self._fetch_block(shard, block, cached)
+
     # ------------------------------------------------------------ reading
 
     def _read(self, shard: _Shard, start: int, end: int) -> bytes:
-        first, last = start // self.block_bytes, (end - 1) // self.block_bytes
-        data = b"".join(self._block(shard, block) for block in range(first, last + 1))
-        begin = start - first * self.block_bytes
-        piece = data[begin:begin + end - start]
+        size = self.block_bytes
+        piece = b"".join(self._block_part(shard, block, max(start, block * size) - block * size,
+                                          min(end, (block + 1) * size) - block * size)
+                         for block in range(start // size, (end - 1) // size + 1))
         if len(piece) != end - start:
             raise DataError(f"{shard.uri}: read {len(piece)} bytes at byte {start}, expected {end - start}: the shard "
                             f"is shorter than the {shard.size} bytes it had when listed (replaced or truncated?)")
         return piece
 
-    def _block(self, shard: _Shard, block: int) -> bytes:
-        key = hashlib.sha256(f"{shard.uri}\0{shard.size}\0{shard.version}\0{self.block_bytes}".encode()).hexdigest()
-        cached = self.cache / key[:2] / f"{key}.{block}"
+    def _cached(self, shard: _Shard, block: int) -> str:
+        key = self._cache_keys.get(shard.uri)
+        if key is None:
+            key = self._cache_keys[shard.uri] = hashlib.sha256(
+                f"{shard.uri}\0{shard.size}\0{shard.version}\0{self.block_bytes}".encode()).hexdigest()
+        return os.path.join(self.cache, key[:2], f"{key}.{block}")
+
+    def _block_part(self, shard: _Shard, block: int, low: int, high: int) -> bytes:
+        """Bytes [low, high) of a block: only those read from the node's cache, or the block fetched and cached."""
+        cached = self._cached(shard, block)
         try:
-            return cached.read_bytes()
+            with open(cached, "rb") as part:
+                part.seek(low)
+                return part.read(high - low)
         except FileNotFoundError:
-            pass
+            return self._fetch_block(shard, block, cached)[low:high]
+
+    def _fetch_block(self, shard: _Shard, block: int, cached: str) -> bytes:
         start = block * self.block_bytes
         data = self._fetch(shard.path, shard.uri, start, min(start + self.block_bytes, shard.size))
-        cached.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
         # Other workers and ranks of this node read the same cache: a block appears whole, or not at all.
-        with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as out:
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(cached), delete=False) as out:
             out.write(data)
         os.replace(out.name, cached)
+        self._in_cache.add((shard.uri, block))
         return data
 
     def _fetch(self, path: str, uri: str, start: int, end: int) -> bytes:
@@ -259,10 +300,10 @@ class TextBytes(TokenShards):
 
     def __init__(self, uri: str, context_length: int = 64, pattern: str = "*.txt", num_samples: Optional[int] = None,
                  eval_fraction: float = 0.05, seed: int = 0, split: str = "train", cache_dir: Optional[str] = None,
-                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None):
+                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None, read_ahead: int = 512):
         super().__init__(uri, context_length=context_length, dtype="uint8", pattern=pattern, num_samples=num_samples,
                          eval_fraction=eval_fraction, seed=seed, split=split, cache_dir=cache_dir,
-                         block_bytes=block_bytes, endpoint_url=endpoint_url)
+                         block_bytes=block_bytes, endpoint_url=endpoint_url, read_ahead=read_ahead)
 
     headers = False
 
@@ -272,7 +313,7 @@ class ImageShards(TokenShards):
 
     Args: `uri`, `pattern` (default "*.tar"), `image_size` (each image is centre-cropped to a square and resized),
     `channels` (3: RGB, 1: grayscale), and TokenShards' `eval_fraction` (the last part of each shard's samples),
-    `cache_dir`, `block_bytes`, `endpoint_url`. Every sample of a split is served once per epoch, in the
+    `cache_dir`, `block_bytes`, `endpoint_url`, `read_ahead`. Every sample of a split is served once per epoch, in the
     sampler's order. A sample without an image member is an error that names it.
     """
 
@@ -281,7 +322,7 @@ class ImageShards(TokenShards):
 
     def __init__(self, uri: str, image_size: int = 32, channels: int = 3, pattern: str = "*.tar",
                  eval_fraction: float = 0.05, split: str = "train", cache_dir: Optional[str] = None,
-                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None):
+                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None, read_ahead: int = 512):
         if not isinstance(image_size, int) or image_size < 1:
             raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
         if channels not in (1, 3):
@@ -289,7 +330,7 @@ class ImageShards(TokenShards):
         self.image_size, self.channels = image_size, channels
         super().__init__(uri, context_length=1, dtype="uint8", pattern=pattern, num_samples=None,
                          eval_fraction=eval_fraction, seed=0, split=split, cache_dir=cache_dir,
-                         block_bytes=block_bytes, endpoint_url=endpoint_url)
+                         block_bytes=block_bytes, endpoint_url=endpoint_url, read_ahead=read_ahead)
 
     def _nothing_in_split(self) -> str:
         return (f"{self.uri}: no image samples in the {self.split} split of {len(self.shards)} shards "
@@ -313,7 +354,8 @@ class ImageShards(TokenShards):
             cache[shard.uri] = _tar_samples(shard, lambda start, end: self._read(shard, start, end))
         return cache[shard.uri]
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def _image_member(self, index: int) -> tuple[_Shard, str, int, int]:
+        """(shard, member name, first byte, end byte) of sample `index`'s image."""
         index = checked_index(index, self.num_samples)
         number = bisect.bisect_right(self._ends, index)
         shard, (first, _) = self.shards[number], self._regions[number]
@@ -323,7 +365,15 @@ class ImageShards(TokenShards):
             raise DataError(f"{shard.uri}: sample {key!r} has no image member (it has {', '.join(sorted(members))}); "
                             f"expected one of .{', .'.join(self.IMAGE_EXTENSIONS)}")
         ext, (offset, size) = found
-        return {"images": self._decode(shard, f"{key}.{ext}", self._read(shard, offset, offset + size))}
+        return shard, f"{key}.{ext}", offset, offset + size
+
+    def _item_range(self, index: int) -> tuple[_Shard, int, int]:
+        shard, _, start, end = self._image_member(index)
+        return shard, start, end
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        shard, member, start, end = self._image_member(index)
+        return {"images": self._decode(shard, member, self._read(shard, start, end))}
 
     def _decode(self, shard: _Shard, member: str, raw: bytes) -> torch.Tensor:
         import io

@@ -26,7 +26,7 @@ from . import components, exit_codes, metrics, tracking
 from .checkpoint import model_digest
 from .config import RunConfig
 from .context import RunContext
-from .data import ResumableSampler, seed_worker
+from .data import ReadAhead, ResumableSampler, seed_worker
 from .ema import WeightEMA
 from .health import NonFiniteGuard, Verdict
 from .optim import build_optimizer, build_scheduler, scale_learning_rate
@@ -136,10 +136,11 @@ class Trainer:
         """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
         while True:
             generator = torch.Generator().manual_seed(self.cfg.seed + self.sampler.state_dict()["epoch"])
+            ahead = getattr(self.dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
             loader = DataLoader(
                 self.dataset,
                 batch_size=self.cfg.data.batch_size,
-                sampler=self.sampler,
+                sampler=ReadAhead(self.sampler, self.dataset.prefetch, ahead) if ahead else self.sampler,
                 num_workers=self.cfg.data.num_workers,
                 prefetch_factor=self.cfg.data.prefetch_factor,
                 pin_memory=self.cfg.data.pin_memory and self.device_type == "cuda",
