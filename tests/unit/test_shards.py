@@ -149,7 +149,7 @@ def test_prefetch_brings_an_items_blocks_into_the_cache_and_the_read_then_fetche
 def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
     import threading
 
-    from trainingrun_trainer.data import ReadAhead
+    from trainingrun_trainer.data import read_ahead
 
     sampler = ResumableSampler(100, rank=0, world_size=1, seed=3)
     order = list(sampler)
@@ -163,7 +163,7 @@ def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
             raise DataError("the read reports this one")
 
     handed = []
-    for index in ReadAhead(sampler, prefetch, ahead=10, threads=1):
+    for index in read_ahead(sampler, prefetch, ahead=10, threads=1):
         if not handed:  # when the first item is handed out, the eleventh is being fetched
             assert eleventh_requested.wait(timeout=30)
         handed.append(index)

@@ -313,7 +313,7 @@ class ResumableSampler(Sampler[int]):
         self._roll_over_if_done()
 
 
-class ReadAhead(Sampler[int]):
+class _ReadAhead(Sampler[int]):
     """A sampler's indices, in its order, with the items `ahead` of the one handed out fetched meanwhile by
     `prefetch` in a few threads: storage latency is paid before the DataLoader (or its workers, which share the
     node's block cache) asks. The sampler's position stays the sampler's own (the trainer advances it).
@@ -344,6 +344,11 @@ class ReadAhead(Sampler[int]):
             self.prefetch(index)
         except Exception:  # noqa: BLE001 - the read of this item raises it again, where it is reported
             pass
+
+
+def read_ahead(sampler: Sampler[int], prefetch: Callable[[int], None], ahead: int, threads: int = 4) -> Sampler[int]:
+    """`sampler` with the items `ahead` of the one handed out fetched meanwhile by `prefetch` (see _ReadAhead)."""
+    return _ReadAhead(sampler, prefetch, ahead, threads)
 
 
 def seed_worker(worker_id: int) -> None:

@@ -82,7 +82,7 @@ class TokenShards(Dataset):
         block_bytes: bytes fetched per range request and cached per file.
         endpoint_url: an S3-compatible endpoint for s3:// (default AWS_ENDPOINT_URL), or a GCS endpoint for gs://.
         read_ahead: items whose blocks are fetched into the cache, in background threads, before the DataLoader asks
-            for them (the trainer wraps its sampler in data.ReadAhead); 0 turns it off.
+            for them (the trainer wraps its sampler in data.read_ahead); 0 turns it off.
     """
 
     def __init__(self, uri: str, context_length: int = 64, dtype: str = "uint16", pattern: str = "*.bin",

@@ -26,7 +26,7 @@ from . import components, exit_codes, metrics, tracking
 from .checkpoint import model_digest
 from .config import RunConfig
 from .context import RunContext
-from .data import ReadAhead, ResumableSampler, seed_worker
+from .data import ResumableSampler, read_ahead, seed_worker
 from .ema import WeightEMA
 from .health import NonFiniteGuard, Verdict
 from .optim import build_optimizer, build_scheduler, scale_learning_rate
@@ -140,7 +140,7 @@ class Trainer:
             loader = DataLoader(
                 self.dataset,
                 batch_size=self.cfg.data.batch_size,
-                sampler=ReadAhead(self.sampler, self.dataset.prefetch, ahead) if ahead else self.sampler,
+                sampler=read_ahead(self.sampler, self.dataset.prefetch, ahead) if ahead else self.sampler,
                 num_workers=self.cfg.data.num_workers,
                 prefetch_factor=self.cfg.data.prefetch_factor,
                 pin_memory=self.cfg.data.pin_memory and self.device_type == "cuda",
@@ -274,7 +274,7 @@ class Trainer:
         finally:
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
-        self.run.close()
+        self.run.close(finished=code == exit_codes.OK)
         if self.distributed:
             dist.destroy_process_group()
         return code
