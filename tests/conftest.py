@@ -1,6 +1,8 @@
 """Shared fixtures. tests/ is on sys.path so test-support modules (crd_server) import directly."""
 import copy
+import glob
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +16,19 @@ import kube_cluster  # noqa: E402  (needs tests/ on sys.path)
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
 PYTORCHJOB_CRD = REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
+
+
+@pytest.fixture(autouse=True)
+def node_memory_left_clean():
+    """Trainers a test kills leave their checkpoint copy in /dev/shm (in a pod, the pod's volume goes with it):
+    what a test's runs left there goes when it ends."""
+    from trainingrun_trainer import contract
+
+    pattern = contract.memory_tier_dir("*", "*")
+    before = set(glob.glob(pattern))
+    yield
+    for left in set(glob.glob(pattern)) - before:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

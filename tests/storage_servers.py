@@ -114,6 +114,13 @@ def _stop(process: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[StorageServer]:
     """gcp-storage-emulator, in memory, for the whole session."""
+    with gcs_emulator() as server:
+        yield server
+
+
+@contextlib.contextmanager
+def gcs_emulator() -> Iterator[StorageServer]:
+    """gcp-storage-emulator, in memory, on a free port of 127.0.0.1."""
     import gcsfs
 
     if gcsfs.GCSFileSystem.__name__ != "GCSFileSystem":

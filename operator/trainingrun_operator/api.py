@@ -137,7 +137,8 @@ class Resources(ApiModel):
         default="1Gi",
         pattern=QUANTITY,
         max_length=64,
-        description="Size of the in-memory /dev/shm volume that DataLoader workers and NCCL use.",
+        description="Size of the in-memory /dev/shm volume that DataLoader workers and NCCL use, and where the "
+        "newest checkpoint of the pod's ranks is kept when checkpoint.memoryTier is on (room for it is needed).",
     )
 
 

@@ -430,7 +430,8 @@ def test_sigterm_to_the_container_checkpoints_and_the_rerun_resumes_there(tmp_pa
 def test_an_in_place_restart_of_a_later_attempt_resumes_from_the_newest_checkpoint(tmp_path, launched):
     """Attempt 2 starts with the operator's resume point (step 10) in its environment. torchrun restarts its
     worker group in place after a worker dies (PET_MAX_RESTARTS, as Kubeflow's pod keeps its env): the new
-    workers resume from step 20, committed since, not from the attempt's starting point."""
+    workers resume from step 20, committed since, not from the attempt's starting point, and read it from node
+    memory (the attempt's /dev/shm copy); the attempt itself, a new pod, read its start from storage."""
     pause = first_item_of_step(STOP_AT)
     run = Run(tmp_path, "in-place", LEARNING).inject(pause_at_items=(pause,))
     first = run.start(launched)
@@ -443,14 +444,15 @@ def test_an_in_place_restart_of_a_later_attempt_resumes_from_the_newest_checkpoi
     second = run.start(launched, max_restarts=1)
     # The attempt starts from the resume point, trains steps 11-25 (its workers count items from their start)
     # and commits step 20; then worker 1 dies and torchrun starts a new worker group with the same environment.
-    second.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(floor)} at step 10"),
+    second.wait_for(rank_line(0, "trainingrun.session", rf"resumed from {re.escape(floor)} at step 10 in [\d.]+ s, "
+                                                       "reading storage"),
                     rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 20 "),
                     *(rank_line(r, "fault_injection", f"paused at item {pause} ") for r in range(2)))
     os.kill(second.workers()[1], signal.SIGKILL)
     release(run.pauses, pause)
     assert second.finish() == 0, second.tail()
-    newest = re.search(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000020 at step 20"),
-                       second.log)
+    newest = re.search(rank_line(0, "trainingrun.session", rf"resumed from {re.escape(run.uri)}/step-00000020 at step 20 "
+                                                           r"in [\d.]+ s, reading node memory"), second.log)
     assert newest, second.tail()
     restarted = second.log[newest.end():]
     assert " step 30/30 " in restarted and " step 20/30 " not in restarted and " step 11/30 " not in restarted

@@ -426,6 +426,13 @@ class CheckpointConfig(ApiModel):
     async_save: bool = Field(
         default=True, description="Save in the background; training blocks only while state is staged."
     )
+    memory_tier: bool = Field(
+        default=True,
+        description="Also keep the newest committed checkpoint in the pod's memory (/dev/shm, sized by "
+        "resources.sharedMemory, counted in the pod's memory): a restart of the workers inside the pod loads it from "
+        "there when it is the committed one, file by file verified against its manifest, instead of reading storage. "
+        "Skipped, with one warning, while /dev/shm lacks room for it and a reserve.",
+    )
     endpoint_url: Optional[str] = Field(
         default=None,
         pattern=r"^https?://.+",

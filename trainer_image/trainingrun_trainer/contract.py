@@ -50,6 +50,16 @@ CHAOS_KILL_AT_STEP = "TRAININGRUN_CHAOS_KILL_AT_STEP"
 PREFIX = "TRAININGRUN_"
 #: Set by the user in spec.env (so outside PREFIX): grams of CO2 per kWh, for the trainer's emissions estimate.
 GRID_INTENSITY = "GRID_INTENSITY_G_PER_KWH"
+#: Where the trainer keeps the newest committed checkpoint in node memory (checkpoint.memoryTier): the pod's
+#: memory-backed /dev/shm volume (resources.sharedMemory).
+MEMORY_TIER_ROOT = "/dev/shm"
+
+
+def memory_tier_dir(run: str, attempt: object, root: str = MEMORY_TIER_ROOT) -> str:
+    """The memory tier of one attempt of a run (`run`: its uid). A restart inside the attempt finds it; a new attempt,
+    which in a cluster is a new pod with an empty /dev/shm, does not (locally, `trainingrun local` removes it when the
+    attempt ends). `attempt` "*" makes the glob of every attempt's."""
+    return f"{root}/trainingrun-{run}-attempt-{attempt}"
 
 # ---------------------------------------------------------------- the report endpoint
 

@@ -23,8 +23,11 @@ tensors, numpy arrays, lists and dicts of them; nothing read from storage may ru
 """
 from __future__ import annotations
 
+import glob
 import logging
 import math
+import os
+import shutil
 import signal
 import time
 from typing import Any, Callable, Mapping, Optional
@@ -36,11 +39,13 @@ from . import exit_codes
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
 from .config import CheckpointConfig
 from .context import RunContext
-from . import reporting
+from . import contract, reporting
 from .contract import CommittedCheckpoint, Progress, Report
 from .reporting import ProgressReporter
 
 log = logging.getLogger("trainingrun.session")
+
+RESTORE_SOURCES = {"memory": "node memory", "storage": "storage", "memory and storage": "node memory and storage"}
 
 
 def init_process_group(backend: str) -> None:
@@ -90,6 +95,7 @@ class Run:
             keep=checkpoint.keep,
             keep_every=checkpoint.keep_every,
             endpoint_url=checkpoint.endpoint_url,
+            memory_tier=self._memory_tier(),
         )
         if reporter is None:
             identity = Report(context.namespace, context.name, context.uid, context.attempt)
@@ -102,6 +108,18 @@ class Run:
         self._last_save = time.monotonic()
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _memory_tier(self) -> Optional[str]:
+        """This attempt's memory tier directory (None: off, or no /dev/shm here); earlier attempts' are removed."""
+        if not self.checkpoint.memory_tier or not os.path.isdir(contract.MEMORY_TIER_ROOT):
+            return None
+        run = self.context.uid or self.context.name
+        directory = contract.memory_tier_dir(run, self.context.attempt)
+        if self.context.local_rank == 0:  # once per node
+            for earlier in glob.glob(contract.memory_tier_dir(run, "*")):
+                if earlier != directory:
+                    shutil.rmtree(earlier, ignore_errors=True)
+        return directory
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Run":
@@ -135,7 +153,8 @@ class Run:
         except OSError as error:
             raise StorageUnavailable(f"cannot read the checkpoint {source.uri}: {error}") from error
         if self.context.is_rank_zero:
-            log.info("resumed from %s at step %d", source.uri, source.step)
+            log.info("resumed from %s at step %d in %.2f s, reading %s", source.uri, source.step,
+                     self.store.last_restore_seconds, RESTORE_SOURCES[self.store.last_restore_source])
         return extra
 
     def _check_floor(self, source: Optional[CheckpointInfo]) -> None:
@@ -238,11 +257,15 @@ class Run:
             samples_per_second=samples_per_second,
             productive_seconds=None if productive_seconds is None else round(productive_seconds, 3)))
 
-    def close(self) -> None:
-        """Finish the last save, report it, and flush the reporter."""
+    def close(self, finished: bool = False) -> None:
+        """Finish the last save, report it, and flush the reporter; `finished`: the run is done, so its copy in
+        node memory goes too."""
         self.report_committed()
         self.store.close()
         self.reporter.close()
+        tier = self.store.memory_tier
+        if finished and tier is not None:
+            shutil.rmtree(tier, ignore_errors=True)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM received: will checkpoint and stop after the current step")

@@ -1,9 +1,11 @@
 """The supervisor of a local run: attempts, in-place restarts, recovery, fault injection and the summary."""
 from __future__ import annotations
 
+import glob
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,6 +266,7 @@ class LocalRunner:
                     attempt.code = self._supervise(self.current, attempt, status)
                 _end_session(self.current)
                 self.current = None
+                self._free_node_memory()  # the attempt's pod is gone: so is what it kept in /dev/shm
                 kind = exit_codes.classify(attempt.code, stopping=bool(self.interrupted))
                 if kind == exit_codes.SUCCEEDED:
                     break
@@ -291,9 +294,14 @@ class LocalRunner:
             if self.current:  # an exception while it ran: its whole process group goes, the launcher included
                 _end_session(self.current)
                 self.current.wait()
+                self._free_node_memory()
             final = status.snapshot()
             status.close()
         return self._summary(final, time.monotonic() - started, outcome, message)
+
+    def _free_node_memory(self) -> None:
+        for kept in glob.glob(contract.memory_tier_dir(self.run.metadata.uid or self.run.metadata.name, "*")):
+            shutil.rmtree(kept, ignore_errors=True)
 
     def _summary(self, status: dict, wall: float, outcome: str, message: str) -> Summary:
         """The run's figures, goodput over every invocation; adds this invocation's wall time to the run's ledger."""

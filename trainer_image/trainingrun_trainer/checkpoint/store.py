@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
                      _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
+from .memory_tier import LocalFirstFileSystem, MemoryTier
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_file, _storage_options
 from .writer import _Writer
@@ -33,6 +34,7 @@ class _SaveJob:
     config_hash: str
     model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
     started: float
+    expected_bytes: int  # about what this rank writes (for the memory tier's room)
     logged: bool = False  # this rank already logged the failure
 
 
@@ -55,6 +57,16 @@ def _stage(state: Mapping[str, Any]) -> dict:
     return BlockingAsyncStager(type_check=False).stage(plain)
 
 
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, Mapping):
+        return sum(_tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in tree)
+    return len(tree) if isinstance(tree, bytes) else 0
+
+
 class CheckpointStore:
     """Saves, lists, loads and rotates checkpoints below ``uri`` (gs://, s3://, file:// or a path).
 
@@ -68,18 +80,21 @@ class CheckpointStore:
             the store creates its own gloo group over these ranks for its background collectives,
             so construct the store on every rank at the same point of the program.
         storage_options: extra keyword arguments for the fsspec filesystem (e.g. ``token``).
+        memory_tier: a directory in node memory (/dev/shm) where the newest committed checkpoint's files of this
+            node's ranks are also kept, for a restart inside the pod to load (see `memory_tier`); None: none.
 
     Metrics of this rank, for Prometheus: ``failed_saves``, ``committed_saves``, ``restores``; ``last_blocking_seconds`` (how long
     ``save()`` held the training loop, including waiting for the previous save);
     ``last_save_seconds`` (staging start to commit); ``last_save_bytes`` (bytes this rank wrote,
-    manifest included on rank 0); ``last_restore_seconds`` (last ``load()``).
+    manifest included on rank 0); ``last_restore_seconds`` (last ``load()``); ``last_restore_source``
+    ("memory", "storage", or "memory and storage": where the last ``load()`` read its files).
 
     The store is not thread-safe: call it from the training thread only.
     """
 
     def __init__(self, uri: str, keep: int = 3, keep_every: Optional[int] = None,
                  endpoint_url: Optional[str] = None, process_group: Any = None, *,
-                 storage_options: Optional[Mapping] = None):
+                 storage_options: Optional[Mapping] = None, memory_tier: Optional[str] = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if keep_every is not None and keep_every < 1:
@@ -90,6 +105,8 @@ class CheckpointStore:
         self.keep_every = keep_every
         self._options = _storage_options(uri, endpoint_url, storage_options)
         self._storage = _Storage(uri, self._options)
+        self._tier = MemoryTier(memory_tier) if memory_tier else None
+        self.memory_tier = memory_tier or None
 
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = None
@@ -118,6 +135,7 @@ class CheckpointStore:
         self.last_save_bytes = 0
         self.last_blocking_seconds = 0.0
         self.last_restore_seconds = 0.0
+        self.last_restore_source = ""
 
     # ------------------------------------------------------------------ saving
 
@@ -151,8 +169,8 @@ class CheckpointStore:
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
         staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
-        job = _SaveJob(step=step, state=staged,
-                       config_hash=config_hash, model_digest=model_digest, started=started)
+        job = _SaveJob(step=step, state=staged, config_hash=config_hash, model_digest=model_digest, started=started,
+                       expected_bytes=self.last_save_bytes or _tensor_bytes(staged))
         if blocking:
             future: Future = Future()
             future.set_result(self._run(job))
@@ -226,11 +244,12 @@ class CheckpointStore:
         step_uri = self._step_uri(job.step)
         record: dict[str, tuple[int, str]] = {}
         error: Optional[str] = None
+        tier_dir = self._tier.begin(job.step, job.expected_bytes) if self._tier else None
         try:
             writer = _Writer(
                 step_uri, record,
                 on_global_plan=lambda: self._clear_step_dir(step_uri),
-                sync_files=self._storage.local, **self._options,
+                sync_files=self._storage.local, tier=self._tier, tier_dir=tier_dir, **self._options,
             )
             dcp.save(job.state, storage_writer=writer, process_group=self._pg,
                      no_dist=not self._distributed)
@@ -245,19 +264,23 @@ class CheckpointStore:
             job.model_digest = job.model_digest(job.state) if self.rank == 0 and error is None else ""
         job.state = None  # drop the staged copy
 
-        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str]]] = None
+        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes]] = None
         try:
             statuses = self._gather((error, record))
             if self.rank == 0:
                 outcome = self._commit(job, step_uri, statuses)
             outcome = self._broadcast(outcome)
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
-            outcome = (None, _describe(exc))
+            outcome = (None, _describe(exc), b"")
             if not job.logged:
                 logger.error("checkpoint step %d: rank %d lost contact with its peers: %s",
                              job.step, self.rank, outcome[1], exc_info=True)
                 job.logged = True
-        info, commit_error = outcome
+        info, commit_error, manifest = outcome
+        if tier_dir is not None and info is not None:
+            self._tier.commit(job.step, manifest)
+        elif tier_dir is not None:
+            self._tier.discard(job.step)
         if info is None:
             self.failed_saves += 1
             if not job.logged:  # another rank failed: one record on this rank too
@@ -277,12 +300,13 @@ class CheckpointStore:
                 logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
         return info
 
-    def _commit(self, job: _SaveJob, step_uri: str, statuses: list) -> tuple[Optional[CheckpointInfo], Optional[str]]:
-        """Rank 0: write the manifest if every rank succeeded. Returns (info, error)."""
+    def _commit(self, job: _SaveJob, step_uri: str,
+                statuses: list) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
+        """Rank 0: write the manifest if every rank succeeded. Returns (info, error, the manifest's bytes)."""
         self._manifest_bytes = 0
         failed = [(rank, err) for rank, (err, _) in enumerate(statuses) if err is not None]
         if failed:
-            return None, "; ".join(f"rank {rank}: {err}" for rank, err in failed)
+            return None, "; ".join(f"rank {rank}: {err}" for rank, err in failed), b""
         files = {}
         for _, record in statuses:
             files.update(record)
@@ -304,7 +328,7 @@ class CheckpointStore:
             error = f"{type(exc).__name__}: {exc}"
             logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)
             job.logged = True
-            return None, f"rank 0: {error}"
+            return None, f"rank 0: {error}", b""
         self._manifest_bytes = len(raw)
         manifest_sha = hashlib.sha256(raw).hexdigest()
         self._trusted[step_uri] = manifest_sha
@@ -314,7 +338,7 @@ class CheckpointStore:
             model_digest=job.model_digest or None, world_size=self.world_size,
             manifest_sha256=manifest_sha,
         )
-        return info, None
+        return info, None, raw
 
     # ------------------------------------------------------------------ reading
 
@@ -325,9 +349,12 @@ class CheckpointStore:
         return [_inspect(self._storage, uri, step, deep=verify)
                 for step, uri in _step_dirs(self._storage, self.uri)]
 
-    def _find_latest_valid(self) -> Optional[CheckpointInfo]:
+    def _find_latest_valid(self, in_memory: Optional[CheckpointInfo] = None) -> Optional[CheckpointInfo]:
+        """The newest valid checkpoint, re-hashing every file in storage; `in_memory` is one every rank holds
+        verified in its memory tier: its files in storage are only checked for presence and size."""
         for step, uri in _step_dirs(self._storage, self.uri):
-            info = _inspect(self._storage, uri, step, deep=True)  # always re-hash: resume path
+            held = {uri: in_memory.manifest_sha256} if in_memory is not None and in_memory.uri == uri else None
+            info = _inspect(self._storage, uri, step, deep=True, trusted=held)  # re-hash, unless held
             if info.valid:
                 self._trusted[uri] = info.manifest_sha256
                 return info
@@ -342,12 +369,13 @@ class CheckpointStore:
         on every rank; rank 0 verifies and broadcasts the answer, so every rank resumes from the
         same checkpoint."""
         self.wait()
+        in_memory = self._held_in_memory()
         if not self._distributed:
-            return self._find_latest_valid()
+            return self._find_latest_valid(in_memory)
         result: Any = None
         if self.rank == 0:
             try:
-                result = self._find_latest_valid()
+                result = self._find_latest_valid(in_memory)
             except Exception as exc:
                 result = exc
         result = self._broadcast(result)
@@ -356,6 +384,23 @@ class CheckpointStore:
         if result is not None:
             self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
         return result
+
+    def _held_in_memory(self) -> Optional[CheckpointInfo]:
+        """The newest committed checkpoint (by its manifest, files not re-hashed) when every rank's memory tier holds
+        all of its files, verified; else None. A collective under torch.distributed when the store has a tier."""
+        if self._tier is None:
+            return None
+        newest: Any = None
+        if self.rank == 0:
+            try:
+                newest = next((info for info in (_inspect(self._storage, uri, step, deep=False)
+                                                  for step, uri in _step_dirs(self._storage, self.uri)) if info.valid),
+                              None)
+            except Exception as exc:  # storage unreachable: the resume that follows says so
+                logger.debug("listing %s for the memory tier failed: %s", self.uri, exc)
+        newest = self._broadcast(newest)
+        held = newest is not None and self._tier.holds_all(newest.step, newest.manifest_sha256)
+        return newest if all(self._gather(held)) else None
 
     def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict) -> dict:
         """Load a checkpoint into ``state`` in place (DCP: tensors are copied into the tensors
@@ -383,8 +428,11 @@ class CheckpointStore:
         loading = dict(state) if legacy else {**state, entry: b""}
         # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
         planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
+        reader = _PlainReader(uri, **self._options)
+        reader.fs = LocalFirstFileSystem(reader.fs, self._tier.files(info.step, info.manifest_sha256)
+                                         if self._tier else {})
         try:
-            dcp.load(loading, storage_reader=_PlainReader(uri, **self._options), planner=planner,
+            dcp.load(loading, storage_reader=reader, planner=planner,
                      process_group=self._pg, no_dist=not self._distributed)
         except CheckpointException as exc:  # a BaseException: make it an error that says what failed
             raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
@@ -405,6 +453,7 @@ class CheckpointStore:
                 raise CheckpointLoadError(f"cannot load {source}: it holds more than plain values "
                                           f"(refusing to run code from storage): {exc}".splitlines()[0]) from None
         self.last_restore_seconds = time.perf_counter() - began
+        self.last_restore_source = " and ".join(sorted(reader.fs.sources))
         self.restores += 1
         return extra
 

@@ -1,20 +1,23 @@
-"""The DCP writer that hashes every file as it is written, for the manifest."""
+"""The DCP writer that hashes every file as it is written, for the manifest, and copies it to the memory tier."""
 from __future__ import annotations
 
 import hashlib
 import os
 import posixpath
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+from .memory_tier import MemoryTier, TierCopy
+
 
 class _HashingStream:
-    """Passes writes to a DCP output stream and keeps the size and sha256 of what went through."""
+    """Passes writes to a DCP output stream and keeps the size and sha256 of what went through (and a copy)."""
 
-    def __init__(self, raw: Any):
+    def __init__(self, raw: Any, copy: TierCopy):
         self._raw = raw
+        self._copy = copy
         self._sha = hashlib.sha256()
         self.size = 0
 
@@ -22,6 +25,7 @@ class _HashingStream:
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
         self._sha.update(view)
+        self._copy.write(view)
         self.size += view.nbytes
         return view.nbytes if written is None else written
 
@@ -36,12 +40,13 @@ class _HashingStream:
 
 
 class _HashingFileSystem:
-    """Wraps DCP's fsspec FileSystem: records {basename: (size, sha256)} of every file DCP writes,
-    following DCP's rename of ``.metadata.tmp`` to ``.metadata``."""
+    """Wraps DCP's fsspec FileSystem: records {basename: (size, sha256)} of every file DCP writes, and copies it
+    into the memory tier's `tier_dir` (None: no copy), following DCP's rename of ``.metadata.tmp`` to ``.metadata``."""
 
-    def __init__(self, inner: Any, record: dict):
+    def __init__(self, inner: Any, record: dict, tier: Optional[MemoryTier], tier_dir: Optional[str]):
         self._inner = inner
         self._record = record
+        self._tier, self._tier_dir = tier or MemoryTier(""), tier_dir
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -52,13 +57,21 @@ class _HashingFileSystem:
             with self._inner.create_stream(path, mode) as stream:
                 yield stream
             return
-        with self._inner.create_stream(path, mode) as stream:
-            tee = _HashingStream(stream)
-            yield tee
+        name = posixpath.basename(os.fspath(path))
+        copy = self._tier.copy(self._tier_dir, name)
+        try:
+            with self._inner.create_stream(path, mode) as stream:
+                tee = _HashingStream(stream, copy)
+                yield tee
+        except BaseException:
+            copy.abandon()  # the upload failed, so does the save
+            raise
+        copy.close()
         self._record[posixpath.basename(os.fspath(path))] = (tee.size, tee.hexdigest())
 
     def rename(self, path, new_path) -> None:
         self._inner.rename(path, new_path)
+        self._tier.rename(self._tier_dir, posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path)))
         record = self._record.pop(posixpath.basename(os.fspath(path)), None)
         if record is not None:
             self._record[posixpath.basename(os.fspath(new_path))] = record
@@ -68,9 +81,10 @@ class _Writer(FsspecWriter):
     """DCP's FsspecWriter plus hashing of every file written and, on the coordinator, the removal
     of a stale directory of the same step while planning (before any rank writes data)."""
 
-    def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool, **storage_options):
+    def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool,
+                 tier: Optional[MemoryTier] = None, tier_dir: Optional[str] = None, **storage_options):
         super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
-        self.fs = _HashingFileSystem(self.fs, record)
+        self.fs = _HashingFileSystem(self.fs, record, tier, tier_dir)
         self._on_global_plan = on_global_plan
 
     def _metadata_exists(self) -> bool:

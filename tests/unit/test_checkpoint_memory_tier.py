@@ -1,0 +1,202 @@
+"""The memory tier (checkpoint/memory_tier.py) through CheckpointStore on file://: what a restart inside the pod
+loads from node memory, and that a stale, partial or damaged copy is never used."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest
+from trainingrun_trainer.checkpoint import memory_tier
+
+from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def storage(tmp_path) -> Path:
+    return tmp_path / "bucket"
+
+
+@pytest.fixture
+def memory(tmp_path) -> Path:
+    return tmp_path / "shm" / "trainingrun-uid-attempt-1"
+
+
+def saved(storage: Path, memory: Path, steps=(5,)):
+    """A model trained and saved at each of `steps` through a store with a memory tier; (model, digest of the last)."""
+    model, opt = trained()
+    with CheckpointStore(storage.as_uri(), memory_tier=str(memory)) as store:
+        for step in steps:
+            train_step(model, opt, seed=step)
+            store.save(step, app_state(model, opt), {"step": step})
+            assert store.wait() is not None
+    return model, model_digest(model.state_dict())
+
+
+def restored(storage: Path, memory: Path | None):
+    """A restarted process: a fresh model resumed from the newest checkpoint; (step, digest, where it read)."""
+    model, opt = trained(seed=99)
+    state = app_state(model, opt)
+    with CheckpointStore(storage.as_uri(), memory_tier=str(memory) if memory else None) as store:
+        info = store.latest_valid()
+        extra = store.load(info, state)
+        model.load_state_dict(state["model"])
+        return extra["step"], model_digest(model.state_dict()), store.last_restore_source
+
+
+def data_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name != MANIFEST_NAME)
+
+
+def test_a_restart_loads_the_committed_checkpoint_from_memory_without_reading_its_data_from_storage(storage, memory):
+    _, digest = saved(storage, memory)
+    kept = step_dir(memory, 5)
+    assert (kept / MANIFEST_NAME).read_bytes() == (step_dir(storage, 5) / MANIFEST_NAME).read_bytes()
+    assert [p.name for p in data_files(kept)] == [p.name for p in data_files(step_dir(storage, 5))]
+    assert restored(storage, None)[1:] == (digest, "storage")
+    # Storage's data now differs from its manifest (same sizes): only a restore that never read it can be right.
+    for path in data_files(step_dir(storage, 5)):
+        flip_byte(path)
+    assert restored(storage, memory) == (5, digest, "memory")
+
+
+def test_only_the_newest_committed_checkpoint_is_kept(storage, memory):
+    saved(storage, memory, steps=(5, 10, 15))
+    assert sorted(p.name for p in memory.iterdir()) == ["step-00000015"]
+
+
+def test_a_newer_checkpoint_in_storage_than_in_memory_is_read_from_storage(storage, memory):
+    saved(storage, memory, steps=(5,))
+    _, newer = saved(storage, memory.parent / "another-pod", steps=(5, 10))  # committed by another pod
+    assert restored(storage, memory) == (10, newer, "storage")
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+@pytest.mark.parametrize("damage, source", [
+    (lambda kept: (kept / MANIFEST_NAME).unlink(), "storage"),  # killed before the commit reached memory
+    (lambda kept: (kept / MANIFEST_NAME).write_text((kept / MANIFEST_NAME).read_text().replace("5", "6", 1)),
+     "storage"),  # another manifest
+    (lambda kept: flip_byte(data_files(kept)[0]), "memory and storage"),
+    (lambda kept: truncate(data_files(kept)[-1]), "memory and storage"),
+    (lambda kept: data_files(kept)[0].unlink(), "memory and storage"),
+], ids=["no-manifest", "other-manifest", "flipped-byte", "truncated", "missing-file"])
+def test_a_partial_or_damaged_copy_is_never_used(storage, memory, damage, source):
+    _, digest = saved(storage, memory)
+    damage(step_dir(memory, 5))
+    assert restored(storage, memory) == (5, digest, source)
+
+
+def test_a_failed_save_keeps_nothing_of_its_step_and_the_committed_copy_stays(storage, memory, monkeypatch):
+    model, digest = saved(storage, memory, steps=(5,))
+    monkeypatch.setattr("trainingrun_trainer.checkpoint.store.CheckpointStore._commit",
+                        lambda self, job, uri, statuses: (None, "rank 0: refused", b""))
+    with CheckpointStore(storage.as_uri(), memory_tier=str(memory)) as store:
+        store.save(10, app_state(model, torch.optim.AdamW(model.parameters())), {"step": 10})
+        assert store.wait() is None
+    assert sorted(p.name for p in memory.iterdir()) == ["step-00000005"]
+    monkeypatch.undo()
+    assert restored(storage, memory) == (5, digest, "memory")
+
+
+def test_a_tier_that_cannot_be_written_turns_off_with_one_warning_and_saves_go_on(storage, tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="trainingrun.checkpoint"):
+        _, digest = saved(storage, blocked / "tier", steps=(5, 10))
+    warnings = [r for r in caplog.records if "no longer kept in memory" in r.getMessage()]
+    assert len(warnings) == 1
+    assert restored(storage, blocked / "tier") == (10, digest, "storage")
+
+
+def test_without_room_for_a_reserve_the_copy_is_skipped_and_the_older_one_freed(storage, memory, monkeypatch, caplog):
+    saved(storage, memory, steps=(5,))
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(memory_tier.shutil, "disk_usage", lambda path: Usage(1 << 30, (1 << 30) - (70 << 20), 70 << 20))
+    with caplog.at_level(logging.WARNING, logger="trainingrun.checkpoint"):
+        _, digest = saved(storage, memory, steps=(10, 15))
+    assert sum("not kept in memory" in r.getMessage() for r in caplog.records) == 1
+    assert not step_dir(memory, 5).exists() and not (step_dir(memory, 15) / MANIFEST_NAME).exists()
+    monkeypatch.undo()
+    assert restored(storage, memory) == (15, digest, "storage")
+
+
+class FullDisk:
+    """A tier file on a full /dev/shm."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.real.close()
+
+
+def test_a_copy_that_fails_mid_write_drops_only_the_copy(storage, memory, monkeypatch, caplog):
+    real_init = memory_tier.TierCopy.__init__
+
+    def on_a_full_disk(self, tier, path):
+        real_init(self, tier, path)
+        if self.file is not None and path.endswith(".distcp"):
+            self.file = FullDisk(self.file)
+
+    monkeypatch.setattr(memory_tier.TierCopy, "__init__", on_a_full_disk)
+    with caplog.at_level(logging.WARNING, logger="trainingrun.checkpoint"):
+        _, digest = saved(storage, memory)
+    assert any("No space left on device" in r.getMessage() for r in caplog.records)
+    assert not [p for p in step_dir(memory, 5).iterdir() if p.suffix == ".partial" or p.name == MANIFEST_NAME]
+    assert restored(storage, memory) == (5, digest, "storage")
+
+
+def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: list[str], out_dir: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ddp = DDP(make_model(0))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        train_step(ddp, opt, seed=100 + rank)
+        with CheckpointStore(uri, memory_tier=tiers[rank]) as store:
+            store.save(5, app_state(ddp, opt), {"rank": rank})
+            assert store.wait() is not None
+        # The worker group restarted in place: new processes, the same node memory.
+        fresh = DDP(make_model(1))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        state = app_state(fresh, fresh_opt)
+        with CheckpointStore(uri, memory_tier=tiers[rank]) as store:
+            extra = store.load(store.latest_valid(), state)
+            source = store.last_restore_source
+        fresh.module.load_state_dict(state["model"])
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()),
+            "expected": model_digest(ddp.module.state_dict())}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, sources", [(1, ["memory", "memory"]), (2, ["memory and storage"] * 2)])
+def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources):
+    """One node: both ranks' files are in its memory. Two nodes: each node lacks the file the other's rank wrote
+    (DCP spreads the replicated tensors over both) and reads that one from storage."""
+    tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["source"] for r in results] == sources
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
