@@ -414,7 +414,8 @@ class Progress(ApiModel):
     loss: Optional[float] = Field(default=None, description="Training loss at `step`.")
     samples_per_second: Optional[float] = Field(default=None, description="Throughput over all ranks.")
     productive_seconds: Optional[float] = Field(
-        default=None, description="Step time kept in the current model, summed over attempts (for goodput)."
+        default=None, description="Step time kept in the current model, data wait excluded, summed over attempts "
+        "(for goodput)."
     )
     updated_at: Optional[str] = Field(default=None, description="When `step` finished, as rank 0 reported it (RFC 3339).")
     percent: Optional[float] = Field(

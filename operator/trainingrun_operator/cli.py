@@ -294,6 +294,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     in_place = f" and {summary.restarts_in_place} restart(s) in place" if summary.restarts_in_place else ""
     print(f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in "
           f"{Path(options.runs_dir) / run.metadata.name}")
+    print(summary.breakdown_line())
     print(summary.result_line(), flush=True)
     return summary.exit_code
 

@@ -53,6 +53,13 @@ def result_of(stdout):
     return {k: v for k, v in re.findall(r"(\w+)=(\S+)", line)}
 
 
+def breakdown_of(stdout):
+    """{part: seconds} from the summary's `time: wall W s = productive P s (x%) + lost L s + ...` line."""
+    line = [l for l in stdout.splitlines() if l.startswith("time: wall ")][-1]
+    return {name.replace(" ", "_"): float(seconds)
+            for name, seconds in re.findall(r"([a-z][a-z ]*?) (\d+\.\d) s", line.split(" = ", 1)[1])}
+
+
 def final_digest(tmp_path, checkpoints, step):
     infos = {i.step: i for i in CheckpointStore(f"file://{tmp_path}/{checkpoints}").list() if i.valid}
     return infos[step].model_digest
@@ -76,6 +83,14 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     assert 0 < float(result["goodput"]) <= 1
     assert float(result["final_loss"]) > 0
     assert final_digest(tmp_path, "chaos", 60) == final_digest(tmp_path, "reference", 60)
+    # Where the time went, from the processes' own clocks and the supervisor's: the parts add up to the wall time,
+    # each kind the run had is there, and the processes' measured parts never exceed their lifetimes.
+    parts = breakdown_of(chaos.stdout)
+    wall = float(result["wall_seconds"])
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.01, abs=0.15)
+    assert min(parts["productive"], parts["lost"], parts["startup"], parts["restore"], parts["checkpoint"]) > 0
+    assert parts["backoff"] == 0 and parts["other"] >= -0.15
+    assert parts["productive"] == pytest.approx(productive_seconds_at(tmp_path, "chaos", 60), abs=0.15)
 
 
 @pytest.mark.slow

@@ -127,10 +127,21 @@ def test_endpoint_from_the_contracts_environment():
       "progress": {"step": 1, "updatedAt": "2026-11-24T00:00:00Z", "loss": "nan"}}, "progress.loss"),
     ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
       "lastGoodCheckpoint": {"uri": "s3://b/x/step-00000001", "step": 1, "time": "yesterday"}}, "lastGoodCheckpoint.time"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "processTime": {"process": "pod/1/2", "restoreSeconds": -1}}, "processTime.restoreSeconds"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "processTime": {"aliveSeconds": 1}},
+     "processTime.process"),
 ])
 def test_a_malformed_report_names_its_field(body, field):
     with pytest.raises(contract.ReportError, match=field.replace(".", r"\.")):
         Report.from_json(json.dumps(body).encode())
+
+
+def test_a_process_time_goes_over_the_wire_and_back_but_not_into_status():
+    times = contract.ProcessTime("pod-0/41/1764000000", 30.5, 4.25, 0.5, 1.0, 0.75, 22.0, 0.0, 12.0)
+    report = Report("ns", "demo", "u", 1, process_time=times)
+    assert Report.from_json(report.to_json()).process_time == times
+    assert report.status_fields() == {}  # the operator keeps its own account of time (a later part of issue 19)
 
 
 def test_a_report_is_refused_for_another_run_or_attempt_or_a_checkpoint_elsewhere():

@@ -91,10 +91,32 @@ class Progress:
     total_steps: Optional[int] = None
     loss: Optional[float] = None
     samples_per_second: Optional[float] = None
-    productive_seconds: Optional[float] = None  #: step time kept in the model, this run only
+    productive_seconds: Optional[float] = None  #: step time kept in the model (data wait excluded), this run only
 
     WIRE = {"step": "step", "updated_at": "updatedAt", "total_steps": "totalSteps", "loss": "loss",
             "samples_per_second": "samplesPerSecond", "productive_seconds": "productiveSeconds"}
+
+
+@dataclass
+class ProcessTime:
+    """Where one training process's time went since it started (rank 0's clock), cumulative: the parts of the goodput
+    breakdown a process sees. A restarted worker group is a new `process`; what a killed one did after its last
+    report is not here (the supervisor sees it as time outside processes)."""
+
+    process: str  #: tells processes apart: pod, pid and start time
+    alive_seconds: float  #: since the process started
+    startup_seconds: float  #: process start to ready to train: imports, process group, model, data (restore excluded)
+    restore_seconds: float  #: loading the checkpoint it resumed from
+    checkpoint_seconds: float  #: the training thread blocked by saves
+    data_wait_seconds: float  #: steps waiting for their batches
+    compute_seconds: float  #: every step it ran, data wait excluded: kept in the model or lost later
+    eval_seconds: float  #: evaluations
+    restored_productive_seconds: float  #: the run's productive seconds in the checkpoint it resumed from
+
+    WIRE = {"process": "process", "alive_seconds": "aliveSeconds", "startup_seconds": "startupSeconds",
+            "restore_seconds": "restoreSeconds", "checkpoint_seconds": "checkpointSeconds",
+            "data_wait_seconds": "dataWaitSeconds", "compute_seconds": "computeSeconds", "eval_seconds": "evalSeconds",
+            "restored_productive_seconds": "restoredProductiveSeconds"}
 
 
 @dataclass
@@ -117,10 +139,13 @@ class Report:
     attempt: int
     progress: Optional[Progress] = None
     last_good_checkpoint: Optional[CommittedCheckpoint] = None
+    process_time: Optional[ProcessTime] = None
 
     def to_json(self) -> bytes:
         body = {"namespace": self.namespace, "name": self.name, "uid": self.uid, "attempt": self.attempt,
                 **self.status_fields()}
+        if self.process_time:
+            body["processTime"] = _wire(self.process_time)
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -151,6 +176,11 @@ class Report:
                 step=_integer(checkpoint, "step", "lastGoodCheckpoint."),
                 time=_time(checkpoint, "time", "lastGoodCheckpoint."),
                 sha256=_sha256(checkpoint, "sha256", "lastGoodCheckpoint."))
+        if body.get("processTime") is not None:
+            times = _object(body, "processTime")
+            report.process_time = ProcessTime(process=_text(times, "process", "processTime."), **{
+                field: _number(times, wire, "processTime.", minimum=0) or 0.0
+                for field, wire in ProcessTime.WIRE.items() if field != "process"})
         return report
 
 
@@ -221,6 +251,34 @@ def goodput(productive_seconds: float, wall_seconds: float) -> Optional[float]:
     if wall_seconds <= 0:
         return None
     return min(1.0, max(0.0, productive_seconds) / wall_seconds)
+
+
+#: The goodput breakdown's parts, in the order they are shown; they add up to wall time.
+BREAKDOWN = ("productive", "lost", "startup", "restore", "checkpoint", "data_wait", "eval", "backoff", "other")
+
+
+def time_breakdown(wall_seconds: float, processes: list[ProcessTime], productive_seconds: float,
+                   backoff_seconds: float = 0.0) -> dict[str, float]:
+    """Where `wall_seconds` went, from the last report of each training process in that time (rank 0's), the run's
+    productive seconds at its end and the time spent waiting out backoffs: {part: seconds} over BREAKDOWN.
+
+    productive: step compute the model kept since the first process resumed; lost: step compute that a crash or a
+    rollback threw away; startup: starting (and ending) processes, imports, rendezvous, model and data, and all time
+    no training process reported (launchers, a killed process after its last report); restore, checkpoint (the
+    training thread blocked), data_wait, eval: as the processes measured them; other: what remains (logging,
+    metrics, reporting between steps)."""
+    def total(field: str) -> float:
+        return sum(getattr(process, field) for process in processes)
+
+    start = min((process.restored_productive_seconds for process in processes), default=productive_seconds)
+    compute = total("compute_seconds")
+    kept = min(compute, max(0.0, productive_seconds - start))
+    parts = {"productive": kept, "lost": compute - kept,
+             "startup": total("startup_seconds") + max(0.0, wall_seconds - backoff_seconds - total("alive_seconds")),
+             "restore": total("restore_seconds"), "checkpoint": total("checkpoint_seconds"),
+             "data_wait": total("data_wait_seconds"), "eval": total("eval_seconds"), "backoff": backoff_seconds}
+    parts["other"] = wall_seconds - sum(parts.values())
+    return parts
 
 
 def checkpoint_step(uri: str, run_uri: str) -> Optional[int]:

@@ -91,7 +91,7 @@ class TrainerMetrics(NullMetrics):
         self._samples = gauge("trainingrun_samples_per_second", "Samples per second over all ranks, last window.")
         self._tokens = gauge("trainingrun_tokens_per_second", "Tokens per second over all ranks, last window.")
         self._last_step = gauge("trainingrun_last_step_timestamp_seconds", "Unix time of the last completed step.")
-        self._productive = gauge("trainingrun_productive_seconds", "Step time kept in the current model.")
+        self._productive = gauge("trainingrun_productive_seconds", "Step time kept in the current model, data wait excluded.")
         self._goodput = gauge("trainingrun_goodput_ratio", "Productive seconds over this attempt's wall time.")
         gauge("trainingrun_attempt", "Attempt number (TRAININGRUN_ATTEMPT).").set(attempt)
         gauge("trainingrun_worker_group_restarts",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from . import contract
-from .contract import CommittedCheckpoint, Progress, Report
+from .contract import CommittedCheckpoint, ProcessTime, Progress, Report
 
 log = logging.getLogger("trainingrun.reporting")
 
@@ -61,6 +61,7 @@ class ProgressReporter:
         self.sent = 0
         self._progress: Optional[Progress] = None
         self._checkpoint: Optional[CommittedCheckpoint] = None
+        self._process_time: Optional[ProcessTime] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failing = False
@@ -73,9 +74,10 @@ class ProgressReporter:
     def enabled(self) -> bool:
         return self.endpoint is not None
 
-    def progress(self, progress: Progress) -> None:
+    def progress(self, progress: Progress, process_time: Optional[ProcessTime] = None) -> None:
         with self._lock:
             self._progress = progress
+            self._process_time = process_time or self._process_time
 
     def committed(self, checkpoint: CommittedCheckpoint) -> None:
         with self._lock:
@@ -100,7 +102,8 @@ class ProgressReporter:
     def _report(self) -> Report:
         with self._lock:
             return Report(self.identity.namespace, self.identity.name, self.identity.uid, self.identity.attempt,
-                          progress=self._progress, last_good_checkpoint=self._checkpoint)
+                          progress=self._progress, last_good_checkpoint=self._checkpoint,
+                          process_time=self._process_time)
 
     def _send(self, report: Report) -> None:
         assert self.endpoint is not None

@@ -42,6 +42,7 @@ from .context import RunContext
 from . import contract, reporting
 from .contract import CommittedCheckpoint, Progress, Report
 from .reporting import ProgressReporter
+from .timekeeping import ProcessClock
 
 log = logging.getLogger("trainingrun.session")
 
@@ -247,15 +248,18 @@ class Run:
         loss: Optional[float] = None,
         samples_per_second: Optional[float] = None,
         productive_seconds: Optional[float] = None,
+        process_time: Optional[ProcessClock] = None,
     ) -> None:
-        """Report progress (rank 0 only; never blocks, never raises; sent at the reporter's pace)."""
+        """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
+        the reporter's pace)."""
         if not self.reporter.enabled:
             return  # every step: ranks that do not report build nothing
         self.reporter.progress(Progress(
             step=step, updated_at=now_rfc3339(), total_steps=total_steps,
             loss=loss if loss is not None and math.isfinite(loss) else None,
             samples_per_second=samples_per_second,
-            productive_seconds=None if productive_seconds is None else round(productive_seconds, 3)))
+            productive_seconds=None if productive_seconds is None else round(productive_seconds, 3)),
+            process_time.snapshot() if process_time is not None else None)
 
     def close(self, finished: bool = False) -> None:
         """Finish the last save, report it, and flush the reporter; `finished`: the run is done, so its copy in

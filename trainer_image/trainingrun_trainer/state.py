@@ -72,7 +72,7 @@ class PerRank:
     rng: dict[str, Any]  #: python, numpy, torch (and CUDA) RNG states: seeding.rng_state()
     world_size: int  #: RNG streams are per rank: they carry over only to the same world size
     loss: Optional[float] = None  #: this rank's loss at the last step
-    productive_seconds: float = 0.0  #: step time this rank measured, summed over attempts of the same run
+    productive_seconds: float = 0.0  #: step time (data wait excluded) this rank measured, summed over attempts of the same run
 
     def as_extra(self) -> dict[str, Any]:
         return asdict(self)

@@ -34,6 +34,7 @@ from .precision import PrecisionPlan
 from .session import Run, init_process_group
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
 from .state import ModelState, OptimizerState, PerRank, TrainState
+from .timekeeping import ProcessClock
 
 log = logging.getLogger("trainingrun.trainer")
 
@@ -206,7 +207,22 @@ class Trainer:
         self.sampler.load_state_dict(extra["sampler"])
         self.guard.load_state_dict(extra.get("guard", {}))
 
+    def _account_step(self, started: float, kept: bool) -> float:
+        """A step's time: data wait and compute in the process's clock, compute also productive when `kept`
+        (rolled back steps are not). Returns the step's seconds."""
+        seconds = time.monotonic() - started
+        compute = max(0.0, seconds - self.data_wait_seconds)
+        self.clock.add("data_wait", self.data_wait_seconds)
+        self.clock.add("compute", compute)
+        if kept:
+            self.productive_seconds += compute
+        return seconds
+
     def _save(self, blocking: bool) -> None:
+        with self.clock.timing("checkpoint"):
+            self._save_now(blocking)
+
+    def _save_now(self, blocking: bool) -> None:
         state = self._state()
         if self.cfg.strategy == "fsdp2" and self.distributed:
             state["model"] = state["model"].state_dict()
@@ -250,6 +266,7 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
+        self.clock = ProcessClock(self.context.pod_name)
         seed_everything(cfg.seed, self.context.rank)
         use_deterministic_algorithms(cfg.deterministic)
         self._init_distributed()
@@ -257,9 +274,12 @@ class Trainer:
         self._build_model()
         self._build_data()
         self.run = Run(self.context, self.config.checkpoint, config_hash=config_hash(self.config))
-        extra = self.run.resume(self._state())
+        with self.clock.timing("restore"):
+            extra = self.run.resume(self._state())
+            if extra is not None:
+                self._apply_restored(extra)
+        self.clock.restored_productive_seconds = self.productive_seconds
         if extra is not None:
-            self._apply_restored(extra)
             # Where the run stands now, before the first new step (which may be a while, or never).
             self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
                             productive_seconds=self.productive_seconds)
@@ -268,12 +288,17 @@ class Trainer:
         self.tracker.metrics(self.step, {"run/attempt": self.context.attempt,
                                          "run/restarts_in_place": float(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)})
         batches = self._batches()
+        self.clock.ready()
         code = None
         try:
             code = self._loop(batches)
         finally:
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
+        # The last word on this process's time: the final save included.
+        self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
+                        samples_per_second=self.samples_per_second, productive_seconds=self.productive_seconds,
+                        process_time=self.clock)
         self.run.close(finished=code == exit_codes.OK)
         if self.distributed:
             dist.destroy_process_group()
@@ -341,6 +366,7 @@ class Trainer:
             elif verdict is Verdict.ROLLBACK:
                 self.metrics.nonfinite_step()
                 self.metrics.rollback()
+                self._account_step(step_started, kept=False)
                 if not self._rollback():
                     return exit_codes.DIVERGED
                 batches = self._batches()
@@ -354,7 +380,7 @@ class Trainer:
             self.scheduler.step()
             self.step += 1
             window_steps += 1
-            self.productive_seconds += time.monotonic() - step_started
+            step_seconds = self._account_step(step_started, kept=True)
             if self.step == self.context.chaos_kill_at_step and self.context.rank == self.step % self.context.world_size:
                 # Earlier checkpoints are made durable first, so the injected crash loses exactly
                 # the steps since the last checkpoint, whatever the machine's load.
@@ -364,7 +390,8 @@ class Trainer:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
-                results = self._evaluate()
+                with self.clock.timing("eval"):
+                    results = self._evaluate()
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
                 self.metrics.evaluation(self.step, results)
                 self.tracker.metrics(self.step, {f"eval/{name.removeprefix('eval_')}": value
@@ -372,7 +399,7 @@ class Trainer:
 
             self.last_loss = loss
             self.metrics.step(step=self.step, loss=loss, learning_rate=self.scheduler.get_last_lr()[0],
-                              grad_norm=grad_norm, step_seconds=time.monotonic() - step_started,
+                              grad_norm=grad_norm, step_seconds=step_seconds,
                               data_wait_seconds=self.data_wait_seconds, productive_seconds=self.productive_seconds,
                               samples_per_second=self.samples_per_second, tokens_per_second=self.tokens_per_second)
             self.metrics.checkpoints(self.run.store)
@@ -382,7 +409,7 @@ class Trainer:
             self._track_commit()
             # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
             self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=self.samples_per_second,
-                            productive_seconds=self.productive_seconds)
+                            productive_seconds=self.productive_seconds, process_time=self.clock)
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
                 elapsed = time.monotonic() - window_start
                 self.samples_per_second = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
@@ -399,7 +426,9 @@ class Trainer:
             if save_due and self.step < cfg.max_steps:
                 self._save(blocking=False)
         self._save(blocking=True)
-        if self.run.store.wait() is None:
+        with self.clock.timing("checkpoint"):
+            committed = self.run.store.wait()
+        if committed is None:
             # Exiting 0 would report success with the final weights lost; a retry redoes the steps
             # after the last good checkpoint and saves again.
             log.error("the final checkpoint at step %d was not committed; exiting with the retryable code %d",

@@ -75,6 +75,8 @@ class Summary:
     outcome: str
     message: str = ""
     stop_signal: Optional[int] = None  #: the signal that interrupted the run
+    #: This invocation's wall time by part (contract.time_breakdown), adding up to wall_seconds.
+    breakdown: dict[str, float] = field(default_factory=dict)
     chaos_notes: list[str] = field(default_factory=list)  #: fault injection asked for that never happened
 
     @property
@@ -83,6 +85,13 @@ class Summary:
         if self.outcome == "succeeded":
             return 0
         return 128 + self.stop_signal if self.outcome == "interrupted" and self.stop_signal else 1
+
+    def breakdown_line(self) -> str:
+        """`time: wall 61.2 s = productive 40.1 s (65.5%) + lost 1.2 s + ...`, every part of the breakdown."""
+        parts = " + ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" + (
+            f" ({seconds / self.wall_seconds:.1%})" if name == "productive" and self.wall_seconds > 0 else "")
+            for name, seconds in self.breakdown.items())
+        return f"time: wall {self.wall_seconds:.1f} s = {parts}"
 
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
@@ -110,6 +119,7 @@ class LocalRunner:
         self._kill_steps = sorted(set(options.chaos_kill_steps))
         self._chaos = random.Random(options.chaos_seed)
         self.random_kills = 0  #: by --chaos-kill-every
+        self.backoff_seconds = 0.0  #: waited out between attempts in this invocation
         self.ledger = RunLedger.load(self.run_dir, self.spec.checkpoint.uri, uid=run.metadata.uid)
 
     @property
@@ -287,7 +297,9 @@ class LocalRunner:
                 print(f"attempt {number} ended with exit code {attempt.code} ({kind}); "
                       f"attempt {number + 1} resumes from the last good checkpoint in {delay}s", file=self.out, flush=True)
                 if delay:
+                    waited = time.monotonic()
                     time.sleep(delay)  # the backoff itself, as the operator would wait
+                    self.backoff_seconds += time.monotonic() - waited
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -295,15 +307,16 @@ class LocalRunner:
                 _end_session(self.current)
                 self.current.wait()
                 self._free_node_memory()
-            final = status.snapshot()
+            final, processes = status.snapshot(), status.process_times()
             status.close()
-        return self._summary(final, time.monotonic() - started, outcome, message)
+        return self._summary(final, time.monotonic() - started, outcome, message, processes)
 
     def _free_node_memory(self) -> None:
         for kept in glob.glob(contract.memory_tier_dir(self.run.metadata.uid or self.run.metadata.name, "*")):
             shutil.rmtree(kept, ignore_errors=True)
 
-    def _summary(self, status: dict, wall: float, outcome: str, message: str) -> Summary:
+    def _summary(self, status: dict, wall: float, outcome: str, message: str,
+                 processes: list[contract.ProcessTime]) -> Summary:
         """The run's figures, goodput over every invocation; adds this invocation's wall time to the run's ledger."""
         progress = status.get("progress", {})
         lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.groups, self.groups[1:]))
@@ -332,6 +345,7 @@ class LocalRunner:
             message=message,
             stop_signal=self.interrupted,
             chaos_notes=self._chaos_that_never_fired(wall),
+            breakdown=contract.time_breakdown(wall, processes, productive, self.backoff_seconds),
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:

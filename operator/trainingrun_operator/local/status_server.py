@@ -22,6 +22,8 @@ class StatusServer:
         self.status: dict[str, Any] = {}
         self.attempt = 0  #: reports of other attempts are refused, as the operator does
         self.reports = 0  #: reports taken so far
+        #: The newest ProcessTime of every training process that reported, in the order they first did.
+        self.processes: dict[str, contract.ProcessTime] = {}
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         token_file.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +56,8 @@ class StatusServer:
                     if "progress" in fields:  # percent and ETA as the operator adds them in the cluster
                         fields["progress"] = contract.with_estimates(server.status.get("progress"), fields["progress"])
                     server.status.update(fields)
+                    if report.process_time:
+                        server.processes[report.process_time.process] = report.process_time
                     server.reports += 1
                     server.changed.notify_all()
                 self._answer(200, "ok")
@@ -73,6 +77,10 @@ class StatusServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}{contract.REPORT_PATH}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="local-status", daemon=True)
         self.thread.start()
+
+    def process_times(self) -> list[contract.ProcessTime]:
+        with self.lock:
+            return list(self.processes.values())
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
