@@ -452,6 +452,48 @@ class Restarts(ApiModel):
     last_in_place_time: Optional[str] = Field(
         default=None, description="When the PyTorchJob last reported Restarting (RFC 3339): the last restart counted."
     )
+    backoff_seconds: float = Field(default=0.0, description="Seconds of backoff before the attempts after the first.")
+
+
+class ProcessTimes(ApiModel):
+    """Where training processes' time went as rank 0 reported it (the trainer's clocks): the newest report's process,
+    or the sum over the processes that ended."""
+
+    process: Optional[str] = Field(default=None, description="The process (pod/pid/start time), or 'ended' for the sum.")
+    alive_seconds: float = Field(default=0.0, description="Since the process started.")
+    startup_seconds: float = Field(default=0.0, description="Imports, process group, model and data before training.")
+    restore_seconds: float = Field(default=0.0, description="Loading the checkpoint it resumed from.")
+    checkpoint_seconds: float = Field(default=0.0, description="The training thread blocked by saves.")
+    data_wait_seconds: float = Field(default=0.0, description="Steps waiting for their batches.")
+    compute_seconds: float = Field(default=0.0, description="Step time, data wait excluded: kept or lost later.")
+    eval_seconds: float = Field(default=0.0, description="Evaluations.")
+    restored_productive_seconds: float = Field(
+        default=0.0, description="The run's productive seconds in the checkpoint it resumed from (the sum: the smallest).")
+
+
+class TimeAccount(ApiModel):
+    """The operator's account of the processes' time, kept across processes: one that reports after another adds
+    the other's last report to `ended`."""
+
+    ended: Optional[ProcessTimes] = Field(default=None, description="Processes of this run that ended, summed.")
+    current: Optional[ProcessTimes] = Field(default=None, description="The newest report's process.")
+
+
+class TimeBreakdown(ApiModel):
+    """The run's wall time since startTime, at the last report, by part; the parts add up to wallSeconds."""
+
+    wall_seconds: float = Field(default=0.0, description="From startTime to the last report.")
+    productive_seconds: float = Field(default=0.0, description="Step compute kept in the model.")
+    lost_seconds: float = Field(default=0.0, description="Step compute thrown away by crashes and rollbacks.")
+    startup_seconds: float = Field(
+        default=0.0, description="Starting processes (imports, rendezvous, model, data) and every moment no training "
+        "process reported: scheduling, image pulls, pods restarting, a killed process after its last report.")
+    restore_seconds: float = Field(default=0.0, description="Loading checkpoints.")
+    checkpoint_seconds: float = Field(default=0.0, description="Training blocked by saves.")
+    data_wait_seconds: float = Field(default=0.0, description="Steps waiting for input.")
+    eval_seconds: float = Field(default=0.0, description="Evaluations.")
+    backoff_seconds: float = Field(default=0.0, description="Waiting out backoffs between attempts.")
+    other_seconds: float = Field(default=0.0, description="The rest: logging, metrics and reporting between steps.")
 
 
 class Condition(ApiModel):
@@ -489,6 +531,10 @@ class TrainingRunStatus(ApiModel):
     goodput: Optional[float] = Field(
         default=None, description="Productive step time kept in the model divided by wall time since start."
     )
+    time_breakdown: Optional[TimeBreakdown] = Field(
+        default=None, description="Where the run's wall time went, at the last report (goodput's decomposition).")
+    process_time: Optional[TimeAccount] = Field(
+        default=None, description="The training processes' own account of their time, from their reports.")
     conditions: list[Condition] = Field(default_factory=list, description="Conditions, one per type.")
     observed_generation: Optional[int] = Field(default=None, description="Spec generation last acted on.")
 

@@ -135,6 +135,7 @@ class OperatorState:
         self.written.pop(key, None)
         self.rejections.pop(key, None)
         self.metrics.phases.pop(key, None)
+        self.metrics.time_breakdowns.pop(key, None)
         self.locks.pop(key, None)
         self.queued.discard(key)
         self.metrics.forget_run(*key)
@@ -300,7 +301,9 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
             plan = reconcile.decide(observed)
             await _carry_out(state, key, run, body, plan,
                              job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()})
-            state.metrics.phases[key] = merged_status(status, plan.status).get("phase") or "Pending"
+            merged = merged_status(status, plan.status)
+            state.metrics.phases[key] = merged.get("phase") or "Pending"
+            state.metrics.time_breakdowns[key] = merged.get("timeBreakdown") or {}
         finally:
             state.metrics.reconcile_seconds.observe(time.monotonic() - started)
 

@@ -11,6 +11,7 @@ tests independent of each other.
     trainingrun_operator_events_dropped_total                Events logged but not posted: too many were waiting
     trainingrun_operator_ready                               1 when the PyTorchJob CRD is served
     trainingrun_operator_acting                              1 when this replica acts (0: another one does)
+    trainingrun_operator_run_time_seconds{namespace,run,part} a run's wall time by part (status.timeBreakdown)
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+from pydantic.alias_generators import to_camel
+from trainingrun_trainer import contract
 
 from .api import Phase
 
@@ -28,6 +32,8 @@ class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.phases: dict[tuple[str, str], str] = {}  #: (namespace, name) -> phase, for the runs gauge
+        #: (namespace, name) -> status.timeBreakdown, for the run time gauge
+        self.time_breakdowns: dict[tuple[str, str], dict] = {}
         self.attempts = Counter("trainingrun_operator_attempts", "Attempts started, by cause.", ["cause"],
                                 registry=self.registry)
         self.restarts = Counter("trainingrun_operator_restarts", "Attempts that ended early, by run and cause.",
@@ -46,6 +52,7 @@ class OperatorMetrics:
                             "1 when this replica acts; 0 while it stands by for another (replicaCount > 1).",
                             registry=self.registry)
         self.registry.register(_RunsByPhase(self))
+        self.registry.register(_RunTime(self))
 
     def forget_run(self, namespace: str, run: str) -> None:
         """A deleted run's series go with it."""
@@ -72,4 +79,23 @@ class _RunsByPhase:
             counts[phase] = counts.get(phase, 0) + 1
         for phase, count in counts.items():
             family.add_metric([phase], count)
+        yield family
+
+
+class _RunTime:
+    """Each run's status.timeBreakdown as the operator last saw it, at scrape time: one series per part."""
+
+    def __init__(self, metrics: OperatorMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("trainingrun_operator_run_time_seconds",
+                                   "A run's wall time since it started, by part (status.timeBreakdown): productive, "
+                                   "lost, startup, restore, checkpoint, data_wait, eval, backoff, other.",
+                                   labels=["namespace", "run", "part"])
+        for (namespace, run), breakdown in list(self.metrics.time_breakdowns.items()):
+            for part in contract.BREAKDOWN:
+                seconds = breakdown.get(to_camel(f"{part}_seconds"))
+                if seconds is not None:
+                    family.add_metric([namespace, run, part], float(seconds))
         yield family

@@ -35,7 +35,7 @@ TRAINER_SERIES = {
 OPERATOR_SERIES = {
     "trainingrun_operator_runs", "trainingrun_operator_attempts_total", "trainingrun_operator_restarts_total",
     "trainingrun_operator_reconcile_duration_seconds", "trainingrun_operator_api_errors_total",
-    "trainingrun_operator_ready", "trainingrun_operator_acting",
+    "trainingrun_operator_ready", "trainingrun_operator_acting", "trainingrun_operator_run_time_seconds",
 }
 SERIES = TRAINER_SERIES | OPERATOR_SERIES | {"up"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -209,9 +209,13 @@ RUN_PANELS = [
                                              (f"sum(trainingrun_rollbacks_total{RUN})", "rollbacks"))),
     Panel("Goodput (this attempt)", ((f"min(trainingrun_goodput_ratio{RUN})", "goodput"),), unit="percentunit",
           kind="stat"),
+    Panel("Where the time went (since the run started)",
+          ((f"max by (part) (trainingrun_operator_run_time_seconds{RUN})", "{{part}}"),), unit="s"),
 ]
 #: Panels that have no series without a GPU (the live-scrape test on CPU skips exactly these).
 GPU_PANELS = {"GPU utilization", "GPU memory", "GPU power"}
+#: Panels of the operator's series (status.timeBreakdown): scraped from the operator, not from trainer pods.
+OPERATOR_PANELS = {"Where the time went (since the run started)"}
 #: Panels with data only when the run evaluates (spec.trainer.eval.intervalSteps > 0).
 EVAL_PANELS = {"Eval loss (held-out split)"}
 

@@ -14,6 +14,7 @@ so a reader sees the whole decision; the recovery policy itself is in recovery.p
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Optional
@@ -253,6 +254,29 @@ def goodput(status: dict[str, Any]) -> Optional[float]:
     return None if figure is None else round(figure, 4)
 
 
+def account_time(status: dict[str, Any], times: contract.ProcessTime, productive_seconds: Optional[float],
+                 now: datetime) -> dict[str, Any]:
+    """status.processTime and status.timeBreakdown after a report of `times` at `now`: a process other than the one
+    that reported last adds that one's last report to the ended processes; the breakdown covers startTime to now."""
+    account = status.get("processTime") or {}
+    ended = contract.ProcessTime.from_wire(account["ended"]) if account.get("ended") else None
+    previous = account.get("current")
+    if previous and previous.get("process") != times.process:
+        last = contract.ProcessTime.from_wire(previous)
+        ended = ended.plus(last) if ended else dataclasses.replace(last, process="ended")
+    processes = [p for p in (ended, times) if p is not None]
+    started = parse_time(status.get("startTime"))
+    wall = (now - started).total_seconds() if started else sum(p.alive_seconds for p in processes)
+    backoff = float((status.get("restarts") or {}).get("backoffSeconds") or 0.0)
+    if productive_seconds is None:
+        productive_seconds = float((status.get("progress") or {}).get("productiveSeconds") or 0.0)
+    parts = contract.time_breakdown(max(0.0, wall), processes, productive_seconds, backoff)
+    breakdown = api.TimeBreakdown(wall_seconds=round(max(0.0, wall), 3),
+                                  **{f"{part}_seconds": round(seconds, 3) for part, seconds in parts.items()})
+    return {"processTime": {"ended": contract.wire(ended) if ended else None, "current": contract.wire(times)},
+            "timeBreakdown": breakdown.to_wire()}
+
+
 class Conditions:
     """Edits to status.conditions: one per type; a transition time changes only with the status."""
 
@@ -420,6 +444,7 @@ def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, cond
               conditions)
         return
     delay = decision.delay_seconds
+    restarts["backoffSeconds"] = round(float(restarts.get("backoffSeconds") or 0.0) + delay, 3)
     plan.status.update(phase="Recovering", nextAttemptTime=rfc3339(o.now + timedelta(seconds=delay)))
     resume = _last_good(status)
     plan.events.append(Note(

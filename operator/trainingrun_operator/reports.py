@@ -135,6 +135,10 @@ def check_pod(caller: Caller, run: RunView) -> None:
                        f"(PyTorchJob {run.job_name}) of this run")
 
 
+#: Status fields that follow the processes' clocks (reconcile.account_time).
+TIME_FIELDS = ("processTime", "timeBreakdown")
+
+
 def status_fields(report: contract.Report) -> dict[str, Any]:
     """The status a report sets, read through the status model that generates the CRD's status schema: a
     field that model lacks, or one of another type, is refused here, never written."""
@@ -197,9 +201,13 @@ class ReportEndpoint:
         fields = status_fields(report)
         if "progress" in fields:
             fields["progress"] = contract.with_estimates(run.status.get("progress"), fields["progress"])
-        heard = reconcile.parse_time(run.status.get("lastReportTime"))
-        changed = any(run.status.get(k) != v for k, v in fields.items())
         now = self.clock()
+        if report.process_time:
+            fields.update(reconcile.account_time(run.status, report.process_time,
+                                                 report.progress and report.progress.productive_seconds, now))
+        heard = reconcile.parse_time(run.status.get("lastReportTime"))
+        # The clocks move at every report; they alone are no reason to write (they go with the next write).
+        changed = any(run.status.get(k) != v for k, v in fields.items() if k not in TIME_FIELDS)
         if changed or heard is None or \
                 (now - heard).total_seconds() >= heartbeat_write_seconds(run.stall_timeout_seconds):
             await self.accept((report.namespace, report.name), {**fields, "lastReportTime": reconcile.rfc3339(now)})

@@ -59,7 +59,7 @@ async def test_failure_recovers_into_attempt_2_resuming_from_the_last_good_check
         assert "TRAININGRUN_RESUME_FROM" not in cluster.env_of("demo-a1")
         status = await eventually(lambda: cluster.status().get("attempt") == 2 and cluster.status())
         assert status["phase"] == "Pending" and status["jobName"] == "demo-a2"
-        assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
+        assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1, "backoffSeconds": 0.0}
         failed = await eventually(lambda: cluster.events("AttemptFailed"))
         assert len(failed) == 1 and "exited with 137 (OOMKilled)" in failed[0]["message"]
         # the Event is posted just after the status it explains: wait for it rather than read it at once
@@ -91,7 +91,7 @@ async def test_preemption_is_charged_to_its_own_budget(kmock, cluster):
         await cluster.job_condition("demo-a1", "Failed")
         await eventually(lambda: cluster.job("demo-a2"), what="attempt 2 after a preemption")
         status = await eventually(lambda: cluster.status().get("restarts") and cluster.status())
-        assert status["restarts"] == {"failures": 0, "preemptions": 1, "total": 1}  # maxFailures=0 is untouched
+        assert status["restarts"] == {"failures": 0, "preemptions": 1, "total": 1, "backoffSeconds": 0.0}  # maxFailures=0 is untouched
         preempted = await eventually(lambda: cluster.events("AttemptPreempted"))
         assert "PreemptionByScheduler" in preempted[0]["message"]
 
@@ -247,7 +247,7 @@ async def test_operator_restarted_mid_recovery_makes_no_duplicate(kmock, cluster
         await eventually(lambda: any("pytorchjobs" in str(r.url) and "watch=true" in str(r.url) for r in list(kmock)))
         status = cluster.status()
     assert cluster.job_names() == ["demo-a1", "demo-a2"]
-    assert status["attempt"] == 2 and status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
+    assert status["attempt"] == 2 and status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1, "backoffSeconds": 2.0}
     posts = [r for r in list(kmock) if r.method == "POST" and str(r.url).split("?")[0].endswith("/pytorchjobs")]
     assert sorted(r.data["metadata"]["name"] for r in posts) == ["demo-a1", "demo-a2"]
 

@@ -194,7 +194,7 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
                               == "2") and cluster.get("service", "demo-rendezvous"), what="the Service at attempt 2")
     assert moved["spec"]["clusterIP"] == rendezvous["spec"]["clusterIP"]
     status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
-    assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
+    assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1, "backoffSeconds": 0.0}
     assert status["lastGoodCheckpoint"]["step"] == 300  # the operator's status writes kept the trainer's fields
 
     cluster.job_condition("demo-a2", "Created", "Running")

@@ -166,3 +166,35 @@ def test_no_reports_is_a_condition_and_reports_without_progress_are_a_stall(clus
     assert status["restarts"]["failures"] == 1
     assert cluster.condition("ReportingUnavailable")["status"] == "False"
     assert cluster.events("Stalled")
+
+
+def test_the_operator_keeps_the_processes_account_of_time_and_the_breakdown_in_status(cluster, endpoint):  # noqa: F811
+    """Rank 0's process reports its clocks; a restarted process reports its own: status keeps the first one's last
+    report as ended, and the breakdown of the run's wall time, whose parts add up to it (and survive the real
+    server's pruning: the CRD has their schema)."""
+    plane, ns = cluster.plane, cluster.namespace
+    plane.kubectl("-n", ns, "create", "serviceaccount", ACCOUNT)
+    uid, pod, pod_uid = started(cluster, "timed", serviceAccountName=ACCOUNT)
+    token = plane.token(ns, ACCOUNT, contract.REPORT_AUDIENCE, pod=(pod, pod_uid))
+
+    def timed(step, times):
+        report = report_of(cluster, "timed", uid, step=step)
+        report.progress.productive_seconds = times.restored_productive_seconds + times.compute_seconds - 1.0
+        report.process_time = times
+        return report
+
+    first = contract.ProcessTime("timed-a1-worker-0/41/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
+    assert post(endpoint, timed(5, first), token)[0] == 200
+    wait_for(lambda: (cluster.status("timed").get("processTime") or {}).get("current"), what="the process's time")
+    second = contract.ProcessTime("timed-a1-worker-0/97/2", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 0.0, 11.0)
+    assert post(endpoint, timed(9, second), token)[0] == 200
+    status = wait_for(lambda: (cluster.status("timed").get("progress") or {}).get("step") == 9
+                      and cluster.status("timed"), what="step 9")
+    assert status["processTime"]["ended"] == {**contract.wire(first), "process": "ended"}
+    assert status["processTime"]["current"] == contract.wire(second)
+    parts = status["timeBreakdown"]
+    wall = parts.pop("wallSeconds")
+    assert wall > 0 and sum(parts.values()) == pytest.approx(wall, abs=0.01)
+    # 17 s of compute in both, 15 kept (second resumed at 11 and reached 15): 2 lost
+    assert (parts["productiveSeconds"], parts["lostSeconds"]) == (pytest.approx(4.0 + 11.0), pytest.approx(2.0))
+    assert parts["restoreSeconds"] == 0.5 and parts["checkpointSeconds"] == 1.5 and parts["dataWaitSeconds"] == 0.75

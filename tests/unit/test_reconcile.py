@@ -5,6 +5,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainingrun_operator import api, builders, reconcile, validation
+from trainingrun_trainer import contract
 from trainingrun_operator.indexes import merged_status
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
@@ -116,6 +117,28 @@ def test_failed_job_without_the_pods_story_waits_then_counts_as_a_failure():
     later = NOW + reconcile.FAILURE_EVIDENCE_GRACE + timedelta(seconds=1)
     plan = reconcile.decide(observe(status=status, jobs=[failed], now=later))
     assert plan.status["phase"] == "Recovering" and plan.status["restarts"]["failures"] == 1
+    delay = (reconcile.parse_time(plan.status["nextAttemptTime"]) - later).total_seconds()
+    assert delay > 0 and plan.status["restarts"]["backoffSeconds"] == delay  # the backoff, kept for the breakdown
+
+
+def test_the_time_account_adds_a_process_that_ended_and_breaks_wall_time_down():
+    start = {"startTime": "2026-11-21T11:00:00Z", "restarts": {"backoffSeconds": 5.0}}
+    first = contract.ProcessTime("pod/1/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
+    at = reconcile.parse_time("2026-11-21T11:00:30Z")
+    status = {**start, **reconcile.account_time(start, first, 11.0, at)}
+    assert status["processTime"] == {"ended": None, "current": contract.wire(first)}
+    again = contract.ProcessTime("pod/1/1", 25.0, 4.0, 0.0, 1.0, 0.5, 16.0, 0.0, 0.0)  # the same process, later
+    status = {**start, **reconcile.account_time(status, again, 15.0, at + timedelta(seconds=5))}
+    assert status["processTime"]["ended"] is None
+    second = contract.ProcessTime("pod/2/9", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 1.0, 13.0)  # a restart, from 13 s
+    status = {**start, **reconcile.account_time(status, second, 18.0, at + timedelta(seconds=30))}
+    assert status["processTime"]["ended"] == {**contract.wire(again), "process": "ended"}
+    breakdown = status["timeBreakdown"]
+    assert breakdown["wallSeconds"] == 60.0 and sum(v for k, v in breakdown.items() if k != "wallSeconds") == \
+        pytest.approx(60.0)
+    assert (breakdown["productiveSeconds"], breakdown["lostSeconds"], breakdown["backoffSeconds"]) == (18.0, 3.0, 5.0)
+    assert breakdown["startupSeconds"] == 7.0 + (60.0 - 5.0 - 35.0)  # in processes, and when none reported
+    assert api.TrainingRunStatus.from_wire(status).time_breakdown.eval_seconds == 1.0  # the status model has it
 
 
 def test_budget_spent_fails_the_run():

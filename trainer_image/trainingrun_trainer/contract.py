@@ -118,6 +118,19 @@ class ProcessTime:
             "data_wait_seconds": "dataWaitSeconds", "compute_seconds": "computeSeconds", "eval_seconds": "evalSeconds",
             "restored_productive_seconds": "restoredProductiveSeconds"}
 
+    def plus(self, other: "ProcessTime", process: str = "ended") -> "ProcessTime":
+        """Both processes' time together (the productive seconds they resumed from: the smaller)."""
+        return ProcessTime(process, **{
+            field: (min if field == "restored_productive_seconds" else float.__add__)(
+                float(getattr(self, field)), float(getattr(other, field)))
+            for field in self.WIRE if field != "process"})
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "ProcessTime":
+        """From the names on the wire (and in status.processTime); missing numbers are 0."""
+        return cls(process=str(body.get("process") or ""), **{
+            field: float(body.get(wire) or 0.0) for field, wire in cls.WIRE.items() if field != "process"})
+
 
 @dataclass
 class CommittedCheckpoint:
@@ -145,7 +158,7 @@ class Report:
         body = {"namespace": self.namespace, "name": self.name, "uid": self.uid, "attempt": self.attempt,
                 **self.status_fields()}
         if self.process_time:
-            body["processTime"] = _wire(self.process_time)
+            body["processTime"] = wire(self.process_time)
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -188,9 +201,9 @@ class Report:
         """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint), as the CRD spells them."""
         fields: dict[str, Any] = {}
         if self.progress:
-            fields["progress"] = _wire(self.progress)
+            fields["progress"] = wire(self.progress)
         if self.last_good_checkpoint:
-            fields["lastGoodCheckpoint"] = _wire(self.last_good_checkpoint)
+            fields["lastGoodCheckpoint"] = wire(self.last_good_checkpoint)
         return fields
 
     def refusal(self, namespace: str, name: str, uid: str, attempt: int, checkpoint_uri: str) -> Optional[str]:
@@ -291,8 +304,10 @@ def checkpoint_step(uri: str, run_uri: str) -> Optional[int]:
 # ---------------------------------------------------------------- checks of single fields
 
 
-def _wire(value: Any) -> dict[str, Any]:
+def wire(value: Any) -> dict[str, Any]:
+    """A contract dataclass as its wire names (None values left out)."""
     return {value.WIRE[k]: v for k, v in asdict(value).items() if v is not None}
+
 
 
 def _object(body: dict, key: str) -> dict:
