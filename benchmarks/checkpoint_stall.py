@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from trainingrun_trainer.checkpoint import CheckpointStore, model_digest
+    from trainingrun_trainer.checkpoint.store import tensor_bytes
     from trainingrun_trainer.data import SyntheticText
     from trainingrun_trainer.models import CharTransformer
     from trainingrun_trainer.seeding import rng_state
@@ -193,15 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     def state_now() -> dict:
         model_state, optim_state = get_state_dict(model, optimizer)
         return {"model": model_state, "optim": optim_state}
-
-    def tensor_bytes(tree) -> int:
-        if isinstance(tree, torch.Tensor):
-            return tree.numel() * tree.element_size()
-        if isinstance(tree, dict):
-            return sum(tensor_bytes(v) for v in tree.values())
-        if isinstance(tree, (list, tuple)):
-            return sum(tensor_bytes(v) for v in tree)
-        return 0
 
     state = state_now()
     state_bytes = tensor_bytes(state)

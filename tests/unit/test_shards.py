@@ -102,15 +102,21 @@ def test_tokens_beyond_the_vocabulary_name_the_shard_and_the_byte(shards, tmp_pa
             data[index]
 
 
-def test_only_the_blocks_of_a_window_are_fetched_and_then_served_from_the_cache(shards, tmp_path, monkeypatch):
-    fetched = []
+@pytest.fixture
+def fetched(monkeypatch) -> list:
+    """(file name, start, end) of every ranged read of a local shard, in order."""
+    reads = []
     real = LocalFileSystem.cat_file
 
     def spy(self, path, start=None, end=None, **kwargs):
-        fetched.append((os.path.basename(path), start, end))
+        reads.append((os.path.basename(path), start, end))
         return real(self, path, start=start, end=end, **kwargs)
 
     monkeypatch.setattr(LocalFileSystem, "cat_file", spy)
+    return reads
+
+
+def test_only_the_blocks_of_a_window_are_fetched_and_then_served_from_the_cache(shards, tmp_path, fetched):
     data = dataset(shards, tmp_path, context_length=16)
     fetched.clear()  # listing read each shard's first 1024 bytes, to look for an llm.c header
     first = data[0]["tokens"]
@@ -126,16 +132,7 @@ def test_only_the_blocks_of_a_window_are_fetched_and_then_served_from_the_cache(
     assert int(fresh[0]) < 6001 and torch.equal(fresh, torch.arange(int(fresh[0]), int(fresh[0]) + 17))
 
 
-def test_prefetch_brings_an_items_blocks_into_the_cache_and_the_read_then_fetches_nothing(shards, tmp_path,
-                                                                                          monkeypatch):
-    fetched = []
-    real = LocalFileSystem.cat_file
-
-    def spy(self, path, start=None, end=None, **kwargs):
-        fetched.append((os.path.basename(path), start, end))
-        return real(self, path, start=start, end=end, **kwargs)
-
-    monkeypatch.setattr(LocalFileSystem, "cat_file", spy)
+def test_prefetch_brings_an_items_blocks_into_the_cache_and_the_read_then_fetches_nothing(shards, tmp_path, fetched):
     data = dataset(shards, tmp_path, context_length=16)
     fetched.clear()
     data.prefetch(7)

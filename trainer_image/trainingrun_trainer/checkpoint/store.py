@@ -57,13 +57,14 @@ def _stage(state: Mapping[str, Any]) -> dict:
     return BlockingAsyncStager(type_check=False).stage(plain)
 
 
-def _tensor_bytes(tree: Any) -> int:
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors (and byte strings) in a nested state."""
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
     if isinstance(tree, Mapping):
-        return sum(_tensor_bytes(value) for value in tree.values())
+        return sum(tensor_bytes(value) for value in tree.values())
     if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in tree)
+        return sum(tensor_bytes(value) for value in tree)
     return len(tree) if isinstance(tree, bytes) else 0
 
 
@@ -170,7 +171,7 @@ class CheckpointStore:
         torch.save(dict(extra or {}), buffer)
         staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
         job = _SaveJob(step=step, state=staged, config_hash=config_hash, model_digest=model_digest, started=started,
-                       expected_bytes=self.last_save_bytes or _tensor_bytes(staged))
+                       expected_bytes=self.last_save_bytes or tensor_bytes(staged))
         if blocking:
             future: Future = Future()
             future.set_result(self._run(job))
