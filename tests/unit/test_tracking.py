@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 from tensorboard_events import scalars
@@ -148,6 +149,17 @@ def offline_wandb_steps(directory, run_id):
             for path in sorted(directory.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))}
 
 
+def offline_wandb_steps_once_written(directory, run_id, expected, deadline_s=60.0):
+    """offline_wandb_steps once the logs hold `expected` steps, or at the deadline: W&B's service process may still be
+    writing a run's transaction log after finish() returned (seen once under CI load)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        runs = offline_wandb_steps(directory, run_id)
+        if sorted(s for steps in runs.values() for s in steps) == expected or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.1)
+
+
 def test_wandb_offline_keeps_one_run_id_per_trainingrun_and_each_step_once(tmp_path, monkeypatch):
     """An attempt logs steps 1-5 and stops; the next resumes from step 3 and computes 4-7. Offline, W&B writes a
     directory per process, both for the run's id: the second holds only steps 6 and 7."""
@@ -164,7 +176,7 @@ def test_wandb_offline_keeps_one_run_id_per_trainingrun_and_each_step_once(tmp_p
     for step in range(4, 8):
         resumed.metrics(step, {"train/loss": 10.0 * step})
     resumed.close(finished=True)
-    runs = offline_wandb_steps(tmp_path, "u-1")
+    runs = offline_wandb_steps_once_written(tmp_path, "u-1", [1, 2, 3, 4, 5, 6, 7])
     assert len(runs) == 2 and sorted(s for steps in runs.values() for s in steps) == [1, 2, 3, 4, 5, 6, 7]
 
 
@@ -176,6 +188,7 @@ def test_a_torn_wandb_log_is_read_up_to_its_tear(tmp_path, monkeypatch):
     for step in range(1, 2001):  # several 32 KiB blocks, so chunks span blocks
         run.metrics(step, {"train/loss": float(step), "train/lr": 0.1})
     run.close(finished=True)
+    offline_wandb_steps_once_written(tmp_path, "u-2", list(range(1, 2001)))
     (path,) = tmp_path.glob("wandb/offline-run-*-u-2/run-u-2.wandb")
     assert list(tracking.wandb_history_steps(str(path))) == list(range(1, 2001))
     data = path.read_bytes()
