@@ -170,6 +170,10 @@ def test_wandb_offline_keeps_one_run_id_per_trainingrun_and_each_step_once(tmp_p
     for step in range(1, 6):
         first.metrics(step, {"train/loss": float(step)})
     first.close(finished=False)
+    # W&B names a process's directory by the second it started in; a restarted trainer starts seconds later.
+    started = int(time.time())
+    while int(time.time()) == started:
+        time.sleep(0.01)
     resumed = tracking.WandB("proj", None, str(tmp_path), "demo", "u-1", "team-a")
     resumed.start(3, {"trainer": {"maxSteps": 7}})
     assert resumed.logged_up_to == 5
