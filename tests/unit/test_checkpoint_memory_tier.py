@@ -157,7 +157,7 @@ def test_a_copy_that_fails_mid_write_drops_only_the_copy(storage, memory, monkey
     with caplog.at_level(logging.WARNING, logger="trainingrun.checkpoint"):
         _, digest = saved(storage, memory)
     assert any("No space left on device" in r.getMessage() for r in caplog.records)
-    assert not [p for p in step_dir(memory, 5).iterdir() if p.suffix == ".partial" or p.name == MANIFEST_NAME]
+    assert not step_dir(memory, 5).exists()  # the part written is freed: a full /dev/shm fails DataLoader workers
     assert restored(storage, memory) == (5, digest, "storage")
 
 

@@ -87,6 +87,7 @@ class MemoryTier:
     def commit(self, step: int, manifest: bytes) -> None:
         """Storage committed `step`: mark this node's copy committed, then drop every other step."""
         if self.off is not None:
+            self.discard(step)  # a copy that failed part way: free what it holds (/dev/shm may be full)
             return
         directory = os.path.join(self.root, step_dir_name(step))
         if not os.path.isdir(directory):
