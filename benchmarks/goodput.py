@@ -17,6 +17,7 @@ import argparse
 import math
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import yaml
@@ -30,6 +31,7 @@ def run_once(body: dict, workdir: Path, name: str, nproc: int, kill_every: float
 
     body = yaml.safe_load(yaml.safe_dump(body))
     body["metadata"]["name"] = name
+    body["metadata"]["uid"] = str(uuid.uuid4())  # as `trainingrun local` gives a new run one (reports name it)
     body["spec"]["checkpoint"]["uri"] = f"file://{workdir}/{name}/checkpoints"
     options = local.LocalOptions(nproc=nproc, chaos_kill_every=kill_every, runs_dir=str(workdir), chaos_seed=1)
     run = validation.parse(body)
