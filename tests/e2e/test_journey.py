@@ -239,8 +239,12 @@ def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, t
                              deadline_s=180, explain=explain)
                 checked += 1
         assert checked >= 15
-        ranks = {r["metric"].get("rank") for r in query(f'trainingrun_step{{namespace="{namespace}",run="watched"}}')}
-        assert ranks == {"0", "1"}, ranks  # both pods scraped, through the selector
+        def ranks() -> set:
+            return {r["metric"].get("rank") for r in query(f'trainingrun_step{{namespace="{namespace}",run="watched"}}')}
+
+        # Both pods scraped, through the selector. Waited for: one failed scrape of a busy pod marks its series
+        # stale until the next one (seen once in CI: only rank 1 at that instant).
+        cluster.wait("both ranks' series", lambda: ranks() == {"0", "1"}, deadline_s=120, explain=explain)
     finally:
         server.terminate()
         server.wait(timeout=30)
