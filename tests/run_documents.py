@@ -50,6 +50,10 @@ CASES = [
     ("uri-no-scheme", put("spec.checkpoint.uri", "bucket/x"), "has no scheme; use gs://bucket/path", "spec.checkpoint"),
     ("keep-zero", put("spec.checkpoint.keep", 0), "spec.checkpoint.keep: must be >= 1, got 0", "spec.checkpoint.keep"),
     ("interval-neither", put("spec.checkpoint.interval", {"steps": None}), "spec.checkpoint.interval: neither steps nor seconds is set", "spec.checkpoint.interval"),
+    ("interval-steps-word", put("spec.checkpoint.interval", {"steps": "often"}), "spec.checkpoint.interval.steps: 'often' is neither a whole number of steps from 1 nor 'auto'", "spec.checkpoint.interval.steps"),
+    ("interval-steps-zero", put("spec.checkpoint.interval", {"steps": 0}), "spec.checkpoint.interval.steps: 0 is neither a whole number of steps from 1 nor 'auto'", "spec.checkpoint.interval.steps"),
+    ("interval-bounds-without-auto", put("spec.checkpoint.interval", {"steps": 100, "minSteps": 5}), "spec.checkpoint.interval: minSteps applies only with steps: auto", "spec.checkpoint.interval"),
+    ("interval-auto-min-over-max", put("spec.checkpoint.interval", {"steps": "auto", "minSteps": 50, "maxSteps": 10}), "spec.checkpoint.interval: minSteps 50 is above maxSteps 10", "spec.checkpoint.interval"),
     ("interval-seconds-too-small", put("spec.checkpoint.interval", {"seconds": 5}), "spec.checkpoint.interval.seconds: must be >= 10, got 5", "spec.checkpoint.interval.seconds"),
     ("endpoint-not-s3", both(put("spec.checkpoint.uri", "gs://bkt/p"), put("spec.checkpoint.endpointUrl", "http://minio:9000")), "endpointUrl is only used with s3:// URIs", "spec.checkpoint"),
     ("mlflow-without-tracking-uri", put("spec.trainer.loggers", [{"kind": "mlflow"}]), "spec.trainer.loggers[0]: a mlflow logger needs trackingUri", "spec.trainer.loggers[0]"),
@@ -168,6 +172,9 @@ VALID_CASES = [
     ("file-uri-one-pod", put("spec.checkpoint.uri", "file:///data/ckpt")),
     ("no-checkpoint-one-pod", put("spec.checkpoint", DELETE)),  # the pod's own disk: a trial's default
     ("checkpoint-without-uri", put("spec.checkpoint", {"interval": {"steps": 10}})),
+    ("checkpoint-interval-auto", put("spec.checkpoint.interval", {"steps": "auto", "minSteps": 20, "maxSteps": 2000,
+                                                                  "expectedSecondsBetweenFailures": 7200, "seconds": 1800})),
+    ("checkpoint-interval-auto-defaults", put("spec.checkpoint.interval", {"steps": "auto"})),
 ]
 
 
@@ -220,7 +227,8 @@ spec = optional(
     trainer=trainer,
     checkpoint=optional(
         uri=st.sampled_from(["gs://bkt/p", "s3://bkt/p", "file:///ckpt", "http://x", "b/p", "", "gs:///p", "s3://KEY:SECRET@bkt/p", "file://rel", "s3://bkt /p"]),
-        interval=optional(steps=st.one_of(st.none(), small_ints), seconds=st.one_of(st.none(), st.integers(0, 100))),
+        interval=optional(steps=st.one_of(st.none(), small_ints, st.sampled_from(["auto", "often", "10"])),
+                          seconds=st.one_of(st.none(), st.integers(0, 100)), minSteps=small_ints, maxSteps=small_ints),
         keep=small_ints,
         keepEvery=st.one_of(st.none(), small_ints),
         endpointUrl=st.sampled_from(["http://minio:9000", "minio:9000"]),

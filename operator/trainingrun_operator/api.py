@@ -496,6 +496,23 @@ class TimeBreakdown(ApiModel):
     other_seconds: float = Field(default=0.0, description="The rest: logging, metrics and reporting between steps.")
 
 
+class CheckpointIntervalChoice(ApiModel):
+    """With checkpoint.interval.steps: auto, the interval rank 0 chose at its last report, and what it is made of:
+    steps = sqrt(2 x saveCostSeconds x secondsBetweenFailures) / the usual step time, within minSteps..maxSteps."""
+
+    steps: int = Field(description="The interval, in steps.")
+    seconds: Optional[float] = Field(default=None, description="That many steps at the usual step time.")
+    save_cost_seconds: Optional[float] = Field(
+        default=None, description="What one save costs the training loop: blocking plus the slowdown of the steps "
+        "beside the background write (the median of the last saves).")
+    seconds_between_failures: float = Field(
+        description="The run's mean time between failures as estimated now: the seconds since the run started / "
+        "failures; before the first, expectedSecondsBetweenFailures or the time run so far, when longer.")
+    failures: int = Field(default=0, description="Restarts of the training processes seen so far.")
+    expected_lost_seconds: Optional[float] = Field(
+        default=None, description="Training a failure throws away, on average: half an interval.")
+
+
 class Condition(ApiModel):
     """A Kubernetes-style condition."""
 
@@ -535,6 +552,8 @@ class TrainingRunStatus(ApiModel):
         default=None, description="Where the run's wall time went, at the last report (goodput's decomposition).")
     process_time: Optional[TimeAccount] = Field(
         default=None, description="The training processes' own account of their time, from their reports.")
+    checkpoint_interval: Optional[CheckpointIntervalChoice] = Field(
+        default=None, description="The checkpoint interval chosen by checkpoint.interval.steps: auto.")
     conditions: list[Condition] = Field(default_factory=list, description="Conditions, one per type.")
     observed_generation: Optional[int] = Field(default=None, description="Spec generation last acted on.")
 

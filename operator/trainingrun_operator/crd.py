@@ -29,6 +29,8 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         return structural({**target, **outer}, defs)
     if "anyOf" in schema:
         branches = [b for b in schema["anyOf"] if b.get("type") != "null"]
+        if sorted(b.get("type") for b in branches) == ["integer", "string"]:
+            return _int_or_string(schema, branches)
         if len(branches) != 1:
             raise ValueError(f"unions other than Optional[X] cannot be expressed in a CRD: {schema}")
         outer = {k: v for k, v in schema.items() if k != "anyOf"}
@@ -76,6 +78,25 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     elif kind is None and "enum" not in out:
         raise ValueError(f"schema node without a type cannot be expressed in a CRD: {schema}")
     return _ordered(out)
+
+
+def _int_or_string(schema: dict[str, Any], branches: list[dict[str, Any]]) -> dict[str, Any]:
+    """`int | Literal[...]` (e.g. a number of steps or "auto"): an int-or-string node, whose bounds and allowed words
+    a CEL rule checks, since such a node may carry no type of its own."""
+    number = next(b for b in branches if b["type"] == "integer")
+    word = next(b for b in branches if b["type"] == "string")
+    words = [word["const"]] if "const" in word else list(word["enum"])
+    checks = [f"self >= {number['minimum']}"] if "minimum" in number else ["true"]
+    listed = ", ".join(f"'{w}'" for w in words)
+    node: dict[str, Any] = {k: v for k, v in schema.items() if k in ("description", "default")}
+    node["x-kubernetes-int-or-string"] = True
+    node["x-kubernetes-validations"] = [{
+        "rule": f"type(self) == int ? {' && '.join(checks)} : self in [{listed}]",
+        "message": f"must be a whole number{' from ' + str(number['minimum']) if 'minimum' in number else ''} "
+                   f"or one of {listed}"}]
+    if any(b.get("type") == "null" for b in schema["anyOf"]):
+        node["nullable"] = True
+    return _ordered(node)
 
 
 def filled_default(node: dict[str, Any]) -> dict[str, Any]:

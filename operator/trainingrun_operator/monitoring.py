@@ -31,6 +31,8 @@ TRAINER_SERIES = {
     "trainingrun_gpu_temperature_celsius", "trainingrun_gpu_power_watts", "trainingrun_gpu_energy_joules_total",
     "trainingrun_emissions_grams_total",
     "trainingrun_eval_loss", "trainingrun_eval_loss_ema", "trainingrun_eval_step",
+    "trainingrun_checkpoint_interval_steps", "trainingrun_checkpoint_save_cost_seconds",
+    "trainingrun_checkpoint_expected_lost_seconds",
 }
 OPERATOR_SERIES = {
     "trainingrun_operator_runs", "trainingrun_operator_attempts_total", "trainingrun_operator_restarts_total",
@@ -203,6 +205,10 @@ RUN_PANELS = [
     Panel("Checkpoint failures and restores", (
         (f"sum(trainingrun_checkpoint_failures_total{RUN})", "failed saves"),
         (f"sum(trainingrun_checkpoint_restore_seconds_count{RUN})", "restores"))),
+    Panel("Checkpoint interval (steps: auto)", (
+        (f"max(trainingrun_checkpoint_interval_steps{RUN})", "interval (steps)"),
+        (f"max(trainingrun_checkpoint_expected_lost_seconds{RUN})", "lost per failure (s)"),
+        (f"max(trainingrun_checkpoint_save_cost_seconds{RUN})", "save cost (s)"))),
     Panel("Restarts", ((f"max(trainingrun_attempt{RUN}) - 1", "new attempts"),
                        (f"max(trainingrun_worker_group_restarts{RUN})", "in-place restarts (this attempt)"))),
     Panel("Non-finite steps and rollbacks", ((f"sum(trainingrun_nonfinite_steps_total{RUN})", "non-finite"),
@@ -218,6 +224,8 @@ GPU_PANELS = {"GPU utilization", "GPU memory", "GPU power"}
 OPERATOR_PANELS = {"Where the time went (since the run started)"}
 #: Panels with data only when the run evaluates (spec.trainer.eval.intervalSteps > 0).
 EVAL_PANELS = {"Eval loss (held-out split)"}
+#: Panels with data only when the run lets the trainer choose its checkpoint interval (checkpoint.interval.steps: auto).
+AUTO_INTERVAL_PANELS = {"Checkpoint interval (steps: auto)"}
 
 FLEET_PANELS = [
     Panel("Runs by phase", (("sum by (phase) (trainingrun_operator_runs)", "{{phase}}"),)),

@@ -135,8 +135,9 @@ def check_pod(caller: Caller, run: RunView) -> None:
                        f"(PyTorchJob {run.job_name}) of this run")
 
 
-#: Status fields that follow the processes' clocks (reconcile.account_time).
-TIME_FIELDS = ("processTime", "timeBreakdown")
+#: Status fields that move with the clock (reconcile.account_time, the auto interval's estimate): alone they are no
+#: reason to write status; they go with the next write.
+TIME_FIELDS = ("processTime", "timeBreakdown", "checkpointInterval")
 
 
 def status_fields(report: contract.Report) -> dict[str, Any]:

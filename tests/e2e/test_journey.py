@@ -232,9 +232,10 @@ def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, t
         for panel in monitoring.RUN_PANELS:
             for expr, _ in panel.targets:
                 concrete = expr.replace("$namespace", namespace).replace("$run", "watched")
-                if panel.title in monitoring.GPU_PANELS | monitoring.EVAL_PANELS | monitoring.OPERATOR_PANELS:
-                    continue  # no GPU here; the watched run does not evaluate (test_observability.py does); trainer
-                    # pods only are scraped here (the operator's series: tests/unit/test_operator_metrics.py)
+                if panel.title in (monitoring.GPU_PANELS | monitoring.EVAL_PANELS | monitoring.OPERATOR_PANELS
+                                   | monitoring.AUTO_INTERVAL_PANELS):
+                    continue  # no GPU here; the watched run neither evaluates nor uses steps: auto (test_observability.py
+                    # does both); trainer pods only are scraped here (the operator's series: test_operator_metrics.py)
                 cluster.wait(f"series for panel {panel.title!r}: {concrete}", lambda: query(concrete),
                              deadline_s=180, explain=explain)
                 checked += 1

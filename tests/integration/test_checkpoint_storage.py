@@ -77,6 +77,16 @@ def test_round_trip(backend):
     assert checked.valid and checked.manifest_sha256 == info.manifest_sha256
 
 
+def test_the_runs_starts_are_counted_in_the_bucket_beside_its_checkpoints(backend):
+    """`checkpoint.interval.steps: auto` counts failures as starts in <uri>/starts.json (read, then one PUT)."""
+    server, uri = backend
+    with CheckpointStore(uri, **server.store_kwargs) as store:
+        assert store.record_start("uid-1", now=100.0) == (100.0, 0)  # nothing there yet
+        assert store.record_start("uid-1", now=160.0) == (100.0, 1)
+        store.save(5, {"w": torch.ones(2)}, blocking=True)
+        assert [info.step for info in store.list()] == [5]  # starts.json is no checkpoint
+
+
 def test_partial_and_corrupt_checkpoints_fall_back(backend):
     server, uri = backend
     models = {step: make_model(step) for step in (1, 2, 3)}

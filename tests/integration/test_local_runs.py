@@ -1,4 +1,5 @@
 """`trainingrun local`: the same TrainingRun on this machine, with supervision, fault injection and goodput."""
+import json
 import os
 import re
 import signal
@@ -93,6 +94,24 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     assert min(parts["productive"], parts["startup"], parts["restore"], parts["checkpoint"]) > 0
     assert parts["lost"] >= 0 and parts["backoff"] == 0 and parts["other"] >= -0.15
     assert parts["productive"] == pytest.approx(productive_seconds_at(tmp_path, "chaos", 60), abs=0.15)
+
+
+@pytest.mark.slow
+def test_the_auto_interval_counts_the_kills_and_says_what_it_chose(tmp_path):
+    body = training_run()
+    body["spec"]["checkpoint"]["interval"] = {"steps": "auto", "minSteps": 5, "maxSteps": 25}
+    chaos = local(tmp_path, write_run(tmp_path, body), "--chaos-kill-step", "15", "--chaos-kill-step", "35")
+    assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]
+    result = result_of(chaos.stdout)
+    assert result["restarts_in_place"] == "2" and result["steps"] == "60"
+    starts = json.loads((tmp_path / "ckpt" / "starts.json").read_text())
+    assert starts["starts"] == 3  # the first process and two restarts: two failures
+    line = [l for l in chaos.stdout.splitlines() if l.startswith("checkpoint interval (auto): ")][-1]
+    steps, cost, failures = re.search(r"(\d+) steps = .* a save costs (\d+\.\d+) s, (\d+) failure", line).groups()
+    assert 5 <= int(steps) <= 25 and float(cost) >= 0 and failures == "2"
+    assert int(result["lost_steps"]) <= 2 * 25
+    saved = sorted(i.step for i in CheckpointStore(f"file://{tmp_path}/ckpt").list() if i.valid)
+    assert saved and saved[-1] == 60
 
 
 @pytest.mark.slow

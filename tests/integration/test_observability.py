@@ -58,7 +58,7 @@ def live_run(tmp_path):
     body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": RUN},
             "spec": {"trainer": tiny_trainer(maxSteps=1000000, logIntervalSteps=5, eval={"intervalSteps": 5, "batches": 1},
                                              ema={"enabled": True}),
-                     "checkpoint": {"uri": "file:///unused", "interval": {"steps": 20}}, "nprocPerNode": 2}}
+                     "checkpoint": {"uri": "file:///unused", "interval": {"steps": "auto", "minSteps": 5, "maxSteps": 20}}, "nprocPerNode": 2}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(body))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
     process = subprocess.Popen(

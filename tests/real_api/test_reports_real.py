@@ -184,13 +184,18 @@ def test_the_operator_keeps_the_processes_account_of_time_and_the_breakdown_in_s
         return report
 
     first = contract.ProcessTime("timed-a1-worker-0/41/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
-    assert post(endpoint, timed(5, first), token)[0] == 200
+    interval = contract.IntervalChoice(steps=40, seconds=2.0, save_cost_seconds=0.06, seconds_between_failures=28.5,
+                                       failures=1, expected_lost_seconds=1.0)
+    report = timed(5, first)
+    report.checkpoint_interval = interval  # checkpoint.interval.steps: auto
+    assert post(endpoint, report, token)[0] == 200
     wait_for(lambda: (cluster.status("timed").get("processTime") or {}).get("current"), what="the process's time")
     second = contract.ProcessTime("timed-a1-worker-0/97/2", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 0.0, 11.0)
     assert post(endpoint, timed(9, second), token)[0] == 200
     status = wait_for(lambda: (cluster.status("timed").get("progress") or {}).get("step") == 9
                       and cluster.status("timed"), what="step 9")
     assert status["processTime"]["ended"] == {**contract.wire(first), "process": "ended"}
+    assert status["checkpointInterval"] == contract.wire(interval)  # kept by the server: the CRD has its schema
     assert status["processTime"]["current"] == contract.wire(second)
     parts = status["timeBreakdown"]
     wall = parts.pop("wallSeconds")

@@ -34,10 +34,11 @@ def schema():
 
 
 def test_schema_is_structural():
-    """Every node has a type, or says it keeps unknown fields; no $ref, anyOf or empty schemas."""
+    """Every node has a type, or says it keeps unknown fields or is int-or-string; no $ref, anyOf or empty schemas."""
     for path, node in walk(schema()):
         assert "$ref" not in node and "anyOf" not in node and "allOf" not in node, path
-        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields") \
+            or node.get("x-kubernetes-int-or-string"), path
 
 
 def test_every_spec_and_status_field_is_documented():
@@ -83,9 +84,16 @@ def test_status_has_the_design_fields_and_no_defaults():
 
 def test_structural_rejects_what_a_crd_cannot_express():
     with pytest.raises(ValueError, match="unions other than Optional"):
-        crd.structural({"anyOf": [{"type": "string"}, {"type": "integer"}]}, {})
+        crd.structural({"anyOf": [{"type": "string"}, {"type": "boolean"}]}, {})
     with pytest.raises(ValueError, match="without a type"):
         crd.structural({"description": "anything"}, {})
+
+
+def test_a_number_or_word_becomes_int_or_string_with_a_rule_for_both():
+    node = crd.structural({"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "const": "auto"},
+                                     {"type": "null"}], "default": 5}, {})
+    assert node["x-kubernetes-int-or-string"] and node["nullable"] and node["default"] == 5 and "type" not in node
+    assert node["x-kubernetes-validations"][0]["rule"] == "type(self) == int ? self >= 1 : self in ['auto']"
 
 
 def test_every_default_satisfies_its_own_rules():

@@ -131,6 +131,13 @@ def test_endpoint_from_the_contracts_environment():
       "processTime": {"process": "pod/1/2", "restoreSeconds": -1}}, "processTime.restoreSeconds"),
     ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "processTime": {"aliveSeconds": 1}},
      "processTime.process"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "checkpointInterval": {"steps": 0, "failures": 0, "secondsBetweenFailures": 60}}, "checkpointInterval.steps"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "checkpointInterval": {"steps": 5, "failures": 0, "secondsBetweenFailures": 60, "saveCostSeconds": -1}},
+     "checkpointInterval.saveCostSeconds"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "checkpointInterval": {"steps": 5, "failures": 0}}, "checkpointInterval.secondsBetweenFailures"),
 ])
 def test_a_malformed_report_names_its_field(body, field):
     with pytest.raises(contract.ReportError, match=field.replace(".", r"\.")):
@@ -142,6 +149,16 @@ def test_a_process_time_goes_over_the_wire_and_back_but_not_into_status():
     report = Report("ns", "demo", "u", 1, process_time=times)
     assert Report.from_json(report.to_json()).process_time == times
     assert report.status_fields() == {}  # the operator keeps its own account of time (a later part of issue 19)
+
+
+def test_the_auto_intervals_choice_goes_over_the_wire_into_status():
+    choice = contract.IntervalChoice(steps=120, seconds=12.0, save_cost_seconds=0.05, seconds_between_failures=600.0,
+                                     failures=2, expected_lost_seconds=6.0)
+    report = Report("ns", "demo", "u", 1, checkpoint_interval=choice)
+    assert Report.from_json(report.to_json()).checkpoint_interval == choice
+    assert report.status_fields() == {"checkpointInterval": {
+        "steps": 120, "seconds": 12.0, "saveCostSeconds": 0.05, "secondsBetweenFailures": 600.0, "failures": 2,
+        "expectedLostSeconds": 6.0}}
 
 
 def test_a_report_is_refused_for_another_run_or_attempt_or_a_checkpoint_elsewhere():

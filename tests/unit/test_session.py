@@ -60,3 +60,83 @@ def test_a_resume_point_elsewhere_or_gone_is_never_loaded(tmp_path, caplog, resu
         assert run.resume(state)["step"] == 20
     assert torch.equal(state["model"]["weight"], weights[20])
     assert said.format(root=root) in caplog.text
+
+
+class SteppingClock:
+    """time.monotonic for session: the test moves it."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self):
+        return self.now
+
+
+def auto_run_in(root, attempt=1, restart_count=0) -> Run:
+    uri = f"file://{root}"
+    context = RunContext(name="demo", namespace="ns", uid="u", attempt=attempt, config_path="unused", checkpoint_uri=uri,
+                         resume_from=None, metrics_port=None, pod_name="demo-a1-worker-0", rank=0, local_rank=0,
+                         world_size=1, restart_count=restart_count)
+    config = CheckpointConfig.model_validate({"uri": uri, "interval": {"steps": "auto", "minSteps": 4, "maxSteps": 1000}})
+    return Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", attempt)), handle_sigterm=False)
+
+
+def train(run: Run, clock: SteppingClock, first: int, last: int, *, step_seconds=0.1, save_cost=0.5) -> list[int]:
+    """Steps first..last of 0.1 s each; a save makes its step `save_cost` longer. Returns the steps saved at."""
+    saved = []
+    model = nn.Linear(2, 2)
+    for step in range(first, last + 1):
+        clock.now += step_seconds
+        _, save = run.agree(step)
+        if save:
+            run.save(step, {"model": model.state_dict()}, {"step": step}, blocking=True)
+            clock.now += save_cost
+            saved.append(step)
+    return saved
+
+
+def test_auto_interval_saves_early_to_measure_a_save_then_follows_youngs_rule(tmp_path, monkeypatch):
+    import math
+
+    from trainingrun_trainer import session
+
+    clock = SteppingClock()
+    monkeypatch.setattr(session, "time", clock)
+    run = auto_run_in(tmp_path)
+    assert run.resume({"model": nn.Linear(2, 2).state_dict()}) is None  # counts the run's first start
+    saved = train(run, clock, 1, 1500)
+    young = round(math.sqrt(2 * 0.5 * 3600) / 0.1)  # 600 steps: cost 0.5 s, step 0.1 s, the prior's 1 h
+    assert saved[:3] == [4, 4 + young, 4 + 2 * young]
+    choice = run.interval_choice()
+    assert (choice.steps, choice.save_cost_seconds, choice.failures) == (young, 0.5, 0)
+    assert choice.expected_lost_seconds == pytest.approx(young * 0.1 / 2)
+
+
+def test_a_restart_counts_as_a_failure_and_carries_the_save_cost(tmp_path, monkeypatch):
+    from trainingrun_trainer import session
+
+    clock = SteppingClock()
+    monkeypatch.setattr(session, "time", clock)
+    first = auto_run_in(tmp_path)
+    first.resume({"model": nn.Linear(2, 2).state_dict()})
+    train(first, clock, 1, 10)  # saves at 4 (cost unknown), then the cost is measured
+    first.save(10, {"model": nn.Linear(2, 2).state_dict()}, {"step": 10}, blocking=True)  # carries the cost
+    first.close()
+
+    restarted = auto_run_in(tmp_path, restart_count=1)  # torchrun restarted the group in place
+    extra = restarted.resume({"model": nn.Linear(2, 2).state_dict()})
+    assert extra == {"step": 10}  # the carried cost is the session's, not the loop's
+    choice = restarted.interval_choice()
+    assert choice.failures == 1 and choice.save_cost_seconds == 0.5
+
+
+def test_a_start_of_another_run_on_the_same_uri_starts_the_count_over(tmp_path):
+    from trainingrun_trainer.checkpoint import CheckpointStore
+
+    store = CheckpointStore(f"file://{tmp_path}/ckpt")
+    assert store.record_start("run-a", now=10.0) == (10.0, 0)
+    assert store.record_start("run-a", now=50.0) == (10.0, 1)
+    assert store.record_start("run-b", now=90.0) == (90.0, 0)
+    (tmp_path / "ckpt" / "starts.json").write_text("{torn")
+    assert store.record_start("run-b", now=99.0) == (99.0, 0)
+    assert store.list() == []  # not a checkpoint

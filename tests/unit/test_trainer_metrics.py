@@ -91,3 +91,33 @@ def test_eval_series_are_absent_until_the_first_evaluation(tmp_path):
     assert 'trainingrun_eval_loss{namespace="default",rank="0",run="r"} 2.25' in after
     assert 'trainingrun_eval_step{namespace="default",rank="0",run="r"} 40.0' in after
     assert "trainingrun_eval_loss_ema{" not in after  # no EMA, no series
+
+
+def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
+    out = run_python("""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        from trainingrun_trainer.context import RunContext
+        from trainingrun_trainer.contract import IntervalChoice
+        from trainingrun_trainer import metrics
+        context = RunContext.from_env({"TRAININGRUN_CONFIG": "x", "TRAININGRUN_NAME": "r"})
+        m = metrics.for_rank(context, "cpu")
+        def exposition():
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=%r)
+            return generate_latest(registry).decode()
+        m.checkpoint_interval(None)  # a fixed interval
+        print(exposition())
+        print("----")
+        m.checkpoint_interval(IntervalChoice(10, None, None, 3600.0, 0, None))  # nothing measured yet
+        print(exposition())
+        print("----")
+        m.checkpoint_interval(IntervalChoice(120, 12.0, 0.05, 600.0, 2, 6.0))
+        print(exposition())
+    """ % str(tmp_path), PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    fixed, early, measured = out.split("----")
+    assert "trainingrun_checkpoint_interval_steps" not in fixed
+    assert 'trainingrun_checkpoint_interval_steps{namespace="default",rank="0",run="r"} 10.0' in early
+    assert "trainingrun_checkpoint_expected_lost_seconds{" not in early  # not a made-up 0
+    assert 'trainingrun_checkpoint_expected_lost_seconds{namespace="default",rank="0",run="r"} 6.0' in measured
+    assert 'trainingrun_checkpoint_save_cost_seconds{namespace="default",rank="0",run="r"} 0.05' in measured

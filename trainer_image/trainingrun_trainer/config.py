@@ -8,7 +8,7 @@ as in the TrainingRun, so a user can copy between them.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -359,6 +359,13 @@ class TrainerConfig(ApiModel):
     )
 
 
+#: `checkpoint.interval.steps: auto`'s bounds and prior when the spec leaves them out.
+AUTO_MIN_STEPS = 10
+AUTO_MAX_STEPS = 100_000
+AUTO_PRIOR_SECONDS_BETWEEN_FAILURES = 3600
+_AUTO_ONLY = ("minSteps", "maxSteps", "expectedSecondsBetweenFailures")
+
+
 class CheckpointInterval(ApiModel):
     """When to checkpoint; whichever limit is reached first triggers a save."""
 
@@ -368,23 +375,68 @@ class CheckpointInterval(ApiModel):
                 {
                     "rule": "has(self.steps) || has(self.seconds)",
                     "message": "set checkpoint.interval.steps, checkpoint.interval.seconds or both",
-                }
+                },
+                {
+                    "rule": "(has(self.steps) && type(self.steps) == string) || "
+                    + " && ".join(f"!has(self.{name})" for name in _AUTO_ONLY),
+                    "message": "checkpoint.interval.minSteps, maxSteps and expectedSecondsBetweenFailures only apply "
+                    "with steps: auto; remove them or set steps: auto",
+                },
+                {
+                    "rule": "!has(self.minSteps) || !has(self.maxSteps) || self.minSteps <= self.maxSteps",
+                    "message": "checkpoint.interval.minSteps is above maxSteps; make minSteps <= maxSteps",
+                },
             ]
         }
     )
 
-    steps: Optional[int] = Field(default=500, ge=1, description="Save every this many optimizer steps.")
+    steps: Optional[Union[Annotated[int, Field(ge=1)], Literal["auto"]]] = Field(
+        default=500,
+        description="Save every this many optimizer steps, or `auto`: the interval that loses the least training "
+        "time, sqrt(2 x the measured cost of a save x the run's mean time between failures) (Young/Daly), within "
+        "minSteps..maxSteps. A failure is any restart of the training processes (crash, preemption, pod loss); "
+        "until one is seen, expectedSecondsBetweenFailures stands in for the mean time between them. The first "
+        "save comes after minSteps, to measure its cost. status.checkpointInterval shows the choice.",
+    )
     seconds: Optional[int] = Field(
         default=None, ge=10, description="Save when this many seconds passed since the last save."
     )
+    min_steps: Optional[int] = Field(
+        default=None, ge=1, description=f"With steps: auto, the shortest interval (default {AUTO_MIN_STEPS}).")
+    max_steps: Optional[int] = Field(
+        default=None, ge=1, description=f"With steps: auto, the longest interval (default {AUTO_MAX_STEPS}).")
+    expected_seconds_between_failures: Optional[int] = Field(
+        default=None, ge=60,
+        description="With steps: auto, the mean time between failures assumed until the first one (default "
+        f"{AUTO_PRIOR_SECONDS_BETWEEN_FAILURES}, or the time run so far when longer); from then on, the seconds since "
+        "the run started / the failures seen.")
+
+    @property
+    def auto(self) -> bool:
+        return self.steps == "auto"
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _steps(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"{value!r} is neither a whole number of steps from 1 nor 'auto'; write e.g. 500 or auto")
 
     @model_validator(mode="after")
-    def _at_least_one(self) -> "CheckpointInterval":
+    def _consistent(self) -> "CheckpointInterval":
         if self.steps is None and self.seconds is None:
             raise ValueError(
                 "neither steps nor seconds is set; set checkpoint.interval.steps, "
                 "checkpoint.interval.seconds or both"
             )
+        given = [name for name, field in (("minSteps", self.min_steps), ("maxSteps", self.max_steps),
+                                          ("expectedSecondsBetweenFailures", self.expected_seconds_between_failures))
+                 if field is not None]
+        if given and not self.auto:
+            raise ValueError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with steps: auto; "
+                             "remove it or set steps: auto")
+        if self.min_steps is not None and self.max_steps is not None and self.min_steps > self.max_steps:
+            raise ValueError(f"minSteps {self.min_steps} is above maxSteps {self.max_steps}; make minSteps <= maxSteps")
         return self
 
 

@@ -47,6 +47,8 @@ class RunContext:
     #: place N times (TORCHELASTIC_RESTART_COUNT) takes the N-th, so a resumed group does not
     #: kill itself again at a step its predecessor already died at.
     chaos_kill_at_step: Optional[int] = None
+    #: TORCHELASTIC_RESTART_COUNT: times torchrun restarted this worker group in place within the attempt.
+    restart_count: int = 0
 
     @property
     def is_rank_zero(self) -> bool:
@@ -97,4 +99,5 @@ class RunContext:
             world_size=integer("WORLD_SIZE", 1) or 1,
             chaos_kill_at_step=chaos_step(env.get(contract.CHAOS_KILL_AT_STEP, ""),
                                           integer("TORCHELASTIC_RESTART_COUNT", 0) or 0),
+            restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0) or 0,
         )

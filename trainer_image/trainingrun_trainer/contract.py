@@ -133,6 +133,22 @@ class ProcessTime:
 
 
 @dataclass
+class IntervalChoice:
+    """The checkpoint interval `checkpoint.interval.steps: auto` chose, and what it was made of."""
+
+    steps: int  #: the interval, in steps
+    seconds: Optional[float]  #: that many steps at the usual step time (None until steps were measured)
+    save_cost_seconds: Optional[float]  #: what one save costs the training loop (None until one was measured)
+    seconds_between_failures: float  #: the run's mean time between failures, as estimated now
+    failures: int  #: restarts of the training processes seen so far
+    expected_lost_seconds: Optional[float]  #: training a failure throws away, on average: half an interval
+
+    WIRE = {"steps": "steps", "seconds": "seconds", "save_cost_seconds": "saveCostSeconds",
+            "seconds_between_failures": "secondsBetweenFailures", "failures": "failures",
+            "expected_lost_seconds": "expectedLostSeconds"}
+
+
+@dataclass
 class CommittedCheckpoint:
     uri: str  #: <checkpoint URI of the run>/step-NNNNNNNN
     step: int
@@ -153,6 +169,7 @@ class Report:
     progress: Optional[Progress] = None
     last_good_checkpoint: Optional[CommittedCheckpoint] = None
     process_time: Optional[ProcessTime] = None
+    checkpoint_interval: Optional[IntervalChoice] = None
 
     def to_json(self) -> bytes:
         body = {"namespace": self.namespace, "name": self.name, "uid": self.uid, "attempt": self.attempt,
@@ -194,16 +211,28 @@ class Report:
             report.process_time = ProcessTime(process=_text(times, "process", "processTime."), **{
                 field: _number(times, wire, "processTime.", minimum=0) or 0.0
                 for field, wire in ProcessTime.WIRE.items() if field != "process"})
+        if body.get("checkpointInterval") is not None:
+            interval = _object(body, "checkpointInterval")
+            report.checkpoint_interval = IntervalChoice(
+                steps=_integer(interval, "steps", "checkpointInterval.", minimum=1),
+                failures=_integer(interval, "failures", "checkpointInterval."),
+                **{field: _number(interval, wire, "checkpointInterval.", minimum=0)
+                   for field, wire in IntervalChoice.WIRE.items() if field not in ("steps", "failures")})
+            if report.checkpoint_interval.seconds_between_failures is None:
+                raise ReportError("checkpointInterval.secondsBetweenFailures must be a finite number >= 0")
         return report
 
 
     def status_fields(self) -> dict[str, Any]:
-        """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint), as the CRD spells them."""
+        """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint, checkpointInterval), as the
+        CRD spells them."""
         fields: dict[str, Any] = {}
         if self.progress:
             fields["progress"] = wire(self.progress)
         if self.last_good_checkpoint:
             fields["lastGoodCheckpoint"] = wire(self.last_good_checkpoint)
+        if self.checkpoint_interval:
+            fields["checkpointInterval"] = wire(self.checkpoint_interval)
         return fields
 
     def refusal(self, namespace: str, name: str, uid: str, attempt: int, checkpoint_uri: str) -> Optional[str]:

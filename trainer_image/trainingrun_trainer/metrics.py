@@ -52,6 +52,9 @@ class NullMetrics:
     def checkpoints(self, store: Any) -> None:
         pass
 
+    def checkpoint_interval(self, choice: Any) -> None:
+        pass
+
     def nonfinite_step(self) -> None:
         pass
 
@@ -113,6 +116,14 @@ class TrainerMetrics(NullMetrics):
                       for name, doc in (("eval_loss", "Mean loss on the held-out split at the last evaluation."),
                                         ("eval_loss_ema", "The same with the EMA weights (spec.trainer.ema)."),
                                         ("eval_step", "Step of the last evaluation."))}
+        # Only with checkpoint.interval.steps: auto, on rank 0: absent otherwise.
+        self._interval = {name: Gauge(f"trainingrun_checkpoint_{name}", doc, names, multiprocess_mode="livemostrecent")
+                          for name, doc in (
+                              ("interval_steps", "The interval checkpoint.interval.steps: auto chose."),
+                              ("save_cost_seconds", "What one save costs the training loop: blocking plus the "
+                                                    "slowdown of the steps beside the background write."),
+                              ("expected_lost_seconds", "Training a failure throws away on average at that "
+                                                        "interval (half of it)."))}
         self._labels = labels
         for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes):
             child.inc(0)  # present from the start, so alerts see 0 rather than nothing
@@ -149,6 +160,15 @@ class TrainerMetrics(NullMetrics):
         if store.restores > self._seen["restores"]:
             self._seen["restores"] = store.restores
             self._restore_seconds.observe(store.last_restore_seconds)
+
+    def checkpoint_interval(self, choice: Any) -> None:
+        """The auto interval's choice (a contract.IntervalChoice; None: not auto): parts not yet measured stay absent."""
+        if choice is None:
+            return
+        for name, value in (("interval_steps", choice.steps), ("save_cost_seconds", choice.save_cost_seconds),
+                            ("expected_lost_seconds", choice.expected_lost_seconds)):
+            if value is not None:
+                self._interval[name].labels(**self._labels).set(value)
 
     def nonfinite_step(self) -> None:
         self._nonfinite.inc()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from . import contract
-from .contract import CommittedCheckpoint, ProcessTime, Progress, Report
+from .contract import CommittedCheckpoint, IntervalChoice, ProcessTime, Progress, Report
 
 log = logging.getLogger("trainingrun.reporting")
 
@@ -62,6 +62,7 @@ class ProgressReporter:
         self._progress: Optional[Progress] = None
         self._checkpoint: Optional[CommittedCheckpoint] = None
         self._process_time: Optional[ProcessTime] = None
+        self._interval: Optional[IntervalChoice] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failing = False
@@ -74,10 +75,12 @@ class ProgressReporter:
     def enabled(self) -> bool:
         return self.endpoint is not None
 
-    def progress(self, progress: Progress, process_time: Optional[ProcessTime] = None) -> None:
+    def progress(self, progress: Progress, process_time: Optional[ProcessTime] = None,
+                 interval: Optional[IntervalChoice] = None) -> None:
         with self._lock:
             self._progress = progress
             self._process_time = process_time or self._process_time
+            self._interval = interval or self._interval
 
     def committed(self, checkpoint: CommittedCheckpoint) -> None:
         with self._lock:
@@ -103,7 +106,7 @@ class ProgressReporter:
         with self._lock:
             return Report(self.identity.namespace, self.identity.name, self.identity.uid, self.identity.attempt,
                           progress=self._progress, last_good_checkpoint=self._checkpoint,
-                          process_time=self._process_time)
+                          process_time=self._process_time, checkpoint_interval=self._interval)
 
     def _send(self, report: Report) -> None:
         assert self.endpoint is not None

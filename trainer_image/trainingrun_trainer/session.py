@@ -40,12 +40,16 @@ from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUna
 from .config import CheckpointConfig
 from .context import RunContext
 from . import contract, reporting
-from .contract import CommittedCheckpoint, Progress, Report
+from .checkpoint_interval import AutoInterval
+from .config import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PRIOR_SECONDS_BETWEEN_FAILURES
+from .contract import CommittedCheckpoint, IntervalChoice, Progress, Report
 from .reporting import ProgressReporter
 from .timekeeping import ProcessClock
 
 log = logging.getLogger("trainingrun.session")
 
+#: The key of rank 0's extra state under which the auto interval carries a save's cost to the next process.
+SAVE_COST_KEY = "trainingrun.saveCostSeconds"
 RESTORE_SOURCES = {"memory": "node memory", "storage": "storage", "memory and storage": "node memory and storage"}
 
 
@@ -107,6 +111,11 @@ class Run:
         self.reporter = reporter
         self.preempted = False
         self._last_save = time.monotonic()
+        self._last_saved_step = 0
+        #: checkpoint.interval.steps: auto (rank 0 decides; `agree` makes every rank save with it).
+        self.auto_interval = self._auto_interval()
+        self._step_began: Optional[float] = None  # when the current step's agreement was asked for
+        self._beside_save = False  # a save was staged or written during the current step
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -121,6 +130,28 @@ class Run:
                 if earlier != directory:
                     shutil.rmtree(earlier, ignore_errors=True)
         return directory
+
+    def _auto_interval(self) -> Optional[AutoInterval]:
+        interval = self.checkpoint.interval
+        if not interval.auto or not self.context.is_rank_zero:
+            return None
+        # Until record_start reads the run's own count: the restarts this process can see for itself.
+        return AutoInterval(interval.min_steps or AUTO_MIN_STEPS, interval.max_steps or AUTO_MAX_STEPS,
+                            interval.expected_seconds_between_failures or AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
+                            failures=self.context.attempt - 1 + self.context.restart_count)
+
+    def _count_start(self) -> None:
+        """Read and count this start in the run's starts.json, for the auto interval's failure rate."""
+        if self.auto_interval is None:
+            return
+        try:
+            started, before = self.store.record_start(self.context.uid or self.context.name)
+        except Exception as error:  # storage trouble shows up again, and is reported, in the resume that follows
+            log.warning("cannot count this start in %s (%s): the auto checkpoint interval counts %d failures",
+                        self.store.uri, type(error).__name__, self.auto_interval.failures)
+            return
+        self.auto_interval.run_started = min(started, self.auto_interval.run_started)
+        self.auto_interval.failures = max(before, self.auto_interval.failures)
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Run":
@@ -138,6 +169,8 @@ class Run:
         worker group restarted within the attempt keeps the attempt's environment, and loading that
         checkpoint would throw away every one committed since. Falling below it is only logged.
         """
+        if self.context.is_rank_zero:
+            self._count_start()
         try:
             source = self.store.latest_valid()
         except Exception as error:  # each fsspec backend raises its own kinds (OSError, botocore's, google's)
@@ -156,6 +189,10 @@ class Run:
         if self.context.is_rank_zero:
             log.info("resumed from %s at step %d in %.2f s, reading %s", source.uri, source.step,
                      self.store.last_restore_seconds, RESTORE_SOURCES[self.store.last_restore_source])
+        self._last_saved_step = source.step
+        cost = extra.pop(SAVE_COST_KEY, None)
+        if self.auto_interval is not None and isinstance(cost, float):
+            self.auto_interval.carry_cost(cost)
         return extra
 
     def _check_floor(self, source: Optional[CheckpointInfo]) -> None:
@@ -189,12 +226,16 @@ class Run:
 
     def agree_async(self, step: int, *flags: bool) -> Callable[[], tuple[bool, ...]]:
         """Start `agree` without waiting; call the result to get the answer (e.g. after backward)."""
+        save_finished = self._pending is None or self._pending.done()
         if self._pending is not None and self._pending.done():
             self.report_committed()  # promptly, so the operator resumes from it after a crash
         interval = self.checkpoint.interval
-        save = (interval.steps is not None and step % interval.steps == 0) or (
-            interval.seconds is not None and time.monotonic() - self._last_save >= interval.seconds
-        )
+        if self.auto_interval is not None:
+            self._time_step(save_finished)
+            save = self.auto_interval.due(step - self._last_saved_step)
+        else:
+            save = isinstance(interval.steps, int) and step % interval.steps == 0
+        save = save or (interval.seconds is not None and time.monotonic() - self._last_save >= interval.seconds)
         local = (self.preempted, save, *flags)
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return lambda: local
@@ -208,6 +249,21 @@ class Run:
 
         return result
 
+    def _time_step(self, save_finished: bool) -> None:
+        """The auto interval learns the step that ended now (from one agreement to the next), and a save's cost."""
+        assert self.auto_interval is not None
+        now = time.monotonic()
+        if self._step_began is not None:
+            self.auto_interval.step(now - self._step_began, self._beside_save)
+        self._step_began = now
+        if self._beside_save and save_finished:
+            self.auto_interval.save_finished()
+        self._beside_save = not save_finished
+
+    def interval_choice(self) -> Optional[IntervalChoice]:
+        """With checkpoint.interval.steps: auto, on rank 0: the interval now and what it is made of."""
+        return self.auto_interval.choice() if self.auto_interval is not None else None
+
     def save(
         self,
         step: int,
@@ -219,6 +275,9 @@ class Run:
     ) -> None:
         """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors."""
         self.report_committed()
+        cost = self.auto_interval.save_cost if self.auto_interval is not None else None
+        if cost is not None:
+            extra = {**(extra or {}), SAVE_COST_KEY: float(cost)}
         self._pending = self.store.save(
             step,
             state,
@@ -228,6 +287,8 @@ class Run:
             blocking=blocking or not self.checkpoint.async_save,
         )
         self._last_save = time.monotonic()
+        self._last_saved_step = step
+        self._beside_save = True
 
     def report_committed(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight (the next save waits for it anyway) and report it as lastGoodCheckpoint."""
@@ -259,7 +320,7 @@ class Run:
             loss=loss if loss is not None and math.isfinite(loss) else None,
             samples_per_second=samples_per_second,
             productive_seconds=None if productive_seconds is None else round(productive_seconds, 3)),
-            process_time.snapshot() if process_time is not None else None)
+            process_time.snapshot() if process_time is not None else None, self.interval_choice())
 
     def close(self, finished: bool = False) -> None:
         """Finish the last save, report it, and flush the reporter; `finished`: the run is done, so its copy in

@@ -411,6 +411,7 @@ class Trainer:
             self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=self.samples_per_second,
                             productive_seconds=self.productive_seconds, process_time=self.clock)
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
+                self.metrics.checkpoint_interval(self.run.interval_choice())
                 elapsed = time.monotonic() - window_start
                 self.samples_per_second = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
                 if self.tokens_per_sample:

@@ -78,6 +78,8 @@ class Summary:
     #: This invocation's wall time by part (contract.time_breakdown), adding up to wall_seconds.
     breakdown: dict[str, float] = field(default_factory=dict)
     chaos_notes: list[str] = field(default_factory=list)  #: fault injection asked for that never happened
+    #: With checkpoint.interval.steps: auto, the last interval rank 0 reported (status.checkpointInterval).
+    checkpoint_interval: Optional[dict] = None
 
     @property
     def exit_code(self) -> int:
@@ -92,6 +94,19 @@ class Summary:
             f" ({seconds / self.wall_seconds:.1%})" if name == "productive" and self.wall_seconds > 0 else "")
             for name, seconds in self.breakdown.items())
         return f"time: wall {self.wall_seconds:.1f} s = {parts}"
+
+    def interval_line(self) -> Optional[str]:
+        """`checkpoint interval (auto): 120 steps = 12.0 s ...`, when the trainer chose it."""
+        chosen = self.checkpoint_interval
+        if not chosen:
+            return None
+
+        def seconds(key: str, digits: int = 1) -> str:
+            return "-" if chosen.get(key) is None else f"{chosen[key]:.{digits}f} s"
+        return (f"checkpoint interval (auto): {chosen['steps']} steps = {seconds('seconds')}; a save costs "
+                f"{seconds('saveCostSeconds', 3)}, {chosen.get('failures', 0)} failure(s), one every "
+                f"{seconds('secondsBetweenFailures')} (estimated); a failure loses {seconds('expectedLostSeconds')} "
+                "of training on average")
 
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
@@ -346,6 +361,7 @@ class LocalRunner:
             stop_signal=self.interrupted,
             chaos_notes=self._chaos_that_never_fired(wall),
             breakdown=contract.time_breakdown(wall, processes, productive, self.backoff_seconds),
+            checkpoint_interval=status.get("checkpointInterval"),
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:

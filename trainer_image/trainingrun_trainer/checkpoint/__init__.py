@@ -8,6 +8,9 @@ Layout of one checkpoint, ``<uri>/step-<step, 8 digits>/``::
                            each rank's ``extra`` dict is its entry ``extra-rank-<r>`` there
     manifest.json          the commit marker, written LAST by rank 0
 
+Beside the step directories, ``<uri>/starts.json`` counts the run's process starts (written by rank 0 at each start
+when ``checkpoint.interval.steps`` is ``auto``: its failure rate; `CheckpointStore.record_start`).
+
 Format 1 (still read) kept each rank's ``extra`` in a file of its own, ``extra-rank-<r>.pt``.
 
 ``manifest.json`` = ``{format_version, step, time, world_size, config_hash, model_digest,

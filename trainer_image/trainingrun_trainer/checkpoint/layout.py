@@ -21,6 +21,8 @@ FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 #: Name of the commit marker inside a checkpoint directory.
 MANIFEST_NAME = "manifest.json"
+#: Beside the step directories: how often the run's training processes started (`CheckpointStore.record_start`).
+STARTS_NAME = "starts.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 #: A rank's ``extra`` in DCP's state dict (format 2): one value, the bytes of torch.save, so that DCP needs
 #: nothing of its structure to load it and only that rank loads it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 import posixpath
 import time
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
-                     _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
+                     STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
 from .memory_tier import LocalFirstFileSystem, MemoryTier
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
@@ -340,6 +341,31 @@ class CheckpointStore:
             manifest_sha256=manifest_sha,
         )
         return info, None, raw
+
+    # ------------------------------------------------------------------ the run's starts
+
+    def record_start(self, run: str, now: Optional[float] = None) -> tuple[float, int]:
+        """Count a start of the run's training processes in ``<uri>/starts.json``: returns (when the run's first
+        process started, processes started before this one). A file of another `run` (its uid) is started over.
+        Call it from one process per start (rank 0); it reads, then writes, and raises what storage raises."""
+        now = time.time() if now is None else now
+        uri = _join(self.uri, STARTS_NAME)
+        try:
+            recorded = json.loads(self._storage.read_bytes(uri))
+        except FileNotFoundError:
+            recorded = {}
+        except ValueError:  # torn by hand or by a bug: count from here
+            logger.warning("%s is not JSON: counting the run's starts from this one", uri)
+            recorded = {}
+        if not isinstance(recorded, dict) or recorded.get("run") != run or not isinstance(recorded.get("starts"), int) \
+                or not isinstance(recorded.get("firstStart"), (int, float)):
+            recorded = {"run": run, "firstStart": now, "starts": 0}
+        before = recorded["starts"]
+        recorded["starts"] = before + 1
+        if self._storage.local:
+            os.makedirs(self._storage._path(self.uri), exist_ok=True)
+        self._storage.write_bytes(uri, json.dumps(recorded).encode(), atomic=True)
+        return float(recorded["firstStart"]), before
 
     # ------------------------------------------------------------------ reading
 

@@ -1,0 +1,102 @@
+"""`checkpoint.interval.steps: auto`: the checkpoint interval that loses the least training time.
+
+Each save costs the training loop some seconds C: the time the steps beside it took beyond a usual step, so the
+blocking part (staging) and the slowdown of steps next to the background write both count. Each failure throws away
+the steps since the last checkpoint, half an interval on average. With M the mean time between failures, the
+interval that minimises the sum is T = sqrt(2 x C x M) (Young 1974; Daly 2006 adds terms that matter only when C is
+near M, which min/max bounds keep away).
+
+Everything is measured in the run itself:
+- C: the median of the last saves' costs (one save's cost is carried across restarts in the checkpoint);
+- the step time that turns T into steps: the median of recent steps with no save beside them;
+- M = seconds since the run started / failures so far (the maximum-likelihood estimate for failures that come at
+  random); before the first failure, the prior (`expectedSecondsBetweenFailures`) or the time run so far, whichever
+  is longer. A failure is a restart of the training processes (see `CheckpointStore.record_start`). A prior that
+  kept counting after real failures would hide a high failure rate for a long time (1 h against a failure every
+  30 s is still 20 min after 2 failures), which is when the interval matters most.
+
+Until a save's cost and a few steps have been measured the interval is `min_steps`, so the first save comes early
+and measures C. Rank 0 decides; `Run.agree` makes every rank save at the same step.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from .contract import IntervalChoice
+
+#: Steps without a save beside them that the usual step time is taken from.
+STEP_WINDOW = 64
+#: Saves whose median cost is used.
+COST_WINDOW = 5
+#: Steps measured before the step time is trusted (the first steps of a process are slow: allocation, warm-up).
+MIN_STEPS_MEASURED = 3
+
+
+class AutoInterval:
+    """Chooses the interval from measured save costs, step times and failures; the training thread calls it."""
+
+    def __init__(self, min_steps: int, max_steps: int, prior_seconds_between_failures: float, *,
+                 failures: int = 0, run_started: Optional[float] = None, clock: Callable[[], float] = time.time):
+        self.min_steps, self.max_steps = min_steps, max_steps
+        self.prior_seconds_between_failures = prior_seconds_between_failures
+        self.clock = clock
+        #: Restarts of the training processes since the run started (this process's start included when it was one).
+        self.failures = failures
+        #: When the run's first training process started (time.time()).
+        self.run_started = clock() if run_started is None else run_started
+        self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._costs: deque[float] = deque(maxlen=COST_WINDOW)
+        self._beside_save: list[float] = []
+
+    def step(self, seconds: float, beside_save: bool) -> None:
+        """One step took `seconds` of wall time; `beside_save`: a save was staged or written during it."""
+        (self._beside_save.append if beside_save else self._steps.append)(seconds)
+
+    def save_finished(self) -> None:
+        """The save whose steps were reported `beside_save` is committed (or failed): its cost is now known."""
+        usual = self.step_seconds
+        if self._beside_save and usual is not None:
+            self._costs.append(max(0.0, sum(self._beside_save) - usual * len(self._beside_save)))
+        self._beside_save = []
+
+    def carry_cost(self, seconds: float) -> None:
+        """A save's cost measured by an earlier process of the run (from the checkpoint it resumed from)."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self._costs.append(seconds)
+
+    @property
+    def save_cost(self) -> Optional[float]:
+        return statistics.median(self._costs) if self._costs else None
+
+    @property
+    def step_seconds(self) -> Optional[float]:
+        return statistics.median(self._steps) if len(self._steps) >= MIN_STEPS_MEASURED else None
+
+    def seconds_between_failures(self) -> float:
+        ran = max(0.0, self.clock() - self.run_started)
+        return ran / self.failures if self.failures else max(self.prior_seconds_between_failures, ran)
+
+    def steps(self) -> int:
+        """The interval now, in steps."""
+        cost, step = self.save_cost, self.step_seconds
+        if cost is None or not step:
+            return self.min_steps
+        seconds = math.sqrt(2 * cost * self.seconds_between_failures())
+        return max(self.min_steps, min(self.max_steps, round(seconds / step)))
+
+    def due(self, steps_since_save: int) -> bool:
+        return steps_since_save >= self.steps()
+
+    def choice(self) -> IntervalChoice:
+        """The interval and what it is made of, for status, metrics and the local summary."""
+        steps, step, cost = self.steps(), self.step_seconds, self.save_cost
+        seconds = steps * step if step else None
+        return IntervalChoice(
+            steps=steps, seconds=None if seconds is None else round(seconds, 3),
+            save_cost_seconds=None if cost is None else round(cost, 4),
+            seconds_between_failures=round(self.seconds_between_failures(), 1), failures=self.failures,
+            expected_lost_seconds=None if seconds is None else round(seconds / 2, 3))
