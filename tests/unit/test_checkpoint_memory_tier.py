@@ -161,7 +161,8 @@ def test_a_copy_that_fails_mid_write_drops_only_the_copy(storage, memory, monkey
     assert restored(storage, memory) == (5, digest, "storage")
 
 
-def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: list[str], out_dir: str) -> None:
+def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: list[str], out_dir: str,
+                     writer_process: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
@@ -170,7 +171,8 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
         ddp = DDP(make_model(0))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         train_step(ddp, opt, seed=100 + rank)
-        with CheckpointStore(uri, memory_tier=tiers[rank]) as store:
+        with CheckpointStore(uri, memory_tier=tiers[rank], writer_process=writer_process) as store:
+            assert not writer_process or store._writer.wait_ready(120)
             store.save(5, app_state(ddp, opt), {"rank": rank})
             assert store.wait() is not None
         # The worker group restarted in place: new processes, the same node memory.
@@ -189,13 +191,17 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, sources", [(1, ["memory", "memory"]), (2, ["memory and storage"] * 2)])
-def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources):
+@pytest.mark.parametrize("nodes, sources, writer_process", [(1, ["memory", "memory"], False),
+                                                           (2, ["memory and storage"] * 2, False),
+                                                           (1, ["memory", "memory"], True)])
+def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, writer_process):
     """One node: both ranks' files are in its memory. Two nodes: each node lacks the file the other's rank wrote
-    (DCP spreads the replicated tensors over both) and reads that one from storage."""
+    (DCP spreads the replicated tensors over both) and reads that one from storage. With writer processes (one per
+    rank) writing the files and the copies, the same."""
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
     uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path), writer_process),
+             nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["source"] for r in results] == sources
     assert [r["rank"] for r in results] == [0, 1]

@@ -140,3 +140,16 @@ def test_a_start_of_another_run_on_the_same_uri_starts_the_count_over(tmp_path):
     (tmp_path / "ckpt" / "starts.json").write_text("{torn")
     assert store.record_start("run-b", now=99.0) == (99.0, 0)
     assert store.list() == []  # not a checkpoint
+
+
+@pytest.mark.parametrize("setting, expected", [(None, False), (True, True), (False, False)])  # no GPU here
+def test_the_writer_process_is_on_with_a_gpu_unless_the_spec_says(tmp_path, setting, expected):
+    uri = f"file://{tmp_path}"
+    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused", checkpoint_uri=uri,
+                         resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0, world_size=1)
+    config = CheckpointConfig.model_validate({"uri": uri, **({} if setting is None else {"writerProcess": setting})})
+    run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
+    try:
+        assert (run.store._writer is not None) == expected
+    finally:
+        run.close()

@@ -69,32 +69,9 @@ def test_nvml_polling_never_blocks_a_step():
     assert out.strip() == "steps recorded while NVML hung: 99.0"
 
 
-def test_eval_series_are_absent_until_the_first_evaluation(tmp_path):
-    out = run_python("""
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.multiprocess import MultiProcessCollector
-        from trainingrun_trainer.context import RunContext
-        from trainingrun_trainer import metrics
-        context = RunContext.from_env({"TRAININGRUN_CONFIG": "x", "TRAININGRUN_NAME": "r"})
-        m = metrics.for_rank(context, "cpu")
-        def exposition():
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=%r)
-            return generate_latest(registry).decode()
-        print(exposition())
-        print("----")
-        m.evaluation(40, {"eval_loss": 2.25})
-        print(exposition())
-    """ % str(tmp_path), PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
-    before, after = out.split("----")
-    assert "trainingrun_eval" not in before  # no made-up 0 loss before any evaluation
-    assert 'trainingrun_eval_loss{namespace="default",rank="0",run="r"} 2.25' in after
-    assert 'trainingrun_eval_step{namespace="default",rank="0",run="r"} 40.0' in after
-    assert "trainingrun_eval_loss_ema{" not in after  # no EMA, no series
-
-
-def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
-    out = run_python("""
+def expositions_after(tmp_path, *calls: str) -> list[str]:
+    """The rank's exposition after each call on its metrics `m` (in a fresh process, as the launcher serves them)."""
+    script = textwrap.dedent("""
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
         from trainingrun_trainer.context import RunContext
@@ -106,16 +83,24 @@ def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
             registry = CollectorRegistry()
             MultiProcessCollector(registry, path=%r)
             return generate_latest(registry).decode()
-        m.checkpoint_interval(None)  # a fixed interval
-        print(exposition())
-        print("----")
-        m.checkpoint_interval(IntervalChoice(10, None, None, 3600.0, 0, None))  # nothing measured yet
-        print(exposition())
-        print("----")
-        m.checkpoint_interval(IntervalChoice(120, 12.0, 0.05, 600.0, 2, 6.0))
-        print(exposition())
-    """ % str(tmp_path), PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
-    fixed, early, measured = out.split("----")
+    """ % str(tmp_path)) + "".join(f"{call}\nprint(exposition())\nprint('----')\n" for call in calls)
+    return run_python(script, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)).split("----")[:-1]
+
+
+def test_eval_series_are_absent_until_the_first_evaluation(tmp_path):
+    before, after = expositions_after(tmp_path, "pass", 'm.evaluation(40, {"eval_loss": 2.25})')
+    assert "trainingrun_eval" not in before  # no made-up 0 loss before any evaluation
+    assert 'trainingrun_eval_loss{namespace="default",rank="0",run="r"} 2.25' in after
+    assert 'trainingrun_eval_step{namespace="default",rank="0",run="r"} 40.0' in after
+    assert "trainingrun_eval_loss_ema{" not in after  # no EMA, no series
+
+
+def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
+    fixed, early, measured = expositions_after(
+        tmp_path,
+        "m.checkpoint_interval(None)",  # a fixed interval
+        "m.checkpoint_interval(IntervalChoice(10, None, None, 3600.0, 0, None))",  # nothing measured yet
+        "m.checkpoint_interval(IntervalChoice(120, 12.0, 0.05, 600.0, 2, 6.0))")
     assert "trainingrun_checkpoint_interval_steps" not in fixed
     assert 'trainingrun_checkpoint_interval_steps{namespace="default",rank="0",run="r"} 10.0' in early
     assert "trainingrun_checkpoint_expected_lost_seconds{" not in early  # not a made-up 0

@@ -101,6 +101,7 @@ class Run:
             keep_every=checkpoint.keep_every,
             endpoint_url=checkpoint.endpoint_url,
             memory_tier=self._memory_tier(),
+            writer_process=torch.cuda.is_available() if checkpoint.writer_process is None else checkpoint.writer_process,
         )
         if reporter is None:
             identity = Report(context.namespace, context.name, context.uid, context.attempt)

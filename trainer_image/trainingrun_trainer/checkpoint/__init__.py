@@ -34,7 +34,8 @@ How a save is sequenced (same on every rank; collectives use a dedicated gloo gr
    Then it returns; the training loop may change its tensors at once.
 2. A single background thread (reused across saves, so fsspec/gcsfs sessions are reused) runs
    ``dcp.save``: rank 0 clears a stale directory of the same step while planning (before any
-   rank writes), every rank writes its data files, rank 0 writes ``.metadata`` after DCP has
+   rank writes), every rank writes its data files (by its writer process, `writer_process`, when the
+   store has one; staged into reused shared-memory buffers then), rank 0 writes ``.metadata`` after DCP has
    gathered every rank's write results. Sizes and sha256 are computed while the bytes stream
    out, so nothing is read back.
 3. All ranks exchange (ok/error, file hashes).
@@ -55,7 +56,8 @@ dtypes and sizes; anything else fails the load, and resume falls back to an olde
 ``extra`` to such plain values. The sha256 in the manifest detects corruption (every file is
 re-hashed before a resume), not tampering by someone who may write the bucket.
 
-The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer), `manifest`
+The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer),
+`writer_process` (the same in a separate process), `manifest`
 (inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store`
 (`CheckpointStore`), `listing` (the CLI's table).
 """

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import posixpath
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,16 +17,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
                      STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
-from .memory_tier import LocalFirstFileSystem, MemoryTier
+from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_file, _storage_options
 from .writer import _Writer
+from .writer_process import WriterProcess
+
+
+#: Where shared memory lives (torch's shared tensors, the memory tier).
+SHARED_MEMORY = "/dev/shm"
 
 
 @dataclass
@@ -36,6 +43,7 @@ class _SaveJob:
     model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
     started: float
     expected_bytes: int  # about what this rank writes (for the memory tier's room)
+    shared: bool = False  # staged in shared memory, for the writer process
     logged: bool = False  # this rank already logged the failure
 
 
@@ -51,10 +59,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _stage(state: Mapping[str, Any]) -> dict:
-    """CPU copy of `state` (Stateful objects replaced by their state_dict), as DCP's async_save
-    stages it: new CPU tensors filled by copy, containers rebuilt, other values deep-copied."""
-    plain = {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
+def _plain(state: Mapping[str, Any]) -> dict:
+    """`state` with Stateful objects replaced by their state_dict."""
+    return {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
+
+
+def _stage(plain: Mapping[str, Any]) -> dict:
+    """CPU copy of a plain state (see `_plain`), as DCP's async_save stages it: new CPU tensors filled by copy,
+    containers rebuilt, other values deep-copied."""
     return BlockingAsyncStager(type_check=False).stage(plain)
 
 
@@ -84,6 +96,9 @@ class CheckpointStore:
         storage_options: extra keyword arguments for the fsspec filesystem (e.g. ``token``).
         memory_tier: a directory in node memory (/dev/shm) where the newest committed checkpoint's files of this
             node's ranks are also kept, for a restart inside the pod to load (see `memory_tier`); None: none.
+        writer_process: write this rank's files from a separate process (`writer_process`), staging into shared
+            memory buffers that every save reuses; a save that comes before the writer has started, or for which
+            /dev/shm lacks room, is written in-process.
 
     Metrics of this rank, for Prometheus: ``failed_saves``, ``committed_saves``, ``restores``; ``last_blocking_seconds`` (how long
     ``save()`` held the training loop, including waiting for the previous save);
@@ -96,7 +111,8 @@ class CheckpointStore:
 
     def __init__(self, uri: str, keep: int = 3, keep_every: Optional[int] = None,
                  endpoint_url: Optional[str] = None, process_group: Any = None, *,
-                 storage_options: Optional[Mapping] = None, memory_tier: Optional[str] = None):
+                 storage_options: Optional[Mapping] = None, memory_tier: Optional[str] = None,
+                 writer_process: bool = False):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if keep_every is not None and keep_every < 1:
@@ -109,6 +125,14 @@ class CheckpointStore:
         self._storage = _Storage(uri, self._options)
         self._tier = MemoryTier(memory_tier) if memory_tier else None
         self.memory_tier = memory_tier or None
+        self._writer = WriterProcess() if writer_process else None
+        if self._writer is not None:
+            self._writer.start()  # it imports torch while training starts
+        self._shared_stager = StateDictStager(share_memory=True) if writer_process else None
+        self._shared_bytes = 0  # held by the shared staging buffers
+        self._told_no_shared_room = False
+        #: Fault injection (tests): the writer process kills itself part way through the save of this step.
+        self.writer_dies_at_step: Optional[int] = None
 
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = None
@@ -167,12 +191,14 @@ class CheckpointStore:
         reserved = [key for key in state if str(key).startswith(EXTRA_ENTRY.format(rank=""))]
         if reserved:
             raise ValueError(f"state keys {reserved} are reserved for each rank's extra state: rename them")
-        staged = _stage(state)
+        plain = _plain(state)
+        shared = self._room_to_share(plain)
+        staged = self._shared_stager.stage(plain) if shared else _stage(plain)
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
         staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
         job = _SaveJob(step=step, state=staged, config_hash=config_hash, model_digest=model_digest, started=started,
-                       expected_bytes=self.last_save_bytes or tensor_bytes(staged))
+                       expected_bytes=self.last_save_bytes or tensor_bytes(staged), shared=shared)
         if blocking:
             future: Future = Future()
             future.set_result(self._run(job))
@@ -182,6 +208,30 @@ class CheckpointStore:
         pending = PendingSave(step, future, self.last_blocking_seconds)
         self._pending = pending
         return pending
+
+    def _room_to_share(self, plain: Mapping[str, Any]) -> bool:
+        """Whether this save can stage into shared memory for the writer process: /dev/shm must hold what the
+        buffers lack and keep its reserve, or copying into them would end the process with SIGBUS."""
+        if self._writer is None or not self._writer.ready():
+            return False
+        needed = max(0, tensor_bytes(plain) - self._shared_bytes)
+        if needed:
+            try:
+                usage = shutil.disk_usage(SHARED_MEMORY)
+            except OSError:
+                return False
+            if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+                if not self._told_no_shared_room:
+                    logger.warning("checkpoints are written in-process, not by the writer process: %s has %d MiB "
+                                   "free and staging needs %d MiB more (raise resources.sharedMemory); told once",
+                                   SHARED_MEMORY, usage.free >> 20, needed >> 20)
+                    self._told_no_shared_room = True
+                return False
+            if not self._shared_bytes:
+                logger.info("rank %d: checkpoint files are written by the writer process %d from now on", self.rank,
+                            self._writer.pid)
+            self._shared_bytes += needed
+        return True
 
     def wait(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight, if any, and return the most recent save's outcome: the
@@ -197,6 +247,8 @@ class CheckpointStore:
             return
         self.wait()
         self._executor.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.close()
         self._closed = True
 
     def __enter__(self) -> "CheckpointStore":
@@ -251,7 +303,9 @@ class CheckpointStore:
             writer = _Writer(
                 step_uri, record,
                 on_global_plan=lambda: self._clear_step_dir(step_uri),
-                sync_files=self._storage.local, tier=self._tier, tier_dir=tier_dir, **self._options,
+                sync_files=self._storage.local, tier=self._tier, tier_dir=tier_dir,
+                process=self._writer if job.shared else None,
+                die_after_items=1 if job.step == self.writer_dies_at_step else None, **self._options,
             )
             dcp.save(job.state, storage_writer=writer, process_group=self._pg,
                      no_dist=not self._distributed)

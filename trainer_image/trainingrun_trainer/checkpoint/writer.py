@@ -9,7 +9,10 @@ from typing import Any, Optional
 
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+from torch.futures import Future
+
 from .memory_tier import MemoryTier, TierCopy
+from .writer_process import WriteRequest, WriterProcess
 
 
 class _HashingStream:
@@ -79,13 +82,30 @@ class _HashingFileSystem:
 
 class _Writer(FsspecWriter):
     """DCP's FsspecWriter plus hashing of every file written and, on the coordinator, the removal
-    of a stale directory of the same step while planning (before any rank writes data)."""
+    of a stale directory of the same step while planning (before any rank writes data). With a `process`, this
+    rank's data files are written by that writer process (`writer_process`)."""
 
     def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool,
-                 tier: Optional[MemoryTier] = None, tier_dir: Optional[str] = None, **storage_options):
+                 tier: Optional[MemoryTier] = None, tier_dir: Optional[str] = None,
+                 process: Optional[WriterProcess] = None, die_after_items: Optional[int] = None, **storage_options):
         super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
         self.fs = _HashingFileSystem(self.fs, record, tier, tier_dir)
         self._on_global_plan = on_global_plan
+        self._record, self._tier, self._tier_dir = record, tier, tier_dir
+        self._request = dict(uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items)
+        self._process = process
+
+    def write_data(self, plan, planner) -> Future:
+        if self._process is None:
+            return super().write_data(plan, planner)
+        data = {item.index: planner.resolve_data(item) for item in plan.items}
+        tier_root = self._tier.root if self._tier is not None and self._tier_dir is not None else None
+        results, record = self._process.write(WriteRequest(
+            plan=plan, data=data, tier_root=tier_root, tier_dir=self._tier_dir, **self._request))
+        self._record.update(record)
+        done: Future = Future()
+        done.set_result(results)
+        return done
 
     def _metadata_exists(self) -> bool:
         # DCP warns about an existing .metadata ("overwriting since overwrite=True ...") before
