@@ -90,7 +90,8 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     # startup: "lost" may show 0.0.)
     parts = breakdown_of(chaos.stdout)
     wall = float(result["wall_seconds"])
-    assert sum(parts.values()) == pytest.approx(wall, rel=0.01, abs=0.15)
+    # The line rounds each of its parts to 0.1 s: their sum may be off by 0.05 s per part (CI saw 4.7 for 4.9).
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.01, abs=0.05 * len(parts))
     assert min(parts["productive"], parts["startup"], parts["restore"], parts["checkpoint"]) > 0
     assert parts["lost"] >= 0 and parts["backoff"] == 0 and parts["other"] >= -0.15
     assert parts["productive"] == pytest.approx(productive_seconds_at(tmp_path, "chaos", 60), abs=0.15)
@@ -107,8 +108,9 @@ def test_the_auto_interval_counts_the_kills_and_says_what_it_chose(tmp_path):
     starts = json.loads((tmp_path / "ckpt" / "starts.json").read_text())
     assert starts["starts"] == 3  # the first process and two restarts: two failures
     line = [l for l in chaos.stdout.splitlines() if l.startswith("checkpoint interval (auto): ")][-1]
-    steps, cost, failures = re.search(r"(\d+) steps = .* a save costs (\d+\.\d+) s, (\d+) failure", line).groups()
-    assert 5 <= int(steps) <= 25 and float(cost) >= 0 and failures == "2"
+    # The last process may end before one of its saves was measured beside its steps (a cost of "-", as in CI).
+    steps, failures = re.search(r"(\d+) steps = .* a save costs (?:\d+\.\d+ s|-), (\d+) failure", line).groups()
+    assert 5 <= int(steps) <= 25 and failures == "2"
     assert int(result["lost_steps"]) <= 2 * 25
     saved = sorted(i.step for i in CheckpointStore(f"file://{tmp_path}/ckpt").list() if i.valid)
     assert saved and saved[-1] == 60
