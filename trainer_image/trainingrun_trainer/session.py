@@ -37,11 +37,10 @@ import torch.distributed as dist
 
 from . import exit_codes
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
-from .config import CheckpointConfig
+from .checkpoint_interval import AutoInterval
+from .config import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PRIOR_SECONDS_BETWEEN_FAILURES, CheckpointConfig
 from .context import RunContext
 from . import contract, reporting
-from .checkpoint_interval import AutoInterval
-from .config import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PRIOR_SECONDS_BETWEEN_FAILURES
 from .contract import CommittedCheckpoint, IntervalChoice, Progress, Report
 from .reporting import ProgressReporter
 from .timekeeping import ProcessClock
