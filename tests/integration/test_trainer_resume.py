@@ -2,7 +2,6 @@
 same model digest as an uninterrupted run (deterministic mode, CPU, gloo, file:// checkpoints)."""
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import yaml
 
 from tiny_runs import tiny_trainer
 
+from trainingrun_trainer import contract
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 TRAINER = tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, gradAccumulationSteps=2,
@@ -48,21 +48,15 @@ def final_digest(tmp_path: Path, name: str, step: int) -> str:
     return infos[step].model_digest
 
 
-def kill_one_worker_at(process: subprocess.Popen, *markers: str) -> list[str]:
-    """Read the log until every marker was seen, then SIGKILL one worker process (a child of torchrun)."""
-    lines, waiting = [], list(markers)
-    for line in process.stderr:
-        lines.append(line)
-        waiting = [m for m in waiting if m not in line]
-        if not waiting:
-            children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True,
-                                      text=True).stdout.split()
-            assert children, "torchrun has no worker processes"
-            os.kill(int(children[-1]), signal.SIGKILL)
-            break
-    lines += process.stderr.read().splitlines(keepends=True)
-    process.wait(timeout=120)
-    return lines
+def killed_at(tmp_path: Path, name: str, step: int, trainer: dict = TRAINER, env: Optional[dict] = None) -> str:
+    """Run until one worker SIGKILLs itself right after `step` (the trainer's own fault injection, which first
+    makes earlier checkpoints durable), and return the log. Killing from here by reading the log raced: on a
+    busy machine the run could finish before the reader got to the step."""
+    process = torchrun(tmp_path, name, trainer=trainer, env={**(env or {}), contract.CHAOS_KILL_AT_STEP: str(step)})
+    _, err = process.communicate(timeout=300)
+    assert process.returncode != 0, err[-3000:]
+    assert f"chaos: SIGKILL worker rank {step % 2} at step {step}" in err, err[-3000:]
+    return err
 
 
 @pytest.mark.slow
@@ -76,13 +70,7 @@ def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, kill_after_step, t
     _, err = reference.communicate(timeout=300)
     assert reference.returncode == 0, err[-3000:]
 
-    interrupted = torchrun(tmp_path, "interrupted", trainer=trainer)
-    log = kill_one_worker_at(
-        interrupted,
-        "committed checkpoint step 10 ",  # the kill must come after the commit, else nothing to resume from
-        f"rank0 INFO trainingrun.trainer: step {kill_after_step}/40 ",
-    )
-    assert interrupted.returncode != 0, "".join(log[-30:])
+    killed_at(tmp_path, "interrupted", kill_after_step, trainer=trainer)
 
     resumed = torchrun(tmp_path, "interrupted", trainer=trainer)
     _, err = resumed.communicate(timeout=300)

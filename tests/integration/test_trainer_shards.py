@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
-from test_trainer_resume import final_digest, kill_one_worker_at, torchrun
+from test_trainer_resume import final_digest, killed_at, torchrun
 from tiny_runs import tiny_model, tiny_trainer
 
 from trainingrun_trainer.data import SyntheticText
@@ -93,10 +93,8 @@ def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket
 
     from_bucket = trainer(f"{uri}/data", **reach)
     # Each run its own block cache: the resumed run reads the bucket again, not what the first one cached.
-    interrupted = torchrun(tmp_path, "interrupted", trainer=from_bucket,
-                           env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-1")})
-    log = kill_one_worker_at(interrupted, "committed checkpoint step 10 ", "rank0 INFO trainingrun.trainer: step 15/40 ")
-    assert interrupted.returncode != 0, "".join(log[-30:])
+    killed_at(tmp_path, "interrupted", 15, trainer=from_bucket,
+              env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-1")})
     resumed = torchrun(tmp_path, "interrupted", trainer=from_bucket,
                        env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-2")})
     _, err = resumed.communicate(timeout=300)

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from test_trainer_resume import TRAINER, kill_one_worker_at, torchrun
+from test_trainer_resume import TRAINER, killed_at, torchrun
 from trainingrun_trainer import tracking
 from tensorboard_events import scalars
 from tracking_servers import mlflow_server  # noqa: F401
@@ -20,9 +20,7 @@ def test_one_tensorboard_run_across_a_kill_and_a_resume_with_each_step_once(tmp_
     log_dir = tmp_path / "tensorboard"
     trainer = {**TRAINER, "eval": {"intervalSteps": 10, "batches": 2},
                "loggers": [{"kind": "tensorboard", "logDir": str(log_dir)}]}
-    interrupted = torchrun(tmp_path, "tracked", trainer=trainer)
-    log = kill_one_worker_at(interrupted, "committed checkpoint step 10 ", "rank0 INFO trainingrun.trainer: step 15/40 ")
-    assert interrupted.returncode != 0, "".join(log[-30:])
+    killed_at(tmp_path, "tracked", 15, trainer=trainer)
     resumed = torchrun(tmp_path, "tracked", trainer=trainer)
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
@@ -36,9 +34,7 @@ def test_one_tensorboard_run_across_a_kill_and_a_resume_with_each_step_once(tmp_
 
 
 def kill_and_resume(tmp_path, trainer, env):
-    interrupted = torchrun(tmp_path, "tracked", trainer=trainer, env=env)
-    log = kill_one_worker_at(interrupted, "committed checkpoint step 10 ", "rank0 INFO trainingrun.trainer: step 15/40 ")
-    assert interrupted.returncode != 0, "".join(log[-30:])
+    killed_at(tmp_path, "tracked", 15, trainer=trainer, env=env)
     resumed = torchrun(tmp_path, "tracked", trainer=trainer, env=env)
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
