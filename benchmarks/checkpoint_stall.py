@@ -13,8 +13,11 @@ What is measured
       Stateful entries
       (`state.ModelState`, `state.OptimizerState`: the store calls their state_dict() while it stages)
       and the model digest as a function of the staged state (computed in the background), then
-      `store.save(..., blocking=False)`; the wall time of that call is the time the training loop is
-      blocked ("trainer save path"; `PendingSave.blocking_seconds` beside it).
+      `store.save(..., blocking=False, copy_in_background=("model", "optim", "ema"))`: the weights and AdamW
+      moments are copied by the background thread while the next step's forward and backward pass run, and that
+      step waits for the copy (`store.wait_copied()`) before its optimizer step changes them. "trainer save path"
+      = the wall time of the save() call + that wait: how long the training loop is blocked
+      (`PendingSave.blocking_seconds` beside it).
     * the steps after it: real training steps (forward, backward, clip, AdamW step, which changes
       the very tensors being saved) run at once, until the save has committed (at most
       `--max-overlap-steps`); the benchmark checks the background write was still in flight when
@@ -145,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writer-nice", type=int, default=0,
                         help="experiment: nice value for the store's background writer thread (Linux); "
                              "0 leaves it as the library does (default 0)")
+    parser.add_argument("--copy-on-training-thread", action="store_true",
+                        help="experiment: stage every tensor inside save() on the training thread (no copy_in_background), "
+                             "as the trainer did before")
     parser.add_argument("--restore-repeats", type=int, default=3,
-                        help="restores per source (GCS emulator, moto, memory tier); medians reported (default 3)")
+                        help="restores per source (GCS emulator, moto, memory tier); medians reported (default 3); "
+                             "0: none")
     parser.add_argument("--min-state-mb", type=float, default=200.0,
                         help="refuse to run with a smaller state (default 200)")
     args = parser.parse_args(argv)
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainingrun_trainer.data import SyntheticText
     from trainingrun_trainer.models import CharTransformer
     from trainingrun_trainer.seeding import rng_state
-    from trainingrun_trainer.state import ModelState, OptimizerState
+    from trainingrun_trainer.state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -183,13 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = build(0)
     step_no = 0
 
-    def train_step() -> float:
+    copy_waits: list[float] = []  # per training step: waiting for a save's background copy (as the trainer does)
+
+    def train_step(saving=None) -> float:
+        """One training step; with `saving` (a store with a save in flight), it waits for the save's background copy
+        of the weights before the optimizer step changes them, as the trainer does."""
         nonlocal step_no
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = model(batches[step_no % len(batches)])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        copy_waits.append(saving.wait_copied() if saving is not None else 0.0)
         optimizer.step()
         sync()
         step_no += 1
@@ -220,16 +232,19 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         trainer_state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
         pending = on.save(step_no, trainer_state, extra, model_digest=lambda staged: model_digest(staged["model"]),
-                          blocking=False)
+                          blocking=False,
+                          copy_in_background=() if args.copy_on_training_thread else CHANGED_BY_OPTIMIZER_STEP)
         save_call = time.perf_counter() - t
         record("async store.save() call (wall)" + suffix, save_call)
-        record("  PendingSave.blocking_seconds" + suffix, pending.blocking_seconds)
         in_flight_at_step_start = not pending.done()
         overlap_steps = []
         while not overlap_steps or (not pending.done() and len(overlap_steps) < args.max_overlap_steps):
-            overlap_steps.append(train_step())
+            overlap_steps.append(train_step(saving=on))
             if len(overlap_steps) == 1:
                 in_flight_at_step_end = not pending.done()
+                record("  + waiting for the background copy before the optimizer step" + suffix, copy_waits[-1])
+                record("trainer save path: save() + that wait" + suffix, save_call + copy_waits[-1])
+                record("  PendingSave.blocking_seconds" + suffix, pending.blocking_seconds)
         record("training step during background write" + suffix, overlap_steps[0])
         if not suffix:
             overlapped.append((in_flight_at_step_start, in_flight_at_step_end))
@@ -356,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"model": model_state, "optim": optim_state}, lambda loaded: model_digest(loaded["model"])
 
     restores = measure_restores(state_now(), step_no, fresh_state, lambda saved: model_digest(saved["model"]),
-                                args.restore_repeats)
+                                args.restore_repeats) if args.restore_repeats else {}
     total = time.perf_counter() - began_all
 
     med = {name: statistics.median(values) for name, values in rows.items()}
@@ -371,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'what':<68}{runs_header}  {'median s':>9}  {'vs torch.save':>13}  {'MB/s':>7}"
     print(header)
     print("-" * len(header))
-    async_rows = ["async store.save() call (wall)", "  PendingSave.blocking_seconds",
+    async_rows = ["async store.save() call (wall)", "  + waiting for the background copy before the optimizer step",
+                  "trainer save path: save() + that wait", "  PendingSave.blocking_seconds",
                   "training step during background write", "  extra step time while the write ran (all steps)",
                   "effective stall: save() + extra step time", "save-to-commit (store.last_save_seconds)"]
     order = [
@@ -401,11 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [a / b for a, b in zip(rows[name], rows["sync torch.save (new file, faster of 2)"])]
         return statistics.median(ratios), min(ratios), max(ratios)
 
-    trainer_ratio, trainer_low, trainer_high = per_repeat("async store.save() call (wall)")
+    trainer_ratio, trainer_low, trainer_high = per_repeat("trainer save path: save() + that wait")
     stall_ratio, stall_low, stall_high = per_repeat("effective stall: save() + extra step time")
-    process_trainer = per_repeat("async store.save() call (wall)" + WRITER_PROCESS)
+    process_trainer = per_repeat("trainer save path: save() + that wait" + WRITER_PROCESS)
     process_stall = per_repeat("effective stall: save() + extra step time" + WRITER_PROCESS)
-    trainer_blocking = blocking
+    trainer_blocking = med["trainer save path: save() + that wait" + WRITER_PROCESS]
     restore = med["CheckpointStore.load (restore)"]
     step_base = med["training step, no save in flight"]
     step_during = med["training step during background write"]
@@ -436,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({restore / med['torch.load']:.2f}x); resume incl. latest_valid re-hash "
           f"{med['resume: latest_valid() (re-hash every file)'] + restore:.3f} s")
     restore_medians = {label: statistics.median(values) for label, values in restores.items()}
-    from_storage = min(v for label, v in restore_medians.items() if not label.startswith("memory"))
-    from_memory = max(v for label, v in restore_medians.items() if label.startswith("memory"))
+    from_storage = min((v for label, v in restore_medians.items() if not label.startswith("memory")), default=math.nan)
+    from_memory = max((v for label, v in restore_medians.items() if label.startswith("memory")), default=math.nan)
     memory_speedup = from_storage / from_memory
     print(f"restore as a restarted process resumes (latest_valid + load into a fresh model), {args.restore_repeats} "
           f"each, median (min-max):")

@@ -154,6 +154,72 @@ def test_async_save_stages_a_copy_before_returning(store, root, monkeypatch):
     assert_same(weights(loaded), before)
 
 
+def test_entries_copied_in_background_are_copied_while_save_has_returned(store, monkeypatch):
+    """copy_in_background: save() returns before those entries are copied (the copy waits here on a gate that
+    only opens after save() returned); wait_copied() waits for the copy, which holds the values at save() time,
+    and counts as blocking; entries not named are copied before save() returns."""
+    model, opt = trained()
+    at_save, counts_at_save = weights(model), {"seen": 3}
+    gate, real_stager = threading.Event(), store._stager
+
+    def gated_stager(shared):
+        stage = real_stager(shared)
+
+        def staging(plain):
+            if "model" in plain:  # the background copy
+                assert gate.wait(30), "the copy of the entries named in copy_in_background blocked save()"
+            return stage(plain)
+        return staging
+
+    monkeypatch.setattr(store, "_stager", gated_stager)
+    counts = {"seen": 3}
+    pending = store.save(4, {**app_state(model, opt), "counts": counts}, copy_in_background=("model", "optim"))
+    counts["seen"] = 4  # not named: copied before save() returned
+    blocked_in_save = store.last_blocking_seconds
+    gate.set()
+    waited = store.wait_copied()
+    assert waited >= 0 and store.last_blocking_seconds == pytest.approx(blocked_in_save + waited)
+    assert pending.blocking_seconds == store.last_blocking_seconds
+    train_step(model, opt, seed=3)  # after wait_copied the weights may change
+    info = store.wait()
+    assert info.valid and store.wait_copied() == 0.0
+
+    fresh_model, fresh_opt = trained(seed=5)
+    state = {**app_state(fresh_model, fresh_opt), "counts": {"seen": 0}}
+    store.load(info, state)
+    set_state_dict(fresh_model, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert_same(weights(fresh_model), at_save)
+    assert state["counts"] == counts_at_save
+
+
+def test_a_failed_background_copy_is_raised_on_the_training_thread(store, monkeypatch):
+    real_stager = store._stager
+
+    def failing_stager(shared):
+        stage = real_stager(shared)
+        return lambda plain: (_ for _ in ()).throw(MemoryError("no room to copy")) if "model" in plain else stage(plain)
+
+    monkeypatch.setattr(store, "_stager", failing_stager)
+    store.save(1, {"model": make_model().state_dict()}, copy_in_background=("model",))
+    with pytest.raises(MemoryError, match="no room to copy"):
+        store.wait_copied()
+    assert store.wait_copied() == 0.0  # raised once; the store takes the next save
+    monkeypatch.setattr(store, "_stager", real_stager)
+    with pytest.raises(MemoryError):
+        store.wait()  # the failed save's handle says why
+    assert store.save(2, {"model": make_model().state_dict()}).result().step == 2
+
+
+def test_a_blocking_save_copies_everything_before_returning(store, monkeypatch):
+    copied_on = []
+    real_stager = store._stager
+    monkeypatch.setattr(store, "_stager", lambda shared: (copied_on.append(threading.current_thread()),
+                                                          real_stager(shared))[1])
+    store.save(1, {"model": make_model().state_dict()}, blocking=True, copy_in_background=("model",))
+    assert copied_on == [threading.current_thread()]
+    assert store.wait().valid
+
+
 def test_a_later_save_finishes_the_previous_one(store):
     model = make_model()
     first = store.save(1, {"model": model.state_dict()})

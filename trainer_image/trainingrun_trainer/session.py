@@ -30,7 +30,7 @@ import os
 import shutil
 import signal
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -272,8 +272,10 @@ class Run:
         *,
         model_digest: Any = "",
         blocking: bool = False,
+        copy_in_background: Collection[str] = (),
     ) -> None:
-        """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors."""
+        """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors.
+        `copy_in_background`: see `CheckpointStore.save`."""
         self.report_committed()
         cost = self.auto_interval.save_cost if self.auto_interval is not None else None
         if cost is not None:
@@ -285,6 +287,7 @@ class Run:
             config_hash=self.config_hash,
             model_digest=model_digest,
             blocking=blocking or not self.checkpoint.async_save,
+            copy_in_background=copy_in_background,
         )
         self._last_save = time.monotonic()
         self._last_saved_step = step

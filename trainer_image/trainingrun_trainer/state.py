@@ -25,6 +25,19 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 
+#: The entries that only the optimizer step changes (and EMA's update after it): a checkpoint copies them in the
+#: background while the next forward and backward pass run (`CheckpointStore.save`'s copy_in_background).
+CHANGED_BY_OPTIMIZER_STEP = ("model", "optim", "ema")
+
+
+def changed_by_forward(model: nn.Module) -> bool:
+    """Whether a forward pass changes what the model's state dict holds: persistent buffers such as batch norm's
+    running statistics (and DDP broadcasts buffers before each forward). A checkpoint's background copy of such a
+    model must be done before the next forward pass, not only before the optimizer step."""
+    parameters = {name for name, _ in model.named_parameters()}
+    return any(name not in parameters for name in model.state_dict())
+
+
 class ModelState:
     """A model's weights as a DCP Stateful (DCP calls state_dict() to save, load_state_dict() after a load)."""
 

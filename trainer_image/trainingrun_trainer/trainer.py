@@ -33,7 +33,7 @@ from .optim import build_optimizer, build_scheduler, scale_learning_rate
 from .precision import PrecisionPlan
 from .session import Run, init_process_group
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
-from .state import ModelState, OptimizerState, PerRank, TrainState
+from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank, TrainState, changed_by_forward
 from .timekeeping import ProcessClock
 
 log = logging.getLogger("trainingrun.trainer")
@@ -59,6 +59,7 @@ class Trainer:
         self.samples_per_second: float | None = None  #: over the last logging window
         self.tokens_per_second: float | None = None  #: the same, for models that count tokens
         self.data_wait_seconds = 0.0  #: of the step in progress
+        self.copy_wait_seconds = 0.0  #: of the step in progress: waiting for a checkpoint's background copy
         self.metrics: metrics.NullMetrics = metrics.NullMetrics()
         self.tracker: Any = tracking.NullTracker()
         self.tracked_checkpoint = 0  #: the newest committed step the trackers were told of
@@ -95,6 +96,7 @@ class Trainer:
             for i, block in enumerate(blocks):
                 blocks[i] = checkpoint_wrapper(block)
         self.model = model  # the unwrapped module: what gets checkpointed and digested
+        self.copy_before_forward = changed_by_forward(model)
         counts_tokens = getattr(model, "tokens_per_sample", None)
         self.tokens_per_sample = int(counts_tokens()) if callable(counts_tokens) else 0
         if self.cfg.strategy == "fsdp2" and self.distributed:
@@ -211,8 +213,9 @@ class Trainer:
         """A step's time: data wait and compute in the process's clock, compute also productive when `kept`
         (rolled back steps are not). Returns the step's seconds."""
         seconds = time.monotonic() - started
-        compute = max(0.0, seconds - self.data_wait_seconds)
+        compute = max(0.0, seconds - self.data_wait_seconds - self.copy_wait_seconds)
         self.clock.add("data_wait", self.data_wait_seconds)
+        self.clock.add("checkpoint", self.copy_wait_seconds)
         self.clock.add("compute", compute)
         if kept:
             self.productive_seconds += compute
@@ -229,7 +232,12 @@ class Trainer:
             digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
         else:
             digest = lambda staged: model_digest(staged["model"])  # noqa: E731 - rank 0 computes it in the background
-        self.run.save(self.step, state, self._per_rank(), model_digest=digest, blocking=blocking)
+        self.run.save(self.step, state, self._per_rank(), model_digest=digest, blocking=blocking,
+                      copy_in_background=CHANGED_BY_OPTIMIZER_STEP)
+
+    def _wait_for_checkpoint_copy(self) -> None:
+        """Before the weights change: wait until the save in flight has copied them (it copies in the background)."""
+        self.copy_wait_seconds += self.run.store.wait_copied()
 
     # ------------------------------------------------------------ the loop
 
@@ -241,6 +249,8 @@ class Trainer:
         costs no extra round trip. The gradient norm needs none: it is already global.
         """
         accumulation = self.cfg.grad_accumulation_steps
+        if self.copy_before_forward:
+            self._wait_for_checkpoint_copy()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         agreement: Callable[[], tuple] = lambda: (False, False, False)  # noqa: E731 - replaced below
@@ -353,12 +363,13 @@ class Trainer:
         window_start, window_steps = time.monotonic(), 0
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
-            self.data_wait_seconds = 0.0
+            self.data_wait_seconds = self.copy_wait_seconds = 0.0
             loss, grad_norm, agreement = self._train_step(batches)
             # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
             stop, save_due, loss_bad = agreement()
             verdict = self.guard.observe(self.step + 1, not loss_bad, math.isfinite(grad_norm))
             if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.plan.precision == "16-mixed"):
+                self._wait_for_checkpoint_copy()
                 self.scaler.step(self.optimizer)  # with fp16 the scaler itself skips inf steps
                 self.scaler.update()
                 if self.ema:

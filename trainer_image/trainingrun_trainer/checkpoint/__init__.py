@@ -29,9 +29,11 @@ writes to buckets. ``gs://`` uses gcsfs defaults (Application Default Credential
 How a save is sequenced (same on every rank; collectives use a dedicated gloo group):
 
 1. ``save()`` (training thread) first finishes the previous save, then stages: DCP's
-   ``BlockingAsyncStager`` copies every tensor of ``state`` into new CPU tensors (a real copy,
-   also for CPU tensors), and ``extra`` is serialized to bytes (this rank's entry of the state).
-   Then it returns; the training loop may change its tensors at once.
+   ``StateDictStager`` copies every tensor of ``state`` into CPU buffers that every save reuses (a real copy,
+   also for CPU tensors; pinned with CUDA; shared memory for the writer process), and ``extra`` is serialized to
+   bytes (this rank's entry of the state). Then it returns; the training loop may change its tensors at once,
+   except those of the entries named in ``copy_in_background``: the background thread copies them first, and
+   the loop calls ``wait_copied()`` before it changes them (the trainer: before the next optimizer step).
 2. A single background thread (reused across saves, so fsspec/gcsfs sessions are reused) runs
    ``dcp.save``: rank 0 clears a stale directory of the same step while planning (before any
    rank writes), every rank writes its data files (by its writer process, `writer_process`, when the

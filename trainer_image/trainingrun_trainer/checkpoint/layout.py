@@ -69,7 +69,8 @@ class CheckpointInfo:
 class PendingSave:
     """Handle of one save returned by :meth:`CheckpointStore.save`.
 
-    ``step``: the step being saved. ``blocking_seconds``: how long ``save()`` blocked its caller.
+    ``step``: the step being saved. ``blocking_seconds``: how long ``save()`` (and
+    ``wait_copied()`` after it) blocked its caller.
     ``done()``: whether the save finished (committed or failed). ``result(timeout=None)``: waits
     and returns the committed :class:`CheckpointInfo`, or ``None`` when the save failed; it never
     raises a storage error.

@@ -8,17 +8,17 @@ import os
 import pickle
 import posixpath
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
@@ -45,6 +45,9 @@ class _SaveJob:
     expected_bytes: int  # about what this rank writes (for the memory tier's room)
     shared: bool = False  # staged in shared memory, for the writer process
     logged: bool = False  # this rank already logged the failure
+    later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
+    copied: threading.Event = field(default_factory=threading.Event)  # `later` is staged (or failed to be)
+    copy_error: Optional[BaseException] = None  # why staging `later` failed: raised on the training thread
 
 
 def _describe(exc: BaseException) -> str:
@@ -62,12 +65,6 @@ def _describe(exc: BaseException) -> str:
 def _plain(state: Mapping[str, Any]) -> dict:
     """`state` with Stateful objects replaced by their state_dict."""
     return {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
-
-
-def _stage(plain: Mapping[str, Any]) -> dict:
-    """CPU copy of a plain state (see `_plain`), as DCP's async_save stages it: new CPU tensors filled by copy,
-    containers rebuilt, other values deep-copied."""
-    return BlockingAsyncStager(type_check=False).stage(plain)
 
 
 def tensor_bytes(tree: Any) -> int:
@@ -128,7 +125,11 @@ class CheckpointStore:
         self._writer = WriterProcess() if writer_process else None
         if self._writer is not None:
             self._writer.start()  # it imports torch while training starts
-        self._shared_stager = StateDictStager(share_memory=True) if writer_process else None
+        # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies), in shared
+        # memory when the writer process writes them: containers are rebuilt, other values deep-copied.
+        self._shared_stager = StateDictStager(share_memory=True, pin_memory=torch.cuda.is_available()) \
+            if writer_process else None
+        self._private_stager = StateDictStager(pin_memory=torch.cuda.is_available())
         self._shared_bytes = 0  # held by the shared staging buffers
         self._told_no_shared_room = False
         #: Fault injection (tests): the writer process kills itself part way through the save of this step.
@@ -148,6 +149,7 @@ class CheckpointStore:
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
         self._pending: Optional[PendingSave] = None
+        self._copying: Optional[_SaveJob] = None  # the save whose background copy the caller has not waited for
         self._last_result: Optional[CheckpointInfo] = None
         # uri -> manifest sha256 of checkpoints this process committed or deep-verified.
         self._trusted: dict[str, str] = {}
@@ -167,7 +169,7 @@ class CheckpointStore:
 
     def save(self, step: int, state: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None, *,
              config_hash: str = "", model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
-             blocking: bool = False) -> PendingSave:
+             blocking: bool = False, copy_in_background: Collection[str] = ()) -> PendingSave:
         """Checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank.
 
         ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
@@ -180,6 +182,10 @@ class CheckpointStore:
         Finishes the previous save first, then stages (copies) state and extra and returns; the
         write and commit run in the background unless ``blocking``. Never raises a storage error:
         a failed save returns a handle whose ``result()`` is None and counts in ``failed_saves``.
+
+        ``copy_in_background``: keys of ``state`` whose tensors the caller leaves unchanged until it calls
+        :meth:`wait_copied` (the trainer: model, optimizer and EMA, which only the next optimizer step changes).
+        Their state_dict() is taken now, but the copy is made by the background thread while training goes on.
         """
         if self._closed:
             raise RuntimeError("the checkpoint store is closed")
@@ -192,13 +198,17 @@ class CheckpointStore:
         if reserved:
             raise ValueError(f"state keys {reserved} are reserved for each rank's extra state: rename them")
         plain = _plain(state)
+        expected_bytes = self.last_save_bytes or tensor_bytes(plain)
         shared = self._room_to_share(plain)
-        staged = self._shared_stager.stage(plain) if shared else _stage(plain)
+        later = {} if blocking else {key: plain.pop(key) for key in copy_in_background if key in plain}
+        staged = self._stager(shared)(plain)
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
         staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
         job = _SaveJob(step=step, state=staged, config_hash=config_hash, model_digest=model_digest, started=started,
-                       expected_bytes=self.last_save_bytes or tensor_bytes(staged), shared=shared)
+                       expected_bytes=expected_bytes, shared=shared, later=later or None)
+        if not later:
+            job.copied.set()
         if blocking:
             future: Future = Future()
             future.set_result(self._run(job))
@@ -206,8 +216,28 @@ class CheckpointStore:
             future = self._executor.submit(self._run, job)
         self.last_blocking_seconds = time.perf_counter() - began
         pending = PendingSave(step, future, self.last_blocking_seconds)
-        self._pending = pending
+        self._pending, self._copying = pending, job
         return pending
+
+    def _stager(self, shared: bool) -> Callable[[dict], dict]:
+        return (self._shared_stager if shared else self._private_stager).stage
+
+    def wait_copied(self) -> float:
+        """Wait until the save in flight has copied its ``copy_in_background`` entries; returns the seconds waited
+        (they count in ``last_blocking_seconds`` and the save's ``blocking_seconds``). Call it before changing
+        them. Raises what copying raised (out of memory...), as ``save()`` would have."""
+        job, self._copying = self._copying, None
+        if job is None:
+            return 0.0
+        began = time.perf_counter()
+        job.copied.wait()
+        waited = time.perf_counter() - began
+        self.last_blocking_seconds += waited
+        if self._pending is not None and self._pending.step == job.step:
+            self._pending.blocking_seconds += waited
+        if job.copy_error is not None:
+            raise job.copy_error
+        return waited
 
     def _room_to_share(self, plain: Mapping[str, Any]) -> bool:
         """Whether this save can stage into shared memory for the writer process: /dev/shm must hold what the
@@ -238,6 +268,7 @@ class CheckpointStore:
         committed :class:`CheckpointInfo`, or None if it failed (or nothing was saved yet)."""
         pending, self._pending = self._pending, None
         if pending is not None:
+            self.wait_copied()
             self._last_result = pending.result()
         return self._last_result
 
@@ -295,6 +326,15 @@ class CheckpointStore:
     def _run(self, job: _SaveJob) -> Optional[CheckpointInfo]:
         """Write, commit, rotate. Runs on every rank (background thread unless blocking); never
         raises: errors become a None result, a log record and failed_saves."""
+        if job.later is not None:
+            try:
+                job.state.update(self._stager(job.shared)(job.later))
+            except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
+                job.copy_error = exc
+                raise
+            finally:
+                job.later = None
+                job.copied.set()
         step_uri = self._step_uri(job.step)
         record: dict[str, tuple[int, str]] = {}
         error: Optional[str] = None
