@@ -17,7 +17,8 @@ What is measured
     batches) over `trainingrun_step_duration_seconds` (whole steps), summed over every step, the first included
     (the DataLoader starts its workers then, and that is part of reading). steps/s = steps / summed step seconds
     (process start, model build and the final checkpoint are outside steps). DataLoader workers: `--workers`
-    (default: the trainer's default, 0) and `--prefetch`.
+    (default: the trainer's default, 0: the built-in datasets are then read by a thread two batches ahead) and
+    `--prefetch`.
 
 Target
     data_wait_fraction (GCS shards, cold) <= 0.02 with the default workers.

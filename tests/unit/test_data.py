@@ -1,6 +1,7 @@
 """Synthetic datasets are pure functions of (seed, split, index); the ResumableSampler resumes at any
 world size with no sample skipped or repeated."""
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from trainingrun_trainer.data import ResumableSampler, SyntheticImages, SyntheticText, seed_worker
+from trainingrun_trainer.data import ResumableSampler, SyntheticImages, SyntheticText, in_background, seed_worker
 
 # ---------------------------------------------------------------- datasets
 
@@ -382,3 +383,50 @@ def test_dataloader_workers_differ_from_each_other_and_repeat_across_runs():
     assert values == run()
     # Items 0 and 1 come from different workers; forked numpy state alone would make them equal.
     assert values[0] != values[1]
+
+
+def test_in_background_yields_every_item_in_order_made_on_another_thread():
+    made_on = []
+
+    def items():
+        for i in range(50):
+            made_on.append(threading.current_thread())
+            yield i
+
+    assert list(in_background(items(), depth=2)) == list(range(50))
+    assert set(made_on) and threading.current_thread() not in made_on
+
+
+def test_in_background_raises_the_datasets_error_where_the_item_was_wanted():
+    def items():
+        yield 1
+        raise ValueError("shard s3://b/x.bin: truncated at byte 12")
+
+    batches = in_background(items())
+    assert next(batches) == 1
+    with pytest.raises(ValueError, match="truncated at byte 12"):
+        next(batches)
+
+
+def test_closing_in_background_stops_its_thread():
+    before = {t for t in threading.enumerate() if t.name == "trainingrun-batches"}
+    batches = in_background(iter(range(10**9)), depth=2)
+    assert next(batches) == 0
+    batches.close()
+    producers = [t for t in threading.enumerate() if t.name == "trainingrun-batches" and t not in before]
+    for thread in producers:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in producers)
+
+
+def test_the_loader_read_in_background_gives_the_same_batches():
+    dataset = SyntheticText(num_samples=256, context_length=8)
+    assert dataset.pure_items
+
+    def loader():
+        sampler = ResumableSampler(len(dataset), 0, 1, seed=3, samples_per_step=8)
+        return DataLoader(dataset, batch_size=8, sampler=sampler, generator=torch.Generator().manual_seed(0))
+
+    expected = [batch["tokens"] for batch in loader()]
+    got = [batch["tokens"] for batch in in_background(loader())]
+    assert len(got) == len(expected) == 32 and all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -150,8 +150,10 @@ class DataConfig(ApiModel):
         default=32, ge=1, le=65536, description="Samples per process per micro-step (before accumulation)."
     )
     num_workers: int = Field(
-        default=0, ge=0, le=64, description="DataLoader worker processes per rank; each is seeded. With data in "
-        "object storage, 2-4 keep reads ahead of the GPU (watch trainingrun_data_wait_seconds)."
+        default=0, ge=0, le=64, description="DataLoader worker processes per rank; each is seeded. 0: batches are "
+        "made in the training process, by a thread two batches ahead for the built-in datasets (and any whose class "
+        "sets pure_items = True: items that depend on their index alone), else on the training thread. With heavy "
+        "decoding or augmentation, 2-4 keep up with a GPU (watch trainingrun_data_wait_seconds)."
     )
     prefetch_factor: Optional[int] = Field(
         default=None, ge=1, le=64, description="Batches each worker loads ahead (PyTorch's default 2); needs "

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import bisect
 import collections
+import queue
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-__all__ = ["SPLITS", "SyntheticText", "SyntheticImages", "ResumableSampler", "seed_worker"]
+__all__ = ["SPLITS", "SyntheticText", "SyntheticImages", "ResumableSampler", "in_background", "seed_worker"]
 
 SPLITS = ("train", "eval")
 
@@ -60,6 +62,10 @@ def checked_index(index: int, length: int) -> int:
 
 class _SeededItems(Dataset):
     """Map-style dataset of `num_samples` items, item i built from its own seeded numpy Generator."""
+
+    #: Each item is a function of its index alone (no global RNG, nothing read changes state): with numWorkers 0 the
+    #: trainer reads it from a background thread (`in_background`) without changing what any step sees.
+    pure_items = True
 
     def __init__(self, num_samples: int, seed: int, split: str):
         _check_common(num_samples, seed)
@@ -344,6 +350,55 @@ class _ReadAhead(Sampler[int]):
             self.prefetch(index)
         except Exception:  # noqa: BLE001 - the read of this item raises it again, where it is reported
             pass
+
+
+T = TypeVar("T")
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_END = object()
+
+
+def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
+    """What `items` yields, in order, made by a thread of its own up to `depth` items ahead: with numWorkers 0 the
+    next batches are read while the step computes (its tensor operations release the interpreter lock). Errors
+    are raised here, where the item was wanted; closing the iterator stops the thread.
+
+    Only for datasets whose items do not draw from the global RNGs (`pure_items`): a thread would interleave those
+    draws with the training step's and change both."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                ready.put(item)
+                if stop.is_set():
+                    return
+            ready.put(_END)
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread
+            ready.put(_Failed(exc))
+
+    threading.Thread(target=produce, name="trainingrun-batches", daemon=True).start()
+    try:
+        while True:
+            item = ready.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        while True:  # make room, so a producer blocked on a full queue sees `stop`
+            try:
+                ready.get_nowait()
+            except queue.Empty:
+                break
 
 
 def read_ahead(sampler: Sampler[int], prefetch: Callable[[int], None], ahead: int, threads: int = 4) -> Sampler[int]:

@@ -85,6 +85,8 @@ class TokenShards(Dataset):
             for them (the trainer wraps its sampler in data.read_ahead); 0 turns it off.
     """
 
+    pure_items = True  #: an item is a function of its index alone (data.in_background may read it)
+
     def __init__(self, uri: str, context_length: int = 64, dtype: str = "uint16", pattern: str = "*.bin",
                  vocab_size: Optional[int] = None, num_samples: Optional[int] = None, eval_fraction: float = 0.05,
                  seed: int = 0, split: str = "train", cache_dir: Optional[str] = None, block_bytes: int = 1 << 20,

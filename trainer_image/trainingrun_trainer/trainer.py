@@ -26,7 +26,7 @@ from . import components, exit_codes, metrics, tracking
 from .checkpoint import model_digest
 from .config import RunConfig
 from .context import RunContext
-from .data import ResumableSampler, read_ahead, seed_worker
+from .data import ResumableSampler, in_background, read_ahead, seed_worker
 from .ema import WeightEMA
 from .health import NonFiniteGuard, Verdict
 from .optim import build_optimizer, build_scheduler, scale_learning_rate
@@ -152,7 +152,8 @@ class Trainer:
                 drop_last=True,
             )
             produced = False
-            for batch in loader:
+            in_process = self.cfg.data.num_workers == 0
+            for batch in in_background(loader) if in_process and getattr(self.dataset, "pure_items", False) else loader:
                 produced = True
                 yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             if not produced:
