@@ -363,6 +363,10 @@ class _Failed:
 _END = object()
 
 
+#: How long closing `in_background` waits for its thread to finish the item in hand.
+STOP_SECONDS = 60.0
+
+
 def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
     """What `items` yields, in order, made by a thread of its own up to `depth` items ahead: with numWorkers 0 the
     next batches are read while the step computes (its tensor operations release the interpreter lock). Errors
@@ -383,7 +387,8 @@ def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread
             ready.put(_Failed(exc))
 
-    threading.Thread(target=produce, name="trainingrun-batches", daemon=True).start()
+    producer = threading.Thread(target=produce, name="trainingrun-batches", daemon=True)
+    producer.start()
     try:
         while True:
             item = ready.get()
@@ -399,6 +404,9 @@ def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
                 ready.get_nowait()
             except queue.Empty:
                 break
+        # It finishes the item in hand: let it, so it is not inside the dataset when the process exits (a bound, in
+        # case a read hangs on storage).
+        producer.join(STOP_SECONDS)
 
 
 def read_ahead(sampler: Sampler[int], prefetch: Callable[[int], None], ahead: int, threads: int = 4) -> Sampler[int]:

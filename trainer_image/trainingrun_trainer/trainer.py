@@ -137,6 +137,7 @@ class Trainer:
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
+        read_by_a_thread = self.cfg.data.num_workers == 0 and getattr(self.dataset, "pure_items", False)
         while True:
             generator = torch.Generator().manual_seed(self.cfg.seed + self.sampler.state_dict()["epoch"])
             ahead = getattr(self.dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
@@ -152,8 +153,7 @@ class Trainer:
                 drop_last=True,
             )
             produced = False
-            in_process = self.cfg.data.num_workers == 0
-            for batch in in_background(loader) if in_process and getattr(self.dataset, "pure_items", False) else loader:
+            for batch in in_background(loader) if read_by_a_thread else loader:
                 produced = True
                 yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             if not produced:
@@ -304,6 +304,7 @@ class Trainer:
         try:
             code = self._loop(batches)
         finally:
+            batches.close()  # stops the thread that reads ahead (data.in_background), if any
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
         # The last word on this process's time: the final save included.
@@ -381,6 +382,7 @@ class Trainer:
                 self._account_step(step_started, kept=False)
                 if not self._rollback():
                     return exit_codes.DIVERGED
+                batches.close()
                 batches = self._batches()
                 continue
             elif verdict is Verdict.ABORT:

@@ -8,7 +8,6 @@ import os
 import pickle
 import posixpath
 import shutil
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,8 +45,7 @@ class _SaveJob:
     shared: bool = False  # staged in shared memory, for the writer process
     logged: bool = False  # this rank already logged the failure
     later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
-    copied: threading.Event = field(default_factory=threading.Event)  # `later` is staged (or failed to be)
-    copy_error: Optional[BaseException] = None  # why staging `later` failed: raised on the training thread
+    copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
 
 
 def _describe(exc: BaseException) -> str:
@@ -208,7 +206,7 @@ class CheckpointStore:
         job = _SaveJob(step=step, state=staged, config_hash=config_hash, model_digest=model_digest, started=started,
                        expected_bytes=expected_bytes, shared=shared, later=later or None)
         if not later:
-            job.copied.set()
+            job.copied.set_result(None)
         if blocking:
             future: Future = Future()
             future.set_result(self._run(job))
@@ -230,13 +228,13 @@ class CheckpointStore:
         if job is None:
             return 0.0
         began = time.perf_counter()
-        job.copied.wait()
+        error = job.copied.exception()
         waited = time.perf_counter() - began
         self.last_blocking_seconds += waited
-        if self._pending is not None and self._pending.step == job.step:
+        if self._pending is not None:  # the save whose copy this was: set together in save(), wait() keeps the order
             self._pending.blocking_seconds += waited
-        if job.copy_error is not None:
-            raise job.copy_error
+        if error is not None:
+            raise error
         return waited
 
     def _room_to_share(self, plain: Mapping[str, Any]) -> bool:
@@ -266,9 +264,9 @@ class CheckpointStore:
     def wait(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight, if any, and return the most recent save's outcome: the
         committed :class:`CheckpointInfo`, or None if it failed (or nothing was saved yet)."""
+        self.wait_copied()
         pending, self._pending = self._pending, None
         if pending is not None:
-            self.wait_copied()
             self._last_result = pending.result()
         return self._last_result
 
@@ -330,11 +328,11 @@ class CheckpointStore:
             try:
                 job.state.update(self._stager(job.shared)(job.later))
             except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
-                job.copy_error = exc
+                job.copied.set_exception(exc)
                 raise
             finally:
                 job.later = None
-                job.copied.set()
+            job.copied.set_result(None)
         step_uri = self._step_uri(job.step)
         record: dict[str, tuple[int, str]] = {}
         error: Optional[str] = None
