@@ -235,7 +235,9 @@ class Recovery(ApiModel):
         default=3,
         ge=0,
         le=100,
-        description="In-place worker-group restarts torchrun may do within one attempt (elasticPolicy.maxRestarts).",
+        description="In-place worker-group restarts torchrun may do in a row within one attempt "
+                    "(elasticPolicy.maxRestarts); a group that committed a checkpoint since the last restart gets them "
+                    "all back, so only a crash loop ends the attempt.",
     )
 
     @model_validator(mode="after")

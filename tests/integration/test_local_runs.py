@@ -221,7 +221,8 @@ def test_chaos_kill_every_until_the_failure_budget_is_spent(tmp_path):
 def test_in_place_restarts_are_counted_apart_from_attempts_and_end_in_the_runners_budget(tmp_path):
     body = training_run()
     body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 0, "maxRestartsPerAttempt": 2}
-    kills = ("--chaos-kill-step", "12", "--chaos-kill-step", "25", "--chaos-kill-step", "38")
+    # Three kills with no checkpoint committed between them (step 10 is the last before all three): a crash loop.
+    kills = ("--chaos-kill-step", "12", "--chaos-kill-step", "14", "--chaos-kill-step", "16")
     result = local(tmp_path, write_run(tmp_path, body), *kills)
     assert result.returncode == 1, result.stdout[-3000:]
     # torchrun absorbed the first two kills in place; the third ended the attempt, with no budget left.
@@ -229,8 +230,25 @@ def test_in_place_restarts_are_counted_apart_from_attempts_and_end_in_the_runner
     assert result.stdout.count("chaos: SIGKILL worker rank") == 3
     assert "the recovery budget spec.recovery.maxFailures=0 is spent" in result.stderr
     summary = result_of(result.stdout)
-    assert summary["attempts"] == "1" and summary["restarts_in_place"] == "2" and 25 <= int(summary["steps"]) <= 38
+    assert summary["attempts"] == "1" and summary["restarts_in_place"] == "2" and 10 <= int(summary["steps"]) <= 16
     assert int(summary["lost_steps"]) <= 3 * INTERVAL
+
+
+@pytest.mark.slow
+def test_a_group_that_committed_a_checkpoint_since_its_last_restart_gets_its_restart_budget_back(tmp_path):
+    body = training_run()
+    body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 0, "maxRestartsPerAttempt": 1}
+    kills = ("--chaos-kill-step", "15", "--chaos-kill-step", "35", "--chaos-kill-step", "55")
+    result = local(tmp_path, write_run(tmp_path, body), *kills)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # One restart per attempt allowed, three kills: each group had committed a checkpoint before it was killed.
+    summary = result_of(result.stdout)
+    assert summary["attempts"] == "1" and summary["restarts_in_place"] == "3" and summary["steps"] == "60"
+    log = (tmp_path / "runs" / "demo" / "attempt-1.log").read_text()
+    # The first kill found the budget whole; the next two found it spent and refilled by steps 30 and 50.
+    refills = re.findall(r"the worker group committed step (\d+) since its last restart: 1 in-place restarts left again",
+                         log)
+    assert refills == ["30", "50"]
 
 
 def productive_seconds_at(tmp_path, checkpoints, step):

@@ -10,7 +10,7 @@ import yaml
 
 from tiny_runs import tiny_trainer
 from trainingrun_trainer import contract, exit_codes
-from trainingrun_trainer.launch import POD_KEEP_ALIVE, container_exit_code, pod_rendezvous
+from trainingrun_trainer.launch import POD_KEEP_ALIVE, RestartBudget, container_exit_code, pod_rendezvous
 
 WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"
 
@@ -127,3 +127,28 @@ def test_the_forkserver_starts_before_torch_only_for_the_builtin_trainer(monkeyp
     assert launch_module._start_forkserver(argv, env) is starts
     assert bool(started) is starts
     assert env.get("OMP_NUM_THREADS") == omp
+
+
+class Spec:
+    max_restarts = 3
+
+
+def test_the_restart_budget_refills_only_after_a_newly_committed_step(tmp_path):
+    committed = tmp_path / "committed-step"
+    budget = RestartBudget(committed, per_attempt=3)
+    assert not budget.progressed()  # the group committed nothing yet: a crash loop spends the budget
+    committed.write_text("10")
+    assert budget.progressed()
+    assert not budget.progressed()  # the same step again: no progress since the last failure
+    committed.write_text("20")
+    assert budget.progressed() and budget.committed == "20"
+
+
+def test_a_refilled_budget_keeps_the_restart_count_growing():
+    # TORCHELASTIC_RESTART_COUNT = spec.max_restarts - remaining: --chaos-kill-step and the start counts read it.
+    spec, budget = Spec(), RestartBudget(Path("unused"), per_attempt=3)
+    remaining = 1  # two restarts done
+    remaining = budget.restore(spec, remaining)
+    assert remaining == 3 and spec.max_restarts - remaining == 2
+    remaining -= 1  # the agent's own decrement for the restart it is about to do
+    assert spec.max_restarts - remaining == 3

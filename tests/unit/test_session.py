@@ -16,11 +16,11 @@ from trainingrun_trainer.session import Run
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def run_in(root, resume_from=None) -> Run:
+def run_in(root, resume_from=None, local_rank=0, committed_step_file=None) -> Run:
     uri = f"file://{root}"
     context = RunContext(name="demo", namespace="ns", uid="u", attempt=2, config_path="unused", checkpoint_uri=uri,
-                         resume_from=resume_from, metrics_port=None, pod_name="demo-a2-worker-0", rank=0,
-                         local_rank=0, world_size=1)
+                         resume_from=resume_from, metrics_port=None, pod_name="demo-a2-worker-0", rank=local_rank,
+                         local_rank=local_rank, world_size=1, committed_step_file=committed_step_file)
     return Run(context, CheckpointConfig(uri=uri, keep=10), reporter=ProgressReporter(None, Report("ns", "demo", "u", 2)),
                handle_sigterm=False)
 
@@ -153,3 +153,22 @@ def test_the_writer_process_is_on_with_a_gpu_unless_the_spec_says(tmp_path, sett
         assert (run.store._writer is not None) == expected
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_local_rank_zero_tells_the_launcher_each_committed_step(tmp_path, local_rank):
+    told = tmp_path / "committed-step"
+    run = run_in(tmp_path / "ckpt", local_rank=local_rank, committed_step_file=str(told))
+    saved_at(run, 10)
+    assert (told.read_text() if told.exists() else None) == ("10" if local_rank == 0 else None)
+    saved_at(run, 20)
+    assert (told.read_text() if told.exists() else None) == ("20" if local_rank == 0 else None)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("committed-step")] == (["committed-step"] if local_rank == 0 else [])
+
+
+def test_a_launcher_file_that_cannot_be_written_costs_a_warning_not_the_step(tmp_path, caplog):
+    run = run_in(tmp_path / "ckpt", committed_step_file=str(tmp_path / "no-such-dir" / "committed-step"))
+    with caplog.at_level(logging.WARNING, logger="trainingrun.session"):
+        saved_at(run, 10)
+    assert run.last_committed.step == 10
+    assert "could not record committed step 10 for the launcher" in caplog.text

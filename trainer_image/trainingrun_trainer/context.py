@@ -49,6 +49,8 @@ class RunContext:
     chaos_kill_at_step: Optional[int] = None
     #: TORCHELASTIC_RESTART_COUNT: times torchrun restarted this worker group in place within the attempt.
     restart_count: int = 0
+    #: TRAININGRUN_COMMITTED_STEP_FILE (set by the launcher): where local rank 0 writes each committed step.
+    committed_step_file: Optional[str] = None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -100,4 +102,5 @@ class RunContext:
             chaos_kill_at_step=chaos_step(env.get(contract.CHAOS_KILL_AT_STEP, ""),
                                           integer("TORCHELASTIC_RESTART_COUNT", 0) or 0),
             restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0) or 0,
+            committed_step_file=env.get(contract.COMMITTED_STEP_FILE) or None,
         )

@@ -46,6 +46,9 @@ REPORT_CA_FILE = "TRAININGRUN_REPORT_CA_FILE"
 REPORT_INTERVAL_SECONDS = "TRAININGRUN_REPORT_INTERVAL_SECONDS"
 #: `trainingrun local` fault injection: one step per worker group at which a worker kills itself.
 CHAOS_KILL_AT_STEP = "TRAININGRUN_CHAOS_KILL_AT_STEP"
+#: Set by the launcher for its workers: the file where local rank 0 writes the newest committed step, so the agent
+#: can tell a worker group that made progress before it failed from one that crash-loops (launch.RestartBudget).
+COMMITTED_STEP_FILE = "TRAININGRUN_COMMITTED_STEP_FILE"
 #: Every name above starts so; a user's env may not use it (validation refuses it).
 PREFIX = "TRAININGRUN_"
 #: Set by the user in spec.env (so outside PREFIX): grams of CO2 per kWh, for the trainer's emissions estimate.

@@ -27,6 +27,12 @@ elasticPolicy.maxRestarts) starts in well under a second instead of re-importing
 restart time is most of what a crash costs (benchmarks/goodput.py). A deliberate permanent exit
 (bad config, divergence) is remembered for the rest of the attempt, so the restarted groups exit
 the same way at once instead of failing slowly `--max-restarts` more times.
+
+`--max-restarts` (spec.recovery.maxRestartsPerAttempt) counts in-place restarts in a row without a new
+committed checkpoint: a worker group that committed one since the last restart gets the whole budget
+back (`RestartBudget`). torchrun's budget is for the attempt's life, so a long run with an occasional
+crash spent it in a few days and then paid a whole new attempt (new pods, imports, rendezvous) for
+every later crash; a group that crashes again before saving anything still ends the attempt.
 """
 from __future__ import annotations
 
@@ -78,11 +84,16 @@ def container_exit_code(worker_codes: Iterable[int]) -> int:
     return exit_codes.RETRYABLE
 
 
-def run_trainer_worker(verdict_path: str, *argv: str) -> None:
+VERDICT_FILE = "permanent-exit-code"  #: in the launcher's scratch directory: a worker's deliberate permanent exit
+COMMITTED_STEP_FILE = "committed-step"  #: in the launcher's scratch directory: the newest committed step
+
+
+def run_trainer_worker(scratch: str, *argv: str) -> None:
     """One worker of the built-in trainer, forked from the preloaded forkserver."""
-    verdict = Path(verdict_path)
+    verdict = Path(scratch) / VERDICT_FILE
     if verdict.exists():  # an earlier worker group of this attempt chose a permanent exit
         sys.exit(int(verdict.read_text()))
+    os.environ[contract.COMMITTED_STEP_FILE] = str(Path(scratch) / COMMITTED_STEP_FILE)
     from .main import main as trainer_main
 
     code = trainer_main(argv)
@@ -91,6 +102,56 @@ def run_trainer_worker(verdict_path: str, *argv: str) -> None:
     # Not main.exit_now: ending a worker with os._exit left the elastic agent waiting forever for the worker
     # group (tests/integration/test_trainer_faults.py hung); the agent needs the interpreter's own exit here.
     sys.exit(code)
+
+
+class RestartBudget:
+    """In-place restarts left to a launcher's agent, counted in a row without a newly committed checkpoint.
+
+    `progressed()` reads the step the workers last committed (they write it to `committed_step_file`) and says
+    whether it changed since it last looked: the failed group made progress that survives it. `restore(spec,
+    remaining)` then gives the agent back `per_attempt` restarts while keeping its restart count (the workers'
+    TORCHELASTIC_RESTART_COUNT, which `--chaos-kill-step` and the start counts read) growing."""
+
+    def __init__(self, committed_step_file: Path, per_attempt: int):
+        self.committed_step_file = committed_step_file
+        self.per_attempt = per_attempt
+        self.committed: Optional[str] = None  #: the committed step seen at the last failure
+
+    def progressed(self) -> bool:
+        try:
+            committed = self.committed_step_file.read_text().strip() or None
+        except OSError:
+            committed = None
+        if committed is None or committed == self.committed:
+            return False
+        self.committed = committed
+        return True
+
+    def restore(self, spec: Any, remaining: int) -> int:
+        """Restarts left after a failure that followed progress; `spec.max_restarts` grows by those already done."""
+        spec.max_restarts = spec.max_restarts - remaining + self.per_attempt
+        return self.per_attempt
+
+
+def _progress_aware_agent(budget: RestartBudget) -> type:
+    """torch's LocalElasticAgent, whose restart budget `budget` refills after progress (see the module doc)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class ProgressAwareAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED) and budget.progressed():
+                used = worker_group.spec.max_restarts - self._remaining_restarts
+                self._remaining_restarts = budget.restore(worker_group.spec, self._remaining_restarts)
+                if used:
+                    print(f"trainingrun launch: the worker group committed step {budget.committed} since its last "
+                          f"restart: {budget.per_attempt} in-place restarts left again (--max-restarts, "
+                          f"spec.recovery.maxRestartsPerAttempt, counts restarts without a new checkpoint)",
+                          file=sys.stderr, flush=True)
+            return result
+
+    return ProgressAwareAgent
 
 
 def _plain_torch_log_format() -> None:
@@ -188,7 +249,7 @@ def _launch(args: Any) -> None:
     import multiprocessing
     import uuid
 
-    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.launcher import api as launcher_api
 
     _plain_torch_log_format()
     if args.standalone:  # as torchrun does it
@@ -197,9 +258,11 @@ def _launch(args: Any) -> None:
     config.start_method = "forkserver"
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # if main did not start it
     with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
-        verdict = os.path.join(scratch, "permanent-exit-code")
-        _rejoining(lambda: elastic_launch(config=config, entrypoint=run_trainer_worker)(
-            verdict, *args.training_script_args), standalone=args.standalone, endpoint=args.rdzv_endpoint,
+        # torch's launch_agent builds the agent by this module-level name: ours refills the restart budget.
+        launcher_api.LocalElasticAgent = _progress_aware_agent(
+            RestartBudget(Path(scratch) / COMMITTED_STEP_FILE, config.max_restarts))
+        _rejoining(lambda: launcher_api.elastic_launch(config=config, entrypoint=run_trainer_worker)(
+            scratch, *args.training_script_args), standalone=args.standalone, endpoint=args.rdzv_endpoint,
             timeout=float(config.rdzv_configs.get("read_timeout", 60)))
 
 

@@ -289,6 +289,8 @@ class Run:
             blocking=blocking or not self.checkpoint.async_save,
             copy_in_background=copy_in_background,
         )
+        if self.context.local_rank == 0:  # one writer per node: the node's agent reads it
+            self._pending.when_done(self._tell_launcher)
         self._last_save = time.monotonic()
         self._last_saved_step = step
         self._beside_save = True
@@ -301,6 +303,21 @@ class Run:
             self.last_committed = info
             self.reporter.committed(CommittedCheckpoint(info.uri, info.step, info.time, info.manifest_sha256))
         return info
+
+    def _tell_launcher(self, info: Optional[CheckpointInfo]) -> None:
+        """Progress the launcher's agent can see, written the moment a save commits (on the thread that committed
+        it, not at the next report: a worker killed a few steps later has made it): a group that committed a step
+        gets its in-place restart budget back."""
+        path = self.context.committed_step_file
+        if info is None or not path:
+            return
+        try:
+            partial = f"{path}.partial"
+            with open(partial, "w", encoding="utf-8") as out:
+                out.write(str(info.step))
+            os.replace(partial, path)
+        except OSError as error:  # the budget then refills less often: never worth failing a step
+            log.warning("could not record committed step %d for the launcher at %s: %s", info.step, path, error)
 
     # ------------------------------------------------------------ reporting
 

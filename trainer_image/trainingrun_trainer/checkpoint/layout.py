@@ -6,7 +6,7 @@ import re
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Optional
+from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -86,6 +86,11 @@ class PendingSave:
 
     def result(self, timeout: Optional[float] = None) -> Optional[CheckpointInfo]:
         return self._future.result(timeout)
+
+    def when_done(self, callback: Callable[[Optional[CheckpointInfo]], None]) -> None:
+        """Call `callback` with the outcome (as `result()` gives it) as soon as the save finishes, on the thread
+        that finished it (or now, on this one, when it already has)."""
+        self._future.add_done_callback(lambda future: callback(future.result()))
 
     def __repr__(self) -> str:
         return f"PendingSave(step={self.step}, done={self.done()})"
