@@ -467,7 +467,9 @@ class ProcessTimes(ApiModel):
     alive_seconds: float = Field(default=0.0, description="Since the process started.")
     startup_seconds: float = Field(default=0.0, description="Imports, process group, model and data before training.")
     restore_seconds: float = Field(default=0.0, description="Loading the checkpoint it resumed from.")
-    checkpoint_seconds: float = Field(default=0.0, description="The training thread blocked by saves.")
+    checkpoint_seconds: float = Field(
+        default=0.0, description="The training thread blocked by saves, and the time a background save added to the "
+                                 "steps beside it (not productive).")
     data_wait_seconds: float = Field(default=0.0, description="Steps waiting for their batches.")
     compute_seconds: float = Field(default=0.0, description="Step time, data wait excluded: kept or lost later.")
     eval_seconds: float = Field(default=0.0, description="Evaluations.")

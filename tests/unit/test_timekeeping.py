@@ -28,3 +28,13 @@ def test_startup_is_the_time_before_training_that_restoring_did_not_take():
         pass
     clock.add("compute", -1.0)  # a clock step backwards is no time, never negative time
     assert clock.snapshot().compute_seconds == 0.0
+
+
+def test_time_recounted_moves_at_most_what_was_counted():
+    clock = timekeeping.ProcessClock("pod-0")
+    clock.add("compute", 3.0)
+    assert clock.recount(1.25, "compute", "checkpoint") == 1.25
+    assert clock.seconds["compute"] == 1.75 and clock.seconds["checkpoint"] == 1.25
+    assert clock.recount(5.0, "compute", "checkpoint") == 1.75  # never more than compute holds
+    assert clock.seconds["compute"] == 0.0 and clock.seconds["checkpoint"] == 3.0
+    assert clock.recount(-1.0, "checkpoint", "compute") == 0.0

@@ -36,32 +36,32 @@ COST_WINDOW = 5
 MIN_STEPS_MEASURED = 3
 
 
-class AutoInterval:
-    """Chooses the interval from measured save costs, step times and failures; the training thread calls it."""
+class SaveCosts:
+    """What saves cost the steps beside them: each save's time beyond a usual step, from the steps' own times.
 
-    def __init__(self, min_steps: int, max_steps: int, prior_seconds_between_failures: float, *,
-                 failures: int = 0, run_started: Optional[float] = None, clock: Callable[[], float] = time.time):
-        self.min_steps, self.max_steps = min_steps, max_steps
-        self.prior_seconds_between_failures = prior_seconds_between_failures
-        self.clock = clock
-        #: Restarts of the training processes since the run started (this process's start included when it was one).
-        self.failures = failures
-        #: When the run's first training process started (time.time()).
-        self.run_started = clock() if run_started is None else run_started
+    The training loop calls `step` after each step and `save_finished` once the save beside the last steps is done.
+    Both the auto interval (wall time of whole steps: blocking and slowdown) and the trainer's time breakdown
+    (compute time only: the slowdown that the background write caused, charged to "checkpoint") measure with it."""
+
+    def __init__(self) -> None:
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._costs: deque[float] = deque(maxlen=COST_WINDOW)
         self._beside_save: list[float] = []
 
     def step(self, seconds: float, beside_save: bool) -> None:
-        """One step took `seconds` of wall time; `beside_save`: a save was staged or written during it."""
+        """One step took `seconds`; `beside_save`: a save was staged or written during it."""
         (self._beside_save.append if beside_save else self._steps.append)(seconds)
 
-    def save_finished(self) -> None:
-        """The save whose steps were reported `beside_save` is committed (or failed): its cost is now known."""
+    def save_finished(self) -> float:
+        """The save whose steps were reported `beside_save` is committed (or failed): returns its cost, 0 while no
+        usual step time is known yet."""
         usual = self.step_seconds
+        cost = 0.0
         if self._beside_save and usual is not None:
-            self._costs.append(max(0.0, sum(self._beside_save) - usual * len(self._beside_save)))
+            cost = max(0.0, sum(self._beside_save) - usual * len(self._beside_save))
+            self._costs.append(cost)
         self._beside_save = []
+        return cost
 
     def carry_cost(self, seconds: float) -> None:
         """A save's cost measured by an earlier process of the run (from the checkpoint it resumed from)."""
@@ -75,6 +75,21 @@ class AutoInterval:
     @property
     def step_seconds(self) -> Optional[float]:
         return statistics.median(self._steps) if len(self._steps) >= MIN_STEPS_MEASURED else None
+
+
+class AutoInterval(SaveCosts):
+    """Chooses the interval from measured save costs, step times and failures; the training thread calls it."""
+
+    def __init__(self, min_steps: int, max_steps: int, prior_seconds_between_failures: float, *,
+                 failures: int = 0, run_started: Optional[float] = None, clock: Callable[[], float] = time.time):
+        super().__init__()
+        self.min_steps, self.max_steps = min_steps, max_steps
+        self.prior_seconds_between_failures = prior_seconds_between_failures
+        self.clock = clock
+        #: Restarts of the training processes since the run started (this process's start included when it was one).
+        self.failures = failures
+        #: When the run's first training process started (time.time()).
+        self.run_started = clock() if run_started is None else run_started
 
     def seconds_between_failures(self) -> float:
         ran = max(0.0, self.clock() - self.run_started)

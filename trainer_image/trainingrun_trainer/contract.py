@@ -110,7 +110,7 @@ class ProcessTime:
     alive_seconds: float  #: since the process started
     startup_seconds: float  #: process start to ready to train: imports, process group, model, data (restore excluded)
     restore_seconds: float  #: loading the checkpoint it resumed from
-    checkpoint_seconds: float  #: the training thread blocked by saves
+    checkpoint_seconds: float  #: the training thread blocked by saves, and steps slowed by a background save
     data_wait_seconds: float  #: steps waiting for their batches
     compute_seconds: float  #: every step it ran, data wait excluded: kept in the model or lost later
     eval_seconds: float  #: evaluations
@@ -310,8 +310,8 @@ def time_breakdown(wall_seconds: float, processes: list[ProcessTime], productive
     productive: step compute the model kept since the first process resumed; lost: step compute that a crash or a
     rollback threw away; startup: starting (and ending) processes, imports, rendezvous, model and data, and all time
     no training process reported (launchers, a killed process after its last report); restore, checkpoint (the
-    training thread blocked), data_wait, eval: as the processes measured them; other: what remains (logging,
-    metrics, reporting between steps)."""
+    training thread blocked, and the time a background save added to the steps beside it), data_wait, eval: as the
+    processes measured them; other: what remains (logging, metrics, reporting between steps)."""
     def total(field: str) -> float:
         return sum(getattr(process, field) for process in processes)
 

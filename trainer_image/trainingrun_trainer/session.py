@@ -295,6 +295,11 @@ class Run:
         self._last_saved_step = step
         self._beside_save = True
 
+    @property
+    def saving(self) -> bool:
+        """A save is being written in the background (not yet committed, nor failed)."""
+        return self._pending is not None and not self._pending.done()
+
     def report_committed(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight (the next save waits for it anyway) and report it as lastGoodCheckpoint."""
         info = self.store.wait()

@@ -51,6 +51,14 @@ class ProcessClock:
         finally:
             self.add(kind, time.monotonic() - began)
 
+    def recount(self, seconds: float, counted_as: str, really: str) -> float:
+        """Time first counted as `counted_as` and since known to be `really` (at most what `counted_as` holds):
+        returns the seconds moved."""
+        moved = min(max(0.0, seconds), self.seconds[counted_as])
+        self.seconds[counted_as] -= moved
+        self.seconds[really] += moved
+        return moved
+
     def ready(self) -> None:
         """Ready to train: the time since the process started that restoring did not take was startup."""
         self.seconds["startup"] = max(0.0, time.monotonic() - self.started - self.seconds["restore"])

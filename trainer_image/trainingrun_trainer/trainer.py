@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from . import components, exit_codes, metrics, tracking
 from .checkpoint import model_digest
+from .checkpoint_interval import SaveCosts
 from .config import RunConfig
 from .context import RunContext
 from .data import ResumableSampler, in_background, read_ahead, seed_worker
@@ -59,6 +60,9 @@ class Trainer:
         self.samples_per_second: float | None = None  #: over the last logging window
         self.tokens_per_second: float | None = None  #: the same, for models that count tokens
         self.data_wait_seconds = 0.0  #: of the step in progress
+        #: Steps' compute with and without a background save beside them: what a save slowed them by.
+        self.save_slowdown = SaveCosts()
+        self._beside_save = False  # a background save was written during the steps since the last one finished
         self.copy_wait_seconds = 0.0  #: of the step in progress: waiting for a checkpoint's background copy
         self.metrics: metrics.NullMetrics = metrics.NullMetrics()
         self.tracker: Any = tracking.NullTracker()
@@ -220,11 +224,23 @@ class Trainer:
         self.clock.add("compute", compute)
         if kept:
             self.productive_seconds += compute
+            self._charge_save_slowdown(compute)
         return seconds
+
+    def _charge_save_slowdown(self, compute: float) -> None:
+        """Once a background save is done, the compute time it took from the steps beside it (their time beyond a
+        usual step: the write competes for the CPU, memory bandwidth and the interpreter lock) is counted as
+        "checkpoint", not productive: otherwise frequent saves look free while the run takes longer."""
+        self.save_slowdown.step(compute, self._beside_save)
+        if self._beside_save and not self.run.saving:
+            self._beside_save = False
+            slowdown = self.clock.recount(self.save_slowdown.save_finished(), "compute", "checkpoint")
+            self.productive_seconds = max(0.0, self.productive_seconds - slowdown)
 
     def _save(self, blocking: bool) -> None:
         with self.clock.timing("checkpoint"):
             self._save_now(blocking)
+        self._beside_save = self._beside_save or self.run.saving
 
     def _save_now(self, blocking: bool) -> None:
         state = self._state()
