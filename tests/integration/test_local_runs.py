@@ -217,13 +217,19 @@ def test_chaos_kill_every_until_the_failure_budget_is_spent(tmp_path):
     assert result_of(result.stdout)["attempts"] == "2"
 
 
+def killed_at_steps(tmp_path, *steps, max_restarts_per_attempt):
+    """The demo run with a worker killed at each of `steps`, no failure budget beyond its in-place restarts."""
+    body = training_run()
+    body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 0,
+                                "maxRestartsPerAttempt": max_restarts_per_attempt}
+    kills = [flag for step in steps for flag in ("--chaos-kill-step", str(step))]
+    return local(tmp_path, write_run(tmp_path, body), *kills)
+
+
 @pytest.mark.slow
 def test_in_place_restarts_are_counted_apart_from_attempts_and_end_in_the_runners_budget(tmp_path):
-    body = training_run()
-    body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 0, "maxRestartsPerAttempt": 2}
     # Three kills with no checkpoint committed between them (step 10 is the last before all three): a crash loop.
-    kills = ("--chaos-kill-step", "12", "--chaos-kill-step", "14", "--chaos-kill-step", "16")
-    result = local(tmp_path, write_run(tmp_path, body), *kills)
+    result = killed_at_steps(tmp_path, 12, 14, 16, max_restarts_per_attempt=2)
     assert result.returncode == 1, result.stdout[-3000:]
     # torchrun absorbed the first two kills in place; the third ended the attempt, with no budget left.
     assert result.stdout.count("torchrun restarted the worker group in place") == 2
@@ -236,10 +242,7 @@ def test_in_place_restarts_are_counted_apart_from_attempts_and_end_in_the_runner
 
 @pytest.mark.slow
 def test_a_group_that_committed_a_checkpoint_since_its_last_restart_gets_its_restart_budget_back(tmp_path):
-    body = training_run()
-    body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 0, "maxRestartsPerAttempt": 1}
-    kills = ("--chaos-kill-step", "15", "--chaos-kill-step", "35", "--chaos-kill-step", "55")
-    result = local(tmp_path, write_run(tmp_path, body), *kills)
+    result = killed_at_steps(tmp_path, 15, 35, 55, max_restarts_per_attempt=1)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # One restart per attempt allowed, three kills: each group had committed a checkpoint before it was killed.
     summary = result_of(result.stdout)
