@@ -289,7 +289,7 @@ class Run:
             blocking=blocking or not self.checkpoint.async_save,
             copy_in_background=copy_in_background,
         )
-        if self.context.local_rank == 0:  # one writer per node: the node's agent reads it
+        if self.context.committed_step_file and self.context.local_rank == 0:  # one per node: its agent reads it
             self._pending.when_done(self._tell_launcher)
         self._last_save = time.monotonic()
         self._last_saved_step = step
@@ -314,7 +314,7 @@ class Run:
         it, not at the next report: a worker killed a few steps later has made it): a group that committed a step
         gets its in-place restart budget back."""
         path = self.context.committed_step_file
-        if info is None or not path:
+        if info is None:
             return
         try:
             partial = f"{path}.partial"

@@ -60,10 +60,10 @@ class Trainer:
         self.samples_per_second: float | None = None  #: over the last logging window
         self.tokens_per_second: float | None = None  #: the same, for models that count tokens
         self.data_wait_seconds = 0.0  #: of the step in progress
+        self.copy_wait_seconds = 0.0  #: of the step in progress: waiting for a checkpoint's background copy
         #: Steps' compute with and without a background save beside them: what a save slowed them by.
         self.save_slowdown = SaveCosts()
         self._beside_save = False  # a background save was written during the steps since the last one finished
-        self.copy_wait_seconds = 0.0  #: of the step in progress: waiting for a checkpoint's background copy
         self.metrics: metrics.NullMetrics = metrics.NullMetrics()
         self.tracker: Any = tracking.NullTracker()
         self.tracked_checkpoint = 0  #: the newest committed step the trackers were told of
