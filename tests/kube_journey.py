@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import time
 import urllib.parse
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -99,6 +100,19 @@ class Cluster:
 
     def run(self, namespace: str, name: str) -> dict[str, Any]:
         return self.get(f"/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns/{name}")
+
+    @contextlib.contextmanager
+    def namespace(self, prefix: str) -> Iterator[str]:
+        """A fresh namespace for one test, emptied afterwards whether the test passed or not: a failed test's
+        running trainer pods would hold the node's CPU and leave the next test's pods Pending (seen in CI)."""
+        name = self.plane.create_namespace(f"{prefix}-{uuid.uuid4().hex[:6]}")
+        try:
+            yield name
+        finally:
+            # A terminating namespace admits no new pods, so Kubeflow cannot replace the ones deleted here.
+            self.kubectl("delete", "namespace", name, "--wait=false", check=False)
+            self.kubectl("-n", name, "delete", "pods", "--all", "--grace-period=1", "--wait=true", "--timeout=100s",
+                         check=False)
 
     def wait(self, what: str, condition: Callable[[], Any], deadline_s: float = DEADLINE_S,
              explain: Callable[[], str] = lambda: "") -> Any:

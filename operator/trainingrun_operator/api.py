@@ -194,6 +194,11 @@ class Secrets(ApiModel):
         json_schema_extra=_LIST_MAP_BY_NAME,
     )
 
+    def secret_names(self) -> list[str]:
+        """Every Secret the trainer pods read, each once, in the order the spec names them."""
+        refs = [self.gcs_key_file, self.s3_credentials, *self.env]
+        return list(dict.fromkeys(r.secret_name for r in refs if r is not None))
+
 
 class EnvVar(ApiModel):
     """A plain (non-secret) environment variable for the trainer containers."""

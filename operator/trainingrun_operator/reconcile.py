@@ -15,6 +15,7 @@ so a reader sees the whole decision; the recovery policy itself is in recovery.p
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Optional
@@ -192,13 +193,23 @@ def failed_since(job: dict[str, Any]) -> Optional[datetime]:
     return None
 
 
-def missing_secret(pods: list[dict[str, Any]]) -> Optional[str]:
-    """The kubelet's message for a container that cannot start because a Secret or key is missing."""
+def _names(message: str, secret_name: str) -> bool:
+    """Whether a kubelet message names this Secret: `secret "s3" not found`, `... in Secret ns/s3`."""
+    return re.search(rf'(^|["/\s]){re.escape(secret_name)}($|["\s:,;])', message) is not None
+
+
+def missing_secret(pods: list[dict[str, Any]], secret_names: list[str]) -> Optional[str]:
+    """The kubelet's message for a container that cannot start because a Secret or key is missing, with the
+    Secrets the run reads when the message names none of them: a kubelet whose Secret cache has not synced yet
+    says only "failed to sync secret cache: timed out waiting for the condition"."""
     for pod in pods:
         for status in (pod.get("status") or {}).get("containerStatuses") or []:
             waiting = (status.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") == "CreateContainerConfigError":
-                return f"pod {pod['metadata']['name']}: {waiting.get('message') or 'a Secret or key is missing'}"
+                message = waiting.get("message") or "a Secret or key is missing"
+                if secret_names and not any(_names(message, name) for name in secret_names):
+                    message += f" (the run reads Secret{'s' if len(secret_names) > 1 else ''} {', '.join(secret_names)})"
+                return f"pod {pod['metadata']['name']}: {message}"
     return None
 
 
@@ -360,7 +371,8 @@ def decide(o: Observed) -> Plan:
         return _finish(plan, o, conditions)
 
     pods = pods_of(o.pods, job_name, attempt)
-    secret = missing_secret(pods) or (missing_secret_volume(o.warnings) if phase == "Pending" else None)
+    secret = missing_secret(pods, spec.secrets.secret_names()) or (
+        missing_secret_volume(o.warnings) if phase == "Pending" else None)
     if secret:
         if conditions.set("SecretMissing", True, "CreateContainerConfigError", secret):
             plan.events.append(Note("Warning", "SecretMissing", f"{secret}; create it in namespace "

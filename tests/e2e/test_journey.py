@@ -23,9 +23,8 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import yaml
@@ -103,9 +102,13 @@ LOSSES = {
 
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed, reference_digest, loss):
-    cluster = installed
     index, lose = LOSSES[loss]
-    namespace = cluster.plane.create_namespace(f"{loss}-{uuid.uuid4().hex[:6]}")
+    with installed.namespace(loss) as namespace:
+        lose_a_pod(installed, namespace, loss, index, lose, reference_digest)
+
+
+def lose_a_pod(cluster: Cluster, namespace: str, loss: str, index: int, lose: Callable[[Cluster, str, str], None],
+               reference_digest: str) -> None:
     bucket = cluster.s3.new_bucket()
     name = "journey"
     explain = lambda: cluster.diagnose(namespace)  # noqa: E731
@@ -181,8 +184,11 @@ def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, t
     Prometheus Operator is not to be had here, and Debian's Prometheus has no Kubernetes discovery: the test
     finds the targets with the PodMonitor's selector through the API server and gives them as file_sd), and
     every query of the "TrainingRun" dashboard returns data for the run (GPU panels excepted on CPU)."""
-    cluster = installed
-    namespace = cluster.plane.create_namespace(f"metrics-{uuid.uuid4().hex[:6]}")
+    with installed.namespace("metrics") as namespace:
+        scrape_a_running_run(installed, namespace, tmp_path)
+
+
+def scrape_a_running_run(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
     cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
                     "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
     document = run_file(cluster.s3.new_bucket(), "watched", cluster.s3.endpoint_url)
@@ -249,7 +255,6 @@ def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, t
     finally:
         server.terminate()
         server.wait(timeout=30)
-        cluster.kubectl("-n", namespace, "delete", "trainingrun", "watched", "--wait=false")
 
 
 def test_helm_uninstall_and_crd_removal_leave_nothing_behind(installed):

@@ -320,6 +320,26 @@ def test_a_missing_secret_volume_is_secret_missing():
     assert not any(c["type"] == "VolumeMountFailed" for c in plan.status["conditions"])
 
 
+@pytest.mark.parametrize("kubelet_says,shown", [
+    # What a kubelet says before its Secret cache has synced (seen in CI): the run names its Secrets.
+    ("failed to sync secret cache: timed out waiting for the condition",
+     "failed to sync secret cache: timed out waiting for the condition (the run reads Secrets s3, tracker)"),
+    ('secret "s3" not found', 'secret "s3" not found'),
+    ("couldn't find key api-key in Secret ns/tracker", "couldn't find key api-key in Secret ns/tracker"),
+])
+def test_a_container_waiting_on_a_secret_names_the_secrets_the_run_reads(kubelet_says, shown):
+    run = run_of(secrets={"s3Credentials": {"secretName": "s3"}, "env": [
+        {"name": "WANDB_API_KEY", "secretName": "tracker", "key": "api-key"},
+        {"name": "OTHER", "secretName": "s3", "key": "other"}]})
+    waiting = pod(1, {"containerStatuses": [{"name": "pytorch", "state": {"waiting": {
+        "reason": "CreateContainerConfigError", "message": kubelet_says}}}]})
+    plan = reconcile.decide(observe(run, pending_status(), [job(1, "Created", run=run)], [waiting]))
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "SecretMissing")
+    assert condition["message"] == f"pod demo-a1-worker-0: {shown}"
+    assert [n.message for n in plan.events if n.reason == "SecretMissing"] == [
+        f"pod demo-a1-worker-0: {shown}; create it in namespace ns (no restart is charged while waiting)"]
+
+
 def test_pods_restarted_in_place_are_counted_once_each_with_an_event():
     """Kubeflow replaces a deleted, evicted or retryably failed pod within the attempt and marks the job
     Restarting (dropping Running) until it runs again: the run counts each such restart once, by the
