@@ -8,7 +8,9 @@ What is measured
     * local shards: `trainingrun_trainer.shards.TokenShards` on file:// (two nanoGPT uint16 shards of the synthetic
       text's tokens, `--shard-tokens` each);
     * GCS shards, cold: the same shards on gcp-storage-emulator (gs://, on 127.0.0.1, behind a proxy that adds
-      `--storage-latency-ms` to each request, default 30, as a cloud bucket's), the block cache empty;
+      `--storage-latency-ms` to each request, default 30, as a cloud bucket's), the block cache empty. The emulator
+      listens with a backlog of 128 (storage_servers.gcs_emulator_command): with socketserver's 5, concurrent
+      fetches beyond 5 waited for the kernel's 1 s SYN retry, which no cloud bucket makes them do;
     * GCS shards, cold, no read-ahead: the same with `readAhead: 0` (every block fetched when an item needs it);
     * GCS shards, warm: again, with the cache the cold run filled (a later epoch, or another rank of the node).
 
@@ -45,7 +47,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from storage_servers import _bin, _free_port, _start, _stop  # noqa: E402 - sets gcsfs's env before its import
+from storage_servers import _free_port, _start, _stop, gcs_emulator_command  # noqa: E402 - sets gcsfs's env before its import
 
 
 def shard_bytes(tokens_per_shard: int) -> list[bytes]:
@@ -172,8 +174,7 @@ def main() -> None:
     for n, content in enumerate(shards):
         (local / f"train_{n:03d}.bin").write_bytes(content)
     port = _free_port()
-    emulator, log = _start([_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
-                            "--in-memory"], port, "gcp-storage-emulator")
+    emulator, log = _start(gcs_emulator_command(port), port, "gcp-storage-emulator")
     try:
         import gcsfs
 

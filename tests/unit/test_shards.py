@@ -95,6 +95,16 @@ def test_an_empty_uri_and_a_too_short_split_say_what_to_do(tmp_path, shards):
         dataset(shards, tmp_path, context_length=5000)
 
 
+@pytest.mark.parametrize("argument,value,words", [
+    ("block_bytes", 100, "block_bytes must be an integer of at least 4096"),
+    ("read_ahead", -1, "read_ahead must be a whole number of items"),
+    ("fetch_threads", 0, "fetch_threads must be a positive number of threads"),
+])
+def test_a_bad_tuning_argument_is_named(shards, tmp_path, argument, value, words):
+    with pytest.raises(ValueError, match=words):
+        TokenShards(f"file://{shards}", cache_dir=str(tmp_path / "cache"), **{argument: value})
+
+
 def test_tokens_beyond_the_vocabulary_name_the_shard_and_the_byte(shards, tmp_path):
     data = dataset(shards, tmp_path, context_length=16, vocab_size=32000)
     with pytest.raises(DataError, match=r"b\.bin: token 3\d{4} at byte \d+ is not below vocab_size 32000"):
@@ -135,12 +145,26 @@ def test_only_the_blocks_of_a_window_are_fetched_and_then_served_from_the_cache(
 def test_prefetch_brings_an_items_blocks_into_the_cache_and_the_read_then_fetches_nothing(shards, tmp_path, fetched):
     data = dataset(shards, tmp_path, context_length=16)
     fetched.clear()
+    assert callable(data.missing(7)) and fetched == []  # looking costs no read
     data.prefetch(7)
-    assert 1 <= len(fetched) <= 2
+    assert 1 <= len(fetched) <= 2 and data.missing(7) is None
     fetched.clear()
     data.prefetch(7)  # already cached: nothing fetched, nothing read back
     window = data[7]["tokens"]
     assert fetched == [] and torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 17) % 60000)
+
+
+def fetches_of(record, done, gate=None):
+    """A `missing` for data.read_ahead whose fetch of item i appends i to `record` and sets `done[i]` (then waits
+    for `gate`, when given)."""
+    def missing(index):
+        def fetch():
+            record.append(index)
+            done[index].set()
+            if gate is not None:
+                assert gate.wait(timeout=30)
+        return fetch
+    return missing
 
 
 def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
@@ -150,22 +174,99 @@ def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
 
     sampler = ResumableSampler(100, rank=0, world_size=1, seed=3)
     order = list(sampler)
-    prefetched, eleventh_requested = [], threading.Event()
+    asked, prefetched, done = [], [], {index: threading.Event() for index in order}
+    fetch = fetches_of(prefetched, done)
 
-    def prefetch(index):
-        prefetched.append(index)
-        if index == order[10]:
-            eleventh_requested.set()
+    def missing(index):
+        asked.append(index)
         if index % 7 == 0:
             raise DataError("the read reports this one")
+        return None if index % 5 == 0 else fetch(index)  # every fifth is cached: nothing to hand to a thread
 
     handed = []
-    for index in read_ahead(sampler, prefetch, ahead=10, threads=1):
-        if not handed:  # when the first item is handed out, the eleventh is being fetched
-            assert eleventh_requested.wait(timeout=30)
+    for index in read_ahead(sampler, missing, ahead=10, threads=1):
+        if not handed:  # when the first item is handed out, the eleventh has been looked at
+            assert asked == order[:11]
+        if index % 5 and index % 7:
+            assert done[index].wait(timeout=30)
         handed.append(index)
-    assert handed == order  # the sampler's order; a failed fetch is left for the read
-    assert len(set(prefetched)) == len(prefetched) and set(prefetched) <= set(order)
+    assert handed == order  # the sampler's order; a failed look is left for the read
+    assert prefetched == [index for index in order if index % 5 and index % 7]
+
+
+def test_fetches_begun_before_iterating_serve_it_and_are_dropped_when_the_position_moves():
+    """begin() fetches the first items while the model builds and restores; iterating from the same position
+    fetches none of them again; from a moved position (a resume) the fetches not started yet are dropped."""
+    import threading
+
+    from trainingrun_trainer.data import read_ahead
+
+    sampler = ResumableSampler(100, rank=0, world_size=1, seed=3, samples_per_step=4)
+    order = list(sampler)
+    prefetched, done = [], {index: threading.Event() for index in order}
+    items = read_ahead(sampler, fetches_of(prefetched, done), ahead=10, threads=1)
+    items.begin()
+    assert done[order[10]].wait(timeout=30)  # before anyone iterates: the first ahead + 1 items, in order
+    assert prefetched == order[:11]
+    handed = []
+    for index in items:
+        assert done[index].wait(timeout=30)  # so every fetch queued before this one has run too
+        handed.append(index)
+    assert handed == order and prefetched == order  # each fetched once, in the sampler's order
+
+    # begin(), then the position moves before the iteration: the queued early fetches never run.
+    gate = threading.Event()
+    prefetched.clear()
+    done = {index: threading.Event() for index in order}
+    items = read_ahead(sampler, fetches_of(prefetched, done, gate), ahead=10, threads=1)
+    items.begin()
+    assert done[order[0]].wait(timeout=30)  # the first early fetch is in flight, ten are queued
+    sampler.advance(40)
+    moved = iter(items)
+    first = next(moved)
+    gate.set()
+    handed = [first]
+    for index in moved:
+        assert done[index].wait(timeout=30)
+        handed.append(index)
+    assert handed == order[40:] and prefetched == [order[0], *order[40:]]
+
+
+def test_a_block_in_flight_is_waited_for_not_fetched_again(shards, tmp_path, fetched):
+    """The read-ahead threads and the reader share the fetches of one process: a reader that needs a block being
+    fetched waits for that fetch and reads it from the cache."""
+    import threading
+
+    data = dataset(shards, tmp_path, context_length=16)
+    fetched.clear()
+    inside, release, reader_waits = threading.Event(), threading.Event(), threading.Event()
+    real_fetch = data._fetch
+
+    def slow_fetch(path, uri, start, end):
+        inside.set()
+        assert release.wait(timeout=30)
+        return real_fetch(path, uri, start, end)
+
+    class Watched(threading.Event):
+        def wait(self, timeout=None):
+            reader_waits.set()
+            return super().wait(timeout)
+
+    data._fetch = slow_fetch
+    fetcher = threading.Thread(target=data.prefetch, args=(7,))
+    fetcher.start()
+    assert inside.wait(timeout=30)
+    (key,) = data._fetching  # the block (item 7 lies in one 4 KiB block of its shard or two)
+    data._fetching[key] = Watched()
+    window = {}
+    reader = threading.Thread(target=lambda: window.update(data[7]))
+    reader.start()
+    assert reader_waits.wait(timeout=30)
+    release.set()
+    fetcher.join(timeout=30)
+    reader.join(timeout=30)
+    assert torch.equal(window["tokens"], torch.arange(int(window["tokens"][0]), int(window["tokens"][0]) + 17))
+    assert len(fetched) == len(set(fetched)) >= 1  # no block fetched twice
 
 
 def test_a_shard_gone_after_listing_is_named(shards, tmp_path):

@@ -43,13 +43,16 @@ BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
     "trainingrun_trainer.shards.TokenShards": {
         "uri": True, "context_length": False, "dtype": False, "pattern": False, "vocab_size": False,
         "num_samples": False, "eval_fraction": False, "seed": False, "split": False, "cache_dir": False,
-        "block_bytes": False, "endpoint_url": False, "read_ahead": False},
+        "block_bytes": False, "endpoint_url": False, "read_ahead": False,
+        "fetch_threads": False},
     "trainingrun_trainer.shards.TextBytes": {
         "uri": True, "context_length": False, "pattern": False, "num_samples": False, "eval_fraction": False,
-        "seed": False, "split": False, "cache_dir": False, "block_bytes": False, "endpoint_url": False, "read_ahead": False},
+        "seed": False, "split": False, "cache_dir": False, "block_bytes": False, "endpoint_url": False, "read_ahead": False,
+        "fetch_threads": False},
     "trainingrun_trainer.shards.ImageShards": {
         "uri": True, "image_size": False, "channels": False, "pattern": False, "eval_fraction": False, "split": False,
-        "cache_dir": False, "block_bytes": False, "endpoint_url": False, "read_ahead": False},
+        "cache_dir": False, "block_bytes": False, "endpoint_url": False, "read_ahead": False,
+        "fetch_threads": False},
     "trainingrun_trainer.data.ResumableSampler": {
         "dataset_len": True, "rank": True, "world_size": True, "seed": False, "shuffle": False,
         "samples_per_step": False},

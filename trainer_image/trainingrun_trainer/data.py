@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import queue
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -320,24 +321,55 @@ class ResumableSampler(Sampler[int]):
 
 
 class _ReadAhead(Sampler[int]):
-    """A sampler's indices, in its order, with the items `ahead` of the one handed out fetched meanwhile by
-    `prefetch` in a few threads: storage latency is paid before the DataLoader (or its workers, which share the
-    node's block cache) asks. The sampler's position stays the sampler's own (the trainer advances it).
-    A failed fetch is left for the read itself to report, with its clear error."""
+    """A sampler's indices, in its order, with the items `ahead` of the one handed out fetched meanwhile in a
+    pool of `threads`: storage latency is paid before the DataLoader (or its workers, which share the node's block
+    cache) asks. `missing(index)` says, cheaply, what an item still needs: None when it is cached, else the fetch to
+    run in the pool, so a warm cache costs no thread hand-off per item. The sampler's position stays the
+    sampler's own (the trainer advances it). A failed fetch is left for the read itself to report, with its clear
+    error."""
 
-    def __init__(self, sampler: Sampler[int], prefetch: Callable[[int], None], ahead: int, threads: int = 4):
-        self.sampler, self.prefetch, self.ahead, self.threads = sampler, prefetch, ahead, threads
+    def __init__(self, sampler: Sampler[int], missing: Callable[[int], Optional[Callable[[], None]]], ahead: int,
+                 threads: int):
+        self.sampler, self.missing, self.ahead, self.threads = sampler, missing, ahead, threads
+        self._begun: tuple[Optional[ThreadPoolExecutor], list[int]] = (None, [])
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
 
+    def begin(self) -> None:
+        """Start fetching the items an iteration would fetch first, from the sampler's position now: the
+        model build and the restore then overlap the first batches' fetches, which a cold cache otherwise makes the
+        first step wait for. The next iteration goes on with these; if the position moved meanwhile (a resume),
+        the fetches not started yet are dropped."""
+        self.end_early_fetches()
+        pool = self._pool()
+        first = list(itertools.islice(iter(self.sampler), self.ahead + 1))
+        for index in first:
+            self._fetch_in(pool, index)
+        self._begun = (pool, first)
+
+    def end_early_fetches(self) -> None:
+        pool, _ = self._begun
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._begun = (None, [])
+
     def __iter__(self) -> Iterator[int]:
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="trainingrun-read-ahead")
+        pool, begun = self._begun
+        self._begun = (None, [])
+        pool = pool or self._pool()
         fetching: collections.deque = collections.deque()
         try:
-            for index in self.sampler:
+            for n, index in enumerate(self.sampler):
+                if n < len(begun) and begun[n] != index:  # not where begin() was: its fetches are for other items
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    pool = self._pool()
+                    for earlier in fetching:
+                        self._fetch_in(pool, earlier)
+                    begun = []
                 fetching.append(index)
-                pool.submit(self._quietly, index)
+                if n >= len(begun):
+                    self._fetch_in(pool, index)
                 if len(fetching) > self.ahead:
                     yield fetching.popleft()
             while fetching:
@@ -345,11 +377,23 @@ class _ReadAhead(Sampler[int]):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _quietly(self, index: int) -> None:
+    def _pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.threads, thread_name_prefix="trainingrun-read-ahead")
+
+    def _fetch_in(self, pool: ThreadPoolExecutor, index: int) -> None:
         try:
-            self.prefetch(index)
+            fetch = self.missing(index)
         except Exception:  # noqa: BLE001 - the read of this item raises it again, where it is reported
-            pass
+            return
+        if fetch is not None:
+            pool.submit(_quietly, fetch)
+
+
+def _quietly(fetch: Callable[[], None]) -> None:
+    try:
+        fetch()
+    except Exception:  # noqa: BLE001 - the read of this item raises it again, where it is reported
+        pass
 
 
 T = TypeVar("T")
@@ -409,9 +453,11 @@ def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
         producer.join(STOP_SECONDS)
 
 
-def read_ahead(sampler: Sampler[int], prefetch: Callable[[int], None], ahead: int, threads: int = 4) -> Sampler[int]:
-    """`sampler` with the items `ahead` of the one handed out fetched meanwhile by `prefetch` (see _ReadAhead)."""
-    return _ReadAhead(sampler, prefetch, ahead, threads)
+def read_ahead(sampler: Sampler[int], missing: Callable[[int], Optional[Callable[[], None]]], ahead: int,
+               threads: int) -> _ReadAhead:
+    """`sampler` with the items `ahead` of the one handed out fetched meanwhile in `threads` threads, as
+    `missing(index)` says (see _ReadAhead)."""
+    return _ReadAhead(sampler, missing, ahead, threads)
 
 
 def seed_worker(worker_id: int) -> None:

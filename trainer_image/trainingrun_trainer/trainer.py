@@ -135,6 +135,11 @@ class Trainer:
             samples_per_step=data.batch_size * self.cfg.grad_accumulation_steps,
         )
         self.global_batch = data.batch_size * self.context.world_size
+        ahead = getattr(self.dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
+        self.batch_order = read_ahead(self.sampler, self.dataset.missing, ahead, self.dataset.fetch_threads) \
+            if ahead else None
+        if self.batch_order is not None:
+            self.batch_order.begin()  # a cold cache's first fetches overlap the restore, not the first step
         self.eval_dataset = None
         if self.cfg.eval.interval_steps:
             self.eval_dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="eval")
@@ -144,11 +149,10 @@ class Trainer:
         read_by_a_thread = self.cfg.data.num_workers == 0 and getattr(self.dataset, "pure_items", False)
         while True:
             generator = torch.Generator().manual_seed(self.cfg.seed + self.sampler.state_dict()["epoch"])
-            ahead = getattr(self.dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
             loader = DataLoader(
                 self.dataset,
                 batch_size=self.cfg.data.batch_size,
-                sampler=read_ahead(self.sampler, self.dataset.prefetch, ahead) if ahead else self.sampler,
+                sampler=self.sampler if self.batch_order is None else self.batch_order,
                 num_workers=self.cfg.data.num_workers,
                 prefetch_factor=self.cfg.data.prefetch_factor,
                 pin_memory=self.cfg.data.pin_memory and self.device_type == "cuda",
@@ -300,6 +304,14 @@ class Trainer:
         self.metrics = metrics.for_rank(self.context, self.device_type)
         self._build_model()
         self._build_data()
+        try:
+            return self._resume_and_train()
+        finally:
+            if self.batch_order is not None:
+                self.batch_order.end_early_fetches()  # fetches begun for a first step that never came
+
+    def _resume_and_train(self) -> int:
+        cfg = self.cfg
         self.run = Run(self.context, self.config.checkpoint, config_hash=config_hash(self.config))
         with self.clock.timing("restore"):
             extra = self.run.resume(self._state())
