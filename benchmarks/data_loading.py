@@ -27,6 +27,7 @@ Target
 
 Run by hand, never by the test suite:
     .venv/bin/python benchmarks/data_loading.py                    # CPU, about 2 minutes
+    .venv/bin/python benchmarks/data_loading.py --repeat 5         # medians and ranges, about 12 minutes
     .venv/bin/python benchmarks/data_loading.py --workers 2
     .venv/bin/python benchmarks/data_loading.py --device cuda --dim 512 --layers 6 --heads 8
 The last line is `result: data_wait_fraction=<x> shards_steps_per_s=<x> synthetic_steps_per_s=<x>
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,6 +166,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--storage-latency-ms", type=float, default=30.0,
                         help="latency added to each request to the GCS emulator, as a cloud bucket has (default 30)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of all sides; each figure is then the median, with the range beside it "
+                             "(on this 2-core VM one data-wait figure moves by about 0.5 percentage points)")
     args = parser.parse_args()
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
 
@@ -192,29 +197,38 @@ def main() -> None:
 
         synthetic = {"classPath": "trainingrun_trainer.data.SyntheticText",
                      "initArgs": {"numSamples": 100_000, "contextLength": args.context, "vocabSize": 128}}
-        cache = {"TRAININGRUN_DATA_CACHE": str(work / "cache-local")}
-        sides = [
-            ("synthetic", run_trainer(work, "synthetic", synthetic, args, env)),
-            ("local shards", run_trainer(work, "local", tokens(f"file://{local}"), args, {**env, **cache})),
-            ("GCS shards, cold", run_trainer(work, "cold", tokens("gs://bench/tokens"), args,
-                                             {**gcs_env, "TRAININGRUN_DATA_CACHE": str(work / "cache-gcs")})),
-            ("GCS shards, warm", run_trainer(work, "warm", tokens("gs://bench/tokens"), args,
-                                             {**gcs_env, "TRAININGRUN_DATA_CACHE": str(work / "cache-gcs")})),
-            ("GCS, cold, no read-ahead", run_trainer(work, "cold-no-read-ahead",
-                                                     tokens("gs://bench/tokens", readAhead=0), args,
-                                                     {**gcs_env, "TRAININGRUN_DATA_CACHE": str(work / "cache-gcs-2")})),
-        ]
+        rounds = []
+        for round_ in range(args.repeat):
+            cache = {"TRAININGRUN_DATA_CACHE": str(work / f"cache-local-{round_}")}
+            gcs_cache, gcs_cache_2 = str(work / f"cache-gcs-{round_}"), str(work / f"cache-gcs-2-{round_}")
+            rounds.append([
+                ("synthetic", run_trainer(work, f"synthetic-{round_}", synthetic, args, env)),
+                ("local shards", run_trainer(work, f"local-{round_}", tokens(f"file://{local}"), args,
+                                             {**env, **cache})),
+                ("GCS shards, cold", run_trainer(work, f"cold-{round_}", tokens("gs://bench/tokens"), args,
+                                                 {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache})),
+                ("GCS shards, warm", run_trainer(work, f"warm-{round_}", tokens("gs://bench/tokens"), args,
+                                                 {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache})),
+                ("GCS, cold, no read-ahead", run_trainer(work, f"cold-no-read-ahead-{round_}",
+                                                         tokens("gs://bench/tokens", readAhead=0), args,
+                                                         {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache_2})),
+            ])
     finally:
         _stop(emulator)
         log.close()
+    sides = [(name, {key: statistics.median(r[n][1][key] for r in rounds) for key in figures})
+             for n, (name, figures) in enumerate(rounds[0])]
     base = sides[0][1]["steps_per_s"]
     print(f"{args.steps} steps, batch {args.batch_size}, context {args.context}, workers "
           f"{'default (0)' if args.workers is None else args.workers}, device {args.device}; GCS requests "
-          f"+{args.storage_latency_ms:g} ms; shards of {args.shard_tokens} tokens")
+          f"+{args.storage_latency_ms:g} ms; shards of {args.shard_tokens} tokens"
+          + (f"; medians of {args.repeat} rounds, data wait range beside" if args.repeat > 1 else ""))
     print(f"{'data':<26}{'steps/s':>10}{'vs synthetic':>14}{'data wait':>12}")
-    for name, figures in sides:
+    for n, (name, figures) in enumerate(sides):
+        waits = [r[n][1]["data_wait_fraction"] for r in rounds]
+        spread = f"  ({min(waits):.1%}-{max(waits):.1%})" if args.repeat > 1 else ""
         print(f"{name:<26}{figures['steps_per_s']:>10.1f}{figures['steps_per_s'] / base:>14.2f}"
-              f"{figures['data_wait_fraction']:>11.1%}")
+              f"{figures['data_wait_fraction']:>11.1%}{spread}")
     cold, local_side, warm = sides[2][1], sides[1][1], sides[3][1]
     print(f"result: data_wait_fraction={cold['data_wait_fraction']:.4f} shards_steps_per_s={cold['steps_per_s']:.2f} "
           f"synthetic_steps_per_s={base:.2f} local_steps_per_s={local_side['steps_per_s']:.2f} "
