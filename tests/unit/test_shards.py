@@ -142,14 +142,15 @@ def test_only_the_blocks_of_a_window_are_fetched_and_then_served_from_the_cache(
     assert int(fresh[0]) < 6001 and torch.equal(fresh, torch.arange(int(fresh[0]), int(fresh[0]) + 17))
 
 
-def test_prefetch_brings_an_items_blocks_into_the_cache_and_the_read_then_fetches_nothing(shards, tmp_path, fetched):
+def test_an_items_fetch_brings_its_blocks_into_the_cache_and_the_read_then_fetches_nothing(shards, tmp_path, fetched):
     data = dataset(shards, tmp_path, context_length=16)
     fetched.clear()
-    assert callable(data.missing(7)) and fetched == []  # looking costs no read
-    data.prefetch(7)
-    assert 1 <= len(fetched) <= 2 and data.missing(7) is None
+    fetch = data.missing(7)
+    assert callable(fetch) and fetched == []  # looking costs no read
+    fetch()
+    assert 1 <= len(fetched) <= 2
     fetched.clear()
-    data.prefetch(7)  # already cached: nothing fetched, nothing read back
+    assert data.missing(7) is None  # already cached: nothing to fetch, nothing read back
     window = data[7]["tokens"]
     assert fetched == [] and torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 17) % 60000)
 
@@ -253,7 +254,7 @@ def test_a_block_in_flight_is_waited_for_not_fetched_again(shards, tmp_path, fet
             return super().wait(timeout)
 
     data._fetch = slow_fetch
-    fetcher = threading.Thread(target=data.prefetch, args=(7,))
+    fetcher = threading.Thread(target=data.missing(7))
     fetcher.start()
     assert inside.wait(timeout=30)
     (key,) = data._fetching  # the block (item 7 lies in one 4 KiB block of its shard or two)

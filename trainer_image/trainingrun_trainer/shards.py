@@ -255,12 +255,6 @@ class TokenShards(Dataset):
                             "is wrong")
         return [{"tokens": window} for window in torch.from_numpy(tokens).unbind(0)]
 
-    def prefetch(self, index: int) -> None:
-        """Bring item `index`'s blocks into the node's cache, so that reading it later waits for no storage."""
-        fetch = self.missing(index)
-        if fetch is not None:
-            fetch()
-
     def missing(self, index: int) -> Optional[Callable[[], None]]:
         """None when item `index`'s blocks are in the node's cache, else the fetch that brings them there, for a
         background thread (data.read_ahead). Cheap when cached, so a warm cache costs the read-ahead no thread
@@ -308,14 +302,13 @@ class TokenShards(Dataset):
         """Bytes [low, high) of a block: only those read from the node's cache, or the block fetched and cached."""
         cached = self._cached(shard, block)
         try:
-            with open(cached, "rb") as part:
-                part.seek(low)
-                return part.read(high - low)
+            return _read_part(cached, low, high)
         except FileNotFoundError:
-            return self._fetch_once(shard, block, cached)[low:high]
+            fetched = self._fetch_once(shard, block, cached)
+        return _read_part(cached, low, high) if fetched is None else fetched[low:high]
 
-    def _fetch_once(self, shard: _Shard, block: int, cached: str) -> bytes:
-        """The block, fetched by this thread, or by the thread already fetching it (then read from the cache)."""
+    def _fetch_once(self, shard: _Shard, block: int, cached: str) -> Optional[bytes]:
+        """The block when this thread fetched it; None when the fetch another thread had in flight cached it."""
         key = (shard.uri, block)
         with self._lock:
             in_flight = self._fetching.get(key)
@@ -323,12 +316,9 @@ class TokenShards(Dataset):
                 self._fetching[key] = threading.Event()
         if in_flight is not None:
             in_flight.wait()
-            try:
-                with open(cached, "rb") as part:
-                    return part.read()
-            except FileNotFoundError:
-                pass  # that fetch failed: this one reports why (or succeeds)
-            return self._fetch_block(shard, block, cached)
+            if os.path.exists(cached):
+                return None
+            return self._fetch_block(shard, block, cached)  # that fetch failed: this one reports why (or succeeds)
         try:
             return self._fetch_block(shard, block, cached)
         finally:
@@ -377,8 +367,8 @@ class ImageShards(TokenShards):
 
     Args: `uri`, `pattern` (default "*.tar"), `image_size` (each image is centre-cropped to a square and resized),
     `channels` (3: RGB, 1: grayscale), and TokenShards' `eval_fraction` (the last part of each shard's samples),
-    `cache_dir`, `block_bytes`, `endpoint_url`, `read_ahead`, `fetch_threads`. Every sample of a split is served once per epoch, in the
-    sampler's order. A sample without an image member is an error that names it.
+    `cache_dir`, `block_bytes`, `endpoint_url`, `read_ahead`, `fetch_threads`. Every sample of a split is served
+    once per epoch, in the sampler's order. A sample without an image member is an error that names it.
     """
 
     IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm")
@@ -462,6 +452,12 @@ class ImageShards(TokenShards):
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
         return torch.from_numpy(pixels.transpose(2, 0, 1) / 127.5 - 1.0)
+
+
+def _read_part(path: str, low: int, high: int) -> bytes:
+    with open(path, "rb") as part:
+        part.seek(low)
+        return part.read(high - low)
 
 
 def _tar_samples(shard: _Shard, read: Any) -> list[tuple[str, dict[str, tuple[int, int]]]]:
