@@ -1,5 +1,6 @@
 """Synthetic datasets are pure functions of (seed, split, index); the ResumableSampler resumes at any
 world size with no sample skipped or repeated."""
+import os
 import random
 import threading
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from trainingrun_trainer.background import BACKGROUND_NICENESS
 from trainingrun_trainer.data import ResumableSampler, SyntheticImages, SyntheticText, in_background, seed_worker
 
 # ---------------------------------------------------------------- datasets
@@ -386,15 +388,18 @@ def test_dataloader_workers_differ_from_each_other_and_repeat_across_runs():
 
 
 def test_in_background_yields_every_item_in_order_made_on_another_thread():
-    made_on = []
+    made_on, niceness = [], set()
 
     def items():
         for i in range(50):
             made_on.append(threading.current_thread())
+            niceness.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             yield i
 
     assert list(in_background(items(), depth=2)) == list(range(50))
     assert set(made_on) and threading.current_thread() not in made_on
+    # The reading thread gives way to the training thread (background.give_way_to_training).
+    assert niceness == {min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)}
 
 
 def test_in_background_raises_the_datasets_error_where_the_item_was_wanted():

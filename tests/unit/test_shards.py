@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader
 
+from trainingrun_trainer.background import BACKGROUND_NICENESS
 from trainingrun_trainer.data import ResumableSampler
 from trainingrun_trainer.shards import LLMC_HEADER_BYTES, DataError, ImageShards, TextBytes, TokenShards
 
@@ -155,11 +157,13 @@ def test_an_items_fetch_brings_its_blocks_into_the_cache_and_the_read_then_fetch
     assert fetched == [] and torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 17) % 60000)
 
 
-def fetches_of(record, done, gate=None):
+def fetches_of(record, done, gate=None, niceness=None):
     """A `missing` for data.read_ahead whose fetch of item i appends i to `record` and sets `done[i]` (then waits
-    for `gate`, when given)."""
+    for `gate`, when given; adds the nice value of the thread that fetched to `niceness`, when given)."""
     def missing(index):
         def fetch():
+            if niceness is not None:
+                niceness.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             record.append(index)
             done[index].set()
             if gate is not None:
@@ -169,14 +173,13 @@ def fetches_of(record, done, gate=None):
 
 
 def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
-    import threading
-
     from trainingrun_trainer.data import read_ahead
 
     sampler = ResumableSampler(100, rank=0, world_size=1, seed=3)
     order = list(sampler)
     asked, prefetched, done = [], [], {index: threading.Event() for index in order}
-    fetch = fetches_of(prefetched, done)
+    fetched_at = set()
+    fetch = fetches_of(prefetched, done, niceness=fetched_at)
 
     def missing(index):
         asked.append(index)
@@ -193,12 +196,13 @@ def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
         handed.append(index)
     assert handed == order  # the sampler's order; a failed look is left for the read
     assert prefetched == [index for index in order if index % 5 and index % 7]
+    # The fetch threads give way to the training thread (background.give_way_to_training).
+    assert fetched_at == {min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)}
 
 
 def test_fetches_begun_before_iterating_serve_it_and_are_dropped_when_the_position_moves():
     """begin() fetches the first items while the model builds and restores; iterating from the same position
     fetches none of them again; from a moved position (a resume) the fetches not started yet are dropped."""
-    import threading
 
     from trainingrun_trainer.data import read_ahead
 
@@ -236,7 +240,6 @@ def test_fetches_begun_before_iterating_serve_it_and_are_dropped_when_the_positi
 def test_a_block_in_flight_is_waited_for_not_fetched_again(shards, tmp_path, fetched):
     """The read-ahead threads and the reader share the fetches of one process: a reader that needs a block being
     fetched waits for that fetch and reads it from the cache."""
-    import threading
 
     data = dataset(shards, tmp_path, context_length=16)
     fetched.clear()

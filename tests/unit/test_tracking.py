@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 from tensorboard_events import scalars
 
 from trainingrun_trainer import tracking
+from trainingrun_trainer.background import BACKGROUND_NICENESS
 from trainingrun_trainer.config import LoggerConfig
 
 
@@ -17,6 +19,7 @@ class Recording:
         self.records, self.fail_on, self.gate, self.closed = [], fail_on, gate, False
 
     def start(self, step, config):
+        self.niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         self.records.append(("start", step, dict(config)))
 
     def metrics(self, step, values):
@@ -40,6 +43,8 @@ def test_records_reach_every_tracker_in_order_without_none_values():
     tracker.close(finished=True)
     expected = [("start", 0, {"maxSteps": 3})] + [("metrics", s, {"train/loss": 1.0 / s}) for s in (1, 2, 3)]
     assert first.records == second.records == expected and first.closed == second.closed == "finished"
+    # Delivered by a thread that gives way to the training thread (background.give_way_to_training).
+    assert first.niceness == min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)
 
 
 def test_a_hung_tracker_drops_records_with_one_warning_and_never_blocks(caplog):

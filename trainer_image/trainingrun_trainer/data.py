@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from .background import give_way_to_training
+
 __all__ = ["SPLITS", "SyntheticText", "SyntheticImages", "ResumableSampler", "in_background", "seed_worker"]
 
 SPLITS = ("train", "eval")
@@ -378,7 +380,8 @@ class _ReadAhead(Sampler[int]):
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self.threads, thread_name_prefix="trainingrun-read-ahead")
+        return ThreadPoolExecutor(self.threads, thread_name_prefix="trainingrun-read-ahead",
+                                  initializer=give_way_to_training)
 
     def _fetch_in(self, pool: ThreadPoolExecutor, index: int) -> None:
         try:
@@ -414,7 +417,8 @@ STOP_SECONDS = 60.0
 def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
     """What `items` yields, in order, made by a thread of its own up to `depth` items ahead: with numWorkers 0 the
     next batches are read while the step computes (its tensor operations release the interpreter lock). Errors
-    are raised here, where the item was wanted; closing the iterator stops the thread.
+    are raised here, where the item was wanted; closing the iterator stops the thread. The thread gives way to the
+    training thread (`background.give_way_to_training`), so taking an item does not cost the taker its CPU.
 
     Only for datasets whose items do not draw from the global RNGs (`pure_items`): a thread would interleave those
     draws with the training step's and change both."""
@@ -422,6 +426,7 @@ def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
     stop = threading.Event()
 
     def produce() -> None:
+        give_way_to_training()
         try:
             for item in items:
                 ready.put(item)

@@ -31,6 +31,7 @@ import time
 import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from .background import give_way_to_training
 from .config import LoggerConfig
 
 log = logging.getLogger("trainingrun.tracking")
@@ -262,6 +263,7 @@ class Tracker:
                             self._queue.maxsize)
 
     def _deliver(self) -> None:
+        give_way_to_training()  # woken by each step's records: it must not preempt the step that queued them
         while (record := self._queue.get()) is not _STOP:
             kind, step, payload = record
             for number, backend in enumerate(self.backends):
