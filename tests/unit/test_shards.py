@@ -273,6 +273,33 @@ def test_a_block_in_flight_is_waited_for_not_fetched_again(shards, tmp_path, fet
     assert len(fetched) == len(set(fetched)) >= 1  # no block fetched twice
 
 
+def test_a_dataloader_worker_forked_while_a_block_is_in_flight_fetches_it_itself(shards, tmp_path):
+    """A worker forked while the parent's read-ahead fetched a block must not wait for that fetch: the thread that
+    would end it is not in the worker (it waited forever: numWorkers 1 on cold GCS never took a step)."""
+    data = dataset(shards, tmp_path, context_length=16)
+    parent, inside, release = os.getpid(), threading.Event(), threading.Event()
+    real_fetch = data._fetch
+
+    def slow_in_the_parent(path, uri, start, end):
+        if os.getpid() == parent:
+            inside.set()
+            assert release.wait(timeout=60)
+        return real_fetch(path, uri, start, end)
+
+    data._fetch = slow_in_the_parent
+    fetcher = threading.Thread(target=data.missing(7))
+    fetcher.start()
+    try:
+        assert inside.wait(timeout=30) and data._fetching  # forked with the block in flight
+        loader = DataLoader(data, batch_size=1, sampler=[7], num_workers=1, multiprocessing_context="fork",
+                            timeout=30)
+        (batch,) = list(loader)
+    finally:
+        release.set()
+        fetcher.join(timeout=30)
+    assert torch.equal(batch["tokens"][0], data[7]["tokens"])
+
+
 def test_a_shard_gone_after_listing_is_named(shards, tmp_path):
     data = dataset(shards, tmp_path, context_length=16)
     (shards / "a.bin").unlink()

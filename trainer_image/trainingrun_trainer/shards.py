@@ -122,7 +122,7 @@ class TokenShards(Dataset):
         self._split_id = _split_id(split)
         self._options = _storage_options(uri, endpoint_url, None)
         self._fs: Any = None
-        self._pid = 0
+        self._pid = os.getpid()  #: the process that _fs, _fetching and _lock belong to
         #: Blocks being fetched by some thread of this process, each set when its fetch ends: the read-ahead threads
         #: and the reader wait for a fetch in flight instead of fetching the same block again.
         self._fetching: dict[tuple[str, int], threading.Event] = {}
@@ -151,21 +151,28 @@ class TokenShards(Dataset):
     # ------------------------------------------------------------ finding the shards
 
     def _filesystem(self) -> Any:
-        """A filesystem of this process's own: DataLoader workers are new processes, and async clients
-        (gcsfs, s3fs) do not survive a fork."""
+        """A filesystem of this process's own (async clients such as gcsfs and s3fs do not survive a fork)."""
+        self._in_this_process()
         with self._lock:  # the read-ahead threads ask for it too
-            if self._fs is None or self._pid != os.getpid():
+            if self._fs is None:
                 from fsspec.core import url_to_fs
 
                 self._fs, _ = url_to_fs(self.uri, skip_instance_cache=True, **self._options)
-                self._pid = os.getpid()
             return self._fs
 
-    def __getstate__(self) -> dict[str, Any]:
+    def _in_this_process(self) -> None:
+        """In a DataLoader worker, forget the state of the process it was forked from: the threads that would release
+        its lock, end its fetches in flight (a worker forked while the read-ahead fetched would wait for them
+        forever) or run its storage client's event loop are not in this process. A worker is one thread, and the
+        process that built the dataset never gets here with another pid, so this needs no lock."""
+        if self._pid != os.getpid():
+            self._fs, self._fetching, self._lock, self._pid = None, {}, threading.Lock(), os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:  # a spawned worker's copy starts its own process state
         return {**self.__dict__, "_fs": None, "_pid": 0, "_fetching": {}, "_lock": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
+        self.__dict__.update(state, _lock=threading.Lock(), _pid=os.getpid())
 
     def _discover(self) -> list[_Shard]:
         fs = self._filesystem()
@@ -310,6 +317,7 @@ class TokenShards(Dataset):
     def _fetch_once(self, shard: _Shard, block: int, cached: str) -> Optional[bytes]:
         """The block when this thread fetched it; None when the fetch another thread had in flight cached it."""
         key = (shard.uri, block)
+        self._in_this_process()
         with self._lock:
             in_flight = self._fetching.get(key)
             if in_flight is None:
