@@ -76,6 +76,20 @@ def test_an_llmc_shard_is_read_after_its_header_whatever_dtype_says(tmp_path):
     assert torch.equal(data[0]["tokens"], torch.arange(first, first + 9)) and first >= 70000
 
 
+def test_the_shards_headers_are_read_at_once_not_one_after_another(shards, tmp_path):
+    """A start reads every shard's first bytes (is it llm.c's?): each a storage round trip, so they overlap."""
+    both_in_flight = threading.Barrier(2, timeout=30)  # reading one header after the other breaks it
+
+    class Watched(TokenShards):
+        def _fetch(self, path, uri, start, end):
+            if start == 0:
+                both_in_flight.wait()
+            return super()._fetch(path, uri, start, end)
+
+    data = Watched(f"file://{shards}", cache_dir=str(tmp_path / "cache"), block_bytes=4096, context_length=16)
+    assert [shard.uri.rsplit("/", 1)[1] for shard in data.shards] == ["a.bin", "b.bin"]  # in order still
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda d: write_shard(d / "b.bin", np.arange(10), llmc=True) or
      (d / "b.bin").write_bytes((d / "b.bin").read_bytes()[:-6]), "header says 10 uint16 tokens (1044 bytes), but the "
