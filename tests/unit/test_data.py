@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from trainingrun_trainer.background import BACKGROUND_NICENESS
+from trainingrun_trainer.background import helper_niceness
 from trainingrun_trainer.data import ResumableSampler, SyntheticImages, SyntheticText, in_background, seed_worker
 
 # ---------------------------------------------------------------- datasets
@@ -399,7 +399,7 @@ def test_in_background_yields_every_item_in_order_made_on_another_thread():
     assert list(in_background(items(), depth=2)) == list(range(50))
     assert set(made_on) and threading.current_thread() not in made_on
     # The reading thread gives way to the training thread (background.give_way_to_training).
-    assert niceness == {min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)}
+    assert niceness == {helper_niceness()}
 
 
 def test_in_background_raises_the_datasets_error_where_the_item_was_wanted():

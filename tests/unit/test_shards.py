@@ -12,7 +12,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader
 
-from trainingrun_trainer.background import BACKGROUND_NICENESS
+from trainingrun_trainer.background import helper_niceness
 from trainingrun_trainer.data import ResumableSampler
 from trainingrun_trainer.shards import LLMC_HEADER_BYTES, DataError, ImageShards, TextBytes, TokenShards
 
@@ -211,7 +211,7 @@ def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
     assert handed == order  # the sampler's order; a failed look is left for the read
     assert prefetched == [index for index in order if index % 5 and index % 7]
     # The fetch threads give way to the training thread (background.give_way_to_training).
-    assert fetched_at == {min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)}
+    assert fetched_at == {helper_niceness()}
 
 
 def test_fetches_begun_before_iterating_serve_it_and_are_dropped_when_the_position_moves():
@@ -254,7 +254,6 @@ def test_fetches_begun_before_iterating_serve_it_and_are_dropped_when_the_positi
 def test_a_block_in_flight_is_waited_for_not_fetched_again(shards, tmp_path, fetched):
     """The read-ahead threads and the reader share the fetches of one process: a reader that needs a block being
     fetched waits for that fetch and reads it from the cache."""
-
     data = dataset(shards, tmp_path, context_length=16)
     fetched.clear()
     inside, release, reader_waits = threading.Event(), threading.Event(), threading.Event()

@@ -10,7 +10,7 @@ import pytest
 from tensorboard_events import scalars
 
 from trainingrun_trainer import tracking
-from trainingrun_trainer.background import BACKGROUND_NICENESS
+from trainingrun_trainer.background import helper_niceness
 from trainingrun_trainer.config import LoggerConfig
 
 
@@ -44,7 +44,7 @@ def test_records_reach_every_tracker_in_order_without_none_values():
     expected = [("start", 0, {"maxSteps": 3})] + [("metrics", s, {"train/loss": 1.0 / s}) for s in (1, 2, 3)]
     assert first.records == second.records == expected and first.closed == second.closed == "finished"
     # Delivered by a thread that gives way to the training thread (background.give_way_to_training).
-    assert first.niceness == min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)
+    assert first.niceness == helper_niceness()
 
 
 def test_a_hung_tracker_drops_records_with_one_warning_and_never_blocks(caplog):

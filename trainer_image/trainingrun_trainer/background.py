@@ -15,18 +15,23 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["BACKGROUND_NICENESS", "give_way_to_training"]
+__all__ = ["BACKGROUND_NICENESS", "give_way_to_training", "helper_niceness"]
 
 #: How much nicer than the process (its main thread) a background helper runs: weight 335 against 1024 at +5.
 BACKGROUND_NICENESS = 5
 
 
+def helper_niceness() -> int:
+    """The nice value a helper thread runs at: BACKGROUND_NICENESS above the process's main thread (on Linux,
+    the process's pid names its main thread), at most 19."""
+    return min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)
+
+
 def give_way_to_training() -> None:
-    """Run the calling thread BACKGROUND_NICENESS nicer than the process's main thread (idempotent: threads that
-    this one starts inherit its value, and calling it again there changes nothing). Where per-thread priorities do
-    not exist (not Linux) or may not be changed, the thread runs as it was."""
+    """Run the calling thread at helper_niceness() (idempotent: threads that this one starts inherit its value, and
+    calling it again there changes nothing). Where per-thread priorities do not exist (not Linux) or may not be
+    changed, the thread runs as it was."""
     try:
-        process = os.getpriority(os.PRIO_PROCESS, os.getpid())  # on Linux, the main thread's value
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, process + BACKGROUND_NICENESS))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), helper_niceness())
     except (AttributeError, OSError):
         pass

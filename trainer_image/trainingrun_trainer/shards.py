@@ -124,12 +124,7 @@ class TokenShards(Dataset):
         self._ranges: dict[int, tuple[_Shard, int, int]] = {}
         self._split_id = _split_id(split)
         self._options = _storage_options(uri, endpoint_url, None)
-        self._fs: Any = None
-        self._pid = os.getpid()  #: the process that _fs, _fetching and _lock belong to
-        #: Blocks being fetched by some thread of this process, each set when its fetch ends: the read-ahead threads
-        #: and the reader wait for a fetch in flight instead of fetching the same block again.
-        self._fetching: dict[tuple[str, int], threading.Event] = {}
-        self._lock = threading.Lock()
+        self._start_process_state()
         self.cache = Path(cache_dir or os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "trainingrun-data")
         self.shards = self._discover()
         self._regions = [self._region(shard) for shard in self.shards]  # (first token, windows) per shard
@@ -163,19 +158,31 @@ class TokenShards(Dataset):
                 self._fs, _ = url_to_fs(self.uri, skip_instance_cache=True, **self._options)
             return self._fs
 
+    #: What belongs to one process: a DataLoader worker, forked or spawned, starts its own.
+    _PROCESS_STATE = ("_fs", "_fetching", "_lock", "_pid")
+
+    def _start_process_state(self) -> None:
+        self._fs: Any = None
+        #: Blocks being fetched by some thread of this process, each set when its fetch ends: the read-ahead threads
+        #: and the reader wait for a fetch in flight instead of fetching the same block again.
+        self._fetching: dict[tuple[str, int], threading.Event] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()  #: the process the above belong to
+
     def _in_this_process(self) -> None:
         """In a DataLoader worker, forget the state of the process it was forked from: the threads that would release
         its lock, end its fetches in flight (a worker forked while the read-ahead fetched would wait for them
         forever) or run its storage client's event loop are not in this process. A worker is one thread, and the
         process that built the dataset never gets here with another pid, so this needs no lock."""
         if self._pid != os.getpid():
-            self._fs, self._fetching, self._lock, self._pid = None, {}, threading.Lock(), os.getpid()
+            self._start_process_state()
 
-    def __getstate__(self) -> dict[str, Any]:  # a spawned worker's copy starts its own process state
-        return {**self.__dict__, "_fs": None, "_pid": 0, "_fetching": {}, "_lock": None}
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key not in self._PROCESS_STATE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock(), _pid=os.getpid())
+        self.__dict__.update(state)
+        self._start_process_state()
 
     def _discover(self) -> list[_Shard]:
         fs = self._filesystem()
@@ -195,6 +202,7 @@ class TokenShards(Dataset):
         if not files:
             raise DataError(f"{self.uri}: no files matching {self.pattern!r}: check the URI (and that the shards were "
                             "uploaded, e.g. with `trainingrun data prepare`)")
+
         def shard(file: tuple[str, dict[str, Any]]) -> _Shard:
             name, entry = file
             return self._shard(scheme + name if scheme and "://" not in name else name, name, entry)
