@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -96,6 +97,43 @@ def test_a_partial_or_damaged_copy_is_never_used(storage, memory, damage, source
     _, digest = saved(storage, memory)
     damage(step_dir(memory, 5))
     assert restored(storage, memory) == (5, digest, source)
+
+
+def rewrite_manifests(storage: Path, memory: Path, step: int, change) -> None:
+    """Apply `change` to every file entry of the committed manifest, in storage and in memory alike (so the copy
+    stays byte for byte the committed one)."""
+    manifest = json.loads((step_dir(storage, step) / MANIFEST_NAME).read_text())
+    for entry in manifest["files"]:
+        change(entry)
+    for directory in (step_dir(storage, step), step_dir(memory, step)):
+        (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_the_manifest_records_the_xxh3_of_every_copied_file_and_the_tier_checks_it(storage, memory):
+    _, digest = saved(storage, memory)
+    entries = json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]
+    assert {e["path"]: e["xxh3_128"] for e in entries} == {
+        p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in data_files(step_dir(memory, 5))}
+    # A wrong xxh3 with the right sha256: the tier must not trust its copies, storage (checked by sha256) is read.
+    rewrite_manifests(storage, memory, 5, lambda entry: entry.update(xxh3_128="0" * 32))
+    assert restored(storage, memory) == (5, digest, "storage")
+
+
+def test_a_manifest_without_xxh3_has_the_tier_check_its_copies_by_sha256(storage, memory):
+    _, digest = saved(storage, memory)
+    rewrite_manifests(storage, memory, 5, lambda entry: entry.pop("xxh3_128"))  # as a writer without a tier wrote it
+    assert restored(storage, memory) == (5, digest, "memory")
+    flip_byte(data_files(step_dir(memory, 5))[-1])
+    assert restored(storage, memory) == (5, digest, "memory and storage")
+
+
+def test_a_store_without_a_tier_records_no_xxh3(storage):
+    model, opt = trained()
+    with CheckpointStore(storage.as_uri()) as store:
+        store.save(5, app_state(model, opt), {"step": 5})
+        assert store.wait() is not None
+    entries = json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]
+    assert entries and all(set(entry) == {"path", "size", "sha256"} for entry in entries)
 
 
 def test_a_failed_save_keeps_nothing_of_its_step_and_the_committed_copy_stays(storage, memory, monkeypatch):

@@ -334,7 +334,7 @@ class CheckpointStore:
                 job.later = None
             job.copied.set_result(None)
         step_uri = self._step_uri(job.step)
-        record: dict[str, tuple[int, str]] = {}
+        record: dict[str, dict] = {}  # file name -> its manifest entry (size, sha256, ...)
         error: Optional[str] = None
         tier_dir = self._tier.begin(job.step, job.expected_bytes) if self._tier else None
         try:
@@ -382,7 +382,7 @@ class CheckpointStore:
             return None
 
         self.last_save_seconds = time.perf_counter() - job.started
-        self.last_save_bytes = sum(size for size, _ in record.values())
+        self.last_save_bytes = sum(entry["size"] for entry in record.values())
         self.committed_saves += 1
         if self.rank == 0:
             self.last_save_bytes += self._manifest_bytes
@@ -412,8 +412,7 @@ class CheckpointStore:
             "config_hash": job.config_hash,
             "model_digest": job.model_digest,
             "torch_version": torch.__version__,
-            "files": [{"path": name, "size": size, "sha256": sha}
-                      for name, (size, sha) in sorted(files.items())],
+            "files": [{"path": name, **entry} for name, entry in sorted(files.items())],
         }
         raw = (json.dumps(manifest, indent=1) + "\n").encode()
         try:
@@ -428,7 +427,7 @@ class CheckpointStore:
         self._trusted[step_uri] = manifest_sha
         info = CheckpointInfo(
             step=job.step, uri=step_uri, time=manifest["time"],
-            size_bytes=sum(size for size, _ in files.values()) + len(raw), valid=True, reason=None,
+            size_bytes=sum(entry["size"] for entry in files.values()) + len(raw), valid=True, reason=None,
             model_digest=job.model_digest or None, world_size=self.world_size,
             manifest_sha256=manifest_sha,
         )

@@ -7,8 +7,8 @@ import posixpath
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
 from torch.futures import Future
 
 from .memory_tier import MemoryTier, TierCopy
@@ -16,24 +16,32 @@ from .writer_process import WriteRequest, WriterProcess
 
 
 class _HashingStream:
-    """Passes writes to a DCP output stream and keeps the size and sha256 of what went through (and a copy)."""
+    """Passes writes to a DCP output stream and keeps the size, sha256 and xxh3_128 of what went through (and a copy
+    for the memory tier, which checks its copies by the xxh3_128: about 12 times faster than sha256)."""
 
     def __init__(self, raw: Any, copy: TierCopy):
         self._raw = raw
         self._copy = copy
         self._sha = hashlib.sha256()
+        self._xxh3 = xxhash.xxh3_128() if copy.file is not None else None
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
         self._sha.update(view)
+        if self._xxh3 is not None:
+            self._xxh3.update(view)
         self._copy.write(view)
         self.size += view.nbytes
         return view.nbytes if written is None else written
 
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+    def manifest_entry(self) -> dict:
+        """The file's entry in the manifest, less its path."""
+        entry = {"size": self.size, "sha256": self._sha.hexdigest()}
+        if self._xxh3 is not None:
+            entry["xxh3_128"] = self._xxh3.hexdigest()
+        return entry
 
     def writable(self) -> bool:
         return True
@@ -43,7 +51,7 @@ class _HashingStream:
 
 
 class _HashingFileSystem:
-    """Wraps DCP's fsspec FileSystem: records {basename: (size, sha256)} of every file DCP writes, and copies it
+    """Wraps DCP's fsspec FileSystem: records {basename: manifest entry} of every file DCP writes, and copies it
     into the memory tier's `tier_dir` (None: no copy), following DCP's rename of ``.metadata.tmp`` to ``.metadata``."""
 
     def __init__(self, inner: Any, record: dict, tier: Optional[MemoryTier], tier_dir: Optional[str]):
@@ -70,7 +78,7 @@ class _HashingFileSystem:
             copy.abandon()  # the upload failed, so does the save
             raise
         copy.close()
-        self._record[posixpath.basename(os.fspath(path))] = (tee.size, tee.hexdigest())
+        self._record[posixpath.basename(os.fspath(path))] = tee.manifest_entry()
 
     def rename(self, path, new_path) -> None:
         self._inner.rename(path, new_path)

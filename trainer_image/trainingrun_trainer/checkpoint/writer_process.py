@@ -4,7 +4,7 @@ Serialising, hashing, uploading and the memory tier's copy run in the writer, at
 hold the training process's GIL nor, while cores are free, take them from its next steps. The training process keeps everything collective (DCP's planning, the
 gathering of write results, `.metadata`, the manifest): only DCP's `write_data` goes to the writer. Staged tensors
 travel as handles to shared memory (the store stages into /dev/shm buffers that every save reuses); the plan and
-small values are pickled. The writer answers with DCP's write results and the files' sizes and sha256.
+small values are pickled. The writer answers with DCP's write results and the files' manifest entries (sizes, hashes).
 
 A writer that dies (killed, out of memory) fails that save like any storage error: no manifest, one log record,
 training goes on, and the next save starts a new writer.
@@ -104,7 +104,7 @@ class WriterProcess:
         return self._ready
 
     def write(self, request: WriteRequest) -> tuple[list, dict]:
-        """(DCP write results, {file name: (size, sha256)}) of the request's files."""
+        """(DCP write results, {file name: its manifest entry}) of the request's files."""
         if not self.ready():
             self._ready = self._conn.recv() == "ready"  # a caller that did not ask: wait for it
         try:
