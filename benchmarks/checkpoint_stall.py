@@ -26,6 +26,10 @@ What is measured
       write costs training when they share the CPU cores); then `store.wait()`. "save-to-commit" is
       `store.last_save_seconds` (staging start to manifest written). The committed checkpoint must
       restore to the weights at save() time, not the ones after the steps that overlapped it.
+    * the CPU seconds each save's background work used (the store's checkpoint thread and, with one, its writer
+      process, from /proc) against torch.save's (`background_cpu_ratio`): when training keeps every core busy, as
+      on the 2-core dev VM, the steps beside the write lose about that much CPU time whatever priority the writer
+      runs at, so this ratio is about the floor of effective_stall_ratio there.
     * sync baselines: `torch.save` of the same state dict into a new file in the same directory,
       kept (as checkpoints are), twice per repeat; the faster of the two is the denominator of the
       ratio (the stricter choice: on VMs that hand free memory back to the host, such as the 2-core
@@ -122,6 +126,25 @@ def machine_busy_seconds() -> float:
         return math.nan
     user, nice, system, idle, iowait, irq, softirq = (fields + [0] * 7)[:7]
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(stat_path: str) -> float:
+    """User + system CPU seconds of a process or thread (Linux /proc/<pid>[/task/<tid>]/stat); NaN elsewhere."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def background_cpu_seconds(store) -> float:
+    """CPU seconds the store's background work has used: its checkpoint thread and, with one, its writer process."""
+    threads = list(getattr(store._executor, "_threads", ()))
+    total = sum(cpu_seconds(f"/proc/self/task/{thread.native_id}/stat") for thread in threads)
+    if store._writer is not None and store._writer.pid is not None:
+        total += cpu_seconds(f"/proc/{store._writer.pid}/stat")
+    return total
 
 
 #: Rows of the store whose files a writer process writes (checkpoint.writerProcess).
@@ -229,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     def async_save(on, suffix: str, extra: dict, baseline: float):
         """What Trainer._save does on the training thread (Stateful entries, the digest left to the background), then
         real training steps while the write runs, until it has committed. Returns the committed checkpoint."""
+        cpu_before = background_cpu_seconds(on)
         t = time.perf_counter()
         trainer_state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
         pending = on.save(step_no, trainer_state, extra, model_digest=lambda staged: model_digest(staged["model"]),
@@ -256,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if committed is None:
             raise SystemExit(f"async save of step {pending.step} did not commit; see the log above")
         record("save-to-commit (store.last_save_seconds)" + suffix, on.last_save_seconds)
+        record("  CPU seconds of the background work (thread + writer)" + suffix, background_cpu_seconds(on) - cpu_before)
         return committed
 
     overlap_counts = []  # training steps run while a background write was in flight
@@ -303,12 +328,13 @@ def main(argv: list[str] | None = None) -> int:
             writes = []
             for attempt in range(2):
                 candidate = root / f"torch-save-{repeat}-{attempt}.pt"
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.thread_time()
                 torch.save(state, candidate)
-                writes.append((time.perf_counter() - t, candidate))
+                writes.append((time.perf_counter() - t, candidate, time.thread_time() - cpu))
             writes.sort()
             path = writes[0][1]
             record("sync torch.save (new file, faster of 2)", writes[0][0])
+            record("  its CPU seconds", writes[0][2])
             record("  the slower of the 2", writes[1][0])
             t = time.perf_counter()
             fd = os.open(path, os.O_RDONLY)
@@ -389,10 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     async_rows = ["async store.save() call (wall)", "  + waiting for the background copy before the optimizer step",
                   "trainer save path: save() + that wait", "  PendingSave.blocking_seconds",
                   "training step during background write", "  extra step time while the write ran (all steps)",
-                  "effective stall: save() + extra step time", "save-to-commit (store.last_save_seconds)"]
+                  "effective stall: save() + extra step time", "save-to-commit (store.last_save_seconds)",
+                  "  CPU seconds of the background work (thread + writer)"]
     order = [
         "training step, no save in flight", *async_rows, *(name + WRITER_PROCESS for name in async_rows),
-        "sync torch.save (new file, faster of 2)", "  + os.fsync of that file", "sync torch.save + fsync",
+        "sync torch.save (new file, faster of 2)", "  its CPU seconds", "  + os.fsync of that file",
+        "sync torch.save + fsync",
         "  the slower of the 2",
         "sync store.save(blocking=True)",
         "CheckpointStore.load (restore)", "  + set_state_dict", "torch.load", "  + set_state_dict ",
@@ -448,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  with the in-process writer thread (writerProcess: false): trainer's save path {trainer_ratio:.3f} "
           f"({trainer_low:.3f}-{trainer_high:.3f}); effective stall {stall_ratio:.3f} ({stall_low:.3f}-"
           f"{stall_high:.3f}); the writer process stalls {stall_ratio / process_stall[0]:.1f}x less")
+    background_cpu = med["  CPU seconds of the background work (thread + writer)" + WRITER_PROCESS]
+    save_cpu = med["  its CPU seconds"]
+    print(f"CPU of one save's background work (writer process + checkpoint thread: staging, digest, serialising, "
+          f"hashing, writing) {background_cpu:.3f} s vs torch.save's {save_cpu:.3f} s = {background_cpu / save_cpu:.2f}x; "
+          f"with training on every core, the steps beside the write lose about that CPU time, so the effective stall "
+          f"cannot go much below it (in-process: "
+          f"{med['  CPU seconds of the background work (thread + writer)'] / save_cpu:.2f}x)")
     print(f"restore: CheckpointStore.load {restore:.3f} s vs torch.load {med['torch.load']:.3f} s "
           f"({restore / med['torch.load']:.2f}x); resume incl. latest_valid re-hash "
           f"{med['resume: latest_valid() (re-hash every file)'] + restore:.3f} s")
@@ -473,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
           f"restore_seconds={restore:.4f} state_mb={state_mb:.1f} background_seconds={med['save-to-commit (store.last_save_seconds)']:.4f} "
           f"trainer_blocking_seconds={trainer_blocking:.4f} blocking_ratio_vs_slower_save={blocking / slow:.4f} "
           f"effective_stall_seconds={effective:.4f} "
-          f"torch_load_seconds={med['torch.load']:.4f} memory_restore_speedup={memory_speedup:.2f} "
+          f"torch_load_seconds={med['torch.load']:.4f} memory_restore_speedup={memory_speedup:.2f} background_cpu_ratio={background_cpu / save_cpu:.2f} "
           f"trainer_blocking_ratio={process_trainer[0]:.4f} effective_stall_ratio={process_stall[0]:.4f} "
           f"trainer_blocking_ratio_in_process={trainer_ratio:.4f} effective_stall_ratio_in_process={stall_ratio:.4f}")
     return 0 if all(restored_ok) else 1

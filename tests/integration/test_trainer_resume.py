@@ -89,11 +89,9 @@ def as_format_1(step_dir: Path) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from trainingrun_trainer.checkpoint import load_everything
 
-    plain = step_dir.parent / "plain.pt"
-    dcp_to_torch_save(str(step_dir), str(plain))
-    everything = torch.load(plain, weights_only=False)
+    everything = load_everything(str(step_dir))
     manifest = json.loads((step_dir / "manifest.json").read_text())
     shutil.rmtree(step_dir)
     dcp.save({k: everything[k] for k in ("model", "optim", "ema")}, storage_writer=FsspecWriter(f"file://{step_dir}"),

@@ -105,7 +105,7 @@ def test_round_trip_model_optimizer_and_extra(store, root):
     on_disk = sorted(p.name for p in step_dir(root, 10).iterdir() if p.name != MANIFEST_NAME)
     # extra is this rank's entry of DCP's state dict: no file of its own
     assert [f["path"] for f in manifest["files"]] == on_disk == [".metadata", "__0_0.distcp"]
-    assert manifest["config_hash"] == "cfg123" and manifest["step"] == 10 and manifest["format_version"] == 2
+    assert manifest["config_hash"] == "cfg123" and manifest["step"] == 10 and manifest["format_version"] == 3
 
     fresh_model, fresh_opt = trained(seed=5)
     state = app_state(fresh_model, fresh_opt)
@@ -448,8 +448,8 @@ def test_a_format_1_checkpoint_still_loads(store, root):
     assert_same(weights(loaded), weights(model))
     # a format the reader does not know is not a checkpoint it can resume from
     manifest = json.loads((step_dir(root, 4) / MANIFEST_NAME).read_text())
-    (step_dir(root, 4) / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 3}))
-    assert "format_version 3, expected one of 1, 2" in store.list()[0].reason
+    (step_dir(root, 4) / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 4}))
+    assert "format_version 4, expected one of 1, 2, 3" in store.list()[0].reason
 
 
 def test_rotation_keeps_newest_and_milestones(root):

@@ -78,6 +78,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 from .digest import model_digest  # noqa: E402
+from .export import load_everything, to_torch_save  # noqa: E402
 from .layout import (FORMAT_VERSION, MANIFEST_NAME, CheckpointInfo, CheckpointLoadError, PendingSave,  # noqa: E402
                      StorageUnavailable, now_rfc3339, step_dir_name)
 from .listing import format_table, to_json  # noqa: E402
@@ -94,10 +95,12 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "format_table",
+    "load_everything",
     "load_plain",
     "model_digest",
     "now_rfc3339",
     "step_dir_name",
     "to_json",
+    "to_torch_save",
     "verify",
 ]

@@ -15,10 +15,11 @@ from ..contract import rfc3339
 
 logger = logging.getLogger("trainingrun.checkpoint")
 
-#: Version of the checkpoint format that saves write. 2: each rank's ``extra`` is an entry of DCP's state dict.
-FORMAT_VERSION = 2
-#: Versions readers load. 1: each rank's ``extra`` was a file of its own (``extra-rank-<r>.pt``).
-READABLE_FORMATS = (1, 2)
+#: Version of the checkpoint format that saves write. 3: tensors are stored as their bytes (`tensor_files`).
+FORMAT_VERSION = 3
+#: Versions readers load. 2: tensors as DCP's torch.save archives, each rank's ``extra`` an entry of DCP's state dict;
+#: 1: each rank's ``extra`` was a file of its own (``extra-rank-<r>.pt``).
+READABLE_FORMATS = (1, 2, 3)
 #: Name of the commit marker inside a checkpoint directory.
 MANIFEST_NAME = "manifest.json"
 #: Beside the step directories: how often the run's training processes started (`CheckpointStore.record_start`).

@@ -10,6 +10,8 @@ import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from .tensor_files import read_raw_items
+
 
 #: numpy's RNG state (in ``extra``) is an array: admitted by torch.load(weights_only=True) with these.
 _NUMPY_ARRAY_GLOBALS: list = []
@@ -54,6 +56,16 @@ def _enum_member(cls: Any, name: str) -> Any:
 
 
 class _PlainReader(FsspecReader):
+    """DCP's fsspec reader for every format: raw tensor items (format 3, `tensor_files`) are read here, the rest
+    (torch.save items of formats 1 and 2, byte items) by DCP."""
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._stored = metadata.state_dict_metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return super().read_data(read_raw_items(self, plan, planner, self._stored), planner)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 

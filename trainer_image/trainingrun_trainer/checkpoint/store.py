@@ -471,8 +471,10 @@ class CheckpointStore:
         """The newest valid checkpoint, re-hashing every file in storage; `in_memory` is one every rank holds
         verified in its memory tier: its files in storage are only checked for presence and size."""
         for step, uri in _step_dirs(self._storage, self.uri):
-            held = {uri: in_memory.manifest_sha256} if in_memory is not None and in_memory.uri == uri else None
-            info = _inspect(self._storage, uri, step, deep=True, trusted=held)  # re-hash, unless held
+            if in_memory is not None and in_memory.uri == uri:  # its files were listed a moment ago: not again
+                self._trusted[uri] = in_memory.manifest_sha256
+                return in_memory
+            info = _inspect(self._storage, uri, step, deep=True)
             if info.valid:
                 self._trusted[uri] = info.manifest_sha256
                 return info
@@ -528,7 +530,7 @@ class CheckpointStore:
 
         Every file is re-hashed against the manifest first, and a ValueError raised if it is not a
         committed checkpoint, unless this process wrote or verified this very manifest (a
-        CheckpointInfo from :meth:`latest_valid` was).
+        CheckpointInfo from :meth:`latest_valid` was: then storage is not even listed again).
         """
         self.wait()
         began = time.perf_counter()
@@ -536,7 +538,11 @@ class CheckpointStore:
         match = _STEP_DIR.match(posixpath.basename(uri))
         if not match:
             raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
-        info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
+        if isinstance(info_or_uri, CheckpointInfo) and info_or_uri.valid and info_or_uri.manifest_sha256 \
+                and self._trusted.get(uri) == info_or_uri.manifest_sha256:
+            info = info_or_uri  # this process wrote or verified this very manifest: no storage round trips again
+        else:
+            info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
         if not info.valid:
             raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
         entry = EXTRA_ENTRY.format(rank=self.rank)

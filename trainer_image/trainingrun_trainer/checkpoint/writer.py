@@ -12,6 +12,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.futures import Future
 
 from .memory_tier import MemoryTier, TierCopy
+from .tensor_files import write_rank_file
 from .writer_process import WriteRequest, WriterProcess
 
 
@@ -89,8 +90,9 @@ class _HashingFileSystem:
 
 
 class _Writer(FsspecWriter):
-    """DCP's FsspecWriter plus hashing of every file written and, on the coordinator, the removal
-    of a stale directory of the same step while planning (before any rank writes data). With a `process`, this
+    """DCP's FsspecWriter writing format 3's data files (`tensor_files`), hashing every file written and, on the
+    coordinator, removing
+    a stale directory of the same step while planning (before any rank writes data). With a `process`, this
     rank's data files are written by that writer process (`writer_process`)."""
 
     def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool,
@@ -104,14 +106,16 @@ class _Writer(FsspecWriter):
         self._process = process
 
     def write_data(self, plan, planner) -> Future:
+        done: Future = Future()
         if self._process is None:
-            return super().write_data(plan, planner)
+            done.set_result(write_rank_file(self.fs.create_stream, self.fs.concat_path, self.path, plan,
+                                            planner.resolve_data, self.sync_files))
+            return done
         data = {item.index: planner.resolve_data(item) for item in plan.items}
         tier_root = self._tier.root if self._tier is not None and self._tier_dir is not None else None
         results, record = self._process.write(WriteRequest(
             plan=plan, data=data, tier_root=tier_root, tier_dir=self._tier_dir, **self._request))
         self._record.update(record)
-        done: Future = Future()
         done.set_result(results)
         return done
 

@@ -175,6 +175,7 @@ def _serve(conn: Any) -> None:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from .memory_tier import MemoryTier
+    from .tensor_files import write_rank_file
     from .writer import _HashingFileSystem
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -199,8 +200,9 @@ def _serve(conn: Any) -> None:
         try:
             writer = FsspecWriter(request.uri, sync_files=request.sync_files, overwrite=True, **request.options)
             tier = MemoryTier(request.tier_root) if request.tier_root else None
-            writer.fs = _HashingFileSystem(writer.fs, record, tier, request.tier_dir)
-            results = writer.write_data(request.plan, _Resolved(request.data, request.die_after_items)).wait()
+            fs = _HashingFileSystem(writer.fs, record, tier, request.tier_dir)
+            results = write_rank_file(fs.create_stream, fs.concat_path, writer.path, request.plan,
+                                      _Resolved(request.data, request.die_after_items).resolve_data, request.sync_files)
             reply: tuple = ("ok", results, record)
         except Exception as error:  # noqa: BLE001 - every failure goes back to the save it belongs to
             logger.debug("writing %s failed", request.uri, exc_info=True)

@@ -1,0 +1,112 @@
+"""A rank's DCP data file in format 3: each tensor's bytes as they lie in memory, not a torch.save archive per tensor.
+
+DCP's own writer wraps every tensor in a torch.save zip archive: a serialising copy of every byte and, for a model's
+hundred-odd small tensors, most of a small save's cost. Here a tensor is written as its bytes (C order, this
+machine's byte order: little-endian on every platform torch trains on); its dtype and shape are DCP's metadata's
+already. Each item's storage info names `RAW_TENSOR` as its transform, so DCP's stock reader refuses such a file by
+that name ("Unknown extension") instead of misreading it; `read_data` reads both kinds (formats 1 and 2 hold torch.save
+items). Reading puts a whole stored chunk straight into the destination tensor when it can (no intermediate copy).
+
+One file per rank (``__<rank>_0.distcp``, as DCP names it), byte items first, then tensors, largest first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+#: The transform descriptor of a raw tensor item in DCP's metadata (name/version, as DCP's extensions write them).
+RAW_TENSOR = "trainingrun-raw-tensor/1"
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_rank_file(create_stream: Callable, concat_path: Callable, root: Any, plan: SavePlan,
+                    resolve: Callable[[Any], Any], sync: bool) -> list[WriteResult]:
+    """Write this rank's items of `plan` into one file below `root`; DCP's write results for them."""
+    name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+    byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted((item for item in plan.items if item.type != WriteItemType.BYTE_IO),
+                          key=lambda item: -item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize)
+    results = []
+    with create_stream(concat_path(root, name), "wb") as stream:
+        for item in byte_items + tensor_items:
+            data = resolve(item)
+            offset = stream.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                stream.write(data.getbuffer())
+                info = _StorageInfo(name, offset, stream.tell() - offset)
+            else:
+                if data.device.type != "cpu":
+                    raise ValueError(f"{item.index.fqn}: a staged tensor must be on the CPU, not {data.device}")
+                stream.write(_byte_view(data.contiguous()))
+                info = _StorageInfo(name, offset, stream.tell() - offset, transform_descriptors=[RAW_TENSOR])
+            results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
+        if sync:
+            stream.flush()
+            os.fsync(stream.fileno())
+    return results
+
+
+def _stored_chunk(metadata: TensorStorageMetadata, index: MetadataIndex) -> Any:
+    chunks = metadata.chunks
+    if index.index is not None and index.index < len(chunks) and list(chunks[index.index].offsets) == list(index.offset):
+        return chunks[index.index]
+    return next(chunk for chunk in chunks if list(chunk.offsets) == list(index.offset))
+
+
+def _read_into(stream: Any, target: memoryview, what: str) -> None:
+    done = 0
+    while done < target.nbytes:
+        read = stream.readinto(target[done:])
+        if not read:
+            raise OSError(f"{what}: the file ends {target.nbytes - done} bytes early")
+        done += read
+
+
+def read_raw_items(reader: Any, plan: LoadPlan, planner: Any, state_dict_metadata: dict) -> LoadPlan:
+    """Load the raw tensor items of `plan` (`reader`: DCP's FsspecReader); the plan of the items left (torch.save
+    items of older formats and byte items), for DCP's own read_data."""
+    raw: dict[str, list] = {}
+    left = []
+    for item in plan.items:
+        info: _StorageInfo = reader.storage_data[item.storage_index]
+        if item.type == LoadItemType.TENSOR and RAW_TENSOR in (info.transform_descriptors or ()):
+            raw.setdefault(info.relative_path, []).append((info, item))
+        else:
+            left.append(item)
+    for relative_path, items in raw.items():
+        with reader.fs.create_stream(reader.fs.concat_path(reader.path, relative_path), "rb") as stream:
+            for info, item in sorted(items, key=lambda pair: pair[0].offset):  # one pass through the file
+                stored = state_dict_metadata[item.storage_index.fqn]
+                chunk = _stored_chunk(stored, item.storage_index)
+                dtype = stored.properties.dtype
+                what = f"{relative_path} ({item.storage_index.fqn})"
+                if info.length != chunk.sizes.numel() * dtype.itemsize:
+                    raise ValueError(f"{what}: {info.length} bytes stored for a {dtype} chunk of {list(chunk.sizes)}")
+                target = planner.resolve_tensor(item).detach()
+                stream.seek(info.offset)
+                whole = list(item.storage_offsets) == [0] * len(chunk.sizes) and list(item.lengths) == list(chunk.sizes)
+                if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
+                        and target.size() == chunk.sizes:
+                    _read_into(stream, _byte_view(target), what)
+                else:
+                    buffer = bytearray(info.length)
+                    _read_into(stream, memoryview(buffer), what)
+                    tensor = (torch.frombuffer(buffer, dtype=dtype) if info.length else torch.empty(0, dtype=dtype))
+                    tensor = narrow_tensor_by_index(tensor.reshape(chunk.sizes), item.storage_offsets, item.lengths)
+                    if target.size() != tensor.size():
+                        raise ValueError(f"{what}: stored {list(tensor.size())}, expected {list(target.size())}")
+                    target.copy_(tensor)
+                planner.commit_tensor(item, target)
+    return dataclasses.replace(plan, items=left)
