@@ -27,9 +27,9 @@ What is measured
       `store.last_save_seconds` (staging start to manifest written). The committed checkpoint must
       restore to the weights at save() time, not the ones after the steps that overlapped it.
     * the CPU seconds each save's background work used (the store's checkpoint thread and, with one, its writer
-      process, from /proc) against torch.save's (`background_cpu_ratio`): when training keeps every core busy, as
-      on the 2-core dev VM, the steps beside the write lose about that much CPU time whatever priority the writer
-      runs at, so this ratio is about the floor of effective_stall_ratio there.
+      process, from /proc) against torch.save's (`background_cpu_ratio`): what the steps beside the write share
+      their cores with. On the 2-core dev VM they lose part of it (the effective stall), the rest runs in time
+      training leaves idle.
     * sync baselines: `torch.save` of the same state dict into a new file in the same directory,
       kept (as checkpoints are), twice per repeat; the faster of the two is the denominator of the
       ratio (the stricter choice: on VMs that hand free memory back to the host, such as the 2-core
@@ -480,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     save_cpu = med["  its CPU seconds"]
     print(f"CPU of one save's background work (writer process + checkpoint thread: staging, digest, serialising, "
           f"hashing, writing) {background_cpu:.3f} s vs torch.save's {save_cpu:.3f} s = {background_cpu / save_cpu:.2f}x; "
-          f"with training on every core, the steps beside the write lose about that CPU time, so the effective stall "
-          f"cannot go much below it (in-process: "
-          f"{med['  CPU seconds of the background work (thread + writer)'] / save_cpu:.2f}x)")
+          f"(in-process: {med['  CPU seconds of the background work (thread + writer)'] / save_cpu:.2f}x): the steps "
+          f"beside the write lose {process_stall[0] / (background_cpu / save_cpu):.0%} of it to the effective stall, the "
+          f"rest runs in time training leaves idle")
     print(f"restore: CheckpointStore.load {restore:.3f} s vs torch.load {med['torch.load']:.3f} s "
           f"({restore / med['torch.load']:.2f}x); resume incl. latest_valid re-hash "
           f"{med['resume: latest_valid() (re-hash every file)'] + restore:.3f} s")
