@@ -200,9 +200,12 @@ def test_a_copy_that_fails_mid_write_drops_only_the_copy(storage, memory, monkey
 
 
 def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: list[str], out_dir: str,
-                     writer_process: bool = False) -> None:
+                     writer_process: bool = False, damage: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    checked = []
+    real_matches = memory_tier._matches
+    memory_tier._matches = lambda path, entry: checked.append(entry["path"]) or real_matches(path, entry)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -213,6 +216,10 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
             assert not writer_process or store._writer.wait_ready(120)
             store.save(5, app_state(ddp, opt), {"rank": rank})
             assert store.wait() is not None
+        if damage:  # the largest file of the node's copy, whichever rank's share it is in
+            if rank == 0:
+                flip_byte(max(data_files(step_dir(Path(tiers[0]), 5)), key=lambda p: p.stat().st_size))
+            dist.barrier()
         # The worker group restarted in place: new processes, the same node memory.
         fresh = DDP(make_model(1))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
@@ -222,7 +229,7 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
             source = store.last_restore_source
         fresh.module.load_state_dict(state["model"])
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()),
+            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()), "checked": checked,
             "expected": model_digest(ddp.module.state_dict())}))
     finally:
         dist.destroy_process_group()
@@ -243,4 +250,20 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, wri
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["source"] for r in results] == sources
     assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
+    # Each file of a node's copy is checked once, by one of the node's ranks (one node: they split them).
+    for node in set(tiers):
+        kept = {p.name for p in data_files(step_dir(Path(node), 5))}
+        checked = [name for rank, r in enumerate(results) if tiers[rank] == node for name in r["checked"]]
+        assert sorted(checked) == sorted(kept)
+    assert nodes == 2 or all(r["checked"] for r in results)
+
+
+@pytest.mark.slow
+def test_a_damaged_file_in_another_ranks_share_is_read_from_storage_by_every_rank(tmp_path):
+    tiers = [str(tmp_path / "node" / "tier")] * 2
+    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers,
+                                     str(tmp_path), False, True), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["source"] for r in results] == ["memory and storage"] * 2
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]

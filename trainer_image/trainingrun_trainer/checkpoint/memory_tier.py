@@ -44,6 +44,7 @@ class MemoryTier:
         self._told_no_room = False
         #: manifest sha256 -> ({file name: local path} of the files that verified, files the manifest lists)
         self._verified: dict[str, tuple[dict[str, str], int]] = {}
+        self.peers = NodePeers()  #: the ranks that check this node's files together (the store sets them)
 
     # ------------------------------------------------------------ writing (background thread)
 
@@ -127,7 +128,8 @@ class MemoryTier:
 
     def files(self, step: int, manifest_sha256: Optional[str]) -> dict[str, str]:
         """{file name: local path} of the checkpoint whose manifest has `manifest_sha256`, for the files this node
-        holds that match the manifest's size and sha256 ({} when its copy of the manifest is another)."""
+        holds that match the manifest's size and hash ({} when its copy of the manifest is another). Under
+        torch.distributed a collective of the store's group (the node's ranks share the checking)."""
         if not manifest_sha256:
             return {}
         if manifest_sha256 not in self._verified:
@@ -135,28 +137,53 @@ class MemoryTier:
         return self._verified[manifest_sha256][0]
 
     def holds_all(self, step: int, manifest_sha256: Optional[str]) -> bool:
-        """Whether every file of that checkpoint is here and verified."""
+        """Whether every file of that checkpoint is here and verified (a collective, as `files`)."""
         found = self.files(step, manifest_sha256)
         return bool(found) and len(found) == self._verified[manifest_sha256][1]
 
     def _verify(self, step: int, manifest_sha256: str) -> tuple[dict[str, str], int]:
         directory = os.path.join(self.root, step_dir_name(step))
+        listed: list = []
         try:
             with open(os.path.join(directory, MANIFEST_NAME), "rb") as f:
                 raw = f.read()
+            if hashlib.sha256(raw).hexdigest() == manifest_sha256:
+                listed = json.loads(raw)["files"]
+            else:
+                logger.info("the checkpoint of step %d kept in memory is not the committed one: reading storage", step)
         except OSError:
-            return {}, 0
-        if hashlib.sha256(raw).hexdigest() != manifest_sha256:
-            logger.info("the checkpoint of step %d kept in memory is not the committed one: reading storage", step)
-            return {}, 0
-        verified, listed = {}, json.loads(raw)["files"]
-        for entry in listed:
+            pass
+        here = [entry for entry in listed if os.path.exists(os.path.join(directory, entry["path"]))]
+        checked = {}
+        for entry in self.peers.share_of(here):  # every rank of the node calls exchange, whatever it found
             path = os.path.join(directory, entry["path"])
-            if _matches(path, entry):
-                verified[entry["path"]] = path
-            elif os.path.exists(path):
+            checked[entry["path"]] = _matches(path, entry)
+            if not checked[entry["path"]]:
                 logger.warning("%s does not match the manifest of step %d: reading it from storage", path, step)
+        verified = {name: os.path.join(directory, name) for name, ok in self.peers.exchange(checked).items() if ok}
         return verified, len(listed)
+
+
+class NodePeers:
+    """The ranks that share this node's memory tier, splitting the checking of its files: each checks its share
+    (by size), then they exchange what they found. Alone (no torch.distributed): all of it, nothing exchanged."""
+
+    def __init__(self, index: int = 0, count: int = 1, exchange: Optional[Callable[[dict], dict]] = None):
+        self.index, self.count = index, count  #: this rank's place among the node's ranks, and how many they are
+        self._exchange = exchange
+
+    def share_of(self, entries: list[dict]) -> list[dict]:
+        """This rank's share of `entries` (manifest entries; every rank of the node has the same list)."""
+        loads, shares = [0] * self.count, [[] for _ in range(self.count)]
+        for entry in sorted(entries, key=lambda e: (-e["size"], e["path"])):
+            lightest = loads.index(min(loads))
+            loads[lightest] += entry["size"]
+            shares[lightest].append(entry)
+        return shares[self.index]
+
+    def exchange(self, checked: dict[str, bool]) -> dict[str, bool]:
+        """{file name: matched} as the node's ranks found it together."""
+        return checked if self._exchange is None else self._exchange(checked)
 
 
 class LocalFirstFileSystem:

@@ -8,6 +8,7 @@ import os
 import pickle
 import posixpath
 import shutil
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
                      STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
-from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier
+from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, NodePeers
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_file, _storage_options
 from .writer import _Writer
@@ -144,6 +145,8 @@ class CheckpointStore:
                 self._pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
             self.rank = dist.get_rank(self._pg)
             self.world_size = dist.get_world_size(self._pg)
+            if self._tier is not None:
+                self._tier.peers = self._node_peers(memory_tier)
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
         self._pending: Optional[PendingSave] = None
@@ -306,6 +309,22 @@ class CheckpointStore:
                 self._storage.rm_file(_join(step_uri, name))
             else:
                 self._storage.rm_tree(_join(step_uri, name))
+
+    def _node_peers(self, memory_tier: str) -> NodePeers:
+        """The ranks of this group whose memory tier is this one (same host, same directory): they split the checking
+        of its files on a restart (each reads its share once, instead of every rank reading every file)."""
+        node = f"{socket.gethostname()}:{os.path.realpath(memory_tier)}"
+        on_node = [rank for rank, other in enumerate(self._gather(node)) if other == node]
+
+        def exchange(checked: dict[str, bool]) -> dict[str, bool]:
+            found: dict[str, bool] = {}
+            for other, theirs in self._gather((node, checked)):
+                if other == node:
+                    for name, ok in theirs.items():
+                        found[name] = found.get(name, True) and ok
+            return found
+
+        return NodePeers(on_node.index(self.rank), len(on_node), exchange)
 
     def _gather(self, obj: Any) -> list:
         if not self._distributed:
