@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from .layout import CheckpointInfo, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join
 from .storage import _Storage, _entry_time, _is_file, _storage_options
@@ -30,10 +30,12 @@ def _parse_manifest(raw: bytes) -> dict:
 
 
 def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
-             trusted: Optional[Mapping[str, str]] = None) -> CheckpointInfo:
+             trusted: Optional[Mapping[str, str]] = None, tier: Any = None) -> CheckpointInfo:
     """Check one step directory. Shallow: manifest readable, every file present with its size.
     Deep: also re-hash every file, unless ``trusted`` maps this uri to this very manifest's sha256
-    (this process wrote or verified it; used by rotation only)."""
+    (this process wrote or verified it; used by rotation only). With a memory ``tier`` (`MemoryTier`), a deep check
+    also keeps what it read there, committed when every file matched: the load that follows reads it from memory
+    instead of downloading it again."""
     listing = storage.listing(uri)
     files = {name: e for name, e in listing.items() if _is_file(e)}
     size = sum(int(e.get("size") or 0) for e in files.values())
@@ -68,22 +70,44 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         if listed is not None and int(listed) != entry["size"]:
             return invalid(f"size mismatch in {name}", manifest, manifest_sha)
     if deep and not (trusted and trusted.get(uri) == manifest_sha):
-        for entry in manifest["files"]:
-            name = entry["path"]
-            try:
-                got_size, got_sha = storage.sha256(_join(uri, name))
-            except FileNotFoundError:
-                return invalid(f"missing file {name}", manifest, manifest_sha)
-            if got_size != entry["size"]:
-                return invalid(f"size mismatch in {name}", manifest, manifest_sha)
-            if got_sha != entry["sha256"]:
-                return invalid(f"sha256 mismatch in {name}", manifest, manifest_sha)
+        kept = tier.begin(step, sum(entry["size"] for entry in manifest["files"])) if tier is not None else None
+        try:
+            for entry in manifest["files"]:
+                reason = _check(storage, uri, entry, tier.copy(kept, entry["path"]) if kept is not None else None)
+                if reason is not None:
+                    if kept is not None:
+                        tier.discard(step)
+                    return invalid(reason, manifest, manifest_sha)
+        except BaseException:
+            if kept is not None:
+                tier.discard(step)
+            raise
+        if kept is not None:
+            tier.commit(step, raw)
     return CheckpointInfo(
         step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=True,
         reason=None, model_digest=manifest.get("model_digest") or None,
         world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
         format_version=manifest["format_version"],
     )
+
+
+def _check(storage: _Storage, uri: str, entry: dict, copy: Any) -> Optional[str]:
+    """Why the file of a manifest entry does not match it (None: it does); `copy` keeps what was read."""
+    name = entry["path"]
+    try:
+        got_size, got_sha = storage.sha256(_join(uri, name), copy)
+    except FileNotFoundError:
+        got_size, got_sha = None, None
+    except BaseException:
+        if copy is not None:
+            copy.abandon()
+        raise
+    reason = ("missing file" if got_size is None else "size mismatch in" if got_size != entry["size"]
+              else "sha256 mismatch in" if got_sha != entry["sha256"] else None)
+    if copy is not None:
+        copy.close() if reason is None else copy.abandon()
+    return None if reason is None else f"{reason} {name}"
 
 
 def _step_dirs(storage: _Storage, base_uri: str) -> list[tuple[int, str]]:

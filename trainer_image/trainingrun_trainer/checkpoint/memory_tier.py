@@ -2,7 +2,8 @@
 
 A restart inside the pod (torchrun restarting its worker group, Kubeflow restarting a container) finds them in
 the pod's memory-backed /dev/shm and loads them from there instead of reading object storage again. A new pod
-starts with an empty /dev/shm, so it always reads storage.
+starts with an empty /dev/shm, so it reads storage: once, as rank 0 verifies the checkpoint, keeping what it reads
+here (`manifest._inspect`) for the load that follows and the restarts before the next save.
 
 Layout, below the tier's root (one per attempt of a run, see `contract.memory_tier_dir`)::
 
@@ -136,6 +137,10 @@ class MemoryTier:
             self._verified = {manifest_sha256: self._verify(step, manifest_sha256)}
         return self._verified[manifest_sha256][0]
 
+    def forget(self) -> None:
+        """Drop what was found checking the tier (it was written since)."""
+        self._verified = {}
+
     def holds_all(self, step: int, manifest_sha256: Optional[str]) -> bool:
         """Whether every file of that checkpoint is here and verified (a collective, as `files`)."""
         found = self.files(step, manifest_sha256)
@@ -168,8 +173,9 @@ class NodePeers:
     """The ranks that share this node's memory tier, splitting the checking of its files: each checks its share
     (by size), then they exchange what they found. Alone (no torch.distributed): all of it, nothing exchanged."""
 
-    def __init__(self, index: int = 0, count: int = 1, exchange: Optional[Callable[[dict], dict]] = None):
-        self.index, self.count = index, count  #: this rank's place among the node's ranks, and how many they are
+    def __init__(self, ranks: tuple[int, ...] = (0,), rank: int = 0, exchange: Optional[Callable[[dict], dict]] = None):
+        self.ranks = ranks  #: the node's ranks (in the store's group)
+        self.index, self.count = ranks.index(rank), len(ranks)  #: this rank's place among them, and how many
         self._exchange = exchange
 
     def share_of(self, entries: list[dict]) -> list[dict]:

@@ -5,7 +5,7 @@ import hashlib
 import os
 import posixpath
 from datetime import datetime, timezone
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from fsspec.core import url_to_fs
 
@@ -79,13 +79,16 @@ class _Storage:
     def read_bytes(self, uri: str) -> bytes:
         return self.fs.cat_file(self._path(uri))
 
-    def sha256(self, uri: str) -> tuple[int, str]:
+    def sha256(self, uri: str, copy: Any = None) -> tuple[int, str]:
+        """(size, sha256) of a file, read once; `copy` (a memory tier's `TierCopy`) gets every byte read."""
         digest = hashlib.sha256()
         size = 0
         with self.fs.open(self._path(uri), "rb", block_size=_HASH_CHUNK) as f:
             while chunk := f.read(_HASH_CHUNK):
                 digest.update(chunk)
                 size += len(chunk)
+                if copy is not None:
+                    copy.write(chunk)
         return size, digest.hexdigest()
 
     def write_bytes(self, uri: str, data: bytes, atomic: bool = False) -> None:

@@ -154,6 +154,7 @@ class CheckpointStore:
         self._last_result: Optional[CheckpointInfo] = None
         # uri -> manifest sha256 of checkpoints this process committed or deep-verified.
         self._trusted: dict[str, str] = {}
+        self._read_from_storage: Optional[str] = None  # the checkpoint latest_valid() last read from storage
         self._closed = False
         self._manifest_bytes = 0
 
@@ -324,7 +325,7 @@ class CheckpointStore:
                         found[name] = found.get(name, True) and ok
             return found
 
-        return NodePeers(on_node.index(self.rank), len(on_node), exchange)
+        return NodePeers(tuple(on_node), self.rank, exchange)
 
     def _gather(self, obj: Any) -> list:
         if not self._distributed:
@@ -487,13 +488,14 @@ class CheckpointStore:
                 for step, uri in _step_dirs(self._storage, self.uri)]
 
     def _find_latest_valid(self, in_memory: Optional[CheckpointInfo] = None) -> Optional[CheckpointInfo]:
-        """The newest valid checkpoint, re-hashing every file in storage; `in_memory` is one every rank holds
-        verified in its memory tier: its files in storage are only checked for presence and size."""
+        """The newest valid checkpoint, re-hashing every file in storage (and keeping what it read in the memory
+        tier, for the load that follows); `in_memory` is one every rank holds verified in its memory tier: its files
+        in storage are only checked for presence and size."""
         for step, uri in _step_dirs(self._storage, self.uri):
             if in_memory is not None and in_memory.uri == uri:  # its files were listed a moment ago: not again
                 self._trusted[uri] = in_memory.manifest_sha256
                 return in_memory
-            info = _inspect(self._storage, uri, step, deep=True)
+            info = _inspect(self._storage, uri, step, deep=True, tier=self._tier)
             if info.valid:
                 self._trusted[uri] = info.manifest_sha256
                 return info
@@ -510,18 +512,25 @@ class CheckpointStore:
         self.wait()
         in_memory = self._held_in_memory()
         if not self._distributed:
-            return self._find_latest_valid(in_memory)
-        result: Any = None
-        if self.rank == 0:
-            try:
-                result = self._find_latest_valid(in_memory)
-            except Exception as exc:
-                result = exc
-        result = self._broadcast(result)
-        if isinstance(result, Exception):
-            raise result
-        if result is not None:
-            self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
+            result = self._find_latest_valid(in_memory)
+        else:
+            result = None
+            if self.rank == 0:
+                try:
+                    result = self._find_latest_valid(in_memory)
+                except Exception as exc:
+                    result = exc
+            result = self._broadcast(result)
+            if isinstance(result, Exception):
+                raise result
+            if result is not None:
+                self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
+        # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage, even
+        # where the bytes come from that copy.
+        kept_here = self._tier is None or 0 in self._tier.peers.ranks
+        self._read_from_storage = result.uri if result is not None and in_memory is None and kept_here else None
+        if self._tier is not None and in_memory is None:
+            self._tier.forget()  # rank 0 may have kept what it read: every rank checks the tier again
         return result
 
     def _held_in_memory(self) -> Optional[CheckpointInfo]:
@@ -596,7 +605,8 @@ class CheckpointStore:
                 raise CheckpointLoadError(f"cannot load {source}: it holds more than plain values "
                                           f"(refusing to run code from storage): {exc}".splitlines()[0]) from None
         self.last_restore_seconds = time.perf_counter() - began
-        self.last_restore_source = " and ".join(sorted(reader.fs.sources))
+        sources = reader.fs.sources if uri != self._read_from_storage else {"storage"}
+        self.last_restore_source = " and ".join(sorted(sources))
         self.restores += 1
         return extra
 
