@@ -71,19 +71,15 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
             return invalid(f"size mismatch in {name}", manifest, manifest_sha)
     if deep and not (trusted and trusted.get(uri) == manifest_sha):
         kept = tier.begin(step, sum(entry["size"] for entry in manifest["files"])) if tier is not None else None
+        reason: Optional[str] = "interrupted"
         try:
-            for entry in manifest["files"]:
-                reason = _check(storage, uri, entry, tier.copy(kept, entry["path"]) if kept is not None else None)
-                if reason is not None:
-                    if kept is not None:
-                        tier.discard(step)
-                    return invalid(reason, manifest, manifest_sha)
-        except BaseException:
+            reason = next((why for entry in manifest["files"] if (why := _check(
+                storage, uri, entry, tier.copy(kept, entry["path"]) if kept is not None else None)) is not None), None)
+        finally:
             if kept is not None:
-                tier.discard(step)
-            raise
-        if kept is not None:
-            tier.commit(step, raw)
+                tier.commit(step, raw) if reason is None else tier.discard(step)
+        if reason is not None:
+            return invalid(reason, manifest, manifest_sha)
     return CheckpointInfo(
         step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=True,
         reason=None, model_digest=manifest.get("model_digest") or None,

@@ -525,12 +525,13 @@ class CheckpointStore:
                 raise result
             if result is not None:
                 self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
-        # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage, even
-        # where the bytes come from that copy.
-        kept_here = self._tier is None or 0 in self._tier.peers.ranks
-        self._read_from_storage = result.uri if result is not None and in_memory is None and kept_here else None
+        self._read_from_storage = None
         if self._tier is not None and in_memory is None:
-            self._tier.forget()  # rank 0 may have kept what it read: every rank checks the tier again
+            # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage,
+            # even where the bytes come from that copy; and every rank checks the tier again.
+            if result is not None and 0 in self._tier.peers.ranks:
+                self._read_from_storage = result.uri
+            self._tier.forget()
         return result
 
     def _held_in_memory(self) -> Optional[CheckpointInfo]:

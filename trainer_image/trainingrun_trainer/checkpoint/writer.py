@@ -91,9 +91,8 @@ class _HashingFileSystem:
 
 class _Writer(FsspecWriter):
     """DCP's FsspecWriter writing format 3's data files (`tensor_files`), hashing every file written and, on the
-    coordinator, removing
-    a stale directory of the same step while planning (before any rank writes data). With a `process`, this
-    rank's data files are written by that writer process (`writer_process`)."""
+    coordinator, removing a stale directory of the same step while planning (before any rank writes data). With a
+    `process`, this rank's data files are written by that writer process (`writer_process`)."""
 
     def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool,
                  tier: Optional[MemoryTier] = None, tier_dir: Optional[str] = None,
