@@ -43,7 +43,8 @@ What is measured
     * restore as a restarted process resumes (a new `CheckpointStore`, `latest_valid()` + `load()` into a fresh
       model + AdamW), `--restore-repeats` times (default 3) each: from the GCS emulator, from moto's S3 server (both
       on 127.0.0.1, so no network latency: the figures favour storage), and from the memory tier in /dev/shm that the
-      save filled (only the listing and the manifest come from storage; every file is checked in memory against its xxh3_128). The
+      save filled (only the listing and the manifest come from storage; each file's content is checked against the xxh3_128
+      of its 4 MiB segments as it loads, two threads reading a file). The
       restored weights must equal the saved ones, and each restore must have read where it says.
 
 Targets

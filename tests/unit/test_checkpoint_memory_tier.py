@@ -15,7 +15,7 @@ from fsspec.implementations.local import LocalFileOpener
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointLoadError, CheckpointStore, model_digest
 from trainingrun_trainer.checkpoint import memory_tier
 
 from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
@@ -56,7 +56,11 @@ def restored(storage: Path, memory: Path | None):
 
 
 def data_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.iterdir() if p.name != MANIFEST_NAME)
+    return sorted(p for p in directory.iterdir() if p.name != MANIFEST_NAME and p.suffix != memory_tier.DIGESTS_SUFFIX)
+
+
+def digests_file(path: Path) -> Path:
+    return path.with_name(path.name + memory_tier.DIGESTS_SUFFIX)
 
 
 def test_a_restart_loads_the_committed_checkpoint_from_memory_without_reading_its_data_from_storage(storage, memory):
@@ -86,20 +90,41 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-1])
 
 
+def rewrite_digests(path: Path, change) -> None:
+    digests = json.loads(digests_file(path).read_text())
+    change(digests)
+    digests_file(path).write_text(json.dumps(digests))
+
+
 @pytest.mark.parametrize("damage, source", [
     (lambda kept: (kept / MANIFEST_NAME).unlink(), "storage"),  # killed before the commit reached memory
     (lambda kept: (kept / MANIFEST_NAME).write_text((kept / MANIFEST_NAME).read_text().replace("5", "6", 1)),
      "storage"),  # another manifest
-    (lambda kept: flip_byte(data_files(kept)[0]), "storage"),
     (lambda kept: truncate(data_files(kept)[-1]), "storage"),
     (lambda kept: data_files(kept)[0].unlink(), "storage"),
-], ids=["no-manifest", "other-manifest", "flipped-byte", "truncated", "missing-file"])
+    (lambda kept: digests_file(data_files(kept)[-1]).unlink(), "storage"),  # killed between the file and its digests
+    (lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d.update(sha256="0" * 64)), "storage"),  # stale
+    # Same size, other bytes: found as it loads, the load reads it again from storage.
+    (lambda kept: flip_byte(data_files(kept)[-1]), "memory and storage"),
+    (lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d["xxh3_128"].__setitem__(-1, "0" * 32)),
+     "memory and storage"),
+], ids=["no-manifest", "other-manifest", "truncated", "missing-file", "no-digests", "stale-digests", "flipped-byte",
+        "wrong-segment-digest"])
 def test_a_partial_or_damaged_copy_is_never_used(storage, memory, damage, source):
     _, digest = saved(storage, memory)
     damage(step_dir(memory, 5))
     assert restored(storage, memory) == (5, digest, source)
     # What the restore read from storage to verify it replaced the damaged copy: the next restart reads memory.
     assert restored(storage, memory) == (5, digest, "memory")
+
+
+def test_a_damaged_copy_is_not_used_when_storage_is_damaged_too(storage, memory):
+    saved(storage, memory)
+    for directory in (step_dir(memory, 5), step_dir(storage, 5)):
+        flip_byte(data_files(directory)[-1])
+    with pytest.raises(CheckpointLoadError, match="its copy in memory is damaged and storage is not readable or not "
+                                                  "valid: sha256 mismatch in __0_0.distcp"):
+        restored(storage, memory)
 
 
 def test_a_new_pods_restore_downloads_each_file_once_and_keeps_it_for_the_next_restart(storage, memory, monkeypatch):
@@ -129,27 +154,22 @@ def rewrite_manifests(storage: Path, memory: Path, step: int, change) -> None:
         (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-def test_the_manifest_records_the_xxh3_of_every_copied_file_and_the_tier_checks_it(storage, memory):
+def test_each_copy_has_its_sha256_and_the_xxh3_of_each_segment_beside_it(storage, memory, monkeypatch):
+    monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 4096)  # several segments of a small model's files
     _, digest = saved(storage, memory)
-    entries = json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]
-    assert {e["path"]: e["xxh3_128"] for e in entries} == {
-        p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in data_files(step_dir(memory, 5))}
-    # A wrong xxh3 with the right sha256: the tier must not trust its copies, storage (checked by sha256) is read.
-    rewrite_manifests(storage, memory, 5, lambda entry: entry.update(xxh3_128="0" * 32))
-    assert restored(storage, memory) == (5, digest, "storage")
-
-
-def test_a_manifest_without_xxh3_has_the_tier_check_its_copies_by_sha256(storage, memory):
-    _, digest = saved(storage, memory)
-    rewrite_manifests(storage, memory, 5, lambda entry: entry.pop("xxh3_128"))  # as a writer without a tier wrote it
+    manifest = {e["path"]: e for e in json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]}
+    for path in data_files(step_dir(memory, 5)):
+        data = path.read_bytes()
+        assert json.loads(digests_file(path).read_text()) == {
+            "size": len(data), "sha256": manifest[path.name]["sha256"], "segment_bytes": 4096,
+            "xxh3_128": [xxhash.xxh3_128(data[at:at + 4096]).hexdigest() for at in range(0, len(data), 4096)]}
     assert restored(storage, memory) == (5, digest, "memory")
-    flip_byte(data_files(step_dir(memory, 5))[-1])
-    assert restored(storage, memory) == (5, digest, "storage")
 
 
-def test_a_store_without_a_tier_records_no_xxh3(storage):
+@pytest.mark.parametrize("with_tier", [False, True])
+def test_the_manifest_lists_path_size_and_sha256_only(storage, memory, with_tier):
     model, opt = trained()
-    with CheckpointStore(storage.as_uri()) as store:
+    with CheckpointStore(storage.as_uri(), memory_tier=str(memory) if with_tier else None) as store:
         store.save(5, app_state(model, opt), {"step": 5})
         assert store.wait() is not None
     entries = json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]
@@ -223,9 +243,6 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
                      writer_process: bool = False, damage: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    checked = []
-    real_matches = memory_tier._matches
-    memory_tier._matches = lambda path, entry: checked.append(entry["path"]) or real_matches(path, entry)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -249,7 +266,7 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
             source = store.last_restore_source
         fresh.module.load_state_dict(state["model"])
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()), "checked": checked,
+            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()),
             "expected": model_digest(ddp.module.state_dict())}))
     finally:
         dist.destroy_process_group()
@@ -272,17 +289,94 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, wri
     assert [r["source"] for r in results] == sources
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
-    if nodes == 1:  # the node's ranks split the checking: each file of its copy is checked once, by one of them
-        kept = [p.name for p in data_files(step_dir(Path(tiers[0]), 5))]
-        assert sorted(results[0]["checked"] + results[1]["checked"]) == sorted(kept)
-        assert all(r["checked"] for r in results)
 
 
 @pytest.mark.slow
-def test_a_damaged_file_in_another_ranks_share_is_read_from_storage_by_every_rank(tmp_path):
+def test_a_damaged_file_found_as_two_ranks_load_is_read_again_from_storage_by_both(tmp_path):
     tiers = [str(tmp_path / "node" / "tier")] * 2
     mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers,
                                      str(tmp_path), False, True), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["source"] for r in results] == ["storage"] * 2  # rank 0 verified storage and kept it for the node
+    assert [r["source"] for r in results] == ["memory and storage"] * 2
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
+
+
+def tier_file(path: Path, data: bytes, segment_bytes: int = 16) -> memory_tier.TierFile:
+    """`data` written at `path` as the tier writes a copy, with its recorded digests."""
+    path.write_bytes(data)
+    hasher = memory_tier.SegmentHasher()
+    hasher.update(data)
+    return memory_tier.TierFile(str(path), len(data), segment_bytes, tuple(hasher.finish()))
+
+
+@pytest.fixture
+def small_segments(monkeypatch):
+    monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 16)
+    monkeypatch.setattr(memory_tier, "READ_CHUNK", 5)  # reads cross chunk and segment boundaries
+
+
+def read_at(stream, offset: int, length: int) -> bytes:
+    buffer = bytearray(length)
+    stream.seek(offset)
+    assert stream.readinto(buffer) == length
+    return bytes(buffer)
+
+
+def test_a_tier_file_reads_its_bytes_and_checks_every_segment_it_touches(tmp_path, small_segments):
+    data = bytes(range(100))
+    kept = tier_file(tmp_path / "f", data)
+    assert len(kept.digests) == 7  # 6 whole segments and 4 bytes
+    with memory_tier.VerifiedTierFile(kept) as stream:
+        assert read_at(stream, 0, 100) == data
+        assert read_at(stream, 37, 20) == data[37:57]  # backwards, into segments already checked
+        stream.finish()
+    with memory_tier.VerifiedTierFile(kept) as stream:
+        assert read_at(stream, 90, 10) == data[90:] and stream.read() == b""
+        assert read_at(stream, 20, 3) == data[20:23]  # the rest of segment 1 is read when it is left or finished
+        stream.finish()
+
+
+@pytest.mark.parametrize("damaged_at, read, fails", [
+    (20, (20, 3), True),  # in the bytes read
+    (17, (20, 3), True),  # in the same segment, before them
+    (30, (20, 3), True),  # in the same segment, after them: checked by finish()
+    (40, (20, 3), False),  # in a segment never read: this reader does not need it
+    (99, (0, 100), True),  # the last, short segment
+])
+def test_a_damaged_segment_that_a_read_touches_fails_it(tmp_path, small_segments, damaged_at, read, fails):
+    data = bytearray(range(100))
+    kept = tier_file(tmp_path / "f", bytes(data))
+    data[damaged_at] ^= 0xFF
+    (tmp_path / "f").write_bytes(bytes(data))
+    with memory_tier.VerifiedTierFile(kept) as stream:
+        if not fails:
+            read_at(stream, *read)
+            stream.finish()
+            return
+        with pytest.raises(memory_tier.TierMismatch, match=r"bytes \d+-\d+ differ from what was written there"):
+            read_at(stream, *read)
+            stream.finish()
+
+
+def test_a_tier_file_cut_short_fails_the_read(tmp_path, small_segments):
+    kept = tier_file(tmp_path / "f", bytes(100))
+    (tmp_path / "f").write_bytes(bytes(50))
+    with memory_tier.VerifiedTierFile(kept) as stream, pytest.raises(memory_tier.TierMismatch, match="ends at 50 bytes"):
+        read_at(stream, 40, 30)
+
+
+def test_a_large_file_in_memory_is_read_by_several_threads(storage, memory, monkeypatch):
+    from trainingrun_trainer.checkpoint import tensor_files
+
+    monkeypatch.setattr(tensor_files, "READ_THREADS", 3)
+    monkeypatch.setattr(tensor_files, "MIN_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 4096)  # the parts start and end inside segments
+    _, digest = saved(storage, memory)
+    opened = []
+    real_init = memory_tier.VerifiedTierFile.__init__
+    monkeypatch.setattr(memory_tier.VerifiedTierFile, "__init__",
+                        lambda self, kept: opened.append(Path(kept.path).name) or real_init(self, kept))
+    assert restored(storage, memory) == (5, digest, "memory")
+    assert opened.count("__0_0.distcp") == 4  # three parts of its tensors, then DCP's read of the byte items
+    flip_byte(data_files(step_dir(memory, 5))[-1])
+    assert restored(storage, memory) == (5, digest, "memory and storage")

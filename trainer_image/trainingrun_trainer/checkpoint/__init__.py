@@ -14,8 +14,8 @@ when ``checkpoint.interval.steps`` is ``auto``: its failure rate; `CheckpointSto
 Format 1 (still read) kept each rank's ``extra`` in a file of its own, ``extra-rank-<r>.pt``.
 
 ``manifest.json`` = ``{format_version, step, time, world_size, config_hash, model_digest,
-torch_version, files: [{path, size, sha256, xxh3_128}]}`` listing every other file of the directory (``xxh3_128``
-only for files copied into the memory tier, which checks its copies by it; readers ignore it).
+torch_version, files: [{path, size, sha256}]}`` listing every other file of the directory. (Some format 3
+manifests also carry ``xxh3_128``, an earlier memory tier's check; readers ignore it.)
 A checkpoint without a valid manifest does not exist: readers skip directories with no manifest
 (a save that never finished) and directories whose files are missing or do not match the
 manifest's sizes / sha256 (corruption), and fall back to older ones.

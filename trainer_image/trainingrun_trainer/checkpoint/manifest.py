@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional
 
 from .layout import CheckpointInfo, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join
@@ -36,7 +37,18 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
     (this process wrote or verified it; used by rotation only). With a memory ``tier`` (`MemoryTier`), a deep check
     also keeps what it read there, committed when every file matched: the load that follows reads it from memory
     instead of downloading it again."""
-    listing = storage.listing(uri)
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest") as pool:
+        # Both at once: on an object store each is a round trip, which a restore from the memory tier mostly waits for.
+        manifest_read = pool.submit(storage.read_bytes, _join(uri, MANIFEST_NAME))
+        listing = storage.listing(uri)
+        try:
+            raw: Optional[bytes] = manifest_read.result()
+        except FileNotFoundError:
+            raw = None
+        except Exception as exc:  # storage error: said below, when the listing holds a manifest
+            raw, read_error = None, exc
+        else:
+            read_error = None
     files = {name: e for name, e in listing.items() if _is_file(e)}
     size = sum(int(e.get("size") or 0) for e in files.values())
     newest = max((_entry_time(e) for e in files.values()), default="")
@@ -50,15 +62,14 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
             format_version=manifest.get("format_version"),
         )
 
-    if MANIFEST_NAME not in files:
+    if MANIFEST_NAME not in files or (raw is None and read_error is None):
         return invalid("no manifest (partial save)")
+    if read_error is not None:
+        return invalid(f"manifest unreadable: {read_error}")
+    manifest_sha = hashlib.sha256(raw).hexdigest()
     try:
-        raw = storage.read_bytes(_join(uri, MANIFEST_NAME))
-        manifest_sha = hashlib.sha256(raw).hexdigest()
         manifest = _parse_manifest(raw)
-    except FileNotFoundError:
-        return invalid("no manifest (partial save)")
-    except Exception as exc:  # unreadable JSON, wrong format version, storage error
+    except Exception as exc:  # unreadable JSON, wrong format version
         return invalid(f"manifest unreadable: {exc}")
     if manifest["step"] != step:
         return invalid(f"manifest is for step {manifest['step']}", manifest, manifest_sha)
@@ -102,7 +113,7 @@ def _check(storage: _Storage, uri: str, entry: dict, copy: Any) -> Optional[str]
     reason = ("missing file" if got_size is None else "size mismatch in" if got_size != entry["size"]
               else "sha256 mismatch in" if got_sha != entry["sha256"] else None)
     if copy is not None:
-        copy.close() if reason is None else copy.abandon()
+        copy.close(got_sha) if reason is None else copy.abandon()
     return None if reason is None else f"{reason} {name}"
 
 

@@ -8,31 +8,87 @@ here (`manifest._inspect`) for the load that follows and the restarts before the
 Layout, below the tier's root (one per attempt of a run, see `contract.memory_tier_dir`)::
 
     step-NNNNNNNN/<file>            every file this node's ranks wrote for the step, as it streamed to storage
+    step-NNNNNNNN/<file>.xxh3       its digests: its size and sha256, and the xxh3_128 of each 4 MiB segment
     step-NNNNNNNN/manifest.json     a copy of the committed manifest, written only after storage committed it
 
 Trust: a file is used only when the tier's copy of the manifest is byte for byte the manifest of the checkpoint
-being restored and the file matches that manifest's size and hash (the xxh3_128 the writer recorded beside the
-sha256 of each file it copied here: the same bytes, checked 12 times faster); anything else (a stale step, a file cut
-short by a kill, a missing file) is read from storage. Writing the tier never fails a save: an error or a
-/dev/shm too full to keep a reserve for DataLoader workers and NCCL turns the copy off, with one warning.
+being restored and the file has that manifest's size and, by its digests file, its sha256. Its content is checked
+as it loads, in one pass: each segment read is hashed while it is still in the CPU's cache and compared with the
+xxh3_128 recorded when the copy was written, so a damaged copy fails the load (`TierMismatch`) and the store reads
+that file from storage instead (`CheckpointStore.load`). Anything else (a stale step, a file cut short by a kill, a
+missing file) is read from storage at once. Writing the tier never fails a save: an error or a /dev/shm too full to
+keep a reserve for DataLoader workers and NCCL turns the copy off, with one warning.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import xxhash
 
-from .layout import _HASH_CHUNK, _STEP_DIR, MANIFEST_NAME, logger, step_dir_name
+from .layout import _STEP_DIR, MANIFEST_NAME, logger, step_dir_name
 
 #: Free space /dev/shm keeps for DataLoader workers and NCCL: this share of the volume, and at least RESERVE_BYTES.
 RESERVE_SHARE = 0.1
 RESERVE_BYTES = 64 << 20
+#: Bytes per checked segment of a tier file: a load that reads part of a file reads at most this much more, to check
+#: the segments it touches whole.
+SEGMENT_BYTES = 4 << 20
+#: Bytes read and hashed at a time when loading: small enough to hash while they are in the CPU's cache.
+READ_CHUNK = 1 << 20
+#: Suffix of a tier file's digests file.
+DIGESTS_SUFFIX = ".xxh3"
+
+
+class TierMismatch(OSError):
+    """A file of the memory tier is not what was written there (damaged, cut short): read it from storage."""
+
+
+@dataclass(frozen=True)
+class TierFile:
+    """A file of the tier whose size and sha256 match the manifest being restored; its content is checked as it is
+    read (`VerifiedTierFile`)."""
+
+    path: str
+    size: int
+    segment_bytes: int
+    digests: tuple[str, ...]  #: xxh3_128 of each segment, in order
+
+
+class SegmentHasher:
+    """The xxh3_128 of each `SEGMENT_BYTES` of bytes fed in order (the last segment may be shorter)."""
+
+    def __init__(self) -> None:
+        self.digests: list[str] = []
+        self._hash = xxhash.xxh3_128()
+        self._in_segment = 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            take = min(view.nbytes, SEGMENT_BYTES - self._in_segment)
+            self._hash.update(view[:take])
+            self._in_segment += take
+            view = view[take:]
+            if self._in_segment == SEGMENT_BYTES:
+                self._next()
+
+    def finish(self) -> list[str]:
+        if self._in_segment:
+            self._next()
+        return self.digests
+
+    def _next(self) -> None:
+        self.digests.append(self._hash.hexdigest())
+        self._hash.reset()
+        self._in_segment = 0
 
 
 class MemoryTier:
@@ -43,9 +99,8 @@ class MemoryTier:
         self.root = root
         self.off: Optional[str] = None  #: why writing is off for this process (None: on)
         self._told_no_room = False
-        #: manifest sha256 -> ({file name: local path} of the files that verified, files the manifest lists)
-        self._verified: dict[str, tuple[dict[str, str], int]] = {}
-        self.peers = NodePeers()  #: the ranks that check this node's files together (the store sets them)
+        #: manifest sha256 -> ({file name: TierFile} of the files usable for it, files the manifest lists)
+        self._usable: dict[str, tuple[dict[str, TierFile], int]] = {}
 
     # ------------------------------------------------------------ writing (background thread)
 
@@ -83,7 +138,8 @@ class MemoryTier:
         if directory is None or self.off is not None:
             return
         try:
-            os.replace(os.path.join(directory, old), os.path.join(directory, new))
+            for suffix in ("", DIGESTS_SUFFIX):
+                os.replace(os.path.join(directory, old + suffix), os.path.join(directory, new + suffix))
         except FileNotFoundError:
             pass  # the copy was dropped
         except OSError as error:
@@ -97,13 +153,9 @@ class MemoryTier:
         directory = os.path.join(self.root, step_dir_name(step))
         if not os.path.isdir(directory):
             return
-        partial = os.path.join(directory, f".{MANIFEST_NAME}.{uuid.uuid4().hex}")  # ranks of a node race here
         try:
-            with open(partial, "wb") as out:
-                out.write(manifest)
-            os.replace(partial, os.path.join(directory, MANIFEST_NAME))
+            _write_atomically(os.path.join(directory, MANIFEST_NAME), manifest)
         except OSError as error:
-            _remove(partial)
             self.turn_off(f"{type(error).__name__}: {error}")
             return
         self._remove_steps(lambda other: other < step)
@@ -127,26 +179,26 @@ class MemoryTier:
 
     # ------------------------------------------------------------ restoring (training thread)
 
-    def files(self, step: int, manifest_sha256: Optional[str]) -> dict[str, str]:
-        """{file name: local path} of the checkpoint whose manifest has `manifest_sha256`, for the files this node
-        holds that match the manifest's size and hash ({} when its copy of the manifest is another). Under
-        torch.distributed a collective of the store's group (the node's ranks share the checking)."""
+    def files(self, step: int, manifest_sha256: Optional[str]) -> dict[str, TierFile]:
+        """{file name: `TierFile`} of the checkpoint whose manifest has `manifest_sha256`, for the files this node holds
+        with the manifest's size and sha256 ({} when its copy of the manifest is another). Reads no file's content:
+        that is checked as it loads."""
         if not manifest_sha256:
             return {}
-        if manifest_sha256 not in self._verified:
-            self._verified = {manifest_sha256: self._verify(step, manifest_sha256)}
-        return self._verified[manifest_sha256][0]
+        if manifest_sha256 not in self._usable:
+            self._usable = {manifest_sha256: self._find(step, manifest_sha256)}
+        return self._usable[manifest_sha256][0]
 
     def forget(self) -> None:
-        """Drop what was found checking the tier (it was written since)."""
-        self._verified = {}
+        """Drop what was found looking at the tier (it was written since)."""
+        self._usable = {}
 
     def holds_all(self, step: int, manifest_sha256: Optional[str]) -> bool:
-        """Whether every file of that checkpoint is here and verified (a collective, as `files`)."""
+        """Whether every file of that checkpoint is here, by `files`."""
         found = self.files(step, manifest_sha256)
-        return bool(found) and len(found) == self._verified[manifest_sha256][1]
+        return bool(found) and len(found) == self._usable[manifest_sha256][1]
 
-    def _verify(self, step: int, manifest_sha256: str) -> tuple[dict[str, str], int]:
+    def _find(self, step: int, manifest_sha256: str) -> tuple[dict[str, TierFile], int]:
         directory = os.path.join(self.root, step_dir_name(step))
         listed: list = []
         try:
@@ -158,69 +210,172 @@ class MemoryTier:
                 logger.info("the checkpoint of step %d kept in memory is not the committed one: reading storage", step)
         except OSError:
             pass
-        here = [entry for entry in listed if os.path.exists(os.path.join(directory, entry["path"]))]
-        checked = {}
-        for entry in self.peers.share_of(here):  # every rank of the node calls exchange, whatever it found
+        found = {}
+        for entry in listed:
             path = os.path.join(directory, entry["path"])
-            checked[entry["path"]] = _matches(path, entry)
-            if not checked[entry["path"]]:
-                logger.warning("%s does not match the manifest of step %d: reading it from storage", path, step)
-        verified = {name: os.path.join(directory, name) for name, ok in self.peers.exchange(checked).items() if ok}
-        return verified, len(listed)
+            if os.path.exists(path):
+                found[entry["path"]] = _tier_file(path, entry)
+                if found[entry["path"]] is None:
+                    del found[entry["path"]]
+                    logger.warning("%s does not match the manifest of step %d: reading it from storage", path, step)
+        return found, len(listed)
 
 
-class NodePeers:
-    """The ranks that share this node's memory tier, splitting the checking of its files: each checks its share
-    (by size), then they exchange what they found. Alone (no torch.distributed): all of it, nothing exchanged."""
+def _tier_file(path: str, entry: dict) -> Optional[TierFile]:
+    """The tier's copy at `path` of the manifest's `entry`, if its size and its digests file's sha256 match."""
+    try:
+        with open(path + DIGESTS_SUFFIX, "rb") as f:
+            digests = json.loads(f.read())
+        segment_bytes, segments = int(digests["segment_bytes"]), tuple(digests["xxh3_128"])
+        if os.path.getsize(path) != entry["size"] or digests["size"] != entry["size"] \
+                or digests["sha256"] != entry["sha256"] or segment_bytes <= 0 \
+                or len(segments) != -(-entry["size"] // segment_bytes):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return TierFile(path, entry["size"], segment_bytes, segments)
 
-    def __init__(self, ranks: tuple[int, ...] = (0,), rank: int = 0, exchange: Optional[Callable[[dict], dict]] = None):
-        self.ranks = ranks  #: the node's ranks (in the store's group)
-        self.index, self.count = ranks.index(rank), len(ranks)  #: this rank's place among them, and how many
-        self._exchange = exchange
 
-    def share_of(self, entries: list[dict]) -> list[dict]:
-        """This rank's share of `entries` (manifest entries; every rank of the node has the same list)."""
-        loads, shares = [0] * self.count, [[] for _ in range(self.count)]
-        for entry in sorted(entries, key=lambda e: (-e["size"], e["path"])):
-            lightest = loads.index(min(loads))
-            loads[lightest] += entry["size"]
-            shares[lightest].append(entry)
-        return shares[self.index]
+class VerifiedTierFile(io.RawIOBase):
+    """A tier file opened for DCP's reader, its content checked as it is read: every segment a read touches is hashed
+    whole (the bytes of it before or after the read are read too) and compared with its recorded xxh3_128 when the
+    read leaves it or `finish` is called, before the load completes. A segment that does not match, or a file that ends
+    early, raises `TierMismatch`; the bytes already put into tensors are then loaded again, from storage."""
 
-    def exchange(self, checked: dict[str, bool]) -> dict[str, bool]:
-        """{file name: matched} as the node's ranks found it together."""
-        return checked if self._exchange is None else self._exchange(checked)
+    def __init__(self, tier_file: TierFile):
+        super().__init__()
+        self._file = tier_file
+        self._fd = os.open(tier_file.path, os.O_RDONLY)
+        self._pos = 0
+        self._checked: set[int] = set()  # segments that matched
+        self._segment = -1  # the segment being hashed (-1: none)
+        self._hash = xxhash.xxh3_128()
+        self._hashed_to = 0  # the file offset up to which that segment went into the hash
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._pos = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._file.size}[whence] + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = max(0, min(view.nbytes, self._file.size - self._pos))
+        done = 0
+        while done < wanted:
+            start = self._pos + done
+            segment = start // self._file.segment_bytes
+            end = min(self._pos + wanted, self._segment_end(segment), start + READ_CHUNK)
+            chunk = view[done:done + end - start]
+            self._read_exactly(chunk, start)
+            if segment not in self._checked:
+                self._hash_read(segment, start, chunk)
+            done += end - start
+        self._pos += done
+        return done
+
+    def finish(self) -> None:
+        """Check the segment the last read ended in (the rest of it is read)."""
+        if self._segment >= 0:
+            self._hash_up_to(self._segment_end(self._segment))
+            self._check_segment()
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+    def _segment_end(self, segment: int) -> int:
+        return min((segment + 1) * self._file.segment_bytes, self._file.size)
+
+    def _hash_read(self, segment: int, start: int, chunk: memoryview) -> None:
+        if segment != self._segment:
+            self.finish()
+            self._segment, self._hashed_to = segment, segment * self._file.segment_bytes
+            self._hash.reset()
+        self._hash_up_to(start)  # the bytes of the segment before the read
+        if start + chunk.nbytes > self._hashed_to:
+            self._hash.update(chunk[self._hashed_to - start:])
+            self._hashed_to = start + chunk.nbytes
+        if self._hashed_to == self._segment_end(segment):
+            self._check_segment()
+
+    def _hash_up_to(self, offset: int) -> None:
+        while self._hashed_to < offset:
+            gap = memoryview(bytearray(min(READ_CHUNK, offset - self._hashed_to)))
+            self._read_exactly(gap, self._hashed_to)
+            self._hash.update(gap)
+            self._hashed_to += gap.nbytes
+
+    def _check_segment(self) -> None:
+        segment, self._segment = self._segment, -1
+        if self._hash.hexdigest() != self._file.digests[segment]:
+            first = segment * self._file.segment_bytes
+            raise TierMismatch(f"{self._file.path}: bytes {first}-{self._segment_end(segment)} differ from what was "
+                               "written there")
+        self._checked.add(segment)
+
+    def _read_exactly(self, target: memoryview, offset: int) -> None:
+        done = 0
+        while done < target.nbytes:
+            read = os.preadv(self._fd, [target[done:]], offset + done)
+            if not read:
+                raise TierMismatch(f"{self._file.path}: ends at {offset + done} bytes, {self._file.size} were written")
+            done += read
 
 
 class LocalFirstFileSystem:
-    """Wraps DCP's reader FileSystem: the files in `local` ({name: path}) are read from the memory tier; `sources`
-    says where the files read came from ("memory", "storage")."""
+    """Wraps DCP's reader FileSystem (`inner`): the files in `local` ({name: `TierFile`}) are read from the memory tier, checked
+    as they are read; `sources` says where the files read came from ("memory", "storage"), `mismatched` names the
+    tier files that failed their check."""
 
-    def __init__(self, inner: Any, local: dict[str, str]):
-        self._inner, self._local = inner, local
+    def __init__(self, local: dict[str, TierFile]):
+        self.inner: Any = None  #: the reader's own FileSystem (the reader sets it)
+        self._local = local
         self.sources: set[str] = set()
+        self.mismatched: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        return getattr(self.inner, name)
+
+    def in_memory(self, path: Any) -> bool:
+        """Whether `path` is read from the memory tier (where reading in parallel pays: no requests, no round trips)."""
+        return os.path.basename(os.fspath(path)) in self._local
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        local = self._local.get(os.path.basename(os.fspath(path)))
+        name = os.path.basename(os.fspath(path))
+        local = self._local.get(name)
         if local is None or mode != "rb":
             self.sources.add("storage")
-            with self._inner.create_stream(path, mode) as stream:
+            with self.inner.create_stream(path, mode) as stream:
                 yield stream
             return
         self.sources.add("memory")
-        with open(local, "rb") as stream:
-            yield stream
+        try:
+            with VerifiedTierFile(local) as stream:
+                yield stream
+                stream.finish()
+        except TierMismatch:
+            self.mismatched.add(name)
+            raise
 
 
 class TierCopy:
-    """One file being written to the tier beside its upload; a write error drops the copy, never the upload."""
+    """One file being written to the tier beside its upload, with its digests (`SegmentHasher`); a write error drops
+    the copy, never the upload."""
 
     def __init__(self, tier: MemoryTier, path: Optional[str]):
         self.tier, self.path, self.file = tier, path, None
+        self._segments = SegmentHasher()
+        self._size = 0
         if path is not None and tier.off is None:
             try:
                 self.file = open(path + ".partial", "wb")
@@ -233,12 +388,19 @@ class TierCopy:
                 self.file.write(data)
             except OSError as error:
                 self._drop(error)
+                return
+            self._segments.update(data)
+            self._size += memoryview(data).nbytes
 
-    def close(self) -> None:
+    def close(self, sha256: str) -> None:
+        """The upload of these bytes, whose sha256 is `sha256`, succeeded: the copy is complete."""
         if self.file is not None:
+            digests = {"size": self._size, "sha256": sha256, "segment_bytes": SEGMENT_BYTES,
+                       "xxh3_128": self._segments.finish()}
             try:
                 self.file.close()
                 os.replace(self.path + ".partial", self.path)
+                _write_atomically(self.path + DIGESTS_SUFFIX, json.dumps(digests).encode())
             except OSError as error:
                 self._drop(error)
             self.file = None
@@ -255,24 +417,20 @@ class TierCopy:
 
     def _drop(self, error: OSError) -> None:
         self.abandon()
+        if self.path is not None:
+            _remove(self.path)  # renamed before its digests failed to be written: unusable, and it takes room
         self.tier.turn_off(f"{type(error).__name__}: {error}")
 
 
-def _matches(path: str, entry: dict) -> bool:
-    """Whether the file has the size and content of its manifest entry: by the xxh3_128 that the writer recorded
-    beside the sha256 of every file it copied here (same bytes, 12x faster to check), else by the sha256."""
-    fast = isinstance(entry.get("xxh3_128"), str)
-    digest, expected = (xxhash.xxh3_128(), entry["xxh3_128"]) if fast else (hashlib.sha256(), entry["sha256"])
+def _write_atomically(path: str, data: bytes) -> None:
+    partial = f"{path}.{uuid.uuid4().hex}.partial"  # ranks of a node may race here
     try:
-        if os.path.getsize(path) != entry["size"]:
-            return False
-        buffer = memoryview(bytearray(_HASH_CHUNK))
-        with open(path, "rb", buffering=0) as f:
-            while read := f.readinto(buffer):
-                digest.update(buffer[:read])
+        with open(partial, "wb") as out:
+            out.write(data)
+        os.replace(partial, path)
     except OSError:
-        return False
-    return digest.hexdigest() == expected
+        _remove(partial)
+        raise
 
 
 def _remove(path: str) -> None:

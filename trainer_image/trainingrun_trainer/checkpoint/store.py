@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
                      STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
-from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, NodePeers
+from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_file, _storage_options
 from .writer import _Writer
@@ -55,10 +55,15 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException) and isinstance(failures, dict):
         parts = []
         for rank, failure in sorted(failures.items()):
-            cause = failure[0] if isinstance(failure, tuple) else failure
+            cause = _cause(failure)
             parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
         return "; ".join(parts)
     return f"{type(exc).__name__}: {exc}"
+
+
+def _cause(failure: Any) -> Any:
+    """The exception of one rank in a CheckpointException's failures (DCP keeps it with its traceback)."""
+    return failure[0] if isinstance(failure, tuple) else failure
 
 
 def _plain(state: Mapping[str, Any]) -> dict:
@@ -145,8 +150,8 @@ class CheckpointStore:
                 self._pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
             self.rank = dist.get_rank(self._pg)
             self.world_size = dist.get_world_size(self._pg)
-            if self._tier is not None:
-                self._tier.peers = self._node_peers(memory_tier)
+        # Whether rank 0, which verifies a checkpoint read from storage and keeps it in its tier, shares this one.
+        self._tier_of_rank0 = self._tier is not None and self._on_the_node_of_rank0(memory_tier)
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
         self._pending: Optional[PendingSave] = None
@@ -311,21 +316,10 @@ class CheckpointStore:
             else:
                 self._storage.rm_tree(_join(step_uri, name))
 
-    def _node_peers(self, memory_tier: str) -> NodePeers:
-        """The ranks of this group whose memory tier is this one (same host, same directory): they split the checking
-        of its files on a restart (each reads its share once, instead of every rank reading every file)."""
+    def _on_the_node_of_rank0(self, memory_tier: str) -> bool:
+        """Whether this rank's memory tier is rank 0's (same host, same directory)."""
         node = f"{socket.gethostname()}:{os.path.realpath(memory_tier)}"
-        on_node = [rank for rank, other in enumerate(self._gather(node)) if other == node]
-
-        def exchange(checked: dict[str, bool]) -> dict[str, bool]:
-            found: dict[str, bool] = {}
-            for other, theirs in self._gather((node, checked)):
-                if other == node:
-                    for name, ok in theirs.items():
-                        found[name] = found.get(name, True) and ok
-            return found
-
-        return NodePeers(tuple(on_node), self.rank, exchange)
+        return self._gather(node)[0] == node
 
     def _gather(self, obj: Any) -> list:
         if not self._distributed:
@@ -491,10 +485,10 @@ class CheckpointStore:
         """The newest valid checkpoint, re-hashing every file in storage (and keeping what it read in the memory
         tier, for the load that follows); `in_memory` is one every rank holds verified in its memory tier: its files
         in storage are only checked for presence and size."""
+        if in_memory is not None:  # listed a moment ago, and every newer directory lacked a manifest or files
+            self._trusted[in_memory.uri] = in_memory.manifest_sha256
+            return in_memory
         for step, uri in _step_dirs(self._storage, self.uri):
-            if in_memory is not None and in_memory.uri == uri:  # its files were listed a moment ago: not again
-                self._trusted[uri] = in_memory.manifest_sha256
-                return in_memory
             info = _inspect(self._storage, uri, step, deep=True, tier=self._tier)
             if info.valid:
                 self._trusted[uri] = info.manifest_sha256
@@ -529,7 +523,7 @@ class CheckpointStore:
         if self._tier is not None and in_memory is None:
             # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage,
             # even where the bytes come from that copy; and every rank checks the tier again.
-            if result is not None and 0 in self._tier.peers.ranks:
+            if result is not None and self._tier_of_rank0:
                 self._read_from_storage = result.uri
             self._tier.forget()
         return result
@@ -578,17 +572,13 @@ class CheckpointStore:
         if entry in state:
             raise ValueError(f"state key {entry!r} is reserved for this rank's extra state: rename it")
         legacy = info.format_version == 1
-        loading = dict(state) if legacy else {**state, entry: b""}
-        # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
-        planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
-        reader = _PlainReader(uri, **self._options)
-        reader.fs = LocalFirstFileSystem(reader.fs, self._tier.files(info.step, info.manifest_sha256)
-                                         if self._tier else {})
+        reading = LocalFirstFileSystem(self._tier.files(info.step, info.manifest_sha256) if self._tier else {})
         try:
-            dcp.load(loading, storage_reader=reader, planner=planner,
-                     process_group=self._pg, no_dist=not self._distributed)
+            loading, planner = self._read(uri, state, entry, legacy, reading)
         except CheckpointException as exc:  # a BaseException: make it an error that says what failed
-            raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+            if not any(isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()):
+                raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+            loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
         state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
         if legacy:
             if planner.missing:
@@ -606,10 +596,55 @@ class CheckpointStore:
                 raise CheckpointLoadError(f"cannot load {source}: it holds more than plain values "
                                           f"(refusing to run code from storage): {exc}".splitlines()[0]) from None
         self.last_restore_seconds = time.perf_counter() - began
-        sources = reader.fs.sources if uri != self._read_from_storage else {"storage"}
-        self.last_restore_source = " and ".join(sorted(sources))
+        self.last_restore_source = " and ".join(sorted(reading.sources if uri != self._read_from_storage
+                                                       else {"storage"}))
         self.restores += 1
         return extra
+
+    def _read(self, uri: str, state: dict, entry: str, legacy: bool,
+              reading: LocalFirstFileSystem) -> tuple[dict, _PlainLoadPlanner]:
+        """dcp.load of the checkpoint at `uri` (`reading`: which files come from the memory tier; it records where
+        it read): (what was loaded, the planner)."""
+        loading = dict(state) if legacy else {**state, entry: b""}
+        # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
+        planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
+        reader = _PlainReader(uri, **self._options)
+        reading.inner, reader.fs = reader.fs, reading
+        dcp.load(loading, storage_reader=reader, planner=planner, process_group=self._pg, no_dist=not self._distributed)
+        return loading, planner
+
+    def _read_again_from_storage(self, uri: str, info: CheckpointInfo, state: dict, entry: str, legacy: bool,
+                                 failed: CheckpointException,
+                                 reading: LocalFirstFileSystem) -> tuple[dict, _PlainLoadPlanner]:
+        """A rank found a file of its memory tier damaged as it loaded (every rank is here: DCP gathered the failure):
+        rank 0 checks the checkpoint in storage, whose files were only listed when the tiers held it, keeping what it
+        reads in its tier for the next restart; then every rank loads again, reading the files its tier failed
+        (`reading.mismatched`) from storage. Raises CheckpointLoadError when storage is damaged too."""
+        bad = set(reading.mismatched)
+        logger.warning("rank %d: %s: reading it again, %s", self.rank, _describe(failed),
+                       f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged")
+        checked: Any = None
+        if self.rank == 0:
+            try:
+                checked = _inspect(self._storage, uri, info.step, deep=True, tier=self._tier)
+            except Exception as exc:
+                checked = exc
+        checked = self._broadcast(checked)
+        if isinstance(checked, Exception) or not checked.valid:
+            why = _describe(checked) if isinstance(checked, Exception) else checked.reason
+            raise CheckpointLoadError(f"cannot load {uri}: its copy in memory is damaged and storage is not "
+                                      f"readable or not valid: {why}")
+        kept = {}
+        if self._tier is not None:
+            self._tier.forget()
+            kept = self._tier.files(info.step, info.manifest_sha256)
+        again = LocalFirstFileSystem({name: copy for name, copy in kept.items() if name not in bad})
+        try:
+            loaded = self._read(uri, state, entry, legacy, again)
+        except CheckpointException as exc:
+            raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+        reading.sources |= again.sources
+        return loaded
 
     def _legacy_extra(self, uri: str) -> Optional[bytes]:
         """This rank's extra state in a format 1 checkpoint: a file of its own."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -74,39 +75,76 @@ def _read_into(stream: Any, target: memoryview, what: str) -> None:
         done += read
 
 
+#: Threads that read one file of the memory tier at once (copying from node memory is bound by a core's memory
+#: bandwidth, not by the memory's), and the fewest bytes each takes.
+READ_THREADS = min(4, os.cpu_count() or 1)
+MIN_BYTES_PER_THREAD = 16 << 20
+
+
 def read_raw_items(reader: Any, plan: LoadPlan, planner: Any, state_dict_metadata: dict) -> LoadPlan:
     """Load the raw tensor items of `plan` (`reader`: DCP's FsspecReader); the plan of the items left (torch.save
-    items of older formats and byte items), for DCP's own read_data."""
+    items of older formats and byte items), for DCP's own read_data. A file the reader's FileSystem reads from node
+    memory (`in_memory`) is read by several threads, each a contiguous part of it."""
     raw: dict[str, list] = {}
     left = []
     for item in plan.items:
         info: _StorageInfo = reader.storage_data[item.storage_index]
         if item.type == LoadItemType.TENSOR and RAW_TENSOR in (info.transform_descriptors or ()):
-            raw.setdefault(info.relative_path, []).append((info, item))
+            raw.setdefault(info.relative_path, []).append((info, item, planner.resolve_tensor(item).detach()))
         else:
             left.append(item)
     for relative_path, items in raw.items():
-        with reader.fs.create_stream(reader.fs.concat_path(reader.path, relative_path), "rb") as stream:
-            for info, item in sorted(items, key=lambda pair: pair[0].offset):  # one pass through the file
-                stored = state_dict_metadata[item.storage_index.fqn]
-                chunk = _stored_chunk(stored, item.storage_index)
-                dtype = stored.properties.dtype
-                what = f"{relative_path} ({item.storage_index.fqn})"
-                if info.length != chunk.sizes.numel() * dtype.itemsize:
-                    raise ValueError(f"{what}: {info.length} bytes stored for a {dtype} chunk of {list(chunk.sizes)}")
-                target = planner.resolve_tensor(item).detach()
-                stream.seek(info.offset)
-                whole = list(item.storage_offsets) == [0] * len(chunk.sizes) and list(item.lengths) == list(chunk.sizes)
-                if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
-                        and target.size() == chunk.sizes:
-                    _read_into(stream, _byte_view(target), what)
-                else:
-                    buffer = bytearray(info.length)
-                    _read_into(stream, memoryview(buffer), what)
-                    tensor = (torch.frombuffer(buffer, dtype=dtype) if info.length else torch.empty(0, dtype=dtype))
-                    tensor = narrow_tensor_by_index(tensor.reshape(chunk.sizes), item.storage_offsets, item.lengths)
-                    if target.size() != tensor.size():
-                        raise ValueError(f"{what}: stored {list(tensor.size())}, expected {list(target.size())}")
-                    target.copy_(tensor)
-                planner.commit_tensor(item, target)
+        path = reader.fs.concat_path(reader.path, relative_path)
+        items.sort(key=lambda entry: entry[0].offset)  # one pass through the file
+        parts = 1
+        if getattr(reader.fs, "in_memory", lambda _: False)(path):
+            parts = max(1, min(READ_THREADS, sum(info.length for info, _, _ in items) // MIN_BYTES_PER_THREAD))
+        groups = _contiguous_parts(items, parts)
+        if len(groups) == 1:
+            _read_items(reader.fs, path, relative_path, groups[0], state_dict_metadata)
+        else:
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="checkpoint-read") as pool:
+                for done in [pool.submit(_read_items, reader.fs, path, relative_path, group, state_dict_metadata)
+                             for group in groups]:
+                    done.result()
+        for _, item, target in items:
+            planner.commit_tensor(item, target)
     return dataclasses.replace(plan, items=left)
+
+
+def _contiguous_parts(items: list, parts: int) -> list[list]:
+    """`items` (in file order) cut into at most `parts` runs of about equal bytes."""
+    total = sum(info.length for info, _, _ in items)
+    groups: list[list] = [[]]
+    taken = 0
+    for entry in items:
+        if groups[-1] and taken >= total * len(groups) / parts:
+            groups.append([])
+        groups[-1].append(entry)
+        taken += entry[0].length
+    return groups
+
+
+def _read_items(fs: Any, path: Any, relative_path: str, items: list, state_dict_metadata: dict) -> None:
+    """Read `items` ([(storage info, read item, destination tensor)], in file order) from one stream of the file."""
+    with fs.create_stream(path, "rb") as stream:
+        for info, item, target in items:
+            stored = state_dict_metadata[item.storage_index.fqn]
+            chunk = _stored_chunk(stored, item.storage_index)
+            dtype = stored.properties.dtype
+            what = f"{relative_path} ({item.storage_index.fqn})"
+            if info.length != chunk.sizes.numel() * dtype.itemsize:
+                raise ValueError(f"{what}: {info.length} bytes stored for a {dtype} chunk of {list(chunk.sizes)}")
+            stream.seek(info.offset)
+            whole = list(item.storage_offsets) == [0] * len(chunk.sizes) and list(item.lengths) == list(chunk.sizes)
+            if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
+                    and target.size() == chunk.sizes:
+                _read_into(stream, _byte_view(target), what)
+            else:
+                buffer = bytearray(info.length)
+                _read_into(stream, memoryview(buffer), what)
+                tensor = (torch.frombuffer(buffer, dtype=dtype) if info.length else torch.empty(0, dtype=dtype))
+                tensor = narrow_tensor_by_index(tensor.reshape(chunk.sizes), item.storage_offsets, item.lengths)
+                if target.size() != tensor.size():
+                    raise ValueError(f"{what}: stored {list(tensor.size())}, expected {list(target.size())}")
+                target.copy_(tensor)
