@@ -3,6 +3,7 @@ loads from node memory, and that a stale, partial or damaged copy is never used.
 from __future__ import annotations
 
 import errno
+import threading
 import json
 import logging
 from collections import namedtuple
@@ -380,3 +381,27 @@ def test_a_large_file_in_memory_is_read_by_several_threads(storage, memory, monk
     assert opened.count("__0_0.distcp") == 4  # three parts of its tensors, then DCP's read of the byte items
     flip_byte(data_files(step_dir(memory, 5))[-1])
     assert restored(storage, memory) == (5, digest, "memory and storage")
+
+
+def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_once(storage, memory, monkeypatch):
+    """On an object store each request is a round trip: the base listing, the listing of the step the tier holds and
+    its manifest go out together, so a restart from memory waits for one round trip, not three."""
+    from trainingrun_trainer.checkpoint.storage import _Storage
+
+    _, digest = saved(storage, memory)
+    together = threading.Barrier(3, timeout=30)
+    real_listing, real_read = _Storage.listing, _Storage.read_bytes
+
+    def waiting(real):
+        def call(self, uri):
+            if not together.broken and together.n_waiting < together.parties and not passed:
+                if together.wait() == 0:
+                    passed.append(True)
+            return real(self, uri)
+        return call
+
+    passed: list = []
+    monkeypatch.setattr(_Storage, "listing", waiting(real_listing))
+    monkeypatch.setattr(_Storage, "read_bytes", waiting(real_read))
+    assert restored(storage, memory) == (5, digest, "memory")
+    assert passed and not together.broken

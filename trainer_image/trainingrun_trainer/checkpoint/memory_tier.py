@@ -189,6 +189,16 @@ class MemoryTier:
             self._usable = {manifest_sha256: self._find(step, manifest_sha256)}
         return self._usable[manifest_sha256][0]
 
+    def newest_step(self) -> Optional[int]:
+        """The newest step this tier holds a committed copy of (by its copy of the manifest), or None."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return None
+        steps = [int(match.group(1)) for name in names if (match := _STEP_DIR.match(name))
+                 and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))]
+        return max(steps, default=None)
+
     def forget(self) -> None:
         """Drop what was found looking at the tier (it was written since)."""
         self._usable = {}
