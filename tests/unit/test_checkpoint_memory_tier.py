@@ -22,6 +22,7 @@ from trainingrun_trainer.checkpoint import memory_tier
 from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+RESERVE_SHARE = memory_tier.RESERVE_SHARE  # as shipped, before the `memory` fixture sets it aside
 
 
 @pytest.fixture
@@ -30,7 +31,10 @@ def storage(tmp_path) -> Path:
 
 
 @pytest.fixture
-def memory(tmp_path) -> Path:
+def memory(tmp_path, monkeypatch) -> Path:
+    # The tier sits on the test machine's disk here, where a 10% reserve can be more than is free: these tests are not
+    # about the reserve (test_without_room_for_a_reserve... is), so only RESERVE_BYTES stays.
+    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", 0.0)
     return tmp_path / "shm" / "trainingrun-uid-attempt-1"
 
 
@@ -201,6 +205,7 @@ def test_a_tier_that_cannot_be_written_turns_off_with_one_warning_and_saves_go_o
 
 def test_without_room_for_a_reserve_the_copy_is_skipped_and_the_older_one_freed(storage, memory, monkeypatch, caplog):
     saved(storage, memory, steps=(5,))
+    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", RESERVE_SHARE)
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(memory_tier.shutil, "disk_usage", lambda path: Usage(1 << 30, (1 << 30) - (70 << 20), 70 << 20))
     with caplog.at_level(logging.WARNING, logger="trainingrun.checkpoint"):
@@ -244,6 +249,7 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
                      writer_process: bool = False, damage: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    memory_tier.RESERVE_SHARE = 0.0  # as the `memory` fixture does, in this process
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
