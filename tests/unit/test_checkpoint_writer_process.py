@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model
 from trainingrun_trainer.checkpoint import store as store_module
 from trainingrun_trainer.checkpoint.writer_process import WriterProcess
 
-from test_checkpoint import app_state, step_dir, train_step, trained
+from test_checkpoint import app_state, make_model, step_dir, train_step, trained
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -134,3 +135,59 @@ def test_a_stop_signal_for_the_whole_process_group_leaves_the_writer_to_write_th
         writer = store._writer.pid
         store.save(2, app_state(model, opt), {"step": 2}, blocking=True)
         assert store.wait() is not None and store._writer.pid == writer  # the same writer wrote it
+
+
+def _fsdp2_worker(rank: int, world: int, init_file: str, uri: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(seed: int):
+        model = make_model(seed)
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, opt = sharded(0)
+        train_step(model, opt, seed=100)
+        expected = model_digest(get_model_state_dict(model))  # gathers the full tensors: every rank
+        with writing_store(uri) as store:
+            written = []
+            real_write = store._writer.write
+            store._writer.write = lambda request: written.append(len(request.plan.items)) or real_write(request)
+            store.save(5, app_state(model, opt), {"rank": rank}, model_digest=expected)
+            assert store.wait() is not None
+        fresh, fresh_opt = sharded(1)
+        state = app_state(fresh, fresh_opt)
+        with CheckpointStore(uri) as store:
+            extra = store.load(store.latest_valid(), state)
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+            "rank": extra["rank"], "written": written, "expected": expected,
+            "digest": model_digest(get_model_state_dict(fresh))}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_are_written_by_each_ranks_writer_process_and_load_back(tmp_path):
+    import torch.multiprocessing as mp
+
+    uri = (tmp_path / "ckpt").as_uri()
+    mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "pg-store"), uri, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["written"] and r["written"][0] > 0 for r in results)  # each rank's shards went to its writer
+    assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
+    files = manifest_files(tmp_path / "ckpt", 5)
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(files)
+    # The sharded checkpoint loads into one plain process with the same weights.
+    model = make_model(2)
+    state = {"model": model.state_dict()}
+    with CheckpointStore(uri) as store:
+        store.load(store.latest_valid(), state)
+    assert model_digest(state["model"]) == results[0]["expected"]
