@@ -16,7 +16,7 @@ from fsspec.implementations.local import LocalFileOpener
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointLoadError, CheckpointStore, model_digest
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest
 from trainingrun_trainer.checkpoint import memory_tier
 
 from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
@@ -123,13 +123,21 @@ def test_a_partial_or_damaged_copy_is_never_used(storage, memory, damage, source
     assert restored(storage, memory) == (5, digest, "memory")
 
 
-def test_a_damaged_copy_is_not_used_when_storage_is_damaged_too(storage, memory):
-    saved(storage, memory)
-    for directory in (step_dir(memory, 5), step_dir(storage, 5)):
+def test_when_storage_is_damaged_too_the_load_fails_and_a_restart_resumes_from_the_checkpoint_before(storage, memory):
+    model, opt = trained()
+    with CheckpointStore(storage.as_uri(), memory_tier=str(memory), keep=2) as store:
+        for step in (5, 10):
+            train_step(model, opt, seed=step)
+            store.save(step, app_state(model, opt), {"step": step})
+            assert store.wait() is not None
+            if step == 5:
+                older = model_digest(model.state_dict())
+    for directory in (step_dir(memory, 10), step_dir(storage, 10)):
         flip_byte(data_files(directory)[-1])
-    with pytest.raises(CheckpointLoadError, match="its copy in memory is damaged and storage is not readable or not "
-                                                  "valid: sha256 mismatch in __0_0.distcp"):
+    with pytest.raises(OSError, match=r"its copy in memory is damaged and storage is not readable or not valid "
+                                      r"\(sha256 mismatch in __0_0.distcp\); a restart resumes"):
         restored(storage, memory)
+    assert restored(storage, memory) == (5, older, "storage")
 
 
 def test_a_new_pods_restore_downloads_each_file_once_and_keeps_it_for_the_next_restart(storage, memory, monkeypatch):

@@ -223,11 +223,13 @@ class MemoryTier:
         found = {}
         for entry in listed:
             path = os.path.join(directory, entry["path"])
-            if os.path.exists(path):
-                found[entry["path"]] = _tier_file(path, entry)
-                if found[entry["path"]] is None:
-                    del found[entry["path"]]
-                    logger.warning("%s does not match the manifest of step %d: reading it from storage", path, step)
+            if not os.path.exists(path):
+                continue
+            kept = _tier_file(path, entry)
+            if kept is None:
+                logger.warning("%s does not match the manifest of step %d: reading it from storage", path, step)
+            else:
+                found[entry["path"]] = kept
         return found, len(listed)
 
 

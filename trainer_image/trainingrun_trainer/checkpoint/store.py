@@ -499,6 +499,8 @@ class CheckpointStore:
     def latest_valid(self) -> Optional[CheckpointInfo]:
         """The newest checkpoint whose files match its manifest (every file re-hashed, also the
         ones this process wrote), or None; invalid newer directories are skipped with a warning.
+        When every rank's memory tier holds the newest committed checkpoint, its files in storage are only listed:
+        :meth:`load` checks the memory copies as it reads them and falls back to storage, verified, for a damaged one.
 
         Finishes the save in flight first. Under torch.distributed this is a collective: call it
         on every rank; rank 0 verifies and broadcasts the answer, so every rank resumes from the
@@ -566,7 +568,9 @@ class CheckpointStore:
 
         Every file is re-hashed against the manifest first, and a ValueError raised if it is not a
         committed checkpoint, unless this process wrote or verified this very manifest (a
-        CheckpointInfo from :meth:`latest_valid` was: then storage is not even listed again).
+        CheckpointInfo from :meth:`latest_valid` was: then storage is not even listed again). Files read from the
+        memory tier are checked as they are read; a damaged one is read again from storage (OSError when storage
+        does not verify either).
         """
         self.wait()
         began = time.perf_counter()
@@ -632,7 +636,8 @@ class CheckpointStore:
         """A rank found a file of its memory tier damaged as it loaded (every rank is here: DCP gathered the failure):
         rank 0 checks the checkpoint in storage, whose files were only listed when the tiers held it, keeping what it
         reads in its tier for the next restart; then every rank loads again, reading the files its tier failed
-        (`reading.mismatched`) from storage. Raises CheckpointLoadError when storage is damaged too."""
+        (`reading.mismatched`) from storage. Raises OSError when storage does not verify either: the trainer restarts
+        (a retryable exit), and the restart's latest_valid, which no longer finds it in memory, skips it."""
         bad = set(reading.mismatched)
         logger.warning("rank %d: %s: reading it again, %s", self.rank, _describe(failed),
                        f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged")
@@ -645,8 +650,8 @@ class CheckpointStore:
         checked = self._broadcast(checked)
         if isinstance(checked, Exception) or not checked.valid:
             why = _describe(checked) if isinstance(checked, Exception) else checked.reason
-            raise CheckpointLoadError(f"cannot load {uri}: its copy in memory is damaged and storage is not "
-                                      f"readable or not valid: {why}")
+            raise OSError(f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
+                          f"valid ({why}); a restart resumes from the newest valid checkpoint")
         kept = {}
         if self._tier is not None:
             self._tier.forget()
