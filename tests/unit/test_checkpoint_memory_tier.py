@@ -380,7 +380,8 @@ def test_a_tier_file_cut_short_fails_the_read(tmp_path, small_segments):
         read_at(stream, 40, 30)
 
 
-def test_a_large_file_in_memory_is_read_by_several_threads(storage, memory, monkeypatch):
+@pytest.mark.parametrize("from_memory", [True, False])
+def test_a_large_file_is_read_by_several_threads(storage, memory, monkeypatch, from_memory):
     from trainingrun_trainer.checkpoint import tensor_files
 
     monkeypatch.setattr(tensor_files, "READ_THREADS", 3)
@@ -388,13 +389,19 @@ def test_a_large_file_in_memory_is_read_by_several_threads(storage, memory, monk
     monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 4096)  # the parts start and end inside segments
     _, digest = saved(storage, memory)
     opened = []
-    real_init = memory_tier.VerifiedTierFile.__init__
-    monkeypatch.setattr(memory_tier.VerifiedTierFile, "__init__",
-                        lambda self, kept: opened.append(Path(kept.path).name) or real_init(self, kept))
-    assert restored(storage, memory) == (5, digest, "memory")
+    real_create = memory_tier.LocalFirstFileSystem.create_stream
+
+    def create_stream(self, path, mode):
+        opened.append(Path(path).name)
+        return real_create(self, path, mode)
+
+    monkeypatch.setattr(memory_tier.LocalFirstFileSystem, "create_stream", create_stream)
+    source = "memory" if from_memory else "storage"
+    assert restored(storage, memory if from_memory else None) == (5, digest, source)
     assert opened.count("__0_0.distcp") == 4  # three parts of its tensors, then DCP's read of the byte items
-    flip_byte(data_files(step_dir(memory, 5))[-1])
-    assert restored(storage, memory) == (5, digest, "memory and storage")
+    if from_memory:
+        flip_byte(data_files(step_dir(memory, 5))[-1])
+        assert restored(storage, memory) == (5, digest, "memory and storage")
 
 
 def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_once(storage, memory, monkeypatch):

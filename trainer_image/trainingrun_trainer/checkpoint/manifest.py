@@ -103,7 +103,7 @@ def _check(storage: _Storage, uri: str, entry: dict, copy: Any) -> Optional[str]
     """Why the file of a manifest entry does not match it (None: it does); `copy` keeps what was read."""
     name = entry["path"]
     try:
-        got_size, got_sha = storage.sha256(_join(uri, name), copy)
+        got_size, got_sha = storage.sha256(_join(uri, name), copy, size=entry["size"])
     except FileNotFoundError:
         got_size, got_sha = None, None
     except BaseException:

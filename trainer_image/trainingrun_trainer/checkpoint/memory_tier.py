@@ -348,18 +348,18 @@ class LocalFirstFileSystem:
     as they are read; `sources` says where the files read came from ("memory", "storage"), `mismatched` names the
     tier files that failed their check."""
 
-    def __init__(self, local: dict[str, TierFile]):
+    def __init__(self, local: dict[str, TierFile], storage_is_local: bool = False):
         self.inner: Any = None  #: the reader's own FileSystem (the reader sets it)
-        self._local = local
+        self._local, self._storage_is_local = local, storage_is_local
         self.sources: set[str] = set()
         self.mismatched: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def in_memory(self, path: Any) -> bool:
-        """Whether `path` is read from the memory tier (where reading in parallel pays: no requests, no round trips)."""
-        return os.path.basename(os.fspath(path)) in self._local
+    def reads_locally(self, path: Any) -> bool:
+        """Whether `path` is read from this node (its memory tier, or storage on a local disk)."""
+        return self._storage_is_local or os.path.basename(os.fspath(path)) in self._local
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:

@@ -589,7 +589,8 @@ class CheckpointStore:
         if entry in state:
             raise ValueError(f"state key {entry!r} is reserved for this rank's extra state: rename it")
         legacy = info.format_version == 1
-        reading = LocalFirstFileSystem(self._tier.files(info.step, info.manifest_sha256) if self._tier else {})
+        reading = LocalFirstFileSystem(self._tier.files(info.step, info.manifest_sha256) if self._tier else {},
+                                       self._storage.local)
         try:
             loading, planner = self._read(uri, state, entry, legacy, reading)
         except CheckpointException as exc:  # a BaseException: make it an error that says what failed
@@ -656,7 +657,7 @@ class CheckpointStore:
         if self._tier is not None:
             self._tier.forget()
             kept = self._tier.files(info.step, info.manifest_sha256)
-        again = LocalFirstFileSystem({name: copy for name, copy in kept.items() if name not in bad})
+        again = LocalFirstFileSystem({name: copy for name, copy in kept.items() if name not in bad}, self._storage.local)
         try:
             loaded = self._read(uri, state, entry, legacy, again)
         except CheckpointException as exc:

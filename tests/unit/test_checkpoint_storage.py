@@ -1,0 +1,73 @@
+"""checkpoint/storage.py: hashing a file in object storage with ranges fetched at once."""
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+
+import pytest
+
+from trainingrun_trainer.checkpoint import storage as storage_module
+from trainingrun_trainer.checkpoint.storage import _Storage
+
+DATA = bytes(range(256)) * 40  # 10240 bytes
+
+
+class Kept:
+    """What a memory tier's copy would get."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, chunk):
+        self.data += chunk
+
+
+@pytest.fixture
+def bucket(monkeypatch):
+    monkeypatch.setattr(storage_module, "_HASH_CHUNK", 1000)  # 11 ranges
+    monkeypatch.setattr(storage_module, "FETCH_AHEAD", 3)
+    uri = f"memory://bucket-{uuid.uuid4().hex}/run"
+    store = _Storage(uri, {})
+    assert not store.local
+    store.fs.pipe_file(store._path(f"{uri}/file"), DATA)
+    return store, f"{uri}/file"
+
+
+def test_ranges_are_hashed_and_copied_in_order(bucket):
+    store, uri = bucket
+    kept = Kept()
+    assert store.sha256(uri, kept, size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
+    assert bytes(kept.data) == DATA
+
+
+def test_several_ranges_are_in_flight_at_once(bucket, monkeypatch):
+    store, uri = bucket
+    together = threading.Barrier(storage_module.FETCH_AHEAD, timeout=30)  # broken unless 3 wait at the same time
+    real = store.fs.cat_file
+    calls = []
+
+    def cat_file(path, start=None, end=None, **kwargs):
+        calls.append(start)
+        if len(calls) <= storage_module.FETCH_AHEAD:
+            together.wait()
+        return real(path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(store.fs, "cat_file", cat_file)
+    assert store.sha256(uri, size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
+    assert not together.broken
+
+
+@pytest.mark.parametrize("listed", [len(DATA) + 5, len(DATA) - 5, 0])
+def test_a_file_of_another_size_than_listed_reads_as_that_size(bucket, listed):
+    store, uri = bucket
+    size, digest = store.sha256(uri, size=listed)
+    assert size != listed or digest != hashlib.sha256(DATA[:listed]).hexdigest()
+    assert size == (len(DATA) if listed > len(DATA) else listed + 1)
+
+
+def test_a_local_file_is_read_as_one_stream(tmp_path):
+    (tmp_path / "file").write_bytes(DATA)
+    store = _Storage(tmp_path.as_uri(), {})
+    assert store.local
+    assert store.sha256((tmp_path / "file").as_uri(), size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
