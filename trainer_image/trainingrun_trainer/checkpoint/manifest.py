@@ -37,18 +37,15 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
     (this process wrote or verified it; used by rotation only). With a memory ``tier`` (`MemoryTier`), a deep check
     also keeps what it read there, committed when every file matched: the load that follows reads it from memory
     instead of downloading it again."""
-    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest") as pool:
-        # Both at once: on an object store each is a round trip, which a restore from the memory tier mostly waits for.
-        manifest_read = pool.submit(storage.read_bytes, _join(uri, MANIFEST_NAME))
-        listing = storage.listing(uri)
-        try:
-            raw: Optional[bytes] = manifest_read.result()
-        except FileNotFoundError:
-            raw = None
-        except Exception as exc:  # storage error: said below, when the listing holds a manifest
-            raw, read_error = None, exc
-        else:
-            read_error = None
+    if storage.local:
+        listing, (raw, read_error) = storage.listing(uri), _read_manifest(storage, uri)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest") as pool:
+            # Both at once: on an object store each is a round trip, which a restore from the memory tier mostly
+            # waits for.
+            manifest_read = pool.submit(_read_manifest, storage, uri)
+            listing = storage.listing(uri)
+            raw, read_error = manifest_read.result()
     files = {name: e for name, e in listing.items() if _is_file(e)}
     size = sum(int(e.get("size") or 0) for e in files.values())
     newest = max((_entry_time(e) for e in files.values()), default="")
@@ -97,6 +94,16 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
         format_version=manifest["format_version"],
     )
+
+
+def _read_manifest(storage: _Storage, uri: str) -> tuple[Optional[bytes], Optional[Exception]]:
+    """(the manifest's bytes, None), (None, None) when there is none, or (None, the storage error)."""
+    try:
+        return storage.read_bytes(_join(uri, MANIFEST_NAME)), None
+    except FileNotFoundError:
+        return None, None
+    except Exception as exc:  # said by _inspect when the listing holds a manifest
+        return None, exc
 
 
 def _check(storage: _Storage, uri: str, entry: dict, copy: Any) -> Optional[str]:

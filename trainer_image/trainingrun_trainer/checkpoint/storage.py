@@ -109,11 +109,11 @@ class _Storage:
         path = self._path(uri)
         starts = iter(range(0, size, _HASH_CHUNK))
         with ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="checkpoint-fetch") as pool:
-            def fetch(start: int, end: Optional[int] = None) -> tuple[int, Future]:
-                end = min(start + _HASH_CHUNK, size) if end is None else end
+            def fetch(start: int) -> tuple[int, Future]:
+                end = min(start + _HASH_CHUNK, size)
                 return end - start, pool.submit(self.fs.cat_file, path, start=start, end=end)
 
-            beyond = fetch(size, size + 1)[1]
+            beyond = pool.submit(self.fs.cat_file, path, start=size, end=size + 1)
             pending = deque(fetch(start) for start in islice(starts, FETCH_AHEAD))
             while pending:
                 wanted, future = pending.popleft()
