@@ -324,7 +324,7 @@ def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) ->
 
 
 @pytest.mark.parametrize("name, refusal", [("extra", "holds more than plain values"),
-                                           (".metadata", "checkpoint metadata refers to pathlib.Path.touch"),
+                                           (".metadata", "checkpoint metadata refers to 'pathlib'.'Path.touch'"),
                                            ("__0_0.distcp", "UnpicklingError: Weights only load failed")])
 def test_nothing_read_from_storage_runs_code(store, root, tmp_path, name, refusal):
     """A rank's extra state, DCP's metadata or a non-tensor value in DCP's data (optimizer hyperparameters are

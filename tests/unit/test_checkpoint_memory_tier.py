@@ -421,11 +421,11 @@ def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_on
     real_listing, real_read = _Storage.listing, _Storage.read_bytes
 
     def waiting(real):
-        def call(self, uri):
+        def call(self, uri, **options):
             if not passed and not together.broken:
                 if together.wait() == 0:
                     passed.append(True)
-            return real(self, uri)
+            return real(self, uri, **options)
         return call
 
     passed: list = []

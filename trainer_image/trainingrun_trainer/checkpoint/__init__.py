@@ -52,12 +52,22 @@ A storage error in steps 2-4 never raises into the training loop: each rank logs
 the next save starts from scratch. Errors while staging (a caller bug such as an unpicklable
 ``extra``) do raise.
 
-Trust model: nothing read from storage can run code. ``extra`` and DCP's other non-tensor values
-are loaded with ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples, dicts,
-numpy arrays), DCP's ``.metadata`` with an unpickler that admits only DCP's metadata classes, torch
-dtypes and sizes; anything else fails the load, and resume falls back to an older checkpoint. Keep
-``extra`` to such plain values. The sha256 in the manifest detects corruption (every file is
-re-hashed before a resume), not tampering by someone who may write the bucket.
+Trust model: whoever may write the bucket prefix may rewrite any file and fix the manifest up to match (sizes and
+digests are no secret), so nothing read from storage can run code, name a path, or make a load unbounded:
+
+- ``extra`` and DCP's other non-tensor values load with ``torch.load(weights_only=True)`` (tensors, numbers, strings,
+  lists, tuples, dicts, numpy arrays); keep ``extra`` to such plain values.
+- DCP's ``.metadata`` loads with an unpickler that admits exact (module, name) pairs only (DCP's metadata classes,
+  torch dtypes and sizes; no dotted names, no imports) and keeps its memo in a dict; the result is then checked:
+  every stored item must lie inside a file the verified manifest lists by plain name, within its size, and entry
+  paths must be short. DCP's fallback to rank-local ``__<rank>.metadata`` is refused.
+- A manifest lists plain names only (no separators, no ``..``), each once, with ASCII fields of the right types;
+  step directories are ``step-`` and ASCII digits, matched whole.
+- On file://, links are never listed as step directories or files, and deletes never follow one.
+
+Anything else fails the load with CheckpointLoadError (the trainer exits "checkpoint refused"), or makes the
+checkpoint invalid, and resume falls back to an older one. The sha256 in the manifest detects corruption, not
+tampering.
 
 The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer),
 `writer_process` (the same in a separate process), `manifest`

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .layout import CheckpointLoadError
+from .layout import _SAVE_ERRORS, CheckpointLoadError, _describe
 from .manifest import verify
 from .safe_load import _PlainLoadPlanner, _PlainReader
 from .storage import _storage_options
@@ -36,8 +36,11 @@ def load_everything(uri: str, *, endpoint_url: Optional[str] = None,
     if not info.valid:
         raise CheckpointLoadError(f"{uri} is not a valid checkpoint: {info.reason}")
     state: dict[str, Any] = {}
-    reader = _PlainReader(uri, **_storage_options(uri, endpoint_url, storage_options))
-    _load_state_dict(state, storage_reader=reader, planner=_PlainEmptyPlanner(), no_dist=True)
+    reader = _PlainReader(uri, info.files, **_storage_options(uri, endpoint_url, storage_options))
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_PlainEmptyPlanner(), no_dist=True)
+    except _SAVE_ERRORS as exc:  # DCP's CheckpointException is a BaseException: say what failed, in one line
+        raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
     return state
 
 

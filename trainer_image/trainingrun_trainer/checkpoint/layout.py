@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 import re
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -24,7 +24,11 @@ READABLE_FORMATS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 #: Beside the step directories: how often the run's training processes started (`CheckpointStore.record_start`).
 STARTS_NAME = "starts.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+#: A step directory's name. Matched whole (`fullmatch`) and ASCII only: `\\d` alone also takes other scripts' digits,
+#: which int() reads, and `$` a trailing newline.
+_STEP_DIR = re.compile(r"step-([0-9]{1,19})", re.ASCII)
+#: A file a manifest may list: a plain name inside its step directory (no separator, no "." or "..").
+_PLAIN_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,255}", re.ASCII)
 #: A rank's ``extra`` in DCP's state dict (format 2): one value, the bytes of torch.save, so that DCP needs
 #: nothing of its structure to load it and only that rank loads it.
 EXTRA_ENTRY = "extra-rank-{rank}"
@@ -32,6 +36,23 @@ _LEGACY_EXTRA_FILE = "extra-rank-{rank}.pt"  # format 1
 _HASH_CHUNK = 8 * 1024 * 1024
 # DCP's CheckpointException derives from BaseException, not Exception: catch it by name.
 _SAVE_ERRORS = (Exception, CheckpointException)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line about an error; for DCP's CheckpointException, the underlying error of each rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict):
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            cause = _cause(failure)
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _cause(failure: Any) -> Any:
+    """The exception of one rank in a CheckpointException's failures (DCP keeps it with its traceback)."""
+    return failure[0] if isinstance(failure, tuple) else failure
 
 
 class CheckpointLoadError(Exception):
@@ -65,6 +86,9 @@ class CheckpointInfo:
     world_size: Optional[int] = None
     manifest_sha256: Optional[str] = None
     format_version: Optional[int] = None
+    #: {plain name: size} of every file the manifest lists (None when it has no readable manifest): the only files
+    #: a load of this checkpoint reads.
+    files: Optional[dict] = field(default=None, repr=False, compare=False)
 
 
 class PendingSave:
@@ -107,6 +131,11 @@ def now_rfc3339() -> str:
 def step_dir_name(step: int) -> str:
     """Directory name of a step's checkpoint: ``step-00000100``."""
     return f"step-{step:08d}"
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether `name` may name a file of a step directory (what a manifest lists, what DCP's metadata points at)."""
+    return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None
 
 
 def _join(base: str, name: str) -> str:

@@ -4,29 +4,57 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional
 
-from .layout import CheckpointInfo, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join
-from .storage import _Storage, _entry_time, _is_file, _storage_options
+from .layout import CheckpointInfo, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join, is_plain_name
+from .storage import _Storage, _entry_time, _is_dir, _is_file, _storage_options
+
+
+#: The largest manifest read (bytes); one of a 10,000-rank checkpoint is about 2 MB.
+MAX_MANIFEST_BYTES = 64 << 20
+#: The most files one manifest may list.
+MAX_MANIFEST_FILES = 1_000_000
+_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0  # bool is an int too
 
 
 def _parse_manifest(raw: bytes) -> dict:
+    """The manifest's JSON, checked to be one this trainer wrote: every listed file a plain name of its directory, once,
+    with a size and a sha256 (anything else names what is wrong, and the checkpoint is not valid)."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"larger than {MAX_MANIFEST_BYTES >> 20} MiB")
     manifest = json.loads(raw)
     if not isinstance(manifest, dict):
         raise ValueError("not a JSON object")
-    if manifest.get("format_version") not in READABLE_FORMATS:
+    if manifest.get("format_version") not in READABLE_FORMATS or type(manifest.get("format_version")) is not int:
         raise ValueError(f"format_version {manifest.get('format_version')!r}, expected one of "
                          f"{', '.join(map(str, READABLE_FORMATS))} (written by a newer trainer image?)")
     files = manifest.get("files")
-    if not isinstance(files, list) or not all(
-        isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
-        and isinstance(f.get("sha256"), str)
+    if not isinstance(files, list) or len(files) > MAX_MANIFEST_FILES or not all(
+        isinstance(f, dict) and isinstance(f.get("path"), str) and _is_count(f.get("size"))
+        and isinstance(f.get("sha256"), str) and _SHA256.fullmatch(f["sha256"])
         for f in files
     ):
         raise ValueError("'files' is not a list of {path, size, sha256}")
-    if not isinstance(manifest.get("step"), int):
-        raise ValueError("'step' is not an integer")
+    names = [f["path"] for f in files]
+    strange = next((name for name in names if not is_plain_name(name) or name == MANIFEST_NAME), None)
+    if strange is not None:
+        raise ValueError(f"it lists {strange[:80]!r}, which is not a plain file name of its step directory")
+    if len(set(names)) != len(names):
+        raise ValueError("it lists a file twice")
+    if not _is_count(manifest.get("step")):
+        raise ValueError("'step' is not a non-negative integer")
+    for key in ("time", "model_digest", "config_hash", "torch_version", "run_uid"):
+        value = manifest.get(key)
+        if value is not None and not (isinstance(value, str) and len(value) <= 256 and value.isascii()):
+            raise ValueError(f"{key!r} is not a short ASCII string")
+    if manifest.get("world_size") is not None and not (_is_count(manifest["world_size"]) and manifest["world_size"]):
+        raise ValueError("'world_size' is not a positive integer")
     return manifest
 
 
@@ -92,14 +120,14 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=True,
         reason=None, model_digest=manifest.get("model_digest") or None,
         world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
-        format_version=manifest["format_version"],
+        format_version=manifest["format_version"], files={entry["path"]: entry["size"] for entry in manifest["files"]},
     )
 
 
 def _read_manifest(storage: _Storage, uri: str) -> tuple[Optional[bytes], Optional[Exception]]:
     """(the manifest's bytes, None), (None, None) when there is none, or (None, the storage error)."""
     try:
-        return storage.read_bytes(_join(uri, MANIFEST_NAME)), None
+        return storage.read_bytes(_join(uri, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES + 1), None
     except FileNotFoundError:
         return None, None
     except Exception as exc:  # said by _inspect when the listing holds a manifest
@@ -128,8 +156,8 @@ def _step_dirs(storage: _Storage, base_uri: str) -> list[tuple[int, str]]:
     """(step, uri) of every step-* directory below base_uri, newest step first."""
     found = []
     for name, entry in storage.listing(base_uri).items():
-        match = _STEP_DIR.match(name)
-        if match and not _is_file(entry):
+        match = _STEP_DIR.fullmatch(name)
+        if match and _is_dir(entry):
             found.append((int(match.group(1)), _join(base_uri, name)))
     return sorted(found, reverse=True)
 
@@ -139,7 +167,7 @@ def verify(uri: str, *, endpoint_url: Optional[str] = None,
     """Re-hash the files of one checkpoint directory (``<base>/step-NNNNNNNN``) against its
     manifest and return what was found; ``valid`` False with a ``reason`` when they differ."""
     uri = uri.rstrip("/")
-    match = _STEP_DIR.match(posixpath.basename(uri))
+    match = _STEP_DIR.fullmatch(posixpath.basename(uri))
     if not match:
         raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
     storage = _Storage(uri, _storage_options(uri, endpoint_url, storage_options))

@@ -163,7 +163,7 @@ class MemoryTier:
     def _remove_steps(self, which: Callable[[int], bool]) -> None:
         # Never the step a rank of this node may be writing: a slower rank still commits the step before.
         for name in os.listdir(self.root):
-            match = _STEP_DIR.match(name)
+            match = _STEP_DIR.fullmatch(name)
             if match and which(int(match.group(1))):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
@@ -195,7 +195,7 @@ class MemoryTier:
             names = os.listdir(self.root)
         except OSError:
             return None
-        steps = [int(match.group(1)) for name in names if (match := _STEP_DIR.match(name))
+        steps = [int(match.group(1)) for name in names if (match := _STEP_DIR.fullmatch(name))
                  and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))]
         return max(steps, default=None)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import shutil
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -82,8 +83,11 @@ class _Storage:
                 out[name] = entry
         return out
 
-    def read_bytes(self, uri: str) -> bytes:
-        return self.fs.cat_file(self._path(uri))
+    def read_bytes(self, uri: str, limit: Optional[int] = None) -> bytes:
+        """The file's bytes; with `limit`, at most that many (a caller that refuses longer files reads limit + 1)."""
+        if limit is None:
+            return self.fs.cat_file(self._path(uri))
+        return self.fs.cat_file(self._path(uri), start=0, end=limit)
 
     def sha256(self, uri: str, copy: Any = None, size: Optional[int] = None) -> tuple[int, str]:
         """(size, sha256) of a file, read once; `copy` (a memory tier's `TierCopy`) gets every byte read. On an
@@ -147,14 +151,36 @@ class _Storage:
             os.replace(target, path)
 
     def rm_file(self, uri: str) -> None:
-        self.fs.rm_file(self._path(uri))
+        """Delete one file (or link: never what it points at). On file://, its directory is opened without following
+        a link, so a step directory replaced by a link into another run deletes nothing there."""
+        path = self._path(uri)
+        if not self.local:
+            self.fs.rm_file(path)
+            return
+        directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.unlink(os.path.basename(path), dir_fd=directory)
+        finally:
+            os.close(directory)
 
     def rm_tree(self, uri: str) -> None:
-        self.fs.rm(self._path(uri), recursive=True)
+        """Delete a directory and what it holds; on file://, links inside are removed, never followed, and a link in
+        its place is refused (OSError)."""
+        path = self._path(uri)
+        if self.local:
+            shutil.rmtree(path)  # refuses a link; unlinks the links inside (fd-based on Linux)
+        else:
+            self.fs.rm(path, recursive=True)
 
 
 def _is_file(entry: Mapping) -> bool:
-    return entry.get("type", "file") == "file"
+    """A regular file: never a link (file:// lists one as "other"), whatever it points at."""
+    return entry.get("type", "file") == "file" and not entry.get("islink")
+
+
+def _is_dir(entry: Mapping) -> bool:
+    """A directory (an object store's prefix): never a link to one."""
+    return entry.get("type") == "directory" and not entry.get("islink")
 
 
 # --------------------------------------------------------------------------------------------

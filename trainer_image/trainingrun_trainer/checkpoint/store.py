@@ -22,11 +22,12 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
-                     STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _join, logger, now_rfc3339, step_dir_name)
+                     STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _cause, _describe, _join, logger,
+                     now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
-from .storage import _Storage, _is_file, _storage_options
+from .storage import _Storage, _is_dir, _storage_options
 from .writer import _Writer
 from .writer_process import WriterProcess
 
@@ -47,23 +48,6 @@ class _SaveJob:
     logged: bool = False  # this rank already logged the failure
     later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
     copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
-
-
-def _describe(exc: BaseException) -> str:
-    """One line about an error; for DCP's CheckpointException, the underlying error of each rank."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, CheckpointException) and isinstance(failures, dict):
-        parts = []
-        for rank, failure in sorted(failures.items()):
-            cause = _cause(failure)
-            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-        return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _cause(failure: Any) -> Any:
-    """The exception of one rank in a CheckpointException's failures (DCP keeps it with its traceback)."""
-    return failure[0] if isinstance(failure, tuple) else failure
 
 
 def _plain(state: Mapping[str, Any]) -> dict:
@@ -311,10 +295,10 @@ class CheckpointStore:
         for name, entry in listing.items():
             if name == MANIFEST_NAME:
                 continue
-            if _is_file(entry):
-                self._storage.rm_file(_join(step_uri, name))
-            else:
+            if _is_dir(entry):
                 self._storage.rm_tree(_join(step_uri, name))
+            else:  # a file, or a link: the link goes, never what it points at
+                self._storage.rm_file(_join(step_uri, name))
 
     def _on_the_node_of_rank0(self, memory_tier: str) -> bool:
         """Whether this rank's memory tier is rank 0's (same host, same directory)."""
@@ -456,7 +440,7 @@ class CheckpointStore:
         now = time.time() if now is None else now
         uri = _join(self.uri, STARTS_NAME)
         try:
-            recorded = json.loads(self._storage.read_bytes(uri))
+            recorded = json.loads(self._storage.read_bytes(uri, limit=1 << 16))
         except FileNotFoundError:
             recorded = {}
         except ValueError:  # torn by hand or by a bug: count from here
@@ -575,11 +559,11 @@ class CheckpointStore:
         self.wait()
         began = time.perf_counter()
         uri = info_or_uri.uri if isinstance(info_or_uri, CheckpointInfo) else str(info_or_uri).rstrip("/")
-        match = _STEP_DIR.match(posixpath.basename(uri))
+        match = _STEP_DIR.fullmatch(posixpath.basename(uri))
         if not match:
             raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
         if isinstance(info_or_uri, CheckpointInfo) and info_or_uri.valid and info_or_uri.manifest_sha256 \
-                and self._trusted.get(uri) == info_or_uri.manifest_sha256:
+                and info_or_uri.files is not None and self._trusted.get(uri) == info_or_uri.manifest_sha256:
             info = info_or_uri  # this process wrote or verified this very manifest: no storage round trips again
         else:
             info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
@@ -592,7 +576,7 @@ class CheckpointStore:
         reading = LocalFirstFileSystem(self._tier.files(info.step, info.manifest_sha256) if self._tier else {},
                                        self._storage.local)
         try:
-            loading, planner = self._read(uri, state, entry, legacy, reading)
+            loading, planner = self._read(info, state, entry, legacy, reading)
         except CheckpointException as exc:  # a BaseException: make it an error that says what failed
             if not any(isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()):
                 raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
@@ -601,7 +585,7 @@ class CheckpointStore:
         if legacy:
             if planner.missing:
                 logger.info("%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing)))
-            raw, source = self._legacy_extra(uri), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank))
+            raw, source = self._legacy_extra(info), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank))
         else:
             raw, source = (None if entry in planner.missing else loading[entry]), f"{uri} ({entry})"
         if raw is None:
@@ -619,14 +603,14 @@ class CheckpointStore:
         self.restores += 1
         return extra
 
-    def _read(self, uri: str, state: dict, entry: str, legacy: bool,
+    def _read(self, info: CheckpointInfo, state: dict, entry: str, legacy: bool,
               reading: LocalFirstFileSystem) -> tuple[dict, _PlainLoadPlanner]:
-        """dcp.load of the checkpoint at `uri` (`reading`: which files come from the memory tier; it records where
-        it read): (what was loaded, the planner)."""
+        """dcp.load of the verified checkpoint `info`, reading only the files its manifest lists (`reading`: which files
+        come from the memory tier; it records where it read): (what was loaded, the planner)."""
         loading = dict(state) if legacy else {**state, entry: b""}
         # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
         planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
-        reader = _PlainReader(uri, **self._options)
+        reader = _PlainReader(info.uri, info.files, **self._options)
         reading.inner, reader.fs = reader.fs, reading
         dcp.load(loading, storage_reader=reader, planner=planner, process_group=self._pg, no_dist=not self._distributed)
         return loading, planner
@@ -659,16 +643,19 @@ class CheckpointStore:
             kept = self._tier.files(info.step, info.manifest_sha256)
         again = LocalFirstFileSystem({name: copy for name, copy in kept.items() if name not in bad}, self._storage.local)
         try:
-            loaded = self._read(uri, state, entry, legacy, again)
+            loaded = self._read(checked, state, entry, legacy, again)
         except CheckpointException as exc:
             raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
         reading.sources |= again.sources
         return loaded
 
-    def _legacy_extra(self, uri: str) -> Optional[bytes]:
-        """This rank's extra state in a format 1 checkpoint: a file of its own."""
+    def _legacy_extra(self, info: CheckpointInfo) -> Optional[bytes]:
+        """This rank's extra state in a format 1 checkpoint: a file of its own (when its manifest lists one)."""
+        name = _LEGACY_EXTRA_FILE.format(rank=self.rank)
+        if name not in (info.files or {}):
+            return None
         try:
-            return self._storage.read_bytes(_join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank)))
+            return self._storage.read_bytes(_join(info.uri, name), limit=info.files[name])
         except FileNotFoundError:
             return None
 
