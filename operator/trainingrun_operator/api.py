@@ -606,7 +606,7 @@ class ObjectMeta(BaseModel):
                 f"{MAX_RUN_NAME_LENGTH} so that its pods and Services (<name>-a<attempt>-worker-<i>) fit in 63; "
                 "choose a shorter name"
             )
-        if not re.match(RUN_NAME_PATTERN, value):
+        if not re.fullmatch(RUN_NAME_PATTERN, value, re.ASCII):
             raise ValueError(
                 f"'{value}' is not a valid name: use lowercase letters, digits and '-', starting with a "
                 "letter and ending with a letter or digit (it becomes part of Service names)"

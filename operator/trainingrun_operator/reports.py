@@ -150,6 +150,19 @@ def status_fields(report: contract.Report) -> dict[str, Any]:
     return status.model_dump(by_alias=True, exclude_unset=True)
 
 
+#: (status field, time field) of a report: times the pod states, which the stall watchdog and the checkpoint's age read.
+REPORTED_TIMES = (("progress", "updatedAt"), ("lastGoodCheckpoint", "time"))
+
+
+def no_later_than_now(fields: dict[str, Any], now: datetime) -> None:
+    """Clamp the times a pod reports to the operator's clock: a time in the future would keep the stall watchdog
+    from ever firing (and show a checkpoint from tomorrow)."""
+    for field, key in REPORTED_TIMES:
+        stated = reconcile.parse_time((fields.get(field) or {}).get(key))
+        if stated is not None and stated > now:
+            fields[field][key] = reconcile.rfc3339(now)
+
+
 class ReportEndpoint:
     """The aiohttp application; `accept` writes status (the handlers module supplies it)."""
 
@@ -200,9 +213,10 @@ class ReportEndpoint:
         if refusal:
             raise Refused(403, refusal)
         fields = status_fields(report)
+        now = self.clock()
+        no_later_than_now(fields, now)
         if "progress" in fields:
             fields["progress"] = contract.with_estimates(run.status.get("progress"), fields["progress"])
-        now = self.clock()
         if report.process_time:
             fields.update(reconcile.account_time(run.status, report.process_time,
                                                  report.progress and report.progress.productive_seconds, now))

@@ -38,7 +38,7 @@ RESERVED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.
 
 def qualified_name_problem(key: str) -> Optional[str]:
     """Why `key` is not a Kubernetes qualified name, or None."""
-    if re.match(QUALIFIED_NAME, key) and re.match(QUALIFIED_NAME_LENGTHS, key):
+    if re.fullmatch(QUALIFIED_NAME, key, re.ASCII) and re.fullmatch(QUALIFIED_NAME_LENGTHS, key, re.ASCII):
         return None
     return (f"key {key!r} is not a valid Kubernetes key: an optional DNS prefix (lowercase, at most 253 "
             "characters) and '/', then at most 63 letters, digits, '-', '_' or '.', starting and ending with a "
@@ -46,7 +46,7 @@ def qualified_name_problem(key: str) -> Optional[str]:
 
 
 def label_value_problem(key: str, value: str) -> Optional[str]:
-    if len(value) <= 63 and re.match(LABEL_VALUE, value):
+    if len(value) <= 63 and re.fullmatch(LABEL_VALUE, value, re.ASCII):
         return None
     return (f"the value of {key!r} is not a valid label value: at most 63 letters, digits, '-', '_' or '.', "
             "starting and ending with a letter or digit (or empty)")
@@ -171,7 +171,7 @@ def requirement_problem(key: str, operator: str, values: list[str]) -> Optional[
         return f"operator {operator} needs values; add them"
     if operator in ("Exists", "DoesNotExist") and values:
         return f"operator {operator} takes no values; remove them"
-    if operator in ("Gt", "Lt") and (len(values) != 1 or not re.match(r"^-?[0-9]+$", values[0])):
+    if operator in ("Gt", "Lt") and (len(values) != 1 or not re.fullmatch(r"-?[0-9]+", values[0], re.ASCII)):
         return f"operator {operator} needs exactly one integer value"
     for value in values if operator in _SET_OPERATORS else ():
         problem = label_value_problem(key, value)

@@ -112,7 +112,7 @@ class Component(ApiModel):
     @field_validator("class_path", mode="before")
     @classmethod
     def _dotted_path(cls, value: Any) -> Any:
-        if isinstance(value, str) and not re.match(PYTHON_PATH_PATTERN, value):
+        if isinstance(value, str) and not re.fullmatch(PYTHON_PATH_PATTERN, value, re.ASCII):
             raise ValueError(
                 f"'{value}' is not a dotted Python path; write it as package.module.ClassName"
             )

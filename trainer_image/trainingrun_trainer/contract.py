@@ -78,9 +78,16 @@ REPORT_CA_KEY = "report-ca.crt"
 MAX_REPORT_BYTES = 64 * 1024
 DEFAULT_REPORT_INTERVAL_SECONDS = 10.0
 
-_CHECKPOINT_DIR = re.compile(r"^step-(\d{8,})$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+#: Matched whole (`fullmatch`) and ASCII only: `\\d` alone takes other scripts' digits (which int() reads) and `$` a
+#: trailing newline.
+_CHECKPOINT_DIR = re.compile(r"step-([0-9]{8,19})", re.ASCII)
+_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})",
+                   re.ASCII)
+#: Printable ASCII: names, uids and process labels in a report.
+_PRINTABLE = re.compile(r"[ -~]+", re.ASCII)
+#: A report nests objects two deep; anything deeper is refused (and never recursed into).
+MAX_REPORT_DEPTH = 4
 
 
 class ReportError(ValueError):
@@ -186,10 +193,12 @@ class Report:
         """Parse and check a report body; ReportError names the first field that is wrong."""
         if len(raw) > MAX_REPORT_BYTES:
             raise ReportError(f"the report is larger than {MAX_REPORT_BYTES} bytes")
+        if _nesting(raw) > MAX_REPORT_DEPTH:
+            raise ReportError(f"the report nests deeper than {MAX_REPORT_DEPTH} levels")
         try:
             body = json.loads(raw)
-        except ValueError as error:
-            raise ReportError(f"the report is not JSON: {error}") from None
+        except (ValueError, RecursionError) as error:
+            raise ReportError(f"the report is not JSON: {str(error)[:200]}") from None
         if not isinstance(body, dict):
             raise ReportError("the report must be a JSON object")
         report = cls(namespace=_text(body, "namespace"), name=_text(body, "name"), uid=_text(body, "uid"),
@@ -329,7 +338,7 @@ def time_breakdown(wall_seconds: float, processes: list[ProcessTime], productive
 def checkpoint_step(uri: str, run_uri: str) -> Optional[int]:
     """The step of `uri` when it is a checkpoint directory directly under `run_uri`, else None."""
     parent, _, name = uri.rstrip("/").rpartition("/")
-    match = _CHECKPOINT_DIR.match(name)
+    match = _CHECKPOINT_DIR.fullmatch(name)
     return int(match.group(1)) if match and parent == run_uri.rstrip("/") else None
 
 
@@ -348,10 +357,33 @@ def _object(body: dict, key: str) -> dict:
     return body[key]
 
 
+def _nesting(raw: bytes) -> int:
+    """How deep a JSON text's arrays and objects nest (brackets inside strings not counted), without parsing it: the
+    parser recurses once per level."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
 def _text(body: dict, key: str, prefix: str = "", limit: int = 253) -> str:
     value = body.get(key)
-    if not isinstance(value, str) or not value or len(value) > limit:
-        raise ReportError(f"{prefix}{key} must be a non-empty string of at most {limit} characters")
+    if not isinstance(value, str) or not value or len(value) > limit or not _PRINTABLE.fullmatch(value):
+        raise ReportError(f"{prefix}{key} must be a non-empty string of at most {limit} printable ASCII characters")
     return value
 
 
@@ -376,13 +408,13 @@ def _number(body: dict, key: str, prefix: str, minimum: Optional[float] = None) 
 
 def _time(body: dict, key: str, prefix: str) -> str:
     value = body.get(key)
-    if not isinstance(value, str) or not _TIME.match(value):
+    if not isinstance(value, str) or not _TIME.fullmatch(value) or parse_time(value) is None:
         raise ReportError(f"{prefix}{key} must be an RFC 3339 time")
     return value
 
 
 def _sha256(body: dict, key: str, prefix: str) -> Optional[str]:
     value = body.get(key)
-    if value is not None and (not isinstance(value, str) or not _SHA256.match(value)):
+    if value is not None and (not isinstance(value, str) or not _SHA256.fullmatch(value)):
         raise ReportError(f"{prefix}{key} must be 64 lowercase hex digits")
     return value

@@ -1,0 +1,130 @@
+"""What a pod of a run can send the operator's report endpoint, and that none of it breaks the parser, moves a run's
+resume floor to a checkpoint that is not one, or silences the stall watchdog.
+
+The endpoint runs as an aiohttp server on loopback; the TokenReview is replaced by a caller that is a pod of the run
+(the real-API tier reviews real tokens: tests/real_api/test_reports_real.py), so every case below is a report from a
+pod the operator trusts to speak for the run.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+
+from trainingrun_operator import builders, reports
+from trainingrun_trainer import contract
+
+NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
+RUN_URI = "s3://bucket/demo"
+
+
+class PodOfTheRun:
+    async def caller(self, token, source=None):
+        return reports.Caller("ns", "trainers", "demo-a1-worker-0", "pod-uid")
+
+
+def view(namespace, name):
+    pod = {"metadata": {"name": "demo-a1-worker-0", "uid": "pod-uid", "labels": {builders.LABEL_ATTEMPT: "1"},
+                        "ownerReferences": [{"uid": "job-uid", "controller": True}]}}
+    return reports.RunView(uid="run-uid", attempt=1, job_name="demo-a1", checkpoint_uri=RUN_URI, status={},
+                           pods=[pod], job_uid="job-uid", stall_timeout_seconds=600)
+
+
+@pytest_asyncio.fixture
+async def endpoint():
+    written: list = []
+
+    async def accept(key, fields):
+        written.append(fields)
+
+    app = reports.ReportEndpoint(PodOfTheRun(), view=view, accept=accept, clock=lambda: NOW).app()
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        async def post(body):
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = await client.post(contract.REPORT_PATH, data=raw, headers={"Authorization": "Bearer t"})
+            return response.status, (await response.json())["message"]
+        post.written = written
+        yield post
+
+
+def report(**fields):
+    return {"namespace": "ns", "name": "demo", "uid": "run-uid", "attempt": 1, **fields}
+
+
+def progress(step=5, updated_at="2026-11-26T11:59:00Z"):
+    return {"step": step, "updatedAt": updated_at, "loss": 1.0}
+
+
+@pytest.mark.asyncio
+async def test_json_nested_thousands_deep_is_a_400_that_says_so(endpoint):
+    """On main: RecursionError, a 500 and a traceback in the operator's log."""
+    for depth in (50, 20_000):
+        body = b'{"namespace": "ns", "x": ' + b"[" * depth + b"]" * depth + b"}"
+        status, message = await endpoint(body)
+        assert status == 400 and "nests deeper than" in message
+    assert endpoint.written == []
+
+
+def test_brackets_inside_strings_are_not_nesting():
+    assert contract._nesting(b'{"a": "[[[[[[[[\\"{{{{", "b": [1]}') == 2
+
+
+@pytest.mark.parametrize("uri", [
+    f"{RUN_URI}/step-\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668",  # Arabic-Indic digits: int() reads 12345678
+    f"{RUN_URI}/step-00000005\n",
+    f"{RUN_URI}/step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff15",  # fullwidth digits
+])
+@pytest.mark.asyncio
+async def test_a_checkpoint_named_with_anything_but_ascii_digits_never_becomes_the_resume_floor(endpoint, uri):
+    body = report(lastGoodCheckpoint={"uri": uri, "step": 12345678 if "\u0661" in uri else 5,
+                                      "time": "2026-11-26T11:59:00Z"})
+    status, _ = await endpoint(body)
+    assert status in (400, 403)
+    assert endpoint.written == []
+
+
+@pytest.mark.parametrize("field, value", [
+    ("updatedAt", "2026-11-26T11:59:00Z\n"),
+    ("updatedAt", "\u0662\u0660\u0662\u0666-11-26T11:59:00Z"),
+    ("updatedAt", "2026-13-45T11:59:00Z"),  # the shape of a time, not a time
+])
+@pytest.mark.asyncio
+async def test_times_must_be_ascii_rfc3339_matched_whole(endpoint, field, value):
+    status, message = await endpoint(report(progress={**progress(), field: value}))
+    assert status == 400 and "progress.updatedAt must be an RFC 3339 time" in message
+
+
+@pytest.mark.asyncio
+async def test_a_sha256_with_a_trailing_newline_is_refused(endpoint):
+    checkpoint = {"uri": f"{RUN_URI}/step-00000005", "step": 5, "time": "2026-11-26T11:59:00Z",
+                  "sha256": "a" * 64 + "\n"}
+    status, message = await endpoint(report(lastGoodCheckpoint=checkpoint))
+    assert status == 400 and "64 lowercase hex digits" in message
+
+
+@pytest.mark.asyncio
+async def test_names_in_a_report_are_printable_ascii(endpoint):
+    status, message = await endpoint({**report(), "name": "demo\u200b"})
+    assert status == 400 and "printable ASCII" in message
+
+
+@pytest.mark.asyncio
+async def test_a_time_in_the_future_is_taken_as_now(endpoint):
+    """On main, an updatedAt in 2099 kept the stall watchdog from ever firing."""
+    future = "2099-01-01T00:00:00Z"
+    checkpoint = {"uri": f"{RUN_URI}/step-00000005", "step": 5, "time": future}
+    status, _ = await endpoint(report(progress=progress(updated_at=future), lastGoodCheckpoint=checkpoint))
+    assert status == 200
+    fields = endpoint.written[-1]
+    assert fields["progress"]["updatedAt"] == contract.rfc3339(NOW)
+    assert fields["lastGoodCheckpoint"]["time"] == contract.rfc3339(NOW)
+
+
+@pytest.mark.asyncio
+async def test_a_time_in_the_past_is_kept(endpoint):
+    earlier = contract.rfc3339(NOW - timedelta(minutes=1))
+    status, _ = await endpoint(report(progress=progress(updated_at=earlier)))
+    assert status == 200 and endpoint.written[-1]["progress"]["updatedAt"] == earlier
