@@ -279,11 +279,13 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
             status = merged_status(body.get("status") or {}, state.written.get(key, {}))
             try:
                 run = validation.parse(run_document(body), from_server=True)
-                if run.spec.image is None and status.get("observedGeneration") != run.metadata.generation:
-                    # The operator's own trainer image: the same release, whose built-in classes it knows. A misspelt
-                    # one is refused now, not after scheduling and an image pull (a user's image may differ). Once per
-                    # spec generation: a generation the operator has acted on passed this check.
-                    problems = validation.component_problems(run)
+                if status.get("observedGeneration") != run.metadata.generation:
+                    # Once per spec generation (a generation the operator has acted on passed these): credentials in
+                    # the trainer's strings, which the CRD cannot see into; and with the operator's own trainer image,
+                    # whose built-in classes it knows, a misspelt one is refused now, not after scheduling and an
+                    # image pull (a user's image may differ).
+                    problems = validation.credential_problems(run) + \
+                        (validation.component_problems(run) if run.spec.image is None else [])
                     if problems:
                         raise validation.InvalidTrainingRun(problems)
             except validation.InvalidTrainingRun as error:

@@ -147,18 +147,56 @@ def component_problems(run: api.TrainingRun) -> list[Problem]:
     return problems
 
 
+def credential_problems(run: api.TrainingRun) -> list[Problem]:
+    """Strings of spec.trainer (initArgs of models, datasets and callbacks included, which the CRD's schema cannot see
+    into) that hold credentials in a URI (user:password@): they would sit in the run's ConfigMap and go to trackers.
+    The problem names the field, never the value."""
+    from trainingrun_trainer.config import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
+
+    found = []
+    pending: list[tuple[str, Any]] = [("spec.trainer", run.spec.trainer.to_wire())]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            pending += [(f"{path}.{key}", item) for key, item in value.items()]
+        elif isinstance(value, list):
+            pending += [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+        elif isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
+            found.append(Problem(path, TRACKER_CREDENTIALS.replace("a tracker's credentials", "credentials")))
+    return sorted(found, key=lambda problem: problem.path)
+
+
 def check(document: Any, builtin_classes: bool = True) -> api.TrainingRun:
     """`parse`, then the trainer's classes and the rendered children's limits: everything `trainingrun validate`
     checks. Without `builtin_classes`, what the API server can check too (it cannot know the trainer's classes)."""
     run = parse(document)
-    problems = (component_problems(run) if builtin_classes else []) + rendered_problems(document, run)
+    problems = (component_problems(run) + credential_problems(run) if builtin_classes else []) + \
+        rendered_problems(document, run)
     if problems:
         raise InvalidTrainingRun(problems)
     return run
 
 
+#: How deep a document's mappings and sequences may nest: a TrainingRun nests about ten levels; the parser (and
+#: everything that walks the result) recurses once per level, and a file nested 20,000 deep ended in a traceback.
+MAX_DEPTH = 100
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """Rejects a key given twice in one mapping; plain YAML silently keeps the last one."""
+    """Rejects a key given twice in one mapping (plain YAML silently keeps the last one), and nesting past MAX_DEPTH."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"the document nests deeper than {MAX_DEPTH} levels; flatten it",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()

@@ -27,6 +27,8 @@ STRICTER_THAN_THE_SERVER = {
     "affinity-in-without-values": "the CRD types affinity but not its operator rules; the pods are refused",
     "integer-past-int64-in-init-args": "initArgs keeps unknown fields: the server stores the number as a float, "
                                        "so the model would get 1.8446744073709552e+19 instead",
+    "init-args-credentials": "initArgs keeps unknown fields, which the CRD cannot see into: the credentials would sit "
+                             "in the run's ConfigMap and reach its trackers",
     "config-map-over-1mib": "the TrainingRun fits etcd's 1.5 MiB; its ConfigMap is over the 1 MiB ConfigMap limit "
                             "(test_a_config_map_over_1_mib_is_refused shows the limit)",
 }

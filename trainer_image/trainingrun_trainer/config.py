@@ -27,6 +27,9 @@ BUCKET_URI_PATTERN = r"^(gs|s3)://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/|$)"
 CREDENTIALS_IN_URI = r"^[A-Za-z][-+.A-Za-z0-9]*://[^/]*@"
 NO_CREDENTIALS = ("holds credentials (user:password@ before the bucket or host): remove them; give storage "
                   "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)")
+TRACKER_CREDENTIALS = ("holds credentials (user:password@ before the host): remove them; give a tracker's "
+                       "credentials by reference in spec.secrets.env (MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, AWS_* for a "
+                       "logDir in a bucket)")
 #: The URI rules as CEL on the checkpoint object, not on the string: for a rule on a string (and for `pattern`)
 #: the API server repeats the value in its error, and a URI may hold credentials; for an object it says "object".
 class ConfigError(ValueError):
@@ -262,6 +265,10 @@ class LoggerConfig(ApiModel):
             ] + [
                 {"rule": f"self.kind in {list(kinds)} || !has(self.{wire})", "message": _only_for(wire, kinds)}
                 for _, wire, kinds in LOGGER_FIELD_KINDS
+            ] + [  # on the object, not the string: a rule on a string repeats its value in the server's error
+                {"rule": f"!has(self.{wire}) || !self.{wire}.matches(r'{CREDENTIALS_IN_URI}')",
+                 "message": f"{wire} {TRACKER_CREDENTIALS}"}
+                for wire in ("logDir", "trackingUri")
             ]
         }
     )
@@ -282,6 +289,13 @@ class LoggerConfig(ApiModel):
     entity: Optional[str] = Field(
         default=None, min_length=1, max_length=128, description="wandb: the team or user that owns the project "
         "(default: the API key's user).")
+
+    @field_validator("log_dir", "tracking_uri", mode="before")
+    @classmethod
+    def _no_credentials(cls, value: Any) -> Any:
+        if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
+            raise ValueError(TRACKER_CREDENTIALS)  # before any pattern check, whose message would repeat the value
+        return value
 
     @model_validator(mode="after")
     def _each_kind_its_fields(self) -> "LoggerConfig":

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import tempfile
 import threading
@@ -39,6 +40,35 @@ log = logging.getLogger("trainingrun.tracking")
 QUEUE_MAX = 1024
 CLOSE_SECONDS = 10.0
 _STOP = object()
+#: Words of a config key (camelCase, snake_case or kebab-case) whose value is never sent to a tracker: initArgs of a
+#: user's class may hold a key or a token. Whole words: `tokenizer_path` is no token.
+SECRET_WORDS = {"secret", "secrets", "token", "password", "passwd", "pwd", "credential", "credentials",
+                "auth", "authorization", "signature", "apikey", "privatekey"}
+SECRET_PAIRS = {("api", "key"), ("private", "key"), ("access", "key")}
+#: The user:password@ of a URI.
+USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+REDACTED = "<redacted>"
+
+
+def secret_key(key: Any) -> bool:
+    """Whether a config key names a secret (by its words, see SECRET_WORDS)."""
+    if not isinstance(key, str):
+        return False
+    words = [word.lower() for word in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", key)]
+    return any(word in SECRET_WORDS for word in words) or any(pair in SECRET_PAIRS for pair in zip(words, words[1:]))
+
+
+def redacted(config: Any) -> Any:
+    """The config as trackers get it: values of secret-looking keys replaced, and userinfo cut out of URIs (validation
+    refuses both in the fields it knows; this also covers a user's initArgs and older specs)."""
+    if isinstance(config, Mapping):
+        return {key: REDACTED if secret_key(key) and value not in (None, "") else redacted(value)
+                for key, value in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [redacted(value) for value in config]
+    if isinstance(config, str):
+        return USERINFO.sub(REDACTED + "@", config)
+    return config
 
 
 class TensorBoard:
@@ -236,7 +266,7 @@ class Tracker:
         self._thread.start()
 
     def start(self, step: int, config: Mapping[str, Any]) -> None:
-        self._put(("start", step, config))
+        self._put(("start", step, redacted(config)))
 
     def metrics(self, step: int, values: Mapping[str, Optional[float]]) -> None:
         kept = {name: float(value) for name, value in values.items() if value is not None}

@@ -1,0 +1,112 @@
+"""What a TrainingRun file may hold that must neither crash `trainingrun validate` nor put a credential where the
+run's ConfigMap, its trackers or an error message would show it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from trainingrun_operator import cli
+from trainingrun_trainer import tracking
+
+SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYSECRET"
+MINIMAL = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "demo"},
+           "spec": {"checkpoint": {"uri": "s3://bucket/demo"}}}
+
+
+def validate(tmp_path, text: str, capsys) -> tuple[int, str]:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    code = cli.main(["validate", str(path)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("depth", [101, 20_000])
+@pytest.mark.parametrize("shape", ["flow", "block"])
+def test_yaml_nested_thousands_deep_is_one_line_not_a_traceback(tmp_path, capsys, depth, shape):
+    """On main: RecursionError and a traceback."""
+    if shape == "flow":
+        text = yaml.safe_dump(MINIMAL) + "extra: " + "[" * depth + "]" * depth + "\n"
+    else:
+        text = yaml.safe_dump(MINIMAL) + "extra:\n" + "".join("  " * (level + 1) + "a:\n" for level in range(depth))
+    code, output = validate(tmp_path, text, capsys)
+    assert code == 1
+    assert "nests deeper than 100 levels" in output and "Traceback" not in output
+    assert len(output.strip().splitlines()) == 1
+
+
+def test_a_run_with_nested_init_args_still_validates(tmp_path, capsys):
+    body = copy.deepcopy(MINIMAL)
+    body["spec"]["trainer"] = {"model": {"classPath": "trainingrun_trainer.models.CharTransformer",
+                                         "initArgs": {"dim": 64}}}
+    code, output = validate(tmp_path, yaml.safe_dump(body), capsys)
+    assert code == 0, output
+
+
+def with_(path: str, value) -> dict:
+    body = copy.deepcopy(MINIMAL)
+    *parents, last = path.split(".")
+    node = body
+    for name in parents:
+        node = node.setdefault(name, {})
+    node[last] = value
+    return body
+
+
+@pytest.mark.parametrize("body, field", [
+    (with_("spec.checkpoint.uri", f"s3://AKIAEXAMPLE:{SECRET}@bucket/x"), "spec.checkpoint.uri"),
+    (with_("spec.checkpoint.endpointUrl", f"https://minio:{SECRET}@minio:9000"), "spec.checkpoint.endpointUrl"),
+    (with_("spec.trainer.loggers", [{"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow:5000"}]),
+     "spec.trainer.loggers[0].trackingUri"),
+    (with_("spec.trainer.loggers", [{"kind": "tensorboard", "logDir": f"gs://me:{SECRET}@bucket/tb"}]),
+     "spec.trainer.loggers[0].logDir"),
+    (with_("spec.trainer.loggers", [{"kind": "wandb", "project": "p", "logDir": f"s3://me:{SECRET}@b/w"}]),
+     "spec.trainer.loggers[0].logDir"),
+    (with_("spec.trainer.model", {"classPath": "trainingrun_trainer.models.CharTransformer",
+                                  "initArgs": {"dim": 64, "vocab": f"https://me:{SECRET}@host/vocab.txt"}}),
+     "spec.trainer.model.initArgs.vocab"),
+    (with_("spec.trainer.data", {"dataset": {"classPath": "trainingrun_trainer.shards.TextBytes",
+                                 "initArgs": {"uris": [f"s3://me:{SECRET}@bucket/shards"], "context": 64}}}),
+     "spec.trainer.data.dataset.initArgs.uris[0]"),
+])
+def test_credentials_in_any_uri_field_are_refused_and_never_repeated(tmp_path, capsys, body, field):
+    code, output = validate(tmp_path, yaml.safe_dump(body), capsys)
+    assert code == 1
+    assert f"{field}: holds credentials" in output, output
+    assert SECRET not in output
+
+
+class Recording:
+    """A tracker backend that keeps what it is given (the trackers' own interface: start, metrics, close)."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, step, config):
+        self.started.append(config)
+
+    def metrics(self, step, values):
+        pass
+
+    def close(self, finished):
+        pass
+
+
+def test_trackers_never_get_a_secret_from_the_config():
+    """Older specs and a user's initArgs can hold what validation now refuses: the trackers get it redacted."""
+    config = {"trainer": {"model": {"initArgs": {"apiKey": SECRET, "hfToken": SECRET, "tokenizerPath": "t.json",
+                                                 "weights": f"s3://AK:{SECRET}@bucket/w", "maxTokens": 5}},
+                          "loggers": [{"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow"}]},
+              "checkpoint": {"uri": "s3://bucket/x"}}
+    backend = Recording()
+    trackers = tracking.Tracker([backend])
+    trackers.start(0, config)
+    trackers.close()
+    sent = backend.started[0]
+    assert SECRET not in repr(sent)
+    init_args = sent["trainer"]["model"]["initArgs"]
+    assert init_args["tokenizerPath"] == "t.json" and init_args["maxTokens"] == 5  # words, not substrings
+    assert init_args["weights"] == "s3://<redacted>@bucket/w"
+    assert sent["trainer"]["loggers"][0]["trackingUri"] == "https://<redacted>@mlflow"
