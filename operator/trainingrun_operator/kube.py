@@ -36,8 +36,9 @@ PLURALS = {
 }
 RETRIED_STATUSES = (429, 500, 502, 503, 504)
 #: Priorities of requests, most urgent first: creating, changing and deleting children; a run's status;
-#: Events (kubectl describe), which nothing waits for.
-ACT, STATUS, EVENT = 0, 1, 2
+#: Events (kubectl describe), which nothing waits for; TokenReviews of report tokens the operator has not seen
+#: (anyone who reaches the report endpoint can send one, so they never go ahead of the operator's own work).
+ACT, STATUS, EVENT, REVIEW = 0, 1, 2, 3
 
 
 class PriorityGate:

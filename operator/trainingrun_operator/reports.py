@@ -4,7 +4,10 @@ The operator alone writes a run's status; a pod only tells it what it saw, and w
 
 1. Who speaks: the bearer token is a projected ServiceAccount token with the report audience
    (`contract.REPORT_AUDIENCE`). A TokenReview asking for that audience authenticates it and names the
-   pod it is bound to (name and uid); answers are cached per token (by its sha256) for a while.
+   pod it is bound to (name and uid); answers are cached per token (by its sha256) for a while. Anyone who
+   reaches the endpoint can send tokens: one that is not shaped like a pod's report token is refused without a
+   TokenReview, new tokens are rate-limited per source address, and reviews have a small lane of their own at
+   the lowest API priority (`TokenReviewer`).
 2. May it: the pod must be a pod of the run's current attempt, as the operator sees it (its pod index:
    same name and uid, the attempt's label, controlled by the attempt's PyTorchJob, which the run
    controls), in the run's namespace. A pod of another run (sharing a ServiceAccount or not), of an
@@ -13,13 +16,17 @@ The operator alone writes a run's status; a pod only tells it what it saw, and w
    attempt; a checkpoint must be a step directory under the URI the run started with (status.checkpointUri,
    which only the operator writes). Phase, budgets and the checkpoint URI are never taken from a report.
 
-Accepted reports become a status patch (progress, lastGoodCheckpoint, lastReportTime). A report that
+Accepted reports become a status patch (progress, lastGoodCheckpoint, lastReportTime), at most one per run every
+STATUS_WRITE_SECONDS (the newest report wins) at the status priority. A report that
 changes nothing is written at most every HEARTBEAT_WRITE_SECONDS, so heartbeats cost few API writes.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
+import collections
 import hashlib
+import json
 import logging
 import ssl
 import time
@@ -34,7 +41,7 @@ from aiohttp import web
 from trainingrun_trainer import contract
 
 from . import api, builders, reconcile
-from .kube import ApiError, Kube
+from .kube import REVIEW, ApiError, Kube
 
 log = logging.getLogger("trainingrun.reports")
 
@@ -44,12 +51,90 @@ POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 HEARTBEAT_WRITE_SECONDS = 30.0
 #: Refused tokens are remembered this long, so a flood of bad tokens is not a flood of TokenReviews.
 REFUSED_TOKEN_SECONDS = 10.0
+#: Tokens remembered, accepted and refused apart (least recently used evicted first): a flood of junk tokens
+#: churns the refused ones only, never a pod's accepted token.
 TOKEN_CACHE_SIZE = 20000
+#: The longest bearer token reviewed (a projected ServiceAccount token is about 1 KB).
+MAX_TOKEN_BYTES = 8192
+#: A report's status fields are written at most this often per run; reports in between go with the next write,
+#: the newest value of each field winning.
+STATUS_WRITE_SECONDS = 3.0
 
 
 def heartbeat_write_seconds(stall_timeout_seconds: int) -> float:
     """A third of a short stall timeout: lastReportTime must move more often than the stall check looks for it."""
     return min(HEARTBEAT_WRITE_SECONDS, stall_timeout_seconds / 3) if stall_timeout_seconds else HEARTBEAT_WRITE_SECONDS
+
+
+def plausible_token(token: str, now: float) -> Optional[str]:
+    """Why `token` cannot be a pod's projected report token, read without its signature (None: it may be one; only
+    a TokenReview tells). A junk token costs the API server nothing: its shape, audience, expiry and pod binding are
+    checked here first."""
+    if len(token) > MAX_TOKEN_BYTES or not token.isascii():
+        return "not a token"
+    parts = token.split(".")
+    if len(parts) != 3 or not all(parts):
+        return "not a JSON web token"
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except (ValueError, UnicodeDecodeError):
+        return "not a JSON web token"
+    if not isinstance(claims, dict):
+        return "not a JSON web token"
+    audiences = claims.get("aud")
+    audiences = [audiences] if isinstance(audiences, str) else audiences
+    if not isinstance(audiences, list) or contract.REPORT_AUDIENCE not in audiences:
+        return f"not for audience {contract.REPORT_AUDIENCE}"
+    expires = claims.get("exp")
+    if not isinstance(expires, (int, float)) or expires < now:
+        return "expired"
+    bound = (claims.get("kubernetes.io") or {}) if isinstance(claims.get("kubernetes.io"), dict) else {}
+    if not isinstance(bound.get("pod"), dict) or not isinstance(bound.get("serviceaccount"), dict):
+        return "not bound to a pod"
+    return None
+
+
+class Lru:
+    """A dict of at most `size` entries that forgets the least recently used first."""
+
+    def __init__(self, size: int):
+        self.size, self.entries = size, collections.OrderedDict()
+
+    def get(self, key: Any) -> Any:
+        found = self.entries.get(key)
+        if found is not None:
+            self.entries.move_to_end(key)
+        return found
+
+    def put(self, key: Any, value: Any) -> None:
+        self.entries[key] = value
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+    def pop(self, key: Any) -> None:
+        self.entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class RateLimiter:
+    """A token bucket per source address: `rate` per second, up to `burst` at once; at most `sources` remembered."""
+
+    def __init__(self, rate: float, burst: float, sources: int = 10000, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.buckets = Lru(sources)
+
+    def allow(self, source: str) -> bool:
+        now = self.clock()
+        tokens, then = self.buckets.get(source) or (self.burst, now)
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens < 1:
+            self.buckets.put(source, (tokens, now))
+            return False
+        self.buckets.put(source, (tokens - 1, now))
+        return True
 
 
 @dataclass(frozen=True)
@@ -63,33 +148,64 @@ class Caller:
 
 
 class TokenReviewer:
-    """Authenticates report tokens with TokenReview (audience: contract.REPORT_AUDIENCE), cached per token."""
+    """Authenticates report tokens with TokenReview (audience: contract.REPORT_AUDIENCE), cached per token.
 
-    def __init__(self, kube: Callable[[], Kube], cache_seconds: float, clock: Callable[[], float] = time.monotonic):
-        self.kube, self.cache_seconds, self.clock = kube, cache_seconds, clock
-        self.cache: dict[str, tuple[float, Optional[Caller]]] = {}
+    A token the cache does not know costs a TokenReview only when it looks like a projected report token
+    (`plausible_token`), its source address is within its rate (`per_source_rate` a second, `per_source_burst` at
+    once), and the review lane has room: `reviews_in_flight` reviews at a time, at the lowest API priority (below
+    the operator's own reconciles, status and Events), `reviews_waiting` more waiting; beyond that the report is
+    answered 429 at once. A pod's accepted token is reviewed once per `cache_seconds` and answered from memory
+    in between, whatever a flood does."""
+
+    def __init__(self, kube: Callable[[], Kube], cache_seconds: float, clock: Callable[[], float] = time.monotonic,
+                 *, reviews_in_flight: int = 2, reviews_waiting: int = 16, per_source_rate: float = 2.0,
+                 per_source_burst: float = 10.0, wall_clock: Callable[[], float] = time.time):
+        self.kube, self.cache_seconds, self.clock, self.wall_clock = kube, cache_seconds, clock, wall_clock
+        self.accepted, self.refused = Lru(TOKEN_CACHE_SIZE), Lru(TOKEN_CACHE_SIZE)
+        self.limiter = RateLimiter(per_source_rate, per_source_burst, clock=clock)
+        self.lane = asyncio.Semaphore(reviews_in_flight)
+        self.waiting, self.reviews_waiting = 0, reviews_waiting
         self.reviews = 0
+        self.refused_unreviewed = 0  #: tokens refused without a TokenReview (shape, audience, expiry)
+        self.throttled = 0  #: reports answered 429 (source over its rate, or the review lane full)
 
-    async def caller(self, token: str) -> Optional[Caller]:
-        key = hashlib.sha256(token.encode()).hexdigest()
+    async def caller(self, token: str, source: str = "") -> Optional[Caller]:
+        key = hashlib.sha256(token.encode()).digest()
         now = self.clock()
-        cached = self.cache.get(key)
-        if cached and cached[0] > now:
-            return cached[1]
-        caller = await self._review(token)
-        if len(self.cache) >= TOKEN_CACHE_SIZE:
-            self.cache = {k: v for k, v in self.cache.items() if v[0] > now}
-            if len(self.cache) >= TOKEN_CACHE_SIZE:
-                self.cache.clear()
-        self.cache[key] = (now + (self.cache_seconds if caller else REFUSED_TOKEN_SECONDS), caller)
+        for cache in (self.accepted, self.refused):
+            cached = cache.get(key)
+            if cached is not None:
+                if cached[0] > now:
+                    return cached[1]
+                cache.pop(key)
+        if plausible_token(token, self.wall_clock()) is not None:
+            self.refused_unreviewed += 1
+            self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
+            return None
+        if not self.limiter.allow(source) or self.waiting >= self.reviews_waiting:
+            self.throttled += 1
+            raise Refused(429, "too many new report tokens from this address; send the report again later")
+        self.waiting += 1
+        entered = False
+        try:
+            async with self.lane:
+                self.waiting, entered = self.waiting - 1, True
+                caller = await self._review(token)
+        finally:
+            if not entered:  # cancelled while waiting for the lane
+                self.waiting -= 1
+        if caller is None:
+            self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
+        else:
+            self.accepted.put(key, (now + self.cache_seconds, caller))
         return caller
 
     async def _review(self, token: str) -> Optional[Caller]:
         self.reviews += 1
         review = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                   "spec": {"token": token, "audiences": [contract.REPORT_AUDIENCE]}}
-        answer = (await self.kube().request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", review)) \
-            .get("status") or {}
+        answer = (await self.kube().request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", review,
+                                            priority=REVIEW)).get("status") or {}
         user = answer.get("user") or {}
         parts = (user.get("username") or "").split(":")
         extra = user.get("extra") or {}
@@ -163,6 +279,50 @@ def no_later_than_now(fields: dict[str, Any], now: datetime) -> None:
             fields[field][key] = reconcile.rfc3339(now)
 
 
+class CoalescedWrites:
+    """At most one status write per run every `seconds` (`write(key, fields)`): a report that comes sooner is merged
+    into the write waiting for that run, the newest value of each field winning, so a pod that reports a thousand
+    times a second costs its run one write per period. The first report after a quiet period is written at once."""
+
+    def __init__(self, write: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]], seconds: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.write, self.seconds, self.clock = write, seconds, clock
+        self.pending: dict[tuple[str, str], dict[str, Any]] = {}
+        self.last: dict[tuple[str, str], float] = {}
+        self.flushing: dict[tuple[str, str], asyncio.Task] = {}
+        self.writes = 0
+
+    async def submit(self, key: tuple[str, str], fields: dict[str, Any]) -> None:
+        if key in self.pending:
+            self.pending[key].update(fields)
+            return
+        wait = self.last.get(key, float("-inf")) + self.seconds - self.clock()
+        if wait > 0:
+            self.pending[key] = dict(fields)
+            self.flushing[key] = asyncio.create_task(self._flush(key, wait))  # held here: a task nobody holds may go
+            return
+        await self._write(key, fields)
+
+    async def _flush(self, key: tuple[str, str], wait: float) -> None:
+        try:
+            await asyncio.sleep(wait)
+            fields = self.pending.pop(key)
+            await self._write(key, fields)
+        except Exception as error:  # noqa: BLE001 - nobody awaits a deferred write: say it, the next report retries
+            log.warning("writing the status of %s/%s from its reports failed: %s", *key, error)
+        finally:
+            self.pending.pop(key, None)
+            self.flushing.pop(key, None)
+
+    async def _write(self, key: tuple[str, str], fields: dict[str, Any]) -> None:
+        self.last[key] = self.clock()
+        if len(self.last) > TOKEN_CACHE_SIZE:  # runs that stopped reporting: forget the oldest
+            for old in sorted(self.last, key=self.last.__getitem__)[:len(self.last) // 2]:
+                self.last.pop(old, None)
+        self.writes += 1
+        await self.write(key, fields)
+
+
 class ReportEndpoint:
     """The aiohttp application; `accept` writes status (the handlers module supplies it)."""
 
@@ -193,7 +353,7 @@ class ReportEndpoint:
         if scheme != "Bearer" or not token:
             raise Refused(401, "a bearer token (the pod's projected report token) is required")
         try:
-            caller = await self.reviewer.caller(token.strip())
+            caller = await self.reviewer.caller(token.strip(), request.remote or "")
         except (ApiError, OSError, asyncio.TimeoutError) as error:
             log.warning("TokenReview failed: %s", error)  # the error, never the token
             raise Refused(503, "cannot authenticate the report now; try again") from None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from . import api, reports
 from .indexes import SPEC_JSON, controller_uid, merged_status
-from .kube import ApiError
+from .kube import STATUS, ApiError
 
 if TYPE_CHECKING:
     from .handlers import Key, OperatorState
@@ -101,9 +101,17 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
 DEFAULT_STALL_TIMEOUT = api.Recovery.model_fields["stall_timeout_seconds"].default
 
 
-async def accept_report(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:
-    await state.client().patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status")
+async def write_reported_status(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:
+    await state.client().patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status",
+                               priority=STATUS)
+
+
+async def accept_report(state: OperatorState, writes: reports.CoalescedWrites, key: Key,
+                        fields: dict[str, Any]) -> None:
+    """Status from a report: the operator's view of the run has it at once (the next report and reconcile see it);
+    the API server gets it at most every STATUS_WRITE_SECONDS (`writes`)."""
     state.written.setdefault(key, {}).update(fields)
+    await writes.submit(key, fields)
 
 
 #: The replica that acts writes its report EndpointSlice again this often, undoing any other change to it.
@@ -154,10 +162,12 @@ async def publish_report_endpoint(state: OperatorState, check_seconds: float = 1
 async def serve_reports(state: OperatorState) -> None:
     await state.logged_in.wait()
     settings = state.settings
+    writes = reports.CoalescedWrites(lambda key, fields: write_reported_status(state, key, fields),
+                                     reports.STATUS_WRITE_SECONDS)
     endpoint = reports.ReportEndpoint(
         reports.TokenReviewer(state.client, settings.report_token_cache_seconds),
         view=lambda namespace, name: run_view(state, namespace, name),
-        accept=lambda key, fields: accept_report(state, key, fields), clock=state.clock,
+        accept=lambda key, fields: accept_report(state, writes, key, fields), clock=state.clock,
         acting=state.acting.is_set)
     https = settings.report_url.startswith("https://")
     await reports.serve(endpoint, settings.report_port, settings.report_tls_dir if https else None)

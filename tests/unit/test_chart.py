@@ -86,6 +86,21 @@ def test_modes_render_what_they_promise():
                == "kube-prometheus-stack" for d in monitoring if d["apiVersion"].startswith("monitoring.coreos.com"))
 
 
+def test_on_a_shared_cluster_only_trainer_pods_of_the_served_namespaces_reach_the_report_endpoint():
+    """On main the policy was off by default and, when on, admitted any pod of any namespace that labelled itself."""
+    shared = render(CHART / "ci/shared-cluster-values.yaml")
+    policy = next(d for d in shared if d["kind"] == "NetworkPolicy")
+    report = next(rule for rule in policy["spec"]["ingress"] if {"port": "report", "protocol": "TCP"} in rule["ports"])
+    source = report["from"][0]
+    assert source["namespaceSelector"] == {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]}
+    assert {e["key"] for e in source["podSelector"]["matchExpressions"]} == {
+        "trainingrun.dev/run", "training.kubeflow.org/job-name", "training.kubeflow.org/replica-type"}
+    chosen = render(CHART / "ci/shared-cluster-values.yaml", "networkPolicy.reportNamespaceSelector.team=ml")
+    source = next(d for d in chosen if d["kind"] == "NetworkPolicy")["spec"]["ingress"][1]["from"][0]
+    assert source["namespaceSelector"] == {"matchLabels": {"team": "ml"}}
+
+
 @pytest.mark.parametrize("values_file", [None, CHART / "ci/ha-values.yaml"])
 def test_reports_reach_the_slice_the_acting_replica_may_write(values_file):
     documents = render(values_file)

@@ -1,0 +1,160 @@
+"""Floods a pod, or anyone who reaches the report endpoint, can send: junk bearer tokens, forged tokens shaped like
+a pod's, and a run's own pod reporting a thousand times a second. None may cost the API server more than a small,
+bounded share, nor push out what legitimate pods need.
+
+The reviewer's API client here records the TokenReviews it is asked for and answers them as the API server would
+for these tokens; the real server's answers are tested in tests/real_api/test_reports_real.py, and the flood against
+a real server is `benchmarks/report_endpoint.py --flood`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import pytest
+
+from trainingrun_operator import reports
+from trainingrun_operator.kube import REVIEW
+from trainingrun_trainer import contract
+
+pytestmark = pytest.mark.asyncio
+GOOD = "good"
+
+
+def jwt(audience=contract.REPORT_AUDIENCE, expires_in=3600, pod=True, marker="x") -> str:
+    def part(value):
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+    claims = {"aud": [audience], "exp": time.time() + expires_in, "iss": "https://kubernetes.default.svc",
+              "sub": "system:serviceaccount:ns:trainers", "marker": marker}
+    if pod:
+        claims["kubernetes.io"] = {"namespace": "ns", "pod": {"name": "p", "uid": "u"},
+                                   "serviceaccount": {"name": "trainers", "uid": "s"}}
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.c2lnbmF0dXJl"
+
+
+LEGITIMATE = jwt(marker=GOOD)
+
+
+class ApiServer:
+    """Answers TokenReviews: only LEGITIMATE authenticates. Counts them, their priority and how many run at once."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay, self.reviews, self.in_flight, self.most_in_flight, self.priorities = delay, 0, 0, 0, set()
+
+    async def request(self, method, path, body, priority=0):
+        self.reviews += 1
+        self.priorities.add(priority)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.in_flight -= 1
+        if body["spec"]["token"] != LEGITIMATE:
+            return {"status": {"authenticated": False}}
+        return {"status": {"authenticated": True, "audiences": [contract.REPORT_AUDIENCE], "user": {
+            "username": "system:serviceaccount:ns:trainers",
+            "extra": {reports.POD_NAME_EXTRA: ["p"], reports.POD_UID_EXTRA: ["u"]}}}}
+
+
+@pytest.mark.parametrize("token", [
+    "junk", "a.b", "x" * 10_000, "not.base64!.sig", jwt(audience="https://kubernetes.default.svc"),
+    jwt(expires_in=-60), jwt(pod=False), "\u00e9.\u00e9.\u00e9"])
+async def test_a_token_that_cannot_be_a_pods_report_token_costs_no_token_review(token):
+    server = ApiServer()
+    reviewer = reports.TokenReviewer(lambda: server, 60)
+    assert await reviewer.caller(token, "10.0.0.9") is None
+    assert server.reviews == 0 and reviewer.refused_unreviewed == 1
+
+
+async def test_two_thousand_junk_tokens_cost_no_token_review_and_keep_the_pods_token():
+    """On main: 2,000 TokenReviews at the operator's top priority, and the cache wiped whole at 20,000."""
+    server = ApiServer()
+    reviewer = reports.TokenReviewer(lambda: server, 60)
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"
+    for number in range(reports.TOKEN_CACHE_SIZE + 2000):
+        await reviewer.caller(f"junk-{number}", "10.0.0.9")
+    assert server.reviews == 1
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"  # from memory
+    assert server.reviews == 1
+
+
+async def test_forged_tokens_from_one_address_are_reviewed_at_its_rate_only():
+    server = ApiServer()
+    reviewer = reports.TokenReviewer(lambda: server, 60, per_source_rate=2.0, per_source_burst=10)
+    throttled = 0
+    for number in range(500):
+        try:
+            await reviewer.caller(jwt(marker=str(number)), "10.0.0.9")
+        except reports.Refused as refusal:
+            assert refusal.code == 429
+            throttled += 1
+    assert server.reviews <= 12 and throttled >= 488  # the burst, and what the rate refilled meanwhile
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"  # another address is not held back
+    assert server.priorities == {REVIEW}
+
+
+async def test_reviews_have_a_small_lane_and_a_full_lane_answers_at_once():
+    server = ApiServer(delay=0.05)
+    reviewer = reports.TokenReviewer(lambda: server, 60, reviews_in_flight=2, reviews_waiting=4,
+                                     per_source_rate=1000, per_source_burst=1000)
+
+    async def one(number):
+        try:
+            return await reviewer.caller(jwt(marker=str(number)), f"10.0.1.{number}")
+        except reports.Refused as refusal:
+            return refusal.code
+
+    outcomes = await asyncio.gather(*(one(number) for number in range(50)))
+    assert server.most_in_flight == 2
+    assert outcomes.count(429) == 50 - 6 and server.reviews == 6
+
+
+async def test_an_accepted_token_expires_from_the_cache_and_is_reviewed_again():
+    now = [0.0]
+    server = ApiServer()
+    reviewer = reports.TokenReviewer(lambda: server, 60, clock=lambda: now[0])
+    await reviewer.caller(LEGITIMATE, "10.0.0.1")
+    now[0] = 59
+    await reviewer.caller(LEGITIMATE, "10.0.0.1")
+    assert server.reviews == 1
+    now[0] = 61
+    await reviewer.caller(LEGITIMATE, "10.0.0.1")
+    assert server.reviews == 2
+
+
+async def test_a_thousand_reports_in_a_second_are_one_or_two_status_writes_and_the_newest_wins():
+    """On main: 1,000 reports that each changed loss by 1e-9 were 1,000 status PATCHes at top priority."""
+    written = []
+
+    async def write(key, fields):
+        written.append((key, fields))
+
+    writes = reports.CoalescedWrites(write, seconds=0.2)
+    for number in range(1000):
+        await writes.submit(("ns", "demo"), {"progress": {"step": 5, "loss": 1.0 + number * 1e-9},
+                                             "lastReportTime": str(number)})
+    await writes.submit(("ns", "other"), {"progress": {"step": 1}})
+    assert len(written) == 2  # the first of each run, at once
+    await asyncio.wait_for(asyncio.gather(*writes.flushing.values()), 5)
+    assert len(written) == 3
+    key, fields = written[-1]
+    assert key == ("ns", "demo") and fields["lastReportTime"] == "999"
+    assert fields["progress"]["loss"] == pytest.approx(1.0 + 999e-9)
+
+
+async def test_a_report_after_a_quiet_period_is_written_at_once():
+    now = [0.0]
+    written = []
+
+    async def write(key, fields):
+        written.append(fields)
+
+    writes = reports.CoalescedWrites(write, seconds=3, clock=lambda: now[0])
+    await writes.submit(("ns", "demo"), {"progress": {"step": 1}})
+    now[0] = 3.5
+    await writes.submit(("ns", "demo"), {"progress": {"step": 2}})
+    assert [fields["progress"]["step"] for fields in written] == [1, 2] and not writes.flushing
