@@ -13,10 +13,20 @@ reports were accepted. The status writes themselves are the operator's (a patch 
 
 Target (issue 15): p95 < 50 ms per report with 200 runs reporting every 10 s.
 
+--flood RATE (issue 35): after the rounds, a separate process sends RATE junk-token requests a second for
+--flood-seconds (bounded in count and time) over kept-alive connections from --flood-sources loopback addresses
+(127.0.0.2 and up), half of them junk strings and half forged tokens shaped like a pod's report token (the right
+audience and a pod binding, a bad signature: each would need a TokenReview). Meanwhile the fleet reports one more
+round, and --reconciles new TrainingRuns are created one after another, timed from the create to their PyTorchJob
+appearing; the same number is timed before the flood. Targets: reports p95 < 100 ms, reconcile delayed <= 50 ms.
+
 Needs the real-API tier's binaries (as `make test`):
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/report_endpoint.py [--runs 200] [--rounds 3]
 Last line: `result: runs=<n> reports=<n> accepted=<n> p50_ms=<x> p95_ms=<x> first_round_p95_ms=<x>
-cached_p95_ms=<x>`.
+cached_p95_ms=<x>` (with --flood also `flood_sent_per_s=<x> flood_report_p95_ms=<x> reconcile_p50_ms=<x>
+flood_reconcile_p50_ms=<x> reconcile_delay_ms=<x> token_reviews=<n>`).
+
+    KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/report_endpoint.py --runs 50 --rounds 2 --flood 2000
 """
 from __future__ import annotations
 
@@ -122,12 +132,114 @@ def report_once(url: str, context: ssl.SSLContext, name: str, uid: str, token: s
     return time.perf_counter() - began, code
 
 
+def forged_token(number: int) -> str:
+    """Shaped like a pod's projected report token (audience, expiry, pod binding) with a signature that is not."""
+    import base64
+    import json
+
+    def part(value: dict) -> str:
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+    claims = {"aud": [contract.REPORT_AUDIENCE], "exp": int(time.time()) + 3600, "iss": "https://kubernetes",
+              "sub": "system:serviceaccount:fleet:trainers", "jti": str(number),
+              "kubernetes.io": {"namespace": NAMESPACE, "pod": {"name": f"p{number}", "uid": str(number)},
+                                "serviceaccount": {"name": ACCOUNT, "uid": "x"}}}
+    return f"{part({'alg': 'RS256', 'kid': 'k'})}.{part(claims)}.{part({'forged': number})}"
+
+
+async def _flood(url: str, ca: str, rate: float, seconds: float, sources: int, out: str) -> None:
+    """Send `rate` junk-token reports a second for `seconds` (at most rate * seconds, then stop), over kept-alive
+    connections from 127.0.0.2.. 127.0.0.(1 + sources); write {sent, answered: {status: n}, not_sent} to `out`."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    context = ssl.create_default_context(cafile=ca)
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=32,
+                                                                     local_addr=(f"127.0.0.{2 + i}", 0)))
+                for i in range(sources)]
+    answered: dict[str, int] = {}
+    body = Report(NAMESPACE, "run-0000", "uid", 1, progress=Progress(1, "2026-01-01T00:00:00Z")).to_json()
+    in_flight = asyncio.Semaphore(256)
+    sent = not_sent = 0
+
+    async def one(number: int) -> None:
+        token = f"junk-{number}" if number % 2 else forged_token(number)
+        try:
+            async with sessions[number % sources].post(url, data=body, headers={"Authorization": f"Bearer {token}"},
+                                                       timeout=aiohttp.ClientTimeout(total=10)) as response:
+                await response.read()
+                key = str(response.status)
+        except Exception as error:  # noqa: BLE001 - counted, the flood goes on
+            key = type(error).__name__
+        finally:
+            in_flight.release()
+        answered[key] = answered.get(key, 0) + 1
+
+    tasks = []
+    began = time.monotonic()
+    total = int(rate * seconds)
+    for number in range(total):
+        due = began + number / rate
+        if due > time.monotonic():
+            await asyncio.sleep(due - time.monotonic())
+        if time.monotonic() - began > seconds + 5:
+            break  # bounded in time as well as in count
+        if in_flight.locked():
+            not_sent += 1  # this client cannot keep up: counted, never queued without bound
+            continue
+        await in_flight.acquire()
+        sent += 1
+        tasks.append(asyncio.ensure_future(one(number)))
+    await asyncio.gather(*tasks)
+    elapsed = time.monotonic() - began
+    for session in sessions:
+        await session.close()
+    Path(out).write_text(json.dumps({"sent": sent, "not_sent": not_sent, "seconds": elapsed, "answered": answered}))
+
+
+def reconcile_latencies(plane: kube_cluster.ControlPlane, prefix: str, count: int) -> list[float]:
+    """Create `count` TrainingRuns one after another; each: seconds from the create to its PyTorchJob appearing."""
+    jobs_path = f"/apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs"
+    runs_path = f"/apis/trainingrun.dev/v1alpha1/namespaces/{NAMESPACE}/trainingruns"
+    latencies = []
+    for number in range(count):
+        name = f"{prefix}-{number:03d}"
+        began = time.perf_counter()
+        code, created = plane.request("POST", runs_path, {
+            "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"checkpoint": {"uri": f"s3://bucket/{name}"}, "serviceAccountName": ACCOUNT}})
+        assert code == 201, created
+        deadline = time.monotonic() + 60
+        while plane.request("GET", f"{jobs_path}/{name}-a1")[0] != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no PyTorchJob for {name} within 60 s")
+            time.sleep(0.005)
+        latencies.append(time.perf_counter() - began)
+    return latencies
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3, help="report rounds (the first one is uncached)")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between a run's reports (default 10)")
+    parser.add_argument("--flood", type=float, default=0, help="junk-token requests a second after the rounds")
+    parser.add_argument("--flood-seconds", type=float, default=20.0)
+    parser.add_argument("--flood-sources", type=int, default=8, help="loopback source addresses of the flood")
+    parser.add_argument("--reconciles", type=int, default=10, help="runs created and timed with and without flood")
+    parser.add_argument("--flood-worker", nargs=2, metavar=("URL", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--ca", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.flood_worker:
+        import asyncio
+
+        asyncio.run(_flood(args.flood_worker[0], args.ca, args.flood, args.flood_seconds, args.flood_sources,
+                           args.flood_worker[1]))
+        return 0
+    flooded: dict = {}
     assets = os.environ.get(kube_cluster.ASSETS_ENV)
     if kube_cluster.missing_binaries(assets):
         raise SystemExit(f"needs {kube_cluster.ASSETS_ENV}: {kube_cluster.HOW_TO_GET}")
@@ -173,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {round_ + 1}: {len(latencies)} reports in {time.monotonic() - start:.1f} s, "
                           f"p50 {statistics.median(latencies):.1f} ms, p95 {percentile(latencies, 0.95):.1f} ms, "
                           f"max {max(latencies):.1f} ms, accepted {sum(1 for _, c in rounds[-1] if c == 200)}")
+                if args.flood:
+                    flooded = flood_phase(args, plane, url, tls, context, fleet, pool, workdir)
         finally:
             if operator is not None:
                 operator.terminate()
@@ -188,10 +302,67 @@ def main(argv: list[str] | None = None) -> int:
     p95 = percentile(everything, 0.95)
     print(f"target p95 < 50 ms: {'met' if p95 < 50 else 'NOT met'} ({p95:.1f} ms); first round / cached p95 "
           f"{percentile(first, 0.95) / percentile(cached, 0.95):.2f} x")
+    flood_line = ""
+    if flooded:
+        calm, loud, during = flooded["calm"], flooded["loud"], flooded["reports"]
+        delay = statistics.median(loud) - statistics.median(calm)
+        report_p95 = percentile(during, 0.95)
+        print(f"{'flood':<14}{'p50 ms':>8}{'p95 ms':>8}{'max ms':>8}")
+        for label, values in (("reconcile", calm), ("reconcile+fl", loud), ("reports+fl", during)):
+            print(f"{label:<14}{statistics.median(values):8.1f}{percentile(values, 0.95):8.1f}{max(values):8.1f}")
+        print(f"flood: {flooded['sent_per_s']:.0f} requests/s sent for {flooded['seconds']:.1f} s "
+              f"({flooded['not_sent']} not sent: the flood client's limit), answered {flooded['answered']}; "
+              f"TokenReviews during the flood: {flooded['reviews']}")
+        print(f"target reports p95 < 100 ms under the flood: {'met' if report_p95 < 100 else 'NOT met'} "
+              f"({report_p95:.1f} ms); reconcile delayed <= 50 ms: {'met' if delay <= 50 else 'NOT met'} "
+              f"({delay:+.1f} ms at p50; flood/calm {statistics.median(loud) / statistics.median(calm):.2f} x)")
+        flood_line = (f" flood_sent_per_s={flooded['sent_per_s']:.0f} flood_report_p95_ms={report_p95:.1f} "
+                      f"reconcile_p50_ms={statistics.median(calm):.1f} "
+                      f"flood_reconcile_p50_ms={statistics.median(loud):.1f} reconcile_delay_ms={delay:.1f} "
+                      f"token_reviews={flooded['reviews']}")
     print(f"result: runs={args.runs} reports={len(everything)} accepted={accepted} "
           f"p50_ms={statistics.median(everything):.1f} p95_ms={p95:.1f} "
-          f"first_round_p95_ms={percentile(first, 0.95):.1f} cached_p95_ms={percentile(cached, 0.95):.1f}")
+          f"first_round_p95_ms={percentile(first, 0.95):.1f} cached_p95_ms={percentile(cached, 0.95):.1f}"
+          + flood_line)
     return 0 if accepted == len(everything) else 1
+
+
+def flood_phase(args, plane, url, tls, context, fleet, pool, workdir) -> dict:
+    """Reconciles timed without a flood, then with one: a flood process, a report round and reconciles beside it."""
+    import json
+
+    calm = [1000 * s for s in reconcile_latencies(plane, "calm", args.reconciles)]
+    reviews_before = token_reviews(plane)
+    out = workdir / "flood.json"
+    flood = subprocess.Popen([sys.executable, __file__, "--flood", str(args.flood), "--flood-seconds",
+                              str(args.flood_seconds), "--flood-sources", str(args.flood_sources), "--ca",
+                              str(tls / "ca.crt"), "--flood-worker", url, str(out)])
+    try:
+        time.sleep(min(3.0, args.flood_seconds / 4))  # the flood at full rate before anything is timed
+        start = time.monotonic()
+        futures = []
+        for i, (name, uid, token) in enumerate(fleet):
+            delay = start + i * min(args.interval, args.flood_seconds / 3) / len(fleet) - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(report_once, url, context, name, uid, token, 1000))
+        during = [1000 * f.result()[0] for f in futures]
+        loud = [1000 * s for s in reconcile_latencies(plane, "flood", args.reconciles)]
+        flood.wait(timeout=args.flood_seconds + 60)
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+    result = json.loads(out.read_text())
+    return {"calm": calm, "loud": loud, "reports": during, "sent_per_s": result["sent"] / result["seconds"],
+            "seconds": result["seconds"], "not_sent": result["not_sent"], "answered": result["answered"],
+            "reviews": token_reviews(plane) - reviews_before}
+
+
+def token_reviews(plane: kube_cluster.ControlPlane) -> int:
+    """TokenReviews the API server has answered (its apiserver_request_total for tokenreviews)."""
+    text = plane.kubectl("get", "--raw", "/metrics").stdout
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("apiserver_request_total{") and 'resource="tokenreviews"' in line))
 
 
 if __name__ == "__main__":

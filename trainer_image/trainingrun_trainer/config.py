@@ -276,11 +276,11 @@ class LoggerConfig(ApiModel):
     kind: LoggerKind = Field(description="tensorboard: event files under logDir; mlflow: a run on an MLflow "
                              "tracking server; wandb: a run on Weights & Biases.")
     log_dir: Optional[str] = Field(
-        default=None, min_length=1, description="tensorboard: the directory of this run's event files (a path, "
+        default=None, min_length=1, max_length=1024, description="tensorboard: the directory of this run's event files (a path, "
         "or a gs:// or s3:// URI through fsspec). Give each TrainingRun its own. wandb: W&B's local directory (a "
         "path; default the temporary directory), where offline runs (WANDB_MODE=offline) are kept.")
     tracking_uri: Optional[str] = Field(
-        default=None, min_length=1, description="mlflow: the tracking server (http:// or https://).")
+        default=None, min_length=1, max_length=1024, description="mlflow: the tracking server (http:// or https://).")
     experiment: Optional[str] = Field(
         default=None, min_length=1, max_length=500, description="mlflow: the experiment the run is logged under "
         "(created when missing). Default: the TrainingRun's namespace.")
