@@ -354,6 +354,8 @@ def decide(o: Observed) -> Plan:
         return _finish(plan, o, conditions)
 
     if phase == "Suspended":
+        if _old_pods_still_stopping(plan, o, attempt, job_name, conditions):
+            return _finish(plan, o, conditions)
         plan.delete_jobs.append(job_name)
         _start(plan, o, attempt + 1, "resume", conditions, resume_from=_last_good(status))
         return _finish(plan, o, conditions)
@@ -413,6 +415,33 @@ def decide(o: Observed) -> Plan:
             # Waiting for a node is not a stall: a new attempt would wait for the same node, charged as a failure.
             _check_stall(plan, o, attempt, job_name, conditions)
     return _finish(plan, o, conditions)
+
+
+#: After a suspended run's old pods' grace period, how much longer a resume waits for them to be gone.
+OLD_PODS_SLACK = timedelta(seconds=30)
+
+
+def _old_pods_still_stopping(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> bool:
+    """Whether a resume waits: the suspended attempt's pods may still be writing their emergency checkpoint, and a
+    new attempt that started now would resume from the checkpoint before it and save and rotate the same prefix at
+    the same time. It waits until they are gone, for at most their grace period and OLD_PODS_SLACK."""
+    stopping = [p for p in pods_of(o.pods, job_name, attempt)
+                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+    since = conditions.items.get("WaitingForOldPods", {}).get("lastTransitionTime") \
+        if conditions.is_true("WaitingForOldPods") else None
+    limit = timedelta(seconds=o.run.spec.termination_grace_period_seconds) + OLD_PODS_SLACK
+    waited_out = since is not None and o.now >= (parse_time(since) or o.now) + limit
+    if stopping and not waited_out:
+        message = (f"attempt {attempt}'s {len(stopping)} pod(s) still stop (their emergency checkpoint); attempt "
+                   f"{attempt + 1} starts when they are gone, or after {int(limit.total_seconds())} s")
+        if conditions.set("WaitingForOldPods", True, "OldPodsStopping", message):
+            plan.events.append(Note("Normal", "WaitingForOldPods", message))
+        return True
+    if conditions.is_true("WaitingForOldPods"):
+        conditions.set("WaitingForOldPods", False, "OldPodsGone" if not stopping else "WaitedLongEnough",
+                       "the suspended attempt's pods are gone" if not stopping else
+                       f"attempt {attempt}'s pods outlived their grace period; attempt {attempt + 1} starts anyway")
+    return False
 
 
 def _last_good(status: dict[str, Any]) -> Optional[str]:

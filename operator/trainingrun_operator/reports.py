@@ -66,32 +66,44 @@ def heartbeat_write_seconds(stall_timeout_seconds: int) -> float:
     return min(HEARTBEAT_WRITE_SECONDS, stall_timeout_seconds / 3) if stall_timeout_seconds else HEARTBEAT_WRITE_SECONDS
 
 
-def plausible_token(token: str, now: float) -> Optional[str]:
-    """Why `token` cannot be a pod's projected report token, read without its signature (None: it may be one; only
-    a TokenReview tells). A junk token costs the API server nothing: its shape, audience, expiry and pod binding are
-    checked here first."""
+@dataclass(frozen=True)
+class ClaimedPod:
+    """The pod a report token says it is bound to, before a TokenReview has confirmed anything."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
+def claimed_pod(token: str, now: float) -> tuple[Optional[ClaimedPod], str]:
+    """(the pod `token` claims to be bound to, "") when it may be a pod's projected report token, else (None, why
+    not); read without its signature: only a TokenReview tells whether it is one. A junk token costs the API server
+    nothing: its shape, audience, expiry and pod binding are checked here first."""
     if len(token) > MAX_TOKEN_BYTES or not token.isascii():
-        return "not a token"
+        return None, "not a token"
     parts = token.split(".")
     if len(parts) != 3 or not all(parts):
-        return "not a JSON web token"
+        return None, "not a JSON web token"
     try:
         claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
-    except (ValueError, UnicodeDecodeError):
-        return "not a JSON web token"
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None, "not a JSON web token"
     if not isinstance(claims, dict):
-        return "not a JSON web token"
+        return None, "not a JSON web token"
     audiences = claims.get("aud")
     audiences = [audiences] if isinstance(audiences, str) else audiences
     if not isinstance(audiences, list) or contract.REPORT_AUDIENCE not in audiences:
-        return f"not for audience {contract.REPORT_AUDIENCE}"
+        return None, f"not for audience {contract.REPORT_AUDIENCE}"
     expires = claims.get("exp")
     if not isinstance(expires, (int, float)) or expires < now:
-        return "expired"
-    bound = (claims.get("kubernetes.io") or {}) if isinstance(claims.get("kubernetes.io"), dict) else {}
-    if not isinstance(bound.get("pod"), dict) or not isinstance(bound.get("serviceaccount"), dict):
-        return "not bound to a pod"
-    return None
+        return None, "expired"
+    bound = claims.get("kubernetes.io")
+    pod = bound.get("pod") if isinstance(bound, dict) else None
+    namespace = bound.get("namespace") if isinstance(bound, dict) else None
+    if not isinstance(pod, dict) or not all(isinstance(v, str) and v for v in (namespace, pod.get("name"),
+                                                                               pod.get("uid"))):
+        return None, "not bound to a pod"
+    return ClaimedPod(namespace, pod["name"], pod["uid"]), ""
 
 
 class Lru:
@@ -150,24 +162,29 @@ class Caller:
 class TokenReviewer:
     """Authenticates report tokens with TokenReview (audience: contract.REPORT_AUDIENCE), cached per token.
 
-    A token the cache does not know costs a TokenReview only when it looks like a projected report token
-    (`plausible_token`), its source address is within its rate (`per_source_rate` a second, `per_source_burst` at
-    once), and the review lane has room: `reviews_in_flight` reviews at a time, at the lowest API priority (below
-    the operator's own reconciles, status and Events), `reviews_waiting` more waiting; beyond that the report is
-    answered 429 at once. A pod's accepted token is reviewed once per `cache_seconds` and answered from memory
-    in between, whatever a flood does."""
+    A token the cache does not know costs a TokenReview only when it looks like a projected report token bound to a
+    pod (`claimed_pod`) that is a pod of an active run (`known_pod`, from the operator's index: a forged token names
+    none), that pod and the token's source address are within their rates (`per_pod_rate` and `per_source_rate` a
+    second, with bursts), and the review lane has room: `reviews_in_flight` reviews at a time, at the lowest API
+    priority (below the operator's own reconciles, status and Events), `reviews_waiting` more waiting; beyond that
+    the report is answered 429 at once. A pod's accepted token is reviewed once per `cache_seconds` and answered from
+    memory in between, whatever a flood does."""
 
     def __init__(self, kube: Callable[[], Kube], cache_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 *, reviews_in_flight: int = 2, reviews_waiting: int = 16, per_source_rate: float = 2.0,
-                 per_source_burst: float = 10.0, wall_clock: Callable[[], float] = time.time):
+                 *, known_pod: Callable[[ClaimedPod], bool] = lambda pod: True, reviews_in_flight: int = 2,
+                 reviews_waiting: int = 16, per_pod_rate: float = 0.2, per_pod_burst: float = 3,
+                 per_source_rate: float = 20.0, per_source_burst: float = 200.0,
+                 wall_clock: Callable[[], float] = time.time):
         self.kube, self.cache_seconds, self.clock, self.wall_clock = kube, cache_seconds, clock, wall_clock
+        self.known_pod = known_pod
         self.accepted, self.refused = Lru(TOKEN_CACHE_SIZE), Lru(TOKEN_CACHE_SIZE)
-        self.limiter = RateLimiter(per_source_rate, per_source_burst, clock=clock)
+        self.per_pod = RateLimiter(per_pod_rate, per_pod_burst, clock=clock)
+        self.per_source = RateLimiter(per_source_rate, per_source_burst, clock=clock)
         self.lane = asyncio.Semaphore(reviews_in_flight)
         self.waiting, self.reviews_waiting = 0, reviews_waiting
         self.reviews = 0
-        self.refused_unreviewed = 0  #: tokens refused without a TokenReview (shape, audience, expiry)
-        self.throttled = 0  #: reports answered 429 (source over its rate, or the review lane full)
+        self.refused_unreviewed = 0  #: tokens refused without a TokenReview (shape, audience, expiry, unknown pod)
+        self.throttled = 0  #: reports answered 429 (a pod or source over its rate, or the review lane full)
 
     async def caller(self, token: str, source: str = "") -> Optional[Caller]:
         key = hashlib.sha256(token.encode()).digest()
@@ -178,13 +195,18 @@ class TokenReviewer:
                 if cached[0] > now:
                     return cached[1]
                 cache.pop(key)
-        if plausible_token(token, self.wall_clock()) is not None:
+        pod, _ = claimed_pod(token, self.wall_clock())
+        if pod is None:
             self.refused_unreviewed += 1
             self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
             return None
-        if not self.limiter.allow(source) or self.waiting >= self.reviews_waiting:
+        if not self.known_pod(pod):  # not remembered: the pod may be new, and the index sees it in a moment
+            self.refused_unreviewed += 1
+            return None
+        if not self.per_pod.allow(pod.uid) or not self.per_source.allow(source) \
+                or self.waiting >= self.reviews_waiting:
             self.throttled += 1
-            raise Refused(429, "too many new report tokens from this address; send the report again later")
+            raise Refused(429, "too many new report tokens; send the report again later")
         self.waiting += 1
         entered = False
         try:

@@ -97,6 +97,17 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
                            stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds", DEFAULT_STALL_TIMEOUT)))
 
 
+def known_pod(state: OperatorState, pod: reports.ClaimedPod) -> bool:
+    """Whether a token's claimed pod is a worker pod of a run, by the operator's index (no API reads): its name says
+    which run (`<run>-a<attempt>-worker-<i>`), and name and uid must match a pod the index holds for that run."""
+    if state.indexes is None:
+        return False
+    run, _, _ = pod.name.rpartition("-worker-")
+    run = run.rpartition("-a")[0]
+    return any((p.get("metadata") or {}).get("name") == pod.name and (p.get("metadata") or {}).get("uid") == pod.uid
+               for p in state.indexes["pods"].get((pod.namespace, run), []))
+
+
 #: What the API server fills in when spec.recovery.stallTimeoutSeconds is absent (the CRD's default).
 DEFAULT_STALL_TIMEOUT = api.Recovery.model_fields["stall_timeout_seconds"].default
 
@@ -165,7 +176,8 @@ async def serve_reports(state: OperatorState) -> None:
     writes = reports.CoalescedWrites(lambda key, fields: write_reported_status(state, key, fields),
                                      reports.STATUS_WRITE_SECONDS)
     endpoint = reports.ReportEndpoint(
-        reports.TokenReviewer(state.client, settings.report_token_cache_seconds),
+        reports.TokenReviewer(state.client, settings.report_token_cache_seconds,
+                              known_pod=lambda pod: known_pod(state, pod)),
         view=lambda namespace, name: run_view(state, namespace, name),
         accept=lambda key, fields: accept_report(state, writes, key, fields), clock=state.clock,
         acting=state.acting.is_set)

@@ -4,7 +4,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from operator_harness import (JOBS, RUNS, Cluster, declare_resources, eventually, operator, running, terminated,
+from operator_harness import (JOBS, PODS, RUNS, Cluster, declare_resources, eventually, operator, running, terminated,
                               training_run)
 
 pytestmark = pytest.mark.asyncio
@@ -187,12 +187,18 @@ async def test_suspend_and_resume_from_the_last_good_checkpoint(kmock, cluster):
         await eventually(lambda: cluster.status()["phase"] == "Running")
         await cluster.progress("demo", 500, "2026-11-21T00:00:05Z",
                                checkpoint={"uri": "s3://bucket/demo/step-00000500", "step": 500})
+        worker = await cluster.add_pod("demo-a1", status={"phase": "Running"})
         await cluster.patch(RUNS, "demo", {"spec": {"suspend": True}})
         await eventually(lambda: cluster.job("demo-a1")["spec"]["runPolicy"]["suspend"] is True)
         await eventually(lambda: cluster.status()["phase"] == "Suspended")
         await eventually(lambda: cluster.events("Suspended"))
 
+        # Resumed while the suspended attempt's pod still writes its emergency checkpoint: attempt 2 waits for it.
         await cluster.patch(RUNS, "demo", {"spec": {"suspend": False}})
+        await eventually(lambda: any(c["type"] == "WaitingForOldPods" and c["status"] == "True"
+                                     for c in cluster.status().get("conditions") or []), what="waiting for old pods")
+        assert cluster.job("demo-a2") is None
+        await cluster.delete(PODS, worker)
         await eventually(lambda: cluster.job("demo-a2"), what="a new attempt on resume")
         assert cluster.env_of("demo-a2")["TRAININGRUN_RESUME_FROM"] == "s3://bucket/demo/step-00000500"
         assert cluster.job("demo-a2")["spec"]["runPolicy"]["suspend"] is False

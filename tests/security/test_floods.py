@@ -23,14 +23,14 @@ pytestmark = pytest.mark.asyncio
 GOOD = "good"
 
 
-def jwt(audience=contract.REPORT_AUDIENCE, expires_in=3600, pod=True, marker="x") -> str:
+def jwt(audience=contract.REPORT_AUDIENCE, expires_in=3600, pod=True, marker="x", pod_uid="u") -> str:
     def part(value):
         return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
 
     claims = {"aud": [audience], "exp": time.time() + expires_in, "iss": "https://kubernetes.default.svc",
               "sub": "system:serviceaccount:ns:trainers", "marker": marker}
     if pod:
-        claims["kubernetes.io"] = {"namespace": "ns", "pod": {"name": "p", "uid": "u"},
+        claims["kubernetes.io"] = {"namespace": "ns", "pod": {"name": "p", "uid": pod_uid},
                                    "serviceaccount": {"name": "trainers", "uid": "s"}}
     return f"{part({'alg': 'RS256'})}.{part(claims)}.c2lnbmF0dXJl"
 
@@ -82,29 +82,52 @@ async def test_two_thousand_junk_tokens_cost_no_token_review_and_keep_the_pods_t
     assert server.reviews == 1
 
 
-async def test_forged_tokens_from_one_address_are_reviewed_at_its_rate_only():
+async def test_forged_tokens_naming_no_pod_of_a_run_cost_no_token_review():
+    """The claimed pod must be a pod of an active run in the operator's index: forged tokens name none."""
     server = ApiServer()
-    reviewer = reports.TokenReviewer(lambda: server, 60, per_source_rate=2.0, per_source_burst=10)
+    known = {"u"}
+    reviewer = reports.TokenReviewer(lambda: server, 60, known_pod=lambda pod: pod.uid in known)
+    for number in range(2000):
+        assert await reviewer.caller(jwt(marker=str(number), pod_uid=f"forged-{number}"), "10.0.0.9") is None
+    assert server.reviews == 0 and reviewer.refused_unreviewed == 2000
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.9")).pod_name == "p"  # the same address, a real pod
+
+
+async def test_tokens_naming_a_real_pod_are_reviewed_at_that_pods_rate_only():
+    server = ApiServer()
+    reviewer = reports.TokenReviewer(lambda: server, 60, per_pod_rate=0.2, per_pod_burst=3)
     throttled = 0
     for number in range(500):
         try:
-            await reviewer.caller(jwt(marker=str(number)), "10.0.0.9")
+            await reviewer.caller(jwt(marker=str(number), pod_uid="victim"), "10.0.0.9")
         except reports.Refused as refusal:
             assert refusal.code == 429
             throttled += 1
-    assert server.reviews <= 12 and throttled >= 488  # the burst, and what the rate refilled meanwhile
-    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"  # another address is not held back
+    assert server.reviews == 3 and throttled == 497
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.9")).pod_name == "p"  # another pod is not held back
     assert server.priorities == {REVIEW}
+
+
+async def test_one_address_may_bring_many_pods_first_tokens_but_not_without_bound():
+    """Pods behind one address (host network, a proxy) each get their first review; a flood from it is capped."""
+    server = ApiServer()
+    reviewer = reports.TokenReviewer(lambda: server, 60, per_source_rate=20, per_source_burst=200)
+    outcomes = []
+    for number in range(1000):
+        try:
+            outcomes.append(await reviewer.caller(jwt(marker=str(number), pod_uid=f"pod-{number}"), "10.0.0.9"))
+        except reports.Refused as refusal:
+            outcomes.append(refusal.code)
+    assert 200 <= server.reviews <= 210 and outcomes.count(429) == 1000 - server.reviews
 
 
 async def test_reviews_have_a_small_lane_and_a_full_lane_answers_at_once():
     server = ApiServer(delay=0.05)
-    reviewer = reports.TokenReviewer(lambda: server, 60, reviews_in_flight=2, reviews_waiting=4,
-                                     per_source_rate=1000, per_source_burst=1000)
+    reviewer = reports.TokenReviewer(lambda: server, 60, reviews_in_flight=2, reviews_waiting=4)
 
     async def one(number):
         try:
-            return await reviewer.caller(jwt(marker=str(number)), f"10.0.1.{number}")
+            return await reviewer.caller(jwt(marker=str(number), pod_uid=f"pod-{number}"), f"10.0.1.{number}")
         except reports.Refused as refusal:
             return refusal.code
 

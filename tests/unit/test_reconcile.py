@@ -361,3 +361,40 @@ def test_pods_restarted_in_place_are_counted_once_each_with_an_event():
     later = reconcile.decide(observe(status=status, jobs=[restarting_job(NOW + timedelta(minutes=5))]))
     assert later.status["restarts"]["inPlace"] == 2 and later.status["restarts"]["total"] == 0
     api.TrainingRunStatus.model_validate(merged_status(status, later.status))  # the CRD's status schema takes it
+
+
+def suspended_status(attempt=1, **extra):
+    return {**running_status(attempt), "phase": "Suspended", **extra}
+
+
+def test_a_resume_waits_for_the_suspended_attempts_pods_to_be_gone():
+    """On main the next attempt started at once, beside pods still writing their emergency checkpoint to the same
+    prefix: it resumed from the checkpoint before that one, and both saved and rotated there at the same time."""
+    stopping = pod(1, {"phase": "Running"}, deletionTimestamp="2026-11-21T11:59:50Z")
+    plan = reconcile.decide(observe(run_of(), suspended_status(), [job(1, "Suspended")], [stopping]))
+    assert plan.start_attempt is None and plan.delete_jobs == []
+    waiting = next(c for c in plan.status["conditions"] if c["type"] == "WaitingForOldPods")
+    assert waiting["status"] == "True" and "attempt 2 starts when they are gone" in waiting["message"]
+    assert [n.reason for n in plan.events] == ["WaitingForOldPods"]
+
+    gone = reconcile.decide(observe(run_of(), suspended_status(conditions=plan.status["conditions"]),
+                                    [job(1, "Suspended")], [], now=NOW + timedelta(seconds=5)))
+    assert gone.start_attempt == 2 and gone.delete_jobs == ["demo-a1"]
+    assert next(c for c in gone.status["conditions"] if c["type"] == "WaitingForOldPods")["reason"] == "OldPodsGone"
+
+
+def test_a_resume_waits_no_longer_than_the_grace_period_and_some_slack():
+    stopping = pod(1, {"phase": "Running"}, deletionTimestamp="2026-11-21T11:59:50Z")
+    first = reconcile.decide(observe(run_of(), suspended_status(), [job(1, "Suspended")], [stopping]))
+    grace = run_of().spec.termination_grace_period_seconds
+    later = NOW + timedelta(seconds=grace) + reconcile.OLD_PODS_SLACK
+    plan = reconcile.decide(observe(run_of(), suspended_status(conditions=first.status["conditions"]),
+                                    [job(1, "Suspended")], [stopping], now=later))
+    assert plan.start_attempt == 2
+    assert next(c for c in plan.status["conditions"] if c["type"] == "WaitingForOldPods")["reason"] == \
+        "WaitedLongEnough"
+
+
+def test_pods_that_already_ended_do_not_hold_a_resume():
+    done = pod(1, {"phase": "Failed"})
+    assert reconcile.decide(observe(run_of(), suspended_status(), [job(1, "Suspended")], [done])).start_attempt == 2
