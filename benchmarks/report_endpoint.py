@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"p50 {statistics.median(latencies):.1f} ms, p95 {percentile(latencies, 0.95):.1f} ms, "
                           f"max {max(latencies):.1f} ms, accepted {sum(1 for _, c in rounds[-1] if c == 200)}")
                 if args.flood:
-                    flooded = flood_phase(args, plane, url, tls, context, fleet, pool, workdir)
+                    flooded = flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator.pid)
         finally:
             if operator is not None:
                 operator.terminate()
@@ -312,14 +312,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:<14}{statistics.median(values):8.1f}{percentile(values, 0.95):8.1f}{max(values):8.1f}")
         print(f"flood: {flooded['sent_per_s']:.0f} requests/s sent for {flooded['seconds']:.1f} s "
               f"({flooded['not_sent']} not sent: the flood client's limit), answered {flooded['answered']}; "
-              f"TokenReviews during the flood: {flooded['reviews']}")
+              f"TokenReviews during the flood: {flooded['reviews']}; the operator's CPU per flood request "
+              f"{flooded['operator_cpu_us_per_request']:.0f} us (reports and reconciles beside it included)")
         print(f"target reports p95 < 100 ms under the flood: {'met' if report_p95 < 100 else 'NOT met'} "
               f"({report_p95:.1f} ms); reconcile delayed <= 50 ms: {'met' if delay <= 50 else 'NOT met'} "
               f"({delay:+.1f} ms at p50; flood/calm {statistics.median(loud) / statistics.median(calm):.2f} x)")
         flood_line = (f" flood_sent_per_s={flooded['sent_per_s']:.0f} flood_report_p95_ms={report_p95:.1f} "
                       f"reconcile_p50_ms={statistics.median(calm):.1f} "
                       f"flood_reconcile_p50_ms={statistics.median(loud):.1f} reconcile_delay_ms={delay:.1f} "
-                      f"token_reviews={flooded['reviews']}")
+                      f"token_reviews={flooded['reviews']} "
+                      f"operator_cpu_us_per_flood_request={flooded['operator_cpu_us_per_request']:.0f}")
     print(f"result: runs={args.runs} reports={len(everything)} accepted={accepted} "
           f"p50_ms={statistics.median(everything):.1f} p95_ms={p95:.1f} "
           f"first_round_p95_ms={percentile(first, 0.95):.1f} cached_p95_ms={percentile(cached, 0.95):.1f}"
@@ -327,12 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if accepted == len(everything) else 1
 
 
-def flood_phase(args, plane, url, tls, context, fleet, pool, workdir) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator_pid) -> dict:
     """Reconciles timed without a flood, then with one: a flood process, a report round and reconciles beside it."""
     import json
 
     calm = [1000 * s for s in reconcile_latencies(plane, "calm", args.reconciles)]
-    reviews_before = token_reviews(plane)
+    reviews_before, cpu_before = token_reviews(plane), cpu_seconds(operator_pid)
     out = workdir / "flood.json"
     flood = subprocess.Popen([sys.executable, __file__, "--flood", str(args.flood), "--flood-seconds",
                               str(args.flood_seconds), "--flood-sources", str(args.flood_sources), "--ca",
@@ -352,8 +360,9 @@ def flood_phase(args, plane, url, tls, context, fleet, pool, workdir) -> dict:
     finally:
         if flood.poll() is None:
             flood.kill()
+    operator_cpu = cpu_seconds(operator_pid) - cpu_before
     result = json.loads(out.read_text())
-    return {"calm": calm, "loud": loud, "reports": during, "sent_per_s": result["sent"] / result["seconds"],
+    return {"operator_cpu_us_per_request": 1e6 * operator_cpu / max(1, result["sent"]), "calm": calm, "loud": loud, "reports": during, "sent_per_s": result["sent"] / result["seconds"],
             "seconds": result["seconds"], "not_sent": result["not_sent"], "answered": result["answered"],
             "reviews": token_reviews(plane) - reviews_before}
 

@@ -10,6 +10,7 @@ Service, Events) with the contract and quantities they share; split by object be
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 from decimal import Decimal
@@ -42,6 +43,9 @@ KUBEFLOW_REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 ANNOTATION_RESUME_FROM = "trainingrun.dev/resume-from"
 #: On each PyTorchJob: a digest of the spec its pods were built from, so a later spec change shows.
 ANNOTATION_SPEC_HASH = "trainingrun.dev/spec-hash"
+#: On each PyTorchJob the operator creates: what only it can write (`job_signature`), which a job someone else made
+#: under the same name lacks.
+ANNOTATION_SIGNATURE = "trainingrun.dev/signature"
 #: On each PyTorchJob: the run's metadata.generation it was built from. The API server bumps it on every spec
 #: change, so an equal generation answers "unchanged?" without hashing the spec at every reconcile.
 ANNOTATION_GENERATION = "trainingrun.dev/generation"
@@ -139,6 +143,11 @@ def _yaml_flow(value: Any) -> str:
 
 def job_name(run_name: str, attempt: int) -> str:
     return f"{run_name}-a{attempt}"
+
+
+def job_signature(key: bytes, run_uid: str, name: str) -> str:
+    """HMAC of a run's job name with the operator's signing key (Settings.signing_key)."""
+    return hmac.new(key, f"{run_uid}/{name}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def spec_hash(run: api.TrainingRun) -> str:
@@ -493,6 +502,8 @@ def pytorch_job(
     if spec.queue_name:
         meta["labels"][KUEUE_QUEUE_LABEL] = spec.queue_name
     meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(run)}
+    if settings.signing_key:
+        meta["annotations"][ANNOTATION_SIGNATURE] = job_signature(settings.signing_key, str(run.metadata.uid), name)
     if run.metadata.generation is not None:
         meta["annotations"][ANNOTATION_GENERATION] = str(run.metadata.generation)
     if resume_from:

@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import kopf
 
-from . import api, builders, leadership, reconcile, serving, validation
+from . import api, builders, indexes, leadership, reconcile, serving, validation
 from . import kube as kube_module
 from .indexes import controller_uid, merged_status, run_document, slim_job, slim_pod, slim_run
 from .kube import ApiError, Kube
@@ -101,6 +101,8 @@ class OperatorState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     #: kopf's indexes of runs, jobs and pods, as handed to the first handler (for the periodic resync).
     indexes: Optional[dict[str, kopf.Index]] = None
+    #: When this process started: jobs its status named before then are the run's even unsigned (run_owns_job).
+    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     #: Why the operator gave up (e.g. no credentials); the CLI exits 1 with it.
     fatal: Optional[str] = None
     stop: Optional[asyncio.Future] = None
@@ -291,8 +293,11 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
             except validation.InvalidTrainingRun as error:
                 await _reject(state, key, body, status, error)
                 return
-            # Only this run's own jobs: anyone may label a PyTorchJob with the run's name; it is not this run's.
-            owned = [j for j in jobs.get(key, []) if controller_uid(j) == run.metadata.uid]
+            # Only this run's own jobs: anyone may label a PyTorchJob with the run's name, or give it an owner reference
+            # to the run; only the operator signs it. A job under the name of the current attempt that is not the
+            # run's is then missing here: creating it finds the name taken (NameConflict), and it is never used.
+            owned = [j for j in jobs.get(key, []) if indexes.run_owns_job(
+                j, run.metadata.uid, status, state.settings.signing_key, state.started)]
             observed = reconcile.Observed(
                 run=run, status=status,
                 jobs={j["metadata"]["name"]: j for j in owned},
@@ -489,7 +494,8 @@ class NotOwned(Exception):
 
 async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
     """Create a child. If the name exists and this run controls that object, bring it up to date (a PyTorchJob
-    is never changed); if anyone else does, or no one, raise NotOwned and leave it untouched.
+    is never changed, and must bear this operator's signature); if anyone else does, or no one, raise NotOwned and
+    leave it untouched.
 
     One JSON patch whose first operations test the controller reference: the server applies all of it or
     none (422), so an object that is not the run's is never written, not even between a read and a write,
@@ -504,6 +510,10 @@ async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
     operations: list[dict[str, Any]] = [
         {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": controller_uid(child)},
         {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True}]
+    signature = (meta.get("annotations") or {}).get(builders.ANNOTATION_SIGNATURE)
+    if signature:  # a PyTorchJob is used as it is: it must be one this operator made (builders.job_signature)
+        operations.append({"op": "test", "path": "/metadata/annotations/" +
+                           builders.ANNOTATION_SIGNATURE.replace("~", "~0").replace("/", "~1"), "value": signature})
     if child["kind"] != "PyTorchJob":
         operations.append({"op": "add", "path": "/metadata/labels", "value": meta.get("labels") or {}})
         operations += [{"op": "add", "path": f"/{key}", "value": value} for key, value in child.items()

@@ -6,8 +6,12 @@ so they hold each run, job and pod slimmed to the fields that reconcile and the 
 from __future__ import annotations
 
 import copy
+import hmac
 import json
+from datetime import datetime
 from typing import Any, Optional
+
+from trainingrun_trainer.contract import parse_time
 
 
 def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
@@ -48,11 +52,33 @@ def controller_uid(obj: dict[str, Any]) -> Optional[str]:
                  if ref.get("controller")), None)
 
 
+def run_owns_job(job: dict[str, Any], run_uid: Optional[str], status: dict[str, Any], signing_key: bytes,
+                 since: datetime) -> bool:
+    """Whether a PyTorchJob is the run's own: controlled by the run, and signed by this operator
+    (builders.job_signature), or the one its status (which only the operator writes) named as the current attempt's
+    before this process started at `since` (made by an earlier operator: another key, or none). Anyone who may
+    create PyTorchJobs in the namespace can copy the run's uid into an owner reference; only the operator signs.
+    Without a signing key (tests), the owner reference decides."""
+    from .builders import ANNOTATION_SIGNATURE, job_signature
+
+    if run_uid is None or controller_uid(job) != run_uid:
+        return False
+    if not signing_key:
+        return True
+    meta = job.get("metadata") or {}
+    signature = str((meta.get("annotations") or {}).get(ANNOTATION_SIGNATURE) or "")
+    if hmac.compare_digest(signature, job_signature(signing_key, run_uid, str(meta.get("name")))):
+        return True
+    created, started = parse_time(meta.get("creationTimestamp")), parse_time(status.get("attemptStartTime"))
+    return meta.get("name") == status.get("jobName") and created is not None and started is not None \
+        and created < since and started < since
+
+
 def slim_job(body: Any) -> dict[str, Any]:
     meta = body.get("metadata", {})
     return {
         "metadata": {**{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "annotations",
-                                                                 "deletionTimestamp")},
+                                                                 "creationTimestamp", "deletionTimestamp")},
                      "ownerReferences": [{"uid": controller_uid(body), "controller": True}]},
         "spec": {"runPolicy": {"suspend": ((body.get("spec") or {}).get("runPolicy") or {}).get("suspend")}},
         "status": {"conditions": copy.deepcopy((body.get("status") or {}).get("conditions") or [])},

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import api, reports
-from .indexes import SPEC_JSON, controller_uid, merged_status
+from .indexes import SPEC_JSON, merged_status, run_owns_job
 from .kube import STATUS, ApiError
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
     if status.get("phase") not in ("Pending", "Running") or not job_name or not status.get("checkpointUri"):
         return None
     job = next((j for j in state.indexes["jobs"].get(key, []) if j["metadata"].get("name") == job_name
-                and controller_uid(j) == uid), None)
+                and run_owns_job(j, uid, status, state.settings.signing_key, state.started)), None)
     recovery = json.loads(body[SPEC_JSON]).get("recovery") or {}
     return reports.RunView(uid=uid, attempt=int(status.get("attempt") or 0), job_name=job_name,
                            checkpoint_uri=status["checkpointUri"], status=status,

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +80,11 @@ class Settings:
     #: queued several times is reconciled once. Each reconcile holds its run's parsed spec while it waits
     #: for the API server, so this bounds the operator's memory in a burst.
     reconcile_workers: int = 64
+    #: Signs each PyTorchJob the operator creates (builders.job_signature), so a job someone else planted under the
+    #: name of a run's next attempt, with an owner reference to the run, is never taken as the run's: derived from the
+    #: report endpoint's TLS key (tls.key in report_tls_dir, the same Secret on every replica), else random for this
+    #: process. Empty: jobs are not signed (tests). Never logged.
+    signing_key: bytes = field(default=b"", repr=False)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -139,8 +147,21 @@ class Settings:
                                               defaults.report_token_cache_seconds, float),
             api_requests_in_flight=number("TRAININGRUN_API_REQUESTS_IN_FLIGHT", defaults.api_requests_in_flight),
             reconcile_workers=number("TRAININGRUN_RECONCILE_WORKERS", defaults.reconcile_workers),
+            signing_key=signing_key(Path(tls_dir) / "tls.key"),
         )
 
     @property
     def config_path(self) -> str:
         return f"{self.config_dir}/config.yaml"
+
+
+def signing_key(tls_key: Path) -> bytes:
+    """The key jobs are signed with: derived (HMAC as a key derivation) from the report endpoint's private key when
+    this process can read it, so every replica and every restart has the same one; else random, and only this
+    process verifies what it signed (a restart still recognises the jobs its status already named, see
+    indexes.run_owns_job)."""
+    try:
+        material = tls_key.read_bytes()
+    except OSError:
+        return secrets.token_bytes(32)
+    return hmac.new(material, b"trainingrun.dev job signature v1", hashlib.sha256).digest()

@@ -45,13 +45,14 @@ def ha_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
     return plane.token_kubeconfig(tmp_path_factory.mktemp("operator-ha") / "kubeconfig", token), peering, endpoint_slice
 
 
-def replica_env(directory, peering, endpoint_slice, pod_ip):
-    """What the chart's Deployment gives a replica, with its own report port (both run on this machine)."""
+def replica_env(tls_dir, peering, endpoint_slice, pod_ip):
+    """What the chart's Deployment gives a replica (the same report certificate: one Secret mounted in every replica,
+    whose key also signs the replicas' jobs), with its own report port (both run on this machine)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return {"TRAININGRUN_PEERING": peering, "TRAININGRUN_REPORT_URL": f"https://127.0.0.1:{port}{contract.REPORT_PATH}",
-            "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(certificate(directory)),
+            "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(tls_dir),
             "TRAININGRUN_REPORT_ENDPOINT_SLICE": endpoint_slice, "TRAININGRUN_OPERATOR_POD_IP": pod_ip,
             "TRAININGRUN_OPERATOR_POD_NAME": f"operator-{pod_ip}"}
 
@@ -65,12 +66,13 @@ def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_
         slice_ = cluster.plane.kubectl("-n", slice_namespace, "get", "endpointslice", slice_name, "-o", "json").stdout
         return [a for e in json.loads(slice_).get("endpoints") or [] for a in e["addresses"]]
 
-    (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir()
+    (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir(), (tmp_path / "tls").mkdir()
+    tls = certificate(tmp_path / "tls")
     with contextlib.ExitStack() as replicas:  # a failed check must not leave a replica acting in later tests
         first = running_operator(kubeconfig, tmp_path / "first",
-                                 **replica_env(tmp_path / "first", peering, endpoint_slice, "10.244.7.1"))
+                                 **replica_env(tls, peering, endpoint_slice, "10.244.7.1"))
         second = running_operator(kubeconfig, tmp_path / "second",
-                                  **replica_env(tmp_path / "second", peering, endpoint_slice, "10.244.7.2"))
+                                  **replica_env(tls, peering, endpoint_slice, "10.244.7.2"))
         replicas.callback(second.close)
         replicas.callback(first.close)
         first_log = next(first)

@@ -293,6 +293,36 @@ def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_proces
         wait_for(lambda: cluster.condition(type_)["status"] == "False", what=f"{type_} cleared")
 
 
+def test_a_job_planted_with_an_owner_reference_to_the_run_is_never_used(cluster, operator_process):
+    """Anyone who may create PyTorchJobs in the namespace can copy the run's uid into an owner reference. On main the
+    operator took such a job, planted under the next attempt's name, as the run's: used it unchanged, and accepted its
+    pods' reports. Now only a job the operator signed is the run's: the run says NameConflict, the job is untouched."""
+    plane, ns = cluster.plane, cluster.namespace
+    plane.kubectl("create", "-f", "-", input=training_run(ns))
+    wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
+    run = cluster.get(RUNS, "demo")
+    mine = cluster.get(JOBS, "demo-a1")
+    assert mine["metadata"]["annotations"].get(builders.ANNOTATION_SIGNATURE)
+    planted = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 2)
+    planted["metadata"]["namespace"] = ns
+    planted["metadata"]["ownerReferences"] = [{"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
+                                               "name": "demo", "uid": run["metadata"]["uid"], "controller": True}]
+    planted["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"] = "evil/image:1"
+    plane.kubectl("create", "-f", "-", input=json.dumps(planted))
+    before = cluster.get(JOBS, "demo-a2")["metadata"]["resourceVersion"]
+
+    cluster.container_terminated(cluster.worker_pod("demo-a1"), 134, "Error")
+    cluster.job_condition("demo-a1", "Created", "Failed")
+    condition = wait_for(lambda: cluster.condition("NameConflict"), timeout=60, what="condition NameConflict")
+    assert "PyTorchJob demo-a2 already exists and is not controlled by this run" in condition["message"], condition
+    assert cluster.get(JOBS, "demo-a2")["metadata"]["resourceVersion"] == before
+    cluster.job_condition("demo-a2", "Created", "Running")  # what the planted job's pods would make Kubeflow say
+    plane.kubectl("-n", ns, "delete", JOBS, "demo-a2")
+    job = wait_for(lambda: cluster.get(JOBS, "demo-a2"), timeout=60, what="the run's own attempt 2")
+    assert job["metadata"]["annotations"].get(builders.ANNOTATION_SIGNATURE)
+    assert "evil" not in json.dumps(job["spec"])
+
+
 def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alone(cluster, operator_process):
     """A ConfigMap and a PyTorchJob (labelled as the run's) that exist before the run, not controlled by it, and
     a ServiceAccount and Role named as earlier versions named a run's: none is changed or gains an owner

@@ -1,11 +1,15 @@
 """Operator settings come from TRAININGRUN_* variables; a bad value names the variable."""
+import dataclasses
+
 import pytest
 
 from trainingrun_operator.settings import Settings
 
 
 def test_defaults_and_environment():
-    assert Settings.from_env({}) == Settings()
+    from_env = Settings.from_env({})
+    assert dataclasses.replace(from_env, signing_key=b"") == Settings()
+    assert len(from_env.signing_key) == 32 and from_env.signing_key != Settings.from_env({}).signing_key  # random
     settings = Settings.from_env({
         "TRAININGRUN_NAMESPACES": "team-a, team-b,", "TRAININGRUN_PEERING": "trainingrun-operator",
         "TRAININGRUN_OPERATOR_METRICS_PORT": "0", "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "2.5",
@@ -14,6 +18,15 @@ def test_defaults_and_environment():
     assert settings.namespaces == ("team-a", "team-b") and settings.peering == "trainingrun-operator"
     assert settings.metrics_port == 0 and settings.reconcile_interval_seconds == 2.5
     assert settings.keep_failed_attempts == 3
+
+
+def test_the_signing_key_comes_from_the_report_endpoints_private_key(tmp_path):
+    """Every replica mounts the same Secret: the same key, which a restart keeps too; never shown."""
+    (tmp_path / "tls.key").write_bytes(b"-----BEGIN PRIVATE KEY-----\nabc\n-----END PRIVATE KEY-----\n")
+    first = Settings.from_env({"TRAININGRUN_REPORT_TLS_DIR": str(tmp_path)})
+    second = Settings.from_env({"TRAININGRUN_REPORT_TLS_DIR": str(tmp_path)})
+    assert first.signing_key == second.signing_key and len(first.signing_key) == 32
+    assert b"abc" not in first.signing_key and repr(first.signing_key) not in repr(first)
 
 
 def test_the_report_endpoint_slice_needs_the_pods_ip():
