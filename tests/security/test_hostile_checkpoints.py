@@ -353,3 +353,32 @@ def test_deleting_through_a_step_directory_swapped_for_a_link_deletes_nothing_th
     with pytest.raises(OSError):
         storage.rm_tree(f"file://{bucket}/step-00000001")
     assert (other / MANIFEST_NAME).exists()
+
+
+# ---------------------------------------------------------------------------------------- two runs, one prefix
+
+def save_as(base: Path, run_uid, step: int, seed: int = 0):
+    with CheckpointStore(f"file://{base}", keep=1, run_uid=run_uid) as store:
+        return store.save(step, {"model": make_model(seed).state_dict()}, {"step": step}, blocking=True).result()
+
+
+def test_a_run_never_resumes_from_rotates_or_overwrites_another_runs_checkpoints(bucket):
+    """Two runs (any namespaces) naming the same checkpoint.uri: on main each resumed from, and rotated, the
+    other's checkpoints."""
+    assert save_as(bucket, "run-a", 10, seed=1).run_uid == "run-a"
+    assert save_as(bucket, "run-b", 5, seed=2) is not None  # b's rotation (keep=1) left a's newer step alone
+    store_b = CheckpointStore(f"file://{bucket}", keep=1, run_uid="run-b")
+    assert store_b.latest_valid().step == 5
+    assert save_as(bucket, "run-b", 6, seed=2) is not None
+    assert sorted(info.step for info in store_b.list()) == [6, 10]  # b rotated its own 5, never a's 10
+    assert ckpt.verify(str(bucket / ckpt.step_dir_name(10))).run_uid == "run-a"
+    assert save_as(bucket, "run-b", 10, seed=2) is None  # a's step-10 is not cleared for b's save of that step
+    assert ckpt.verify(str(bucket / ckpt.step_dir_name(10))).valid
+    skipped = CheckpointStore(f"file://{bucket}", run_uid="run-b")._find_latest_valid()
+    assert skipped.step == 6
+    assert CheckpointStore(f"file://{bucket}", run_uid="run-a").latest_valid().step == 10
+
+
+def test_checkpoints_written_before_run_uids_were_recorded_are_still_resumed(bucket):
+    save_as(bucket, None, 3)
+    assert CheckpointStore(f"file://{bucket}", run_uid="run-a").latest_valid().step == 3

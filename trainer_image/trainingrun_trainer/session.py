@@ -101,6 +101,7 @@ class Run:
             endpoint_url=checkpoint.endpoint_url,
             memory_tier=self._memory_tier(),
             writer_process=torch.cuda.is_available() if checkpoint.writer_process is None else checkpoint.writer_process,
+            run_uid=context.uid or None,
         )
         if reporter is None:
             identity = Report(context.namespace, context.name, context.uid, context.attempt)

@@ -86,6 +86,8 @@ class CheckpointInfo:
     world_size: Optional[int] = None
     manifest_sha256: Optional[str] = None
     format_version: Optional[int] = None
+    #: The uid of the run that wrote it (None: not recorded, by trainers before it was).
+    run_uid: Optional[str] = None
     #: {plain name: size} of every file the manifest lists (None when it has no readable manifest): the only files
     #: a load of this checkpoint reads.
     files: Optional[dict] = field(default=None, repr=False, compare=False)

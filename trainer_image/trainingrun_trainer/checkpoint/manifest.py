@@ -59,12 +59,13 @@ def _parse_manifest(raw: bytes) -> dict:
 
 
 def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
-             trusted: Optional[Mapping[str, str]] = None, tier: Any = None) -> CheckpointInfo:
+             trusted: Optional[Mapping[str, str]] = None, tier: Any = None, owner: Optional[str] = None) -> CheckpointInfo:
     """Check one step directory. Shallow: manifest readable, every file present with its size.
     Deep: also re-hash every file, unless ``trusted`` maps this uri to this very manifest's sha256
     (this process wrote or verified it; used by rotation only). With a memory ``tier`` (`MemoryTier`), a deep check
     also keeps what it read there, committed when every file matched: the load that follows reads it from memory
-    instead of downloading it again."""
+    instead of downloading it again. With `owner` (a run's uid), a checkpoint another run wrote is not valid (and its
+    files are not read)."""
     if storage.local:
         listing, (raw, read_error) = storage.listing(uri), _read_manifest(storage, uri)
     else:
@@ -84,7 +85,7 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
             step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=False,
             reason=reason, model_digest=manifest.get("model_digest") or None,
             world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
-            format_version=manifest.get("format_version"),
+            format_version=manifest.get("format_version"), run_uid=manifest.get("run_uid") or None,
         )
 
     if MANIFEST_NAME not in files or (raw is None and read_error is None):
@@ -98,6 +99,8 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         return invalid(f"manifest unreadable: {exc}")
     if manifest["step"] != step:
         return invalid(f"manifest is for step {manifest['step']}", manifest, manifest_sha)
+    if owner and manifest.get("run_uid") and manifest["run_uid"] != owner:
+        return invalid(f"written by another run (uid {manifest['run_uid']})", manifest, manifest_sha)
     for entry in manifest["files"]:
         name = entry["path"]
         if name not in files:
@@ -121,6 +124,7 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         reason=None, model_digest=manifest.get("model_digest") or None,
         world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
         format_version=manifest["format_version"], files={entry["path"]: entry["size"] for entry in manifest["files"]},
+        run_uid=manifest.get("run_uid") or None,
     )
 
 

@@ -84,6 +84,10 @@ class CheckpointStore:
         writer_process: write this rank's files from a separate process (`writer_process`), staging into shared
             memory buffers that every save reuses; a save that comes before the writer has started, or for which
             /dev/shm lacks room, is written in-process.
+        run_uid: the uid of the run whose checkpoints these are, recorded in each manifest: checkpoints another run
+            wrote below the same uri (two runs naming one checkpoint.uri) are never resumed from, rotated or
+            overwritten (`load` of one named explicitly still reads it). Checkpoints without one (older trainers) are
+            taken as this run's. None: every checkpoint is.
 
     Metrics of this rank, for Prometheus: ``failed_saves``, ``committed_saves``, ``restores``; ``last_blocking_seconds`` (how long
     ``save()`` held the training loop, including waiting for the previous save);
@@ -97,7 +101,7 @@ class CheckpointStore:
     def __init__(self, uri: str, keep: int = 3, keep_every: Optional[int] = None,
                  endpoint_url: Optional[str] = None, process_group: Any = None, *,
                  storage_options: Optional[Mapping] = None, memory_tier: Optional[str] = None,
-                 writer_process: bool = False):
+                 writer_process: bool = False, run_uid: Optional[str] = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if keep_every is not None and keep_every < 1:
@@ -106,6 +110,7 @@ class CheckpointStore:
         self.uri = uri
         self.keep = keep
         self.keep_every = keep_every
+        self.run_uid = run_uid or None
         self._options = _storage_options(uri, endpoint_url, storage_options)
         self._storage = _Storage(uri, self._options)
         self._tier = MemoryTier(memory_tier) if memory_tier else None
@@ -288,6 +293,12 @@ class CheckpointStore:
         listing = self._storage.listing(step_uri)
         if not listing:
             return
+        if MANIFEST_NAME in listing and self.run_uid:
+            found = _inspect(self._storage, step_uri, int(_STEP_DIR.fullmatch(posixpath.basename(step_uri)).group(1)),
+                             deep=False)
+            if self._another_runs(found):
+                raise FileExistsError(f"{step_uri} is a checkpoint of another run (uid {found.run_uid}): two runs "
+                                      "name the same checkpoint.uri; give each run its own")
         if MANIFEST_NAME in listing:
             logger.warning("overwriting the committed checkpoint %s", step_uri)
             self._storage.rm_file(_join(step_uri, MANIFEST_NAME))
@@ -412,6 +423,8 @@ class CheckpointStore:
             "torch_version": torch.__version__,
             "files": [{"path": name, **entry} for name, entry in sorted(files.items())],
         }
+        if self.run_uid:
+            manifest["run_uid"] = self.run_uid
         raw = (json.dumps(manifest, indent=1) + "\n").encode()
         try:
             self._storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
@@ -427,7 +440,8 @@ class CheckpointStore:
             step=job.step, uri=step_uri, time=manifest["time"],
             size_bytes=sum(entry["size"] for entry in files.values()) + len(raw), valid=True, reason=None,
             model_digest=job.model_digest or None, world_size=self.world_size,
-            manifest_sha256=manifest_sha,
+            manifest_sha256=manifest_sha, run_uid=self.run_uid,
+            files={name: entry["size"] for name, entry in files.items()},
         )
         return info, None, raw
 
@@ -473,7 +487,7 @@ class CheckpointStore:
             self._trusted[in_memory.uri] = in_memory.manifest_sha256
             return in_memory
         for step, uri in _step_dirs(self._storage, self.uri):
-            info = _inspect(self._storage, uri, step, deep=True, tier=self._tier)
+            info = _inspect(self._storage, uri, step, deep=True, tier=self._tier, owner=self.run_uid)
             if info.valid:
                 self._trusted[uri] = info.manifest_sha256
                 return info
@@ -536,10 +550,10 @@ class CheckpointStore:
         inside the pod then waits for one round trip instead of two."""
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-list") as pool:
             early = None if likely is None else pool.submit(
-                _inspect, self._storage, self._step_uri(likely), likely, deep=False)
+                _inspect, self._storage, self._step_uri(likely), likely, deep=False, owner=self.run_uid)
             for step, uri in _step_dirs(self._storage, self.uri):
                 info = early.result() if early is not None and step == likely else \
-                    _inspect(self._storage, uri, step, deep=False)
+                    _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
                 if info.valid:
                     return info
         return None
@@ -659,6 +673,9 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
 
+    def _another_runs(self, info: CheckpointInfo) -> bool:
+        return bool(self.run_uid and info.run_uid and info.run_uid != self.run_uid)
+
     # ------------------------------------------------------------------ rotation
 
     def rotate(self) -> list[str]:
@@ -683,12 +700,14 @@ class CheckpointStore:
         verdicts: list[tuple[int, str, bool]] = []
         for step, uri in dirs:
             if newest_valid is None:
-                info = _inspect(self._storage, uri, step, deep=True, trusted=self._trusted)
+                info = _inspect(self._storage, uri, step, deep=True, trusted=self._trusted, owner=self.run_uid)
                 if info.valid:
                     newest_valid = step
                     self._trusted[uri] = info.manifest_sha256
             else:
-                info = _inspect(self._storage, uri, step, deep=False)
+                info = _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
+            if self._another_runs(info):
+                continue  # never counted, never deleted
             verdicts.append((step, uri, info.valid))
         if newest_valid is None:
             return []
