@@ -138,6 +138,8 @@ GAP_CASES = [
     ("uri-whitespace", put("spec.checkpoint.uri", "s3://bucket/my runs"), "spec.checkpoint.uri: 's3://bucket/my runs' contains whitespace", "spec.checkpoint", None),
     ("uri-relative-file", put("spec.checkpoint.uri", "file://relative/path"), "spec.checkpoint.uri: 'file://relative/path' is a relative file:// URI", "spec.checkpoint", None),
     ("endpoint-credentials", both(put("spec.checkpoint.uri", "s3://bucket/x"), put("spec.checkpoint.endpointUrl", "https://minio-user:s3cr3tpass@minio:9000")), "spec.checkpoint.endpointUrl: holds credentials", "spec.checkpoint", None),
+    ("resume-from-not-a-step", put("spec.checkpoint.resumeFrom", "s3://bucket/other"), "spec.checkpoint.resumeFrom: must be a checkpoint's step directory", "spec.checkpoint", None),
+    ("resume-from-other-storage", put("spec.checkpoint.resumeFrom", "gs://bucket/other/step-00000010"), "checkpoint.resumeFrom must be on the same storage", "spec.checkpoint", None),
     ("tracking-uri-credentials", put("spec.trainer.loggers", [{"kind": "mlflow", "trackingUri": "https://ml-user:s3cr3tpass@mlflow:5000"}]), "spec.trainer.loggers[0].trackingUri: holds credentials", "spec.trainer.loggers[0]", None),
     ("log-dir-credentials", put("spec.trainer.loggers", [{"kind": "tensorboard", "logDir": "s3://AKIAEXAMPLE:wJalrSECRET@bucket/tb"}]), "spec.trainer.loggers[0].logDir: holds credentials", "spec.trainer.loggers[0]", None),
     ("init-args-credentials", put("spec.trainer", {"model": {"classPath": "a.B", "initArgs": {"weights": "s3://AKIAEXAMPLE:wJalrSECRET@bucket/w"}}}), "spec.trainer.model.initArgs.weights: holds credentials", None, None),
@@ -151,6 +153,7 @@ GAP_CASES = [
 # Documents validate and the API server both accept, each rendering children the API server accepts.
 VALID_CASES = [
     ("minimal", put("spec.replicas", {"min": 1})),
+    ("resume-from-another-run", put("spec.checkpoint.resumeFrom", "s3://bucket/other-run/step-00000500")),
     ("user-sets-pythonunbuffered", put("spec.env", [{"name": "PYTHONUNBUFFERED", "value": "0"}])),
     ("user-sets-home-and-shutdown-timeout", put("spec.env", [{"name": "HOME", "value": "/data"}, {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "30"}])),
     # The trainer's one user knob in the environment: outside the reserved TRAININGRUN_ prefix, so users can set it.

@@ -172,3 +172,46 @@ def test_a_launcher_file_that_cannot_be_written_costs_a_warning_not_the_step(tmp
         saved_at(run, 10)
     assert run.last_committed.step == 10
     assert "could not record committed step 10 for the launcher" in caplog.text
+
+
+def run_as(root, uid, resume_from=None) -> Run:
+    uri = f"file://{root}"
+    context = RunContext(name="demo", namespace="ns", uid=uid, attempt=1, config_path="unused", checkpoint_uri=uri,
+                         resume_from=None, metrics_port=None, pod_name="demo-a1-worker-0", rank=0, local_rank=0,
+                         world_size=1)
+    config = CheckpointConfig(uri=uri, keep=10, resume_from=resume_from)
+    return Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", uid, 1)), handle_sigterm=False)
+
+
+def test_a_run_created_again_on_a_uri_with_another_runs_checkpoints_stops_and_says_how_to_continue(tmp_path):
+    """It must neither resume from them unasked (issue 35) nor start over beside them unseen."""
+    from trainingrun_trainer.config import ConfigError
+
+    saved_at(run_as(tmp_path, "first-uid"), 10, 20)
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another run \(uid first-uid, newest "
+                                          rf"file://{tmp_path}/step-00000020\).*set spec.checkpoint.resumeFrom"):
+        run_as(tmp_path, "second-uid").resume({"model": nn.Linear(2, 2).state_dict()})
+
+
+def test_resume_from_starts_from_another_runs_checkpoint_and_never_writes_there(tmp_path, caplog):
+    weights = saved_at(run_as(tmp_path / "first", "first-uid"), 10, 20)
+    source = f"file://{tmp_path}/first/step-00000010"
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "first").rglob("*")}
+    run = run_as(tmp_path / "second", "second-uid", resume_from=source)
+    state = {"model": nn.Linear(2, 2).state_dict()}
+    with caplog.at_level(logging.INFO, logger="trainingrun.session"):
+        assert run.resume(state)["step"] == 10
+    assert torch.equal(state["model"]["weight"], weights[10])
+    assert f"resumed from {source} at step 10" in caplog.text and "checkpoint.resumeFrom: read only" in caplog.text
+    saved_at(run, 30)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "first").rglob("*")} == before
+    # once the run has a checkpoint of its own, it resumes from that
+    assert run_as(tmp_path / "second", "second-uid", resume_from=source).resume(state)["step"] == 30
+
+
+def test_resume_from_on_the_same_uri_continues_a_run_that_was_created_again(tmp_path):
+    saved_at(run_as(tmp_path, "first-uid"), 10, 20)
+    again = run_as(tmp_path, "second-uid", resume_from=f"file://{tmp_path}/step-00000020")
+    assert again.resume({"model": nn.Linear(2, 2).state_dict()})["step"] == 20
+    saved_at(again, 30)
+    assert run_as(tmp_path, "second-uid").resume({"model": nn.Linear(2, 2).state_dict()})["step"] == 30

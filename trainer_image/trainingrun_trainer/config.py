@@ -27,6 +27,10 @@ BUCKET_URI_PATTERN = r"^(gs|s3)://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/|$)"
 CREDENTIALS_IN_URI = r"^[A-Za-z][-+.A-Za-z0-9]*://[^/]*@"
 NO_CREDENTIALS = ("holds credentials (user:password@ before the bucket or host): remove them; give storage "
                   "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)")
+#: A checkpoint's step directory: what checkpoint.resumeFrom names.
+RESUME_FROM_PATTERN = r"^(gs|s3|file)://[^\s]+/step-[0-9]{8,19}$"
+RESUME_FROM_SHAPE = ("checkpoint.resumeFrom must be a checkpoint's step directory, gs://, s3:// or file://.../step-NNNNNNNN "
+                     "(`trainingrun checkpoints URI` lists them)")
 TRACKER_CREDENTIALS = ("holds credentials (user:password@ before the host): remove them; give a tracker's "
                        "credentials by reference in spec.secrets.env (MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, AWS_* for a "
                        "logDir in a bucket)")
@@ -470,6 +474,20 @@ class CheckpointConfig(ApiModel):
                     "rule": f"!has(self.endpointUrl) || !self.endpointUrl.matches(r'{CREDENTIALS_IN_URI}')",
                     "message": f"checkpoint.endpointUrl {NO_CREDENTIALS}",
                 },
+                {
+                    "rule": f"!has(self.resumeFrom) || !self.resumeFrom.matches(r'{CREDENTIALS_IN_URI}')",
+                    "message": f"checkpoint.resumeFrom {NO_CREDENTIALS}",
+                },
+                {
+                    "rule": f"!has(self.resumeFrom) || self.resumeFrom.matches(r'{RESUME_FROM_PATTERN}')",
+                    "message": RESUME_FROM_SHAPE,
+                },
+                {
+                    "rule": "!has(self.resumeFrom) || " + " || ".join(
+                        f"(self.uri.startsWith('{scheme}://') && self.resumeFrom.startsWith('{scheme}://'))"
+                        for scheme in ("gs", "s3", "file")),
+                    "message": "checkpoint.resumeFrom must be on the same storage as checkpoint.uri (the same scheme)",
+                },
             ]
         }
     )
@@ -510,6 +528,15 @@ class CheckpointConfig(ApiModel):
         "memory (/dev/shm, resources.sharedMemory) that every save reuses; saves before the writer has started, or "
         "while /dev/shm lacks room (one warning), are written in-process. A writer that dies fails only that save.",
     )
+    resume_from: Optional[str] = Field(
+        default=None,
+        max_length=1024,
+        description="Another run's checkpoint to start from when this run has none of its own: its step directory "
+        "(<its checkpoint.uri>/step-NNNNNNNN; `trainingrun checkpoints URI` lists them), on the same storage as uri. "
+        "Read only: it is verified and loaded (model, optimizer, schedule and step), never rotated or written. To "
+        "fine-tune from a run, or to continue a run that was deleted and created again (a run never resumes from "
+        "checkpoints another run wrote below its uri without it).",
+    )
     endpoint_url: Optional[str] = Field(
         default=None,
         pattern=r"^https?://.+",
@@ -531,6 +558,21 @@ class CheckpointConfig(ApiModel):
         if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
             raise ValueError(NO_CREDENTIALS)  # before the pattern check, whose message would repeat the value
         return value
+
+    @field_validator("resume_from", mode="before")
+    @classmethod
+    def _resume_from(cls, value: Any) -> Any:
+        if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
+            raise ValueError(NO_CREDENTIALS)
+        if isinstance(value, str) and not re.fullmatch(RESUME_FROM_PATTERN, value, re.ASCII):
+            raise ValueError(RESUME_FROM_SHAPE.removeprefix("checkpoint.resumeFrom "))
+        return value
+
+    @model_validator(mode="after")
+    def _resume_from_same_storage(self) -> "CheckpointConfig":
+        if self.resume_from and self.resume_from.split("://")[0] != self.uri.split("://")[0]:
+            raise ValueError("checkpoint.resumeFrom must be on the same storage as checkpoint.uri (the same scheme)")
+        return self
 
     @model_validator(mode="after")
     def _endpoint_only_for_s3(self) -> "CheckpointConfig":

@@ -27,6 +27,7 @@ import glob
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from . import exit_codes
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
 from .checkpoint_interval import AutoInterval
-from .config import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PRIOR_SECONDS_BETWEEN_FAILURES, CheckpointConfig
+from .config import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PRIOR_SECONDS_BETWEEN_FAILURES, CheckpointConfig, ConfigError
 from .context import RunContext
 from . import contract, reporting
 from .contract import CommittedCheckpoint, IntervalChoice, Progress, Report
@@ -179,29 +180,50 @@ class Run:
                                      f"{str(error).splitlines()[0][:300] if str(error) else type(error).__name__}") from error
         if self.context.is_rank_zero:
             self._check_floor(source)
+        started_from = ""
+        if source is None:
+            source = self._elsewhere()
+            started_from = " (checkpoint.resumeFrom: read only)" if source is not None else ""
         if source is None:
             if self.context.is_rank_zero:
                 log.info("no checkpoint to resume from: starting at step 0")
             return None
+        uri, step = (source.uri, source.step) if isinstance(source, CheckpointInfo) else \
+            (source, int(source.rpartition("/step-")[2]))
         try:
             extra = self.store.load(source, state)
         except OSError as error:
-            raise StorageUnavailable(f"cannot read the checkpoint {source.uri}: {error}") from error
+            raise StorageUnavailable(f"cannot read the checkpoint {uri}: {error}") from error
         if self.context.is_rank_zero:
-            log.info("resumed from %s at step %d in %.2f s, reading %s", source.uri, source.step,
-                     self.store.last_restore_seconds, RESTORE_SOURCES[self.store.last_restore_source])
-        self._last_saved_step = source.step
+            log.info("resumed from %s at step %d in %.2f s, reading %s%s", uri, step, self.store.last_restore_seconds,
+                     RESTORE_SOURCES[self.store.last_restore_source], started_from)
+        self._last_saved_step = step
         cost = extra.pop(SAVE_COST_KEY, None)
         if self.auto_interval is not None and isinstance(cost, float):
             self.auto_interval.carry_cost(cost)
         return extra
+
+    def _elsewhere(self) -> Optional[str]:
+        """What a run without a checkpoint of its own starts from: checkpoint.resumeFrom (another run's step
+        directory, verified by `load`, never written), or nothing. Without it, a checkpoint another run wrote below
+        this run's uri stops the start (ConfigError, the same on every rank): starting over would throw that run's
+        training away unseen, and this run's saves would fail at the steps that run holds."""
+        if self.checkpoint.resume_from:
+            return self.checkpoint.resume_from
+        other = self.store.another_runs_newest
+        if other is not None:
+            raise ConfigError(
+                f"checkpoint.uri {self.store.uri} holds checkpoints of another run (uid {other.run_uid}, newest "
+                f"{other.uri}) and none of this run's: to continue from it, set spec.checkpoint.resumeFrom to "
+                f"{other.uri}; to start over, give this run its own checkpoint.uri")
+        return None
 
     def _check_floor(self, source: Optional[CheckpointInfo]) -> None:
         floor = self.context.resume_from
         if not floor:
             return
         parent, _, name = floor.rstrip("/").rpartition("/")
-        if parent != self.store.uri or not name.startswith("step-") or not name[5:].isdigit():
+        if parent != self.store.uri or not re.fullmatch(r"step-[0-9]{1,19}", name, re.ASCII):
             log.warning("ignoring TRAININGRUN_RESUME_FROM=%s: not a checkpoint directory under %s", floor,
                         self.store.uri)
         elif source is None or source.step < int(name[5:]):

@@ -149,6 +149,9 @@ class CheckpointStore:
         # uri -> manifest sha256 of checkpoints this process committed or deep-verified.
         self._trusted: dict[str, str] = {}
         self._read_from_storage: Optional[str] = None  # the checkpoint latest_valid() last read from storage
+        #: After latest_valid(): the newest step directory below uri that another run wrote, when it found none newer
+        #: of this run's (None: none).
+        self.another_runs_newest: Optional[CheckpointInfo] = None
         self._closed = False
         self._manifest_bytes = 0
 
@@ -491,6 +494,8 @@ class CheckpointStore:
             if info.valid:
                 self._trusted[uri] = info.manifest_sha256
                 return info
+            if self._another_runs(info) and self.another_runs_newest is None:
+                self.another_runs_newest = info
             logger.warning("skipping checkpoint %s: %s", uri, info.reason)
         return None
 
@@ -505,6 +510,7 @@ class CheckpointStore:
         same checkpoint."""
         self.wait()
         in_memory = self._held_in_memory()
+        self.another_runs_newest = None
         if not self._distributed:
             result = self._find_latest_valid(in_memory)
         else:
@@ -514,7 +520,7 @@ class CheckpointStore:
                     result = self._find_latest_valid(in_memory)
                 except Exception as exc:
                     result = exc
-            result = self._broadcast(result)
+            result, self.another_runs_newest = self._broadcast((result, self.another_runs_newest))
             if isinstance(result, Exception):
                 raise result
             if result is not None:
