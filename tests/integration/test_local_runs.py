@@ -265,8 +265,15 @@ def productive_seconds_at(tmp_path, checkpoints, step):
 def test_a_new_run_on_an_existing_uri_counts_only_its_own_productive_time(tmp_path):
     first = local(tmp_path, write_run(tmp_path, training_run(maxSteps=60)))
     assert first.returncode == 0, first.stderr[-3000:]
-    # Another run (another name: another uid) on the same checkpoints, as a TrainingRun created again would be.
-    rerun = local(tmp_path, write_run(tmp_path, training_run(name="again", maxSteps=62)))
+    # Another run (another name: another uid) on the same checkpoints, as a TrainingRun created again would be: it
+    # does not take the earlier run's checkpoints unasked (issue 35), it says how to.
+    refused = local(tmp_path, write_run(tmp_path, training_run(name="again", maxSteps=62)))
+    said = refused.stdout + refused.stderr + "".join(p.read_text() for p in (tmp_path / "runs").rglob("*.log"))
+    assert refused.returncode != 0 and "holds checkpoints of another run" in said, said[-3000:]
+    assert f"set spec.checkpoint.resumeFrom to file://{tmp_path}/ckpt/step-00000060" in said
+    body = training_run(name="again", maxSteps=62)
+    body["spec"]["checkpoint"]["resumeFrom"] = f"file://{tmp_path}/ckpt/step-00000060"
+    rerun = local(tmp_path, write_run(tmp_path, body))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from step 60" in rerun.stdout
     # Two steps of the new run, not sixty of the earlier one plus two: its goodput is over its own wall time.
