@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from trainingrun_trainer.contract import parse_time
 
+from .builders import ANNOTATION_SIGNATURE, job_signature
+
 
 def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
     status = dict(observed)
@@ -59,8 +61,6 @@ def run_owns_job(job: dict[str, Any], run_uid: Optional[str], status: dict[str, 
     before this process started at `since` (made by an earlier operator: another key, or none). Anyone who may
     create PyTorchJobs in the namespace can copy the run's uid into an owner reference; only the operator signs.
     Without a signing key (tests), the owner reference decides."""
-    from .builders import ANNOTATION_SIGNATURE, job_signature
-
     if run_uid is None or controller_uid(job) != run_uid:
         return False
     if not signing_key:

@@ -5,9 +5,9 @@ The operator alone writes a run's status; a pod only tells it what it saw, and w
 1. Who speaks: the bearer token is a projected ServiceAccount token with the report audience
    (`contract.REPORT_AUDIENCE`). A TokenReview asking for that audience authenticates it and names the
    pod it is bound to (name and uid); answers are cached per token (by its sha256) for a while. Anyone who
-   reaches the endpoint can send tokens: one that is not shaped like a pod's report token is refused without a
-   TokenReview, new tokens are rate-limited per source address, and reviews have a small lane of their own at
-   the lowest API priority (`TokenReviewer`).
+   reaches the endpoint can send tokens: one that is not shaped like a pod's report token, or that names no pod
+   of an active run, is refused without a TokenReview; new tokens are rate-limited per claimed pod and per
+   source address, and reviews have a small lane of their own at the lowest API priority (`TokenReviewer`).
 2. May it: the pod must be a pod of the run's current attempt, as the operator sees it (its pod index:
    same name and uid, the attempt's label, controlled by the attempt's PyTorchJob, which the run
    controls), in the run's namespace. A pod of another run (sharing a ServiceAccount or not), of an
@@ -75,35 +75,35 @@ class ClaimedPod:
     uid: str
 
 
-def claimed_pod(token: str, now: float) -> tuple[Optional[ClaimedPod], str]:
-    """(the pod `token` claims to be bound to, "") when it may be a pod's projected report token, else (None, why
-    not); read without its signature: only a TokenReview tells whether it is one. A junk token costs the API server
-    nothing: its shape, audience, expiry and pod binding are checked here first."""
+def claimed_pod(token: str, now: float) -> Optional[ClaimedPod]:
+    """The pod `token` claims to be bound to when it may be a pod's projected report token (None: it is not shaped
+    like one, is for another audience, has expired or names no pod); read without its signature: only a TokenReview
+    tells whether it is one. A junk token costs the API server nothing: it is refused here first."""
     if len(token) > MAX_TOKEN_BYTES or not token.isascii():
-        return None, "not a token"
+        return None
     parts = token.split(".")
     if len(parts) != 3 or not all(parts):
-        return None, "not a JSON web token"
+        return None
     try:
         claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return None, "not a JSON web token"
+        return None
     if not isinstance(claims, dict):
-        return None, "not a JSON web token"
+        return None
     audiences = claims.get("aud")
     audiences = [audiences] if isinstance(audiences, str) else audiences
     if not isinstance(audiences, list) or contract.REPORT_AUDIENCE not in audiences:
-        return None, f"not for audience {contract.REPORT_AUDIENCE}"
+        return None
     expires = claims.get("exp")
     if not isinstance(expires, (int, float)) or expires < now:
-        return None, "expired"
+        return None
     bound = claims.get("kubernetes.io")
     pod = bound.get("pod") if isinstance(bound, dict) else None
     namespace = bound.get("namespace") if isinstance(bound, dict) else None
     if not isinstance(pod, dict) or not all(isinstance(v, str) and v for v in (namespace, pod.get("name"),
                                                                                pod.get("uid"))):
-        return None, "not bound to a pod"
-    return ClaimedPod(namespace, pod["name"], pod["uid"]), ""
+        return None
+    return ClaimedPod(namespace, pod["name"], pod["uid"])
 
 
 class Lru:
@@ -132,20 +132,21 @@ class Lru:
 
 
 class RateLimiter:
-    """A token bucket per source address: `rate` per second, up to `burst` at once; at most `sources` remembered."""
+    """A token bucket per key (a claimed pod, a source address): `rate` per second, up to `burst` at once; at most
+    `keys` remembered."""
 
-    def __init__(self, rate: float, burst: float, sources: int = 10000, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, rate: float, burst: float, keys: int = 10000, clock: Callable[[], float] = time.monotonic):
         self.rate, self.burst, self.clock = rate, burst, clock
-        self.buckets = Lru(sources)
+        self.buckets = Lru(keys)
 
-    def allow(self, source: str) -> bool:
+    def allow(self, key: str) -> bool:
         now = self.clock()
-        tokens, then = self.buckets.get(source) or (self.burst, now)
+        tokens, then = self.buckets.get(key) or (self.burst, now)
         tokens = min(self.burst, tokens + (now - then) * self.rate)
         if tokens < 1:
-            self.buckets.put(source, (tokens, now))
+            self.buckets.put(key, (tokens, now))
             return False
-        self.buckets.put(source, (tokens - 1, now))
+        self.buckets.put(key, (tokens - 1, now))
         return True
 
 
@@ -195,7 +196,7 @@ class TokenReviewer:
                 if cached[0] > now:
                     return cached[1]
                 cache.pop(key)
-        pod, _ = claimed_pod(token, self.wall_clock())
+        pod = claimed_pod(token, self.wall_clock())
         if pod is None:
             self.refused_unreviewed += 1
             self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
@@ -310,15 +311,15 @@ class CoalescedWrites:
                  clock: Callable[[], float] = time.monotonic):
         self.write, self.seconds, self.clock = write, seconds, clock
         self.pending: dict[tuple[str, str], dict[str, Any]] = {}
-        self.last: dict[tuple[str, str], float] = {}
+        self.last = Lru(TOKEN_CACHE_SIZE)  #: when each run was last written (runs that stopped reporting drop out)
         self.flushing: dict[tuple[str, str], asyncio.Task] = {}
-        self.writes = 0
 
     async def submit(self, key: tuple[str, str], fields: dict[str, Any]) -> None:
         if key in self.pending:
             self.pending[key].update(fields)
             return
-        wait = self.last.get(key, float("-inf")) + self.seconds - self.clock()
+        last = self.last.get(key)
+        wait = (float("-inf") if last is None else last) + self.seconds - self.clock()
         if wait > 0:
             self.pending[key] = dict(fields)
             self.flushing[key] = asyncio.create_task(self._flush(key, wait))  # held here: a task nobody holds may go
@@ -337,11 +338,7 @@ class CoalescedWrites:
             self.flushing.pop(key, None)
 
     async def _write(self, key: tuple[str, str], fields: dict[str, Any]) -> None:
-        self.last[key] = self.clock()
-        if len(self.last) > TOKEN_CACHE_SIZE:  # runs that stopped reporting: forget the oldest
-            for old in sorted(self.last, key=self.last.__getitem__)[:len(self.last) // 2]:
-                self.last.pop(old, None)
-        self.writes += 1
+        self.last.put(key, self.clock())
         await self.write(key, fields)
 
 

@@ -31,6 +31,7 @@ NO_CREDENTIALS = ("holds credentials (user:password@ before the bucket or host):
 RESUME_FROM_PATTERN = r"^(gs|s3|file)://[^\s]+/step-[0-9]{8,19}$"
 RESUME_FROM_SHAPE = ("checkpoint.resumeFrom must be a checkpoint's step directory, gs://, s3:// or file://.../step-NNNNNNNN "
                      "(`trainingrun checkpoints URI` lists them)")
+SAME_STORAGE = "checkpoint.resumeFrom must be on the same storage as checkpoint.uri (the same scheme)"
 TRACKER_CREDENTIALS = ("holds credentials (user:password@ before the host): remove them; give a tracker's "
                        "credentials by reference in spec.secrets.env (MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, AWS_* for a "
                        "logDir in a bucket)")
@@ -59,6 +60,14 @@ CHECKPOINT_URI_RULES = [
     {"rule": "!self.uri.startsWith('file://') || self.uri.startsWith('file:///')",
      "message": "checkpoint.uri: a file:// URI must be absolute: file:///path"},
 ]
+
+
+def refuse_credentials(value: Any, message: str) -> Any:
+    """`value`, or ValueError(`message`) when it is a URI holding credentials; for "before" validators, so the field's
+    pattern check, whose message would repeat the value, never sees it."""
+    if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
+        raise ValueError(message)
+    return value
 
 
 def checkpoint_uri_problem(uri: str) -> Optional[str]:
@@ -297,9 +306,7 @@ class LoggerConfig(ApiModel):
     @field_validator("log_dir", "tracking_uri", mode="before")
     @classmethod
     def _no_credentials(cls, value: Any) -> Any:
-        if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
-            raise ValueError(TRACKER_CREDENTIALS)  # before any pattern check, whose message would repeat the value
-        return value
+        return refuse_credentials(value, TRACKER_CREDENTIALS)
 
     @model_validator(mode="after")
     def _each_kind_its_fields(self) -> "LoggerConfig":
@@ -486,7 +493,7 @@ class CheckpointConfig(ApiModel):
                     "rule": "!has(self.resumeFrom) || " + " || ".join(
                         f"(self.uri.startsWith('{scheme}://') && self.resumeFrom.startsWith('{scheme}://'))"
                         for scheme in ("gs", "s3", "file")),
-                    "message": "checkpoint.resumeFrom must be on the same storage as checkpoint.uri (the same scheme)",
+                    "message": SAME_STORAGE,
                 },
             ]
         }
@@ -555,15 +562,12 @@ class CheckpointConfig(ApiModel):
     @field_validator("endpoint_url", mode="before")
     @classmethod
     def _endpoint(cls, value: Any) -> Any:
-        if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
-            raise ValueError(NO_CREDENTIALS)  # before the pattern check, whose message would repeat the value
-        return value
+        return refuse_credentials(value, NO_CREDENTIALS)
 
     @field_validator("resume_from", mode="before")
     @classmethod
     def _resume_from(cls, value: Any) -> Any:
-        if isinstance(value, str) and re.match(CREDENTIALS_IN_URI, value):
-            raise ValueError(NO_CREDENTIALS)
+        refuse_credentials(value, NO_CREDENTIALS)
         if isinstance(value, str) and not re.fullmatch(RESUME_FROM_PATTERN, value, re.ASCII):
             raise ValueError(RESUME_FROM_SHAPE.removeprefix("checkpoint.resumeFrom "))
         return value
@@ -571,7 +575,7 @@ class CheckpointConfig(ApiModel):
     @model_validator(mode="after")
     def _resume_from_same_storage(self) -> "CheckpointConfig":
         if self.resume_from and self.resume_from.split("://")[0] != self.uri.split("://")[0]:
-            raise ValueError("checkpoint.resumeFrom must be on the same storage as checkpoint.uri (the same scheme)")
+            raise ValueError(SAME_STORAGE)
         return self
 
     @model_validator(mode="after")

@@ -27,7 +27,6 @@ import glob
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import time
@@ -222,11 +221,11 @@ class Run:
         floor = self.context.resume_from
         if not floor:
             return
-        parent, _, name = floor.rstrip("/").rpartition("/")
-        if parent != self.store.uri or not re.fullmatch(r"step-[0-9]{1,19}", name, re.ASCII):
+        floor_step = contract.checkpoint_step(floor, self.store.uri)
+        if floor_step is None:
             log.warning("ignoring TRAININGRUN_RESUME_FROM=%s: not a checkpoint directory under %s", floor,
                         self.store.uri)
-        elif source is None or source.step < int(name[5:]):
+        elif source is None or source.step < floor_step:
             log.warning("the operator's resume point %s is not a valid checkpoint any more: resuming from %s",
                         floor, source.uri if source else "the start")
 

@@ -290,15 +290,14 @@ class CheckpointStore:
     def _step_uri(self, step: int) -> str:
         return _join(self.uri, step_dir_name(step))
 
-    def _clear_step_dir(self, step_uri: str) -> None:
+    def _clear_step_dir(self, step_uri: str, step: int) -> None:
         """Coordinator, while DCP plans: remove what an earlier save of this step left (manifest
         first, so the directory is never a committed checkpoint with new data)."""
         listing = self._storage.listing(step_uri)
         if not listing:
             return
         if MANIFEST_NAME in listing and self.run_uid:
-            found = _inspect(self._storage, step_uri, int(_STEP_DIR.fullmatch(posixpath.basename(step_uri)).group(1)),
-                             deep=False)
+            found = _inspect(self._storage, step_uri, step, deep=False)
             if self._another_runs(found):
                 raise FileExistsError(f"{step_uri} is a checkpoint of another run (uid {found.run_uid}): two runs "
                                       "name the same checkpoint.uri; give each run its own")
@@ -352,7 +351,7 @@ class CheckpointStore:
         try:
             writer = _Writer(
                 step_uri, record,
-                on_global_plan=lambda: self._clear_step_dir(step_uri),
+                on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
                 sync_files=self._storage.local, tier=self._tier, tier_dir=tier_dir,
                 process=self._writer if job.shared else None,
                 die_after_items=1 if job.step == self.writer_dies_at_step else None, **self._options,
