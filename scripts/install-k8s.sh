@@ -15,7 +15,8 @@ if [ -z "$archive" ]; then
   echo "install-k8s.sh: no $SHARED_K8S/kubernetes-v*-linux-amd64.tar.xz; set SHARED_K8S to its folder" >&2
   exit 1
 fi
-command -v openssl >/dev/null || { echo "install-k8s.sh: openssl is needed for the test PKI" >&2; exit 1; }
+source scripts/lib/packages.sh
+need_commands openssl xz=xz-utils  # openssl makes the test PKI
 mkdir -p "$TARGET"
 tar -xJf "$archive" -C "$TARGET"
 "$TARGET/kube-apiserver" --version

@@ -31,9 +31,8 @@ import yaml
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
-HOW_TO_GET = (f"set {ASSETS_ENV} to a folder with {', '.join(BINARIES)}: e.g. `mkdir -p .tools/k8s && "
-              "tar -xJf ../shared/k8s/kubernetes-v1.36.2-linux-amd64.tar.xz -C .tools/k8s && "
-              f"export {ASSETS_ENV}=$PWD/.tools/k8s` (bash .ci/run does this)")
+HOW_TO_GET = (f"set {ASSETS_ENV} to a folder with {', '.join(BINARIES)}: `bash scripts/install-test-tools.sh` "
+              "puts them in .tools/k8s, which `make test` uses")
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 READY_TIMEOUT_SECONDS = 120
 

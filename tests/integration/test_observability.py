@@ -20,7 +20,7 @@ from trainingrun_operator import monitoring
 PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (PROMTOOL and PROMETHEUS) and not os.environ.get("TRAININGRUN_CI"),
-    reason="Debian 'prometheus' (prometheus, promtool) is installed by .ci/run")]
+    reason="needs Debian's prometheus (prometheus, promtool): bash scripts/install-test-tools.sh")]
 RUN = "observed"
 DEADLINE_S = 90
 

@@ -11,7 +11,7 @@ from conftest import REPO
 CHART = REPO / "charts" / "trainingrun-operator"
 HELM = shutil.which("helm") or (str(REPO / ".tools/bin/helm") if (REPO / ".tools/bin/helm").exists() else None)
 pytestmark = pytest.mark.skipif(HELM is None and not os.environ.get("TRAININGRUN_CI"),
-                                reason="helm is installed by scripts/install-helm.sh (run by .ci/run)")
+                                reason="needs helm: bash scripts/install-test-tools.sh (or scripts/install-helm.sh)")
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 
 

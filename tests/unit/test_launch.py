@@ -67,6 +67,21 @@ def test_built_in_trainer_permanent_exit_is_not_retried_in_place(tmp_path):
     assert result.stderr.count("failed (exitcode: 2)") == 3
 
 
+def test_a_taken_metrics_port_is_one_line_naming_it_and_a_config_error():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = launch(EXIT_CODE=0, TRAININGRUN_METRICS_PORT=port)
+    assert result.returncode == exit_codes.CONFIG_ERROR
+    assert result.stderr.strip().splitlines() == [
+        f"trainingrun launch: cannot serve metrics on port {port} (TRAININGRUN_METRICS_PORT: spec.metrics.port in a "
+        "pod, --metrics-port under trainingrun local): Address already in use; pick a free port, or turn metrics off "
+        "(spec.metrics.enabled: false; leave --metrics-port out) -> exit 2"]
+
+
 def agent_args(*argv: str):
     from torch.distributed.run import parse_args
 

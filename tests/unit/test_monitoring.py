@@ -13,9 +13,9 @@ from conftest import REPO
 from trainingrun_operator import monitoring
 
 PROMTOOL = shutil.which("promtool")
-# .ci/run installs promtool and sets TRAININGRUN_CI, so there these tests run (and fail without it).
+# scripts/install-test-tools.sh (run by .ci/run) installs promtool and sets TRAININGRUN_CI, so there these tests run (and fail without it).
 needs_promtool = pytest.mark.skipif(PROMTOOL is None and not os.environ.get("TRAININGRUN_CI"),
-                                    reason="promtool (Debian 'prometheus') is installed by .ci/run")
+                                    reason="needs promtool (Debian's prometheus): bash scripts/install-test-tools.sh")
 
 
 def test_committed_files_are_generated():

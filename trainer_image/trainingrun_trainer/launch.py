@@ -171,6 +171,10 @@ def _plain_torch_log_format() -> None:
                 handler.setFormatter(plain)
 
 
+class MetricsPortTaken(Exception):
+    """TRAININGRUN_METRICS_PORT cannot be listened on: the message names the port and where it is set."""
+
+
 def _serve_metrics() -> None:
     """Every worker of this launcher writes its series to one directory; the launcher serves them all
     on TRAININGRUN_METRICS_PORT, also while torchrun restarts the workers."""
@@ -181,7 +185,13 @@ def _serve_metrics() -> None:
 
     directory = tempfile.mkdtemp(prefix="trainingrun-metrics-")
     os.environ[metrics.MULTIPROC_DIR] = directory  # before any worker (or the forkserver) starts
-    metrics.serve(int(port), directory)
+    try:
+        metrics.serve(int(port), directory)
+    except OSError as error:
+        raise MetricsPortTaken(
+            f"cannot serve metrics on port {port} ({contract.METRICS_PORT}: spec.metrics.port in a pod, "
+            f"--metrics-port under trainingrun local): {error.strerror or error}; pick a free port, or turn metrics "
+            "off (spec.metrics.enabled: false; leave --metrics-port out)") from None
 
 
 #: In a pod, a peer that stops sending keep-alives is dropped from the rendezvous after 1 s x 2 instead of torch's
@@ -324,7 +334,11 @@ def _stop_on_signals() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
-    _serve_metrics()  # before any worker or the forkserver starts: they write to its directory
+    try:
+        _serve_metrics()  # before any worker or the forkserver starts: they write to its directory
+    except MetricsPortTaken as error:
+        print(f"trainingrun launch: {error} -> exit {exit_codes.CONFIG_ERROR}", file=sys.stderr, flush=True)
+        return exit_codes.CONFIG_ERROR
     _start_forkserver(argv)  # before torch is imported here
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -55,7 +55,8 @@ class Attempt:
         if not self.log_path or not self.log_path.exists():
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
-        said = [l for l in lines if l.startswith("trainingrun-trainer:") or " ERROR trainingrun" in l]
+        said = [l for l in lines if l.startswith(("trainingrun-trainer:", "trainingrun launch: cannot"))
+                or " ERROR trainingrun" in l]
         return "\n".join(dict.fromkeys(said))  # each once, in order
 
 
@@ -170,6 +171,9 @@ class LocalRunner:
             contract.REPORT_TOKEN_FILE: str(status.token_file),
             contract.REPORT_INTERVAL_SECONDS: "0.1",
         })
+        # A pod's metrics port (spec.metrics) is its own; on this machine metrics are served only when asked, on the
+        # port asked for: the default (9464) is often taken here (OpenTelemetry's Prometheus exporter uses it).
+        env.pop(contract.METRICS_PORT, None)
         if self.options.metrics_port:
             env[contract.METRICS_PORT] = str(self.options.metrics_port)
         if "OMP_NUM_THREADS" in os.environ and "OMP_NUM_THREADS" not in users:
