@@ -35,6 +35,8 @@ SHORT_NAMES = ["tr"]
 # for an attempt of up to 4 digits and a replica index of up to 5 digits: 40+2+4+8+5 = 59.
 MAX_RUN_NAME_LENGTH = 40
 RUN_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+#: A DNS label (RFC 1123), as the API server checks namespaces.
+NAMESPACE_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 MAX_REPLICAS = 10000
 MAX_ATTEMPT_BUDGET = 1000
 
@@ -594,6 +596,18 @@ class ObjectMeta(BaseModel):
     owner_references: Optional[list[dict[str, Any]]] = Field(default=None, alias="ownerReferences")
     managed_fields: Optional[list[dict[str, Any]]] = Field(default=None, alias="managedFields")
     self_link: Optional[str] = Field(default=None, alias="selfLink")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        import re
+
+        if len(value) > 63 or not re.fullmatch(NAMESPACE_PATTERN, value, re.ASCII):
+            raise ValueError(
+                f"{value!r} cannot be a namespace: a namespace is a DNS label (at most 63 lowercase letters, digits "
+                "and '-', starting and ending with a letter or digit), e.g. 'team-a'; the API server refuses any other"
+            )
+        return value
 
     @field_validator("name")
     @classmethod

@@ -125,6 +125,27 @@ def test_what_the_cluster_refuses_validate_refuses(kube_cluster_with_crds, names
         assert code == 422, f"a Pod with the same value was accepted ({code})"
 
 
+@pytest.mark.parametrize("value,valid", [("Team_A", False), ("team.a", False), ("-team", False), ("a" * 64, False),
+                                         ("team-a1", True), ("0-team", True), ("a" * 63, True)])
+def test_validate_refuses_a_namespace_exactly_when_the_server_can_never_have_it(kube_cluster_with_crds, minimal_body,
+                                                                                value, valid):
+    plane = kube_cluster_with_crds
+    minimal_body["metadata"]["namespace"] = value
+    if valid:
+        validation.check(minimal_body)
+    else:
+        with pytest.raises(validation.InvalidTrainingRun) as caught:
+            validation.check(minimal_body)
+        assert [p.path for p in caught.value.problems] == ["metadata.namespace"]
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": value}}
+    code, message = plane.request("POST", "/api/v1/namespaces" + DRY_RUN, namespace)
+    assert (code == 201) == valid, f"{code} {message}"
+    if not valid:  # kubectl apply sends the run to its namespace, which cannot exist
+        run = {**minimal_body, "metadata": {"name": "demo", "namespace": value}}
+        code, message = dry_run(plane, run, value)
+        assert code in (400, 404, 422), f"{code} {message}"
+
+
 def test_a_config_map_over_1_mib_is_refused(kube_cluster_with_crds, namespace):
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big", "namespace": namespace},
                   "data": {"config.yaml": "x" * (validation.MAX_CONFIG_MAP_BYTES + 1)}}
