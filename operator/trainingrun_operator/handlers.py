@@ -184,7 +184,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
                         for n in range(EVENT_SENDERS)]
         if state.settings.report_port and state.settings.report_url:
             state.tasks.append(asyncio.create_task(serving.serve_reports(state), name="trainingrun-reports"))
-            if state.settings.report_endpoint_slice:
+            if state.settings.report_service:
                 state.tasks.append(asyncio.create_task(serving.publish_report_endpoint(state),
                                                        name="trainingrun-report-endpoint"))
         elif not state.settings.report_url:

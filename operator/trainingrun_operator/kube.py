@@ -35,6 +35,8 @@ PLURALS = {
     ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
 }
 RETRIED_STATUSES = (429, 500, 502, 503, 504)
+#: Who the API server's managedFields say wrote what the operator applies server-side.
+FIELD_MANAGER = "trainingrun-operator"
 #: Priorities of requests, most urgent first: creating, changing and deleting children; a run's status;
 #: Events (kubectl describe), which nothing waits for; TokenReviews of report tokens the operator has not seen
 #: (anyone who reaches the report endpoint can send one, so they never go ahead of the operator's own work).
@@ -148,6 +150,18 @@ class Kube:
         path = object_path(api_version, kind, namespace, name, subresource)
         content_type = "application/json-patch+json" if json_patch else "application/merge-patch+json"
         return await self.request("PATCH", path, patch, content_type=content_type, priority=priority)
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any]:
+        return await self.request("GET", object_path(api_version, kind, namespace, name))
+
+    async def apply(self, obj: dict[str, Any], priority: int = ACT) -> dict[str, Any]:
+        """Server-side apply as FIELD_MANAGER, taking over conflicting fields: creates the object, or makes the fields
+        `obj` names what it says (a no-op, which writes nothing, when they already are)."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        query = urlencode({"fieldManager": FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"})
+        return await self.request("PATCH", f"{path}?{query}", obj, content_type="application/apply-patch+yaml",
+                                  priority=priority)
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: Optional[str] = None) -> None:
         """Delete (background propagation); with `uid`, only that object (409 when the name is another's now)."""

@@ -125,39 +125,56 @@ async def accept_report(state: OperatorState, writes: reports.CoalescedWrites, k
     await writes.submit(key, fields)
 
 
-#: The replica that acts writes its report EndpointSlice again this often, undoing any other change to it.
+#: The replica that acts applies its report EndpointSlice again this often, undoing any other change to it.
 REPUBLISH_SECONDS = 30.0
+#: The report Service's EndpointSlice is named after it with this suffix (the chart's Role names that one slice).
+ENDPOINT_SLICE_SUFFIX = "-acting"
 
 
-def report_endpoints(settings: Settings) -> dict[str, Any]:
-    """The EndpointSlice patch that sends the report Service's traffic to this pod alone."""
+def report_endpoint_slice(settings: Settings, service: dict[str, Any]) -> dict[str, Any]:
+    """The EndpointSlice that sends the report Service's traffic to this pod alone, owned by that Service (the
+    garbage collector removes it with the Service). The operator makes it, not the chart: a slice without
+    endpoints is invalid in the published schema, and one with them would be reset by every `helm upgrade`."""
+    meta = service["metadata"]
     endpoint: dict[str, Any] = {"addresses": [settings.pod_ip], "conditions": {"ready": True}}
     if settings.pod_name:
-        namespace = settings.report_endpoint_slice.partition("/")[0]
-        endpoint["targetRef"] = {"kind": "Pod", "namespace": namespace, "name": settings.pod_name}
-    return {"endpoints": [endpoint]}
+        endpoint["targetRef"] = {"kind": "Pod", "namespace": meta["namespace"], "name": settings.pod_name}
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": meta["name"] + ENDPOINT_SLICE_SUFFIX,
+            "namespace": meta["namespace"],
+            "labels": {"kubernetes.io/service-name": meta["name"],
+                       "endpointslice.kubernetes.io/managed-by": "trainingrun-operator"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": meta["name"], "uid": meta["uid"]}],
+        },
+        "addressType": "IPv6" if ":" in settings.pod_ip else "IPv4",
+        "ports": [{"name": "report", "port": settings.report_port, "protocol": "TCP"}],  # where this pod listens
+        "endpoints": [endpoint],
+    }
 
 
 async def publish_report_endpoint(state: OperatorState, check_seconds: float = 1.0) -> None:
     """While this replica acts, the report Service routes to it alone: a standby's indexes are frozen by kopf's
-    peering, so it could only refuse. A replica that stands by writes nothing; the next to act overwrites the
-    slice. The Service has no selector, so nothing else writes it (the chart makes the slice without endpoints,
-    which `helm upgrade` therefore leaves alone)."""
+    peering, so it could only refuse. A replica that stands by writes nothing; the next to act applies the
+    slice again, naming itself."""
     await state.logged_in.wait()
-    namespace, name = state.settings.report_endpoint_slice.split("/", 1)
-    patch, said, published_at = report_endpoints(state.settings), "", None
+    namespace, service_name = state.settings.report_service.split("/", 1)
+    said, published_at = "", None
     while True:
         if not state.acting.is_set():
             published_at, said = None, ""
             await state.acting.wait()
         if published_at is None or time.monotonic() - published_at >= REPUBLISH_SECONDS:
             try:
-                await state.client().patch("discovery.k8s.io/v1", "EndpointSlice", namespace, name, patch)
+                service = await state.client().get("v1", "Service", namespace, service_name)
+                await state.client().apply(report_endpoint_slice(state.settings, service))
             except (ApiError, OSError, asyncio.TimeoutError) as error:
-                line = (f"cannot point the report Service at this replica (EndpointSlice {namespace}/{name}: {error});"
-                        " trainers' reports wait until it can")
+                line = (f"cannot point the report Service {namespace}/{service_name} at this replica ({error}); "
+                        "trainers' reports wait until it can")
                 if isinstance(error, ApiError) and error.status == 404:
-                    line += ": the chart makes that EndpointSlice, apply it again"
+                    line += ": the chart makes that Service, install or upgrade it again"
                 if line != said:
                     log.error(line)
                     said = line
@@ -165,7 +182,8 @@ async def publish_report_endpoint(state: OperatorState, check_seconds: float = 1
                 continue
             published_at = time.monotonic()
             if said != "published":
-                log.info("reports reach this replica: EndpointSlice %s/%s -> %s", namespace, name, state.settings.pod_ip)
+                log.info("reports reach this replica: EndpointSlice %s/%s%s -> %s", namespace, service_name,
+                         ENDPOINT_SLICE_SUFFIX, state.settings.pod_ip)
                 said = "published"
         await asyncio.sleep(check_seconds)
 

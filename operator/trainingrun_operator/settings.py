@@ -63,10 +63,11 @@ class Settings:
     report_tls_dir: str = "/etc/trainingrun-operator/tls"
     #: PEM of ca.crt in report_tls_dir, read at start; published to pods in each run's ConfigMap.
     report_ca: str = ""
-    #: The report Service's EndpointSlice, `namespace/name`: the replica that acts points it at its own pod, so
-    #: reports reach only the replica whose indexes are current (TRAININGRUN_REPORT_ENDPOINT_SLICE; the chart
-    #: sets it and makes the slice). Empty: nothing is published (an operator outside the cluster).
-    report_endpoint_slice: str = ""
+    #: The report Service, `namespace/name`, which has no selector: the replica that acts makes and owns its
+    #: EndpointSlice `<name>-acting`, pointed at its own pod, so reports reach only the replica whose indexes are
+    #: current (TRAININGRUN_REPORT_SERVICE; the chart sets it and makes the Service). Empty: nothing is published
+    #: (an operator outside the cluster).
+    report_service: str = ""
     #: This replica's pod IP and pod name, put in that EndpointSlice (TRAININGRUN_OPERATOR_POD_IP and
     #: TRAININGRUN_OPERATOR_POD_NAME: the chart sets them from the downward API).
     pod_ip: str = ""
@@ -109,18 +110,18 @@ class Settings:
         if report_url.startswith("https://") and not ca:
             raise ValueError(f"TRAININGRUN_REPORT_URL is https, but {ca_path} does not exist: mount the report "
                              "endpoint's certificate (tls.crt, tls.key, ca.crt) in TRAININGRUN_REPORT_TLS_DIR")
-        endpoint_slice = env.get("TRAININGRUN_REPORT_ENDPOINT_SLICE", defaults.report_endpoint_slice)
+        report_service = env.get("TRAININGRUN_REPORT_SERVICE", defaults.report_service)
         pod_ip = env.get("TRAININGRUN_OPERATOR_POD_IP", defaults.pod_ip)
-        if endpoint_slice:
-            namespace, _, name = endpoint_slice.partition("/")
+        if report_service:
+            namespace, _, name = report_service.partition("/")
             if not namespace or not name or "/" in name:
-                raise ValueError(f"TRAININGRUN_REPORT_ENDPOINT_SLICE={endpoint_slice!r} must be namespace/name")
+                raise ValueError(f"TRAININGRUN_REPORT_SERVICE={report_service!r} must be namespace/name")
             try:
                 ipaddress.ip_address(pod_ip)
             except ValueError:
                 raise ValueError(f"TRAININGRUN_OPERATOR_POD_IP={pod_ip!r} is not an IP address: the replica that "
-                                 "acts publishes it in TRAININGRUN_REPORT_ENDPOINT_SLICE (set it from the downward "
-                                 "API, fieldPath status.podIP)") from None
+                                 "acts points the report Service (TRAININGRUN_REPORT_SERVICE) at it (set it from the "
+                                 "downward API, fieldPath status.podIP)") from None
         return cls(
             default_trainer_image=env.get("TRAININGRUN_TRAINER_IMAGE", defaults.default_trainer_image),
             trainer_uid=number("TRAININGRUN_TRAINER_UID", defaults.trainer_uid),
@@ -140,7 +141,7 @@ class Settings:
             report_url=report_url,
             report_tls_dir=tls_dir,
             report_ca=ca,
-            report_endpoint_slice=endpoint_slice,
+            report_service=report_service,
             pod_ip=pod_ip,
             pod_name=env.get("TRAININGRUN_OPERATOR_POD_NAME", defaults.pod_name),
             report_token_cache_seconds=number("TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS",

@@ -121,23 +121,34 @@ def test_helm_install_every_scenario(kube_cluster_with_crds, tmp_path, helm, val
     assert can.stdout.strip() == "yes", can.stdout + can.stderr
     cannot = plane.kubectl("auth", "can-i", "get", "secrets", "-n", watched[0], f"--as={identity}", check=False)
     assert cannot.stdout.strip() == "no"
-    # The replica that acts points the report Service at its pod; an upgrade keeps what it wrote.
-    endpoint_slice = f"{release}-trainingrun-operator-report-acting"
-    endpoints = [{"addresses": ["10.244.0.9"], "conditions": {"ready": True}}]
-    may = plane.kubectl("auth", "can-i", "patch", f"endpointslices/{endpoint_slice}", "-n", namespace,
-                        f"--as={identity}", check=False)
-    assert may.stdout.strip() == "yes", may.stdout + may.stderr
-    plane.kubectl("-n", namespace, "patch", "endpointslice", endpoint_slice, "--type=merge",
-                  "-p", json.dumps({"endpoints": endpoints}))
+    # The replica that acts makes the report Service's EndpointSlice, owned by the Service, with server-side apply
+    # as the operator's identity (the Role names that one slice: create works by name too); an upgrade keeps it.
+    from trainingrun_operator import serving
+    from trainingrun_operator.settings import Settings
+
+    report_service = json.loads(plane.kubectl("-n", namespace, "get", "service", f"{release}-trainingrun-operator-report",
+                                              "-o", "json", f"--as={identity}").stdout)
+    settings = Settings(report_service=f"{namespace}/{report_service['metadata']['name']}", pod_ip="10.244.0.9",
+                        report_port=report_service["spec"]["ports"][0]["targetPort"])
+    endpoint_slice = serving.report_endpoint_slice(settings, report_service)
+    name = endpoint_slice["metadata"]["name"]
+    plane.kubectl("apply", "--server-side", "--field-manager=trainingrun-operator", "--force-conflicts", "-f", "-",
+                  f"--as={identity}", input=json.dumps(endpoint_slice))
     upgrade = subprocess.run([str(binary), "upgrade", release, str(CHART), "--namespace", namespace, "-f",
                               str(values_file), "--set", "report.tokenCacheSeconds=30"],
                              capture_output=True, text=True, env=env, timeout=300)
     assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
-    kept = plane.kubectl("-n", namespace, "get", "endpointslice", endpoint_slice, "-o", "json").stdout
-    assert json.loads(kept)["endpoints"] == endpoints
-    other = plane.kubectl("auth", "can-i", "patch", "endpointslices", "-n", namespace, f"--as={identity}", check=False)
-    assert other.stdout.strip() == "no"  # that one slice only
+    kept = plane.kubectl("-n", namespace, "get", "endpointslice", name, "-o", "json").stdout
+    assert json.loads(kept)["endpoints"] == endpoint_slice["endpoints"]
+    for verb, what in (("patch", "endpointslices"), ("create", "endpointslices/other"), ("get", "services/other")):
+        other = plane.kubectl("auth", "can-i", verb, what, "-n", namespace, f"--as={identity}", check=False)
+        assert other.stdout.strip() == "no", (verb, what)  # that one slice and that one Service only
     uninstall = subprocess.run([str(binary), "uninstall", release, "--namespace", namespace, "--wait"],
                                capture_output=True, text=True, env=env, timeout=300)
     assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
+    # The slice goes with its Service (the garbage collector), though Helm never knew it.
+    deadline = time.monotonic() + 60
+    while plane.kubectl("-n", namespace, "get", "endpointslice", name, check=False).returncode == 0:
+        assert time.monotonic() < deadline, "the report EndpointSlice outlived its Service"
+        time.sleep(0.2)
     plane.kubectl("delete", "namespace", namespace, "--wait=false")

@@ -17,6 +17,7 @@ from conftest import REPO
 from test_operator_real import HELM, JOBS, RealCluster, running_operator, training_run, wait_for
 from test_reports_real import certificate
 
+from trainingrun_operator import serving
 from trainingrun_trainer import contract
 
 RELEASE, RELEASE_NAMESPACE = "tr-ha", "trainingrun-ha"
@@ -37,15 +38,15 @@ def ha_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
     deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     peering = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--peering="))
-    endpoint_slice = next(e["value"] for e in container["env"] if e["name"] == "TRAININGRUN_REPORT_ENDPOINT_SLICE")
+    report_service = next(e["value"] for e in container["env"] if e["name"] == "TRAININGRUN_REPORT_SERVICE")
     plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
     plane.apply(documents)
     account = next(d for d in documents if d["kind"] == "ServiceAccount")["metadata"]["name"]
     token = plane.token(RELEASE_NAMESPACE, account)
-    return plane.token_kubeconfig(tmp_path_factory.mktemp("operator-ha") / "kubeconfig", token), peering, endpoint_slice
+    return plane.token_kubeconfig(tmp_path_factory.mktemp("operator-ha") / "kubeconfig", token), peering, report_service
 
 
-def replica_env(tls_dir, peering, endpoint_slice, pod_ip):
+def replica_env(tls_dir, peering, report_service, pod_ip):
     """What the chart's Deployment gives a replica (the same report certificate: one Secret mounted in every replica,
     whose key also signs the replicas' jobs), with its own report port (both run on this machine)."""
     with socket.socket() as sock:
@@ -53,26 +54,34 @@ def replica_env(tls_dir, peering, endpoint_slice, pod_ip):
         port = sock.getsockname()[1]
     return {"TRAININGRUN_PEERING": peering, "TRAININGRUN_REPORT_URL": f"https://127.0.0.1:{port}{contract.REPORT_PATH}",
             "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(tls_dir),
-            "TRAININGRUN_REPORT_ENDPOINT_SLICE": endpoint_slice, "TRAININGRUN_OPERATOR_POD_IP": pod_ip,
+            "TRAININGRUN_REPORT_SERVICE": report_service, "TRAININGRUN_OPERATOR_POD_IP": pod_ip,
             "TRAININGRUN_OPERATOR_POD_NAME": f"operator-{pod_ip}"}
 
 
 def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_namespace, ha_kubeconfig, tmp_path):
-    kubeconfig, peering, endpoint_slice = ha_kubeconfig
+    kubeconfig, peering, report_service = ha_kubeconfig
     cluster = RealCluster(kube_cluster_with_crds, kube_namespace)
-    slice_namespace, slice_name = endpoint_slice.split("/")
+    slice_namespace, service_name = report_service.split("/")
+    slice_name = service_name + serving.ENDPOINT_SLICE_SUFFIX
 
     def report_addresses():
-        slice_ = cluster.plane.kubectl("-n", slice_namespace, "get", "endpointslice", slice_name, "-o", "json").stdout
-        return [a for e in json.loads(slice_).get("endpoints") or [] for a in e["addresses"]]
+        """The slice's addresses; none while it does not exist (the replica that acts makes it)."""
+        found = cluster.plane.kubectl("-n", slice_namespace, "get", "endpointslice", slice_name, "-o", "json",
+                                      check=False)
+        if found.returncode != 0:
+            assert "NotFound" in found.stderr, found.stderr
+            return []
+        slice_ = json.loads(found.stdout)
+        assert [o["name"] for o in slice_["metadata"]["ownerReferences"]] == [service_name]
+        return [a for e in slice_.get("endpoints") or [] for a in e["addresses"]]
 
     (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir(), (tmp_path / "tls").mkdir()
     tls = certificate(tmp_path / "tls")
     with contextlib.ExitStack() as replicas:  # a failed check must not leave a replica acting in later tests
         first = running_operator(kubeconfig, tmp_path / "first",
-                                 **replica_env(tls, peering, endpoint_slice, "10.244.7.1"))
+                                 **replica_env(tls, peering, report_service, "10.244.7.1"))
         second = running_operator(kubeconfig, tmp_path / "second",
-                                  **replica_env(tls, peering, endpoint_slice, "10.244.7.2"))
+                                  **replica_env(tls, peering, report_service, "10.244.7.2"))
         replicas.callback(second.close)
         replicas.callback(first.close)
         first_log = next(first)

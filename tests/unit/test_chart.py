@@ -42,11 +42,7 @@ def test_rendered_built_ins_are_valid_kubernetes(values_file):
     for document in render(values_file):
         if document["apiVersion"].startswith(("monitoring.coreos.com", "kopf.dev")):
             continue  # custom resources: kubernetes-validate cannot check them
-        if document["kind"] == "EndpointSlice":
-            # The OpenAPI schema calls `endpoints` required; the API server and Helm accept a slice without it
-            # (tests/real_api/test_install.py), and without it `helm upgrade` keeps the operator's endpoints.
-            document = {**document, "endpoints": []}
-        kubernetes_validate.validate(document, "1.30", strict=True)
+        kubernetes_validate.validate(document, "1.30", strict=True)  # as kubeconform -strict in a GitOps pipeline
 
 
 def test_values_schema_rejects_a_typo():
@@ -102,23 +98,30 @@ def test_on_a_shared_cluster_only_trainer_pods_of_the_served_namespaces_reach_th
 
 
 @pytest.mark.parametrize("values_file", [None, CHART / "ci/ha-values.yaml"])
-def test_reports_reach_the_slice_the_acting_replica_may_write(values_file):
+def test_reports_reach_the_slice_the_acting_replica_may_make(values_file):
+    from trainingrun_operator import serving
+    from trainingrun_operator.settings import Settings
+
     documents = render(values_file)
     service = next(d for d in documents if d["kind"] == "Service" and d["metadata"]["name"].endswith("-report"))
     assert "selector" not in service["spec"]  # else the endpoints controller would route to standbys too
-    endpoint_slice = next(d for d in documents if d["kind"] == "EndpointSlice")
-    assert endpoint_slice["metadata"]["labels"]["kubernetes.io/service-name"] == service["metadata"]["name"]
-    assert "endpoints" not in endpoint_slice  # so that helm upgrade leaves the operator's alone
-    assert [p["name"] for p in endpoint_slice["ports"]] == [p["name"] for p in service["spec"]["ports"]]
+    assert not any(d["kind"] == "EndpointSlice" for d in documents)  # the acting replica makes it (and Helm never)
     container = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
-    namespace, name = endpoint_slice["metadata"]["namespace"], endpoint_slice["metadata"]["name"]
-    assert env["TRAININGRUN_REPORT_ENDPOINT_SLICE"]["value"] == f"{namespace}/{name}"
+    namespace, name = service["metadata"]["namespace"], service["metadata"]["name"]
+    assert env["TRAININGRUN_REPORT_SERVICE"]["value"] == f"{namespace}/{name}"
     assert env["TRAININGRUN_OPERATOR_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    settings = Settings(report_service=env["TRAININGRUN_REPORT_SERVICE"]["value"], pod_ip="10.0.0.1",
+                        report_port=int(env["TRAININGRUN_REPORT_PORT"]["value"]))
+    endpoint_slice = serving.report_endpoint_slice(settings, {**service, "metadata": {**service["metadata"], "uid": "u"}})
+    assert [p["name"] for p in endpoint_slice["ports"]] == [p["name"] for p in service["spec"]["ports"]]
+    assert endpoint_slice["ports"][0]["port"] == service["spec"]["ports"][0]["targetPort"]
     rules = [r for d in documents if d["kind"] == "Role" and d["metadata"]["namespace"] == namespace
-             for r in d["rules"] if "endpointslices" in r["resources"]]
-    assert rules == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "resourceNames": [name],
-                      "verbs": ["patch"]}]
+             for r in d["rules"] if {"endpointslices", "services"} & set(r["resources"])]
+    assert rules == [
+        {"apiGroups": [""], "resources": ["services"], "resourceNames": [name], "verbs": ["get"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "resourceNames": [endpoint_slice["metadata"]["name"]], "verbs": ["create", "patch"]}]
     assert not any("endpointslices" in r["resources"] for d in documents if d["kind"] == "ClusterRole"
                    for r in d["rules"])
 
@@ -144,6 +147,9 @@ GRANTED_FOR_REASONS = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"): "kopf's resource discovery",
     ("discovery.k8s.io", "endpointslices", "patch"): "the replica that acts points the report Service at itself; "
                                                      "tests/real_api/test_operator_ha_real.py makes that call",
+    ("discovery.k8s.io", "endpointslices", "create"): "server-side apply of that slice when it does not exist yet; "
+                                                      "tests/real_api/test_operator_ha_real.py makes that call",
+    ("", "services", "get"): "the report Service's uid, the slice's owner; tests/real_api/test_operator_ha_real.py",
     ("", "events", "list"): "Warning Events of an attempt Pending for 15 s or more (FailedCreate, FailedMount); "
                             "tests/real_api/test_operator_real.py makes that call",
     ("", "namespaces", "get"): "namespaced mode: kopf matches its namespaces",

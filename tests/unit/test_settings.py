@@ -29,15 +29,14 @@ def test_the_signing_key_comes_from_the_report_endpoints_private_key(tmp_path):
     assert b"abc" not in first.signing_key and repr(first.signing_key) not in repr(first)
 
 
-def test_the_report_endpoint_slice_needs_the_pods_ip():
-    settings = Settings.from_env({"TRAININGRUN_REPORT_ENDPOINT_SLICE": "ops/tr-report-acting",
+def test_the_report_service_needs_the_pods_ip():
+    settings = Settings.from_env({"TRAININGRUN_REPORT_SERVICE": "ops/tr-report",
                                   "TRAININGRUN_OPERATOR_POD_IP": "fd00::7", "TRAININGRUN_OPERATOR_POD_NAME": "op-1"})
-    assert (settings.report_endpoint_slice, settings.pod_ip, settings.pod_name) == ("ops/tr-report-acting", "fd00::7",
-                                                                                    "op-1")
+    assert (settings.report_service, settings.pod_ip, settings.pod_name) == ("ops/tr-report", "fd00::7", "op-1")
     with pytest.raises(ValueError, match="TRAININGRUN_OPERATOR_POD_IP='' is not an IP address.*status.podIP"):
-        Settings.from_env({"TRAININGRUN_REPORT_ENDPOINT_SLICE": "ops/tr-report-acting"})
-    with pytest.raises(ValueError, match="TRAININGRUN_REPORT_ENDPOINT_SLICE='tr-report-acting' must be namespace/name"):
-        Settings.from_env({"TRAININGRUN_REPORT_ENDPOINT_SLICE": "tr-report-acting", "TRAININGRUN_OPERATOR_POD_IP": "10.0.0.1"})
+        Settings.from_env({"TRAININGRUN_REPORT_SERVICE": "ops/tr-report"})
+    with pytest.raises(ValueError, match="TRAININGRUN_REPORT_SERVICE='tr-report' must be namespace/name"):
+        Settings.from_env({"TRAININGRUN_REPORT_SERVICE": "tr-report", "TRAININGRUN_OPERATOR_POD_IP": "10.0.0.1"})
 
 
 def test_a_bad_number_names_the_variable():

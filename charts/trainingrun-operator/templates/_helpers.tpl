@@ -65,6 +65,7 @@ app.kubernetes.io/component: operator
 
 {{/* The report endpoint's Service, its URL as trainer pods use it, and the Secret with its certificate. */}}
 {{- define "trainingrun.reportService" -}}{{ include "trainingrun.fullname" . }}-report{{- end -}}
+{{/* The EndpointSlice the acting replica makes for that Service (serving.ENDPOINT_SLICE_SUFFIX). */}}
 {{- define "trainingrun.reportEndpointSlice" -}}{{ include "trainingrun.reportService" . }}-acting{{- end -}}
 {{- define "trainingrun.reportUrl" -}}
 https://{{ include "trainingrun.reportService" . }}.{{ .Release.Namespace }}.svc:{{ .Values.report.port }}/v1/reports
