@@ -289,6 +289,14 @@ def status_fields(report: contract.Report) -> dict[str, Any]:
     return status.model_dump(by_alias=True, exclude_unset=True)
 
 
+def trains_again(report: contract.Report, status: dict[str, Any]) -> bool:
+    """The first step of a process status has not seen yet (a start, a restart in place, a new attempt): what
+    `kubectl get tr` shows as training again, so it is written at once rather than with the next write."""
+    if report.progress is None or report.process_time is None:
+        return False
+    return report.process_time.process != ((status.get("processTime") or {}).get("current") or {}).get("process")
+
+
 #: (status field, time field) of a report: times the pod states, which the stall watchdog and the checkpoint's age read.
 REPORTED_TIMES = (("progress", "updatedAt"), ("lastGoodCheckpoint", "time"))
 
@@ -305,37 +313,55 @@ def no_later_than_now(fields: dict[str, Any], now: datetime) -> None:
 class CoalescedWrites:
     """At most one status write per run every `seconds` (`write(key, fields)`): a report that comes sooner is merged
     into the write waiting for that run, the newest value of each field winning, so a pod that reports a thousand
-    times a second costs its run one write per period. The first report after a quiet period is written at once."""
+    times a second costs its run one write per period. The first report after a quiet period is written at once.
+
+    A report `at_once` (a new process's first step: the run trains again) goes ahead of the wait, taking what waits
+    with it, once per period per run: a pod claiming a new process in every report costs at most one more write."""
 
     def __init__(self, write: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]], seconds: float,
                  clock: Callable[[], float] = time.monotonic):
         self.write, self.seconds, self.clock = write, seconds, clock
         self.pending: dict[tuple[str, str], dict[str, Any]] = {}
         self.last = Lru(TOKEN_CACHE_SIZE)  #: when each run was last written (runs that stopped reporting drop out)
+        self.went_ahead = Lru(TOKEN_CACHE_SIZE)  #: when each run's last `at_once` write went ahead of the wait
         self.flushing: dict[tuple[str, str], asyncio.Task] = {}
 
-    async def submit(self, key: tuple[str, str], fields: dict[str, Any]) -> None:
+    async def submit(self, key: tuple[str, str], fields: dict[str, Any], at_once: bool = False) -> None:
+        if at_once and key in self.pending and self._may_go_ahead(key):
+            waiting = self.pending.pop(key)
+            self.flushing.pop(key, None)  # that task finds itself no longer the run's flush and writes nothing
+            await self._write(key, {**waiting, **fields})
+            return
         if key in self.pending:
             self.pending[key].update(fields)
             return
         last = self.last.get(key)
         wait = (float("-inf") if last is None else last) + self.seconds - self.clock()
+        if wait > 0 and at_once and self._may_go_ahead(key):
+            wait = 0
         if wait > 0:
             self.pending[key] = dict(fields)
             self.flushing[key] = asyncio.create_task(self._flush(key, wait))  # held here: a task nobody holds may go
             return
         await self._write(key, fields)
 
+    def _may_go_ahead(self, key: tuple[str, str]) -> bool:
+        went = self.went_ahead.get(key)
+        if went is not None and self.clock() - went < self.seconds:
+            return False
+        self.went_ahead.put(key, self.clock())
+        return True
+
     async def _flush(self, key: tuple[str, str], wait: float) -> None:
+        await asyncio.sleep(wait)
+        if self.flushing.get(key) is not asyncio.current_task():
+            return  # an at_once write took these fields
+        fields = self.pending.pop(key)
+        del self.flushing[key]
         try:
-            await asyncio.sleep(wait)
-            fields = self.pending.pop(key)
             await self._write(key, fields)
         except Exception as error:  # noqa: BLE001 - nobody awaits a deferred write: say it, the next report retries
             log.warning("writing the status of %s/%s from its reports failed: %s", *key, error)
-        finally:
-            self.pending.pop(key, None)
-            self.flushing.pop(key, None)
 
     async def _write(self, key: tuple[str, str], fields: dict[str, Any]) -> None:
         self.last.put(key, self.clock())
@@ -346,7 +372,7 @@ class ReportEndpoint:
     """The aiohttp application; `accept` writes status (the handlers module supplies it)."""
 
     def __init__(self, reviewer: TokenReviewer, view: Callable[[str, str], Optional[RunView]],
-                 accept: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]],
+                 accept: Callable[..., Awaitable[None]],
                  clock: Callable[[], datetime], acting: Callable[[], bool] = lambda: True):
         self.reviewer, self.view, self.accept, self.clock = reviewer, view, accept, clock
         self.acting = acting  #: False on a replica that stands by: its indexes are not kept current
@@ -404,7 +430,8 @@ class ReportEndpoint:
         changed = any(run.status.get(k) != v for k, v in fields.items() if k not in TIME_FIELDS)
         if changed or heard is None or \
                 (now - heard).total_seconds() >= heartbeat_write_seconds(run.stall_timeout_seconds):
-            await self.accept((report.namespace, report.name), {**fields, "lastReportTime": reconcile.rfc3339(now)})
+            await self.accept((report.namespace, report.name), {**fields, "lastReportTime": reconcile.rfc3339(now)},
+                              at_once=trains_again(report, run.status))
 
 
 def server_ssl_context(tls_dir: str) -> ssl.SSLContext:

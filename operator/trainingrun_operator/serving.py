@@ -118,11 +118,11 @@ async def write_reported_status(state: OperatorState, key: Key, fields: dict[str
 
 
 async def accept_report(state: OperatorState, writes: reports.CoalescedWrites, key: Key,
-                        fields: dict[str, Any]) -> None:
+                        fields: dict[str, Any], at_once: bool = False) -> None:
     """Status from a report: the operator's view of the run has it at once (the next report and reconcile see it);
-    the API server gets it at most every STATUS_WRITE_SECONDS (`writes`)."""
+    the API server gets it at most every STATUS_WRITE_SECONDS (`writes`), a run training again at once."""
     state.written.setdefault(key, {}).update(fields)
-    await writes.submit(key, fields)
+    await writes.submit(key, fields, at_once=at_once)
 
 
 #: The replica that acts applies its report EndpointSlice again this often, undoing any other change to it.
@@ -197,7 +197,8 @@ async def serve_reports(state: OperatorState) -> None:
         reports.TokenReviewer(state.client, settings.report_token_cache_seconds,
                               known_pod=lambda pod: known_pod(state, pod)),
         view=lambda namespace, name: run_view(state, namespace, name),
-        accept=lambda key, fields: accept_report(state, writes, key, fields), clock=state.clock,
+        accept=lambda key, fields, at_once=False: accept_report(state, writes, key, fields, at_once),
+        clock=state.clock,
         acting=state.acting.is_set)
     https = settings.report_url.startswith("https://")
     await reports.serve(endpoint, settings.report_port, settings.report_tls_dir if https else None)

@@ -37,7 +37,7 @@ def view(namespace, name):
 async def endpoint():
     written: list = []
 
-    async def accept(key, fields):
+    async def accept(key, fields, at_once=False):
         written.append(fields)
 
     app = reports.ReportEndpoint(PodOfTheRun(), view=view, accept=accept, clock=lambda: NOW).app()

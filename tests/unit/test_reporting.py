@@ -83,6 +83,28 @@ def test_heartbeats_repeat_the_last_values_and_a_rotated_token_is_used(endpoint,
     assert {report.progress.step for _, _, report in received if report.progress} == {7}
 
 
+def test_news_goes_at_once_the_restore_point_the_first_step_and_each_committed_checkpoint(endpoint, tmp_path):
+    """With an interval of an hour, only news is sent before close: status shows a resumed run training at its first
+    step, not a report interval later."""
+    url, received, wait_until = endpoint
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    reporter = ProgressReporter(ReportEndpoint(url, str(token), None), IDENTITY, interval_seconds=3600)
+    wait_until(lambda r: len(r) == 1)  # at start: who it is
+    reporter.progress(progress(100))  # where the restored run stands, before its first step
+    wait_until(lambda r: any(report.progress and report.progress.step == 100 for _, _, report in r))
+    for step in range(101, 121):
+        reporter.progress(progress(step))  # the first step is news; the steps after it wait for the interval
+    wait_until(lambda r: any(report.progress and report.progress.step >= 101 for _, _, report in r))
+    reporter.committed(CommittedCheckpoint("s3://bkt/demo/step-00000120", 120, "2026-11-24T00:00:00Z"))
+    wait_until(lambda r: any(report.last_good_checkpoint for _, _, report in r))
+    sent = len(received)
+    reporter.committed(CommittedCheckpoint("s3://bkt/demo/step-00000120", 120, "2026-11-24T00:00:00Z"))  # not news
+    reporter.close()
+    assert sent <= 4 and len(received) == sent + 1  # the close sends the newest values once more
+    assert received[-1][2].progress.step == 120
+
+
 def test_an_unreachable_endpoint_is_logged_once_and_never_raises(caplog, tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)

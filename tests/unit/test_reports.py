@@ -16,7 +16,7 @@ class NeverAsked:
 def test_a_standby_replica_answers_503_and_writes_nothing():
     written = []
 
-    async def accept(key, fields):
+    async def accept(key, fields, at_once=False):
         written.append(key)
 
     endpoint = reports.ReportEndpoint(NeverAsked(), view=lambda namespace, name: None, accept=accept,
@@ -53,3 +53,51 @@ def test_a_report_cannot_set_what_the_operator_derives():
             '"updatedAt": "2026-11-25T00:00:00Z", "percent": 99}}')
     report = contract.Report.from_json(body.encode())  # fields the contract does not name are dropped
     assert "percent" not in reports.status_fields(report)["progress"]
+
+
+def process_time(process):
+    from trainingrun_trainer.contract import ProcessTime
+
+    return ProcessTime(process, 10.0, 5.0, 1.0, 0.0, 0.0, 4.0, 0.0, 100.0)
+
+
+@pytest.mark.parametrize("process,with_progress,at_once", [
+    ("worker-0/202/t1", True, True),    # a restarted process's first step: the run trains again
+    ("worker-0/101/t0", True, False),   # the process status already shows
+    ("worker-0/202/t1", False, False),  # a new process that has not stepped yet
+])
+def test_a_new_process_s_first_step_is_written_at_once(process, with_progress, at_once):
+    from trainingrun_trainer.contract import Progress, Report
+
+    status = {"processTime": {"current": {"process": "worker-0/101/t0"}}}
+    progress = Progress(step=101, updated_at="2026-11-27T00:00:00Z") if with_progress else None
+    report = Report("ns", "demo", "u", 1, progress=progress, process_time=process_time(process))
+    assert reports.trains_again(report, status) is at_once
+
+
+def test_a_write_at_once_goes_ahead_of_the_wait_once_per_period_and_takes_what_waited():
+    now = [0.0]
+    written = []
+
+    async def write(key, fields):
+        written.append((now[0], fields))
+
+    async def scenario():
+        writes = reports.CoalescedWrites(write, seconds=3, clock=lambda: now[0])
+        key = ("ns", "demo")
+        await writes.submit(key, {"lastReportTime": "a"})
+        now[0] = 1.0
+        await writes.submit(key, {"lastGoodCheckpoint": {"step": 100}})  # waits for t=3
+        now[0] = 1.5
+        await writes.submit(key, {"progress": {"step": 101}}, at_once=True)  # the run trains again
+        assert written[-1] == (1.5, {"lastGoodCheckpoint": {"step": 100}, "progress": {"step": 101}})
+        assert not writes.pending
+        now[0] = 2.0
+        await writes.submit(key, {"progress": {"step": 102}}, at_once=True)  # a second claim within the period waits
+        assert len(written) == 2 and writes.pending[key] == {"progress": {"step": 102}}
+        await asyncio.wait_for(asyncio.gather(*writes.flushing.values()), 10)
+        assert [fields for _, fields in written] == [
+            {"lastReportTime": "a"}, {"lastGoodCheckpoint": {"step": 100}, "progress": {"step": 101}},
+            {"progress": {"step": 102}}]
+
+    asyncio.run(scenario())
