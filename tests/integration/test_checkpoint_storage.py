@@ -122,7 +122,7 @@ def test_partial_and_corrupt_checkpoints_fall_back(backend):
         listed = store.list()
         assert [(i.step, i.valid, i.reason) for i in listed] == [
             (3, False, "no manifest (partial save)"),
-            (2, False, "sha256 mismatch in __0_0.distcp"),
+            (2, False, "xxh3_128 mismatch in __0_0.distcp"),
             (1, True, None),
         ]
         latest = store.latest_valid()

@@ -541,7 +541,7 @@ def test_storage_outage_during_saves(tmp_path, launched):
     assert rerun.finish() == 0, rerun.tail()
     uri = re.escape(run.uri)
     rerun.wait_for(
-        rank_line(0, "trainingrun.checkpoint", f"skipping checkpoint {uri}/step-00000038: sha256 mismatch"),
+        rank_line(0, "trainingrun.checkpoint", f"skipping checkpoint {uri}/step-00000038: xxh3_128 mismatch"),
         rank_line(0, "trainingrun.checkpoint", f"skipping checkpoint {uri}/step-00000035: no manifest"),
         rank_line(0, "trainingrun.session", f"resumed from {uri}/step-00000030 at step 30"),
         rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 40 "),

@@ -6,7 +6,6 @@ Each case rewrites a real checkpoint the way such a writer would: the file chang
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
@@ -54,7 +54,7 @@ def rewrite(directory: Path, name: str, content: bytes) -> None:
     (directory / name).write_bytes(content)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     entries = {entry["path"]: entry for entry in manifest["files"]}
-    entries[name] = {"path": name, "size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    entries[name] = {"path": name, "size": len(content), "xxh3_128": xxhash.xxh3_128(content).hexdigest()}
     manifest["files"] = sorted(entries.values(), key=lambda entry: entry["path"])
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
@@ -266,7 +266,7 @@ def test_a_rank_local_metadata_the_manifest_never_lists_is_not_read(bucket):
 def test_a_manifest_listing_anything_but_a_plain_name_is_not_valid(bucket, listed):
     directory = saved(bucket)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
-    manifest["files"].append({"path": listed, "size": 1, "sha256": "0" * 64})
+    manifest["files"].append({"path": listed, "size": 1, "xxh3_128": "0" * 32})
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
     info = ckpt.verify(str(directory))
     assert not info.valid and "not a plain file name" in info.reason

@@ -105,7 +105,7 @@ def test_round_trip_model_optimizer_and_extra(store, root):
     on_disk = sorted(p.name for p in step_dir(root, 10).iterdir() if p.name != MANIFEST_NAME)
     # extra is this rank's entry of DCP's state dict: no file of its own
     assert [f["path"] for f in manifest["files"]] == on_disk == [".metadata", "__0_0.distcp"]
-    assert manifest["config_hash"] == "cfg123" and manifest["step"] == 10 and manifest["format_version"] == 3
+    assert manifest["config_hash"] == "cfg123" and manifest["step"] == 10 and manifest["format_version"] == 4
 
     fresh_model, fresh_opt = trained(seed=5)
     state = app_state(fresh_model, fresh_opt)
@@ -274,8 +274,8 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
 @pytest.mark.parametrize(
     "damage, reason",
     [
-        (lambda d: flip_byte(d / "__0_0.distcp"), "sha256 mismatch in __0_0.distcp"),
-        (lambda d: flip_byte(d / ".metadata"), "sha256 mismatch in .metadata"),
+        (lambda d: flip_byte(d / "__0_0.distcp"), "xxh3_128 mismatch in __0_0.distcp"),
+        (lambda d: flip_byte(d / ".metadata"), "xxh3_128 mismatch in .metadata"),
         (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-10]),
          "size mismatch in __0_0.distcp"),
         (lambda d: (d / "__0_0.distcp").unlink(), "missing file __0_0.distcp"),
@@ -313,13 +313,13 @@ class RunsCode:
 
 def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) -> None:
     """Someone who may write the bucket replaces a file and fixes the manifest to match."""
-    import hashlib
+    import xxhash
 
     (directory / name).write_bytes(content)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     for entry in manifest["files"]:
         if entry["path"] == name:
-            entry["size"], entry["sha256"] = len(content), hashlib.sha256(content).hexdigest()
+            entry["size"], entry["xxh3_128"] = len(content), xxhash.xxh3_128(content).hexdigest()
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
@@ -448,8 +448,34 @@ def test_a_format_1_checkpoint_still_loads(store, root):
     assert_same(weights(loaded), weights(model))
     # a format the reader does not know is not a checkpoint it can resume from
     manifest = json.loads((step_dir(root, 4) / MANIFEST_NAME).read_text())
-    (step_dir(root, 4) / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 4}))
-    assert "format_version 4, expected one of 1, 2, 3" in store.list()[0].reason
+    (step_dir(root, 4) / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 5}))
+    assert "format_version 5, expected one of 1, 2, 3, 4" in store.list()[0].reason
+
+
+def as_format_3(directory: Path) -> None:
+    """Rewrite a checkpoint's manifest as trainer images before format 4 wrote it: the same files, each with a sha256."""
+    import hashlib
+
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    for entry in manifest["files"]:
+        del entry["xxh3_128"]
+        entry["sha256"] = hashlib.sha256((directory / entry["path"]).read_bytes()).hexdigest()
+    (directory / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 3}))
+
+
+def test_a_format_3_checkpoint_with_sha256_digests_is_verified_by_them_and_loads(store, root):
+    model = make_model(1)
+    store.save(4, {"model": model.state_dict()}, {"step": 4})
+    assert store.wait() is not None
+    as_format_3(step_dir(root, 4))
+    fresh = CheckpointStore(str(root))
+    info = fresh.latest_valid()
+    assert info.step == 4 and info.valid and info.format_version == 3
+    loaded = make_model(2)
+    assert fresh.load(info, {"model": loaded.state_dict()}) == {"step": 4}
+    assert_same(weights(loaded), weights(model))
+    flip_byte(step_dir(root, 4) / "__0_0.distcp")
+    assert CheckpointStore(str(root)).list()[0].reason == "sha256 mismatch in __0_0.distcp"
 
 
 def test_rotation_keeps_newest_and_milestones(root):

@@ -31,5 +31,5 @@ def test_an_invalid_checkpoint_is_not_exported(tmp_path):
     with CheckpointStore(tmp_path.as_uri()) as store:
         store.save(3, app_state(model, opt), {"step": 3}, blocking=True)
     flip_byte(step_dir(tmp_path, 3) / "__0_0.distcp")
-    with pytest.raises(ckpt.CheckpointLoadError, match="sha256 mismatch in __0_0.distcp"):
+    with pytest.raises(ckpt.CheckpointLoadError, match="xxh3_128 mismatch in __0_0.distcp"):
         load_everything(str(step_dir(tmp_path, 3)))

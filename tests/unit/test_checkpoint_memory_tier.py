@@ -108,7 +108,7 @@ def rewrite_digests(path: Path, change) -> None:
     (lambda kept: truncate(data_files(kept)[-1]), "storage"),
     (lambda kept: data_files(kept)[0].unlink(), "storage"),
     (lambda kept: digests_file(data_files(kept)[-1]).unlink(), "storage"),  # killed between the file and its digests
-    (lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d.update(sha256="0" * 64)), "storage"),  # stale
+    (lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d.update(file_digest=["xxh3_128", "0" * 32])), "storage"),  # stale
     # Same size, other bytes: found as it loads, the load reads it again from storage.
     (lambda kept: flip_byte(data_files(kept)[-1]), "memory and storage"),
     (lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d["xxh3_128"].__setitem__(-1, "0" * 32)),
@@ -135,7 +135,7 @@ def test_when_storage_is_damaged_too_the_load_fails_and_a_restart_resumes_from_t
     for directory in (step_dir(memory, 10), step_dir(storage, 10)):
         flip_byte(data_files(directory)[-1])
     with pytest.raises(OSError, match=r"its copy in memory is damaged and storage is not readable or not valid "
-                                      r"\(sha256 mismatch in __0_0.distcp\); a restart resumes"):
+                                      r"\(xxh3_128 mismatch in __0_0.distcp\); a restart resumes"):
         restored(storage, memory)
     assert restored(storage, memory) == (5, older, "storage")
 
@@ -167,26 +167,26 @@ def rewrite_manifests(storage: Path, memory: Path, step: int, change) -> None:
         (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-def test_each_copy_has_its_sha256_and_the_xxh3_of_each_segment_beside_it(storage, memory, monkeypatch):
+def test_each_copy_has_its_file_digest_and_the_xxh3_of_each_segment_beside_it(storage, memory, monkeypatch):
     monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 4096)  # several segments of a small model's files
     _, digest = saved(storage, memory)
     manifest = {e["path"]: e for e in json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]}
     for path in data_files(step_dir(memory, 5)):
         data = path.read_bytes()
         assert json.loads(digests_file(path).read_text()) == {
-            "size": len(data), "sha256": manifest[path.name]["sha256"], "segment_bytes": 4096,
+            "size": len(data), "file_digest": ["xxh3_128", manifest[path.name]["xxh3_128"]], "segment_bytes": 4096,
             "xxh3_128": [xxhash.xxh3_128(data[at:at + 4096]).hexdigest() for at in range(0, len(data), 4096)]}
     assert restored(storage, memory) == (5, digest, "memory")
 
 
 @pytest.mark.parametrize("with_tier", [False, True])
-def test_the_manifest_lists_path_size_and_sha256_only(storage, memory, with_tier):
+def test_the_manifest_lists_path_size_and_xxh3_128_only(storage, memory, with_tier):
     model, opt = trained()
     with CheckpointStore(storage.as_uri(), memory_tier=str(memory) if with_tier else None) as store:
         store.save(5, app_state(model, opt), {"step": 5})
         assert store.wait() is not None
     entries = json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]
-    assert entries and all(set(entry) == {"path", "size", "sha256"} for entry in entries)
+    assert entries and all(set(entry) == {"path", "size", "xxh3_128"} for entry in entries)
 
 
 def test_a_failed_save_keeps_nothing_of_its_step_and_the_committed_copy_stays(storage, memory, monkeypatch):

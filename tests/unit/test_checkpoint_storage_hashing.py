@@ -6,6 +6,7 @@ import threading
 import uuid
 
 import pytest
+import xxhash
 
 from trainingrun_trainer.checkpoint import storage as storage_module
 from trainingrun_trainer.checkpoint.storage import _Storage
@@ -34,10 +35,12 @@ def bucket(monkeypatch):
     return store, f"{uri}/file"
 
 
-def test_ranges_are_hashed_and_copied_in_order(bucket):
+@pytest.mark.parametrize("name,expected", [("xxh3_128", xxhash.xxh3_128(DATA).hexdigest()),
+                                           ("sha256", hashlib.sha256(DATA).hexdigest())])
+def test_ranges_are_hashed_and_copied_in_order(bucket, name, expected):
     store, uri = bucket
     kept = Kept()
-    assert store.sha256(uri, kept, size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
+    assert store.digest(uri, name, kept, size=len(DATA)) == (len(DATA), expected)
     assert bytes(kept.data) == DATA
 
 
@@ -54,14 +57,14 @@ def test_several_ranges_are_in_flight_at_once(bucket, monkeypatch):
         return real(path, start=start, end=end, **kwargs)
 
     monkeypatch.setattr(store.fs, "cat_file", cat_file)
-    assert store.sha256(uri, size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
+    assert store.digest(uri, "sha256", size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
     assert not together.broken
 
 
 @pytest.mark.parametrize("listed", [len(DATA) + 5, len(DATA) - 5, 0])
 def test_a_file_of_another_size_than_listed_reads_as_that_size(bucket, listed):
     store, uri = bucket
-    size, digest = store.sha256(uri, size=listed)
+    size, digest = store.digest(uri, "sha256", size=listed)
     assert size != listed or digest != hashlib.sha256(DATA[:listed]).hexdigest()
     assert size == (len(DATA) if listed > len(DATA) else listed + 1)
 
@@ -70,4 +73,4 @@ def test_a_local_file_is_read_as_one_stream(tmp_path):
     (tmp_path / "file").write_bytes(DATA)
     store = _Storage(tmp_path.as_uri(), {})
     assert store.local
-    assert store.sha256((tmp_path / "file").as_uri(), size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
+    assert store.digest((tmp_path / "file").as_uri(), "sha256", size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())

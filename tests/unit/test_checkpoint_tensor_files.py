@@ -45,7 +45,7 @@ def test_every_tensor_is_stored_as_its_bytes(store, root):
     tensors = {index.fqn: info for index, info in stored.storage_data.items()
                if isinstance(stored.state_dict_metadata[index.fqn], dcp.metadata.TensorStorageMetadata)}
     assert tensors and all(info.transform_descriptors == [RAW_TENSOR] for info in tensors.values())
-    assert json.loads((directory / MANIFEST_NAME).read_text())["format_version"] == 3
+    assert json.loads((directory / MANIFEST_NAME).read_text())["format_version"] == 4  # format 3 stored tensors so; 4 adds xxh3_128 digests
     data = (directory / "__0_0.distcp").read_bytes()
     for name, value in model.state_dict().items():
         info = tensors[f"model.{name}"]

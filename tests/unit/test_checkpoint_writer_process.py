@@ -28,7 +28,7 @@ def writing_store(uri, **kwargs) -> CheckpointStore:
 
 def manifest_files(root, step) -> dict:
     manifest = json.loads((step_dir(root, step) / MANIFEST_NAME).read_text())
-    return {entry["path"]: (entry["size"], entry["sha256"]) for entry in manifest["files"]}
+    return {entry["path"]: (entry["size"], entry["xxh3_128"]) for entry in manifest["files"]}
 
 
 def test_the_writer_process_writes_what_the_training_process_would(tmp_path):

@@ -14,11 +14,12 @@ when ``checkpoint.interval.steps`` is ``auto``: its failure rate; `CheckpointSto
 Format 1 (still read) kept each rank's ``extra`` in a file of its own, ``extra-rank-<r>.pt``.
 
 ``manifest.json`` = ``{format_version, step, time, world_size, config_hash, model_digest,
-torch_version, files: [{path, size, sha256}]}`` listing every other file of the directory. (Some format 3
-manifests also carry ``xxh3_128``, an earlier memory tier's check; readers ignore it.)
+torch_version, run_uid, files: [{path, size, xxh3_128}]}`` listing every other file of the directory, each with its
+xxh3_128 (format 4; formats 1-3 recorded a sha256 instead, and some format 3 manifests also carry an ``xxh3_128``
+that readers ignore there).
 A checkpoint without a valid manifest does not exist: readers skip directories with no manifest
 (a save that never finished) and directories whose files are missing or do not match the
-manifest's sizes / sha256 (corruption), and fall back to older ones.
+manifest's sizes / digests (corruption), and fall back to older ones.
 
 Every scheme goes through fsspec and DCP's ``FsspecWriter`` / ``FsspecReader``, file:// (or a
 plain path) included: one code path, so the fast file:// tests exercise the same code that
@@ -39,7 +40,7 @@ How a save is sequenced (same on every rank; collectives use a dedicated gloo gr
    ``dcp.save``: rank 0 clears a stale directory of the same step while planning (before any
    rank writes), every rank writes its data files (by its writer process, `writer_process`, when the
    store has one; staged into reused shared-memory buffers then), rank 0 writes ``.metadata`` after DCP has
-   gathered every rank's write results. Sizes and sha256 are computed while the bytes stream
+   gathered every rank's write results. Sizes and xxh3_128 are computed while the bytes stream
    out, so nothing is read back.
 3. All ranks exchange (ok/error, file hashes).
 4. Only if every rank succeeded, rank 0 writes ``manifest.json`` (file://: temp file, fsync,
@@ -66,8 +67,8 @@ digests are no secret), so nothing read from storage can run code, name a path, 
 - On file://, links are never listed as step directories or files, and deletes never follow one.
 
 Anything else fails the load with CheckpointLoadError (the trainer exits "checkpoint refused"), or makes the
-checkpoint invalid, and resume falls back to an older one. The sha256 in the manifest detects corruption, not
-tampering.
+checkpoint invalid, and resume falls back to an older one. The digests in the manifest detect corruption, not
+tampering (which is why a fast digest does as well as sha256 did).
 
 The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer),
 `writer_process` (the same in a separate process), `manifest`

@@ -1,6 +1,7 @@
 """How a checkpoint looks on storage: names, the format version, and the types that describe one."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from concurrent.futures import Future
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..contract import rfc3339
@@ -15,11 +17,31 @@ from ..contract import rfc3339
 
 logger = logging.getLogger("trainingrun.checkpoint")
 
-#: Version of the checkpoint format that saves write. 3: tensors are stored as their bytes (`tensor_files`).
-FORMAT_VERSION = 3
-#: Versions readers load. 2: tensors as DCP's torch.save archives, each rank's ``extra`` an entry of DCP's state dict;
-#: 1: each rank's ``extra`` was a file of its own (``extra-rank-<r>.pt``).
-READABLE_FORMATS = (1, 2, 3)
+#: Version of the checkpoint format that saves write. 4: the manifest's digest of each file is its xxh3_128;
+#: 3: tensors are stored as their bytes (`tensor_files`).
+FORMAT_VERSION = 4
+#: Versions readers load. 3 and before: each file's digest is its sha256; 2: tensors as DCP's torch.save archives,
+#: each rank's ``extra`` an entry of DCP's state dict; 1: each rank's ``extra`` was a file of its own
+#: (``extra-rank-<r>.pt``).
+READABLE_FORMATS = (1, 2, 3, 4)
+#: Each file digest a manifest may record: its name (the manifest entry's key) and its hex form. xxh3_128 (format 4)
+#: hashes at memory speed, about ten times sha256's, so it is computed while the bytes stream; it detects
+#: corruption, which is all sha256 did too: whoever may rewrite a file may rewrite the manifest beside it.
+FILE_DIGEST_HEX = {"xxh3_128": re.compile(r"[0-9a-f]{32}", re.ASCII), "sha256": re.compile(r"[0-9a-f]{64}", re.ASCII)}
+
+
+def file_digest_name(format_version: int) -> str:
+    """The file digest manifests of this format record."""
+    return "xxh3_128" if format_version >= 4 else "sha256"
+
+
+#: The file digest saves record.
+FILE_DIGEST = file_digest_name(FORMAT_VERSION)
+
+
+def file_hasher(name: str) -> Any:
+    """A new hash object (update, hexdigest) of the file digest `name`."""
+    return xxhash.xxh3_128() if name == "xxh3_128" else hashlib.sha256()
 #: Name of the commit marker inside a checkpoint directory.
 MANIFEST_NAME = "manifest.json"
 #: Beside the step directories: how often the run's training processes started (`CheckpointStore.record_start`).

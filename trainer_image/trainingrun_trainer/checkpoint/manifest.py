@@ -4,11 +4,11 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional
 
-from .layout import CheckpointInfo, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join, is_plain_name
+from .layout import (CheckpointInfo, FILE_DIGEST_HEX, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join,
+                     file_digest_name, is_plain_name)
 from .storage import _Storage, _entry_time, _is_dir, _is_file, _storage_options
 
 
@@ -16,7 +16,6 @@ from .storage import _Storage, _entry_time, _is_dir, _is_file, _storage_options
 MAX_MANIFEST_BYTES = 64 << 20
 #: The most files one manifest may list.
 MAX_MANIFEST_FILES = 1_000_000
-_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
 
 def _is_count(value: object) -> bool:
@@ -25,7 +24,7 @@ def _is_count(value: object) -> bool:
 
 def _parse_manifest(raw: bytes) -> dict:
     """The manifest's JSON, checked to be one this trainer wrote: every listed file a plain name of its directory, once,
-    with a size and a sha256 (anything else names what is wrong, and the checkpoint is not valid)."""
+    with a size and its format's file digest (anything else names what is wrong, and the checkpoint is not valid)."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ValueError(f"larger than {MAX_MANIFEST_BYTES >> 20} MiB")
     manifest = json.loads(raw)
@@ -35,12 +34,13 @@ def _parse_manifest(raw: bytes) -> dict:
         raise ValueError(f"format_version {manifest.get('format_version')!r}, expected one of "
                          f"{', '.join(map(str, READABLE_FORMATS))} (written by a newer trainer image?)")
     files = manifest.get("files")
+    digest = file_digest_name(manifest["format_version"])
     if not isinstance(files, list) or len(files) > MAX_MANIFEST_FILES or not all(
         isinstance(f, dict) and isinstance(f.get("path"), str) and _is_count(f.get("size"))
-        and isinstance(f.get("sha256"), str) and _SHA256.fullmatch(f["sha256"])
+        and isinstance(f.get(digest), str) and FILE_DIGEST_HEX[digest].fullmatch(f[digest])
         for f in files
     ):
-        raise ValueError("'files' is not a list of {path, size, sha256}")
+        raise ValueError(f"'files' is not a list of {{path, size, {digest}}}")
     names = [f["path"] for f in files]
     strange = next((name for name in names if not is_plain_name(name) or name == MANIFEST_NAME), None)
     if strange is not None:
@@ -112,8 +112,10 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         kept = tier.begin(step, sum(entry["size"] for entry in manifest["files"])) if tier is not None else None
         reason: Optional[str] = "interrupted"
         try:
+            digest = file_digest_name(manifest["format_version"])
             reason = next((why for entry in manifest["files"] if (why := _check(
-                storage, uri, entry, tier.copy(kept, entry["path"]) if kept is not None else None)) is not None), None)
+                storage, uri, entry, digest, tier.copy(kept, entry["path"]) if kept is not None else None)) is not None),
+                None)
         finally:
             if kept is not None:
                 tier.commit(step, raw) if reason is None else tier.discard(step)
@@ -138,21 +140,22 @@ def _read_manifest(storage: _Storage, uri: str) -> tuple[Optional[bytes], Option
         return None, exc
 
 
-def _check(storage: _Storage, uri: str, entry: dict, copy: Any) -> Optional[str]:
-    """Why the file of a manifest entry does not match it (None: it does); `copy` keeps what was read."""
+def _check(storage: _Storage, uri: str, entry: dict, digest: str, copy: Any) -> Optional[str]:
+    """Why the file of a manifest entry does not match it by its size and its `digest` (None: it does); `copy` keeps
+    what was read."""
     name = entry["path"]
     try:
-        got_size, got_sha = storage.sha256(_join(uri, name), copy, size=entry["size"])
+        got_size, got_digest = storage.digest(_join(uri, name), digest, copy, size=entry["size"])
     except FileNotFoundError:
-        got_size, got_sha = None, None
+        got_size, got_digest = None, None
     except BaseException:
         if copy is not None:
             copy.abandon()
         raise
     reason = ("missing file" if got_size is None else "size mismatch in" if got_size != entry["size"]
-              else "sha256 mismatch in" if got_sha != entry["sha256"] else None)
+              else f"{digest} mismatch in" if got_digest != entry[digest] else None)
     if copy is not None:
-        copy.close(got_sha) if reason is None else copy.abandon()
+        copy.close(digest, got_digest) if reason is None else copy.abandon()
     return None if reason is None else f"{reason} {name}"
 
 

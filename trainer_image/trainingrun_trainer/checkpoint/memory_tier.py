@@ -8,11 +8,12 @@ here (`manifest._inspect`) for the load that follows and the restarts before the
 Layout, below the tier's root (one per attempt of a run, see `contract.memory_tier_dir`)::
 
     step-NNNNNNNN/<file>            every file this node's ranks wrote for the step, as it streamed to storage
-    step-NNNNNNNN/<file>.xxh3       its digests: its size and sha256, and the xxh3_128 of each 4 MiB segment
+    step-NNNNNNNN/<file>.xxh3       its digests: its size and the manifest's file digest, and the xxh3_128 of each
+                                    4 MiB segment
     step-NNNNNNNN/manifest.json     a copy of the committed manifest, written only after storage committed it
 
 Trust: a file is used only when the tier's copy of the manifest is byte for byte the manifest of the checkpoint
-being restored and the file has that manifest's size and, by its digests file, its sha256. Its content is checked
+being restored and the file has that manifest's size and, by its digests file, its file digest. Its content is checked
 as it loads, in one pass: each segment read is hashed while it is still in the CPU's cache and compared with the
 xxh3_128 recorded when the copy was written, so a damaged copy fails the load (`TierMismatch`) and the store reads
 that file from storage instead (`CheckpointStore.load`). Anything else (a stale step, a file cut short by a kill, a
@@ -33,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import xxhash
 
-from .layout import _STEP_DIR, MANIFEST_NAME, logger, step_dir_name
+from .layout import _STEP_DIR, MANIFEST_NAME, file_digest_name, logger, step_dir_name
 
 #: Free space /dev/shm keeps for DataLoader workers and NCCL: this share of the volume, and at least RESERVE_BYTES.
 RESERVE_SHARE = 0.1
@@ -53,7 +54,7 @@ class TierMismatch(OSError):
 
 @dataclass(frozen=True)
 class TierFile:
-    """A file of the tier whose size and sha256 match the manifest being restored; its content is checked as it is
+    """A file of the tier whose size and file digest match the manifest being restored; its content is checked as it is
     read (`VerifiedTierFile`)."""
 
     path: str
@@ -181,7 +182,7 @@ class MemoryTier:
 
     def files(self, step: int, manifest_sha256: Optional[str]) -> dict[str, TierFile]:
         """{file name: `TierFile`} of the checkpoint whose manifest has `manifest_sha256`, for the files this node holds
-        with the manifest's size and sha256 ({} when its copy of the manifest is another). Reads no file's content:
+        with the manifest's size and file digest ({} when its copy of the manifest is another). Reads no file's content:
         that is checked as it loads."""
         if not manifest_sha256:
             return {}
@@ -211,11 +212,13 @@ class MemoryTier:
     def _find(self, step: int, manifest_sha256: str) -> tuple[dict[str, TierFile], int]:
         directory = os.path.join(self.root, step_dir_name(step))
         listed: list = []
+        digest = ""
         try:
             with open(os.path.join(directory, MANIFEST_NAME), "rb") as f:
                 raw = f.read()
             if hashlib.sha256(raw).hexdigest() == manifest_sha256:
-                listed = json.loads(raw)["files"]
+                manifest = json.loads(raw)
+                listed, digest = manifest["files"], file_digest_name(manifest["format_version"])
             else:
                 logger.info("the checkpoint of step %d kept in memory is not the committed one: reading storage", step)
         except OSError:
@@ -225,7 +228,7 @@ class MemoryTier:
             path = os.path.join(directory, entry["path"])
             if not os.path.exists(path):
                 continue
-            kept = _tier_file(path, entry)
+            kept = _tier_file(path, entry, digest)
             if kept is None:
                 logger.warning("%s does not match the manifest of step %d: reading it from storage", path, step)
             else:
@@ -233,14 +236,15 @@ class MemoryTier:
         return found, len(listed)
 
 
-def _tier_file(path: str, entry: dict) -> Optional[TierFile]:
-    """The tier's copy at `path` of the manifest's `entry`, if its size and its digests file's sha256 match."""
+def _tier_file(path: str, entry: dict, digest: str) -> Optional[TierFile]:
+    """The tier's copy at `path` of the manifest's `entry`, if its size and its digests file's file digest (`digest`,
+    the manifest's) match."""
     try:
         with open(path + DIGESTS_SUFFIX, "rb") as f:
             digests = json.loads(f.read())
         segment_bytes, segments = int(digests["segment_bytes"]), tuple(digests["xxh3_128"])
         if os.path.getsize(path) != entry["size"] or digests["size"] != entry["size"] \
-                or digests["sha256"] != entry["sha256"] or segment_bytes <= 0 \
+                or digests["file_digest"] != [digest, entry[digest]] or segment_bytes <= 0 \
                 or len(segments) != -(-entry["size"] // segment_bytes):
             return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -404,10 +408,11 @@ class TierCopy:
             self._segments.update(data)
             self._size += memoryview(data).nbytes
 
-    def close(self, sha256: str) -> None:
-        """The upload of these bytes, whose sha256 is `sha256`, succeeded: the copy is complete."""
+    def close(self, digest_name: str, digest: str) -> None:
+        """The upload of these bytes, whose file digest `digest_name` (the manifest's) is `digest`, succeeded: the copy
+        is complete."""
         if self.file is not None:
-            digests = {"size": self._size, "sha256": sha256, "segment_bytes": SEGMENT_BYTES,
+            digests = {"size": self._size, "file_digest": [digest_name, digest], "segment_bytes": SEGMENT_BYTES,
                        "xxh3_128": self._segments.finish()}
             try:
                 self.file.close()

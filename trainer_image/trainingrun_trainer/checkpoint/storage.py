@@ -1,7 +1,6 @@
 """fsspec storage for checkpoints: options per scheme, listing and the few operations the store needs."""
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 import shutil
@@ -13,7 +12,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from fsspec.core import url_to_fs
 
-from .layout import _HASH_CHUNK
+from .layout import _HASH_CHUNK, file_hasher
 
 #: Ranges of one file in object storage fetched at once when it is hashed (each `_HASH_CHUNK` bytes).
 FETCH_AHEAD = 8
@@ -89,10 +88,11 @@ class _Storage:
             return self.fs.cat_file(self._path(uri))
         return self.fs.cat_file(self._path(uri), start=0, end=limit)
 
-    def sha256(self, uri: str, copy: Any = None, size: Optional[int] = None) -> tuple[int, str]:
-        """(size, sha256) of a file, read once; `copy` (a memory tier's `TierCopy`) gets every byte read. On an
-        object store, given the file's listed `size`, `FETCH_AHEAD` ranges are fetched at once (hashed in order)."""
-        digest = hashlib.sha256()
+    def digest(self, uri: str, name: str, copy: Any = None, size: Optional[int] = None) -> tuple[int, str]:
+        """(size, file digest `name`: xxh3_128 or sha256) of a file, read once; `copy` (a memory tier's `TierCopy`)
+        gets every byte read. On an object store, given the file's listed `size`, `FETCH_AHEAD` ranges are fetched at
+        once (hashed in order)."""
+        digest = file_hasher(name)
         read = 0
         for chunk in (self._ranges(uri, size) if size is not None and not self.local else self._stream(uri)):
             digest.update(chunk)

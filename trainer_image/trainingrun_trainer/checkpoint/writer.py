@@ -1,7 +1,6 @@
 """The DCP writer that hashes every file as it is written, for the manifest, and copies it to the memory tier."""
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 from contextlib import contextmanager
@@ -10,32 +9,33 @@ from typing import Any, Optional
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.futures import Future
 
+from .layout import FILE_DIGEST, file_hasher
 from .memory_tier import MemoryTier, TierCopy
 from .tensor_files import write_rank_file
 from .writer_process import WriteRequest, WriterProcess
 
 
 class _HashingStream:
-    """Passes writes to a DCP output stream and keeps the size and sha256 of what went through (and a copy for the
-    memory tier, `TierCopy`)."""
+    """Passes writes to a DCP output stream and keeps the size and file digest (`FILE_DIGEST`) of what went through,
+    hashed while the bytes are in the CPU's cache (and a copy for the memory tier, `TierCopy`)."""
 
     def __init__(self, raw: Any, copy: TierCopy):
         self._raw = raw
         self._copy = copy
-        self._sha = hashlib.sha256()
+        self._digest = file_hasher(FILE_DIGEST)
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
-        self._sha.update(view)
+        self._digest.update(view)
         self._copy.write(view)
         self.size += view.nbytes
         return view.nbytes if written is None else written
 
     def manifest_entry(self) -> dict:
         """The file's entry in the manifest, less its path."""
-        return {"size": self.size, "sha256": self._sha.hexdigest()}
+        return {"size": self.size, FILE_DIGEST: self._digest.hexdigest()}
 
     def writable(self) -> bool:
         return True
@@ -72,7 +72,7 @@ class _HashingFileSystem:
             copy.abandon()  # the upload failed, so does the save
             raise
         entry = tee.manifest_entry()
-        copy.close(entry["sha256"])
+        copy.close(FILE_DIGEST, entry[FILE_DIGEST])
         self._record[name] = entry
 
     def rename(self, path, new_path) -> None:
