@@ -65,6 +65,7 @@ restore_seconds=<x> state_mb=<x> ... memory_restore_speedup=<x>`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -77,14 +78,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each restore of `state` (saved once per storage server with a memory tier), as a restarted process
-    resumes: {"GCS emulator": [...], "moto S3": [...], "memory (GCS listing)": [...], "memory (S3 listing)": [...]}.
-    `fresh_state()` gives (a state to load into, a function of it that gives the model digest)."""
+class LocalDisk:
+    """A file:// "server" for machines without the storage emulators (the GPU machine): checkpoints on its disk."""
+
+    scheme, store_kwargs = "file", {}
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def new_bucket(self) -> str:
+        return tempfile.mkdtemp(prefix="bucket-", dir=self.root).lstrip("/")
+
+
+@contextlib.contextmanager
+def restore_servers(source: str):
+    """[(server, name)] to restore from: the GCS emulator and moto's S3 server, or this machine's disk."""
+    if source == "file":
+        with tempfile.TemporaryDirectory(prefix="checkpoint-stall-disk-") as root:
+            yield [(LocalDisk(root), "file")]
+        return
     import gcsfs
     from fsspec.asyn import AsyncFileSystem
-
-    from trainingrun_trainer.checkpoint import CheckpointStore
 
     sys.path.insert(0, str(REPO / "tests"))
     from storage_servers import gcs_emulator, moto_s3
@@ -92,11 +106,23 @@ def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: in
     # The emulator answers GCS's moveTo (DCP renames .metadata.tmp) with 501 and gcsfs retries it for ~33 s before
     # it copies; real GCS moves. As the tests' gcs_move_is_copy fixture does.
     gcsfs.GCSFileSystem._mv_file = AsyncFileSystem._mv_file
+    with gcs_emulator() as gcs, moto_s3() as s3:
+        yield [(gcs, "GCS"), (s3, "S3")]
+
+
+def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: int,
+                     source: str = "servers") -> dict[str, list[float]]:
+    """Seconds of each restore of `state` (saved once per storage server with a memory tier), as a restarted process
+    resumes: {"GCS emulator": [...], "moto S3": [...], "memory (GCS listing)": [...], "memory (S3 listing)": [...]}
+    (`source` "file": {"file on disk": [...], "memory (file listing)": [...]}).
+    `fresh_state()` gives (a state to load into, a function of it that gives the model digest)."""
+    from trainingrun_trainer.checkpoint import CheckpointStore
+
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     expected = digest_of(state)
     seconds: dict[str, list[float]] = {}
-    with gcs_emulator() as gcs, moto_s3() as s3, tempfile.TemporaryDirectory(prefix="checkpoint-stall-", dir=shm) as tier:
-        for server, name in ((gcs, "GCS"), (s3, "S3")):
+    with restore_servers(source) as servers, tempfile.TemporaryDirectory(prefix="checkpoint-stall-", dir=shm) as tier:
+        for server, name in servers:
             uri = f"{server.scheme}://{server.new_bucket()}/run"
             memory = os.path.join(tier, server.scheme)
             with CheckpointStore(uri, memory_tier=memory, **server.store_kwargs) as store:
@@ -104,7 +130,8 @@ def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: in
                 if store.wait() is None:
                     raise SystemExit(f"the save to {uri} did not commit; see the log above")
             for _ in range(repeats):
-                for label, tier_dir, source in ((f"{name} {'emulator' if name == 'GCS' else 'on moto'}", None, "storage"),
+                storage_label = {"GCS": "GCS emulator", "S3": "S3 on moto", "file": "file on disk"}[name]
+                for label, tier_dir, read_from in ((storage_label, None, "storage"),
                                                 (f"memory ({name} listing)", memory, "memory")):
                     target, digest = fresh_state()
                     began = time.perf_counter()
@@ -112,8 +139,8 @@ def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: in
                         store.load(store.latest_valid(), target)
                         read = store.last_restore_source
                     seconds.setdefault(label, []).append(time.perf_counter() - began)
-                    if read != source or digest(target) != expected:
-                        raise SystemExit(f"restore '{label}' read from {read} (expected {source}) or restored other "
+                    if read != read_from or digest(target) != expected:
+                        raise SystemExit(f"restore '{label}' read from {read} (expected {read_from}) or restored other "
                                          "weights than were saved")
     return seconds
 
@@ -178,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restore-repeats", type=int, default=3,
                         help="restores per source (GCS emulator, moto, memory tier); medians reported (default 3); "
                              "0: none")
+    parser.add_argument("--restore-from", choices=["servers", "file"], default="servers",
+                        help="storage the restores read: the GCS emulator and moto's S3 server (default), or file:// on "
+                             "this machine's disk (where the emulators are not installed, e.g. a GPU machine)")
     parser.add_argument("--min-state-mb", type=float, default=200.0,
                         help="refuse to run with a smaller state (default 200)")
     args = parser.parse_args(argv)
@@ -398,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"model": model_state, "optim": optim_state}, lambda loaded: model_digest(loaded["model"])
 
     restores = measure_restores(state_now(), step_no, fresh_state, lambda saved: model_digest(saved["model"]),
-                                args.restore_repeats) if args.restore_repeats else {}
+                                args.restore_repeats, args.restore_from) if args.restore_repeats else {}
     total = time.perf_counter() - began_all
 
     med = {name: statistics.median(values) for name, values in rows.items()}
@@ -477,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  with the in-process writer thread (writerProcess: false): trainer's save path {trainer_ratio:.3f} "
           f"({trainer_low:.3f}-{trainer_high:.3f}); effective stall {stall_ratio:.3f} ({stall_low:.3f}-"
           f"{stall_high:.3f}); the writer process stalls {stall_ratio / process_stall[0]:.1f}x less")
+    commit = per_repeat("save-to-commit (store.last_save_seconds)")
+    commit_process = per_repeat("save-to-commit (store.last_save_seconds)" + WRITER_PROCESS)
+    print(f"commit_vs_torch_save = save() to committed / torch.save, per repeat: in-process writer {commit[0]:.3f} "
+          f"({commit[1]:.3f}-{commit[2]:.3f}), writer process {commit_process[0]:.3f} ({commit_process[1]:.3f}-"
+          f"{commit_process[2]:.3f}) (issue 37's target for the memory tier: <= 0.5)")
     background_cpu = med["  CPU seconds of the background work (thread + writer)" + WRITER_PROCESS]
     save_cpu = med["  its CPU seconds"]
     print(f"CPU of one save's background work (writer process + checkpoint thread: staging, digest, serialising, "
@@ -491,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     from_storage = min((v for label, v in restore_medians.items() if not label.startswith("memory")), default=math.nan)
     from_memory = max((v for label, v in restore_medians.items() if label.startswith("memory")), default=math.nan)
     memory_speedup = from_storage / from_memory
+    memory_vs_load = from_memory / med["torch.load"]
     print(f"restore as a restarted process resumes (latest_valid + load into a fresh model), {args.restore_repeats} "
           f"each, median (min-max):")
     for label, values in restores.items():
@@ -498,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{state_mb / restore_medians[label]:8.0f} MB/s")
     print(f"memory_restore_speedup = the faster storage restore / the slower memory restore = {from_storage:.3f} / "
           f"{from_memory:.3f} = {memory_speedup:.1f}x (target >= 10: {'met' if memory_speedup >= 10 else 'NOT met'})")
+    print(f"memory_restore_vs_torch_load = the slower memory restore (a new process: listing, verify, load) / torch.load "
+          f"= {from_memory:.3f} / {med['torch.load']:.3f} = {memory_vs_load:.2f} (issue 37's target: <= 0.2)")
     cores = os.cpu_count() or 1
     if foreign and max(foreign) > 0.1 * cores:
         print(f"WARNING: other processes used up to {max(foreign):.2f} of {cores} cores during a repeat "
@@ -511,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
           f"effective_stall_seconds={effective:.4f} "
           f"torch_load_seconds={med['torch.load']:.4f} memory_restore_speedup={memory_speedup:.2f} background_cpu_ratio={background_cpu / save_cpu:.2f} "
           f"trainer_blocking_ratio={process_trainer[0]:.4f} effective_stall_ratio={process_stall[0]:.4f} "
-          f"trainer_blocking_ratio_in_process={trainer_ratio:.4f} effective_stall_ratio_in_process={stall_ratio:.4f}")
+          f"trainer_blocking_ratio_in_process={trainer_ratio:.4f} effective_stall_ratio_in_process={stall_ratio:.4f} "
+          f"commit_vs_torch_save={min(commit[0], commit_process[0]):.4f} commit_vs_torch_save_in_process={commit[0]:.4f} "
+          f"commit_vs_torch_save_writer_process={commit_process[0]:.4f} memory_restore_vs_torch_load={memory_vs_load:.4f}")
     return 0 if all(restored_ok) else 1
 
 

@@ -1,0 +1,111 @@
+"""The GPU checks of the checkpoint issue (37) in one command, with the machine's own torch and nothing fetched.
+
+Runs, on one CUDA device, the model of the first H100 measurement (CharTransformer dim 1024, 12 layers, 16 heads:
+151.5 M parameters + AdamW = 1,818 MB of state):
+
+  checkpoint_stall.py --device cuda ... --repeats 5 --restore-from file
+      save-to-commit and background CPU against torch.save to the same disk, the effective stall, and restores from
+      this machine's disk and from the memory tier (/dev/shm) against torch.load (the storage emulators are not
+      installed on a GPU machine, so storage is file:// here);
+  trainer_overhead.py --device cuda --nproc 1 ... --context 256 --batch-size 32 --precision bf16-mixed
+      --checkpoint-every 10 --repeats 3
+      the trainer against a bare loop, and with an async checkpoint every 10 steps (`ckpt_overhead_ratio`).
+
+It prints both outputs as they come and ends with one line:
+
+  result: ckpt_overhead_ratio=... ckpt_vs_trainer=... commit_vs_torch_save=... background_cpu_ratio=...
+          effective_stall_ratio=... memory_restore_vs_torch_load=... overhead_ratio=... device=... torch=...
+
+(ckpt_overhead_ratio: the trainer with a checkpoint every 10 steps / the bare loop; ckpt_vs_trainer: / the trainer
+without one.) Targets (issue 37): ckpt_vs_trainer <= 1.03 (a memory checkpoint every 10 steps costs <= 3%),
+commit_vs_torch_save <= 0.5, background_cpu_ratio <= 1.5, memory_restore_vs_torch_load <= 0.2.
+
+On the GPU machine (torch 2.11 there, no registry, no pydantic): carry the wheels `bash scripts/gpu-wheels.sh` puts in
+.whl/ (pydantic and its needs, for Python 3.12), then, in one device call:
+
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
+  PYTHONPATH=/tmp/site:$PWD/trainer_image:$PWD/operator PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py
+
+`--quick` (a smaller model, 2 repeats) checks the script itself in a minute, also on CPU (`--device cpu`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL = ["--dim", "1024", "--layers", "12", "--heads", "16"]
+QUICK_MODEL = ["--dim", "768", "--layers", "3", "--heads", "12"]
+
+
+def run(script: str, args: list[str], timeout: float) -> dict[str, str]:
+    """Run a benchmark, echoing its output; the fields of its last `result:` line."""
+    command = [sys.executable, str(HERE / script), *args]
+    print(f"== {' '.join(command[1:])}", flush=True)
+    began = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+        if time.monotonic() - began > timeout:
+            process.kill()
+            break
+    code = process.wait()
+    results = [line for line in lines if line.startswith("result: ")]
+    if code != 0 or not results:
+        print(f"== {script} exited {code} after {time.monotonic() - began:.0f} s without a result line", flush=True)
+        return {}
+    print(f"== {script}: {time.monotonic() - began:.0f} s", flush=True)
+    return dict(re.findall(r"(\w+)=(\S+)", results[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--quick", action="store_true", help="a smaller model and 2 repeats: checks the script")
+    parser.add_argument("--timeout", type=float, default=330, help="seconds each benchmark may take (default 330)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_suite: torch sees no CUDA device (pass --device cpu to check the script on a CPU)")
+    model = QUICK_MODEL if args.quick else MODEL
+    repeats = "2" if args.quick else "5"
+    stall = run("checkpoint_stall.py", ["--device", args.device, *model, "--repeats", repeats, "--restore-from", "file",
+                                        "--restore-repeats", "2" if args.quick else "3", "--dir", "/tmp"],
+                args.timeout)
+    overhead = run("trainer_overhead.py", [
+        "--device", args.device, "--nproc", "1", *model, "--context", "64" if args.quick else "256",
+        "--batch-size", "4" if args.quick else "32", "--precision", "bf16-mixed" if args.device == "cuda" else "32-true",
+        "--checkpoint-every", "10", "--steps", "60" if args.quick else "160", "--no-metrics", "--no-reporting",
+        "--repeats", "2" if args.quick else "3"], args.timeout)
+    ckpt_vs_trainer = "nan"
+    if overhead.get("ckpt_overhead_ratio") and overhead.get("overhead_ratio"):
+        # the checkpoint row against the trainer without one: what checkpointing every 10 steps alone costs
+        ckpt_vs_trainer = f"{float(overhead['ckpt_overhead_ratio']) / float(overhead['overhead_ratio']):.4f}"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu x{os.cpu_count()}"
+    fields = {
+        "ckpt_overhead_ratio": overhead.get("ckpt_overhead_ratio", "nan"),
+        "ckpt_vs_trainer": ckpt_vs_trainer,
+        "commit_vs_torch_save": stall.get("commit_vs_torch_save", "nan"),
+        "background_cpu_ratio": stall.get("background_cpu_ratio", "nan"),
+        "effective_stall_ratio": stall.get("effective_stall_ratio", "nan"),
+        "memory_restore_vs_torch_load": stall.get("memory_restore_vs_torch_load", "nan"),
+        "overhead_ratio": overhead.get("overhead_ratio", "nan"),
+        "device": device.replace(" ", "_"),
+        "torch": torch.__version__,
+    }
+    print("result: " + " ".join(f"{key}={value}" for key, value in fields.items()), flush=True)
+    return 0 if stall and overhead else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
