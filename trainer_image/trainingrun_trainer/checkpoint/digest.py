@@ -1,10 +1,10 @@
 """A digest of a model's weights that does not depend on the world size or the sharding."""
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Iterable, Mapping
 
 import torch
+import xxhash
 
 
 def _canonical_name(name: str) -> str:
@@ -29,13 +29,16 @@ def _flatten(tree: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
 
 
 def model_digest(state_dict: Mapping[str, Any]) -> str:
-    """sha256 over a model's tensors: for each tensor, in sorted order of its canonical name
+    """xxh3_128 over a model's tensors (sha256 before checkpoint format 4: digests from older manifests are not
+    comparable with these): for each tensor, in sorted order of its canonical name
     (leading ``module.`` / ``_orig_mod.`` removed), its name, dtype, shape and the bytes of the
     contiguous CPU tensor. Non-tensor entries are ignored; nested dicts are flattened with ".".
 
     Equal weights give equal digests whatever the world size: replicated (DDP) weights are hashed
     as they are, sharded DTensors (FSDP2) are gathered with ``full_tensor()``, which is a
-    collective: with sharded weights, call this on every rank.
+    collective: with sharded weights, call this on every rank. It tells equal weights from different ones, and
+    nothing more: anyone may compute a digest for the weights they choose, so it proves no origin; xxh3_128 hashes at
+    memory speed, which matters as rank 0 computes it for every save.
     """
     items = {}
     for name, value in _flatten(state_dict):
@@ -44,7 +47,7 @@ def model_digest(state_dict: Mapping[str, Any]) -> str:
             if canonical in items:
                 raise ValueError(f"two tensors map to the name {canonical!r}")
             items[canonical] = value
-    digest = hashlib.sha256()
+    digest = xxhash.xxh3_128()
     for name in sorted(items):
         tensor = items[name]
         full_tensor = getattr(tensor, "full_tensor", None)
