@@ -26,6 +26,7 @@ TRAINER_SERIES = {
     "trainingrun_step_duration_seconds", "trainingrun_data_wait_seconds",
     "trainingrun_checkpoint_save_seconds", "trainingrun_checkpoint_restore_seconds",
     "trainingrun_checkpoint_saved_bytes_total", "trainingrun_checkpoint_failures_total",
+    "trainingrun_checkpoint_wait_seconds_total",
     "trainingrun_nonfinite_steps_total", "trainingrun_rollbacks_total",
     "trainingrun_gpu_utilization_ratio", "trainingrun_gpu_memory_used_bytes", "trainingrun_gpu_memory_total_bytes",
     "trainingrun_gpu_temperature_celsius", "trainingrun_gpu_power_watts", "trainingrun_gpu_energy_joules_total",
@@ -199,7 +200,9 @@ RUN_PANELS = [
     Panel("GPU power", ((f"trainingrun_gpu_power_watts{RUN}", "rank {{rank}}"),), unit="watt"),
     Panel("Checkpoint save time", ((
         f"sum(rate(trainingrun_checkpoint_save_seconds_sum{RUN}[15m])) / "
-        f"sum(rate(trainingrun_checkpoint_save_seconds_count{RUN}[15m]))", "mean save"),), unit="s"),
+        f"sum(rate(trainingrun_checkpoint_save_seconds_count{RUN}[15m]))", "mean save"),
+        (f"max(rate(trainingrun_checkpoint_wait_seconds_total{RUN}[15m]))",
+         "training waiting for the previous save (s/s)")), unit="s"),
     Panel("Checkpoint bytes written", ((f"sum(rate(trainingrun_checkpoint_saved_bytes_total{RUN}[15m]))", "bytes/s"),),
           unit="Bps"),
     Panel("Checkpoint failures and restores", (

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from trainingrun_trainer.checkpoint_interval import MIN_STEPS_MEASURED, AutoInterval
+from trainingrun_trainer.checkpoint_interval import COMMIT_MARGIN, MIN_STEPS_MEASURED, AutoInterval
 
 
 class Clock:
@@ -14,15 +14,15 @@ class Clock:
         return self.now
 
 
-def measured(cost_steps=(0.5, 0.2), usual=0.1, failures=0, clock=None, **bounds):
-    """An interval that saw 10 usual steps, then one save beside `cost_steps`."""
+def measured(cost_steps=(0.5, 0.2), usual=0.1, failures=0, clock=None, commit=None, **bounds):
+    """An interval that saw 10 usual steps, then one save beside `cost_steps`, committed `commit` s after save()."""
     policy = AutoInterval(bounds.get("min_steps", 5), bounds.get("max_steps", 10_000), 3600, failures=failures,
                           clock=clock or Clock())
     for _ in range(10):
         policy.step(usual, beside_save=False)
     for seconds in cost_steps:
         policy.step(seconds, beside_save=True)
-    policy.save_finished()
+    policy.save_finished(commit)
     return policy
 
 
@@ -66,6 +66,14 @@ def test_failures_shorten_the_interval_and_a_long_quiet_run_lengthens_it():
 def test_the_interval_stays_within_its_bounds():
     assert measured(cost_steps=(100.0,), max_steps=50).steps() == 50
     assert measured(cost_steps=(0.1,), min_steps=40).steps() == 40  # a free save: as often as allowed
+
+
+def test_the_interval_is_never_shorter_than_a_commit_not_even_under_max_steps():
+    # a cheap save (cost 0.01 s: Young's rule says every 85 steps, 8.5 s) whose write takes 30 s to commit
+    policy = measured(cost_steps=(0.11,), usual=0.1, commit=30.0, max_steps=100)
+    assert policy.commit_seconds == 30.0
+    assert policy.steps() == math.ceil(30.0 * COMMIT_MARGIN / 0.1) == 375  # 37.5 s: the commit fits in it
+    assert measured(cost_steps=(0.11,), usual=0.1, commit=None, max_steps=100).steps() == 85  # no commit measured
 
 
 def test_a_cost_carried_from_an_earlier_process_counts_until_this_one_measures_its_own():

@@ -215,3 +215,35 @@ def test_resume_from_on_the_same_uri_continues_a_run_that_was_created_again(tmp_
     assert again.resume({"model": nn.Linear(2, 2).state_dict()})["step"] == 20
     saved_at(again, 30)
     assert run_as(tmp_path, "second-uid").resume({"model": nn.Linear(2, 2).state_dict()})["step"] == 30
+
+
+def test_a_save_that_waits_for_the_one_before_it_is_said_once_and_counted(tmp_path, caplog, monkeypatch):
+    """An interval shorter than a commit: the next save finds the previous one still writing and waits for it."""
+    import threading
+
+    run = run_in(tmp_path)
+    store = run.store
+    gates: dict[int, threading.Event] = {}  # a save's write commits only once the next save has begun
+    write = store._run
+    monkeypatch.setattr(store, "_run", lambda job: (gates[job.step].wait(60), write(job))[1])
+    report_committed = run.report_committed
+
+    def next_save_begins():
+        for step, gate in gates.items():
+            if step < max(gates):
+                gate.set()
+        return report_committed()
+
+    monkeypatch.setattr(run, "report_committed", next_save_begins)
+    model = nn.Linear(2, 2)
+    with caplog.at_level(logging.WARNING, logger="trainingrun.session"):
+        for step in (1, 2, 3):
+            gates[step] = threading.Event()
+            run.save(step, {"model": model.state_dict()}, {"step": step})
+        gates[3].set()
+        run.report_committed()
+    said = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(said) == 1 and "the checkpoint of step 2 waited" in said[0]
+    assert "spec.checkpoint.interval" in said[0] and "trainingrun_checkpoint_wait_seconds_total" in said[0]
+    assert run.checkpoint_wait_seconds > 0
+    assert store.committed_saves == 3

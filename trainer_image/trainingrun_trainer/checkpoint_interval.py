@@ -17,6 +17,10 @@ Everything is measured in the run itself:
 
 Until a save's cost and a few steps have been measured the interval is `min_steps`, so the first save comes early
 and measures C. Rank 0 decides; `Run.agree` makes every rank save at the same step.
+
+Whatever T comes out, the interval is never shorter than COMMIT_MARGIN commits (save() to committed, the median of
+the last saves): a save that comes before the one before it has committed waits for it, holding training back. This
+bound wins over `max_steps` too.
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ STEP_WINDOW = 64
 COST_WINDOW = 5
 #: Steps measured before the step time is trusted (the first steps of a process are slow: allocation, warm-up).
 MIN_STEPS_MEASURED = 3
+#: The interval is at least this many commit times, so that a commit a little slower than the last ones does not
+#: hold training back either.
+COMMIT_MARGIN = 1.25
 
 
 class SaveCosts:
@@ -46,15 +53,18 @@ class SaveCosts:
     def __init__(self) -> None:
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._costs: deque[float] = deque(maxlen=COST_WINDOW)
+        self._commits: deque[float] = deque(maxlen=COST_WINDOW)
         self._beside_save: list[float] = []
 
     def step(self, seconds: float, beside_save: bool) -> None:
         """One step took `seconds`; `beside_save`: a save was staged or written during it."""
         (self._beside_save.append if beside_save else self._steps.append)(seconds)
 
-    def save_finished(self) -> float:
-        """The save whose steps were reported `beside_save` is committed (or failed): returns its cost, 0 while no
-        usual step time is known yet."""
+    def save_finished(self, commit_seconds: Optional[float] = None) -> float:
+        """The save whose steps were reported `beside_save` is committed (or failed), `commit_seconds` after save()
+        (None: not known): returns its cost, 0 while no usual step time is known yet."""
+        if commit_seconds is not None and math.isfinite(commit_seconds) and commit_seconds > 0:
+            self._commits.append(commit_seconds)
         usual = self.step_seconds
         cost = 0.0
         if self._beside_save and usual is not None:
@@ -71,6 +81,11 @@ class SaveCosts:
     @property
     def save_cost(self) -> Optional[float]:
         return statistics.median(self._costs) if self._costs else None
+
+    @property
+    def commit_seconds(self) -> Optional[float]:
+        """save() to committed, the median of the last saves."""
+        return statistics.median(self._commits) if self._commits else None
 
     @property
     def step_seconds(self) -> Optional[float]:
@@ -101,7 +116,9 @@ class AutoInterval(SaveCosts):
         if cost is None or not step:
             return self.min_steps
         seconds = math.sqrt(2 * cost * self.seconds_between_failures())
-        return max(self.min_steps, min(self.max_steps, round(seconds / step)))
+        chosen = max(self.min_steps, min(self.max_steps, round(seconds / step)))
+        commit = self.commit_seconds
+        return max(chosen, math.ceil(commit * COMMIT_MARGIN / step)) if commit else chosen
 
     def due(self, steps_since_save: int) -> bool:
         return steps_since_save >= self.steps()

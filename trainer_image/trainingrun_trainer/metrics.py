@@ -14,6 +14,7 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
     trainingrun_productive_seconds, trainingrun_goodput_ratio                     this attempt's view
     trainingrun_checkpoint_save_seconds, trainingrun_checkpoint_restore_seconds   histograms
     trainingrun_checkpoint_saved_bytes_total, trainingrun_checkpoint_failures_total
+    trainingrun_checkpoint_wait_seconds_total          saves waiting for the one before them (interval < a commit)
     trainingrun_nonfinite_steps_total, trainingrun_rollbacks_total
     trainingrun_eval_loss, trainingrun_eval_loss_ema, trainingrun_eval_step  the last evaluation (spec.trainer.eval)
     trainingrun_gpu_utilization_ratio, trainingrun_gpu_memory_used_bytes, trainingrun_gpu_memory_total_bytes,
@@ -49,7 +50,7 @@ class NullMetrics:
     def step(self, **_: Any) -> None:
         pass
 
-    def checkpoints(self, store: Any) -> None:
+    def checkpoints(self, store: Any, waited_seconds: float = 0.0) -> None:
         pass
 
     def checkpoint_interval(self, choice: Any) -> None:
@@ -109,6 +110,9 @@ class TrainerMetrics(NullMetrics):
                                           CHECKPOINT_BUCKETS)
         self._saved_bytes = counter("trainingrun_checkpoint_saved_bytes", "Bytes this rank wrote to checkpoints.")
         self._save_failures = counter("trainingrun_checkpoint_failures", "Checkpoints that were not committed.")
+        self._save_wait = counter("trainingrun_checkpoint_wait_seconds",
+                                  "Time saves waited for the save before them to commit (an interval shorter than a "
+                                  "commit).")
         self._nonfinite = counter("trainingrun_nonfinite_steps", "Steps with a non-finite loss or gradient.")
         self._rollbacks = counter("trainingrun_rollbacks", "Rollbacks to the last good checkpoint.")
         # Series without a value until the first evaluation: absent, never a made-up 0 loss.
@@ -125,10 +129,10 @@ class TrainerMetrics(NullMetrics):
                               ("expected_lost_seconds", "Training a failure throws away on average at that "
                                                         "interval (half of it)."))}
         self._labels = labels
-        for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes):
+        for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes, self._save_wait):
             child.inc(0)  # present from the start, so alerts see 0 rather than nothing
         self._started = time.monotonic()
-        self._seen = {"committed": 0, "failed": 0, "restores": 0}
+        self._seen = {"committed": 0, "failed": 0, "restores": 0, "waited": 0.0}
         self._gpu = GpuPoller(labels, gpu_index, grid_intensity_g_per_kwh) if gpu_index is not None else None
 
     def step(self, *, step: int, loss: float, learning_rate: float, grad_norm: float, step_seconds: float,
@@ -148,8 +152,12 @@ class TrainerMetrics(NullMetrics):
         if tokens_per_second is not None:
             self._tokens.set(tokens_per_second)
 
-    def checkpoints(self, store: Any) -> None:
-        """Record what the checkpoint store did since the last call (its own counters)."""
+    def checkpoints(self, store: Any, waited_seconds: float = 0.0) -> None:
+        """Record what the checkpoint store did since the last call (its own counters), and `waited_seconds`: the
+        seconds saves waited for the one before them so far (`Run.checkpoint_wait_seconds`)."""
+        if waited_seconds > self._seen["waited"]:
+            self._save_wait.inc(waited_seconds - self._seen["waited"])
+            self._seen["waited"] = waited_seconds
         if store.committed_saves > self._seen["committed"]:
             self._seen["committed"] = store.committed_saves
             self._save_seconds.observe(store.last_save_seconds)

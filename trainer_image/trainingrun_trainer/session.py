@@ -117,6 +117,10 @@ class Run:
         self.auto_interval = self._auto_interval()
         self._step_began: Optional[float] = None  # when the current step's agreement was asked for
         self._beside_save = False  # a save was staged or written during the current step
+        #: Seconds saves waited for the save before them to commit: an interval shorter than a commit holds training
+        #: back (trainingrun_checkpoint_wait_seconds_total).
+        self.checkpoint_wait_seconds = 0.0
+        self._told_waiting = False
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -279,7 +283,7 @@ class Run:
             self.auto_interval.step(now - self._step_began, self._beside_save)
         self._step_began = now
         if self._beside_save and save_finished:
-            self.auto_interval.save_finished()
+            self.auto_interval.save_finished(self.store.last_save_seconds)
         self._beside_save = not save_finished
 
     def interval_choice(self) -> Optional[IntervalChoice]:
@@ -298,7 +302,11 @@ class Run:
     ) -> None:
         """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors.
         `copy_in_background`: see `CheckpointStore.save`."""
+        writing = self._pending is not None and not self._pending.done()
+        began = time.monotonic()
         self.report_committed()
+        if writing:
+            self._waited_for_the_save_before(step, time.monotonic() - began)
         cost = self.auto_interval.save_cost if self.auto_interval is not None else None
         if cost is not None:
             extra = {**(extra or {}), SAVE_COST_KEY: float(cost)}
@@ -316,6 +324,21 @@ class Run:
         self._last_save = time.monotonic()
         self._last_saved_step = step
         self._beside_save = True
+
+    def _waited_for_the_save_before(self, step: int, seconds: float) -> None:
+        self.checkpoint_wait_seconds += seconds
+        if self._told_waiting:
+            return
+        self._told_waiting = True
+        interval = self.checkpoint.interval
+        every = " and ".join(part for part in (
+            f"{interval.steps} steps" if isinstance(interval.steps, int) else "",
+            f"{interval.seconds:g} s" if interval.seconds is not None else "") if part) or "its interval"
+        log.warning("the checkpoint of step %d waited %.2f s for the one before it to commit: a commit takes %.2f s, "
+                    "longer than the interval (every %s), so checkpoints hold training back; make "
+                    "spec.checkpoint.interval longer (steps: auto never chooses one shorter than a commit). "
+                    "Counted in trainingrun_checkpoint_wait_seconds_total; said once", step, seconds,
+                    self.store.last_save_seconds, every)
 
     @property
     def saving(self) -> bool:

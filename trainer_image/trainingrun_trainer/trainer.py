@@ -444,7 +444,7 @@ class Trainer:
                               grad_norm=grad_norm, step_seconds=step_seconds,
                               data_wait_seconds=self.data_wait_seconds, productive_seconds=self.productive_seconds,
                               samples_per_second=self.samples_per_second, tokens_per_second=self.tokens_per_second)
-            self.metrics.checkpoints(self.run.store)
+            self.metrics.checkpoints(self.run.store, self.run.checkpoint_wait_seconds)
             self.tracker.metrics(self.step, {"train/loss": loss, "train/learning_rate": self.scheduler.get_last_lr()[0],
                                              "train/grad_norm": grad_norm, "train/samples_per_second": self.samples_per_second,
                                              "train/tokens_per_second": self.tokens_per_second})
