@@ -35,6 +35,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,15 +50,17 @@ def run(script: str, args: list[str], timeout: float) -> dict[str, str]:
     print(f"== {' '.join(command[1:])}", flush=True)
     began = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = threading.Timer(timeout, process.kill)  # also when it hangs without printing
+    deadline.start()
     lines = []
     assert process.stdout is not None
-    for line in process.stdout:
-        print(line, end="", flush=True)
-        lines.append(line)
-        if time.monotonic() - began > timeout:
-            process.kill()
-            break
-    code = process.wait()
+    try:
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+        code = process.wait()
+    finally:
+        deadline.cancel()
     results = [line for line in lines if line.startswith("result: ")]
     if code != 0 or not results:
         print(f"== {script} exited {code} after {time.monotonic() - began:.0f} s without a result line", flush=True)

@@ -327,29 +327,25 @@ class CoalescedWrites:
         self.flushing: dict[tuple[str, str], asyncio.Task] = {}
 
     async def submit(self, key: tuple[str, str], fields: dict[str, Any], at_once: bool = False) -> None:
-        if at_once and key in self.pending and self._may_go_ahead(key):
-            waiting = self.pending.pop(key)
-            self.flushing.pop(key, None)  # that task finds itself no longer the run's flush and writes nothing
-            await self._write(key, {**waiting, **fields})
-            return
-        if key in self.pending:
-            self.pending[key].update(fields)
-            return
         last = self.last.get(key)
         wait = (float("-inf") if last is None else last) + self.seconds - self.clock()
-        if wait > 0 and at_once and self._may_go_ahead(key):
+        if (key in self.pending or wait > 0) and at_once and self._may_go_ahead(key):
+            fields = {**self.pending.pop(key, {}), **fields}
+            self.flushing.pop(key, None)  # that task finds itself no longer the run's flush and writes nothing
             wait = 0
-        if wait > 0:
+        if key in self.pending:
+            self.pending[key].update(fields)
+        elif wait > 0:
             self.pending[key] = dict(fields)
             self.flushing[key] = asyncio.create_task(self._flush(key, wait))  # held here: a task nobody holds may go
-            return
-        await self._write(key, fields)
+        else:
+            await self._write(key, fields)
 
     def _may_go_ahead(self, key: tuple[str, str]) -> bool:
-        went = self.went_ahead.get(key)
-        if went is not None and self.clock() - went < self.seconds:
+        now, went = self.clock(), self.went_ahead.get(key)
+        if went is not None and now - went < self.seconds:
             return False
-        self.went_ahead.put(key, self.clock())
+        self.went_ahead.put(key, now)
         return True
 
     async def _flush(self, key: tuple[str, str], wait: float) -> None:

@@ -4,10 +4,10 @@ The protocol is `contract.Report`, POSTed to the endpoint the operator names in 
 Best effort by design: a background thread sends the newest values at a bounded rate, so a slow or
 unreachable operator never stalls a training step, and a failure is logged once, not every report.
 It also sends when nothing changed (a heartbeat), so the operator can tell a stalled trainer from
-a reporting outage. News goes at once, without waiting for the interval: where a start stands (the step it
-resumed from), its first step (the run trains again) and every committed checkpoint; reports stay at
-least MIN_SECONDS_APART apart all the same. The token is read from its file at each report: the kubelet rotates projected
-tokens, and a token read once would expire. Without a report URL (a plain torchrun) nothing is sent.
+a reporting outage. News goes at once, without waiting for the interval: where a start stands (the
+step it resumed from), its first step (the run trains again) and every committed checkpoint; reports
+stay at least MIN_SECONDS_APART apart all the same. The token is read from its file at each report:
+the kubelet rotates projected tokens, and a token read once would expire. Without a report URL (a plain torchrun) nothing is sent.
 Only the standard library is used: the trainer image needs no Kubernetes client.
 """
 from __future__ import annotations
