@@ -254,7 +254,7 @@ def test_a_copy_that_fails_mid_write_drops_only_the_copy(storage, memory, monkey
 
 
 def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: list[str], out_dir: str,
-                     writer_process: bool = False, damage: bool = False) -> None:
+                     writer_process: bool = False, damage: bool = False, persist_behind: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     memory_tier.RESERVE_SHARE = 0.0  # as the `memory` fixture does, in this process
@@ -264,10 +264,14 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
         ddp = DDP(make_model(0))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         train_step(ddp, opt, seed=100 + rank)
-        with CheckpointStore(uri, memory_tier=tiers[rank], writer_process=writer_process) as store:
+        with CheckpointStore(uri, memory_tier=tiers[rank], writer_process=writer_process,
+                             persist_behind=persist_behind) as store:
             assert not writer_process or store._writer.wait_ready(120)
             store.save(5, app_state(ddp, opt), {"rank": rank})
             assert store.wait() is not None
+            behind = store.persist_behind
+        # closed: persisted (every rank's files, by rank 0 when they share a node)
+        assert [info.step for info in CheckpointStore(uri).list(verify=True) if info.valid] == [5]
         if damage:  # the largest file of the node's copy, whichever rank's share it is in
             if rank == 0:
                 flip_byte(max(data_files(step_dir(Path(tiers[0]), 5)), key=lambda p: p.stat().st_size))
@@ -276,12 +280,12 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
         fresh = DDP(make_model(1))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         state = app_state(fresh, fresh_opt)
-        with CheckpointStore(uri, memory_tier=tiers[rank]) as store:
+        with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=persist_behind) as store:
             extra = store.load(store.latest_valid(), state)
             source = store.last_restore_source
         fresh.module.load_state_dict(state["model"])
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()),
+            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()), "behind": behind,
             "expected": model_digest(ddp.module.state_dict())}))
     finally:
         dist.destroy_process_group()
@@ -303,6 +307,21 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, wri
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["source"] for r in results] == sources
     assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, sources, behind", [(1, ["memory", "memory"], True),
+                                                    (2, ["storage", "memory and storage"], False)])
+def test_two_ranks_persisting_behind_on_one_node_and_committing_to_storage_on_two(tmp_path, nodes, sources, behind):
+    """Persisting behind needs every rank's files in one node's tier (rank 0 copies them all); with two nodes the
+    store commits to storage as before."""
+    tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
+    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers,
+                                     str(tmp_path), False, False, True), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["behind"] for r in results] == [behind, behind]
+    assert [r["source"] for r in results] == sources
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
 
 

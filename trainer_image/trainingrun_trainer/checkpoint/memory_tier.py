@@ -30,7 +30,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import xxhash
 
@@ -105,8 +105,9 @@ class MemoryTier:
 
     # ------------------------------------------------------------ writing (background thread)
 
-    def begin(self, step: int, expected_bytes: int) -> Optional[str]:
-        """The directory this node's ranks write `step` into, or None when the tier is off or lacks room."""
+    def begin(self, step: int, expected_bytes: int, keep: Collection[int] = ()) -> Optional[str]:
+        """The directory this node's ranks write `step` into, or None when the tier is off or lacks room (then older
+        steps go, except those in `keep`: one being persisted)."""
         if self.off is not None:
             return None
         directory = os.path.join(self.root, step_dir_name(step))
@@ -122,7 +123,7 @@ class MemoryTier:
             return None
         reserve = max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE))
         if usage.free < expected_bytes + reserve:
-            self._remove_steps(lambda other: other < step)  # older than what storage is about to hold: no use
+            self._remove_steps(lambda other: other < step and other not in keep)  # older than what comes: no use
             if not self._told_no_room:
                 logger.warning("checkpoint step %d is not kept in memory: %s has %d MiB free, the copy needs about "
                                "%d MiB and %d MiB stay free for DataLoader workers and NCCL (raise "
@@ -146,8 +147,9 @@ class MemoryTier:
         except OSError as error:
             self.turn_off(f"{type(error).__name__}: {error}")
 
-    def commit(self, step: int, manifest: bytes) -> None:
-        """Storage committed `step`: mark this node's copy committed, then drop every other step."""
+    def commit(self, step: int, manifest: bytes, keep: Collection[int] = ()) -> None:
+        """`step` is committed (to storage; or, persisting behind, in memory): mark this node's copy committed, then
+        drop every older step but those in `keep`."""
         if self.off is not None:
             self.discard(step)  # a copy that failed part way: free what it holds (/dev/shm may be full)
             return
@@ -159,7 +161,23 @@ class MemoryTier:
         except OSError as error:
             self.turn_off(f"{type(error).__name__}: {error}")
             return
-        self._remove_steps(lambda other: other < step)
+        self.remove_older(step, keep)
+
+    def remove_older(self, step: int, keep: Collection[int] = ()) -> None:
+        """Drop the steps older than `step` but those in `keep`."""
+        self._remove_steps(lambda other: other < step and other not in keep)
+
+    def write_digests(self, directory: str, name: str, size: int, digest_name: str, digest: str,
+                      segments: list[str]) -> None:
+        """The digests file of `name`, a file written straight into `directory` (persisting behind), so a load checks
+        it as it reads (`TierFile`). Raises OSError."""
+        digests = {"size": size, "file_digest": [digest_name, digest], "segment_bytes": SEGMENT_BYTES,
+                   "xxh3_128": segments}
+        _write_atomically(os.path.join(directory, name + DIGESTS_SUFFIX), json.dumps(digests).encode())
+
+    def path(self, step: int) -> str:
+        """The directory of `step`."""
+        return os.path.join(self.root, step_dir_name(step))
 
     def _remove_steps(self, which: Callable[[int], bool]) -> None:
         # Never the step a rank of this node may be writing: a slower rank still commits the step before.

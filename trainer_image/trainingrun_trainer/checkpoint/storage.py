@@ -150,6 +150,18 @@ class _Storage:
         if atomic:
             os.replace(target, path)
 
+    def upload(self, path: str, uri: str) -> None:
+        """Copy the local file `path` to `uri` as it is (file://: then fsync it)."""
+        target = self._path(uri)
+        if not self.local:
+            self.fs.put_file(path, target)
+            return
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(path, "rb") as source, open(target, "wb") as out:
+            shutil.copyfileobj(source, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+
     def rm_file(self, uri: str) -> None:
         """Delete one file (or link: never what it points at). On file://, its directory is opened without following
         a link, so a step directory replaced by a link into another run deletes nothing there."""

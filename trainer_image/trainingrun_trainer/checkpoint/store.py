@@ -1,6 +1,7 @@
 """`CheckpointStore`: saves (async, committed by the manifest), lists, loads and rotates checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -9,6 +10,7 @@ import pickle
 import posixpath
 import shutil
 import socket
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +30,8 @@ from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_dir, _storage_options
-from .writer import _Writer
+from .layout import FILE_DIGEST
+from .writer import SEGMENTS_KEY, _Writer
 from .writer_process import WriterProcess
 
 
@@ -88,6 +91,15 @@ class CheckpointStore:
             wrote below the same uri (two runs naming one checkpoint.uri) are never resumed from, rotated or
             overwritten (`load` of one named explicitly still reads it). Checkpoints without one (older trainers) are
             taken as this run's. None: every checkpoint is.
+        persist_behind: with a memory tier that every rank shares (one node), a save commits once every rank's files
+            are in the tier (`wait()` returns then), and rank 0 copies the committed files to storage behind it, on a
+            thread of its own, newest first: a memory checkpoint made while an older one is still being copied
+            supersedes any waiting to be copied (see "Persisting behind" in the package's description). Otherwise,
+            and for a save the tier lacks room for, a save commits when storage holds it.
+
+    Persisting behind, rank 0 also keeps ``in_memory`` and ``in_storage`` (the newest checkpoint this process committed
+    in memory and in storage; `latest_valid` sets both), ``persist_lag_steps``, ``failed_persists``,
+    ``superseded_persists`` and ``last_persist_seconds``; `flush` waits for storage.
 
     Metrics of this rank, for Prometheus: ``failed_saves``, ``committed_saves``, ``restores``; ``last_blocking_seconds`` (how long
     ``save()`` held the training loop, including waiting for the previous save);
@@ -101,7 +113,7 @@ class CheckpointStore:
     def __init__(self, uri: str, keep: int = 3, keep_every: Optional[int] = None,
                  endpoint_url: Optional[str] = None, process_group: Any = None, *,
                  storage_options: Optional[Mapping] = None, memory_tier: Optional[str] = None,
-                 writer_process: bool = False, run_uid: Optional[str] = None):
+                 writer_process: bool = False, run_uid: Optional[str] = None, persist_behind: bool = False):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if keep_every is not None and keep_every < 1:
@@ -139,8 +151,22 @@ class CheckpointStore:
                 self._pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
             self.rank = dist.get_rank(self._pg)
             self.world_size = dist.get_world_size(self._pg)
+        nodes = self._gather(f"{socket.gethostname()}:{os.path.realpath(memory_tier)}") if self._tier else []
         # Whether rank 0, which verifies a checkpoint read from storage and keeps it in its tier, shares this one.
-        self._tier_of_rank0 = self._tier is not None and self._on_the_node_of_rank0(memory_tier)
+        self._tier_of_rank0 = bool(nodes) and nodes[0] == nodes[self.rank]
+        #: Whether saves commit in the memory tier and rank 0 persists them behind (every rank shares one tier).
+        self.persist_behind = persist_behind and bool(nodes) and len(set(nodes)) == 1
+        self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-persist") \
+            if self.persist_behind and self.rank == 0 else None
+        self._persist_lock = threading.Lock()
+        self._persist_next: Optional[tuple[CheckpointInfo, bytes]] = None  # newest wins: the next to copy
+        self._persisting: Optional[int] = None  # the step being copied
+        self._persist_loop: Optional[Future] = None  # the persister's loop, while it runs
+        self.in_memory: Optional[CheckpointInfo] = None
+        self.in_storage: Optional[CheckpointInfo] = None
+        self.failed_persists = 0
+        self.superseded_persists = 0
+        self.last_persist_seconds = 0.0
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
         self._pending: Optional[PendingSave] = None
@@ -276,7 +302,12 @@ class CheckpointStore:
         if self._closed:
             return
         self.wait()
+        self.flush()
+        if self.persist_behind and self._distributed:
+            self._broadcast(None)  # no rank goes on (and removes the node's tier at the end) before rank 0 persisted
         self._executor.shutdown(wait=True)
+        if self._persister is not None:
+            self._persister.shutdown(wait=True)
         if self._writer is not None:
             self._writer.close()
         self._closed = True
@@ -313,11 +344,6 @@ class CheckpointStore:
             else:  # a file, or a link: the link goes, never what it points at
                 self._storage.rm_file(_join(step_uri, name))
 
-    def _on_the_node_of_rank0(self, memory_tier: str) -> bool:
-        """Whether this rank's memory tier is rank 0's (same host, same directory)."""
-        node = f"{socket.gethostname()}:{os.path.realpath(memory_tier)}"
-        return self._gather(node)[0] == node
-
     def _gather(self, obj: Any) -> list:
         if not self._distributed:
             return [obj]
@@ -333,8 +359,9 @@ class CheckpointStore:
         return box[0]
 
     def _run(self, job: _SaveJob) -> Optional[CheckpointInfo]:
-        """Write, commit, rotate. Runs on every rank (background thread unless blocking); never
-        raises: errors become a None result, a log record and failed_saves."""
+        """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
+        storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
+        log record and failed_saves."""
         if job.later is not None:
             try:
                 job.state.update(self._stager(job.shared)(job.later))
@@ -344,24 +371,48 @@ class CheckpointStore:
             finally:
                 job.later = None
             job.copied.set_result(None)
-        step_uri = self._step_uri(job.step)
-        record: dict[str, dict] = {}  # file name -> its manifest entry (size, sha256, ...)
-        error: Optional[str] = None
-        tier_dir = self._tier.begin(job.step, job.expected_bytes) if self._tier else None
+        if not self.persist_behind:
+            return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
+        tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=self._persist_steps())
         try:
-            writer = _Writer(
-                step_uri, record,
-                on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
-                sync_files=self._storage.local, tier=self._tier, tier_dir=tier_dir,
-                process=self._writer if job.shared else None,
-                die_after_items=1 if job.step == self.writer_dies_at_step else None, **self._options,
-            )
+            in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
+        except _SAVE_ERRORS as exc:
+            return self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+        if in_memory:
+            return self._save(job, tier_dir, in_memory=True)
+        if tier_dir is not None:
+            self._tier.discard(job.step)
+        return self._save(job, None)
+
+    def _save(self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False) -> Optional[CheckpointInfo]:
+        """Write `job` and commit it: to storage, keeping a copy in `tier_dir` (None: none); or, `in_memory`, into
+        `tier_dir` alone, rank 0 then queueing it to be persisted."""
+        step_uri = self._step_uri(job.step)
+        record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
+        error: Optional[str] = None
+        try:
+            if in_memory:
+                writer = _Writer(tier_dir, record, on_global_plan=lambda: None, sync_files=False,
+                                 process=self._writer if job.shared else None, segments=True,
+                                 die_after_items=1 if job.step == self.writer_dies_at_step else None)
+            else:
+                writer = _Writer(
+                    step_uri, record,
+                    on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
+                    sync_files=self._storage.local, tier=self._tier, tier_dir=tier_dir,
+                    process=self._writer if job.shared else None,
+                    die_after_items=1 if job.step == self.writer_dies_at_step else None, **self._options,
+                )
             dcp.save(job.state, storage_writer=writer, process_group=self._pg,
                      no_dist=not self._distributed)
+            if in_memory:
+                for name, entry in record.items():
+                    self._tier.write_digests(tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST],
+                                             entry.pop(SEGMENTS_KEY))
         except _SAVE_ERRORS as exc:
             error = _describe(exc)
             logger.error("checkpoint step %d: rank %d could not write %s: %s",
-                         job.step, self.rank, step_uri, error, exc_info=True)
+                         job.step, self.rank, tier_dir if in_memory else step_uri, error, exc_info=True)
             job.logged = True
         if callable(job.model_digest):
             # From the staged copy, in the background, so training does not wait for it; rank 0 only
@@ -373,7 +424,7 @@ class CheckpointStore:
         try:
             statuses = self._gather((error, record))
             if self.rank == 0:
-                outcome = self._commit(job, step_uri, statuses)
+                outcome = self._commit(job, step_uri, statuses, tier_dir if in_memory else None)
             outcome = self._broadcast(outcome)
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             outcome = (None, _describe(exc), b"")
@@ -382,32 +433,44 @@ class CheckpointStore:
                              job.step, self.rank, outcome[1], exc_info=True)
                 job.logged = True
         info, commit_error, manifest = outcome
-        if tier_dir is not None and info is not None:
+        if tier_dir is not None and info is not None and not in_memory:
             self._tier.commit(job.step, manifest)
-        elif tier_dir is not None:
+        elif tier_dir is not None and info is None:
             self._tier.discard(job.step)
         if info is None:
-            self.failed_saves += 1
-            if not job.logged:  # another rank failed: one record on this rank too
-                logger.error("checkpoint step %d was not committed: %s", job.step, commit_error)
-            return None
+            return self._failed(job, commit_error)
 
         self.last_save_seconds = time.perf_counter() - job.started
         self.last_save_bytes = sum(entry["size"] for entry in record.values())
         self.committed_saves += 1
+        if in_memory:
+            self.in_memory = info
+            self._trusted[step_uri] = info.manifest_sha256  # a load reads it from the tier, checked as it reads
+        else:
+            self.in_memory = self.in_storage = info
         if self.rank == 0:
             self.last_save_bytes += self._manifest_bytes
-            logger.info("committed checkpoint step %d to %s (%d bytes, %.2f s)", job.step, info.uri,
-                        info.size_bytes, self.last_save_seconds)
-            try:
-                self._rotate()
-            except Exception as exc:
-                logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
+            logger.info("committed checkpoint step %d %s (%d bytes, %.2f s)", job.step,
+                        "in memory" if in_memory else f"to {info.uri}", info.size_bytes, self.last_save_seconds)
+            if in_memory:
+                self._persist(info, manifest)
+            else:
+                try:
+                    self._rotate()
+                except Exception as exc:
+                    logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
         return info
 
-    def _commit(self, job: _SaveJob, step_uri: str,
-                statuses: list) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
-        """Rank 0: write the manifest if every rank succeeded. Returns (info, error, the manifest's bytes)."""
+    def _failed(self, job: _SaveJob, error: Optional[str]) -> None:
+        self.failed_saves += 1
+        if not job.logged:  # another rank failed: one record on this rank too
+            logger.error("checkpoint step %d was not committed: %s", job.step, error)
+        return None
+
+    def _commit(self, job: _SaveJob, step_uri: str, statuses: list,
+                tier_dir: Optional[str] = None) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
+        """Rank 0: write the manifest if every rank succeeded, to storage or (`tier_dir`) into the memory tier.
+        Returns (info, error, the manifest's bytes)."""
         self._manifest_bytes = 0
         failed = [(rank, err) for rank, (err, _) in enumerate(statuses) if err is not None]
         if failed:
@@ -429,7 +492,13 @@ class CheckpointStore:
             manifest["run_uid"] = self.run_uid
         raw = (json.dumps(manifest, indent=1) + "\n").encode()
         try:
-            self._storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
+            if tier_dir is not None:
+                with self._persist_lock:  # older copies go, but not the one being persisted
+                    self._tier.commit(job.step, raw, keep=self._persist_steps())
+                if self._tier.off is not None:
+                    raise OSError(f"the memory tier is off: {self._tier.off}")
+            else:
+                self._storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)
@@ -437,7 +506,8 @@ class CheckpointStore:
             return None, f"rank 0: {error}", b""
         self._manifest_bytes = len(raw)
         manifest_sha = hashlib.sha256(raw).hexdigest()
-        self._trusted[step_uri] = manifest_sha
+        if tier_dir is None:
+            self._trusted[step_uri] = manifest_sha
         info = CheckpointInfo(
             step=job.step, uri=step_uri, time=manifest["time"],
             size_bytes=sum(entry["size"] for entry in files.values()) + len(raw), valid=True, reason=None,
@@ -446,6 +516,81 @@ class CheckpointStore:
             files={name: entry["size"] for name, entry in files.items()},
         )
         return info, None, raw
+
+    # ------------------------------------------------------------------ persisting behind (rank 0)
+
+    def _persist_steps(self) -> set[int]:
+        """The steps the persister holds in the memory tier: the one it copies and the one it copies next."""
+        steps = {self._persisting} if self._persisting is not None else set()
+        if self._persist_next is not None:
+            steps.add(self._persist_next[0].step)
+        return steps
+
+    def _persist(self, info: CheckpointInfo, manifest: bytes) -> None:
+        """Queue a memory checkpoint to be copied to storage: newest wins over one still waiting."""
+        with self._persist_lock:
+            superseded, self._persist_next = self._persist_next, (info, manifest)
+            if superseded is not None:
+                self.superseded_persists += 1
+                logger.info("checkpoint step %d is not persisted: step %d supersedes it (storage is slower than the "
+                            "checkpoint interval)", superseded[0].step, info.step)
+                self._tier.discard(superseded[0].step)
+            if self._persist_loop is None:
+                self._persist_loop = self._persister.submit(self._persist_queued)
+
+    def _persist_queued(self) -> None:
+        while True:
+            with self._persist_lock:
+                item, self._persist_next = self._persist_next, None
+                if item is None:
+                    self._persisting, self._persist_loop = None, None
+                    return
+                self._persisting = item[0].step
+            self._copy_to_storage(*item)
+
+    def _copy_to_storage(self, info: CheckpointInfo, manifest: bytes) -> None:
+        """Copy a memory checkpoint's files to storage, unchanged, then its manifest (the commit); rotate."""
+        began = time.perf_counter()
+        directory = self._tier.path(info.step)
+        try:
+            self._clear_step_dir(info.uri, info.step)
+            for name in sorted(info.files or {}):
+                self._storage.upload(os.path.join(directory, name), _join(info.uri, name))
+            self._storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
+        except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
+            self.failed_persists += 1
+            logger.error("checkpoint step %d (committed in memory) could not be copied to %s: %s", info.step,
+                         info.uri, _describe(exc), exc_info=True)
+            return
+        self._trusted[info.uri] = info.manifest_sha256
+        self.in_storage = info
+        self.last_persist_seconds = time.perf_counter() - began
+        logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, self.last_persist_seconds)
+        with self._persist_lock:  # the memory tier keeps the newest memory checkpoint and what is queued
+            newest = self.in_memory.step if self.in_memory is not None else info.step
+            self._tier.remove_older(newest, keep=self._persist_steps() - {info.step})
+        try:
+            self._rotate()
+        except Exception as exc:
+            logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
+
+    @property
+    def persist_lag_steps(self) -> int:
+        """Steps the newest memory checkpoint is ahead of the newest in storage (0 when not persisting behind)."""
+        if self.in_memory is None:
+            return 0
+        return self.in_memory.step - (self.in_storage.step if self.in_storage is not None else 0)
+
+    def flush(self) -> Optional[CheckpointInfo]:
+        """Finish the save in flight, then wait until rank 0 has persisted the newest memory checkpoint (or failed to);
+        the newest in storage. On other ranks, and for stores that do not persist behind, only the save is waited for."""
+        self.wait()
+        while True:
+            with self._persist_lock:
+                loop = self._persist_loop
+            if loop is None:
+                return self.in_storage
+            loop.result()
 
     # ------------------------------------------------------------------ the run's starts
 
@@ -525,6 +670,9 @@ class CheckpointStore:
             if result is not None:
                 self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
         self._read_from_storage = None
+        self.in_memory = result
+        if in_memory is None:  # else `_held_in_memory` found the newest in storage
+            self.in_storage = result
         if self._tier is not None and in_memory is None:
             # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage,
             # even where the bytes come from that copy; and every rank checks the tier again.
@@ -535,19 +683,32 @@ class CheckpointStore:
 
     def _held_in_memory(self) -> Optional[CheckpointInfo]:
         """The newest committed checkpoint (by its manifest, files not re-hashed) when every rank's memory tier holds
-        all of its files (by `MemoryTier.files`); else None. A collective under torch.distributed when the store has a
-        tier."""
+        all of its files (by `MemoryTier.files`); else None. Persisting behind, that is the tier's newest memory
+        checkpoint when storage holds none as new. A collective under torch.distributed when the store has a tier."""
         if self._tier is None:
             return None
         newest: Any = None
         if self.rank == 0:
+            likely = self._tier.newest_step()
             try:
-                newest = self._newest_committed(self._tier.newest_step())
+                newest = self._newest_committed(likely)
             except Exception as exc:  # storage unreachable: the resume that follows says so
                 logger.debug("listing %s for the memory tier failed: %s", self.uri, exc)
+            self.in_storage = newest
+            if self.persist_behind and likely is not None and (newest is None or newest.step < likely):
+                newest = self._in_memory_only(likely) or newest
         newest = self._broadcast(newest)
         held = newest is not None and self._tier.holds_all(newest.step, newest.manifest_sha256)
         return newest if all(self._gather(held)) else None
+
+    def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
+        """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there."""
+        directory = self._tier.path(step)
+        found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self.run_uid)
+        if not found.valid:
+            logger.warning("the checkpoint of step %d kept in memory is not usable: %s", step, found.reason)
+            return None
+        return dataclasses.replace(found, uri=self._step_uri(step), size_bytes=sum(found.files.values()))
 
     def _newest_committed(self, likely: Optional[int]) -> Optional[CheckpointInfo]:
         """The newest checkpoint in storage with a manifest and all of its files (not re-hashed). Step `likely` (the
@@ -653,6 +814,8 @@ class CheckpointStore:
                 checked = exc
         checked = self._broadcast(checked)
         if isinstance(checked, Exception) or not checked.valid:
+            if self._tier is not None:  # damaged, and nowhere else: the restart must not find it again
+                self._tier.discard(info.step)
             why = _describe(checked) if isinstance(checked, Exception) else checked.reason
             raise OSError(f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
                           f"valid ({why}); a restart resumes from the newest valid checkpoint")
@@ -695,6 +858,7 @@ class CheckpointStore:
         an interrupted deletion leaves a directory that reads as a partial save.
         """
         self.wait()
+        self.flush()
         return self._rotate()
 
     def _rotate(self) -> list[str]:

@@ -10,19 +10,22 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.futures import Future
 
 from .layout import FILE_DIGEST, file_hasher
-from .memory_tier import MemoryTier, TierCopy
+from .memory_tier import MemoryTier, SegmentHasher, TierCopy
 from .tensor_files import write_rank_file
 from .writer_process import WriteRequest, WriterProcess
 
 
 class _HashingStream:
     """Passes writes to a DCP output stream and keeps the size and file digest (`FILE_DIGEST`) of what went through,
-    hashed while the bytes are in the CPU's cache (and a copy for the memory tier, `TierCopy`)."""
+    hashed while the bytes are in the CPU's cache (and a copy for the memory tier, `TierCopy`); with `segments`, also
+    the xxh3_128 of each of its segments (a file written straight into the memory tier, which checks them as it
+    loads)."""
 
-    def __init__(self, raw: Any, copy: TierCopy):
+    def __init__(self, raw: Any, copy: TierCopy, segments: bool = False):
         self._raw = raw
         self._copy = copy
         self._digest = file_hasher(FILE_DIGEST)
+        self._segments = SegmentHasher() if segments else None
         self.size = 0
 
     def write(self, data: Any) -> int:
@@ -30,12 +33,17 @@ class _HashingStream:
         written = self._raw.write(view)
         self._digest.update(view)
         self._copy.write(view)
+        if self._segments is not None:
+            self._segments.update(view)
         self.size += view.nbytes
         return view.nbytes if written is None else written
 
     def manifest_entry(self) -> dict:
-        """The file's entry in the manifest, less its path."""
-        return {"size": self.size, FILE_DIGEST: self._digest.hexdigest()}
+        """The file's entry in the manifest, less its path (and its `SEGMENTS_KEY`, which is not the manifest's)."""
+        entry = {"size": self.size, FILE_DIGEST: self._digest.hexdigest()}
+        if self._segments is not None:
+            entry[SEGMENTS_KEY] = self._segments.finish()
+        return entry
 
     def writable(self) -> bool:
         return True
@@ -44,14 +52,21 @@ class _HashingStream:
         return getattr(self._raw, name)
 
 
+#: The key of a record's entry that holds the file's segment digests (`_HashingStream`'s `segments`).
+SEGMENTS_KEY = "segments"
+
+
 class _HashingFileSystem:
     """Wraps DCP's fsspec FileSystem: records {basename: manifest entry} of every file DCP writes, and copies it
-    into the memory tier's `tier_dir` (None: no copy), following DCP's rename of ``.metadata.tmp`` to ``.metadata``."""
+    into the memory tier's `tier_dir` (None: no copy), following DCP's rename of ``.metadata.tmp`` to ``.metadata``.
+    `segments`: also record each file's segment digests (for files written into the memory tier itself)."""
 
-    def __init__(self, inner: Any, record: dict, tier: Optional[MemoryTier], tier_dir: Optional[str]):
+    def __init__(self, inner: Any, record: dict, tier: Optional[MemoryTier], tier_dir: Optional[str],
+                 segments: bool = False):
         self._inner = inner
         self._record = record
         self._tier, self._tier_dir = tier or MemoryTier(""), tier_dir
+        self._segments = segments
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -66,7 +81,7 @@ class _HashingFileSystem:
         copy = self._tier.copy(self._tier_dir, name)
         try:
             with self._inner.create_stream(path, mode) as stream:
-                tee = _HashingStream(stream, copy)
+                tee = _HashingStream(stream, copy, self._segments)
                 yield tee
         except BaseException:
             copy.abandon()  # the upload failed, so does the save
@@ -90,12 +105,14 @@ class _Writer(FsspecWriter):
 
     def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool,
                  tier: Optional[MemoryTier] = None, tier_dir: Optional[str] = None,
-                 process: Optional[WriterProcess] = None, die_after_items: Optional[int] = None, **storage_options):
+                 process: Optional[WriterProcess] = None, die_after_items: Optional[int] = None,
+                 segments: bool = False, **storage_options):
         super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
-        self.fs = _HashingFileSystem(self.fs, record, tier, tier_dir)
+        self.fs = _HashingFileSystem(self.fs, record, tier, tier_dir, segments)
         self._on_global_plan = on_global_plan
         self._record, self._tier, self._tier_dir = record, tier, tier_dir
-        self._request = dict(uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items)
+        self._request = dict(uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items,
+                             segments=segments)
         self._process = process
 
     def write_data(self, plan, planner) -> Future:

@@ -51,6 +51,7 @@ class WriteRequest:
     plan: Any  #: this rank's DCP SavePlan
     data: dict  #: {MetadataIndex: tensor (shared memory) or io.BytesIO}, as the planner resolved them
     die_after_items: Optional[int] = None  #: fault injection (tests): SIGKILL itself after writing this many items
+    segments: bool = False  #: also record each file's segment digests (files written into the memory tier itself)
 
 
 class WriterProcess:
@@ -200,7 +201,7 @@ def _serve(conn: Any) -> None:
         try:
             writer = FsspecWriter(request.uri, sync_files=request.sync_files, overwrite=True, **request.options)
             tier = MemoryTier(request.tier_root) if request.tier_root else None
-            fs = _HashingFileSystem(writer.fs, record, tier, request.tier_dir)
+            fs = _HashingFileSystem(writer.fs, record, tier, request.tier_dir, request.segments)
             results = write_rank_file(fs.create_stream, fs.concat_path, writer.path, request.plan,
                                       _Resolved(request.data, request.die_after_items).resolve_data, request.sync_files)
             reply: tuple = ("ok", results, record)

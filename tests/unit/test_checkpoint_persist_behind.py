@@ -1,0 +1,164 @@
+"""Persisting behind (CheckpointStore(persist_behind=True)): a save commits in the memory tier, rank 0 copies it to
+storage behind it, newest first; a restart loads the newest memory checkpoint, a new pod the newest in storage."""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest
+from trainingrun_trainer.checkpoint import memory_tier, storage as storage_module
+
+from test_checkpoint import app_state, flip_byte, step_dir, train_step, trained
+from test_checkpoint_memory_tier import data_files, restored
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def bucket(tmp_path) -> Path:
+    return tmp_path / "bucket"
+
+
+@pytest.fixture
+def memory(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", 0.0)  # as test_checkpoint_memory_tier's fixture, for the same reason
+    return tmp_path / "shm" / "trainingrun-uid-attempt-1"
+
+
+def behind(bucket: Path, memory: Path) -> CheckpointStore:
+    return CheckpointStore(bucket.as_uri(), memory_tier=str(memory), persist_behind=True)
+
+
+def steps_in(root: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / MANIFEST_NAME).exists())
+
+
+class GatedUploads:
+    """Holds the persister inside its first upload until `release`; `entered` is set once it is there."""
+
+    def __init__(self, monkeypatch):
+        self.entered, self.released = threading.Event(), threading.Event()
+        upload = storage_module._Storage.upload
+
+        def gated(storage, path, uri):
+            self.entered.set()
+            assert self.released.wait(60), "the test never released the upload"
+            upload(storage, path, uri)
+
+        monkeypatch.setattr(storage_module._Storage, "upload", gated)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def test_a_save_commits_in_memory_first_and_reaches_storage_behind_it(bucket, memory, monkeypatch):
+    gate = GatedUploads(monkeypatch)
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        assert store.persist_behind
+        store.save(5, app_state(model, opt), {"step": 5})
+        info = store.wait()  # committed while its copy to storage is held
+        assert info is not None and info.step == 5 and store.in_memory == info
+        assert gate.entered.wait(60)
+        assert steps_in(memory) == [5] and steps_in(bucket) == []
+        assert store.in_storage is None and store.persist_lag_steps == 5
+        gate.release()
+        assert store.flush() == info
+        assert store.persist_lag_steps == 0 and store.last_persist_seconds > 0
+    [found] = CheckpointStore(bucket.as_uri()).list(verify=True)  # every file re-hashed against the manifest
+    assert found.valid and found.step == 5 and found.manifest_sha256 == info.manifest_sha256
+    assert (step_dir(bucket, 5) / MANIFEST_NAME).read_bytes() == (step_dir(memory, 5) / MANIFEST_NAME).read_bytes()
+
+
+def test_a_newer_memory_checkpoint_supersedes_one_waiting_for_storage(bucket, memory, monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    gate = GatedUploads(monkeypatch)
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.wait() is not None and gate.entered.wait(60)  # step 1 is being copied
+        for step in (2, 3):
+            train_step(model, opt, seed=step)
+            store.save(step, app_state(model, opt), {"step": step})
+            assert store.wait() is not None  # training never waits for storage
+        assert steps_in(memory) == [1, 3]  # the one being copied and the newest; 2 was superseded
+        gate.release()
+        assert store.flush().step == 3
+        assert store.superseded_persists == 1 and store.failed_persists == 0
+        digest = model_digest(model.state_dict())
+    assert steps_in(bucket) == [1, 3]
+    assert steps_in(memory) == [3]
+    assert any("step 2 is not persisted: step 3 supersedes it" in r.getMessage() for r in caplog.records)
+    assert restored(bucket, None) == (3, digest, "storage")  # a new pod
+
+
+def test_a_restart_resumes_from_memory_what_storage_never_got(bucket, memory, monkeypatch, caplog):
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.flush().step == 1
+
+        def unreachable(storage, path, uri):
+            raise OSError("storage unreachable")
+
+        monkeypatch.setattr(storage_module._Storage, "upload", unreachable)
+        train_step(model, opt, seed=2)
+        store.save(2, app_state(model, opt), {"step": 2})
+        assert store.wait().step == 2
+        assert store.flush().step == 1 and store.failed_persists == 1
+        digest = model_digest(model.state_dict())
+    assert any("step 2 (committed in memory) could not be copied" in r.getMessage() for r in caplog.records)
+    assert steps_in(bucket) == [1] and steps_in(memory) == [2]
+    monkeypatch.undo()
+    model, opt = trained(seed=99)
+    state = app_state(model, opt)
+    with behind(bucket, memory) as store:  # the workers restarted inside the pod
+        info = store.latest_valid()
+        assert info.step == 2 and store.in_storage.step == 1 and store.persist_lag_steps == 1
+        assert store.load(info, state) == {"step": 2}
+        assert store.last_restore_source == "memory"
+    model.load_state_dict(state["model"])
+    assert model_digest(model.state_dict()) == digest
+
+
+def test_a_damaged_memory_checkpoint_that_storage_lacks_fails_once_then_the_restart_takes_storages(
+        bucket, memory, monkeypatch):
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.flush().step == 1
+        older = model_digest(model.state_dict())
+        monkeypatch.setattr(storage_module._Storage, "upload", lambda *_: (_ for _ in ()).throw(OSError("down")))
+        train_step(model, opt, seed=2)
+        store.save(2, app_state(model, opt), {"step": 2})
+        assert store.wait().step == 2
+    monkeypatch.undo()
+    flip_byte(max(data_files(step_dir(memory, 2)), key=lambda p: p.stat().st_size))
+    model, opt = trained(seed=99)
+    with behind(bucket, memory) as store:
+        info = store.latest_valid()
+        assert info.step == 2
+        with pytest.raises(OSError, match="its copy in memory is damaged"):
+            store.load(info, app_state(model, opt))
+    assert not step_dir(memory, 2).exists()  # the next restart does not find it again
+    assert restored(bucket, memory) == (1, older, "storage")
+
+
+def test_without_room_in_memory_a_save_commits_to_storage_as_before(bucket, memory, monkeypatch, caplog):
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.flush().step == 1
+        monkeypatch.setattr(memory_tier.shutil, "disk_usage", lambda _: memory_tier.shutil._ntuple_diskusage(
+            1 << 30, 1 << 30, memory_tier.RESERVE_BYTES))
+        train_step(model, opt, seed=2)
+        with caplog.at_level(logging.INFO):
+            store.save(2, app_state(model, opt), {"step": 2})
+            info = store.wait()  # returns once storage holds it: nothing is left to persist
+        assert info.step == 2 and store.in_storage == info and store.in_memory == info
+        assert any("committed checkpoint step 2 to" in r.getMessage() for r in caplog.records)
+    assert steps_in(bucket) == [1, 2]
+    assert steps_in(memory) == []  # the older copy freed, no new one
