@@ -26,7 +26,8 @@ TRAINER_SERIES = {
     "trainingrun_step_duration_seconds", "trainingrun_data_wait_seconds",
     "trainingrun_checkpoint_save_seconds", "trainingrun_checkpoint_restore_seconds",
     "trainingrun_checkpoint_saved_bytes_total", "trainingrun_checkpoint_failures_total",
-    "trainingrun_checkpoint_wait_seconds_total",
+    "trainingrun_checkpoint_wait_seconds_total", "trainingrun_checkpoint_persist_lag_steps",
+    "trainingrun_checkpoint_persist_failures_total",
     "trainingrun_nonfinite_steps_total", "trainingrun_rollbacks_total",
     "trainingrun_gpu_utilization_ratio", "trainingrun_gpu_memory_used_bytes", "trainingrun_gpu_memory_total_bytes",
     "trainingrun_gpu_temperature_celsius", "trainingrun_gpu_power_watts", "trainingrun_gpu_energy_joules_total",
@@ -203,10 +204,13 @@ RUN_PANELS = [
         f"sum(rate(trainingrun_checkpoint_save_seconds_count{RUN}[15m]))", "mean save"),
         (f"max(rate(trainingrun_checkpoint_wait_seconds_total{RUN}[15m]))",
          "training waiting for the previous save (s/s)")), unit="s"),
+    Panel("Checkpoint in memory ahead of storage", (
+        (f"max(trainingrun_checkpoint_persist_lag_steps{RUN})", "steps not yet in storage"),)),
     Panel("Checkpoint bytes written", ((f"sum(rate(trainingrun_checkpoint_saved_bytes_total{RUN}[15m]))", "bytes/s"),),
           unit="Bps"),
     Panel("Checkpoint failures and restores", (
         (f"sum(trainingrun_checkpoint_failures_total{RUN})", "failed saves"),
+        (f"sum(trainingrun_checkpoint_persist_failures_total{RUN})", "not copied to storage"),
         (f"sum(trainingrun_checkpoint_restore_seconds_count{RUN})", "restores"))),
     Panel("Checkpoint interval (steps: auto)", (
         (f"max(trainingrun_checkpoint_interval_steps{RUN})", "interval (steps)"),

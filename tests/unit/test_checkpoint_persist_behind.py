@@ -162,3 +162,20 @@ def test_without_room_in_memory_a_save_commits_to_storage_as_before(bucket, memo
         assert any("committed checkpoint step 2 to" in r.getMessage() for r in caplog.records)
     assert steps_in(bucket) == [1, 2]
     assert steps_in(memory) == []  # the older copy freed, no new one
+
+
+def test_each_save_writes_its_data_files_into_the_memory_of_a_step_no_longer_needed(bucket, memory):
+    model, opt = trained()
+    inodes = {}
+    with behind(bucket, memory) as store:
+        for step in (1, 2, 3):
+            train_step(model, opt, seed=step)
+            store.save(step, app_state(model, opt), {"step": step})
+            assert store.flush().step == step
+            [data] = step_dir(memory, step).glob("*.distcp")
+            inodes[step] = data.stat().st_ino
+        digest = model_digest(model.state_dict())
+    # Step 1 became the spare when step 2 committed; step 3 was written into its file, so the tier holds two copies.
+    assert inodes[3] == inodes[1] != inodes[2]
+    assert steps_in(memory) == [3] and (memory / memory_tier.SPARE_DIR).is_dir()
+    assert restored(bucket, memory) == (3, digest, "memory")

@@ -526,6 +526,15 @@ class CheckpointConfig(ApiModel):
         "there when it is the committed one, file by file verified against its manifest, instead of reading storage. "
         "Skipped, with one warning, while /dev/shm lacks room for it and a reserve.",
     )
+    persist_behind: bool = Field(
+        default=True,
+        description="With memoryTier and every worker in one pod: a checkpoint commits once every worker's files are in "
+        "the pod's memory, and rank 0 copies them to checkpoint.uri behind it, at storage's pace, newest first (a "
+        "checkpoint made while an older one is still being copied replaces any waiting to be). Training never waits "
+        "for storage, and a restart of the workers inside the pod resumes from the newest checkpoint in memory; a new "
+        "pod resumes from the newest in storage, and SIGTERM and the end of the run wait until storage holds the last "
+        "one. false, or several pods, or no room in /dev/shm: a checkpoint commits when storage holds it.",
+    )
     writer_process: Optional[bool] = Field(
         default=None,
         description="Write each rank's checkpoint files from a separate process at a low CPU priority, so serialising, "

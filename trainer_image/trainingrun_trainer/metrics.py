@@ -15,6 +15,8 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
     trainingrun_checkpoint_save_seconds, trainingrun_checkpoint_restore_seconds   histograms
     trainingrun_checkpoint_saved_bytes_total, trainingrun_checkpoint_failures_total
     trainingrun_checkpoint_wait_seconds_total          saves waiting for the one before them (interval < a commit)
+    trainingrun_checkpoint_persist_lag_steps           steps the newest checkpoint in memory is ahead of storage's
+    trainingrun_checkpoint_persist_failures_total      memory checkpoints that could not be copied to storage
     trainingrun_nonfinite_steps_total, trainingrun_rollbacks_total
     trainingrun_eval_loss, trainingrun_eval_loss_ema, trainingrun_eval_step  the last evaluation (spec.trainer.eval)
     trainingrun_gpu_utilization_ratio, trainingrun_gpu_memory_used_bytes, trainingrun_gpu_memory_total_bytes,
@@ -113,6 +115,11 @@ class TrainerMetrics(NullMetrics):
         self._save_wait = counter("trainingrun_checkpoint_wait_seconds",
                                   "Time saves waited for the save before them to commit (an interval shorter than a "
                                   "commit).")
+        self._persist_lag = gauge("trainingrun_checkpoint_persist_lag_steps",
+                                  "Steps the newest checkpoint in node memory is ahead of the newest in storage "
+                                  "(checkpoint.persistBehind; rank 0).")
+        self._persist_failures = counter("trainingrun_checkpoint_persist_failures",
+                                         "Checkpoints committed in node memory that could not be copied to storage.")
         self._nonfinite = counter("trainingrun_nonfinite_steps", "Steps with a non-finite loss or gradient.")
         self._rollbacks = counter("trainingrun_rollbacks", "Rollbacks to the last good checkpoint.")
         # Series without a value until the first evaluation: absent, never a made-up 0 loss.
@@ -129,10 +136,11 @@ class TrainerMetrics(NullMetrics):
                               ("expected_lost_seconds", "Training a failure throws away on average at that "
                                                         "interval (half of it)."))}
         self._labels = labels
-        for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes, self._save_wait):
+        for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes, self._save_wait,
+                      self._persist_failures):
             child.inc(0)  # present from the start, so alerts see 0 rather than nothing
         self._started = time.monotonic()
-        self._seen = {"committed": 0, "failed": 0, "restores": 0, "waited": 0.0}
+        self._seen = {"committed": 0, "failed": 0, "restores": 0, "waited": 0.0, "persist_failed": 0}
         self._gpu = GpuPoller(labels, gpu_index, grid_intensity_g_per_kwh) if gpu_index is not None else None
 
     def step(self, *, step: int, loss: float, learning_rate: float, grad_norm: float, step_seconds: float,
@@ -165,6 +173,11 @@ class TrainerMetrics(NullMetrics):
         if store.failed_saves > self._seen["failed"]:
             self._save_failures.inc(store.failed_saves - self._seen["failed"])
             self._seen["failed"] = store.failed_saves
+        if store.persist_behind and store.rank == 0:
+            self._persist_lag.set(store.persist_lag_steps)
+            if store.failed_persists > self._seen["persist_failed"]:
+                self._persist_failures.inc(store.failed_persists - self._seen["persist_failed"])
+                self._seen["persist_failed"] = store.failed_persists
         if store.restores > self._seen["restores"]:
             self._seen["restores"] = store.restores
             self._restore_seconds.observe(store.last_restore_seconds)

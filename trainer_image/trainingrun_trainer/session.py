@@ -102,13 +102,15 @@ class Run:
             memory_tier=self._memory_tier(),
             writer_process=torch.cuda.is_available() if checkpoint.writer_process is None else checkpoint.writer_process,
             run_uid=context.uid or None,
+            persist_behind=checkpoint.persist_behind,
         )
         if reporter is None:
             identity = Report(context.namespace, context.name, context.uid, context.attempt)
             reporter = reporting.from_env(identity) if context.is_rank_zero else ProgressReporter(None, identity)
         self._pending: Optional[PendingSave] = None
-        #: The newest checkpoint this process committed and reported.
+        #: The newest checkpoint this process committed (persisting behind: in memory).
         self.last_committed: Optional[CheckpointInfo] = None
+        self._reported: Optional[CheckpointInfo] = None  # the newest in storage, as reported
         self.reporter = reporter
         self.preempted = False
         self._last_save = time.monotonic()
@@ -183,6 +185,7 @@ class Run:
                                      f"{str(error).splitlines()[0][:300] if str(error) else type(error).__name__}") from error
         if self.context.is_rank_zero:
             self._check_floor(source)
+        self._reported = self.store.in_storage  # lastGoodCheckpoint: the checkpoints this process commits
         started_from = ""
         if source is None:
             source = self._elsewhere()
@@ -300,8 +303,8 @@ class Run:
         blocking: bool = False,
         copy_in_background: Collection[str] = (),
     ) -> None:
-        """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off); never raises for storage errors.
-        `copy_in_background`: see `CheckpointStore.save`."""
+        """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off: then it returns once storage holds it,
+        or the save failed); never raises for storage errors. `copy_in_background`: see `CheckpointStore.save`."""
         writing = self._pending is not None and not self._pending.done()
         began = time.monotonic()
         self.report_committed()
@@ -321,6 +324,8 @@ class Run:
         )
         if self.context.committed_step_file and self.context.local_rank == 0:  # one per node: its agent reads it
             self._pending.when_done(self._tell_launcher)
+        if blocking or not self.checkpoint.async_save:
+            self.store.flush()  # a save that blocks returns once storage holds it, also persisting behind
         self._last_save = time.monotonic()
         self._last_saved_step = step
         self._beside_save = True
@@ -346,13 +351,20 @@ class Run:
         return self._pending is not None and not self._pending.done()
 
     def report_committed(self) -> Optional[CheckpointInfo]:
-        """Finish the save in flight (the next save waits for it anyway) and report it as lastGoodCheckpoint."""
+        """Finish the save in flight (the next save waits for it anyway) and report the newest checkpoint in storage
+        as lastGoodCheckpoint (persisting behind, the one committed now may still be on its way there)."""
         info = self.store.wait()
         self._pending = None
         if info is not None:
             self.last_committed = info
-            self.reporter.committed(CommittedCheckpoint(info.uri, info.step, info.time, info.manifest_sha256))
+        self._report_stored()
         return info
+
+    def _report_stored(self) -> None:
+        stored = self.store.in_storage
+        if stored is not None and stored != self._reported:
+            self._reported = stored
+            self.reporter.committed(CommittedCheckpoint(stored.uri, stored.step, stored.time, stored.manifest_sha256))
 
     def _tell_launcher(self, info: Optional[CheckpointInfo]) -> None:
         """Progress the launcher's agent can see, written the moment a save commits (on the thread that committed
@@ -396,7 +408,8 @@ class Run:
         """Finish the last save, report it, and flush the reporter; `finished`: the run is done, so its copy in
         node memory goes too."""
         self.report_committed()
-        self.store.close()
+        self.store.close()  # persisting behind: once storage holds the newest
+        self._report_stored()
         self.reporter.close()
         tier = self.store.memory_tier
         if finished and tier is not None:

@@ -470,8 +470,8 @@ class Trainer:
                 self._save(blocking=False)
         self._save(blocking=True)
         with self.clock.timing("checkpoint"):
-            committed = self.run.store.wait()
-        if committed is None:
+            committed = self.run.store.flush()  # persisting behind: until storage holds it
+        if committed is None or committed.step != self.step:
             # Exiting 0 would report success with the final weights lost; a retry redoes the steps
             # after the last good checkpoint and saves again.
             log.error("the final checkpoint at step %d was not committed; exiting with the retryable code %d",

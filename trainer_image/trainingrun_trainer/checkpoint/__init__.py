@@ -48,6 +48,19 @@ How a save is sequenced (same on every rank; collectives use a dedicated gloo gr
    ``wait()`` returns the same :class:`CheckpointInfo` (or ``None``).
 5. Rank 0 rotates (:meth:`CheckpointStore.rotate`).
 
+Persisting behind (``CheckpointStore(persist_behind=True)``, the trainer's default: ``checkpoint.persistBehind``), when
+every rank shares one node's memory tier: in step 2 every rank writes its files straight into the tier's step
+directory (`memory_tier.RecycledFile`: into the mapped pages of the files of a step the tier no longer needs, with the
+xxh3_128 of each 4 MiB segment beside them), and in step 4 rank 0 writes the manifest there: the checkpoint is
+committed in memory and ``wait()`` returns it. Rank 0's persister thread then copies those files to storage unchanged,
+and the same manifest bytes last (the commit in storage), and rotates storage. It copies the newest first: a memory
+checkpoint committed while an older one is being copied replaces any still waiting (counted in
+``superseded_persists``, logged); the tier keeps the newest and the one being copied, and the step before them as the
+spare. ``flush()`` (and ``close()``) waits until storage holds the newest. A restart inside the pod resumes from the
+tier's newest memory checkpoint when storage holds none as new; one whose copy turns out damaged is dropped, so the
+next restart takes storage's newest. A save the tier lacks room for (on any rank) commits to storage as above.
+Several nodes: each node's tier holds only its ranks' files, so saves commit to storage (the tier keeps a copy).
+
 A storage error in steps 2-4 never raises into the training loop: each rank logs it once
 (logger ``trainingrun.checkpoint``), counts it in ``failed_saves``, no manifest is written, and
 the next save starts from scratch. Errors while staging (a caller bug such as an unpicklable

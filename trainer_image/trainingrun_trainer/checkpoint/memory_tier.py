@@ -11,6 +11,9 @@ Layout, below the tier's root (one per attempt of a run, see `contract.memory_ti
     step-NNNNNNNN/<file>.xxh3       its digests: its size and the manifest's file digest, and the xxh3_128 of each
                                     4 MiB segment
     step-NNNNNNNN/manifest.json     a copy of the committed manifest, written only after storage committed it
+                                    (persisting behind: the commit itself; storage gets the same bytes later)
+    .spare/                         persisting behind: the newest step no longer needed, whose files the next save
+                                    writes into (`RecycledFile`)
 
 Trust: a file is used only when the tier's copy of the manifest is byte for byte the manifest of the checkpoint
 being restored and the file has that manifest's size and, by its digests file, its file digest. Its content is checked
@@ -25,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -46,6 +50,11 @@ SEGMENT_BYTES = 4 << 20
 READ_CHUNK = 1 << 20
 #: Suffix of a tier file's digests file.
 DIGESTS_SUFFIX = ".xxh3"
+#: Persisting behind, the newest step the tier no longer needs is kept under this name below the root, and the next
+#: save writes its data files into those files' memory (`RecycledFile`): writing into a new /dev/shm file costs
+#: the kernel a page allocation per 4 KiB (a 258 MB write took 0.9 s on the 2-core VM), overwriting mapped pages does
+#: not (0.10 s).
+SPARE_DIR = ".spare"
 
 
 class TierMismatch(OSError):
@@ -96,8 +105,10 @@ class MemoryTier:
     """The tier below `root` (created when first written). Used by `CheckpointStore` on its background thread
     (saving) and the training thread (restoring), never both at once."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, recycle: bool = False):
         self.root = root
+        #: Keep the newest step no longer needed as the spare whose files the next save overwrites (`SPARE_DIR`).
+        self.recycle = recycle
         self.off: Optional[str] = None  #: why writing is off for this process (None: on)
         self._told_no_room = False
         #: manifest sha256 -> ({file name: TierFile} of the files usable for it, files the manifest lists)
@@ -122,7 +133,7 @@ class MemoryTier:
             self.turn_off(f"{type(error).__name__}: {error}")
             return None
         reserve = max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE))
-        if usage.free < expected_bytes + reserve:
+        if usage.free + self._spare_bytes() < expected_bytes + reserve:
             self._remove_steps(lambda other: other < step and other not in keep)  # older than what comes: no use
             if not self._told_no_room:
                 logger.warning("checkpoint step %d is not kept in memory: %s has %d MiB free, the copy needs about "
@@ -181,10 +192,26 @@ class MemoryTier:
 
     def _remove_steps(self, which: Callable[[int], bool]) -> None:
         # Never the step a rank of this node may be writing: a slower rank still commits the step before.
-        for name in os.listdir(self.root):
-            match = _STEP_DIR.fullmatch(name)
-            if match and which(int(match.group(1))):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        doomed = sorted((int(match.group(1)), name) for name in os.listdir(self.root)
+                        if (match := _STEP_DIR.fullmatch(name)) and which(int(match.group(1))))
+        if doomed and self.recycle:
+            _, newest = doomed.pop()
+            spare = os.path.join(self.root, SPARE_DIR)
+            try:
+                _remove(os.path.join(self.root, newest, MANIFEST_NAME))  # never a step again
+                shutil.rmtree(spare, ignore_errors=True)
+                os.replace(os.path.join(self.root, newest), spare)
+            except OSError:
+                doomed.append((0, newest))
+        for _, name in doomed:
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _spare_bytes(self) -> int:
+        try:
+            with os.scandir(os.path.join(self.root, SPARE_DIR)) as entries:
+                return sum(entry.stat().st_size for entry in entries if entry.is_file())
+        except OSError:
+            return 0
 
     def discard(self, step: int) -> None:
         """`step` was not committed: its copy goes."""
@@ -400,6 +427,69 @@ class LocalFirstFileSystem:
         except TierMismatch:
             self.mismatched.add(name)
             raise
+
+
+class RecycledFile:
+    """A data file written straight into the tier through a shared mapping, into the pages of the spare's file of the
+    same name when there is one (`SPARE_DIR`; moved here first), else of a new file; cut to what was written at close.
+    The stream DCP's writer writes (`write`, `tell`)."""
+
+    GROW = 64 << 20  #: at least this much more is mapped when a write goes past the end
+
+    def __init__(self, path: str):
+        spare = os.path.join(os.path.dirname(os.path.dirname(path)), SPARE_DIR, os.path.basename(path))
+        try:
+            os.replace(spare, path)  # another save's file, of about the size this one will be
+        except OSError:
+            pass
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._size = os.fstat(self._fd).st_size
+        self._map: Optional[mmap.mmap] = _mapped(self._fd, self._size) if self._size else None
+        self._pos = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        end = self._pos + view.nbytes
+        if end > self._size:
+            self._remap(max(end, self._size + self.GROW))
+        self._map[self._pos:end] = view
+        self._pos = end
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        if self._map is not None:
+            self._map.close()
+        os.ftruncate(self._fd, self._pos)
+        os.close(self._fd)
+        self._fd = -1
+
+    def _remap(self, size: int) -> None:
+        if self._map is not None:
+            self._map.close()
+        os.ftruncate(self._fd, size)
+        self._size = size
+        self._map = _mapped(self._fd, size)
+
+    def __enter__(self) -> "RecycledFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _mapped(fd: int, size: int) -> mmap.mmap:
+    """The file shared-mapped with its pages mapped at once (MAP_POPULATE, where there is one): one call instead of a
+    page fault per 4 KiB as the write first touches each (0.10 s of a 258 MB write into a recycled file on the 2-core
+    VM, the copy itself 0.03 s)."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
 class TierCopy:

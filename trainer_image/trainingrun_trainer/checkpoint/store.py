@@ -156,6 +156,8 @@ class CheckpointStore:
         self._tier_of_rank0 = bool(nodes) and nodes[0] == nodes[self.rank]
         #: Whether saves commit in the memory tier and rank 0 persists them behind (every rank shares one tier).
         self.persist_behind = persist_behind and bool(nodes) and len(set(nodes)) == 1
+        if self.persist_behind:
+            self._tier.recycle = True
         self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-persist") \
             if self.persist_behind and self.rank == 0 else None
         self._persist_lock = threading.Lock()
@@ -301,10 +303,7 @@ class CheckpointStore:
         """Finish the save in flight and stop the background thread. Idempotent."""
         if self._closed:
             return
-        self.wait()
-        self.flush()
-        if self.persist_behind and self._distributed:
-            self._broadcast(None)  # no rank goes on (and removes the node's tier at the end) before rank 0 persisted
+        self.flush()  # persisting behind, no rank goes on (and removes the node's tier at the end) before rank 0 has
         self._executor.shutdown(wait=True)
         if self._persister is not None:
             self._persister.shutdown(wait=True)
@@ -583,13 +582,23 @@ class CheckpointStore:
 
     def flush(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight, then wait until rank 0 has persisted the newest memory checkpoint (or failed to);
-        the newest in storage. On other ranks, and for stores that do not persist behind, only the save is waited for."""
+        the newest checkpoint in storage, the same on every rank. Persisting behind under torch.distributed this is a
+        collective: call it on every rank."""
         self.wait()
+        if not self.persist_behind:
+            return self.in_storage
+        self._persisted()
+        if self._distributed:
+            self.in_storage = self._broadcast(self.in_storage)
+        return self.in_storage
+
+    def _persisted(self) -> None:
+        """Wait until this rank's persister (rank 0's) is idle."""
         while True:
             with self._persist_lock:
                 loop = self._persist_loop
             if loop is None:
-                return self.in_storage
+                return
             loop.result()
 
     # ------------------------------------------------------------------ the run's starts
@@ -858,7 +867,7 @@ class CheckpointStore:
         an interrupted deletion leaves a directory that reads as a partial save.
         """
         self.wait()
-        self.flush()
+        self._persisted()
         return self._rotate()
 
     def _rotate(self) -> list[str]:

@@ -3,43 +3,67 @@ from __future__ import annotations
 
 import os
 import posixpath
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Optional
 
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.futures import Future
+from torch.futures import Future as TorchFuture
+
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from .layout import FILE_DIGEST, file_hasher
-from .memory_tier import MemoryTier, SegmentHasher, TierCopy
+from .memory_tier import MemoryTier, RecycledFile, SegmentHasher, TierCopy
 from .tensor_files import write_rank_file
 from .writer_process import WriteRequest, WriterProcess
 
 
+#: Writes are passed on and hashed in pieces of this many bytes, the hashing on a thread of its own (xxhash releases
+#: the interpreter lock): the digests of one piece are computed while the next is written.
+PIECE_BYTES = 16 << 20
+
+
 class _HashingStream:
-    """Passes writes to a DCP output stream and keeps the size and file digest (`FILE_DIGEST`) of what went through,
-    hashed while the bytes are in the CPU's cache (and a copy for the memory tier, `TierCopy`); with `segments`, also
-    the xxh3_128 of each of its segments (a file written straight into the memory tier, which checks them as it
-    loads)."""
+    """Passes writes to a DCP output stream and keeps the size and file digest (`FILE_DIGEST`) of what went through
+    (and a copy for the memory tier, `TierCopy`); with `segments`, also the xxh3_128 of each of its segments (a file
+    written straight into the memory tier, which checks them as it loads). Once a piece (`PIECE_BYTES`) has gone
+    through, the hashing runs on a thread beside the writes, in order."""
 
     def __init__(self, raw: Any, copy: TierCopy, segments: bool = False):
         self._raw = raw
         self._copy = copy
         self._digest = file_hasher(FILE_DIGEST)
         self._segments = SegmentHasher() if segments else None
+        self._hashing: Optional[ThreadPoolExecutor] = None
+        self._hashed: list[Future] = []
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        written = self._raw.write(view)
-        self._digest.update(view)
-        self._copy.write(view)
-        if self._segments is not None:
-            self._segments.update(view)
+        if self._hashing is None and self.size + view.nbytes >= PIECE_BYTES:
+            self._hashing = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+        for start in range(0, view.nbytes, PIECE_BYTES):
+            piece = view[start:start + PIECE_BYTES]
+            self._raw.write(piece)
+            self._copy.write(piece)
+            if self._hashing is not None:
+                self._hashed.append(self._hashing.submit(self._hash, piece))
+            else:
+                self._hash(piece)
         self.size += view.nbytes
-        return view.nbytes if written is None else written
+        return view.nbytes
+
+    def _hash(self, piece: memoryview) -> None:
+        self._digest.update(piece)
+        if self._segments is not None:
+            self._segments.update(piece)
 
     def manifest_entry(self) -> dict:
         """The file's entry in the manifest, less its path (and its `SEGMENTS_KEY`, which is not the manifest's)."""
+        if self._hashing is not None:
+            self._hashing.shutdown(wait=True)
+            for done in self._hashed:
+                done.result()
         entry = {"size": self.size, FILE_DIGEST: self._digest.hexdigest()}
         if self._segments is not None:
             entry[SEGMENTS_KEY] = self._segments.finish()
@@ -79,8 +103,11 @@ class _HashingFileSystem:
             return
         name = posixpath.basename(os.fspath(path))
         copy = self._tier.copy(self._tier_dir, name)
+        # A data file written straight into the memory tier goes into recycled pages (`RecycledFile`).
+        opened = RecycledFile(os.fspath(path)) if self._segments and name.endswith(DEFAULT_SUFFIX) else \
+            self._inner.create_stream(path, mode)
         try:
-            with self._inner.create_stream(path, mode) as stream:
+            with opened as stream:
                 tee = _HashingStream(stream, copy, self._segments)
                 yield tee
         except BaseException:
@@ -115,8 +142,8 @@ class _Writer(FsspecWriter):
                              segments=segments)
         self._process = process
 
-    def write_data(self, plan, planner) -> Future:
-        done: Future = Future()
+    def write_data(self, plan, planner) -> TorchFuture:
+        done: TorchFuture = TorchFuture()
         if self._process is None:
             done.set_result(write_rank_file(self.fs.create_stream, self.fs.concat_path, self.path, plan,
                                             planner.resolve_data, self.sync_files))
