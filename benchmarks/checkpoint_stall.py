@@ -26,6 +26,13 @@ What is measured
       write costs training when they share the CPU cores); then `store.wait()`. "save-to-commit" is
       `store.last_save_seconds` (staging start to manifest written). The committed checkpoint must
       restore to the weights at save() time, not the ones after the steps that overlapped it.
+    * persisting behind, as the trainer saves by default (rows "[persist behind]"; `CheckpointStore(persist_behind=True)`
+      with a memory tier in /dev/shm, the writer as the trainer defaults it: a process with CUDA, a thread without):
+      the same async save, "save-to-commit" being the commit in memory, then `flush()` and "then persisted to storage"
+      (`store.last_persist_seconds`: copying the files to storage); its CPU row counts both tiers (the checkpoint
+      thread, the persister thread, a writer process). `commit_vs_torch_save` in the result line is this commit /
+      torch.save (issue 37's target <= 0.5), `persist_vs_torch_save` the copy to storage after it,
+      `background_cpu_ratio_persist_behind` the CPU of both tiers / torch.save's (target <= 1.5).
     * the CPU seconds each save's background work used (the store's checkpoint thread and, with one, its writer
       process, from /proc) against torch.save's (`background_cpu_ratio`): what the steps beside the write share
       their cores with. On the 2-core dev VM they lose part of it (the effective stall), the rest runs in time

@@ -340,7 +340,8 @@ def test_exact_resume_on_object_storage(bucket_run, reference_digest, launched):
     interrupted.wait_for(
         rank_line(0, "fault_injection", f"paused at item {run.pause_at} "),
         rank_line(1, "fault_injection", f"paused at item {run.pause_at} "),
-        rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 to " + re.escape(run.uri)),
+        # in the bucket: persisted behind its commit in memory (or committed there, persisting behind turned off)
+        rank_line(0, "trainingrun.checkpoint", "(?:committed|persisted) checkpoint step 10 to " + re.escape(run.uri)),
     )
     os.kill(interrupted.workers()[1], signal.SIGKILL)
     release(run.pauses, run.pause_at)  # the survivor fails in its next collective
@@ -482,12 +483,14 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path, launc
 
 
 def test_storage_outage_during_saves(tmp_path, launched):
-    """file:// checkpoints on a volume that goes away (the path is replaced by a plain file, so
-    even root cannot write there) for the save at step 20 and again for the final save at step 40.
+    """file:// checkpoints, committed to storage (not persisted behind), on a volume that goes away (the path is
+    replaced by a plain file, so even root cannot write there) for the save at step 20 and again for the final save
+    at step 40.
     Training goes on past the failed periodic save and the next save commits; the failed final save
     ends the attempt with the retryable code; the next attempt skips a partial and a corrupt newer
     checkpoint, resumes from the last committed one and finishes."""
     run = Run(tmp_path, "outage", {**LEARNING, "maxSteps": 40})
+    run.checkpoint["persistBehind"] = False  # saves that commit to storage (as with several pods)
     items = {step: first_item_of_step(step) for step in (13, 25, 40)}
     run.inject(pause_at_items=tuple(items.values()))
     base, away = run.dir / "checkpoints", run.dir / "checkpoints.away"
@@ -546,6 +549,58 @@ def test_storage_outage_during_saves(tmp_path, launched):
         rank_line(0, "trainingrun.session", f"resumed from {uri}/step-00000030 at step 30"),
         rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 40 "),
     )
+    assert max(i.step for i in run.store().list() if i.valid) == 40
+
+
+def test_storage_outage_while_persisting_behind(tmp_path, launched):
+    """Persisting behind (the default in one pod), the same outage holds neither training nor its checkpoints: step 20
+    commits in memory and only its copy to storage fails (logged; the next checkpoint tries again), step 30 reaches
+    storage once it is back; the final save at step 40 commits in memory but cannot reach storage, so the attempt ends
+    with the retryable code; a restart inside the pod resumes from step 40 in memory, which storage never got, and
+    finishes with it in storage."""
+    run = Run(tmp_path, "outage-behind", {**LEARNING, "maxSteps": 40})
+    items = {step: first_item_of_step(step) for step in (13, 25, 40)}
+    run.inject(pause_at_items=tuple(items.values()))
+    base, away = run.dir / "checkpoints", run.dir / "checkpoints.away"
+
+    def storage_down() -> None:
+        base.rename(away)
+        base.write_text("the checkpoint volume is gone\n")
+
+    def storage_back() -> None:
+        base.unlink()
+        away.rename(base)
+
+    def paused_before(proc: Launched, step: int, *also: str) -> None:
+        paused = (rank_line(r, "fault_injection", f"paused at item {items[step]} ") for r in range(2))
+        proc.wait_for(*paused, *also)
+
+    not_copied = "checkpoint step {} \\(committed in memory\\) could not be copied"
+    proc = run.start(launched)
+    paused_before(proc, 13, rank_line(0, "trainingrun.checkpoint", "persisted checkpoint step 10 to "))
+    storage_down()
+    release(run.pauses, items[13])
+    paused_before(proc, 25, rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 20 in memory"),
+                  rank_line(0, "trainingrun.checkpoint", not_copied.format(20), "ERROR"))
+    storage_back()
+    release(run.pauses, items[25])
+    paused_before(proc, 40, rank_line(0, "trainingrun.checkpoint", "persisted checkpoint step 30 to "))
+    storage_down()
+    release(run.pauses, items[40])
+    code = proc.finish()
+    storage_back()
+    proc.wait_for(rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 40 in memory"),
+                  rank_line(0, "trainingrun.checkpoint", not_copied.format(40), "ERROR"),
+                  rank_line(0, "trainingrun.trainer", "the final checkpoint at step 40 is not in storage", "ERROR"))
+    assert "could not write" not in proc.log  # no save failed
+    assert_workers_exited(proc.log, exit_codes.RETRYABLE)
+    assert code == exit_codes.RETRYABLE, proc.tail()
+    assert [(i.step, i.valid) for i in run.store().list()] == [(30, True), (10, True)]
+
+    rerun = run.start(launched)  # the same attempt, in the same pod: its memory holds step 40
+    assert rerun.finish() == 0, rerun.tail()
+    rerun.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000040 at step 40 "
+                                                       ".*reading node memory"))
     assert max(i.step for i in run.store().list() if i.valid) == 40
 
 

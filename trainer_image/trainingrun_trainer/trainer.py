@@ -473,8 +473,8 @@ class Trainer:
             committed = self.run.store.flush()  # persisting behind: until storage holds it
         if committed is None or committed.step != self.step:
             # Exiting 0 would report success with the final weights lost; a retry redoes the steps
-            # after the last good checkpoint and saves again.
-            log.error("the final checkpoint at step %d was not committed; exiting with the retryable code %d",
+            # after the last good checkpoint and saves again (or, inside the pod, finds them in memory).
+            log.error("the final checkpoint at step %d is not in storage; exiting with the retryable code %d",
                       self.step, exit_codes.RETRYABLE)
             return exit_codes.RETRYABLE
         self.run.report_committed()
