@@ -474,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                   "  CPU seconds of the background work (thread + writer)"]
     order = [
         "training step, no save in flight", *async_rows, *(name + WRITER_PROCESS for name in async_rows),
+        *(name + PERSIST_BEHIND for name in async_rows[:-1]),
+        "  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND, async_rows[-1] + PERSIST_BEHIND,
         "sync torch.save (new file, faster of 2)", "  its CPU seconds", "  + os.fsync of that file",
         "sync torch.save + fsync",
         "  the slower of the 2",
