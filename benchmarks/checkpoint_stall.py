@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         if committed is None:
             raise SystemExit(f"async save of step {pending.step} did not commit; see the log above")
         record("save-to-commit (store.last_save_seconds)" + suffix, on.last_save_seconds)
+        for phase, seconds in on.last_save_phases.items():
+            phases.setdefault(suffix, {}).setdefault(phase, []).append(seconds)
         if on.persist_behind:
             if on.flush() != committed:
                 raise SystemExit(f"step {pending.step} was committed in memory but not persisted; see the log above")
@@ -328,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         record("  CPU seconds of the background work (thread + writer)" + suffix, background_cpu_seconds(on) - cpu_before)
         return committed
 
+    phases: dict[str, dict[str, list]] = {}  # suffix -> phase -> seconds, per repeat (store.last_save_phases)
     overlap_counts = []  # training steps run while a background write was in flight
     foreign = []  # CPU cores other processes on the machine used during each repeat
     overlapped = []  # was the background write still running when the next step started / ended?
@@ -546,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{'met' if commit_behind[0] <= 0.5 else 'NOT met'}); then persisted to storage in {persist_behind[0]:.3f} "
           f"({persist_behind[1]:.3f}-{persist_behind[2]:.3f}) x torch.save more; CPU of both tiers "
           f"{behind_cpu / med['  its CPU seconds']:.2f}x torch.save's (target <= 1.5)")
+    for suffix, label in (("", "in-process writer"), (WRITER_PROCESS, "writer process"),
+                          (PERSIST_BEHIND, "persisting behind")):
+        if phases.get(suffix):
+            print(f"where save-to-commit went ({label}; medians, store.last_save_phases): " + ", ".join(
+                f"{phase} {statistics.median(values):.3f} s" for phase, values in phases[suffix].items()))
     background_cpu = med["  CPU seconds of the background work (thread + writer)" + WRITER_PROCESS]
     save_cpu = med["  its CPU seconds"]
     print(f"CPU of one save's background work (writer process + checkpoint thread: staging, digest, serialising, "

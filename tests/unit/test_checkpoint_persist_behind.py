@@ -179,3 +179,16 @@ def test_each_save_writes_its_data_files_into_the_memory_of_a_step_no_longer_nee
     assert inodes[3] == inodes[1] != inodes[2]
     assert steps_in(memory) == [3] and (memory / memory_tier.SPARE_DIR).is_dir()
     assert restored(bucket, memory) == (3, digest, "memory")
+
+
+def test_a_save_says_where_its_time_went(bucket, memory):
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1}, model_digest=lambda staged: model_digest(staged["model"]),
+                   copy_in_background=("model", "optim"))
+        store.wait_copied()
+        assert store.wait() is not None
+        phases = store.last_save_phases
+    assert list(phases) == ["staging", "writing", "model digest", "committing"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) == pytest.approx(store.last_save_seconds, abs=1e-3)

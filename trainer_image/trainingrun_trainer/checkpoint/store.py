@@ -50,6 +50,7 @@ class _SaveJob:
     shared: bool = False  # staged in shared memory, for the writer process
     logged: bool = False  # this rank already logged the failure
     later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
+    marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
     copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
 
 
@@ -187,6 +188,10 @@ class CheckpointStore:
         self.committed_saves = 0
         self.restores = 0
         self.last_save_seconds = 0.0
+        #: Where the last committed save's time went, in seconds: "staging" (from save(), the copy in the background
+        #: included), "writing" (DCP: planning, every rank's files), "model digest", "committing" (gathering, the
+        #: manifest); writing includes waiting for slower ranks.
+        self.last_save_phases: dict[str, float] = {}
         self.last_save_bytes = 0
         self.last_blocking_seconds = 0.0
         self.last_restore_seconds = 0.0
@@ -370,6 +375,7 @@ class CheckpointStore:
             finally:
                 job.later = None
             job.copied.set_result(None)
+        job.marks.append(("staging", time.perf_counter()))
         if not self.persist_behind:
             return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
         tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=self._persist_steps())
@@ -404,6 +410,7 @@ class CheckpointStore:
                 )
             dcp.save(job.state, storage_writer=writer, process_group=self._pg,
                      no_dist=not self._distributed)
+            job.marks.append(("writing", time.perf_counter()))
             if in_memory:
                 for name, entry in record.items():
                     self._tier.write_digests(tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST],
@@ -418,6 +425,7 @@ class CheckpointStore:
             # writes the manifest, so only rank 0 computes it.
             job.model_digest = job.model_digest(job.state) if self.rank == 0 and error is None else ""
         job.state = None  # drop the staged copy
+        job.marks.append(("model digest", time.perf_counter()))
 
         outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes]] = None
         try:
@@ -440,6 +448,9 @@ class CheckpointStore:
             return self._failed(job, commit_error)
 
         self.last_save_seconds = time.perf_counter() - job.started
+        job.marks.append(("committing", time.perf_counter()))
+        self.last_save_phases = {name: at - before for (name, at), (_, before)
+                                 in zip(job.marks, [("started", job.started)] + job.marks)}
         self.last_save_bytes = sum(entry["size"] for entry in record.values())
         self.committed_saves += 1
         if in_memory:
