@@ -23,14 +23,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FORMAT_VERSION, MANIFEST_NAME, PendingSave,
-                     STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _cause, _describe, _join, logger,
-                     now_rfc3339, step_dir_name)
+from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FILE_DIGEST, FORMAT_VERSION, MANIFEST_NAME,
+                     PendingSave, STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _cause, _describe, _join,
+                     logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_dir, _storage_options
-from .layout import FILE_DIGEST
 from .writer import SEGMENTS_KEY, _Writer
 from .writer_process import WriterProcess
 
