@@ -173,7 +173,7 @@ class TrainerMetrics(NullMetrics):
         if store.failed_saves > self._seen["failed"]:
             self._save_failures.inc(store.failed_saves - self._seen["failed"])
             self._seen["failed"] = store.failed_saves
-        if store.persist_behind and store.rank == 0:
+        if store.rank == 0:  # 0 where saves commit to storage (several pods, persistBehind: false)
             self._persist_lag.set(store.persist_lag_steps)
             if store.failed_persists > self._seen["persist_failed"]:
                 self._persist_failures.inc(store.failed_persists - self._seen["persist_failed"])
