@@ -106,3 +106,18 @@ def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
     assert "trainingrun_checkpoint_expected_lost_seconds{" not in early  # not a made-up 0
     assert 'trainingrun_checkpoint_expected_lost_seconds{namespace="default",rank="0",run="r"} 6.0' in measured
     assert 'trainingrun_checkpoint_save_cost_seconds{namespace="default",rank="0",run="r"} 0.05' in measured
+
+
+def test_the_persist_lag_is_what_memory_holds_beyond_storage_and_zero_where_saves_commit_to_storage(tmp_path):
+    store = textwrap.dedent("""
+        class Store:  # what metrics reads of a CheckpointStore on rank 0
+            rank, committed_saves, failed_saves, restores = 0, 0, 0, 0
+            def __init__(self, behind, lag, failed):
+                self.persist_behind, self.persist_lag_steps, self.failed_persists = behind, lag, failed
+    """)
+    behind, to_storage = expositions_after(tmp_path, store + "m.checkpoints(Store(True, 20, 2))",
+                                           "m.checkpoints(Store(False, 0, 2))")
+    labels = '{namespace="default",rank="0",run="r"}'
+    assert f"trainingrun_checkpoint_persist_lag_steps{labels} 20.0" in behind
+    assert f"trainingrun_checkpoint_persist_failures_total{labels} 2.0" in behind
+    assert f"trainingrun_checkpoint_persist_lag_steps{labels} 0.0" in to_storage  # present, so the panel has data
