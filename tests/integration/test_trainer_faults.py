@@ -482,6 +482,28 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path, launc
 # ------------------------------------------------------------------------------------ 4. storage outage
 
 
+class Outage:
+    """A file:// checkpoint volume that goes away (the path is replaced by a plain file, so even root cannot write
+    there) and comes back, with the run's ranks paused before each of `pause_before` steps."""
+
+    def __init__(self, run: Run, pause_before: tuple[int, ...]):
+        self.items = {step: first_item_of_step(step) for step in pause_before}
+        run.inject(pause_at_items=tuple(self.items.values()))
+        self.base, self._away = run.dir / "checkpoints", run.dir / "checkpoints.away"
+
+    def down(self) -> None:
+        self.base.rename(self._away)
+        self.base.write_text("the checkpoint volume is gone\n")
+
+    def back(self) -> None:
+        self.base.unlink()
+        self._away.rename(self.base)
+
+    def paused_before(self, proc: Launched, step: int, *also: str) -> None:
+        paused = (rank_line(r, "fault_injection", f"paused at item {self.items[step]} ") for r in range(2))
+        proc.wait_for(*paused, *also)
+
+
 def test_storage_outage_during_saves(tmp_path, launched):
     """file:// checkpoints, committed to storage (not persisted behind), on a volume that goes away (the path is
     replaced by a plain file, so even root cannot write there) for the save at step 20 and again for the final save
@@ -491,21 +513,9 @@ def test_storage_outage_during_saves(tmp_path, launched):
     checkpoint, resumes from the last committed one and finishes."""
     run = Run(tmp_path, "outage", {**LEARNING, "maxSteps": 40})
     run.checkpoint["persistBehind"] = False  # saves that commit to storage (as with several pods)
-    items = {step: first_item_of_step(step) for step in (13, 25, 40)}
-    run.inject(pause_at_items=tuple(items.values()))
-    base, away = run.dir / "checkpoints", run.dir / "checkpoints.away"
-
-    def storage_down() -> None:
-        base.rename(away)
-        base.write_text("the checkpoint volume is gone\n")
-
-    def storage_back() -> None:
-        base.unlink()
-        away.rename(base)
-
-    def paused_before(proc: Launched, step: int, *also: str) -> None:
-        paused = (rank_line(r, "fault_injection", f"paused at item {items[step]} ") for r in range(2))
-        proc.wait_for(*paused, *also)
+    outage = Outage(run, pause_before=(13, 25, 40))
+    items, base, storage_down, storage_back = outage.items, outage.base, outage.down, outage.back
+    paused_before = outage.paused_before
 
     proc = run.start(launched)
     paused_before(proc, 13, rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "))
@@ -559,21 +569,9 @@ def test_storage_outage_while_persisting_behind(tmp_path, launched):
     with the retryable code; a restart inside the pod resumes from step 40 in memory, which storage never got, and
     finishes with it in storage."""
     run = Run(tmp_path, "outage-behind", {**LEARNING, "maxSteps": 40})
-    items = {step: first_item_of_step(step) for step in (13, 25, 40)}
-    run.inject(pause_at_items=tuple(items.values()))
-    base, away = run.dir / "checkpoints", run.dir / "checkpoints.away"
-
-    def storage_down() -> None:
-        base.rename(away)
-        base.write_text("the checkpoint volume is gone\n")
-
-    def storage_back() -> None:
-        base.unlink()
-        away.rename(base)
-
-    def paused_before(proc: Launched, step: int, *also: str) -> None:
-        paused = (rank_line(r, "fault_injection", f"paused at item {items[step]} ") for r in range(2))
-        proc.wait_for(*paused, *also)
+    outage = Outage(run, pause_before=(13, 25, 40))
+    items, base, storage_down, storage_back = outage.items, outage.base, outage.down, outage.back
+    paused_before = outage.paused_before
 
     not_copied = "checkpoint step {} \\(committed in memory\\) could not be copied"
     proc = run.start(launched)

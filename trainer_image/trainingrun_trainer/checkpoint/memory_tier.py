@@ -121,7 +121,7 @@ class MemoryTier:
         steps go, except those in `keep`: one being persisted)."""
         if self.off is not None:
             return None
-        directory = os.path.join(self.root, step_dir_name(step))
+        directory = self.path(step)
         try:
             os.makedirs(directory, exist_ok=True)
             self._remove_steps(lambda other: other > step)  # left by saves that never committed (a rollback)
@@ -164,7 +164,7 @@ class MemoryTier:
         if self.off is not None:
             self.discard(step)  # a copy that failed part way: free what it holds (/dev/shm may be full)
             return
-        directory = os.path.join(self.root, step_dir_name(step))
+        directory = self.path(step)
         if not os.path.isdir(directory):
             return
         try:
@@ -215,7 +215,7 @@ class MemoryTier:
 
     def discard(self, step: int) -> None:
         """`step` was not committed: its copy goes."""
-        shutil.rmtree(os.path.join(self.root, step_dir_name(step)), ignore_errors=True)
+        shutil.rmtree(self.path(step), ignore_errors=True)
 
     def turn_off(self, why: str) -> None:
         if self.off is None:
@@ -255,7 +255,7 @@ class MemoryTier:
         return bool(found) and len(found) == self._usable[manifest_sha256][1]
 
     def _find(self, step: int, manifest_sha256: str) -> tuple[dict[str, TierFile], int]:
-        directory = os.path.join(self.root, step_dir_name(step))
+        directory = self.path(step)
         listed: list = []
         digest = ""
         try:

@@ -377,7 +377,9 @@ class CheckpointStore:
         job.marks.append(("staging", time.perf_counter()))
         if not self.persist_behind:
             return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
-        tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=self._persist_steps())
+        with self._persist_lock:  # the persister may be taking the next step to copy
+            keep = self._persist_steps()
+        tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=keep)
         try:
             in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
         except _SAVE_ERRORS as exc:
