@@ -357,11 +357,14 @@ def main(argv: list[str] | None = None) -> int:
 
             store._executor.submit(lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                                                           args.writer_nice)).result()
-        # Warm-up, untimed: first use of the store, the allocator and fresh page-cache pages.
+        # Warm-up, untimed: first use of the store, the allocator and fresh page-cache pages, as the trainer's first save
+        # (persisting behind, the spare in memory that the persister prepares after it).
         warm = state_now()
         for warming in (store, process_store, behind_store):
-            warming.save(step_no, warm, {"step": step_no}, blocking=False)
+            warming.save(step_no, {"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+                         {"step": step_no}, blocking=False, copy_in_background=CHANGED_BY_OPTIMIZER_STEP)
             warming.wait()
+            warming.flush()
         torch.save(warm, root / "warm-up.pt")
         (root / "warm-up.pt").unlink()
         del warm

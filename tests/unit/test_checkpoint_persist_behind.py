@@ -124,8 +124,9 @@ def test_a_restart_resumes_from_memory_what_storage_never_got(bucket, memory, mo
     assert model_digest(model.state_dict()) == digest
 
 
+@pytest.mark.parametrize("in_background", [(), ("model", "optim")], ids=["staged-first", "staged-into-the-tier"])
 def test_a_damaged_memory_checkpoint_that_storage_lacks_fails_once_then_the_restart_takes_storages(
-        bucket, memory, monkeypatch):
+        bucket, memory, monkeypatch, in_background):
     model, opt = trained()
     with behind(bucket, memory) as store:
         store.save(1, app_state(model, opt), {"step": 1})
@@ -133,7 +134,7 @@ def test_a_damaged_memory_checkpoint_that_storage_lacks_fails_once_then_the_rest
         older = model_digest(model.state_dict())
         monkeypatch.setattr(storage_module._Storage, "upload", lambda *_: (_ for _ in ()).throw(OSError("down")))
         train_step(model, opt, seed=2)
-        store.save(2, app_state(model, opt), {"step": 2})
+        store.save(2, app_state(model, opt), {"step": 2}, copy_in_background=in_background)
         assert store.wait().step == 2
     monkeypatch.undo()
     flip_byte(max(data_files(step_dir(memory, 2)), key=lambda p: p.stat().st_size))
@@ -164,17 +165,22 @@ def test_without_room_in_memory_a_save_commits_to_storage_as_before(bucket, memo
     assert steps_in(memory) == []  # the older copy freed, no new one
 
 
-def test_each_save_writes_its_data_files_into_the_memory_of_a_step_no_longer_needed(bucket, memory):
+@pytest.mark.parametrize("in_background", [(), ("model", "optim")], ids=["staged-first", "staged-into-the-tier"])
+def test_each_save_writes_its_data_files_into_the_memory_of_a_step_no_longer_needed(bucket, memory, in_background):
     model, opt = trained()
-    inodes = {}
+    inodes, spares = {}, {}
     with behind(bucket, memory) as store:
         for step in (1, 2, 3):
             train_step(model, opt, seed=step)
-            store.save(step, app_state(model, opt), {"step": step})
+            store.save(step, app_state(model, opt), {"step": step}, copy_in_background=in_background)
             assert store.flush().step == step
             [data] = step_dir(memory, step).glob("*.distcp")
             inodes[step] = data.stat().st_ino
+            spare = memory / memory_tier.SPARE_DIR / data.name
+            spares[step] = (spare.stat().st_ino, spare.stat().st_size) if spare.exists() else None
         digest = model_digest(model.state_dict())
+    # After the first save, the persister made a spare of its size in the background; the second save wrote into it.
+    assert spares[1] == (inodes[2], (step_dir(bucket, 1) / data.name).stat().st_size)
     # Step 1 became the spare when step 2 committed; step 3 was written into its file, so the tier holds two copies.
     assert inodes[3] == inodes[1] != inodes[2]
     assert steps_in(memory) == [3] and (memory / memory_tier.SPARE_DIR).is_dir()
@@ -192,3 +198,21 @@ def test_a_save_says_where_its_time_went(bucket, memory):
     assert list(phases) == ["staging", "writing", "model digest", "committing"]
     assert all(seconds >= 0 for seconds in phases.values())
     assert sum(phases.values()) == pytest.approx(store.last_save_seconds, abs=1e-3)
+
+
+def test_no_spare_is_prepared_where_it_would_take_the_reserve_of_dev_shm(bucket, memory, monkeypatch):
+    gate = GatedUploads(monkeypatch)
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.wait() is not None and gate.entered.wait(60)
+        [data] = step_dir(memory, 1).glob("*.distcp")
+        free = data.stat().st_size + memory_tier.RESERVE_BYTES - 1  # the spare would leave less than the reserve
+        monkeypatch.setattr(memory_tier.shutil, "disk_usage",
+                            lambda _: memory_tier.shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free))
+        gate.release()
+        assert store.flush().step == 1
+    assert not list((memory / memory_tier.SPARE_DIR).glob("*"))
+    monkeypatch.undo()
+    assert store._tier.prepare_spare({data.name: data.stat().st_size})
+    assert (memory / memory_tier.SPARE_DIR / data.name).stat().st_size == data.stat().st_size

@@ -535,12 +535,13 @@ class CheckpointConfig(ApiModel):
         "pod resumes from the newest in storage, and SIGTERM and the end of the run wait until storage holds the last "
         "one. false, or several pods, or no room in /dev/shm: a checkpoint commits when storage holds it.",
     )
-    writer_process: Optional[bool] = Field(
-        default=None,
-        description="Write each rank's checkpoint files from a separate process at a low CPU priority, so serialising, "
-        "hashing and uploading take neither the training steps' Python interpreter lock nor, while cores are free, "
-        "their cores. Unset: on when the trainer sees a GPU (its host's cores are mostly idle), off otherwise (CPU "
-        "training keeps every core busy: a 2-core CPU run was 25% slower with it). State is staged into shared "
+    writer_process: bool = Field(
+        default=False,
+        description="Write each rank's checkpoint files from a separate process at a low CPU priority instead of the "
+        "trainer's checkpoint thread. Off by default, on GPUs too: on a 16-core H100 host the thread held the training "
+        "steps beside a 1.8 GB save 0.09x a torch.save, the process 0.27x, and committed sooner (3.1 s against 4.2 s); "
+        "an H200 measured the same order; a 2-core CPU run was 25% slower with it. Persisting behind, a checkpoint is "
+        "staged straight into node memory and no writer process takes part. When on, state is staged into shared "
         "memory (/dev/shm, resources.sharedMemory) that every save reuses; saves before the writer has started, or "
         "while /dev/shm lacks room (one warning), are written in-process. A writer that dies fails only that save.",
     )

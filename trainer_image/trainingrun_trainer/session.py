@@ -100,7 +100,7 @@ class Run:
             keep_every=checkpoint.keep_every,
             endpoint_url=checkpoint.endpoint_url,
             memory_tier=self._memory_tier(),
-            writer_process=torch.cuda.is_available() if checkpoint.writer_process is None else checkpoint.writer_process,
+            writer_process=checkpoint.writer_process,
             run_uid=context.uid or None,
             persist_behind=checkpoint.persist_behind,
         )

@@ -34,7 +34,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional
 
 import xxhash
 
@@ -205,6 +205,35 @@ class MemoryTier:
                 doomed.append((0, newest))
         for _, name in doomed:
             shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def prepare_spare(self, sizes: Mapping[str, int]) -> bool:
+        """Persisting behind, while the tier has no spare (the first saves of a process): make one of files of these
+        {name: size} (the newest step's data files), their memory allocated now, in the background, so the next save
+        writes into pages it need not allocate (`SPARE_DIR`). Only while /dev/shm keeps its reserve beside them.
+        Whether one was made."""
+        spare = os.path.join(self.root, SPARE_DIR)
+        if not self.recycle or self.off is not None or not sizes or self._spare_bytes():
+            return False
+        partial = f"{spare}.{uuid.uuid4().hex}.partial"
+        try:
+            usage = shutil.disk_usage(self.root)
+            if usage.free < sum(sizes.values()) + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+                return False
+            os.makedirs(partial)
+            for name, size in sizes.items():
+                fd = os.open(os.path.join(partial, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                    if size:  # tmpfs clears allocated pages at their first fault: here, not in the save
+                        _mapped(fd, size).close()
+                finally:
+                    os.close(fd)
+            os.rename(partial, spare)  # fails if a retired step became the spare meanwhile (that one serves); replaces
+            # an empty one (a save took its files)
+            return True
+        except OSError:
+            shutil.rmtree(partial, ignore_errors=True)
+            return False
 
     def _spare_bytes(self) -> int:
         try:

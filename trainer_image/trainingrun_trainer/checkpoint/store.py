@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -30,6 +31,7 @@ from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_dir, _storage_options
+from .tier_staging import StagedFile, data_file_name, stageable
 from .writer import SEGMENTS_KEY, _Writer
 from .writer_process import WriterProcess
 
@@ -365,41 +367,74 @@ class CheckpointStore:
         """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
-        if job.later is not None:
-            try:
-                job.state.update(self._stager(job.shared)(job.later))
-            except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
-                job.copied.set_exception(exc)
-                raise
-            finally:
-                job.later = None
-            job.copied.set_result(None)
-        job.marks.append(("staging", time.perf_counter()))
         if not self.persist_behind:
+            self._stage_later(job, None)
+            job.marks.append(("staging", time.perf_counter()))
             return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
         with self._persist_lock:  # the persister may be taking the next step to copy
             keep = self._persist_steps()
         tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=keep)
+        staged = self._stage_later(job, tier_dir)
+        job.marks.append(("staging", time.perf_counter()))
         try:
-            in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
-        except _SAVE_ERRORS as exc:
-            return self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
-        if in_memory:
-            return self._save(job, tier_dir, in_memory=True)
-        if tier_dir is not None:
-            self._tier.discard(job.step)
-        return self._save(job, None)
+            if staged is not None and staged.failed:
+                self._tier.discard(job.step)  # no room after all: this rank's tier gets nothing of this step
+                tier_dir = None
+            try:
+                in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
+            except _SAVE_ERRORS as exc:
+                return self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+            if in_memory:
+                return self._save(job, tier_dir, in_memory=True, staged=staged)
+            if tier_dir is not None:
+                self._tier.discard(job.step)
+            return self._save(job, None)
+        finally:
+            if staged is not None:
+                staged.close()
 
-    def _save(self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False) -> Optional[CheckpointInfo]:
+    def _stage_later(self, job: _SaveJob, tier_dir: Optional[str]) -> Optional[StagedFile]:
+        """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
+        may change them. Into this rank's data file in `tier_dir` when they are CPU tensors (stage once,
+        `tier_staging`; returned), else by the stager."""
+        if job.later is None:
+            return None
+        staged: Optional[StagedFile] = None
+        try:
+            if tier_dir is not None and stageable(job.later):
+                staged = StagedFile(os.path.join(tier_dir, data_file_name(self.rank)))
+                try:
+                    job.state.update(staged.stage(job.later))
+                except OSError as exc:
+                    logger.warning("checkpoint step %d: rank %d cannot stage its state in %s (%s): this save "
+                                   "commits to storage", job.step, self.rank, tier_dir, _describe(exc))
+                    staged.failed = True
+                    staged.close()
+            if staged is None or staged.failed:
+                job.state.update(self._stager(job.shared)(job.later))
+        except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
+            job.copied.set_exception(exc)
+            if staged is not None:
+                staged.close()
+            raise
+        finally:
+            job.later = None
+        job.copied.set_result(None)
+        return staged
+
+    def _save(self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False,
+              staged: Optional[StagedFile] = None) -> Optional[CheckpointInfo]:
         """Write `job` and commit it: to storage, keeping a copy in `tier_dir` (None: none); or, `in_memory`, into
-        `tier_dir` alone, rank 0 then queueing it to be persisted."""
+        `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
+        persisted."""
         step_uri = self._step_uri(job.step)
         record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
         error: Optional[str] = None
         try:
             if in_memory:
                 writer = _Writer(tier_dir, record, on_global_plan=lambda: None, sync_files=False,
-                                 process=self._writer if job.shared else None, segments=True,
+                                 process=self._writer if job.shared and staged is None else None, segments=True,
+                                 staged=staged if staged is not None and not staged.failed else None,
                                  die_after_items=1 if job.step == self.writer_dies_at_step else None)
             else:
                 writer = _Writer(
@@ -580,6 +615,7 @@ class CheckpointStore:
         with self._persist_lock:  # the memory tier keeps the newest memory checkpoint and what is queued
             newest = self.in_memory.step if self.in_memory is not None else info.step
             self._tier.remove_older(newest, keep=self._persist_steps() - {info.step})
+        self._tier.prepare_spare({name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX)})
         try:
             self._rotate()
         except Exception as exc:

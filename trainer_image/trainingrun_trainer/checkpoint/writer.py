@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from .layout import FILE_DIGEST, file_hasher
 from .memory_tier import MemoryTier, RecycledFile, SegmentHasher, TierCopy
 from .tensor_files import write_rank_file
+from .tier_staging import StagedFile
 from .writer_process import WriteRequest, WriterProcess
 
 
@@ -128,12 +129,13 @@ class _HashingFileSystem:
 class _Writer(FsspecWriter):
     """DCP's FsspecWriter writing format 3's data files (`tensor_files`), hashing every file written and, on the
     coordinator, removing a stale directory of the same step while planning (before any rank writes data). With a
-    `process`, this rank's data files are written by that writer process (`writer_process`)."""
+    `process`, this rank's data files are written by that writer process (`writer_process`); with a `staged` file
+    (`tier_staging`), this rank's data file is the one its state was staged into, completed in place."""
 
     def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool,
                  tier: Optional[MemoryTier] = None, tier_dir: Optional[str] = None,
                  process: Optional[WriterProcess] = None, die_after_items: Optional[int] = None,
-                 segments: bool = False, **storage_options):
+                 segments: bool = False, staged: Optional[StagedFile] = None, **storage_options):
         super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
         self.fs = _HashingFileSystem(self.fs, record, tier, tier_dir, segments)
         self._on_global_plan = on_global_plan
@@ -141,9 +143,14 @@ class _Writer(FsspecWriter):
         self._request = dict(uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items,
                              segments=segments)
         self._process = process
+        self._staged = staged
 
     def write_data(self, plan, planner) -> TorchFuture:
         done: TorchFuture = TorchFuture()
+        if self._staged is not None:
+            results, self._record[self._staged.name] = self._staged.complete(plan, planner.resolve_data)
+            done.set_result(results)
+            return done
         if self._process is None:
             done.set_result(write_rank_file(self.fs.create_stream, self.fs.concat_path, self.path, plan,
                                             planner.resolve_data, self.sync_files))

@@ -1,0 +1,208 @@
+"""Stage once: a rank's CPU tensors copied straight into its data file in the memory tier, which the save then
+completes in place.
+
+Staging into buffers and then writing the buffers into the tier copies every byte twice. Here the tier's data file is
+the staging buffer: `StagedFile.stage` copies each tensor into the file's shared mapping (the pages of the spare's
+file, `memory_tier.SPARE_DIR`, where there is one) and returns the state with views of those bytes in place of the
+tensors; training may change its own tensors from then on. DCP then plans the save of the views and
+`StagedFile.complete` records where each already lies (no copy), appends what was not staged (byte items, tensors
+staged elsewhere) and hashes the file once, from memory: its file digest and the xxh3_128 of each segment.
+
+The file is in format 3 (`tensor_files`): each tensor's bytes at the offset DCP's metadata records, here aligned to
+`ALIGN` bytes (so a view of them has its dtype's alignment) with the staged tensors first and the byte items after
+them. Readers go by the metadata's offsets and lengths, not by the order.
+
+Only plain, strided CPU tensors are staged so (`stageable`); a state with others (CUDA, DTensor) is staged by the
+store's `StateDictStager` as before.
+"""
+from __future__ import annotations
+
+import copy
+import errno
+import mmap
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .layout import FILE_DIGEST, file_hasher
+from .memory_tier import READ_CHUNK, SPARE_DIR, SegmentHasher
+from .tensor_files import RAW_TENSOR, _byte_view
+
+#: Each staged tensor starts at a multiple of this many bytes: a cache line, and every dtype's alignment.
+ALIGN = 64
+
+
+def data_file_name(rank: int) -> str:
+    """The name DCP gives the data file of `rank` (its plan's storage prefix is ``__<rank>_``)."""
+    return f"__{rank}_0{DEFAULT_SUFFIX}"
+
+
+def stageable(tree: Any) -> bool:
+    """Whether every tensor in `tree` (nested dicts, lists, tuples) is a plain strided CPU tensor."""
+    if isinstance(tree, torch.Tensor):
+        return type(tree) in (torch.Tensor, torch.nn.Parameter) and tree.device.type == "cpu" \
+            and tree.layout == torch.strided and not tree.is_quantized
+    if isinstance(tree, Mapping):
+        return all(stageable(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return all(stageable(value) for value in tree)
+    return True
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [tensor for value in tree.values() for tensor in _tensors(value)]
+    if isinstance(tree, (list, tuple)):
+        return [tensor for value in tree for tensor in _tensors(value)]
+    return []
+
+
+def _key(tensor: torch.Tensor) -> tuple:
+    """Two tensors with the same key are the same bytes (tied weights): staged once."""
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
+
+
+class StagedFile:
+    """The data file `path` of one rank in the memory tier, staged into through a shared mapping."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.name = os.path.basename(path)
+        self.failed = False  #: stage() found no room (or could not write the file): nothing of it is usable
+        self._fd = -1
+        self._bytes: Optional[torch.Tensor] = None  # uint8 over the mapping
+        self._views: dict[tuple, torch.Tensor] = {}
+        self.staged_bytes = 0  # the file's bytes that stage() wrote
+        self.size = 0
+
+    def stage(self, tree: Any) -> Any:
+        """Copy the tensors of `tree` into the file; `tree` with views of the copies in their place (containers
+        rebuilt, other values deep-copied, as a stager does). Raises OSError when node memory lacks room for them
+        (before any is copied: a store into a full memory-backed mapping would end the process with SIGBUS)."""
+        offsets: dict[tuple, int] = {}
+        end = 0
+        for tensor in sorted(_tensors(tree), key=lambda t: -t.numel() * t.element_size()):  # largest first
+            if _key(tensor) not in offsets:
+                offsets[_key(tensor)] = end
+                end = _aligned(end + tensor.numel() * tensor.element_size())
+        spare = os.path.join(os.path.dirname(os.path.dirname(self.path)), SPARE_DIR, self.name)
+        try:
+            os.replace(spare, self.path)  # another save's file, of about the size this one will be: its pages are there
+        except OSError:
+            pass
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(self._fd, end)  # a larger spare's pages past the end go
+        if end:
+            try:
+                os.posix_fallocate(self._fd, 0, end)  # ENOSPC here instead of SIGBUS while copying
+            except OSError as error:
+                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: not /dev/shm
+                    raise
+            mapping = mmap.mmap(self._fd, end, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping while views of it live
+        self.staged_bytes = self.size = end
+        return self._stage(tree, offsets)
+
+    def _stage(self, tree: Any, offsets: dict[tuple, int]) -> Any:
+        if isinstance(tree, torch.Tensor):
+            key = _key(tree)
+            view = self._views.get(key)
+            if view is None:
+                nbytes = tree.numel() * tree.element_size()
+                if nbytes:
+                    target = self._bytes[offsets[key]:offsets[key] + nbytes]
+                    target.copy_(_byte_view_tensor(tree))
+                    view = target.view(tree.dtype).view(tree.shape)
+                else:
+                    view = torch.empty(tree.shape, dtype=tree.dtype)
+                self._views[key] = view
+            return view
+        if isinstance(tree, Mapping):
+            return {key: self._stage(value, offsets) for key, value in tree.items()}
+        if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+            return type(tree)(self._stage(value, offsets) for value in tree)
+        return copy.deepcopy(tree)
+
+    def _offset_of(self, tensor: torch.Tensor) -> Optional[int]:
+        """Where `tensor`'s bytes lie in the file, when it is one of the staged views (or a contiguous part of one)."""
+        if self._bytes is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        offset = tensor.data_ptr() - self._bytes.data_ptr()
+        if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self.staged_bytes:
+            return offset
+        return None
+
+    def complete(self, plan: SavePlan, resolve: Any) -> tuple[list[WriteResult], dict]:
+        """DCP's write of this rank's items of `plan` into the file: staged tensors where they lie, the rest appended;
+        the write results, and the file's manifest entry less its path (size, file digest, segment digests under
+        `writer.SEGMENTS_KEY`)."""
+        from .writer import SEGMENTS_KEY  # writer imports this module
+
+        if f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}" != self.name:
+            raise ValueError(f"DCP names this rank's data file {plan.storage_data.prefix}0{DEFAULT_SUFFIX}, not "
+                             f"{self.name}: the staged copy does not match the plan")
+        results: list[WriteResult] = []
+        appended: list[memoryview] = []
+        for item in plan.items:
+            data = resolve(item)
+            if item.type == WriteItemType.BYTE_IO:
+                view, descriptors, offset = data.getbuffer(), None, None
+            else:
+                offset = self._offset_of(data)
+                if offset is None and data.device.type != "cpu":
+                    raise ValueError(f"{item.index.fqn}: a staged tensor must be on the CPU, not {data.device}")
+                view, descriptors = _byte_view(data.contiguous()), [RAW_TENSOR]
+            if offset is None:
+                offset = self.size
+                appended.append(view)
+                self.size += view.nbytes
+            results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=_StorageInfo(
+                self.name, offset, view.nbytes, transform_descriptors=descriptors)))
+        position = self.staged_bytes
+        for view in appended:
+            while view.nbytes:
+                written = os.pwrite(self._fd, view, position)
+                view, position = view[written:], position + written
+        digest, segments = file_hasher(FILE_DIGEST), SegmentHasher()
+        for chunk in self._chunks():
+            digest.update(chunk)
+            segments.update(chunk)  # while the chunk is in the CPU's cache
+        return results, {"size": self.size, FILE_DIGEST: digest.hexdigest(), SEGMENTS_KEY: segments.finish()}
+
+    def _chunks(self):
+        """The file's bytes in order, READ_CHUNK at a time: the staged part from the mapping, the rest read back."""
+        if self._bytes is not None:
+            whole = memoryview(self._bytes.numpy())
+            for start in range(0, self.staged_bytes, READ_CHUNK):
+                yield whole[start:start + READ_CHUNK]
+        position = self.staged_bytes
+        while position < self.size:
+            chunk = os.pread(self._fd, min(READ_CHUNK, self.size - position), position)
+            if not chunk:
+                raise OSError(f"{self.path}: ends at {position} bytes, {self.size} were written")
+            yield chunk
+            position += len(chunk)
+
+    def close(self) -> None:
+        """Close the file; the mapping stays while views of it live (the staged state's)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._bytes = None
+        self._views.clear()
+
+
+def _byte_view_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bytes as a flat uint8 tensor (a copy only when it is not contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
