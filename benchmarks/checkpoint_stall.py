@@ -8,8 +8,8 @@ What is measured
     disk for every side; `--dir` picks the disk). Per repeat (default 3; medians are reported):
 
     * async save, as the trainer saves (trainer.py `Trainer._save`), once with the in-process writer (a thread,
-      checkpoint.writerProcess: false, the default on CPU) and once with `writer_process=True` (the default on GPUs:
-      a separate process at a low priority writes the files; the rows marked "[writer process]"): the state as DCP
+      checkpoint.writerProcess: false, the default) and once with `writer_process=True` (a separate process at a low
+      priority writes the files; the rows marked "[writer process]"): the state as DCP
       Stateful entries
       (`state.ModelState`, `state.OptimizerState`: the store calls their state_dict() while it stages)
       and the model digest as a function of the staged state (computed in the background), then
@@ -27,7 +27,7 @@ What is measured
       `store.last_save_seconds` (staging start to manifest written). The committed checkpoint must
       restore to the weights at save() time, not the ones after the steps that overlapped it.
     * persisting behind, as the trainer saves by default (rows "[persist behind]"; `CheckpointStore(persist_behind=True)`
-      with a memory tier in /dev/shm, the writer as the trainer defaults it: a process with CUDA, a thread without):
+      with a memory tier in /dev/shm; the tensors are staged straight into its files, `checkpoint.tier_staging`):
       the same async save, "save-to-commit" being the commit in memory, then `flush()` and "then persisted to storage"
       (`store.last_persist_seconds`: copying the files to storage); its CPU row counts both tiers (the checkpoint
       thread, the persister thread, a writer process). `commit_vs_torch_save` in the result line is this commit /
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         tier = Path(tempfile.mkdtemp(prefix="checkpoint-stall-tier-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                      else root))
         behind_store = CheckpointStore((root / "behind-store").resolve().as_uri(), keep=2, memory_tier=str(tier),
-                                       persist_behind=True, writer_process=args.device == "cuda")
+                                       persist_behind=True)
         if behind_store._writer is not None and not behind_store._writer.wait_ready(300):
             raise SystemExit("the checkpoint writer process did not start")
         if args.writer_nice:
@@ -531,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'})")
     slow = med["  the slower of the 2"]
     print(f"  (against the slower torch.save of each repeat, {slow:.3f} s: {blocking / slow:.3f})")
-    print(f"per repeat, median (min-max) over {args.repeats}, with the writer process (checkpoint.writerProcess, the "
-          f"default on GPUs): trainer's save path on the training thread {process_trainer[0]:.3f} ({process_trainer[1]:.3f}-"
+    print(f"per repeat, median (min-max) over {args.repeats}, with the writer process (checkpoint.writerProcess: "
+          f"true): trainer's save path on the training thread {process_trainer[0]:.3f} ({process_trainer[1]:.3f}-"
           f"{process_trainer[2]:.3f}) x torch.save (target <= 0.05: {'met' if process_trainer[0] <= 0.05 else 'NOT met'}"
           f"); effective stall {process_stall[0]:.3f} ({process_stall[1]:.3f}-{process_stall[2]:.3f}) x torch.save "
           f"(target <= 0.5: {'met' if process_stall[0] <= 0.5 else 'NOT met'})")

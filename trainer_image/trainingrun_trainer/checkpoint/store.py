@@ -31,7 +31,7 @@ from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_dir, _storage_options
-from .tier_staging import StagedFile, data_file_name, stageable
+from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable
 from .writer import SEGMENTS_KEY, _Writer
 from .writer_process import WriterProcess
 
@@ -138,6 +138,7 @@ class CheckpointStore:
             if writer_process else None
         self._private_stager = StateDictStager(pin_memory=torch.cuda.is_available())
         self._shared_bytes = 0  # held by the shared staging buffers
+        self._defer_state_dicts: Optional[bool] = None  # see save(); decided by the first save that copies in the background
         self._told_no_shared_room = False
         #: Fault injection (tests): the writer process kills itself part way through the save of this step.
         self.writer_dies_at_step: Optional[int] = None
@@ -218,7 +219,8 @@ class CheckpointStore:
 
         ``copy_in_background``: keys of ``state`` whose tensors the caller leaves unchanged until it calls
         :meth:`wait_copied` (the trainer: model, optimizer and EMA, which only the next optimizer step changes).
-        Their state_dict() is taken now, but the copy is made by the background thread while training goes on.
+        The background thread copies them while training goes on, and after the first such save (which shows them
+        to be plain, unsharded tensors) also takes their state_dict(): leave their structure unchanged too.
         """
         if self._closed:
             raise RuntimeError("the checkpoint store is closed")
@@ -230,10 +232,19 @@ class CheckpointStore:
         reserved = [key for key in state if str(key).startswith(EXTRA_ENTRY.format(rank=""))]
         if reserved:
             raise ValueError(f"state keys {reserved} are reserved for each rank's extra state: rename them")
-        plain = _plain(state)
+        # The background thread also takes the state_dict() of what it copies, once the first save has shown them to
+        # be plain tensors (not sharded: gathering those may be a collective, which only the training thread may run):
+        # torch's get_state_dict walks every module and parameter, milliseconds per save, more the larger the model,
+        # and nothing it reads changes before the optimizer step.
+        deferred = [key for key in copy_in_background if key in state] \
+            if not blocking and self._writer is None and self._defer_state_dicts else []
+        plain = _plain({key: value for key, value in state.items() if key not in deferred})
         expected_bytes = self.last_save_bytes or tensor_bytes(plain)
         shared = self._room_to_share(plain)
-        later = {} if blocking else {key: plain.pop(key) for key in copy_in_background if key in plain}
+        later = {} if blocking else {key: state[key] if key in deferred else plain.pop(key)
+                                     for key in copy_in_background if key in state}
+        if later and self._defer_state_dicts is None:
+            self._defer_state_dicts = plain_tensors(later)
         staged = self._stager(shared)(plain)
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
@@ -401,6 +412,7 @@ class CheckpointStore:
             return None
         staged: Optional[StagedFile] = None
         try:
+            job.later = _plain(job.later)
             if tier_dir is not None and stageable(job.later):
                 staged = StagedFile(os.path.join(tier_dir, data_file_name(self.rank)))
                 try:

@@ -42,16 +42,22 @@ def data_file_name(rank: int) -> str:
     return f"__{rank}_0{DEFAULT_SUFFIX}"
 
 
-def stageable(tree: Any) -> bool:
-    """Whether every tensor in `tree` (nested dicts, lists, tuples) is a plain strided CPU tensor."""
+def plain_tensors(tree: Any, device: Optional[str] = None) -> bool:
+    """Whether every tensor in `tree` (nested dicts, lists, tuples) is a plain strided tensor (no DTensor, sharded or
+    quantized tensor), and on `device` when one is named."""
     if isinstance(tree, torch.Tensor):
-        return type(tree) in (torch.Tensor, torch.nn.Parameter) and tree.device.type == "cpu" \
-            and tree.layout == torch.strided and not tree.is_quantized
+        return type(tree) in (torch.Tensor, torch.nn.Parameter) and tree.layout == torch.strided \
+            and not tree.is_quantized and (device is None or tree.device.type == device)
     if isinstance(tree, Mapping):
-        return all(stageable(value) for value in tree.values())
+        return all(plain_tensors(value, device) for value in tree.values())
     if isinstance(tree, (list, tuple)):
-        return all(stageable(value) for value in tree)
+        return all(plain_tensors(value, device) for value in tree)
     return True
+
+
+def stageable(tree: Any) -> bool:
+    """Whether every tensor in `tree` is a plain strided CPU tensor: what `StagedFile.stage` copies."""
+    return plain_tensors(tree, "cpu")
 
 
 def _aligned(offset: int) -> int:
