@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,34 @@ def test_only_plain_cpu_tensors_are_staged_into_memory():
     assert not tier_staging.stageable({"a": torch.zeros(2).as_subclass(Tagged)})
     assert not tier_staging.stageable({"a": [torch.empty(2, device="meta")]})
     assert not tier_staging.stageable({"a": torch.zeros(3, 3).to_sparse()})
+
+
+class Recorded:
+    """A Stateful that records the thread that takes its state_dict()."""
+
+    def __init__(self, tensors: dict):
+        self.tensors, self.threads = tensors, []
+
+    def state_dict(self) -> dict:
+        self.threads.append(threading.current_thread() is threading.main_thread())
+        return dict(self.tensors)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensors.update(state)
+
+
+class Sharded(torch.Tensor):
+    """Stands for a DTensor: not a plain tensor."""
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_after_the_first_save_the_background_takes_the_state_dict_of_plain_tensors_only(bucket, memory, sharded):
+    weights = torch.arange(6.0)
+    entry = Recorded({"w": weights.as_subclass(Sharded) if sharded else weights})
+    with behind(bucket, memory) as store:
+        for step in (1, 2, 3):
+            store.save(step, {"model": entry}, {"step": step}, copy_in_background=("model",))
+            store.wait_copied()
+            assert store.wait() is not None
+    # on the training thread: the first save (which finds out), and every save of sharded state (a collective there)
+    assert entry.threads == ([True, True, True] if sharded else [True, False, False])
