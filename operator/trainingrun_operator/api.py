@@ -449,6 +449,13 @@ class CheckpointRef(ApiModel):
     sha256: Optional[str] = Field(default=None, description="SHA-256 of its manifest.")
 
 
+class CheckpointInMemoryRef(ApiModel):
+    """Persisting behind: the newest checkpoint committed in the pod's memory, which storage may not hold yet."""
+
+    step: Optional[int] = Field(default=None, description="Step the checkpoint holds.")
+    time: Optional[str] = Field(default=None, description="When it was committed in memory (RFC 3339).")
+
+
 class Restarts(ApiModel):
     """Attempts restarted, by cause, and pods restarted within attempts."""
 
@@ -553,7 +560,12 @@ class TrainingRunStatus(ApiModel):
     )
     completion_time: Optional[str] = Field(default=None, description="When the run succeeded or failed (RFC 3339).")
     progress: Optional[Progress] = Field(default=None, description="Training progress.")
-    last_good_checkpoint: Optional[CheckpointRef] = Field(default=None, description="Newest committed checkpoint.")
+    last_good_checkpoint: Optional[CheckpointRef] = Field(
+        default=None, description="Newest committed checkpoint in storage: where a new attempt resumes from.")
+    checkpoint_in_memory: Optional[CheckpointInMemoryRef] = Field(
+        default=None, description="With checkpoint.persistBehind: the newest checkpoint committed in the pod's memory "
+        "(ahead of lastGoodCheckpoint until storage holds it; a restart of the workers inside the pod resumes from it, "
+        "a new pod from lastGoodCheckpoint). Cleared when an attempt starts: a new pod's memory is empty.")
     last_report_time: Optional[str] = Field(
         default=None, description="When the operator last accepted a report from the current attempt (RFC 3339); "
         "rank 0 reports every 10 s, also when nothing changed.")

@@ -47,7 +47,7 @@ CHILD_FILTER = {builders.LABEL_RUN: kopf.PRESENT}
 #: operator alone writes status (progress and lastGoodCheckpoint as pods reported them, see reports.py).
 OPERATOR_FIELDS = ("phase", "attempt", "jobName", "startTime", "attemptStartTime", "nextAttemptTime", "checkpointUri",
                    "completionTime", "restarts", "goodput", "conditions", "observedGeneration", "progress",
-                   "lastGoodCheckpoint", "lastReportTime")
+                   "lastGoodCheckpoint", "checkpointInMemory", "lastReportTime")
 
 Key = tuple[str, str]  # (namespace, name) of a TrainingRun
 

@@ -459,7 +459,7 @@ def _start(plan: Plan, o: Observed, number: int, cause: str, conditions: Conditi
     name = builders.job_name(o.run.metadata.name, number)
     plan.start_attempt, plan.resume_from, plan.attempt_cause = number, resume_from, cause
     plan.status.update(phase="Pending", attempt=number, jobName=name, attemptStartTime=rfc3339(o.now),
-                       nextAttemptTime=None)
+                       nextAttemptTime=None, checkpointInMemory=None)
     if conditions.is_true("SpecChangePending"):
         conditions.set("SpecChangePending", False, "Applied", f"attempt {number} runs the current spec")
     where = f"resuming from {resume_from}" if resume_from else "from the start"

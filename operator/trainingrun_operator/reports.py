@@ -298,7 +298,7 @@ def trains_again(report: contract.Report, status: dict[str, Any]) -> bool:
 
 
 #: (status field, time field) of a report: times the pod states, which the stall watchdog and the checkpoint's age read.
-REPORTED_TIMES = (("progress", "updatedAt"), ("lastGoodCheckpoint", "time"))
+REPORTED_TIMES = (("progress", "updatedAt"), ("lastGoodCheckpoint", "time"), ("checkpointInMemory", "time"))
 
 
 def no_later_than_now(fields: dict[str, Any], now: datetime) -> None:

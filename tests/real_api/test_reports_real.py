@@ -87,10 +87,11 @@ def started(cluster, name, **spec):  # noqa: F811
     return cluster.get(RUNS, name)["metadata"]["uid"], pod, cluster.get("pod", pod)["metadata"]["uid"]
 
 
-def report_of(cluster, name, uid, attempt=1, step=5, checkpoint=None):  # noqa: F811
+def report_of(cluster, name, uid, attempt=1, step=5, checkpoint=None, in_memory=None):  # noqa: F811
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return Report(cluster.namespace, name, uid, attempt, progress=Progress(step, now, total_steps=20, loss=2.5),
-                  last_good_checkpoint=checkpoint)
+                  last_good_checkpoint=checkpoint,
+                  checkpoint_in_memory=contract.CheckpointInMemory(in_memory, now) if in_memory else None)
 
 
 def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endpoint):  # noqa: F811
@@ -105,9 +106,10 @@ def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endp
     other_token = plane.token(ns, ACCOUNT, contract.REPORT_AUDIENCE, pod=(other_pod, other_pod_uid))
 
     checkpoint = CommittedCheckpoint("s3://bucket/demo/step-00000004", 4, "2026-11-24T00:00:00Z")
-    assert post(endpoint, report_of(cluster, "demo", demo_uid, checkpoint=checkpoint), demo_token)[0] == 200
+    assert post(endpoint, report_of(cluster, "demo", demo_uid, checkpoint=checkpoint, in_memory=5), demo_token)[0] == 200
     status = wait_for(lambda: cluster.status("demo").get("progress") and cluster.status("demo"), what="progress")
     assert status["progress"]["step"] == 5 and status["lastGoodCheckpoint"]["uri"] == checkpoint.uri
+    assert status["checkpointInMemory"]["step"] == 5  # the CRD's status schema keeps it (a server prunes what it lacks)
     assert status["progress"]["percent"] == 25.0  # the operator's, from totalSteps
     columns = plane.kubectl("-n", ns, "get", "trainingruns", "demo", "--no-headers").stdout.split()
     assert columns[2:4] == ["5", "25"], columns  # Step, then the Progress column (percent)

@@ -154,11 +154,13 @@ def test_budget_spent_fails_the_run():
 
 def test_recovering_waits_until_the_next_attempt_time():
     status = running_status(phase="Recovering", nextAttemptTime="2026-11-21T12:00:30Z",
-                            lastGoodCheckpoint={"uri": "s3://bkt/demo/step-00000100", "step": 100})
+                            lastGoodCheckpoint={"uri": "s3://bkt/demo/step-00000100", "step": 100},
+                            checkpointInMemory={"step": 120, "time": "2026-11-21T12:00:00Z"})
     assert reconcile.decide(observe(status=status, jobs=[job(1, "Failed")])).start_attempt is None
     plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed")], now=NOW + timedelta(seconds=30)))
     assert plan.start_attempt == 2 and plan.resume_from == "s3://bkt/demo/step-00000100"
     assert plan.status["nextAttemptTime"] is None  # a merge patch removes it
+    assert plan.status["checkpointInMemory"] is None  # the new attempt's pod starts with empty memory
 
 
 def test_old_attempts_are_deleted_and_the_last_failed_one_kept():

@@ -105,6 +105,23 @@ def test_news_goes_at_once_the_restore_point_the_first_step_and_each_committed_c
     assert received[-1][2].progress.step == 120
 
 
+def test_a_checkpoint_in_memory_is_not_news_it_goes_with_the_next_report(endpoint, tmp_path):
+    """Persisting behind, a checkpoint every few steps must not mean a report every few steps."""
+    url, received, wait_until = endpoint
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    reporter = ProgressReporter(ReportEndpoint(url, str(token), None), IDENTITY, interval_seconds=3600)
+    wait_until(lambda r: len(r) == 1)  # at start: who it is
+    for step in range(10, 60, 10):
+        reporter.committed_in_memory(contract.CheckpointInMemory(step, "2026-11-24T00:00:00Z"))
+    reporter.committed(CommittedCheckpoint("s3://bkt/demo/step-00000030", 30, "2026-11-24T00:00:00Z"))  # news
+    wait_until(lambda r: any(report.last_good_checkpoint for _, _, report in r))
+    assert len(received) == 2 and received[-1][2].checkpoint_in_memory.step == 50
+    reporter.committed_in_memory(contract.CheckpointInMemory(60, "2026-11-24T00:00:01Z"))
+    reporter.close()
+    assert len(received) == 3 and received[-1][2].checkpoint_in_memory.step == 60
+
+
 def test_an_unreachable_endpoint_is_logged_once_and_never_raises(caplog, tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
@@ -149,6 +166,10 @@ def test_endpoint_from_the_contracts_environment():
       "progress": {"step": 1, "updatedAt": "2026-11-24T00:00:00Z", "loss": "nan"}}, "progress.loss"),
     ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
       "lastGoodCheckpoint": {"uri": "s3://b/x/step-00000001", "step": 1, "time": "yesterday"}}, "lastGoodCheckpoint.time"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "checkpointInMemory": {"step": -3, "time": "2026-11-24T00:00:00Z"}}, "checkpointInMemory.step"),
+    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
+      "checkpointInMemory": {"step": 3, "time": 5}}, "checkpointInMemory.time"),
     ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
       "processTime": {"process": "pod/1/2", "restoreSeconds": -1}}, "processTime.restoreSeconds"),
     ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "processTime": {"aliveSeconds": 1}},

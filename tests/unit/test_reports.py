@@ -36,6 +36,19 @@ def test_report_fields_are_read_through_the_status_model():
         "lastGoodCheckpoint": {"uri": "s3://b/demo/step-00000003", "step": 3, "time": "2026-11-25T00:00:00Z"}}
 
 
+def test_the_newest_checkpoint_in_memory_is_read_into_status_beside_the_one_in_storage():
+    from trainingrun_trainer.contract import CheckpointInMemory, CommittedCheckpoint, Report
+
+    report = Report("ns", "demo", "u", 1,
+                    last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000030", 30, "2026-11-25T00:00:00Z"),
+                    checkpoint_in_memory=CheckpointInMemory(50, "2026-11-25T00:00:09Z"))
+    fields = reports.status_fields(Report.from_json(report.to_json()))
+    assert fields["checkpointInMemory"] == {"step": 50, "time": "2026-11-25T00:00:09Z"}
+    assert fields["lastGoodCheckpoint"]["step"] == 30
+    reports.no_later_than_now(fields, datetime(2026, 11, 25, 0, 0, 5, tzinfo=timezone.utc))
+    assert fields["checkpointInMemory"]["time"] == "2026-11-25T00:00:05Z"  # a pod's clock ahead of the operator's
+
+
 def test_a_report_field_the_status_model_lacks_is_refused(monkeypatch):
     from trainingrun_trainer.contract import Progress, Report
 

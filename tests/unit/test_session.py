@@ -248,3 +248,44 @@ def test_a_save_that_waits_for_the_one_before_it_is_said_once_and_counted(tmp_pa
     assert "spec.checkpoint.interval" in said[0] and "trainingrun_checkpoint_wait_seconds_total" in said[0]
     assert run.checkpoint_wait_seconds > 0
     assert store.committed_saves == 3
+
+
+class RecordingReporter(ProgressReporter):
+    """Records the checkpoints the run tells its reporter of (rank 0 sends them to the operator)."""
+
+    def __init__(self):
+        super().__init__(None, Report("ns", "demo", "u", 1))
+        self.in_memory, self.in_storage = [], []
+
+    def committed_in_memory(self, checkpoint):
+        self.in_memory.append(checkpoint.step)
+
+    def committed(self, checkpoint):
+        self.in_storage.append(checkpoint.step)
+
+
+def test_persisting_behind_the_run_reports_the_newest_checkpoint_in_memory_and_the_newest_in_storage(tmp_path):
+    import uuid
+
+    uri = f"file://{tmp_path}/ckpt"
+    context = RunContext(name="demo", namespace="ns", uid=f"test-{uuid.uuid4().hex}", attempt=1, config_path="unused",
+                         checkpoint_uri=uri, resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0,
+                         world_size=1)
+    reporter = RecordingReporter()
+    run = Run(context, CheckpointConfig(uri=uri), reporter=reporter, handle_sigterm=False)
+    try:
+        assert run.store.persist_behind
+        model = nn.Linear(2, 2)
+        run.save(10, {"model": model.state_dict()}, {"step": 10})
+        run.report_committed()
+        assert reporter.in_memory == [10]  # at once; storage gets it behind
+        assert run.store.flush().step == 10
+        run.agree_async(11)  # any step after the copy reached storage reports it
+        assert reporter.in_storage == [10]
+        run.save(20, {"model": model.state_dict()}, {"step": 20})
+        run.report_committed()
+        run.agree_async(21)
+        assert reporter.in_memory == [10, 20]  # once each
+    finally:
+        run.close(finished=True)
+    assert reporter.in_storage == [10, 20]

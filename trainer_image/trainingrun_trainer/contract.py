@@ -169,6 +169,17 @@ class CommittedCheckpoint:
 
 
 @dataclass
+class CheckpointInMemory:
+    """Persisting behind: the newest checkpoint committed in the pod's memory, which storage may not hold yet (a
+    restart of the workers inside the pod resumes from it; a new pod from lastGoodCheckpoint)."""
+
+    step: int
+    time: str
+
+    WIRE = {"step": "step", "time": "time"}
+
+
+@dataclass
 class Report:
     """What rank 0 tells the operator: who it is, and progress and/or the last committed checkpoint."""
 
@@ -180,6 +191,7 @@ class Report:
     last_good_checkpoint: Optional[CommittedCheckpoint] = None
     process_time: Optional[ProcessTime] = None
     checkpoint_interval: Optional[IntervalChoice] = None
+    checkpoint_in_memory: Optional[CheckpointInMemory] = None
 
     def to_json(self) -> bytes:
         body = {"namespace": self.namespace, "name": self.name, "uid": self.uid, "attempt": self.attempt,
@@ -218,6 +230,11 @@ class Report:
                 step=_integer(checkpoint, "step", "lastGoodCheckpoint."),
                 time=_time(checkpoint, "time", "lastGoodCheckpoint."),
                 sha256=_sha256(checkpoint, "sha256", "lastGoodCheckpoint."))
+        if body.get("checkpointInMemory") is not None:
+            in_memory = _object(body, "checkpointInMemory")
+            report.checkpoint_in_memory = CheckpointInMemory(
+                step=_integer(in_memory, "step", "checkpointInMemory."),
+                time=_time(in_memory, "time", "checkpointInMemory."))
         if body.get("processTime") is not None:
             times = _object(body, "processTime")
             report.process_time = ProcessTime(process=_text(times, "process", "processTime."), **{
@@ -236,13 +253,15 @@ class Report:
 
 
     def status_fields(self) -> dict[str, Any]:
-        """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint, checkpointInterval), as the
-        CRD spells them."""
+        """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint, checkpointInMemory,
+        checkpointInterval), as the CRD spells them."""
         fields: dict[str, Any] = {}
         if self.progress:
             fields["progress"] = wire(self.progress)
         if self.last_good_checkpoint:
             fields["lastGoodCheckpoint"] = wire(self.last_good_checkpoint)
+        if self.checkpoint_in_memory:
+            fields["checkpointInMemory"] = wire(self.checkpoint_in_memory)
         if self.checkpoint_interval:
             fields["checkpointInterval"] = wire(self.checkpoint_interval)
         return fields

@@ -64,6 +64,7 @@ class ProgressReporter:
         self.sent = 0
         self._progress: Optional[Progress] = None
         self._checkpoint: Optional[CommittedCheckpoint] = None
+        self._in_memory: Optional[CheckpointInMemory] = None
         self._process_time: Optional[ProcessTime] = None
         self._interval: Optional[IntervalChoice] = None
         self._first_step: Optional[int] = None  #: the step of this process's first progress
@@ -102,6 +103,12 @@ class ProgressReporter:
         if news:
             self._news.set()
 
+    def committed_in_memory(self, checkpoint: CheckpointInMemory) -> None:
+        """Persisting behind, the newest checkpoint in memory: sent with the next report, not sooner (a checkpoint
+        every few steps must not mean a report every few steps)."""
+        with self._lock:
+            self._in_memory = checkpoint
+
     def close(self, flush_timeout: float = 5.0) -> None:
         """Send the newest values (bounded by flush_timeout) and stop the thread."""
         if not self._thread:
@@ -127,7 +134,8 @@ class ProgressReporter:
         with self._lock:
             return Report(self.identity.namespace, self.identity.name, self.identity.uid, self.identity.attempt,
                           progress=self._progress, last_good_checkpoint=self._checkpoint,
-                          process_time=self._process_time, checkpoint_interval=self._interval)
+                          process_time=self._process_time, checkpoint_interval=self._interval,
+                          checkpoint_in_memory=self._in_memory)
 
     def _send(self, report: Report) -> None:
         assert self.endpoint is not None

@@ -41,7 +41,7 @@ from .checkpoint_interval import AutoInterval
 from .config import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PRIOR_SECONDS_BETWEEN_FAILURES, CheckpointConfig, ConfigError
 from .context import RunContext
 from . import contract, reporting
-from .contract import CommittedCheckpoint, IntervalChoice, Progress, Report
+from .contract import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress, Report
 from .reporting import ProgressReporter
 from .timekeeping import ProcessClock
 
@@ -111,6 +111,7 @@ class Run:
         #: The newest checkpoint this process committed (persisting behind: in memory).
         self.last_committed: Optional[CheckpointInfo] = None
         self._reported: Optional[CheckpointInfo] = None  # the newest in storage, as reported
+        self._reported_in_memory: Optional[CheckpointInfo] = None  # persisting behind: the newest in memory, as reported
         self.reporter = reporter
         self.preempted = False
         self._last_save = time.monotonic()
@@ -258,6 +259,8 @@ class Run:
         save_finished = self._pending is None or self._pending.done()
         if self._pending is not None and self._pending.done():
             self.report_committed()  # promptly, so the operator resumes from it after a crash
+        elif self.store.persist_behind:
+            self._report_stored()  # the persister copied one to storage since
         interval = self.checkpoint.interval
         if self.auto_interval is not None:
             self._time_step(save_finished)
@@ -352,7 +355,8 @@ class Run:
 
     def report_committed(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight (the next save waits for it anyway) and report the newest checkpoint in storage
-        as lastGoodCheckpoint (persisting behind, the one committed now may still be on its way there)."""
+        as lastGoodCheckpoint (persisting behind, the one committed now may still be on its way there: it is
+        checkpointInMemory)."""
         info = self.store.wait()
         self._pending = None
         if info is not None:
@@ -361,8 +365,13 @@ class Run:
         return info
 
     def _report_stored(self) -> None:
-        stored = self.store.in_storage
-        if stored is not None and stored != self._reported:
+        """Tell the reporter the newest checkpoints in storage and (persisting behind) in memory, when they changed;
+        cheap enough for every step."""
+        stored, in_memory = self.store.in_storage, self.store.in_memory
+        if self.store.persist_behind and in_memory is not None and in_memory is not self._reported_in_memory:
+            self._reported_in_memory = in_memory
+            self.reporter.committed_in_memory(CheckpointInMemory(in_memory.step, in_memory.time))
+        if stored is not None and stored is not self._reported and stored != self._reported:
             self._reported = stored
             self.reporter.committed(CommittedCheckpoint(stored.uri, stored.step, stored.time, stored.manifest_sha256))
 
