@@ -216,3 +216,36 @@ def test_no_spare_is_prepared_where_it_would_take_the_reserve_of_dev_shm(bucket,
     monkeypatch.undo()
     assert store._tier.prepare_spare({data.name: data.stat().st_size})
     assert (memory / memory_tier.SPARE_DIR / data.name).stat().st_size == data.stat().st_size
+
+
+def test_a_storage_interval_copies_every_nth_memory_checkpoint_and_flush_the_newest(bucket, memory):
+    model, opt = trained()
+    with CheckpointStore(bucket.as_uri(), keep=10, memory_tier=str(memory), persist_behind=True,
+                         persist_every_steps=3) as store:
+        for step in range(1, 9):
+            train_step(model, opt, seed=step)
+            store.save(step, app_state(model, opt), {"step": step})
+            assert store.wait().step == step  # every one commits in memory
+            store._persisted()  # the copy of a due one is done before the next save (no newest-wins here)
+        assert steps_in(bucket) == [1, 4, 7] and store.persist_lag_steps == 1
+        assert steps_in(memory) == [8]  # the newest, held back; the older ones went as their successors committed
+        assert store.flush().step == 8  # as SIGTERM and the end of the run do: the newest, whatever the interval
+        digest = model_digest(model.state_dict())
+    assert steps_in(bucket) == [1, 4, 7, 8] and store.superseded_persists == 0
+    assert restored(bucket, None) == (8, digest, "storage")
+
+
+def test_a_storage_interval_in_seconds_copies_the_first_memory_checkpoint_after_it_is_up(bucket, memory):
+    model, opt = trained()
+    now = [0.0]
+    with CheckpointStore(bucket.as_uri(), keep=10, memory_tier=str(memory), persist_behind=True,
+                         persist_every_seconds=60) as store:
+        store._clock = lambda: now[0]
+        for step, at in ((1, 0.0), (2, 30.0), (3, 59.0), (4, 61.0), (5, 100.0)):
+            now[0] = at
+            train_step(model, opt, seed=step)
+            store.save(step, app_state(model, opt), {"step": step})
+            assert store.wait().step == step
+            store._persisted()
+        assert steps_in(bucket) == [1, 4]  # 60 s after the copy of step 1 began: step 4; step 5 came 39 s after that
+        assert store.flush().step == 5

@@ -108,6 +108,8 @@ CEL_CASES = [
     ("interval-min-over-max", with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": "auto", "minSteps": 9,
                                                                                        "maxSteps": 3}}),
      "spec.checkpoint.interval", "checkpoint.interval.minSteps is above maxSteps"),
+    ("storage-interval-empty", with_spec(checkpoint={"uri": "s3://bkt/p", "storageInterval": {}}),
+     "spec.checkpoint.storageInterval", "set checkpoint.storageInterval.steps, checkpoint.storageInterval.seconds"),
     ("nproc-over-gpu", with_spec(nprocPerNode=4, resources={"gpu": 2}), "spec", "nprocPerNode must be <= resources.gpu"),
     (
         "file-uri-several-pods",

@@ -289,3 +289,19 @@ def test_persisting_behind_the_run_reports_the_newest_checkpoint_in_memory_and_t
     finally:
         run.close(finished=True)
     assert reporter.in_storage == [10, 20]
+
+
+def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
+    import pydantic
+
+    uri = f"file://{tmp_path}"
+    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused", checkpoint_uri=uri,
+                         resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0, world_size=1)
+    config = CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}})
+    run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
+    try:
+        assert (run.store.persist_every_steps, run.store.persist_every_seconds) == (None, 600)
+    finally:
+        run.close()
+    with pytest.raises(pydantic.ValidationError, match="checkpoint.storageInterval.steps, .seconds or both"):
+        CheckpointConfig.model_validate({"uri": uri, "storageInterval": {}})

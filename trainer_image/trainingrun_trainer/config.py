@@ -467,6 +467,31 @@ class CheckpointInterval(ApiModel):
         return self
 
 
+class StorageInterval(ApiModel):
+    """Persisting behind: how often a checkpoint committed in memory is also copied to storage."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": "has(self.steps) || has(self.seconds)",
+            "message": "set checkpoint.storageInterval.steps, checkpoint.storageInterval.seconds or both, or remove "
+            "storageInterval (then every checkpoint in memory is copied, at storage's pace)",
+        }]}
+    )
+
+    steps: Optional[int] = Field(
+        default=None, ge=1, description="Copy a memory checkpoint when it is this many steps past the last one copied.")
+    seconds: Optional[int] = Field(
+        default=None, ge=1, description="Copy a memory checkpoint when this many seconds passed since the last copy "
+        "began.")
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> "StorageInterval":
+        if self.steps is None and self.seconds is None:
+            raise ValueError("neither steps nor seconds is set; set checkpoint.storageInterval.steps, .seconds or both, "
+                             "or remove storageInterval (then every checkpoint in memory is copied, at storage's pace)")
+        return self
+
+
 class CheckpointConfig(ApiModel):
     """Where and how often the trainer checkpoints, and which checkpoints it keeps."""
 
@@ -508,7 +533,15 @@ class CheckpointConfig(ApiModel):
         "one-pod runs only); under `trainingrun local`, ./runs/<name>/checkpoints.",
     )
     interval: CheckpointInterval = Field(
-        default_factory=CheckpointInterval, description="How often to save."
+        default_factory=CheckpointInterval, description="How often to save (persisting behind: to commit in memory)."
+    )
+    storage_interval: Optional[StorageInterval] = Field(
+        default=None,
+        description="Persisting behind: how often a checkpoint committed in memory is also copied to storage, which "
+        "is what a new pod resumes from (a restart of the workers inside the pod resumes from memory). Unset: every "
+        "one, at storage's pace (while one is being copied, the newest waits and replaces any older one waiting). "
+        "Set it to bound storage traffic (requests, egress) when checkpoints in memory come every few steps. SIGTERM "
+        "and the end of the run copy the newest whatever the interval.",
     )
     keep: int = Field(default=3, ge=1, le=1000, description="Newest checkpoints to keep.")
     keep_every: Optional[int] = Field(

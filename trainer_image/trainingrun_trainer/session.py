@@ -103,6 +103,8 @@ class Run:
             writer_process=checkpoint.writer_process,
             run_uid=context.uid or None,
             persist_behind=checkpoint.persist_behind,
+            persist_every_steps=checkpoint.storage_interval.steps if checkpoint.storage_interval else None,
+            persist_every_seconds=checkpoint.storage_interval.seconds if checkpoint.storage_interval else None,
         )
         if reporter is None:
             identity = Report(context.namespace, context.name, context.uid, context.attempt)

@@ -101,7 +101,9 @@ class CheckpointStore:
 
     Persisting behind, rank 0 also keeps ``in_memory`` and ``in_storage`` (the newest checkpoint this process committed
     in memory and in storage; `latest_valid` sets both), ``persist_lag_steps``, ``failed_persists``,
-    ``superseded_persists`` and ``last_persist_seconds``; `flush` waits for storage.
+    ``superseded_persists`` and ``last_persist_seconds``; `flush` waits for storage. ``persist_every_steps`` /
+    ``persist_every_seconds`` (the storage interval; None: every memory checkpoint) hold back a memory checkpoint that
+    comes sooner after the last one copied: the next supersedes it, or `flush` copies it.
 
     Metrics of this rank, for Prometheus: ``failed_saves``, ``committed_saves``, ``restores``; ``last_blocking_seconds`` (how long
     ``save()`` held the training loop, including waiting for the previous save);
@@ -115,7 +117,8 @@ class CheckpointStore:
     def __init__(self, uri: str, keep: int = 3, keep_every: Optional[int] = None,
                  endpoint_url: Optional[str] = None, process_group: Any = None, *,
                  storage_options: Optional[Mapping] = None, memory_tier: Optional[str] = None,
-                 writer_process: bool = False, run_uid: Optional[str] = None, persist_behind: bool = False):
+                 writer_process: bool = False, run_uid: Optional[str] = None, persist_behind: bool = False,
+                 persist_every_steps: Optional[int] = None, persist_every_seconds: Optional[float] = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if keep_every is not None and keep_every < 1:
@@ -167,6 +170,11 @@ class CheckpointStore:
         self._persist_next: Optional[tuple[CheckpointInfo, bytes]] = None  # newest wins: the next to copy
         self._persisting: Optional[int] = None  # the step being copied
         self._persist_loop: Optional[Future] = None  # the persister's loop, while it runs
+        #: Storage interval (None: every memory checkpoint is copied, at storage's pace).
+        self.persist_every_steps, self.persist_every_seconds = persist_every_steps, persist_every_seconds
+        self._last_queued: Optional[tuple[int, float]] = None  # (step, `_clock` time) of the last queued copy
+        self._clock: Callable[[], float] = time.monotonic
+        self._held_back: Optional[tuple[CheckpointInfo, bytes]] = None  # newest in memory, before the storage interval
         self.in_memory: Optional[CheckpointInfo] = None
         self.in_storage: Optional[CheckpointInfo] = None
         self.failed_persists = 0
@@ -584,9 +592,16 @@ class CheckpointStore:
             steps.add(self._persist_next[0].step)
         return steps
 
-    def _persist(self, info: CheckpointInfo, manifest: bytes) -> None:
-        """Queue a memory checkpoint to be copied to storage: newest wins over one still waiting."""
+    def _persist(self, info: CheckpointInfo, manifest: bytes, whenever: bool = False) -> None:
+        """Queue a memory checkpoint to be copied to storage: newest wins over one still waiting. One that comes
+        before the storage interval is up (`persist_every_steps`/`_seconds`) is held back instead, unless `whenever`
+        (flush): the next memory checkpoint supersedes it, or flush() queues it."""
         with self._persist_lock:
+            if not whenever and not self._persist_due(info.step):
+                self._held_back = (info, manifest)
+                return
+            self._held_back = None
+            self._last_queued = (info.step, self._clock())
             superseded, self._persist_next = self._persist_next, (info, manifest)
             if superseded is not None:
                 self.superseded_persists += 1
@@ -595,6 +610,13 @@ class CheckpointStore:
                 self._tier.discard(superseded[0].step)
             if self._persist_loop is None:
                 self._persist_loop = self._persister.submit(self._persist_queued)
+
+    def _persist_due(self, step: int) -> bool:
+        if self._last_queued is None or (self.persist_every_steps is None and self.persist_every_seconds is None):
+            return True
+        queued_step, queued_at = self._last_queued
+        return (self.persist_every_steps is not None and step - queued_step >= self.persist_every_steps) or \
+            (self.persist_every_seconds is not None and self._clock() - queued_at >= self.persist_every_seconds)
 
     def _persist_queued(self) -> None:
         while True:
@@ -647,6 +669,10 @@ class CheckpointStore:
         self.wait()
         if not self.persist_behind:
             return self.in_storage
+        with self._persist_lock:
+            held_back = self._held_back
+        if held_back is not None:
+            self._persist(*held_back, whenever=True)
         self._persisted()
         if self._distributed:
             self.in_storage = self._broadcast(self.in_storage)
