@@ -367,6 +367,13 @@ class TrainerConfig(ApiModel):
         default=False, description="Recompute activations in the backward pass to save memory."
     )
     compile: bool = Field(default=False, description="Wrap the model with torch.compile.")
+    flops_per_sample: Optional[int] = Field(
+        default=None, ge=1, description="Forward and backward FLOPs of one sample, for model FLOP/s and MFU; wins over "
+        "the model's own flops_per_sample() method (the built-in models have one). Neither: no FLOP figures.")
+    peak_flops_per_second: Optional[float] = Field(
+        default=None, gt=0, description="One device's dense peak FLOP/s at this precision, for MFU; by default taken "
+        "from the trainer's table of GPUs by device name (H100, H200, B200, A100, L40S, L4, A10G...). A GPU the table "
+        "lacks, and any CPU, report model FLOP/s and no MFU unless this is set.")
     seed: int = Field(
         default=0, ge=0, le=2**32 - 1, description="Seeds python, numpy, torch and DataLoader workers."
     )

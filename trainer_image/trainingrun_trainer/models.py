@@ -55,6 +55,12 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
+def _matmul_weights(module: nn.Module) -> int:
+    """The weights of `module`'s matmuls (its Linear layers'): the N of the 6N rule. Embedding lookups, norms and bias
+    additions do no matmul, so their parameters are left out."""
+    return sum(layer.weight.numel() for layer in module.modules() if isinstance(layer, nn.Linear))
+
+
 def _attention_flops(layers: int, dim: int, tokens: int) -> int:
     """Forward+backward FLOPs of QK^T and attention x V over one sequence (not parameters).
 
@@ -153,11 +159,8 @@ class CharTransformer(nn.Module):
         return self.context_length
 
     def flops_per_sample(self) -> int:
-        # Embedding lookups do no matmuls, so their parameters are left out of the 6N rule.
-        embedding_params = self.token_embedding.weight.numel() + self.position_embedding.weight.numel()
-        matmul_params = sum(p.numel() for p in self.parameters()) - embedding_params
         tokens = self.context_length
-        return 6 * matmul_params * tokens + _attention_flops(len(self.blocks), self.dim, tokens)
+        return 6 * _matmul_weights(self) * tokens + _attention_flops(len(self.blocks), self.dim, tokens)
 
 
 class MaskedAutoencoder(nn.Module):
@@ -277,15 +280,15 @@ class MaskedAutoencoder(nn.Module):
 
     def flops_per_sample(self) -> int:
         def params(*modules: nn.Module) -> int:
-            return sum(p.numel() for m in modules for p in m.parameters())
+            return sum(_matmul_weights(m) for m in modules)
 
         encoder_blocks = self.blocks[: self.encoder_layers]
         decoder_blocks = self.blocks[self.encoder_layers :]
         visible, everything = self.num_visible, self.num_patches
-        # Each part counts the tokens that actually pass through it: the encoder sees visible patches.
-        matmul_flops = 6 * (
-            params(self.patch_embedding) * everything
-            + params(*encoder_blocks, self.encoder_norm, self.decoder_embedding) * visible
+        # Each part counts the tokens that actually pass through it: the encoder sees visible patches. The patch
+        # embedding's input is the image, which needs no gradient: forward and weight gradient only (4N, not 6N).
+        matmul_flops = 4 * params(self.patch_embedding) * everything + 6 * (
+            params(*encoder_blocks, self.encoder_norm, self.decoder_embedding) * visible
             + params(*decoder_blocks, self.decoder_norm, self.decoder_head) * everything
         )
         return (

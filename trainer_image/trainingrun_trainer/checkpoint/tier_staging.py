@@ -35,6 +35,8 @@ from .tensor_files import RAW_TENSOR, _byte_view
 
 #: Each staged tensor starts at a multiple of this many bytes: a cache line, and every dtype's alignment.
 ALIGN = 64
+#: Values staged as they are (no copy can change them).
+_IMMUTABLE = (int, float, bool, str, bytes, type(None))
 
 
 def data_file_name(rank: int) -> str:
@@ -138,6 +140,8 @@ class StagedFile:
             return {key: self._stage(value, offsets) for key, value in tree.items()}
         if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
             return type(tree)(self._stage(value, offsets) for value in tree)
+        if type(tree) in _IMMUTABLE:  # an optimizer's param_groups: hundreds of numbers per save
+            return tree
         return copy.deepcopy(tree)
 
     def _offset_of(self, tensor: torch.Tensor) -> Optional[int]:
