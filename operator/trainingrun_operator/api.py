@@ -429,6 +429,11 @@ class Progress(ApiModel):
         "(for goodput)."
     )
     updated_at: Optional[str] = Field(default=None, description="When `step` finished, as rank 0 reported it (RFC 3339).")
+    model_flops_per_second: Optional[float] = Field(
+        default=None, description="The model's FLOP/s over all ranks: its FLOPs per sample x samples per second.")
+    mfu: Optional[float] = Field(
+        default=None, description="Model FLOPs utilisation: modelFlopsPerSecond over every GPU's dense peak at the run's "
+        "precision (0..1); absent on CPUs and GPUs the trainer's peak table lacks (spec.trainer.peakFlopsPerSecond).")
     percent: Optional[float] = Field(
         default=None, description="step / totalSteps in percent (the operator computes it from the report).")
     estimated_completion_time: Optional[str] = Field(

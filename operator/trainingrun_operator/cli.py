@@ -297,6 +297,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     print(summary.breakdown_line())
     if summary.interval_line():
         print(summary.interval_line())
+    if summary.throughput_line():
+        print(summary.throughput_line())
     print(summary.result_line(), flush=True)
     return summary.exit_code
 

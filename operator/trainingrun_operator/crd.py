@@ -169,6 +169,8 @@ def printer_columns() -> list[dict[str, Any]]:
         },
         {"name": "ETA", "type": "string", "jsonPath": ".status.progress.estimatedCompletionTime",
          "description": "When the run reaches totalSteps at its current step rate", "priority": 1},
+        {"name": "MFU", "type": "number", "jsonPath": ".status.progress.mfu",
+         "description": "Model FLOPs utilisation: model FLOP/s over every GPU's dense peak", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

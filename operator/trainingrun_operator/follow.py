@@ -164,6 +164,10 @@ def status_lines(body: dict[str, Any], now: Optional[datetime] = None) -> list[s
             text += f", loss {progress.loss:.4f}"
         if progress.samples_per_second:
             text += f", {progress.samples_per_second:.0f} samples/s"
+        if progress.model_flops_per_second:
+            text += f", {progress.model_flops_per_second / 1e12:.3g} TFLOP/s"
+            if progress.mfu is not None:
+                text += f" (MFU {progress.mfu:.0%})"
         # The operator's estimate, from the step rate between reports (world size changes included): one figure
         # for status, the kubectl column and this line.
         eta = contract.parse_time(progress.estimated_completion_time or "")
@@ -182,6 +186,11 @@ def status_lines(body: dict[str, Any], now: Optional[datetime] = None) -> list[s
         lines.append(f"  checkpoint  step {checkpoint.step} at {checkpoint.uri}" + (f" ({checkpoint.time})" if checkpoint.time else ""))
     else:
         lines.append(f"  checkpoint  none committed yet (writes to {status.checkpoint_uri or (body.get('spec') or {}).get('checkpoint', {}).get('uri')})")
+    in_memory = status.checkpoint_in_memory
+    if in_memory and in_memory.step is not None and (checkpoint is None or checkpoint.step is None
+                                                     or in_memory.step > checkpoint.step):
+        lines.append(f"  in memory   step {in_memory.step}" + (f" ({in_memory.time})" if in_memory.time else "")
+                     + ", not in storage yet: a restart inside the pod resumes from it")
     for condition in status.conditions:
         lines.append(f"  condition   {condition.type}={condition.status}"
                      + (f" {condition.reason}" if condition.reason else "")

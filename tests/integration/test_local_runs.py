@@ -72,6 +72,9 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     reference = local(tmp_path, run_file, checkpoints="reference")
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert result_of(reference.stdout)["attempts"] == "1"
+    # The model counts its FLOPs; a CPU has no peak: model FLOP/s, no MFU.
+    assert re.search(r"^throughput: [0-9.]+ samples/s, [0-9.e-]+ TFLOP/s, MFU - \(no GPU peak\)$", reference.stdout,
+                     re.MULTILINE), reference.stdout[-2000:]
 
     chaos = local(tmp_path, run_file, "--chaos-kill-step", "15", "--chaos-kill-step", "35", checkpoints="chaos")
     assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]

@@ -57,7 +57,7 @@ def test_api_names_and_printer_columns():
     version = definition["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Step", "Progress", "Loss", "Restarts", "Checkpoint", "ETA", "Age"]
+    assert list(columns) == ["Phase", "Step", "Progress", "Loss", "Restarts", "Checkpoint", "ETA", "MFU", "Age"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     for column, json_path in columns.items():
         if json_path.startswith(".status."):

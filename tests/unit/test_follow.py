@@ -29,6 +29,17 @@ def test_a_running_run_shows_progress_eta_goodput_checkpoint_and_conditions(mini
     ]
 
 
+def test_model_flops_mfu_and_a_checkpoint_ahead_in_memory_are_shown_when_reported(minimal_body):
+    reported = {**RUNNING, "progress": {**RUNNING["progress"], "modelFlopsPerSecond": 4.2e14, "mfu": 0.4245},
+                "checkpointInMemory": {"step": 1250, "time": "2026-11-24T18:31:40Z"}}
+    lines = follow.status_lines(with_status(minimal_body, reported), now=NOW)
+    assert ", 420 TFLOP/s (MFU 42%)" in lines[1]
+    assert lines[4] == ("  in memory   step 1250 (2026-11-24T18:31:40Z), not in storage yet: a restart inside the pod "
+                        "resumes from it")
+    cpu = {**RUNNING, "progress": {**RUNNING["progress"], "modelFlopsPerSecond": 2.5e9}}
+    assert ", 0.0025 TFLOP/s, ETA" in follow.status_lines(with_status(minimal_body, cpu), now=NOW)[1]
+
+
 def test_the_eta_is_the_operators_estimate_shown_while_running(minimal_body):
     """The operator's estimatedCompletionTime (the step rate between reports, so an elastic run has one too), the
     same figure as status and the kubectl column; none without it, and none once the run is not running."""

@@ -65,6 +65,16 @@ def test_result_line_format():
                                      "goodput=0.912 wall_seconds=12.3")
 
 
+def test_the_throughput_line_shows_model_flops_and_mfu_when_reported():
+    base = dict(steps=5, final_loss=1.0, attempts=1, restarts_in_place=0, lost_steps=0, goodput=0.9,
+                wall_seconds=10.0, outcome="succeeded")
+    assert local.Summary(**base).throughput_line() is None  # nothing reported
+    cpu = local.Summary(**base, samples_per_second=320.0, model_flops_per_second=2.5e9)
+    assert cpu.throughput_line() == "throughput: 320.0 samples/s, 0.0025 TFLOP/s, MFU - (no GPU peak)"
+    gpu = local.Summary(**base, samples_per_second=320.0, model_flops_per_second=4.2e14, mfu=0.4123)
+    assert gpu.throughput_line() == "throughput: 320.0 samples/s, 420 TFLOP/s, MFU 41.2%"
+
+
 def runner_with_groups(tmp_path, *groups):
     """A LocalRunner whose attempts and worker-group starts are `groups`: one attempt number per group start."""
     run = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions(runs_dir=str(tmp_path / "runs")))

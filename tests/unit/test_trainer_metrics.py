@@ -121,3 +121,29 @@ def test_the_persist_lag_is_what_memory_holds_beyond_storage_and_zero_where_save
     assert f"trainingrun_checkpoint_persist_lag_steps{labels} 20.0" in behind
     assert f"trainingrun_checkpoint_persist_failures_total{labels} 2.0" in behind
     assert f"trainingrun_checkpoint_persist_lag_steps{labels} 0.0" in to_storage  # present, so the panel has data
+
+
+def test_model_flops_are_each_ranks_share_and_mfu_is_absent_without_a_peak(tmp_path):
+    step = ("m.step(step=3, loss=1.5, learning_rate=0.1, grad_norm=2.0, step_seconds=0.2, data_wait_seconds=0.01, "
+            "productive_seconds=0.6, samples_per_second=100.0, model_flops_per_second=4e12{})")
+    script = """
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        from trainingrun_trainer.context import RunContext
+        from trainingrun_trainer import metrics
+        context = RunContext.from_env({"TRAININGRUN_CONFIG": "x", "TRAININGRUN_NAME": "r", "RANK": "1",
+                                       "WORLD_SIZE": "4"})
+        m = metrics.for_rank(context, "cpu")
+        %s
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=%r)
+        print(generate_latest(registry).decode())
+    """
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "gpu").mkdir()
+    cpu = run_python(script % (step.format(""), str(tmp_path / "cpu")), PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "cpu"))
+    gpu = run_python(script % (step.format(", mfu=0.42"), str(tmp_path / "gpu")),
+                     PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "gpu"))
+    assert 'trainingrun_model_flops_per_second{namespace="default",rank="1",run="r"} 1e+12' in cpu
+    assert "trainingrun_mfu_ratio{" not in cpu  # a CPU run: FLOP/s, no made-up MFU
+    assert 'trainingrun_mfu_ratio{namespace="default",rank="1",run="r"} 0.42' in gpu

@@ -102,9 +102,12 @@ class Progress:
     loss: Optional[float] = None
     samples_per_second: Optional[float] = None
     productive_seconds: Optional[float] = None  #: step time kept in the model (data wait excluded), this run only
+    model_flops_per_second: Optional[float] = None  #: over all ranks (`efficiency`)
+    mfu: Optional[float] = None  #: model FLOP/s over every rank's peak; none on CPUs and unknown GPUs
 
     WIRE = {"step": "step", "updated_at": "updatedAt", "total_steps": "totalSteps", "loss": "loss",
-            "samples_per_second": "samplesPerSecond", "productive_seconds": "productiveSeconds"}
+            "samples_per_second": "samplesPerSecond", "productive_seconds": "productiveSeconds",
+            "model_flops_per_second": "modelFlopsPerSecond", "mfu": "mfu"}
 
 
 @dataclass
@@ -222,7 +225,9 @@ class Report:
                 total_steps=_integer(progress, "totalSteps", "progress.", optional=True),
                 loss=_number(progress, "loss", "progress."),
                 samples_per_second=_number(progress, "samplesPerSecond", "progress.", minimum=0),
-                productive_seconds=_number(progress, "productiveSeconds", "progress.", minimum=0))
+                productive_seconds=_number(progress, "productiveSeconds", "progress.", minimum=0),
+                model_flops_per_second=_number(progress, "modelFlopsPerSecond", "progress.", minimum=0),
+                mfu=_number(progress, "mfu", "progress.", minimum=0))
         if body.get("lastGoodCheckpoint") is not None:
             checkpoint = _object(body, "lastGoodCheckpoint")
             report.last_good_checkpoint = CommittedCheckpoint(

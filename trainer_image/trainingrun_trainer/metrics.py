@@ -9,6 +9,7 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
 
     trainingrun_step, trainingrun_loss, trainingrun_learning_rate, trainingrun_grad_norm
     trainingrun_samples_per_second, trainingrun_tokens_per_second (models that count tokens)
+    trainingrun_model_flops_per_second (this rank's share), trainingrun_mfu_ratio (GPUs with a known peak)
     trainingrun_step_duration_seconds, trainingrun_data_wait_seconds            histograms
     trainingrun_last_step_timestamp_seconds                                       for stall alerts
     trainingrun_productive_seconds, trainingrun_goodput_ratio                     this attempt's view
@@ -75,7 +76,8 @@ class TrainerMetrics(NullMetrics):
     """This rank's series, label children bound once; `step()` is a handful of float writes."""
 
     def __init__(self, run: str, namespace: str, rank: int, gpu_index: Optional[int] = None,
-                 grid_intensity_g_per_kwh: Optional[float] = None, attempt: int = 1, group_restarts: int = 0):
+                 grid_intensity_g_per_kwh: Optional[float] = None, attempt: int = 1, group_restarts: int = 0,
+                 world_size: int = 1):
         from prometheus_client import Counter, Gauge, Histogram
 
         labels = {"run": run, "namespace": namespace, "rank": str(rank)}
@@ -96,6 +98,13 @@ class TrainerMetrics(NullMetrics):
         self._grad_norm = gauge("trainingrun_grad_norm", "Global gradient norm before clipping.")
         self._samples = gauge("trainingrun_samples_per_second", "Samples per second over all ranks, last window.")
         self._tokens = gauge("trainingrun_tokens_per_second", "Tokens per second over all ranks, last window.")
+        # Absent until a value comes: models that do not count their FLOPs have none, CPUs and unknown GPUs no MFU.
+        self._flops = Gauge("trainingrun_model_flops_per_second", "This rank's share of the run's model FLOP/s, last "
+                            "window (sum over ranks: the run's).", names, multiprocess_mode="livemostrecent")
+        self._mfu = Gauge("trainingrun_mfu_ratio", "Model FLOP/s of this rank over its device's dense peak at the "
+                          "run's precision, last window (average over ranks: the run's MFU).", names,
+                          multiprocess_mode="livemostrecent")
+        self._world_size = max(1, world_size)
         self._last_step = gauge("trainingrun_last_step_timestamp_seconds", "Unix time of the last completed step.")
         self._productive = gauge("trainingrun_productive_seconds", "Step time kept in the current model, data wait excluded.")
         self._goodput = gauge("trainingrun_goodput_ratio", "Productive seconds over this attempt's wall time.")
@@ -145,7 +154,9 @@ class TrainerMetrics(NullMetrics):
 
     def step(self, *, step: int, loss: float, learning_rate: float, grad_norm: float, step_seconds: float,
              data_wait_seconds: float, productive_seconds: float, samples_per_second: Optional[float] = None,
-             tokens_per_second: Optional[float] = None) -> None:
+             tokens_per_second: Optional[float] = None, model_flops_per_second: Optional[float] = None,
+             mfu: Optional[float] = None) -> None:
+        """`samples_per_second`, `tokens_per_second`, `model_flops_per_second`: over all ranks; `mfu`: the run's."""
         self._step.set(step)
         self._loss.set(loss)
         self._lr.set(learning_rate)
@@ -159,6 +170,10 @@ class TrainerMetrics(NullMetrics):
             self._samples.set(samples_per_second)
         if tokens_per_second is not None:
             self._tokens.set(tokens_per_second)
+        if model_flops_per_second is not None:  # each rank does its share of the samples
+            self._flops.labels(**self._labels).set(model_flops_per_second / self._world_size)
+        if mfu is not None:
+            self._mfu.labels(**self._labels).set(mfu)
 
     def checkpoints(self, store: Any, waited_seconds: float = 0.0) -> None:
         """Record what the checkpoint store did since the last call (its own counters), and `waited_seconds`: the
@@ -276,7 +291,8 @@ def for_rank(context: Any, device_type: str) -> NullMetrics:
     intensity = os.environ.get(contract.GRID_INTENSITY)
     return TrainerMetrics(context.name, context.namespace, context.rank, gpu_index,
                           float(intensity) if intensity else None, attempt=context.attempt,
-                          group_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0))
+                          group_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                          world_size=context.world_size)
 
 
 def _nvml_available() -> bool:

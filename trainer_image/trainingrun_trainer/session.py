@@ -403,6 +403,8 @@ class Run:
         samples_per_second: Optional[float] = None,
         productive_seconds: Optional[float] = None,
         process_time: Optional[ProcessClock] = None,
+        model_flops_per_second: Optional[float] = None,
+        mfu: Optional[float] = None,
     ) -> None:
         """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
         the reporter's pace)."""
@@ -412,7 +414,8 @@ class Run:
             step=step, updated_at=now_rfc3339(), total_steps=total_steps,
             loss=loss if loss is not None and math.isfinite(loss) else None,
             samples_per_second=samples_per_second,
-            productive_seconds=None if productive_seconds is None else round(productive_seconds, 3)),
+            productive_seconds=None if productive_seconds is None else round(productive_seconds, 3),
+            model_flops_per_second=model_flops_per_second, mfu=None if mfu is None else round(mfu, 4)),
             process_time.snapshot() if process_time is not None else None, self.interval_choice())
 
     def close(self, finished: bool = False) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import components, exit_codes, metrics, tracking
+from . import components, efficiency, exit_codes, metrics, tracking
 from .checkpoint import model_digest
 from .checkpoint_interval import SaveCosts
 from .config import RunConfig
@@ -59,6 +59,8 @@ class Trainer:
         self.productive_seconds = 0.0
         self.samples_per_second: float | None = None  #: over the last logging window
         self.tokens_per_second: float | None = None  #: the same, for models that count tokens
+        self.model_flops_per_second: float | None = None  #: the same, for models that count their FLOPs (`efficiency`)
+        self.mfu: float | None = None  #: model FLOP/s over every rank's peak (GPUs the peak table knows)
         self.data_wait_seconds = 0.0  #: of the step in progress
         self.copy_wait_seconds = 0.0  #: of the step in progress: waiting for a checkpoint's background copy
         #: Steps' compute with and without a background save beside them: what a save slowed them by.
@@ -103,6 +105,8 @@ class Trainer:
         self.copy_before_forward = changed_by_forward(model)
         counts_tokens = getattr(model, "tokens_per_sample", None)
         self.tokens_per_sample = int(counts_tokens()) if callable(counts_tokens) else 0
+        self.efficiency = efficiency.for_run(model, self.cfg.precision, self.device, self.context.world_size,
+                                             self.cfg.flops_per_sample, self.cfg.peak_flops_per_second)
         if self.cfg.strategy == "fsdp2" and self.distributed:
             from torch.distributed.fsdp import fully_shard
 
@@ -338,7 +342,7 @@ class Trainer:
         # The last word on this process's time: the final save included.
         self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
                         samples_per_second=self.samples_per_second, productive_seconds=self.productive_seconds,
-                        process_time=self.clock)
+                        process_time=self.clock, model_flops_per_second=self.model_flops_per_second, mfu=self.mfu)
         self.run.close(finished=code == exit_codes.OK)
         if self.distributed:
             dist.destroy_process_group()
@@ -443,23 +447,31 @@ class Trainer:
             self.metrics.step(step=self.step, loss=loss, learning_rate=self.scheduler.get_last_lr()[0],
                               grad_norm=grad_norm, step_seconds=step_seconds,
                               data_wait_seconds=self.data_wait_seconds, productive_seconds=self.productive_seconds,
-                              samples_per_second=self.samples_per_second, tokens_per_second=self.tokens_per_second)
+                              samples_per_second=self.samples_per_second, tokens_per_second=self.tokens_per_second,
+                              model_flops_per_second=self.model_flops_per_second, mfu=self.mfu)
             self.metrics.checkpoints(self.run.store, self.run.checkpoint_wait_seconds)
             self.tracker.metrics(self.step, {"train/loss": loss, "train/learning_rate": self.scheduler.get_last_lr()[0],
                                              "train/grad_norm": grad_norm, "train/samples_per_second": self.samples_per_second,
-                                             "train/tokens_per_second": self.tokens_per_second})
+                                             "train/tokens_per_second": self.tokens_per_second,
+                                             "train/model_flops_per_second": self.model_flops_per_second,
+                                             "train/mfu": self.mfu})
             self._track_commit()
             # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
             self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=self.samples_per_second,
-                            productive_seconds=self.productive_seconds, process_time=self.clock)
+                            productive_seconds=self.productive_seconds, process_time=self.clock,
+                            model_flops_per_second=self.model_flops_per_second, mfu=self.mfu)
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
                 self.metrics.checkpoint_interval(self.run.interval_choice())
                 elapsed = time.monotonic() - window_start
                 self.samples_per_second = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
                 if self.tokens_per_sample:
                     self.tokens_per_second = self.samples_per_second * self.tokens_per_sample
-                log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f", self.step, cfg.max_steps,
-                         loss, grad_norm, self.scheduler.get_last_lr()[0], self.samples_per_second)
+                self.model_flops_per_second = self.efficiency.flops_per_second(self.samples_per_second)
+                self.mfu = self.efficiency.mfu(self.samples_per_second)
+                log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f%s", self.step, cfg.max_steps,
+                         loss, grad_norm, self.scheduler.get_last_lr()[0], self.samples_per_second,
+                         (f" TFLOP/s {self.model_flops_per_second / 1e12:.3g}" if self.model_flops_per_second else "")
+                         + (f" MFU {self.mfu:.1%}" if self.mfu is not None else ""))
                 window_start, window_steps = time.monotonic(), 0
 
             if stop:

@@ -81,6 +81,10 @@ class Summary:
     chaos_notes: list[str] = field(default_factory=list)  #: fault injection asked for that never happened
     #: With checkpoint.interval.steps: auto, the last interval rank 0 reported (status.checkpointInterval).
     checkpoint_interval: Optional[dict] = None
+    #: The last throughput rank 0 reported: samples/s, model FLOP/s, MFU (status.progress; None: not reported).
+    samples_per_second: Optional[float] = None
+    model_flops_per_second: Optional[float] = None
+    mfu: Optional[float] = None
 
     @property
     def exit_code(self) -> int:
@@ -108,6 +112,14 @@ class Summary:
                 f"{seconds('saveCostSeconds', 3)}, {chosen.get('failures', 0)} failure(s), one every "
                 f"{seconds('secondsBetweenFailures')} (estimated); a failure loses {seconds('expectedLostSeconds')} "
                 "of training on average")
+
+    def throughput_line(self) -> Optional[str]:
+        """`throughput: 320.0 samples/s, 1.23 TFLOP/s, MFU 41.2%` as last reported; MFU `-` without a known GPU peak."""
+        if self.samples_per_second is None:
+            return None
+        flops = f", {self.model_flops_per_second / 1e12:.3g} TFLOP/s" if self.model_flops_per_second else ""
+        mfu = f", MFU {self.mfu:.1%}" if self.mfu is not None else (", MFU - (no GPU peak)" if flops else "")
+        return f"throughput: {self.samples_per_second:.1f} samples/s{flops}{mfu}"
 
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
@@ -366,6 +378,9 @@ class LocalRunner:
             chaos_notes=self._chaos_that_never_fired(wall),
             breakdown=contract.time_breakdown(wall, processes, productive, self.backoff_seconds),
             checkpoint_interval=status.get("checkpointInterval"),
+            samples_per_second=progress.get("samplesPerSecond"),
+            model_flops_per_second=progress.get("modelFlopsPerSecond"),
+            mfu=progress.get("mfu"),
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:
