@@ -21,6 +21,7 @@ from . import builders
 TRAINER_SERIES = {
     "trainingrun_step", "trainingrun_loss", "trainingrun_learning_rate", "trainingrun_grad_norm",
     "trainingrun_samples_per_second", "trainingrun_tokens_per_second", "trainingrun_last_step_timestamp_seconds",
+    "trainingrun_model_flops_per_second", "trainingrun_mfu_ratio",
     "trainingrun_productive_seconds", "trainingrun_goodput_ratio", "trainingrun_attempt",
     "trainingrun_worker_group_restarts",
     "trainingrun_step_duration_seconds", "trainingrun_data_wait_seconds",
@@ -187,6 +188,10 @@ RUN_PANELS = [
     Panel("Step", ((f"max(trainingrun_step{RUN})", "step"),), kind="stat"),
     Panel("Throughput", ((f"max(trainingrun_samples_per_second{RUN})", "samples/s"),
                          (f"max(trainingrun_tokens_per_second{RUN})", "tokens/s"))),
+    Panel("Model FLOP/s", ((f"sum(trainingrun_model_flops_per_second{RUN})", "run"),
+                           (f"trainingrun_model_flops_per_second{RUN}", "rank {{rank}}")), unit="flops"),
+    Panel("MFU", ((f"avg(trainingrun_mfu_ratio{RUN})", "run"), (f"trainingrun_mfu_ratio{RUN}", "rank {{rank}}")),
+          unit="percentunit"),
     Panel("Step time p50 / p95", (
         (f"histogram_quantile(0.5, sum by (le) (rate(trainingrun_step_duration_seconds_bucket{RUN}[5m])))", "p50"),
         (f"histogram_quantile(0.95, sum by (le) (rate(trainingrun_step_duration_seconds_bucket{RUN}[5m])))", "p95"),
@@ -226,7 +231,7 @@ RUN_PANELS = [
           ((f"max by (part) (trainingrun_operator_run_time_seconds{RUN})", "{{part}}"),), unit="s"),
 ]
 #: Panels that have no series without a GPU (the live-scrape test on CPU skips exactly these).
-GPU_PANELS = {"GPU utilization", "GPU memory", "GPU power"}
+GPU_PANELS = {"GPU utilization", "GPU memory", "GPU power", "MFU"}
 #: Panels of the operator's series (status.timeBreakdown): scraped from the operator, not from trainer pods.
 OPERATOR_PANELS = {"Where the time went (since the run started)"}
 #: Panels with data only when the run evaluates (spec.trainer.eval.intervalSteps > 0).
