@@ -494,6 +494,14 @@ class ProcessTimes(ApiModel):
     eval_seconds: float = Field(default=0.0, description="Evaluations.")
     restored_productive_seconds: float = Field(
         default=0.0, description="The run's productive seconds in the checkpoint it resumed from (the sum: the smallest).")
+    imports_seconds: float = Field(default=0.0, description="Of startupSeconds: interpreter start and imports.")
+    init_seconds: float = Field(default=0.0, description="Of startupSeconds: seeding, CUDA and the process group.")
+    model_seconds: float = Field(default=0.0, description="Of startupSeconds: building the model and optimizer.")
+    data_seconds: float = Field(default=0.0, description="Of startupSeconds: building the data.")
+    prepare_seconds: float = Field(
+        default=0.0, description="Of startupSeconds: the rest before training (checkpoint store, trackers).")
+    first_step_seconds: float = Field(
+        default=0.0, description="The first step (torch.compile compiling, CUDA warming up); part of computeSeconds.")
 
 
 class TimeAccount(ApiModel):

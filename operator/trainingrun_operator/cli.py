@@ -295,6 +295,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     print(f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in "
           f"{Path(options.runs_dir) / run.metadata.name}")
     print(summary.breakdown_line())
+    if summary.startup_line():
+        print(summary.startup_line())
     if summary.interval_line():
         print(summary.interval_line())
     if summary.throughput_line():

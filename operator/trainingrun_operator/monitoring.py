@@ -21,7 +21,7 @@ from . import builders
 TRAINER_SERIES = {
     "trainingrun_step", "trainingrun_loss", "trainingrun_learning_rate", "trainingrun_grad_norm",
     "trainingrun_samples_per_second", "trainingrun_tokens_per_second", "trainingrun_last_step_timestamp_seconds",
-    "trainingrun_model_flops_per_second", "trainingrun_mfu_ratio",
+    "trainingrun_model_flops_per_second", "trainingrun_mfu_ratio", "trainingrun_startup_seconds",
     "trainingrun_productive_seconds", "trainingrun_goodput_ratio", "trainingrun_attempt",
     "trainingrun_worker_group_restarts",
     "trainingrun_step_duration_seconds", "trainingrun_data_wait_seconds",

@@ -75,6 +75,12 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     # The model counts its FLOPs; a CPU has no peak: model FLOP/s, no MFU.
     assert re.search(r"^throughput: [0-9.]+ samples/s, [0-9.e-]+ TFLOP/s, MFU - \(no GPU peak\)$", reference.stdout,
                      re.MULTILINE), reference.stdout[-2000:]
+    # Where the training processes' start-up went: every phase there, and they add up (each rounded to 0.1 s).
+    [startup] = re.findall(r"^start-up: (.*) = ([0-9.]+) s to the first steps", reference.stdout, re.MULTILINE)
+    phases = dict(re.findall(r"([a-z ]+) ([0-9.]+) s", startup[0].replace(" + ", ",").replace(",", " ")))
+    assert [name.strip() for name in phases] == ["imports", "init", "model", "data", "prepare", "restore",
+                                                  "first step"], startup
+    assert sum(float(v) for v in phases.values()) == pytest.approx(float(startup[1]), abs=0.05 * len(phases))
 
     chaos = local(tmp_path, run_file, "--chaos-kill-step", "15", "--chaos-kill-step", "35", checkpoints="chaos")
     assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]

@@ -65,6 +65,16 @@ def test_result_line_format():
                                      "goodput=0.912 wall_seconds=12.3")
 
 
+def test_the_startup_line_adds_up_the_phases():
+    summary = local.Summary(steps=5, final_loss=1.0, attempts=1, restarts_in_place=0, lost_steps=0, goodput=0.9,
+                            wall_seconds=10.0, outcome="succeeded",
+                            startup={"imports": 2.0, "init": 0.25, "model": 0.5, "data": 0.25, "prepare": 0.5,
+                                     "restore": 0.25, "first_step": 1.0})
+    assert summary.startup_line() == ("start-up: imports 2.0 s + init 0.2 s + model 0.5 s + data 0.2 s + prepare 0.5 s "
+                                      "+ restore 0.2 s + first step 1.0 s = 4.8 s to the first steps of the training "
+                                      "processes")
+
+
 def test_the_throughput_line_shows_model_flops_and_mfu_when_reported():
     base = dict(steps=5, final_loss=1.0, attempts=1, restarts_in_place=0, lost_steps=0, goodput=0.9,
                 wall_seconds=10.0, outcome="succeeded")

@@ -38,3 +38,22 @@ def test_time_recounted_moves_at_most_what_was_counted():
     assert clock.recount(5.0, "compute", "checkpoint") == 1.75  # never more than compute holds
     assert clock.seconds["compute"] == 0.0 and clock.seconds["checkpoint"] == 3.0
     assert clock.recount(-1.0, "checkpoint", "compute") == 0.0
+
+
+def test_the_startup_phases_add_up_to_startup_and_the_line_to_the_first_step():
+    now = [100.0]
+    clock = timekeeping.ProcessClock("pod-0", now=lambda: now[0])  # the process started at 100
+    for phase, at in (("imports", 104.0), ("init", 104.5), ("model", 106.0), ("data", 106.25)):
+        now[0] = at
+        clock.mark(phase)
+    with clock.timing("restore"):
+        now[0] = 108.25
+    now[0] = 108.5
+    clock.ready()
+    snapshot = clock.snapshot()
+    phases = {phase: getattr(snapshot, f"{phase}_seconds") for phase in timekeeping.STARTUP_PHASES}
+    assert phases == {"imports": 4.0, "init": 0.5, "model": 1.5, "data": 0.25, "prepare": 0.25}
+    assert snapshot.startup_seconds == 6.5 == sum(phases.values()) and snapshot.restore_seconds == 2.0
+    assert clock.first_step_done(1.5) == ("start-up 10.00 s to the first step: imports 4.00 s, init 0.50 s, model "
+                                          "1.50 s, data 0.25 s, prepare 0.25 s, restore 2.00 s, first step 1.50 s")
+    assert clock.snapshot().first_step_seconds == 1.5

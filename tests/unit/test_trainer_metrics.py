@@ -147,3 +147,15 @@ def test_model_flops_are_each_ranks_share_and_mfu_is_absent_without_a_peak(tmp_p
     assert 'trainingrun_model_flops_per_second{namespace="default",rank="1",run="r"} 1e+12' in cpu
     assert "trainingrun_mfu_ratio{" not in cpu  # a CPU run: FLOP/s, no made-up MFU
     assert 'trainingrun_mfu_ratio{namespace="default",rank="1",run="r"} 0.42' in gpu
+
+
+def test_the_startup_series_has_every_phase_once_the_first_step_ran(tmp_path):
+    before, after = expositions_after(
+        tmp_path, "pass",
+        "from types import SimpleNamespace\n"
+        "m.startup(SimpleNamespace(startup_phases={'imports': 4.0, 'init': 0.5, 'model': 1.5, 'data': 0.25, "
+        "'prepare': 0.25}, seconds={'restore': 2.0}, first_step=1.5))")
+    assert "trainingrun_startup_seconds{" not in before
+    for phase, seconds in (("imports", 4.0), ("init", 0.5), ("model", 1.5), ("data", 0.25), ("prepare", 0.25),
+                           ("restore", 2.0), ("first_step", 1.5)):
+        assert f'trainingrun_startup_seconds{{namespace="default",phase="{phase}",rank="0",run="r"}} {seconds}' in after

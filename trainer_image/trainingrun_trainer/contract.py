@@ -125,11 +125,20 @@ class ProcessTime:
     compute_seconds: float  #: every step it ran, data wait excluded: kept in the model or lost later
     eval_seconds: float  #: evaluations
     restored_productive_seconds: float  #: the run's productive seconds in the checkpoint it resumed from
+    # The parts of startup_seconds (`timekeeping.STARTUP_PHASES`), and the first step (part of compute_seconds).
+    imports_seconds: float = 0.0  #: interpreter start and imports
+    init_seconds: float = 0.0  #: seeding, CUDA, the process group
+    model_seconds: float = 0.0  #: building the model and optimizer
+    data_seconds: float = 0.0  #: building the data
+    prepare_seconds: float = 0.0  #: the rest before training: the checkpoint store, trackers
+    first_step_seconds: float = 0.0  #: the first step: compile, warm-up
 
     WIRE = {"process": "process", "alive_seconds": "aliveSeconds", "startup_seconds": "startupSeconds",
             "restore_seconds": "restoreSeconds", "checkpoint_seconds": "checkpointSeconds",
             "data_wait_seconds": "dataWaitSeconds", "compute_seconds": "computeSeconds", "eval_seconds": "evalSeconds",
-            "restored_productive_seconds": "restoredProductiveSeconds"}
+            "restored_productive_seconds": "restoredProductiveSeconds", "imports_seconds": "importsSeconds",
+            "init_seconds": "initSeconds", "model_seconds": "modelSeconds", "data_seconds": "dataSeconds",
+            "prepare_seconds": "prepareSeconds", "first_step_seconds": "firstStepSeconds"}
 
     def plus(self, other: "ProcessTime", process: str = "ended") -> "ProcessTime":
         """Both processes' time together (the productive seconds they resumed from: the smaller)."""

@@ -13,6 +13,7 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
     trainingrun_step_duration_seconds, trainingrun_data_wait_seconds            histograms
     trainingrun_last_step_timestamp_seconds                                       for stall alerts
     trainingrun_productive_seconds, trainingrun_goodput_ratio                     this attempt's view
+    trainingrun_startup_seconds{phase}                 this process's start-up to its first step, by phase
     trainingrun_checkpoint_save_seconds, trainingrun_checkpoint_restore_seconds   histograms
     trainingrun_checkpoint_saved_bytes_total, trainingrun_checkpoint_failures_total
     trainingrun_checkpoint_wait_seconds_total          saves waiting for the one before them (interval < a commit)
@@ -57,6 +58,9 @@ class NullMetrics:
         pass
 
     def checkpoint_interval(self, choice: Any) -> None:
+        pass
+
+    def startup(self, clock: Any) -> None:
         pass
 
     def nonfinite_step(self) -> None:
@@ -105,6 +109,9 @@ class TrainerMetrics(NullMetrics):
                           "run's precision, last window (average over ranks: the run's MFU).", names,
                           multiprocess_mode="livemostrecent")
         self._world_size = max(1, world_size)
+        self._startup = Gauge("trainingrun_startup_seconds", "This process's start-up by phase, to its first step "
+                              "(imports, init, model, data, prepare, restore, first_step): the phases add up to it.",
+                              names + ["phase"], multiprocess_mode="livemostrecent")
         self._last_step = gauge("trainingrun_last_step_timestamp_seconds", "Unix time of the last completed step.")
         self._productive = gauge("trainingrun_productive_seconds", "Step time kept in the current model, data wait excluded.")
         self._goodput = gauge("trainingrun_goodput_ratio", "Productive seconds over this attempt's wall time.")
@@ -174,6 +181,12 @@ class TrainerMetrics(NullMetrics):
             self._flops.labels(**self._labels).set(model_flops_per_second / self._world_size)
         if mfu is not None:
             self._mfu.labels(**self._labels).set(mfu)
+
+    def startup(self, clock: Any) -> None:
+        """Once, at the first step: where the process's start-up went (`timekeeping.ProcessClock`)."""
+        phases = {**clock.startup_phases, "restore": clock.seconds["restore"], "first_step": clock.first_step}
+        for phase, seconds in phases.items():
+            self._startup.labels(**self._labels, phase=phase).set(seconds)
 
     def checkpoints(self, store: Any, waited_seconds: float = 0.0) -> None:
         """Record what the checkpoint store did since the last call (its own counters), and `waited_seconds`: the

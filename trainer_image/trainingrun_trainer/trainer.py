@@ -302,12 +302,16 @@ class Trainer:
     def run(self) -> int:
         cfg = self.cfg
         self.clock = ProcessClock(self.context.pod_name)
+        self.clock.mark("imports")
         seed_everything(cfg.seed, self.context.rank)
         use_deterministic_algorithms(cfg.deterministic)
         self._init_distributed()
         self.metrics = metrics.for_rank(self.context, self.device_type)
+        self.clock.mark("init")
         self._build_model()
+        self.clock.mark("model")
         self._build_data()
+        self.clock.mark("data")
         try:
             return self._resume_and_train()
         finally:
@@ -427,6 +431,9 @@ class Trainer:
             self.step += 1
             window_steps += 1
             step_seconds = self._account_step(step_started, kept=True)
+            if not self.clock.first_step:
+                log.info(self.clock.first_step_done(step_seconds))
+                self.metrics.startup(self.clock)
             if self.step == self.context.chaos_kill_at_step and self.context.rank == self.step % self.context.world_size:
                 # Earlier checkpoints are made durable first, so the injected crash loses exactly
                 # the steps since the last checkpoint, whatever the machine's load.

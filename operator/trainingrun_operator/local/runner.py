@@ -85,6 +85,8 @@ class Summary:
     samples_per_second: Optional[float] = None
     model_flops_per_second: Optional[float] = None
     mfu: Optional[float] = None
+    #: The training processes' start-up by phase, summed over processes (contract.ProcessTime), first step included.
+    startup: dict[str, float] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -112,6 +114,14 @@ class Summary:
                 f"{seconds('saveCostSeconds', 3)}, {chosen.get('failures', 0)} failure(s), one every "
                 f"{seconds('secondsBetweenFailures')} (estimated); a failure loses {seconds('expectedLostSeconds')} "
                 "of training on average")
+
+    def startup_line(self) -> Optional[str]:
+        """`start-up: imports 4.1 s + init 0.3 s + ... + first step 1.2 s = 7.0 s to the first steps`: the processes'
+        start-up (the time: line's startup, less launching) with restore and first step, summed over processes."""
+        if not self.startup:
+            return None
+        parts = " + ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" for name, seconds in self.startup.items())
+        return f"start-up: {parts} = {sum(self.startup.values()):.1f} s to the first steps of the training processes"
 
     def throughput_line(self) -> Optional[str]:
         """`throughput: 320.0 samples/s, 1.23 TFLOP/s, MFU 41.2%` as last reported; MFU `-` without a known GPU peak."""
@@ -381,6 +391,9 @@ class LocalRunner:
             samples_per_second=progress.get("samplesPerSecond"),
             model_flops_per_second=progress.get("modelFlopsPerSecond"),
             mfu=progress.get("mfu"),
+            startup={phase: sum(getattr(p, f"{phase}_seconds") for p in processes)
+                     for phase in ("imports", "init", "model", "data", "prepare", "restore", "first_step")}
+            if processes else {},
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:
