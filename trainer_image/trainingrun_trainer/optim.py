@@ -39,10 +39,14 @@ def parameter_groups(model: nn.Module, weight_decay: float, exclude_bias_and_nor
     ]
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: OptimizerConfig, device_type: str = "cpu") -> torch.optim.Optimizer:
+    """The optimizer of `config` over `model`'s parameter groups; AdamW fused where `config.fused` says, or unset, on
+    `device_type` cuda."""
     groups = parameter_groups(model, config.weight_decay, config.no_decay_for_bias_and_norm)
     if config.name == "adamw":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+        fused = config.fused if config.fused is not None else device_type == "cuda"
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                 **({"fused": True} if fused else {}))
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
 
 

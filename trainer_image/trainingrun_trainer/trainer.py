@@ -86,6 +86,8 @@ class Trainer:
         if self.device_type == "cuda":
             torch.cuda.set_device(self.context.local_rank)
             self.device = torch.device("cuda", self.context.local_rank)
+            tf32 = self.cfg.tf32 is not False
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         else:
             self.device = torch.device("cpu")
         if self.distributed:
@@ -122,7 +124,7 @@ class Trainer:
             self.wrapped = model
         if self.cfg.compile:
             self.wrapped = torch.compile(self.wrapped)
-        self.optimizer = build_optimizer(model, self.cfg.optimizer)
+        self.optimizer = build_optimizer(model, self.cfg.optimizer, self.device_type)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.max_steps)
         self.scaler = self.plan.grad_scaler()
         self.ema = WeightEMA(model, self.cfg.ema.decay) if self.cfg.ema.enabled else None
