@@ -60,17 +60,19 @@ def test_tied_non_contiguous_empty_and_odd_dtype_tensors_are_staged_and_restored
         "flags": torch.rand(77, generator=gen) > 0.5, "half": torch.randn(13, generator=gen).to(torch.bfloat16),
         "step": torch.tensor(12, dtype=torch.int64),
     }
-    state = {"weights": dict(tensors), "groups": [{"lr": 0.25, "params": [0, 1]}]}
+    # `shared` also in another entry, as EMA state holds the model's buffers
+    state = {"weights": dict(tensors), "groups": [{"lr": 0.25, "params": [0, 1]}], "ema": {"buffer": shared}}
     big = tensors["big"].clone()
     with behind(bucket, memory) as store:
-        store.save(1, state, {"step": 1}, copy_in_background=("weights",))
+        store.save(1, state, {"step": 1}, copy_in_background=("weights", "ema"))
         store.wait_copied()
         tensors["big"].zero_()  # after the copy: not in the checkpoint
         assert store.flush() is not None
     [data] = step_dir(memory, 1).glob("*.distcp")
     # Staged straight into the file, largest tensor first: its bytes open the file (DCP's writer puts byte items first).
     assert data.read_bytes()[:big.nbytes] == big.numpy().tobytes()
-    target = {"weights": {name: torch.zeros_like(t) for name, t in tensors.items()}, "groups": [{"lr": 0.0, "params": []}]}
+    target = {"weights": {name: torch.zeros_like(t) for name, t in tensors.items()}, "groups": [{"lr": 0.0, "params": []}],
+              "ema": {"buffer": torch.zeros_like(shared)}}
     for root, tier in ((bucket, memory), (bucket, None)):
         with CheckpointStore(root.as_uri(), memory_tier=str(tier) if tier else None) as reader:
             reader.load(reader.latest_valid(), target)
@@ -78,6 +80,7 @@ def test_tied_non_contiguous_empty_and_odd_dtype_tensors_are_staged_and_restored
         for name in ("tied", "tied_again", "transposed", "empty", "flags", "half", "step"):
             assert torch.equal(target["weights"][name], tensors[name]), name
         assert target["groups"] == [{"lr": 0.25, "params": [0, 1]}]
+        assert torch.equal(target["ema"]["buffer"], shared)
 
 
 def test_a_save_that_finds_no_room_to_stage_in_memory_commits_to_storage(bucket, memory, monkeypatch, caplog):

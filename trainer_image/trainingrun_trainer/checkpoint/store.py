@@ -402,6 +402,8 @@ class CheckpointStore:
             try:
                 in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
             except _SAVE_ERRORS as exc:
+                if tier_dir is not None:
+                    self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
                 return self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
             if in_memory:
                 return self._save(job, tier_dir, in_memory=True, staged=staged)
