@@ -71,6 +71,9 @@ from pathlib import Path
 STEP_LINE = re.compile(
     r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO [\w.]+: step (?P<step>\d+)/(?P<total>\d+)\b"
 )
+#: The trainer's own figures: the last window's model FLOP/s and MFU (GPUs with a known peak), and its start-up line.
+FLOPS_LINE = re.compile(r"rank0 INFO [\w.]+: step \d+/\d+ .* TFLOP/s (?P<tflops>[0-9.e+-]+)(?: MFU (?P<mfu>[0-9.]+)%)?")
+STARTUP_LINE = re.compile(r"rank0 INFO [\w.]+: start-up (?P<seconds>[0-9.]+) s to the first step")
 PEAK_LR = 3e-4
 WEIGHT_DECAY = 0.01
 BETAS = (0.9, 0.95)
@@ -422,8 +425,13 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
     logged = sorted(step for step in times if start <= step <= end)
     windows = [(b - a, times[b] - times[a], monitor.foreign_between(times[a], times[b]))
                for a, b in zip(logged, logged[1:])]
+    flops = FLOPS_LINE.findall(output)
+    startup = STARTUP_LINE.search(output)
     return {"seconds": times[end] - times[start], "wall": wall, "steps": end - start,
-            "foreign": window["foreign"], "steal": window["steal"], "cpu_ms": cpu_ms, "windows": windows}
+            "foreign": window["foreign"], "steal": window["steal"], "cpu_ms": cpu_ms, "windows": windows,
+            "tflops": float(flops[-1][0]) if flops else math.nan,
+            "mfu": float(flops[-1][1]) / 100 if flops and flops[-1][1] else math.nan,
+            "startup": float(startup["seconds"]) if startup else math.nan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,8 +570,14 @@ def main(argv: list[str] | None = None) -> int:
     quiet_ratio = quiet["trainer"] / quiet["bare"]
     print(f"quiet-window ms/step, trainer / bare = {quiet_ratio:.3f} (timed only where the machine was otherwise idle)")
     print(f"CPU time per step, trainer / bare = {cpu_ratio:.3f} (less sensitive to other load on the machine)")
+    # The trainer's own account (its log lines): model FLOP/s and MFU of the last window, start-up to the first step.
+    own = {figure: statistics.median(r[figure] for r in results["trainer"]) for figure in ("tflops", "mfu", "startup")}
+    mfu_text = "-" if math.isnan(own["mfu"]) else f"{own['mfu']:.1%}"
+    print(f"trainer's own figures (medians): {own['tflops']:.4g} model TFLOP/s, MFU {mfu_text}, start-up to the first "
+          f"step {own['startup']:.2f} s")
     print(f"result: overhead_ratio={ratio:.4f} trainer_seconds={medians['trainer']:.3f} bare_seconds={bare:.3f}"
-          f" quiet_overhead_ratio={quiet_ratio:.4f} cpu_overhead_ratio={cpu_ratio:.4f}{extra}")
+          f" quiet_overhead_ratio={quiet_ratio:.4f} cpu_overhead_ratio={cpu_ratio:.4f}{extra}"
+          f" model_tflops={own['tflops']:.4g} mfu={own['mfu']:.4f} startup_s={own['startup']:.3f}")
     return 0
 
 
