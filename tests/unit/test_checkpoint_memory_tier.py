@@ -82,7 +82,7 @@ def test_a_restart_loads_the_committed_checkpoint_from_memory_without_reading_it
 
 def test_only_the_newest_committed_checkpoint_is_kept(storage, memory):
     saved(storage, memory, steps=(5, 10, 15))
-    assert sorted(p.name for p in memory.iterdir()) == ["step-00000015"]
+    assert sorted(p.name for p in memory.iterdir() if p.name != memory_tier.ORIGIN_NAME) == ["step-00000015"]
 
 
 def test_a_newer_checkpoint_in_storage_than_in_memory_is_read_from_storage(storage, memory):
@@ -196,7 +196,7 @@ def test_a_failed_save_keeps_nothing_of_its_step_and_the_committed_copy_stays(st
     with CheckpointStore(storage.as_uri(), memory_tier=str(memory)) as store:
         store.save(10, app_state(model, torch.optim.AdamW(model.parameters())), {"step": 10})
         assert store.wait() is None
-    assert sorted(p.name for p in memory.iterdir()) == ["step-00000005"]
+    assert sorted(p.name for p in memory.iterdir() if p.name != memory_tier.ORIGIN_NAME) == ["step-00000005"]
     monkeypatch.undo()
     assert restored(storage, memory) == (5, digest, "memory")
 

@@ -249,3 +249,37 @@ def test_a_storage_interval_in_seconds_copies_the_first_memory_checkpoint_after_
             store._persisted()
         assert steps_in(bucket) == [1, 4]  # 60 s after the copy of step 1 began: step 4; step 5 came 39 s after that
         assert store.flush().step == 5
+
+
+def test_a_checkpoint_only_in_memory_is_never_taken_by_a_store_of_another_uri(tmp_path, memory, monkeypatch, caplog):
+    """Two runs whose memory tiers share a name (uid-less runs of one name; a run's uid prevents it in a cluster):
+    the second must not resume from the first one's checkpoint that only memory holds."""
+    model, opt = trained()
+    with behind(tmp_path / "first", memory) as store:
+        monkeypatch.setattr(storage_module._Storage, "upload", lambda *_: (_ for _ in ()).throw(OSError("down")))
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.wait().step == 1 and store.flush() is None  # in memory only
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING), behind(tmp_path / "second", memory) as other:
+        assert other.latest_valid() is None
+    assert any("holds checkpoints of" in r.getMessage() for r in caplog.records)
+    with behind(tmp_path / "first", memory) as again:  # the first run's restart still finds it
+        assert again.latest_valid().step == 1
+
+
+def test_a_memory_file_gone_between_finding_and_loading_is_read_from_storage(bucket, memory):
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.flush().step == 1
+        digest = model_digest(model.state_dict())
+    fresh, fresh_opt = trained(seed=99)
+    state = app_state(fresh, fresh_opt)
+    with behind(bucket, memory) as store:
+        info = store.latest_valid()
+        for path in data_files(step_dir(memory, 1)):
+            path.unlink()  # /dev/shm cleared by someone else after the tier was looked at
+        assert store.load(info, state) == {"step": 1}
+        assert "storage" in store.last_restore_source
+    fresh.load_state_dict(state["model"])
+    assert model_digest(fresh.state_dict()) == digest

@@ -14,6 +14,8 @@ Layout, below the tier's root (one per attempt of a run, see `contract.memory_ti
                                     (persisting behind: the commit itself; storage gets the same bytes later)
     .spare/                         persisting behind: the newest step no longer needed, whose files the next save
                                     writes into (`RecycledFile`)
+    origin                          the storage URI of the store writing here: a checkpoint only in memory is used
+                                    by a store of that URI only
 
 Trust: a file is used only when the tier's copy of the manifest is byte for byte the manifest of the checkpoint
 being restored and the file has that manifest's size and, by its digests file, its file digest. Its content is checked
@@ -50,6 +52,8 @@ SEGMENT_BYTES = 4 << 20
 READ_CHUNK = 1 << 20
 #: Suffix of a tier file's digests file.
 DIGESTS_SUFFIX = ".xxh3"
+#: Below the root: the storage URI of the store that writes this tier (`MemoryTier.origin`).
+ORIGIN_NAME = "origin"
 #: Persisting behind, the newest step the tier no longer needs is kept under this name below the root, and the next
 #: save writes its data files into those files' memory (`RecycledFile`): writing into a new /dev/shm file costs
 #: the kernel a page allocation per 4 KiB (a 258 MB write took 0.9 s on the 2-core VM), overwriting mapped pages does
@@ -105,8 +109,11 @@ class MemoryTier:
     """The tier below `root` (created when first written). Used by `CheckpointStore` on its background thread
     (saving) and the training thread (restoring), never both at once."""
 
-    def __init__(self, root: str, recycle: bool = False):
+    def __init__(self, root: str, recycle: bool = False, origin: Optional[str] = None):
         self.root = root
+        #: The storage URI whose checkpoints this process keeps here (written to `ORIGIN_NAME` when it first writes):
+        #: a checkpoint only in memory is another store's if the tier says another.
+        self.origin = origin
         #: Keep the newest step no longer needed as the spare whose files the next save overwrites (`SPARE_DIR`).
         self.recycle = recycle
         self.off: Optional[str] = None  #: why writing is off for this process (None: on)
@@ -124,6 +131,8 @@ class MemoryTier:
         directory = self.path(step)
         try:
             os.makedirs(directory, exist_ok=True)
+            if self.origin is not None and self.origin_of_tier() != self.origin:
+                _write_atomically(os.path.join(self.root, ORIGIN_NAME), self.origin.encode())
             self._remove_steps(lambda other: other > step)  # left by saves that never committed (a rollback)
             # A step saved again: its old copy of the manifest goes first, so the directory is never "committed"
             # while its files are rewritten.
@@ -264,6 +273,14 @@ class MemoryTier:
             self._usable = {manifest_sha256: self._find(step, manifest_sha256)}
         return self._usable[manifest_sha256][0]
 
+    def origin_of_tier(self) -> Optional[str]:
+        """The storage URI of the store that last wrote this tier (None: not recorded)."""
+        try:
+            with open(os.path.join(self.root, ORIGIN_NAME), "rb") as f:
+                return f.read(4096).decode(errors="replace")
+        except OSError:
+            return None
+
     def newest_step(self) -> Optional[int]:
         """The newest step this tier holds a committed copy of (by its copy of the manifest), or None."""
         try:
@@ -335,7 +352,10 @@ class VerifiedTierFile(io.RawIOBase):
     def __init__(self, tier_file: TierFile):
         super().__init__()
         self._file = tier_file
-        self._fd = os.open(tier_file.path, os.O_RDONLY)
+        try:
+            self._fd = os.open(tier_file.path, os.O_RDONLY)
+        except OSError as error:  # gone since it was found (the tier is node memory anyone may clear): read storage
+            raise TierMismatch(f"{tier_file.path}: {error.strerror or error}") from None
         self._pos = 0
         self._checked: set[int] = set()  # segments that matched
         self._segment = -1  # the segment being hashed (-1: none)

@@ -130,7 +130,7 @@ class CheckpointStore:
         self.run_uid = run_uid or None
         self._options = _storage_options(uri, endpoint_url, storage_options)
         self._storage = _Storage(uri, self._options)
-        self._tier = MemoryTier(memory_tier) if memory_tier else None
+        self._tier = MemoryTier(memory_tier, origin=uri) if memory_tier else None
         self.memory_tier = memory_tier or None
         self._writer = WriterProcess() if writer_process else None
         if self._writer is not None:
@@ -799,7 +799,13 @@ class CheckpointStore:
         return newest if all(self._gather(held)) else None
 
     def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
-        """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there."""
+        """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
+        when the tier is another store's (its `origin`: two runs sharing one tier's name, which a run's uid prevents)."""
+        origin = self._tier.origin_of_tier()
+        if origin is not None and origin != self.uri:
+            logger.warning("the memory tier %s holds checkpoints of %s, not of %s: ignoring its step %d", self._tier.root,
+                           origin, self.uri, step)
+            return None
         directory = self._tier.path(step)
         found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self.run_uid)
         if not found.valid:
@@ -855,7 +861,11 @@ class CheckpointStore:
         try:
             loading, planner = self._read(info, state, entry, legacy, reading)
         except CheckpointException as exc:  # a BaseException: make it an error that says what failed
-            if not any(isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()):
+            # A copy in memory that did not match, or was gone, on any rank (DCP's own fallbacks may hide the cause,
+            # as its metadata read does): every rank reads it again from storage.
+            mismatch = bool(reading.mismatched) or any(isinstance(_cause(failure), TierMismatch)
+                                                       for failure in exc.failures.values())
+            if not any(self._gather(mismatch)):
                 raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
             loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
         state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
