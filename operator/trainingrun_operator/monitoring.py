@@ -245,6 +245,8 @@ FLEET_PANELS = [
                                       "{{cause}}"),)),
     Panel("Goodput by run", (("min by (namespace, run) (trainingrun_goodput_ratio)", "{{namespace}}/{{run}}"),),
           unit="percentunit"),
+    Panel("MFU by run", (("avg by (namespace, run) (trainingrun_mfu_ratio)", "{{namespace}}/{{run}}"),),
+          unit="percentunit"),
     Panel("GPU-hours (24h)", (("sum(count_over_time(trainingrun_gpu_utilization_ratio[24h:1m])) / 60", "GPU-hours"),),
           kind="stat"),
     Panel("Energy (24h)", (("sum(increase(trainingrun_gpu_energy_joules_total[24h])) / 3.6e6", "kWh"),), kind="stat"),

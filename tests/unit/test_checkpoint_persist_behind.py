@@ -226,7 +226,7 @@ def test_a_storage_interval_copies_every_nth_memory_checkpoint_and_flush_the_new
             train_step(model, opt, seed=step)
             store.save(step, app_state(model, opt), {"step": step})
             assert store.wait().step == step  # every one commits in memory
-            store._persisted()  # the copy of a due one is done before the next save (no newest-wins here)
+            store.wait_persisted()  # the copy of a due one is done before the next save (no newest-wins here)
         assert steps_in(bucket) == [1, 4, 7] and store.persist_lag_steps == 1
         assert steps_in(memory) == [8]  # the newest, held back; the older ones went as their successors committed
         assert store.flush().step == 8  # as SIGTERM and the end of the run do: the newest, whatever the interval
@@ -246,7 +246,7 @@ def test_a_storage_interval_in_seconds_copies_the_first_memory_checkpoint_after_
             train_step(model, opt, seed=step)
             store.save(step, app_state(model, opt), {"step": step})
             assert store.wait().step == step
-            store._persisted()
+            store.wait_persisted()
         assert steps_in(bucket) == [1, 4]  # 60 s after the copy of step 1 began: step 4; step 5 came 39 s after that
         assert store.flush().step == 5
 

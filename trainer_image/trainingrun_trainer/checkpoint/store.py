@@ -675,13 +675,14 @@ class CheckpointStore:
             held_back = self._held_back
         if held_back is not None:
             self._persist(*held_back, whenever=True)
-        self._persisted()
+        self.wait_persisted()
         if self._distributed:
             self.in_storage = self._broadcast(self.in_storage)
         return self.in_storage
 
-    def _persisted(self) -> None:
-        """Wait until this rank's persister (rank 0's) is idle."""
+    def wait_persisted(self) -> None:
+        """Wait until this rank's persister (rank 0's) is idle: every copy queued so far is in storage or failed. Not a
+        collective, and a checkpoint held back by the storage interval stays held (`flush` copies it)."""
         while True:
             with self._persist_lock:
                 loop = self._persist_loop
@@ -965,7 +966,7 @@ class CheckpointStore:
         an interrupted deletion leaves a directory that reads as a partial save.
         """
         self.wait()
-        self._persisted()
+        self.wait_persisted()
         return self._rotate()
 
     def _rotate(self) -> list[str]:
