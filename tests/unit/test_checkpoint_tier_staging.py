@@ -5,30 +5,17 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 from trainingrun_trainer.checkpoint import CheckpointStore, model_digest, tier_staging
-from trainingrun_trainer.checkpoint import memory_tier
 
 from test_checkpoint import app_state, step_dir, train_step, trained
 from test_checkpoint_memory_tier import restored
-from test_checkpoint_persist_behind import behind, steps_in
+from test_checkpoint_persist_behind import behind, bucket, memory, steps_in  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture
-def bucket(tmp_path) -> Path:
-    return tmp_path / "bucket"
-
-
-@pytest.fixture
-def memory(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", 0.0)  # as test_checkpoint_memory_tier's fixture
-    return tmp_path / "shm" / "trainingrun-uid-attempt-1"
 
 
 def save_as_the_trainer_does(store: CheckpointStore, step: int, model, opt) -> None:

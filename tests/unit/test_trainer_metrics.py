@@ -152,9 +152,17 @@ def test_model_flops_are_each_ranks_share_and_mfu_is_absent_without_a_peak(tmp_p
 def test_the_startup_series_has_every_phase_once_the_first_step_ran(tmp_path):
     before, after = expositions_after(
         tmp_path, "pass",
-        "from types import SimpleNamespace\n"
-        "m.startup(SimpleNamespace(startup_phases={'imports': 4.0, 'init': 0.5, 'model': 1.5, 'data': 0.25, "
-        "'prepare': 0.25}, seconds={'restore': 2.0}, first_step=1.5))")
+        "from trainingrun_trainer.timekeeping import ProcessClock\n"
+        "now = [100.0]\n"
+        "clock = ProcessClock('pod-0', now=lambda: now[0])\n"
+        "for phase, at in (('imports', 104.0), ('init', 104.5), ('model', 106.0), ('data', 106.25)):\n"
+        "    now[0] = at\n"
+        "    clock.mark(phase)\n"
+        "clock.add('restore', 2.0)\n"
+        "now[0] = 108.5\n"
+        "clock.ready()\n"
+        "clock.first_step_done(1.5)\n"
+        "m.startup(clock)")
     assert "trainingrun_startup_seconds{" not in before
     for phase, seconds in (("imports", 4.0), ("init", 0.5), ("model", 1.5), ("data", 0.25), ("prepare", 0.25),
                            ("restore", 2.0), ("first_step", 1.5)):

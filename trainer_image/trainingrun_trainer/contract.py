@@ -140,6 +140,13 @@ class ProcessTime:
             "init_seconds": "initSeconds", "model_seconds": "modelSeconds", "data_seconds": "dataSeconds",
             "prepare_seconds": "prepareSeconds", "first_step_seconds": "firstStepSeconds"}
 
+    #: Start-up to the first step, part by part (they add up to it): `startup_seconds`' phases, restore, the first step.
+    STARTUP_PARTS = ("imports", "init", "model", "data", "prepare", "restore", "first_step")
+
+    def startup_parts(self) -> dict[str, float]:
+        """{part: seconds} of `STARTUP_PARTS`."""
+        return {part: getattr(self, f"{part}_seconds") for part in self.STARTUP_PARTS}
+
     def plus(self, other: "ProcessTime", process: str = "ended") -> "ProcessTime":
         """Both processes' time together (the productive seconds they resumed from: the smaller)."""
         return ProcessTime(process, **{

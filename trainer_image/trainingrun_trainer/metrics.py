@@ -184,8 +184,7 @@ class TrainerMetrics(NullMetrics):
 
     def startup(self, clock: Any) -> None:
         """Once, at the first step: where the process's start-up went (`timekeeping.ProcessClock`)."""
-        phases = {**clock.startup_phases, "restore": clock.seconds["restore"], "first_step": clock.first_step}
-        for phase, seconds in phases.items():
+        for phase, seconds in clock.snapshot().startup_parts().items():
             self._startup.labels(**self._labels, phase=phase).set(seconds)
 
     def checkpoints(self, store: Any, waited_seconds: float = 0.0) -> None:

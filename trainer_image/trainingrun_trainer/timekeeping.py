@@ -85,7 +85,7 @@ class ProcessClock:
     def first_step_done(self, seconds: float) -> str:
         """The first step took `seconds`; the line that says where the time to it went (the parts add up)."""
         self.first_step = seconds
-        parts = {**self.startup_phases, "restore": self.seconds["restore"], "first step": seconds}
+        parts = self.snapshot().startup_parts()
         return (f"start-up {sum(parts.values()):.2f} s to the first step: "
                 + ", ".join(f"{name.replace('_', ' ')} {value:.2f} s" for name, value in parts.items()))
 

@@ -391,8 +391,7 @@ class LocalRunner:
             samples_per_second=progress.get("samplesPerSecond"),
             model_flops_per_second=progress.get("modelFlopsPerSecond"),
             mfu=progress.get("mfu"),
-            startup={phase: sum(getattr(p, f"{phase}_seconds") for p in processes)
-                     for phase in ("imports", "init", "model", "data", "prepare", "restore", "first_step")}
+            startup={part: sum(p.startup_parts()[part] for p in processes) for part in contract.ProcessTime.STARTUP_PARTS}
             if processes else {},
         )
 

@@ -76,6 +76,11 @@ class TierFile:
     digests: tuple[str, ...]  #: xxh3_128 of each segment, in order
 
 
+#: The key of a file's record (its manifest entry while it is written) that holds its segment digests (`SegmentHasher`),
+#: for files written straight into the tier; not the manifest's.
+SEGMENTS_KEY = "segments"
+
+
 class SegmentHasher:
     """The xxh3_128 of each `SEGMENT_BYTES` of bytes fed in order (the last segment may be shorter)."""
 
@@ -114,6 +119,7 @@ class MemoryTier:
         #: The storage URI whose checkpoints this process keeps here (written to `ORIGIN_NAME` when it first writes):
         #: a checkpoint only in memory is another store's if the tier says another.
         self.origin = origin
+        self._origin_written = False
         #: Keep the newest step no longer needed as the spare whose files the next save overwrites (`SPARE_DIR`).
         self.recycle = recycle
         self.off: Optional[str] = None  #: why writing is off for this process (None: on)
@@ -131,8 +137,9 @@ class MemoryTier:
         directory = self.path(step)
         try:
             os.makedirs(directory, exist_ok=True)
-            if self.origin is not None and self.origin_of_tier() != self.origin:
+            if self.origin is not None and not self._origin_written:
                 _write_atomically(os.path.join(self.root, ORIGIN_NAME), self.origin.encode())
+                self._origin_written = True
             self._remove_steps(lambda other: other > step)  # left by saves that never committed (a rollback)
             # A step saved again: its old copy of the manifest goes first, so the directory is never "committed"
             # while its files are rewritten.

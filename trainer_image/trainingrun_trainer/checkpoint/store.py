@@ -32,7 +32,8 @@ from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, Mem
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_dir, _storage_options
 from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable
-from .writer import SEGMENTS_KEY, _Writer
+from .memory_tier import SEGMENTS_KEY
+from .writer import _Writer
 from .writer_process import WriterProcess
 
 
@@ -456,7 +457,7 @@ class CheckpointStore:
             if in_memory:
                 writer = _Writer(tier_dir, record, on_global_plan=lambda: None, sync_files=False,
                                  process=self._writer if job.shared and staged is None else None, segments=True,
-                                 staged=staged if staged is not None and not staged.failed else None,
+                                 staged=staged,
                                  die_after_items=1 if job.step == self.writer_dies_at_step else None)
             else:
                 writer = _Writer(

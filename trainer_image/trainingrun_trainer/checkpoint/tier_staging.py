@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .layout import FILE_DIGEST, file_hasher
-from .memory_tier import READ_CHUNK, SPARE_DIR, SegmentHasher
+from .memory_tier import READ_CHUNK, SEGMENTS_KEY, SPARE_DIR, SegmentHasher
 from .tensor_files import RAW_TENSOR, _byte_view
 
 #: Each staged tensor starts at a multiple of this many bytes: a cache line, and every dtype's alignment.
@@ -156,9 +156,7 @@ class StagedFile:
     def complete(self, plan: SavePlan, resolve: Any) -> tuple[list[WriteResult], dict]:
         """DCP's write of this rank's items of `plan` into the file: staged tensors where they lie, the rest appended;
         the write results, and the file's manifest entry less its path (size, file digest, segment digests under
-        `writer.SEGMENTS_KEY`)."""
-        from .writer import SEGMENTS_KEY  # writer imports this module
-
+        `SEGMENTS_KEY`)."""
         if f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}" != self.name:
             raise ValueError(f"DCP names this rank's data file {plan.storage_data.prefix}0{DEFAULT_SUFFIX}, not "
                              f"{self.name}: the staged copy does not match the plan")

@@ -13,7 +13,7 @@ from torch.futures import Future as TorchFuture
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from .layout import FILE_DIGEST, file_hasher
-from .memory_tier import MemoryTier, RecycledFile, SegmentHasher, TierCopy
+from .memory_tier import SEGMENTS_KEY, MemoryTier, RecycledFile, SegmentHasher, TierCopy
 from .tensor_files import write_rank_file
 from .tier_staging import StagedFile
 from .writer_process import WriteRequest, WriterProcess
@@ -77,8 +77,6 @@ class _HashingStream:
         return getattr(self._raw, name)
 
 
-#: The key of a record's entry that holds the file's segment digests (`_HashingStream`'s `segments`).
-SEGMENTS_KEY = "segments"
 
 
 class _HashingFileSystem:
