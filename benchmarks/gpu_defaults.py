@@ -1,14 +1,16 @@
-"""Which GPU defaults make the benchmark model fast: a bare training loop under four settings, each in a fresh process.
+"""Which GPU defaults make the benchmark model fast: a bare training loop under several settings, each in a fresh process.
 
 The model of the first H100 measurement (CharTransformer dim 1024, 12 layers, 16 heads, context 256, batch 32,
 bf16 autocast; 242 GFLOP per sample by its `flops_per_sample()`), trained on SyntheticText by a plain loop (no DDP,
-no trainer), four ways:
+no trainer), in these ways:
 
   eager      torch.optim.AdamW as the trainer builds it today (foreach), TF32 off: the trainer's CUDA settings today
   fused      fused AdamW and TF32 matmuls
   compile    fused, TF32 and torch.compile(model), with an empty inductor cache (a first start)
   recompile  the same again in a new process with the cache `compile` left (an in-place restart or a new attempt
              that finds the cache)
+  graphs     compile with mode="reduce-overhead" (CUDA graphs: the forward and backward replayed without a launch
+             per kernel), with the cache the two before left
 
 Each variant runs in a process of its own and reports its start-up by phase (imports, CUDA init, model build,
 compile = the first step's time less a warm step's, the first step) and the median ms per step over the timed steps
@@ -43,6 +45,7 @@ VARIANTS = {
     "fused": dict(fused=True, tf32=True, compile=False),
     "compile": dict(fused=True, tf32=True, compile=True),
     "recompile": dict(fused=True, tf32=True, compile=True),
+    "graphs": dict(fused=True, tf32=True, compile=True, mode="reduce-overhead"),
 }
 
 
@@ -74,7 +77,7 @@ def worker(spec: dict) -> dict:
     groups = parameter_groups(model, 0.1, True)
     optimizer = torch.optim.AdamW(groups, lr=3e-4, fused=spec["fused"] or None)
     flops_per_step = model.flops_per_sample() * spec["batch_size"]
-    forward = torch.compile(model) if spec["compile"] else model
+    forward = torch.compile(model, mode=spec.get("mode")) if spec["compile"] else model
     data = SyntheticText(num_samples=4096, context_length=spec["context"], seed=0)
     batches = [torch.stack([data[(i * spec["batch_size"] + j) % len(data)]["tokens"]
                             for j in range(spec["batch_size"])]).to(device) for i in range(8)]
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="a small model and few steps: checks the script")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per variant (default 40)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all four)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
     parser.add_argument("--timeout", type=float, default=240, help="seconds one variant may take (default 240)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -171,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     some = next(iter(results.values()), {})
     fields = {"eager_mfu": field("eager", "mfu"), "fused_mfu": field("fused", "mfu"),
               "compile_mfu": field("compile", "mfu"), "compile_s": field("compile", "compile"),
-              "recompile_s": field("recompile", "compile"), "eager_ms": field("eager", "ms"),
+              "recompile_s": field("recompile", "compile"), "recompile_startup_s": field("recompile", "startup_s"),
+              "graphs_mfu": field("graphs", "mfu"), "eager_ms": field("eager", "ms"),
               "fused_ms": field("fused", "ms"), "compile_ms": field("compile", "ms"),
+              "recompile_ms": field("recompile", "ms"), "graphs_ms": field("graphs", "ms"),
               "startup_s": field("eager", "startup_s"),
               "device": str(some.get("device", "none")).replace(" ", "_"), "torch": some.get("torch", "none")}
     print("result: " + " ".join(f"{key}={value}" for key, value in fields.items()), flush=True)

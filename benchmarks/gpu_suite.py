@@ -8,8 +8,12 @@ Runs, on one CUDA device, the model of the first H100 measurement (CharTransform
       this machine's disk and from the memory tier (/dev/shm) against torch.load (the storage emulators are not
       installed on a GPU machine, so storage is file:// here);
   trainer_overhead.py --device cuda --nproc 1 ... --context 256 --batch-size 32 --precision bf16-mixed
-      --checkpoint-every 10 --repeats 3
-      the trainer against a bare loop, and with an async checkpoint every 10 steps (`ckpt_overhead_ratio`).
+      --checkpoint-every 10 --repeats 3 --compile
+      the trainer against a bare loop, and with an async checkpoint every 10 steps (`ckpt_overhead_ratio`);
+  gpu_defaults.py --variants fused,compile,recompile,graphs
+      the model in a bare loop with the trainer's GPU defaults, with torch.compile from an empty cache (`compile_s`),
+      again in a new process that finds the cache (`restart_to_training_s`: process start to the first trained step,
+      as a worker restarted in its pod, less the restore), and with CUDA graphs (mode="reduce-overhead").
 
 It prints both outputs as they come and ends with one line:
 
@@ -93,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         "--device", args.device, "--nproc", "1", *model, "--context", "64" if args.quick else "256",
         "--batch-size", "4" if args.quick else "32", "--precision", "bf16-mixed" if args.device == "cuda" else "32-true",
         "--checkpoint-every", "10", "--steps", "60" if args.quick else "160", "--no-metrics", "--no-reporting",
-        "--repeats", "2" if args.quick else str(args.overhead_repeats)], args.timeout)
+        "--repeats", "2" if args.quick else str(args.overhead_repeats),
+        *(["--compile"] if args.device == "cuda" else [])], args.timeout)  # the trainer's GPU default, both sides
+    defaults = run("gpu_defaults.py", ["--device", args.device, "--variants", "fused,compile,recompile,graphs",
+                                       *(["--quick"] if args.quick else [])], args.timeout)
     ckpt_vs_trainer = "nan"
     if overhead.get("ckpt_overhead_ratio") and overhead.get("overhead_ratio"):
         # the checkpoint row against the trainer without one: what checkpointing every 10 steps alone costs
@@ -112,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         "model_tflops": overhead.get("model_tflops", "nan"),
         "startup_s": overhead.get("startup_s", "nan"),
         "overhead_ratio": overhead.get("overhead_ratio", "nan"),
+        "compile_mfu": defaults.get("compile_mfu", "nan"),
+        "graphs_mfu": defaults.get("graphs_mfu", "nan"),
+        "compile_s": defaults.get("compile_s", "nan"),
+        "restart_to_training_s": defaults.get("recompile_startup_s", "nan"),
         "device": device.replace(" ", "_"),
         "torch": torch.__version__,
     }

@@ -114,7 +114,14 @@ def bare_worker(spec_path: str) -> int:
 
     model = CharTransformer(vocab_size=128, dim=spec["dim"], layers=spec["layers"], heads=spec["heads"],
                             context_length=spec["context"]).to(device)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if spec["device"] == "cuda" else None)
+    # DDP only across processes, as the trainer (compiled, a one-process DDP ran at 54 ms a step against 32 on an H200)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if spec["device"] == "cuda" else None) \
+        if world > 1 else model
+    cuda = spec["device"] == "cuda"
+    # The trainer's defaults on GPUs (optimizer.fused, trainer.tf32), so both sides run the same settings.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cuda
+    if spec.get("compile"):
+        ddp = torch.compile(ddp)
     # The trainer's groups: no weight decay for biases, norms and embeddings.
     no_decay_ids = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.Embedding))
                     for p in m.parameters(recurse=False)}
@@ -122,7 +129,7 @@ def bare_worker(spec_path: str) -> int:
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and id(p) not in no_decay_ids)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=PEAK_LR, betas=BETAS, eps=EPS)
+                                  lr=PEAK_LR, betas=BETAS, eps=EPS, fused=cuda or None)
     steps, warmup = spec["steps"], spec["lr_warmup"]
 
     def lr_factor(step: int) -> float:
@@ -287,6 +294,7 @@ def trainer_config(args: argparse.Namespace, checkpoint_uri: str, checkpoint_eve
             "maxSteps": args.steps,
             "gradClipNorm": CLIP,
             "precision": args.precision,
+            "compile": args.compile,
             "seed": args.seed,
             "logIntervalSteps": args.log_interval,
         },
@@ -362,7 +370,7 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         spec = {"device": args.device, "dim": args.dim, "layers": args.layers, "heads": args.heads,
                 "context": args.context, "batch_size": args.batch_size, "num_samples": args.num_samples,
                 "steps": args.steps, "lr_warmup": args.lr_warmup, "log_interval": args.log_interval,
-                "seed": args.seed, "precision": args.precision}
+                "seed": args.seed, "precision": args.precision, "compile": args.compile}
         (rundir / "spec.json").write_text(json.dumps(spec))
         command = launcher + [str(Path(__file__).resolve()), "--bare-worker", str(rundir / "spec.json")]
     else:
@@ -456,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-warmup", type=int, default=10, help="linear LR warmup steps of the schedule (default 10)")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
                         help="precision on both sides (default 32-true)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model on both sides")
     parser.add_argument("--checkpoint-every", type=int, default=50,
                         help="steps between async checkpoints in the extra trainer row; 0 drops it (default 50)")
     parser.add_argument("--no-metrics", action="store_true", help="drop the trainer + metrics row")

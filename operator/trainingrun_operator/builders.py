@@ -279,6 +279,10 @@ def omp_threads(spec: api.TrainingRunSpec, nproc: Optional[int] = None) -> Optio
     return max(1, int(quantity_value(spec.resources.cpu) // (nproc or spec.nproc_per_node)))
 
 
+#: Where torch.compile keeps its caches in a pod: in /tmp, the pod's emptyDir, which outlives restarts in the pod.
+COMPILE_CACHE_DIR = "/tmp/compile-cache"
+
+
 def contract_env(
     run: api.TrainingRun, attempt: int, config_path: str, resume_from: Optional[str] = None
 ) -> dict[str, str]:
@@ -321,7 +325,8 @@ def trainer_env(
 ) -> list[dict[str, Any]]:
     """The contract as container env; secrets appear only as secretKeyRef. A variable the user sets in
     env or secrets.env that the operator also sets as a default (HOME, PYTHONUNBUFFERED,
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE, OMP_NUM_THREADS) is the user's: the default is left out, never listed twice (the
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE, OMP_NUM_THREADS, TORCHINDUCTOR_CACHE_DIR,
+    TRITON_CACHE_DIR) is the user's: the default is left out, never listed twice (the
     PyTorchJob CRD refuses a name given twice). Names the contract needs are refused by validation."""
     spec = run.spec
     users = {e.name for e in spec.env} | {e.name for e in spec.secrets.env}
@@ -336,6 +341,11 @@ def trainer_env(
           if has_rendezvous_service(spec) else []),
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
+        # torch.compile's caches in the pod's /tmp (an emptyDir): a worker restarted in place or a container
+        # restarted in the pod finds what the last one compiled. Never in the bucket: loading a cache runs the code
+        # in it, and what a bucket holds is not ours to run.
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/inductor"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
     ]
     if settings.report_url:
         env += [{"name": contract.REPORT_URL, "value": settings.report_url},

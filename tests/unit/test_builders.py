@@ -101,6 +101,10 @@ def test_elastic_job_shape(minimal_body):
     # the agent gives workers most of the grace period for the emergency checkpoint, and exits before SIGKILL
     assert 0 < int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < worker["template"]["spec"]["terminationGracePeriodSeconds"]
     assert container["command"] == ["python", "-m", "trainingrun_trainer.launch", "--module", "trainingrun_trainer"]
+    # torch.compile's caches in the pod's /tmp emptyDir, which a worker restarted in the pod finds again
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/tmp/") and env["TRITON_CACHE_DIR"].startswith("/tmp/")
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {}} in worker["template"]["spec"]["volumes"]
     owner = job["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "TrainingRun" and owner["controller"] is True and owner["name"] == "demo"
     pod = worker["template"]["spec"]

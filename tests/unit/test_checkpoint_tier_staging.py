@@ -3,15 +3,20 @@ into the rank's data file in the memory tier, which the save completes in place.
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import os
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainingrun_trainer.checkpoint import CheckpointStore, model_digest, tier_staging
 
-from test_checkpoint import app_state, step_dir, train_step, trained
+from test_checkpoint import app_state, make_model, step_dir, train_step, trained
 from test_checkpoint_memory_tier import restored
 from test_checkpoint_persist_behind import behind, bucket, memory, steps_in  # noqa: F401 - fixtures
 
@@ -70,6 +75,27 @@ def test_tied_non_contiguous_empty_and_odd_dtype_tensors_are_staged_and_restored
         assert torch.equal(target["ema"]["buffer"], shared)
 
 
+def test_a_staged_file_of_several_segments_records_the_digests_of_its_bytes(bucket, memory):
+    """Segments are hashed on a pool beside the file digest: each must be the xxh3_128 of its own bytes, the last one
+    running from the staged tensors into the byte items written after them."""
+    import xxhash
+    from trainingrun_trainer.checkpoint import memory_tier
+
+    from test_checkpoint_memory_tier import digests_file
+
+    big = torch.randn(3 * memory_tier.SEGMENT_BYTES // 4 + 1001, generator=torch.Generator().manual_seed(8))
+    with behind(bucket, memory) as store:
+        store.save(1, {"weights": {"big": big}}, {"step": 1}, copy_in_background=("weights",))
+        assert store.flush() is not None
+    [data] = step_dir(memory, 1).glob("*.distcp")
+    content = data.read_bytes()
+    expected = memory_tier.SegmentHasher()
+    expected.update(content)
+    recorded = json.loads(digests_file(data).read_text())
+    assert len(recorded["xxh3_128"]) == 4 and recorded["xxh3_128"] == expected.finish()
+    assert recorded["file_digest"][1] == xxhash.xxh3_128(content).hexdigest() and recorded["size"] == len(content)
+
+
 def test_a_save_that_finds_no_room_to_stage_in_memory_commits_to_storage(bucket, memory, monkeypatch, caplog):
     model, opt = trained()
     with behind(bucket, memory) as store:
@@ -94,13 +120,103 @@ def test_a_save_that_finds_no_room_to_stage_in_memory_commits_to_storage(bucket,
     assert restored(bucket, None) == (2, digest, "storage")
 
 
-def test_only_plain_cpu_tensors_are_staged_into_memory():
+@pytest.fixture
+def shm_memory(memory):
+    """A memory tier in /dev/shm, the node memory a tier lives in (the `memory` fixture's is under tmp_path)."""
+    root = tempfile.mkdtemp(prefix="tier-staging-test-", dir="/dev/shm")
+    yield Path(root) / memory.name
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
+def test_gpu_tensors_are_copied_from_the_device_into_locked_memory_pages_and_restore_as_saved(bucket, shm_memory,
+                                                                                             monkeypatch):
+    """In /dev/shm as in a pod: CUDA locks the pages of a memory-backed file; a file on disk it refused (H200)."""
+    memory = shm_memory
+    locked = []
+    real_pin = tier_staging._pin
+    monkeypatch.setattr(tier_staging, "_pin", lambda pages: locked.append(real_pin(pages)) or locked[-1])
+    model = make_model(5).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        model(torch.randn(5, 8, generator=gen).cuda()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(1)
+    with behind(bucket, memory) as store:
+        saved_digest = model_digest(model.state_dict())
+        save_as_the_trainer_does(store, 3, model, opt)
+        store.wait_copied()
+        step(2)  # queued on the device right behind the copies: they must have taken the weights before it
+        info = store.wait()
+        assert info is not None and info.model_digest == saved_digest != model_digest(model.state_dict())
+        assert store.flush() == info
+    assert locked == [True]  # copied straight from the device into the file's pages, locked for the copy
+    assert restored(bucket, memory) == (3, saved_digest, "memory")
+    assert restored(bucket, None) == (3, saved_digest, "storage")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
+def test_where_pages_cannot_be_locked_gpu_tensors_are_copied_through_pageable_memory(bucket, memory, monkeypatch):
+    monkeypatch.setattr(tier_staging, "_pin", lambda pages: False)  # a runtime that cannot lock them
+    state = {"weights": {"w": torch.arange(1000.0, device="cuda"), "b": torch.ones(3, device="cuda")}}
+    with behind(bucket, memory) as store:
+        store.save(1, state, {"step": 1}, copy_in_background=("weights",))
+        store.wait_copied()
+        state["weights"]["w"].zero_()
+        assert store.flush() is not None
+    target = {"weights": {"w": torch.zeros(1000), "b": torch.zeros(3)}}
+    with CheckpointStore(bucket.as_uri(), memory_tier=str(memory)) as reader:
+        reader.load(reader.latest_valid(), target)
+        assert reader.last_restore_source == "memory"
+    assert torch.equal(target["weights"]["w"], torch.arange(1000.0)) and torch.equal(target["weights"]["b"], torch.ones(3))
+
+
+def test_tier_files_are_locked_once_and_let_go_when_deleted_replaced_or_released(tmp_path, monkeypatch):
+    """LockedMappings' bookkeeping, with locking recorded instead of done (no GPU needed)."""
+    locked, unlocked = [], []
+    monkeypatch.setattr(tier_staging, "_pin", lambda pages: locked.append(pages.data_ptr()) or True)
+    monkeypatch.setattr(tier_staging, "_unpin", lambda pages: unlocked.append(pages.data_ptr()))
+    mappings = tier_staging.LockedMappings(keep=2)
+
+    fds = []
+
+    def opened(name: str, size: int = 4096) -> int:
+        fds.append(os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o600))
+        os.ftruncate(fds[-1], size)
+        return fds[-1]
+
+    a = opened("a")
+    first, is_locked = mappings.mapping(a, 4096)
+    again, _ = mappings.mapping(opened("a"), 4096)  # the same file (inode) staged into again: locked once
+    assert is_locked and again.data_ptr() == first.data_ptr() and locked == [first.data_ptr()] and not unlocked
+    os.replace(tmp_path / "a", tmp_path / "renamed")  # the tier recycling it as the spare: still the same file
+    assert mappings.mapping(opened("renamed"), 4096)[0].data_ptr() == first.data_ptr() and len(locked) == 1
+    bigger, _ = mappings.mapping(opened("renamed", 8192), 8192)  # another size: mapped and locked anew
+    assert unlocked == [first.data_ptr()] and locked[-1] == bigger.data_ptr()
+    b, c = mappings.mapping(opened("b"), 4096)[0], mappings.mapping(opened("c"), 4096)[0]
+    assert unlocked[-1] == bigger.data_ptr()  # past `keep`: the least recently staged goes
+    os.unlink(tmp_path / "b")
+    mappings.mapping(opened("d"), 4096)
+    assert b.data_ptr() in unlocked  # deleted: let go at the next stage, not kept alive by us
+    mappings.release()
+    assert set(locked) == set(unlocked)  # every lock undone
+    for fd in fds:
+        os.close(fd)
+
+
+def test_only_plain_cpu_and_cuda_tensors_are_staged_into_memory():
     class Tagged(torch.Tensor):
         pass
 
     assert tier_staging.stageable({"a": [torch.zeros(2), {"b": torch.nn.Parameter(torch.ones(1))}], "c": 3})
     assert not tier_staging.stageable({"a": torch.zeros(2).as_subclass(Tagged)})
     assert not tier_staging.stageable({"a": [torch.empty(2, device="meta")]})
+    if torch.cuda.is_available():
+        assert tier_staging.stageable({"a": torch.zeros(2, device="cuda"), "b": torch.zeros(1)})
     assert not tier_staging.stageable({"a": torch.zeros(3, 3).to_sparse()})
 
 

@@ -62,3 +62,22 @@ def test_an_unknown_gpu_is_said_once_and_reports_flops_only(monkeypatch, caplog)
 def test_a_model_without_a_count_reports_no_flops():
     run = efficiency.for_run(torch.nn.Linear(2, 2), "32-true", torch.device("cpu"), world_size=1)
     assert run.flops_per_second(5.0) is None and run.mfu(5.0) is None
+
+
+@pytest.mark.parametrize("setting, device_type, wrapped, lenient", [
+    (None, "cuda", True, True),    # unset: on with GPUs, and a frame it cannot compile runs as it is
+    (None, "cpu", False, False),   # unset: off on CPUs
+    (True, "cpu", True, False),    # asked for: also on CPUs, and its errors end the run
+    (True, "cuda", True, False),
+    (False, "cuda", False, False),
+])
+def test_the_model_is_compiled_on_gpus_unless_the_spec_says_otherwise(setting, device_type, wrapped, lenient):
+    import torch._dynamo as dynamo
+
+    model = torch.nn.Linear(2, 2)
+    with dynamo.config.patch(suppress_errors=False):  # restored after: the setting is the process's
+        result = efficiency.compiled(model, setting, device_type)  # wrapping compiles nothing until the first call
+        assert dynamo.config.suppress_errors == lenient
+    assert (result is not model) == wrapped and isinstance(result, torch.nn.Module)
+    if wrapped:
+        assert result._orig_mod is model

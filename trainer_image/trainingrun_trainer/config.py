@@ -370,7 +370,11 @@ class TrainerConfig(ApiModel):
     activation_checkpointing: bool = Field(
         default=False, description="Recompute activations in the backward pass to save memory."
     )
-    compile: bool = Field(default=False, description="Wrap the model with torch.compile.")
+    compile: Optional[bool] = Field(
+        default=None, description="Wrap the model with torch.compile. Unset: on with GPUs (the benchmark model on an "
+        "H200: 25.8 -> 20.7 ms a step), where a model that fails to compile trains uncompiled with a warning; off on "
+        "CPUs. The first start of an attempt compiles (tens of seconds); a worker restarted in its pod finds the "
+        "cache in the pod's /tmp. true: compile also on CPUs, and a compile error ends the run.")
     tf32: Optional[bool] = Field(
         default=None, description="Run float32 matmuls and convolutions on GPUs in TF32 (10-bit mantissa inputs, "
         "float32 accumulation): the tensor cores' 32-bit path, several times float32's peak. Unset: on with GPUs. "

@@ -100,3 +100,18 @@ def for_run(model: Any, precision: str, device: Any, world_size: int, flops_per_
         log.info("model FLOP/s and MFU are not reported: the model has no flops_per_sample() and "
                  "spec.trainer.flopsPerSample is not set")
     return Efficiency(flops, peak, world_size)
+
+
+def compiled(module: Any, setting: Optional[bool], device_type: str) -> Any:
+    """`module` wrapped by torch.compile where `setting` (spec.trainer.compile) says, or, unset, on GPUs. Compiling by
+    default must not fail a run the user never asked to compile: there a frame torch.compile cannot take runs as it
+    is (torch logs why); an explicit `true` lets the error end the run."""
+    if not (setting or (setting is None and device_type == "cuda")):
+        return module
+    import torch
+
+    if setting is None:
+        import torch._dynamo as dynamo
+
+        dynamo.config.suppress_errors = True
+    return torch.compile(module)

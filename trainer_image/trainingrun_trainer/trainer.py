@@ -122,8 +122,7 @@ class Trainer:
             )
         else:
             self.wrapped = model
-        if self.cfg.compile:
-            self.wrapped = torch.compile(self.wrapped)
+        self.wrapped = efficiency.compiled(self.wrapped, self.cfg.compile, self.device_type)
         self.optimizer = build_optimizer(model, self.cfg.optimizer, self.device_type)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.max_steps)
         self.scaler = self.plan.grad_scaler()

@@ -31,7 +31,7 @@ from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_dir, _storage_options
-from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable
+from .tier_staging import StagedFile, data_file_name, plain_tensors, release_locked_pages, stageable
 from .memory_tier import SEGMENTS_KEY
 from .writer import _Writer
 from .writer_process import WriterProcess
@@ -183,6 +183,7 @@ class CheckpointStore:
         self.last_persist_seconds = 0.0
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
+        self._digesting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-model-digest")
         self._pending: Optional[PendingSave] = None
         self._copying: Optional[_SaveJob] = None  # the save whose background copy the caller has not waited for
         self._last_result: Optional[CheckpointInfo] = None
@@ -331,6 +332,8 @@ class CheckpointStore:
             return
         self.flush()  # persisting behind, no rank goes on (and removes the node's tier at the end) before rank 0 has
         self._executor.shutdown(wait=True)
+        self._digesting.shutdown(wait=True)
+        release_locked_pages()
         if self._persister is not None:
             self._persister.shutdown(wait=True)
         if self._writer is not None:
@@ -453,6 +456,10 @@ class CheckpointStore:
         step_uri = self._step_uri(job.step)
         record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
         error: Optional[str] = None
+        # From the staged copy, in the background, beside the write (both only read it), so training waits for
+        # neither; rank 0 only writes the manifest, so only rank 0 computes it.
+        digesting = self._digesting.submit(job.model_digest, job.state) \
+            if callable(job.model_digest) and self.rank == 0 else None
         try:
             if in_memory:
                 writer = _Writer(tier_dir, record, on_global_plan=lambda: None, sync_files=False,
@@ -480,9 +487,7 @@ class CheckpointStore:
                          job.step, self.rank, tier_dir if in_memory else step_uri, error, exc_info=True)
             job.logged = True
         if callable(job.model_digest):
-            # From the staged copy, in the background, so training does not wait for it; rank 0 only
-            # writes the manifest, so only rank 0 computes it.
-            job.model_digest = job.model_digest(job.state) if self.rank == 0 and error is None else ""
+            job.model_digest = digesting.result() if digesting is not None and error is None else ""
         job.state = None  # drop the staged copy
         job.marks.append(("model digest", time.perf_counter()))
 

@@ -12,8 +12,11 @@ The file is in format 3 (`tensor_files`): each tensor's bytes at the offset DCP'
 `ALIGN` bytes (so a view of them has its dtype's alignment) with the staged tensors first and the byte items after
 them. Readers go by the metadata's offsets and lengths, not by the order.
 
-Only plain, strided CPU tensors are staged so (`stageable`); a state with others (CUDA, DTensor) is staged by the
-store's `StateDictStager` as before.
+Plain, strided tensors are staged so (`stageable`), on the CPU or on CUDA devices: a GPU tensor is copied from the
+device straight into the file's pages, which are page-locked for the copy (`cudaHostRegister`) so it runs at the
+link's speed (copies into pageable memory go through the driver's own small buffers, several times slower). Where the
+pages cannot be locked (no room to pin, a runtime without it) the copy goes through pageable memory, the same bytes.
+A state with other tensors (DTensor, sharded, quantized) is staged by the store's `StateDictStager` as before.
 """
 from __future__ import annotations
 
@@ -22,19 +25,23 @@ import errno
 import mmap
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .layout import FILE_DIGEST, file_hasher
-from .memory_tier import READ_CHUNK, SEGMENTS_KEY, SPARE_DIR, SegmentHasher
+from .memory_tier import SEGMENT_BYTES, SEGMENTS_KEY, SPARE_DIR
 from .tensor_files import RAW_TENSOR, _byte_view
 
 #: Each staged tensor starts at a multiple of this many bytes: a cache line, and every dtype's alignment.
 ALIGN = 64
+#: Threads that hash a staged file's segments, beside the one that hashes the whole file.
+HASH_THREADS = min(8, os.cpu_count() or 1)
 #: Values staged as they are (no copy can change them).
 _IMMUTABLE = (int, float, bool, str, bytes, type(None))
 
@@ -58,8 +65,9 @@ def plain_tensors(tree: Any, device: Optional[str] = None) -> bool:
 
 
 def stageable(tree: Any) -> bool:
-    """Whether every tensor in `tree` is a plain strided CPU tensor: what `StagedFile.stage` copies."""
-    return plain_tensors(tree, "cpu")
+    """Whether every tensor in `tree` is a plain strided tensor on the CPU or a CUDA device: what `StagedFile.stage`
+    copies."""
+    return plain_tensors(tree) and all(tensor.device.type in ("cpu", "cuda") for tensor in _tensors(tree))
 
 
 def _aligned(offset: int) -> int:
@@ -93,6 +101,7 @@ class StagedFile:
         self._views: dict[tuple, torch.Tensor] = {}
         self.staged_bytes = 0  # the file's bytes that stage() wrote
         self.size = 0
+        self.pinned = False  #: whether stage() locked the file's pages for copies from a GPU
 
     def stage(self, tree: Any) -> Any:
         """Copy the tensors of `tree` into the file; `tree` with views of the copies in their place (containers
@@ -117,10 +126,17 @@ class StagedFile:
             except OSError as error:
                 if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: not /dev/shm
                     raise
-            mapping = mmap.mmap(self._fd, end, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping while views of it live
         self.staged_bytes = self.size = end
-        return self._stage(tree, offsets)
+        devices = {tensor.device for tensor in _tensors(tree) if tensor.is_cuda}
+        if end and devices:
+            self._bytes, self.pinned = _LOCKED.mapping(self._fd, end)
+        elif end:
+            self._bytes = _mapping(self._fd, end)
+        try:
+            return self._stage(tree, offsets)
+        finally:
+            for device in devices:  # the copies ran on each device's current stream, after what was queued there
+                torch.cuda.current_stream(device).synchronize()
 
     def _stage(self, tree: Any, offsets: dict[tuple, int]) -> Any:
         if isinstance(tree, torch.Tensor):
@@ -130,7 +146,7 @@ class StagedFile:
                 nbytes = tree.numel() * tree.element_size()
                 if nbytes:
                     target = self._bytes[offsets[key]:offsets[key] + nbytes]
-                    target.copy_(_byte_view_tensor(tree))
+                    target.copy_(_byte_view_tensor(tree), non_blocking=self.pinned)
                     view = target.view(tree.dtype).view(tree.shape)
                 else:
                     view = torch.empty(tree.shape, dtype=tree.dtype)
@@ -177,30 +193,35 @@ class StagedFile:
                 self.size += view.nbytes
             results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=_StorageInfo(
                 self.name, offset, view.nbytes, transform_descriptors=descriptors)))
+        tail = b"".join(appended)  # byte items and what was not staged: small
         position = self.staged_bytes
-        for view in appended:
-            while view.nbytes:
-                written = os.pwrite(self._fd, view, position)
-                view, position = view[written:], position + written
-        digest, segments = file_hasher(FILE_DIGEST), SegmentHasher()
-        for chunk in self._chunks():
-            digest.update(chunk)
-            segments.update(chunk)  # while the chunk is in the CPU's cache
-        return results, {"size": self.size, FILE_DIGEST: digest.hexdigest(), SEGMENTS_KEY: segments.finish()}
+        view = memoryview(tail)
+        while view.nbytes:
+            written = os.pwrite(self._fd, view, position)
+            view, position = view[written:], position + written
+        file_digest, segments = self._digests(tail)
+        return results, {"size": self.size, FILE_DIGEST: file_digest, SEGMENTS_KEY: segments}
 
-    def _chunks(self):
-        """The file's bytes in order, READ_CHUNK at a time: the staged part from the mapping, the rest read back."""
-        if self._bytes is not None:
-            whole = memoryview(self._bytes.numpy())
-            for start in range(0, self.staged_bytes, READ_CHUNK):
-                yield whole[start:start + READ_CHUNK]
-        position = self.staged_bytes
-        while position < self.size:
-            chunk = os.pread(self._fd, min(READ_CHUNK, self.size - position), position)
-            if not chunk:
-                raise OSError(f"{self.path}: ends at {position} bytes, {self.size} were written")
-            yield chunk
-            position += len(chunk)
+    def _digests(self, tail: bytes) -> tuple[str, list[str]]:
+        """The file's digest and its segments' (`SegmentHasher`'s), from memory: the file digest on this thread, the
+        segments, which do not depend on each other, on a pool beside it (xxhash lets go of the GIL)."""
+        staged = memoryview(self._bytes.numpy()) if self._bytes is not None else memoryview(b"")
+        staged = staged[:self.staged_bytes]
+
+        def segment(start: int) -> str:
+            end = min(start + SEGMENT_BYTES, self.size)
+            if end <= self.staged_bytes:
+                piece = staged[start:end]
+            else:  # runs into (or lies in) the tail
+                piece = bytes(staged[start:]) + tail[max(0, start - self.staged_bytes):end - self.staged_bytes]
+            return xxhash.xxh3_128(piece).hexdigest()
+
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-segments") as pool:
+            segments = pool.map(segment, range(0, self.size, SEGMENT_BYTES))
+            digest = file_hasher(FILE_DIGEST)
+            digest.update(staged)
+            digest.update(tail)
+            return digest.hexdigest(), list(segments)
 
     def close(self) -> None:
         """Close the file; the mapping stays while views of it live (the staged state's)."""
@@ -209,6 +230,79 @@ class StagedFile:
             self._fd = -1
         self._bytes = None
         self._views.clear()
+
+
+def _mapping(fd: int, size: int) -> torch.Tensor:
+    """The first `size` bytes of file `fd`, mapped shared, as a uint8 tensor (which keeps the mapping while views of
+    it live)."""
+    return torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)),
+                            dtype=torch.uint8)
+
+
+class LockedMappings:
+    """Mappings of tier data files whose pages stay locked for copies from GPUs, by file (inode), for the saves to come.
+
+    Locking (cudaHostRegister) 1.8 GB costs about as much as copying it from the GPU through pageable memory (an H200:
+    0.26 s against 0.30); into pages already locked the copy runs at the link's speed (0.04 s). The tier recycles its
+    files (the spare's pages become the next save's), so a few files come back save after save: each is locked once.
+    A file deleted since, or past the newest `keep`, is unlocked and let go (its pages are freed when the last view
+    of them goes)."""
+
+    def __init__(self, keep: int = 3):
+        self.keep = keep
+        self._files: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = {}  # (dev, inode) -> (fd, size, pages)
+
+    def mapping(self, fd: int, size: int) -> tuple[torch.Tensor, bool]:
+        """File `fd`'s first `size` bytes, mapped; whether its pages are locked (else copies go through pageable
+        memory: no CUDA runtime, or it could not lock them)."""
+        stat = os.fstat(fd)
+        key = (stat.st_dev, stat.st_ino)
+        self.release(gone_only=True)
+        known = self._files.get(key)
+        if known is not None and known[1] == size:
+            self._files[key] = self._files.pop(key)  # the newest now
+            return known[2], True
+        if known is not None:
+            self._drop(key)
+        pages = _mapping(fd, size)
+        if not _pin(pages):
+            return pages, False
+        self._files[key] = (os.dup(fd), size, pages)
+        while len(self._files) > self.keep:
+            self._drop(next(iter(self._files)))
+        return pages, True
+
+    def release(self, gone_only: bool = False) -> None:
+        """Unlock and let go of every file's pages (`gone_only`: of the files deleted since they were locked)."""
+        for key, (fd, _, _) in list(self._files.items()):
+            if not gone_only or os.fstat(fd).st_nlink == 0:
+                self._drop(key)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        fd, _, pages = self._files.pop(key)
+        _unpin(pages)
+        os.close(fd)
+
+
+#: This process's locked tier files (a process stages one save at a time).
+_LOCKED = LockedMappings()
+
+
+def release_locked_pages() -> None:
+    """Let go of the tier files kept locked for copies from GPUs (the store closing)."""
+    _LOCKED.release()
+
+
+def _pin(pages: torch.Tensor) -> bool:
+    """Page-lock `pages` (a CPU tensor over a mapping) for copies from GPUs; whether it could."""
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 0)) == 0
+    except (RuntimeError, AttributeError):  # no CUDA runtime
+        return False
+
+
+def _unpin(pages: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
 
 
 def _byte_view_tensor(tensor: torch.Tensor) -> torch.Tensor:
