@@ -3,19 +3,20 @@
 Runs, on one CUDA device, the model of the first H100 measurement (CharTransformer dim 1024, 12 layers, 16 heads:
 151.5 M parameters + AdamW = 1,818 MB of state):
 
-  checkpoint_stall.py --device cuda ... --repeats 5 --restore-from file
+  checkpoint_stall.py --device cuda ... --repeats 3 --restore-from file
       save-to-commit and background CPU against torch.save to the same disk, the effective stall, and restores from
       this machine's disk and from the memory tier (/dev/shm) against torch.load (the storage emulators are not
       installed on a GPU machine, so storage is file:// here);
   trainer_overhead.py --device cuda --nproc 1 ... --context 256 --batch-size 32 --precision bf16-mixed
-      --checkpoint-every 10 --repeats 3 --compile
+      --checkpoint-every 10 --repeats 1 --compile
       the trainer against a bare loop, and with an async checkpoint every 10 steps (`ckpt_overhead_ratio`);
   gpu_defaults.py --variants fused,compile,recompile,graphs
       the model in a bare loop with the trainer's GPU defaults, with torch.compile from an empty cache (`compile_s`),
       again in a new process that finds the cache (`restart_to_training_s`: process start to the first trained step,
       as a worker restarted in its pod, less the restore), and with CUDA graphs (mode="reduce-overhead").
 
-It prints both outputs as they come and ends with one line:
+First it runs the unit tests that need a GPU (`GPU_TESTS`; `--no-tests` skips them; their verdict is `gpu_tests=`).
+It prints every output as it comes and ends with one line:
 
   result: ckpt_overhead_ratio=... ckpt_vs_trainer=... commit_vs_torch_save=... background_cpu_ratio=...
           effective_stall_ratio=... memory_restore_vs_torch_load=... overhead_ratio=... device=... torch=...
@@ -32,7 +33,8 @@ On the GPU machine (torch 2.11 there, no registry, no pydantic): carry the wheel
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
   PYTHONPATH=/tmp/site:$PWD/trainer_image:$PWD/operator PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py
 
-`--quick` (a smaller model, 2 repeats) checks the script itself in a minute, also on CPU (`--device cpu`).
+About 7 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, gpu_defaults 100 s): give
+the device call 540 s. `--quick` (a smaller model, 2 repeats) checks the script itself, also on CPU (`--device cpu`).
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODEL = ["--dim", "1024", "--layers", "12", "--heads", "16"]
 QUICK_MODEL = ["--dim", "768", "--layers", "3", "--heads", "12"]
+#: Unit tests with cases that run only where CUDA is (staging GPU tensors into the memory tier, compile defaults).
+GPU_TESTS = ["tests/unit/test_checkpoint_tier_staging.py", "tests/unit/test_efficiency.py"]
 
 
 def run(script: str, args: list[str], timeout: float) -> dict[str, str]:
@@ -81,13 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="a smaller model and 2 repeats: checks the script")
     parser.add_argument("--timeout", type=float, default=330, help="seconds each benchmark may take (default 330)")
-    parser.add_argument("--repeats", type=int, default=5, help="checkpoint_stall's repeats (default 5)")
-    parser.add_argument("--overhead-repeats", type=int, default=3, help="trainer_overhead's repeats (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="checkpoint_stall's repeats (default 3)")
+    parser.add_argument("--no-tests", action="store_true", help="skip the unit tests that need a GPU")
+    parser.add_argument("--overhead-repeats", type=int, default=1, help="trainer_overhead's repeats (default 1)")
     args = parser.parse_args(argv)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_suite: torch sees no CUDA device (pass --device cpu to check the script on a CPU)")
+    tests = "skipped"
+    if not args.no_tests:  # the unit tests that need a GPU (skipped on CPUs): the staging path the figures time
+        print(f"== pytest {' '.join(GPU_TESTS)}", flush=True)
+        tests = "passed" if subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+                                            "addopts=", "--tb=short", *GPU_TESTS], cwd=HERE.parent).returncode == 0 \
+            else "failed"
     model = QUICK_MODEL if args.quick else MODEL
     repeats = "2" if args.quick else str(args.repeats)
     stall = run("checkpoint_stall.py", ["--device", args.device, *model, "--repeats", repeats, "--restore-from", "file",
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "graphs_mfu": defaults.get("graphs_mfu", "nan"),
         "compile_s": defaults.get("compile_s", "nan"),
         "restart_to_training_s": defaults.get("recompile_startup_s", "nan"),
+        "gpu_tests": tests,
         "device": device.replace(" ", "_"),
         "torch": torch.__version__,
     }

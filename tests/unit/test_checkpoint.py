@@ -504,6 +504,38 @@ def test_rotation_keeps_newest_and_milestones(root):
     assert sorted(p.name for p in root.iterdir()) == ["step-00000006", "step-00000007", "step-00000009"]
 
 
+def test_rotation_reads_each_older_checkpoint_once_not_at_every_save(root, monkeypatch):
+    """With milestones kept, every save's rotation would otherwise read all of them again (a listing and a manifest
+    each: round trips on an object store). A checkpoint that leaves the listing is forgotten: read again if it
+    comes back."""
+    from trainingrun_trainer.checkpoint import store as store_module
+
+    shallow: list[str] = []
+    inspect = store_module._inspect
+
+    def counted(storage, uri, step, deep, **kwargs):
+        if not deep:
+            shallow.append(uri.rsplit("/", 1)[-1])
+        return inspect(storage, uri, step, deep, **kwargs)
+
+    monkeypatch.setattr(store_module, "_inspect", counted)
+    model = make_model()
+    with CheckpointStore(str(root), keep=1, keep_every=2) as store:
+        for step in range(1, 10):
+            store.save(step, {"model": model.state_dict()})
+            store.wait()
+        assert sorted(p.name for p in root.iterdir()) == [f"step-0000000{s}" for s in (2, 4, 6, 8, 9)]
+        assert sorted(shallow) == sorted(set(shallow))  # none read twice (each was verified as the newest once)
+        away = step_dir(root, 4).rename(root / "elsewhere")
+        store.save(10, {"model": model.state_dict()})
+        store.wait()
+        away.rename(step_dir(root, 4))
+        shallow.clear()
+        store.save(11, {"model": model.state_dict()})
+        store.wait()
+    assert shallow == ["step-00000004"]  # back in the listing: read again; the others were not
+
+
 @pytest.mark.filterwarnings("error:Detected an existing checkpoint")
 def test_resaving_a_step_replaces_it(store, root):
     first, second = make_model(1), make_model(2)

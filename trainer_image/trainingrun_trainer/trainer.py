@@ -271,8 +271,9 @@ class Trainer:
         """Forward/backward over the accumulation, clip; returns (loss, grad norm, agreement).
 
         The per-step agreement between ranks (stop? save? was the loss non-finite anywhere?) is
-        started right after the last forward pass and completes during the backward pass, so it
-        costs no extra round trip. The gradient norm needs none: it is already global.
+        started right after the last forward pass (on GPUs: once its loss reached the host, the backward pass queued)
+        and completes during the backward pass, so it costs no extra round trip. The gradient norm needs none: it is
+        already global.
         """
         accumulation = self.cfg.grad_accumulation_steps
         if self.copy_before_forward:
@@ -290,10 +291,22 @@ class Trainer:
             with self.wrapped.no_sync() if not sync else contextlib.nullcontext():
                 with self.plan.autocast():
                     loss = self.wrapped(batch) / accumulation
-                total += float(loss.detach())
-                if last:
-                    agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
-                self.scaler.scale(loss).backward()
+                if self.device_type == "cuda":
+                    # The loss comes to the host behind the forward pass alone, and the backward pass is queued
+                    # before the host waits for it: waiting first would idle the GPU while the host queues it.
+                    value = loss.detach().to("cpu", non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record()
+                    self.scaler.scale(loss).backward()
+                    copied.synchronize()
+                    total += float(value)
+                    if last:
+                        agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
+                else:
+                    total += float(loss.detach())
+                    if last:  # completes during the backward pass
+                        agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
+                    self.scaler.scale(loss).backward()
         self.sampler.advance(self.global_batch * accumulation)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm is not None else math.inf

@@ -189,6 +189,10 @@ class CheckpointStore:
         self._last_result: Optional[CheckpointInfo] = None
         # uri -> manifest sha256 of checkpoints this process committed or deep-verified.
         self._trusted: dict[str, str] = {}
+        # Rotation's verdicts on older checkpoints found valid (manifest and files present): a run that keeps milestones
+        # (keep_every) would otherwise read every one's manifest and listing again at every save. Dropped when the
+        # directory leaves the listing or is overwritten.
+        self._valid_before: dict[str, CheckpointInfo] = {}
         self._read_from_storage: Optional[str] = None  # the checkpoint latest_valid() last read from storage
         #: After latest_valid(): the newest step directory below uri that another run wrote, when it found none newer
         #: of this run's (None: none).
@@ -364,6 +368,7 @@ class CheckpointStore:
             logger.warning("overwriting the committed checkpoint %s", step_uri)
             self._storage.rm_file(_join(step_uri, MANIFEST_NAME))
             self._trusted.pop(step_uri, None)
+            self._valid_before.pop(step_uri, None)
         for name, entry in listing.items():
             if name == MANIFEST_NAME:
                 continue
@@ -979,6 +984,8 @@ class CheckpointStore:
         if self.rank != 0:
             return []
         dirs = _step_dirs(self._storage, self.uri)
+        listed = {uri for _, uri in dirs}
+        self._valid_before = {uri: info for uri, info in self._valid_before.items() if uri in listed}
         newest_valid: Optional[int] = None
         verdicts: list[tuple[int, str, bool]] = []
         for step, uri in dirs:
@@ -988,7 +995,9 @@ class CheckpointStore:
                     newest_valid = step
                     self._trusted[uri] = info.manifest_sha256
             else:
-                info = _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
+                info = self._valid_before.get(uri) or _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
+            if info.valid:
+                self._valid_before[uri] = info
             if self._another_runs(info):
                 continue  # never counted, never deleted
             verdicts.append((step, uri, info.valid))
@@ -1010,6 +1019,7 @@ class CheckpointStore:
             except FileNotFoundError:
                 pass
             self._trusted.pop(uri, None)
+            self._valid_before.pop(uri, None)
             self._storage.rm_tree(uri)
             logger.info("rotated out checkpoint %s", uri)
         return doomed
