@@ -57,7 +57,7 @@ def test_minimal_run_is_admitted_and_defaulted(crd):
     assert spec["replicas"]["min"] == 1
     assert "max" not in spec["replicas"]  # no default: stays absent
     assert spec["trainer"]["optimizer"]["name"] == "adamw"
-    assert spec["checkpoint"]["interval"]["steps"] == 500
+    assert spec["checkpoint"]["interval"]["steps"] == "auto"
     assert spec["resources"]["gpu"] == 0
     assert MINIMAL["spec"] == {"checkpoint": {"uri": "s3://bkt/p"}}  # the input is not changed
 
@@ -103,7 +103,8 @@ CEL_CASES = [
      "spec.checkpoint.interval.steps", "must be a whole number from 1 or one of 'auto'"),
     ("interval-steps-zero", with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": 0}}),
      "spec.checkpoint.interval.steps", "must be a whole number from 1 or one of 'auto'"),
-    ("interval-bounds-without-auto", with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"maxSteps": 9}}),
+    ("interval-bounds-without-auto", with_spec(checkpoint={"uri": "s3://bkt/p",
+                                                            "interval": {"steps": 100, "maxSteps": 9}}),
      "spec.checkpoint.interval", "checkpoint.interval.minSteps, maxSteps and expectedSecondsBetweenFailures only apply"),
     ("interval-min-over-max", with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": "auto", "minSteps": 9,
                                                                                        "maxSteps": 3}}),

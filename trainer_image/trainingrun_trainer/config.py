@@ -437,12 +437,14 @@ class CheckpointInterval(ApiModel):
     )
 
     steps: Optional[Union[Annotated[int, Field(ge=1)], Literal["auto"]]] = Field(
-        default=500,
-        description="Save every this many optimizer steps, or `auto`: the interval that loses the least training "
-        "time, sqrt(2 x the measured cost of a save x the run's mean time between failures) (Young/Daly), within "
-        "minSteps..maxSteps. A failure is any restart of the training processes (crash, preemption, pod loss); "
-        "until one is seen, expectedSecondsBetweenFailures stands in for the mean time between them. The first "
-        "save comes after minSteps, to measure its cost. status.checkpointInterval shows the choice.",
+        default="auto",
+        description="Save every this many optimizer steps, or `auto` (the default): the interval that loses the least "
+        "training time, sqrt(2 x the measured cost of a save x the run's mean time between failures) (Young/Daly), "
+        "within minSteps..maxSteps and never shorter than a commit. A failure is any restart of the training "
+        "processes (crash, preemption, pod loss); until one is seen, expectedSecondsBetweenFailures stands in for the "
+        "mean time between them. The first save comes after minSteps, to measure its cost. Persisting behind, a save "
+        "costs training almost nothing (it commits in node memory), so auto checkpoints often and losing a worker "
+        "costs few steps; storageInterval bounds what reaches storage. status.checkpointInterval shows the choice.",
     )
     seconds: Optional[int] = Field(
         default=None, ge=10, description="Save when this many seconds passed since the last save."
