@@ -2,6 +2,7 @@
 same model digest as an uninterrupted run (deterministic mode, CPU, gloo, file:// checkpoints)."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +37,25 @@ def torchrun(tmp_path: Path, name: str, nproc: int = 2, trainer: dict = TRAINER,
     config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": uri, "interval": {"steps": 10}}}))
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
     environment.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": name, "OMP_NUM_THREADS": "1",
-                        **(env or {})})
+                        "PYTHONFAULTHANDLER": "1", **(env or {})})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--max-restarts=0", "-m", "trainingrun_trainer"]
     return subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def stderr_of(process: subprocess.Popen, timeout: float = 300) -> str:
+    """The run's stderr once it ended. A run still going after `timeout` fails the test with every thread's stack of
+    every process of the run (faulthandler, on SIGABRT): a hang says where it hangs."""
+    try:
+        return process.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        try:
+            err = process.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            err = process.communicate()[1]
+        raise AssertionError(f"the run did not end within {timeout:.0f} s; its stacks:\n{err[-12000:]}") from None
 
 
 def final_digest(tmp_path: Path, name: str, step: int) -> str:
@@ -53,7 +69,7 @@ def killed_at(tmp_path: Path, name: str, step: int, trainer: dict = TRAINER, env
     makes earlier checkpoints durable), and return the log. Killing from here by reading the log raced: on a
     busy machine the run could finish before the reader got to the step."""
     process = torchrun(tmp_path, name, trainer=trainer, env={**(env or {}), contract.CHAOS_KILL_AT_STEP: str(step)})
-    _, err = process.communicate(timeout=300)
+    err = stderr_of(process)
     assert process.returncode != 0, err[-3000:]
     assert f"chaos: SIGKILL worker rank {step % 2} at step {step}" in err, err[-3000:]
     return err
@@ -67,13 +83,13 @@ def killed_at(tmp_path: Path, name: str, step: int, trainer: dict = TRAINER, env
 )
 def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, kill_after_step, trainer):
     reference = torchrun(tmp_path, "reference", trainer=trainer)
-    _, err = reference.communicate(timeout=300)
+    err = stderr_of(reference)
     assert reference.returncode == 0, err[-3000:]
 
     killed_at(tmp_path, "interrupted", kill_after_step, trainer=trainer)
 
     resumed = torchrun(tmp_path, "interrupted", trainer=trainer)
-    _, err = resumed.communicate(timeout=300)
+    err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 10" in err
     assert final_digest(tmp_path, "interrupted", 40) == final_digest(tmp_path, "reference", 40)
@@ -111,10 +127,10 @@ def as_format_1(step_dir: Path) -> None:
 def test_a_checkpoint_from_before_format_2_resumes_to_the_same_model(tmp_path):
     """An operator upgrade mid-run: the next attempt's trainer resumes from a checkpoint the older image wrote."""
     reference = torchrun(tmp_path, "reference")
-    _, err = reference.communicate(timeout=300)
+    err = stderr_of(reference)
     assert reference.returncode == 0, err[-3000:]
     older = torchrun(tmp_path, "older")
-    _, err = older.communicate(timeout=300)
+    err = stderr_of(older)
     assert older.returncode == 0, err[-3000:]
     for later in ("step-00000030", "step-00000040"):  # the run got as far as step 20 with the older image
         shutil.rmtree(tmp_path / "older" / later)
@@ -123,7 +139,7 @@ def test_a_checkpoint_from_before_format_2_resumes_to_the_same_model(tmp_path):
     assert info.step == 20 and info.format_version == 1
 
     resumed = torchrun(tmp_path, "older")
-    _, err = resumed.communicate(timeout=300)
+    err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 20" in err
     assert final_digest(tmp_path, "older", 40) == final_digest(tmp_path, "reference", 40)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
-from test_trainer_resume import final_digest, killed_at, torchrun
+from test_trainer_resume import final_digest, killed_at, stderr_of, torchrun
 from tiny_runs import tiny_model, tiny_trainer
 
 from trainingrun_trainer.data import SyntheticText
@@ -88,7 +88,7 @@ def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket
 
     reference = torchrun(tmp_path, "reference", trainer=trainer(f"file://{local}"),
                          env={"TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-reference")})
-    _, err = reference.communicate(timeout=300)
+    err = stderr_of(reference)
     assert reference.returncode == 0, err[-3000:]
 
     from_bucket = trainer(f"{uri}/data", **reach)
@@ -97,7 +97,7 @@ def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket
               env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-1")})
     resumed = torchrun(tmp_path, "interrupted", trainer=from_bucket,
                        env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-2")})
-    _, err = resumed.communicate(timeout=300)
+    err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 10" in err
     assert any((tmp_path / "cache-2").rglob("*.*"))  # blocks were fetched from the bucket and cached

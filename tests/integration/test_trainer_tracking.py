@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from test_trainer_resume import TRAINER, killed_at, torchrun
+from test_trainer_resume import TRAINER, killed_at, stderr_of, torchrun
 from trainingrun_trainer import tracking
 from tensorboard_events import scalars
 from tracking_servers import mlflow_server  # noqa: F401
@@ -22,7 +22,7 @@ def test_one_tensorboard_run_across_a_kill_and_a_resume_with_each_step_once(tmp_
                "loggers": [{"kind": "tensorboard", "logDir": str(log_dir)}]}
     killed_at(tmp_path, "tracked", 15, trainer=trainer)
     resumed = torchrun(tmp_path, "tracked", trainer=trainer)
-    _, err = resumed.communicate(timeout=300)
+    err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
 
     losses = scalars(log_dir, "train/loss")
@@ -36,7 +36,7 @@ def test_one_tensorboard_run_across_a_kill_and_a_resume_with_each_step_once(tmp_
 def kill_and_resume(tmp_path, trainer, env):
     killed_at(tmp_path, "tracked", 15, trainer=trainer, env=env)
     resumed = torchrun(tmp_path, "tracked", trainer=trainer, env=env)
-    _, err = resumed.communicate(timeout=300)
+    err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
 
 

@@ -505,9 +505,9 @@ def test_rotation_keeps_newest_and_milestones(root):
 
 
 def test_rotation_reads_each_older_checkpoint_once_not_at_every_save(root, monkeypatch):
-    """With milestones kept, every save's rotation would otherwise read all of them again (a listing and a manifest
-    each: round trips on an object store). A checkpoint that leaves the listing is forgotten: read again if it
-    comes back."""
+    """Milestones accumulate: every save's rotation would otherwise read all of them again (a listing and a manifest
+    each: round trips on an object store). One that leaves the listing is forgotten: read again if it comes back.
+    (The `keep` newest are judged afresh at every rotation: test_partial_and_corrupt_checkpoints_fall_back.)"""
     from trainingrun_trainer.checkpoint import store as store_module
 
     shallow: list[str] = []

@@ -189,9 +189,10 @@ class CheckpointStore:
         self._last_result: Optional[CheckpointInfo] = None
         # uri -> manifest sha256 of checkpoints this process committed or deep-verified.
         self._trusted: dict[str, str] = {}
-        # Rotation's verdicts on older checkpoints found valid (manifest and files present): a run that keeps milestones
-        # (keep_every) would otherwise read every one's manifest and listing again at every save. Dropped when the
-        # directory leaves the listing or is overwritten.
+        # Rotation's verdicts on milestones (keep_every) found valid: their number grows with the run, and every save's
+        # rotation would read each one's manifest and listing again. The `keep` newest are few and judged afresh, so
+        # one that lost its manifest since is removed as before; a milestone damaged after this process found it valid
+        # is left for a later process to judge. Dropped when the directory leaves the listing or is overwritten.
         self._valid_before: dict[str, CheckpointInfo] = {}
         self._read_from_storage: Optional[str] = None  # the checkpoint latest_valid() last read from storage
         #: After latest_valid(): the newest step directory below uri that another run wrote, when it found none newer
@@ -996,7 +997,7 @@ class CheckpointStore:
                     self._trusted[uri] = info.manifest_sha256
             else:
                 info = self._valid_before.get(uri) or _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
-            if info.valid:
+            if info.valid and self.keep_every and step % self.keep_every == 0:
                 self._valid_before[uri] = info
             if self._another_runs(info):
                 continue  # never counted, never deleted
