@@ -1,5 +1,6 @@
 """Exact resume under torchrun: a 2-process run whose worker is SIGKILLed and resumed ends with the
 same model digest as an uninterrupted run (deterministic mode, CPU, gloo, file:// checkpoints)."""
+import contextlib
 import os
 import shutil
 import signal
@@ -49,13 +50,37 @@ def stderr_of(process: subprocess.Popen, timeout: float = 300) -> str:
     try:
         return process.communicate(timeout=timeout)[1]
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGABRT)
+        tree = descendants(process.pid)  # the agent starts its workers in sessions of their own
+        for pid in tree:  # workers first: their stacks are the ones that say where
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGABRT)
         try:
             err = process.communicate(timeout=30)[1]
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             err = process.communicate()[1]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         raise AssertionError(f"the run did not end within {timeout:.0f} s; its stacks:\n{err[-12000:]}") from None
+
+
+def descendants(root: int) -> list[int]:
+    """The processes below `root` (from /proc), deepest last."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [root]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
 
 
 def final_digest(tmp_path: Path, name: str, step: int) -> str:
