@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from process_tree import descendants
 from tiny_runs import tiny_trainer
 
 from trainingrun_trainer.checkpoint import CheckpointStore
@@ -152,23 +153,6 @@ def test_invalid_file_is_rejected_like_validate(tmp_path):
     result = local(tmp_path, write_run(tmp_path, body))
     assert result.returncode == 1
     assert "spec.trainer.precision: 'fp8' is not allowed" in result.stderr
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid`, from /proc (the launcher leads a session of its own, so not by group)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def alive(pid: int) -> bool:

@@ -12,6 +12,7 @@ from typing import Optional
 import pytest
 import yaml
 
+from process_tree import descendants
 from tiny_runs import tiny_trainer
 
 from trainingrun_trainer import contract
@@ -50,7 +51,7 @@ def stderr_of(process: subprocess.Popen, timeout: float = 300) -> str:
     try:
         return process.communicate(timeout=timeout)[1]
     except subprocess.TimeoutExpired:
-        tree = descendants(process.pid)  # the agent starts its workers in sessions of their own
+        tree = descendants(process.pid)
         for pid in tree:  # workers first: their stacks are the ones that say where
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
@@ -65,22 +66,6 @@ def stderr_of(process: subprocess.Popen, timeout: float = 300) -> str:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         raise AssertionError(f"the run did not end within {timeout:.0f} s; its stacks:\n{err[-12000:]}") from None
-
-
-def descendants(root: int) -> list[int]:
-    """The processes below `root` (from /proc), deepest last."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry.name))
-    found, queue = [], [root]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            found.append(child)
-            queue.append(child)
-    return found
 
 
 def final_digest(tmp_path: Path, name: str, step: int) -> str:

@@ -291,21 +291,20 @@ class Trainer:
             with self.wrapped.no_sync() if not sync else contextlib.nullcontext():
                 with self.plan.autocast():
                     loss = self.wrapped(batch) / accumulation
-                if self.device_type == "cuda":
+                value = loss.detach()
+                queued = self.device_type == "cuda"
+                if queued:
                     # The loss comes to the host behind the forward pass alone, and the backward pass is queued
                     # before the host waits for it: waiting first would idle the GPU while the host queues it.
-                    value = loss.detach().to("cpu", non_blocking=True)
+                    value = value.to("cpu", non_blocking=True)
                     copied = torch.cuda.Event()
                     copied.record()
                     self.scaler.scale(loss).backward()
                     copied.synchronize()
-                    total += float(value)
-                    if last:
-                        agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
-                else:
-                    total += float(loss.detach())
-                    if last:  # completes during the backward pass
-                        agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
+                total += float(value)
+                if last:  # completes during the backward pass (on CPUs, started before it)
+                    agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
+                if not queued:
                     self.scaler.scale(loss).backward()
         self.sampler.advance(self.global_batch * accumulation)
         self.scaler.unscale_(self.optimizer)

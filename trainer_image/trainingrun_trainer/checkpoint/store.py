@@ -28,11 +28,10 @@ from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FILE_DIGE
                      PendingSave, STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _cause, _describe, _join,
                      logger, now_rfc3339, step_dir_name)
 from .manifest import _inspect, _step_dirs
-from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, LocalFirstFileSystem, MemoryTier, TierMismatch
+from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, SEGMENTS_KEY, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage, _is_dir, _storage_options
 from .tier_staging import StagedFile, data_file_name, plain_tensors, release_locked_pages, stageable
-from .memory_tier import SEGMENTS_KEY
 from .writer import _Writer
 from .writer_process import WriterProcess
 
