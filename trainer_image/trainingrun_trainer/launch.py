@@ -53,6 +53,35 @@ REJOINS = 2
 PRELOAD = ["trainingrun_trainer.main", "trainingrun_trainer.trainer", "trainingrun_trainer.models",
            "trainingrun_trainer.data", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "numpy.random",
            "fsspec.implementations.local"]
+#: Preloaded too when the run compiles its model: what every worker's torch.compile would pay again (compile_preload).
+COMPILE_PRELOAD = ["trainingrun_trainer.compile_preload"]
+
+
+def preload(env: Any = os.environ) -> list[str]:
+    """The modules the forkserver imports: PRELOAD, and COMPILE_PRELOAD where the trainer config
+    (TRAININGRUN_CONFIG) asks for `compile: true`, or leaves it unset on a node with GPUs (the trainer's default,
+    `efficiency.compiled`). Read before torch is imported, so a config this cannot read preloads less and the
+    trainer itself reports what is wrong with it."""
+    return PRELOAD + COMPILE_PRELOAD if _will_compile(env) else list(PRELOAD)
+
+
+def node_has_gpus() -> bool:
+    """Whether this node shows NVIDIA GPUs to this container, judged without importing torch."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _will_compile(env: Any) -> bool:
+    import yaml
+
+    try:
+        with open(env.get(contract.CONFIG, ""), encoding="utf-8") as f:
+            trainer = (yaml.safe_load(f) or {}).get("trainer") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    setting = trainer.get("compile") if isinstance(trainer, dict) else None
+    return setting is True or (setting is None and node_has_gpus())
 
 
 def container_exit_code(worker_codes: Iterable[int]) -> int:
@@ -243,7 +272,7 @@ def _start_forkserver(argv: Sequence[str], env: Any = os.environ) -> bool:
         return False
     if int(nproc) > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload(env))
     forkserver.ensure_running()
     return True
 
@@ -266,7 +295,7 @@ def _launch(args: Any) -> None:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # if main did not start it
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload())  # if main did not start it
     with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
         # torch's launch_agent builds the agent by this module-level name: ours refills the restart budget.
         launcher_api.LocalElasticAgent = _progress_aware_agent(

@@ -1,0 +1,82 @@
+"""How long a worker killed mid-run takes to train again when torchrun restarts it in place, compile off and on.
+
+Runs the minimal example (`trainingrun local`, the demo model on CPU, one process by default) with one
+`--chaos-kill-step`, once without and once with `compile: true`, each after a run that filled the compile cache (the
+pod keeps it in /tmp, so an in-place restart finds it). From the worker's log: the kill's timestamp and the restarted
+worker's first trained step (its `start-up ... to the first step` line) give `restart_to_training_s`; the worker's
+own phases say where that time went. Target (issue 38): <= 3 s on CPU with compile on.
+
+    python benchmarks/restart_in_place.py [--nproc 1] [--kill-step 60] [--steps 100]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "manifests" / "examples" / "minimal-cpu.yaml"
+STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+
+
+def run_once(body: dict, workdir: Path, name: str, nproc: int, kill_step: int | None):
+    from trainingrun_operator import local, validation
+
+    body = yaml.safe_load(yaml.safe_dump(body))
+    body["metadata"] = {"name": name, "uid": str(uuid.uuid4())}
+    body["spec"]["checkpoint"]["uri"] = f"file://{workdir}/{name}/checkpoints"
+    options = local.LocalOptions(nproc=nproc, chaos_kill_steps=[kill_step] if kill_step else [], runs_dir=str(workdir))
+    with open(workdir / f"{name}.out", "w") as out:
+        local.LocalRunner(validation.parse(body), options, {}, out=out).execute()
+    return (workdir / name / "attempt-1.log").read_text()
+
+
+def restart_figures(log: str) -> tuple[float, str]:
+    """Seconds from the kill to the restarted worker's first trained step, and that worker's start-up phases."""
+    def when(line: str) -> datetime:
+        return datetime.strptime(re.match(STAMP, line).group(1), "%Y-%m-%d %H:%M:%S,%f")
+
+    lines = log.splitlines()
+    kill = next(i for i, line in enumerate(lines) if "chaos: SIGKILL" in line and re.match(STAMP, line))
+    started = next(line for line in lines[kill:] if "rank0" in line and "to the first step" in line)
+    phases = started.split("to the first step: ", 1)[1]
+    return (when(started) - when(lines[kill])).total_seconds(), phases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--kill-step", type=int, default=60, help="a step past a checkpoint (every 50), so it restores")
+    args = parser.parse_args()
+
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["spec"]["trainer"]["maxSteps"] = args.steps
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for compile_on in (False, True):
+            body["spec"]["trainer"]["compile"] = compile_on
+            label = "compile" if compile_on else "eager"
+            run_once(body, workdir, f"{label}-warm-up", args.nproc, None)  # fills the compile cache, as a first start
+            seconds, phases = restart_figures(run_once(body, workdir, label, args.nproc, args.kill_step))
+            rows.append((label, seconds, phases))
+            print(f"{label}: trained again {seconds:.2f} s after the kill ({phases})", flush=True)
+    print()
+    print(f"{'model':>8} {'kill -> training s':>18}  restarted worker's start-up")
+    for label, seconds, phases in rows:
+        print(f"{label:>8} {seconds:>18.2f}  {phases}")
+    eager, compiled = rows[0][1], rows[1][1]
+    print(f"result: restart_to_training_s={compiled:.2f} restart_to_training_eager_s={eager:.2f} "
+          f"compile_vs_eager={compiled / eager:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
