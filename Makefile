@@ -11,7 +11,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml images/operator-constraints.txt images/trainer-constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[operator,trainer,dev]" \
+	$(BIN)/pip install --quiet -e ".[operator,cli,trainer,tensorboard,mlflow,wandb,images,dev]" \
 		-c images/operator-constraints.txt -c images/trainer-constraints.txt
 	touch $@
 

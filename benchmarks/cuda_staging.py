@@ -13,8 +13,8 @@ with AdamW's two moments beside each, fp32: 1.81 GB at the defaults) and lives o
   tier file, pageable   the same with locking unavailable (copies through the driver's pageable path)
   xxh3_128              hashing the staged bytes once (the commit hashes each file once from memory)
 
-    PYTHONPATH=trainer_image python3 benchmarks/cuda_staging.py             # one CUDA device, ~30 s
-    PYTHONPATH=trainer_image python3 benchmarks/cuda_staging.py --device cpu --dim 256   # checks the script
+    PYTHONPATH=common:trainer_image python3 benchmarks/cuda_staging.py             # one CUDA device, ~30 s
+    PYTHONPATH=common:trainer_image python3 benchmarks/cuda_staging.py --device cpu --dim 256   # checks the script
 
 Last line: `result: torch_save_s=... stager_s=... locked_s=... pageable_s=... hash_s=... locked_vs_torch_save=...
 locked_first_s=... device=...`.

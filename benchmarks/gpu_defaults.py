@@ -17,8 +17,8 @@ compile = the first step's time less a warm step's, the first step) and the medi
 after a warm-up. MFU = achieved model FLOP/s / the device's dense peak for bf16 (`PEAK_BF16`, by device name;
 unknown devices print FLOP/s only).
 
-    PYTHONPATH=trainer_image python3 benchmarks/gpu_defaults.py              # on one CUDA device, ~2-3 minutes
-    PYTHONPATH=trainer_image python3 benchmarks/gpu_defaults.py --device cpu --quick   # checks the script
+    PYTHONPATH=common:trainer_image python3 benchmarks/gpu_defaults.py              # on one CUDA device, ~2-3 minutes
+    PYTHONPATH=common:trainer_image python3 benchmarks/gpu_defaults.py --device cpu --quick   # checks the script
 
 The last line: `result: eager_mfu=... fused_mfu=... compile_mfu=... compile_s=... recompile_s=... eager_ms=...
 fused_ms=... compile_ms=... startup_s=... device=... torch=...`.

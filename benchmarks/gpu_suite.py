@@ -31,7 +31,7 @@ On the GPU machine (torch 2.11 there, no registry, no pydantic): carry the wheel
 .whl/ (pydantic and its needs, for Python 3.12), then, in one device call:
 
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
-  PYTHONPATH=/tmp/site:$PWD/trainer_image:$PWD/operator PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py
+  PYTHONPATH=/tmp/site:$PWD/common:$PWD/trainer_image:$PWD/operator PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py
 
 About 7 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, gpu_defaults 100 s): give
 the device call 540 s. `--quick` (a smaller model, 2 repeats) checks the script itself, also on CPU (`--device cpu`).

@@ -54,8 +54,8 @@ import kube_cluster  # noqa: E402
 from test_operator_real import wait_for  # noqa: E402
 from test_reports_real import certificate  # noqa: E402
 
-from trainingrun_trainer import contract  # noqa: E402
-from trainingrun_trainer.contract import Progress, Report  # noqa: E402
+from trainingrun_api import contract  # noqa: E402
+from trainingrun_api.contract import Progress, Report  # noqa: E402
 
 NAMESPACE, ACCOUNT = "fleet", "trainers"
 PYTORCHJOB_CRD = REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"

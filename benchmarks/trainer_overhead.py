@@ -382,7 +382,7 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
             (rundir / "metrics").mkdir()
             env["PROMETHEUS_MULTIPROC_DIR"] = str(rundir / "metrics")
         if kind == "trainer-reporting":
-            from trainingrun_trainer import contract
+            from trainingrun_api import contract
 
             sink = ReportSink("bench-token")
             (rundir / "token").write_text("bench-token")

@@ -22,7 +22,7 @@ PYTORCHJOB_CRD = REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.
 def node_memory_left_clean():
     """Trainers a test kills leave their checkpoint copy in /dev/shm (in a pod, the pod's volume goes with it):
     what a test's runs left there goes when it ends."""
-    from trainingrun_trainer import contract
+    from trainingrun_api import contract
 
     pattern = contract.memory_tier_dir("*", "*")
     before = set(glob.glob(pattern))

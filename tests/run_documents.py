@@ -8,7 +8,7 @@ import string
 
 from hypothesis import strategies as st
 
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 
 def put(path: str, value):

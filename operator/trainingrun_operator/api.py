@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainingrun_trainer import contract
-from trainingrun_trainer.config import ApiModel, CheckpointConfig, TrainerConfig
+from trainingrun_api import contract
+from trainingrun_api.config import ApiModel, CheckpointConfig, TrainerConfig
 
 from . import scheduling
 from .scheduling import (DNS_SUBDOMAIN, LABEL_VALUE, Affinity, Annotations, Labels, NodeSelectorLabels, PodLabels,

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
-from trainingrun_trainer import contract
-from trainingrun_trainer.config import RunConfig
+from trainingrun_api import contract
+from trainingrun_api.config import RunConfig
 
 from . import api
 from .settings import Settings

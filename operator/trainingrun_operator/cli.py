@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from trainingrun_trainer import components
+from trainingrun_api import components
 
 from . import __version__, builders, crd, validation
 from .settings import Settings
@@ -231,12 +231,19 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bars(out: Any) -> bool:
+    """Whether to draw progress bars on `out`: a terminal, with rich installed (the `cli` extra); else plain lines."""
+    import importlib.util
+
+    return out.isatty() and importlib.util.find_spec("rich") is not None
+
+
 class _ByteProgress:
     """A bar of bytes on terminals, a line per tenth elsewhere."""
 
     def __init__(self, out: Any):
         self.out, self.bar, self.task, self.said = out, None, None, -1
-        if out.isatty():
+        if _progress_bars(out):
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
@@ -279,7 +286,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     except local.LocalRunError as error:
         print(f"{args.file}: {error}", file=sys.stderr)
         return 1
-    display = local.RichDisplay(sys.stdout) if sys.stdout.isatty() else local.PlainDisplay(sys.stdout)
+    display = local.RichDisplay(sys.stdout) if _progress_bars(sys.stdout) else local.PlainDisplay(sys.stdout)
     metrics = f"; metrics on http://127.0.0.1:{options.metrics_port}/metrics" if options.metrics_port else ""
     print(f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {options.nproc or run.spec.nproc_per_node} "
           f"process(es), checkpoints in {run.spec.checkpoint.uri}{metrics}", flush=True)

@@ -11,7 +11,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Optional, Protocol, TextIO
 
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 from . import api, builders, validation
 

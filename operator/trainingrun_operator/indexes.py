@@ -11,7 +11,7 @@ import json
 from datetime import datetime
 from typing import Any, Optional
 
-from trainingrun_trainer.contract import parse_time
+from trainingrun_api.contract import parse_time
 
 from .builders import ANNOTATION_SIGNATURE, job_signature
 

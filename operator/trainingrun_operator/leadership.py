@@ -20,7 +20,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 from .kube import ApiError
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from pydantic.alias_generators import to_camel
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 from .api import Phase
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Optional
 
-from trainingrun_trainer import contract, exit_codes
+from trainingrun_api import contract, exit_codes
 
 from . import api, builders, recovery
 

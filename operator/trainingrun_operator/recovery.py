@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from trainingrun_trainer.exit_codes import PERMANENT, PREEMPTION
+from trainingrun_api.exit_codes import PERMANENT, PREEMPTION
 
 from . import api
 

@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable, Optional
 import pydantic
 from aiohttp import web
 
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 from . import api, builders, reconcile
 from .kube import REVIEW, ApiError, Kube

@@ -135,7 +135,7 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
 def component_problems(run: api.TrainingRun) -> list[Problem]:
     """The trainer's own classes named in `classPath`, and their `initArgs`, checked as the trainer would at start
     (from the table of its classes: no torch here). A class from the user's image is checked when the run starts."""
-    from trainingrun_trainer import components
+    from trainingrun_api import components
 
     problems = []
     for component, field, extra in components.named_classes(run.spec.trainer):
@@ -151,7 +151,7 @@ def credential_problems(run: api.TrainingRun) -> list[Problem]:
     """Strings of spec.trainer (initArgs of models, datasets and callbacks included, which the CRD's schema cannot see
     into) that hold credentials in a URI (user:password@): they would sit in the run's ConfigMap and go to trackers.
     The problem names the field, never the value."""
-    from trainingrun_trainer.config import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
+    from trainingrun_api.config import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
 
     found = []
     pending: list[tuple[str, Any]] = [("spec.trainer", run.spec.trainer.to_wire())]

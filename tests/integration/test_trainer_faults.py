@@ -36,7 +36,8 @@ import yaml
 
 from trainingrun_operator import builders
 from trainingrun_operator.builders import DEFAULT_COMMAND
-from trainingrun_trainer import contract, exit_codes, launch
+from trainingrun_api import contract, exit_codes
+from trainingrun_trainer import launch
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
 from trainingrun_trainer.data import ResumableSampler
 

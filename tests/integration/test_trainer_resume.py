@@ -15,7 +15,7 @@ import yaml
 from process_tree import descendants
 from tiny_runs import tiny_trainer
 
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 TRAINER = tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, gradAccumulationSteps=2,

@@ -18,7 +18,7 @@ from test_operator_real import HELM, JOBS, RealCluster, running_operator, traini
 from test_reports_real import certificate
 
 from trainingrun_operator import serving
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 RELEASE, RELEASE_NAMESPACE = "tr-ha", "trainingrun-ha"
 PEERING_CRDS = REPO / "charts/trainingrun-operator/crds/kopf-peering.yaml"

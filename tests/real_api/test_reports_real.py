@@ -15,8 +15,8 @@ import pytest
 from test_operator_real import (  # noqa: F401 - fixtures
     JOBS, RUNS, RealCluster, cluster, operator_kubeconfig, running_operator, training_run, wait_for)
 
-from trainingrun_trainer import contract
-from trainingrun_trainer.contract import CommittedCheckpoint, Progress, Report
+from trainingrun_api import contract
+from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
 
 ACCOUNT = "trainers"  # one ServiceAccount for every run of the namespace, as in examples/workload-identity.yaml
 

@@ -17,7 +17,7 @@ import pytest
 
 from trainingrun_operator import reports
 from trainingrun_operator.kube import REVIEW
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 pytestmark = pytest.mark.asyncio
 GOOD = "good"

@@ -15,7 +15,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from trainingrun_operator import builders, reports
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
 RUN_URI = "s3://bucket/demo"

@@ -11,7 +11,7 @@ from conftest import EXAMPLES
 from trainingrun_operator import builders, validation
 from trainingrun_operator.api import MAX_RUN_NAME_LENGTH
 from trainingrun_operator.settings import Settings
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 K8S_VERSION = "1.30.0"
 
@@ -242,7 +242,7 @@ def test_config_map_holds_the_trainer_config_with_defaults(minimal_body):
     assert config["trainer"]["optimizer"]["lr"] == 0.001
     assert config["trainer"]["optimizer"]["name"] == "adamw"  # default filled in
     assert config["checkpoint"]["uri"] == "s3://bucket/runs/demo"
-    from trainingrun_trainer.config import RunConfig
+    from trainingrun_api.config import RunConfig
 
     assert RunConfig.from_wire(config).trainer.max_steps == 77  # the trainer can read it back
 

@@ -200,3 +200,19 @@ def test_operator_without_credentials_says_why_and_exits_1(tmp_path):
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("trainingrun operator: no Kubernetes credentials")
+
+
+def test_progress_bars_only_on_terminals_with_rich(monkeypatch):
+    import importlib.util
+    import io
+
+    from trainingrun_operator import cli as cli_module
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert cli_module._progress_bars(Terminal()) and not cli_module._progress_bars(io.StringIO())
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rich" else found(name, *a))
+    assert not cli_module._progress_bars(Terminal())  # without the cli extra: plain lines

@@ -1,14 +1,17 @@
 """`components.build` / `check`: the shipped classes build from camelCase config, and every mistake a
 user can make in `classPath` / `initArgs` is a ConfigError naming the field and the fix."""
 import sys
+import importlib.util
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from trainingrun_trainer import components, data, models, shards
-from trainingrun_trainer.components import ConfigError, build, camel_case, check, snake_case
-from trainingrun_trainer.config import Component
+from trainingrun_api import components
+from trainingrun_trainer import data, models, shards
+from trainingrun_api.components import ConfigError, build, camel_case, check, snake_case
+from trainingrun_api.config import Component
 
 MODEL = "spec.trainer.model"
 DATASET = "spec.trainer.data.dataset"
@@ -105,7 +108,7 @@ def test_builds_datasets_with_the_trainers_split(split):
 
 
 def test_default_components_of_the_config_build():
-    from trainingrun_trainer.config import TrainerConfig
+    from trainingrun_api.config import TrainerConfig
 
     config = TrainerConfig()
     assert isinstance(build(config.model, MODEL), models.CharTransformer)
@@ -321,3 +324,35 @@ def test_builtin_classes_are_checked_from_the_table_as_the_trainer_checks_them(c
 def test_classes_from_elsewhere_are_left_to_the_trainer(user_module):
     assert components.check_builtin(component("user_models.Needy", hiddenSize=3), MODEL) is False
     assert components.check_builtin(component("torchvision.models.ResNet"), MODEL) is False
+
+
+@pytest.mark.parametrize("trainer, field, extra", [
+    ({"loggers": [{"kind": "wandb", "project": "p"}]}, "spec.trainer.loggers[0]: kind wandb", "wandb"),
+    ({"data": {"dataset": {"classPath": "trainingrun_trainer.shards.ImageShards", "initArgs": {"uri": "gs://b/x"}}}},
+     "spec.trainer.data.dataset: trainingrun_trainer.shards.ImageShards", "images"),
+])
+def test_an_optional_feature_whose_library_is_missing_names_the_field_and_the_extra(monkeypatch, trainer, field,
+                                                                                     extra):
+    from trainingrun_api.components import OPTIONAL_LIBRARIES, check_libraries
+    from trainingrun_api.config import TrainerConfig
+
+    config = TrainerConfig.from_wire(trainer)
+    check_libraries(config)  # all installed here
+    module = OPTIONAL_LIBRARIES[field.split(": ")[1].removeprefix("kind ")][0]
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else found(name, *a))
+    with pytest.raises(ConfigError) as error:
+        check_libraries(config)
+    assert str(error.value).startswith(f"{field} needs the {module} package")
+    assert f"trainingrun-operator[trainer,{extra}]" in str(error.value)
+
+
+def test_every_optional_library_is_an_extra_of_the_project():
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    from trainingrun_api.components import OPTIONAL_LIBRARIES
+
+    for module, extra in OPTIONAL_LIBRARIES.values():
+        assert extra in extras, extra

@@ -5,11 +5,11 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from trainingrun_trainer.config import RunConfig
+from trainingrun_api.config import RunConfig
 
 
 def test_config_and_operator_cli_import_no_torch():
-    code = "import sys, trainingrun_trainer.config, trainingrun_operator.cli; assert 'torch' not in sys.modules"
+    code = "import sys, trainingrun_api.config, trainingrun_operator.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

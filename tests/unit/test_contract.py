@@ -1,5 +1,5 @@
 """The torch-free contract between trainer and operator: what both sides compute the same way."""
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 
 def progress(step, at, total=1000, **more):

@@ -1,8 +1,8 @@
-"""The one table of exit codes (trainingrun_trainer/exit_codes.py), as the operator and `trainingrun local` use it."""
+"""The one table of exit codes (trainingrun_api/exit_codes.py), as the operator and `trainingrun local` use it."""
 import pytest
 
-from trainingrun_trainer import exit_codes
-from trainingrun_trainer.exit_codes import FAILURE, PERMANENT, PREEMPTION, SUCCEEDED, classify
+from trainingrun_api import exit_codes
+from trainingrun_api.exit_codes import FAILURE, PERMANENT, PREEMPTION, SUCCEEDED, classify
 
 from trainingrun_operator import reconcile
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tiny_runs import tiny_trainer
-from trainingrun_trainer import contract, exit_codes
+from trainingrun_api import contract, exit_codes
 from trainingrun_trainer.launch import POD_KEEP_ALIVE, RestartBudget, container_exit_code, pod_rendezvous
 
 WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"

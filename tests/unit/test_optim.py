@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainingrun_trainer.config import OptimizerConfig, ScheduleConfig
+from trainingrun_api.config import OptimizerConfig, ScheduleConfig
 from trainingrun_trainer.optim import build_optimizer, build_scheduler, lr_factor, scale_learning_rate
 
 

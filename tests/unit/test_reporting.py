@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trainingrun_trainer import contract
-from trainingrun_trainer.contract import CommittedCheckpoint, Progress, Report
+from trainingrun_api import contract
+from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
 from trainingrun_trainer.reporting import ProgressReporter, ReportEndpoint, from_env
 
 TOKEN = "projected-token-must-not-leak"

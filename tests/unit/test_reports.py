@@ -27,7 +27,7 @@ def test_a_standby_replica_answers_503_and_writes_nothing():
 
 
 def test_report_fields_are_read_through_the_status_model():
-    from trainingrun_trainer.contract import CommittedCheckpoint, Progress, Report
+    from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
 
     report = Report("ns", "demo", "u", 1, progress=Progress(step=3, updated_at="2026-11-25T00:00:00Z", loss=1),
                     last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000003", 3, "2026-11-25T00:00:00Z"))
@@ -37,7 +37,7 @@ def test_report_fields_are_read_through_the_status_model():
 
 
 def test_the_newest_checkpoint_in_memory_is_read_into_status_beside_the_one_in_storage():
-    from trainingrun_trainer.contract import CheckpointInMemory, CommittedCheckpoint, Report
+    from trainingrun_api.contract import CheckpointInMemory, CommittedCheckpoint, Report
 
     report = Report("ns", "demo", "u", 1,
                     last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000030", 30, "2026-11-25T00:00:00Z"),
@@ -50,7 +50,7 @@ def test_the_newest_checkpoint_in_memory_is_read_into_status_beside_the_one_in_s
 
 
 def test_a_report_field_the_status_model_lacks_is_refused(monkeypatch):
-    from trainingrun_trainer.contract import Progress, Report
+    from trainingrun_api.contract import Progress, Report
 
     report = Report("ns", "demo", "u", 1, progress=Progress(step=3, updated_at="2026-11-25T00:00:00Z"))
     monkeypatch.setattr(Report, "status_fields", lambda self: {"progress": {"step": 3, "stepz": 4}})
@@ -60,7 +60,7 @@ def test_a_report_field_the_status_model_lacks_is_refused(monkeypatch):
 
 
 def test_a_report_cannot_set_what_the_operator_derives():
-    from trainingrun_trainer import contract
+    from trainingrun_api import contract
 
     body = ('{"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "progress": {"step": 3, '
             '"updatedAt": "2026-11-25T00:00:00Z", "percent": 99}}')
@@ -69,7 +69,7 @@ def test_a_report_cannot_set_what_the_operator_derives():
 
 
 def process_time(process):
-    from trainingrun_trainer.contract import ProcessTime
+    from trainingrun_api.contract import ProcessTime
 
     return ProcessTime(process, 10.0, 5.0, 1.0, 0.0, 0.0, 4.0, 0.0, 100.0)
 
@@ -80,7 +80,7 @@ def process_time(process):
     ("worker-0/202/t1", False, False),  # a new process that has not stepped yet
 ])
 def test_a_new_process_s_first_step_is_written_at_once(process, with_progress, at_once):
-    from trainingrun_trainer.contract import Progress, Report
+    from trainingrun_api.contract import Progress, Report
 
     status = {"processTime": {"current": {"process": "worker-0/101/t0"}}}
     progress = Progress(step=101, updated_at="2026-11-27T00:00:00Z") if with_progress else None

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainingrun_trainer.config import CheckpointConfig
+from trainingrun_api.config import CheckpointConfig
 from trainingrun_trainer.context import RunContext
-from trainingrun_trainer.contract import Report
+from trainingrun_api.contract import Report
 from trainingrun_trainer.reporting import ProgressReporter
 from trainingrun_trainer.session import Run
 
@@ -186,7 +186,7 @@ def run_as(root, uid, resume_from=None) -> Run:
 
 def test_a_run_created_again_on_a_uri_with_another_runs_checkpoints_stops_and_says_how_to_continue(tmp_path):
     """It must neither resume from them unasked (issue 35) nor start over beside them unseen."""
-    from trainingrun_trainer.config import ConfigError
+    from trainingrun_api.config import ConfigError
 
     saved_at(run_as(tmp_path, "first-uid"), 10, 20)
     with pytest.raises(ConfigError, match=r"holds checkpoints of another run \(uid first-uid, newest "

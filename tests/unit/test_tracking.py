@@ -11,7 +11,7 @@ from tensorboard_events import scalars
 
 from trainingrun_trainer import tracking
 from trainingrun_trainer.background import helper_niceness
-from trainingrun_trainer.config import LoggerConfig
+from trainingrun_api.config import LoggerConfig
 
 
 class Recording:

@@ -7,7 +7,7 @@ import yaml
 
 from tiny_runs import tiny_trainer
 
-from trainingrun_trainer import exit_codes
+from trainingrun_api import exit_codes
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 TINY = tiny_trainer(samples=512, deterministic=True, logIntervalSteps=5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainingrun_trainer.config import HealthConfig
+from trainingrun_api.config import HealthConfig
 from trainingrun_trainer.ema import WeightEMA
 from trainingrun_trainer.health import NonFiniteGuard, Verdict
 from trainingrun_trainer.precision import PrecisionPlan, check_supported

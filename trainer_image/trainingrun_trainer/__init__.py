@@ -2,8 +2,8 @@
 
 `python -m trainingrun_trainer` runs the built-in trainer under torchrun. A script with its own loop
 uses `Run` (checkpoint store, resume, preemption, status reporting) the same way; see
-examples/custom_loop.py. `trainingrun_trainer.config` imports no torch, so the operator can validate
-trainer configs.
+examples/custom_loop.py. Its config models, the contract with the operator and the exit codes live in the
+torch-free `trainingrun_api`, which the operator imports too.
 """
 __version__ = "0.1.0"
 

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from .contract import IntervalChoice
+from trainingrun_api.contract import IntervalChoice
 
 #: Steps without a save beside them that the usual step time is taken from.
 STEP_WINDOW = 64

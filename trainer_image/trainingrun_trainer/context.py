@@ -9,10 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from . import contract
+from trainingrun_api import contract
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from trainingrun_api.config import RunConfig
 
 
 class ContextError(ValueError):
@@ -60,7 +60,7 @@ class RunContext:
         """The run's config as this process must use it: TRAININGRUN_CONFIG with the run's checkpoint URI (the
         one it started with, which the operator keeps when spec.checkpoint.uri is edited mid-run). Everything
         in the process reads the URI from the config this returns, nowhere else."""
-        from .config import load_config
+        from trainingrun_api.config import load_config
 
         config = load_config(self.config_path)
         if self.checkpoint_uri:

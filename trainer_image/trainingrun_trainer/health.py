@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .config import HealthConfig
+from trainingrun_api.config import HealthConfig
 
 
 class Verdict(enum.Enum):

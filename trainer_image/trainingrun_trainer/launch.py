@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from . import contract, exit_codes
+from trainingrun_api import contract, exit_codes
 
 TRAINER_MODULE = "trainingrun_trainer"
 #: Agent restarts in this container after its rendezvous store was lost, before exiting retryable.

@@ -9,19 +9,22 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
-from . import exit_codes
-from .config import RunConfig
+from trainingrun_api import exit_codes
+from trainingrun_api.config import RunConfig
 from .context import ContextError, RunContext
 
 log = logging.getLogger("trainingrun.trainer")
 
 
 def preflight(config: RunConfig, device_type: str) -> None:
-    """Checks that need no process group: classes import, arguments fit, precision runs here."""
-    from . import components, precision
+    """Checks that need no process group: classes import, arguments fit, the libraries of optional features are
+    installed, precision runs here."""
+    from trainingrun_api import components
+    from . import precision
 
     for component, field, extra in components.named_classes(config.trainer):
         components.check(component, field, **extra)
+    components.check_libraries(config.trainer)
     precision.check_supported(config.trainer.precision, device_type)
 
 
@@ -55,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .trainer import Trainer
 
     from .checkpoint import CheckpointLoadError, StorageUnavailable
-    from .config import ConfigError
+    from trainingrun_api.config import ConfigError
     from .shards import DataError
 
     try:

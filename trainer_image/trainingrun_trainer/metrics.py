@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from . import contract
+from trainingrun_api import contract
 
 log = logging.getLogger("trainingrun.metrics")
 

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from .config import OptimizerConfig, ScheduleConfig
+from trainingrun_api.config import OptimizerConfig, ScheduleConfig
 
 _NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.RMSNorm, nn.Embedding)
 

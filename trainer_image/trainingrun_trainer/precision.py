@@ -12,7 +12,7 @@ from typing import ContextManager
 import torch
 from torch import nn
 
-from .config import Precision
+from trainingrun_api.config import Precision
 
 
 @dataclass(frozen=True)

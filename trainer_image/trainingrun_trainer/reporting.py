@@ -22,8 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from . import contract
-from .contract import CommittedCheckpoint, IntervalChoice, ProcessTime, Progress, Report
+from trainingrun_api import contract
+from trainingrun_api.contract import CommittedCheckpoint, IntervalChoice, ProcessTime, Progress, Report
 
 log = logging.getLogger("trainingrun.reporting")
 

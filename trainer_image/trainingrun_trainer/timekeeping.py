@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from .contract import ProcessTime
+from trainingrun_api.contract import ProcessTime
 
 _IMPORTED = time.monotonic()
 

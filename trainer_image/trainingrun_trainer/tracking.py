@@ -33,7 +33,7 @@ import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .background import give_way_to_training
-from .config import LoggerConfig
+from trainingrun_api.config import LoggerConfig
 
 log = logging.getLogger("trainingrun.tracking")
 

@@ -22,10 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import components, efficiency, exit_codes, metrics, tracking
+from trainingrun_api import components, exit_codes
+from . import efficiency, metrics, tracking
 from .checkpoint import model_digest
 from .checkpoint_interval import SaveCosts
-from .config import RunConfig
+from trainingrun_api.config import RunConfig
 from .context import RunContext
 from .data import ResumableSampler, in_background, read_ahead, seed_worker
 from .ema import WeightEMA

@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, TextIO
 
 import yaml
 
-from trainingrun_trainer import contract, exit_codes
-from trainingrun_trainer.config import RunConfig
+from trainingrun_api import contract, exit_codes
+from trainingrun_api.config import RunConfig
 
 from .. import api, builders, recovery
 from .inputs import LocalOptions

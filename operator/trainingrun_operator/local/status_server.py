@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from trainingrun_trainer import contract
+from trainingrun_api import contract
 
 from .. import api
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..contract import rfc3339
+from trainingrun_api.contract import rfc3339
 
 
 logger = logging.getLogger("trainingrun.checkpoint")

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import re
 from typing import Any, Callable, Iterable
 
-from trainingrun_trainer.config import Component, ConfigError, TrainerConfig
+from trainingrun_api.config import Component, ConfigError, TrainerConfig
 
-__all__ = ["ConfigError", "BUILTIN_CLASSES", "build", "check", "check_builtin", "is_builtin", "named_classes", "resolve", "snake_case", "camel_case"]
+__all__ = ["ConfigError", "BUILTIN_CLASSES", "OPTIONAL_LIBRARIES", "build", "check", "check_builtin", "check_libraries",
+           "is_builtin", "named_classes", "resolve", "snake_case", "camel_case"]
 
 #: The public classes of the trainer's own modules and their constructor parameters (name: required), so a
 #: TrainingRun that names one is checked without importing torch (`trainingrun validate`, the operator's image).
@@ -117,6 +119,35 @@ def named_classes(trainer: TrainerConfig) -> list[tuple[Component, str, dict[str
     """The classes a trainer config names: each with its field path and the arguments the trainer adds."""
     return [(trainer.model, "spec.trainer.model", {}),
             (trainer.data.dataset, "spec.trainer.data.dataset", {"split": "train"})]
+
+
+#: What an optional feature (a logger kind, a built-in class) imports, and the pip extra of trainingrun-operator that
+#: installs it. The stock trainer image installs every extra; an image built on `trainingrun-operator[trainer]` alone
+#: has none of them.
+OPTIONAL_LIBRARIES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+    "trainingrun_trainer.shards.ImageShards": ("PIL", "images"),
+}
+
+
+def check_libraries(trainer: TrainerConfig) -> None:
+    """Raise ConfigError, naming the field and the extra to install, for each logger or built-in class of `trainer`
+    whose library this Python lacks. Looked up without importing it, before the trainer starts anything."""
+    needs = [(f"spec.trainer.loggers[{i}]", f"kind {logger.kind}", logger.kind)
+             for i, logger in enumerate(trainer.loggers)]
+    needs += [(field, component.class_path, component.class_path) for component, field, _ in named_classes(trainer)]
+    problems = []
+    for field, what, key in needs:
+        if key in OPTIONAL_LIBRARIES:
+            module, extra = OPTIONAL_LIBRARIES[key]
+            if importlib.util.find_spec(module) is None:
+                problems.append(f"{field}: {what} needs the {module} package, which this trainer image lacks; build "
+                                f"the image with pip install 'trainingrun-operator[trainer,{extra}]' (the stock image "
+                                "has it)")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def check(component: Component, field: str = "component", **extra_kwargs: Any) -> Callable[..., Any]:

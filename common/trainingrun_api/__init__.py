@@ -1,0 +1,9 @@
+"""trainingrun_api: what the operator and the trainer agree on, in one torch-free package both import.
+
+- `contract`: the environment a trainer container gets and the progress report it sends back;
+- `exit_codes`: what a trainer's exit code means to the operator (retry, give up, preempted);
+- `config`: the trainer config models (`spec.trainer`, `spec.checkpoint`; the file mounted at TRAININGRUN_CONFIG);
+- `components`: the built-in classes a `classPath` may name and the checks of their `initArgs`.
+
+It imports neither package: the arrows go operator -> trainingrun_api <- trainer (tests/unit/test_import_graph.py).
+"""
