@@ -295,7 +295,6 @@ def contract_env(
         contract.UID: run.metadata.uid or "",
         contract.ATTEMPT: str(attempt),
         contract.CONFIG: config_path,
-        contract.CHECKPOINT_URI: spec.checkpoint.uri,
         "PYTHONUNBUFFERED": "1",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
         **RENDEZVOUS_ENV,
@@ -556,14 +555,26 @@ def pytorch_job(
     }
 
 
+def as_started(run: api.TrainingRun, checkpoint_uri: Optional[str]) -> api.TrainingRun:
+    """The run as its attempts are built: with the checkpoint URI the operator decided they use (the one the run
+    started with, `reconcile.decide`), whatever spec.checkpoint.uri says now."""
+    if not checkpoint_uri or run.spec.checkpoint.uri == checkpoint_uri:
+        return run
+    changed = run.model_copy(deep=True)
+    changed.spec.checkpoint.uri = checkpoint_uri
+    return changed
+
+
 def children(
     run: api.TrainingRun,
     attempt: int = 1,
     settings: Settings = Settings(),
     resume_from: Optional[str] = None,
+    checkpoint_uri: Optional[str] = None,
 ) -> list[dict[str, Any]]:
     """Everything one attempt of a run needs: its ConfigMap, its rendezvous Service (multi-pod runs) and its
-    PyTorchJob, last."""
+    PyTorchJob, last. `checkpoint_uri` (default: the spec's) reaches the pods through the config file alone."""
+    run = as_started(run, checkpoint_uri)
     support = [config_map(run, settings)]
     if has_rendezvous_service(run.spec):
         support.append(rendezvous_service(run, attempt))

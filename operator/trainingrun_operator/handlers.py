@@ -401,8 +401,7 @@ async def _create_children(state: OperatorState, key: Key, body: dict[str, Any],
     held = state.rejections.get(key)
     if held and held.generation == generation and time.monotonic() < held.retry_at:
         return False  # the server refused this spec's children: wait for the backoff or a spec change
-    built = reconcile.with_checkpoint_uri(run, plan.checkpoint_uri or run.spec.checkpoint.uri)
-    *support, job = builders.children(built, plan.start_attempt, state.settings, plan.resume_from)
+    *support, job = builders.children(run, plan.start_attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
     # All at once: in a burst of runs, sending the ConfigMap first put every job behind every run's other
     # create (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates pods only after it has seen
     # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is

@@ -63,7 +63,7 @@ class Plan:
     status: dict[str, Any] = field(default_factory=dict)  #: merge patch for status
     start_attempt: Optional[int] = None  #: create (or adopt) the children of this attempt
     resume_from: Optional[str] = None  #: TRAININGRUN_RESUME_FROM of that attempt
-    checkpoint_uri: Optional[str] = None  #: the URI attempts use (the one the run started with)
+    checkpoint_uri: str = ""  #: the URI attempts use (the one the run started with); `decide` always sets it
     suspend_job: Optional[str] = None
     delete_jobs: list[str] = field(default_factory=list)
     events: list[Note] = field(default_factory=list)
@@ -83,15 +83,6 @@ class Failure:
 
 
 rfc3339, parse_time = contract.rfc3339, contract.parse_time  # the one pair of time helpers, used here often
-
-
-def with_checkpoint_uri(run: api.TrainingRun, uri: str) -> api.TrainingRun:
-    """The run as its attempts are built: with the checkpoint URI it started with."""
-    if run.spec.checkpoint.uri == uri:
-        return run
-    changed = run.model_copy(deep=True)
-    changed.spec.checkpoint.uri = uri
-    return changed
 
 
 def job_state(job: dict[str, Any]) -> Optional[str]:
@@ -574,7 +565,7 @@ def _check_spec(plan: Plan, o: Observed, job: Optional[dict[str, Any]], conditio
             annotations.get(builders.ANNOTATION_GENERATION) == str(o.run.metadata.generation):
         return  # built from this very spec
     built_from = annotations.get(builders.ANNOTATION_SPEC_HASH)
-    if built_from and built_from != builders.spec_hash(with_checkpoint_uri(o.run, started_uri)):
+    if built_from and built_from != builders.spec_hash(builders.as_started(o.run, started_uri)):
         attempt = int(o.status.get("attempt") or 0)
         message = (f"the spec changed; attempt {attempt} keeps running as it was built, "
                    f"the change applies from attempt {attempt + 1} (suspend and resume the run to apply it now)")

@@ -94,7 +94,7 @@ def test_elastic_job_shape(minimal_body):
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["TRAININGRUN_ATTEMPT"] == "3"
     assert env["TRAININGRUN_RESUME_FROM"] == "s3://bucket/runs/demo/step-00000500"
-    assert env["TRAININGRUN_CHECKPOINT_URI"] == "s3://bucket/runs/demo"
+    assert "TRAININGRUN_CHECKPOINT_URI" not in env  # one channel: the config file
     assert env["TRAININGRUN_CONFIG"] == "/etc/trainingrun/config.yaml"
     assert env["TRAININGRUN_UID"] == "3f1c2a9e-0000-4000-8000-000000000001"
     assert env["TRAININGRUN_METRICS_PORT"] == "9464"
@@ -345,3 +345,17 @@ def test_an_image_pull_secret_named_twice_is_listed_once(minimal_body):
     minimal_body["spec"]["imagePullSecrets"] = ["wandb", "regcred", "wandb"]
     pod = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["imagePullSecrets"] == [{"name": "wandb"}, {"name": "regcred"}]
+
+
+def test_the_checkpoint_uri_reaches_the_pod_through_the_config_file_alone(minimal_body):
+    """The operator decides the URI an attempt uses (the one the run started with, whatever the spec says now)."""
+    run = run_from(minimal_body)
+    started = run.spec.checkpoint.uri
+    edited = run.model_copy(deep=True)
+    edited.spec.checkpoint.uri = "s3://elsewhere/later"
+    config_map, job = builders.children(edited, 2, checkpoint_uri=started)
+    assert yaml.safe_load(config_map["data"]["config.yaml"])["checkpoint"]["uri"] == started
+    env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+    assert not [e for e in env if "s3://" in str(e.get("value")) or "CHECKPOINT_URI" in e["name"]]
+    # the job is stamped as built from the spec it ran with: the started URI, not the edit
+    assert job["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] == builders.spec_hash(run)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def run_in(root, resume_from=None, local_rank=0, committed_step_file=None) -> Run:
     uri = f"file://{root}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=2, config_path="unused", checkpoint_uri=uri,
+    context = RunContext(name="demo", namespace="ns", uid="u", attempt=2, config_path="unused",
                          resume_from=resume_from, metrics_port=None, pod_name="demo-a2-worker-0", rank=local_rank,
                          local_rank=local_rank, world_size=1, committed_step_file=committed_step_file)
     return Run(context, CheckpointConfig(uri=uri, keep=10), reporter=ProgressReporter(None, Report("ns", "demo", "u", 2)),
@@ -74,7 +74,7 @@ class SteppingClock:
 
 def auto_run_in(root, attempt=1, restart_count=0) -> Run:
     uri = f"file://{root}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=attempt, config_path="unused", checkpoint_uri=uri,
+    context = RunContext(name="demo", namespace="ns", uid="u", attempt=attempt, config_path="unused",
                          resume_from=None, metrics_port=None, pod_name="demo-a1-worker-0", rank=0, local_rank=0,
                          world_size=1, restart_count=restart_count)
     config = CheckpointConfig.model_validate({"uri": uri, "interval": {"steps": "auto", "minSteps": 4, "maxSteps": 1000}})
@@ -146,7 +146,7 @@ def test_a_start_of_another_run_on_the_same_uri_starts_the_count_over(tmp_path):
 def test_the_writer_process_is_off_unless_the_spec_says_also_with_a_gpu(tmp_path, monkeypatch, setting, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the thread measured better on GPU hosts too
     uri = f"file://{tmp_path}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused", checkpoint_uri=uri,
+    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused",
                          resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0, world_size=1)
     config = CheckpointConfig.model_validate({"uri": uri, **({} if setting is None else {"writerProcess": setting})})
     run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
@@ -177,7 +177,7 @@ def test_a_launcher_file_that_cannot_be_written_costs_a_warning_not_the_step(tmp
 
 def run_as(root, uid, resume_from=None) -> Run:
     uri = f"file://{root}"
-    context = RunContext(name="demo", namespace="ns", uid=uid, attempt=1, config_path="unused", checkpoint_uri=uri,
+    context = RunContext(name="demo", namespace="ns", uid=uid, attempt=1, config_path="unused",
                          resume_from=None, metrics_port=None, pod_name="demo-a1-worker-0", rank=0, local_rank=0,
                          world_size=1)
     config = CheckpointConfig(uri=uri, keep=10, resume_from=resume_from)
@@ -269,7 +269,7 @@ def test_persisting_behind_the_run_reports_the_newest_checkpoint_in_memory_and_t
 
     uri = f"file://{tmp_path}/ckpt"
     context = RunContext(name="demo", namespace="ns", uid=f"test-{uuid.uuid4().hex}", attempt=1, config_path="unused",
-                         checkpoint_uri=uri, resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0,
+                         resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0,
                          world_size=1)
     reporter = RecordingReporter()
     run = Run(context, CheckpointConfig(uri=uri), reporter=reporter, handle_sigterm=False)
@@ -295,7 +295,7 @@ def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
     import pydantic
 
     uri = f"file://{tmp_path}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused", checkpoint_uri=uri,
+    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused",
                          resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0, world_size=1)
     config = CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}})
     run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)

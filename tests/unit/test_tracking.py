@@ -76,7 +76,7 @@ def test_a_failing_tracker_is_logged_once_and_still_gets_later_records(caplog):
 def context(rank):
     from trainingrun_trainer.context import RunContext
 
-    return RunContext(name="demo", namespace="team-a", uid="u-1", attempt=1, config_path="", checkpoint_uri=None,
+    return RunContext(name="demo", namespace="team-a", uid="u-1", attempt=1, config_path="",
                       resume_from=None, metrics_port=None, pod_name="p", rank=rank, local_rank=rank, world_size=2)
 
 

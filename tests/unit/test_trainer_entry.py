@@ -82,15 +82,15 @@ def test_checkpoint_storage_down_at_start_is_retryable_not_permanent(tmp_path):
     assert "trainingrun-trainer: cannot list the checkpoints under s3://bucket/run" in result.stderr
 
 
-def test_the_runs_checkpoint_uri_from_the_contract_wins_over_the_configs(tmp_path, monkeypatch):
-    """The operator keeps the URI a run started with when spec.checkpoint.uri is edited mid-run; the process
-    gets it as TRAININGRUN_CHECKPOINT_URI and every part of it (trainer, custom loops) writes there."""
+def test_the_runs_checkpoint_uri_comes_from_the_config_file_alone(tmp_path, monkeypatch):
+    """The operator writes the URI a run started with into the config file, its one channel; a variable of the
+    old second channel changes nothing, and every part of the process (trainer, custom loops) writes there."""
     from trainingrun_trainer.context import RunContext
     from trainingrun_trainer.session import Run
 
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"trainer": TINY, "checkpoint": {"uri": "s3://edited/later"}}))
-    env = {"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_CHECKPOINT_URI": f"file://{tmp_path}/started"}
+    config.write_text(yaml.safe_dump({"trainer": TINY, "checkpoint": {"uri": f"file://{tmp_path}/started"}}))
+    env = {"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_CHECKPOINT_URI": "s3://not/a/channel"}
     assert RunContext.from_env(env).load_config().checkpoint.uri == f"file://{tmp_path}/started"
     for name, value in env.items():  # Run.from_env reads the process environment, as a custom loop does
         monkeypatch.setenv(name, value)

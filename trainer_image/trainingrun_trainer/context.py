@@ -34,7 +34,6 @@ class RunContext:
     uid: str  #: TRAININGRUN_UID
     attempt: int  #: TRAININGRUN_ATTEMPT, from 1
     config_path: str  #: TRAININGRUN_CONFIG: the mounted RunConfig YAML
-    checkpoint_uri: Optional[str]  #: TRAININGRUN_CHECKPOINT_URI; overrides checkpoint.uri (see load_config)
     resume_from: Optional[str]  #: TRAININGRUN_RESUME_FROM: the operator's last reported checkpoint, a floor
     metrics_port: Optional[int]  #: TRAININGRUN_METRICS_PORT
     pod_name: str  #: TRAININGRUN_POD_NAME (downward API), or the host name
@@ -57,15 +56,12 @@ class RunContext:
         return self.rank == 0
 
     def load_config(self) -> "RunConfig":
-        """The run's config as this process must use it: TRAININGRUN_CONFIG with the run's checkpoint URI (the
-        one it started with, which the operator keeps when spec.checkpoint.uri is edited mid-run). Everything
-        in the process reads the URI from the config this returns, nowhere else."""
+        """The run's config, TRAININGRUN_CONFIG: the one channel of the checkpoint URI into the process (the
+        operator writes there the URI the run started with, which it keeps when spec.checkpoint.uri is edited
+        mid-run). Everything in the process reads the URI from the config this returns, nowhere else."""
         from trainingrun_api.config import load_config
 
-        config = load_config(self.config_path)
-        if self.checkpoint_uri:
-            config.checkpoint.uri = self.checkpoint_uri
-        return config
+        return load_config(self.config_path)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "RunContext":
@@ -92,7 +88,6 @@ class RunContext:
             uid=env.get(contract.UID, ""),
             attempt=integer(contract.ATTEMPT, 1) or 1,
             config_path=config_path,
-            checkpoint_uri=env.get(contract.CHECKPOINT_URI) or None,
             resume_from=env.get(contract.RESUME_FROM) or None,
             metrics_port=integer(contract.METRICS_PORT, None),
             pod_name=env.get(contract.POD_NAME) or env.get("HOSTNAME", "localhost"),
