@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test e2e crd monitoring manifests clean
+.PHONY: setup demo test lint e2e crd monitoring manifests clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ demo: setup
 K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURDIR)/.tools/k8s))
 test: setup
 	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest
+
+# Lint and import order (ruff, everything) and types (mypy, strict for the shared package); the settings are in
+# pyproject.toml, and .pre-commit-config.yaml runs the same before each commit.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy -p trainingrun_api
 
 # The end-to-end tier (tests/e2e/): a real single-node cluster, Kubeflow, our chart and images; as root.
 # Needs the node's packages and the image archives: scripts/install-node.sh, scripts/build-images.sh,

@@ -84,14 +84,14 @@ def main(argv: list[str] | None = None) -> int:
 
     hashed = []
     for index in range(args.repeats):
-        timed("torch.save /dev/shm", lambda: torch_save(index))
+        timed("torch.save /dev/shm", lambda index=index: torch_save(index))
         timed("stager (pinned)", lambda: stager.stage(state))
         timed("tier file, locked", lambda: tier_file("locked", True))
         timed("tier file, pageable", lambda: tier_file("pageable", False))
         path = os.path.join(root, "locked", "step", "__0_0.distcp")
         with open(path, "rb") as file:
             data = file.read()
-        timed("xxh3_128", lambda: hashed.append(xxhash.xxh3_128(data).hexdigest()))
+        timed("xxh3_128", lambda data=data: hashed.append(xxhash.xxh3_128(data).hexdigest()))
         del data
     tier_staging._pin = real_pin
     tier_staging.release_locked_pages()

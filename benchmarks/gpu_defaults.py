@@ -56,6 +56,7 @@ def peak_flops(device_name: str) -> float:
 def worker(spec: dict) -> dict:
     phases: dict[str, float] = {}
     import torch
+
     from trainingrun_trainer.data import SyntheticText
     from trainingrun_trainer.models import CharTransformer
     from trainingrun_trainer.optim import parameter_groups

@@ -167,6 +167,7 @@ async def burst(count: int, namespace: str, command: Callable[[str, str], list[s
     wait until it watches TrainingRuns, create `count` runs at once in `namespace`, and time each
     create -> its `<run>-a1` PyTorchJob POST arriving at the API."""
     import kmock as kmock_lib
+
     from operator_harness import declare_resources, write_kubeconfig
 
     async with kmock_lib.KubernetesEmulator() as kmock, kmock_lib.Server(kmock):
@@ -325,8 +326,9 @@ async def real_burst(plane, count: int, namespace: str, command: list[str], env:
                      log_path: Path) -> Burst:
     """Create `count` TrainingRuns at once in a fresh namespace of the real API server and time each create ->
     its `<run>-a1` PyTorchJob, as seen by a watch on PyTorchJobs opened before the burst."""
-    import aiohttp
     import json as json_lib
+
+    import aiohttp
 
     plane.create_namespace(namespace)
     context = plane.ssl_context()

@@ -50,10 +50,10 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "real_api")]
 
-import kube_cluster  # noqa: E402
 from test_operator_real import wait_for  # noqa: E402
 from test_reports_real import certificate  # noqa: E402
 
+import kube_cluster  # noqa: E402
 from trainingrun_api import contract  # noqa: E402
 from trainingrun_api.contract import Progress, Report  # noqa: E402
 

@@ -56,7 +56,7 @@ def main() -> None:
         sides = [("no logger", "none", []), ("hung tracker", "hung", mlflow(hung.getsockname()[1])),
                  ("refusing tracker", "refused", mlflow(refused_port))]
         figures = {}
-        for label, name, loggers in sides:
+        for _label, name, loggers in sides:
             figures[name] = run_trainer(work, name, dataset, args, env, loggers=loggers)
             text = (work / f"{name}.log").read_text()
             figures[name]["warnings"] = sum(1 for line in text.splitlines() if "WARNING trainingrun.tracking" in line)

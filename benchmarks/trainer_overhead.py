@@ -402,7 +402,8 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise SystemExit(f"{kind} run {run_id} took longer than --timeout {args.timeout:.0f} s; log {log_path}")
+            raise SystemExit(f"{kind} run {run_id} took longer than --timeout {args.timeout:.0f} s; log {log_path}") \
+                from None
         finally:
             monitor.stop()
             if scraper:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional
 
 import kmock as kmock_lib
-import yaml
 import kopf
+import yaml
 
 from trainingrun_operator import api
 from trainingrun_operator.handlers import OperatorState, run_operator

@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import inspect
 import re
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 from trainingrun_api.config import Component, ConfigError, TrainerConfig
 
@@ -112,7 +112,7 @@ def resolve(class_path: str, field: str = "component") -> Callable[..., Any]:
             f"{where}: '{class_path}' is not a class (it is of type {type(target).__name__}); "
             "name a class to construct"
         )
-    return target
+    return cast(Callable[..., Any], target)
 
 
 def named_classes(trainer: TrainerConfig) -> list[tuple[Component, str, dict[str, Any]]]:
@@ -135,7 +135,7 @@ OPTIONAL_LIBRARIES = {
 def check_libraries(trainer: TrainerConfig) -> None:
     """Raise ConfigError, naming the field and the extra to install, for each logger or built-in class of `trainer`
     whose library this Python lacks. Looked up without importing it, before the trainer starts anything."""
-    needs = [(f"spec.trainer.loggers[{i}]", f"kind {logger.kind}", logger.kind)
+    needs: list[tuple[str, str, str]] = [(f"spec.trainer.loggers[{i}]", f"kind {logger.kind}", logger.kind)
              for i, logger in enumerate(trainer.loggers)]
     needs += [(field, component.class_path, component.class_path) for component, field, _ in named_classes(trainer)]
     problems = []

@@ -8,11 +8,12 @@ as in the TrainingRun, so a user can copy between them.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict, JsonValue
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 ScheduleName = Literal["cosine", "cosine-warm-restarts", "inverse-sqrt", "exponential", "step", "constant"]
@@ -89,6 +90,14 @@ def checkpoint_uri_problem(uri: str) -> Optional[str]:
 PYTHON_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
 
+_Model = TypeVar("_Model", bound="ApiModel")
+
+
+def kubernetes_validations(rules: list[dict[str, str]]) -> JsonDict:
+    """A model's CEL rules (`rule`, `message`), as the CRD generator finds them in its JSON schema."""
+    return {"x-kubernetes-validations": cast(list[JsonValue], rules)}
+
+
 class ApiModel(BaseModel):
     """Base of every API model: camelCase on the wire, snake_case in Python, unknown fields rejected."""
 
@@ -102,7 +111,7 @@ class ApiModel(BaseModel):
     )
 
     @classmethod
-    def from_wire(cls, data: Any):
+    def from_wire(cls: type[_Model], data: Any) -> _Model:
         """Parse YAML/JSON data: camelCase names only, as the CRD accepts (snake_case is for Python)."""
         return cls.model_validate(data, by_alias=True, by_name=False)
 
@@ -147,14 +156,14 @@ class DataConfig(ApiModel):
     """Where batches come from and how they are cut."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=kubernetes_validations(
+                [
                 {
                     "rule": "!has(self.prefetchFactor) || self.numWorkers > 0",
                     "message": "prefetchFactor needs worker processes: set numWorkers (e.g. 2), or remove prefetchFactor",
                 }
             ]
-        }
+        )
     )
 
     dataset: Component = Field(
@@ -275,8 +284,8 @@ class LoggerConfig(ApiModel):
     """
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=kubernetes_validations(
+                [
                 {"rule": f"self.kind != '{kind}' || has(self.{wire})", "message": f"a {kind} logger needs {wire}: {what}"}
                 for kind, _, wire, what in LOGGER_NEEDS
             ] + [
@@ -287,7 +296,7 @@ class LoggerConfig(ApiModel):
                  "message": f"{wire} {TRACKER_CREDENTIALS}"}
                 for wire in ("logDir", "trackingUri")
             ]
-        }
+        )
     )
 
     kind: LoggerKind = Field(description="tensorboard: event files under logDir; mlflow: a run on an MLflow "
@@ -416,8 +425,8 @@ class CheckpointInterval(ApiModel):
     """When to checkpoint; whichever limit is reached first triggers a save."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
+        json_schema_extra=kubernetes_validations(
+                [
                 {
                     "rule": "has(self.steps) || has(self.seconds)",
                     "message": "set checkpoint.interval.steps, checkpoint.interval.seconds or both",
@@ -433,7 +442,7 @@ class CheckpointInterval(ApiModel):
                     "message": "checkpoint.interval.minSteps is above maxSteps; make minSteps <= maxSteps",
                 },
             ]
-        }
+        )
     )
 
     steps: Optional[Union[Annotated[int, Field(ge=1)], Literal["auto"]]] = Field(
@@ -492,11 +501,11 @@ class StorageInterval(ApiModel):
     """Persisting behind: how often a checkpoint committed in memory is also copied to storage."""
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [{
+        json_schema_extra=kubernetes_validations([{
             "rule": "has(self.steps) || has(self.seconds)",
             "message": "set checkpoint.storageInterval.steps, checkpoint.storageInterval.seconds or both, or remove "
             "storageInterval (then every checkpoint in memory is copied, at storage's pace)",
-        }]}
+        }])
     )
 
     steps: Optional[int] = Field(
@@ -517,8 +526,8 @@ class CheckpointConfig(ApiModel):
     """Where and how often the trainer checkpoints, and which checkpoints it keeps."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": CHECKPOINT_URI_RULES + [
+        json_schema_extra=kubernetes_validations(
+                CHECKPOINT_URI_RULES + [
                 {
                     "rule": "!has(self.endpointUrl) || self.uri.startsWith('s3://')",
                     "message": "endpointUrl is only used with s3:// URIs; remove it or use an s3:// uri",
@@ -542,7 +551,7 @@ class CheckpointConfig(ApiModel):
                     "message": SAME_STORAGE,
                 },
             ]
-        }
+        )
     )
 
     uri: str = Field(
@@ -665,7 +674,8 @@ def load_config(path: str) -> RunConfig:
     except yaml.YAMLError as error:
         raise ConfigError(f"the trainer config {path} is not valid YAML: {error}") from None
     try:
-        return RunConfig.from_wire(data or {})
+        config: RunConfig = RunConfig.from_wire(data or {})
+        return config
     except ValidationError as error:
         lines = [
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors(include_url=False)

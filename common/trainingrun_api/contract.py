@@ -262,13 +262,15 @@ class Report:
                 for field, wire in ProcessTime.WIRE.items() if field != "process"})
         if body.get("checkpointInterval") is not None:
             interval = _object(body, "checkpointInterval")
+            numbers = {field: _number(interval, wire, "checkpointInterval.", minimum=0)
+                       for field, wire in IntervalChoice.WIRE.items() if field not in ("steps", "failures")}
+            between = numbers.pop("seconds_between_failures")
+            if between is None:
+                raise ReportError("checkpointInterval.secondsBetweenFailures must be a finite number >= 0")
             report.checkpoint_interval = IntervalChoice(
                 steps=_integer(interval, "steps", "checkpointInterval.", minimum=1),
-                failures=_integer(interval, "failures", "checkpointInterval."),
-                **{field: _number(interval, wire, "checkpointInterval.", minimum=0)
-                   for field, wire in IntervalChoice.WIRE.items() if field not in ("steps", "failures")})
-            if report.checkpoint_interval.seconds_between_failures is None:
-                raise ReportError("checkpointInterval.secondsBetweenFailures must be a finite number >= 0")
+                failures=_integer(interval, "failures", "checkpointInterval."), seconds_between_failures=between,
+                **numbers)
         return report
 
 
@@ -361,7 +363,7 @@ def time_breakdown(wall_seconds: float, processes: list[ProcessTime], productive
     training thread blocked, and the time a background save added to the steps beside it), data_wait, eval: as the
     processes measured them; other: what remains (logging, metrics, reporting between steps)."""
     def total(field: str) -> float:
-        return sum(getattr(process, field) for process in processes)
+        return float(sum(getattr(process, field) for process in processes))
 
     start = min((process.restored_productive_seconds for process in processes), default=productive_seconds)
     compute = total("compute_seconds")
@@ -390,10 +392,11 @@ def wire(value: Any) -> dict[str, Any]:
 
 
 
-def _object(body: dict, key: str) -> dict:
-    if not isinstance(body.get(key), dict):
+def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
+    value = body.get(key)
+    if not isinstance(value, dict):
         raise ReportError(f"{key} must be an object")
-    return body[key]
+    return value
 
 
 def _nesting(raw: bytes) -> int:
@@ -419,14 +422,14 @@ def _nesting(raw: bytes) -> int:
     return deepest
 
 
-def _text(body: dict, key: str, prefix: str = "", limit: int = 253) -> str:
+def _text(body: dict[str, Any], key: str, prefix: str = "", limit: int = 253) -> str:
     value = body.get(key)
     if not isinstance(value, str) or not value or len(value) > limit or not _PRINTABLE.fullmatch(value):
         raise ReportError(f"{prefix}{key} must be a non-empty string of at most {limit} printable ASCII characters")
     return value
 
 
-def _integer(body: dict, key: str, prefix: str = "", minimum: int = 0, optional: bool = False) -> Any:
+def _integer(body: dict[str, Any], key: str, prefix: str = "", minimum: int = 0, optional: bool = False) -> Any:
     value = body.get(key)
     if value is None and optional:
         return None
@@ -435,7 +438,7 @@ def _integer(body: dict, key: str, prefix: str = "", minimum: int = 0, optional:
     return value
 
 
-def _number(body: dict, key: str, prefix: str, minimum: Optional[float] = None) -> Optional[float]:
+def _number(body: dict[str, Any], key: str, prefix: str, minimum: Optional[float] = None) -> Optional[float]:
     value = body.get(key)
     if value is None:
         return None
@@ -445,14 +448,14 @@ def _number(body: dict, key: str, prefix: str, minimum: Optional[float] = None) 
     return float(value)
 
 
-def _time(body: dict, key: str, prefix: str) -> str:
+def _time(body: dict[str, Any], key: str, prefix: str) -> str:
     value = body.get(key)
     if not isinstance(value, str) or not _TIME.fullmatch(value) or parse_time(value) is None:
         raise ReportError(f"{prefix}{key} must be an RFC 3339 time")
     return value
 
 
-def _sha256(body: dict, key: str, prefix: str) -> Optional[str]:
+def _sha256(body: dict[str, Any], key: str, prefix: str) -> Optional[str]:
     value = body.get(key)
     if value is not None and (not isinstance(value, str) or not _SHA256.fullmatch(value)):
         raise ReportError(f"{prefix}{key} must be 64 lowercase hex digits")

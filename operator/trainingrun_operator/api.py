@@ -19,8 +19,16 @@ from trainingrun_api import contract
 from trainingrun_api.config import ApiModel, CheckpointConfig, TrainerConfig
 
 from . import scheduling
-from .scheduling import (DNS_SUBDOMAIN, LABEL_VALUE, Affinity, Annotations, Labels, NodeSelectorLabels, PodLabels,
-                         Toleration)
+from .scheduling import (
+    DNS_SUBDOMAIN,
+    LABEL_VALUE,
+    Affinity,
+    Annotations,
+    Labels,
+    NodeSelectorLabels,
+    PodLabels,
+    Toleration,
+)
 
 GROUP = "trainingrun.dev"
 VERSION = "v1alpha1"

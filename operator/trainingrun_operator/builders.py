@@ -13,10 +13,10 @@ import hashlib
 import hmac
 import json
 import re
-from decimal import Decimal
 import socket
 import uuid
 from datetime import datetime
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Optional
 
 import yaml

@@ -16,9 +16,9 @@ import asyncio
 import heapq
 import itertools
 from typing import Any, Callable, Optional
+from urllib.parse import urlencode
 
 import aiohttp
-from urllib.parse import urlencode
 
 from .settings import Settings
 

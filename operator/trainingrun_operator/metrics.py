@@ -19,8 +19,8 @@ from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-
 from pydantic.alias_generators import to_camel
+
 from trainingrun_api import contract
 
 from .api import Phase

@@ -160,7 +160,7 @@ def classify_failure(job: dict[str, Any], pods: list[dict[str, Any]]) -> Failure
             message = (terminated.get("message") or "").strip()
             reason = terminated.get("reason") or ""
             codes.append((code, name, reason, message, deleting))
-    for code, name, reason, message, deleting in codes:
+    for code, name, _reason, _message, deleting in codes:
         if exit_codes.classify(code, stopping=deleting) == exit_codes.PREEMPTION:
             return Failure("preemption", f"pod {name} stopped after SIGTERM (exit code {code})", code)
     for code, name, reason, message, _ in codes:

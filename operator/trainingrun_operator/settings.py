@@ -5,10 +5,10 @@ defaults unless the same variables are set in the shell.
 """
 from __future__ import annotations
 
-import ipaddress
-import os
 import hashlib
 import hmac
+import ipaddress
+import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path

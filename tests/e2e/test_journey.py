@@ -242,7 +242,7 @@ def scrape_a_running_run(cluster: Cluster, namespace: str, tmp_path: Path) -> No
                                    | monitoring.AUTO_INTERVAL_PANELS):
                     continue  # no GPU here; the watched run neither evaluates nor uses steps: auto (test_observability.py
                     # does both); trainer pods only are scraped here (the operator's series: test_operator_metrics.py)
-                cluster.wait(f"series for panel {panel.title!r}: {concrete}", lambda: query(concrete),
+                cluster.wait(f"series for panel {panel.title!r}: {concrete}", lambda concrete=concrete: query(concrete),
                              deadline_s=180, explain=explain)
                 checked += 1
         assert checked >= 15

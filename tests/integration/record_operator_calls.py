@@ -17,8 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kmock as kmock_lib  # noqa: E402
 from kmock._internal import parsing  # noqa: E402
 
-from operator_harness import (JOBS, RUNS, Cluster, declare_resources, eventually, operator, running,  # noqa: E402
-                              terminated, training_run)
+from operator_harness import (  # noqa: E402
+    RUNS,
+    Cluster,
+    declare_resources,
+    eventually,
+    operator,
+    running,
+    terminated,
+    training_run,
+)
 
 VERBS = {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}
 

@@ -13,12 +13,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest, verify
-
 # The server fixtures are imported here rather than from a tests/integration/conftest.py: without
 # __init__.py files every conftest is imported as the module `conftest`, and a second one would
 # shadow tests/conftest.py for the tests that do `from conftest import ...`.
 from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest, verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -170,6 +169,7 @@ def test_s3_uploads_carry_a_checksum_the_server_verified(s3_server, s3_bucket, t
     """botocore sends a CRC32 with each upload (its default since 1.36), which S3 checks and keeps: what issue 37
     asks of the store's own checksums, with nothing to add for S3."""
     import boto3
+
     from trainingrun_trainer.checkpoint.storage import _Storage, _storage_options
 
     uri = f"{s3_bucket}/runs/demo/step-00000001/__0_0.distcp"

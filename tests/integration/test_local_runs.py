@@ -13,7 +13,6 @@ import yaml
 
 from process_tree import descendants
 from tiny_runs import tiny_trainer
-
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 INTERVAL = 10
@@ -51,13 +50,13 @@ def local(tmp_path, run_file, *flags, checkpoints="ckpt", env=None, **popen):
 
 
 def result_of(stdout):
-    line = [l for l in stdout.splitlines() if l.startswith("result: ")][-1]
+    line = [text for text in stdout.splitlines() if text.startswith("result: ")][-1]
     return {k: v for k, v in re.findall(r"(\w+)=(\S+)", line)}
 
 
 def breakdown_of(stdout):
     """{part: seconds} from the summary's `time: wall W s = productive P s (x%) + lost L s + ...` line."""
-    line = [l for l in stdout.splitlines() if l.startswith("time: wall ")][-1]
+    line = [text for text in stdout.splitlines() if text.startswith("time: wall ")][-1]
     return {name.replace(" ", "_"): float(seconds)
             for name, seconds in re.findall(r"([a-z][a-z ]*?) (\d+\.\d) s", line.split(" = ", 1)[1])}
 
@@ -117,7 +116,7 @@ def test_the_auto_interval_counts_the_kills_and_says_what_it_chose(tmp_path):
     assert result["restarts_in_place"] == "2" and result["steps"] == "60"
     starts = json.loads((tmp_path / "ckpt" / "starts.json").read_text())
     assert starts["starts"] == 3  # the first process and two restarts: two failures
-    line = [l for l in chaos.stdout.splitlines() if l.startswith("checkpoint interval (auto): ")][-1]
+    line = [text for text in chaos.stdout.splitlines() if text.startswith("checkpoint interval (auto): ")][-1]
     # The last process may end before one of its saves was measured beside its steps (a cost of "-", as in CI).
     steps, failures = re.search(r"(\d+) steps = .* a save costs (?:\d+\.\d+ s|-), (\d+) failure", line).groups()
     assert 5 <= int(steps) <= 25 and failures == "2"

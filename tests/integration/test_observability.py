@@ -108,7 +108,7 @@ def test_prometheus_answers_every_dashboard_query(live_run, tmp_path):
                 continue  # no GPU here; no operator under `trainingrun local` (tests/unit/test_operator_metrics.py has its series)
             for expr, _ in panel.targets:
                 concrete = expr.replace("$namespace", "default").replace("$run", RUN)
-                until(lambda: query(concrete), f"series for panel {panel.title!r}: {concrete}")
+                until(lambda concrete=concrete: query(concrete), f"series for panel {panel.title!r}: {concrete}")
                 checked += 1
         assert checked >= 15
         for panel in monitoring.RUN_PANELS:  # and the excepted ones really have nothing on CPU

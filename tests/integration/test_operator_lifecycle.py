@@ -5,8 +5,17 @@ from datetime import datetime, timedelta
 import pytest
 import yaml
 
-from operator_harness import (JOBS, PODS, RUNS, Cluster, declare_resources, eventually, operator, running, terminated,
-                              training_run)
+from operator_harness import (
+    PODS,
+    RUNS,
+    Cluster,
+    declare_resources,
+    eventually,
+    operator,
+    running,
+    terminated,
+    training_run,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -29,7 +38,7 @@ async def test_full_lifecycle_create_running_succeeded(kmock, cluster):
             assert child is not None, name
             assert child["metadata"]["ownerReferences"][0]["uid"] == "0000-demo"
 
-        pod = await cluster.add_pod("demo-a1", status=running())
+        await cluster.add_pod("demo-a1", status=running())
         await cluster.job_condition("demo-a1", "Created", "Running")
         await eventually(lambda: cluster.status().get("phase") == "Running", what="phase Running")
 
@@ -215,7 +224,9 @@ async def test_spec_change_applies_from_the_next_attempt(kmock, cluster):
         condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
                                                   if c["type"] == "SpecChangePending"))
         assert condition["status"] == "True" and "applies from attempt 2" in condition["message"]
-        image = lambda job: job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
+        def image(job):
+            return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
+
         assert image(cluster.job("demo-a1")) == "registry.example/trainer:1"  # the running attempt is left alone
 
         await fail_attempt(cluster, "demo-a1")

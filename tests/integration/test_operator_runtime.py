@@ -11,8 +11,21 @@ import aiohttp
 import kmock as kmock_lib
 import pytest
 
-from operator_harness import (EVENTS, JOBS, NAMESPACE, RUNS, Cluster, declare_resources, eventually, operator, running,
-                              settings, terminated, training_run, write_kubeconfig)
+from operator_harness import (
+    EVENTS,
+    JOBS,
+    NAMESPACE,
+    RUNS,
+    Cluster,
+    declare_resources,
+    eventually,
+    operator,
+    running,
+    settings,
+    terminated,
+    training_run,
+    write_kubeconfig,
+)
 
 pytestmark = pytest.mark.asyncio
 

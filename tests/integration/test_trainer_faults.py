@@ -34,15 +34,14 @@ from typing import Optional
 import pytest
 import yaml
 
+from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
+from tiny_runs import tiny_model
+from trainingrun_api import contract, exit_codes
 from trainingrun_operator import builders
 from trainingrun_operator.builders import DEFAULT_COMMAND
-from trainingrun_api import contract, exit_codes
 from trainingrun_trainer import launch
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
 from trainingrun_trainer.data import ResumableSampler
-
-from tiny_runs import tiny_model
-from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +127,7 @@ class Launched:
             self.process.wait(timeout=deadline_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"{self.argv} did not exit within {deadline_s:.0f} s:\n{self.tail()}")
+            raise AssertionError(f"{self.argv} did not exit within {deadline_s:.0f} s:\n{self.tail()}") from None
         self._reader.join(timeout=DEADLINE_S)
         return self.process.returncode
 
@@ -571,7 +570,7 @@ def test_storage_outage_while_persisting_behind(tmp_path, launched):
     finishes with it in storage."""
     run = Run(tmp_path, "outage-behind", {**LEARNING, "maxSteps": 40})
     outage = Outage(run, pause_before=(13, 25, 40))
-    items, base, storage_down, storage_back = outage.items, outage.base, outage.down, outage.back
+    items, storage_down, storage_back = outage.items, outage.down, outage.back
     paused_before = outage.paused_before
 
     not_copied = "checkpoint step {} \\(committed in memory\\) could not be copied"

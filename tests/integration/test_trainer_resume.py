@@ -14,7 +14,6 @@ import yaml
 
 from process_tree import descendants
 from tiny_runs import tiny_trainer
-
 from trainingrun_api import contract
 from trainingrun_trainer.checkpoint import CheckpointStore
 
@@ -115,6 +114,7 @@ def as_format_1(step_dir: Path) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
     from trainingrun_trainer.checkpoint import load_everything
 
     everything = load_everything(str(step_dir))

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_trainer_resume import final_digest, killed_at, stderr_of, torchrun
 
 from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
-from test_trainer_resume import final_digest, killed_at, stderr_of, torchrun
 from tiny_runs import tiny_model, tiny_trainer
-
 from trainingrun_trainer.data import SyntheticText
 
 pytestmark = pytest.mark.slow

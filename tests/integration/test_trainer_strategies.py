@@ -7,7 +7,6 @@ import pytest
 import yaml
 
 from tiny_runs import tiny_trainer
-
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 TINY = tiny_trainer(samples=2048, layers=2, logIntervalSteps=5, maxSteps=20)

@@ -7,11 +7,11 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 from test_trainer_resume import TRAINER, killed_at, stderr_of, torchrun
-from trainingrun_trainer import tracking
+
 from tensorboard_events import scalars
 from tracking_servers import mlflow_server  # noqa: F401
+from trainingrun_trainer import tracking
 
 pytestmark = pytest.mark.slow
 

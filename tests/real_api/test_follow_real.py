@@ -1,7 +1,7 @@
 """`trainingrun status` against a real API server, read with a kubeconfig as a user has one."""
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

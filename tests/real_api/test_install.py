@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 import yaml
+
 from conftest import REPO
 
 CHART = REPO / "charts" / "trainingrun-operator"

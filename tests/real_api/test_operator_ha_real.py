@@ -12,13 +12,12 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import REPO
-
 from test_operator_real import HELM, JOBS, RealCluster, running_operator, training_run, wait_for
 from test_reports_real import certificate
 
-from trainingrun_operator import serving
+from conftest import REPO
 from trainingrun_api import contract
+from trainingrun_operator import serving
 
 RELEASE, RELEASE_NAMESPACE = "tr-ha", "trainingrun-ha"
 PEERING_CRDS = REPO / "charts/trainingrun-operator/crds/kopf-peering.yaml"

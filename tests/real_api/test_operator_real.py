@@ -17,8 +17,8 @@ import uuid
 
 import pytest
 import yaml
-from conftest import REPO
 
+from conftest import REPO
 from trainingrun_operator import builders, validation
 
 RUNS = "trainingruns.trainingrun.dev"
@@ -210,7 +210,7 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     # fresh cluster the CRD is seconds old, so the children went 39 s after the delete (built-ins: ~0.2 s).
     plane.kubectl("-n", ns, "delete", RUNS, "demo", "--wait=true", "--timeout=60s")
     for kind, name in children + [(JOBS, "demo-a2"), ("pod", pod)]:
-        wait_for(lambda: cluster.get(kind, name) is None, timeout=120,
+        wait_for(lambda kind=kind, name=name: cluster.get(kind, name) is None, timeout=120,
                  what=f"the garbage collector to delete {kind}/{name}")
 
 
@@ -290,7 +290,7 @@ def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_proces
     cluster.job_condition("demo-a1", "Created", "Running")
     wait_for(lambda: cluster.status().get("phase") == "Running", what="phase Running")
     for type_ in ("PodsNotCreated", "Unschedulable", "SecretMissing"):
-        wait_for(lambda: cluster.condition(type_)["status"] == "False", what=f"{type_} cleared")
+        wait_for(lambda type_=type_: cluster.condition(type_)["status"] == "False", what=f"{type_} cleared")
 
 
 def test_a_job_planted_with_an_owner_reference_to_the_run_is_never_used(cluster, operator_process):

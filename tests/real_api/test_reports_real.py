@@ -13,7 +13,15 @@ import urllib.request
 
 import pytest
 from test_operator_real import (  # noqa: F401 - fixtures
-    JOBS, RUNS, RealCluster, cluster, operator_kubeconfig, running_operator, training_run, wait_for)
+    JOBS,
+    RUNS,
+    RealCluster,
+    cluster,
+    operator_kubeconfig,
+    running_operator,
+    training_run,
+    wait_for,
+)
 
 from trainingrun_api import contract
 from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
@@ -61,7 +69,7 @@ def endpoint(operator_kubeconfig, tmp_path):  # noqa: F811
     env = {"TRAININGRUN_REPORT_URL": url, "TRAININGRUN_REPORT_PORT": str(port),
            "TRAININGRUN_REPORT_TLS_DIR": str(tls)}
     for log in running_operator(operator_kubeconfig, tmp_path, **env):
-        wait_for(lambda: "report endpoint listening" in log.read_text(), what="the report endpoint")
+        wait_for(lambda log=log: "report endpoint listening" in log.read_text(), what="the report endpoint")
         yield url, ssl.create_default_context(cafile=str(tls / "ca.crt"))
 
 

@@ -11,10 +11,9 @@ import copy
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+
 from kube_cluster import collection, refusal
 from run_documents import CASES, GAP_CASES, VALID_CASES, documents
-
 from trainingrun_operator import builders, validation
 
 DRY_RUN = "?dryRun=All&fieldValidation=Strict"

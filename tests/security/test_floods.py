@@ -15,9 +15,9 @@ import time
 
 import pytest
 
+from trainingrun_api import contract
 from trainingrun_operator import reports
 from trainingrun_operator.kube import REVIEW
-from trainingrun_api import contract
 
 pytestmark = pytest.mark.asyncio
 GOOD = "good"

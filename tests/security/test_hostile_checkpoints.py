@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from trainingrun_trainer import checkpoint as ckpt

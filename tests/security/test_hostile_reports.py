@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from trainingrun_operator import builders, reports
 from trainingrun_api import contract
+from trainingrun_operator import builders, reports
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
 RUN_URI = "s3://bucket/demo"

@@ -8,9 +8,9 @@ schema and CEL rules, so the two stay in agreement.
 import copy
 
 import pytest
+
 from crd_server import admit
 from run_documents import CASES, GAP_CASES, VALID_CASES
-
 from trainingrun_operator import crd, validation
 
 

@@ -6,12 +6,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import EXAMPLES
 
+from conftest import EXAMPLES
+from trainingrun_api import contract
 from trainingrun_operator import builders, validation
 from trainingrun_operator.api import MAX_RUN_NAME_LENGTH
 from trainingrun_operator.settings import Settings
-from trainingrun_api import contract
 
 K8S_VERSION = "1.30.0"
 
@@ -310,7 +310,9 @@ def test_no_secret_value_can_reach_a_rendered_object(minimal_body):
 
 def test_settings_default_image_and_override(minimal_body, monkeypatch):
     run = run_from(minimal_body)
-    image = lambda job: job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
+    def image(job):
+        return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
+
     assert image(builders.pytorch_job(run, 1)) == Settings().default_trainer_image
     settings = Settings.from_env({"TRAININGRUN_TRAINER_IMAGE": "registry.local/trainer:dev"})
     assert image(builders.pytorch_job(run, 1, settings)) == "registry.local/trainer:dev"

@@ -3,14 +3,13 @@
 Documents are drawn from values that are valid, borderline and wrong for each field, so both
 branches are exercised. The CRD (as the API server applies it) must agree with `validate`.
 """
-import jsonschema
 import kubernetes_validate
-from crd_server import admit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from run_documents import documents
 from test_builders import K8S_VERSION, pytorchjob_problems
 
+from crd_server import admit
+from run_documents import documents
 from trainingrun_operator import builders, crd, validation
 
 CRD = crd.crd()

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import yaml
+
 from conftest import REPO
 
 CHART = REPO / "charts" / "trainingrun-operator"

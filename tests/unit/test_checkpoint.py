@@ -20,8 +20,6 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainingrun_trainer import checkpoint as ckpt
-from trainingrun_trainer.checkpoint.safe_load import _MetadataUnpickler
-from trainingrun_trainer.checkpoint.storage import _Storage
 from trainingrun_trainer.checkpoint import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -31,6 +29,8 @@ from trainingrun_trainer.checkpoint import (
     to_json,
     verify,
 )
+from trainingrun_trainer.checkpoint.safe_load import _MetadataUnpickler
+from trainingrun_trainer.checkpoint.storage import _Storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

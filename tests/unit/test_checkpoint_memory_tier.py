@@ -3,23 +3,21 @@ loads from node memory, and that a stale, partial or damaged copy is never used.
 from __future__ import annotations
 
 import errno
-import threading
 import json
 import logging
+import threading
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
-import xxhash
-from fsspec.implementations.local import LocalFileOpener
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest
-from trainingrun_trainer.checkpoint import memory_tier
-
+import xxhash
+from fsspec.implementations.local import LocalFileOpener
 from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
+
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RESERVE_SHARE = memory_tier.RESERVE_SHARE  # as shipped, before the `memory` fixture sets it aside

@@ -7,12 +7,11 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest
-from trainingrun_trainer.checkpoint import memory_tier, storage as storage_module
-
 from test_checkpoint import app_state, flip_byte, step_dir, train_step, trained
 from test_checkpoint_memory_tier import data_files, restored
+
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest
+from trainingrun_trainer.checkpoint import storage as storage_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

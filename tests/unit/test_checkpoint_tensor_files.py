@@ -10,13 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_checkpoint import (
+    app_state,
+    assert_same,
+    make_model,
+    rewrite_with_a_valid_manifest,
+    step_dir,
+    trained,
+    weights,
+)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from trainingrun_trainer import checkpoint as ckpt
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
 from trainingrun_trainer.checkpoint.tensor_files import RAW_TENSOR
-
-from test_checkpoint import app_state, assert_same, make_model, rewrite_with_a_valid_manifest, step_dir, trained, weights
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

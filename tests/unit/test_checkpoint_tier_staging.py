@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainingrun_trainer.checkpoint import CheckpointStore, model_digest, tier_staging
-
 from test_checkpoint import app_state, make_model, step_dir, train_step, trained
 from test_checkpoint_memory_tier import restored
 from test_checkpoint_persist_behind import behind, bucket, memory, steps_in  # noqa: F401 - fixtures
+
+from trainingrun_trainer.checkpoint import CheckpointStore, model_digest, tier_staging
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -79,9 +78,9 @@ def test_a_staged_file_of_several_segments_records_the_digests_of_its_bytes(buck
     """Segments are hashed on a pool beside the file digest: each must be the xxh3_128 of its own bytes, the last one
     running from the staged tensors into the byte items written after them."""
     import xxhash
-    from trainingrun_trainer.checkpoint import memory_tier
-
     from test_checkpoint_memory_tier import digests_file
+
+    from trainingrun_trainer.checkpoint import memory_tier
 
     big = torch.randn(3 * memory_tier.SEGMENT_BYTES // 4 + 1001, generator=torch.Generator().manual_seed(8))
     with behind(bucket, memory) as store:
@@ -197,7 +196,8 @@ def test_tier_files_are_locked_once_and_let_go_when_deleted_replaced_or_released
     assert mappings.mapping(opened("renamed"), 4096)[0].data_ptr() == first.data_ptr() and len(locked) == 1
     bigger, _ = mappings.mapping(opened("renamed", 8192), 8192)  # another size: mapped and locked anew
     assert unlocked == [first.data_ptr()] and locked[-1] == bigger.data_ptr()
-    b, c = mappings.mapping(opened("b"), 4096)[0], mappings.mapping(opened("c"), 4096)[0]
+    b = mappings.mapping(opened("b"), 4096)[0]
+    mappings.mapping(opened("c"), 4096)
     assert unlocked[-1] == bigger.data_ptr()  # past `keep`: the least recently staged goes
     os.unlink(tmp_path / "b")
     mappings.mapping(opened("d"), 4096)

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import app_state, make_model, step_dir, train_step, trained
 
-from trainingrun_trainer.checkpoint import memory_tier
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest
 from trainingrun_trainer.checkpoint import store as store_module
 from trainingrun_trainer.checkpoint.writer_process import WriterProcess
-
-from test_checkpoint import app_state, make_model, step_dir, train_step, trained
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

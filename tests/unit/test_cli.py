@@ -5,8 +5,8 @@ import sys
 
 import pytest
 import yaml
-from conftest import EXAMPLES
 
+from conftest import EXAMPLES
 from trainingrun_operator import cli, crd
 
 

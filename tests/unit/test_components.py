@@ -1,7 +1,7 @@
 """`components.build` / `check`: the shipped classes build from camelCase config, and every mistake a
 user can make in `classPath` / `initArgs` is a ConfigError naming the field and the fix."""
-import sys
 import importlib.util
+import sys
 import textwrap
 from pathlib import Path
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from trainingrun_api import components
-from trainingrun_trainer import data, models, shards
 from trainingrun_api.components import ConfigError, build, camel_case, check, snake_case
 from trainingrun_api.config import Component
+from trainingrun_trainer import data, models, shards
 
 MODEL = "spec.trainer.model"
 DATASET = "spec.trainer.data.dataset"
@@ -354,5 +354,5 @@ def test_every_optional_library_is_an_extra_of_the_project():
         "optional-dependencies"]
     from trainingrun_api.components import OPTIONAL_LIBRARIES
 
-    for module, extra in OPTIONAL_LIBRARIES.values():
+    for _module, extra in OPTIONAL_LIBRARIES.values():
         assert extra in extras, extra

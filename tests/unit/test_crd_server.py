@@ -8,8 +8,8 @@ import re
 
 import celpy
 import pytest
-from crd_server import admit
 
+from crd_server import admit
 from trainingrun_operator import crd as crd_module
 
 MINIMAL = {

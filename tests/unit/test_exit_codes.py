@@ -3,7 +3,6 @@ import pytest
 
 from trainingrun_api import exit_codes
 from trainingrun_api.exit_codes import FAILURE, PERMANENT, PREEMPTION, SUCCEEDED, classify
-
 from trainingrun_operator import reconcile
 
 

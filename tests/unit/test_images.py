@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import yaml
-from conftest import REPO
 
+from conftest import REPO
 from trainingrun_operator import builders
 from trainingrun_operator.settings import Settings
 

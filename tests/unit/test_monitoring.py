@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO
 
+from conftest import REPO
 from trainingrun_operator import monitoring
 
 PROMTOOL = shutil.which("promtool")

@@ -4,8 +4,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from trainingrun_operator import api, builders, reconcile, validation
 from trainingrun_api import contract
+from trainingrun_operator import api, builders, reconcile, validation
 from trainingrun_operator.indexes import merged_status
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from trainingrun_api.config import CheckpointConfig
-from trainingrun_trainer.context import RunContext
 from trainingrun_api.contract import Report
+from trainingrun_trainer.context import RunContext
 from trainingrun_trainer.reporting import ProgressReporter
 from trainingrun_trainer.session import Run
 

@@ -7,11 +7,11 @@ import threading
 import time
 
 import pytest
-from tensorboard_events import scalars
 
+from tensorboard_events import scalars
+from trainingrun_api.config import LoggerConfig
 from trainingrun_trainer import tracking
 from trainingrun_trainer.background import helper_niceness
-from trainingrun_api.config import LoggerConfig
 
 
 class Recording:

@@ -6,7 +6,6 @@ import sys
 import yaml
 
 from tiny_runs import tiny_trainer
-
 from trainingrun_api import exit_codes
 from trainingrun_trainer.checkpoint import CheckpointStore
 

@@ -11,6 +11,7 @@ from typing import NoReturn, Optional, Sequence
 
 from trainingrun_api import exit_codes
 from trainingrun_api.config import RunConfig
+
 from .context import ContextError, RunContext
 
 log = logging.getLogger("trainingrun.trainer")
@@ -20,6 +21,7 @@ def preflight(config: RunConfig, device_type: str) -> None:
     """Checks that need no process group: classes import, arguments fit, the libraries of optional features are
     installed, precision runs here."""
     from trainingrun_api import components
+
     from . import precision
 
     for component, field, extra in components.named_classes(config.trainer):
@@ -55,11 +57,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"trainingrun-trainer: {error}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
 
-    from .trainer import Trainer
+    from trainingrun_api.config import ConfigError
 
     from .checkpoint import CheckpointLoadError, StorageUnavailable
-    from trainingrun_api.config import ConfigError
     from .shards import DataError
+    from .trainer import Trainer
 
     try:
         code = Trainer(config, context, device_type).run()

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from trainingrun_api import contract
-from trainingrun_api.contract import CommittedCheckpoint, IntervalChoice, ProcessTime, Progress, Report
+from trainingrun_api.contract import (
+    CheckpointInMemory,
+    CommittedCheckpoint,
+    IntervalChoice,
+    ProcessTime,
+    Progress,
+    Report,
+)
 
 log = logging.getLogger("trainingrun.reporting")
 

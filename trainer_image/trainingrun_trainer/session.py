@@ -35,14 +35,20 @@ from typing import Any, Callable, Collection, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from trainingrun_api import exit_codes
+from trainingrun_api import contract, exit_codes
+from trainingrun_api.config import (
+    AUTO_MAX_STEPS,
+    AUTO_MIN_STEPS,
+    AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
+    CheckpointConfig,
+    ConfigError,
+)
+from trainingrun_api.contract import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress, Report
+
+from . import reporting
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
 from .checkpoint_interval import AutoInterval
-from trainingrun_api.config import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PRIOR_SECONDS_BETWEEN_FAILURES, CheckpointConfig, ConfigError
 from .context import RunContext
-from trainingrun_api import contract
-from . import reporting
-from trainingrun_api.contract import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress, Report
 from .reporting import ProgressReporter
 from .timekeeping import ProcessClock
 

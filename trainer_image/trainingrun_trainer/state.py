@@ -21,9 +21,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 #: The entries that only the optimizer step changes (and EMA's update after it): a checkpoint copies them in the
 #: background while the next forward and backward pass run (`CheckpointStore.save`'s copy_in_background).

@@ -32,8 +32,9 @@ import time
 import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from .background import give_way_to_training
 from trainingrun_api.config import LoggerConfig
+
+from .background import give_way_to_training
 
 log = logging.getLogger("trainingrun.tracking")
 

@@ -23,18 +23,19 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainingrun_api import components, exit_codes
+from trainingrun_api.config import RunConfig
+
 from . import efficiency, metrics, tracking
 from .checkpoint import model_digest
 from .checkpoint_interval import SaveCosts
-from trainingrun_api.config import RunConfig
 from .context import RunContext
 from .data import ResumableSampler, in_background, read_ahead, seed_worker
 from .ema import WeightEMA
 from .health import NonFiniteGuard, Verdict
 from .optim import build_optimizer, build_scheduler, scale_learning_rate
 from .precision import PrecisionPlan
-from .session import Run, init_process_group
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
+from .session import Run, init_process_group
 from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank, TrainState, changed_by_forward
 from .timekeeping import ProcessClock
 

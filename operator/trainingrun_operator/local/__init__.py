@@ -12,8 +12,18 @@ The parts: `inputs` (the file, options and secrets), `ledger` (what a run keeps 
 `status_server` (the report endpoint), `processes` (/proc and logs), `runner` (the supervisor), `display`.
 """
 from .display import PlainDisplay, RichDisplay
-from .inputs import (DEFAULT_RUNS_DIR, LocalOptionError, LocalOptions, LocalRunError, check_options, load_run,
-                     port_is_free, read_env_file, resolve_secrets, secret_variables)
+from .inputs import (
+                     DEFAULT_RUNS_DIR,
+                     LocalOptionError,
+                     LocalOptions,
+                     LocalRunError,
+                     check_options,
+                     load_run,
+                     port_is_free,
+                     read_env_file,
+                     resolve_secrets,
+                     secret_variables,
+)
 from .ledger import RunLedger
 from .processes import LogFollower, child_pids, worker_pids
 from .runner import STOP_SIGNALS, Attempt, LocalRunner, Summary, WorkerGroup

@@ -25,7 +25,6 @@ from .ledger import RunLedger
 from .processes import LogFollower, _end_session, worker_pids
 from .status_server import StatusServer
 
-
 #: Rank 0 says one of these when a worker group starts training (each attempt, each in-place restart).
 GROUP_STARTED = re.compile(r"(?:resumed from (\S+) at step (\d+)|no checkpoint to resume from)")
 CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
@@ -55,8 +54,8 @@ class Attempt:
         if not self.log_path or not self.log_path.exists():
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
-        said = [l for l in lines if l.startswith(("trainingrun-trainer:", "trainingrun launch: cannot"))
-                or " ERROR trainingrun" in l]
+        said = [line for line in lines if line.startswith(("trainingrun-trainer:", "trainingrun launch: cannot"))
+                or " ERROR trainingrun" in line]
         return "\n".join(dict.fromkeys(said))  # each once, in order
 
 

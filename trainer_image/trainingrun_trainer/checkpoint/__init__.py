@@ -103,8 +103,16 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unav
 
 from .digest import model_digest  # noqa: E402
 from .export import load_everything, to_torch_save  # noqa: E402
-from .layout import (FORMAT_VERSION, MANIFEST_NAME, CheckpointInfo, CheckpointLoadError, PendingSave,  # noqa: E402
-                     StorageUnavailable, now_rfc3339, step_dir_name)
+from .layout import (  # noqa: E402
+                     FORMAT_VERSION,
+                     MANIFEST_NAME,
+                     CheckpointInfo,
+                     CheckpointLoadError,
+                     PendingSave,
+                     StorageUnavailable,
+                     now_rfc3339,
+                     step_dir_name,
+)
 from .listing import format_table, to_json  # noqa: E402
 from .manifest import verify  # noqa: E402
 from .safe_load import load_plain  # noqa: E402

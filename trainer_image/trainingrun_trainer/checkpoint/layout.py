@@ -14,7 +14,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainingrun_api.contract import rfc3339
 
-
 logger = logging.getLogger("trainingrun.checkpoint")
 
 #: Version of the checkpoint format that saves write. 4: the manifest's digest of each file is its xxh3_128;

@@ -7,10 +7,17 @@ import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional
 
-from .layout import (CheckpointInfo, FILE_DIGEST_HEX, MANIFEST_NAME, READABLE_FORMATS, _STEP_DIR, _join,
-                     file_digest_name, is_plain_name)
-from .storage import _Storage, _entry_time, _is_dir, _is_file, _storage_options
-
+from .layout import (
+    _STEP_DIR,
+    FILE_DIGEST_HEX,
+    MANIFEST_NAME,
+    READABLE_FORMATS,
+    CheckpointInfo,
+    _join,
+    file_digest_name,
+    is_plain_name,
+)
+from .storage import _entry_time, _is_dir, _is_file, _Storage, _storage_options
 
 #: The largest manifest read (bytes); one of a 10,000-rank checkpoint is about 2 MB.
 MAX_MANIFEST_BYTES = 64 << 20

@@ -19,22 +19,37 @@ from typing import Any, Callable, Collection, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .layout import (CheckpointInfo, CheckpointLoadError, EXTRA_ENTRY, FILE_DIGEST, FORMAT_VERSION, MANIFEST_NAME,
-                     PendingSave, STARTS_NAME, _LEGACY_EXTRA_FILE, _SAVE_ERRORS, _STEP_DIR, _cause, _describe, _join,
-                     logger, now_rfc3339, step_dir_name)
+from .layout import (
+    _LEGACY_EXTRA_FILE,
+    _SAVE_ERRORS,
+    _STEP_DIR,
+    EXTRA_ENTRY,
+    FILE_DIGEST,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    STARTS_NAME,
+    CheckpointInfo,
+    CheckpointLoadError,
+    PendingSave,
+    _cause,
+    _describe,
+    _join,
+    logger,
+    now_rfc3339,
+    step_dir_name,
+)
 from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, SEGMENTS_KEY, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
-from .storage import _Storage, _is_dir, _storage_options
+from .storage import _is_dir, _Storage, _storage_options
 from .tier_staging import StagedFile, data_file_name, plain_tensors, release_locked_pages, stageable
 from .writer import _Writer
 from .writer_process import WriterProcess
-
 
 #: Where shared memory lives (torch's shared tensors, the memory tier).
 SHARED_MEMORY = "/dev/shm"

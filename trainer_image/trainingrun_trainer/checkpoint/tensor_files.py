@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 #: The transform descriptor of a raw tensor item in DCP's metadata (name/version, as DCP's extensions write them).
 RAW_TENSOR = "trainingrun-raw-tensor/1"

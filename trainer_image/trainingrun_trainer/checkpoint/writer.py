@@ -8,16 +8,14 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.futures import Future as TorchFuture
-
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.futures import Future as TorchFuture
 
 from .layout import FILE_DIGEST, file_hasher
 from .memory_tier import SEGMENTS_KEY, MemoryTier, RecycledFile, SegmentHasher, TierCopy
 from .tensor_files import write_rank_file
 from .tier_staging import StagedFile
 from .writer_process import WriteRequest, WriterProcess
-
 
 #: Writes are passed on and hashed in pieces of this many bytes, the hashing on a thread of its own (xxhash releases
 #: the interpreter lock): the digests of one piece are computed while the next is written.
