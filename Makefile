@@ -32,6 +32,7 @@ test: setup
 # Lint and import order (ruff, everything) and types (mypy, strict for the shared package); the settings are in
 # pyproject.toml, and .pre-commit-config.yaml runs the same before each commit.
 lint: setup
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy -p trainingrun_api
 

@@ -69,6 +69,7 @@ Run by hand, never by the test suite:
 The last line is `result: blocking_ratio=<x> async_blocking_seconds=<x> sync_save_seconds=<x>
 restore_seconds=<x> state_mb=<x> ... memory_restore_speedup=<x>`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -118,8 +119,9 @@ def restore_servers(source: str):
         yield [(gcs, "GCS"), (s3, "S3")]
 
 
-def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: int,
-                     source: str = "servers") -> dict[str, list[float]]:
+def measure_restores(
+    state: dict, step: int, fresh_state, digest_of, repeats: int, source: str = "servers"
+) -> dict[str, list[float]]:
     """Seconds of each restore of `state` (saved once per storage server with a memory tier), as a restarted process
     resumes: {"GCS emulator": [...], "moto S3": [...], "memory (GCS listing)": [...], "memory (S3 listing)": [...]}
     (`source` "file": {"file on disk": [...], "memory (file listing)": [...]}).
@@ -139,8 +141,10 @@ def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: in
                     raise SystemExit(f"the save to {uri} did not commit; see the log above")
             for _ in range(repeats):
                 storage_label = {"GCS": "GCS emulator", "S3": "S3 on moto", "file": "file on disk"}[name]
-                for label, tier_dir, read_from in ((storage_label, None, "storage"),
-                                                (f"memory ({name} listing)", memory, "memory")):
+                for label, tier_dir, read_from in (
+                    (storage_label, None, "storage"),
+                    (f"memory ({name} listing)", memory, "memory"),
+                ):
                     target, digest = fresh_state()
                     began = time.perf_counter()
                     with CheckpointStore(uri, memory_tier=tier_dir, **server.store_kwargs) as store:
@@ -148,8 +152,10 @@ def measure_restores(state: dict, step: int, fresh_state, digest_of, repeats: in
                         read = store.last_restore_source
                     seconds.setdefault(label, []).append(time.perf_counter() - began)
                     if read != read_from or digest(target) != expected:
-                        raise SystemExit(f"restore '{label}' read from {read} (expected {read_from}) or restored other "
-                                         "weights than were saved")
+                        raise SystemExit(
+                            f"restore '{label}' read from {read} (expected {read_from}) or restored other "
+                            "weights than were saved"
+                        )
     return seconds
 
 
@@ -190,36 +196,64 @@ PERSIST_BEHIND = " [persist behind]"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Target: blocking_ratio = async save() blocking / torch.save <= 0.10.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Target: blocking_ratio = async save() blocking / torch.save <= 0.10.",
+    )
     parser.add_argument("--dim", type=int, default=768, help="CharTransformer width (default 768)")
     parser.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
     parser.add_argument("--heads", type=int, default=12, help="attention heads (default 12)")
     parser.add_argument("--context", type=int, default=64, help="context length (default 64)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per training step (default 4)")
     parser.add_argument("--repeats", type=int, default=5, help="saves per method; medians reported (default 5)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where the model trains; staging copies it to CPU (default cpu)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads; 0 leaves torch's default (default 0)")
-    parser.add_argument("--dir", default=None, help="parent directory of the temp checkpoint dir (default: system temp)")
-    parser.add_argument("--max-overlap-steps", type=int, default=6,
-                        help="training steps run at most while one background write is in flight (default 6)")
-    parser.add_argument("--writer-nice", type=int, default=0,
-                        help="experiment: nice value for the store's background writer thread (Linux); "
-                             "0 leaves it as the library does (default 0)")
-    parser.add_argument("--copy-on-training-thread", action="store_true",
-                        help="experiment: stage every tensor inside save() on the training thread (no copy_in_background), "
-                             "as the trainer did before")
-    parser.add_argument("--restore-repeats", type=int, default=3,
-                        help="restores per source (GCS emulator, moto, memory tier); medians reported (default 3); "
-                             "0: none")
-    parser.add_argument("--restore-from", choices=["servers", "file"], default="servers",
-                        help="storage the restores read: the GCS emulator and moto's S3 server (default), or file:// on "
-                             "this machine's disk (where the emulators are not installed, e.g. a GPU machine)")
-    parser.add_argument("--min-state-mb", type=float, default=200.0,
-                        help="refuse to run with a smaller state (default 200)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model trains; staging copies it to CPU (default cpu)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads; 0 leaves torch's default (default 0)"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="parent directory of the temp checkpoint dir (default: system temp)"
+    )
+    parser.add_argument(
+        "--max-overlap-steps",
+        type=int,
+        default=6,
+        help="training steps run at most while one background write is in flight (default 6)",
+    )
+    parser.add_argument(
+        "--writer-nice",
+        type=int,
+        default=0,
+        help="experiment: nice value for the store's background writer thread (Linux); "
+        "0 leaves it as the library does (default 0)",
+    )
+    parser.add_argument(
+        "--copy-on-training-thread",
+        action="store_true",
+        help="experiment: stage every tensor inside save() on the training thread (no copy_in_background), "
+        "as the trainer did before",
+    )
+    parser.add_argument(
+        "--restore-repeats",
+        type=int,
+        default=3,
+        help="restores per source (GCS emulator, moto, memory tier); medians reported (default 3); 0: none",
+    )
+    parser.add_argument(
+        "--restore-from",
+        choices=["servers", "file"],
+        default="servers",
+        help="storage the restores read: the GCS emulator and moto's S3 server (default), or file:// on "
+        "this machine's disk (where the emulators are not installed, e.g. a GPU machine)",
+    )
+    parser.add_argument(
+        "--min-state-mb", type=float, default=200.0, help="refuse to run with a smaller state (default 200)"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -243,14 +277,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def build(seed: int):
         torch.manual_seed(seed)
-        model = CharTransformer(vocab_size=128, dim=args.dim, layers=args.layers, heads=args.heads,
-                                context_length=args.context).to(device)
+        model = CharTransformer(
+            vocab_size=128, dim=args.dim, layers=args.layers, heads=args.heads, context_length=args.context
+        ).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
         return model, optimizer
 
     dataset = SyntheticText(num_samples=1000, context_length=args.context, vocab_size=128, seed=0)
-    batches = [{"tokens": torch.stack([dataset[i * args.batch_size + j]["tokens"]
-                                       for j in range(args.batch_size)]).to(device)} for i in range(8)]
+    batches = [
+        {"tokens": torch.stack([dataset[i * args.batch_size + j]["tokens"] for j in range(args.batch_size)]).to(device)}
+        for i in range(8)
+    ]
     model, optimizer = build(0)
     step_no = 0
 
@@ -296,9 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         cpu_before = background_cpu_seconds(on)
         t = time.perf_counter()
         trainer_state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
-        pending = on.save(step_no, trainer_state, extra, model_digest=lambda staged: model_digest(staged["model"]),
-                          blocking=False,
-                          copy_in_background=() if args.copy_on_training_thread else CHANGED_BY_OPTIMIZER_STEP)
+        pending = on.save(
+            step_no,
+            trainer_state,
+            extra,
+            model_digest=lambda staged: model_digest(staged["model"]),
+            blocking=False,
+            copy_in_background=() if args.copy_on_training_thread else CHANGED_BY_OPTIMIZER_STEP,
+        )
         save_call = time.perf_counter() - t
         record("async store.save() call (wall)" + suffix, save_call)
         in_flight_at_step_start = not pending.done()
@@ -327,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             if on.flush() != committed:
                 raise SystemExit(f"step {pending.step} was committed in memory but not persisted; see the log above")
             record("  then persisted to storage (store.last_persist_seconds)" + suffix, on.last_persist_seconds)
-        record("  CPU seconds of the background work (thread + writer)" + suffix, background_cpu_seconds(on) - cpu_before)
+        record(
+            "  CPU seconds of the background work (thread + writer)" + suffix, background_cpu_seconds(on) - cpu_before
+        )
         return committed
 
     phases: dict[str, dict[str, list]] = {}  # suffix -> phase -> seconds, per repeat (store.last_save_phases)
@@ -344,10 +388,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("the checkpoint writer process did not start")
         sync_store = CheckpointStore((root / "sync-store").resolve().as_uri(), keep=2)
         # The memory tier in node memory, as in a pod; the writer as the trainer defaults it (a process with a GPU).
-        tier = Path(tempfile.mkdtemp(prefix="checkpoint-stall-tier-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                     else root))
-        behind_store = CheckpointStore((root / "behind-store").resolve().as_uri(), keep=2, memory_tier=str(tier),
-                                       persist_behind=True)
+        tier = Path(
+            tempfile.mkdtemp(prefix="checkpoint-stall-tier-", dir="/dev/shm" if os.path.isdir("/dev/shm") else root)
+        )
+        behind_store = CheckpointStore(
+            (root / "behind-store").resolve().as_uri(), keep=2, memory_tier=str(tier), persist_behind=True
+        )
         if behind_store._writer is not None and not behind_store._writer.wait_ready(300):
             raise SystemExit("the checkpoint writer process did not start")
         if args.writer_nice:
@@ -355,14 +401,20 @@ def main(argv: list[str] | None = None) -> int:
             # thread (Linux: a thread is a task with its own nice value).
             import threading
 
-            store._executor.submit(lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                                                          args.writer_nice)).result()
+            store._executor.submit(
+                lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.writer_nice)
+            ).result()
         # Warm-up, untimed: first use of the store, the allocator and fresh page-cache pages, as the trainer's first save
         # (persisting behind, the spare in memory that the persister prepares after it).
         warm = state_now()
         for warming in (store, process_store, behind_store):
-            warming.save(step_no, {"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
-                         {"step": step_no}, blocking=False, copy_in_background=CHANGED_BY_OPTIMIZER_STEP)
+            warming.save(
+                step_no,
+                {"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+                {"step": step_no},
+                blocking=False,
+                copy_in_background=CHANGED_BY_OPTIMIZER_STEP,
+            )
             warming.wait()
             warming.flush()
         torch.save(warm, root / "warm-up.pt")
@@ -403,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.close(fd)
             record("  + os.fsync of that file", time.perf_counter() - t)
             rows.setdefault("sync torch.save + fsync", []).append(
-                rows["sync torch.save (new file, faster of 2)"][-1] + rows["  + os.fsync of that file"][-1])
+                rows["sync torch.save (new file, faster of 2)"][-1] + rows["  + os.fsync of that file"][-1]
+            )
             t = time.perf_counter()
             sync_store.save(step_no, state_now(), extra, model_digest=digest, blocking=True)
             record("sync store.save(blocking=True)", time.perf_counter() - t)
@@ -418,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
             store.load(info, fresh)
             record("CheckpointStore.load (restore)", time.perf_counter() - t)
             t = time.perf_counter()
-            set_state_dict(fresh_model, fresh_optimizer, model_state_dict=fresh["model"],
-                           optim_state_dict=fresh["optim"])
+            set_state_dict(
+                fresh_model, fresh_optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"]
+            )
             record("  + set_state_dict", time.perf_counter() - t)
             restored_ok.append(model_digest(get_state_dict(fresh_model, fresh_optimizer)[0]) == digest)
 
@@ -429,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             fresh_model, fresh_optimizer = build(2000 + repeat)
             get_state_dict(fresh_model, fresh_optimizer)
             t = time.perf_counter()
-            set_state_dict(fresh_model, fresh_optimizer, model_state_dict=loaded["model"],
-                           optim_state_dict=loaded["optim"])
+            set_state_dict(
+                fresh_model, fresh_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+            )
             record("  + set_state_dict ", time.perf_counter() - t)
             del loaded, fresh_model, fresh_optimizer, fresh
 
@@ -440,12 +495,17 @@ def main(argv: list[str] | None = None) -> int:
             if latest is None or latest.step != info.step:
                 raise SystemExit(f"latest_valid() found {latest}, expected step {info.step}")
             machine_after = machine_busy_seconds()
-            foreign.append(max(0.0, (machine_after - machine_before) - (time.process_time() - ours_before))
-                           / (time.perf_counter() - wall_before))
-            print(f"  repeat {repeat + 1}: save() blocked {rows['async store.save() call (wall)'][-1]:.3f} s, torch.save "
-                  f"{rows['sync torch.save (new file, faster of 2)'][-1]:.3f} s, commit after "
-                  f"{store.last_save_seconds:.3f} s, restore {rows['CheckpointStore.load (restore)'][-1]:.3f} s; "
-                  f"other processes used {foreign[-1]:.2f} cores", flush=True)
+            foreign.append(
+                max(0.0, (machine_after - machine_before) - (time.process_time() - ours_before))
+                / (time.perf_counter() - wall_before)
+            )
+            print(
+                f"  repeat {repeat + 1}: save() blocked {rows['async store.save() call (wall)'][-1]:.3f} s, torch.save "
+                f"{rows['sync torch.save (new file, faster of 2)'][-1]:.3f} s, commit after "
+                f"{store.last_save_seconds:.3f} s, restore {rows['CheckpointStore.load (restore)'][-1]:.3f} s; "
+                f"other processes used {foreign[-1]:.2f} cores",
+                flush=True,
+            )
         store.close()
         process_store.close()
         sync_store.close()
@@ -457,42 +517,75 @@ def main(argv: list[str] | None = None) -> int:
         model_state, optim_state = get_state_dict(fresh_model, fresh_optimizer)  # initialises AdamW state
         return {"model": model_state, "optim": optim_state}, lambda loaded: model_digest(loaded["model"])
 
-    restores = measure_restores(state_now(), step_no, fresh_state, lambda saved: model_digest(saved["model"]),
-                                args.restore_repeats, args.restore_from) if args.restore_repeats else {}
+    restores = (
+        measure_restores(
+            state_now(),
+            step_no,
+            fresh_state,
+            lambda saved: model_digest(saved["model"]),
+            args.restore_repeats,
+            args.restore_from,
+        )
+        if args.restore_repeats
+        else {}
+    )
     total = time.perf_counter() - began_all
 
     med = {name: statistics.median(values) for name, values in rows.items()}
     sync_save = med["sync torch.save (new file, faster of 2)"]
     print()
-    print(f"state: CharTransformer dim={args.dim} layers={args.layers} heads={args.heads} context={args.context} "
-          f"({params / 1e6:.1f} M parameters) + AdamW moments = {state_mb:.0f} MB of tensors; device {args.device}, "
-          f"torch threads {torch.get_num_threads()}{f'; writer thread nice {args.writer_nice}' if args.writer_nice else ''}; {args.repeats} repeats, medians; dir {args.dir or tempfile.gettempdir()}; "
-          f"benchmark {total:.0f} s")
+    print(
+        f"state: CharTransformer dim={args.dim} layers={args.layers} heads={args.heads} context={args.context} "
+        f"({params / 1e6:.1f} M parameters) + AdamW moments = {state_mb:.0f} MB of tensors; device {args.device}, "
+        f"torch threads {torch.get_num_threads()}{f'; writer thread nice {args.writer_nice}' if args.writer_nice else ''}; {args.repeats} repeats, medians; dir {args.dir or tempfile.gettempdir()}; "
+        f"benchmark {total:.0f} s"
+    )
     print()
     runs_header = "  ".join(f"{'run ' + str(i + 1):>7}" for i in range(args.repeats))
     header = f"{'what':<68}{runs_header}  {'median s':>9}  {'vs torch.save':>13}  {'MB/s':>7}"
     print(header)
     print("-" * len(header))
-    async_rows = ["async store.save() call (wall)", "  + waiting for the background copy before the optimizer step",
-                  "trainer save path: save() + that wait", "  PendingSave.blocking_seconds",
-                  "training step during background write", "  extra step time while the write ran (all steps)",
-                  "effective stall: save() + extra step time", "save-to-commit (store.last_save_seconds)",
-                  "  CPU seconds of the background work (thread + writer)"]
+    async_rows = [
+        "async store.save() call (wall)",
+        "  + waiting for the background copy before the optimizer step",
+        "trainer save path: save() + that wait",
+        "  PendingSave.blocking_seconds",
+        "training step during background write",
+        "  extra step time while the write ran (all steps)",
+        "effective stall: save() + extra step time",
+        "save-to-commit (store.last_save_seconds)",
+        "  CPU seconds of the background work (thread + writer)",
+    ]
     order = [
-        "training step, no save in flight", *async_rows, *(name + WRITER_PROCESS for name in async_rows),
+        "training step, no save in flight",
+        *async_rows,
+        *(name + WRITER_PROCESS for name in async_rows),
         *(name + PERSIST_BEHIND for name in async_rows[:-1]),
-        "  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND, async_rows[-1] + PERSIST_BEHIND,
-        "sync torch.save (new file, faster of 2)", "  its CPU seconds", "  + os.fsync of that file",
+        "  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND,
+        async_rows[-1] + PERSIST_BEHIND,
+        "sync torch.save (new file, faster of 2)",
+        "  its CPU seconds",
+        "  + os.fsync of that file",
         "sync torch.save + fsync",
         "  the slower of the 2",
         "sync store.save(blocking=True)",
-        "CheckpointStore.load (restore)", "  + set_state_dict", "torch.load", "  + set_state_dict ",
+        "CheckpointStore.load (restore)",
+        "  + set_state_dict",
+        "torch.load",
+        "  + set_state_dict ",
         "resume: latest_valid() (re-hash every file)",
     ]
-    throughput_rows = {"async store.save() call (wall)", "save-to-commit (store.last_save_seconds)",
-                       "save-to-commit (store.last_save_seconds)" + WRITER_PROCESS,
-                       "sync torch.save (new file, faster of 2)", "sync torch.save + fsync", "sync store.save(blocking=True)",
-                       "CheckpointStore.load (restore)", "torch.load", "resume: latest_valid() (re-hash every file)"}
+    throughput_rows = {
+        "async store.save() call (wall)",
+        "save-to-commit (store.last_save_seconds)",
+        "save-to-commit (store.last_save_seconds)" + WRITER_PROCESS,
+        "sync torch.save (new file, faster of 2)",
+        "sync torch.save + fsync",
+        "sync store.save(blocking=True)",
+        "CheckpointStore.load (restore)",
+        "torch.load",
+        "resume: latest_valid() (re-hash every file)",
+    }
     for name in order:
         values = rows[name]
         cells = "  ".join(f"{v:7.3f}" for v in values)
@@ -519,86 +612,126 @@ def main(argv: list[str] | None = None) -> int:
     began_in_flight = sum(start for start, _ in overlapped)
     ended_in_flight = sum(end for _, end in overlapped)
     effective = med["effective stall: save() + extra step time"]
-    print(f"overlap: the background write was still in flight when the next training step began in "
-          f"{began_in_flight}/{len(overlapped)} repeats and when it ended in {ended_in_flight}/{len(overlapped)}; "
-          f"that step took {step_during:.3f} s vs {step_base:.3f} s with no save in flight "
-          f"({step_during / step_base:.2f}x); steps run before the commit: {overlap_counts}")
-    print(f"effective stall (save() blocking + the extra time of the steps that ran beside the write): "
-          f"{effective:.3f} s = {effective / sync_save:.3f} x torch.save")
-    print(f"consistency: restored weights equal the weights at save() time (not the step after) in "
-          f"{sum(restored_ok)}/{len(restored_ok)} repeats")
-    print(f"blocking_ratio = save() blocking / torch.save = {blocking:.3f} / {sync_save:.3f} = {ratio:.3f} "
-          f"(target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'})")
+    print(
+        f"overlap: the background write was still in flight when the next training step began in "
+        f"{began_in_flight}/{len(overlapped)} repeats and when it ended in {ended_in_flight}/{len(overlapped)}; "
+        f"that step took {step_during:.3f} s vs {step_base:.3f} s with no save in flight "
+        f"({step_during / step_base:.2f}x); steps run before the commit: {overlap_counts}"
+    )
+    print(
+        f"effective stall (save() blocking + the extra time of the steps that ran beside the write): "
+        f"{effective:.3f} s = {effective / sync_save:.3f} x torch.save"
+    )
+    print(
+        f"consistency: restored weights equal the weights at save() time (not the step after) in "
+        f"{sum(restored_ok)}/{len(restored_ok)} repeats"
+    )
+    print(
+        f"blocking_ratio = save() blocking / torch.save = {blocking:.3f} / {sync_save:.3f} = {ratio:.3f} "
+        f"(target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'})"
+    )
     slow = med["  the slower of the 2"]
     print(f"  (against the slower torch.save of each repeat, {slow:.3f} s: {blocking / slow:.3f})")
-    print(f"per repeat, median (min-max) over {args.repeats}, with the writer process (checkpoint.writerProcess: "
-          f"true): trainer's save path on the training thread {process_trainer[0]:.3f} ({process_trainer[1]:.3f}-"
-          f"{process_trainer[2]:.3f}) x torch.save (target <= 0.05: {'met' if process_trainer[0] <= 0.05 else 'NOT met'}"
-          f"); effective stall {process_stall[0]:.3f} ({process_stall[1]:.3f}-{process_stall[2]:.3f}) x torch.save "
-          f"(target <= 0.5: {'met' if process_stall[0] <= 0.5 else 'NOT met'})")
-    print(f"  with the in-process writer thread (writerProcess: false): trainer's save path {trainer_ratio:.3f} "
-          f"({trainer_low:.3f}-{trainer_high:.3f}); effective stall {stall_ratio:.3f} ({stall_low:.3f}-"
-          f"{stall_high:.3f}); the writer process stalls {stall_ratio / process_stall[0]:.1f}x less")
+    print(
+        f"per repeat, median (min-max) over {args.repeats}, with the writer process (checkpoint.writerProcess: "
+        f"true): trainer's save path on the training thread {process_trainer[0]:.3f} ({process_trainer[1]:.3f}-"
+        f"{process_trainer[2]:.3f}) x torch.save (target <= 0.05: {'met' if process_trainer[0] <= 0.05 else 'NOT met'}"
+        f"); effective stall {process_stall[0]:.3f} ({process_stall[1]:.3f}-{process_stall[2]:.3f}) x torch.save "
+        f"(target <= 0.5: {'met' if process_stall[0] <= 0.5 else 'NOT met'})"
+    )
+    print(
+        f"  with the in-process writer thread (writerProcess: false): trainer's save path {trainer_ratio:.3f} "
+        f"({trainer_low:.3f}-{trainer_high:.3f}); effective stall {stall_ratio:.3f} ({stall_low:.3f}-"
+        f"{stall_high:.3f}); the writer process stalls {stall_ratio / process_stall[0]:.1f}x less"
+    )
     commit = per_repeat("save-to-commit (store.last_save_seconds)")
     commit_process = per_repeat("save-to-commit (store.last_save_seconds)" + WRITER_PROCESS)
     commit_behind = per_repeat("save-to-commit (store.last_save_seconds)" + PERSIST_BEHIND)
     persist_behind = per_repeat("  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND)
     behind_cpu = med["  CPU seconds of the background work (thread + writer)" + PERSIST_BEHIND]
-    print(f"commit_vs_torch_save = save() to committed / torch.save, per repeat: in-process writer {commit[0]:.3f} "
-          f"({commit[1]:.3f}-{commit[2]:.3f}), writer process {commit_process[0]:.3f} ({commit_process[1]:.3f}-"
-          f"{commit_process[2]:.3f}) (issue 37's target for the memory tier: <= 0.5)")
-    print(f"  persisting behind (committed in the memory tier, {'writer process' if args.device == 'cuda' else 'in-process'}"
-          f" writer): {commit_behind[0]:.3f} ({commit_behind[1]:.3f}-{commit_behind[2]:.3f}) x torch.save (target <= 0.5: "
-          f"{'met' if commit_behind[0] <= 0.5 else 'NOT met'}); then persisted to storage in {persist_behind[0]:.3f} "
-          f"({persist_behind[1]:.3f}-{persist_behind[2]:.3f}) x torch.save more; CPU of both tiers "
-          f"{behind_cpu / med['  its CPU seconds']:.2f}x torch.save's (target <= 1.5)")
-    for suffix, label in (("", "in-process writer"), (WRITER_PROCESS, "writer process"),
-                          (PERSIST_BEHIND, "persisting behind")):
+    print(
+        f"commit_vs_torch_save = save() to committed / torch.save, per repeat: in-process writer {commit[0]:.3f} "
+        f"({commit[1]:.3f}-{commit[2]:.3f}), writer process {commit_process[0]:.3f} ({commit_process[1]:.3f}-"
+        f"{commit_process[2]:.3f}) (issue 37's target for the memory tier: <= 0.5)"
+    )
+    print(
+        f"  persisting behind (committed in the memory tier, {'writer process' if args.device == 'cuda' else 'in-process'}"
+        f" writer): {commit_behind[0]:.3f} ({commit_behind[1]:.3f}-{commit_behind[2]:.3f}) x torch.save (target <= 0.5: "
+        f"{'met' if commit_behind[0] <= 0.5 else 'NOT met'}); then persisted to storage in {persist_behind[0]:.3f} "
+        f"({persist_behind[1]:.3f}-{persist_behind[2]:.3f}) x torch.save more; CPU of both tiers "
+        f"{behind_cpu / med['  its CPU seconds']:.2f}x torch.save's (target <= 1.5)"
+    )
+    for suffix, label in (
+        ("", "in-process writer"),
+        (WRITER_PROCESS, "writer process"),
+        (PERSIST_BEHIND, "persisting behind"),
+    ):
         if phases.get(suffix):
-            print(f"where save-to-commit went ({label}; medians, store.last_save_phases): " + ", ".join(
-                f"{phase} {statistics.median(values):.3f} s" for phase, values in phases[suffix].items()))
+            print(
+                f"where save-to-commit went ({label}; medians, store.last_save_phases): "
+                + ", ".join(f"{phase} {statistics.median(values):.3f} s" for phase, values in phases[suffix].items())
+            )
     background_cpu = med["  CPU seconds of the background work (thread + writer)" + WRITER_PROCESS]
     save_cpu = med["  its CPU seconds"]
-    print(f"CPU of one save's background work (writer process + checkpoint thread: staging, digest, serialising, "
-          f"hashing, writing) {background_cpu:.3f} s vs torch.save's {save_cpu:.3f} s = {background_cpu / save_cpu:.2f}x; "
-          f"(in-process: {med['  CPU seconds of the background work (thread + writer)'] / save_cpu:.2f}x): the steps "
-          f"beside the write lose {process_stall[0] / (background_cpu / save_cpu):.0%} of it to the effective stall, the "
-          f"rest runs in time training leaves idle")
-    print(f"restore: CheckpointStore.load {restore:.3f} s vs torch.load {med['torch.load']:.3f} s "
-          f"({restore / med['torch.load']:.2f}x); resume incl. latest_valid re-hash "
-          f"{med['resume: latest_valid() (re-hash every file)'] + restore:.3f} s")
+    print(
+        f"CPU of one save's background work (writer process + checkpoint thread: staging, digest, serialising, "
+        f"hashing, writing) {background_cpu:.3f} s vs torch.save's {save_cpu:.3f} s = {background_cpu / save_cpu:.2f}x; "
+        f"(in-process: {med['  CPU seconds of the background work (thread + writer)'] / save_cpu:.2f}x): the steps "
+        f"beside the write lose {process_stall[0] / (background_cpu / save_cpu):.0%} of it to the effective stall, the "
+        f"rest runs in time training leaves idle"
+    )
+    print(
+        f"restore: CheckpointStore.load {restore:.3f} s vs torch.load {med['torch.load']:.3f} s "
+        f"({restore / med['torch.load']:.2f}x); resume incl. latest_valid re-hash "
+        f"{med['resume: latest_valid() (re-hash every file)'] + restore:.3f} s"
+    )
     restore_medians = {label: statistics.median(values) for label, values in restores.items()}
     from_storage = min((v for label, v in restore_medians.items() if not label.startswith("memory")), default=math.nan)
     from_memory = max((v for label, v in restore_medians.items() if label.startswith("memory")), default=math.nan)
     memory_speedup = from_storage / from_memory
     memory_vs_load = from_memory / med["torch.load"]
-    print(f"restore as a restarted process resumes (latest_valid + load into a fresh model), {args.restore_repeats} "
-          f"each, median (min-max):")
+    print(
+        f"restore as a restarted process resumes (latest_valid + load into a fresh model), {args.restore_repeats} "
+        f"each, median (min-max):"
+    )
     for label, values in restores.items():
-        print(f"  {'from ' + label:<32}{restore_medians[label]:8.3f} s ({min(values):.3f}-{max(values):.3f})"
-              f"{state_mb / restore_medians[label]:8.0f} MB/s")
-    print(f"memory_restore_speedup = the faster storage restore / the slower memory restore = {from_storage:.3f} / "
-          f"{from_memory:.3f} = {memory_speedup:.1f}x (target >= 10: {'met' if memory_speedup >= 10 else 'NOT met'})")
-    print(f"memory_restore_vs_torch_load = the slower memory restore (a new process: listing, verify, load) / torch.load "
-          f"= {from_memory:.3f} / {med['torch.load']:.3f} = {memory_vs_load:.2f} (issue 37's target: <= 0.2)")
+        print(
+            f"  {'from ' + label:<32}{restore_medians[label]:8.3f} s ({min(values):.3f}-{max(values):.3f})"
+            f"{state_mb / restore_medians[label]:8.0f} MB/s"
+        )
+    print(
+        f"memory_restore_speedup = the faster storage restore / the slower memory restore = {from_storage:.3f} / "
+        f"{from_memory:.3f} = {memory_speedup:.1f}x (target >= 10: {'met' if memory_speedup >= 10 else 'NOT met'})"
+    )
+    print(
+        f"memory_restore_vs_torch_load = the slower memory restore (a new process: listing, verify, load) / torch.load "
+        f"= {from_memory:.3f} / {med['torch.load']:.3f} = {memory_vs_load:.2f} (issue 37's target: <= 0.2)"
+    )
     cores = os.cpu_count() or 1
     if foreign and max(foreign) > 0.1 * cores:
-        print(f"WARNING: other processes used up to {max(foreign):.2f} of {cores} cores during a repeat "
-              f"({', '.join(f'{f:.2f}' for f in foreign)}); the figures include their interference.")
+        print(
+            f"WARNING: other processes used up to {max(foreign):.2f} of {cores} cores during a repeat "
+            f"({', '.join(f'{f:.2f}' for f in foreign)}); the figures include their interference."
+        )
     if not all(restored_ok) or began_in_flight == 0:
-        print("WARNING: " + ("a restore did not reproduce the saved weights; " if not all(restored_ok) else "")
-              + ("the background write never overlapped the next step" if began_in_flight == 0 else ""))
-    print(f"result: blocking_ratio={ratio:.4f} async_blocking_seconds={blocking:.4f} sync_save_seconds={sync_save:.4f} "
-          f"restore_seconds={restore:.4f} state_mb={state_mb:.1f} background_seconds={med['save-to-commit (store.last_save_seconds)']:.4f} "
-          f"trainer_blocking_seconds={trainer_blocking:.4f} blocking_ratio_vs_slower_save={blocking / slow:.4f} "
-          f"effective_stall_seconds={effective:.4f} "
-          f"torch_load_seconds={med['torch.load']:.4f} memory_restore_speedup={memory_speedup:.2f} background_cpu_ratio={background_cpu / save_cpu:.2f} "
-          f"trainer_blocking_ratio={process_trainer[0]:.4f} effective_stall_ratio={process_stall[0]:.4f} "
-          f"trainer_blocking_ratio_in_process={trainer_ratio:.4f} effective_stall_ratio_in_process={stall_ratio:.4f} "
-          f"commit_vs_torch_save={commit_behind[0]:.4f} commit_vs_torch_save_in_process={commit[0]:.4f} "
-          f"persist_vs_torch_save={persist_behind[0]:.4f} background_cpu_ratio_persist_behind="
-          f"{behind_cpu / med['  its CPU seconds']:.2f} "
-          f"commit_vs_torch_save_writer_process={commit_process[0]:.4f} memory_restore_vs_torch_load={memory_vs_load:.4f}")
+        print(
+            "WARNING: "
+            + ("a restore did not reproduce the saved weights; " if not all(restored_ok) else "")
+            + ("the background write never overlapped the next step" if began_in_flight == 0 else "")
+        )
+    print(
+        f"result: blocking_ratio={ratio:.4f} async_blocking_seconds={blocking:.4f} sync_save_seconds={sync_save:.4f} "
+        f"restore_seconds={restore:.4f} state_mb={state_mb:.1f} background_seconds={med['save-to-commit (store.last_save_seconds)']:.4f} "
+        f"trainer_blocking_seconds={trainer_blocking:.4f} blocking_ratio_vs_slower_save={blocking / slow:.4f} "
+        f"effective_stall_seconds={effective:.4f} "
+        f"torch_load_seconds={med['torch.load']:.4f} memory_restore_speedup={memory_speedup:.2f} background_cpu_ratio={background_cpu / save_cpu:.2f} "
+        f"trainer_blocking_ratio={process_trainer[0]:.4f} effective_stall_ratio={process_stall[0]:.4f} "
+        f"trainer_blocking_ratio_in_process={trainer_ratio:.4f} effective_stall_ratio_in_process={stall_ratio:.4f} "
+        f"commit_vs_torch_save={commit_behind[0]:.4f} commit_vs_torch_save_in_process={commit[0]:.4f} "
+        f"persist_vs_torch_save={persist_behind[0]:.4f} background_cpu_ratio_persist_behind="
+        f"{behind_cpu / med['  its CPU seconds']:.2f} "
+        f"commit_vs_torch_save_writer_process={commit_process[0]:.4f} memory_restore_vs_torch_load={memory_vs_load:.4f}"
+    )
     return 0 if all(restored_ok) else 1
 
 

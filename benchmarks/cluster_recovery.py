@@ -23,6 +23,7 @@ interval; status shows training within 2 s of the first step (issue 36).
 Needs root, the node's packages and the image archives (as `make e2e`):
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/cluster_recovery.py [--pod 0|1] [--repeat 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,17 +99,33 @@ class StatusSampler:
     def shows_training(self, after: float, since_step: int, before_process: Optional[str]) -> float:
         """When status first named a process other than `before_process` at step `since_step` or later, after
         `after` (the process that trains again has reported its first step)."""
-        return min((t for t, step, process in self.samples if t >= after and process and process != before_process
-                    and step is not None and step >= since_step), default=float("nan"))
+        return min(
+            (
+                t
+                for t, step, process in self.samples
+                if t >= after and process and process != before_process and step is not None and step >= since_step
+            ),
+            default=float("nan"),
+        )
 
     def process_at(self, when: float) -> Optional[str]:
         return next((process for t, _, process in reversed(self.samples) if t <= when), None)
 
 
-def one_loss(cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agent_log_level: str = "") -> dict[str, float]:
+def one_loss(
+    cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agent_log_level: str = ""
+) -> dict[str, float]:
     namespace = cluster.plane.create_namespace(f"bench-{uuid.uuid4().hex[:6]}")
-    cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
-                    "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
+    cluster.kubectl(
+        "-n",
+        namespace,
+        "create",
+        "secret",
+        "generic",
+        "s3-trainer",
+        "--from-literal=AWS_ACCESS_KEY_ID=testing",
+        "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
+    )
     document = kube_journey.run_file(cluster.s3.new_bucket(), "bench", cluster.s3.endpoint_url)
     document["spec"]["trainer"]["logIntervalSteps"] = 1
     if agent_log_level:  # torch's elastic agent logs its rendezvous rounds and worker starts at INFO
@@ -120,19 +137,35 @@ def one_loss(cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agen
     explain = lambda: cluster.diagnose(namespace)  # noqa: E731
     run = lambda: cluster.run(namespace, "bench")  # noqa: E731
     sampler = StatusSampler(run)
-    cluster.wait("a committed checkpoint", lambda: (run().get("status") or {}).get("lastGoodCheckpoint"), explain=explain)
+    cluster.wait(
+        "a committed checkpoint", lambda: (run().get("status") or {}).get("lastGoodCheckpoint"), explain=explain
+    )
     reported = (run()["status"].get("progress") or {}).get("updatedAt")
-    cluster.wait("a second report", lambda: (run()["status"].get("progress") or {}).get("updatedAt") != reported,
-                 explain=explain)
+    cluster.wait(
+        "a second report", lambda: (run()["status"].get("progress") or {}).get("updatedAt") != reported, explain=explain
+    )
     status = run()["status"]
     job, attempt = status["jobName"], status["attempt"]
     victim = f"{job}-worker-{index}"
     survivor = f"{job}-worker-{1 - index}"
     old_uid = pods(cluster, namespace)[victim]["metadata"]["uid"]
     # Follow both pods' logs to their end: a pod Kubeflow replaces takes its log with it.
-    followers = [subprocess.Popen([str(cluster.plane.assets / "kubectl"), f"--kubeconfig={cluster.plane.admin_kubeconfig}",
-                                   "-n", namespace, "logs", "-f", name], stdout=subprocess.PIPE, text=True)
-                 for name in (victim, survivor)]
+    followers = [
+        subprocess.Popen(
+            [
+                str(cluster.plane.assets / "kubectl"),
+                f"--kubeconfig={cluster.plane.admin_kubeconfig}",
+                "-n",
+                namespace,
+                "logs",
+                "-f",
+                name,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for name in (victim, survivor)
+    ]
 
     deleted = time.time()
     cluster.kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
@@ -152,7 +185,9 @@ def one_loss(cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agen
             started = now
         assert time.monotonic() < deadline, explain()
         time.sleep(0.1)  # polling the API
-    cluster.wait("Succeeded", lambda: (run().get("status") or {}).get("phase") in ("Succeeded", "Failed"), explain=explain)
+    cluster.wait(
+        "Succeeded", lambda: (run().get("status") or {}).get("phase") in ("Succeeded", "Failed"), explain=explain
+    )
     sampler.close()
     assert run()["status"]["phase"] == "Succeeded", explain()
 
@@ -168,21 +203,27 @@ def one_loss(cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agen
     resumes = [(t, m) for t, _, logger, m in lines if t >= deleted and m.startswith("resumed from ")]
     assert resumes, explain()
     # Trained before the resume, by the old processes (they may go on for a moment after the deletion call).
-    before = [step_of_message(m) for t, _, logger, m in lines + before_logs
-              if t < resumes[0][0] and logger == "trainingrun.trainer" and step_of_message(m)]
+    before = [
+        step_of_message(m)
+        for t, _, logger, m in lines + before_logs
+        if t < resumes[0][0] and logger == "trainingrun.trainer" and step_of_message(m)
+    ]
     restored = max(t for t, _ in resumes)
     resumed_step = int(re.search(r"at step (\d+)", resumes[0][1])[1])
-    training = min(t for t, _, logger, m in lines if t > restored and logger == "trainingrun.trainer"
-                   and step_of_message(m))
+    training = min(
+        t for t, _, logger, m in lines if t > restored and logger == "trainingrun.trainer" and step_of_message(m)
+    )
     first_shown = sampler.shows_training(applied, 1, None)
     resumed_shown = sampler.shows_training(deleted, resumed_step + 1, sampler.process_at(deleted))
     if logs_dir:
         for name in pods(cluster, namespace):
             (logs_dir / f"{namespace}-{name}.log").write_text(
-                cluster.kubectl("-n", namespace, "logs", name, check=False).stdout)
+                cluster.kubectl("-n", namespace, "logs", name, check=False).stdout
+            )
         (logs_dir / f"{namespace}-survivor-before.log").write_text("\n".join(map(str, before_logs)))
-        (logs_dir / f"{namespace}-times.txt").write_text(f"applied {applied}\ndeleted {deleted}\nreplaced {replaced}\n"
-                                                        f"started {started}\n")
+        (logs_dir / f"{namespace}-times.txt").write_text(
+            f"applied {applied}\ndeleted {deleted}\nreplaced {replaced}\nstarted {started}\n"
+        )
     cluster.kubectl("delete", "namespace", namespace, "--wait=false")
     return {
         "apply_to_first_step_s": first_step - applied,
@@ -203,16 +244,21 @@ def main() -> None:
     parser.add_argument("--pod", type=int, choices=(0, 1), default=0, help="worker deleted (0 hosts the rendezvous)")
     parser.add_argument("--repeat", type=int, default=1, help="runs, each losing one pod; medians printed")
     parser.add_argument("--logs", type=Path, help="keep each run's pod logs and timestamps in this folder")
-    parser.add_argument("--agent-log-level", default="", help="LOGLEVEL for torch's elastic agent in the pods "
-                        "(INFO shows its rendezvous rounds in the --logs files)")
+    parser.add_argument(
+        "--agent-log-level",
+        default="",
+        help="LOGLEVEL for torch's elastic agent in the pods (INFO shows its rendezvous rounds in the --logs files)",
+    )
     args = parser.parse_args()
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
     gaps = kube_journey.missing()
     if gaps:
         sys.exit("cluster_recovery: missing " + "; ".join(gaps))
-    with tempfile.TemporaryDirectory(prefix="cluster-recovery-") as workdir, \
-            kube_journey.started(Path(workdir)) as cluster:
+    with (
+        tempfile.TemporaryDirectory(prefix="cluster-recovery-") as workdir,
+        kube_journey.started(Path(workdir)) as cluster,
+    ):
         kube_journey.install_chart(cluster)
         results = [one_loss(cluster, args.pod, args.logs, args.agent_log_level) for _ in range(args.repeat)]
     keys = list(results[0])
@@ -222,14 +268,18 @@ def main() -> None:
         print(f"  {key:24s} {statistics.median(values):8.2f}   {' '.join(f'{v:.2f}' for v in values)}")
     median = {key: statistics.median(r[key] for r in results) for key in keys}
     lag = max(median["first_step_to_status_s"], median["resumed_step_to_status_s"])
-    print(f"target deletion_to_training_s <= 10: {'met' if median['deletion_to_training_s'] <= 10 else 'NOT met'}; "
-          f"lost_steps <= {CHECKPOINT_STEPS}: {'met' if median['lost_steps'] <= CHECKPOINT_STEPS else 'NOT met'}; "
-          f"status within 2 s of a first step: {'met' if lag <= 2 else 'NOT met'}")
-    print(f"result: apply_to_first_step_s={median['apply_to_first_step_s']:.1f} "
-          f"deletion_to_training_s={median['deletion_to_training_s']:.1f} lost_steps={median['lost_steps']:.0f} "
-          f"first_step_to_status_s={median['first_step_to_status_s']:.1f} "
-          f"resumed_step_to_status_s={median['resumed_step_to_status_s']:.1f} "
-          f"checkpoint_interval_steps={CHECKPOINT_STEPS}")
+    print(
+        f"target deletion_to_training_s <= 10: {'met' if median['deletion_to_training_s'] <= 10 else 'NOT met'}; "
+        f"lost_steps <= {CHECKPOINT_STEPS}: {'met' if median['lost_steps'] <= CHECKPOINT_STEPS else 'NOT met'}; "
+        f"status within 2 s of a first step: {'met' if lag <= 2 else 'NOT met'}"
+    )
+    print(
+        f"result: apply_to_first_step_s={median['apply_to_first_step_s']:.1f} "
+        f"deletion_to_training_s={median['deletion_to_training_s']:.1f} lost_steps={median['lost_steps']:.0f} "
+        f"first_step_to_status_s={median['first_step_to_status_s']:.1f} "
+        f"resumed_step_to_status_s={median['resumed_step_to_status_s']:.1f} "
+        f"checkpoint_interval_steps={CHECKPOINT_STEPS}"
+    )
 
 
 if __name__ == "__main__":

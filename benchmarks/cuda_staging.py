@@ -19,6 +19,7 @@ with AdamW's two moments beside each, fp32: 1.81 GB at the defaults) and lives o
 Last line: `result: torch_save_s=... stager_s=... locked_s=... pageable_s=... hash_s=... locked_vs_torch_save=...
 locked_first_s=... device=...`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,9 @@ from trainingrun_trainer.checkpoint import tier_staging
 
 def state_like_the_benchmark_model(dim: int, layers: int, device: str) -> dict:
     shapes = [(3 * dim, dim), (dim, dim), (4 * dim, dim), (dim, 4 * dim)]
-    weights = {f"layer{i}.w{j}": torch.randn(shape, device=device) for i in range(layers) for j, shape in enumerate(shapes)}
+    weights = {
+        f"layer{i}.w{j}": torch.randn(shape, device=device) for i in range(layers) for j, shape in enumerate(shapes)
+    }
     moments = {name: {"exp_avg": torch.randn_like(w), "exp_avg_sq": torch.rand_like(w)} for name, w in weights.items()}
     return {"model": weights, "optim": moments}
 
@@ -52,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("cuda_staging: torch sees no CUDA device (pass --device cpu to check the script)")
     state = state_like_the_benchmark_model(args.dim, args.layers, args.device)
-    nbytes = sum(t.numel() * t.element_size() for group in state.values() for entry in group.values()
-                 for t in (entry.values() if isinstance(entry, dict) else [entry]))
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for group in state.values()
+        for entry in group.values()
+        for t in (entry.values() if isinstance(entry, dict) else [entry])
+    )
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     root = tempfile.mkdtemp(prefix="cuda-staging-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     figures: dict[str, list[float]] = {}
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         os.unlink(path)
 
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
     stager = StateDictStager(pin_memory=args.device == "cuda")
     real_pin = tier_staging._pin
 
@@ -96,21 +104,28 @@ def main(argv: list[str] | None = None) -> int:
     tier_staging._pin = real_pin
     tier_staging.release_locked_pages()
     reference = statistics.median(figures["torch.save /dev/shm"][1:] or figures["torch.save /dev/shm"])
-    print(f"state: {nbytes / 1e9:.2f} GB on {args.device}; seconds (first, then the median of the rest), GB/s, x torch.save")
+    print(
+        f"state: {nbytes / 1e9:.2f} GB on {args.device}; seconds (first, then the median of the rest), GB/s, x torch.save"
+    )
     medians = {}
     for name in ("torch.save /dev/shm", "stager (pinned)", "tier file, locked", "tier file, pageable", "xxh3_128"):
         runs = figures[name]
         medians[name] = statistics.median(runs[1:] or runs)
-        print(f"  {name:22s} first {runs[0]:.3f}  median {medians[name]:.3f} s  {nbytes / medians[name] / 1e9:6.1f} GB/s  "
-              f"{medians[name] / reference:.2f}x")
+        print(
+            f"  {name:22s} first {runs[0]:.3f}  median {medians[name]:.3f} s  {nbytes / medians[name] / 1e9:6.1f} GB/s  "
+            f"{medians[name] / reference:.2f}x"
+        )
     print(f"  pages locked for the copy: {bool(figures['locked pinned'][-1])}")
     shutil.rmtree(root)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu x{os.cpu_count()}"
-    print(f"result: torch_save_s={reference:.4f} stager_s={medians['stager (pinned)']:.4f} "
-          f"locked_s={medians['tier file, locked']:.4f} pageable_s={medians['tier file, pageable']:.4f} "
-          f"hash_s={medians['xxh3_128']:.4f} locked_vs_torch_save={medians['tier file, locked'] / reference:.4f} "
-          f"locked_first_s={figures['tier file, locked'][0]:.4f} locked={bool(figures['locked pinned'][-1])} "
-          f"device={device.replace(' ', '_')}", flush=True)
+    print(
+        f"result: torch_save_s={reference:.4f} stager_s={medians['stager (pinned)']:.4f} "
+        f"locked_s={medians['tier file, locked']:.4f} pageable_s={medians['tier file, pageable']:.4f} "
+        f"hash_s={medians['xxh3_128']:.4f} locked_vs_torch_save={medians['tier file, locked'] / reference:.4f} "
+        f"locked_first_s={figures['tier file, locked'][0]:.4f} locked={bool(figures['locked pinned'][-1])} "
+        f"device={device.replace(' ', '_')}",
+        flush=True,
+    )
     return 0
 
 

@@ -33,6 +33,7 @@ Run by hand, never by the test suite:
 The last line is `result: data_wait_fraction=<x> shards_steps_per_s=<x> synthetic_steps_per_s=<x>
 local_steps_per_s=<x> warm_steps_per_s=<x> no_read_ahead_data_wait_fraction=<x>`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,7 @@ def shard_bytes(tokens_per_shard: int) -> list[bytes]:
 
     text = SyntheticText(num_samples=2 * tokens_per_shard // 64 + 1, context_length=63, vocab_size=128, seed=3)
     tokens = np.concatenate([text[i]["tokens"].numpy() for i in range(len(text))]).astype("<u2")
-    return [tokens[:tokens_per_shard].tobytes(), tokens[tokens_per_shard:2 * tokens_per_shard].tobytes()]
+    return [tokens[:tokens_per_shard].tobytes(), tokens[tokens_per_shard : 2 * tokens_per_shard].tobytes()]
 
 
 class SlowProxy:
@@ -102,28 +103,50 @@ class SlowProxy:
         self.loop.run_until_complete(main())
 
 
-def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, env: dict,
-                **trainer: object) -> dict:
+def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, env: dict, **trainer: object) -> dict:
     """Train `args.steps` steps on `dataset` (one process under torchrun, more `trainer` fields as given); steps/s
     and the data-wait fraction from the trainer's own Prometheus series."""
     metrics = work / f"metrics-{name}"
     metrics.mkdir()
-    model = {"classPath": "trainingrun_trainer.models.CharTransformer",
-             "initArgs": {"vocabSize": 128, "dim": args.dim, "layers": args.layers, "heads": args.heads,
-                          "contextLength": args.context}}
+    model = {
+        "classPath": "trainingrun_trainer.models.CharTransformer",
+        "initArgs": {
+            "vocabSize": 128,
+            "dim": args.dim,
+            "layers": args.layers,
+            "heads": args.heads,
+            "contextLength": args.context,
+        },
+    }
     data = {"dataset": dataset, "batchSize": args.batch_size}
     if args.workers is not None:
         data["numWorkers"] = args.workers
     if args.prefetch is not None:
         data["prefetchFactor"] = args.prefetch
-    config = {"trainer": {"model": model, "data": data, "maxSteps": args.steps, "logIntervalSteps": 50, **trainer},
-              "checkpoint": {"uri": f"file://{work}/ckpt-{name}", "interval": {"steps": 10**6}}}
+    config = {
+        "trainer": {"model": model, "data": data, "maxSteps": args.steps, "logIntervalSteps": 50, **trainer},
+        "checkpoint": {"uri": f"file://{work}/ckpt-{name}", "interval": {"steps": 10**6}},
+    }
     (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
-    environment.update({"TRAININGRUN_CONFIG": str(work / f"{name}.yaml"), "TRAININGRUN_NAME": name,
-                        "PROMETHEUS_MULTIPROC_DIR": str(metrics), "OMP_NUM_THREADS": str(args.threads), **env})
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-               "-m", "trainingrun_trainer"]
+    environment.update(
+        {
+            "TRAININGRUN_CONFIG": str(work / f"{name}.yaml"),
+            "TRAININGRUN_NAME": name,
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics),
+            "OMP_NUM_THREADS": str(args.threads),
+            **env,
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "-m",
+        "trainingrun_trainer",
+    ]
     done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{name}: the trainer exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -136,12 +159,17 @@ def run_trainer(work: Path, name: str, dataset: dict, args: argparse.Namespace, 
     sums = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.name in ("trainingrun_data_wait_seconds_sum", "trainingrun_step_duration_seconds_sum",
-                               "trainingrun_step_duration_seconds_count"):
+            if sample.name in (
+                "trainingrun_data_wait_seconds_sum",
+                "trainingrun_step_duration_seconds_sum",
+                "trainingrun_step_duration_seconds_count",
+            ):
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     step_seconds = sums["trainingrun_step_duration_seconds_sum"]
-    return {"steps_per_s": sums["trainingrun_step_duration_seconds_count"] / step_seconds,
-            "data_wait_fraction": sums["trainingrun_data_wait_seconds_sum"] / step_seconds}
+    return {
+        "steps_per_s": sums["trainingrun_step_duration_seconds_count"] / step_seconds,
+        "data_wait_fraction": sums["trainingrun_data_wait_seconds_sum"] / step_seconds,
+    }
 
 
 def training_arguments(description: str) -> argparse.ArgumentParser:
@@ -161,14 +189,26 @@ def training_arguments(description: str) -> argparse.ArgumentParser:
 
 def main() -> None:
     parser = training_arguments(__doc__.split("\n\n")[0])
-    parser.add_argument("--shard-tokens", type=int, default=20_000_000,
-                        help="tokens per shard (two shards; default 20 M: 80 blocks of 1 MiB to fetch)")
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=20_000_000,
+        help="tokens per shard (two shards; default 20 M: 80 blocks of 1 MiB to fetch)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--storage-latency-ms", type=float, default=30.0,
-                        help="latency added to each request to the GCS emulator, as a cloud bucket has (default 30)")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="rounds of all sides; each figure is then the median, with the range beside it "
-                             "(on this 2-core VM one data-wait figure moves by about 0.5 percentage points)")
+    parser.add_argument(
+        "--storage-latency-ms",
+        type=float,
+        default=30.0,
+        help="latency added to each request to the GCS emulator, as a cloud bucket has (default 30)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of all sides; each figure is then the median, with the range beside it "
+        "(on this 2-core VM one data-wait figure moves by about 0.5 percentage points)",
+    )
     args = parser.parse_args()
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
 
@@ -192,48 +232,87 @@ def main() -> None:
         gcs_env = {**env, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{slow.port}", "NO_GCE_CHECK": "true"}
 
         def tokens(uri: str, **more: int) -> dict:
-            return {"classPath": "trainingrun_trainer.shards.TokenShards",
-                    "initArgs": {"uri": uri, "contextLength": args.context, "vocabSize": 128, **more}}
+            return {
+                "classPath": "trainingrun_trainer.shards.TokenShards",
+                "initArgs": {"uri": uri, "contextLength": args.context, "vocabSize": 128, **more},
+            }
 
-        synthetic = {"classPath": "trainingrun_trainer.data.SyntheticText",
-                     "initArgs": {"numSamples": 100_000, "contextLength": args.context, "vocabSize": 128}}
+        synthetic = {
+            "classPath": "trainingrun_trainer.data.SyntheticText",
+            "initArgs": {"numSamples": 100_000, "contextLength": args.context, "vocabSize": 128},
+        }
         rounds = []
         for round_ in range(args.repeat):
             cache = {"TRAININGRUN_DATA_CACHE": str(work / f"cache-local-{round_}")}
             gcs_cache, gcs_cache_2 = str(work / f"cache-gcs-{round_}"), str(work / f"cache-gcs-2-{round_}")
-            rounds.append([
-                ("synthetic", run_trainer(work, f"synthetic-{round_}", synthetic, args, env)),
-                ("local shards", run_trainer(work, f"local-{round_}", tokens(f"file://{local}"), args,
-                                             {**env, **cache})),
-                ("GCS shards, cold", run_trainer(work, f"cold-{round_}", tokens("gs://bench/tokens"), args,
-                                                 {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache})),
-                ("GCS shards, warm", run_trainer(work, f"warm-{round_}", tokens("gs://bench/tokens"), args,
-                                                 {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache})),
-                ("GCS, cold, no read-ahead", run_trainer(work, f"cold-no-read-ahead-{round_}",
-                                                         tokens("gs://bench/tokens", readAhead=0), args,
-                                                         {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache_2})),
-            ])
+            rounds.append(
+                [
+                    ("synthetic", run_trainer(work, f"synthetic-{round_}", synthetic, args, env)),
+                    (
+                        "local shards",
+                        run_trainer(work, f"local-{round_}", tokens(f"file://{local}"), args, {**env, **cache}),
+                    ),
+                    (
+                        "GCS shards, cold",
+                        run_trainer(
+                            work,
+                            f"cold-{round_}",
+                            tokens("gs://bench/tokens"),
+                            args,
+                            {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache},
+                        ),
+                    ),
+                    (
+                        "GCS shards, warm",
+                        run_trainer(
+                            work,
+                            f"warm-{round_}",
+                            tokens("gs://bench/tokens"),
+                            args,
+                            {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache},
+                        ),
+                    ),
+                    (
+                        "GCS, cold, no read-ahead",
+                        run_trainer(
+                            work,
+                            f"cold-no-read-ahead-{round_}",
+                            tokens("gs://bench/tokens", readAhead=0),
+                            args,
+                            {**gcs_env, "TRAININGRUN_DATA_CACHE": gcs_cache_2},
+                        ),
+                    ),
+                ]
+            )
     finally:
         _stop(emulator)
         log.close()
-    sides = [(name, {key: statistics.median(r[n][1][key] for r in rounds) for key in figures})
-             for n, (name, figures) in enumerate(rounds[0])]
+    sides = [
+        (name, {key: statistics.median(r[n][1][key] for r in rounds) for key in figures})
+        for n, (name, figures) in enumerate(rounds[0])
+    ]
     base = sides[0][1]["steps_per_s"]
-    print(f"{args.steps} steps, batch {args.batch_size}, context {args.context}, workers "
-          f"{'default (0)' if args.workers is None else args.workers}, device {args.device}; GCS requests "
-          f"+{args.storage_latency_ms:g} ms; shards of {args.shard_tokens} tokens"
-          + (f"; medians of {args.repeat} rounds, data wait range beside" if args.repeat > 1 else ""))
+    print(
+        f"{args.steps} steps, batch {args.batch_size}, context {args.context}, workers "
+        f"{'default (0)' if args.workers is None else args.workers}, device {args.device}; GCS requests "
+        f"+{args.storage_latency_ms:g} ms; shards of {args.shard_tokens} tokens"
+        + (f"; medians of {args.repeat} rounds, data wait range beside" if args.repeat > 1 else "")
+    )
     print(f"{'data':<26}{'steps/s':>10}{'vs synthetic':>14}{'data wait':>12}")
     for n, (name, figures) in enumerate(sides):
         waits = [r[n][1]["data_wait_fraction"] for r in rounds]
         spread = f"  ({min(waits):.1%}-{max(waits):.1%})" if args.repeat > 1 else ""
-        print(f"{name:<26}{figures['steps_per_s']:>10.1f}{figures['steps_per_s'] / base:>14.2f}"
-              f"{figures['data_wait_fraction']:>11.1%}{spread}")
+        print(
+            f"{name:<26}{figures['steps_per_s']:>10.1f}{figures['steps_per_s'] / base:>14.2f}"
+            f"{figures['data_wait_fraction']:>11.1%}{spread}"
+        )
     cold, local_side, warm = sides[2][1], sides[1][1], sides[3][1]
-    print(f"result: data_wait_fraction={cold['data_wait_fraction']:.4f} shards_steps_per_s={cold['steps_per_s']:.2f} "
-          f"synthetic_steps_per_s={base:.2f} local_steps_per_s={local_side['steps_per_s']:.2f} "
-          f"warm_steps_per_s={warm['steps_per_s']:.2f} "
-          f"no_read_ahead_data_wait_fraction={sides[4][1]['data_wait_fraction']:.4f}")
+    print(
+        f"result: data_wait_fraction={cold['data_wait_fraction']:.4f} shards_steps_per_s={cold['steps_per_s']:.2f} "
+        f"synthetic_steps_per_s={base:.2f} local_steps_per_s={local_side['steps_per_s']:.2f} "
+        f"warm_steps_per_s={warm['steps_per_s']:.2f} "
+        f"no_read_ahead_data_wait_fraction={sides[4][1]['data_wait_fraction']:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ On the GPU machine (torch 2.11 there, no registry, no pydantic): carry the wheel
 About 7 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, gpu_defaults 100 s): give
 the device call 540 s. `--quick` (a smaller model, 2 repeats) checks the script itself, also on CPU (`--device cpu`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,9 @@ def run(script: str, args: list[str], timeout: float) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="a smaller model and 2 repeats: checks the script")
     parser.add_argument("--timeout", type=float, default=330, help="seconds each benchmark may take (default 330)")
@@ -96,22 +98,76 @@ def main(argv: list[str] | None = None) -> int:
     tests = "skipped"
     if not args.no_tests:  # the unit tests that need a GPU (skipped on CPUs): the staging path the figures time
         print(f"== pytest {' '.join(GPU_TESTS)}", flush=True)
-        tests = "passed" if subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
-                                            "addopts=", "--tb=short", *GPU_TESTS], cwd=HERE.parent).returncode == 0 \
+        tests = (
+            "passed"
+            if subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "-o",
+                    "addopts=",
+                    "--tb=short",
+                    *GPU_TESTS,
+                ],
+                cwd=HERE.parent,
+            ).returncode
+            == 0
             else "failed"
+        )
     model = QUICK_MODEL if args.quick else MODEL
     repeats = "2" if args.quick else str(args.repeats)
-    stall = run("checkpoint_stall.py", ["--device", args.device, *model, "--repeats", repeats, "--restore-from", "file",
-                                        "--restore-repeats", "2" if args.quick else "3", "--dir", "/tmp"],
-                args.timeout)
-    overhead = run("trainer_overhead.py", [
-        "--device", args.device, "--nproc", "1", *model, "--context", "64" if args.quick else "256",
-        "--batch-size", "4" if args.quick else "32", "--precision", "bf16-mixed" if args.device == "cuda" else "32-true",
-        "--checkpoint-every", "10", "--steps", "60" if args.quick else "160", "--no-metrics", "--no-reporting",
-        "--repeats", "2" if args.quick else str(args.overhead_repeats),
-        *(["--compile"] if args.device == "cuda" else [])], args.timeout)  # the trainer's GPU default, both sides
-    defaults = run("gpu_defaults.py", ["--device", args.device, "--variants", "fused,compile,recompile,graphs",
-                                       *(["--quick"] if args.quick else [])], args.timeout)
+    stall = run(
+        "checkpoint_stall.py",
+        [
+            "--device",
+            args.device,
+            *model,
+            "--repeats",
+            repeats,
+            "--restore-from",
+            "file",
+            "--restore-repeats",
+            "2" if args.quick else "3",
+            "--dir",
+            "/tmp",
+        ],
+        args.timeout,
+    )
+    overhead = run(
+        "trainer_overhead.py",
+        [
+            "--device",
+            args.device,
+            "--nproc",
+            "1",
+            *model,
+            "--context",
+            "64" if args.quick else "256",
+            "--batch-size",
+            "4" if args.quick else "32",
+            "--precision",
+            "bf16-mixed" if args.device == "cuda" else "32-true",
+            "--checkpoint-every",
+            "10",
+            "--steps",
+            "60" if args.quick else "160",
+            "--no-metrics",
+            "--no-reporting",
+            "--repeats",
+            "2" if args.quick else str(args.overhead_repeats),
+            *(["--compile"] if args.device == "cuda" else []),
+        ],
+        args.timeout,
+    )  # the trainer's GPU default, both sides
+    defaults = run(
+        "gpu_defaults.py",
+        ["--device", args.device, "--variants", "fused,compile,recompile,graphs", *(["--quick"] if args.quick else [])],
+        args.timeout,
+    )
     ckpt_vs_trainer = "nan"
     if overhead.get("ckpt_overhead_ratio") and overhead.get("overhead_ratio"):
         # the checkpoint row against the trainer without one: what checkpointing every 10 steps alone costs

@@ -22,6 +22,7 @@ Targets (issue 13): p50 <= 100 ms for 30 at once, >= 100 runs/s with 2,000, RSS 
 
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/operator_reconcile.py --real [--sizes 1,30,200,2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,10 @@ def memory_kb(pid: int) -> dict[str, int]:
 
 #: The operator as its image runs it. The image has no `kubernetes` package (the dev venv has it, for the tests'
 #: Kubeflow SDK), and kopf imports that library whenever it is installed: ~30 MB of RSS the image does not have.
-AS_IN_IMAGE = ("import runpy, sys; sys.modules['kubernetes'] = None; "
-               "runpy.run_module('trainingrun_operator', run_name='__main__', alter_sys=True)")
+AS_IN_IMAGE = (
+    "import runpy, sys; sys.modules['kubernetes'] = None; "
+    "runpy.run_module('trainingrun_operator', run_name='__main__', alter_sys=True)"
+)
 
 
 def operator_command(*args: str) -> list[str]:
@@ -144,14 +147,24 @@ class Burst:
     settled_kb: dict[str, int] = dataclasses.field(default_factory=dict)  # SETTLE_SECONDS after the last job
 
     @classmethod
-    def measured(cls, created: dict[str, float], appeared: dict[str, float], started: float, pid: int,
-                 idle: dict[str, int], cpu_before: tuple[float, float]) -> "Burst":
+    def measured(
+        cls,
+        created: dict[str, float],
+        appeared: dict[str, float],
+        started: float,
+        pid: int,
+        idle: dict[str, int],
+        cpu_before: tuple[float, float],
+    ) -> "Burst":
         """From each run's create time and its job's arrival (time.monotonic()), and the controller's process."""
-        return cls(latencies_ms=sorted(max(0.0, appeared[n] - created[n]) * 1000 for n in created),
-                   total_s=max(appeared.values()) - started,
-                   spread_s=max(created.values()) - min(created.values()),
-                   idle_kb=idle, busy_kb=memory_kb(pid),
-                   cpu_s=(cpu_seconds(pid) - cpu_before[0], time.process_time() - cpu_before[1]))
+        return cls(
+            latencies_ms=sorted(max(0.0, appeared[n] - created[n]) * 1000 for n in created),
+            total_s=max(appeared.values()) - started,
+            spread_s=max(created.values()) - min(created.values()),
+            idle_kb=idle,
+            busy_kb=memory_kb(pid),
+            cpu_s=(cpu_seconds(pid) - cpu_before[0], time.process_time() - cpu_before[1]),
+        )
 
     @property
     def p50(self) -> float:
@@ -174,13 +187,18 @@ async def burst(count: int, namespace: str, command: Callable[[str, str], list[s
         declare_resources(kmock)
         url = str(kmock.url).rstrip("/")
         kubeconfig = write_kubeconfig(workdir / "kubeconfig", url, token="bench")
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
-               "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
+            "TRAININGRUN_OPERATOR_HEALTH_PORT": "0",
+        }
         return await _burst(kmock, url, count, namespace, command(url, namespace), env, workdir / f"{namespace}.log")
 
 
-async def _burst(kmock, url: str, count: int, namespace: str, command: list[str], env: dict[str, str],
-                 log_path: Path) -> Burst:
+async def _burst(
+    kmock, url: str, count: int, namespace: str, command: list[str], env: dict[str, str], log_path: Path
+) -> Burst:
     import aiohttp
     import kmock as kmock_lib
 
@@ -203,12 +221,20 @@ async def _burst(kmock, url: str, count: int, namespace: str, command: list[str]
 
         async def create(session: aiohttp.ClientSession, index: int) -> None:
             name = f"run-{index:04d}"
-            body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-                    "metadata": {"name": name, "namespace": namespace, "uid": f"{namespace}-{index}",
-                                 "resourceVersion": "1"},
-                    "spec": {"checkpoint": {"uri": f"s3://bench/{name}"}}}
-            async with session.post(f"{url}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns",
-                                    json=body) as response:
+            body = {
+                "apiVersion": "trainingrun.dev/v1alpha1",
+                "kind": "TrainingRun",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "uid": f"{namespace}-{index}",
+                    "resourceVersion": "1",
+                },
+                "spec": {"checkpoint": {"uri": f"s3://bench/{name}"}},
+            }
+            async with session.post(
+                f"{url}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns", json=body
+            ) as response:
                 assert response.status < 300, await response.text()
             created[name] = time.monotonic()
 
@@ -244,10 +270,17 @@ async def main_async(count: int, repeats: int) -> int:
     floors: list[Burst] = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeats):  # alternated, so drift of the machine hits both alike
-            operators.append(await burst(count, "bench", lambda url, namespace: operator_command("--standalone"),
-                                         Path(tmp)))
-            floors.append(await burst(count, "bench-floor", lambda url, namespace: [
-                sys.executable, "-c", FLOOR_WATCHER, url, namespace], Path(tmp)))
+            operators.append(
+                await burst(count, "bench", lambda url, namespace: operator_command("--standalone"), Path(tmp))
+            )
+            floors.append(
+                await burst(
+                    count,
+                    "bench-floor",
+                    lambda url, namespace: [sys.executable, "-c", FLOOR_WATCHER, url, namespace],
+                    Path(tmp),
+                )
+            )
 
     def median(bursts: list[Burst], figure: Callable[[Burst], float]) -> float:
         return statistics.median(figure(b) for b in bursts)
@@ -257,26 +290,39 @@ async def main_async(count: int, repeats: int) -> int:
     total, floor_total = median(operators, lambda b: b.total_s), median(floors, lambda b: b.total_s)
     rss_mb = max(b.busy_kb["VmRSS"] for b in operators) / 1024
     peak_mb = max(b.busy_kb["VmHWM"] for b in operators) / 1024
-    print(f"{count} TrainingRuns created at once against kmock, each controller in its own process; "
-          f"median of {repeats} bursts each (RSS: the largest)")
+    print(
+        f"{count} TrainingRuns created at once against kmock, each controller in its own process; "
+        f"median of {repeats} bursts each (RSS: the largest)"
+    )
     print(f"{'':24} {'operator':>10} {'target':>8} {'ratio':>7} {'floor':>10} {'op/floor':>9}")
     for label, value, target, base in (
-            ("p50 create->job (ms)", p50, 100, floor_p50), ("p95 create->job (ms)", p95, None, floor_p95),
-            ("all jobs present (s)", total, 20, floor_total), ("RSS (MB)", rss_mb, 150, None),
-            ("peak RSS (MB)", peak_mb, 150, None)):
+        ("p50 create->job (ms)", p50, 100, floor_p50),
+        ("p95 create->job (ms)", p95, None, floor_p95),
+        ("all jobs present (s)", total, 20, floor_total),
+        ("RSS (MB)", rss_mb, 150, None),
+        ("peak RSS (MB)", peak_mb, 150, None),
+    ):
         ratio = f"{value / target:.2f}" if target else "-"
-        versus = (f"{base:>10.1f} {value / base:>9.2f}" if base else f"{'-':>10} {'-':>9}")
+        versus = f"{base:>10.1f} {value / base:>9.2f}" if base else f"{'-':>10} {'-':>9}"
         print(f"{label:24} {value:>10.1f} {target if target else '-':>8} {ratio:>7} {versus}")
     print("floor: a watcher that only POSTs a fixed job per ADDED event (no kopf, no children, no status):")
     print("  the least any controller pays here for a burst, with kmock serving everything on the same cores")
-    print("each burst, p50 ms: operator " + " ".join(f"{b.p50:.0f}" for b in operators)
-          + " | floor " + " ".join(f"{b.p50:.0f}" for b in floors))
+    print(
+        "each burst, p50 ms: operator "
+        + " ".join(f"{b.p50:.0f}" for b in operators)
+        + " | floor "
+        + " ".join(f"{b.p50:.0f}" for b in floors)
+    )
     print(f"operator RSS before a burst: {operators[0].idle_kb['VmRSS'] / 1024:.1f} MB")
     for label, bursts in (("operator", operators), ("floor", floors)):
-        print(f"{label}: creates returned over {median(bursts, lambda b: b.spread_s):.2f} s; CPU per burst: controller "
-              f"{median(bursts, lambda b: b.cpu_s[0]):.1f} s, kmock + this client {median(bursts, lambda b: b.cpu_s[1]):.1f} s")
-    print(f"result: p50_ms={p50:.1f} p95_ms={p95:.1f} total_s={total:.2f} rss_mb={rss_mb:.1f} "
-          f"floor_p50_ms={floor_p50:.1f}")
+        print(
+            f"{label}: creates returned over {median(bursts, lambda b: b.spread_s):.2f} s; CPU per burst: controller "
+            f"{median(bursts, lambda b: b.cpu_s[0]):.1f} s, kmock + this client {median(bursts, lambda b: b.cpu_s[1]):.1f} s"
+        )
+    print(
+        f"result: p50_ms={p50:.1f} p95_ms={p95:.1f} total_s={total:.2f} rss_mb={rss_mb:.1f} "
+        f"floor_p50_ms={floor_p50:.1f}"
+    )
     return 0
 
 
@@ -322,8 +368,9 @@ def server_cpu_seconds(plane) -> float:
     return sum(cpu_seconds(process.pid) for process in plane.processes.values())
 
 
-async def real_burst(plane, count: int, namespace: str, command: list[str], env: dict[str, str], ready_line: str,
-                     log_path: Path) -> Burst:
+async def real_burst(
+    plane, count: int, namespace: str, command: list[str], env: dict[str, str], ready_line: str, log_path: Path
+) -> Burst:
     """Create `count` TrainingRuns at once in a fresh namespace of the real API server and time each create ->
     its `<run>-a1` PyTorchJob, as seen by a watch on PyTorchJobs opened before the burst."""
     import json as json_lib
@@ -354,9 +401,11 @@ async def real_burst(plane, count: int, namespace: str, command: list[str], env:
                 """Until every run's job was seen. A fresh CRD's watch cache can answer the first watches with
                 "Too large resource version" (504): watch again. `watching` is set once a probe job is seen."""
                 while len(appeared) < count:
-                    async with session.get(f"{plane.server}/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs",
-                                           params={"watch": "true"},
-                                           timeout=aiohttp.ClientTimeout(total=None)) as response:
+                    async with session.get(
+                        f"{plane.server}/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs",
+                        params={"watch": "true"},
+                        timeout=aiohttp.ClientTimeout(total=None),
+                    ) as response:
                         async for line in response.content:
                             event = json_lib.loads(line)
                             if event["type"] == "ERROR":
@@ -371,10 +420,19 @@ async def real_burst(plane, count: int, namespace: str, command: list[str], env:
                                     return
 
             async def probe() -> None:
-                job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                       "metadata": {"name": "probe", "namespace": namespace},
-                       "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {
-                           "containers": [{"name": "pytorch", "image": "trainer"}]}}}}}}
+                job = {
+                    "apiVersion": "kubeflow.org/v1",
+                    "kind": "PyTorchJob",
+                    "metadata": {"name": "probe", "namespace": namespace},
+                    "spec": {
+                        "pytorchReplicaSpecs": {
+                            "Worker": {
+                                "replicas": 1,
+                                "template": {"spec": {"containers": [{"name": "pytorch", "image": "trainer"}]}},
+                            }
+                        }
+                    },
+                }
                 url = f"{plane.server}/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs"
                 while not watching.is_set():
                     async with session.post(url, json=job) as response:
@@ -385,11 +443,15 @@ async def real_burst(plane, count: int, namespace: str, command: list[str], env:
 
             async def create(index: int) -> None:
                 name = f"run-{index:04d}"
-                body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-                        "metadata": {"name": name, "namespace": namespace},
-                        "spec": {"checkpoint": {"uri": f"s3://bench/{name}"}}}
-                async with session.post(f"{plane.server}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}"
-                                        "/trainingruns", json=body) as response:
+                body = {
+                    "apiVersion": "trainingrun.dev/v1alpha1",
+                    "kind": "TrainingRun",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {"checkpoint": {"uri": f"s3://bench/{name}"}},
+                }
+                async with session.post(
+                    f"{plane.server}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns", json=body
+                ) as response:
                     assert response.status < 300, await response.text()
                 created[name] = time.monotonic()
 
@@ -421,36 +483,76 @@ async def main_real(sizes: list[int]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         plane = kube_cluster.ControlPlane(Path(assets), Path(tmp) / "cluster").start()
         try:
-            plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"),
-                          "-f", str(REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"))
+            plane.kubectl(
+                "apply",
+                "--server-side",
+                "-f",
+                str(REPO / "manifests" / "crds"),
+                "-f",
+                str(REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"),
+            )
             for crd in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org"):
                 plane.wait_established(crd)
-            env = {**os.environ, "KUBECONFIG": str(plane.admin_kubeconfig), "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
-                   "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
+            env = {
+                **os.environ,
+                "KUBECONFIG": str(plane.admin_kubeconfig),
+                "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
+                "TRAININGRUN_OPERATOR_HEALTH_PORT": "0",
+            }
             pki = plane.pki
             for count in sizes:
                 namespace = f"bench-{count}"
-                operator = await real_burst(plane, count, namespace, operator_command("--standalone", "-n", namespace), env,
-                    "PyTorchJob CRD (kubeflow.org/v1) is served", Path(tmp) / f"{namespace}.log")
-                floor = await real_burst(plane, count, namespace + "-floor", [
-                    sys.executable, "-c", REAL_FLOOR_WATCHER, plane.server, namespace + "-floor", str(pki / "ca.crt"),
-                    str(pki / "admin.crt"), str(pki / "admin.key")], env, "watching", Path(tmp) / f"{namespace}-floor.log")
+                operator = await real_burst(
+                    plane,
+                    count,
+                    namespace,
+                    operator_command("--standalone", "-n", namespace),
+                    env,
+                    "PyTorchJob CRD (kubeflow.org/v1) is served",
+                    Path(tmp) / f"{namespace}.log",
+                )
+                floor = await real_burst(
+                    plane,
+                    count,
+                    namespace + "-floor",
+                    [
+                        sys.executable,
+                        "-c",
+                        REAL_FLOOR_WATCHER,
+                        plane.server,
+                        namespace + "-floor",
+                        str(pki / "ca.crt"),
+                        str(pki / "admin.crt"),
+                        str(pki / "admin.key"),
+                    ],
+                    env,
+                    "watching",
+                    Path(tmp) / f"{namespace}-floor.log",
+                )
                 rows.append((count, operator, floor))
                 print(f"  {count} runs: operator p50 {operator.p50:.0f} ms, floor p50 {floor.p50:.0f} ms", flush=True)
         finally:
             plane.stop()
-    print("TrainingRuns created at once against a real kube-apiserver v1.36 (etcd, 2 cores shared with it); the "
-          "operator (admin kubeconfig, watching the burst's namespace) beside the floor (a bare watcher POSTing one "
-          "job per run)")
-    print(f"{'runs':>6} {'p50 ms':>8} {'p95 ms':>8} {'runs/s':>8} {'RSS MB':>7} {'settled':>7} {'peak':>6} "
-          f"{'CPU ms/run':>10} {'server':>7} | "
-          f"{'floor p50':>9} {'floor p95':>9} {'floor runs/s':>12} {'server':>7} | {'p50 ratio':>9}")
+    print(
+        "TrainingRuns created at once against a real kube-apiserver v1.36 (etcd, 2 cores shared with it); the "
+        "operator (admin kubeconfig, watching the burst's namespace) beside the floor (a bare watcher POSTing one "
+        "job per run)"
+    )
+    print(
+        f"{'runs':>6} {'p50 ms':>8} {'p95 ms':>8} {'runs/s':>8} {'RSS MB':>7} {'settled':>7} {'peak':>6} "
+        f"{'CPU ms/run':>10} {'server':>7} | "
+        f"{'floor p50':>9} {'floor p95':>9} {'floor runs/s':>12} {'server':>7} | {'p50 ratio':>9}"
+    )
     for count, op, fl in rows:
-        print(f"{count:>6} {op.p50:>8.0f} {op.p95:>8.0f} {count / op.total_s:>8.1f} {op.busy_kb['VmRSS'] / 1024:>7.1f} "
-              f"{op.settled_kb['VmRSS'] / 1024:>7.1f} {op.settled_kb['VmHWM'] / 1024:>6.1f} "
-              f"{op.cpu_s[0] * 1000 / count:>10.1f} {op.cpu_s[1] * 1000 / count:>7.1f} | {fl.p50:>9.0f} {fl.p95:>9.0f} "
-              f"{count / fl.total_s:>12.1f} {fl.cpu_s[1] * 1000 / count:>7.1f} | {op.p50 / max(fl.p50, 0.001):>9.2f}")
-    print(f"RSS MB: when the last job appeared; settled: {SETTLE_SECONDS:.0f} s later; peak: the process's high-water mark")
+        print(
+            f"{count:>6} {op.p50:>8.0f} {op.p95:>8.0f} {count / op.total_s:>8.1f} {op.busy_kb['VmRSS'] / 1024:>7.1f} "
+            f"{op.settled_kb['VmRSS'] / 1024:>7.1f} {op.settled_kb['VmHWM'] / 1024:>6.1f} "
+            f"{op.cpu_s[0] * 1000 / count:>10.1f} {op.cpu_s[1] * 1000 / count:>7.1f} | {fl.p50:>9.0f} {fl.p95:>9.0f} "
+            f"{count / fl.total_s:>12.1f} {fl.cpu_s[1] * 1000 / count:>7.1f} | {op.p50 / max(fl.p50, 0.001):>9.2f}"
+        )
+    print(
+        f"RSS MB: when the last job appeared; settled: {SETTLE_SECONDS:.0f} s later; peak: the process's high-water mark"
+    )
     print("CPU ms/run: the controller's; server: etcd, kube-apiserver and kube-controller-manager together")
     print("targets: p50 <= 100 ms for 30 at once; >= 100 runs/s admitted with 2,000; RSS <= 150 MB with 2,000")
     by_size = {count: op for count, op, _ in rows}
@@ -459,9 +561,11 @@ async def main_real(sizes: list[int]) -> int:
         if count in by_size:
             figures.append(f"real_p50_ms_{count}={by_size[count].p50:.1f}")
     if 2000 in by_size:
-        figures += [f"real_runs_per_s_2000={2000 / by_size[2000].total_s:.1f}",
-                    f"real_rss_mb_2000={by_size[2000].busy_kb['VmRSS'] / 1024:.1f}",
-                    f"real_settled_rss_mb_2000={by_size[2000].settled_kb['VmRSS'] / 1024:.1f}"]
+        figures += [
+            f"real_runs_per_s_2000={2000 / by_size[2000].total_s:.1f}",
+            f"real_rss_mb_2000={by_size[2000].busy_kb['VmRSS'] / 1024:.1f}",
+            f"real_settled_rss_mb_2000={by_size[2000].settled_kb['VmRSS'] / 1024:.1f}",
+        ]
     print("result: " + " ".join(figures))
     return 0
 
@@ -470,8 +574,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3, help="bursts per controller (medians are printed)")
-    parser.add_argument("--real", action="store_true",
-                        help="against a real kube-apiserver started from $KUBEBUILDER_ASSETS, bursts of --sizes")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="against a real kube-apiserver started from $KUBEBUILDER_ASSETS, bursts of --sizes",
+    )
     parser.add_argument("--sizes", default="1,30,200,2000", help="with --real: burst sizes, comma-separated")
     args = parser.parse_args()
     # Killed (e.g. by `timeout`), still stop the control plane: its processes run in sessions of their own and

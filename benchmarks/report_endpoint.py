@@ -28,6 +28,7 @@ flood_reconcile_p50_ms=<x> reconcile_delay_ms=<x> token_reviews=<n>`).
 
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/report_endpoint.py --runs 50 --rounds 2 --flood 2000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,12 @@ def percentile(values: list[float], q: float) -> float:
 def operator_identity(plane: kube_cluster.ControlPlane, workdir: Path) -> Path:
     """The chart's RBAC applied, and a kubeconfig with its ServiceAccount's token (as test_operator_real.py)."""
     helm = REPO / ".tools/bin/helm"
-    rendered = subprocess.run([str(helm), "template", "bench", str(REPO / "charts/trainingrun-operator"),
-                               "--namespace", "trainingrun-bench"], capture_output=True, text=True, check=True).stdout
+    rendered = subprocess.run(
+        [str(helm), "template", "bench", str(REPO / "charts/trainingrun-operator"), "--namespace", "trainingrun-bench"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] not in ("Deployment", "Secret")]
     plane.kubectl("create", "namespace", "trainingrun-bench")
     plane.apply(documents)
@@ -82,10 +87,17 @@ def start_fleet(plane: kube_cluster.ControlPlane, runs: int) -> list[tuple[str, 
     """`runs` TrainingRuns Running, each with a worker pod: [(name, run uid, pod-bound token)]."""
     plane.kubectl("-n", NAMESPACE, "create", "serviceaccount", ACCOUNT)
     names = [f"run-{i:04d}" for i in range(runs)]
-    plane.apply([{"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-                  "metadata": {"name": name, "namespace": NAMESPACE},
-                  "spec": {"checkpoint": {"uri": f"s3://bucket/{name}"}, "serviceAccountName": ACCOUNT}}
-                 for name in names])
+    plane.apply(
+        [
+            {
+                "apiVersion": "trainingrun.dev/v1alpha1",
+                "kind": "TrainingRun",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"checkpoint": {"uri": f"s3://bucket/{name}"}, "serviceAccountName": ACCOUNT},
+            }
+            for name in names
+        ]
+    )
     jobs_path = f"/apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs"
     wait_for(lambda: len(plane.request("GET", jobs_path)[1].get("items") or []) >= runs, 300, f"{runs} PyTorchJobs")
     jobs = {j["metadata"]["name"]: j for j in plane.request("GET", jobs_path)[1]["items"]}
@@ -93,35 +105,91 @@ def start_fleet(plane: kube_cluster.ControlPlane, runs: int) -> list[tuple[str, 
     fleet = []
     for name in names:
         job = jobs[f"{name}-a1"]
-        plane.request("PATCH", f"{jobs_path}/{name}-a1/status", {"status": {"conditions": [
-            {"type": t, "status": "True", "reason": t, "message": "", "lastUpdateTime": now, "lastTransitionTime": now}
-            for t in ("Created", "Running")]}}, content_type="application/merge-patch+json")
+        plane.request(
+            "PATCH",
+            f"{jobs_path}/{name}-a1/status",
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": t,
+                            "status": "True",
+                            "reason": t,
+                            "message": "",
+                            "lastUpdateTime": now,
+                            "lastTransitionTime": now,
+                        }
+                        for t in ("Created", "Running")
+                    ]
+                }
+            },
+            content_type="application/merge-patch+json",
+        )
         template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": f"{name}-a1-worker-0", "namespace": NAMESPACE, "labels": template["metadata"]["labels"],
-            "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": f"{name}-a1",
-                                 "uid": job["metadata"]["uid"], "controller": True}]}, "spec": template["spec"]}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"{name}-a1-worker-0",
+                "namespace": NAMESPACE,
+                "labels": template["metadata"]["labels"],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "kubeflow.org/v1",
+                        "kind": "PyTorchJob",
+                        "name": f"{name}-a1",
+                        "uid": job["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": template["spec"],
+        }
         code, created = plane.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
         assert code == 201, created
-        code, token = plane.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{ACCOUNT}/token", {
-            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-            "spec": {"audiences": [contract.REPORT_AUDIENCE], "expirationSeconds": 7200,
-                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod["metadata"]["name"],
-                                        "uid": created["metadata"]["uid"]}}})
+        code, token = plane.request(
+            "POST",
+            f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{ACCOUNT}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "audiences": [contract.REPORT_AUDIENCE],
+                    "expirationSeconds": 7200,
+                    "boundObjectRef": {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "name": pod["metadata"]["name"],
+                        "uid": created["metadata"]["uid"],
+                    },
+                },
+            },
+        )
         assert code == 201, token
         uid = job["metadata"]["ownerReferences"][0]["uid"]
         fleet.append((name, uid, token["status"]["token"]))
     runs_path = f"/apis/trainingrun.dev/v1alpha1/namespaces/{NAMESPACE}/trainingruns"
-    wait_for(lambda: sum(1 for r in plane.request("GET", runs_path)[1]["items"]
-                         if (r.get("status") or {}).get("phase") == "Running") >= runs, 300, "every run Running")
+    wait_for(
+        lambda: (
+            sum(
+                1
+                for r in plane.request("GET", runs_path)[1]["items"]
+                if (r.get("status") or {}).get("phase") == "Running"
+            )
+            >= runs
+        ),
+        300,
+        "every run Running",
+    )
     return fleet
 
 
 def report_once(url: str, context: ssl.SSLContext, name: str, uid: str, token: str, step: int) -> tuple[float, int]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     body = Report(NAMESPACE, name, uid, 1, progress=Progress(step, now, loss=1.0)).to_json()
-    request = urllib.request.Request(url, data=body, method="POST", headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    )
     began = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=30, context=context) as response:
@@ -140,10 +208,18 @@ def forged_token(number: int) -> str:
     def part(value: dict) -> str:
         return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
 
-    claims = {"aud": [contract.REPORT_AUDIENCE], "exp": int(time.time()) + 3600, "iss": "https://kubernetes",
-              "sub": "system:serviceaccount:fleet:trainers", "jti": str(number),
-              "kubernetes.io": {"namespace": NAMESPACE, "pod": {"name": f"p{number}", "uid": str(number)},
-                                "serviceaccount": {"name": ACCOUNT, "uid": "x"}}}
+    claims = {
+        "aud": [contract.REPORT_AUDIENCE],
+        "exp": int(time.time()) + 3600,
+        "iss": "https://kubernetes",
+        "sub": "system:serviceaccount:fleet:trainers",
+        "jti": str(number),
+        "kubernetes.io": {
+            "namespace": NAMESPACE,
+            "pod": {"name": f"p{number}", "uid": str(number)},
+            "serviceaccount": {"name": ACCOUNT, "uid": "x"},
+        },
+    }
     return f"{part({'alg': 'RS256', 'kid': 'k'})}.{part(claims)}.{part({'forged': number})}"
 
 
@@ -156,9 +232,10 @@ async def _flood(url: str, ca: str, rate: float, seconds: float, sources: int, o
     import aiohttp
 
     context = ssl.create_default_context(cafile=ca)
-    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=32,
-                                                                     local_addr=(f"127.0.0.{2 + i}", 0)))
-                for i in range(sources)]
+    sessions = [
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=32, local_addr=(f"127.0.0.{2 + i}", 0)))
+        for i in range(sources)
+    ]
     answered: dict[str, int] = {}
     body = Report(NAMESPACE, "run-0000", "uid", 1, progress=Progress(1, "2026-01-01T00:00:00Z")).to_json()
     in_flight = asyncio.Semaphore(256)
@@ -167,8 +244,9 @@ async def _flood(url: str, ca: str, rate: float, seconds: float, sources: int, o
     async def one(number: int) -> None:
         token = f"junk-{number}" if number % 2 else forged_token(number)
         try:
-            async with sessions[number % sources].post(url, data=body, headers={"Authorization": f"Bearer {token}"},
-                                                       timeout=aiohttp.ClientTimeout(total=10)) as response:
+            async with sessions[number % sources].post(
+                url, data=body, headers={"Authorization": f"Bearer {token}"}, timeout=aiohttp.ClientTimeout(total=10)
+            ) as response:
                 await response.read()
                 key = str(response.status)
         except Exception as error:  # noqa: BLE001 - counted, the flood goes on
@@ -207,10 +285,16 @@ def reconcile_latencies(plane: kube_cluster.ControlPlane, prefix: str, count: in
     for number in range(count):
         name = f"{prefix}-{number:03d}"
         began = time.perf_counter()
-        code, created = plane.request("POST", runs_path, {
-            "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {"checkpoint": {"uri": f"s3://bucket/{name}"}, "serviceAccountName": ACCOUNT}})
+        code, created = plane.request(
+            "POST",
+            runs_path,
+            {
+                "apiVersion": "trainingrun.dev/v1alpha1",
+                "kind": "TrainingRun",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"checkpoint": {"uri": f"s3://bucket/{name}"}, "serviceAccountName": ACCOUNT},
+            },
+        )
         assert code == 201, created
         deadline = time.monotonic() + 60
         while plane.request("GET", f"{jobs_path}/{name}-a1")[0] != 200:
@@ -236,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.flood_worker:
         import asyncio
 
-        asyncio.run(_flood(args.flood_worker[0], args.ca, args.flood, args.flood_seconds, args.flood_sources,
-                           args.flood_worker[1]))
+        asyncio.run(
+            _flood(
+                args.flood_worker[0], args.ca, args.flood, args.flood_seconds, args.flood_sources, args.flood_worker[1]
+            )
+        )
         return 0
     flooded: dict = {}
     assets = os.environ.get(kube_cluster.ASSETS_ENV)
@@ -258,14 +345,24 @@ def main(argv: list[str] | None = None) -> int:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             url = f"https://127.0.0.1:{port}{contract.REPORT_PATH}"
-            env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TRAININGRUN_REPORT_URL": url,
-                   "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(tls),
-                   "TRAININGRUN_OPERATOR_METRICS_PORT": "0", "TRAININGRUN_OPERATOR_HEALTH_PORT": "0"}
+            env = {
+                **os.environ,
+                "KUBECONFIG": str(kubeconfig),
+                "TRAININGRUN_REPORT_URL": url,
+                "TRAININGRUN_REPORT_PORT": str(port),
+                "TRAININGRUN_REPORT_TLS_DIR": str(tls),
+                "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
+                "TRAININGRUN_OPERATOR_HEALTH_PORT": "0",
+            }
             log = workdir / "operator.log"
-            operator = subprocess.Popen([sys.executable, "-m", "trainingrun_operator"], env=env,
-                                        stdout=open(log, "w"), stderr=subprocess.STDOUT)
-            wait_for(lambda: "report endpoint listening" in log.read_text() or operator.poll() is not None, 60,
-                     "the report endpoint")
+            operator = subprocess.Popen(
+                [sys.executable, "-m", "trainingrun_operator"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
+            )
+            wait_for(
+                lambda: "report endpoint listening" in log.read_text() or operator.poll() is not None,
+                60,
+                "the report endpoint",
+            )
             began = time.monotonic()
             fleet = start_fleet(plane, args.runs)
             print(f"{args.runs} runs Running with a pod and a token each in {time.monotonic() - began:.1f} s")
@@ -282,9 +379,11 @@ def main(argv: list[str] | None = None) -> int:
                         futures.append(pool.submit(report_once, url, context, name, uid, token, 10 * (round_ + 1)))
                     rounds.append([f.result() for f in futures])
                     latencies = [1000 * s for s, _ in rounds[-1]]
-                    print(f"round {round_ + 1}: {len(latencies)} reports in {time.monotonic() - start:.1f} s, "
-                          f"p50 {statistics.median(latencies):.1f} ms, p95 {percentile(latencies, 0.95):.1f} ms, "
-                          f"max {max(latencies):.1f} ms, accepted {sum(1 for _, c in rounds[-1] if c == 200)}")
+                    print(
+                        f"round {round_ + 1}: {len(latencies)} reports in {time.monotonic() - start:.1f} s, "
+                        f"p50 {statistics.median(latencies):.1f} ms, p95 {percentile(latencies, 0.95):.1f} ms, "
+                        f"max {max(latencies):.1f} ms, accepted {sum(1 for _, c in rounds[-1] if c == 200)}"
+                    )
                 if args.flood:
                     flooded = flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator.pid)
         finally:
@@ -300,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, values in (("all", everything), ("first round", first), ("cached", cached)):
         print(f"{label:<14}{statistics.median(values):8.1f}{percentile(values, 0.95):8.1f}{max(values):8.1f}")
     p95 = percentile(everything, 0.95)
-    print(f"target p95 < 50 ms: {'met' if p95 < 50 else 'NOT met'} ({p95:.1f} ms); first round / cached p95 "
-          f"{percentile(first, 0.95) / percentile(cached, 0.95):.2f} x")
+    print(
+        f"target p95 < 50 ms: {'met' if p95 < 50 else 'NOT met'} ({p95:.1f} ms); first round / cached p95 "
+        f"{percentile(first, 0.95) / percentile(cached, 0.95):.2f} x"
+    )
     flood_line = ""
     if flooded:
         calm, loud, during = flooded["calm"], flooded["loud"], flooded["reports"]
@@ -310,22 +411,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'flood':<14}{'p50 ms':>8}{'p95 ms':>8}{'max ms':>8}")
         for label, values in (("reconcile", calm), ("reconcile+fl", loud), ("reports+fl", during)):
             print(f"{label:<14}{statistics.median(values):8.1f}{percentile(values, 0.95):8.1f}{max(values):8.1f}")
-        print(f"flood: {flooded['sent_per_s']:.0f} requests/s sent for {flooded['seconds']:.1f} s "
-              f"({flooded['not_sent']} not sent: the flood client's limit), answered {flooded['answered']}; "
-              f"TokenReviews during the flood: {flooded['reviews']}; the operator's CPU per flood request "
-              f"{flooded['operator_cpu_us_per_request']:.0f} us (reports and reconciles beside it included)")
-        print(f"target reports p95 < 100 ms under the flood: {'met' if report_p95 < 100 else 'NOT met'} "
-              f"({report_p95:.1f} ms); reconcile delayed <= 50 ms: {'met' if delay <= 50 else 'NOT met'} "
-              f"({delay:+.1f} ms at p50; flood/calm {statistics.median(loud) / statistics.median(calm):.2f} x)")
-        flood_line = (f" flood_sent_per_s={flooded['sent_per_s']:.0f} flood_report_p95_ms={report_p95:.1f} "
-                      f"reconcile_p50_ms={statistics.median(calm):.1f} "
-                      f"flood_reconcile_p50_ms={statistics.median(loud):.1f} reconcile_delay_ms={delay:.1f} "
-                      f"token_reviews={flooded['reviews']} "
-                      f"operator_cpu_us_per_flood_request={flooded['operator_cpu_us_per_request']:.0f}")
-    print(f"result: runs={args.runs} reports={len(everything)} accepted={accepted} "
-          f"p50_ms={statistics.median(everything):.1f} p95_ms={p95:.1f} "
-          f"first_round_p95_ms={percentile(first, 0.95):.1f} cached_p95_ms={percentile(cached, 0.95):.1f}"
-          + flood_line)
+        print(
+            f"flood: {flooded['sent_per_s']:.0f} requests/s sent for {flooded['seconds']:.1f} s "
+            f"({flooded['not_sent']} not sent: the flood client's limit), answered {flooded['answered']}; "
+            f"TokenReviews during the flood: {flooded['reviews']}; the operator's CPU per flood request "
+            f"{flooded['operator_cpu_us_per_request']:.0f} us (reports and reconciles beside it included)"
+        )
+        print(
+            f"target reports p95 < 100 ms under the flood: {'met' if report_p95 < 100 else 'NOT met'} "
+            f"({report_p95:.1f} ms); reconcile delayed <= 50 ms: {'met' if delay <= 50 else 'NOT met'} "
+            f"({delay:+.1f} ms at p50; flood/calm {statistics.median(loud) / statistics.median(calm):.2f} x)"
+        )
+        flood_line = (
+            f" flood_sent_per_s={flooded['sent_per_s']:.0f} flood_report_p95_ms={report_p95:.1f} "
+            f"reconcile_p50_ms={statistics.median(calm):.1f} "
+            f"flood_reconcile_p50_ms={statistics.median(loud):.1f} reconcile_delay_ms={delay:.1f} "
+            f"token_reviews={flooded['reviews']} "
+            f"operator_cpu_us_per_flood_request={flooded['operator_cpu_us_per_request']:.0f}"
+        )
+    print(
+        f"result: runs={args.runs} reports={len(everything)} accepted={accepted} "
+        f"p50_ms={statistics.median(everything):.1f} p95_ms={p95:.1f} "
+        f"first_round_p95_ms={percentile(first, 0.95):.1f} cached_p95_ms={percentile(cached, 0.95):.1f}" + flood_line
+    )
     return 0 if accepted == len(everything) else 1
 
 
@@ -342,9 +450,23 @@ def flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator_p
     calm = [1000 * s for s in reconcile_latencies(plane, "calm", args.reconciles)]
     reviews_before, cpu_before = token_reviews(plane), cpu_seconds(operator_pid)
     out = workdir / "flood.json"
-    flood = subprocess.Popen([sys.executable, __file__, "--flood", str(args.flood), "--flood-seconds",
-                              str(args.flood_seconds), "--flood-sources", str(args.flood_sources), "--ca",
-                              str(tls / "ca.crt"), "--flood-worker", url, str(out)])
+    flood = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--flood",
+            str(args.flood),
+            "--flood-seconds",
+            str(args.flood_seconds),
+            "--flood-sources",
+            str(args.flood_sources),
+            "--ca",
+            str(tls / "ca.crt"),
+            "--flood-worker",
+            url,
+            str(out),
+        ]
+    )
     try:
         time.sleep(min(3.0, args.flood_seconds / 4))  # the flood at full rate before anything is timed
         start = time.monotonic()
@@ -362,16 +484,29 @@ def flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator_p
             flood.kill()
     operator_cpu = cpu_seconds(operator_pid) - cpu_before
     result = json.loads(out.read_text())
-    return {"operator_cpu_us_per_request": 1e6 * operator_cpu / max(1, result["sent"]), "calm": calm, "loud": loud, "reports": during, "sent_per_s": result["sent"] / result["seconds"],
-            "seconds": result["seconds"], "not_sent": result["not_sent"], "answered": result["answered"],
-            "reviews": token_reviews(plane) - reviews_before}
+    return {
+        "operator_cpu_us_per_request": 1e6 * operator_cpu / max(1, result["sent"]),
+        "calm": calm,
+        "loud": loud,
+        "reports": during,
+        "sent_per_s": result["sent"] / result["seconds"],
+        "seconds": result["seconds"],
+        "not_sent": result["not_sent"],
+        "answered": result["answered"],
+        "reviews": token_reviews(plane) - reviews_before,
+    }
 
 
 def token_reviews(plane: kube_cluster.ControlPlane) -> int:
     """TokenReviews the API server has answered (its apiserver_request_total for tokenreviews)."""
     text = plane.kubectl("get", "--raw", "/metrics").stdout
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("apiserver_request_total{") and 'resource="tokenreviews"' in line))
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("apiserver_request_total{") and 'resource="tokenreviews"' in line
+        )
+    )
 
 
 if __name__ == "__main__":

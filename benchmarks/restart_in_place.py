@@ -8,6 +8,7 @@ own phases say where that time went. Target (issue 38): <= 3 s on CPU with compi
 
     python benchmarks/restart_in_place.py [--nproc 1] [--kill-step 60] [--steps 100]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ def run_once(body: dict, workdir: Path, name: str, nproc: int, kill_step: int | 
 
 def restart_figures(log: str) -> tuple[float, str]:
     """Seconds from the kill to the restarted worker's first trained step, and that worker's start-up phases."""
+
     def when(line: str) -> datetime:
         return datetime.strptime(re.match(STAMP, line).group(1), "%Y-%m-%d %H:%M:%S,%f")
 
@@ -73,8 +75,10 @@ def main() -> int:
     for label, seconds, phases in rows:
         print(f"{label:>8} {seconds:>18.2f}  {phases}")
     eager, compiled = rows[0][1], rows[1][1]
-    print(f"result: restart_to_training_s={compiled:.2f} restart_to_training_eager_s={eager:.2f} "
-          f"compile_vs_eager={compiled / eager:.2f}")
+    print(
+        f"result: restart_to_training_s={compiled:.2f} restart_to_training_eager_s={eager:.2f} "
+        f"compile_vs_eager={compiled / eager:.2f}"
+    )
     return 0
 
 

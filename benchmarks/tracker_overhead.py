@@ -22,6 +22,7 @@ Run by hand, never by the test suite:
 The last line is `result: hung_ratio=<x> refused_ratio=<x> baseline_steps_per_s=<x> hung_warnings=<n>
 refused_warnings=<n>`.
 """
+
 from __future__ import annotations
 
 import socket
@@ -38,8 +39,10 @@ def main() -> None:
     args = training_arguments(__doc__.split("\n\n")[0]).parse_args()
     env = {"CUDA_VISIBLE_DEVICES": "", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
     work = Path(tempfile.mkdtemp(prefix="tracker-overhead-"))
-    dataset = {"classPath": "trainingrun_trainer.data.SyntheticText",
-               "initArgs": {"numSamples": 100_000, "contextLength": args.context, "vocabSize": 128}}
+    dataset = {
+        "classPath": "trainingrun_trainer.data.SyntheticText",
+        "initArgs": {"numSamples": 100_000, "contextLength": args.context, "vocabSize": 128},
+    }
 
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
@@ -53,8 +56,11 @@ def main() -> None:
         return [{"kind": "mlflow", "trackingUri": f"http://127.0.0.1:{port}", "experiment": "bench"}]
 
     try:
-        sides = [("no logger", "none", []), ("hung tracker", "hung", mlflow(hung.getsockname()[1])),
-                 ("refusing tracker", "refused", mlflow(refused_port))]
+        sides = [
+            ("no logger", "none", []),
+            ("hung tracker", "hung", mlflow(hung.getsockname()[1])),
+            ("refusing tracker", "refused", mlflow(refused_port)),
+        ]
         figures = {}
         for _label, name, loggers in sides:
             figures[name] = run_trainer(work, name, dataset, args, env, loggers=loggers)
@@ -66,11 +72,15 @@ def main() -> None:
     print(f"{args.steps} steps, batch {args.batch_size}, context {args.context}, CPU")
     print(f"{'tracker':<20}{'steps/s':>10}{'vs none':>10}{'warnings':>10}")
     for label, name, _ in sides:
-        print(f"{label:<20}{figures[name]['steps_per_s']:>10.1f}{figures[name]['steps_per_s'] / base:>10.3f}"
-              f"{figures[name]['warnings']:>10}")
-    print(f"result: hung_ratio={figures['hung']['steps_per_s'] / base:.3f} "
-          f"refused_ratio={figures['refused']['steps_per_s'] / base:.3f} baseline_steps_per_s={base:.2f} "
-          f"hung_warnings={figures['hung']['warnings']} refused_warnings={figures['refused']['warnings']}")
+        print(
+            f"{label:<20}{figures[name]['steps_per_s']:>10.1f}{figures[name]['steps_per_s'] / base:>10.3f}"
+            f"{figures[name]['warnings']:>10}"
+        )
+    print(
+        f"result: hung_ratio={figures['hung']['steps_per_s'] / base:.3f} "
+        f"refused_ratio={figures['refused']['steps_per_s'] / base:.3f} baseline_steps_per_s={base:.2f} "
+        f"hung_warnings={figures['hung']['warnings']} refused_warnings={figures['refused']['warnings']}"
+    )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ The last line is `result: overhead_ratio=<x> trainer_seconds=<x> bare_seconds=<x
 cpu_overhead_ratio=<x> ckpt_overhead_ratio=<x> ckpt_trainer_seconds=<x> metrics_overhead_ratio=<x>
 reporting_overhead_ratio=<x>`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,8 +101,9 @@ def bare_worker(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s rank{rank} %(levelname)s bench.bare: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s rank{rank} %(levelname)s bench.bare: %(message)s"
+    )
     log = logging.getLogger("bench.bare")
 
     if spec["device"] == "cuda":
@@ -112,24 +114,36 @@ def bare_worker(spec_path: str) -> int:
     dist.init_process_group("nccl" if spec["device"] == "cuda" else "gloo")
     torch.manual_seed(spec["seed"])
 
-    model = CharTransformer(vocab_size=128, dim=spec["dim"], layers=spec["layers"], heads=spec["heads"],
-                            context_length=spec["context"]).to(device)
+    model = CharTransformer(
+        vocab_size=128, dim=spec["dim"], layers=spec["layers"], heads=spec["heads"], context_length=spec["context"]
+    ).to(device)
     # DDP only across processes, as the trainer (compiled, a one-process DDP ran at 54 ms a step against 32 on an H200)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if spec["device"] == "cuda" else None) \
-        if world > 1 else model
+    ddp = (
+        nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if spec["device"] == "cuda" else None)
+        if world > 1
+        else model
+    )
     cuda = spec["device"] == "cuda"
     # The trainer's defaults on GPUs (optimizer.fused, trainer.tf32), so both sides run the same settings.
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cuda
     if spec.get("compile"):
         ddp = torch.compile(ddp)
     # The trainer's groups: no weight decay for biases, norms and embeddings.
-    no_decay_ids = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.Embedding))
-                    for p in m.parameters(recurse=False)}
+    no_decay_ids = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (nn.LayerNorm, nn.Embedding))
+        for p in m.parameters(recurse=False)
+    }
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and id(p) not in no_decay_ids]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and id(p) not in no_decay_ids)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=PEAK_LR, betas=BETAS, eps=EPS, fused=cuda or None)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=PEAK_LR,
+        betas=BETAS,
+        eps=EPS,
+        fused=cuda or None,
+    )
     steps, warmup = spec["steps"], spec["lr_warmup"]
 
     def lr_factor(step: int) -> float:
@@ -139,10 +153,16 @@ def bare_worker(spec_path: str) -> int:
         return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    dataset = SyntheticText(num_samples=spec["num_samples"], context_length=spec["context"], vocab_size=128,
-                            seed=spec["seed"], split="train")
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec["seed"],
-                                 drop_last=True)
+    dataset = SyntheticText(
+        num_samples=spec["num_samples"],
+        context_length=spec["context"],
+        vocab_size=128,
+        seed=spec["seed"],
+        split="train",
+    )
+    sampler = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec["seed"], drop_last=True
+    )
     loader = DataLoader(dataset, batch_size=spec["batch_size"], sampler=sampler, drop_last=True, num_workers=0)
     autocast_dtype = torch.bfloat16 if spec["precision"] == "bf16-mixed" else None
 
@@ -240,9 +260,13 @@ class CpuMonitor(threading.Thread):
             return {"foreign": math.nan, "steal": math.nan, "ours": math.nan, "begin": start, "end": end}
         a, b = inside[0], inside[-1]
         span = b[0] - a[0]
-        return {"foreign": max(0.0, (b[1] - a[1]) - (b[3] - a[3])) / span, "steal": (b[2] - a[2]) / span,
-                "ours": b[3] - a[3], "begin": a[0], "end": b[0]}
-
+        return {
+            "foreign": max(0.0, (b[1] - a[1]) - (b[3] - a[3])) / span,
+            "steal": (b[2] - a[2]) / span,
+            "ours": b[3] - a[3],
+            "begin": a[0],
+            "end": b[0],
+        }
 
     def cumulative_at(self, when: float) -> tuple[float, float]:
         """(machine busy, our tree's) CPU seconds at unix time `when`, interpolated between samples."""
@@ -281,15 +305,33 @@ def parse_step_times(text: str) -> dict[int, float]:
 def trainer_config(args: argparse.Namespace, checkpoint_uri: str, checkpoint_every: int) -> dict:
     return {
         "trainer": {
-            "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
-                      "initArgs": {"vocabSize": 128, "dim": args.dim, "layers": args.layers, "heads": args.heads,
-                                   "contextLength": args.context}},
-            "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
-                                 "initArgs": {"numSamples": args.num_samples, "contextLength": args.context,
-                                              "vocabSize": 128}},
-                     "batchSize": args.batch_size, "numWorkers": 0},
-            "optimizer": {"name": "adamw", "lr": PEAK_LR, "weightDecay": WEIGHT_DECAY, "beta1": BETAS[0],
-                          "beta2": BETAS[1], "eps": EPS, "noDecayForBiasAndNorm": True},
+            "model": {
+                "classPath": "trainingrun_trainer.models.CharTransformer",
+                "initArgs": {
+                    "vocabSize": 128,
+                    "dim": args.dim,
+                    "layers": args.layers,
+                    "heads": args.heads,
+                    "contextLength": args.context,
+                },
+            },
+            "data": {
+                "dataset": {
+                    "classPath": "trainingrun_trainer.data.SyntheticText",
+                    "initArgs": {"numSamples": args.num_samples, "contextLength": args.context, "vocabSize": 128},
+                },
+                "batchSize": args.batch_size,
+                "numWorkers": 0,
+            },
+            "optimizer": {
+                "name": "adamw",
+                "lr": PEAK_LR,
+                "weightDecay": WEIGHT_DECAY,
+                "beta1": BETAS[0],
+                "beta2": BETAS[1],
+                "eps": EPS,
+                "noDecayForBiasAndNorm": True,
+            },
             "schedule": {"name": "cosine", "warmupSteps": args.lr_warmup, "minLrRatio": MIN_LR_RATIO},
             "maxSteps": args.steps,
             "gradClipNorm": CLIP,
@@ -298,8 +340,7 @@ def trainer_config(args: argparse.Namespace, checkpoint_uri: str, checkpoint_eve
             "seed": args.seed,
             "logIntervalSteps": args.log_interval,
         },
-        "checkpoint": {"uri": checkpoint_uri, "interval": {"steps": checkpoint_every}, "keep": 2,
-                       "asyncSave": True},
+        "checkpoint": {"uri": checkpoint_uri, "interval": {"steps": checkpoint_every}, "keep": 2, "asyncSave": True},
     }
 
 
@@ -358,8 +399,7 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
     """One torchrun launch; returns {'seconds', 'wall', 'steps'} of the timed window."""
     import yaml
 
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KUBERNETES_", "TRAININGRUN_", "PET_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "TRAININGRUN_", "PET_"))}
     env["OMP_NUM_THREADS"] = str(args.threads)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer picks cuda whenever it sees one
@@ -367,10 +407,21 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
     rundir = workdir / run_id
     rundir.mkdir()
     if kind == "bare":
-        spec = {"device": args.device, "dim": args.dim, "layers": args.layers, "heads": args.heads,
-                "context": args.context, "batch_size": args.batch_size, "num_samples": args.num_samples,
-                "steps": args.steps, "lr_warmup": args.lr_warmup, "log_interval": args.log_interval,
-                "seed": args.seed, "precision": args.precision, "compile": args.compile}
+        spec = {
+            "device": args.device,
+            "dim": args.dim,
+            "layers": args.layers,
+            "heads": args.heads,
+            "context": args.context,
+            "batch_size": args.batch_size,
+            "num_samples": args.num_samples,
+            "steps": args.steps,
+            "lr_warmup": args.lr_warmup,
+            "log_interval": args.log_interval,
+            "seed": args.seed,
+            "precision": args.precision,
+            "compile": args.compile,
+        }
         (rundir / "spec.json").write_text(json.dumps(spec))
         command = launcher + [str(Path(__file__).resolve()), "--bare-worker", str(rundir / "spec.json")]
     else:
@@ -386,9 +437,13 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
 
             sink = ReportSink("bench-token")
             (rundir / "token").write_text("bench-token")
-            env.update({contract.REPORT_URL: f"http://127.0.0.1:{sink.server.server_address[1]}{contract.REPORT_PATH}",
-                        contract.REPORT_TOKEN_FILE: str(rundir / "token"),
-                        contract.REPORT_INTERVAL_SECONDS: str(args.report_interval)})
+            env.update(
+                {
+                    contract.REPORT_URL: f"http://127.0.0.1:{sink.server.server_address[1]}{contract.REPORT_PATH}",
+                    contract.REPORT_TOKEN_FILE: str(rundir / "token"),
+                    contract.REPORT_INTERVAL_SECONDS: str(args.report_interval),
+                }
+            )
         command = launcher + ["-m", "trainingrun_trainer"]
     began = time.perf_counter()
     log_path = rundir / "output.log"
@@ -402,8 +457,9 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise SystemExit(f"{kind} run {run_id} took longer than --timeout {args.timeout:.0f} s; log {log_path}") \
-                from None
+            raise SystemExit(
+                f"{kind} run {run_id} took longer than --timeout {args.timeout:.0f} s; log {log_path}"
+            ) from None
         finally:
             monitor.stop()
             if scraper:
@@ -422,8 +478,10 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
     times = parse_step_times(output)
     start, end = args.warmup_steps, args.steps
     if start not in times or end not in times:
-        raise SystemExit(f"{kind} run {run_id}: no 'step {start}/..' or 'step {end}/..' line from rank 0 "
-                         f"(found steps {sorted(times)}); log {rundir / 'output.log'}")
+        raise SystemExit(
+            f"{kind} run {run_id}: no 'step {start}/..' or 'step {end}/..' line from rank 0 "
+            f"(found steps {sorted(times)}); log {rundir / 'output.log'}"
+        )
     window = monitor.window(times[start], times[end])
     steps_sampled = steps_at(times, window["end"]) - steps_at(times, window["begin"])
     # CPU seconds of all processes of this side per optimizer step: the work done, which contention
@@ -432,25 +490,41 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
     # Each logged window (log-interval steps) with the CPU other processes took during it, so windows
     # that other load disturbed can be told from quiet ones.
     logged = sorted(step for step in times if start <= step <= end)
-    windows = [(b - a, times[b] - times[a], monitor.foreign_between(times[a], times[b]))
-               for a, b in zip(logged, logged[1:])]
+    windows = [
+        (b - a, times[b] - times[a], monitor.foreign_between(times[a], times[b])) for a, b in zip(logged, logged[1:])
+    ]
     flops = FLOPS_LINE.findall(output)
     startup = STARTUP_LINE.search(output)
-    return {"seconds": times[end] - times[start], "wall": wall, "steps": end - start,
-            "foreign": window["foreign"], "steal": window["steal"], "cpu_ms": cpu_ms, "windows": windows,
-            "tflops": float(flops[-1][0]) if flops else math.nan,
-            "mfu": float(flops[-1][1]) / 100 if flops and flops[-1][1] else math.nan,
-            "startup": float(startup["seconds"]) if startup else math.nan}
+    return {
+        "seconds": times[end] - times[start],
+        "wall": wall,
+        "steps": end - start,
+        "foreign": window["foreign"],
+        "steal": window["steal"],
+        "cpu_ms": cpu_ms,
+        "windows": windows,
+        "tflops": float(flops[-1][0]) if flops else math.nan,
+        "mfu": float(flops[-1][1]) / 100 if flops and flops[-1][1] else math.nan,
+        "startup": float(startup["seconds"]) if startup else math.nan,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Target: overhead_ratio = trainer / bare <= 1.03.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Target: overhead_ratio = trainer / bare <= 1.03.",
+    )
     parser.add_argument("--bare-worker", metavar="SPEC", help=argparse.SUPPRESS)
-    parser.add_argument("--nproc", type=int, default=2, help="processes per side, torchrun --nproc-per-node (default 2)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cpu (gloo) or cuda (nccl, one GPU per process) (default cpu)")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="processes per side, torchrun --nproc-per-node (default 2)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu (gloo) or cuda (nccl, one GPU per process) (default cpu)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (default 1)")
     parser.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
@@ -460,25 +534,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=10000, help="SyntheticText samples (default 10000)")
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps per run (default 160)")
     parser.add_argument("--log-interval", type=int, default=10, help="steps between log lines (default 10)")
-    parser.add_argument("--warmup-steps", type=int, default=20,
-                        help="timing starts at this logged step; a multiple of --log-interval (default 20)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=20,
+        help="timing starts at this logged step; a multiple of --log-interval (default 20)",
+    )
     parser.add_argument("--lr-warmup", type=int, default=10, help="linear LR warmup steps of the schedule (default 10)")
-    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
-                        help="precision on both sides (default 32-true)")
+    parser.add_argument(
+        "--precision",
+        choices=["32-true", "bf16-mixed"],
+        default="32-true",
+        help="precision on both sides (default 32-true)",
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model on both sides")
-    parser.add_argument("--checkpoint-every", type=int, default=50,
-                        help="steps between async checkpoints in the extra trainer row; 0 drops it (default 50)")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="steps between async checkpoints in the extra trainer row; 0 drops it (default 50)",
+    )
     parser.add_argument("--no-metrics", action="store_true", help="drop the trainer + metrics row")
     parser.add_argument("--no-reporting", action="store_true", help="drop the trainer + reporting row")
-    parser.add_argument("--report-interval", type=float, default=1.0,
-                        help="seconds between rank 0's reports in the reporting row (default 1; 10 in a cluster)")
-    parser.add_argument("--quiet-threshold", type=float, default=0.1,
-                        help="a log window counts as quiet when other processes took at most this many cores "
-                             "(default 0.1); the quiet-window figures use only those")
+    parser.add_argument(
+        "--report-interval",
+        type=float,
+        default=1.0,
+        help="seconds between rank 0's reports in the reporting row (default 1; 10 in a cluster)",
+    )
+    parser.add_argument(
+        "--quiet-threshold",
+        type=float,
+        default=0.1,
+        help="a log window counts as quiet when other processes took at most this many cores "
+        "(default 0.1); the quiet-window figures use only those",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, rotating order (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of both sides (default 0)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one launch may take (default 600)")
-    parser.add_argument("--keep", metavar="DIR", help="write configs and logs of every run below DIR (default: temp dir, deleted)")
+    parser.add_argument(
+        "--keep", metavar="DIR", help="write configs and logs of every run below DIR (default: temp dir, deleted)"
+    )
     args = parser.parse_args(argv)
     if args.bare_worker:
         return bare_worker(args.bare_worker)
@@ -501,29 +597,38 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.keep) if args.keep else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         for round_ in range(args.repeats):
-            order = sides[round_ % len(sides):] + sides[:round_ % len(sides)]
+            order = sides[round_ % len(sides) :] + sides[: round_ % len(sides)]
             for kind, _ in order:
                 result = run_side(kind, args, workdir, f"r{round_ + 1}-{kind}-{os.getpid()}")
                 results[kind].append(result)
-                print(f"  round {round_ + 1}: {kind:<17} {result['seconds']:8.3f} s timed "
-                      f"({result['wall']:.1f} s with start-up); other processes used "
-                      f"{result['foreign']:.2f} cores, hypervisor stole {result['steal']:.2f}; "
-                      f"{result['cpu_ms']:.1f} CPU ms/step", flush=True)
+                print(
+                    f"  round {round_ + 1}: {kind:<17} {result['seconds']:8.3f} s timed "
+                    f"({result['wall']:.1f} s with start-up); other processes used "
+                    f"{result['foreign']:.2f} cores, hypervisor stole {result['steal']:.2f}; "
+                    f"{result['cpu_ms']:.1f} CPU ms/step",
+                    flush=True,
+                )
     total = time.perf_counter() - began
 
     timed = args.steps - args.warmup_steps
     medians = {kind: statistics.median(r["seconds"] for r in runs) for kind, runs in results.items()}
     bare = medians["bare"]
     print()
-    print(f"CharTransformer dim={args.dim} layers={args.layers} heads={args.heads} context={args.context}; "
-          f"batch {args.batch_size}/process x {args.nproc} processes ({args.device}, "
-          f"{'nccl' if args.device == 'cuda' else 'gloo'}, {args.precision}, OMP_NUM_THREADS={args.threads})")
-    print(f"timed: steps {args.warmup_steps} -> {args.steps} ({timed} steps) from rank 0's log timestamps; "
-          f"{args.repeats} runs per side, order rotating; benchmark wall time {total:.0f} s")
+    print(
+        f"CharTransformer dim={args.dim} layers={args.layers} heads={args.heads} context={args.context}; "
+        f"batch {args.batch_size}/process x {args.nproc} processes ({args.device}, "
+        f"{'nccl' if args.device == 'cuda' else 'gloo'}, {args.precision}, OMP_NUM_THREADS={args.threads})"
+    )
+    print(
+        f"timed: steps {args.warmup_steps} -> {args.steps} ({timed} steps) from rank 0's log timestamps; "
+        f"{args.repeats} runs per side, order rotating; benchmark wall time {total:.0f} s"
+    )
     print()
     runs_header = "  ".join(f"{'run ' + str(i + 1):>8}" for i in range(args.repeats))
-    header = (f"{'side':<32}{runs_header}  {'median s':>9}  {'min s':>8}  {'spread':>7}  {'steps/s':>8}  "
-              f"{'ms/step':>8}  {'vs bare':>8}  {'min vs bare':>11}  {'CPU ms/step':>11}  {'vs bare':>8}  {'foreign':>7}")
+    header = (
+        f"{'side':<32}{runs_header}  {'median s':>9}  {'min s':>8}  {'spread':>7}  {'steps/s':>8}  "
+        f"{'ms/step':>8}  {'vs bare':>8}  {'min vs bare':>11}  {'CPU ms/step':>11}  {'vs bare':>8}  {'foreign':>7}"
+    )
     print(header)
     print("-" * len(header))
     best_bare = min(r["seconds"] for r in results["bare"])
@@ -536,32 +641,44 @@ def main(argv: list[str] | None = None) -> int:
         foreign = max(r["foreign"] for r in results[kind])
         worst_foreign = max(worst_foreign, foreign) if not math.isnan(foreign) else worst_foreign
         cells = "  ".join(f"{s:8.3f}" for s in runs)
-        print(f"{label:<32}{cells}  {median:9.3f}  {min(runs):8.3f}  {spread:6.1%}  {timed / median:8.2f}  "
-              f"{1000 * median / timed:8.2f}  {median / bare:8.3f}  {min(runs) / best_bare:11.3f}  "
-              f"{cpu[kind]:11.1f}  {cpu[kind] / cpu['bare']:8.3f}  {foreign:7.2f}")
-    print("spread = (max - min) / median. CPU ms/step = CPU time of all processes of a side (every rank, "
-          "all threads) per step, median of runs.\nforeign = the most CPU cores that other processes on this "
-          "machine took during a timed window of that side.")
+        print(
+            f"{label:<32}{cells}  {median:9.3f}  {min(runs):8.3f}  {spread:6.1%}  {timed / median:8.2f}  "
+            f"{1000 * median / timed:8.2f}  {median / bare:8.3f}  {min(runs) / best_bare:11.3f}  "
+            f"{cpu[kind]:11.1f}  {cpu[kind] / cpu['bare']:8.3f}  {foreign:7.2f}"
+        )
+    print(
+        "spread = (max - min) / median. CPU ms/step = CPU time of all processes of a side (every rank, "
+        "all threads) per step, median of runs.\nforeign = the most CPU cores that other processes on this "
+        "machine took during a timed window of that side."
+    )
     print()
-    print(f"Quiet windows only (log windows in which other processes took <= {args.quiet_threshold} cores), "
-          "pooled over all runs of a side:")
+    print(
+        f"Quiet windows only (log windows in which other processes took <= {args.quiet_threshold} cores), "
+        "pooled over all runs of a side:"
+    )
     quiet = {}
     for kind, label in sides:
         windows = [w for r in results[kind] for w in r["windows"]]
         calm = [w for w in windows if not math.isnan(w[2]) and w[2] <= args.quiet_threshold]
         quiet[kind] = 1000 * sum(w[1] for w in calm) / sum(w[0] for w in calm) if calm else math.nan
         fastest = min(1000 * w[1] / w[0] for w in windows)
-        print(f"  {label:<32} {len(calm):3d}/{len(windows):<3d} windows quiet: {quiet[kind]:7.2f} ms/step "
-              f"({quiet[kind] / quiet['bare'] if kind != 'bare' else 1.0:.3f} x bare); fastest window "
-              f"{fastest:6.2f} ms/step")
+        print(
+            f"  {label:<32} {len(calm):3d}/{len(windows):<3d} windows quiet: {quiet[kind]:7.2f} ms/step "
+            f"({quiet[kind] / quiet['bare'] if kind != 'bare' else 1.0:.3f} x bare); fastest window "
+            f"{fastest:6.2f} ms/step"
+        )
     if worst_foreign > 0.1 * os.cpu_count():
-        print(f"WARNING: other processes took up to {worst_foreign:.2f} of {os.cpu_count()} cores during timed "
-              "windows; the figures include their interference. Re-run on a quiet machine.")
+        print(
+            f"WARNING: other processes took up to {worst_foreign:.2f} of {os.cpu_count()} cores during timed "
+            "windows; the figures include their interference. Re-run on a quiet machine."
+        )
     print()
     ratio = medians["trainer"] / bare
     verdict = "met" if ratio <= 1.03 else "NOT met"
-    print(f"overhead_ratio = trainer / bare = {medians['trainer']:.3f} / {bare:.3f} = {ratio:.3f} "
-          f"(target <= 1.03: {verdict})")
+    print(
+        f"overhead_ratio = trainer / bare = {medians['trainer']:.3f} / {bare:.3f} = {ratio:.3f} "
+        f"(target <= 1.03: {verdict})"
+    )
     extra = ""
     if "trainer-ckpt" in medians:
         ckpt_ratio = medians["trainer-ckpt"] / bare
@@ -572,9 +689,11 @@ def main(argv: list[str] | None = None) -> int:
         if kind not in medians:
             continue
         feature_ratio = medians[kind] / medians["trainer"]
-        print(f"{feature}_overhead_ratio = trainer + {feature} / trainer = {feature_ratio:.3f} (target <= 1.01: "
-              f"{'met' if feature_ratio <= 1.01 else 'NOT met'}); CPU ms/step {cpu[kind] / cpu['trainer']:.3f} x; "
-              f"quiet windows {quiet[kind] / quiet['trainer']:.3f} x")
+        print(
+            f"{feature}_overhead_ratio = trainer + {feature} / trainer = {feature_ratio:.3f} (target <= 1.01: "
+            f"{'met' if feature_ratio <= 1.01 else 'NOT met'}); CPU ms/step {cpu[kind] / cpu['trainer']:.3f} x; "
+            f"quiet windows {quiet[kind] / quiet['trainer']:.3f} x"
+        )
         extra += f" {feature}_overhead_ratio={feature_ratio:.4f}"
     cpu_ratio = cpu["trainer"] / cpu["bare"]
     quiet_ratio = quiet["trainer"] / quiet["bare"]
@@ -583,11 +702,15 @@ def main(argv: list[str] | None = None) -> int:
     # The trainer's own account (its log lines): model FLOP/s and MFU of the last window, start-up to the first step.
     own = {figure: statistics.median(r[figure] for r in results["trainer"]) for figure in ("tflops", "mfu", "startup")}
     mfu_text = "-" if math.isnan(own["mfu"]) else f"{own['mfu']:.1%}"
-    print(f"trainer's own figures (medians): {own['tflops']:.4g} model TFLOP/s, MFU {mfu_text}, start-up to the first "
-          f"step {own['startup']:.2f} s")
-    print(f"result: overhead_ratio={ratio:.4f} trainer_seconds={medians['trainer']:.3f} bare_seconds={bare:.3f}"
-          f" quiet_overhead_ratio={quiet_ratio:.4f} cpu_overhead_ratio={cpu_ratio:.4f}{extra}"
-          f" model_tflops={own['tflops']:.4g} mfu={own['mfu']:.4f} startup_s={own['startup']:.3f}")
+    print(
+        f"trainer's own figures (medians): {own['tflops']:.4g} model TFLOP/s, MFU {mfu_text}, start-up to the first "
+        f"step {own['startup']:.2f} s"
+    )
+    print(
+        f"result: overhead_ratio={ratio:.4f} trainer_seconds={medians['trainer']:.3f} bare_seconds={bare:.3f}"
+        f" quiet_overhead_ratio={quiet_ratio:.4f} cpu_overhead_ratio={cpu_ratio:.4f}{extra}"
+        f" model_tflops={own['tflops']:.4g} mfu={own['mfu']:.4f} startup_s={own['startup']:.3f}"
+    )
     return 0
 
 

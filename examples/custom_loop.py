@@ -9,6 +9,7 @@ Run it in a TrainingRun by setting `spec.command: [torchrun, --module, ...]` or
 where run.yaml has at least `checkpoint: {uri: file:///tmp/ckpt}` (the `trainer` section is
 yours to ignore: this script reads its own settings from the environment).
 """
+
 import logging
 import os
 import sys
@@ -60,8 +61,9 @@ def main() -> int:
         stop, save = run.checkpoint_due(step)
         if stop or (save and step < TOTAL_STEPS):  # the last step is saved below, once
             model_state, optim_state = get_state_dict(model, optimizer)
-            run.save(step, {"model": model_state, "optim": optim_state}, {"step": step, "rng": rng_state()},
-                     blocking=stop)
+            run.save(
+                step, {"model": model_state, "optim": optim_state}, {"step": step, "rng": rng_state()}, blocking=stop
+            )
         if stop:
             run.close()
             if dist.is_initialized():
@@ -69,8 +71,13 @@ def main() -> int:
             return run.PREEMPTED_EXIT_CODE
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    run.save(step, {"model": model_state, "optim": optim_state}, {"step": step, "rng": rng_state()},
-             model_digest=trainingrun_trainer.model_digest(model_state), blocking=True)
+    run.save(
+        step,
+        {"model": model_state, "optim": optim_state},
+        {"step": step, "rng": rng_state()},
+        model_digest=trainingrun_trainer.model_digest(model_state),
+        blocking=True,
+    )
     run.close()
     if rank == 0:
         print(f"done: step {step} loss {loss.item():.4f}")

@@ -1,6 +1,7 @@
 """Prints the commands of one of the README's marked steps (a ```sh block right after `<!-- steps: NAME -->`), one
 per line, so that CI runs exactly what the README tells a user to run: `python3 scripts/readme_steps.py e2e`.
 Standard library only: it runs before anything is installed."""
+
 import re
 import sys
 from pathlib import Path

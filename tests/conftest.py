@@ -1,4 +1,5 @@
 """Shared fixtures. tests/ is on sys.path so test-support modules (crd_server) import directly."""
+
 import copy
 import glob
 import os
@@ -94,7 +95,7 @@ def kube_namespace(kube_cluster_session, request) -> str:
     import re
     import uuid
 
-    name = (re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6])
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
     kube_cluster_session.create_namespace(name)
     yield name
     kube_cluster_session.kubectl("delete", "namespace", name, "--wait=false", check=False)

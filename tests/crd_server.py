@@ -26,6 +26,7 @@ naming a missing field makes `has()` false instead of failing), cost budgets, an
 libraries (quantity(), url(), lists, format, ...), which celpy does not have.
 Errors are "<path>: <message>", the path dotted with [i] for list items, "<root>" for the object.
 """
+
 from __future__ import annotations
 
 import copy

@@ -21,6 +21,7 @@ own model in a derived image is found: so these tests also show that a user's cl
 Importing this module with FAULT_INJECTION_GCS_MOVE_IS_COPY=1 in the environment makes gcsfs's
 move a copy + delete, for the GCS emulator only (see `_gcs_move_is_copy`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -111,8 +112,9 @@ class FaultyText(SyntheticText):
         pause_at_items: Sequence[int] = (),
         pause_dir: Optional[str] = None,
     ):
-        super().__init__(num_samples=num_samples, context_length=context_length, vocab_size=vocab_size,
-                         seed=seed, split=split)
+        super().__init__(
+            num_samples=num_samples, context_length=context_length, vocab_size=vocab_size, seed=seed, split=split
+        )
         if pause_at_items and not pause_dir:
             raise ValueError("pause_at_items needs pause_dir")
         self.record_dir = record_dir if split == "train" else None

@@ -10,6 +10,7 @@ ownerReferences cascading, status subresource semantics, Pod admission (`dryRun=
 
 Used by the session fixture `kube_cluster` (tests/conftest.py) and by benchmarks/operator_reconcile.py.
 """
+
 from __future__ import annotations
 
 import base64
@@ -31,8 +32,10 @@ import yaml
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
-HOW_TO_GET = (f"set {ASSETS_ENV} to a folder with {', '.join(BINARIES)}: `bash scripts/install-test-tools.sh` "
-              "puts them in .tools/k8s, which `make test` uses")
+HOW_TO_GET = (
+    f"set {ASSETS_ENV} to a folder with {', '.join(BINARIES)}: `bash scripts/install-test-tools.sh` "
+    "puts them in .tools/k8s, which `make test` uses"
+)
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 READY_TIMEOUT_SECONDS = 120
 
@@ -59,29 +62,82 @@ def make_pki(folder: Path, node: Optional[tuple[str, str]] = None) -> None:
     address) also the node's: the kubelet's client and serving certificates, the scheduler's,
     kube-proxy's, the DNS server's and the API server's client certificate for kubelets."""
     folder.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-             "-days", "30", "-subj", "/CN=trainingrun-test-ca", cwd=folder)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "30",
+        "-subj",
+        "/CN=trainingrun-test-ca",
+        cwd=folder,
+    )
 
     def sign(name: str, subject: str, usage: str, sans: str = "") -> None:
-        _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", subject, cwd=folder)
-        ext = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment",
-               f"extendedKeyUsage={usage}"] + ([f"subjectAltName={sans}"] if sans else [])
+        _openssl(
+            "req",
+            "-new",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            subject,
+            cwd=folder,
+        )
+        ext = [
+            "basicConstraints=CA:FALSE",
+            "keyUsage=critical,digitalSignature,keyEncipherment",
+            f"extendedKeyUsage={usage}",
+        ] + ([f"subjectAltName={sans}"] if sans else [])
         (folder / f"{name}.ext").write_text("\n".join(ext) + "\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.crt", "-days", "30", "-extfile", f"{name}.ext", cwd=folder)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "30",
+            "-extfile",
+            f"{name}.ext",
+            cwd=folder,
+        )
 
     node_ip = f",IP:{node[1]}" if node else ""
-    sign("apiserver", "/CN=kube-apiserver", "serverAuth",
-         "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,"
-         f"DNS:localhost,IP:127.0.0.1,IP:10.96.0.1{node_ip}")
+    sign(
+        "apiserver",
+        "/CN=kube-apiserver",
+        "serverAuth",
+        "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,"
+        f"DNS:localhost,IP:127.0.0.1,IP:10.96.0.1{node_ip}",
+    )
     sign("admin", "/O=system:masters/CN=kubernetes-admin", "clientAuth")
     sign("controller-manager", "/CN=system:kube-controller-manager", "clientAuth")
     if node:
         name, address = node
         sign("kubelet-client", f"/O=system:nodes/CN=system:node:{name}", "clientAuth")
-        sign("kubelet-serving", f"/O=system:nodes/CN=system:node:{name}", "serverAuth",
-             f"DNS:{name},DNS:localhost,IP:127.0.0.1,IP:{address}")
+        sign(
+            "kubelet-serving",
+            f"/O=system:nodes/CN=system:node:{name}",
+            "serverAuth",
+            f"DNS:{name},DNS:localhost,IP:127.0.0.1,IP:{address}",
+        )
         sign("scheduler", "/CN=system:kube-scheduler", "clientAuth")
         sign("kube-proxy", "/CN=system:kube-proxy", "clientAuth")
         sign("dns", "/CN=e2e-dns", "clientAuth")
@@ -92,9 +148,18 @@ def make_pki(folder: Path, node: Optional[tuple[str, str]] = None) -> None:
 
 def kubeconfig(server: str, ca_file: Path, user: dict[str, Any]) -> dict[str, Any]:
     return {
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {
-            "server": server, "certificate-authority-data": base64.b64encode(ca_file.read_bytes()).decode()}}],
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "test",
+        "clusters": [
+            {
+                "name": "test",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca_file.read_bytes()).decode(),
+                },
+            }
+        ],
         "users": [{"name": "test", "user": user}],
         "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
     }
@@ -113,24 +178,29 @@ class ProcessGroup:
     def spawn(self, component: str, argv: list[str]) -> None:
         with open(self.log(component), "wb") as log:
             # A session of its own: a test killed by Ctrl-C does not take the servers with it mid-write.
-            self.processes[component] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.processes[component] = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
 
     def wait(self, what: str, ready: Any) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
         while True:
             for component, process in self.processes.items():
                 if process.poll() is not None:
-                    raise RuntimeError(f"{component} exited with {process.returncode} while waiting for {what}:\n"
-                                       + self.tail(component))
+                    raise RuntimeError(
+                        f"{component} exited with {process.returncode} while waiting for {what}:\n"
+                        + self.tail(component)
+                    )
             try:
                 if ready():
                     return
             except OSError:  # not listening yet (URLError and SSLError are OSErrors too)
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {READY_TIMEOUT_SECONDS}s waiting for {what}:\n"
-                                   + "\n".join(self.tail(c) for c in self.processes))
+                raise RuntimeError(
+                    f"timed out after {READY_TIMEOUT_SECONDS}s waiting for {what}:\n"
+                    + "\n".join(self.tail(c) for c in self.processes)
+                )
             time.sleep(0.1)
 
     def tail(self, component: str, lines: int = 40) -> str:
@@ -166,56 +236,109 @@ class ControlPlane(ProcessGroup):
         etcd_port, etcd_peer, api_port, kcm_port = free_port(), free_port(), free_port(), free_port()
         self.server = f"https://127.0.0.1:{api_port}"
         pki = self.pki
-        self.spawn("etcd", [str(self.assets / "etcd"),
-            "--name", "test", "--data-dir", str(self.workdir / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-cluster", f"test=http://127.0.0.1:{etcd_peer}",
-            "--unsafe-no-fsync", "--log-level", "warn",
-        ])
-        node_flags = [
-            "--bind-address=0.0.0.0", f"--advertise-address={self.node[1]}",
-            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
-            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
-            f"--kubelet-certificate-authority={pki / 'ca.crt'}", "--kubelet-preferred-address-types=InternalIP",
-        ] if self.node else ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
-        self.spawn("kube-apiserver", [str(self.assets / "kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}", f"--secure-port={api_port}", *node_flags,
-            "--service-cluster-ip-range=10.96.0.0/16",
-            "--authorization-mode=Node,RBAC",
-            f"--client-ca-file={pki / 'ca.crt'}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--service-account-key-file={pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
-            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
-            "--enable-bootstrap-token-auth=false", "--profiling=false", "--v=1",
-        ])
+        self.spawn(
+            "etcd",
+            [
+                str(self.assets / "etcd"),
+                "--name",
+                "test",
+                "--data-dir",
+                str(self.workdir / "etcd"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{etcd_peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{etcd_peer}",
+                "--initial-cluster",
+                f"test=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ],
+        )
+        node_flags = (
+            [
+                "--bind-address=0.0.0.0",
+                f"--advertise-address={self.node[1]}",
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+            if self.node
+            else ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
+        )
+        self.spawn(
+            "kube-apiserver",
+            [
+                str(self.assets / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                f"--secure-port={api_port}",
+                *node_flags,
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--authorization-mode=Node,RBAC",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+                "--enable-bootstrap-token-auth=false",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
         self.client_kubeconfig("admin")
         self.wait("kube-apiserver /readyz", lambda: self.get_raw("/readyz") == "ok")
         kcm_config = self.client_kubeconfig("controller-manager")
-        self.spawn("kube-controller-manager", [str(self.assets / "kube-controller-manager"),
-            f"--kubeconfig={kcm_config}", f"--authentication-kubeconfig={kcm_config}",
-            f"--authorization-kubeconfig={kcm_config}",
-            "--bind-address=127.0.0.1", f"--secure-port={kcm_port}", "--leader-elect=false",
-            "--use-service-account-credentials=true",
-            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
-            "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*", "--concurrent-gc-syncs=5",
-            "--profiling=false", "--v=1",
-        ])
+        self.spawn(
+            "kube-controller-manager",
+            [
+                str(self.assets / "kube-controller-manager"),
+                f"--kubeconfig={kcm_config}",
+                f"--authentication-kubeconfig={kcm_config}",
+                f"--authorization-kubeconfig={kcm_config}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={kcm_port}",
+                "--leader-elect=false",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={pki / 'ca.crt'}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--controllers=*",
+                "--concurrent-gc-syncs=5",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
         # The default ServiceAccount appears once the controllers run (the garbage collector with them).
-        self.wait("the default ServiceAccount", lambda: self.kubectl(
-            "-n", "default", "get", "serviceaccount", "default", check=False).returncode == 0)
+        self.wait(
+            "the default ServiceAccount",
+            lambda: self.kubectl("-n", "default", "get", "serviceaccount", "default", check=False).returncode == 0,
+        )
         self.startup_seconds = time.monotonic() - started
         return self
 
     def client_kubeconfig(self, certificate: str) -> Path:
         """A kubeconfig that authenticates with the PKI's client certificate `certificate`."""
         path = self.workdir / f"{certificate}.kubeconfig"
-        path.write_text(yaml.safe_dump(kubeconfig(self.server, self.pki / "ca.crt", {
-            "client-certificate-data": base64.b64encode((self.pki / f"{certificate}.crt").read_bytes()).decode(),
-            "client-key-data": base64.b64encode((self.pki / f"{certificate}.key").read_bytes()).decode()})))
+        path.write_text(
+            yaml.safe_dump(
+                kubeconfig(
+                    self.server,
+                    self.pki / "ca.crt",
+                    {
+                        "client-certificate-data": base64.b64encode(
+                            (self.pki / f"{certificate}.crt").read_bytes()
+                        ).decode(),
+                        "client-key-data": base64.b64encode((self.pki / f"{certificate}.key").read_bytes()).decode(),
+                    },
+                )
+            )
+        )
         return path
 
     def stop(self) -> None:
@@ -246,8 +369,14 @@ class ControlPlane(ProcessGroup):
         with urllib.request.urlopen(self.server + path, context=self.ssl_context(), timeout=5) as response:
             return response.read().decode()
 
-    def request(self, method: str, path: str, body: Any = None, token: Optional[str] = None,
-                content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        token: Optional[str] = None,
+        content_type: str = "application/json",
+    ) -> tuple[int, dict[str, Any]]:
         """One API call as the admin (or as the holder of `token`): (status code, decoded answer)."""
         context = self.ssl_context(admin=not token)
         headers = {"Content-Type": content_type, "Accept": "application/json"}
@@ -261,8 +390,9 @@ class ControlPlane(ProcessGroup):
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read() or b"{}")
 
-    def kubectl(self, *args: str, input: Optional[str] = None, check: bool = True,
-                kubeconfig_file: Optional[Path] = None) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args: str, input: Optional[str] = None, check: bool = True, kubeconfig_file: Optional[Path] = None
+    ) -> subprocess.CompletedProcess:
         command = [str(self.assets / "kubectl"), f"--kubeconfig={kubeconfig_file or self.admin_kubeconfig}", *args]
         result = subprocess.run(command, input=input, capture_output=True, text=True, timeout=120)
         if check and result.returncode != 0:
@@ -290,8 +420,13 @@ class ControlPlane(ProcessGroup):
         self.kubectl("create", "namespace", name)
         return name
 
-    def token(self, namespace: str, service_account: str, audience: Optional[str] = None,
-              pod: Optional[tuple[str, str]] = None) -> str:
+    def token(
+        self,
+        namespace: str,
+        service_account: str,
+        audience: Optional[str] = None,
+        pod: Optional[tuple[str, str]] = None,
+    ) -> str:
         """A token of the ServiceAccount (TokenRequest); with `pod` (name, uid), bound to that pod, as the
         kubelet's projected tokens are."""
         args = ["-n", namespace, "create", "token", service_account, "--duration=2h"]
@@ -309,11 +444,16 @@ class ControlPlane(ProcessGroup):
 
 #: (apiVersion, kind) -> plural, for the kinds tests create through `dry_run_create`/`create`.
 PLURALS = {
-    ("v1", "ConfigMap"): "configmaps", ("v1", "Service"): "services", ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Pod"): "pods",
-    ("v1", "Secret"): "secrets", ("v1", "Event"): "events",
-    ("rbac.authorization.k8s.io/v1", "Role"): "roles", ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
-    ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs", ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
+    ("v1", "Secret"): "secrets",
+    ("v1", "Event"): "events",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
+    ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
 }
 
 

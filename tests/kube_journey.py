@@ -4,6 +4,7 @@ node, the real Kubeflow Training Operator v1.9.0 with its webhook (its standalon
 ../shared/k8s), our chart installed with `helm install` as the README says, and moto's S3 server on the
 node's address for checkpoints.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,12 @@ from storage_servers import StorageServer, moto_s3
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "trainingrun-operator"
 IMAGES = Path(os.environ.get("TRAININGRUN_E2E_IMAGES", REPO / ".tools" / "e2e-images"))
-KUBEFLOW_MANIFEST = Path(os.environ.get(
-    "TRAININGRUN_KUBEFLOW_MANIFEST", REPO.parent / "shared" / "k8s" / "recipe" / "tests" / "training-operator-standalone.yaml"))
+KUBEFLOW_MANIFEST = Path(
+    os.environ.get(
+        "TRAININGRUN_KUBEFLOW_MANIFEST",
+        REPO.parent / "shared" / "k8s" / "recipe" / "tests" / "training-operator-standalone.yaml",
+    )
+)
 HELM = Path(os.environ.get("HELM", REPO / ".tools" / "bin" / "helm"))
 VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 OPERATOR_NAMESPACE = "trainingrun-system"
@@ -44,10 +49,17 @@ RUN_FILE = {
     "metadata": {"name": "journey"},
     "spec": {
         "trainer": {
-            "model": {"classPath": "trainingrun_trainer.models.CharTransformer",
-                      "initArgs": {"dim": 32, "layers": 2, "heads": 2, "contextLength": 32}},
-            "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText",
-                                 "initArgs": {"numSamples": 20000, "contextLength": 32}}, "batchSize": 8},
+            "model": {
+                "classPath": "trainingrun_trainer.models.CharTransformer",
+                "initArgs": {"dim": 32, "layers": 2, "heads": 2, "contextLength": 32},
+            },
+            "data": {
+                "dataset": {
+                    "classPath": "trainingrun_trainer.data.SyntheticText",
+                    "initArgs": {"numSamples": 20000, "contextLength": 32},
+                },
+                "batchSize": 8,
+            },
             "maxSteps": 3000,
             "deterministic": True,
             "logIntervalSteps": 50,
@@ -111,11 +123,17 @@ class Cluster:
         finally:
             # A terminating namespace admits no new pods, so Kubeflow cannot replace the ones deleted here.
             self.kubectl("delete", "namespace", name, "--wait=false", check=False)
-            self.kubectl("-n", name, "delete", "pods", "--all", "--grace-period=1", "--wait=true", "--timeout=100s",
-                         check=False)
+            self.kubectl(
+                "-n", name, "delete", "pods", "--all", "--grace-period=1", "--wait=true", "--timeout=100s", check=False
+            )
 
-    def wait(self, what: str, condition: Callable[[], Any], deadline_s: float = DEADLINE_S,
-             explain: Callable[[], str] = lambda: "") -> Any:
+    def wait(
+        self,
+        what: str,
+        condition: Callable[[], Any],
+        deadline_s: float = DEADLINE_S,
+        explain: Callable[[], str] = lambda: "",
+    ) -> Any:
         deadline = time.monotonic() + deadline_s
         while True:
             value = condition()
@@ -126,11 +144,19 @@ class Cluster:
             time.sleep(0.5)  # polling the API, not a guess at how long it takes
 
     def diagnose(self, namespace: str) -> str:
-        parts = [self.kubectl("-n", namespace, "get", "trainingruns,pytorchjobs,pods", "-o", "wide",
-                              check=False).stdout,
-                 self.kubectl("-n", namespace, "get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-3000:],
-                 self.kubectl("-n", OPERATOR_NAMESPACE, "logs", "-l", "app.kubernetes.io/name=trainingrun-operator", "--tail=40",
-                              check=False).stdout]
+        parts = [
+            self.kubectl("-n", namespace, "get", "trainingruns,pytorchjobs,pods", "-o", "wide", check=False).stdout,
+            self.kubectl("-n", namespace, "get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-3000:],
+            self.kubectl(
+                "-n",
+                OPERATOR_NAMESPACE,
+                "logs",
+                "-l",
+                "app.kubernetes.io/name=trainingrun-operator",
+                "--tail=40",
+                check=False,
+            ).stdout,
+        ]
         for pod in self.kubectl("-n", namespace, "get", "pods", "-o", "name", check=False).stdout.split():
             parts.append(f"--- {pod}\n" + self.kubectl("-n", namespace, "logs", pod, "--tail=25", check=False).stdout)
         return "\n".join(parts)
@@ -140,9 +166,21 @@ def install_kubeflow(plane: kube_cluster.ControlPlane) -> None:
     """Kubeflow's standalone overlay, as its README installs it, and wait until its webhook answers."""
     plane.kubectl("apply", "--server-side", "-f", str(KUBEFLOW_MANIFEST))
     plane.kubectl("-n", "kubeflow", "rollout", "status", "deploy/training-operator", "--timeout=180s")
-    probe = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "probe", "namespace": "default"},
-             "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {"containers": [
-                 {"name": "pytorch", "image": "localhost/k8s-test/pause:3.10"}]}}}}}}
+    probe = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": "probe", "namespace": "default"},
+        "spec": {
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": 1,
+                    "template": {
+                        "spec": {"containers": [{"name": "pytorch", "image": "localhost/k8s-test/pause:3.10"}]}
+                    },
+                }
+            }
+        },
+    }
     deadline = time.monotonic() + 120
     while plane.request("POST", "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs?dryRun=All", probe)[0] != 201:
         assert time.monotonic() < deadline, "Kubeflow's webhook never answered"
@@ -150,18 +188,19 @@ def install_kubeflow(plane: kube_cluster.ControlPlane) -> None:
 
 
 def helm(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(HELM), f"--kubeconfig={kubeconfig}", *args], capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [str(HELM), f"--kubeconfig={kubeconfig}", *args], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
     return result
-
 
 
 @contextlib.contextmanager
 def started(workdir: Path) -> Iterator[Cluster]:
     """The cluster with Kubeflow running and the S3 server up (the chart not yet installed)."""
-    plane = kube_cluster.ControlPlane(Path(os.environ[kube_cluster.ASSETS_ENV]), workdir / "plane",
-                                      node=(kube_node.NODE_NAME, kube_node.NODE_IP))
+    plane = kube_cluster.ControlPlane(
+        Path(os.environ[kube_cluster.ASSETS_ENV]), workdir / "plane", node=(kube_node.NODE_NAME, kube_node.NODE_IP)
+    )
     node = kube_node.Node(plane, workdir / "node")
     try:
         plane.start()
@@ -179,10 +218,23 @@ def started(workdir: Path) -> Iterator[Cluster]:
 
 def install_chart(cluster: Cluster) -> None:
     """Our chart, as the README installs it, the images pointed at the local ones."""
-    helm("install", "trainingrun", str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
-         "--set", "image.repository=localhost/trainingrun-operator", "--set", f"image.tag={VERSION}",
-         "--set", f"trainer.image=localhost/trainingrun-trainer:{VERSION}",
-         "--wait", "--timeout=180s", kubeconfig=cluster.plane.admin_kubeconfig)
+    helm(
+        "install",
+        "trainingrun",
+        str(CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--set",
+        "image.repository=localhost/trainingrun-operator",
+        "--set",
+        f"image.tag={VERSION}",
+        "--set",
+        f"trainer.image=localhost/trainingrun-trainer:{VERSION}",
+        "--wait",
+        "--timeout=180s",
+        kubeconfig=cluster.plane.admin_kubeconfig,
+    )
 
 
 def pod_monitor_targets(pod_monitor: dict[str, Any], plane: kube_cluster.ControlPlane) -> list[dict[str, Any]]:
@@ -202,12 +254,20 @@ def pod_monitor_targets(pod_monitor: dict[str, Any], plane: kube_cluster.Control
     groups = []
     for pod in pods["items"]:
         ip = (pod.get("status") or {}).get("podIP")
-        ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
-                 if p.get("name") == port_name]
+        ports = [
+            p["containerPort"]
+            for c in pod["spec"]["containers"]
+            for p in c.get("ports", [])
+            if p.get("name") == port_name
+        ]
         finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")  # dropped, as the operator does
         if ip and ports and not finished:
-            groups.append({"targets": [f"{ip}:{ports[0]}"],
-                           "labels": {"pod": pod["metadata"]["name"], "pod_namespace": pod["metadata"]["namespace"]}})
+            groups.append(
+                {
+                    "targets": [f"{ip}:{ports[0]}"],
+                    "labels": {"pod": pod["metadata"]["name"], "pod_namespace": pod["metadata"]["namespace"]},
+                }
+            )
     return groups
 
 
@@ -215,6 +275,9 @@ def scrape_config(pod_monitor: dict[str, Any], targets_file: Path, interval: str
     """The scrape job for `pod_monitor`'s targets (written to `targets_file` by the caller), with its
     honorLabels; `interval` replaces the PodMonitor's, for a test's pace."""
     endpoint = pod_monitor["spec"]["podMetricsEndpoints"][0]
-    return {"job_name": f"podMonitor/{pod_monitor['metadata']['name']}", "scrape_interval": interval,
-            "honor_labels": endpoint.get("honorLabels", False),
-            "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "1s"}]}
+    return {
+        "job_name": f"podMonitor/{pod_monitor['metadata']['name']}",
+        "scrape_interval": interval,
+        "honor_labels": endpoint.get("honorLabels", False),
+        "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "1s"}],
+    }

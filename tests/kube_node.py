@@ -12,6 +12,7 @@ The node changes the host (an address on `lo`, a bridge, iptables chains, sysctl
 /var/lib/kubelet): it needs root, runs one at a time, and `stop()` puts all of it back. Its fixed
 addresses are those of the recipe so a leftover from a crashed run is recognisable.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,46 +87,82 @@ state = "/run/containerd"
 
 
 def cni_config(ipam_dir: Path) -> dict[str, Any]:
-    return {"cniVersion": "1.0.0", "name": "e2e-pods", "plugins": [
-        {"type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": False, "hairpinMode": True,
-         "ipam": {"type": "host-local", "dataDir": str(ipam_dir),
-                  "ranges": [[{"subnet": POD_CIDR, "gateway": POD_GATEWAY}]], "routes": [{"dst": "0.0.0.0/0"}]}},
-        {"type": "portmap", "capabilities": {"portMappings": True}},
-    ]}
+    return {
+        "cniVersion": "1.0.0",
+        "name": "e2e-pods",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": "cni0",
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "dataDir": str(ipam_dir),
+                    "ranges": [[{"subnet": POD_CIDR, "gateway": POD_GATEWAY}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
 
 
 def kubelet_config(pki: Path) -> dict[str, Any]:
     return {
-        "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-        "address": NODE_IP, "port": 10250, "readOnlyPort": 0,
-        "healthzBindAddress": "127.0.0.1", "healthzPort": 10248,
-        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
-                           "x509": {"clientCAFile": str(pki / "ca.crt")}},
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": NODE_IP,
+        "port": 10250,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": 10248,
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(pki / "ca.crt")},
+        },
         "authorization": {"mode": "Webhook"},
-        "tlsCertFile": str(pki / "kubelet-serving.crt"), "tlsPrivateKeyFile": str(pki / "kubelet-serving.key"),
+        "tlsCertFile": str(pki / "kubelet-serving.crt"),
+        "tlsPrivateKeyFile": str(pki / "kubelet-serving.key"),
         "containerRuntimeEndpoint": f"unix://{CONTAINERD_SOCKET}",
         "cgroupDriver": "cgroupfs",
         "failCgroupV1": False,  # these VMs have cgroup v1 only; kubelet >= 1.35 refuses it unless told
         "failSwapOn": False,
-        "clusterDNS": [DNS_SERVICE_IP], "clusterDomain": "cluster.local",
+        "clusterDNS": [DNS_SERVICE_IP],
+        "clusterDomain": "cluster.local",
         "resolvConf": "",  # no upstream DNS here
         "serializeImagePulls": False,
         # Images are imported by hand: never garbage-collect them.
-        "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "nodefs.inodesFree": "1%",
-                         "imagefs.available": "1%"},
-        "rotateCertificates": False, "serverTLSBootstrap": False,
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {
+            "memory.available": "100Mi",
+            "nodefs.available": "1%",
+            "nodefs.inodesFree": "1%",
+            "imagefs.available": "1%",
+        },
+        "rotateCertificates": False,
+        "serverTLSBootstrap": False,
         # Quick status so tests see pods and nodes change within seconds.
-        "syncFrequency": "5s", "nodeStatusUpdateFrequency": "5s", "fileCheckFrequency": "5s",
+        "syncFrequency": "5s",
+        "nodeStatusUpdateFrequency": "5s",
+        "fileCheckFrequency": "5s",
     }
 
 
 def kube_proxy_config(kubeconfig_path: Path) -> dict[str, Any]:
     return {
-        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
         "clientConnection": {"kubeconfig": str(kubeconfig_path)},
-        "hostnameOverride": NODE_NAME, "mode": "iptables", "clusterCIDR": POD_CIDR,
-        "bindAddress": "127.0.0.1", "healthzBindAddress": "127.0.0.1:10256", "metricsBindAddress": "127.0.0.1:10249",
+        "hostnameOverride": NODE_NAME,
+        "mode": "iptables",
+        "clusterCIDR": POD_CIDR,
+        "bindAddress": "127.0.0.1",
+        "healthzBindAddress": "127.0.0.1:10256",
+        "metricsBindAddress": "127.0.0.1:10249",
         "nodePortAddresses": [f"{NODE_IP}/32"],
         "conntrack": {"maxPerCore": 0, "min": 0},  # leave the host's conntrack sysctls alone
         "iptables": {"syncPeriod": "30s", "minSyncPeriod": "0s"},
@@ -150,26 +187,56 @@ def corefile(dns_kubeconfig: Path) -> str:
 def cluster_dns_objects() -> list[dict[str, Any]]:
     """The DNS server's read access, and Service kube-system/kube-dns pointing at it on the host."""
     return [
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "e2e-dns"},
-         "rules": [{"apiGroups": [""], "resources": ["services", "endpoints", "pods", "namespaces"],
-                    "verbs": ["get", "list", "watch"]},
-                   {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "e2e-dns"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "e2e-dns"},
-         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "e2e-dns"}]},
-        {"apiVersion": "v1", "kind": "Service",
-         "metadata": {"name": "kube-dns", "namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}},
-         "spec": {"clusterIP": DNS_SERVICE_IP, "ports": [
-             {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 53},
-             {"name": "dns-tcp", "port": 53, "protocol": "TCP", "targetPort": 53}]}},
-        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-         "metadata": {"name": "kube-dns-host", "namespace": "kube-system",
-                      "labels": {"kubernetes.io/service-name": "kube-dns",
-                                 "endpointslice.kubernetes.io/managed-by": "trainingrun-e2e"}},
-         "addressType": "IPv4",
-         "endpoints": [{"addresses": [NODE_IP], "conditions": {"ready": True}, "nodeName": NODE_NAME}],
-         "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "e2e-dns"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["services", "endpoints", "pods", "namespaces"],
+                    "verbs": ["get", "list", "watch"],
+                },
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "e2e-dns"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "e2e-dns"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "e2e-dns"}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kube-dns", "namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}},
+            "spec": {
+                "clusterIP": DNS_SERVICE_IP,
+                "ports": [
+                    {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 53},
+                    {"name": "dns-tcp", "port": 53, "protocol": "TCP", "targetPort": 53},
+                ],
+            },
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "kube-dns-host",
+                "namespace": "kube-system",
+                "labels": {
+                    "kubernetes.io/service-name": "kube-dns",
+                    "endpointslice.kubernetes.io/managed-by": "trainingrun-e2e",
+                },
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [NODE_IP], "conditions": {"ready": True}, "nodeName": NODE_NAME}],
+            "ports": [
+                {"name": "dns", "port": 53, "protocol": "UDP"},
+                {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+            ],
+        },
     ]
 
 
@@ -219,22 +286,40 @@ class Node(ProcessGroup):
         # "server is not initialized yet": wait for the call the kubelet makes first.
         self.wait("containerd's CRI service", self._cri_serving)
 
-        kubeconfigs = {name: self.plane.client_kubeconfig(name) for name in
-                       ("scheduler", "kube-proxy", "kubelet-client", "dns")}
-        self.spawn("kube-scheduler", [str(self.plane.assets / "kube-scheduler"),
-                                       f"--kubeconfig={kubeconfigs['scheduler']}",
-                                       f"--authentication-kubeconfig={kubeconfigs['scheduler']}",
-                                       f"--authorization-kubeconfig={kubeconfigs['scheduler']}",
-                                       "--bind-address=127.0.0.1", "--secure-port=10259", "--leader-elect=false",
-                                       "--v=1"])
+        kubeconfigs = {
+            name: self.plane.client_kubeconfig(name) for name in ("scheduler", "kube-proxy", "kubelet-client", "dns")
+        }
+        self.spawn(
+            "kube-scheduler",
+            [
+                str(self.plane.assets / "kube-scheduler"),
+                f"--kubeconfig={kubeconfigs['scheduler']}",
+                f"--authentication-kubeconfig={kubeconfigs['scheduler']}",
+                f"--authorization-kubeconfig={kubeconfigs['scheduler']}",
+                "--bind-address=127.0.0.1",
+                "--secure-port=10259",
+                "--leader-elect=false",
+                "--v=1",
+            ],
+        )
         (self.workdir / "kubelet.yaml").write_text(yaml.safe_dump(kubelet_config(pki)))
         Path("/var/lib/kubelet").mkdir(parents=True, exist_ok=True)
-        self.spawn("kubelet", [str(self.plane.assets / "kubelet"), f"--config={self.workdir / 'kubelet.yaml'}",
-                                f"--kubeconfig={kubeconfigs['kubelet-client']}", f"--hostname-override={NODE_NAME}",
-                                f"--node-ip={NODE_IP}", "--v=1"])
+        self.spawn(
+            "kubelet",
+            [
+                str(self.plane.assets / "kubelet"),
+                f"--config={self.workdir / 'kubelet.yaml'}",
+                f"--kubeconfig={kubeconfigs['kubelet-client']}",
+                f"--hostname-override={NODE_NAME}",
+                f"--node-ip={NODE_IP}",
+                "--v=1",
+            ],
+        )
         (self.workdir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(kubeconfigs["kube-proxy"])))
-        self.spawn("kube-proxy", [str(self.plane.assets / "kube-proxy"),
-                                   f"--config={self.workdir / 'kube-proxy.yaml'}", "--v=1"])
+        self.spawn(
+            "kube-proxy",
+            [str(self.plane.assets / "kube-proxy"), f"--config={self.workdir / 'kube-proxy.yaml'}", "--v=1"],
+        )
         self.plane.apply(cluster_dns_objects())
         (self.workdir / "Corefile").write_text(corefile(kubeconfigs["dns"]))
         self.spawn("coredns", [str(self.plane.assets / "coredns"), "-conf", str(self.workdir / "Corefile")])
@@ -267,8 +352,16 @@ class Node(ProcessGroup):
         scheduler = self.processes.pop("kube-scheduler", None)
         self._terminate(scheduler)
         if self._alive("kubelet"):
-            self.plane.kubectl("delete", "pods", "--all", "--all-namespaces", "--grace-period=0", "--force",
-                               "--wait=false", check=False)
+            self.plane.kubectl(
+                "delete",
+                "pods",
+                "--all",
+                "--all-namespaces",
+                "--grace-period=0",
+                "--force",
+                "--wait=false",
+                check=False,
+            )
             deadline = time.monotonic() + 20
             while self.ctr("tasks", "ls", "-q", check=False).stdout.strip() and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -292,8 +385,14 @@ class Node(ProcessGroup):
             except (ValueError, ProcessLookupError):
                 pass
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
-        for mount in sorted((m for m in mounts if m.startswith(("/var/lib/kubelet/", "/run/containerd/io.containerd",
-                                                                  "/run/netns/cni-"))), reverse=True):
+        for mount in sorted(
+            (
+                m
+                for m in mounts
+                if m.startswith(("/var/lib/kubelet/", "/run/containerd/io.containerd", "/run/netns/cni-"))
+            ),
+            reverse=True,
+        ):
             _run("umount", "-l", mount, check=False)
         for leftover in Path("/run/netns").glob("cni-*"):
             leftover.unlink(missing_ok=True)

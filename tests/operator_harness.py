@@ -5,6 +5,7 @@ through the API, exactly as those controllers would, and watch what the operator
 kmock limits (see ../shared/TESTING.md): no uid/generation/timestamps, no schema validation, no
 status-subresource semantics, label selectors ignored. Tests set uid and resourceVersion themselves.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,13 @@ EVENTS = "v1/events"
 NAMESPACE = "team-a"
 VERBS = {"list", "watch", "get", "patch", "create", "delete", "update"}
 
-TEST_SETTINGS = Settings(metrics_port=0, health_port=0, reconcile_interval_seconds=0.2, crd_check_seconds=0.5,
-                         child_rejected_backoff_seconds=0.5)
+TEST_SETTINGS = Settings(
+    metrics_port=0,
+    health_port=0,
+    reconcile_interval_seconds=0.2,
+    crd_check_seconds=0.5,
+    child_rejected_backoff_seconds=0.5,
+)
 
 
 def declare_resources(kmock: Any, pytorchjobs: bool = True) -> None:
@@ -49,17 +55,25 @@ def declare_resources(kmock: Any, pytorchjobs: bool = True) -> None:
     kmock.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=VERBS)
     kmock.resources["v1/serviceaccounts"] = info(kind="ServiceAccount", namespaced=True, verbs=VERBS)
     kmock.resources["rbac.authorization.k8s.io/v1/roles"] = info(kind="Role", namespaced=True, verbs=VERBS)
-    kmock.resources["rbac.authorization.k8s.io/v1/rolebindings"] = info(kind="RoleBinding", namespaced=True, verbs=VERBS)
+    kmock.resources["rbac.authorization.k8s.io/v1/rolebindings"] = info(
+        kind="RoleBinding", namespaced=True, verbs=VERBS
+    )
 
 
 def write_kubeconfig(path: Path, server: str, token: str) -> Path:
     """A kubeconfig for an operator process of its own (one cluster, one token user)."""
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {"server": server}}],
-        "users": [{"name": "test", "user": {"token": token}}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": {"server": server}}],
+                "users": [{"name": "test", "user": {"token": token}}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+            }
+        )
+    )
     return path
 
 
@@ -103,13 +117,18 @@ class Cluster:
         return self.obj(JOBS, name)
 
     def job_names(self, run: str = "demo") -> list[str]:
-        return sorted(key[2] for key, o in self.kmock.objects.items()
-                      if key[0] == kmock_lib.resource(JOBS) and not o.deleted
-                      and (o.raw.get("metadata", {}).get("labels") or {}).get("trainingrun.dev/run") == run)
+        return sorted(
+            key[2]
+            for key, o in self.kmock.objects.items()
+            if key[0] == kmock_lib.resource(JOBS)
+            and not o.deleted
+            and (o.raw.get("metadata", {}).get("labels") or {}).get("trainingrun.dev/run") == run
+        )
 
     def events(self, reason: Optional[str] = None) -> list[dict[str, Any]]:
-        found = [o.raw for key, o in self.kmock.objects.items()
-                 if key[0] == kmock_lib.resource(EVENTS) and not o.deleted]
+        found = [
+            o.raw for key, o in self.kmock.objects.items() if key[0] == kmock_lib.resource(EVENTS) and not o.deleted
+        ]
         return [e for e in found if reason is None or e.get("reason") == reason]
 
     def env_of(self, job_name: str) -> dict[str, Any]:
@@ -121,17 +140,20 @@ class Cluster:
         body = copy.deepcopy(body)
         body["metadata"].setdefault("namespace", NAMESPACE)
         body["metadata"].setdefault("resourceVersion", "1")
-        async with self.kmock.post(f"/apis/{RUNS.rsplit('/', 1)[0]}/namespaces/{body['metadata']['namespace']}"
-                                   f"/trainingruns", json=body) as response:
+        async with self.kmock.post(
+            f"/apis/{RUNS.rsplit('/', 1)[0]}/namespaces/{body['metadata']['namespace']}/trainingruns", json=body
+        ) as response:
             assert response.status < 300, await response.text()
 
-    async def patch(self, resource: str, name: str, patch: dict[str, Any], namespace: str = NAMESPACE,
-                    subresource: str = "") -> None:
+    async def patch(
+        self, resource: str, name: str, patch: dict[str, Any], namespace: str = NAMESPACE, subresource: str = ""
+    ) -> None:
         group_version, plural = resource.rsplit("/", 1)
         prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
         url = f"{prefix}/namespaces/{namespace}/{plural}/{name}" + (f"/{subresource}" if subresource else "")
-        async with self.kmock.patch(url, json=patch,
-                                    headers={"Content-Type": "application/merge-patch+json"}) as response:
+        async with self.kmock.patch(
+            url, json=patch, headers={"Content-Type": "application/merge-patch+json"}
+        ) as response:
             assert response.status < 300, await response.text()
 
     async def delete(self, resource: str, name: str, namespace: str = NAMESPACE) -> None:
@@ -142,18 +164,25 @@ class Cluster:
 
     async def warning(self, kind: str, name: str, reason: str, message: str) -> None:
         """A Warning Event, as Kubeflow (on a job) or the kubelet (on a pod) records one."""
-        event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{name}.{reason.lower()}",
-                                                                   "namespace": NAMESPACE, "resourceVersion": "1"},
-                 "involvedObject": {"kind": kind, "name": name, "namespace": NAMESPACE},
-                 "type": "Warning", "reason": reason, "message": message}
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{name}.{reason.lower()}", "namespace": NAMESPACE, "resourceVersion": "1"},
+            "involvedObject": {"kind": kind, "name": name, "namespace": NAMESPACE},
+            "type": "Warning",
+            "reason": reason,
+            "message": message,
+        }
         async with self.kmock.post(f"/api/v1/namespaces/{NAMESPACE}/events", json=event) as response:
             assert response.status < 300, await response.text()
 
     async def job_condition(self, job_name: str, *types: str, message: str = "") -> None:
         """As the Kubeflow operator reports a job's state."""
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        conditions = [{"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": message,
-                       "lastTransitionTime": now} for t in types]
+        conditions = [
+            {"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": message, "lastTransitionTime": now}
+            for t in types
+        ]
         await self.patch(JOBS, job_name, {"status": {"conditions": conditions}}, subresource="status")
 
     async def add_pod(self, job_name: str, index: int = 0, status: Optional[dict[str, Any]] = None) -> str:
@@ -162,9 +191,13 @@ class Cluster:
         labels = dict(job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["labels"])
         labels["training.kubeflow.org/job-name"] = job_name
         name = f"{job_name}-worker-{index}"
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels, "resourceVersion": "1"},
-               "spec": {}, "status": status or {"phase": "Pending"}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels, "resourceVersion": "1"},
+            "spec": {},
+            "status": status or {"phase": "Pending"},
+        }
         async with self.kmock.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=pod) as response:
             assert response.status < 300, await response.text()
         return name
@@ -176,13 +209,21 @@ class Cluster:
             patch["metadata"] = metadata
         await self.patch(PODS, pod_name, patch)
 
-    async def progress(self, name: str, step: int, updated_at: str, productive_seconds: float = 0.0,
-                       checkpoint: Optional[dict[str, Any]] = None) -> None:
+    async def progress(
+        self,
+        name: str,
+        step: int,
+        updated_at: str,
+        productive_seconds: float = 0.0,
+        checkpoint: Optional[dict[str, Any]] = None,
+    ) -> None:
         """As the operator writes what the trainer's rank 0 reported (reports.py; the endpoint itself is tested
         with real tokens in tests/real_api/test_reports_real.py)."""
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        status: dict[str, Any] = {"progress": {"step": step, "updatedAt": updated_at,
-                                               "productiveSeconds": productive_seconds}, "lastReportTime": now}
+        status: dict[str, Any] = {
+            "progress": {"step": step, "updatedAt": updated_at, "productiveSeconds": productive_seconds},
+            "lastReportTime": now,
+        }
         if checkpoint:
             status["lastGoodCheckpoint"] = checkpoint
         await self.patch(RUNS, name, {"status": status}, subresource="status")
@@ -190,8 +231,12 @@ class Cluster:
 
 def terminated(exit_code: int, reason: str = "Error", message: str = "") -> dict[str, Any]:
     """A pod status whose trainer container ended with `exit_code`."""
-    return {"phase": "Failed", "containerStatuses": [
-        {"name": "pytorch", "state": {"terminated": {"exitCode": exit_code, "reason": reason, "message": message}}}]}
+    return {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": "pytorch", "state": {"terminated": {"exitCode": exit_code, "reason": reason, "message": message}}}
+        ],
+    }
 
 
 def running() -> dict[str, Any]:
@@ -199,9 +244,12 @@ def running() -> dict[str, Any]:
 
 
 def training_run(name: str = "demo", uid: str = "0000-demo", **spec: Any) -> dict[str, Any]:
-    body = {"apiVersion": api.API_VERSION, "kind": api.KIND,
-            "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid},
-            "spec": {"checkpoint": {"uri": f"s3://bucket/{name}"}, "recovery": {"backoffSeconds": 0}}}
+    body = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid},
+        "spec": {"checkpoint": {"uri": f"s3://bucket/{name}"}, "recovery": {"backoffSeconds": 0}},
+    }
     for key, value in spec.items():
         body["spec"][key] = value
     return body
@@ -210,6 +258,7 @@ def training_run(name: str = "demo", uid: str = "0000-demo", **spec: Any) -> dic
 @contextlib.asynccontextmanager
 async def operator(kmock: Any, settings: Settings = TEST_SETTINGS, **state_fields: Any) -> AsyncIterator[OperatorState]:
     """Run the operator until the block ends; it has opened its watches when the block starts."""
+
     async def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True)
 
@@ -218,8 +267,10 @@ async def operator(kmock: Any, settings: Settings = TEST_SETTINGS, **state_field
     ready = asyncio.Event()
     task = asyncio.create_task(run_operator(state, stop_flag=stop, ready_flag=ready))
     await asyncio.wait_for(ready.wait(), 20)
-    await eventually(lambda: any("watch=true" in str(r.url) and "trainingruns" in str(r.url) for r in list(kmock)),
-                     what="kopf to watch TrainingRuns")
+    await eventually(
+        lambda: any("watch=true" in str(r.url) and "trainingruns" in str(r.url) for r in list(kmock)),
+        what="kopf to watch TrainingRuns",
+    )
     try:
         yield state
     finally:

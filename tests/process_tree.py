@@ -1,5 +1,6 @@
 """The processes below one, for tests that must reach a run's every process (torchrun and the local launcher start
 workers in sessions of their own, so a process group does not)."""
+
 from __future__ import annotations
 
 from pathlib import Path

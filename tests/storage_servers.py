@@ -17,6 +17,7 @@ import ...``.
 Everything here follows tests/../shared TESTING.md: gcsfs needs GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT
 set to false before it is imported, and s3fs must not get region_name us-east-1 for moto.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,10 @@ def gcs_emulator_command(port: int) -> list[str]:
     socketserver's 5. Its single-threaded HTTPServer otherwise drops the connection attempts beyond 5 while it
     serves one request, and each dropped one costs the client the kernel's 1 s SYN retry: 16 concurrent range reads
     took 1.1 s instead of 0.04 s. A cloud bucket has no such limit."""
-    start = ("import socketserver, sys; socketserver.TCPServer.request_queue_size = 128; "
-             "from gcp_storage_emulator.__main__ import main; sys.exit(main())")
+    start = (
+        "import socketserver, sys; socketserver.TCPServer.request_queue_size = 128; "
+        "from gcp_storage_emulator.__main__ import main; sys.exit(main())"
+    )
     _bin("gcp-storage-emulator")  # says how to install it when it is missing
     return [sys.executable, "-c", start, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
 

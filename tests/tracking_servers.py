@@ -1,4 +1,5 @@
 """A real MLflow tracking server on loopback, for the trainer's MLflow logger (tests/integration)."""
+
 from __future__ import annotations
 
 import tempfile
@@ -14,9 +15,24 @@ def mlflow_server() -> Iterator[str]:
     """`mlflow server` on a SQLite store in a temporary directory; yields its URL."""
     with tempfile.TemporaryDirectory(prefix="mlflow-") as store:
         port = _free_port()
-        process, log = _start([_bin("mlflow"), "server", "--backend-store-uri", f"sqlite:///{store}/mlflow.db",
-                               "--default-artifact-root", f"{store}/artifacts", "--host", "127.0.0.1",
-                               "--port", str(port), "--workers", "1"], port, "mlflow-server")
+        process, log = _start(
+            [
+                _bin("mlflow"),
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{store}/mlflow.db",
+                "--default-artifact-root",
+                f"{store}/artifacts",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+            ],
+            port,
+            "mlflow-server",
+        )
         try:
             yield f"http://127.0.0.1:{port}"
         finally:

@@ -13,6 +13,7 @@ Names in `initArgs` arrive camelCase from YAML, like every other field of the AP
 key with `snake_case()` before calling, so `contextLength` and `context_length` mean the same
 argument (giving both is an error). Messages show argument names camelCase, as the user writes them.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -24,8 +25,20 @@ from typing import Any, Callable, Iterable, cast
 
 from trainingrun_api.config import Component, ConfigError, TrainerConfig
 
-__all__ = ["ConfigError", "BUILTIN_CLASSES", "OPTIONAL_LIBRARIES", "build", "check", "check_builtin", "check_libraries",
-           "is_builtin", "named_classes", "resolve", "snake_case", "camel_case"]
+__all__ = [
+    "ConfigError",
+    "BUILTIN_CLASSES",
+    "OPTIONAL_LIBRARIES",
+    "build",
+    "check",
+    "check_builtin",
+    "check_libraries",
+    "is_builtin",
+    "named_classes",
+    "resolve",
+    "snake_case",
+    "camel_case",
+]
 
 #: The public classes of the trainer's own modules and their constructor parameters (name: required), so a
 #: TrainingRun that names one is checked without importing torch (`trainingrun validate`, the operator's image).
@@ -34,30 +47,89 @@ BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
     "trainingrun_trainer.models.SelfAttention": {"dim": True, "heads": True, "dropout": True, "causal": True},
     "trainingrun_trainer.models.TransformerBlock": {"dim": True, "heads": True, "dropout": False, "causal": False},
     "trainingrun_trainer.models.CharTransformer": {
-        "vocab_size": False, "dim": False, "layers": False, "heads": False, "context_length": False, "dropout": False},
+        "vocab_size": False,
+        "dim": False,
+        "layers": False,
+        "heads": False,
+        "context_length": False,
+        "dropout": False,
+    },
     "trainingrun_trainer.models.MaskedAutoencoder": {
-        "image_size": False, "patch_size": False, "channels": False, "dim": False, "layers": False, "heads": False,
-        "decoder_dim": False, "decoder_layers": False, "mask_ratio": False},
+        "image_size": False,
+        "patch_size": False,
+        "channels": False,
+        "dim": False,
+        "layers": False,
+        "heads": False,
+        "decoder_dim": False,
+        "decoder_layers": False,
+        "mask_ratio": False,
+    },
     "trainingrun_trainer.data.SyntheticText": {
-        "num_samples": False, "context_length": False, "vocab_size": False, "seed": False, "split": False},
+        "num_samples": False,
+        "context_length": False,
+        "vocab_size": False,
+        "seed": False,
+        "split": False,
+    },
     "trainingrun_trainer.data.SyntheticImages": {
-        "num_samples": False, "image_size": False, "channels": False, "seed": False, "split": False},
+        "num_samples": False,
+        "image_size": False,
+        "channels": False,
+        "seed": False,
+        "split": False,
+    },
     "trainingrun_trainer.shards.TokenShards": {
-        "uri": True, "context_length": False, "dtype": False, "pattern": False, "vocab_size": False,
-        "num_samples": False, "eval_fraction": False, "seed": False, "split": False, "cache_dir": False,
-        "block_bytes": False, "endpoint_url": False, "read_ahead": False,
-        "fetch_threads": False},
+        "uri": True,
+        "context_length": False,
+        "dtype": False,
+        "pattern": False,
+        "vocab_size": False,
+        "num_samples": False,
+        "eval_fraction": False,
+        "seed": False,
+        "split": False,
+        "cache_dir": False,
+        "block_bytes": False,
+        "endpoint_url": False,
+        "read_ahead": False,
+        "fetch_threads": False,
+    },
     "trainingrun_trainer.shards.TextBytes": {
-        "uri": True, "context_length": False, "pattern": False, "num_samples": False, "eval_fraction": False,
-        "seed": False, "split": False, "cache_dir": False, "block_bytes": False, "endpoint_url": False, "read_ahead": False,
-        "fetch_threads": False},
+        "uri": True,
+        "context_length": False,
+        "pattern": False,
+        "num_samples": False,
+        "eval_fraction": False,
+        "seed": False,
+        "split": False,
+        "cache_dir": False,
+        "block_bytes": False,
+        "endpoint_url": False,
+        "read_ahead": False,
+        "fetch_threads": False,
+    },
     "trainingrun_trainer.shards.ImageShards": {
-        "uri": True, "image_size": False, "channels": False, "pattern": False, "eval_fraction": False, "split": False,
-        "cache_dir": False, "block_bytes": False, "endpoint_url": False, "read_ahead": False,
-        "fetch_threads": False},
+        "uri": True,
+        "image_size": False,
+        "channels": False,
+        "pattern": False,
+        "eval_fraction": False,
+        "split": False,
+        "cache_dir": False,
+        "block_bytes": False,
+        "endpoint_url": False,
+        "read_ahead": False,
+        "fetch_threads": False,
+    },
     "trainingrun_trainer.data.ResumableSampler": {
-        "dataset_len": True, "rank": True, "world_size": True, "seed": False, "shuffle": False,
-        "samples_per_step": False},
+        "dataset_len": True,
+        "rank": True,
+        "world_size": True,
+        "seed": False,
+        "shuffle": False,
+        "samples_per_step": False,
+    },
 }
 BUILTIN_PACKAGE = "trainingrun_trainer"
 
@@ -90,9 +162,7 @@ def resolve(class_path: str, field: str = "component") -> Callable[..., Any]:
             "install the package in the trainer image or fix the path"
         ) from err
     except Exception as err:  # the module was found, but running it failed: show the user's error
-        raise ConfigError(
-            f"{where}: importing module '{module_name}' failed: {type(err).__name__}: {err}"
-        ) from err
+        raise ConfigError(f"{where}: importing module '{module_name}' failed: {type(err).__name__}: {err}") from err
 
     if not hasattr(module, class_name):
         classes = _public_classes(module)
@@ -109,16 +179,17 @@ def resolve(class_path: str, field: str = "component") -> Callable[..., Any]:
     # A factory function works as well as a class, so allow any callable, but nothing else.
     if not callable(target):
         raise ConfigError(
-            f"{where}: '{class_path}' is not a class (it is of type {type(target).__name__}); "
-            "name a class to construct"
+            f"{where}: '{class_path}' is not a class (it is of type {type(target).__name__}); name a class to construct"
         )
     return cast(Callable[..., Any], target)
 
 
 def named_classes(trainer: TrainerConfig) -> list[tuple[Component, str, dict[str, Any]]]:
     """The classes a trainer config names: each with its field path and the arguments the trainer adds."""
-    return [(trainer.model, "spec.trainer.model", {}),
-            (trainer.data.dataset, "spec.trainer.data.dataset", {"split": "train"})]
+    return [
+        (trainer.model, "spec.trainer.model", {}),
+        (trainer.data.dataset, "spec.trainer.data.dataset", {"split": "train"}),
+    ]
 
 
 #: What an optional feature (a logger kind, a built-in class) imports, and the pip extra of trainingrun-operator that
@@ -135,17 +206,20 @@ OPTIONAL_LIBRARIES = {
 def check_libraries(trainer: TrainerConfig) -> None:
     """Raise ConfigError, naming the field and the extra to install, for each logger or built-in class of `trainer`
     whose library this Python lacks. Looked up without importing it, before the trainer starts anything."""
-    needs: list[tuple[str, str, str]] = [(f"spec.trainer.loggers[{i}]", f"kind {logger.kind}", logger.kind)
-             for i, logger in enumerate(trainer.loggers)]
+    needs: list[tuple[str, str, str]] = [
+        (f"spec.trainer.loggers[{i}]", f"kind {logger.kind}", logger.kind) for i, logger in enumerate(trainer.loggers)
+    ]
     needs += [(field, component.class_path, component.class_path) for component, field, _ in named_classes(trainer)]
     problems = []
     for field, what, key in needs:
         if key in OPTIONAL_LIBRARIES:
             module, extra = OPTIONAL_LIBRARIES[key]
             if importlib.util.find_spec(module) is None:
-                problems.append(f"{field}: {what} needs the {module} package, which this trainer image lacks; build "
-                                f"the image with pip install 'trainingrun-operator[trainer,{extra}]' (the stock image "
-                                "has it)")
+                problems.append(
+                    f"{field}: {what} needs the {module} package, which this trainer image lacks; build "
+                    f"the image with pip install 'trainingrun-operator[trainer,{extra}]' (the stock image "
+                    "has it)"
+                )
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -173,20 +247,28 @@ def check_builtin(component: Component, field: str = "component", **extra_kwargs
         return False
     module_name, _, class_name = component.class_path.rpartition(".")
     where = f"{field}.classPath"
-    classes = {path.rpartition(".")[2]: params for path, params in BUILTIN_CLASSES.items()
-               if path.rpartition(".")[0] == module_name}
+    classes = {
+        path.rpartition(".")[2]: params
+        for path, params in BUILTIN_CLASSES.items()
+        if path.rpartition(".")[0] == module_name
+    }
     if not classes:
         modules = sorted({path.rpartition(".")[0] for path in BUILTIN_CLASSES})
-        raise ConfigError(f"{where}: the trainer has no module '{module_name}'; its classes are in "
-                          f"{', '.join(modules)}")
+        raise ConfigError(
+            f"{where}: the trainer has no module '{module_name}'; its classes are in {', '.join(modules)}"
+        )
     if class_name not in classes:
         close = difflib.get_close_matches(class_name, list(classes), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"it has: {', '.join(sorted(classes))}"
         raise ConfigError(f"{where}: module '{module_name}' has no class '{class_name}'; {hint}")
-    signature = inspect.Signature([
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                          default=inspect.Parameter.empty if required else None)
-        for name, required in classes[class_name].items()])
+    signature = inspect.Signature(
+        [
+            inspect.Parameter(
+                name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty if required else None
+            )
+            for name, required in classes[class_name].items()
+        ]
+    )
     kwargs, written_as = _keyword_arguments(component, f"{field}.initArgs", extra_kwargs, class_name)
     _check_signature(signature, class_name, kwargs, written_as, f"{field}.initArgs")
     return True
@@ -225,24 +307,21 @@ def _prepare(
     return target, kwargs
 
 
-def _keyword_arguments(component: Component, where: str, extra_kwargs: dict[str, Any],
-                       name: str) -> tuple[dict[str, Any], dict[str, str]]:
+def _keyword_arguments(
+    component: Component, where: str, extra_kwargs: dict[str, Any], name: str
+) -> tuple[dict[str, Any], dict[str, str]]:
     """initArgs snake_cased, plus the trainer's own arguments; and how the user wrote each key."""
     kwargs: dict[str, Any] = {}
     written_as: dict[str, str] = {}  # snake_case name -> the key as the user wrote it, for messages
     for key, value in component.init_args.items():
         snake = snake_case(key)
         if snake in written_as:
-            raise ConfigError(
-                f"{where}: '{written_as[snake]}' and '{key}' are the same argument; keep one of them"
-            )
+            raise ConfigError(f"{where}: '{written_as[snake]}' and '{key}' are the same argument; keep one of them")
         written_as[snake] = key
         kwargs[snake] = value
     for key, value in extra_kwargs.items():
         if key in kwargs:
-            raise ConfigError(
-                f"{where}: '{written_as[key]}' is set by the trainer for {name}; remove it from initArgs"
-            )
+            raise ConfigError(f"{where}: '{written_as[key]}' is set by the trainer for {name}; remove it from initArgs")
         kwargs[key] = value
     return kwargs, written_as
 

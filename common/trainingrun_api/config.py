@@ -5,6 +5,7 @@ to check a TrainingRun before any pod or process exists. The mounted config file
 reads (`TRAININGRUN_CONFIG`) is a `RunConfig`: the same two sections, in the same camelCase shape
 as in the TrainingRun, so a user can copy between them.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,16 +27,24 @@ CHECKPOINT_URI_PATTERN = r"^(gs|s3|file)://.+"
 BUCKET_URI_PATTERN = r"^(gs|s3)://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/|$)"
 #: user:password@ (or any userinfo) in a URI's authority.
 CREDENTIALS_IN_URI = r"^[A-Za-z][-+.A-Za-z0-9]*://[^/]*@"
-NO_CREDENTIALS = ("holds credentials (user:password@ before the bucket or host): remove them; give storage "
-                  "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)")
+NO_CREDENTIALS = (
+    "holds credentials (user:password@ before the bucket or host): remove them; give storage "
+    "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)"
+)
 #: A checkpoint's step directory: what checkpoint.resumeFrom names.
 RESUME_FROM_PATTERN = r"^(gs|s3|file)://[^\s]+/step-[0-9]{8,19}$"
-RESUME_FROM_SHAPE = ("checkpoint.resumeFrom must be a checkpoint's step directory, gs://, s3:// or file://.../step-NNNNNNNN "
-                     "(`trainingrun checkpoints URI` lists them)")
+RESUME_FROM_SHAPE = (
+    "checkpoint.resumeFrom must be a checkpoint's step directory, gs://, s3:// or file://.../step-NNNNNNNN "
+    "(`trainingrun checkpoints URI` lists them)"
+)
 SAME_STORAGE = "checkpoint.resumeFrom must be on the same storage as checkpoint.uri (the same scheme)"
-TRACKER_CREDENTIALS = ("holds credentials (user:password@ before the host): remove them; give a tracker's "
-                       "credentials by reference in spec.secrets.env (MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, AWS_* for a "
-                       "logDir in a bucket)")
+TRACKER_CREDENTIALS = (
+    "holds credentials (user:password@ before the host): remove them; give a tracker's "
+    "credentials by reference in spec.secrets.env (MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, AWS_* for a "
+    "logDir in a bucket)"
+)
+
+
 #: The URI rules as CEL on the checkpoint object, not on the string: for a rule on a string (and for `pattern`)
 #: the API server repeats the value in its error, and a URI may hold credentials; for an object it says "object".
 class ConfigError(ValueError):
@@ -52,14 +61,20 @@ POD_DISK_CHECKPOINTS = "file:///tmp/trainingrun/checkpoints"
 CHECKPOINT_URI_RULES = [
     {"rule": f"!self.uri.matches(r'{CREDENTIALS_IN_URI}')", "message": f"checkpoint.uri {NO_CREDENTIALS}"},
     {"rule": "!self.uri.matches(r'\\s')", "message": "checkpoint.uri contains whitespace; remove it"},
-    {"rule": f"self.uri.matches(r'{CHECKPOINT_URI_PATTERN}')",
-     "message": "checkpoint.uri must start with gs://, s3:// or file:// (gs://bucket/path, s3://bucket/path, "
-                "file:///path)"},
-    {"rule": f"!self.uri.matches(r'^(gs|s3)://') || self.uri.matches(r'{BUCKET_URI_PATTERN}')",
-     "message": "checkpoint.uri needs a bucket name after gs:// or s3:// (3-222 lowercase letters, digits, '.', "
-                "'-'): gs://bucket/path"},
-    {"rule": "!self.uri.startsWith('file://') || self.uri.startsWith('file:///')",
-     "message": "checkpoint.uri: a file:// URI must be absolute: file:///path"},
+    {
+        "rule": f"self.uri.matches(r'{CHECKPOINT_URI_PATTERN}')",
+        "message": "checkpoint.uri must start with gs://, s3:// or file:// (gs://bucket/path, s3://bucket/path, "
+        "file:///path)",
+    },
+    {
+        "rule": f"!self.uri.matches(r'^(gs|s3)://') || self.uri.matches(r'{BUCKET_URI_PATTERN}')",
+        "message": "checkpoint.uri needs a bucket name after gs:// or s3:// (3-222 lowercase letters, digits, '.', "
+        "'-'): gs://bucket/path",
+    },
+    {
+        "rule": "!self.uri.startsWith('file://') || self.uri.startsWith('file:///')",
+        "message": "checkpoint.uri: a file:// URI must be absolute: file:///path",
+    },
 ]
 
 
@@ -82,11 +97,15 @@ def checkpoint_uri_problem(uri: str) -> Optional[str]:
         found = f"scheme '{scheme}'" if scheme else "no scheme"
         return f"'{uri}' has {found}; use gs://bucket/path, s3://bucket/path or file:///path"
     if re.match(r"^(gs|s3)://", uri) and not re.match(BUCKET_URI_PATTERN, uri):
-        return (f"'{uri}' has no valid bucket name after the scheme (3-222 lowercase letters, digits, '.', '-'); "
-                "write gs://bucket/path or s3://bucket/path")
+        return (
+            f"'{uri}' has no valid bucket name after the scheme (3-222 lowercase letters, digits, '.', '-'); "
+            "write gs://bucket/path or s3://bucket/path"
+        )
     if uri.startswith("file://") and not uri.startswith("file:///"):
         return f"'{uri}' is a relative file:// URI; write it absolute: file:///path"
     return None
+
+
 PYTHON_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
 
@@ -138,9 +157,7 @@ class Component(ApiModel):
     @classmethod
     def _dotted_path(cls, value: Any) -> Any:
         if isinstance(value, str) and not re.fullmatch(PYTHON_PATH_PATTERN, value, re.ASCII):
-            raise ValueError(
-                f"'{value}' is not a dotted Python path; write it as package.module.ClassName"
-            )
+            raise ValueError(f"'{value}' is not a dotted Python path; write it as package.module.ClassName")
         return value
 
 
@@ -157,7 +174,7 @@ class DataConfig(ApiModel):
 
     model_config = ConfigDict(
         json_schema_extra=kubernetes_validations(
-                [
+            [
                 {
                     "rule": "!has(self.prefetchFactor) || self.numWorkers > 0",
                     "message": "prefetchFactor needs worker processes: set numWorkers (e.g. 2), or remove prefetchFactor",
@@ -175,18 +192,24 @@ class DataConfig(ApiModel):
         default=32, ge=1, le=65536, description="Samples per process per micro-step (before accumulation)."
     )
     num_workers: int = Field(
-        default=0, ge=0, le=64, description="DataLoader worker processes per rank; each is seeded. 0: batches are "
+        default=0,
+        ge=0,
+        le=64,
+        description="DataLoader worker processes per rank; each is seeded. 0: batches are "
         "made in the training process, by a thread two batches ahead for the built-in datasets (and any whose class "
         "sets pure_items = True: items that depend on their index alone), else on the training thread. With heavy "
-        "decoding or augmentation, 2-4 keep up with a GPU (watch trainingrun_data_wait_seconds)."
+        "decoding or augmentation, 2-4 keep up with a GPU (watch trainingrun_data_wait_seconds).",
     )
     prefetch_factor: Optional[int] = Field(
-        default=None, ge=1, le=64, description="Batches each worker loads ahead (PyTorch's default 2); needs "
-        "numWorkers > 0."
+        default=None,
+        ge=1,
+        le=64,
+        description="Batches each worker loads ahead (PyTorch's default 2); needs numWorkers > 0.",
     )
     pin_memory: bool = Field(
-        default=False, description="Batches in page-locked host memory, so the copy to the GPU overlaps compute "
-        "(CUDA only; ignored on CPU)."
+        default=False,
+        description="Batches in page-locked host memory, so the copy to the GPU overlaps compute "
+        "(CUDA only; ignored on CPU).",
     )
 
     @model_validator(mode="after")
@@ -211,9 +234,11 @@ class OptimizerConfig(ApiModel):
     eps: float = Field(default=1e-8, gt=0, le=1, description="AdamW epsilon.")
     momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD momentum.")
     fused: Optional[bool] = Field(
-        default=None, description="AdamW's fused kernel (one kernel per step for all parameters). Unset: on with "
+        default=None,
+        description="AdamW's fused kernel (one kernel per step for all parameters). Unset: on with "
         "GPUs (on an H100, fused AdamW with TF32 matmuls took the benchmark model from 35.9 to 31.7 ms a step), off "
-        "on CPUs. Results differ from the unfused AdamW in the last bits; a run resumes exactly either way.")
+        "on CPUs. Results differ from the unfused AdamW in the last bits; a run resumes exactly either way.",
+    )
 
 
 class ScheduleConfig(ApiModel):
@@ -228,9 +253,7 @@ class ScheduleConfig(ApiModel):
     min_lr_ratio: float = Field(
         default=0.1, ge=0, le=1, description="Floor of cosine schedules as a fraction of the peak LR."
     )
-    restart_period_steps: int = Field(
-        default=1000, ge=1, description="cosine-warm-restarts: steps in the first cycle."
-    )
+    restart_period_steps: int = Field(default=1000, ge=1, description="cosine-warm-restarts: steps in the first cycle.")
     restart_period_mult: int = Field(
         default=1, ge=1, le=16, description="cosine-warm-restarts: each cycle is this many times longer."
     )
@@ -253,21 +276,25 @@ class EmaConfig(ApiModel):
 class EvalConfig(ApiModel):
     """Periodic evaluation on the held-out split."""
 
-    interval_steps: int = Field(
-        default=0, ge=0, description="Evaluate every this many steps; 0 turns evaluation off."
-    )
+    interval_steps: int = Field(default=0, ge=0, description="Evaluate every this many steps; 0 turns evaluation off.")
     batches: int = Field(default=10, ge=1, le=100000, description="Batches per evaluation.")
 
 
 #: (kind, its required field, the field as written, what that field is): each kind's one required field.
 #: What each kind of logger needs: (kind, field, its name on the wire, what it is).
-LOGGER_NEEDS = (("tensorboard", "log_dir", "logDir", "a path or gs://, s3:// URI for its event files"),
-                ("mlflow", "tracking_uri", "trackingUri", "the MLflow tracking server, e.g. http://mlflow.mlflow:5000"),
-                ("wandb", "project", "project", "the W&B project the run is logged to"))
+LOGGER_NEEDS = (
+    ("tensorboard", "log_dir", "logDir", "a path or gs://, s3:// URI for its event files"),
+    ("mlflow", "tracking_uri", "trackingUri", "the MLflow tracking server, e.g. http://mlflow.mlflow:5000"),
+    ("wandb", "project", "project", "the W&B project the run is logged to"),
+)
 #: The kinds of logger each field is for: (field, its name on the wire, kinds).
-LOGGER_FIELD_KINDS = (("log_dir", "logDir", ("tensorboard", "wandb")), ("tracking_uri", "trackingUri", ("mlflow",)),
-                      ("experiment", "experiment", ("mlflow",)), ("project", "project", ("wandb",)),
-                      ("entity", "entity", ("wandb",)))
+LOGGER_FIELD_KINDS = (
+    ("log_dir", "logDir", ("tensorboard", "wandb")),
+    ("tracking_uri", "trackingUri", ("mlflow",)),
+    ("experiment", "experiment", ("mlflow",)),
+    ("project", "project", ("wandb",)),
+    ("entity", "entity", ("wandb",)),
+)
 
 
 def _only_for(wire: str, kinds: tuple[str, ...]) -> str:
@@ -285,36 +312,58 @@ class LoggerConfig(ApiModel):
 
     model_config = ConfigDict(
         json_schema_extra=kubernetes_validations(
-                [
-                {"rule": f"self.kind != '{kind}' || has(self.{wire})", "message": f"a {kind} logger needs {wire}: {what}"}
+            [
+                {
+                    "rule": f"self.kind != '{kind}' || has(self.{wire})",
+                    "message": f"a {kind} logger needs {wire}: {what}",
+                }
                 for kind, _, wire, what in LOGGER_NEEDS
-            ] + [
+            ]
+            + [
                 {"rule": f"self.kind in {list(kinds)} || !has(self.{wire})", "message": _only_for(wire, kinds)}
                 for _, wire, kinds in LOGGER_FIELD_KINDS
-            ] + [  # on the object, not the string: a rule on a string repeats its value in the server's error
-                {"rule": f"!has(self.{wire}) || !self.{wire}.matches(r'{CREDENTIALS_IN_URI}')",
-                 "message": f"{wire} {TRACKER_CREDENTIALS}"}
+            ]
+            + [  # on the object, not the string: a rule on a string repeats its value in the server's error
+                {
+                    "rule": f"!has(self.{wire}) || !self.{wire}.matches(r'{CREDENTIALS_IN_URI}')",
+                    "message": f"{wire} {TRACKER_CREDENTIALS}",
+                }
                 for wire in ("logDir", "trackingUri")
             ]
         )
     )
 
-    kind: LoggerKind = Field(description="tensorboard: event files under logDir; mlflow: a run on an MLflow "
-                             "tracking server; wandb: a run on Weights & Biases.")
+    kind: LoggerKind = Field(
+        description="tensorboard: event files under logDir; mlflow: a run on an MLflow "
+        "tracking server; wandb: a run on Weights & Biases."
+    )
     log_dir: Optional[str] = Field(
-        default=None, min_length=1, max_length=1024, description="tensorboard: the directory of this run's event files (a path, "
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="tensorboard: the directory of this run's event files (a path, "
         "or a gs:// or s3:// URI through fsspec). Give each TrainingRun its own. wandb: W&B's local directory (a "
-        "path; default the temporary directory), where offline runs (WANDB_MODE=offline) are kept.")
+        "path; default the temporary directory), where offline runs (WANDB_MODE=offline) are kept.",
+    )
     tracking_uri: Optional[str] = Field(
-        default=None, min_length=1, max_length=1024, description="mlflow: the tracking server (http:// or https://).")
+        default=None, min_length=1, max_length=1024, description="mlflow: the tracking server (http:// or https://)."
+    )
     experiment: Optional[str] = Field(
-        default=None, min_length=1, max_length=500, description="mlflow: the experiment the run is logged under "
-        "(created when missing). Default: the TrainingRun's namespace.")
+        default=None,
+        min_length=1,
+        max_length=500,
+        description="mlflow: the experiment the run is logged under "
+        "(created when missing). Default: the TrainingRun's namespace.",
+    )
     project: Optional[str] = Field(
-        default=None, min_length=1, max_length=128, description="wandb: the project the run is logged to.")
+        default=None, min_length=1, max_length=128, description="wandb: the project the run is logged to."
+    )
     entity: Optional[str] = Field(
-        default=None, min_length=1, max_length=128, description="wandb: the team or user that owns the project "
-        "(default: the API key's user).")
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="wandb: the team or user that owns the project (default: the API key's user).",
+    )
 
     @field_validator("log_dir", "tracking_uri", mode="before")
     @classmethod
@@ -380,24 +429,32 @@ class TrainerConfig(ApiModel):
         default=False, description="Recompute activations in the backward pass to save memory."
     )
     compile: Optional[bool] = Field(
-        default=None, description="Wrap the model with torch.compile. Unset: on with GPUs (the benchmark model on an "
+        default=None,
+        description="Wrap the model with torch.compile. Unset: on with GPUs (the benchmark model on an "
         "H200: 25.8 -> 20.7 ms a step), where a model that fails to compile trains uncompiled with a warning; off on "
         "CPUs. The first start of an attempt compiles (tens of seconds); a worker restarted in its pod finds the "
-        "cache in the pod's /tmp. true: compile also on CPUs, and a compile error ends the run.")
-    tf32: Optional[bool] = Field(
-        default=None, description="Run float32 matmuls and convolutions on GPUs in TF32 (10-bit mantissa inputs, "
-        "float32 accumulation): the tensor cores' 32-bit path, several times float32's peak. Unset: on with GPUs. "
-        "Matters for precision 32-true and the float32 parts of mixed precision.")
-    flops_per_sample: Optional[int] = Field(
-        default=None, ge=1, description="Forward and backward FLOPs of one sample, for model FLOP/s and MFU; wins over "
-        "the model's own flops_per_sample() method (the built-in models have one). Neither: no FLOP figures.")
-    peak_flops_per_second: Optional[float] = Field(
-        default=None, gt=0, description="One device's dense peak FLOP/s at this precision, for MFU; by default taken "
-        "from the trainer's table of GPUs by device name (H100, H200, B200, A100, L40S, L4, A10G...). A GPU the table "
-        "lacks, and any CPU, report model FLOP/s and no MFU unless this is set.")
-    seed: int = Field(
-        default=0, ge=0, le=2**32 - 1, description="Seeds python, numpy, torch and DataLoader workers."
+        "cache in the pod's /tmp. true: compile also on CPUs, and a compile error ends the run.",
     )
+    tf32: Optional[bool] = Field(
+        default=None,
+        description="Run float32 matmuls and convolutions on GPUs in TF32 (10-bit mantissa inputs, "
+        "float32 accumulation): the tensor cores' 32-bit path, several times float32's peak. Unset: on with GPUs. "
+        "Matters for precision 32-true and the float32 parts of mixed precision.",
+    )
+    flops_per_sample: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Forward and backward FLOPs of one sample, for model FLOP/s and MFU; wins over "
+        "the model's own flops_per_sample() method (the built-in models have one). Neither: no FLOP figures.",
+    )
+    peak_flops_per_second: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="One device's dense peak FLOP/s at this precision, for MFU; by default taken "
+        "from the trainer's table of GPUs by device name (H100, H200, B200, A100, L40S, L4, A10G...). A GPU the table "
+        "lacks, and any CPU, report model FLOP/s and no MFU unless this is set.",
+    )
+    seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seeds python, numpy, torch and DataLoader workers.")
     deterministic: bool = Field(
         default=False,
         description="Use deterministic algorithms only, so a resumed run matches an uninterrupted one bit for bit.",
@@ -406,12 +463,13 @@ class TrainerConfig(ApiModel):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Non-finite loss policy.")
     loggers: list[LoggerConfig] = Field(
-        default_factory=list, max_length=8, description="Experiment trackers to log to (rank 0 only, never "
+        default_factory=list,
+        max_length=8,
+        description="Experiment trackers to log to (rank 0 only, never "
         "blocking a step): loss, learning rate, grad norm, throughput, eval metrics, checkpoints and restarts, "
-        "with this config as hyperparameters.")
-    log_interval_steps: int = Field(
-        default=10, ge=1, description="Steps between log lines and progress reports."
+        "with this config as hyperparameters.",
     )
+    log_interval_steps: int = Field(default=10, ge=1, description="Steps between log lines and progress reports.")
 
 
 #: `checkpoint.interval.steps: auto`'s bounds and prior when the spec leaves them out.
@@ -426,7 +484,7 @@ class CheckpointInterval(ApiModel):
 
     model_config = ConfigDict(
         json_schema_extra=kubernetes_validations(
-                [
+            [
                 {
                     "rule": "has(self.steps) || has(self.seconds)",
                     "message": "set checkpoint.interval.steps, checkpoint.interval.seconds or both",
@@ -459,14 +517,18 @@ class CheckpointInterval(ApiModel):
         default=None, ge=10, description="Save when this many seconds passed since the last save."
     )
     min_steps: Optional[int] = Field(
-        default=None, ge=1, description=f"With steps: auto, the shortest interval (default {AUTO_MIN_STEPS}).")
+        default=None, ge=1, description=f"With steps: auto, the shortest interval (default {AUTO_MIN_STEPS})."
+    )
     max_steps: Optional[int] = Field(
-        default=None, ge=1, description=f"With steps: auto, the longest interval (default {AUTO_MAX_STEPS}).")
+        default=None, ge=1, description=f"With steps: auto, the longest interval (default {AUTO_MAX_STEPS})."
+    )
     expected_seconds_between_failures: Optional[int] = Field(
-        default=None, ge=10,
+        default=None,
+        ge=10,
         description="With steps: auto, the mean time between failures assumed until the first one (default "
         f"{AUTO_PRIOR_SECONDS_BETWEEN_FAILURES}, or the time run so far when longer); from then on, the seconds since "
-        "the run started / the failures seen.")
+        "the run started / the failures seen.",
+    )
 
     @property
     def auto(self) -> bool:
@@ -483,15 +545,22 @@ class CheckpointInterval(ApiModel):
     def _consistent(self) -> "CheckpointInterval":
         if self.steps is None and self.seconds is None:
             raise ValueError(
-                "neither steps nor seconds is set; set checkpoint.interval.steps, "
-                "checkpoint.interval.seconds or both"
+                "neither steps nor seconds is set; set checkpoint.interval.steps, checkpoint.interval.seconds or both"
             )
-        given = [name for name, field in (("minSteps", self.min_steps), ("maxSteps", self.max_steps),
-                                          ("expectedSecondsBetweenFailures", self.expected_seconds_between_failures))
-                 if field is not None]
+        given = [
+            name
+            for name, field in (
+                ("minSteps", self.min_steps),
+                ("maxSteps", self.max_steps),
+                ("expectedSecondsBetweenFailures", self.expected_seconds_between_failures),
+            )
+            if field is not None
+        ]
         if given and not self.auto:
-            raise ValueError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with steps: auto; "
-                             "remove it or set steps: auto")
+            raise ValueError(
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with steps: auto; "
+                "remove it or set steps: auto"
+            )
         if self.min_steps is not None and self.max_steps is not None and self.min_steps > self.max_steps:
             raise ValueError(f"minSteps {self.min_steps} is above maxSteps {self.max_steps}; make minSteps <= maxSteps")
         return self
@@ -501,24 +570,33 @@ class StorageInterval(ApiModel):
     """Persisting behind: how often a checkpoint committed in memory is also copied to storage."""
 
     model_config = ConfigDict(
-        json_schema_extra=kubernetes_validations([{
-            "rule": "has(self.steps) || has(self.seconds)",
-            "message": "set checkpoint.storageInterval.steps, checkpoint.storageInterval.seconds or both, or remove "
-            "storageInterval (then every checkpoint in memory is copied, at storage's pace)",
-        }])
+        json_schema_extra=kubernetes_validations(
+            [
+                {
+                    "rule": "has(self.steps) || has(self.seconds)",
+                    "message": "set checkpoint.storageInterval.steps, checkpoint.storageInterval.seconds or both, or remove "
+                    "storageInterval (then every checkpoint in memory is copied, at storage's pace)",
+                }
+            ]
+        )
     )
 
     steps: Optional[int] = Field(
-        default=None, ge=1, description="Copy a memory checkpoint when it is this many steps past the last one copied.")
+        default=None, ge=1, description="Copy a memory checkpoint when it is this many steps past the last one copied."
+    )
     seconds: Optional[int] = Field(
-        default=None, ge=1, description="Copy a memory checkpoint when this many seconds passed since the last copy "
-        "began.")
+        default=None,
+        ge=1,
+        description="Copy a memory checkpoint when this many seconds passed since the last copy began.",
+    )
 
     @model_validator(mode="after")
     def _some_limit(self) -> "StorageInterval":
         if self.steps is None and self.seconds is None:
-            raise ValueError("neither steps nor seconds is set; set checkpoint.storageInterval.steps, .seconds or both, "
-                             "or remove storageInterval (then every checkpoint in memory is copied, at storage's pace)")
+            raise ValueError(
+                "neither steps nor seconds is set; set checkpoint.storageInterval.steps, .seconds or both, "
+                "or remove storageInterval (then every checkpoint in memory is copied, at storage's pace)"
+            )
         return self
 
 
@@ -527,7 +605,8 @@ class CheckpointConfig(ApiModel):
 
     model_config = ConfigDict(
         json_schema_extra=kubernetes_validations(
-                CHECKPOINT_URI_RULES + [
+            CHECKPOINT_URI_RULES
+            + [
                 {
                     "rule": "!has(self.endpointUrl) || self.uri.startsWith('s3://')",
                     "message": "endpointUrl is only used with s3:// URIs; remove it or use an s3:// uri",
@@ -545,9 +624,11 @@ class CheckpointConfig(ApiModel):
                     "message": RESUME_FROM_SHAPE,
                 },
                 {
-                    "rule": "!has(self.resumeFrom) || " + " || ".join(
+                    "rule": "!has(self.resumeFrom) || "
+                    + " || ".join(
                         f"(self.uri.startsWith('{scheme}://') && self.resumeFrom.startsWith('{scheme}://'))"
-                        for scheme in ("gs", "s3", "file")),
+                        for scheme in ("gs", "s3", "file")
+                    ),
                     "message": SAME_STORAGE,
                 },
             ]
@@ -677,7 +758,5 @@ def load_config(path: str) -> RunConfig:
         config: RunConfig = RunConfig.from_wire(data or {})
         return config
     except ValidationError as error:
-        lines = [
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors(include_url=False)
-        ]
+        lines = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors(include_url=False)]
         raise ConfigError(f"invalid trainer config {path}:\n  " + "\n  ".join(lines)) from None

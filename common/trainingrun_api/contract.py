@@ -12,6 +12,7 @@ status. A report is sent every `TRAININGRUN_REPORT_INTERVAL_SECONDS` even when n
 heartbeat), so the operator can tell a stalled trainer (reports, same step) from a reporting
 outage (no reports).
 """
+
 from __future__ import annotations
 
 import json
@@ -63,6 +64,7 @@ def memory_tier_dir(run: str, attempt: object, root: str = MEMORY_TIER_ROOT) -> 
     attempt ends). `attempt` "*" makes the glob of every attempt's."""
     return f"{root}/trainingrun-{run}-attempt-{attempt}"
 
+
 # ---------------------------------------------------------------- the report endpoint
 
 REPORT_PATH = "/v1/reports"
@@ -81,8 +83,9 @@ DEFAULT_REPORT_INTERVAL_SECONDS = 10.0
 #: trailing newline.
 _CHECKPOINT_DIR = re.compile(r"step-([0-9]{8,19})", re.ASCII)
 _SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
-_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})",
-                   re.ASCII)
+_TIME = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})", re.ASCII
+)
 #: Printable ASCII: names, uids and process labels in a report.
 _PRINTABLE = re.compile(r"[ -~]+", re.ASCII)
 #: A report nests objects two deep; anything deeper is refused (and never recursed into).
@@ -104,9 +107,16 @@ class Progress:
     model_flops_per_second: Optional[float] = None  #: over all ranks (`efficiency`)
     mfu: Optional[float] = None  #: model FLOP/s over every rank's peak; none on CPUs and unknown GPUs
 
-    WIRE = {"step": "step", "updated_at": "updatedAt", "total_steps": "totalSteps", "loss": "loss",
-            "samples_per_second": "samplesPerSecond", "productive_seconds": "productiveSeconds",
-            "model_flops_per_second": "modelFlopsPerSecond", "mfu": "mfu"}
+    WIRE = {
+        "step": "step",
+        "updated_at": "updatedAt",
+        "total_steps": "totalSteps",
+        "loss": "loss",
+        "samples_per_second": "samplesPerSecond",
+        "productive_seconds": "productiveSeconds",
+        "model_flops_per_second": "modelFlopsPerSecond",
+        "mfu": "mfu",
+    }
 
 
 @dataclass
@@ -132,12 +142,23 @@ class ProcessTime:
     prepare_seconds: float = 0.0  #: the rest before training: the checkpoint store, trackers
     first_step_seconds: float = 0.0  #: the first step: compile, warm-up
 
-    WIRE = {"process": "process", "alive_seconds": "aliveSeconds", "startup_seconds": "startupSeconds",
-            "restore_seconds": "restoreSeconds", "checkpoint_seconds": "checkpointSeconds",
-            "data_wait_seconds": "dataWaitSeconds", "compute_seconds": "computeSeconds", "eval_seconds": "evalSeconds",
-            "restored_productive_seconds": "restoredProductiveSeconds", "imports_seconds": "importsSeconds",
-            "init_seconds": "initSeconds", "model_seconds": "modelSeconds", "data_seconds": "dataSeconds",
-            "prepare_seconds": "prepareSeconds", "first_step_seconds": "firstStepSeconds"}
+    WIRE = {
+        "process": "process",
+        "alive_seconds": "aliveSeconds",
+        "startup_seconds": "startupSeconds",
+        "restore_seconds": "restoreSeconds",
+        "checkpoint_seconds": "checkpointSeconds",
+        "data_wait_seconds": "dataWaitSeconds",
+        "compute_seconds": "computeSeconds",
+        "eval_seconds": "evalSeconds",
+        "restored_productive_seconds": "restoredProductiveSeconds",
+        "imports_seconds": "importsSeconds",
+        "init_seconds": "initSeconds",
+        "model_seconds": "modelSeconds",
+        "data_seconds": "dataSeconds",
+        "prepare_seconds": "prepareSeconds",
+        "first_step_seconds": "firstStepSeconds",
+    }
 
     #: Start-up to the first step, part by part (they add up to it): `startup_seconds`' phases, restore, the first step.
     STARTUP_PARTS = ("imports", "init", "model", "data", "prepare", "restore", "first_step")
@@ -148,16 +169,24 @@ class ProcessTime:
 
     def plus(self, other: "ProcessTime", process: str = "ended") -> "ProcessTime":
         """Both processes' time together (the productive seconds they resumed from: the smaller)."""
-        return ProcessTime(process, **{
-            field: (min if field == "restored_productive_seconds" else float.__add__)(
-                float(getattr(self, field)), float(getattr(other, field)))
-            for field in self.WIRE if field != "process"})
+        return ProcessTime(
+            process,
+            **{
+                field: (min if field == "restored_productive_seconds" else float.__add__)(
+                    float(getattr(self, field)), float(getattr(other, field))
+                )
+                for field in self.WIRE
+                if field != "process"
+            },
+        )
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> "ProcessTime":
         """From the names on the wire (and in status.processTime); missing numbers are 0."""
-        return cls(process=str(body.get("process") or ""), **{
-            field: float(body.get(wire) or 0.0) for field, wire in cls.WIRE.items() if field != "process"})
+        return cls(
+            process=str(body.get("process") or ""),
+            **{field: float(body.get(wire) or 0.0) for field, wire in cls.WIRE.items() if field != "process"},
+        )
 
 
 @dataclass
@@ -171,9 +200,14 @@ class IntervalChoice:
     failures: int  #: restarts of the training processes seen so far
     expected_lost_seconds: Optional[float]  #: training a failure throws away, on average: half an interval
 
-    WIRE = {"steps": "steps", "seconds": "seconds", "save_cost_seconds": "saveCostSeconds",
-            "seconds_between_failures": "secondsBetweenFailures", "failures": "failures",
-            "expected_lost_seconds": "expectedLostSeconds"}
+    WIRE = {
+        "steps": "steps",
+        "seconds": "seconds",
+        "save_cost_seconds": "saveCostSeconds",
+        "seconds_between_failures": "secondsBetweenFailures",
+        "failures": "failures",
+        "expected_lost_seconds": "expectedLostSeconds",
+    }
 
 
 @dataclass
@@ -212,8 +246,13 @@ class Report:
     checkpoint_in_memory: Optional[CheckpointInMemory] = None
 
     def to_json(self) -> bytes:
-        body = {"namespace": self.namespace, "name": self.name, "uid": self.uid, "attempt": self.attempt,
-                **self.status_fields()}
+        body = {
+            "namespace": self.namespace,
+            "name": self.name,
+            "uid": self.uid,
+            "attempt": self.attempt,
+            **self.status_fields(),
+        }
         if self.process_time:
             body["processTime"] = wire(self.process_time)
         return json.dumps(body, separators=(",", ":")).encode()
@@ -231,48 +270,65 @@ class Report:
             raise ReportError(f"the report is not JSON: {str(error)[:200]}") from None
         if not isinstance(body, dict):
             raise ReportError("the report must be a JSON object")
-        report = cls(namespace=_text(body, "namespace"), name=_text(body, "name"), uid=_text(body, "uid"),
-                     attempt=_integer(body, "attempt", minimum=1))
+        report = cls(
+            namespace=_text(body, "namespace"),
+            name=_text(body, "name"),
+            uid=_text(body, "uid"),
+            attempt=_integer(body, "attempt", minimum=1),
+        )
         if body.get("progress") is not None:
             progress = _object(body, "progress")
             report.progress = Progress(
-                step=_integer(progress, "step", "progress."), updated_at=_time(progress, "updatedAt", "progress."),
+                step=_integer(progress, "step", "progress."),
+                updated_at=_time(progress, "updatedAt", "progress."),
                 total_steps=_integer(progress, "totalSteps", "progress.", optional=True),
                 loss=_number(progress, "loss", "progress."),
                 samples_per_second=_number(progress, "samplesPerSecond", "progress.", minimum=0),
                 productive_seconds=_number(progress, "productiveSeconds", "progress.", minimum=0),
                 model_flops_per_second=_number(progress, "modelFlopsPerSecond", "progress.", minimum=0),
-                mfu=_number(progress, "mfu", "progress.", minimum=0))
+                mfu=_number(progress, "mfu", "progress.", minimum=0),
+            )
         if body.get("lastGoodCheckpoint") is not None:
             checkpoint = _object(body, "lastGoodCheckpoint")
             report.last_good_checkpoint = CommittedCheckpoint(
                 uri=_text(checkpoint, "uri", "lastGoodCheckpoint.", limit=2048),
                 step=_integer(checkpoint, "step", "lastGoodCheckpoint."),
                 time=_time(checkpoint, "time", "lastGoodCheckpoint."),
-                sha256=_sha256(checkpoint, "sha256", "lastGoodCheckpoint."))
+                sha256=_sha256(checkpoint, "sha256", "lastGoodCheckpoint."),
+            )
         if body.get("checkpointInMemory") is not None:
             in_memory = _object(body, "checkpointInMemory")
             report.checkpoint_in_memory = CheckpointInMemory(
                 step=_integer(in_memory, "step", "checkpointInMemory."),
-                time=_time(in_memory, "time", "checkpointInMemory."))
+                time=_time(in_memory, "time", "checkpointInMemory."),
+            )
         if body.get("processTime") is not None:
             times = _object(body, "processTime")
-            report.process_time = ProcessTime(process=_text(times, "process", "processTime."), **{
-                field: _number(times, wire, "processTime.", minimum=0) or 0.0
-                for field, wire in ProcessTime.WIRE.items() if field != "process"})
+            report.process_time = ProcessTime(
+                process=_text(times, "process", "processTime."),
+                **{
+                    field: _number(times, wire, "processTime.", minimum=0) or 0.0
+                    for field, wire in ProcessTime.WIRE.items()
+                    if field != "process"
+                },
+            )
         if body.get("checkpointInterval") is not None:
             interval = _object(body, "checkpointInterval")
-            numbers = {field: _number(interval, wire, "checkpointInterval.", minimum=0)
-                       for field, wire in IntervalChoice.WIRE.items() if field not in ("steps", "failures")}
+            numbers = {
+                field: _number(interval, wire, "checkpointInterval.", minimum=0)
+                for field, wire in IntervalChoice.WIRE.items()
+                if field not in ("steps", "failures")
+            }
             between = numbers.pop("seconds_between_failures")
             if between is None:
                 raise ReportError("checkpointInterval.secondsBetweenFailures must be a finite number >= 0")
             report.checkpoint_interval = IntervalChoice(
                 steps=_integer(interval, "steps", "checkpointInterval.", minimum=1),
-                failures=_integer(interval, "failures", "checkpointInterval."), seconds_between_failures=between,
-                **numbers)
+                failures=_integer(interval, "failures", "checkpointInterval."),
+                seconds_between_failures=between,
+                **numbers,
+            )
         return report
-
 
     def status_fields(self) -> dict[str, Any]:
         """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint, checkpointInMemory,
@@ -297,8 +353,10 @@ class Report:
             return f"the report is for attempt {self.attempt}; the current attempt is {attempt}"
         checkpoint = self.last_good_checkpoint
         if checkpoint and checkpoint_step(checkpoint.uri, checkpoint_uri) != checkpoint.step:
-            return (f"lastGoodCheckpoint.uri {checkpoint.uri} is not the step-{checkpoint.step:08d} directory under "
-                    f"the run's checkpoint URI {checkpoint_uri}")
+            return (
+                f"lastGoodCheckpoint.uri {checkpoint.uri} is not the step-{checkpoint.step:08d} directory under "
+                f"the run's checkpoint URI {checkpoint_uri}"
+            )
         return None
 
 
@@ -352,8 +410,9 @@ def goodput(productive_seconds: float, wall_seconds: float) -> Optional[float]:
 BREAKDOWN = ("productive", "lost", "startup", "restore", "checkpoint", "data_wait", "eval", "backoff", "other")
 
 
-def time_breakdown(wall_seconds: float, processes: list[ProcessTime], productive_seconds: float,
-                   backoff_seconds: float = 0.0) -> dict[str, float]:
+def time_breakdown(
+    wall_seconds: float, processes: list[ProcessTime], productive_seconds: float, backoff_seconds: float = 0.0
+) -> dict[str, float]:
     """Where `wall_seconds` went, from the last report of each training process in that time (rank 0's), the run's
     productive seconds at its end and the time spent waiting out backoffs: {part: seconds} over BREAKDOWN.
 
@@ -362,16 +421,23 @@ def time_breakdown(wall_seconds: float, processes: list[ProcessTime], productive
     no training process reported (launchers, a killed process after its last report); restore, checkpoint (the
     training thread blocked, and the time a background save added to the steps beside it), data_wait, eval: as the
     processes measured them; other: what remains (logging, metrics, reporting between steps)."""
+
     def total(field: str) -> float:
         return float(sum(getattr(process, field) for process in processes))
 
     start = min((process.restored_productive_seconds for process in processes), default=productive_seconds)
     compute = total("compute_seconds")
     kept = min(compute, max(0.0, productive_seconds - start))
-    parts = {"productive": kept, "lost": compute - kept,
-             "startup": total("startup_seconds") + max(0.0, wall_seconds - backoff_seconds - total("alive_seconds")),
-             "restore": total("restore_seconds"), "checkpoint": total("checkpoint_seconds"),
-             "data_wait": total("data_wait_seconds"), "eval": total("eval_seconds"), "backoff": backoff_seconds}
+    parts = {
+        "productive": kept,
+        "lost": compute - kept,
+        "startup": total("startup_seconds") + max(0.0, wall_seconds - backoff_seconds - total("alive_seconds")),
+        "restore": total("restore_seconds"),
+        "checkpoint": total("checkpoint_seconds"),
+        "data_wait": total("data_wait_seconds"),
+        "eval": total("eval_seconds"),
+        "backoff": backoff_seconds,
+    }
     parts["other"] = wall_seconds - sum(parts.values())
     return parts
 
@@ -389,7 +455,6 @@ def checkpoint_step(uri: str, run_uri: str) -> Optional[int]:
 def wire(value: Any) -> dict[str, Any]:
     """A contract dataclass as its wire names (None values left out)."""
     return {value.WIRE[k]: v for k, v in asdict(value).items() if v is not None}
-
 
 
 def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
@@ -442,8 +507,12 @@ def _number(body: dict[str, Any], key: str, prefix: str, minimum: Optional[float
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (minimum is not None and value < minimum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (minimum is not None and value < minimum)
+    ):
         raise ReportError(f"{prefix}{key} must be a finite number" + (f" >= {minimum}" if minimum is not None else ""))
     return float(value)
 

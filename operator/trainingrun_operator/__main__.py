@@ -1,4 +1,5 @@
 """`python -m trainingrun_operator [flags]` runs the operator, like `trainingrun operator [flags]`."""
+
 import sys
 
 from .cli import main

@@ -9,6 +9,7 @@ every invalid example through both.
 Slightly over 500 lines: the whole user-facing API in one file, as `kubectl explain` shows it, is easier to
 review than the same models spread over several.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
@@ -75,9 +76,11 @@ _LIST_MAP_BY_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-key
 
 
 # A file:// path is on each pod's own disk: several pods would each hold a part of every checkpoint.
-FILE_URI_ONE_POD = ("a file:// checkpoint is local to each pod (and without checkpoint.uri, checkpoints go to the pod's "
-                    "own disk), so a run of several pods could not resume from it; set checkpoint.uri to gs:// or "
-                    "s3://, or set replicas.min and replicas.max to 1")
+FILE_URI_ONE_POD = (
+    "a file:// checkpoint is local to each pod (and without checkpoint.uri, checkpoints go to the pod's "
+    "own disk), so a run of several pods could not resume from it; set checkpoint.uri to gs:// or "
+    "s3://, or set replicas.min and replicas.max to 1"
+)
 
 
 def _reserved_env_rule(list_path: str) -> tuple[str, str]:
@@ -93,9 +96,7 @@ def _reserved_env_rule(list_path: str) -> tuple[str, str]:
 
 def _cel(*rules: tuple[str, str]) -> ConfigDict:
     """Model config that carries CEL rules into the generated CRD schema."""
-    return ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
-    )
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]})
 
 
 class Replicas(ApiModel):
@@ -228,7 +229,10 @@ class Recovery(ApiModel):
     )
 
     max_failures: int = Field(
-        default=3, ge=0, le=MAX_ATTEMPT_BUDGET, description="Failed attempts (crash, OOM, stall) tolerated before the run fails."
+        default=3,
+        ge=0,
+        le=MAX_ATTEMPT_BUDGET,
+        description="Failed attempts (crash, OOM, stall) tolerated before the run fails.",
     )
     max_preemptions: int = Field(
         default=20,
@@ -251,8 +255,8 @@ class Recovery(ApiModel):
         ge=0,
         le=100,
         description="In-place worker-group restarts torchrun may do in a row within one attempt "
-                    "(elasticPolicy.maxRestarts); a group that committed a checkpoint since the last restart gets them "
-                    "all back, so only a crash loop ends the attempt.",
+        "(elasticPolicy.maxRestarts); a group that committed a checkpoint since the last restart gets them "
+        "all back, so only a crash loop ends the attempt.",
     )
 
     @model_validator(mode="after")
@@ -269,9 +273,13 @@ class Metrics(ApiModel):
     """The Prometheus endpoint every trainer rank serves."""
 
     enabled: bool = Field(default=True, description="Serve metrics and expose the port.")
-    model_config = _cel((f"self.port != {contract.RENDEZVOUS_PORT}",
-                         f"metrics.port {contract.RENDEZVOUS_PORT} is the Kubeflow rendezvous port in every pod; "
-                         "choose another port"))
+    model_config = _cel(
+        (
+            f"self.port != {contract.RENDEZVOUS_PORT}",
+            f"metrics.port {contract.RENDEZVOUS_PORT} is the Kubeflow rendezvous port in every pod; "
+            "choose another port",
+        )
+    )
 
     port: int = Field(default=9464, ge=1024, le=65535, description="Port of the metrics endpoint.")
 
@@ -279,8 +287,10 @@ class Metrics(ApiModel):
     @classmethod
     def _not_rendezvous(cls, port: int) -> int:
         if port == contract.RENDEZVOUS_PORT:
-            raise ValueError(f"{port} is the port the Kubeflow Training Operator gives the rendezvous in every pod; "
-                             "choose another port (the default is 9464)")
+            raise ValueError(
+                f"{port} is the port the Kubeflow Training Operator gives the rendezvous in every pod; "
+                "choose another port (the default is 9464)"
+            )
         return port
 
 
@@ -361,7 +371,9 @@ class TrainingRunSpec(ApiModel):
         description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label of the PyTorchJob.",
     )
     node_selector: NodeSelectorLabels = Field(
-        default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Node labels the pods require.",
+        default_factory=dict,
+        max_length=scheduling.MAX_MAP_ENTRIES,
+        description="Node labels the pods require.",
         json_schema_extra=scheduling.label_map_schema("nodeSelector"),
     )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Pod tolerations.")
@@ -377,11 +389,15 @@ class TrainingRunSpec(ApiModel):
         "the operator grants it status reporting for this run. Defaults to a per-run ServiceAccount.",
     )
     pod_labels: PodLabels = Field(
-        default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Extra labels on the pods.",
+        default_factory=dict,
+        max_length=scheduling.MAX_MAP_ENTRIES,
+        description="Extra labels on the pods.",
         json_schema_extra=scheduling.label_map_schema("podLabels", reserved=True),
     )
     pod_annotations: Annotations = Field(
-        default_factory=dict, max_length=scheduling.MAX_MAP_ENTRIES, description="Extra annotations on the pods.",
+        default_factory=dict,
+        max_length=scheduling.MAX_MAP_ENTRIES,
+        description="Extra annotations on the pods.",
         json_schema_extra=scheduling.annotation_map_schema("podAnnotations"),
     )
     termination_grace_period_seconds: int = Field(
@@ -399,12 +415,12 @@ class TrainingRunSpec(ApiModel):
                 "each process drives one GPU: lower nprocPerNode or raise resources.gpu"
             )
         if self.trainer.precision == "16-mixed" and not self.resources.gpu:
-            raise ValueError(
-                "trainer.precision 16-mixed needs a GPU: set resources.gpu or use bf16-mixed"
-            )
+            raise ValueError("trainer.precision 16-mixed needs a GPU: set resources.gpu or use bf16-mixed")
         if self.checkpoint.uri.startswith("file://") and self.replicas.effective_max > 1:
-            raise ValueError(f"checkpoint.uri {self.checkpoint.uri} with up to {self.replicas.effective_max} pods: "
-                             + FILE_URI_ONE_POD)
+            raise ValueError(
+                f"checkpoint.uri {self.checkpoint.uri} with up to {self.replicas.effective_max} pods: "
+                + FILE_URI_ONE_POD
+            )
         names: dict[str, str] = {}
         for where, name in [(f"env[{i}]", e.name) for i, e in enumerate(self.env)] + [
             (f"secrets.env[{i}]", e.name) for i, e in enumerate(self.secrets.env)
@@ -433,20 +449,28 @@ class Progress(ApiModel):
     loss: Optional[float] = Field(default=None, description="Training loss at `step`.")
     samples_per_second: Optional[float] = Field(default=None, description="Throughput over all ranks.")
     productive_seconds: Optional[float] = Field(
-        default=None, description="Step time kept in the current model, data wait excluded, summed over attempts "
-        "(for goodput)."
+        default=None,
+        description="Step time kept in the current model, data wait excluded, summed over attempts (for goodput).",
     )
-    updated_at: Optional[str] = Field(default=None, description="When `step` finished, as rank 0 reported it (RFC 3339).")
+    updated_at: Optional[str] = Field(
+        default=None, description="When `step` finished, as rank 0 reported it (RFC 3339)."
+    )
     model_flops_per_second: Optional[float] = Field(
-        default=None, description="The model's FLOP/s over all ranks: its FLOPs per sample x samples per second.")
+        default=None, description="The model's FLOP/s over all ranks: its FLOPs per sample x samples per second."
+    )
     mfu: Optional[float] = Field(
-        default=None, description="Model FLOPs utilisation: modelFlopsPerSecond over every GPU's dense peak at the run's "
-        "precision (0..1); absent on CPUs and GPUs the trainer's peak table lacks (spec.trainer.peakFlopsPerSecond).")
+        default=None,
+        description="Model FLOPs utilisation: modelFlopsPerSecond over every GPU's dense peak at the run's "
+        "precision (0..1); absent on CPUs and GPUs the trainer's peak table lacks (spec.trainer.peakFlopsPerSecond).",
+    )
     percent: Optional[float] = Field(
-        default=None, description="step / totalSteps in percent (the operator computes it from the report).")
+        default=None, description="step / totalSteps in percent (the operator computes it from the report)."
+    )
     estimated_completion_time: Optional[str] = Field(
-        default=None, description="When the run reaches totalSteps at the step rate between the last two reports "
-        "of this attempt (RFC 3339; the operator computes it).")
+        default=None,
+        description="When the run reaches totalSteps at the step rate between the last two reports "
+        "of this attempt (RFC 3339; the operator computes it).",
+    )
 
 
 #: Progress fields the operator derives from reports; a report cannot set them.
@@ -490,26 +514,34 @@ class ProcessTimes(ApiModel):
     """Where training processes' time went as rank 0 reported it (the trainer's clocks): the newest report's process,
     or the sum over the processes that ended."""
 
-    process: Optional[str] = Field(default=None, description="The process (pod/pid/start time), or 'ended' for the sum.")
+    process: Optional[str] = Field(
+        default=None, description="The process (pod/pid/start time), or 'ended' for the sum."
+    )
     alive_seconds: float = Field(default=0.0, description="Since the process started.")
     startup_seconds: float = Field(default=0.0, description="Imports, process group, model and data before training.")
     restore_seconds: float = Field(default=0.0, description="Loading the checkpoint it resumed from.")
     checkpoint_seconds: float = Field(
-        default=0.0, description="The training thread blocked by saves, and the time a background save added to the "
-                                 "steps beside it (not productive).")
+        default=0.0,
+        description="The training thread blocked by saves, and the time a background save added to the "
+        "steps beside it (not productive).",
+    )
     data_wait_seconds: float = Field(default=0.0, description="Steps waiting for their batches.")
     compute_seconds: float = Field(default=0.0, description="Step time, data wait excluded: kept or lost later.")
     eval_seconds: float = Field(default=0.0, description="Evaluations.")
     restored_productive_seconds: float = Field(
-        default=0.0, description="The run's productive seconds in the checkpoint it resumed from (the sum: the smallest).")
+        default=0.0,
+        description="The run's productive seconds in the checkpoint it resumed from (the sum: the smallest).",
+    )
     imports_seconds: float = Field(default=0.0, description="Of startupSeconds: interpreter start and imports.")
     init_seconds: float = Field(default=0.0, description="Of startupSeconds: seeding, CUDA and the process group.")
     model_seconds: float = Field(default=0.0, description="Of startupSeconds: building the model and optimizer.")
     data_seconds: float = Field(default=0.0, description="Of startupSeconds: building the data.")
     prepare_seconds: float = Field(
-        default=0.0, description="Of startupSeconds: the rest before training (checkpoint store, trackers).")
+        default=0.0, description="Of startupSeconds: the rest before training (checkpoint store, trackers)."
+    )
     first_step_seconds: float = Field(
-        default=0.0, description="The first step (torch.compile compiling, CUDA warming up); part of computeSeconds.")
+        default=0.0, description="The first step (torch.compile compiling, CUDA warming up); part of computeSeconds."
+    )
 
 
 class TimeAccount(ApiModel):
@@ -527,8 +559,10 @@ class TimeBreakdown(ApiModel):
     productive_seconds: float = Field(default=0.0, description="Step compute kept in the model.")
     lost_seconds: float = Field(default=0.0, description="Step compute thrown away by crashes and rollbacks.")
     startup_seconds: float = Field(
-        default=0.0, description="Starting processes (imports, rendezvous, model, data) and every moment no training "
-        "process reported: scheduling, image pulls, pods restarting, a killed process after its last report.")
+        default=0.0,
+        description="Starting processes (imports, rendezvous, model, data) and every moment no training "
+        "process reported: scheduling, image pulls, pods restarting, a killed process after its last report.",
+    )
     restore_seconds: float = Field(default=0.0, description="Loading checkpoints.")
     checkpoint_seconds: float = Field(default=0.0, description="Training blocked by saves.")
     data_wait_seconds: float = Field(default=0.0, description="Steps waiting for input.")
@@ -544,14 +578,18 @@ class CheckpointIntervalChoice(ApiModel):
     steps: int = Field(description="The interval, in steps.")
     seconds: Optional[float] = Field(default=None, description="That many steps at the usual step time.")
     save_cost_seconds: Optional[float] = Field(
-        default=None, description="What one save costs the training loop: blocking plus the slowdown of the steps "
-        "beside the background write (the median of the last saves).")
+        default=None,
+        description="What one save costs the training loop: blocking plus the slowdown of the steps "
+        "beside the background write (the median of the last saves).",
+    )
     seconds_between_failures: float = Field(
         description="The run's mean time between failures as estimated now: the seconds since the run started / "
-        "failures; before the first, expectedSecondsBetweenFailures or the time run so far, when longer.")
+        "failures; before the first, expectedSecondsBetweenFailures or the time run so far, when longer."
+    )
     failures: int = Field(default=0, description="Restarts of the training processes seen so far.")
     expected_lost_seconds: Optional[float] = Field(
-        default=None, description="Training a failure throws away, on average: half an interval.")
+        default=None, description="Training a failure throws away, on average: half an interval."
+    )
 
 
 class Condition(ApiModel):
@@ -568,7 +606,9 @@ class Condition(ApiModel):
 class TrainingRunStatus(ApiModel):
     """Observed state, written by the operator alone (progress and checkpoints as rank 0 reported them to it)."""
 
-    phase: Optional[Phase] = Field(default=None, description="Pending, Running, Recovering, Suspended, Succeeded or Failed.")
+    phase: Optional[Phase] = Field(
+        default=None, description="Pending, Running, Recovering, Suspended, Succeeded or Failed."
+    )
     attempt: Optional[int] = Field(default=None, description="Current attempt number, from 1.")
     job_name: Optional[str] = Field(default=None, description="PyTorchJob of the current attempt.")
     start_time: Optional[str] = Field(default=None, description="When the first attempt started (RFC 3339).")
@@ -582,24 +622,32 @@ class TrainingRunStatus(ApiModel):
     completion_time: Optional[str] = Field(default=None, description="When the run succeeded or failed (RFC 3339).")
     progress: Optional[Progress] = Field(default=None, description="Training progress.")
     last_good_checkpoint: Optional[CheckpointRef] = Field(
-        default=None, description="Newest committed checkpoint in storage: where a new attempt resumes from.")
+        default=None, description="Newest committed checkpoint in storage: where a new attempt resumes from."
+    )
     checkpoint_in_memory: Optional[CheckpointInMemoryRef] = Field(
-        default=None, description="With checkpoint.persistBehind: the newest checkpoint committed in the pod's memory "
+        default=None,
+        description="With checkpoint.persistBehind: the newest checkpoint committed in the pod's memory "
         "(ahead of lastGoodCheckpoint until storage holds it; a restart of the workers inside the pod resumes from it, "
-        "a new pod from lastGoodCheckpoint). Cleared when an attempt starts: a new pod's memory is empty.")
+        "a new pod from lastGoodCheckpoint). Cleared when an attempt starts: a new pod's memory is empty.",
+    )
     last_report_time: Optional[str] = Field(
-        default=None, description="When the operator last accepted a report from the current attempt (RFC 3339); "
-        "rank 0 reports every 10 s, also when nothing changed.")
+        default=None,
+        description="When the operator last accepted a report from the current attempt (RFC 3339); "
+        "rank 0 reports every 10 s, also when nothing changed.",
+    )
     restarts: Optional[Restarts] = Field(default=None, description="Restarts by cause.")
     goodput: Optional[float] = Field(
         default=None, description="Productive step time kept in the model divided by wall time since start."
     )
     time_breakdown: Optional[TimeBreakdown] = Field(
-        default=None, description="Where the run's wall time went, at the last report (goodput's decomposition).")
+        default=None, description="Where the run's wall time went, at the last report (goodput's decomposition)."
+    )
     process_time: Optional[TimeAccount] = Field(
-        default=None, description="The training processes' own account of their time, from their reports.")
+        default=None, description="The training processes' own account of their time, from their reports."
+    )
     checkpoint_interval: Optional[CheckpointIntervalChoice] = Field(
-        default=None, description="The checkpoint interval chosen by checkpoint.interval.steps: auto.")
+        default=None, description="The checkpoint interval chosen by checkpoint.interval.steps: auto."
+    )
     conditions: list[Condition] = Field(default_factory=list, description="Conditions, one per type.")
     observed_generation: Optional[int] = Field(default=None, description="Spec generation last acted on.")
 

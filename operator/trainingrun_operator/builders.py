@@ -7,6 +7,7 @@ making it twice, and is owned by the run, so deleting the run deletes them.
 Over 500 lines because it renders every object the operator sends (ConfigMap, PyTorchJob, rendezvous
 Service, Events) with the contract and quantities they share; split by object before it grows further.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -121,7 +122,7 @@ def _yaml_lines(value: Any, indent: str) -> list[str]:
         for item in value:
             if isinstance(item, (dict, list)) and item:
                 nested = _yaml_lines(item, indent + "  ")
-                lines.append(f"{indent}- {nested[0][len(indent) + 2:]}")
+                lines.append(f"{indent}- {nested[0][len(indent) + 2 :]}")
                 lines += nested[1:]
             else:
                 lines.append(f"{indent}- {_yaml_flow(item)}")
@@ -244,8 +245,14 @@ def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
             "type": "ClusterIP",
             "publishNotReadyAddresses": True,
             "selector": {LABEL_RUN: run.metadata.name, LABEL_ATTEMPT: str(attempt), KUBEFLOW_REPLICA_INDEX_LABEL: "0"},
-            "ports": [{"name": "rendezvous", "port": contract.RENDEZVOUS_PORT,
-                       "targetPort": contract.RENDEZVOUS_PORT, "protocol": "TCP"}],
+            "ports": [
+                {
+                    "name": "rendezvous",
+                    "port": contract.RENDEZVOUS_PORT,
+                    "targetPort": contract.RENDEZVOUS_PORT,
+                    "protocol": "TCP",
+                }
+            ],
         },
     }
 
@@ -256,9 +263,23 @@ def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
 RENDEZVOUS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-_QUANTITY_SUFFIXES = {"n": "1e-9", "u": "1e-6", "m": "1e-3", "k": "1e3", "M": "1e6", "G": "1e9", "T": "1e12",
-                      "P": "1e15", "E": "1e18", "Ki": "1024", "Mi": "1048576", "Gi": "1073741824", "Ti": "1099511627776",
-                      "Pi": "1125899906842624", "Ei": "1152921504606846976"}
+_QUANTITY_SUFFIXES = {
+    "n": "1e-9",
+    "u": "1e-6",
+    "m": "1e-3",
+    "k": "1e3",
+    "M": "1e6",
+    "G": "1e9",
+    "T": "1e12",
+    "P": "1e15",
+    "E": "1e18",
+    "Ki": "1024",
+    "Mi": "1048576",
+    "Gi": "1073741824",
+    "Ti": "1099511627776",
+    "Pi": "1125899906842624",
+    "Ei": "1152921504606846976",
+}
 
 
 def quantity_value(quantity: str) -> Decimal:
@@ -336,8 +357,11 @@ def trainer_env(
     env += [
         {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": contract.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        *([{"name": contract.RENDEZVOUS_HOST_POD, "value": rendezvous_host_pod(run.metadata.name, attempt)}]
-          if has_rendezvous_service(spec) else []),
+        *(
+            [{"name": contract.RENDEZVOUS_HOST_POD, "value": rendezvous_host_pod(run.metadata.name, attempt)}]
+            if has_rendezvous_service(spec)
+            else []
+        ),
         # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
         {"name": "HOME", "value": "/tmp"},
         # torch.compile's caches in the pod's /tmp (an emptyDir): a worker restarted in place or a container
@@ -347,8 +371,10 @@ def trainer_env(
         {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
     ]
     if settings.report_url:
-        env += [{"name": contract.REPORT_URL, "value": settings.report_url},
-                {"name": contract.REPORT_TOKEN_FILE, "value": contract.REPORT_TOKEN_PATH}]
+        env += [
+            {"name": contract.REPORT_URL, "value": settings.report_url},
+            {"name": contract.REPORT_TOKEN_FILE, "value": contract.REPORT_TOKEN_PATH},
+        ]
         interval = report_interval_seconds(spec.recovery.stall_timeout_seconds)
         if interval != contract.DEFAULT_REPORT_INTERVAL_SECONDS:
             env.append({"name": contract.REPORT_INTERVAL_SECONDS, "value": f"{interval:g}"})
@@ -356,9 +382,7 @@ def trainer_env(
             env.append({"name": contract.REPORT_CA_FILE, "value": f"{settings.config_dir}/{contract.REPORT_CA_KEY}"})
     env = [e for e in env if e["name"] not in users]
     if spec.secrets.gcs_key_file:
-        env.append(
-            {"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": f"{settings.gcs_key_dir}/key.json"}
-        )
+        env.append({"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": f"{settings.gcs_key_dir}/key.json"})
     s3 = spec.secrets.s3_credentials
     if s3:
         for name, key in (
@@ -386,9 +410,7 @@ def resources(spec: api.TrainingRunSpec) -> dict[str, Any]:
     if spec.resources.memory:
         requests["memory"] = limits["memory"] = spec.resources.memory
     if spec.resources.gpu:
-        requests[spec.resources.gpu_resource_name] = limits[spec.resources.gpu_resource_name] = str(
-            spec.resources.gpu
-        )
+        requests[spec.resources.gpu_resource_name] = limits[spec.resources.gpu_resource_name] = str(spec.resources.gpu)
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
@@ -407,9 +429,22 @@ def volumes_and_mounts(run: api.TrainingRun, settings: Settings) -> tuple[list[d
     if settings.report_url:
         # The only API token a pod gets: bound to the pod, for the report endpoint's audience only (the API
         # server refuses it), rotated by the kubelet and read by the trainer at each report.
-        volumes.append({"name": "report-token", "projected": {"sources": [{"serviceAccountToken": {
-            "audience": contract.REPORT_AUDIENCE, "expirationSeconds": REPORT_TOKEN_SECONDS,
-            "path": contract.REPORT_TOKEN_PATH.rsplit("/", 1)[1]}}]}})
+        volumes.append(
+            {
+                "name": "report-token",
+                "projected": {
+                    "sources": [
+                        {
+                            "serviceAccountToken": {
+                                "audience": contract.REPORT_AUDIENCE,
+                                "expirationSeconds": REPORT_TOKEN_SECONDS,
+                                "path": contract.REPORT_TOKEN_PATH.rsplit("/", 1)[1],
+                            }
+                        }
+                    ]
+                },
+            }
+        )
         mounts.append({"name": "report-token", "mountPath": contract.REPORT_TOKEN_DIR, "readOnly": True})
     key_file = spec.secrets.gcs_key_file
     if key_file:
@@ -435,9 +470,7 @@ def tolerations(spec: api.TrainingRunSpec) -> list[dict[str, Any]]:
     return result
 
 
-def pod_template(
-    run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
-) -> dict[str, Any]:
+def pod_template(run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]) -> dict[str, Any]:
     spec = run.spec
     volumes, mounts = volumes_and_mounts(run, settings)
     container: dict[str, Any] = {
@@ -589,8 +622,13 @@ def event_object(body: dict[str, Any], note: "Note", now: datetime) -> dict[str,
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}", "namespace": meta.get("namespace")},
-        "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta.get("name"),
-                           "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+        "involvedObject": {
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+        },
         "type": note.type,
         "reason": note.reason,
         "message": note.message[:1024],

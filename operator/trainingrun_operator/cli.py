@@ -2,6 +2,7 @@
 
 Exit codes: 0 success, 1 invalid input (one line per problem on stderr), 2 usage errors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     settings = dataclasses.replace(settings, **overrides)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if not args.verbose:
         # kopf says "Handler ... succeeded" for every event of every object; the operator's own
         # log (trainingrun.operator) already tells each decision once.
@@ -111,8 +113,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"{path}: TrainingRun {run.metadata.namespace}/{run.metadata.name} is valid")
             for component, field, _ in components.named_classes(run.spec.trainer):
                 if not components.is_builtin(component.class_path):
-                    print(f"  {field}.classPath {component.class_path} comes from your image: the trainer checks it "
-                          "and its initArgs when the run starts")
+                    print(
+                        f"  {field}.classPath {component.class_path} comes from your image: the trainer checks it "
+                        "and its initArgs when the run starts"
+                    )
     return 1 if failed else 0
 
 
@@ -151,8 +155,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     from . import follow
 
-    return _on_the_cluster(args, "read the logs of", lambda source: follow.follow_logs(
-        source, pod_index=args.pod, attempt=args.attempt, follow=args.follow))
+    return _on_the_cluster(
+        args,
+        "read the logs of",
+        lambda source: follow.follow_logs(source, pod_index=args.pod, attempt=args.attempt, follow=args.follow),
+    )
 
 
 def _on_the_cluster(args: argparse.Namespace, doing: str, action: Callable[[Any], int]) -> int:
@@ -171,8 +178,10 @@ def _on_the_cluster(args: argparse.Namespace, doing: str, action: Callable[[Any]
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # no kubeconfig, unreachable server, denied
-        print(f"cannot {doing} TrainingRun {args.run}: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
-              file=sys.stderr)
+        print(
+            f"cannot {doing} TrainingRun {args.run}: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -183,8 +192,10 @@ def _trainer_module(name: str, command: str) -> Any:
     try:
         return importlib.import_module(f"trainingrun_trainer.{name}")
     except ImportError as error:
-        print(f"trainingrun {command} needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
-              file=sys.stderr)
+        print(
+            f"trainingrun {command} needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -213,8 +224,15 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         return 1
     bar = _ByteProgress(sys.stderr)
     try:
-        done = prepare.prepare(Path(args.src), args.dest, args.kind, shard_bytes=args.shard_mb,
-                               overwrite=args.overwrite, endpoint_url=args.endpoint_url, progress=bar.update)
+        done = prepare.prepare(
+            Path(args.src),
+            args.dest,
+            args.kind,
+            shard_bytes=args.shard_mb,
+            overwrite=args.overwrite,
+            endpoint_url=args.endpoint_url,
+            progress=bar.update,
+        )
     except prepare.PrepareError as error:
         bar.close()
         print(f"trainingrun data prepare: {error}", file=sys.stderr)
@@ -224,10 +242,15 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         print(f"trainingrun data prepare: cannot write {args.dest}: {error}", file=sys.stderr)
         return 1
     bar.close()
-    use = ("trainingrun_trainer.shards.TextBytes, initArgs {uri: %s} (model vocabSize 256)" if args.kind == "text"
-           else "trainingrun_trainer.shards.ImageShards, initArgs {uri: %s, imageSize: 32}") % args.dest
-    print(f"{done.files} files, {done.bytes} bytes -> {len(done.shards)} shards under {args.dest}; train on them with "
-          f"classPath {use}")
+    use = (
+        "trainingrun_trainer.shards.TextBytes, initArgs {uri: %s} (model vocabSize 256)"
+        if args.kind == "text"
+        else "trainingrun_trainer.shards.ImageShards, initArgs {uri: %s, imageSize: 32}"
+    ) % args.dest
+    print(
+        f"{done.files} files, {done.bytes} bytes -> {len(done.shards)} shards under {args.dest}; train on them with "
+        f"classPath {use}"
+    )
     return 0
 
 
@@ -247,8 +270,9 @@ class _ByteProgress:
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-            self.bar = Progress(BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                                console=Console(file=out))
+            self.bar = Progress(
+                BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), console=Console(file=out)
+            )
             self.bar.start()
 
     def update(self, done: int, total: int) -> None:
@@ -269,9 +293,14 @@ def cmd_local(args: argparse.Namespace) -> int:
     from . import local
 
     options = local.LocalOptions(
-        nproc=args.nproc, checkpoint_uri=args.checkpoint_uri, max_steps=args.max_steps,
-        chaos_kill_steps=args.chaos_kill_step or [], chaos_kill_every=args.chaos_kill_every,
-        metrics_port=args.metrics_port, env_file=args.env_file, runs_dir=args.runs_dir,
+        nproc=args.nproc,
+        checkpoint_uri=args.checkpoint_uri,
+        max_steps=args.max_steps,
+        chaos_kill_steps=args.chaos_kill_step or [],
+        chaos_kill_every=args.chaos_kill_every,
+        metrics_port=args.metrics_port,
+        env_file=args.env_file,
+        runs_dir=args.runs_dir,
     )
     try:
         run = local.load_run(args.file, options)
@@ -288,8 +317,11 @@ def cmd_local(args: argparse.Namespace) -> int:
         return 1
     display = local.RichDisplay(sys.stdout) if _progress_bars(sys.stdout) else local.PlainDisplay(sys.stdout)
     metrics = f"; metrics on http://127.0.0.1:{options.metrics_port}/metrics" if options.metrics_port else ""
-    print(f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {options.nproc or run.spec.nproc_per_node} "
-          f"process(es), checkpoints in {run.spec.checkpoint.uri}{metrics}", flush=True)
+    print(
+        f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {options.nproc or run.spec.nproc_per_node} "
+        f"process(es), checkpoints in {run.spec.checkpoint.uri}{metrics}",
+        flush=True,
+    )
     try:
         summary = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display).execute()
     finally:
@@ -299,8 +331,10 @@ def cmd_local(args: argparse.Namespace) -> int:
     if summary.message:
         print(summary.message, file=sys.stderr if summary.outcome != "succeeded" else sys.stdout)
     in_place = f" and {summary.restarts_in_place} restart(s) in place" if summary.restarts_in_place else ""
-    print(f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in "
-          f"{Path(options.runs_dir) / run.metadata.name}")
+    print(
+        f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in "
+        f"{Path(options.runs_dir) / run.metadata.name}"
+    )
     print(summary.breakdown_line())
     if summary.startup_line():
         print(summary.startup_line())
@@ -337,105 +371,157 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser("crd", help="print the TrainingRun CustomResourceDefinition",
-                            description="Print the TrainingRun CRD generated from the API model.")
-    p.add_argument("--write", metavar="REPO_ROOT", help="write it to manifests/crds/ and the chart's crds/ under REPO_ROOT instead")
+    p = commands.add_parser(
+        "crd",
+        help="print the TrainingRun CustomResourceDefinition",
+        description="Print the TrainingRun CRD generated from the API model.",
+    )
+    p.add_argument(
+        "--write", metavar="REPO_ROOT", help="write it to manifests/crds/ and the chart's crds/ under REPO_ROOT instead"
+    )
     p.set_defaults(func=cmd_crd)
 
-    p = commands.add_parser("operator", help="run the operator (kopf) against the current cluster",
-                            description="Run the TrainingRun operator: reconcile TrainingRuns into PyTorchJob attempts "
-                                        "with recovery, status and Events. Logs in with the pod's service account, "
-                                        "else the kubeconfig. Flags override the TRAININGRUN_* environment "
-                                        "(see settings.py).")
+    p = commands.add_parser(
+        "operator",
+        help="run the operator (kopf) against the current cluster",
+        description="Run the TrainingRun operator: reconcile TrainingRuns into PyTorchJob attempts "
+        "with recovery, status and Events. Logs in with the pod's service account, "
+        "else the kubeconfig. Flags override the TRAININGRUN_* environment "
+        "(see settings.py).",
+    )
     scope = p.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", action="append", metavar="NS",
-                       help="watch only this namespace (repeatable; env TRAININGRUN_NAMESPACES=a,b)")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        metavar="NS",
+        help="watch only this namespace (repeatable; env TRAININGRUN_NAMESPACES=a,b)",
+    )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster (the default)")
     ha = p.add_mutually_exclusive_group()
-    ha.add_argument("--peering", metavar="NAME", help="kopf peering object: of several replicas, one acts "
-                    "(env TRAININGRUN_PEERING)")
+    ha.add_argument(
+        "--peering", metavar="NAME", help="kopf peering object: of several replicas, one acts (env TRAININGRUN_PEERING)"
+    )
     ha.add_argument("--standalone", action="store_true", help="no peering: the only replica (the default)")
     p.add_argument("--metrics-port", type=int, help="port of /metrics and /readyz (default 9090, 0 = off)")
     p.add_argument("--health-port", type=int, help="port of kopf's liveness /healthz (default 8081, 0 = off)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_operator)
 
-    p = commands.add_parser("monitoring", help="list (or write) the alert rules, monitors and Grafana dashboards",
-                            description="Generate manifests/monitoring/: the PrometheusRule (and the same rules as a "
-                                        "plain rules file), the trainers' PodMonitor, the operator's ServiceMonitor and "
-                                        "the TrainingRun and fleet dashboards (JSON, and as ConfigMaps labelled "
-                                        "grafana_dashboard=1), from operator/trainingrun_operator/monitoring.py.")
+    p = commands.add_parser(
+        "monitoring",
+        help="list (or write) the alert rules, monitors and Grafana dashboards",
+        description="Generate manifests/monitoring/: the PrometheusRule (and the same rules as a "
+        "plain rules file), the trainers' PodMonitor, the operator's ServiceMonitor and "
+        "the TrainingRun and fleet dashboards (JSON, and as ConfigMaps labelled "
+        "grafana_dashboard=1), from operator/trainingrun_operator/monitoring.py.",
+    )
     p.add_argument("--write", metavar="REPO_ROOT", help="write the files below this directory")
     p.set_defaults(func=cmd_monitoring)
 
-    p = commands.add_parser("validate", help="check TrainingRun files",
-                            description="Check TrainingRun files. Exit 0 when all are valid; exit 1 with "
-                                        "one line per problem naming the field, what is wrong and the fix.")
+    p = commands.add_parser(
+        "validate",
+        help="check TrainingRun files",
+        description="Check TrainingRun files. Exit 0 when all are valid; exit 1 with "
+        "one line per problem naming the field, what is wrong and the fix.",
+    )
     p.add_argument("files", nargs="+", metavar="FILE", help="YAML file with one or more TrainingRuns")
     p.set_defaults(func=cmd_validate)
 
-    p = commands.add_parser("render", help="print the Kubernetes objects a TrainingRun becomes",
-                            description="Print, as multi-document YAML, the ConfigMap, RBAC and PyTorchJob "
-                                        "the operator creates for one attempt of each TrainingRun in FILE.")
+    p = commands.add_parser(
+        "render",
+        help="print the Kubernetes objects a TrainingRun becomes",
+        description="Print, as multi-document YAML, the ConfigMap, RBAC and PyTorchJob "
+        "the operator creates for one attempt of each TrainingRun in FILE.",
+    )
     p.add_argument("file", metavar="FILE", help="YAML file with one or more TrainingRuns")
     p.add_argument("--attempt", type=positive_int, default=1, help="attempt number (default 1)")
     p.add_argument("--resume-from", metavar="URI", help="checkpoint the attempt resumes from (TRAININGRUN_RESUME_FROM)")
     p.set_defaults(func=cmd_render)
 
-    p = commands.add_parser("local", help="run a TrainingRun on this machine, with recovery and fault injection",
-                            description="Run the TrainingRun in FILE on this machine (CPU gloo, or local GPUs) with "
-                                        "the same trainer, environment and recovery as in a cluster. Secrets the "
-                                        "file references are read from same-named environment variables or a .env "
-                                        "file. Ends with a line `result: steps=... goodput=...`.")
+    p = commands.add_parser(
+        "local",
+        help="run a TrainingRun on this machine, with recovery and fault injection",
+        description="Run the TrainingRun in FILE on this machine (CPU gloo, or local GPUs) with "
+        "the same trainer, environment and recovery as in a cluster. Secrets the "
+        "file references are read from same-named environment variables or a .env "
+        "file. Ends with a line `result: steps=... goodput=...`.",
+    )
     p.add_argument("file", metavar="FILE", help="TrainingRun YAML (the same file you kubectl apply)")
     p.add_argument("--nproc", type=positive_int, help="processes (default: spec.nprocPerNode)")
-    p.add_argument("--checkpoint-uri", metavar="URI", help="override spec.checkpoint.uri "
-                   "(default when the file has none: file://./runs/<name>/checkpoints)")
+    p.add_argument(
+        "--checkpoint-uri",
+        metavar="URI",
+        help="override spec.checkpoint.uri (default when the file has none: file://./runs/<name>/checkpoints)",
+    )
     p.add_argument("--max-steps", type=positive_int, help="override spec.trainer.maxSteps")
-    p.add_argument("--chaos-kill-step", type=positive_int, action="append", metavar="STEP",
-                   help="SIGKILL one worker when the run reaches STEP (repeatable)")
+    p.add_argument(
+        "--chaos-kill-step",
+        type=positive_int,
+        action="append",
+        metavar="STEP",
+        help="SIGKILL one worker when the run reaches STEP (repeatable)",
+    )
     p.add_argument("--chaos-kill-every", type=float, metavar="SECONDS", help="SIGKILL a random worker every SECONDS")
     p.add_argument("--metrics-port", type=positive_int, help="port of the trainer's metrics endpoint")
     p.add_argument("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)")
     p.add_argument("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)")
     p.set_defaults(func=cmd_local)
 
-    p = commands.add_parser("status", help="where a run on the cluster stands",
-                            description="Phase, attempt, step and loss with an estimate of the time left, goodput "
-                                        "and restarts, the newest checkpoint and every condition of one TrainingRun, "
-                                        "read with your kubeconfig.")
+    p = commands.add_parser(
+        "status",
+        help="where a run on the cluster stands",
+        description="Phase, attempt, step and loss with an estimate of the time left, goodput "
+        "and restarts, the newest checkpoint and every condition of one TrainingRun, "
+        "read with your kubeconfig.",
+    )
     p.add_argument("run", metavar="RUN", help="the TrainingRun's name")
     add_cluster_arguments(p)
     p.set_defaults(func=cmd_status)
 
-    p = commands.add_parser("logs", help="a run's trainer log, followed across pod restarts and attempts",
-                            description="The trainer log of one Worker pod, of the current attempt (or "
-                                        "--attempt N). With -f it follows the pod's restarts and each next attempt "
-                                        "until the run ends; a line starting with '==>' marks each pod shown.")
+    p = commands.add_parser(
+        "logs",
+        help="a run's trainer log, followed across pod restarts and attempts",
+        description="The trainer log of one Worker pod, of the current attempt (or "
+        "--attempt N). With -f it follows the pod's restarts and each next attempt "
+        "until the run ends; a line starting with '==>' marks each pod shown.",
+    )
     p.add_argument("run", metavar="RUN", help="the TrainingRun's name")
     p.add_argument("-f", "--follow", action="store_true", help="follow across restarts and attempts until the run ends")
-    p.add_argument("--pod", type=int, default=0, metavar="INDEX",
-                   help="Worker pod index (default 0). Ranks are assigned anew at each restart and can move between "
-                        "pods; every log line names its rank")
+    p.add_argument(
+        "--pod",
+        type=int,
+        default=0,
+        metavar="INDEX",
+        help="Worker pod index (default 0). Ranks are assigned anew at each restart and can move between "
+        "pods; every log line names its rank",
+    )
     p.add_argument("--attempt", type=positive_int, help="this attempt only (default: the current one, then the next)")
     add_cluster_arguments(p)
     p.set_defaults(func=cmd_logs)
 
-    p = commands.add_parser("checkpoints", help="list the checkpoints under a URI",
-                            description="List the checkpoints under a run's checkpoint URI, newest first, "
-                                        "verifying each against its manifest; invalid ones are marked with the reason.")
+    p = commands.add_parser(
+        "checkpoints",
+        help="list the checkpoints under a URI",
+        description="List the checkpoints under a run's checkpoint URI, newest first, "
+        "verifying each against its manifest; invalid ones are marked with the reason.",
+    )
     p.add_argument("uri", metavar="URI", help="gs://, s3:// or file:// URI of a run's checkpoints")
     p.add_argument("--json", action="store_true", help="print a JSON list (step, valid, model_digest, uri, time, ...)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
     p.set_defaults(func=cmd_checkpoints)
 
     data = commands.add_parser("data", help="prepare training data in object storage").add_subparsers(
-        dest="data_command", required=True, metavar="COMMAND")
-    p = data.add_parser("prepare", help="turn a folder of text files or images into shards and upload them",
-                        description="Join the .txt files below SRC (in path order) into shards of about --shard-mb "
-                                    "for trainingrun_trainer.shards.TextBytes, or pack its images into WebDataset tar "
-                                    "shards for trainingrun_trainer.shards.ImageShards (--kind images), and upload "
-                                    "them to DEST (gs://, s3://, file:// or a path).")
+        dest="data_command", required=True, metavar="COMMAND"
+    )
+    p = data.add_parser(
+        "prepare",
+        help="turn a folder of text files or images into shards and upload them",
+        description="Join the .txt files below SRC (in path order) into shards of about --shard-mb "
+        "for trainingrun_trainer.shards.TextBytes, or pack its images into WebDataset tar "
+        "shards for trainingrun_trainer.shards.ImageShards (--kind images), and upload "
+        "them to DEST (gs://, s3://, file:// or a path).",
+    )
     p.add_argument("src", metavar="SRC", help="a local folder; every *.txt (or image) below it is read")
     p.add_argument("dest", metavar="DEST", help="where the shards go, e.g. gs://bucket/datasets/mytext")
     p.add_argument("--shard-mb", type=_shard_mb, default=64 << 20, help="shard size in MiB (default 64)")

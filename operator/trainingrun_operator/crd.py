@@ -5,6 +5,7 @@ $ref, nullable instead of `anyOf [X, null]`, boolean exclusive bounds, and
 `x-kubernetes-preserve-unknown-fields` where free-form objects are allowed. `structural()` does that
 translation; everything else (descriptions, defaults, enums, bounds, CEL rules) comes from the models.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,21 @@ from . import api
 
 _DROPPED_KEYS = {"title", "additionalProperties"}
 _PASSED_KEYS = {
-    "type", "description", "default", "enum", "format", "pattern", "minimum", "maximum",
-    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "required",
+    "type",
+    "description",
+    "default",
+    "enum",
+    "format",
+    "pattern",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "required",
 }
 
 
@@ -38,9 +52,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         node["nullable"] = True
         return node
 
-    out: dict[str, Any] = {
-        k: v for k, v in schema.items() if k in _PASSED_KEYS or k.startswith("x-kubernetes-")
-    }
+    out: dict[str, Any] = {k: v for k, v in schema.items() if k in _PASSED_KEYS or k.startswith("x-kubernetes-")}
     if out.get("default", 0) is None:
         del out["default"]
     if "const" in schema:
@@ -90,10 +102,13 @@ def _int_or_string(schema: dict[str, Any], branches: list[dict[str, Any]]) -> di
     listed = ", ".join(f"'{w}'" for w in words)
     node: dict[str, Any] = {k: v for k, v in schema.items() if k in ("description", "default")}
     node["x-kubernetes-int-or-string"] = True
-    node["x-kubernetes-validations"] = [{
-        "rule": f"type(self) == int ? {' && '.join(checks)} : self in [{listed}]",
-        "message": f"must be a whole number{' from ' + str(number['minimum']) if 'minimum' in number else ''} "
-                   f"or one of {listed}"}]
+    node["x-kubernetes-validations"] = [
+        {
+            "rule": f"type(self) == int ? {' && '.join(checks)} : self in [{listed}]",
+            "message": f"must be a whole number{' from ' + str(number['minimum']) if 'minimum' in number else ''} "
+            f"or one of {listed}",
+        }
+    ]
     if any(b.get("type") == "null" for b in schema["anyOf"]):
         node["nullable"] = True
     return _ordered(node)
@@ -101,8 +116,9 @@ def _int_or_string(schema: dict[str, Any], branches: list[dict[str, Any]]) -> di
 
 def filled_default(node: dict[str, Any]) -> dict[str, Any]:
     """What the API server makes of `{}` at this object node: every property that has a default."""
-    return {name: copy.deepcopy(prop["default"]) for name, prop in node.get("properties", {}).items()
-            if "default" in prop}
+    return {
+        name: copy.deepcopy(prop["default"]) for name, prop in node.get("properties", {}).items() if "default" in prop
+    }
 
 
 def _ordered(node: dict[str, Any]) -> dict[str, Any]:
@@ -157,8 +173,12 @@ def printer_columns() -> list[dict[str, Any]]:
     return [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
-        {"name": "Progress", "type": "number", "jsonPath": ".status.progress.percent",
-         "description": "Percent of totalSteps done"},
+        {
+            "name": "Progress",
+            "type": "number",
+            "jsonPath": ".status.progress.percent",
+            "description": "Percent of totalSteps done",
+        },
         {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
         {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total"},
         {
@@ -167,10 +187,20 @@ def printer_columns() -> list[dict[str, Any]]:
             "jsonPath": ".status.lastGoodCheckpoint.time",
             "description": "Age of the last good checkpoint",
         },
-        {"name": "ETA", "type": "string", "jsonPath": ".status.progress.estimatedCompletionTime",
-         "description": "When the run reaches totalSteps at its current step rate", "priority": 1},
-        {"name": "MFU", "type": "number", "jsonPath": ".status.progress.mfu",
-         "description": "Model FLOPs utilisation: model FLOP/s over every GPU's dense peak", "priority": 1},
+        {
+            "name": "ETA",
+            "type": "string",
+            "jsonPath": ".status.progress.estimatedCompletionTime",
+            "description": "When the run reaches totalSteps at its current step rate",
+            "priority": 1,
+        },
+        {
+            "name": "MFU",
+            "type": "number",
+            "jsonPath": ".status.progress.mfu",
+            "description": "Model FLOPs utilisation: model FLOP/s over every GPU's dense peak",
+            "priority": 1,
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

@@ -5,6 +5,7 @@ cluster as a `LogSource`, so what a user reads is tested without a cluster; `Kub
 the only part that talks to the API server, with the `kubernetes` client so that kubeconfig contexts and exec
 credential plugins work as they do for kubectl.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,10 @@ from trainingrun_api import contract
 from . import api, builders, validation
 
 #: What to install when the `kubernetes` client is missing (the operator's image leaves it out on purpose).
-CLIENT_MISSING = ("trainingrun status and logs need the Kubernetes client: pip install 'trainingrun-operator[cli]' "
-                  "(or 'kubernetes<36')")
+CLIENT_MISSING = (
+    "trainingrun status and logs need the Kubernetes client: pip install 'trainingrun-operator[cli]' "
+    "(or 'kubernetes<36')"
+)
 
 
 class RunNotFound(Exception):
@@ -46,12 +49,15 @@ class KubeSource:
         from kubernetes.client.rest import ApiException
 
         try:
-            return self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, api.PLURAL,
-                                                            self.name)
+            return self.custom.get_namespaced_custom_object(
+                api.GROUP, api.VERSION, self.namespace, api.PLURAL, self.name
+            )
         except ApiException as error:
             if error.status == 404:
-                raise RunNotFound(f"no TrainingRun {self.name!r} in namespace {self.namespace!r}; "
-                                  f"`kubectl get tr -n {self.namespace}` lists the runs there") from None
+                raise RunNotFound(
+                    f"no TrainingRun {self.name!r} in namespace {self.namespace!r}; "
+                    f"`kubectl get tr -n {self.namespace}` lists the runs there"
+                ) from None
             raise
 
     def container(self, pod: str) -> Optional[tuple[str, str]]:
@@ -75,12 +81,14 @@ class KubeSource:
         from kubernetes import watch
 
         if not follow:  # Watch.stream always follows; raw bytes, as the client would parse a log that looks like JSON
-            response = self.core.read_namespaced_pod_log(pod, self.namespace, container=builders.CONTAINER_NAME,
-                                                         _preload_content=False)
+            response = self.core.read_namespaced_pod_log(
+                pod, self.namespace, container=builders.CONTAINER_NAME, _preload_content=False
+            )
             yield from response.data.decode("utf-8", "replace").splitlines()
             return
-        yield from watch.Watch().stream(self.core.read_namespaced_pod_log, name=pod, namespace=self.namespace,
-                                        container=builders.CONTAINER_NAME)
+        yield from watch.Watch().stream(
+            self.core.read_namespaced_pod_log, name=pod, namespace=self.namespace, container=builders.CONTAINER_NAME
+        )
 
 
 class LogSource(Protocol):
@@ -97,9 +105,15 @@ def _spec(body: dict[str, Any]) -> api.TrainingRunSpec:
     return validation.parse({**body, "status": {}}, from_server=True).spec
 
 
-def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = None, follow: bool = False,
-                out: Optional[TextIO] = None, wait: Callable[[float], None] = time.sleep,
-                poll_seconds: float = 1.0) -> int:
+def follow_logs(
+    source: LogSource,
+    pod_index: int = 0,
+    attempt: Optional[int] = None,
+    follow: bool = False,
+    out: Optional[TextIO] = None,
+    wait: Callable[[float], None] = time.sleep,
+    poll_seconds: float = 1.0,
+) -> int:
     """Print the trainer log of Worker pod `pod_index`: of the current attempt, or of `attempt`. With `follow`, go
     on across the pod's restarts and (unless an attempt is given) into each next attempt's pod, until the run
     ends. A header line marks each container shown. By pod, not by rank: the elastic rendezvous assigns ranks
@@ -111,8 +125,10 @@ def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = 
     name = (body.get("metadata") or {}).get("name")
     spec = _spec(body)
     if pod_index >= spec.replicas.effective_max:
-        raise NothingToShow(f"--pod {pod_index}: the run has at most {spec.replicas.effective_max} pod(s), "
-                            f"0 to {spec.replicas.effective_max - 1}")
+        raise NothingToShow(
+            f"--pod {pod_index}: the run has at most {spec.replicas.effective_max} pod(s), "
+            f"0 to {spec.replicas.effective_max - 1}"
+        )
     shown_attempt, shown, waiting_for = attempt, None, None
     while True:
         status = body.get("status") or {}
@@ -135,12 +151,18 @@ def follow_logs(source: LogSource, pod_index: int = 0, attempt: Optional[int] = 
             print(f"==> attempt {attempt} is over (the run is in attempt {current}) <==", file=out, flush=True)
             return 0
         elif not follow:
-            raise NothingToShow(f"pod {pod or name + '-a?-worker-' + str(pod_index)} has not started yet; "
-                                "add -f to wait for it")
+            raise NothingToShow(
+                f"pod {pod or name + '-a?-worker-' + str(pod_index)} has not started yet; add -f to wait for it"
+            )
         else:
             if waiting_for != pod:
-                print(f"==> {pod} ended; waiting for it to restart or for the next attempt <==" if shown and container
-                      else f"==> waiting for pod {pod} (attempt {shown_attempt}) <==", file=out, flush=True)
+                print(
+                    f"==> {pod} ended; waiting for it to restart or for the next attempt <=="
+                    if shown and container
+                    else f"==> waiting for pod {pod} (attempt {shown_attempt}) <==",
+                    file=out,
+                    flush=True,
+                )
                 waiting_for = pod
             wait(poll_seconds)
         body = source.run()
@@ -179,22 +201,37 @@ def status_lines(body: dict[str, Any], now: Optional[datetime] = None) -> list[s
         lines.append("  progress    no step reported yet")
     restarts = status.restarts or api.Restarts()
     goodput = f"{status.goodput:.2f}" if status.goodput is not None else "-"
-    lines.append(f"  goodput     {goodput} (restarts: {restarts.failures} failed, {restarts.preemptions} preempted, "
-                 f"{restarts.in_place} in place)")
+    lines.append(
+        f"  goodput     {goodput} (restarts: {restarts.failures} failed, {restarts.preemptions} preempted, "
+        f"{restarts.in_place} in place)"
+    )
     checkpoint = status.last_good_checkpoint
     if checkpoint and checkpoint.uri:
-        lines.append(f"  checkpoint  step {checkpoint.step} at {checkpoint.uri}" + (f" ({checkpoint.time})" if checkpoint.time else ""))
+        lines.append(
+            f"  checkpoint  step {checkpoint.step} at {checkpoint.uri}"
+            + (f" ({checkpoint.time})" if checkpoint.time else "")
+        )
     else:
-        lines.append(f"  checkpoint  none committed yet (writes to {status.checkpoint_uri or (body.get('spec') or {}).get('checkpoint', {}).get('uri')})")
+        lines.append(
+            f"  checkpoint  none committed yet (writes to {status.checkpoint_uri or (body.get('spec') or {}).get('checkpoint', {}).get('uri')})"
+        )
     in_memory = status.checkpoint_in_memory
-    if in_memory and in_memory.step is not None and (checkpoint is None or checkpoint.step is None
-                                                     or in_memory.step > checkpoint.step):
-        lines.append(f"  in memory   step {in_memory.step}" + (f" ({in_memory.time})" if in_memory.time else "")
-                     + ", not in storage yet: a restart inside the pod resumes from it")
+    if (
+        in_memory
+        and in_memory.step is not None
+        and (checkpoint is None or checkpoint.step is None or in_memory.step > checkpoint.step)
+    ):
+        lines.append(
+            f"  in memory   step {in_memory.step}"
+            + (f" ({in_memory.time})" if in_memory.time else "")
+            + ", not in storage yet: a restart inside the pod resumes from it"
+        )
     for condition in status.conditions:
-        lines.append(f"  condition   {condition.type}={condition.status}"
-                     + (f" {condition.reason}" if condition.reason else "")
-                     + (f": {condition.message}" if condition.message else ""))
+        lines.append(
+            f"  condition   {condition.type}={condition.status}"
+            + (f" {condition.reason}" if condition.reason else "")
+            + (f": {condition.message}" if condition.message else "")
+        )
     if status.phase in ENDED and status.completion_time:
         lines.append(f"  ended       {status.completion_time}")
     return lines
@@ -205,4 +242,3 @@ def _duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, seconds = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
-

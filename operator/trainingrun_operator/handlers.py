@@ -18,6 +18,7 @@ replica acts in leadership.py. Over 500 lines still because carrying out a plan 
 updated only when the run controls them, refusals backed off, status, Events) is one path through the API
 server; split it there (a module that carries out plans) before it grows further.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,16 +46,33 @@ PODS = ("", "v1", "pods")
 CHILD_FILTER = {builders.LABEL_RUN: kopf.PRESENT}
 #: Status fields remembered from the operator's own writes until the watch shows them: all of them, as the
 #: operator alone writes status (progress and lastGoodCheckpoint as pods reported them, see reports.py).
-OPERATOR_FIELDS = ("phase", "attempt", "jobName", "startTime", "attemptStartTime", "nextAttemptTime", "checkpointUri",
-                   "completionTime", "restarts", "goodput", "conditions", "observedGeneration", "progress",
-                   "lastGoodCheckpoint", "checkpointInMemory", "lastReportTime")
+OPERATOR_FIELDS = (
+    "phase",
+    "attempt",
+    "jobName",
+    "startTime",
+    "attemptStartTime",
+    "nextAttemptTime",
+    "checkpointUri",
+    "completionTime",
+    "restarts",
+    "goodput",
+    "conditions",
+    "observedGeneration",
+    "progress",
+    "lastGoodCheckpoint",
+    "checkpointInMemory",
+    "lastReportTime",
+)
 
 Key = tuple[str, str]  # (namespace, name) of a TrainingRun
 
 
-NO_CREDENTIALS = ("no Kubernetes credentials: no service account token in this pod "
-                  "(/var/run/secrets/kubernetes.io/serviceaccount/token) and no kubeconfig ($KUBECONFIG or "
-                  "~/.kube/config); run it in a pod with a ServiceAccount, or point KUBECONFIG at a cluster")
+NO_CREDENTIALS = (
+    "no Kubernetes credentials: no service account token in this pod "
+    "(/var/run/secrets/kubernetes.io/serviceaccount/token) and no kubeconfig ($KUBECONFIG or "
+    "~/.kube/config); run it in a pod with a ServiceAccount, or point KUBECONFIG at a cluster"
+)
 
 
 async def default_login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
@@ -115,8 +133,11 @@ class OperatorState:
     def client(self) -> Kube:
         if self.kube is None:
             assert self.connection is not None, "no login yet"
-            self.kube = Kube(self.connection, on_error=lambda code: self.metrics.api_errors.labels(str(code)).inc(),
-                             in_flight=self.settings.api_requests_in_flight)
+            self.kube = Kube(
+                self.connection,
+                on_error=lambda code: self.metrics.api_errors.labels(str(code)).inc(),
+                in_flight=self.settings.api_requests_in_flight,
+            )
         return self.kube
 
     def enqueue(self, key: Key) -> None:
@@ -130,8 +151,14 @@ class OperatorState:
         except asyncio.QueueFull:
             self.metrics.events_dropped.inc()
             meta = body.get("metadata") or {}
-            log.warning("%s/%s: %s: %s (not posted as an Event: %d are waiting to be posted)", meta.get("namespace"),
-                        meta.get("name"), note.reason, note.message, EVENTS_QUEUED_MAX)
+            log.warning(
+                "%s/%s: %s: %s (not posted as an Event: %d are waiting to be posted)",
+                meta.get("namespace"),
+                meta.get("name"),
+                note.reason,
+                note.message,
+                EVENTS_QUEUED_MAX,
+            )
 
     def forget(self, key: Key) -> None:
         self.written.pop(key, None)
@@ -178,18 +205,24 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if state.settings.metrics_port:
             state.tasks.append(asyncio.create_task(serving.serve_metrics(state), name="trainingrun-metrics"))
         state.tasks.append(asyncio.create_task(_resync(state), name="trainingrun-resync"))
-        state.tasks += [asyncio.create_task(_reconcile_worker(state), name=f"trainingrun-reconcile-{n}")
-                        for n in range(state.settings.reconcile_workers)]
-        state.tasks += [asyncio.create_task(_post_events(state), name=f"trainingrun-events-{n}")
-                        for n in range(EVENT_SENDERS)]
+        state.tasks += [
+            asyncio.create_task(_reconcile_worker(state), name=f"trainingrun-reconcile-{n}")
+            for n in range(state.settings.reconcile_workers)
+        ]
+        state.tasks += [
+            asyncio.create_task(_post_events(state), name=f"trainingrun-events-{n}") for n in range(EVENT_SENDERS)
+        ]
         if state.settings.report_port and state.settings.report_url:
             state.tasks.append(asyncio.create_task(serving.serve_reports(state), name="trainingrun-reports"))
             if state.settings.report_service:
-                state.tasks.append(asyncio.create_task(serving.publish_report_endpoint(state),
-                                                       name="trainingrun-report-endpoint"))
+                state.tasks.append(
+                    asyncio.create_task(serving.publish_report_endpoint(state), name="trainingrun-report-endpoint")
+                )
         elif not state.settings.report_url:
-            log.warning("no report URL (TRAININGRUN_REPORT_URL): trainer pods will not report progress, and status "
-                        "will show no steps or checkpoints; the Helm chart sets it")
+            log.warning(
+                "no report URL (TRAININGRUN_REPORT_URL): trainer pods will not report progress, and status "
+                "will show no steps or checkpoints; the Helm chart sets it"
+            )
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
@@ -263,15 +296,25 @@ async def _reconcile_worker(state: OperatorState) -> None:
         try:
             await reconcile_run(state, key, **state.indexes)
         except (ApiError, OSError, asyncio.TimeoutError) as error:
-            log.warning("%s/%s: reconcile failed, retrying within %ss: %s", key[0], key[1],
-                        state.settings.reconcile_interval_seconds, error)
+            log.warning(
+                "%s/%s: reconcile failed, retrying within %ss: %s",
+                key[0],
+                key[1],
+                state.settings.reconcile_interval_seconds,
+                error,
+            )
         except Exception:  # noqa: BLE001 - a bug in one run's reconcile must not stop the others
-            log.exception("%s/%s: reconcile failed, retrying within %ss", key[0], key[1],
-                          state.settings.reconcile_interval_seconds)
+            log.exception(
+                "%s/%s: reconcile failed, retrying within %ss",
+                key[0],
+                key[1],
+                state.settings.reconcile_interval_seconds,
+            )
 
 
-async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index, pods: kopf.Index,
-                        **_: Any) -> None:
+async def reconcile_run(
+    state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index, pods: kopf.Index, **_: Any
+) -> None:
     async with state.locks[key]:
         body = next(iter(runs.get(key, [])), None)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -286,8 +329,9 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
                     # the trainer's strings, which the CRD cannot see into; and with the operator's own trainer image,
                     # whose built-in classes it knows, a misspelt one is refused now, not after scheduling and an
                     # image pull (a user's image may differ).
-                    problems = validation.credential_problems(run) + \
-                        (validation.component_problems(run) if run.spec.image is None else [])
+                    problems = validation.credential_problems(run) + (
+                        validation.component_problems(run) if run.spec.image is None else []
+                    )
                     if problems:
                         raise validation.InvalidTrainingRun(problems)
             except validation.InvalidTrainingRun as error:
@@ -296,18 +340,29 @@ async def reconcile_run(state: OperatorState, key: Key, *, runs: kopf.Index, job
             # Only this run's own jobs: anyone may label a PyTorchJob with the run's name, or give it an owner reference
             # to the run; only the operator signs it. A job under the name of the current attempt that is not the
             # run's is then missing here: creating it finds the name taken (NameConflict), and it is never used.
-            owned = [j for j in jobs.get(key, []) if indexes.run_owns_job(
-                j, run.metadata.uid, status, state.settings.signing_key, state.started)]
+            owned = [
+                j
+                for j in jobs.get(key, [])
+                if indexes.run_owns_job(j, run.metadata.uid, status, state.settings.signing_key, state.started)
+            ]
             observed = reconcile.Observed(
-                run=run, status=status,
+                run=run,
+                status=status,
                 jobs={j["metadata"]["name"]: j for j in owned},
-                pods=list(pods.get(key, [])), now=state.clock(),
+                pods=list(pods.get(key, [])),
+                now=state.clock(),
                 keep_failed_attempts=state.settings.keep_failed_attempts,
                 warnings=await _pending_warnings(state, key, status),
             )
             plan = reconcile.decide(observed)
-            await _carry_out(state, key, run, body, plan,
-                             job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()})
+            await _carry_out(
+                state,
+                key,
+                run,
+                body,
+                plan,
+                job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()},
+            )
             merged = merged_status(status, plan.status)
             state.metrics.phases[key] = merged.get("phase") or "Pending"
             state.metrics.time_breakdowns[key] = merged.get("timeBreakdown") or {}
@@ -319,11 +374,18 @@ async def _pending_warnings(state: OperatorState, key: Key, status: dict[str, An
     """Warning Events about the current attempt's job and pods, once it has been Pending for a while."""
     started = reconcile.parse_time(status.get("attemptStartTime"))
     job_name = status.get("jobName")
-    if status.get("phase") != "Pending" or not started or not job_name or \
-            (state.clock() - started).total_seconds() < state.settings.pending_events_after_seconds:
+    if (
+        status.get("phase") != "Pending"
+        or not started
+        or not job_name
+        or (state.clock() - started).total_seconds() < state.settings.pending_events_after_seconds
+    ):
         return []
-    return [e for e in await _namespace_warnings(state, key[0])
-            if _about_job((e.get("involvedObject") or {}).get("name") or "", job_name)]
+    return [
+        e
+        for e in await _namespace_warnings(state, key[0])
+        if _about_job((e.get("involvedObject") or {}).get("name") or "", job_name)
+    ]
 
 
 @dataclass
@@ -336,6 +398,7 @@ async def _namespace_warnings(state: OperatorState, namespace: str) -> list[dict
     """A namespace's Warning Events, read at most once per reconcile interval and shared by all its runs: Events
     are not watched (they are the busiest kind there is), and one read per Pending run made a queue of 2,000
     waiting runs send 2,000 LISTs per interval."""
+
     def fresh() -> Optional[WarningsRead]:
         read = state.warnings.get(namespace)
         return read if read and time.monotonic() - read.at < state.settings.reconcile_interval_seconds else None
@@ -350,10 +413,17 @@ async def _namespace_warnings(state: OperatorState, namespace: str) -> list[dict
         except (ApiError, OSError, asyncio.TimeoutError) as error:
             log.warning("%s: could not read Warning Events: %s", namespace, error)
             events = []
-        state.warnings[namespace] = WarningsRead(time.monotonic(), [
-            {"reason": e.get("reason"), "message": e.get("message"),
-             "involvedObject": {k: (e.get("involvedObject") or {}).get(k) for k in ("kind", "name")}}
-            for e in events])
+        state.warnings[namespace] = WarningsRead(
+            time.monotonic(),
+            [
+                {
+                    "reason": e.get("reason"),
+                    "message": e.get("message"),
+                    "involvedObject": {k: (e.get("involvedObject") or {}).get(k) for k in ("kind", "name")},
+                }
+                for e in events
+            ],
+        )
         return state.warnings[namespace].events
 
 
@@ -361,8 +431,14 @@ def _about_job(name: str, job_name: str) -> bool:
     return name == job_name or name.startswith(job_name + "-")  # the job, or its pods (<job>-worker-<i>)
 
 
-async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingRun], body: dict[str, Any],
-                     plan: reconcile.Plan, job_uids: Optional[dict[str, str]] = None) -> None:
+async def _carry_out(
+    state: OperatorState,
+    key: Key,
+    run: Optional[api.TrainingRun],
+    body: dict[str, Any],
+    plan: reconcile.Plan,
+    job_uids: Optional[dict[str, str]] = None,
+) -> None:
     """Children, suspension, deletions, then status (remembered until the watch shows it), then Events.
     `run` (the parsed spec) is needed only when the plan starts an attempt; `job_uids` (name: uid of the
     run's own jobs) only when it deletes jobs."""
@@ -374,8 +450,9 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
             if not await _create_children(state, key, body, plan, run, job_name):
                 return
     if plan.suspend_job:
-        await kube.patch("kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job,
-                         {"spec": {"runPolicy": {"suspend": True}}})
+        await kube.patch(
+            "kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job, {"spec": {"runPolicy": {"suspend": True}}}
+        )
     for job_name in plan.delete_jobs:
         try:  # exactly the job this run owns: the name may belong to someone else's object by now
             await kube.delete("kubeflow.org/v1", "PyTorchJob", namespace, job_name, uid=(job_uids or {}).get(job_name))
@@ -384,8 +461,15 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
                 raise
         state.created_jobs.discard((namespace, job_name))
     if plan.status:
-        await kube.patch(api.API_VERSION, api.KIND, namespace, name, {"status": plan.status}, subresource="status",
-                         priority=kube_module.STATUS)
+        await kube.patch(
+            api.API_VERSION,
+            api.KIND,
+            namespace,
+            name,
+            {"status": plan.status},
+            subresource="status",
+            priority=kube_module.STATUS,
+        )
         written = state.written.setdefault(key, {})
         written.update({k: v for k, v in plan.status.items() if k in OPERATOR_FIELDS})
         if plan.restart_cause:
@@ -394,8 +478,9 @@ async def _carry_out(state: OperatorState, key: Key, run: Optional[api.TrainingR
         state.queue_event(body, note)
 
 
-async def _create_children(state: OperatorState, key: Key, body: dict[str, Any], plan: reconcile.Plan,
-                           run: api.TrainingRun, job_name: str) -> bool:
+async def _create_children(
+    state: OperatorState, key: Key, body: dict[str, Any], plan: reconcile.Plan, run: api.TrainingRun, job_name: str
+) -> bool:
     """Create (or adopt) an attempt's children; False when the plan must wait (refused now or recently)."""
     kube, generation = state.client(), (body.get("metadata") or {}).get("generation")
     held = state.rejections.get(key)
@@ -422,8 +507,11 @@ async def _create_children(state: OperatorState, key: Key, body: dict[str, Any],
         raise failed[0]
     if state.rejections.pop(key, None) is not None:
         status = merged_status(body.get("status") or {}, state.written.get(key, {}))
-        conditions = reconcile.Conditions(plan.status.get("conditions") or status.get("conditions") or [],
-                                          reconcile.rfc3339(state.clock()), generation)
+        conditions = reconcile.Conditions(
+            plan.status.get("conditions") or status.get("conditions") or [],
+            reconcile.rfc3339(state.clock()),
+            generation,
+        )
         conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects")
         conditions.set("NameConflict", False, "Resolved", "every object of this attempt is the run's own")
         if conditions.changed:
@@ -445,13 +533,20 @@ class Rejection:
 
 
 def _is_refusal(outcome: Any) -> bool:
-    return isinstance(outcome, ApiError) and 400 <= outcome.status < 500 \
+    return (
+        isinstance(outcome, ApiError)
+        and 400 <= outcome.status < 500
         and outcome.status not in TRANSIENT_CREATE_STATUSES
+    )
 
 
-async def _children_refused(state: OperatorState, key: Key, body: dict[str, Any],
-                            refused: list[tuple[dict[str, Any], ApiError]],
-                            conflicts: list[tuple[dict[str, Any], "NotOwned"]]) -> None:
+async def _children_refused(
+    state: OperatorState,
+    key: Key,
+    body: dict[str, Any],
+    refused: list[tuple[dict[str, Any], ApiError]],
+    conflicts: list[tuple[dict[str, Any], "NotOwned"]],
+) -> None:
     """The API server refused a child (condition ChildRejected with its words), or a child's name is taken by
     an object this run does not own (condition NameConflict; that object is left as it is): one Event each,
     and a backoff instead of the same answer at every resync. A spec change (new generation) tries at once."""
@@ -465,16 +560,20 @@ async def _children_refused(state: OperatorState, key: Key, body: dict[str, Any]
     events = []
     retry = f"next try in {delay:.0f}s, or at once after a spec change"
     if refused:
-        message = "; ".join(f"{c['kind']} {c['metadata']['name']}: {e.status} {e.reason}: {e.message}"
-                            for c, e in refused)[:2000]
-        if conditions.set("ChildRejected", True, "ChildRejected",
-                          f"the API server refused this run's objects ({retry}): {message}"):
+        message = "; ".join(
+            f"{c['kind']} {c['metadata']['name']}: {e.status} {e.reason}: {e.message}" for c, e in refused
+        )[:2000]
+        if conditions.set(
+            "ChildRejected", True, "ChildRejected", f"the API server refused this run's objects ({retry}): {message}"
+        ):
             log.warning("%s/%s: the API server refused its objects: %s", key[0], key[1], message)
             events.append(reconcile.Note("Warning", "ChildRejected", message))
     if conflicts:
-        message = ("; ".join(str(conflict) for _, conflict in conflicts)
-                   + f"; this run changes and deletes only its own objects: delete or rename "
-                     f"{'those' if len(conflicts) > 1 else 'it'}, or create the run under another name")[:2000]
+        message = (
+            "; ".join(str(conflict) for _, conflict in conflicts)
+            + f"; this run changes and deletes only its own objects: delete or rename "
+            f"{'those' if len(conflicts) > 1 else 'it'}, or create the run under another name"
+        )[:2000]
         if conditions.set("NameConflict", True, "NotOwned", f"{message} ({retry})"):
             log.warning("%s/%s: %s", key[0], key[1], message)
             events.append(reconcile.Note("Warning", "NameConflict", message))
@@ -487,8 +586,10 @@ class NotOwned(Exception):
     """A child's name is taken by an object whose controller is not this run."""
 
     def __init__(self, child: dict[str, Any]):
-        super().__init__(f"{child['kind']} {child['metadata']['name']} already exists and is not controlled by "
-                         "this run (left as it is)")
+        super().__init__(
+            f"{child['kind']} {child['metadata']['name']} already exists and is not controlled by "
+            "this run (left as it is)"
+        )
 
 
 async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
@@ -508,21 +609,32 @@ async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
     meta = child["metadata"]
     operations: list[dict[str, Any]] = [
         {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": controller_uid(child)},
-        {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True}]
+        {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True},
+    ]
     signature = (meta.get("annotations") or {}).get(builders.ANNOTATION_SIGNATURE)
     if signature:  # a PyTorchJob is used as it is: it must be one this operator made (builders.job_signature)
-        operations.append({"op": "test", "path": "/metadata/annotations/" +
-                           builders.ANNOTATION_SIGNATURE.replace("~", "~0").replace("/", "~1"), "value": signature})
+        operations.append(
+            {
+                "op": "test",
+                "path": "/metadata/annotations/" + builders.ANNOTATION_SIGNATURE.replace("~", "~0").replace("/", "~1"),
+                "value": signature,
+            }
+        )
     if child["kind"] != "PyTorchJob":
         operations.append({"op": "add", "path": "/metadata/labels", "value": meta.get("labels") or {}})
-        operations += [{"op": "add", "path": f"/{key}", "value": value} for key, value in child.items()
-                       if key not in ("apiVersion", "kind", "metadata", "spec")]
+        operations += [
+            {"op": "add", "path": f"/{key}", "value": value}
+            for key, value in child.items()
+            if key not in ("apiVersion", "kind", "metadata", "spec")
+        ]
         # Field by field: a Service's spec also holds what the server allocated (clusterIP), which must stay.
-        operations += [{"op": "add", "path": f"/spec/{key}", "value": value}
-                       for key, value in (child.get("spec") or {}).items()]
+        operations += [
+            {"op": "add", "path": f"/spec/{key}", "value": value} for key, value in (child.get("spec") or {}).items()
+        ]
     try:
-        await kube.patch(child["apiVersion"], child["kind"], meta["namespace"], meta["name"], operations,
-                         json_patch=True)
+        await kube.patch(
+            child["apiVersion"], child["kind"], meta["namespace"], meta["name"], operations, json_patch=True
+        )
     except ApiError as error:
         if error.status == 422:  # a test operation failed
             raise NotOwned(child) from None
@@ -530,15 +642,18 @@ async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
     return False
 
 
-async def _reject(state: OperatorState, key: Key, body: dict[str, Any], status: dict[str, Any],
-                  error: validation.InvalidTrainingRun) -> None:
+async def _reject(
+    state: OperatorState, key: Key, body: dict[str, Any], status: dict[str, Any], error: validation.InvalidTrainingRun
+) -> None:
     """A spec the CRD let through but the operator cannot run: say why, create nothing, wait for a fix."""
     message = "; ".join(str(p) for p in error.problems)[:2000]
-    conditions = reconcile.Conditions(status.get("conditions") or [], reconcile.rfc3339(state.clock()),
-                                      (body.get("metadata") or {}).get("generation"))
+    conditions = reconcile.Conditions(
+        status.get("conditions") or [], reconcile.rfc3339(state.clock()), (body.get("metadata") or {}).get("generation")
+    )
     if conditions.set("SpecRejected", True, "InvalidSpec", message):
-        plan = reconcile.Plan(status={"conditions": conditions.as_list()},
-                              events=[reconcile.Note("Warning", "SpecRejected", message)])
+        plan = reconcile.Plan(
+            status={"conditions": conditions.as_list()}, events=[reconcile.Note("Warning", "SpecRejected", message)]
+        )
         await _carry_out(state, key, None, body, plan)
 
 
@@ -555,8 +670,9 @@ async def _post_events(state: OperatorState) -> None:
         try:
             await state.client().create(event, priority=kube_module.EVENT)
         except (ApiError, OSError, asyncio.TimeoutError) as error:
-            log.warning("could not post Event %s on %s/%s: %s", event["reason"], about["namespace"], about["name"],
-                        error)
+            log.warning(
+                "could not post Event %s on %s/%s: %s", event["reason"], about["namespace"], about["name"], error
+            )
         else:
             log.info("%s/%s: %s: %s", about["namespace"], about["name"], event["reason"], event["message"])
 
@@ -575,14 +691,19 @@ async def _resync(state: OperatorState) -> None:
 
 async def _follow_peering(state: OperatorState) -> None:
     await state.logged_in.wait()
-    await leadership.follow(lambda path: state.client().request("GET", path),
-                            leadership.peering_paths(state.settings.peering, state.settings.namespaces),
-                            state.identity, state.priority, state.acting,
-                            on_change=lambda acting: state.metrics.acting.set(1 if acting else 0))
+    await leadership.follow(
+        lambda path: state.client().request("GET", path),
+        leadership.peering_paths(state.settings.peering, state.settings.namespaces),
+        state.identity,
+        state.priority,
+        state.acting,
+        on_change=lambda acting: state.metrics.acting.set(1 if acting else 0),
+    )
 
 
-async def run_operator(state: OperatorState, *, stop_flag: Optional[asyncio.Future] = None,
-                       ready_flag: Optional[asyncio.Event] = None) -> None:
+async def run_operator(
+    state: OperatorState, *, stop_flag: Optional[asyncio.Future] = None, ready_flag: Optional[asyncio.Event] = None
+) -> None:
     """The whole operator in the current event loop (the CLI and the tests both use this)."""
     registry = kopf.OperatorRegistry()
     register(registry, state)

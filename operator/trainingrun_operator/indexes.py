@@ -3,6 +3,7 @@
 The indexes are the operator's only view of the cluster between watch events (reconciles make no API reads),
 so they hold each run, job and pod slimmed to the fields that reconcile and the report endpoint use.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,7 +33,8 @@ def slim_run(body: Any) -> dict[str, Any]:
     meta = body.get("metadata", {})
     kept = ("name", "namespace", "uid", "generation", "labels", "annotations", "deletionTimestamp")
     return {
-        "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
         "metadata": {k: copy.deepcopy(meta[k]) for k in kept if k in meta},
         SPEC_JSON: json.dumps(body.get("spec") or {}, separators=(",", ":")),
         "status": copy.deepcopy(body.get("status") or {}),
@@ -44,18 +46,25 @@ SPEC_JSON = "specJson"
 
 def run_document(slim: dict[str, Any]) -> dict[str, Any]:
     """The run as a TrainingRun document again (without status), for parsing."""
-    return {"apiVersion": slim.get("apiVersion"), "kind": slim.get("kind"), "metadata": slim.get("metadata") or {},
-            "spec": json.loads(slim[SPEC_JSON])}
+    return {
+        "apiVersion": slim.get("apiVersion"),
+        "kind": slim.get("kind"),
+        "metadata": slim.get("metadata") or {},
+        "spec": json.loads(slim[SPEC_JSON]),
+    }
 
 
 def controller_uid(obj: dict[str, Any]) -> Optional[str]:
     """The uid of the object's controlling owner (ownerReferences with controller: true), if any."""
-    return next((ref.get("uid") for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
-                 if ref.get("controller")), None)
+    return next(
+        (ref.get("uid") for ref in (obj.get("metadata") or {}).get("ownerReferences") or [] if ref.get("controller")),
+        None,
+    )
 
 
-def run_owns_job(job: dict[str, Any], run_uid: Optional[str], status: dict[str, Any], signing_key: bytes,
-                 since: datetime) -> bool:
+def run_owns_job(
+    job: dict[str, Any], run_uid: Optional[str], status: dict[str, Any], signing_key: bytes, since: datetime
+) -> bool:
     """Whether a PyTorchJob is the run's own: controlled by the run, and signed by this operator
     (builders.job_signature), or the one its status (which only the operator writes) named as the current attempt's
     before this process started at `since` (made by an earlier operator: another key, or none). Anyone who may
@@ -70,16 +79,25 @@ def run_owns_job(job: dict[str, Any], run_uid: Optional[str], status: dict[str, 
     if hmac.compare_digest(signature, job_signature(signing_key, run_uid, str(meta.get("name")))):
         return True
     created, started = parse_time(meta.get("creationTimestamp")), parse_time(status.get("attemptStartTime"))
-    return meta.get("name") == status.get("jobName") and created is not None and started is not None \
-        and created < since and started < since
+    return (
+        meta.get("name") == status.get("jobName")
+        and created is not None
+        and started is not None
+        and created < since
+        and started < since
+    )
 
 
 def slim_job(body: Any) -> dict[str, Any]:
     meta = body.get("metadata", {})
     return {
-        "metadata": {**{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "annotations",
-                                                                 "creationTimestamp", "deletionTimestamp")},
-                     "ownerReferences": [{"uid": controller_uid(body), "controller": True}]},
+        "metadata": {
+            **{
+                k: copy.deepcopy(meta.get(k))
+                for k in ("name", "uid", "labels", "annotations", "creationTimestamp", "deletionTimestamp")
+            },
+            "ownerReferences": [{"uid": controller_uid(body), "controller": True}],
+        },
         "spec": {"runPolicy": {"suspend": ((body.get("spec") or {}).get("runPolicy") or {}).get("suspend")}},
         "status": {"conditions": copy.deepcopy((body.get("status") or {}).get("conditions") or [])},
     }
@@ -88,7 +106,9 @@ def slim_job(body: Any) -> dict[str, Any]:
 def slim_pod(body: Any) -> dict[str, Any]:
     meta, status = body.get("metadata", {}), body.get("status") or {}
     return {
-        "metadata": {**{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "deletionTimestamp")},
-                     "ownerReferences": [{"uid": controller_uid(body), "controller": True}]},
+        "metadata": {
+            **{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "deletionTimestamp")},
+            "ownerReferences": [{"uid": controller_uid(body), "controller": True}],
+        },
         "status": {k: copy.deepcopy(status.get(k)) for k in ("reason", "message", "conditions", "containerStatuses")},
     }

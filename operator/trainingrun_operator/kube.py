@@ -10,6 +10,7 @@ Requests go out at most `in_flight` at a time, the waiting ones by priority: wha
 attempt's children) before status, status before Events. In a burst of new runs the API server is the
 bottleneck; without an order every run's status and Event write delayed every other run's PyTorchJob.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -95,30 +96,42 @@ def object_path(api_version: str, kind: str, namespace: Optional[str], name: str
 class Kube:
     """API calls with kopf's credentials. `on_error(status)` is told about every failed call."""
 
-    def __init__(self, info: Any, *, on_error: Callable[[int], None] = lambda status: None,
-                 retries: int = 4, backoff_seconds: float = 0.2,
-                 in_flight: int = Settings.api_requests_in_flight):
+    def __init__(
+        self,
+        info: Any,
+        *,
+        on_error: Callable[[int], None] = lambda status: None,
+        retries: int = 4,
+        backoff_seconds: float = 0.2,
+        in_flight: int = Settings.api_requests_in_flight,
+    ):
         self.server = info.server.rstrip("/")
         self.gate = PriorityGate(in_flight)
         self.on_error = on_error
         self.retries, self.backoff_seconds = retries, backoff_seconds
         from . import __version__
 
-        headers = {"Accept": "application/json", "User-Agent": f"trainingrun-operator/{__version__}",
-                   **info.as_http_headers()}  # bearer token or basic auth
-        self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(
-            ssl=info.as_ssl_context(), limit=64))  # kopf's: CA, client certificate, insecure
+        headers = {
+            "Accept": "application/json",
+            "User-Agent": f"trainingrun-operator/{__version__}",
+            **info.as_http_headers(),
+        }  # bearer token or basic auth
+        self._session = aiohttp.ClientSession(
+            headers=headers, connector=aiohttp.TCPConnector(ssl=info.as_ssl_context(), limit=64)
+        )  # kopf's: CA, client certificate, insecure
 
     async def close(self) -> None:
         await self._session.close()
 
-    async def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                      priority: int = ACT) -> dict[str, Any]:
+    async def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json", priority: int = ACT
+    ) -> dict[str, Any]:
         for attempt in range(self.retries + 1):
             await self.gate(priority)
             try:
-                async with self._session.request(method, self.server + path, json=body,
-                                                 headers={"Content-Type": content_type}) as response:
+                async with self._session.request(
+                    method, self.server + path, json=body, headers={"Content-Type": content_type}
+                ) as response:
                     if response.status < 400:
                         return await response.json(content_type=None) or {}
                     self.on_error(response.status)
@@ -130,11 +143,12 @@ class Kube:
                 self.gate.release()
             if response.status in RETRIED_STATUSES and attempt < self.retries:
                 retry_after = response.headers.get("Retry-After", "")
-                delay = float(retry_after) if retry_after.isdigit() else self.backoff_seconds * 2 ** attempt
+                delay = float(retry_after) if retry_after.isdigit() else self.backoff_seconds * 2**attempt
                 await asyncio.sleep(min(delay, 10.0))  # outside the gate: a throttled call holds no place
                 continue
-            raise ApiError(response.status, str(payload.get("reason") or response.reason),
-                           str(payload.get("message") or ""))
+            raise ApiError(
+                response.status, str(payload.get("reason") or response.reason), str(payload.get("message") or "")
+            )
         raise AssertionError("unreachable")
 
     async def create(self, obj: dict[str, Any], priority: int = ACT) -> dict[str, Any]:
@@ -144,8 +158,17 @@ class Kube:
         path = collection_path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
         return await self.request("POST", path + "?fieldValidation=Strict", obj, priority=priority)
 
-    async def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Any,
-                    subresource: str = "", json_patch: bool = False, priority: int = ACT) -> dict[str, Any]:
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Any,
+        subresource: str = "",
+        json_patch: bool = False,
+        priority: int = ACT,
+    ) -> dict[str, Any]:
         """A merge patch (a dict), or with `json_patch` a JSON patch (a list of operations, all or none)."""
         path = object_path(api_version, kind, namespace, name, subresource)
         content_type = "application/json-patch+json" if json_patch else "application/merge-patch+json"
@@ -160,8 +183,9 @@ class Kube:
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         query = urlencode({"fieldManager": FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"})
-        return await self.request("PATCH", f"{path}?{query}", obj, content_type="application/apply-patch+yaml",
-                                  priority=priority)
+        return await self.request(
+            "PATCH", f"{path}?{query}", obj, content_type="application/apply-patch+yaml", priority=priority
+        )
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: Optional[str] = None) -> None:
         """Delete (background propagation); with `uid`, only that object (409 when the name is another's now)."""
@@ -189,4 +213,3 @@ class Kube:
                 return False
             raise
         return any(r.get("name") == plural for r in found.get("resources", []))
-

@@ -9,6 +9,7 @@ record on exit, or the record expires after its lifetime) the next oldest takes 
 kopf pauses only its own watch streams. The operator's loops (the resync, the reconcile workers, the report
 endpoint) stand by as well: they follow the same peering objects, by the same rule, through `follow`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,9 +67,15 @@ def peering_paths(name: str, namespaces: Sequence[str]) -> list[str]:
     return [f"/apis/{PEERING_API}/namespaces/{namespace}/kopfpeerings/{name}" for namespace in namespaces]
 
 
-async def follow(get: Callable[[str], Awaitable[dict[str, Any]]], paths: Sequence[str], me: str, priority: int,
-                 acting: asyncio.Event, on_change: Callable[[bool], None] = lambda acting: None,
-                 check_seconds: float = CHECK_SECONDS) -> None:
+async def follow(
+    get: Callable[[str], Awaitable[dict[str, Any]]],
+    paths: Sequence[str],
+    me: str,
+    priority: int,
+    acting: asyncio.Event,
+    on_change: Callable[[bool], None] = lambda acting: None,
+    check_seconds: float = CHECK_SECONDS,
+) -> None:
     """Set `acting` while this replica acts in every peering object, clear it otherwise; for ever.
 
     While the API server cannot be read the last answer stands: kopf cannot read it either."""
@@ -81,8 +88,9 @@ async def follow(get: Callable[[str], Awaitable[dict[str, Any]]], paths: Sequenc
         except ApiError as error:
             verdict = False if error.status == 404 else bool(said)  # no peering object: kopf stays paused too
             if error.status != 404:
-                log.warning("cannot read the peering object (%s); %s meanwhile", error,
-                            "acting" if verdict else "standing by")
+                log.warning(
+                    "cannot read the peering object (%s); %s meanwhile", error, "acting" if verdict else "standing by"
+                )
         except (OSError, asyncio.TimeoutError):
             verdict = bool(said)
         if verdict != said:

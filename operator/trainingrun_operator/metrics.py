@@ -13,6 +13,7 @@ tests independent of each other.
     trainingrun_operator_acting                              1 when this replica acts (0: another one does)
     trainingrun_operator_run_time_seconds{namespace,run,part} a run's wall time by part (status.timeBreakdown)
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -34,23 +35,42 @@ class OperatorMetrics:
         self.phases: dict[tuple[str, str], str] = {}  #: (namespace, name) -> phase, for the runs gauge
         #: (namespace, name) -> status.timeBreakdown, for the run time gauge
         self.time_breakdowns: dict[tuple[str, str], dict] = {}
-        self.attempts = Counter("trainingrun_operator_attempts", "Attempts started, by cause.", ["cause"],
-                                registry=self.registry)
-        self.restarts = Counter("trainingrun_operator_restarts", "Attempts that ended early, by run and cause.",
-                                ["namespace", "run", "cause"], registry=self.registry)
+        self.attempts = Counter(
+            "trainingrun_operator_attempts", "Attempts started, by cause.", ["cause"], registry=self.registry
+        )
+        self.restarts = Counter(
+            "trainingrun_operator_restarts",
+            "Attempts that ended early, by run and cause.",
+            ["namespace", "run", "cause"],
+            registry=self.registry,
+        )
         self.reconcile_seconds = Histogram(
-            "trainingrun_operator_reconcile_duration_seconds", "Time to reconcile one TrainingRun.",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)
-        self.api_errors = Counter("trainingrun_operator_api_errors", "Failed Kubernetes API calls, by HTTP status.",
-                                  ["code"], registry=self.registry)
-        self.events_dropped = Counter("trainingrun_operator_events_dropped",
-                                      "Events logged but not posted, because too many were waiting to be posted.",
-                                      registry=self.registry)
-        self.ready = Gauge("trainingrun_operator_ready", "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",
-                           registry=self.registry)
-        self.acting = Gauge("trainingrun_operator_acting",
-                            "1 when this replica acts; 0 while it stands by for another (replicaCount > 1).",
-                            registry=self.registry)
+            "trainingrun_operator_reconcile_duration_seconds",
+            "Time to reconcile one TrainingRun.",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.api_errors = Counter(
+            "trainingrun_operator_api_errors",
+            "Failed Kubernetes API calls, by HTTP status.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.events_dropped = Counter(
+            "trainingrun_operator_events_dropped",
+            "Events logged but not posted, because too many were waiting to be posted.",
+            registry=self.registry,
+        )
+        self.ready = Gauge(
+            "trainingrun_operator_ready",
+            "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",
+            registry=self.registry,
+        )
+        self.acting = Gauge(
+            "trainingrun_operator_acting",
+            "1 when this replica acts; 0 while it stands by for another (replicaCount > 1).",
+            registry=self.registry,
+        )
         self.registry.register(_RunsByPhase(self))
         self.registry.register(_RunTime(self))
 
@@ -89,10 +109,12 @@ class _RunTime:
         self.metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("trainingrun_operator_run_time_seconds",
-                                   "A run's wall time since it started, by part (status.timeBreakdown): productive, "
-                                   "lost, startup, restore, checkpoint, data_wait, eval, backoff, other.",
-                                   labels=["namespace", "run", "part"])
+        family = GaugeMetricFamily(
+            "trainingrun_operator_run_time_seconds",
+            "A run's wall time since it started, by part (status.timeBreakdown): productive, "
+            "lost, startup, restore, checkpoint, data_wait, eval, backoff, other.",
+            labels=["namespace", "run", "part"],
+        )
         for (namespace, run), breakdown in list(self.metrics.time_breakdowns.items()):
             for part in contract.BREAKDOWN:
                 seconds = breakdown.get(to_camel(f"{part}_seconds"))

@@ -12,6 +12,7 @@ nextAttemptTime while Recovering, startTime for goodput and the checkpoint URI t
 Slightly over 500 lines: one decision function and the helpers that read pods and jobs for it, kept together
 so a reader sees the whole decision; the recovery policy itself is in recovery.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,8 +98,14 @@ def job_state(job: dict[str, Any]) -> Optional[str]:
 def restarting(job: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The PyTorchJob's Restarting condition while it is true: Kubeflow sets it (and drops Running) each time it
     replaces a pod of the job, and drops it when the job runs again."""
-    return next((c for c in (job.get("status") or {}).get("conditions") or []
-                 if c.get("type") == "Restarting" and c.get("status") == "True"), None)
+    return next(
+        (
+            c
+            for c in (job.get("status") or {}).get("conditions") or []
+            if c.get("type") == "Restarting" and c.get("status") == "True"
+        ),
+        None,
+    )
 
 
 def attempt_of(obj: dict[str, Any]) -> Optional[int]:
@@ -133,7 +140,9 @@ def _disruption(pod: dict[str, Any]) -> Optional[str]:
         if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
             return f"pod {pod['metadata']['name']} was disrupted ({condition.get('reason') or 'DisruptionTarget'})"
     if status.get("reason") in DISRUPTION_POD_REASONS:
-        return f"pod {pod['metadata']['name']} was {status['reason'].lower()}: {status.get('message') or ''}".rstrip(": ")
+        return f"pod {pod['metadata']['name']} was {status['reason'].lower()}: {status.get('message') or ''}".rstrip(
+            ": "
+        )
     return None
 
 
@@ -171,10 +180,17 @@ def classify_failure(job: dict[str, Any], pods: list[dict[str, Any]]) -> Failure
         code, name, reason, message, _ = codes[0]
         said = f" ({reason})" if reason else ""
         return Failure("failure", f"pod {name} exited with {code}{said}", code)
-    job_message = next((c.get("message") for c in (job.get("status") or {}).get("conditions") or []
-                        if c.get("type") == "Failed" and c.get("status") == "True"), None)
-    return Failure("failure", f"PyTorchJob {job['metadata']['name']} failed: {job_message or 'no reason given'}",
-                   from_pods=False)
+    job_message = next(
+        (
+            c.get("message")
+            for c in (job.get("status") or {}).get("conditions") or []
+            if c.get("type") == "Failed" and c.get("status") == "True"
+        ),
+        None,
+    )
+    return Failure(
+        "failure", f"PyTorchJob {job['metadata']['name']} failed: {job_message or 'no reason given'}", from_pods=False
+    )
 
 
 def failed_since(job: dict[str, Any]) -> Optional[datetime]:
@@ -199,7 +215,9 @@ def missing_secret(pods: list[dict[str, Any]], secret_names: list[str]) -> Optio
             if waiting.get("reason") == "CreateContainerConfigError":
                 message = waiting.get("message") or "a Secret or key is missing"
                 if secret_names and not any(_names(message, name) for name in secret_names):
-                    message += f" (the run reads Secret{'s' if len(secret_names) > 1 else ''} {', '.join(secret_names)})"
+                    message += (
+                        f" (the run reads Secret{'s' if len(secret_names) > 1 else ''} {', '.join(secret_names)})"
+                    )
                 return f"pod {pod['metadata']['name']}: {message}"
     return None
 
@@ -210,18 +228,29 @@ BLOCKED_CONDITIONS = ("PodsNotCreated", "Unschedulable", "VolumeMountFailed")
 FAILED_CREATE_REASONS = ("FailedCreate", "FailedCreatePod")  # what Kubeflow's pod control records on the job
 
 
-def blocked_pods(job_name: str, pods: list[dict[str, Any]], warnings: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+def blocked_pods(
+    job_name: str, pods: list[dict[str, Any]], warnings: list[dict[str, Any]]
+) -> dict[str, tuple[str, str]]:
     """What keeps an attempt's pods from running, from the scheduler's pod conditions and the Warning Events
     of Kubeflow (on the job) and the kubelet (on the pods). A missing Secret volume is `missing_secret_volume`'s."""
     found: dict[str, tuple[str, str]] = {}
     for pod in pods:
         for condition in (pod.get("status") or {}).get("conditions") or []:
-            if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
-                    and condition.get("reason") == "Unschedulable":
-                found.setdefault("Unschedulable", ("Unschedulable", f"pod {pod['metadata']['name']}: "
-                                                   f"{condition.get('message') or 'no node fits'}"))
+            if (
+                condition.get("type") == "PodScheduled"
+                and condition.get("status") == "False"
+                and condition.get("reason") == "Unschedulable"
+            ):
+                found.setdefault(
+                    "Unschedulable",
+                    ("Unschedulable", f"pod {pod['metadata']['name']}: {condition.get('message') or 'no node fits'}"),
+                )
     for event in warnings:
-        about, reason, message = (event.get("involvedObject") or {}).get("name"), event.get("reason"), event.get("message")
+        about, reason, message = (
+            (event.get("involvedObject") or {}).get("name"),
+            event.get("reason"),
+            event.get("message"),
+        )
         if about == job_name and reason in FAILED_CREATE_REASONS:
             found.setdefault("PodsNotCreated", ("FailedCreate", f"PyTorchJob {job_name}: {message}"))
         elif reason == "FailedMount" and not _about_secret(message):
@@ -256,8 +285,9 @@ def goodput(status: dict[str, Any]) -> Optional[float]:
     return None if figure is None else round(figure, 4)
 
 
-def account_time(status: dict[str, Any], times: contract.ProcessTime, productive_seconds: Optional[float],
-                 now: datetime) -> dict[str, Any]:
+def account_time(
+    status: dict[str, Any], times: contract.ProcessTime, productive_seconds: Optional[float], now: datetime
+) -> dict[str, Any]:
     """status.processTime and status.timeBreakdown after a report of `times` at `now`: a process other than the one
     that reported last adds that one's last report to the ended processes; the breakdown covers startTime to now."""
     account = status.get("processTime") or {}
@@ -273,10 +303,14 @@ def account_time(status: dict[str, Any], times: contract.ProcessTime, productive
     if productive_seconds is None:
         productive_seconds = float((status.get("progress") or {}).get("productiveSeconds") or 0.0)
     parts = contract.time_breakdown(max(0.0, wall), processes, productive_seconds, backoff)
-    breakdown = api.TimeBreakdown(wall_seconds=round(max(0.0, wall), 3),
-                                  **{f"{part}_seconds": round(seconds, 3) for part, seconds in parts.items()})
-    return {"processTime": {"ended": contract.wire(ended) if ended else None, "current": contract.wire(times)},
-            "timeBreakdown": breakdown.to_wire()}
+    breakdown = api.TimeBreakdown(
+        wall_seconds=round(max(0.0, wall), 3),
+        **{f"{part}_seconds": round(seconds, 3) for part, seconds in parts.items()},
+    )
+    return {
+        "processTime": {"ended": contract.wire(ended) if ended else None, "current": contract.wire(times)},
+        "timeBreakdown": breakdown.to_wire(),
+    }
 
 
 class Conditions:
@@ -296,8 +330,13 @@ class Conditions:
         if old is None and not true:
             return False  # a condition that never was True needs no False entry
         flipped = old is None or old.get("status") != status
-        new = {"type": type_, "status": status, "reason": reason, "message": message,
-               "lastTransitionTime": self.now if flipped else old.get("lastTransitionTime", self.now)}
+        new = {
+            "type": type_,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": self.now if flipped else old.get("lastTransitionTime", self.now),
+        }
         if self.generation is not None:
             new["observedGeneration"] = self.generation
         if new != old:
@@ -340,8 +379,14 @@ def decide(o: Observed) -> Plan:
             if job is not None and job_state(job) not in TERMINAL:
                 plan.suspend_job = job_name
             plan.status["phase"] = "Suspended"
-            plan.events.append(Note("Normal", "Suspended", f"attempt {attempt} suspended: its pods stop after an "
-                                    "emergency checkpoint; set spec.suspend to false to resume"))
+            plan.events.append(
+                Note(
+                    "Normal",
+                    "Suspended",
+                    f"attempt {attempt} suspended: its pods stop after an "
+                    "emergency checkpoint; set spec.suspend to false to resume",
+                )
+            )
         return _finish(plan, o, conditions)
 
     if phase == "Suspended":
@@ -365,11 +410,18 @@ def decide(o: Observed) -> Plan:
 
     pods = pods_of(o.pods, job_name, attempt)
     secret = missing_secret(pods, spec.secrets.secret_names()) or (
-        missing_secret_volume(o.warnings) if phase == "Pending" else None)
+        missing_secret_volume(o.warnings) if phase == "Pending" else None
+    )
     if secret:
         if conditions.set("SecretMissing", True, "CreateContainerConfigError", secret):
-            plan.events.append(Note("Warning", "SecretMissing", f"{secret}; create it in namespace "
-                                    f"{o.run.metadata.namespace} (no restart is charged while waiting)"))
+            plan.events.append(
+                Note(
+                    "Warning",
+                    "SecretMissing",
+                    f"{secret}; create it in namespace "
+                    f"{o.run.metadata.namespace} (no restart is charged while waiting)",
+                )
+            )
     elif conditions.is_true("SecretMissing"):
         conditions.set("SecretMissing", False, "SecretsFound", "all referenced Secrets and keys exist")
         plan.events.append(Note("Normal", "SecretsFound", "the missing Secret is there now; the pods are starting"))
@@ -388,8 +440,13 @@ def decide(o: Observed) -> Plan:
         step = (status.get("progress") or {}).get("step")
         plan.status.update(phase="Succeeded", completionTime=now)
         conditions.set("Complete", True, "Succeeded", f"finished in attempt {attempt}")
-        plan.events.append(Note("Normal", "Succeeded", f"training finished in attempt {attempt}"
-                                + (f" at step {step}" if step is not None else "")))
+        plan.events.append(
+            Note(
+                "Normal",
+                "Succeeded",
+                f"training finished in attempt {attempt}" + (f" at step {step}" if step is not None else ""),
+            )
+        )
         plan.delete_jobs = _old_jobs(o, keep_after=attempt - 1, keep=0)
     elif state == "Failed":
         failure = classify_failure(job, pods)
@@ -416,22 +473,35 @@ def _old_pods_still_stopping(plan: Plan, o: Observed, attempt: int, job_name: st
     """Whether a resume waits: the suspended attempt's pods may still be writing their emergency checkpoint, and a
     new attempt that started now would resume from the checkpoint before it and save and rotate the same prefix at
     the same time. It waits until they are gone, for at most their grace period and OLD_PODS_SLACK."""
-    stopping = [p for p in pods_of(o.pods, job_name, attempt)
-                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
-    since = conditions.items.get("WaitingForOldPods", {}).get("lastTransitionTime") \
-        if conditions.is_true("WaitingForOldPods") else None
+    stopping = [
+        p
+        for p in pods_of(o.pods, job_name, attempt)
+        if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+    ]
+    since = (
+        conditions.items.get("WaitingForOldPods", {}).get("lastTransitionTime")
+        if conditions.is_true("WaitingForOldPods")
+        else None
+    )
     limit = timedelta(seconds=o.run.spec.termination_grace_period_seconds) + OLD_PODS_SLACK
     waited_out = since is not None and o.now >= (parse_time(since) or o.now) + limit
     if stopping and not waited_out:
-        message = (f"attempt {attempt}'s {len(stopping)} pod(s) still stop (their emergency checkpoint); attempt "
-                   f"{attempt + 1} starts when they are gone, or after {int(limit.total_seconds())} s")
+        message = (
+            f"attempt {attempt}'s {len(stopping)} pod(s) still stop (their emergency checkpoint); attempt "
+            f"{attempt + 1} starts when they are gone, or after {int(limit.total_seconds())} s"
+        )
         if conditions.set("WaitingForOldPods", True, "OldPodsStopping", message):
             plan.events.append(Note("Normal", "WaitingForOldPods", message))
         return True
     if conditions.is_true("WaitingForOldPods"):
-        conditions.set("WaitingForOldPods", False, "OldPodsGone" if not stopping else "WaitedLongEnough",
-                       "the suspended attempt's pods are gone" if not stopping else
-                       f"attempt {attempt}'s pods outlived their grace period; attempt {attempt + 1} starts anyway")
+        conditions.set(
+            "WaitingForOldPods",
+            False,
+            "OldPodsGone" if not stopping else "WaitedLongEnough",
+            "the suspended attempt's pods are gone"
+            if not stopping
+            else f"attempt {attempt}'s pods outlived their grace period; attempt {attempt + 1} starts anyway",
+        )
     return False
 
 
@@ -445,12 +515,19 @@ def _old_jobs(o: Observed, keep_after: int, keep: int) -> list[str]:
     return [name for _, name in old[: max(0, len(old) - keep)]]
 
 
-def _start(plan: Plan, o: Observed, number: int, cause: str, conditions: Conditions,
-           resume_from: Optional[str]) -> None:
+def _start(
+    plan: Plan, o: Observed, number: int, cause: str, conditions: Conditions, resume_from: Optional[str]
+) -> None:
     name = builders.job_name(o.run.metadata.name, number)
     plan.start_attempt, plan.resume_from, plan.attempt_cause = number, resume_from, cause
-    plan.status.update(phase="Pending", attempt=number, jobName=name, attemptStartTime=rfc3339(o.now),
-                       nextAttemptTime=None, checkpointInMemory=None)
+    plan.status.update(
+        phase="Pending",
+        attempt=number,
+        jobName=name,
+        attemptStartTime=rfc3339(o.now),
+        nextAttemptTime=None,
+        checkpointInMemory=None,
+    )
     if conditions.is_true("SpecChangePending"):
         conditions.set("SpecChangePending", False, "Applied", f"attempt {number} runs the current spec")
     where = f"resuming from {resume_from}" if resume_from else "from the start"
@@ -458,11 +535,13 @@ def _start(plan: Plan, o: Observed, number: int, cause: str, conditions: Conditi
     plan.delete_jobs += _old_jobs(o, keep_after=number - 1, keep=o.keep_failed_attempts)
 
 
-def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, conditions: Conditions,
-                   stalled: bool = False) -> None:
+def _attempt_ended(
+    plan: Plan, o: Observed, attempt: int, failure: Failure, conditions: Conditions, stalled: bool = False
+) -> None:
     status = o.status
-    decision = recovery.after_attempt(o.run.spec.recovery, recovery.Restarts.from_status(status.get("restarts")),
-                                      failure.cause)
+    decision = recovery.after_attempt(
+        o.run.spec.recovery, recovery.Restarts.from_status(status.get("restarts")), failure.cause
+    )
     if decision.stop_reason == "PermanentError":
         message = f"attempt {attempt}: {failure.detail}; retrying cannot help, fix the cause and create the run again"
         _fail(plan, o, "PermanentError", message, conditions)
@@ -472,18 +551,22 @@ def _attempt_ended(plan: Plan, o: Observed, attempt: int, failure: Failure, cond
     plan.status["restarts"] = restarts
     plan.restart_cause = "stall" if stalled else failure.cause
     if not decision.retry:
-        _fail(plan, o, decision.stop_reason, f"attempt {attempt}: {failure.detail}; {decision.budget_words()}",
-              conditions)
+        _fail(
+            plan, o, decision.stop_reason, f"attempt {attempt}: {failure.detail}; {decision.budget_words()}", conditions
+        )
         return
     delay = decision.delay_seconds
     restarts["backoffSeconds"] = round(float(restarts.get("backoffSeconds") or 0.0) + delay, 3)
     plan.status.update(phase="Recovering", nextAttemptTime=rfc3339(o.now + timedelta(seconds=delay)))
     resume = _last_good(status)
-    plan.events.append(Note(
-        "Warning", "AttemptPreempted" if failure.cause == "preemption" else "AttemptFailed",
-        f"attempt {attempt}: {failure.detail}; {decision.counter} {decision.used}/{decision.budget}; attempt "
-        f"{attempt + 1} starts in {delay}s from " + (resume or "the start (no checkpoint yet)"),
-    ))
+    plan.events.append(
+        Note(
+            "Warning",
+            "AttemptPreempted" if failure.cause == "preemption" else "AttemptFailed",
+            f"attempt {attempt}: {failure.detail}; {decision.counter} {decision.used}/{decision.budget}; attempt "
+            f"{attempt + 1} starts in {delay}s from " + (resume or "the start (no checkpoint yet)"),
+        )
+    )
 
 
 def _restarts(status: dict[str, Any]) -> dict[str, Any]:
@@ -501,10 +584,16 @@ def _count_in_place_restart(plan: Plan, o: Observed, attempt: int, job: dict[str
     restarts["inPlace"] = int(restarts.get("inPlace") or 0) + 1
     restarts["lastInPlaceTime"] = since
     plan.status["restarts"] = restarts
-    plan.events.append(Note("Warning", "PodsRestarted", f"attempt {attempt}: {condition.get('message') or 'pods restarted'} "
-                            f"Its pods rejoin and resume from the last checkpoint (in-place restart "
-                            f"{restarts['inPlace']} of this run; Kubeflow allows {o.run.spec.recovery.max_restarts_per_attempt} "
-                            "per attempt, spec.recovery.maxRestartsPerAttempt)."))
+    plan.events.append(
+        Note(
+            "Warning",
+            "PodsRestarted",
+            f"attempt {attempt}: {condition.get('message') or 'pods restarted'} "
+            f"Its pods rejoin and resume from the last checkpoint (in-place restart "
+            f"{restarts['inPlace']} of this run; Kubeflow allows {o.run.spec.recovery.max_restarts_per_attempt} "
+            "per attempt, spec.recovery.maxRestartsPerAttempt).",
+        )
+    )
 
 
 def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Conditions) -> None:
@@ -526,9 +615,11 @@ def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, condition
     heard = heard if heard and started and heard >= started else None
     if (o.now - (heard or started or o.now)).total_seconds() > timeout:
         since = f"since {heard.isoformat()}" if heard else f"since attempt {attempt} started"
-        message = (f"no report from attempt {attempt}'s rank 0 {since}, for more than "
-                   f"spec.recovery.stallTimeoutSeconds={timeout}s; its pods are not restarted for that (they may be "
-                   "training): check that they reach the operator's report endpoint (network policy, certificate)")
+        message = (
+            f"no report from attempt {attempt}'s rank 0 {since}, for more than "
+            f"spec.recovery.stallTimeoutSeconds={timeout}s; its pods are not restarted for that (they may be "
+            "training): check that they reach the operator's report endpoint (network policy, certificate)"
+        )
         if conditions.set("ReportingUnavailable", True, "NoReports", message):
             plan.events.append(Note("Warning", "ReportingUnavailable", message))
         return
@@ -552,8 +643,10 @@ def _check_spec(plan: Plan, o: Observed, job: Optional[dict[str, Any]], conditio
     """Immutable fields are refused; other changes wait for the next attempt, and say so."""
     started_uri, wanted_uri = plan.checkpoint_uri, o.run.spec.checkpoint.uri
     if wanted_uri != started_uri:
-        message = (f"spec.checkpoint.uri cannot change once the run has started (it is {started_uri}): "
-                   "set it back, or create a new TrainingRun to train elsewhere")
+        message = (
+            f"spec.checkpoint.uri cannot change once the run has started (it is {started_uri}): "
+            "set it back, or create a new TrainingRun to train elsewhere"
+        )
         if conditions.set("SpecRejected", True, "CheckpointUriImmutable", message):
             plan.events.append(Note("Warning", "SpecRejected", message))
     elif conditions.is_true("SpecRejected"):
@@ -561,14 +654,17 @@ def _check_spec(plan: Plan, o: Observed, job: Optional[dict[str, Any]], conditio
     if job is None or o.status.get("phase") in TERMINAL:
         return
     annotations = (job.get("metadata") or {}).get("annotations") or {}
-    if o.run.metadata.generation is not None and \
-            annotations.get(builders.ANNOTATION_GENERATION) == str(o.run.metadata.generation):
+    if o.run.metadata.generation is not None and annotations.get(builders.ANNOTATION_GENERATION) == str(
+        o.run.metadata.generation
+    ):
         return  # built from this very spec
     built_from = annotations.get(builders.ANNOTATION_SPEC_HASH)
     if built_from and built_from != builders.spec_hash(builders.as_started(o.run, started_uri)):
         attempt = int(o.status.get("attempt") or 0)
-        message = (f"the spec changed; attempt {attempt} keeps running as it was built, "
-                   f"the change applies from attempt {attempt + 1} (suspend and resume the run to apply it now)")
+        message = (
+            f"the spec changed; attempt {attempt} keeps running as it was built, "
+            f"the change applies from attempt {attempt + 1} (suspend and resume the run to apply it now)"
+        )
         if conditions.set("SpecChangePending", True, "AppliesOnNextAttempt", message):
             plan.events.append(Note("Normal", "SpecChangePending", message))
 

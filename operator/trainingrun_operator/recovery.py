@@ -1,6 +1,7 @@
 """The recovery policy: what happens after an attempt ends, for the operator (`reconcile.decide`) and
 `trainingrun local` alike. Pure: the run's spec.recovery, the restarts so far and why the attempt ended in;
 the decision out (stop or retry, the counts after this end, the wait before the next attempt)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,9 +53,11 @@ class Decision:
         return getattr(self.restarts, self.counter) if self.counter else 0
 
     def budget_words(self) -> str:
-        """"spec.recovery.maxFailures=3 is spent (4 failures); raise it to allow more"."""
-        return (f"spec.recovery.{self.budget_field}={self.budget} is spent ({self.used} {self.counter}); "
-                "raise it to allow more")
+        """ "spec.recovery.maxFailures=3 is spent (4 failures); raise it to allow more"."""
+        return (
+            f"spec.recovery.{self.budget_field}={self.budget} is spent ({self.used} {self.counter}); "
+            "raise it to allow more"
+        )
 
 
 def backoff_seconds(recovery: api.Recovery, restarts_so_far: int) -> int:
@@ -74,7 +77,10 @@ def after_attempt(recovery: api.Recovery, restarts: Restarts, cause: str) -> Dec
         counter, budget = "failures", recovery.max_failures
     spent = getattr(counted, counter) > budget
     return Decision(
-        retry=not spent, restarts=counted, counter=counter, budget=budget,
+        retry=not spent,
+        restarts=counted,
+        counter=counter,
+        budget=budget,
         delay_seconds=0 if spent else backoff_seconds(recovery, counted.total),
         stop_reason=("PreemptionBudgetSpent" if cause == PREEMPTION else "FailureBudgetSpent") if spent else "",
     )

@@ -20,6 +20,7 @@ Accepted reports become a status patch (progress, lastGoodCheckpoint, lastReport
 STATUS_WRITE_SECONDS (the newest report wins) at the status priority. A report that
 changes nothing is written at most every HEARTBEAT_WRITE_SECONDS, so heartbeats cost few API writes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -100,8 +101,9 @@ def claimed_pod(token: str, now: float) -> Optional[ClaimedPod]:
     bound = claims.get("kubernetes.io")
     pod = bound.get("pod") if isinstance(bound, dict) else None
     namespace = bound.get("namespace") if isinstance(bound, dict) else None
-    if not isinstance(pod, dict) or not all(isinstance(v, str) and v for v in (namespace, pod.get("name"),
-                                                                               pod.get("uid"))):
+    if not isinstance(pod, dict) or not all(
+        isinstance(v, str) and v for v in (namespace, pod.get("name"), pod.get("uid"))
+    ):
         return None
     return ClaimedPod(namespace, pod["name"], pod["uid"])
 
@@ -171,11 +173,21 @@ class TokenReviewer:
     the report is answered 429 at once. A pod's accepted token is reviewed once per `cache_seconds` and answered from
     memory in between, whatever a flood does."""
 
-    def __init__(self, kube: Callable[[], Kube], cache_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 *, known_pod: Callable[[ClaimedPod], bool] = lambda pod: True, reviews_in_flight: int = 2,
-                 reviews_waiting: int = 16, per_pod_rate: float = 0.2, per_pod_burst: float = 3,
-                 per_source_rate: float = 20.0, per_source_burst: float = 200.0,
-                 wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        kube: Callable[[], Kube],
+        cache_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        known_pod: Callable[[ClaimedPod], bool] = lambda pod: True,
+        reviews_in_flight: int = 2,
+        reviews_waiting: int = 16,
+        per_pod_rate: float = 0.2,
+        per_pod_burst: float = 3,
+        per_source_rate: float = 20.0,
+        per_source_burst: float = 200.0,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self.kube, self.cache_seconds, self.clock, self.wall_clock = kube, cache_seconds, clock, wall_clock
         self.known_pod = known_pod
         self.accepted, self.refused = Lru(TOKEN_CACHE_SIZE), Lru(TOKEN_CACHE_SIZE)
@@ -204,8 +216,7 @@ class TokenReviewer:
         if not self.known_pod(pod):  # not remembered: the pod may be new, and the index sees it in a moment
             self.refused_unreviewed += 1
             return None
-        if not self.per_pod.allow(pod.uid) or not self.per_source.allow(source) \
-                or self.waiting >= self.reviews_waiting:
+        if not self.per_pod.allow(pod.uid) or not self.per_source.allow(source) or self.waiting >= self.reviews_waiting:
             self.throttled += 1
             raise Refused(429, "too many new report tokens; send the report again later")
         self.waiting += 1
@@ -225,16 +236,26 @@ class TokenReviewer:
 
     async def _review(self, token: str) -> Optional[Caller]:
         self.reviews += 1
-        review = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-                  "spec": {"token": token, "audiences": [contract.REPORT_AUDIENCE]}}
-        answer = (await self.kube().request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", review,
-                                            priority=REVIEW)).get("status") or {}
+        review = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": [contract.REPORT_AUDIENCE]},
+        }
+        answer = (
+            await self.kube().request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", review, priority=REVIEW)
+        ).get("status") or {}
         user = answer.get("user") or {}
         parts = (user.get("username") or "").split(":")
         extra = user.get("extra") or {}
         pod_name, pod_uid = (extra.get(POD_NAME_EXTRA) or [None])[0], (extra.get(POD_UID_EXTRA) or [None])[0]
-        if not answer.get("authenticated") or contract.REPORT_AUDIENCE not in (answer.get("audiences") or []) \
-                or len(parts) != 4 or parts[:2] != ["system", "serviceaccount"] or not pod_name or not pod_uid:
+        if (
+            not answer.get("authenticated")
+            or contract.REPORT_AUDIENCE not in (answer.get("audiences") or [])
+            or len(parts) != 4
+            or parts[:2] != ["system", "serviceaccount"]
+            or not pod_name
+            or not pod_uid
+        ):
             return None  # not a pod-bound ServiceAccount token for the report audience
         return Caller(namespace=parts[2], service_account=parts[3], pod_name=pod_name, pod_uid=pod_uid)
 
@@ -270,8 +291,11 @@ def check_pod(caller: Caller, run: RunView) -> None:
         if meta.get("uid") == caller.pod_uid and attempt == str(run.attempt) and run.job_uid and owner == run.job_uid:
             return
         break
-    raise Refused(403, f"pod {caller.namespace}/{caller.pod_name} is not a pod of attempt {run.attempt} "
-                       f"(PyTorchJob {run.job_name}) of this run")
+    raise Refused(
+        403,
+        f"pod {caller.namespace}/{caller.pod_name} is not a pod of attempt {run.attempt} "
+        f"(PyTorchJob {run.job_name}) of this run",
+    )
 
 
 #: Status fields that move with the clock (reconcile.account_time, the auto interval's estimate): alone they are no
@@ -318,8 +342,12 @@ class CoalescedWrites:
     A report `at_once` (a new process's first step: the run trains again) goes ahead of the wait, taking what waits
     with it, once per period per run: a pod claiming a new process in every report costs at most one more write."""
 
-    def __init__(self, write: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]], seconds: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        write: Callable[[tuple[str, str], dict[str, Any]], Awaitable[None]],
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.write, self.seconds, self.clock = write, seconds, clock
         self.pending: dict[tuple[str, str], dict[str, Any]] = {}
         self.last = Lru(TOKEN_CACHE_SIZE)  #: when each run was last written (runs that stopped reporting drop out)
@@ -367,9 +395,14 @@ class CoalescedWrites:
 class ReportEndpoint:
     """The aiohttp application; `accept` writes status (the handlers module supplies it)."""
 
-    def __init__(self, reviewer: TokenReviewer, view: Callable[[str, str], Optional[RunView]],
-                 accept: Callable[..., Awaitable[None]],
-                 clock: Callable[[], datetime], acting: Callable[[], bool] = lambda: True):
+    def __init__(
+        self,
+        reviewer: TokenReviewer,
+        view: Callable[[str, str], Optional[RunView]],
+        accept: Callable[..., Awaitable[None]],
+        clock: Callable[[], datetime],
+        acting: Callable[[], bool] = lambda: True,
+    ):
         self.reviewer, self.view, self.accept, self.clock = reviewer, view, accept, clock
         self.acting = acting  #: False on a replica that stands by: its indexes are not kept current
 
@@ -419,15 +452,24 @@ class ReportEndpoint:
         if "progress" in fields:
             fields["progress"] = contract.with_estimates(run.status.get("progress"), fields["progress"])
         if report.process_time:
-            fields.update(reconcile.account_time(run.status, report.process_time,
-                                                 report.progress and report.progress.productive_seconds, now))
+            fields.update(
+                reconcile.account_time(
+                    run.status, report.process_time, report.progress and report.progress.productive_seconds, now
+                )
+            )
         heard = reconcile.parse_time(run.status.get("lastReportTime"))
         # The clocks move at every report; they alone are no reason to write (they go with the next write).
         changed = any(run.status.get(k) != v for k, v in fields.items() if k not in TIME_FIELDS)
-        if changed or heard is None or \
-                (now - heard).total_seconds() >= heartbeat_write_seconds(run.stall_timeout_seconds):
-            await self.accept((report.namespace, report.name), {**fields, "lastReportTime": reconcile.rfc3339(now)},
-                              at_once=trains_again(report, run.status))
+        if (
+            changed
+            or heard is None
+            or (now - heard).total_seconds() >= heartbeat_write_seconds(run.stall_timeout_seconds)
+        ):
+            await self.accept(
+                (report.namespace, report.name),
+                {**fields, "lastReportTime": reconcile.rfc3339(now)},
+                at_once=trains_again(report, run.status),
+            )
 
 
 def server_ssl_context(tls_dir: str) -> ssl.SSLContext:

@@ -7,6 +7,7 @@ fail only when the Kubeflow operator creates pods, so each rule of k8s.io/apimac
 node and pod affinity) is written here once, as a pydantic check for `validate` and the operator
 and, where the API server's CEL can express it within its cost budget, as a CRD rule.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,10 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 #: A qualified name (label and annotation keys, toleration keys): an optional DNS-subdomain prefix and '/',
 #: then a name of 1-63 characters. Two expressions, as RE2 has no look-ahead: shape, then lengths.
-QUALIFIED_NAME = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                  r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+QUALIFIED_NAME = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 QUALIFIED_NAME_LENGTHS = r"^(.{1,253}/)?[^/]{1,63}$"
 MAX_ANNOTATIONS_BYTES = 256 * 1024  # apimachinery's TotalAnnotationSizeLimitB
 #: Most entries in a label, selector or annotation map. With maxProperties the CEL key rules fit the API
@@ -32,24 +35,32 @@ MAX_MAP_ENTRIES = 64
 #: Pod labels the operator or the Kubeflow Training Operator set; a user value would be overwritten or
 #: would break how they find their pods.
 RESERVED_LABEL_PREFIXES = ("trainingrun.dev/", "training.kubeflow.org/")
-RESERVED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
-                   "app.kubernetes.io/managed-by")
+RESERVED_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by",
+)
 
 
 def qualified_name_problem(key: str) -> Optional[str]:
     """Why `key` is not a Kubernetes qualified name, or None."""
     if re.fullmatch(QUALIFIED_NAME, key, re.ASCII) and re.fullmatch(QUALIFIED_NAME_LENGTHS, key, re.ASCII):
         return None
-    return (f"key {key!r} is not a valid Kubernetes key: an optional DNS prefix (lowercase, at most 253 "
-            "characters) and '/', then at most 63 letters, digits, '-', '_' or '.', starting and ending with a "
-            "letter or digit")
+    return (
+        f"key {key!r} is not a valid Kubernetes key: an optional DNS prefix (lowercase, at most 253 "
+        "characters) and '/', then at most 63 letters, digits, '-', '_' or '.', starting and ending with a "
+        "letter or digit"
+    )
 
 
 def label_value_problem(key: str, value: str) -> Optional[str]:
     if len(value) <= 63 and re.fullmatch(LABEL_VALUE, value, re.ASCII):
         return None
-    return (f"the value of {key!r} is not a valid label value: at most 63 letters, digits, '-', '_' or '.', "
-            "starting and ending with a letter or digit (or empty)")
+    return (
+        f"the value of {key!r} is not a valid label value: at most 63 letters, digits, '-', '_' or '.', "
+        "starting and ending with a letter or digit (or empty)"
+    )
 
 
 def check_labels(labels: dict[str, str], reserved: bool = False) -> dict[str, str]:
@@ -59,8 +70,9 @@ def check_labels(labels: dict[str, str], reserved: bool = False) -> dict[str, st
         if problem:
             raise ValueError(problem + "; fix or remove it")
         if reserved and (key.startswith(RESERVED_LABEL_PREFIXES) or key in RESERVED_LABELS):
-            raise ValueError(f"label {key!r} is set by the operator or the Kubeflow Training Operator; "
-                             "choose another key")
+            raise ValueError(
+                f"label {key!r} is set by the operator or the Kubeflow Training Operator; choose another key"
+            )
     return labels
 
 
@@ -71,8 +83,10 @@ def check_annotations(annotations: dict[str, str]) -> dict[str, str]:
             raise ValueError(problem + "; fix or remove it")
     size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
     if size > MAX_ANNOTATIONS_BYTES:
-        raise ValueError(f"annotations total {size} bytes; Kubernetes allows at most {MAX_ANNOTATIONS_BYTES}: "
-                         "shorten them, or put large data in a ConfigMap")
+        raise ValueError(
+            f"annotations total {size} bytes; Kubernetes allows at most {MAX_ANNOTATIONS_BYTES}: "
+            "shorten them, or put large data in a ConfigMap"
+        )
     return annotations
 
 
@@ -93,9 +107,11 @@ Annotations = Annotated[dict[str, str], AfterValidator(check_annotations)]
 
 
 def _keys_rule(what: str) -> dict[str, Any]:
-    return {"rule": f"self.all(k, k.matches(r'{QUALIFIED_NAME}') && k.matches(r'{QUALIFIED_NAME_LENGTHS}'))",
-            "message": f"{what}: every key must be a Kubernetes qualified name (optional DNS prefix and '/', then "
-                       "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)"}
+    return {
+        "rule": f"self.all(k, k.matches(r'{QUALIFIED_NAME}') && k.matches(r'{QUALIFIED_NAME_LENGTHS}'))",
+        "message": f"{what}: every key must be a Kubernetes qualified name (optional DNS prefix and '/', then "
+        "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)",
+    }
 
 
 def label_map_schema(what: str, reserved: bool = False) -> dict[str, Any]:
@@ -104,9 +120,13 @@ def label_map_schema(what: str, reserved: bool = False) -> dict[str, Any]:
     if reserved:
         prefixes = " || ".join(f"k.startsWith('{p}')" for p in RESERVED_LABEL_PREFIXES)
         exact = ", ".join(f"'{k}'" for k in RESERVED_LABELS)
-        rules.append({"rule": f"self.all(k, !({prefixes} || k in [{exact}]))",
-                      "message": f"{what}: keys under trainingrun.dev/ and training.kubeflow.org/ and the "
-                                 "app.kubernetes.io/ labels are set by the operators; choose another key"})
+        rules.append(
+            {
+                "rule": f"self.all(k, !({prefixes} || k in [{exact}]))",
+                "message": f"{what}: keys under trainingrun.dev/ and training.kubeflow.org/ and the "
+                "app.kubernetes.io/ labels are set by the operators; choose another key",
+            }
+        )
     return {"x-kubernetes-validations": rules}
 
 
@@ -120,28 +140,41 @@ def annotation_map_schema(what: str) -> dict[str, Any]:
 class Toleration(ApiModel):
     """A Kubernetes toleration, as in a pod spec."""
 
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [
-        {"rule": "self.operator != 'Exists' || !has(self.value) || self.value == ''",
-         "message": "tolerations: value must be empty when operator is Exists"},
-        {"rule": "has(self.key) && self.key != '' || self.operator == 'Exists'",
-         "message": "tolerations: operator must be Exists when key is empty (that matches every taint)"},
-        {"rule": "!has(self.tolerationSeconds) || has(self.effect) && self.effect == 'NoExecute'",
-         "message": "tolerations: tolerationSeconds needs effect NoExecute"},
-        {"rule": f"!has(self.key) || self.key == '' || self.key.matches(r'{QUALIFIED_NAME}') && "
-                 f"self.key.matches(r'{QUALIFIED_NAME_LENGTHS}')",
-         "message": "tolerations: key must be a Kubernetes qualified name (an optional DNS prefix and '/', then at "
-                    "most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)"},
-    ]}}
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                    "message": "tolerations: value must be empty when operator is Exists",
+                },
+                {
+                    "rule": "has(self.key) && self.key != '' || self.operator == 'Exists'",
+                    "message": "tolerations: operator must be Exists when key is empty (that matches every taint)",
+                },
+                {
+                    "rule": "!has(self.tolerationSeconds) || has(self.effect) && self.effect == 'NoExecute'",
+                    "message": "tolerations: tolerationSeconds needs effect NoExecute",
+                },
+                {
+                    "rule": f"!has(self.key) || self.key == '' || self.key.matches(r'{QUALIFIED_NAME}') && "
+                    f"self.key.matches(r'{QUALIFIED_NAME_LENGTHS}')",
+                    "message": "tolerations: key must be a Kubernetes qualified name (an optional DNS prefix and '/', then at "
+                    "most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit)",
+                },
+            ]
+        }
+    }
 
-    key: Optional[str] = Field(default=None, max_length=317, description="Taint key; empty matches all keys with Exists.")
+    key: Optional[str] = Field(
+        default=None, max_length=317, description="Taint key; empty matches all keys with Exists."
+    )
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
     value: Optional[str] = Field(default=None, max_length=63, pattern=LABEL_VALUE, description="Taint value for Equal.")
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = Field(
         default=None, description="Taint effect to match; empty matches all."
     )
     toleration_seconds: Optional[int] = Field(
-        default=None, ge=0,
-        description="For NoExecute: how long the pod stays bound after the taint appears."
+        default=None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears."
     )
 
     @field_validator("key")
@@ -184,8 +217,12 @@ class NodeSelectorRequirement(ApiModel):
     """A node label requirement."""
 
     key: QualifiedName = Field(description="Node label key.")
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(description="How key and values relate.")
-    values: list[str] = Field(default_factory=list, max_length=64, description="Values for In/NotIn; one integer for Gt/Lt.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(
+        description="How key and values relate."
+    )
+    values: list[str] = Field(
+        default_factory=list, max_length=64, description="Values for In/NotIn; one integer for Gt/Lt."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "NodeSelectorRequirement":
@@ -198,10 +235,12 @@ class NodeSelectorRequirement(ApiModel):
 class NodeSelectorTerm(ApiModel):
     """Requirements that must all hold (terms are ORed)."""
 
-    match_expressions: list[NodeSelectorRequirement] = Field(default_factory=list, max_length=64,
-                                                             description="Node label requirements.")
-    match_fields: list[NodeSelectorRequirement] = Field(default_factory=list, max_length=64,
-                                                        description="Node field requirements (metadata.name).")
+    match_expressions: list[NodeSelectorRequirement] = Field(
+        default_factory=list, max_length=64, description="Node label requirements."
+    )
+    match_fields: list[NodeSelectorRequirement] = Field(
+        default_factory=list, max_length=64, description="Node field requirements (metadata.name)."
+    )
 
 
 class NodeSelector(ApiModel):
@@ -221,9 +260,11 @@ class NodeAffinity(ApiModel):
     """Which nodes the pods may or prefer to run on."""
 
     required_during_scheduling_ignored_during_execution: Optional[NodeSelector] = Field(
-        default=None, description="Nodes the pods must run on.")
+        default=None, description="Nodes the pods must run on."
+    )
     preferred_during_scheduling_ignored_during_execution: list[PreferredSchedulingTerm] = Field(
-        default_factory=list, max_length=64, description="Nodes the pods prefer.")
+        default_factory=list, max_length=64, description="Nodes the pods prefer."
+    )
 
 
 class LabelSelectorRequirement(ApiModel):
@@ -245,8 +286,9 @@ class LabelSelector(ApiModel):
     """Selects pods by labels."""
 
     match_labels: Labels = Field(default_factory=dict, max_length=MAX_MAP_ENTRIES, description="Exact labels.")
-    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=64,
-                                                              description="Label requirements.")
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=64, description="Label requirements."
+    )
 
 
 class PodAffinityTerm(ApiModel):
@@ -257,7 +299,9 @@ class PodAffinityTerm(ApiModel):
     namespaces: list[str] = Field(default_factory=list, max_length=64, description="Namespace names.")
     topology_key: QualifiedName = Field(min_length=1, description="Node label that defines a domain.")
     match_label_keys: list[str] = Field(default_factory=list, max_length=64, description="Keys merged from the pod.")
-    mismatch_label_keys: list[str] = Field(default_factory=list, max_length=64, description="Keys excluded from the pod.")
+    mismatch_label_keys: list[str] = Field(
+        default_factory=list, max_length=64, description="Keys excluded from the pod."
+    )
 
 
 class WeightedPodAffinityTerm(ApiModel):
@@ -271,9 +315,11 @@ class PodAffinity(ApiModel):
     """Pods to be scheduled near (affinity) or away from (anti-affinity)."""
 
     required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] = Field(
-        default_factory=list, max_length=64, description="Terms that must hold.")
+        default_factory=list, max_length=64, description="Terms that must hold."
+    )
     preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] = Field(
-        default_factory=list, max_length=64, description="Terms preferred.")
+        default_factory=list, max_length=64, description="Terms preferred."
+    )
 
 
 class Affinity(ApiModel):

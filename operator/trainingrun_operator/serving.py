@@ -2,6 +2,7 @@
 the indexes and to status; the readiness check they answer from; and, on the replica that acts, the report
 Service's EndpointSlice pointed at this pod.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainingrun.operator")
 
 
-CRD_MISSING = ("the PyTorchJob CRD (kubeflow.org/v1) is not served: install the Kubeflow Training Operator v1.9 "
-               "(kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/manifests/overlays/"
-               "standalone?ref=v1.9.0\"); until then TrainingRuns wait and /readyz answers 503")
+CRD_MISSING = (
+    "the PyTorchJob CRD (kubeflow.org/v1) is not served: install the Kubeflow Training Operator v1.9 "
+    '(kubectl apply --server-side -k "github.com/kubeflow/training-operator.git/manifests/overlays/'
+    'standalone?ref=v1.9.0"); until then TrainingRuns wait and /readyz answers 503'
+)
 
 
 async def watch_crd(state: OperatorState) -> None:
@@ -35,13 +38,21 @@ async def watch_crd(state: OperatorState) -> None:
         served = False
         try:
             served = await state.client().serves("kubeflow.org/v1", "pytorchjobs")
-            answer, line = ("served", "the PyTorchJob CRD (kubeflow.org/v1) is served: ready") if served else \
-                ("missing", CRD_MISSING)
+            answer, line = (
+                ("served", "the PyTorchJob CRD (kubeflow.org/v1) is served: ready")
+                if served
+                else ("missing", CRD_MISSING)
+            )
         except ApiError as error:
             answer, line = "refused", f"the Kubernetes API answered the PyTorchJob CRD check with {error}; not ready"
         except (OSError, asyncio.TimeoutError) as error:
-            answer, line = "unreachable", (f"cannot reach the Kubernetes API at {state.api_server} ({error}); not "
-                                           "ready until it answers: check the cluster address and the network policy")
+            answer, line = (
+                "unreachable",
+                (
+                    f"cannot reach the Kubernetes API at {state.api_server} ({error}); not "
+                    "ready until it answers: check the cluster address and the network policy"
+                ),
+            )
         state.ready = served
         state.metrics.ready.set(1 if served else 0)
         if answer != said:
@@ -54,8 +65,12 @@ async def serve_metrics(state: OperatorState) -> None:
     from aiohttp import web
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=state.metrics.exposition(), content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return web.Response(
+            body=state.metrics.exposition(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
 
     async def ready(request: web.Request) -> web.Response:
         if state.ready:
@@ -87,14 +102,26 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
     uid, job_name = body["metadata"].get("uid"), status.get("jobName")
     if status.get("phase") not in ("Pending", "Running") or not job_name or not status.get("checkpointUri"):
         return None
-    job = next((j for j in state.indexes["jobs"].get(key, []) if j["metadata"].get("name") == job_name
-                and run_owns_job(j, uid, status, state.settings.signing_key, state.started)), None)
+    job = next(
+        (
+            j
+            for j in state.indexes["jobs"].get(key, [])
+            if j["metadata"].get("name") == job_name
+            and run_owns_job(j, uid, status, state.settings.signing_key, state.started)
+        ),
+        None,
+    )
     recovery = json.loads(body[SPEC_JSON]).get("recovery") or {}
-    return reports.RunView(uid=uid, attempt=int(status.get("attempt") or 0), job_name=job_name,
-                           checkpoint_uri=status["checkpointUri"], status=status,
-                           pods=list(state.indexes["pods"].get(key, [])),
-                           job_uid=job["metadata"].get("uid") if job else None,
-                           stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds", DEFAULT_STALL_TIMEOUT)))
+    return reports.RunView(
+        uid=uid,
+        attempt=int(status.get("attempt") or 0),
+        job_name=job_name,
+        checkpoint_uri=status["checkpointUri"],
+        status=status,
+        pods=list(state.indexes["pods"].get(key, [])),
+        job_uid=job["metadata"].get("uid") if job else None,
+        stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds", DEFAULT_STALL_TIMEOUT)),
+    )
 
 
 def known_pod(state: OperatorState, pod: reports.ClaimedPod) -> bool:
@@ -104,8 +131,10 @@ def known_pod(state: OperatorState, pod: reports.ClaimedPod) -> bool:
         return False
     run, _, _ = pod.name.rpartition("-worker-")
     run = run.rpartition("-a")[0]
-    return any((p.get("metadata") or {}).get("name") == pod.name and (p.get("metadata") or {}).get("uid") == pod.uid
-               for p in state.indexes["pods"].get((pod.namespace, run), []))
+    return any(
+        (p.get("metadata") or {}).get("name") == pod.name and (p.get("metadata") or {}).get("uid") == pod.uid
+        for p in state.indexes["pods"].get((pod.namespace, run), [])
+    )
 
 
 #: What the API server fills in when spec.recovery.stallTimeoutSeconds is absent (the CRD's default).
@@ -113,12 +142,14 @@ DEFAULT_STALL_TIMEOUT = api.Recovery.model_fields["stall_timeout_seconds"].defau
 
 
 async def write_reported_status(state: OperatorState, key: Key, fields: dict[str, Any]) -> None:
-    await state.client().patch(api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status",
-                               priority=STATUS)
+    await state.client().patch(
+        api.API_VERSION, api.KIND, key[0], key[1], {"status": fields}, subresource="status", priority=STATUS
+    )
 
 
-async def accept_report(state: OperatorState, writes: reports.CoalescedWrites, key: Key,
-                        fields: dict[str, Any], at_once: bool = False) -> None:
+async def accept_report(
+    state: OperatorState, writes: reports.CoalescedWrites, key: Key, fields: dict[str, Any], at_once: bool = False
+) -> None:
     """Status from a report: the operator's view of the run has it at once (the next report and reconcile see it);
     the API server gets it at most every STATUS_WRITE_SECONDS (`writes`), a run training again at once."""
     state.written.setdefault(key, {}).update(fields)
@@ -145,8 +176,10 @@ def report_endpoint_slice(settings: Settings, service: dict[str, Any]) -> dict[s
         "metadata": {
             "name": meta["name"] + ENDPOINT_SLICE_SUFFIX,
             "namespace": meta["namespace"],
-            "labels": {"kubernetes.io/service-name": meta["name"],
-                       "endpointslice.kubernetes.io/managed-by": "trainingrun-operator"},
+            "labels": {
+                "kubernetes.io/service-name": meta["name"],
+                "endpointslice.kubernetes.io/managed-by": "trainingrun-operator",
+            },
             "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": meta["name"], "uid": meta["uid"]}],
         },
         "addressType": "IPv6" if ":" in settings.pod_ip else "IPv4",
@@ -171,8 +204,10 @@ async def publish_report_endpoint(state: OperatorState, check_seconds: float = 1
                 service = await state.client().get("v1", "Service", namespace, service_name)
                 await state.client().apply(report_endpoint_slice(state.settings, service))
             except (ApiError, OSError, asyncio.TimeoutError) as error:
-                line = (f"cannot point the report Service {namespace}/{service_name} at this replica ({error}); "
-                        "trainers' reports wait until it can")
+                line = (
+                    f"cannot point the report Service {namespace}/{service_name} at this replica ({error}); "
+                    "trainers' reports wait until it can"
+                )
                 if isinstance(error, ApiError) and error.status == 404:
                     line += ": the chart makes that Service, install or upgrade it again"
                 if line != said:
@@ -182,8 +217,13 @@ async def publish_report_endpoint(state: OperatorState, check_seconds: float = 1
                 continue
             published_at = time.monotonic()
             if said != "published":
-                log.info("reports reach this replica: EndpointSlice %s/%s%s -> %s", namespace, service_name,
-                         ENDPOINT_SLICE_SUFFIX, state.settings.pod_ip)
+                log.info(
+                    "reports reach this replica: EndpointSlice %s/%s%s -> %s",
+                    namespace,
+                    service_name,
+                    ENDPOINT_SLICE_SUFFIX,
+                    state.settings.pod_ip,
+                )
                 said = "published"
         await asyncio.sleep(check_seconds)
 
@@ -191,14 +231,17 @@ async def publish_report_endpoint(state: OperatorState, check_seconds: float = 1
 async def serve_reports(state: OperatorState) -> None:
     await state.logged_in.wait()
     settings = state.settings
-    writes = reports.CoalescedWrites(lambda key, fields: write_reported_status(state, key, fields),
-                                     reports.STATUS_WRITE_SECONDS)
+    writes = reports.CoalescedWrites(
+        lambda key, fields: write_reported_status(state, key, fields), reports.STATUS_WRITE_SECONDS
+    )
     endpoint = reports.ReportEndpoint(
-        reports.TokenReviewer(state.client, settings.report_token_cache_seconds,
-                              known_pod=lambda pod: known_pod(state, pod)),
+        reports.TokenReviewer(
+            state.client, settings.report_token_cache_seconds, known_pod=lambda pod: known_pod(state, pod)
+        ),
         view=lambda namespace, name: run_view(state, namespace, name),
         accept=lambda key, fields, at_once=False: accept_report(state, writes, key, fields, at_once),
         clock=state.clock,
-        acting=state.acting.is_set)
+        acting=state.acting.is_set,
+    )
     https = settings.report_url.startswith("https://")
     await reports.serve(endpoint, settings.report_port, settings.report_tls_dir if https else None)

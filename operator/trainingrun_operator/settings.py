@@ -3,6 +3,7 @@
 The Helm chart sets these variables on the operator Deployment; `trainingrun render` uses the
 defaults unless the same variables are set in the shell.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -91,6 +92,7 @@ class Settings:
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
         env = os.environ if environ is None else environ
         defaults = cls()
+
         def number(name: str, default: float, kind: type = int) -> Any:
             raw = env.get(name)
             if raw in (None, ""):
@@ -108,8 +110,10 @@ class Settings:
         ca_path = Path(tls_dir) / "ca.crt"
         ca = ca_path.read_text() if report_url.startswith("https://") and ca_path.is_file() else ""
         if report_url.startswith("https://") and not ca:
-            raise ValueError(f"TRAININGRUN_REPORT_URL is https, but {ca_path} does not exist: mount the report "
-                             "endpoint's certificate (tls.crt, tls.key, ca.crt) in TRAININGRUN_REPORT_TLS_DIR")
+            raise ValueError(
+                f"TRAININGRUN_REPORT_URL is https, but {ca_path} does not exist: mount the report "
+                "endpoint's certificate (tls.crt, tls.key, ca.crt) in TRAININGRUN_REPORT_TLS_DIR"
+            )
         report_service = env.get("TRAININGRUN_REPORT_SERVICE", defaults.report_service)
         pod_ip = env.get("TRAININGRUN_OPERATOR_POD_IP", defaults.pod_ip)
         if report_service:
@@ -119,9 +123,11 @@ class Settings:
             try:
                 ipaddress.ip_address(pod_ip)
             except ValueError:
-                raise ValueError(f"TRAININGRUN_OPERATOR_POD_IP={pod_ip!r} is not an IP address: the replica that "
-                                 "acts points the report Service (TRAININGRUN_REPORT_SERVICE) at it (set it from the "
-                                 "downward API, fieldPath status.podIP)") from None
+                raise ValueError(
+                    f"TRAININGRUN_OPERATOR_POD_IP={pod_ip!r} is not an IP address: the replica that "
+                    "acts points the report Service (TRAININGRUN_REPORT_SERVICE) at it (set it from the "
+                    "downward API, fieldPath status.podIP)"
+                ) from None
         return cls(
             default_trainer_image=env.get("TRAININGRUN_TRAINER_IMAGE", defaults.default_trainer_image),
             trainer_uid=number("TRAININGRUN_TRAINER_UID", defaults.trainer_uid),
@@ -129,14 +135,17 @@ class Settings:
             peering=env.get("TRAININGRUN_PEERING", defaults.peering),
             metrics_port=number("TRAININGRUN_OPERATOR_METRICS_PORT", defaults.metrics_port),
             health_port=number("TRAININGRUN_OPERATOR_HEALTH_PORT", defaults.health_port),
-            reconcile_interval_seconds=number("TRAININGRUN_RECONCILE_INTERVAL_SECONDS",
-                                              defaults.reconcile_interval_seconds, float),
+            reconcile_interval_seconds=number(
+                "TRAININGRUN_RECONCILE_INTERVAL_SECONDS", defaults.reconcile_interval_seconds, float
+            ),
             keep_failed_attempts=number("TRAININGRUN_KEEP_FAILED_ATTEMPTS", defaults.keep_failed_attempts),
             crd_check_seconds=number("TRAININGRUN_CRD_CHECK_SECONDS", defaults.crd_check_seconds, float),
-            child_rejected_backoff_seconds=number("TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS",
-                                                  defaults.child_rejected_backoff_seconds, float),
-            pending_events_after_seconds=number("TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS",
-                                                defaults.pending_events_after_seconds, float),
+            child_rejected_backoff_seconds=number(
+                "TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS", defaults.child_rejected_backoff_seconds, float
+            ),
+            pending_events_after_seconds=number(
+                "TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS", defaults.pending_events_after_seconds, float
+            ),
             report_port=number("TRAININGRUN_REPORT_PORT", defaults.report_port),
             report_url=report_url,
             report_tls_dir=tls_dir,
@@ -144,8 +153,9 @@ class Settings:
             report_service=report_service,
             pod_ip=pod_ip,
             pod_name=env.get("TRAININGRUN_OPERATOR_POD_NAME", defaults.pod_name),
-            report_token_cache_seconds=number("TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS",
-                                              defaults.report_token_cache_seconds, float),
+            report_token_cache_seconds=number(
+                "TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS", defaults.report_token_cache_seconds, float
+            ),
             api_requests_in_flight=number("TRAININGRUN_API_REQUESTS_IN_FLIGHT", defaults.api_requests_in_flight),
             reconcile_workers=number("TRAININGRUN_RECONCILE_WORKERS", defaults.reconcile_workers),
             signing_key=signing_key(Path(tls_dir) / "tls.key"),

@@ -3,6 +3,7 @@
 Each problem names the field path as written in YAML (`spec.replicas.min`), says what is wrong and
 how to fix it. Pydantic finds the problems; this module only words them.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -41,14 +42,21 @@ def parse(document: Any, from_server: bool = False) -> api.TrainingRun:
     document was stored by the API server, which already pruned nulls and refused integers past int64."""
     if not isinstance(document, dict):
         raise InvalidTrainingRun(
-            [Problem("", f"expected a TrainingRun mapping, got {type(document).__name__}; "
-                         "the file must be a YAML object with apiVersion, kind, metadata and spec")]
+            [
+                Problem(
+                    "",
+                    f"expected a TrainingRun mapping, got {type(document).__name__}; "
+                    "the file must be a YAML object with apiVersion, kind, metadata and spec",
+                )
+            ]
         )
     too_big = []
     if not from_server:
         document = without_pruned_nulls(document, _crd_schema())
-        too_big = [Problem(path, f"{value} is outside the 64-bit integers Kubernetes stores; use a smaller number")
-                   for path, value in _huge_integers(document, "")]
+        too_big = [
+            Problem(path, f"{value} is outside the 64-bit integers Kubernetes stores; use a smaller number")
+            for path, value in _huge_integers(document, "")
+        ]
     try:
         run = api.TrainingRun.from_body(document)
     except ValidationError as error:
@@ -115,20 +123,35 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
     problems = []
     size = len(json.dumps(document, separators=(",", ":")))
     if size > MAX_OBJECT_BYTES:
-        problems.append(Problem("", f"the TrainingRun is {size} bytes; Kubernetes keeps objects under "
-                                    f"{MAX_OBJECT_BYTES} bytes: move large values (initArgs, env) into the image "
-                                    "or storage"))
+        problems.append(
+            Problem(
+                "",
+                f"the TrainingRun is {size} bytes; Kubernetes keeps objects under "
+                f"{MAX_OBJECT_BYTES} bytes: move large values (initArgs, env) into the image "
+                "or storage",
+            )
+        )
     config = builders.config_map(run)
     size = sum(len(v.encode()) for v in config["data"].values())  # the API server counts values only
     if size > MAX_CONFIG_MAP_BYTES:
-        problems.append(Problem("spec.trainer", f"renders to a {size}-byte config; a ConfigMap holds at most "
-                                                f"{MAX_CONFIG_MAP_BYTES} bytes: move large initArgs into the image "
-                                                "or storage"))
+        problems.append(
+            Problem(
+                "spec.trainer",
+                f"renders to a {size}-byte config; a ConfigMap holds at most "
+                f"{MAX_CONFIG_MAP_BYTES} bytes: move large initArgs into the image "
+                "or storage",
+            )
+        )
     job = builders.pytorch_job(run, 1)
     size = len(json.dumps(job, separators=(",", ":")))
     if size > MAX_OBJECT_BYTES:
-        problems.append(Problem("spec.env", f"the PyTorchJob would be {size} bytes; Kubernetes keeps objects under "
-                                            f"{MAX_OBJECT_BYTES} bytes: shorten env values (or mount a ConfigMap)"))
+        problems.append(
+            Problem(
+                "spec.env",
+                f"the PyTorchJob would be {size} bytes; Kubernetes keeps objects under "
+                f"{MAX_OBJECT_BYTES} bytes: shorten env values (or mount a ConfigMap)",
+            )
+        )
     return problems
 
 
@@ -170,8 +193,9 @@ def check(document: Any, builtin_classes: bool = True) -> api.TrainingRun:
     """`parse`, then the trainer's classes and the rendered children's limits: everything `trainingrun validate`
     checks. Without `builtin_classes`, what the API server can check too (it cannot know the trainer's classes)."""
     run = parse(document)
-    problems = (component_problems(run) + credential_problems(run) if builtin_classes else []) + \
-        rendered_problems(document, run)
+    problems = (component_problems(run) + credential_problems(run) if builtin_classes else []) + rendered_problems(
+        document, run
+    )
     if problems:
         raise InvalidTrainingRun(problems)
     return run
@@ -192,8 +216,11 @@ class _StrictLoader(yaml.SafeLoader):
         try:
             if self._depth > MAX_DEPTH:
                 raise yaml.composer.ComposerError(
-                    None, None, f"the document nests deeper than {MAX_DEPTH} levels; flatten it",
-                    self.peek_event().start_mark)
+                    None,
+                    None,
+                    f"the document nests deeper than {MAX_DEPTH} levels; flatten it",
+                    self.peek_event().start_mark,
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -244,9 +271,12 @@ def _load_all(stream: Any) -> Iterable[Any]:
             size = _expanded_size(node, {})
             if size > MAX_EXPANDED_NODES:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the document expands to {size} nodes through its aliases (*name); at most "
+                    None,
+                    None,
+                    f"the document expands to {size} nodes through its aliases (*name); at most "
                     f"{MAX_EXPANDED_NODES} are read: write the values out instead of repeating aliases",
-                    node.start_mark)
+                    node.start_mark,
+                )
             yield loader.construct_document(node)
     finally:
         loader.dispose()
@@ -365,8 +395,10 @@ def _message(item: dict[str, Any], loc: list[Any]) -> str:
         return f"must be {symbol} {limit}, got {_show(value)}; set a value {symbol} {limit}"
     if kind == "string_pattern_mismatch":
         if ctx.get("pattern") == api.QUANTITY:
-            return (f"{_show(value)} is not a Kubernetes quantity; write a number with an optional unit, e.g. "
-                    "'900Gi', '512Mi', '8' or '7500m' (no space)")
+            return (
+                f"{_show(value)} is not a Kubernetes quantity; write a number with an optional unit, e.g. "
+                "'900Gi', '512Mi', '8' or '7500m' (no space)"
+            )
         return f"{_show(value)} does not have the expected form; make it match {ctx.get('pattern')}"
     if kind == "string_too_long":
         return f"is longer than {ctx.get('max_length')} characters; shorten it"
@@ -428,9 +460,7 @@ def _known_fields(model: type, loc: Iterable[Any]) -> Optional[list[str]]:
             continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)):
             return None
-        field = next(
-            (f for n, f in current.model_fields.items() if (f.alias or n) == part or n == part), None
-        )
+        field = next((f for n, f in current.model_fields.items() if (f.alias or n) == part or n == part), None)
         if field is None:
             return None
         current = field.annotation

@@ -12,6 +12,7 @@ same model (digest) as an uninterrupted `trainingrun local` run of the same file
 Needs root and the node's packages (scripts/install-node.sh) and the image archives; it skips saying
 how to get them, except under TRAININGRUN_CI, where it must run.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,13 @@ def reference_digest(tmp_path_factory) -> str:
     path = folder / "trainingrun.yaml"
     path.write_text(yaml.safe_dump(document))
     uri = f"file://{folder}/checkpoints"
-    local = subprocess.run([str(Path(sys.executable).parent / "trainingrun"), "local", str(path), "--nproc", "2",
-                            "--checkpoint-uri", uri], capture_output=True, text=True, timeout=900, cwd=folder)
+    local = subprocess.run(
+        [str(Path(sys.executable).parent / "trainingrun"), "local", str(path), "--nproc", "2", "--checkpoint-uri", uri],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=folder,
+    )
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     final = {i.step: i for i in CheckpointStore(uri).list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
     assert final.valid
@@ -88,8 +94,11 @@ def delete_pod(cluster: Cluster, namespace: str, pod: str) -> None:
 
 
 def evict_pod(cluster: Cluster, namespace: str, pod: str) -> None:
-    code, answer = cluster.plane.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", {
-        "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
+    code, answer = cluster.plane.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction",
+        {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}},
+    )
     assert code == 201, answer
 
 
@@ -107,8 +116,14 @@ def test_a_lost_pod_costs_at_most_the_steps_since_the_last_checkpoint(installed,
         lose_a_pod(installed, namespace, loss, index, lose, reference_digest)
 
 
-def lose_a_pod(cluster: Cluster, namespace: str, loss: str, index: int, lose: Callable[[Cluster, str, str], None],
-               reference_digest: str) -> None:
+def lose_a_pod(
+    cluster: Cluster,
+    namespace: str,
+    loss: str,
+    index: int,
+    lose: Callable[[Cluster, str, str], None],
+    reference_digest: str,
+) -> None:
     bucket = cluster.s3.new_bucket()
     name = "journey"
     explain = lambda: cluster.diagnose(namespace)  # noqa: E731
@@ -117,15 +132,27 @@ def lose_a_pod(cluster: Cluster, namespace: str, loss: str, index: int, lose: Ca
     cluster.kubectl("-n", namespace, "apply", "-f", str(path))
     if loss == "delete-worker-0":
         # The Secret it names comes after the run: the run says so, then starts once it exists.
-        missing_secret = cluster.wait("condition SecretMissing", lambda: condition(cluster.run(namespace, name),
-                                                                                    "SecretMissing"), explain=explain)
+        missing_secret = cluster.wait(
+            "condition SecretMissing", lambda: condition(cluster.run(namespace, name), "SecretMissing"), explain=explain
+        )
         assert "s3-trainer" in missing_secret["message"], missing_secret
-    cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
-                    "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
+    cluster.kubectl(
+        "-n",
+        namespace,
+        "create",
+        "secret",
+        "generic",
+        "s3-trainer",
+        "--from-literal=AWS_ACCESS_KEY_ID=testing",
+        "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
+    )
 
     # `kubectl get tr` shows it Running with the step moving.
-    cluster.wait("a committed checkpoint", lambda: (cluster.run(namespace, name).get("status") or {}).get(
-        "lastGoodCheckpoint"), explain=explain)
+    cluster.wait(
+        "a committed checkpoint",
+        lambda: (cluster.run(namespace, name).get("status") or {}).get("lastGoodCheckpoint"),
+        explain=explain,
+    )
     table = cluster.kubectl("-n", namespace, "get", "tr", name).stdout
     assert re.search(rf"^{name}\s+Running\s+\d+", table, re.M), table
     first = step_of(cluster.run(namespace, name))
@@ -154,11 +181,21 @@ def lose_a_pod(cluster: Cluster, namespace: str, loss: str, index: int, lose: Ca
     assert done["status"]["phase"] == "Succeeded", explain()
     # Kubeflow replaced pods within the attempt: the run counts it and says so.
     assert done["status"]["restarts"]["inPlace"] >= 1 and done["status"]["attempt"] == 1, done["status"]
-    events = cluster.kubectl("-n", namespace, "get", "events", "--field-selector",
-                             f"involvedObject.name={name},reason=PodsRestarted", "-o", "name").stdout
+    events = cluster.kubectl(
+        "-n",
+        namespace,
+        "get",
+        "events",
+        "--field-selector",
+        f"involvedObject.name={name},reason=PodsRestarted",
+        "-o",
+        "name",
+    ).stdout
     assert events.strip(), explain()
-    logs = "\n".join(cluster.kubectl("-n", namespace, "logs", p, check=False).stdout for p in
-                     cluster.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout.split())
+    logs = "\n".join(
+        cluster.kubectl("-n", namespace, "logs", p, check=False).stdout
+        for p in cluster.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout.split()
+    )
     resumed = [int(s) for s in re.findall(r"resumed from s3://\S+ at step (\d+)", logs)]
     assert resumed, f"no resume after the pod was lost:\n{explain()}"
     # Lost work: at most what was trained since the last checkpoint before the loss.
@@ -170,13 +207,16 @@ def lose_a_pod(cluster: Cluster, namespace: str, loss: str, index: int, lose: Ca
     assert followed.returncode == 0, followed.stderr
     assert followed.stdout.startswith(f"==> attempt 1, pod {job}-worker-0 <==\n"), followed.stdout[:500]
     # (ranks are assigned anew at each rendezvous: the replaced worker-0 may hold rank 1 now)
-    assert re.search(r"rank[01] INFO trainingrun.trainer: step 3000/3000", followed.stdout) and \
-        followed.stdout.endswith("==> run Succeeded in attempt 1 <==\n"), followed.stdout[-500:]
+    assert re.search(
+        r"rank[01] INFO trainingrun.trainer: step 3000/3000", followed.stdout
+    ) and followed.stdout.endswith("==> run Succeeded in attempt 1 <==\n"), followed.stdout[-500:]
     store = CheckpointStore(f"s3://{bucket}/runs/{name}", **cluster.s3.store_kwargs)
     final = {i.step: i for i in store.list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
     assert final.valid and final.model_digest == reference_digest
-    print(f"{loss}: resumed from {resumed} (committed {committed_before} before the loss); "
-          f"succeeded {time.monotonic() - deleted_at:.1f} s after it")
+    print(
+        f"{loss}: resumed from {resumed} (committed {committed_before} before the loss); "
+        f"succeeded {time.monotonic() - deleted_at:.1f} s after it"
+    )
 
 
 def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, tmp_path):
@@ -189,26 +229,57 @@ def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, t
 
 
 def scrape_a_running_run(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
-    cluster.kubectl("-n", namespace, "create", "secret", "generic", "s3-trainer",
-                    "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
+    cluster.kubectl(
+        "-n",
+        namespace,
+        "create",
+        "secret",
+        "generic",
+        "s3-trainer",
+        "--from-literal=AWS_ACCESS_KEY_ID=testing",
+        "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
+    )
     document = run_file(cluster.s3.new_bucket(), "watched", cluster.s3.endpoint_url)
     document["spec"]["trainer"]["maxSteps"] = 1_000_000  # trains until deleted
     path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
     path.write_text(yaml.safe_dump(document))
     cluster.kubectl("-n", namespace, "apply", "-f", str(path))
-    pod_monitor = next(d for d in yaml.safe_load_all(kube_journey.helm(
-        "template", "trainingrun", str(CHART), "--namespace", OPERATOR_NAMESPACE, "--set", "monitoring.podMonitor=true",
-        kubeconfig=cluster.plane.admin_kubeconfig).stdout) if d and d["kind"] == "PodMonitor")
+    pod_monitor = next(
+        d
+        for d in yaml.safe_load_all(
+            kube_journey.helm(
+                "template",
+                "trainingrun",
+                str(CHART),
+                "--namespace",
+                OPERATOR_NAMESPACE,
+                "--set",
+                "monitoring.podMonitor=true",
+                kubeconfig=cluster.plane.admin_kubeconfig,
+            ).stdout
+        )
+        if d and d["kind"] == "PodMonitor"
+    )
     targets_file = tmp_path / "targets.json"
     targets_file.write_text("[]")
-    config = {"global": {"evaluation_interval": "1s"},
-              "scrape_configs": [kube_journey.scrape_config(pod_monitor, targets_file, interval="1s")]}
+    config = {
+        "global": {"evaluation_interval": "1s"},
+        "scrape_configs": [kube_journey.scrape_config(pod_monitor, targets_file, interval="1s")],
+    }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = kube_cluster.free_port()
-    server = subprocess.Popen([shutil.which("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            shutil.which("prometheus"),
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def query(expr: str) -> list:
             url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
             try:
@@ -238,16 +309,27 @@ def scrape_a_running_run(cluster: Cluster, namespace: str, tmp_path: Path) -> No
         for panel in monitoring.RUN_PANELS:
             for expr, _ in panel.targets:
                 concrete = expr.replace("$namespace", namespace).replace("$run", "watched")
-                if panel.title in (monitoring.GPU_PANELS | monitoring.EVAL_PANELS | monitoring.OPERATOR_PANELS
-                                   | monitoring.AUTO_INTERVAL_PANELS):
+                if panel.title in (
+                    monitoring.GPU_PANELS
+                    | monitoring.EVAL_PANELS
+                    | monitoring.OPERATOR_PANELS
+                    | monitoring.AUTO_INTERVAL_PANELS
+                ):
                     continue  # no GPU here; the watched run neither evaluates nor uses steps: auto (test_observability.py
                     # does both); trainer pods only are scraped here (the operator's series: test_operator_metrics.py)
-                cluster.wait(f"series for panel {panel.title!r}: {concrete}", lambda concrete=concrete: query(concrete),
-                             deadline_s=180, explain=explain)
+                cluster.wait(
+                    f"series for panel {panel.title!r}: {concrete}",
+                    lambda concrete=concrete: query(concrete),
+                    deadline_s=180,
+                    explain=explain,
+                )
                 checked += 1
         assert checked >= 15
+
         def ranks() -> set:
-            return {r["metric"].get("rank") for r in query(f'trainingrun_step{{namespace="{namespace}",run="watched"}}')}
+            return {
+                r["metric"].get("rank") for r in query(f'trainingrun_step{{namespace="{namespace}",run="watched"}}')
+            }
 
         # Both pods scraped, through the selector. Waited for: one failed scrape of a busy pod marks its series
         # stale until the next one (seen once in CI: only rank 1 at that instant).
@@ -259,13 +341,36 @@ def scrape_a_running_run(cluster: Cluster, namespace: str, tmp_path: Path) -> No
 
 def test_helm_uninstall_and_crd_removal_leave_nothing_behind(installed):
     cluster = installed
-    kube_journey.helm("uninstall", "trainingrun", "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=cluster.plane.admin_kubeconfig)
+    kube_journey.helm(
+        "uninstall",
+        "trainingrun",
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--wait",
+        kubeconfig=cluster.plane.admin_kubeconfig,
+    )
     cluster.kubectl("delete", "-f", str(CHART / "crds"), "--wait=true", "--timeout=120s")
     # The operator's pod goes after its Deployment, through the garbage collector and its grace period.
-    cluster.kubectl("-n", OPERATOR_NAMESPACE, "wait", "--for=delete", "pod", "-l",
-                    "app.kubernetes.io/instance=trainingrun", "--timeout=60s")
+    cluster.kubectl(
+        "-n",
+        OPERATOR_NAMESPACE,
+        "wait",
+        "--for=delete",
+        "pod",
+        "-l",
+        "app.kubernetes.io/instance=trainingrun",
+        "--timeout=60s",
+    )
     leftovers = cluster.kubectl("get", "clusterroles,clusterrolebindings,crds", "-o", "name").stdout
     assert not re.search(r"trainingrun", leftovers), leftovers
-    assert not cluster.kubectl("-n", OPERATOR_NAMESPACE, "get", "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings",
-                               "-l", "app.kubernetes.io/instance=trainingrun", "-o", "name").stdout.strip()
+    assert not cluster.kubectl(
+        "-n",
+        OPERATOR_NAMESPACE,
+        "get",
+        "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings",
+        "-l",
+        "app.kubernetes.io/instance=trainingrun",
+        "-o",
+        "name",
+    ).stdout.strip()
     assert not cluster.kubectl("get", "trainingruns.trainingrun.dev", "-A", check=False).stdout.strip()

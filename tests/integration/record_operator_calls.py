@@ -6,6 +6,7 @@ Runs the real operator against kmock, plays Kubeflow and the kubelet (create, fa
 resume, succeed, delete), and writes the sorted list of (apiGroup, resource[/subresource], verb) of
 every request that came from the operator (kopf's or its own client, told apart by User-Agent).
 """
+
 import asyncio
 import sys
 from pathlib import Path

@@ -6,6 +6,7 @@ used by ``gcs_bucket``): DCP commits ``.metadata`` by renaming ``.metadata.tmp``
 GCS's ``moveTo`` call, and the emulator answers that with 501, which gcsfs retries for about 33 s
 per save before it falls back to copy + delete itself. Real GCS implements moveTo.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -177,8 +178,13 @@ def test_s3_uploads_carry_a_checksum_the_server_verified(s3_server, s3_bucket, t
     local = tmp_path / "data"
     local.write_bytes(bytes(range(256)) * 4096)
     storage.upload(str(local), uri)
-    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
-    bucket, key = uri[len("s3://"):].split("/", 1)
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    bucket, key = uri[len("s3://") :].split("/", 1)
     head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     assert any(name.startswith("Checksum") and name != "ChecksumType" for name in head), head

@@ -1,4 +1,5 @@
 """examples/custom_loop.py: a user's own loop gets checkpoints and resume from `Run` under torchrun."""
+
 import os
 import subprocess
 import sys
@@ -16,9 +17,18 @@ def run_example(tmp_path, steps):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
     env.update({"TRAININGRUN_CONFIG": str(config), "CUSTOM_LOOP_STEPS": str(steps), "OMP_NUM_THREADS": "1"})
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         os.path.join(REPO, "examples", "custom_loop.py")],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            os.path.join(REPO, "examples", "custom_loop.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

@@ -1,4 +1,5 @@
 """`trainingrun local`: the same TrainingRun on this machine, with supervision, fault injection and goodput."""
+
 import json
 import os
 import re
@@ -39,13 +40,26 @@ def write_run(tmp_path, body, name="run.yaml"):
 
 
 def local(tmp_path, run_file, *flags, checkpoints="ckpt", env=None, **popen):
-    command = [sys.executable, "-m", "trainingrun_operator.cli", "local", str(run_file),
-               "--checkpoint-uri", f"file://{tmp_path}/{checkpoints}", "--runs-dir", str(tmp_path / "runs"),
-               "--env-file", str(tmp_path / ".env"), *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "trainingrun_operator.cli",
+        "local",
+        str(run_file),
+        "--checkpoint-uri",
+        f"file://{tmp_path}/{checkpoints}",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--env-file",
+        str(tmp_path / ".env"),
+        *flags,
+    ]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
     full_env.update(env or {})
     if popen:
-        return subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+        return subprocess.Popen(
+            command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+        )
     return subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=600)
 
 
@@ -57,8 +71,10 @@ def result_of(stdout):
 def breakdown_of(stdout):
     """{part: seconds} from the summary's `time: wall W s = productive P s (x%) + lost L s + ...` line."""
     line = [text for text in stdout.splitlines() if text.startswith("time: wall ")][-1]
-    return {name.replace(" ", "_"): float(seconds)
-            for name, seconds in re.findall(r"([a-z][a-z ]*?) (\d+\.\d) s", line.split(" = ", 1)[1])}
+    return {
+        name.replace(" ", "_"): float(seconds)
+        for name, seconds in re.findall(r"([a-z][a-z ]*?) (\d+\.\d) s", line.split(" = ", 1)[1])
+    }
 
 
 def final_digest(tmp_path, checkpoints, step):
@@ -73,13 +89,21 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert result_of(reference.stdout)["attempts"] == "1"
     # The model counts its FLOPs; a CPU has no peak: model FLOP/s, no MFU.
-    assert re.search(r"^throughput: [0-9.]+ samples/s, [0-9.e-]+ TFLOP/s, MFU - \(no GPU peak\)$", reference.stdout,
-                     re.MULTILINE), reference.stdout[-2000:]
+    assert re.search(
+        r"^throughput: [0-9.]+ samples/s, [0-9.e-]+ TFLOP/s, MFU - \(no GPU peak\)$", reference.stdout, re.MULTILINE
+    ), reference.stdout[-2000:]
     # Where the training processes' start-up went: every phase there, and they add up (each rounded to 0.1 s).
     [startup] = re.findall(r"^start-up: (.*) = ([0-9.]+) s to the first steps", reference.stdout, re.MULTILINE)
     phases = dict(re.findall(r"([a-z ]+) ([0-9.]+) s", startup[0].replace(" + ", ",").replace(",", " ")))
-    assert [name.strip() for name in phases] == ["imports", "init", "model", "data", "prepare", "restore",
-                                                  "first step"], startup
+    assert [name.strip() for name in phases] == [
+        "imports",
+        "init",
+        "model",
+        "data",
+        "prepare",
+        "restore",
+        "first step",
+    ], startup
     assert sum(float(v) for v in phases.values()) == pytest.approx(float(startup[1]), abs=0.05 * len(phases))
 
     chaos = local(tmp_path, run_file, "--chaos-kill-step", "15", "--chaos-kill-step", "35", checkpoints="chaos")
@@ -136,14 +160,18 @@ def test_permanent_failure_stops_without_retry_and_shows_the_trainers_message(tm
 
 def test_missing_secret_is_named_before_anything_starts(tmp_path):
     body = training_run()
-    body["spec"]["secrets"] = {"env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}],
-                               "s3Credentials": {"secretName": "s3"}}
+    body["spec"]["secrets"] = {
+        "env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}],
+        "s3Credentials": {"secretName": "s3"},
+    }
     (tmp_path / ".env").write_text("AWS_ACCESS_KEY_ID=AKIA-from-dotenv\n")
     result = local(tmp_path, write_run(tmp_path, body), env={"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"})
     assert result.returncode == 1
     assert "missing secrets: WANDB_API_KEY (secrets.env wandb/api-key)" in result.stderr
     assert "AWS_ACCESS_KEY_ID" not in result.stderr  # found in .env
-    assert "s3cr3t-value" not in result.stdout + result.stderr and "AKIA-from-dotenv" not in result.stdout + result.stderr
+    assert (
+        "s3cr3t-value" not in result.stdout + result.stderr and "AKIA-from-dotenv" not in result.stdout + result.stderr
+    )
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
@@ -163,8 +191,10 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM"),
-                                                (signal.SIGHUP, 129, "SIGHUP")])
+@pytest.mark.parametrize(
+    "signum, code, said",
+    [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM"), (signal.SIGHUP, 129, "SIGHUP")],
+)
 def test_a_stop_signal_checkpoints_leaves_no_process_and_a_rerun_resumes(tmp_path, signum, code, said):
     run_file = write_run(tmp_path, training_run(maxSteps=100000, logIntervalSteps=5))
     process = local(tmp_path, run_file, start_new_session=True)
@@ -212,8 +242,11 @@ def test_chaos_kill_every_until_the_failure_budget_is_spent(tmp_path):
 def killed_at_steps(tmp_path, *steps, max_restarts_per_attempt):
     """The demo run with a worker killed at each of `steps`, no failure budget beyond its in-place restarts."""
     body = training_run()
-    body["spec"]["recovery"] = {"backoffSeconds": 0, "maxFailures": 0,
-                                "maxRestartsPerAttempt": max_restarts_per_attempt}
+    body["spec"]["recovery"] = {
+        "backoffSeconds": 0,
+        "maxFailures": 0,
+        "maxRestartsPerAttempt": max_restarts_per_attempt,
+    }
     kills = [flag for step in steps for flag in ("--chaos-kill-step", str(step))]
     return local(tmp_path, write_run(tmp_path, body), *kills)
 
@@ -241,8 +274,9 @@ def test_a_group_that_committed_a_checkpoint_since_its_last_restart_gets_its_res
     assert summary["attempts"] == "1" and summary["restarts_in_place"] == "3" and summary["steps"] == "60"
     log = (tmp_path / "runs" / "demo" / "attempt-1.log").read_text()
     # The first kill found the budget whole; the next two found it spent and refilled by steps 30 and 50.
-    refills = re.findall(r"the worker group committed step (\d+) since its last restart: 1 in-place restarts left again",
-                         log)
+    refills = re.findall(
+        r"the worker group committed step (\d+) since its last restart: 1 in-place restarts left again", log
+    )
     assert refills == ["30", "50"]
 
 
@@ -302,5 +336,6 @@ def test_a_taken_metrics_port_is_one_line_and_exit_2_before_anything_starts(tmp_
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"trainingrun local: --metrics-port {port} is in use on this machine: pick a free port, or leave "
-        "--metrics-port out (the run then serves no metrics)"]
+        "--metrics-port out (the run then serves no metrics)"
+    ]
     assert not (tmp_path / "runs").exists()

@@ -1,5 +1,6 @@
 """A live `trainingrun local` run exposes metrics that promtool accepts, and a real Prometheus scraping it
 answers every TrainingRun dashboard query (GPU panels excepted on CPU, by monitoring.GPU_PANELS)."""
+
 import json
 import os
 import shutil
@@ -18,9 +19,13 @@ from tiny_runs import tiny_trainer
 from trainingrun_operator import monitoring
 
 PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not (PROMTOOL and PROMETHEUS) and not os.environ.get("TRAININGRUN_CI"),
-    reason="needs Debian's prometheus (prometheus, promtool): bash scripts/install-test-tools.sh")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (PROMTOOL and PROMETHEUS) and not os.environ.get("TRAININGRUN_CI"),
+        reason="needs Debian's prometheus (prometheus, promtool): bash scripts/install-test-tools.sh",
+    ),
+]
 RUN = "observed"
 DEADLINE_S = 90
 
@@ -55,19 +60,42 @@ def until(check, what: str):
 def live_run(tmp_path):
     """A 2-process local run that trains until stopped, serving its metrics; stopped with Ctrl-C after."""
     port = free_port()
-    body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": RUN},
-            "spec": {"trainer": tiny_trainer(maxSteps=1000000, logIntervalSteps=5, eval={"intervalSteps": 5, "batches": 1},
-                                             ema={"enabled": True}),
-                     "checkpoint": {"uri": "file:///unused", "interval": {"steps": "auto", "minSteps": 5, "maxSteps": 20}}, "nprocPerNode": 2}}
+    body = {
+        "apiVersion": "trainingrun.dev/v1alpha1",
+        "kind": "TrainingRun",
+        "metadata": {"name": RUN},
+        "spec": {
+            "trainer": tiny_trainer(
+                maxSteps=1000000, logIntervalSteps=5, eval={"intervalSteps": 5, "batches": 1}, ema={"enabled": True}
+            ),
+            "checkpoint": {"uri": "file:///unused", "interval": {"steps": "auto", "minSteps": 5, "maxSteps": 20}},
+            "nprocPerNode": 2,
+        },
+    }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(body))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "trainingrun_operator.cli", "local", str(tmp_path / "run.yaml"), "--metrics-port",
-         str(port), "--checkpoint-uri", f"file://{tmp_path}/ckpt", "--runs-dir", str(tmp_path / "runs")],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "trainingrun_operator.cli",
+            "local",
+            str(tmp_path / "run.yaml"),
+            "--metrics-port",
+            str(port),
+            "--checkpoint-uri",
+            f"file://{tmp_path}/ckpt",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}/metrics"
-        until(lambda: 'trainingrun_step{' in fetch(url) and 'rank="1"' in fetch(url), "steps from both ranks")
+        until(lambda: "trainingrun_step{" in fetch(url) and 'rank="1"' in fetch(url), "steps from both ranks")
         yield port
     finally:
         process.send_signal(signal.SIGINT)
@@ -89,13 +117,23 @@ def test_live_exposition_passes_promtool_and_has_no_gpu_series(live_run):
 
 def test_prometheus_answers_every_dashboard_query(live_run, tmp_path):
     prom_port = free_port()
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "scrape_configs": [{"job_name": "trainer", "static_configs": [{"targets": [f"127.0.0.1:{live_run}"]}]}]}
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "trainer", "static_configs": [{"targets": [f"127.0.0.1:{live_run}"]}]}],
+    }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    server = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def query(expr: str) -> list:
             url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
             answer = json.loads(fetch(url))

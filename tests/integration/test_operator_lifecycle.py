@@ -1,4 +1,5 @@
 """The operator for real against kmock: lifecycle, recovery, budgets, stalls, secrets, suspend, spec changes."""
+
 import asyncio
 from datetime import datetime, timedelta
 
@@ -73,8 +74,12 @@ async def test_failure_recovers_into_attempt_2_resuming_from_the_last_good_check
         failed = await eventually(lambda: cluster.events("AttemptFailed"))
         assert len(failed) == 1 and "exited with 137 (OOMKilled)" in failed[0]["message"]
         # the Event is posted just after the status it explains: wait for it rather than read it at once
-        await eventually(lambda: any("resuming from s3://bucket/demo/step-00000300" in e["message"]
-                                     for e in cluster.events("AttemptStarted")), what="attempt 2's Event")
+        await eventually(
+            lambda: any(
+                "resuming from s3://bucket/demo/step-00000300" in e["message"] for e in cluster.events("AttemptStarted")
+            ),
+            what="attempt 2's Event",
+        )
         assert cluster.job_names() == ["demo-a1", "demo-a2"]  # the failed attempt stays for its logs
 
 
@@ -101,13 +106,20 @@ async def test_preemption_is_charged_to_its_own_budget(kmock, cluster):
         await cluster.job_condition("demo-a1", "Failed")
         await eventually(lambda: cluster.job("demo-a2"), what="attempt 2 after a preemption")
         status = await eventually(lambda: cluster.status().get("restarts") and cluster.status())
-        assert status["restarts"] == {"failures": 0, "preemptions": 1, "total": 1, "backoffSeconds": 0.0}  # maxFailures=0 is untouched
+        assert status["restarts"] == {
+            "failures": 0,
+            "preemptions": 1,
+            "total": 1,
+            "backoffSeconds": 0.0,
+        }  # maxFailures=0 is untouched
         preempted = await eventually(lambda: cluster.events("AttemptPreempted"))
         assert "PreemptionByScheduler" in preempted[0]["message"]
 
         # exit 143 alone (the trainer's emergency checkpoint after SIGTERM) is a preemption too
         await fail_attempt(cluster, "demo-a2", exit_code=143, reason="Error")
-        await eventually(lambda: cluster.job("demo-a3"), what=lambda: f"attempt 3: {cluster.status()} {cluster.events()}")
+        await eventually(
+            lambda: cluster.job("demo-a3"), what=lambda: f"attempt 3: {cluster.status()} {cluster.events()}"
+        )
         assert cluster.status()["restarts"]["preemptions"] == 2
 
 
@@ -173,11 +185,21 @@ async def test_missing_secret_sets_a_condition_without_spending_budget(kmock, cl
         body = training_run(secrets={"env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}]})
         await cluster.create_run(body)
         await eventually(lambda: cluster.job("demo-a1"))
-        waiting = {"phase": "Pending", "containerStatuses": [{"name": "pytorch", "state": {"waiting": {
-            "reason": "CreateContainerConfigError", "message": 'secret "wandb" not found'}}}]}
+        waiting = {
+            "phase": "Pending",
+            "containerStatuses": [
+                {
+                    "name": "pytorch",
+                    "state": {
+                        "waiting": {"reason": "CreateContainerConfigError", "message": 'secret "wandb" not found'}
+                    },
+                }
+            ],
+        }
         pod = await cluster.add_pod("demo-a1", status=waiting)
-        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
-                                                  if c["type"] == "SecretMissing"))
+        condition = await eventually(
+            lambda: next(c for c in cluster.status()["conditions"] if c["type"] == "SecretMissing")
+        )
         assert condition["status"] == "True" and 'secret "wandb" not found' in condition["message"]
         await eventually(lambda: cluster.events("SecretMissing"))
         assert "restarts" not in cluster.status() and cluster.status()["phase"] == "Pending"
@@ -195,8 +217,9 @@ async def test_suspend_and_resume_from_the_last_good_checkpoint(kmock, cluster):
         await eventually(lambda: cluster.job("demo-a1"))
         await cluster.job_condition("demo-a1", "Created", "Running")
         await eventually(lambda: cluster.status()["phase"] == "Running")
-        await cluster.progress("demo", 500, "2026-11-21T00:00:05Z",
-                               checkpoint={"uri": "s3://bucket/demo/step-00000500", "step": 500})
+        await cluster.progress(
+            "demo", 500, "2026-11-21T00:00:05Z", checkpoint={"uri": "s3://bucket/demo/step-00000500", "step": 500}
+        )
         worker = await cluster.add_pod("demo-a1", status={"phase": "Running"})
         await cluster.patch(RUNS, "demo", {"spec": {"suspend": True}})
         await eventually(lambda: cluster.job("demo-a1")["spec"]["runPolicy"]["suspend"] is True)
@@ -205,8 +228,13 @@ async def test_suspend_and_resume_from_the_last_good_checkpoint(kmock, cluster):
 
         # Resumed while the suspended attempt's pod still writes its emergency checkpoint: attempt 2 waits for it.
         await cluster.patch(RUNS, "demo", {"spec": {"suspend": False}})
-        await eventually(lambda: any(c["type"] == "WaitingForOldPods" and c["status"] == "True"
-                                     for c in cluster.status().get("conditions") or []), what="waiting for old pods")
+        await eventually(
+            lambda: any(
+                c["type"] == "WaitingForOldPods" and c["status"] == "True"
+                for c in cluster.status().get("conditions") or []
+            ),
+            what="waiting for old pods",
+        )
         assert cluster.job("demo-a2") is None
         await cluster.delete(PODS, worker)
         await eventually(lambda: cluster.job("demo-a2"), what="a new attempt on resume")
@@ -221,9 +249,11 @@ async def test_spec_change_applies_from_the_next_attempt(kmock, cluster):
         await cluster.create_run(training_run(image="registry.example/trainer:1"))
         await eventually(lambda: cluster.job("demo-a1"))
         await cluster.patch(RUNS, "demo", {"spec": {"image": "registry.example/trainer:2"}})
-        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
-                                                  if c["type"] == "SpecChangePending"))
+        condition = await eventually(
+            lambda: next(c for c in cluster.status()["conditions"] if c["type"] == "SpecChangePending")
+        )
         assert condition["status"] == "True" and "applies from attempt 2" in condition["message"]
+
         def image(job):
             return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
 
@@ -232,8 +262,11 @@ async def test_spec_change_applies_from_the_next_attempt(kmock, cluster):
         await fail_attempt(cluster, "demo-a1")
         await eventually(lambda: cluster.job("demo-a2"))
         assert image(cluster.job("demo-a2")) == "registry.example/trainer:2"
-        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
-                                                  if c["type"] == "SpecChangePending" and c["status"] == "False"))
+        condition = await eventually(
+            lambda: next(
+                c for c in cluster.status()["conditions"] if c["type"] == "SpecChangePending" and c["status"] == "False"
+            )
+        )
         assert condition["reason"] == "Applied"
 
 
@@ -242,8 +275,9 @@ async def test_checkpoint_uri_cannot_change_while_running(kmock, cluster):
         await cluster.create_run(training_run())
         await eventually(lambda: cluster.job("demo-a1"))
         await cluster.patch(RUNS, "demo", {"spec": {"checkpoint": {"uri": "s3://elsewhere/demo"}}})
-        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
-                                                  if c["type"] == "SpecRejected"))
+        condition = await eventually(
+            lambda: next(c for c in cluster.status()["conditions"] if c["type"] == "SpecRejected")
+        )
         assert condition["reason"] == "CheckpointUriImmutable" and "s3://bucket/demo" in condition["message"]
         await eventually(lambda: cluster.events("SpecRejected"))
         await fail_attempt(cluster, "demo-a1")
@@ -266,7 +300,12 @@ async def test_operator_restarted_mid_recovery_makes_no_duplicate(kmock, cluster
         await eventually(lambda: any("pytorchjobs" in str(r.url) and "watch=true" in str(r.url) for r in list(kmock)))
         status = cluster.status()
     assert cluster.job_names() == ["demo-a1", "demo-a2"]
-    assert status["attempt"] == 2 and status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1, "backoffSeconds": 2.0}
+    assert status["attempt"] == 2 and status["restarts"] == {
+        "failures": 1,
+        "preemptions": 0,
+        "total": 1,
+        "backoffSeconds": 2.0,
+    }
     posts = [r for r in list(kmock) if r.method == "POST" and str(r.url).split("?")[0].endswith("/pytorchjobs")]
     assert sorted(r.data["metadata"]["name"] for r in posts) == ["demo-a1", "demo-a2"]
 
@@ -288,8 +327,9 @@ async def test_a_spec_the_operator_cannot_run_is_rejected_without_children(kmock
         body = training_run()
         body["spec"]["replicas"] = {"min": 3, "max": 1}  # the API server's CEL rule would refuse it; kmock does not
         await cluster.create_run(body)
-        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
-                                                  if c["type"] == "SpecRejected"))
+        condition = await eventually(
+            lambda: next(c for c in cluster.status()["conditions"] if c["type"] == "SpecRejected")
+        )
         await eventually(lambda: cluster.events("SpecRejected"))
         assert condition["reason"] == "InvalidSpec" and "spec.replicas" in condition["message"]
         assert cluster.job("demo-a1") is None

@@ -1,4 +1,5 @@
 """The operator process: API errors survived, readiness and metrics, namespaces, peering, no secret leaks."""
+
 import logging
 import os
 import shutil
@@ -44,8 +45,17 @@ async def get(url):
 async def test_api_errors_are_survived(kmock):
     declare_resources(kmock)
     cluster = Cluster(kmock)
-    gone = {"type": "ERROR", "object": {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 410,
-                                        "reason": "Expired", "message": "too old resource version: 1 (42)"}}
+    gone = {
+        "type": "ERROR",
+        "object": {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "status": "Failure",
+            "code": 410,
+            "reason": "Expired",
+            "message": "too old resource version: 1 (42)",
+        },
+    }
     kmock[kmock_lib.action.WATCH, kmock_lib.resource(JOBS)][:1] << gone
     kmock[f"post /apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs"][:1] << 500
     kmock[f"post /api/v1/namespaces/{NAMESPACE}/configmaps"][:2] << 429
@@ -87,17 +97,29 @@ async def test_a_child_the_server_refuses_is_a_condition_and_one_event_then_back
     every resync, and clears the condition once the server takes the objects."""
     declare_resources(kmock)
     cluster = Cluster(kmock)
-    refusal = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 422, "reason": "Invalid",
-               "message": 'PyTorchJob.kubeflow.org "demo-a1" is invalid: spec.x: Invalid value: "y"'}
+    refusal = {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure",
+        "code": 422,
+        "reason": "Invalid",
+        "message": 'PyTorchJob.kubeflow.org "demo-a1" is invalid: spec.x: Invalid value: "y"',
+    }
     kmock[f"post /apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs"][:1] << 422 << refusal
     async with operator(kmock):
         await cluster.create_run(training_run())
-        condition = await eventually(lambda: next(c for c in cluster.status()["conditions"]
-                                                  if c["type"] == "ChildRejected" and c["status"] == "True"))
+        condition = await eventually(
+            lambda: next(
+                c for c in cluster.status()["conditions"] if c["type"] == "ChildRejected" and c["status"] == "True"
+            )
+        )
         assert "PyTorchJob demo-a1: 422 Invalid" in condition["message"] and "spec.x" in condition["message"]
         await eventually(lambda: cluster.job("demo-a1"), what="the job once the server takes it")
-        cleared = await eventually(lambda: next(c for c in cluster.status()["conditions"]
-                                                if c["type"] == "ChildRejected" and c["status"] == "False"))
+        cleared = await eventually(
+            lambda: next(
+                c for c in cluster.status()["conditions"] if c["type"] == "ChildRejected" and c["status"] == "False"
+            )
+        )
         assert cleared["reason"] == "Accepted"
     assert len(cluster.events("ChildRejected")) == 1
     posts = [r for r in list(kmock) if r.method == "POST" and "pytorchjobs" in str(r.url)]
@@ -133,11 +155,22 @@ async def test_pending_runs_of_a_namespace_share_one_read_of_its_warning_events(
             await cluster.create_run(training_run(name, uid=f"uid-{name}"))
         await eventually(lambda: all(cluster.status(name).get("phase") == "Pending" for name in names))
         for name in names:
-            await cluster.warning("Pod", f"{name}-a1-worker-0", "FailedMount",
-                                  'MountVolume.SetUp failed for volume "gcs-key" : secret "gcs" not found')
-        await eventually(lambda: all(any(c["type"] == "SecretMissing" and f"{name}-a1-worker-0" in c["message"]
-                                         for c in cluster.status(name).get("conditions") or []) for name in names),
-                         what=lambda: [cluster.status(name) for name in names])
+            await cluster.warning(
+                "Pod",
+                f"{name}-a1-worker-0",
+                "FailedMount",
+                'MountVolume.SetUp failed for volume "gcs-key" : secret "gcs" not found',
+            )
+        await eventually(
+            lambda: all(
+                any(
+                    c["type"] == "SecretMissing" and f"{name}-a1-worker-0" in c["message"]
+                    for c in cluster.status(name).get("conditions") or []
+                )
+                for name in names
+            ),
+            what=lambda: [cluster.status(name) for name in names],
+        )
     reads = sorted(at for at, _ in seen.values())
     assert reads
     gaps = [later - earlier for earlier, later in zip(reads, reads[1:])]
@@ -164,12 +197,16 @@ async def test_an_unreachable_api_is_named_as_such_and_not_ready(tmp_path):
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api, token="t0k3n")
     port, log_path = free_port(), tmp_path / "operator.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "trainingrun_operator", "--metrics-port", str(port),
-                                    "--health-port", "0"], env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trainingrun_operator", "--metrics-port", str(port), "--health-port", "0"],
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        await eventually(lambda: "cannot reach the Kubernetes API" in log_path.read_text(), 30,
-                         lambda: log_path.read_text()[-2000:])
+        await eventually(
+            lambda: "cannot reach the Kubernetes API" in log_path.read_text(), 30, lambda: log_path.read_text()[-2000:]
+        )
         status, body = await get(f"http://127.0.0.1:{port}/readyz")
     finally:
         process.terminate()
@@ -247,9 +284,13 @@ async def test_namespaced_operator_leaves_other_namespaces_alone(kmock, namespac
 async def test_peering_registers_this_replica_and_it_acts(kmock):
     declare_resources(kmock)
     kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock_lib.ResourceInfo(
-        kind="ClusterKopfPeering", namespaced=False, verbs={"list", "watch", "get", "patch", "create"})
-    peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
-               "metadata": {"name": "trainingrun-operator", "resourceVersion": "1"}}
+        kind="ClusterKopfPeering", namespaced=False, verbs={"list", "watch", "get", "patch", "create"}
+    )
+    peering = {
+        "apiVersion": "kopf.dev/v1",
+        "kind": "ClusterKopfPeering",
+        "metadata": {"name": "trainingrun-operator", "resourceVersion": "1"},
+    }
     async with kmock.post("/apis/kopf.dev/v1/clusterkopfpeerings", json=peering) as response:
         assert response.status < 300
     cluster = Cluster(kmock)
@@ -264,8 +305,12 @@ async def test_no_secret_value_reaches_logs_events_or_status(kmock, caplog):
     declare_resources(kmock)
     kmock.resources["v1/secrets"] = kmock_lib.ResourceInfo(kind="Secret", namespaced=True, verbs={"get", "list"})
     value = "s3cr3t-Value-0f-the-API-key"
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "wandb", "namespace": NAMESPACE},
-              "stringData": {"api-key": value}}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "wandb", "namespace": NAMESPACE},
+        "stringData": {"api-key": value},
+    }
     async with kmock.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret) as response:
         assert response.status < 300
     cluster = Cluster(kmock)
@@ -274,8 +319,19 @@ async def test_no_secret_value_reaches_logs_events_or_status(kmock, caplog):
         body = training_run(secrets={"env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}]})
         await cluster.create_run(body)
         await eventually(lambda: cluster.job("demo-a1"))
-        waiting = {"containerStatuses": [{"name": "pytorch", "state": {"waiting": {
-            "reason": "CreateContainerConfigError", "message": "couldn't find key api-key in Secret team-a/wandb"}}}]}
+        waiting = {
+            "containerStatuses": [
+                {
+                    "name": "pytorch",
+                    "state": {
+                        "waiting": {
+                            "reason": "CreateContainerConfigError",
+                            "message": "couldn't find key api-key in Secret team-a/wandb",
+                        }
+                    },
+                }
+            ]
+        }
         pod = await cluster.add_pod("demo-a1", status=waiting)
         await eventually(lambda: cluster.events("SecretMissing"))
         await cluster.pod_status(pod, terminated(1, "Error", "crashed"))

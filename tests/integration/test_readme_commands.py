@@ -1,5 +1,6 @@
 """The README's commands work as written on a fresh machine: its marked steps (scripts/readme_steps.py, which
 `.ci/run` runs) in a clean clone, and its demo with the trainer's default metrics port taken."""
+
 import os
 import shutil
 import socket
@@ -36,10 +37,17 @@ def user_env() -> dict[str, str]:
 
 def run_steps(name: str, clone: Path) -> None:
     for command in readme_steps.steps(name):
-        result = subprocess.run(["bash", "-eo", "pipefail", "-c", command], cwd=clone, env=user_env(),
-                                capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, f"README step {name!r}: `{command}` failed:\n{result.stdout[-2000:]}" \
-                                       f"\n{result.stderr[-3000:]}"
+        result = subprocess.run(
+            ["bash", "-eo", "pipefail", "-c", command],
+            cwd=clone,
+            env=user_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert result.returncode == 0, (
+            f"README step {name!r}: `{command}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        )
 
 
 def test_the_readme_marks_the_steps_ci_runs_and_ci_installs_nothing_itself():
@@ -48,7 +56,10 @@ def test_the_readme_marks_the_steps_ci_runs_and_ci_installs_nothing_itself():
     assert found["e2e"][-1] == "make e2e" and "bash scripts/build-images.sh" in found["e2e"]
     ci = (REPO / ".ci" / "run").read_text()
     assert [line.split()[1] for line in ci.splitlines() if line.startswith("readme_steps ")] == [
-        "test-tools", "test", "e2e"]
+        "test-tools",
+        "test",
+        "e2e",
+    ]
     assert "apt-get" not in ci  # what CI needs, a user's fresh machine needs: the scripts install it
 
 

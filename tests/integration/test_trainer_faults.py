@@ -15,6 +15,7 @@ signal, kills a worker). The deadlines below only bound how long a broken test c
 Besides the container's exit code, the tests read each worker's from torchrun's failure summary
 (`exitcode : N` per rank), which says what the trainer itself did.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,8 +55,10 @@ BATCH = 8
 
 
 def dataset(**init_args) -> dict:
-    return {"classPath": "fault_injection.FaultyText",
-            "initArgs": {"numSamples": 4096, "contextLength": 16, **init_args}}
+    return {
+        "classPath": "fault_injection.FaultyText",
+        "initArgs": {"numSamples": 4096, "contextLength": 16, **init_args},
+    }
 
 
 def first_item_of_step(step: int, per_step: int = BATCH) -> int:
@@ -72,8 +75,15 @@ class Launched:
 
     def __init__(self, argv: list[str], env: dict[str, str]):
         self.argv = argv
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        self.process = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self._eof = False
         self._changed = threading.Condition()
@@ -136,6 +146,7 @@ class Launched:
         from its forkserver (a child of the agent), one per local rank in rank order, so they are the
         agent's grandchildren by increasing pid (their /proc environ is the forkserver's, without
         LOCAL_RANK)."""
+
         def children(pid: int) -> list[int]:
             out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
             return sorted(map(int, out.split()))
@@ -150,8 +161,9 @@ class Launched:
             return
         descendants, parents = [], [self.process.pid]
         while parents:
-            out = subprocess.run(["ps", "-o", "pid=", "--ppid", ",".join(map(str, parents))],
-                                 capture_output=True, text=True).stdout.split()
+            out = subprocess.run(
+                ["ps", "-o", "pid=", "--ppid", ",".join(map(str, parents))], capture_output=True, text=True
+            ).stdout.split()
             parents = [int(pid) for pid in out]
             descendants += parents
         for pid in [self.process.pid, *descendants]:
@@ -196,9 +208,18 @@ def release(pause_dir: Path, item: int) -> None:
 class Run:
     """One TrainingRun's files below tmp_path: config, checkpoints (file:// unless `uri`), pauses."""
 
-    def __init__(self, tmp_path: Path, name: str, trainer: dict, *, uri: Optional[str] = None,
-                 interval: int = 10, keep: int = 5, endpoint_url: Optional[str] = None,
-                 env: Optional[dict] = None):
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        trainer: dict,
+        *,
+        uri: Optional[str] = None,
+        interval: int = 10,
+        keep: int = 5,
+        endpoint_url: Optional[str] = None,
+        env: Optional[dict] = None,
+    ):
         self.dir = tmp_path / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.pauses = self.dir / "pauses"
@@ -228,19 +249,33 @@ class Run:
         self.config.write_text(yaml.safe_dump({"trainer": self.trainer, "checkpoint": self.checkpoint}))
 
     def environment(self) -> dict[str, str]:
-        keep = {k: v for k, v in os.environ.items()
-                if not k.startswith(("TRAININGRUN_", "PET_", "AWS_", "GOOGLE_", "STORAGE_EMULATOR", "FAULT_INJECTION"))
-                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        keep = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("TRAININGRUN_", "PET_", "AWS_", "GOOGLE_", "STORAGE_EMULATOR", "FAULT_INJECTION"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
         path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-        keep.update({"TRAININGRUN_CONFIG": str(self.config), "TRAININGRUN_NAME": self.dir.name,
-                     "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **self.env})
+        keep.update(
+            {
+                "TRAININGRUN_CONFIG": str(self.config),
+                "TRAININGRUN_NAME": self.dir.name,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": path,
+                **self.env,
+            }
+        )
         return keep
 
     def start(self, launched: list, nproc: int = 2, max_restarts: int = 0) -> Launched:
         """Start the operator's container command with torchrun's options in PET_* variables, as
         the Kubeflow Training Operator passes them, on one node of `nproc` workers."""
-        env = {**self.environment(), "PET_STANDALONE": "1", "PET_NPROC_PER_NODE": str(nproc),
-               "PET_MAX_RESTARTS": str(max_restarts)}
+        env = {
+            **self.environment(),
+            "PET_STANDALONE": "1",
+            "PET_NPROC_PER_NODE": str(nproc),
+            "PET_MAX_RESTARTS": str(max_restarts),
+        }
         proc = Launched(runnable(DEFAULT_COMMAND), env)
         launched.append(proc)
         return proc
@@ -316,8 +351,11 @@ def bucket_run(request, tmp_path):
     if request.param == "gs":
         server = request.getfixturevalue("gcs_server")
         bucket = request.getfixturevalue("gcs_bucket")
-        env = {"STORAGE_EMULATOR_HOST": server.endpoint_url, "NO_GCE_CHECK": "true",
-               "FAULT_INJECTION_GCS_MOVE_IS_COPY": "1"}
+        env = {
+            "STORAGE_EMULATOR_HOST": server.endpoint_url,
+            "NO_GCE_CHECK": "true",
+            "FAULT_INJECTION_GCS_MOVE_IS_COPY": "1",
+        }
         endpoint = None
     else:
         server = request.getfixturevalue("s3_server")
@@ -373,8 +411,9 @@ def preempt_at(run: Run, proc: Launched, nproc: int, step: int, target: int) -> 
     item = first_item_of_step(step)
     proc.wait_for(*(rank_line(r, "fault_injection", f"paused at item {item} ") for r in range(nproc)))
     os.kill(target, signal.SIGTERM)
-    signalled = range(nproc) if target == proc.process.pid else [
-        rank for rank, pid in proc.workers().items() if pid == target]
+    signalled = (
+        range(nproc) if target == proc.process.pid else [rank for rank, pid in proc.workers().items() if pid == target]
+    )
     proc.wait_for(*(rank_line(r, "trainingrun.session", "SIGTERM received") for r in signalled))
     release(run.pauses, item)
 
@@ -415,16 +454,19 @@ def test_sigterm_to_the_container_checkpoints_and_the_rerun_resumes_there(tmp_pa
     preempt_at(run, first, 2, STOP_AT, first.process.pid)
     assert first.finish() == exit_codes.PREEMPTED, first.tail()
     first.wait_for(
-        *(rank_line(r, "trainingrun.trainer", f"SIGTERM: writing an emergency checkpoint at step {STOP_AT}$")
-          for r in range(2)),
+        *(
+            rank_line(r, "trainingrun.trainer", f"SIGTERM: writing an emergency checkpoint at step {STOP_AT}$")
+            for r in range(2)
+        ),
         rank_line(0, "trainingrun.checkpoint", f"committed checkpoint step {STOP_AT} "),
     )
     assert max(i.step for i in run.store().list() if i.valid) == STOP_AT
 
     rerun = run.start(launched)
     assert rerun.finish() == 0, rerun.tail()
-    rerun.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-{STOP_AT:08d} "
-                                                       f"at step {STOP_AT}"))
+    rerun.wait_for(
+        rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-{STOP_AT:08d} at step {STOP_AT}")
+    )
     assert f"step {STOP_AT + 1}/30 " in rerun.log and f"step {STOP_AT}/30 " not in rerun.log
 
 
@@ -436,8 +478,10 @@ def test_an_in_place_restart_of_a_later_attempt_resumes_from_the_newest_checkpoi
     pause = first_item_of_step(STOP_AT)
     run = Run(tmp_path, "in-place", LEARNING).inject(pause_at_items=(pause,))
     first = run.start(launched)
-    first.wait_for(rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "),
-                   *(rank_line(r, "fault_injection", f"paused at item {pause} ") for r in range(2)))
+    first.wait_for(
+        rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 10 "),
+        *(rank_line(r, "fault_injection", f"paused at item {pause} ") for r in range(2)),
+    )
     first.kill()  # attempt 1's pod is gone; its last report was step 10
 
     floor = f"{run.uri}/step-00000010"
@@ -445,17 +489,30 @@ def test_an_in_place_restart_of_a_later_attempt_resumes_from_the_newest_checkpoi
     second = run.start(launched, max_restarts=1)
     # The attempt starts from the resume point, trains steps 11-25 (its workers count items from their start)
     # and commits step 20; then worker 1 dies and torchrun starts a new worker group with the same environment.
-    second.wait_for(rank_line(0, "trainingrun.session", rf"resumed from {re.escape(floor)} at step 10 in [\d.]+ s, "
-                                                       "reading storage"),
-                    rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 20 "),
-                    *(rank_line(r, "fault_injection", f"paused at item {pause} ") for r in range(2)))
+    second.wait_for(
+        rank_line(
+            0,
+            "trainingrun.session",
+            rf"resumed from {re.escape(floor)} at step 10 in [\d.]+ s, "
+            "reading storage",
+        ),
+        rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 20 "),
+        *(rank_line(r, "fault_injection", f"paused at item {pause} ") for r in range(2)),
+    )
     os.kill(second.workers()[1], signal.SIGKILL)
     release(run.pauses, pause)
     assert second.finish() == 0, second.tail()
-    newest = re.search(rank_line(0, "trainingrun.session", rf"resumed from {re.escape(run.uri)}/step-00000020 at step 20 "
-                                                           r"in [\d.]+ s, reading node memory"), second.log)
+    newest = re.search(
+        rank_line(
+            0,
+            "trainingrun.session",
+            rf"resumed from {re.escape(run.uri)}/step-00000020 at step 20 "
+            r"in [\d.]+ s, reading node memory",
+        ),
+        second.log,
+    )
     assert newest, second.tail()
-    restarted = second.log[newest.end():]
+    restarted = second.log[newest.end() :]
     assert " step 30/30 " in restarted and " step 20/30 " not in restarted and " step 11/30 " not in restarted
 
 
@@ -467,8 +524,10 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path, launc
     preempt_at(run, proc, 2, STOP_AT, rank1)
     assert proc.finish() == exit_codes.PREEMPTED, proc.tail()
     proc.wait_for(
-        *(rank_line(r, "trainingrun.trainer", f"SIGTERM: writing an emergency checkpoint at step {STOP_AT}$")
-          for r in range(2)),
+        *(
+            rank_line(r, "trainingrun.trainer", f"SIGTERM: writing an emergency checkpoint at step {STOP_AT}$")
+            for r in range(2)
+        ),
         rank_line(0, "trainingrun.checkpoint", f"committed checkpoint step {STOP_AT} "),
     )
     # Rank 0 never got the signal before it stopped: it stopped because rank 1 did.
@@ -522,8 +581,11 @@ def test_storage_outage_during_saves(tmp_path, launched):
     storage_down()
     release(run.pauses, items[13])
     # Step 20's save fails in the background on both ranks while they train on to step 25.
-    paused_before(proc, 25, *(rank_line(r, "trainingrun.checkpoint", "checkpoint step 20: .*could not write", "ERROR")
-                              for r in range(2)))
+    paused_before(
+        proc,
+        25,
+        *(rank_line(r, "trainingrun.checkpoint", "checkpoint step 20: .*could not write", "ERROR") for r in range(2)),
+    )
     storage_back()
     release(run.pauses, items[25])
     paused_before(proc, 40, rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 30 "))
@@ -531,8 +593,10 @@ def test_storage_outage_during_saves(tmp_path, launched):
     release(run.pauses, items[40])
     code = proc.finish()
     storage_back()
-    proc.wait_for(*(rank_line(r, "trainingrun.trainer", "step 40/40 ") for r in range(2)),
-                  rank_line(0, "trainingrun.checkpoint", "checkpoint step 40: .*could not write", "ERROR"))
+    proc.wait_for(
+        *(rank_line(r, "trainingrun.trainer", "step 40/40 ") for r in range(2)),
+        rank_line(0, "trainingrun.checkpoint", "checkpoint step 40: .*could not write", "ERROR"),
+    )
     assert_workers_exited(proc.log, exit_codes.RETRYABLE)
     assert code == exit_codes.RETRYABLE and not exit_codes.is_permanent(code), proc.tail()
     assert [(i.step, i.valid) for i in run.store().list()] == [(30, True), (10, True)]
@@ -578,8 +642,12 @@ def test_storage_outage_while_persisting_behind(tmp_path, launched):
     paused_before(proc, 13, rank_line(0, "trainingrun.checkpoint", "persisted checkpoint step 10 to "))
     storage_down()
     release(run.pauses, items[13])
-    paused_before(proc, 25, rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 20 in memory"),
-                  rank_line(0, "trainingrun.checkpoint", not_copied.format(20), "ERROR"))
+    paused_before(
+        proc,
+        25,
+        rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 20 in memory"),
+        rank_line(0, "trainingrun.checkpoint", not_copied.format(20), "ERROR"),
+    )
     storage_back()
     release(run.pauses, items[25])
     paused_before(proc, 40, rank_line(0, "trainingrun.checkpoint", "persisted checkpoint step 30 to "))
@@ -587,9 +655,11 @@ def test_storage_outage_while_persisting_behind(tmp_path, launched):
     release(run.pauses, items[40])
     code = proc.finish()
     storage_back()
-    proc.wait_for(rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 40 in memory"),
-                  rank_line(0, "trainingrun.checkpoint", not_copied.format(40), "ERROR"),
-                  rank_line(0, "trainingrun.trainer", "the final checkpoint at step 40 is not in storage", "ERROR"))
+    proc.wait_for(
+        rank_line(0, "trainingrun.checkpoint", "committed checkpoint step 40 in memory"),
+        rank_line(0, "trainingrun.checkpoint", not_copied.format(40), "ERROR"),
+        rank_line(0, "trainingrun.trainer", "the final checkpoint at step 40 is not in storage", "ERROR"),
+    )
     assert "could not write" not in proc.log  # no save failed
     assert_workers_exited(proc.log, exit_codes.RETRYABLE)
     assert code == exit_codes.RETRYABLE, proc.tail()
@@ -597,8 +667,13 @@ def test_storage_outage_while_persisting_behind(tmp_path, launched):
 
     rerun = run.start(launched)  # the same attempt, in the same pod: its memory holds step 40
     assert rerun.finish() == 0, rerun.tail()
-    rerun.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000040 at step 40 "
-                                                       ".*reading node memory"))
+    rerun.wait_for(
+        rank_line(
+            0,
+            "trainingrun.session",
+            f"resumed from {re.escape(run.uri)}/step-00000040 at step 40 .*reading node memory",
+        )
+    )
     assert max(i.step for i in run.store().list() if i.valid) == 40
 
 
@@ -616,8 +691,10 @@ def test_non_finite_losses_are_skipped_then_rolled_back_then_abort(tmp_path, lau
     """
     trainer = {
         **LEARNING,
-        "model": {"classPath": "fault_injection.NaNCharTransformer",
-                  "initArgs": {"nanCalls": [5, 12, 13, 14, 25, 26, 27, 33, 34, 35], "nanRanks": [0]}},
+        "model": {
+            "classPath": "fault_injection.NaNCharTransformer",
+            "initArgs": {"nanCalls": [5, 12, 13, 14, 25, 26, 27, 33, 34, 35], "nanRanks": [0]},
+        },
         "optimizer": {"lr": 0.001},
         "schedule": {"name": "constant"},
         "maxSteps": 60,
@@ -632,8 +709,13 @@ def test_non_finite_losses_are_skipped_then_rolled_back_then_abort(tmp_path, lau
             rank_line(rank, "trainingrun.trainer", "skipped step 5: non-finite loss at step 5$", "WARNING"),
             rank_line(rank, "trainingrun.trainer", r"rolled back to step 10 \(non-finite loss at step 14\)"),
             rank_line(rank, "trainingrun.trainer", r"rolled back to step 20 \(non-finite loss at step 23\)"),
-            rank_line(rank, "trainingrun.trainer", r"training diverged: non-finite loss at step 28; .*"
-                                                   r"spec\.trainer\.health\.maxRollbacks=2", "ERROR"),
+            rank_line(
+                rank,
+                "trainingrun.trainer",
+                r"training diverged: non-finite loss at step 28; .*"
+                r"spec\.trainer\.health\.maxRollbacks=2",
+                "ERROR",
+            ),
         )
         steps = re.findall(rf" rank{rank} INFO trainingrun\.trainer: step (\d+)/60 loss (\S+) .* lr (\S+) ", log)
         # Each completed step as logged, in order (a step that rolls back or aborts is not logged).
@@ -648,15 +730,23 @@ def test_non_finite_losses_are_skipped_then_rolled_back_then_abort(tmp_path, lau
 # ------------------------------------------------------------------------------------ 6. invalid configs
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"model": {"classPath": "trainingrun_trainer.models.CharTransformr"}},
-     "spec.trainer.model.classPath: module 'trainingrun_trainer.models' has no class 'CharTransformr'; "
-     "did you mean 'CharTransformer'?"),
-    ({"model": {"classPath": "fault_injection.NaNCharTransformer", "initArgs": {"nanCals": [3]}}},
-     "spec.trainer.model.initArgs: NaNCharTransformer() got an unexpected keyword argument 'nanCals'; "
-     "accepted: nanCalls, nanRanks, vocabSize, dim, layers, heads, contextLength; did you mean 'nanCalls'?"),
-    ({"precision": "16-mixed"}, "spec.trainer.precision: 16-mixed needs a CUDA GPU"),
-], ids=["unknown-class", "unknown-init-arg", "fp16-on-cpu"])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"model": {"classPath": "trainingrun_trainer.models.CharTransformr"}},
+            "spec.trainer.model.classPath: module 'trainingrun_trainer.models' has no class 'CharTransformr'; "
+            "did you mean 'CharTransformer'?",
+        ),
+        (
+            {"model": {"classPath": "fault_injection.NaNCharTransformer", "initArgs": {"nanCals": [3]}}},
+            "spec.trainer.model.initArgs: NaNCharTransformer() got an unexpected keyword argument 'nanCals'; "
+            "accepted: nanCalls, nanRanks, vocabSize, dim, layers, heads, contextLength; did you mean 'nanCalls'?",
+        ),
+        ({"precision": "16-mixed"}, "spec.trainer.precision: 16-mixed needs a CUDA GPU"),
+    ],
+    ids=["unknown-class", "unknown-init-arg", "fp16-on-cpu"],
+)
 def test_invalid_config_fails_before_any_process_group(tmp_path, launched, change, message):
     """Rank 0 of a 2-process world started alone: a trainer that reached init_process_group would
     wait there for rank 1 (gloo's default timeout is 30 minutes) and never exit on its own. It must
@@ -665,8 +755,14 @@ def test_invalid_config_fails_before_any_process_group(tmp_path, launched, chang
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     run = Run(tmp_path, "invalid", {**LEARNING, **change})
-    env = {**run.environment(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {
+        **run.environment(),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     proc = Launched([sys.executable, "-m", "trainingrun_trainer"], env)
     launched.append(proc)
     assert proc.finish(deadline_s=60) == exit_codes.CONFIG_ERROR, proc.tail()
@@ -692,11 +788,20 @@ NOT_THE_HOST = {"PET_RDZV_CONF": "is_host=false,read_timeout=5"}
 def start_pod(run: Run, launched: list, rdzv_port: int, index: int) -> Launched:
     """Pod `index` of the run's attempt 1 (worker-0 hosts the rendezvous store)."""
     host_pod = builders.rendezvous_host_pod(run.dir.name, 1)
-    env = {**run.environment(), **builders.RENDEZVOUS_ENV, "PET_NNODES": "2:2", "PET_NPROC_PER_NODE": "1",
-           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"{SERVICE_HOST if index == 0 else '127.0.0.1'}:{rdzv_port}",
-           "PET_RDZV_ID": run.dir.name, "PET_MAX_RESTARTS": str(MAX_RESTARTS),
-           contract.POD_NAME: f"{run.dir.name}-a1-worker-{index}", contract.POD_IP: "127.0.0.1",
-           contract.RENDEZVOUS_HOST_POD: host_pod, **(NOT_THE_HOST if index else {})}
+    env = {
+        **run.environment(),
+        **builders.RENDEZVOUS_ENV,
+        "PET_NNODES": "2:2",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"{SERVICE_HOST if index == 0 else '127.0.0.1'}:{rdzv_port}",
+        "PET_RDZV_ID": run.dir.name,
+        "PET_MAX_RESTARTS": str(MAX_RESTARTS),
+        contract.POD_NAME: f"{run.dir.name}-a1-worker-{index}",
+        contract.POD_IP: "127.0.0.1",
+        contract.RENDEZVOUS_HOST_POD: host_pod,
+        **(NOT_THE_HOST if index else {}),
+    }
     proc = Launched(runnable(DEFAULT_COMMAND), env)
     launched.append(proc)
     return proc
@@ -737,7 +842,8 @@ REJOINING = "rejoining in this container"
 
 
 def test_the_survivor_of_the_rendezvous_host_rejoins_its_replacement_without_restarting(
-        tmp_path, launched, reference_digest):
+    tmp_path, launched, reference_digest
+):
     """worker-0 deleted (SIGKILL to all its processes) and started again, as Kubeflow does: the other pod's
     worker fails in its next collective, its agent cannot reach the lost store and starts again in the
     same container, joins the replacement's store, and both resume from step 10 to the uninterrupted
@@ -752,7 +858,9 @@ def test_the_survivor_of_the_rendezvous_host_rejoins_its_replacement_without_res
     assert replacement.finish() == 0, replacement.tail()
     assert survivor.finish() == 0, survivor.tail()
     assert re.search(f"resumed from {re.escape(run.uri)}/step-00000010 at step 10", survivor.log + replacement.log)
-    replacement_steps = [int(s) for s in re.findall(r" rank\d INFO trainingrun\.trainer: step (\d+)/30 ", replacement.log)]
+    replacement_steps = [
+        int(s) for s in re.findall(r" rank\d INFO trainingrun\.trainer: step (\d+)/30 ", replacement.log)
+    ]
     assert replacement_steps == list(range(11, 31)), replacement_steps
     infos = {i.step: i for i in run.store().list()}
     assert infos[30].valid and infos[30].model_digest == reference_digest
@@ -786,7 +894,9 @@ def test_a_replaced_pod_rejoins_and_training_resumes_from_the_last_checkpoint(tm
     assert replacement.finish() == 0, replacement.tail()
     assert host.finish() == 0, host.tail()
     host.wait_for(rank_line(0, "trainingrun.session", f"resumed from {re.escape(run.uri)}/step-00000010 at step 10"))
-    replacement_steps = [int(s) for s in re.findall(r" rank1 INFO trainingrun\.trainer: step (\d+)/30 ", replacement.log)]
+    replacement_steps = [
+        int(s) for s in re.findall(r" rank1 INFO trainingrun\.trainer: step (\d+)/30 ", replacement.log)
+    ]
     assert replacement_steps == list(range(11, 31)), replacement_steps
     infos = {i.step: i for i in run.store().list()}
     assert infos[30].valid and infos[30].model_digest == reference_digest
@@ -800,13 +910,23 @@ def test_a_pod_waiting_in_rendezvous_stops_at_once_on_sigterm_as_pid_1(tmp_path,
         pytest.skip("needs unshare --pid (root or user namespaces) to run the launcher as PID 1")
     run = Run(tmp_path, "alone", POD_RUN)
     port = free_port()
-    env = {**run.environment(), **builders.RENDEZVOUS_ENV, "PET_NNODES": "2:2", "PET_NPROC_PER_NODE": "1",
-           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}", "PET_RDZV_ID": "alone"}
+    env = {
+        **run.environment(),
+        **builders.RENDEZVOUS_ENV,
+        "PET_NNODES": "2:2",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+        "PET_RDZV_ID": "alone",
+    }
     proc = Launched(["unshare", "--pid", "--fork", "--kill-child", *runnable(DEFAULT_COMMAND)], env)
     launched.append(proc)
     wait_listening(port, proc)
-    pid_1 = int(subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.process.pid)], capture_output=True,
-                               text=True).stdout.split()[0])
+    pid_1 = int(
+        subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(proc.process.pid)], capture_output=True, text=True
+        ).stdout.split()[0]
+    )
     os.kill(pid_1, signal.SIGTERM)
     assert proc.finish(deadline_s=30) == exit_codes.PREEMPTED, proc.tail()
     assert "trainingrun launch: stopped by SIGTERM" in proc.log

@@ -1,5 +1,6 @@
 """Exact resume under torchrun: a 2-process run whose worker is SIGKILLed and resumed ends with the
 same model digest as an uninterrupted run (deterministic mode, CPU, gloo, file:// checkpoints)."""
+
 import contextlib
 import os
 import shutil
@@ -17,30 +18,54 @@ from tiny_runs import tiny_trainer
 from trainingrun_api import contract
 from trainingrun_trainer.checkpoint import CheckpointStore
 
-TRAINER = tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, gradAccumulationSteps=2,
-                       ema={"enabled": True})
+TRAINER = tiny_trainer(
+    maxSteps=40, deterministic=True, logIntervalSteps=1, gradAccumulationSteps=2, ema={"enabled": True}
+)
 # The masked autoencoder draws its masks from the torch RNG, and evaluation runs between
 # checkpoints: resume must restore RNG streams and evaluation must not disturb them.
 MAE_TRAINER = {
     **TRAINER,
-    "model": {"classPath": "trainingrun_trainer.models.MaskedAutoencoder",
-              "initArgs": {"imageSize": 8, "patchSize": 4, "dim": 16, "layers": 1, "heads": 2, "decoderDim": 8}},
-    "data": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticImages",
-                         "initArgs": {"numSamples": 4096, "imageSize": 8}}, "batchSize": 8},
+    "model": {
+        "classPath": "trainingrun_trainer.models.MaskedAutoencoder",
+        "initArgs": {"imageSize": 8, "patchSize": 4, "dim": 16, "layers": 1, "heads": 2, "decoderDim": 8},
+    },
+    "data": {
+        "dataset": {
+            "classPath": "trainingrun_trainer.data.SyntheticImages",
+            "initArgs": {"numSamples": 4096, "imageSize": 8},
+        },
+        "batchSize": 8,
+    },
     "eval": {"intervalSteps": 7, "batches": 2},
 }
 
 
-def torchrun(tmp_path: Path, name: str, nproc: int = 2, trainer: dict = TRAINER,
-             env: Optional[dict] = None) -> subprocess.Popen:
+def torchrun(
+    tmp_path: Path, name: str, nproc: int = 2, trainer: dict = TRAINER, env: Optional[dict] = None
+) -> subprocess.Popen:
     config = tmp_path / f"{name}.yaml"
     uri = f"file://{tmp_path}/{name}"
     config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": uri, "interval": {"steps": 10}}}))
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
-    environment.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": name, "OMP_NUM_THREADS": "1",
-                        "PYTHONFAULTHANDLER": "1", **(env or {})})
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--max-restarts=0", "-m", "trainingrun_trainer"]
+    environment.update(
+        {
+            "TRAININGRUN_CONFIG": str(config),
+            "TRAININGRUN_NAME": name,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",
+            **(env or {}),
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        "trainingrun_trainer",
+    ]
     return subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -120,16 +145,21 @@ def as_format_1(step_dir: Path) -> None:
     everything = load_everything(str(step_dir))
     manifest = json.loads((step_dir / "manifest.json").read_text())
     shutil.rmtree(step_dir)
-    dcp.save({k: everything[k] for k in ("model", "optim", "ema")}, storage_writer=FsspecWriter(f"file://{step_dir}"),
-             no_dist=True)
+    dcp.save(
+        {k: everything[k] for k in ("model", "optim", "ema")},
+        storage_writer=FsspecWriter(f"file://{step_dir}"),
+        no_dist=True,
+    )
     shared = {k: everything.get(k, {}) for k in ("scheduler", "scaler", "sampler", "guard")}  # a disabled scaler: {}
     for rank in range(manifest["world_size"]):
         per_rank = torch.load(io.BytesIO(everything[f"extra-rank-{rank}"]), weights_only=False)
         buffer = io.BytesIO()
         torch.save({**per_rank, **shared, **everything["train"]}, buffer)
         (step_dir / f"extra-rank-{rank}.pt").write_bytes(buffer.getvalue())
-    files = [{"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-             for p in sorted(step_dir.iterdir())]
+    files = [
+        {"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(step_dir.iterdir())
+    ]
     (step_dir / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1, "files": files}))
 
 

@@ -1,6 +1,7 @@
 """The built-in trainer on data in object storage: token shards and text on the GCS emulator and on moto's S3,
 a worker SIGKILLed mid-epoch, and the resumed run ends with the model of an uninterrupted run that read the same
 bytes from local files (tests/unit/test_shards.py covers the formats, the errors and the cache)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,14 +47,26 @@ def image_shards() -> dict[str, bytes]:
 
 
 CHAR_MODEL = {**tiny_model(), "initArgs": {**tiny_model()["initArgs"]}}
-MAE_MODEL = {"classPath": "trainingrun_trainer.models.MaskedAutoencoder",
-             "initArgs": {"imageSize": 8, "patchSize": 4, "dim": 16, "layers": 1, "heads": 2, "decoderDim": 8}}
+MAE_MODEL = {
+    "classPath": "trainingrun_trainer.models.MaskedAutoencoder",
+    "initArgs": {"imageSize": 8, "patchSize": 4, "dim": 16, "layers": 1, "heads": 2, "decoderDim": 8},
+}
 # kind: (dataset class, its files, its initArgs, the model and its vocabulary)
 DATASETS = {
-    "tokens": ("trainingrun_trainer.shards.TokenShards", token_shards,
-               {"vocabSize": 128, "contextLength": 16, "numSamples": 2000}, CHAR_MODEL, 128),
-    "text": ("trainingrun_trainer.shards.TextBytes", text_files, {"contextLength": 16, "numSamples": 2000},
-             CHAR_MODEL, 256),
+    "tokens": (
+        "trainingrun_trainer.shards.TokenShards",
+        token_shards,
+        {"vocabSize": 128, "contextLength": 16, "numSamples": 2000},
+        CHAR_MODEL,
+        128,
+    ),
+    "text": (
+        "trainingrun_trainer.shards.TextBytes",
+        text_files,
+        {"contextLength": 16, "numSamples": 2000},
+        CHAR_MODEL,
+        256,
+    ),
     "images": ("trainingrun_trainer.shards.ImageShards", image_shards, {"imageSize": 8}, MAE_MODEL, None),
 }
 
@@ -65,8 +78,12 @@ def bucket(request):
         server, uri = request.getfixturevalue("gcs_server"), request.getfixturevalue("gcs_bucket")
         return server, uri, {"STORAGE_EMULATOR_HOST": server.endpoint_url, "NO_GCE_CHECK": "true"}, {}
     server, uri = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
-    return server, uri, {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}, \
-        {"endpointUrl": server.endpoint_url}
+    return (
+        server,
+        uri,
+        {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
+        {"endpointUrl": server.endpoint_url},
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(DATASETS))
@@ -82,20 +99,35 @@ def test_killed_mid_epoch_and_resumed_from_the_bucket_as_if_uninterrupted(bucket
     def trainer(data_uri: str, **more: str) -> dict:
         built = {**model, "initArgs": {**model["initArgs"], **({"vocabSize": vocabulary} if vocabulary else {})}}
         dataset = {"classPath": class_path, "initArgs": {"uri": data_uri, **args, **more}}
-        return tiny_trainer(maxSteps=40, deterministic=True, logIntervalSteps=1, model=built,
-                            data={"dataset": dataset, "batchSize": 8, "numWorkers": 1})
+        return tiny_trainer(
+            maxSteps=40,
+            deterministic=True,
+            logIntervalSteps=1,
+            model=built,
+            data={"dataset": dataset, "batchSize": 8, "numWorkers": 1},
+        )
 
-    reference = torchrun(tmp_path, "reference", trainer=trainer(f"file://{local}"),
-                         env={"TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-reference")})
+    reference = torchrun(
+        tmp_path,
+        "reference",
+        trainer=trainer(f"file://{local}"),
+        env={"TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-reference")},
+    )
     err = stderr_of(reference)
     assert reference.returncode == 0, err[-3000:]
 
     from_bucket = trainer(f"{uri}/data", **reach)
     # Each run its own block cache: the resumed run reads the bucket again, not what the first one cached.
-    killed_at(tmp_path, "interrupted", 15, trainer=from_bucket,
-              env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-1")})
-    resumed = torchrun(tmp_path, "interrupted", trainer=from_bucket,
-                       env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-2")})
+    killed_at(
+        tmp_path,
+        "interrupted",
+        15,
+        trainer=from_bucket,
+        env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-1")},
+    )
+    resumed = torchrun(
+        tmp_path, "interrupted", trainer=from_bucket, env={**env, "TRAININGRUN_DATA_CACHE": str(tmp_path / "cache-2")}
+    )
     err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 10" in err
@@ -119,7 +151,8 @@ def test_prepare_uploads_text_shards_that_the_dataset_reads(bucket, tmp_path, mo
     text = b"\n".join(p.read_bytes() for p in sorted(corpus.glob("*.txt")))
     assert len(done.shards) == -(-len(text) // 5000)
     assert b"".join(server.fs.cat_file(s.split("://", 1)[1]) for s in done.shards) == text
-    data = TextBytes(f"{uri}/prepared", context_length=32, cache_dir=str(tmp_path / "cache"),
-                     endpoint_url=reach.get("endpointUrl"))
+    data = TextBytes(
+        f"{uri}/prepared", context_length=32, cache_dir=str(tmp_path / "cache"), endpoint_url=reach.get("endpointUrl")
+    )
     assert [s.uri for s in data.shards] == done.shards
     assert all(bytes(data[i]["tokens"].tolist()) in text for i in range(30))

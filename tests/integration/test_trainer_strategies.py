@@ -1,4 +1,5 @@
 """The other run paths of the loop: FSDP2 sharding, activation checkpointing, torch.compile, bf16."""
+
 import os
 import subprocess
 import sys
@@ -14,19 +15,37 @@ TINY = tiny_trainer(samples=2048, layers=2, logIntervalSteps=5, maxSteps=20)
 
 def torchrun(tmp_path, name, trainer, nproc=2):
     config = tmp_path / f"{name}.yaml"
-    config.write_text(yaml.safe_dump({"trainer": trainer,
-                                      "checkpoint": {"uri": f"file://{tmp_path}/{name}", "interval": {"steps": 10}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {"trainer": trainer, "checkpoint": {"uri": f"file://{tmp_path}/{name}", "interval": {"steps": 10}}}
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
     env.update({"TRAININGRUN_CONFIG": str(config), "OMP_NUM_THREADS": "1"})
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "--max-restarts=0", "-m", "trainingrun_trainer"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=0",
+            "-m",
+            "trainingrun_trainer",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
 def losses(stderr):
-    return [float(line.split(" loss ")[1].split()[0]) for line in stderr.splitlines() if "rank0 INFO" in line and " loss " in line and "eval" not in line]
+    return [
+        float(line.split(" loss ")[1].split()[0])
+        for line in stderr.splitlines()
+        if "rank0 INFO" in line and " loss " in line and "eval" not in line
+    ]
 
 
 @pytest.mark.slow

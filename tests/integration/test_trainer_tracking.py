@@ -1,5 +1,6 @@
 """The trainer's loggers across a SIGKILLed worker and the resumed run: one tracked run, each step once
 (TensorBoard read back with its own reader, MLflow through a real server's REST API)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,11 @@ pytestmark = pytest.mark.slow
 
 def test_one_tensorboard_run_across_a_kill_and_a_resume_with_each_step_once(tmp_path):
     log_dir = tmp_path / "tensorboard"
-    trainer = {**TRAINER, "eval": {"intervalSteps": 10, "batches": 2},
-               "loggers": [{"kind": "tensorboard", "logDir": str(log_dir)}]}
+    trainer = {
+        **TRAINER,
+        "eval": {"intervalSteps": 10, "batches": 2},
+        "loggers": [{"kind": "tensorboard", "logDir": str(log_dir)}],
+    }
     killed_at(tmp_path, "tracked", 15, trainer=trainer)
     resumed = torchrun(tmp_path, "tracked", trainer=trainer)
     err = stderr_of(resumed)
@@ -41,7 +45,9 @@ def kill_and_resume(tmp_path, trainer, env):
 
 
 def rest(server, path, **query):
-    with urllib.request.urlopen(f"{server}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}", timeout=30) as answer:
+    with urllib.request.urlopen(
+        f"{server}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}", timeout=30
+    ) as answer:
         return json.load(answer)
 
 
@@ -50,9 +56,12 @@ def test_one_mlflow_run_across_a_kill_and_a_resume_with_each_step_once(tmp_path,
     kill_and_resume(tmp_path, trainer, env={"TRAININGRUN_UID": "uid-of-tracked", "TRAININGRUN_NAMESPACE": "team-a"})
 
     experiment = rest(mlflow_server, "experiments/get-by-name", experiment_name="resume-test")["experiment"]
-    request = urllib.request.Request(f"{mlflow_server}/api/2.0/mlflow/runs/search", method="POST",
-                                     headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"experiment_ids": [experiment["experiment_id"]]}).encode())
+    request = urllib.request.Request(
+        f"{mlflow_server}/api/2.0/mlflow/runs/search",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"experiment_ids": [experiment["experiment_id"]]}).encode(),
+    )
     with urllib.request.urlopen(request, timeout=30) as answer:
         runs = json.load(answer)["runs"]
     assert len(runs) == 1  # one run for both attempts
@@ -69,11 +78,14 @@ def test_one_wandb_run_across_a_kill_and_a_resume_with_each_step_once(tmp_path):
     the TrainingRun's uid: `wandb sync` uploads them into that one run, where each step is once."""
     directory = tmp_path / "wandb-files"
     trainer = {**TRAINER, "loggers": [{"kind": "wandb", "project": "resume-test", "logDir": str(directory)}]}
-    kill_and_resume(tmp_path, trainer, env={"TRAININGRUN_UID": "uid-of-tracked", "WANDB_MODE": "offline",
-                                            "WANDB_SILENT": "true"})
+    kill_and_resume(
+        tmp_path, trainer, env={"TRAININGRUN_UID": "uid-of-tracked", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    )
 
-    runs = {path.parent.name: list(tracking.wandb_history_steps(str(path)))
-            for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb"))}
+    runs = {
+        path.parent.name: list(tracking.wandb_history_steps(str(path)))
+        for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb"))
+    }
     assert len(runs) == 2 and all(name.endswith("-uid-of-tracked") for name in runs), runs.keys()
     first, resumed = runs.values()
     assert first[:16] == list(range(0, 16))  # the attempt's start (run/attempt), then its steps up to the kill

@@ -5,6 +5,7 @@ of the chart with every ci/ values file, with Helm 4 and Helm 3. A real API serv
 offline tool did: every CRD default against the schema's own CEL rules, CEL cost budgets, strict
 decoding, and RBAC objects as the RBAC API stores them.
 """
+
 import json
 import subprocess
 import time
@@ -22,18 +23,31 @@ HELMS = {"helm4": REPO / ".tools/bin/helm", "helm3": REPO / ".tools/bin/helm3"}
 # The Prometheus Operator's CRDs cannot be downloaded here (no registry ships them), so the monitoring
 # scenario installs stand-ins that accept any spec: they prove the chart's objects are of kinds and
 # versions the Prometheus Operator serves; their content is checked by promtool in test_monitoring.py.
-PROMETHEUS_OPERATOR_KINDS = {"PodMonitor": "podmonitors", "ServiceMonitor": "servicemonitors",
-                             "PrometheusRule": "prometheusrules"}
+PROMETHEUS_OPERATOR_KINDS = {
+    "PodMonitor": "podmonitors",
+    "ServiceMonitor": "servicemonitors",
+    "PrometheusRule": "prometheusrules",
+}
 
 
 def stand_in_crd(kind: str, plural: str) -> dict:
     return {
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
         "metadata": {"name": f"{plural}.monitoring.coreos.com"},
-        "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-                 "names": {"kind": kind, "plural": plural, "listKind": f"{kind}List", "singular": kind.lower()},
-                 "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                     "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "listKind": f"{kind}List", "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }
+            ],
+        },
     }
 
 
@@ -55,8 +69,7 @@ def test_crds_install_server_side_and_explain_answers(kube_cluster_with_crds):
     assert "trainingruns.trainingrun.dev serverside-applied" in again
 
 
-def test_the_api_server_fills_in_the_models_defaults(kube_cluster_with_crds, kube_namespace, minimal_body,
-                                                    tmp_path):
+def test_the_api_server_fills_in_the_models_defaults(kube_cluster_with_crds, kube_namespace, minimal_body, tmp_path):
     """What the server stores for the smallest document is what the model assumes, field by field; and
     `kubectl get -o yaml` output validates (kubectl writes 1e-08, which YAML 1.1 reads as a string)."""
     from trainingrun_operator import validation
@@ -86,8 +99,9 @@ def assert_within(stored, model, path):
 
 def test_plain_manifests_apply_server_side(kube_cluster_with_crds):
     plane = kube_cluster_with_crds
-    result = plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"),
-                           "-f", str(REPO / "manifests" / "operator"))
+    result = plane.kubectl(
+        "apply", "--server-side", "-f", str(REPO / "manifests" / "crds"), "-f", str(REPO / "manifests" / "operator")
+    )
     assert "deployment.apps/trainingrun-trainingrun-operator serverside-applied" in result.stdout
     assert "clusterrole.rbac.authorization.k8s.io/trainingrun-trainingrun-operator serverside-applied" in result.stdout
     plane.kubectl("delete", "-f", str(REPO / "manifests" / "operator"), "--wait=false")
@@ -108,17 +122,32 @@ def test_helm_install_every_scenario(kube_cluster_with_crds, tmp_path, helm, val
             plane.wait_established(f"{plural}.monitoring.coreos.com")
     release, namespace = f"tr-{uuid.uuid4().hex[:6]}", f"trainingrun-{uuid.uuid4().hex[:6]}"
     env = {"KUBECONFIG": str(plane.admin_kubeconfig), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    install = subprocess.run([str(binary), "install", release, str(CHART), "--namespace", namespace,
-                              "--create-namespace", "-f", str(values_file)],
-                             capture_output=True, text=True, env=env, timeout=300)
+    install = subprocess.run(
+        [
+            str(binary),
+            "install",
+            release,
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--create-namespace",
+            "-f",
+            str(values_file),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     deployment = yaml.safe_load(plane.kubectl("-n", namespace, "get", "deployment", "-o", "yaml").stdout)["items"]
     assert [d["metadata"]["name"] for d in deployment] == [f"{release}-trainingrun-operator"]
     # The operator's identity can do what the operator does (the RBAC API accepted and resolves the rules).
     identity = f"system:serviceaccount:{namespace}:{release}-trainingrun-operator"
     watched = values.get("watchNamespaces") or ["default"]
-    can = plane.kubectl("auth", "can-i", "create", "pytorchjobs.kubeflow.org", "-n", watched[0], f"--as={identity}",
-                        check=False)
+    can = plane.kubectl(
+        "auth", "can-i", "create", "pytorchjobs.kubeflow.org", "-n", watched[0], f"--as={identity}", check=False
+    )
     assert can.stdout.strip() == "yes", can.stdout + can.stderr
     cannot = plane.kubectl("auth", "can-i", "get", "secrets", "-n", watched[0], f"--as={identity}", check=False)
     assert cannot.stdout.strip() == "no"
@@ -127,25 +156,66 @@ def test_helm_install_every_scenario(kube_cluster_with_crds, tmp_path, helm, val
     from trainingrun_operator import serving
     from trainingrun_operator.settings import Settings
 
-    report_service = json.loads(plane.kubectl("-n", namespace, "get", "service", f"{release}-trainingrun-operator-report",
-                                              "-o", "json", f"--as={identity}").stdout)
-    settings = Settings(report_service=f"{namespace}/{report_service['metadata']['name']}", pod_ip="10.244.0.9",
-                        report_port=report_service["spec"]["ports"][0]["targetPort"])
+    report_service = json.loads(
+        plane.kubectl(
+            "-n",
+            namespace,
+            "get",
+            "service",
+            f"{release}-trainingrun-operator-report",
+            "-o",
+            "json",
+            f"--as={identity}",
+        ).stdout
+    )
+    settings = Settings(
+        report_service=f"{namespace}/{report_service['metadata']['name']}",
+        pod_ip="10.244.0.9",
+        report_port=report_service["spec"]["ports"][0]["targetPort"],
+    )
     endpoint_slice = serving.report_endpoint_slice(settings, report_service)
     name = endpoint_slice["metadata"]["name"]
-    plane.kubectl("apply", "--server-side", "--field-manager=trainingrun-operator", "--force-conflicts", "-f", "-",
-                  f"--as={identity}", input=json.dumps(endpoint_slice))
-    upgrade = subprocess.run([str(binary), "upgrade", release, str(CHART), "--namespace", namespace, "-f",
-                              str(values_file), "--set", "report.tokenCacheSeconds=30"],
-                             capture_output=True, text=True, env=env, timeout=300)
+    plane.kubectl(
+        "apply",
+        "--server-side",
+        "--field-manager=trainingrun-operator",
+        "--force-conflicts",
+        "-f",
+        "-",
+        f"--as={identity}",
+        input=json.dumps(endpoint_slice),
+    )
+    upgrade = subprocess.run(
+        [
+            str(binary),
+            "upgrade",
+            release,
+            str(CHART),
+            "--namespace",
+            namespace,
+            "-f",
+            str(values_file),
+            "--set",
+            "report.tokenCacheSeconds=30",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
     kept = plane.kubectl("-n", namespace, "get", "endpointslice", name, "-o", "json").stdout
     assert json.loads(kept)["endpoints"] == endpoint_slice["endpoints"]
     for verb, what in (("patch", "endpointslices"), ("create", "endpointslices/other"), ("get", "services/other")):
         other = plane.kubectl("auth", "can-i", verb, what, "-n", namespace, f"--as={identity}", check=False)
         assert other.stdout.strip() == "no", (verb, what)  # that one slice and that one Service only
-    uninstall = subprocess.run([str(binary), "uninstall", release, "--namespace", namespace, "--wait"],
-                               capture_output=True, text=True, env=env, timeout=300)
+    uninstall = subprocess.run(
+        [str(binary), "uninstall", release, "--namespace", namespace, "--wait"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
     # The slice goes with its Service (the garbage collector), though Helm never knew it.
     deadline = time.monotonic() + 60

@@ -5,6 +5,7 @@ Each replica runs as its own process with the identity the chart gives it (ci/ha
 through a ClusterKopfPeering, its RBAC rule included), serving the report endpoint and publishing itself in
 the report Service's EndpointSlice while it acts, with a made-up pod IP each.
 """
+
 import contextlib
 import json
 import socket
@@ -29,10 +30,21 @@ def ha_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
     assert HELM.exists(), f"{HELM} missing: run scripts/install-helm.sh"
     plane.kubectl("apply", "--server-side", "-f", str(PEERING_CRDS))
     plane.wait_established("clusterkopfpeerings.kopf.dev")
-    rendered = subprocess.run([str(HELM), "template", RELEASE, str(REPO / "charts/trainingrun-operator"),
-                               "--namespace", RELEASE_NAMESPACE, "-f",
-                               str(REPO / "charts/trainingrun-operator/ci/ha-values.yaml")],
-                              capture_output=True, text=True, check=True).stdout
+    rendered = subprocess.run(
+        [
+            str(HELM),
+            "template",
+            RELEASE,
+            str(REPO / "charts/trainingrun-operator"),
+            "--namespace",
+            RELEASE_NAMESPACE,
+            "-f",
+            str(REPO / "charts/trainingrun-operator/ci/ha-values.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "Deployment"]
     deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -51,10 +63,15 @@ def replica_env(tls_dir, peering, report_service, pod_ip):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return {"TRAININGRUN_PEERING": peering, "TRAININGRUN_REPORT_URL": f"https://127.0.0.1:{port}{contract.REPORT_PATH}",
-            "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(tls_dir),
-            "TRAININGRUN_REPORT_SERVICE": report_service, "TRAININGRUN_OPERATOR_POD_IP": pod_ip,
-            "TRAININGRUN_OPERATOR_POD_NAME": f"operator-{pod_ip}"}
+    return {
+        "TRAININGRUN_PEERING": peering,
+        "TRAININGRUN_REPORT_URL": f"https://127.0.0.1:{port}{contract.REPORT_PATH}",
+        "TRAININGRUN_REPORT_PORT": str(port),
+        "TRAININGRUN_REPORT_TLS_DIR": str(tls_dir),
+        "TRAININGRUN_REPORT_SERVICE": report_service,
+        "TRAININGRUN_OPERATOR_POD_IP": pod_ip,
+        "TRAININGRUN_OPERATOR_POD_NAME": f"operator-{pod_ip}",
+    }
 
 
 def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_namespace, ha_kubeconfig, tmp_path):
@@ -65,8 +82,9 @@ def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_
 
     def report_addresses():
         """The slice's addresses; none while it does not exist (the replica that acts makes it)."""
-        found = cluster.plane.kubectl("-n", slice_namespace, "get", "endpointslice", slice_name, "-o", "json",
-                                      check=False)
+        found = cluster.plane.kubectl(
+            "-n", slice_namespace, "get", "endpointslice", slice_name, "-o", "json", check=False
+        )
         if found.returncode != 0:
             assert "NotFound" in found.stderr, found.stderr
             return []
@@ -77,15 +95,20 @@ def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_
     (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir(), (tmp_path / "tls").mkdir()
     tls = certificate(tmp_path / "tls")
     with contextlib.ExitStack() as replicas:  # a failed check must not leave a replica acting in later tests
-        first = running_operator(kubeconfig, tmp_path / "first",
-                                 **replica_env(tls, peering, report_service, "10.244.7.1"))
-        second = running_operator(kubeconfig, tmp_path / "second",
-                                  **replica_env(tls, peering, report_service, "10.244.7.2"))
+        first = running_operator(
+            kubeconfig, tmp_path / "first", **replica_env(tls, peering, report_service, "10.244.7.1")
+        )
+        second = running_operator(
+            kubeconfig, tmp_path / "second", **replica_env(tls, peering, report_service, "10.244.7.2")
+        )
         replicas.callback(second.close)
         replicas.callback(first.close)
         first_log = next(first)
-        wait_for(lambda: "acting: no replica started earlier" in first_log.read_text(), timeout=30,
-                 what="the first replica to act")
+        wait_for(
+            lambda: "acting: no replica started earlier" in first_log.read_text(),
+            timeout=30,
+            what="the first replica to act",
+        )
         second_log = next(second)
         wait_for(lambda: "standing by" in second_log.read_text(), timeout=30, what="the second replica to stand by")
         # Reports go to the replica that acts, and only to it: the standby wrote nothing.
@@ -99,8 +122,11 @@ def test_one_replica_acts_and_a_standby_takes_over(kube_cluster_with_crds, kube_
         assert f"{kube_namespace}/demo" not in second_log.read_text()  # the standby did nothing with it
 
         first.close()  # the acting replica stops (as in a rolling update or a drained node)
-        wait_for(lambda: "acting: no replica started earlier" in second_log.read_text(), timeout=60,
-                 what="the standby to take over")
+        wait_for(
+            lambda: "acting: no replica started earlier" in second_log.read_text(),
+            timeout=60,
+            what="the standby to take over",
+        )
         wait_for(lambda: report_addresses() == ["10.244.7.2"], what="the report Service to route to the second")
         # The pod's exit code is the failure's evidence: without it the operator waits FAILURE_EVIDENCE_GRACE
         # (30 s) for the pods' story before it starts the next attempt.

@@ -8,6 +8,7 @@ server adds over kmock: uids, generations and resourceVersions it sets itself, t
 RBAC with its escalation check, quota admission, and the garbage collector that removes a deleted
 run's children.
 """
+
 import json
 import os
 import subprocess
@@ -59,48 +60,110 @@ class RealCluster:
         return [e for e in items if reason is None or e["reason"] == reason]
 
     def patch_status(self, kind, name, status):
-        self.plane.kubectl("-n", self.namespace, "patch", kind, name, "--subresource=status", "--type=merge",
-                           "-p", json.dumps({"status": status}))
+        self.plane.kubectl(
+            "-n",
+            self.namespace,
+            "patch",
+            kind,
+            name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": status}),
+        )
 
     def job_condition(self, job_name, *types):
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.patch_status(JOBS, job_name, {"conditions": [
-            {"type": t, "status": "True", "reason": f"PyTorchJob{t}", "message": "", "lastUpdateTime": now,
-             "lastTransitionTime": now} for t in types]})
+        self.patch_status(
+            JOBS,
+            job_name,
+            {
+                "conditions": [
+                    {
+                        "type": t,
+                        "status": "True",
+                        "reason": f"PyTorchJob{t}",
+                        "message": "",
+                        "lastUpdateTime": now,
+                        "lastTransitionTime": now,
+                    }
+                    for t in types
+                ]
+            },
+        )
 
     def worker_pod(self, job_name, index=0):
         """A worker pod as Kubeflow creates it: the template's labels, owned by the job."""
         job = self.get(JOBS, job_name)
         template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
         name = f"{job_name}-worker-{index}"
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": self.namespace,
-                            "labels": {**template["metadata"]["labels"], "training.kubeflow.org/job-name": job_name},
-                            "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                                                 "name": job_name, "uid": job["metadata"]["uid"],
-                                                 "controller": True, "blockOwnerDeletion": True}]},
-               "spec": template["spec"]}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": {**template["metadata"]["labels"], "training.kubeflow.org/job-name": job_name},
+                "ownerReferences": [
+                    {
+                        "apiVersion": "kubeflow.org/v1",
+                        "kind": "PyTorchJob",
+                        "name": job_name,
+                        "uid": job["metadata"]["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "spec": template["spec"],
+        }
         self.plane.kubectl("create", "-f", "-", input=json.dumps(pod))
         return name
 
     def container_terminated(self, pod_name, exit_code, reason):
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.patch_status("pod", pod_name, {"phase": "Failed", "containerStatuses": [{
-            "name": "pytorch", "image": "trainer", "imageID": "", "ready": False, "restartCount": 0,
-            "state": {"terminated": {"exitCode": exit_code, "reason": reason, "startedAt": now, "finishedAt": now}}}]})
+        self.patch_status(
+            "pod",
+            pod_name,
+            {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "name": "pytorch",
+                        "image": "trainer",
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {"exitCode": exit_code, "reason": reason, "startedAt": now, "finishedAt": now}
+                        },
+                    }
+                ],
+            },
+        )
 
     def warning(self, kind, name, reason, message):
         """A Warning Event, as Kubeflow (on the job) or the kubelet (on a pod) records one."""
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        event = {"apiVersion": "v1", "kind": "Event",
-                 "metadata": {"name": f"{name}.{uuid.uuid4().hex[:10]}", "namespace": self.namespace},
-                 "involvedObject": {"kind": kind, "name": name, "namespace": self.namespace}, "type": "Warning",
-                 "reason": reason, "message": message, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-                 "source": {"component": "test"}}
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{name}.{uuid.uuid4().hex[:10]}", "namespace": self.namespace},
+            "involvedObject": {"kind": kind, "name": name, "namespace": self.namespace},
+            "type": "Warning",
+            "reason": reason,
+            "message": message,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": "test"},
+        }
         self.plane.kubectl("create", "-f", "-", input=json.dumps(event))
 
     def env_of(self, job_name):
-        container = self.get(JOBS, job_name)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+        container = self.get(JOBS, job_name)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][
+            0
+        ]
         return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
@@ -110,8 +173,12 @@ def operator_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
     token, as the operator's pod would have."""
     plane = kube_cluster_with_crds
     assert HELM.exists(), f"{HELM} missing: run scripts/install-helm.sh"
-    rendered = subprocess.run([str(HELM), "template", RELEASE, str(REPO / "charts/trainingrun-operator"),
-                               "--namespace", RELEASE_NAMESPACE], capture_output=True, text=True, check=True).stdout
+    rendered = subprocess.run(
+        [str(HELM), "template", RELEASE, str(REPO / "charts/trainingrun-operator"), "--namespace", RELEASE_NAMESPACE],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     # Everything but the Deployment: this test runs the operator itself, with the Deployment's identity.
     documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "Deployment"]
     plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
@@ -129,16 +196,27 @@ def operator_process(operator_kubeconfig, tmp_path):
 def running_operator(kubeconfig, tmp_path, **extra_env):
     """`trainingrun operator` as its own process with the chart's identity; yields its log file."""
     log = tmp_path / "operator.log"
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "0.5",
-           "TRAININGRUN_CRD_CHECK_SECONDS": "1", "TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS": "1",
-           "TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS": "1",
-           "TRAININGRUN_OPERATOR_METRICS_PORT": "0", "TRAININGRUN_OPERATOR_HEALTH_PORT": "0", **extra_env}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "0.5",
+        "TRAININGRUN_CRD_CHECK_SECONDS": "1",
+        "TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS": "1",
+        "TRAININGRUN_PENDING_EVENTS_AFTER_SECONDS": "1",
+        "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
+        "TRAININGRUN_OPERATOR_HEALTH_PORT": "0",
+        **extra_env,
+    }
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "trainingrun_operator"], env=env, stdout=out,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trainingrun_operator"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
     try:
-        wait_for(lambda: "PyTorchJob CRD (kubeflow.org/v1) is served" in log.read_text() or process.poll() is not None,
-                 timeout=60, what="the operator to see the PyTorchJob CRD")
+        wait_for(
+            lambda: "PyTorchJob CRD (kubeflow.org/v1) is served" in log.read_text() or process.poll() is not None,
+            timeout=60,
+            what="the operator to see the PyTorchJob CRD",
+        )
         assert process.poll() is None, log.read_text()[-3000:]
         yield log
     finally:
@@ -155,9 +233,12 @@ def cluster(kube_cluster_with_crds, kube_namespace):
 
 
 def training_run(namespace, **spec):
-    body = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-            "metadata": {"name": "demo", "namespace": namespace},
-            "spec": {"checkpoint": {"uri": "s3://bucket/demo"}, "recovery": {"backoffSeconds": 0}, **spec}}
+    body = {
+        "apiVersion": "trainingrun.dev/v1alpha1",
+        "kind": "TrainingRun",
+        "metadata": {"name": "demo", "namespace": namespace},
+        "spec": {"checkpoint": {"uri": "s3://bucket/demo"}, "recovery": {"backoffSeconds": 0}, **spec},
+    }
     return json.dumps(body)
 
 
@@ -181,8 +262,9 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     assert_kubeflows_sdk_reads_the_job(plane, ns, "demo-a1", workers=2)
     # progress and a committed checkpoint in status (the report endpoint writes them: test_reports_real.py)
     checkpoint = {"uri": "s3://bucket/demo/step-00000300", "step": 300, "time": "2026-11-23T00:00:00Z"}
-    cluster.patch_status(RUNS, "demo", {"progress": {"step": 310, "updatedAt": "2026-11-23T00:00:05Z"},
-                                        "lastGoodCheckpoint": checkpoint})
+    cluster.patch_status(
+        RUNS, "demo", {"progress": {"step": 310, "updatedAt": "2026-11-23T00:00:05Z"}, "lastGoodCheckpoint": checkpoint}
+    )
     pod = cluster.worker_pod("demo-a1")
     cluster.container_terminated(pod, 134, "Error")  # SIGABRT: a failure, retryable
     cluster.job_condition("demo-a1", "Created", "Failed")
@@ -190,8 +272,13 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     wait_for(lambda: cluster.get(JOBS, "demo-a2"), what="attempt 2")
     assert cluster.env_of("demo-a2")["TRAININGRUN_RESUME_FROM"] == checkpoint["uri"]
     # the rendezvous Service now selects attempt 2's worker-0, at the address the server gave it at attempt 1
-    moved = wait_for(lambda: (cluster.get("service", "demo-rendezvous")["spec"]["selector"][builders.LABEL_ATTEMPT]
-                              == "2") and cluster.get("service", "demo-rendezvous"), what="the Service at attempt 2")
+    moved = wait_for(
+        lambda: (
+            (cluster.get("service", "demo-rendezvous")["spec"]["selector"][builders.LABEL_ATTEMPT] == "2")
+            and cluster.get("service", "demo-rendezvous")
+        ),
+        what="the Service at attempt 2",
+    )
     assert moved["spec"]["clusterIP"] == rendezvous["spec"]["clusterIP"]
     status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
     assert status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1, "backoffSeconds": 0.0}
@@ -210,8 +297,11 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     # fresh cluster the CRD is seconds old, so the children went 39 s after the delete (built-ins: ~0.2 s).
     plane.kubectl("-n", ns, "delete", RUNS, "demo", "--wait=true", "--timeout=60s")
     for kind, name in children + [(JOBS, "demo-a2"), ("pod", pod)]:
-        wait_for(lambda kind=kind, name=name: cluster.get(kind, name) is None, timeout=120,
-                 what=f"the garbage collector to delete {kind}/{name}")
+        wait_for(
+            lambda kind=kind, name=name: cluster.get(kind, name) is None,
+            timeout=120,
+            what=f"the garbage collector to delete {kind}/{name}",
+        )
 
 
 def assert_kubeflows_sdk_reads_the_job(plane, namespace, name, workers):
@@ -231,8 +321,12 @@ def test_a_quota_refusal_is_a_condition_until_the_quota_allows_it(cluster, opera
     """A refusal the real server makes (quota admission, 403): condition ChildRejected with the server's words
     and one Event; when the quota is lifted the attempt starts and the condition clears."""
     plane, ns = cluster.plane, cluster.namespace
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-jobs", "namespace": ns},
-             "spec": {"hard": {"count/pytorchjobs.kubeflow.org": "0"}}}
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-jobs", "namespace": ns},
+        "spec": {"hard": {"count/pytorchjobs.kubeflow.org": "0"}},
+    }
     plane.kubectl("create", "-f", "-", input=json.dumps(quota))
     plane.kubectl("create", "-f", "-", input=training_run(ns))
     condition = wait_for(lambda: cluster.condition("ChildRejected"), what="condition ChildRejected")
@@ -267,16 +361,32 @@ def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_proces
     plane, ns = cluster.plane, cluster.namespace
     plane.kubectl("create", "-f", "-", input=training_run(ns))
     wait_for(lambda: cluster.status().get("phase") == "Pending", what="phase Pending")
-    cluster.warning("PyTorchJob", "demo-a1", "FailedCreate",
-                    'Error creating: pods "demo-a1-worker-0" is forbidden: exceeded quota: pods')
+    cluster.warning(
+        "PyTorchJob",
+        "demo-a1",
+        "FailedCreate",
+        'Error creating: pods "demo-a1-worker-0" is forbidden: exceeded quota: pods',
+    )
     condition = wait_for(lambda: cluster.condition("PodsNotCreated"), timeout=60, what="condition PodsNotCreated")
     assert condition["status"] == "True" and "exceeded quota: pods" in condition["message"]
 
     pod = cluster.worker_pod("demo-a1")
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    cluster.patch_status("pod", pod, {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                                      "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
-                                                      "lastTransitionTime": now}]})
+    cluster.patch_status(
+        "pod",
+        pod,
+        {
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+                    "lastTransitionTime": now,
+                }
+            ]
+        },
+    )
     condition = wait_for(lambda: cluster.condition("Unschedulable"), timeout=60, what="condition Unschedulable")
     assert "Insufficient nvidia.com/gpu" in condition["message"]
 
@@ -285,8 +395,11 @@ def test_a_pending_attempt_says_why_its_pods_do_not_run(cluster, operator_proces
     assert 'secret "gcs" not found' in condition["message"]
     assert {e["reason"] for e in cluster.events()} >= {"PodsNotCreated", "Unschedulable", "SecretMissing"}
 
-    cluster.patch_status("pod", pod, {"phase": "Running", "conditions": [
-        {"type": "PodScheduled", "status": "True", "lastTransitionTime": now}]})
+    cluster.patch_status(
+        "pod",
+        pod,
+        {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now}]},
+    )
     cluster.job_condition("demo-a1", "Created", "Running")
     wait_for(lambda: cluster.status().get("phase") == "Running", what="phase Running")
     for type_ in ("PodsNotCreated", "Unschedulable", "SecretMissing"):
@@ -305,8 +418,15 @@ def test_a_job_planted_with_an_owner_reference_to_the_run_is_never_used(cluster,
     assert mine["metadata"]["annotations"].get(builders.ANNOTATION_SIGNATURE)
     planted = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 2)
     planted["metadata"]["namespace"] = ns
-    planted["metadata"]["ownerReferences"] = [{"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-                                               "name": "demo", "uid": run["metadata"]["uid"], "controller": True}]
+    planted["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "trainingrun.dev/v1alpha1",
+            "kind": "TrainingRun",
+            "name": "demo",
+            "uid": run["metadata"]["uid"],
+            "controller": True,
+        }
+    ]
     planted["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"] = "evil/image:1"
     plane.kubectl("create", "-f", "-", input=json.dumps(planted))
     before = cluster.get(JOBS, "demo-a2")["metadata"]["resourceVersion"]
@@ -333,18 +453,30 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
     job = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 1)
     del job["metadata"]["ownerReferences"]
     foreign = [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "demo-config", "labels": labels},
-         "data": {"settings": "someone else's"}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "demo-config", "labels": labels},
+            "data": {"settings": "someone else's"},
+        },
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "demo-trainer"}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "demo-trainer"},
-         "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}]},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": "demo-trainer"},
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}],
+        },
         job,
     ]
     for document in foreign:
         document["metadata"]["namespace"] = ns
         plane.kubectl("create", "-f", "-", input=json.dumps(document))
-    kinds = [("configmap", "demo-config"), ("serviceaccount", "demo-trainer"), ("role", "demo-trainer"),
-             (JOBS, "demo-a1")]
+    kinds = [
+        ("configmap", "demo-config"),
+        ("serviceaccount", "demo-trainer"),
+        ("role", "demo-trainer"),
+        (JOBS, "demo-a1"),
+    ]
     before = {kind: cluster.get(kind, name)["metadata"]["resourceVersion"] for kind, name in kinds}
 
     plane.kubectl("create", "-f", "-", input=training_run(ns))
@@ -361,8 +493,11 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
 
     for kind, name in [("configmap", "demo-config"), (JOBS, "demo-a1")]:
         plane.kubectl("-n", ns, "delete", kind, name)
-    wait_for(lambda: (cluster.condition("NameConflict") or {}).get("status") == "False", timeout=60,
-             what="NameConflict resolved")
+    wait_for(
+        lambda: (cluster.condition("NameConflict") or {}).get("status") == "False",
+        timeout=60,
+        what="NameConflict resolved",
+    )
     run_uid = cluster.get(RUNS, "demo")["metadata"]["uid"]
     assert cluster.get("configmap", "demo-config")["metadata"]["ownerReferences"][0]["uid"] == run_uid
     assert len(cluster.events("NameConflict")) == 1

@@ -5,6 +5,7 @@ report endpoint over TLS with a certificate this test makes. Tokens come from th
 TokenRequest, bound to pods the test creates as Kubeflow would (owned by the attempt's PyTorchJob), so
 TokenReview, the pod binding and the audience are the real server's. The test plays the trainer's rank 0.
 """
+
 import datetime
 import json
 import ssl
@@ -41,19 +42,34 @@ def certificate(directory):
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test report CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
     (directory / "ca.crt").write_bytes(ca.public_bytes(pem))
     (directory / "tls.crt").write_bytes(cert.public_bytes(pem))
-    (directory / "tls.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+    (directory / "tls.key").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return directory
 
 
@@ -66,8 +82,7 @@ def endpoint(operator_kubeconfig, tmp_path):  # noqa: F811
         port = sock.getsockname()[1]
     tls = certificate(tmp_path)
     url = f"https://127.0.0.1:{port}{contract.REPORT_PATH}"
-    env = {"TRAININGRUN_REPORT_URL": url, "TRAININGRUN_REPORT_PORT": str(port),
-           "TRAININGRUN_REPORT_TLS_DIR": str(tls)}
+    env = {"TRAININGRUN_REPORT_URL": url, "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(tls)}
     for log in running_operator(operator_kubeconfig, tmp_path, **env):
         wait_for(lambda log=log: "report endpoint listening" in log.read_text(), what="the report endpoint")
         yield url, ssl.create_default_context(cafile=str(tls / "ca.crt"))
@@ -86,8 +101,12 @@ def post(endpoint, report, token):
 
 def started(cluster, name, **spec):  # noqa: F811
     """A run of ACCOUNT whose attempt 1 runs, and its worker pod: (run uid, pod name, pod uid)."""
-    cluster.plane.kubectl("create", "-f", "-", input=training_run(cluster.namespace, **spec).replace(
-        '"name": "demo"', f'"name": "{name}"'))
+    cluster.plane.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=training_run(cluster.namespace, **spec).replace('"name": "demo"', f'"name": "{name}"'),
+    )
     wait_for(lambda: cluster.get(JOBS, f"{name}-a1"), what=f"{name}'s PyTorchJob")
     cluster.job_condition(f"{name}-a1", "Created", "Running")
     wait_for(lambda: cluster.status(name).get("phase") == "Running", what=f"{name} Running")
@@ -97,9 +116,15 @@ def started(cluster, name, **spec):  # noqa: F811
 
 def report_of(cluster, name, uid, attempt=1, step=5, checkpoint=None, in_memory=None):  # noqa: F811
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return Report(cluster.namespace, name, uid, attempt, progress=Progress(step, now, total_steps=20, loss=2.5),
-                  last_good_checkpoint=checkpoint,
-                  checkpoint_in_memory=contract.CheckpointInMemory(in_memory, now) if in_memory else None)
+    return Report(
+        cluster.namespace,
+        name,
+        uid,
+        attempt,
+        progress=Progress(step, now, total_steps=20, loss=2.5),
+        last_good_checkpoint=checkpoint,
+        checkpoint_in_memory=contract.CheckpointInMemory(in_memory, now) if in_memory else None,
+    )
 
 
 def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endpoint):  # noqa: F811
@@ -114,7 +139,9 @@ def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endp
     other_token = plane.token(ns, ACCOUNT, contract.REPORT_AUDIENCE, pod=(other_pod, other_pod_uid))
 
     checkpoint = CommittedCheckpoint("s3://bucket/demo/step-00000004", 4, "2026-11-24T00:00:00Z")
-    assert post(endpoint, report_of(cluster, "demo", demo_uid, checkpoint=checkpoint, in_memory=5), demo_token)[0] == 200
+    assert (
+        post(endpoint, report_of(cluster, "demo", demo_uid, checkpoint=checkpoint, in_memory=5), demo_token)[0] == 200
+    )
     status = wait_for(lambda: cluster.status("demo").get("progress") and cluster.status("demo"), what="progress")
     assert status["progress"]["step"] == 5 and status["lastGoodCheckpoint"]["uri"] == checkpoint.uri
     assert status["checkpointInMemory"]["step"] == 5  # the CRD's status schema keeps it (a server prunes what it lacks)
@@ -126,13 +153,25 @@ def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endp
     refused = {
         "another run's pod": (report_of(cluster, "other", other_uid, step=99), demo_token),
         "for another run": (report_of(cluster, "demo", demo_uid, step=99), other_token),
-        "another audience": (report_of(cluster, "demo", demo_uid, step=99),
-                             plane.token(ns, ACCOUNT, pod=(demo_pod, demo_pod_uid))),
-        "not bound to a pod": (report_of(cluster, "demo", demo_uid, step=99),
-                               plane.token(ns, ACCOUNT, contract.REPORT_AUDIENCE)),
+        "another audience": (
+            report_of(cluster, "demo", demo_uid, step=99),
+            plane.token(ns, ACCOUNT, pod=(demo_pod, demo_pod_uid)),
+        ),
+        "not bound to a pod": (
+            report_of(cluster, "demo", demo_uid, step=99),
+            plane.token(ns, ACCOUNT, contract.REPORT_AUDIENCE),
+        ),
         "no token": (report_of(cluster, "demo", demo_uid, step=99), None),
-        "a checkpoint elsewhere": (report_of(cluster, "demo", demo_uid, step=99, checkpoint=CommittedCheckpoint(
-            "s3://attacker/x/step-00000100", 100, "2026-11-24T00:00:00Z")), demo_token),
+        "a checkpoint elsewhere": (
+            report_of(
+                cluster,
+                "demo",
+                demo_uid,
+                step=99,
+                checkpoint=CommittedCheckpoint("s3://attacker/x/step-00000100", 100, "2026-11-24T00:00:00Z"),
+            ),
+            demo_token,
+        ),
     }
     for what, (report, token) in refused.items():
         code, message = post(endpoint, report, token)
@@ -159,10 +198,16 @@ def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endp
 def test_no_reports_is_a_condition_and_reports_without_progress_are_a_stall(cluster, endpoint):  # noqa: F811
     plane, ns = cluster.plane, cluster.namespace
     plane.kubectl("-n", ns, "create", "serviceaccount", ACCOUNT)
-    uid, pod, pod_uid = started(cluster, "demo", serviceAccountName=ACCOUNT, recovery={"stallTimeoutSeconds": 3,
-                                                                                       "backoffSeconds": 0})
-    condition = wait_for(lambda: (cluster.condition("ReportingUnavailable") or {}).get("status") == "True"
-                         and cluster.condition("ReportingUnavailable"), what="ReportingUnavailable")
+    uid, pod, pod_uid = started(
+        cluster, "demo", serviceAccountName=ACCOUNT, recovery={"stallTimeoutSeconds": 3, "backoffSeconds": 0}
+    )
+    condition = wait_for(
+        lambda: (
+            (cluster.condition("ReportingUnavailable") or {}).get("status") == "True"
+            and cluster.condition("ReportingUnavailable")
+        ),
+        what="ReportingUnavailable",
+    )
     assert "stallTimeoutSeconds=3s" in condition["message"]
     assert cluster.get(JOBS, "demo-a2") is None and cluster.status()["attempt"] == 1
     wait_for(lambda: cluster.events("ReportingUnavailable"), what="the Event")
@@ -194,16 +239,24 @@ def test_the_operator_keeps_the_processes_account_of_time_and_the_breakdown_in_s
         return report
 
     first = contract.ProcessTime("timed-a1-worker-0/41/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
-    interval = contract.IntervalChoice(steps=40, seconds=2.0, save_cost_seconds=0.06, seconds_between_failures=28.5,
-                                       failures=1, expected_lost_seconds=1.0)
+    interval = contract.IntervalChoice(
+        steps=40,
+        seconds=2.0,
+        save_cost_seconds=0.06,
+        seconds_between_failures=28.5,
+        failures=1,
+        expected_lost_seconds=1.0,
+    )
     report = timed(5, first)
     report.checkpoint_interval = interval  # checkpoint.interval.steps: auto
     assert post(endpoint, report, token)[0] == 200
     wait_for(lambda: (cluster.status("timed").get("processTime") or {}).get("current"), what="the process's time")
     second = contract.ProcessTime("timed-a1-worker-0/97/2", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 0.0, 11.0)
     assert post(endpoint, timed(9, second), token)[0] == 200
-    status = wait_for(lambda: (cluster.status("timed").get("progress") or {}).get("step") == 9
-                      and cluster.status("timed"), what="step 9")
+    status = wait_for(
+        lambda: (cluster.status("timed").get("progress") or {}).get("step") == 9 and cluster.status("timed"),
+        what="step 9",
+    )
     assert status["processTime"]["ended"] == {**contract.wire(first), "process": "ended"}
     assert status["checkpointInterval"] == contract.wire(interval)  # kept by the server: the CRD has its schema
     assert status["processTime"]["current"] == contract.wire(second)

@@ -7,6 +7,7 @@ installed. For every document validate accepts, everything the builders render (
 Role, RoleBinding, PyTorchJob, and a Pod made from the Worker template, where Kubernetes checks labels,
 tolerations, affinity, env, volumes and resources) is accepted too.
 """
+
 import copy
 
 import pytest
@@ -25,11 +26,11 @@ STRICTER_THAN_THE_SERVER = {
     "toleration-key": "the CRD has no CEL rule for it (cost); every pod of the run is refused (pod_change shows it)",
     "affinity-in-without-values": "the CRD types affinity but not its operator rules; the pods are refused",
     "integer-past-int64-in-init-args": "initArgs keeps unknown fields: the server stores the number as a float, "
-                                       "so the model would get 1.8446744073709552e+19 instead",
+    "so the model would get 1.8446744073709552e+19 instead",
     "init-args-credentials": "initArgs keeps unknown fields, which the CRD cannot see into: the credentials would sit "
-                             "in the run's ConfigMap and reach its trackers",
+    "in the run's ConfigMap and reach its trackers",
     "config-map-over-1mib": "the TrainingRun fits etcd's 1.5 MiB; its ConfigMap is over the 1 MiB ConfigMap limit "
-                            "(test_a_config_map_over_1_mib_is_refused shows the limit)",
+    "(test_a_config_map_over_1_mib_is_refused shows the limit)",
 }
 
 
@@ -53,9 +54,12 @@ def server_body(body, namespace):
 
 def pod_from(job, namespace):
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {**copy.deepcopy(template["metadata"]), "name": "worker-0",
-                                                            "namespace": namespace},
-            "spec": copy.deepcopy(template["spec"])}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**copy.deepcopy(template["metadata"]), "name": "worker-0", "namespace": namespace},
+        "spec": copy.deepcopy(template["spec"]),
+    }
 
 
 def children_refusals(plane, run, namespace):
@@ -88,8 +92,9 @@ def with_service_accounts(plane, run, namespace):
 
 
 @pytest.mark.parametrize("change,crd_path", [(c[1], c[3]) for c in CASES], ids=[c[0] for c in CASES])
-def test_invalid_documents_are_refused_by_the_server_too(kube_cluster_with_crds, namespace, minimal_body, change,
-                                                         crd_path):
+def test_invalid_documents_are_refused_by_the_server_too(
+    kube_cluster_with_crds, namespace, minimal_body, change, crd_path
+):
     change(minimal_body)
     with pytest.raises(validation.InvalidTrainingRun):
         validation.check(minimal_body)
@@ -117,17 +122,32 @@ def test_what_the_cluster_refuses_validate_refuses(kube_cluster_with_crds, names
     for secret in ("wJalrSECRET", "s3cr3tpass"):
         assert secret not in message  # the server's own messages do not repeat URI credentials either
     if pod_change is not None:
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "namespace": namespace},
-               "spec": {"containers": [{"name": "c", "image": "trainer"}]}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "probe", "namespace": namespace},
+            "spec": {"containers": [{"name": "c", "image": "trainer"}]},
+        }
         pod_change(pod)
         code, message = dry_run(plane, pod, namespace)
         assert code == 422, f"a Pod with the same value was accepted ({code})"
 
 
-@pytest.mark.parametrize("value,valid", [("Team_A", False), ("team.a", False), ("-team", False), ("a" * 64, False),
-                                         ("team-a1", True), ("0-team", True), ("a" * 63, True)])
-def test_validate_refuses_a_namespace_exactly_when_the_server_can_never_have_it(kube_cluster_with_crds, minimal_body,
-                                                                                value, valid):
+@pytest.mark.parametrize(
+    "value,valid",
+    [
+        ("Team_A", False),
+        ("team.a", False),
+        ("-team", False),
+        ("a" * 64, False),
+        ("team-a1", True),
+        ("0-team", True),
+        ("a" * 63, True),
+    ],
+)
+def test_validate_refuses_a_namespace_exactly_when_the_server_can_never_have_it(
+    kube_cluster_with_crds, minimal_body, value, valid
+):
     plane = kube_cluster_with_crds
     minimal_body["metadata"]["namespace"] = value
     if valid:
@@ -146,8 +166,12 @@ def test_validate_refuses_a_namespace_exactly_when_the_server_can_never_have_it(
 
 
 def test_a_config_map_over_1_mib_is_refused(kube_cluster_with_crds, namespace):
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big", "namespace": namespace},
-                  "data": {"config.yaml": "x" * (validation.MAX_CONFIG_MAP_BYTES + 1)}}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "big", "namespace": namespace},
+        "data": {"config.yaml": "x" * (validation.MAX_CONFIG_MAP_BYTES + 1)},
+    }
     code, message = dry_run(kube_cluster_with_crds, config_map, namespace)
     assert code == 422 and "1048576" in message, message
     config_map["data"]["config.yaml"] = config_map["data"]["config.yaml"][:-1]
@@ -178,8 +202,9 @@ def test_a_users_value_for_an_operator_default_wins_without_a_duplicate(minimal_
 # ---------------------------------------------------------------- random documents
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(body=documents())
 def test_random_documents_get_the_same_verdict(kube_cluster_with_crds, namespace, body):
     plane = kube_cluster_with_crds
@@ -188,8 +213,9 @@ def test_random_documents_get_the_same_verdict(kube_cluster_with_crds, namespace
         # The server cannot know the trainer's built-in classes; validate (and the operator) refuse a wrong one too.
         run = validation.check(body, builtin_classes=False)
     except validation.InvalidTrainingRun as error:
-        assert code >= 400 or all(deliberately_stricter(p) for p in error.problems), \
+        assert code >= 400 or all(deliberately_stricter(p) for p in error.problems), (
             f"validate refuses ({error}) but the server accepts"
+        )
         return
     assert all(p.path.startswith("spec.trainer.") for p in validation.component_problems(run))
     assert code == 201, f"validate accepts but the server refuses: {message}"

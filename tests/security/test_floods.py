@@ -6,6 +6,7 @@ The reviewer's API client here records the TokenReviews it is asked for and answ
 for these tokens; the real server's answers are tested in tests/real_api/test_reports_real.py, and the flood against
 a real server is `benchmarks/report_endpoint.py --flood`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,11 +28,19 @@ def jwt(audience=contract.REPORT_AUDIENCE, expires_in=3600, pod=True, marker="x"
     def part(value):
         return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
 
-    claims = {"aud": [audience], "exp": time.time() + expires_in, "iss": "https://kubernetes.default.svc",
-              "sub": "system:serviceaccount:ns:trainers", "marker": marker}
+    claims = {
+        "aud": [audience],
+        "exp": time.time() + expires_in,
+        "iss": "https://kubernetes.default.svc",
+        "sub": "system:serviceaccount:ns:trainers",
+        "marker": marker,
+    }
     if pod:
-        claims["kubernetes.io"] = {"namespace": "ns", "pod": {"name": "p", "uid": pod_uid},
-                                   "serviceaccount": {"name": "trainers", "uid": "s"}}
+        claims["kubernetes.io"] = {
+            "namespace": "ns",
+            "pod": {"name": "p", "uid": pod_uid},
+            "serviceaccount": {"name": "trainers", "uid": "s"},
+        }
     return f"{part({'alg': 'RS256'})}.{part(claims)}.c2lnbmF0dXJl"
 
 
@@ -55,14 +64,31 @@ class ApiServer:
             self.in_flight -= 1
         if body["spec"]["token"] != LEGITIMATE:
             return {"status": {"authenticated": False}}
-        return {"status": {"authenticated": True, "audiences": [contract.REPORT_AUDIENCE], "user": {
-            "username": "system:serviceaccount:ns:trainers",
-            "extra": {reports.POD_NAME_EXTRA: ["p"], reports.POD_UID_EXTRA: ["u"]}}}}
+        return {
+            "status": {
+                "authenticated": True,
+                "audiences": [contract.REPORT_AUDIENCE],
+                "user": {
+                    "username": "system:serviceaccount:ns:trainers",
+                    "extra": {reports.POD_NAME_EXTRA: ["p"], reports.POD_UID_EXTRA: ["u"]},
+                },
+            }
+        }
 
 
-@pytest.mark.parametrize("token", [
-    "junk", "a.b", "x" * 10_000, "not.base64!.sig", jwt(audience="https://kubernetes.default.svc"),
-    jwt(expires_in=-60), jwt(pod=False), "\u00e9.\u00e9.\u00e9"])
+@pytest.mark.parametrize(
+    "token",
+    [
+        "junk",
+        "a.b",
+        "x" * 10_000,
+        "not.base64!.sig",
+        jwt(audience="https://kubernetes.default.svc"),
+        jwt(expires_in=-60),
+        jwt(pod=False),
+        "\u00e9.\u00e9.\u00e9",
+    ],
+)
 async def test_a_token_that_cannot_be_a_pods_report_token_costs_no_token_review(token):
     server = ApiServer()
     reviewer = reports.TokenReviewer(lambda: server, 60)
@@ -158,8 +184,9 @@ async def test_a_thousand_reports_in_a_second_are_one_or_two_status_writes_and_t
 
     writes = reports.CoalescedWrites(write, seconds=0.2)
     for number in range(1000):
-        await writes.submit(("ns", "demo"), {"progress": {"step": 5, "loss": 1.0 + number * 1e-9},
-                                             "lastReportTime": str(number)})
+        await writes.submit(
+            ("ns", "demo"), {"progress": {"step": 5, "loss": 1.0 + number * 1e-9}, "lastReportTime": str(number)}
+        )
     await writes.submit(("ns", "other"), {"progress": {"step": 1}})
     assert len(written) == 2  # the first of each run, at once
     await asyncio.wait_for(asyncio.gather(*writes.flushing.values()), 5)

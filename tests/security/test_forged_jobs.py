@@ -2,6 +2,7 @@
 process started, the one the run's status already named. An owner reference alone, which anyone who may create
 PyTorchJobs in the namespace can copy from the run, is not enough (tests/real_api/test_operator_real.py shows the
 operator refusing a planted job on a real API server)."""
+
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
@@ -12,9 +13,14 @@ from trainingrun_operator.settings import Settings
 
 KEY = b"k" * 32
 STARTED = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
-RUN = validation.parse({"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-                        "metadata": {"name": "demo", "namespace": "ns", "uid": "run-uid"},
-                        "spec": {"checkpoint": {"uri": "s3://bucket/demo"}}})
+RUN = validation.parse(
+    {
+        "apiVersion": "trainingrun.dev/v1alpha1",
+        "kind": "TrainingRun",
+        "metadata": {"name": "demo", "namespace": "ns", "uid": "run-uid"},
+        "spec": {"checkpoint": {"uri": "s3://bucket/demo"}},
+    }
+)
 
 
 def job(attempt: int, key: bytes = KEY, created: datetime = STARTED + timedelta(seconds=5)) -> dict:
@@ -45,7 +51,8 @@ def test_a_signature_made_with_another_key_or_for_another_job_is_not_enough():
     assert not owns(job(2, key=b"x" * 32))
     copied = job(2)
     copied["metadata"]["annotations"][builders.ANNOTATION_SIGNATURE] = job(3)["metadata"]["annotations"][
-        builders.ANNOTATION_SIGNATURE]
+        builders.ANNOTATION_SIGNATURE
+    ]
     assert not owns(copied)
 
 

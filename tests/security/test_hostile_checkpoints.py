@@ -4,6 +4,7 @@ directory its manifest verified, or deletes another run's files.
 Each case rewrites a real checkpoint the way such a writer would: the file changed, and the manifest fixed up to match
 (sizes and digests are no secret), so that only loading can tell.
 """
+
 from __future__ import annotations
 
 import io
@@ -86,17 +87,21 @@ def unpickle(raw: bytes):
 
 # ---------------------------------------------------------------------------------------- the metadata unpickler
 
+
 @pytest.mark.parametrize("opcode", ["STACK_GLOBAL", "GLOBAL"])
-@pytest.mark.parametrize("module, name", [
-    (METADATA_MODULE, "os.mkdir"),  # the module's own `import os`: ran code on main before exact pairs
-    (METADATA_MODULE, "torch.sys.modules.os.mkdir"),  # a sys.modules chain
-    ("torch", "sys.modules.os.mkdir"),
-    ("torch.distributed.checkpoint.filesystem", "os.mkdir"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo.__init__.__globals__.os.mkdir"),
-    ("os", "mkdir"),
-    ("builtins", "eval"),
-    (METADATA_MODULE, "Metadata.__class__"),
-])
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        (METADATA_MODULE, "os.mkdir"),  # the module's own `import os`: ran code on main before exact pairs
+        (METADATA_MODULE, "torch.sys.modules.os.mkdir"),  # a sys.modules chain
+        ("torch", "sys.modules.os.mkdir"),
+        ("torch.distributed.checkpoint.filesystem", "os.mkdir"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo.__init__.__globals__.os.mkdir"),
+        ("os", "mkdir"),
+        ("builtins", "eval"),
+        (METADATA_MODULE, "Metadata.__class__"),
+    ],
+)
 def test_no_global_outside_the_exact_pairs_loads(tmp_path, module, name, opcode):
     marker = tmp_path / "ran"
     with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
@@ -115,17 +120,28 @@ def reference(module: str, name: str) -> bytes:
     return _text(module) + _text(name) + pickle.STACK_GLOBAL
 
 
-@pytest.mark.parametrize("callee, arguments", [
-    (("builtins", "getattr"), reference(METADATA_MODULE, "Metadata") + _text("__init__")),  # not an enum
-    (("builtins", "getattr"), reference(METADATA_MODULE, "_MEM_FORMAT_ENCODING") + _text("__class__")),
-    (("builtins", "getattr"), reference("torch", "float32") + _text("__reduce_ex__")),
-    (("torch.serialization", "_get_layout"), _text("__class__")),
-    ((METADATA_MODULE, "_MEM_FORMAT_ENCODING"), pickle.BININT1 + b"\x63"),
-    (("torch", "device"), _text("file:///etc/passwd")),
-])
+@pytest.mark.parametrize(
+    "callee, arguments",
+    [
+        (("builtins", "getattr"), reference(METADATA_MODULE, "Metadata") + _text("__init__")),  # not an enum
+        (("builtins", "getattr"), reference(METADATA_MODULE, "_MEM_FORMAT_ENCODING") + _text("__class__")),
+        (("builtins", "getattr"), reference("torch", "float32") + _text("__reduce_ex__")),
+        (("torch.serialization", "_get_layout"), _text("__class__")),
+        ((METADATA_MODULE, "_MEM_FORMAT_ENCODING"), pickle.BININT1 + b"\x63"),
+        (("torch", "device"), _text("file:///etc/passwd")),
+    ],
+)
 def test_allowed_callables_with_hostile_arguments_only_fail(callee, arguments):
-    raw = pickle.PROTO + b"\x04" + reference(*callee) + pickle.MARK + arguments + pickle.TUPLE + pickle.REDUCE + \
-        pickle.STOP
+    raw = (
+        pickle.PROTO
+        + b"\x04"
+        + reference(*callee)
+        + pickle.MARK
+        + arguments
+        + pickle.TUPLE
+        + pickle.REDUCE
+        + pickle.STOP
+    )
     with pytest.raises((pickle.UnpicklingError, KeyError, ValueError, RuntimeError)):
         unpickle(raw)
     with pytest.raises(ValueError, match="not DCP metadata this trainer reads"):
@@ -139,7 +155,7 @@ def test_a_storage_info_pointing_elsewhere_is_refused_even_when_unpickled(bucket
     for info in metadata.storage_data.values():
         info.relative_path = "../../other-run/step-00000001/__0_0.distcp"
     raw = pickle.dumps(metadata)
-    files = {"__0_0.distcp": 10 ** 9, ".metadata": len(raw)}
+    files = {"__0_0.distcp": 10**9, ".metadata": len(raw)}
     with pytest.raises(ValueError, match="is not a plain file name"):
         read_metadata(io.BytesIO(raw), files)
 
@@ -180,7 +196,7 @@ def test_mutated_real_metadata_only_ever_fails_as_bad_metadata_or_loads_checked(
             elif action < 0.8:
                 data.insert(where, chance.randrange(256))
             else:
-                del data[where:where + chance.randint(1, 16)]
+                del data[where : where + chance.randint(1, 16)]
         try:
             read_metadata(io.BytesIO(bytes(data)), files)
             outcomes["loaded"] += 1
@@ -191,6 +207,7 @@ def test_mutated_real_metadata_only_ever_fails_as_bad_metadata_or_loads_checked(
 
 
 # ---------------------------------------------------------------------------------------- whole checkpoints
+
 
 def test_rewritten_metadata_runs_nothing_on_resume_nor_on_export(bucket, tmp_path):
     directory = saved(bucket)
@@ -206,11 +223,14 @@ def test_rewritten_metadata_runs_nothing_on_resume_nor_on_export(bucket, tmp_pat
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("pointed_at, refusal", [
-    ("../../other-run/step-00000001/__0_0.distcp", "is not a plain file name"),
-    ("/etc/passwd", "is not a plain file name"),
-    ("__7_0.distcp", "which the manifest does not list"),  # present in the directory, never verified
-])
+@pytest.mark.parametrize(
+    "pointed_at, refusal",
+    [
+        ("../../other-run/step-00000001/__0_0.distcp", "is not a plain file name"),
+        ("/etc/passwd", "is not a plain file name"),
+        ("__7_0.distcp", "which the manifest does not list"),  # present in the directory, never verified
+    ],
+)
 def test_the_metadata_may_point_only_at_files_the_manifest_lists(bucket, pointed_at, refusal):
     """On main, `../../other-run/...` loaded the other run's weights while latest_valid() said valid."""
     other = saved(bucket.parent / "other-run", seed=9)
@@ -245,7 +265,7 @@ def test_an_entry_path_that_would_grow_a_list_without_bound_is_refused(bucket):
     directory = saved(bucket)
     metadata = metadata_of(directory)
     fqn = next(iter(metadata.planner_data))
-    metadata.planner_data[fqn] = ("model", 10 ** 12, "weight")
+    metadata.planner_data[fqn] = ("model", 10**12, "weight")
     rewrite(directory, ".metadata", pickle.dumps(metadata))
     with pytest.raises(ckpt.CheckpointLoadError, match="is not a short list of names and indexes"):
         ckpt.load_everything(str(directory))
@@ -262,8 +282,18 @@ def test_a_rank_local_metadata_the_manifest_never_lists_is_not_read(bucket):
         store.load(store.latest_valid(), {"model": make_model(5).state_dict()})
 
 
-@pytest.mark.parametrize("listed", ["../other-run/step-00000001/manifest.json", "/etc/passwd", "sub/file", "..",
-                                    "manifest.json", "\u0661.distcp", "a\nb"])
+@pytest.mark.parametrize(
+    "listed",
+    [
+        "../other-run/step-00000001/manifest.json",
+        "/etc/passwd",
+        "sub/file",
+        "..",
+        "manifest.json",
+        "\u0661.distcp",
+        "a\nb",
+    ],
+)
 def test_a_manifest_listing_anything_but_a_plain_name_is_not_valid(bucket, listed):
     directory = saved(bucket)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
@@ -273,14 +303,17 @@ def test_a_manifest_listing_anything_but_a_plain_name_is_not_valid(bucket, liste
     assert not info.valid and "not a plain file name" in info.reason
 
 
-@pytest.mark.parametrize("field, value, reason", [
-    ("step", True, "'step' is not a non-negative integer"),
-    ("step", -1, "'step' is not a non-negative integer"),
-    ("format_version", 3.0, "format_version"),
-    ("world_size", {"a": 1}, "'world_size' is not a positive integer"),
-    ("time", ["x"] * 3, "'time' is not a short ASCII string"),
-    ("model_digest", "x" * 10_000, "'model_digest' is not a short ASCII string"),
-])
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("step", True, "'step' is not a non-negative integer"),
+        ("step", -1, "'step' is not a non-negative integer"),
+        ("format_version", 3.0, "format_version"),
+        ("world_size", {"a": 1}, "'world_size' is not a positive integer"),
+        ("time", ["x"] * 3, "'time' is not a short ASCII string"),
+        ("model_digest", "x" * 10_000, "'model_digest' is not a short ASCII string"),
+    ],
+)
 def test_manifest_fields_of_the_wrong_kind_make_it_invalid(bucket, field, value, reason):
     directory = saved(bucket)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
@@ -302,6 +335,7 @@ def test_a_step_directory_named_with_other_scripts_digits_is_not_a_checkpoint(bu
 
 
 # ---------------------------------------------------------------------------------------- links (file://)
+
 
 def test_rotation_never_follows_a_step_directory_planted_as_a_link(bucket):
     """On main, a step directory that was a link into another run made `keep` delete that run's manifest."""
@@ -357,6 +391,7 @@ def test_deleting_through_a_step_directory_swapped_for_a_link_deletes_nothing_th
 
 
 # ---------------------------------------------------------------------------------------- two runs, one prefix
+
 
 def save_as(base: Path, run_uid, step: int, seed: int = 0):
     with CheckpointStore(f"file://{base}", keep=1, run_uid=run_uid) as store:

@@ -5,6 +5,7 @@ The endpoint runs as an aiohttp server on loopback; the TokenReview is replaced 
 (the real-API tier reviews real tokens: tests/real_api/test_reports_real.py), so every case below is a report from a
 pod the operator trusts to speak for the run.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,24 @@ class PodOfTheRun:
 
 
 def view(namespace, name):
-    pod = {"metadata": {"name": "demo-a1-worker-0", "uid": "pod-uid", "labels": {builders.LABEL_ATTEMPT: "1"},
-                        "ownerReferences": [{"uid": "job-uid", "controller": True}]}}
-    return reports.RunView(uid="run-uid", attempt=1, job_name="demo-a1", checkpoint_uri=RUN_URI, status={},
-                           pods=[pod], job_uid="job-uid", stall_timeout_seconds=600)
+    pod = {
+        "metadata": {
+            "name": "demo-a1-worker-0",
+            "uid": "pod-uid",
+            "labels": {builders.LABEL_ATTEMPT: "1"},
+            "ownerReferences": [{"uid": "job-uid", "controller": True}],
+        }
+    }
+    return reports.RunView(
+        uid="run-uid",
+        attempt=1,
+        job_name="demo-a1",
+        checkpoint_uri=RUN_URI,
+        status={},
+        pods=[pod],
+        job_uid="job-uid",
+        stall_timeout_seconds=600,
+    )
 
 
 @pytest_asyncio.fixture
@@ -42,10 +57,12 @@ async def endpoint():
 
     app = reports.ReportEndpoint(PodOfTheRun(), view=view, accept=accept, clock=lambda: NOW).app()
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+
         async def post(body):
             raw = body if isinstance(body, bytes) else json.dumps(body).encode()
             response = await client.post(contract.REPORT_PATH, data=raw, headers={"Authorization": "Bearer t"})
             return response.status, (await response.json())["message"]
+
         post.written = written
         yield post
 
@@ -72,25 +89,32 @@ def test_brackets_inside_strings_are_not_nesting():
     assert contract._nesting(b'{"a": "[[[[[[[[\\"{{{{", "b": [1]}') == 2
 
 
-@pytest.mark.parametrize("uri", [
-    f"{RUN_URI}/step-\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668",  # Arabic-Indic digits: int() reads 12345678
-    f"{RUN_URI}/step-00000005\n",
-    f"{RUN_URI}/step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff15",  # fullwidth digits
-])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        f"{RUN_URI}/step-\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668",  # Arabic-Indic digits: int() reads 12345678
+        f"{RUN_URI}/step-00000005\n",
+        f"{RUN_URI}/step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff15",  # fullwidth digits
+    ],
+)
 @pytest.mark.asyncio
 async def test_a_checkpoint_named_with_anything_but_ascii_digits_never_becomes_the_resume_floor(endpoint, uri):
-    body = report(lastGoodCheckpoint={"uri": uri, "step": 12345678 if "\u0661" in uri else 5,
-                                      "time": "2026-11-26T11:59:00Z"})
+    body = report(
+        lastGoodCheckpoint={"uri": uri, "step": 12345678 if "\u0661" in uri else 5, "time": "2026-11-26T11:59:00Z"}
+    )
     status, _ = await endpoint(body)
     assert status in (400, 403)
     assert endpoint.written == []
 
 
-@pytest.mark.parametrize("field, value", [
-    ("updatedAt", "2026-11-26T11:59:00Z\n"),
-    ("updatedAt", "\u0662\u0660\u0662\u0666-11-26T11:59:00Z"),
-    ("updatedAt", "2026-13-45T11:59:00Z"),  # the shape of a time, not a time
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("updatedAt", "2026-11-26T11:59:00Z\n"),
+        ("updatedAt", "\u0662\u0660\u0662\u0666-11-26T11:59:00Z"),
+        ("updatedAt", "2026-13-45T11:59:00Z"),  # the shape of a time, not a time
+    ],
+)
 @pytest.mark.asyncio
 async def test_times_must_be_ascii_rfc3339_matched_whole(endpoint, field, value):
     status, message = await endpoint(report(progress={**progress(), field: value}))
@@ -99,8 +123,12 @@ async def test_times_must_be_ascii_rfc3339_matched_whole(endpoint, field, value)
 
 @pytest.mark.asyncio
 async def test_a_sha256_with_a_trailing_newline_is_refused(endpoint):
-    checkpoint = {"uri": f"{RUN_URI}/step-00000005", "step": 5, "time": "2026-11-26T11:59:00Z",
-                  "sha256": "a" * 64 + "\n"}
+    checkpoint = {
+        "uri": f"{RUN_URI}/step-00000005",
+        "step": 5,
+        "time": "2026-11-26T11:59:00Z",
+        "sha256": "a" * 64 + "\n",
+    }
     status, message = await endpoint(report(lastGoodCheckpoint=checkpoint))
     assert status == 400 and "64 lowercase hex digits" in message
 

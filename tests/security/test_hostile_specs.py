@@ -1,5 +1,6 @@
 """What a TrainingRun file may hold that must neither crash `trainingrun validate` nor put a credential where the
 run's ConfigMap, its trackers or an error message would show it."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,12 @@ from trainingrun_operator import cli
 from trainingrun_trainer import tracking
 
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYSECRET"
-MINIMAL = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "demo"},
-           "spec": {"checkpoint": {"uri": "s3://bucket/demo"}}}
+MINIMAL = {
+    "apiVersion": "trainingrun.dev/v1alpha1",
+    "kind": "TrainingRun",
+    "metadata": {"name": "demo"},
+    "spec": {"checkpoint": {"uri": "s3://bucket/demo"}},
+}
 
 
 def validate(tmp_path, text: str, capsys) -> tuple[int, str]:
@@ -39,8 +44,9 @@ def test_yaml_nested_thousands_deep_is_one_line_not_a_traceback(tmp_path, capsys
 
 def test_a_run_with_nested_init_args_still_validates(tmp_path, capsys):
     body = copy.deepcopy(MINIMAL)
-    body["spec"]["trainer"] = {"model": {"classPath": "trainingrun_trainer.models.CharTransformer",
-                                         "initArgs": {"dim": 64}}}
+    body["spec"]["trainer"] = {
+        "model": {"classPath": "trainingrun_trainer.models.CharTransformer", "initArgs": {"dim": 64}}
+    }
     code, output = validate(tmp_path, yaml.safe_dump(body), capsys)
     assert code == 0, output
 
@@ -55,22 +61,47 @@ def with_(path: str, value) -> dict:
     return body
 
 
-@pytest.mark.parametrize("body, field", [
-    (with_("spec.checkpoint.uri", f"s3://AKIAEXAMPLE:{SECRET}@bucket/x"), "spec.checkpoint.uri"),
-    (with_("spec.checkpoint.endpointUrl", f"https://minio:{SECRET}@minio:9000"), "spec.checkpoint.endpointUrl"),
-    (with_("spec.trainer.loggers", [{"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow:5000"}]),
-     "spec.trainer.loggers[0].trackingUri"),
-    (with_("spec.trainer.loggers", [{"kind": "tensorboard", "logDir": f"gs://me:{SECRET}@bucket/tb"}]),
-     "spec.trainer.loggers[0].logDir"),
-    (with_("spec.trainer.loggers", [{"kind": "wandb", "project": "p", "logDir": f"s3://me:{SECRET}@b/w"}]),
-     "spec.trainer.loggers[0].logDir"),
-    (with_("spec.trainer.model", {"classPath": "trainingrun_trainer.models.CharTransformer",
-                                  "initArgs": {"dim": 64, "vocab": f"https://me:{SECRET}@host/vocab.txt"}}),
-     "spec.trainer.model.initArgs.vocab"),
-    (with_("spec.trainer.data", {"dataset": {"classPath": "trainingrun_trainer.shards.TextBytes",
-                                 "initArgs": {"uris": [f"s3://me:{SECRET}@bucket/shards"], "context": 64}}}),
-     "spec.trainer.data.dataset.initArgs.uris[0]"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (with_("spec.checkpoint.uri", f"s3://AKIAEXAMPLE:{SECRET}@bucket/x"), "spec.checkpoint.uri"),
+        (with_("spec.checkpoint.endpointUrl", f"https://minio:{SECRET}@minio:9000"), "spec.checkpoint.endpointUrl"),
+        (
+            with_("spec.trainer.loggers", [{"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow:5000"}]),
+            "spec.trainer.loggers[0].trackingUri",
+        ),
+        (
+            with_("spec.trainer.loggers", [{"kind": "tensorboard", "logDir": f"gs://me:{SECRET}@bucket/tb"}]),
+            "spec.trainer.loggers[0].logDir",
+        ),
+        (
+            with_("spec.trainer.loggers", [{"kind": "wandb", "project": "p", "logDir": f"s3://me:{SECRET}@b/w"}]),
+            "spec.trainer.loggers[0].logDir",
+        ),
+        (
+            with_(
+                "spec.trainer.model",
+                {
+                    "classPath": "trainingrun_trainer.models.CharTransformer",
+                    "initArgs": {"dim": 64, "vocab": f"https://me:{SECRET}@host/vocab.txt"},
+                },
+            ),
+            "spec.trainer.model.initArgs.vocab",
+        ),
+        (
+            with_(
+                "spec.trainer.data",
+                {
+                    "dataset": {
+                        "classPath": "trainingrun_trainer.shards.TextBytes",
+                        "initArgs": {"uris": [f"s3://me:{SECRET}@bucket/shards"], "context": 64},
+                    }
+                },
+            ),
+            "spec.trainer.data.dataset.initArgs.uris[0]",
+        ),
+    ],
+)
 def test_credentials_in_any_uri_field_are_refused_and_never_repeated(tmp_path, capsys, body, field):
     code, output = validate(tmp_path, yaml.safe_dump(body), capsys)
     assert code == 1
@@ -96,10 +127,21 @@ class Recording:
 
 def test_trackers_never_get_a_secret_from_the_config():
     """Older specs and a user's initArgs can hold what validation now refuses: the trackers get it redacted."""
-    config = {"trainer": {"model": {"initArgs": {"apiKey": SECRET, "hfToken": SECRET, "tokenizerPath": "t.json",
-                                                 "weights": f"s3://AK:{SECRET}@bucket/w", "maxTokens": 5}},
-                          "loggers": [{"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow"}]},
-              "checkpoint": {"uri": "s3://bucket/x"}}
+    config = {
+        "trainer": {
+            "model": {
+                "initArgs": {
+                    "apiKey": SECRET,
+                    "hfToken": SECRET,
+                    "tokenizerPath": "t.json",
+                    "weights": f"s3://AK:{SECRET}@bucket/w",
+                    "maxTokens": 5,
+                }
+            },
+            "loggers": [{"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow"}],
+        },
+        "checkpoint": {"uri": "s3://bucket/x"},
+    }
     backend = Recording()
     trackers = tracking.Tracker([backend])
     trackers.start(0, config)

@@ -5,6 +5,7 @@ Each case changes one thing in a minimal valid run and names the field path and 
 must see. The same document goes through `crd_server.admit`, which applies the generated CRD's
 schema and CEL rules, so the two stay in agreement.
 """
+
 import copy
 
 import pytest
@@ -46,8 +47,10 @@ def test_validate_rejects_what_the_cluster_refuses(minimal_body, change, expecte
 
 
 def test_uri_credentials_are_never_repeated(minimal_body):
-    minimal_body["spec"]["checkpoint"] = {"uri": "s3://AKIAEXAMPLE:wJalrSECRET@bucket/x",
-                                          "endpointUrl": "https://user:hunter2@minio:9000"}
+    minimal_body["spec"]["checkpoint"] = {
+        "uri": "s3://AKIAEXAMPLE:wJalrSECRET@bucket/x",
+        "endpointUrl": "https://user:hunter2@minio:9000",
+    }
     with pytest.raises(validation.InvalidTrainingRun) as caught:
         validation.check(minimal_body)
     text = str(caught.value)
@@ -125,8 +128,10 @@ def test_a_yaml_alias_bomb_is_refused_without_expanding_it(tmp_path):
 
 def test_a_few_aliases_are_fine(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
-                    "spec:\n  checkpoint: {uri: &u 's3://bucket/x'}\n  env: [{name: URI, value: *u}]\n")
+    path.write_text(
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
+        "spec:\n  checkpoint: {uri: &u 's3://bucket/x'}\n  env: [{name: URI, value: *u}]\n"
+    )
     [run] = validation.load_runs(str(path))
     assert run.spec.env[0].value == "s3://bucket/x"
 
@@ -134,7 +139,9 @@ def test_a_few_aliases_are_fine(tmp_path):
 def test_floats_read_as_kubernetes_reads_them(tmp_path):
     """kubectl get -o yaml writes 1e-08; YAML 1.1 (PyYAML) would read it as a string."""
     path = tmp_path / "run.yaml"
-    path.write_text("apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
-                    "spec:\n  checkpoint: {uri: 's3://bucket/x'}\n  trainer: {optimizer: {eps: 1e-08, lr: 3e-4}}\n")
+    path.write_text(
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
+        "spec:\n  checkpoint: {uri: 's3://bucket/x'}\n  trainer: {optimizer: {eps: 1e-08, lr: 3e-4}}\n"
+    )
     [run] = validation.load_runs(str(path))
     assert run.spec.trainer.optimizer.eps == 1e-08 and run.spec.trainer.optimizer.lr == 3e-4

@@ -1,5 +1,6 @@
 """background.give_way_to_training: helper threads run nicer than the training thread, so waking one does not cost
 the training thread its CPU."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """The builders turn every valid TrainingRun into children the real schemas accept."""
+
 import copy
 import json
 
@@ -139,7 +140,9 @@ def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_curre
     worker_labels = {**template["metadata"]["labels"], builders.KUBEFLOW_REPLICA_INDEX_LABEL: "0"}
     assert service["spec"]["selector"].items() <= worker_labels.items()
     assert service["spec"]["selector"][builders.LABEL_ATTEMPT] == "2"
-    assert not service["spec"]["selector"].items() <= {**worker_labels, builders.KUBEFLOW_REPLICA_INDEX_LABEL: "1"}.items()
+    assert (
+        not service["spec"]["selector"].items() <= {**worker_labels, builders.KUBEFLOW_REPLICA_INDEX_LABEL: "1"}.items()
+    )
     assert builders.children(run, attempt=3)[1]["spec"]["selector"][builders.LABEL_ATTEMPT] == "3"
     env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
     assert env[contract.RENDEZVOUS_HOST_POD]["value"] == "demo-a2-worker-0"
@@ -165,8 +168,15 @@ def test_run_policy_and_scheduling(minimal_body):
             "queueName": "team-queue",
             "nodeSelector": {"pool": "a100"},
             "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
-            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                        ]
+                    }
+                }
+            },
             "priorityClassName": "high",
             "imagePullSecrets": ["registry"],
             "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
@@ -199,7 +209,9 @@ def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
     projected = next(v for v in pod["volumes"] if v["name"] == "report-token")["projected"]["sources"][0]
     assert projected["serviceAccountToken"]["audience"] == contract.REPORT_AUDIENCE
     container = pod["containers"][0]
-    assert {"name": "report-token", "mountPath": contract.REPORT_TOKEN_DIR, "readOnly": True} in container["volumeMounts"]
+    assert {"name": "report-token", "mountPath": contract.REPORT_TOKEN_DIR, "readOnly": True} in container[
+        "volumeMounts"
+    ]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env[contract.REPORT_URL] == settings.report_url
     assert env[contract.REPORT_TOKEN_FILE] == f"{contract.REPORT_TOKEN_DIR}/{projected['serviceAccountToken']['path']}"
@@ -207,7 +219,9 @@ def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
     assert objects[0]["data"][contract.REPORT_CA_KEY] == settings.report_ca
     # without a report endpoint: no token at all
     bare = builders.pytorch_job(run, 1, Settings())["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    assert not any(v["name"] == "report-token" for v in bare["volumes"]) and bare["automountServiceAccountToken"] is False
+    assert (
+        not any(v["name"] == "report-token" for v in bare["volumes"]) and bare["automountServiceAccountToken"] is False
+    )
 
 
 @pytest.mark.parametrize("stall_timeout", [1, 8, 20, 45, 120, 1800])
@@ -219,7 +233,8 @@ def test_reports_reach_status_more_often_than_a_short_stall_timeout_looks(minima
     minimal_body["spec"]["recovery"] = {"stallTimeoutSeconds": stall_timeout}
     settings = Settings(report_url="https://op.ops.svc:8443/v1/reports")
     container = builders.pytorch_job(run_from(minimal_body), 1, settings)["spec"]["pytorchReplicaSpecs"]["Worker"][
-        "template"]["spec"]["containers"][0]
+        "template"
+    ]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     interval = float(env.get(contract.REPORT_INTERVAL_SECONDS, contract.DEFAULT_REPORT_INTERVAL_SECONDS))
     assert interval + reports.heartbeat_write_seconds(stall_timeout) < stall_timeout
@@ -310,6 +325,7 @@ def test_no_secret_value_can_reach_a_rendered_object(minimal_body):
 
 def test_settings_default_image_and_override(minimal_body, monkeypatch):
     run = run_from(minimal_body)
+
     def image(job):
         return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
 
@@ -320,8 +336,9 @@ def test_settings_default_image_and_override(minimal_body, monkeypatch):
     assert image(builders.pytorch_job(run_from(minimal_body), 1, settings)) == "mine:1"
 
 
-@pytest.mark.parametrize("cpu,nproc,threads", [("500m", 1, "1"), ("8", 2, "4"), ("7500m", 2, "3"), ("1e1", 4, "2"),
-                                               (None, 2, None)])
+@pytest.mark.parametrize(
+    "cpu,nproc,threads", [("500m", 1, "1"), ("8", 2, "4"), ("7500m", 2, "3"), ("1e1", 4, "2"), (None, 2, None)]
+)
 def test_each_process_gets_its_share_of_the_cpu_request_as_threads(minimal_body, cpu, nproc, threads):
     """torch starts a thread per node core whatever the pod may use: oversubscribed, and numerics that
     depend on the node, so the same file would compute another model on another node or locally."""
@@ -329,7 +346,8 @@ def test_each_process_gets_its_share_of_the_cpu_request_as_threads(minimal_body,
     if cpu:
         minimal_body["spec"]["resources"] = {"cpu": cpu}
     container = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
-        "template"]["spec"]["containers"][0]
+        "template"
+    ]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env.get("OMP_NUM_THREADS") == threads
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
@@ -338,14 +356,17 @@ def test_each_process_gets_its_share_of_the_cpu_request_as_threads(minimal_body,
 def test_the_users_thread_count_wins_without_a_duplicate(minimal_body):
     minimal_body["spec"].update(resources={"cpu": "8"}, env=[{"name": "OMP_NUM_THREADS", "value": "3"}])
     container = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
-        "template"]["spec"]["containers"][0]
+        "template"
+    ]["spec"]["containers"][0]
     assert [e.get("value") for e in container["env"] if e["name"] == "OMP_NUM_THREADS"] == ["3"]
 
 
 def test_an_image_pull_secret_named_twice_is_listed_once(minimal_body):
     """The PyTorchJob CRD refuses a duplicate (the real API server's 422, found by the random documents)."""
     minimal_body["spec"]["imagePullSecrets"] = ["wandb", "regcred", "wandb"]
-    pod = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    pod = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"][
+        "spec"
+    ]
     assert pod["imagePullSecrets"] == [{"name": "wandb"}, {"name": "regcred"}]
 
 

@@ -3,6 +3,7 @@
 Documents are drawn from values that are valid, borderline and wrong for each field, so both
 branches are exercised. The CRD (as the API server applies it) must agree with `validate`.
 """
+
 import kubernetes_validate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -40,11 +41,19 @@ def test_any_document_renders_valid_children_or_fails_validation(pytorchjob_sche
     )
 
 
-_yaml_scalars = (st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2**63 - 1)
-                 | st.floats(allow_nan=False) | st.text(max_size=12))
+_yaml_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12)
+)
 _yaml_keys = st.text(max_size=8) | st.sampled_from(["on", "No", "y", "null", "1", "a.b", "-x", "classPath"])
-_yaml_values = st.recursive(_yaml_scalars, lambda inner: st.lists(inner, max_size=4)
-                            | st.dictionaries(_yaml_keys, inner, max_size=4), max_leaves=20)
+_yaml_values = st.recursive(
+    _yaml_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_yaml_keys, inner, max_size=4),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=500, deadline=None)

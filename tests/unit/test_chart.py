@@ -1,4 +1,5 @@
 """The Helm chart: lints and renders for every ci/ values file; built-ins validate; RBAC matches the code."""
+
 import os
 import shutil
 import subprocess
@@ -11,8 +12,10 @@ from conftest import REPO
 
 CHART = REPO / "charts" / "trainingrun-operator"
 HELM = shutil.which("helm") or (str(REPO / ".tools/bin/helm") if (REPO / ".tools/bin/helm").exists() else None)
-pytestmark = pytest.mark.skipif(HELM is None and not os.environ.get("TRAININGRUN_CI"),
-                                reason="needs helm: bash scripts/install-test-tools.sh (or scripts/install-helm.sh)")
+pytestmark = pytest.mark.skipif(
+    HELM is None and not os.environ.get("TRAININGRUN_CI"),
+    reason="needs helm: bash scripts/install-test-tools.sh (or scripts/install-helm.sh)",
+)
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 
 
@@ -29,7 +32,9 @@ def render(values_file=None, *sets: str) -> list[dict]:
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.name)
 def test_lint_and_render_every_scenario(values_file):
-    lint = subprocess.run([HELM, "lint", "--strict", str(CHART), "-f", str(values_file)], capture_output=True, text=True)
+    lint = subprocess.run(
+        [HELM, "lint", "--strict", str(CHART), "-f", str(values_file)], capture_output=True, text=True
+    )
     assert lint.returncode == 0, lint.stdout + lint.stderr
     documents = render(values_file)
     kinds = {d["kind"] for d in documents}
@@ -47,8 +52,9 @@ def test_rendered_built_ins_are_valid_kubernetes(values_file):
 
 
 def test_values_schema_rejects_a_typo():
-    result = subprocess.run([HELM, "template", "tr", str(CHART), "--set", "replicaCuont=2"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [HELM, "template", "tr", str(CHART), "--set", "replicaCuont=2"], capture_output=True, text=True
+    )
     assert result.returncode != 0 and "replicaCuont" in result.stderr
 
 
@@ -66,7 +72,9 @@ def test_modes_render_what_they_promise():
     namespaced = render(CHART / "ci/namespaced-values.yaml")
     roles = [d for d in namespaced if d["kind"] == "Role" and d["metadata"]["name"] == "tr-trainingrun-operator"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert [d["metadata"]["name"] for d in namespaced if d["kind"] == "ClusterRole"] == ["tr-trainingrun-operator-discovery"]
+    assert [d["metadata"]["name"] for d in namespaced if d["kind"] == "ClusterRole"] == [
+        "tr-trainingrun-operator-discovery"
+    ]
     args = next(d for d in namespaced if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--standalone" in args
     ha = render(CHART / "ci/ha-values.yaml")
@@ -79,8 +87,12 @@ def test_modes_render_what_they_promise():
     monitoring = render(CHART / "ci/monitoring-values.yaml")
     dashboards = [d for d in monitoring if d["kind"] == "ConfigMap"]
     assert len(dashboards) == 2 and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
-    assert all(d["metadata"]["namespace"] == "trainingrun-system" and d["metadata"]["labels"]["release"]
-               == "kube-prometheus-stack" for d in monitoring if d["apiVersion"].startswith("monitoring.coreos.com"))
+    assert all(
+        d["metadata"]["namespace"] == "trainingrun-system"
+        and d["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        for d in monitoring
+        if d["apiVersion"].startswith("monitoring.coreos.com")
+    )
 
 
 def test_on_a_shared_cluster_only_trainer_pods_of_the_served_namespaces_reach_the_report_endpoint():
@@ -89,10 +101,14 @@ def test_on_a_shared_cluster_only_trainer_pods_of_the_served_namespaces_reach_th
     policy = next(d for d in shared if d["kind"] == "NetworkPolicy")
     report = next(rule for rule in policy["spec"]["ingress"] if {"port": "report", "protocol": "TCP"} in rule["ports"])
     source = report["from"][0]
-    assert source["namespaceSelector"] == {"matchExpressions": [
-        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]}
+    assert source["namespaceSelector"] == {
+        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]
+    }
     assert {e["key"] for e in source["podSelector"]["matchExpressions"]} == {
-        "trainingrun.dev/run", "training.kubeflow.org/job-name", "training.kubeflow.org/replica-type"}
+        "trainingrun.dev/run",
+        "training.kubeflow.org/job-name",
+        "training.kubeflow.org/replica-type",
+    }
     chosen = render(CHART / "ci/shared-cluster-values.yaml", "networkPolicy.reportNamespaceSelector.team=ml")
     source = next(d for d in chosen if d["kind"] == "NetworkPolicy")["spec"]["ingress"][1]["from"][0]
     assert source["namespaceSelector"] == {"matchLabels": {"team": "ml"}}
@@ -112,19 +128,35 @@ def test_reports_reach_the_slice_the_acting_replica_may_make(values_file):
     namespace, name = service["metadata"]["namespace"], service["metadata"]["name"]
     assert env["TRAININGRUN_REPORT_SERVICE"]["value"] == f"{namespace}/{name}"
     assert env["TRAININGRUN_OPERATOR_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    settings = Settings(report_service=env["TRAININGRUN_REPORT_SERVICE"]["value"], pod_ip="10.0.0.1",
-                        report_port=int(env["TRAININGRUN_REPORT_PORT"]["value"]))
-    endpoint_slice = serving.report_endpoint_slice(settings, {**service, "metadata": {**service["metadata"], "uid": "u"}})
+    settings = Settings(
+        report_service=env["TRAININGRUN_REPORT_SERVICE"]["value"],
+        pod_ip="10.0.0.1",
+        report_port=int(env["TRAININGRUN_REPORT_PORT"]["value"]),
+    )
+    endpoint_slice = serving.report_endpoint_slice(
+        settings, {**service, "metadata": {**service["metadata"], "uid": "u"}}
+    )
     assert [p["name"] for p in endpoint_slice["ports"]] == [p["name"] for p in service["spec"]["ports"]]
     assert endpoint_slice["ports"][0]["port"] == service["spec"]["ports"][0]["targetPort"]
-    rules = [r for d in documents if d["kind"] == "Role" and d["metadata"]["namespace"] == namespace
-             for r in d["rules"] if {"endpointslices", "services"} & set(r["resources"])]
+    rules = [
+        r
+        for d in documents
+        if d["kind"] == "Role" and d["metadata"]["namespace"] == namespace
+        for r in d["rules"]
+        if {"endpointslices", "services"} & set(r["resources"])
+    ]
     assert rules == [
         {"apiGroups": [""], "resources": ["services"], "resourceNames": [name], "verbs": ["get"]},
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-         "resourceNames": [endpoint_slice["metadata"]["name"]], "verbs": ["create", "patch"]}]
-    assert not any("endpointslices" in r["resources"] for d in documents if d["kind"] == "ClusterRole"
-                   for r in d["rules"])
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "resourceNames": [endpoint_slice["metadata"]["name"]],
+            "verbs": ["create", "patch"],
+        },
+    ]
+    assert not any(
+        "endpointslices" in r["resources"] for d in documents if d["kind"] == "ClusterRole" for r in d["rules"]
+    )
 
 
 def test_no_rule_grants_secrets():
@@ -141,18 +173,18 @@ def test_no_rule_grants_secrets():
 GRANTED_FOR_REASONS = {
     ("trainingrun.dev", "trainingruns", "get"): "kopf may fetch a run",
     ("authentication.k8s.io", "tokenreviews", "create"): "the report endpoint authenticates trainer pods; "
-                                                         "tests/real_api/test_reports_real.py makes that call",
+    "tests/real_api/test_reports_real.py makes that call",
     ("trainingrun.dev", "trainingruns/finalizers", "update"): "blockOwnerDeletion on children's ownerReferences",
     ("apiextensions.k8s.io", "customresourcedefinitions", "get"): "kopf's resource discovery",
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"): "kopf's resource discovery",
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"): "kopf's resource discovery",
     ("discovery.k8s.io", "endpointslices", "patch"): "the replica that acts points the report Service at itself; "
-                                                     "tests/real_api/test_operator_ha_real.py makes that call",
+    "tests/real_api/test_operator_ha_real.py makes that call",
     ("discovery.k8s.io", "endpointslices", "create"): "server-side apply of that slice when it does not exist yet; "
-                                                      "tests/real_api/test_operator_ha_real.py makes that call",
+    "tests/real_api/test_operator_ha_real.py makes that call",
     ("", "services", "get"): "the report Service's uid, the slice's owner; tests/real_api/test_operator_ha_real.py",
     ("", "events", "list"): "Warning Events of an attempt Pending for 15 s or more (FailedCreate, FailedMount); "
-                            "tests/real_api/test_operator_real.py makes that call",
+    "tests/real_api/test_operator_real.py makes that call",
     ("", "namespaces", "get"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "list"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "watch"): "namespaced mode: kopf matches its namespaces",
@@ -176,8 +208,9 @@ def test_rbac_covers_every_call_the_operator_makes_and_nothing_more(tmp_path):
     succeed), records every API request it made, and compares with the chart's default rules."""
     script = REPO / "tests" / "integration" / "record_operator_calls.py"
     out = tmp_path / "calls.yaml"
-    result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300,
-                            cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     used = {tuple(c) for c in yaml.safe_load(out.read_text())}
     rules = granted(render())
@@ -199,22 +232,32 @@ def test_chart_monitoring_objects_are_manifests_monitoring():
 
     rendered = {(d["kind"], d["metadata"]["name"]): d for d in render(CHART / "ci/monitoring-values.yaml")}
     for relative, content in monitoring.files().items():
-        if not relative.startswith("manifests/monitoring/") or not relative.endswith(".yaml") \
-                or relative.endswith("rules.yaml"):
+        if (
+            not relative.startswith("manifests/monitoring/")
+            or not relative.endswith(".yaml")
+            or relative.endswith("rules.yaml")
+        ):
             continue
         expected = yaml.safe_load(content)
         got = rendered[(expected["kind"], expected["metadata"]["name"])]
-        assert {k: v for k, v in got.items() if k != "metadata"} == {k: v for k, v in expected.items() if k != "metadata"}
+        assert {k: v for k, v in got.items() if k != "metadata"} == {
+            k: v for k, v in expected.items() if k != "metadata"
+        }
 
 
 def test_images_pinned_by_digest():
     digest = "sha256:" + "ab" * 32
-    pinned = render(None, f"image.digest={digest}", f"trainer.imageDigest={digest}",
-                    "trainer.image=registry.example:5000/team/trainer:1.2")
+    pinned = render(
+        None,
+        f"image.digest={digest}",
+        f"trainer.imageDigest={digest}",
+        "trainer.image=registry.example:5000/team/trainer:1.2",
+    )
     container = next(d for d in pinned if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == f"ghcr.io/trainingrun-dev/operator@{digest}"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["TRAININGRUN_TRAINER_IMAGE"] == f"registry.example:5000/team/trainer@{digest}"
-    result = subprocess.run([HELM, "template", "tr", str(CHART), "--set", "image.digest=sha256:short"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [HELM, "template", "tr", str(CHART), "--set", "image.digest=sha256:short"], capture_output=True, text=True
+    )
     assert result.returncode != 0 and "digest" in result.stderr

@@ -1,5 +1,6 @@
 """The checkpoint store on file:// (tmp_path): round trip, async staging, commit marker,
 corruption fallback, rotation, model digest, storage failures, and a 2-process gloo run."""
+
 from __future__ import annotations
 
 import errno
@@ -169,6 +170,7 @@ def test_entries_copied_in_background_are_copied_while_save_has_returned(store, 
             if "model" in plain:  # the background copy
                 assert gate.wait(30), "the copy of the entries named in copy_in_background blocked save()"
             return stage(plain)
+
         return staging
 
     monkeypatch.setattr(store, "_stager", gated_stager)
@@ -213,8 +215,9 @@ def test_a_failed_background_copy_is_raised_on_the_training_thread(store, monkey
 def test_a_blocking_save_copies_everything_before_returning(store, monkeypatch):
     copied_on = []
     real_stager = store._stager
-    monkeypatch.setattr(store, "_stager", lambda shared: (copied_on.append(threading.current_thread()),
-                                                          real_stager(shared))[1])
+    monkeypatch.setattr(
+        store, "_stager", lambda shared: (copied_on.append(threading.current_thread()), real_stager(shared))[1]
+    )
     store.save(1, {"model": make_model().state_dict()}, blocking=True, copy_in_background=("model",))
     assert copied_on == [threading.current_thread()]
     assert store.wait().valid
@@ -238,7 +241,7 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
 
     def spy(self, uri, data, atomic=False):
         if uri.endswith(MANIFEST_NAME):
-            directory = Path(uri[len("file://"):]).parent
+            directory = Path(uri[len("file://") :]).parent
             seen_when_committing.append(sorted(p.name for p in directory.iterdir()))
         return real_write(self, uri, data, atomic)
 
@@ -276,8 +279,10 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
     [
         (lambda d: flip_byte(d / "__0_0.distcp"), "xxh3_128 mismatch in __0_0.distcp"),
         (lambda d: flip_byte(d / ".metadata"), "xxh3_128 mismatch in .metadata"),
-        (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-10]),
-         "size mismatch in __0_0.distcp"),
+        (
+            lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-10]),
+            "size mismatch in __0_0.distcp",
+        ),
         (lambda d: (d / "__0_0.distcp").unlink(), "missing file __0_0.distcp"),
         (lambda d: (d / MANIFEST_NAME).write_text("{not json"), "manifest unreadable"),
     ],
@@ -323,9 +328,14 @@ def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) ->
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("name, refusal", [("extra", "holds more than plain values"),
-                                           (".metadata", "checkpoint metadata refers to 'pathlib'.'Path.touch'"),
-                                           ("__0_0.distcp", "UnpicklingError: Weights only load failed")])
+@pytest.mark.parametrize(
+    "name, refusal",
+    [
+        ("extra", "holds more than plain values"),
+        (".metadata", "checkpoint metadata refers to 'pathlib'.'Path.touch'"),
+        ("__0_0.distcp", "UnpicklingError: Weights only load failed"),
+    ],
+)
 def test_nothing_read_from_storage_runs_code(store, root, tmp_path, name, refusal):
     """A rank's extra state, DCP's metadata or a non-tensor value in DCP's data (optimizer hyperparameters are
     stored that way) that would run code when unpickled: the load refuses, and nothing ran."""
@@ -377,7 +387,9 @@ def test_metadata_may_name_dcp_enum_members_through_getattr_and_nothing_else():
     def load(obj):
         return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
 
-    assert load([Reduced(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")]) == [_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT]
+    assert load([Reduced(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")]) == [
+        _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    ]
     with pytest.raises(pickle.UnpicklingError, match="only members of DCP's own enums"):
         load(Reduced(Metadata, "__init__"))
 
@@ -396,8 +408,9 @@ def test_plain_values_survive_the_safe_loader(store):
     loaded = store.load(store.latest_valid(), {"model": make_model(3).state_dict()})
     assert loaded["rng"]["python"] == random.getstate() or loaded["rng"]["python"] == extra["rng"]["python"]
     assert np.array_equal(loaded["rng"]["numpy"][1], extra["rng"]["numpy"][1])
-    assert {k: loaded[k] for k in ("sampler", "loss", "run_uid", "items")} == \
-        {k: extra[k] for k in ("sampler", "loss", "run_uid", "items")}
+    assert {k: loaded[k] for k in ("sampler", "loss", "run_uid", "items")} == {
+        k: extra[k] for k in ("sampler", "loss", "run_uid", "items")
+    }
 
 
 def test_a_rank_the_checkpoint_did_not_have_gets_no_extra(store, caplog):
@@ -415,8 +428,7 @@ def test_state_may_not_use_the_extra_entries_names(store):
     with pytest.raises(ValueError, match="reserved for each rank's extra state"):
         store.save(1, {"model": make_model().state_dict(), "extra-rank-0": 1})
     with pytest.raises(ValueError, match="reserved for this rank's extra state"):
-        store.load(store.save(1, {"model": make_model().state_dict()}, blocking=True).result(),
-                   {"extra-rank-0": b""})
+        store.load(store.save(1, {"model": make_model().state_dict()}, blocking=True).result(), {"extra-rank-0": b""})
 
 
 def write_format_1(directory: Path, state: dict, extra: dict, step: int) -> None:
@@ -428,11 +440,24 @@ def write_format_1(directory: Path, state: dict, extra: dict, step: int) -> None
     buffer = io.BytesIO()
     torch.save(extra, buffer)
     (directory / "extra-rank-0.pt").write_bytes(buffer.getvalue())
-    files = [{"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-             for p in sorted(directory.iterdir())]
-    (directory / MANIFEST_NAME).write_text(json.dumps({
-        "format_version": 1, "step": step, "time": "2026-11-20T00:00:00Z", "world_size": 1, "config_hash": "",
-        "model_digest": "", "torch_version": torch.__version__, "files": files}))
+    files = [
+        {"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(directory.iterdir())
+    ]
+    (directory / MANIFEST_NAME).write_text(
+        json.dumps(
+            {
+                "format_version": 1,
+                "step": step,
+                "time": "2026-11-20T00:00:00Z",
+                "world_size": 1,
+                "config_hash": "",
+                "model_digest": "",
+                "torch_version": torch.__version__,
+                "files": files,
+            }
+        )
+    )
 
 
 def test_a_format_1_checkpoint_still_loads(store, root):
@@ -493,7 +518,11 @@ def test_rotation_keeps_newest_and_milestones(root):
             (step_dir(root, step) / "__0_0.distcp").write_bytes(b"partial")
         assert store.rotate() == [f"{root}/step-00000004"]
         assert sorted(p.name for p in root.iterdir()) == [
-            "step-00000003", "step-00000006", "step-00000007", "step-00000009"]
+            "step-00000003",
+            "step-00000006",
+            "step-00000007",
+            "step-00000009",
+        ]
 
     # Another process sees the newest checkpoint corrupt: it is never counted, and rotation
     # never deletes the newest valid one (6) or anything newer.
@@ -604,7 +633,7 @@ def test_cli_helpers(store):
     store.save(5, {"model": model.state_dict()}, model_digest=model_digest(model.state_dict()))
     store.save(6, {"model": model.state_dict()})
     store.wait()
-    os.remove(store.list()[0].uri[len("file://"):] + "/" + MANIFEST_NAME)
+    os.remove(store.list()[0].uri[len("file://") :] + "/" + MANIFEST_NAME)
     infos = store.list()
     table = format_table(infos).splitlines()
     assert table[0].split() == ["STEP", "VALID", "TIME", "SIZE", "MODEL", "URI", "/", "REASON"]

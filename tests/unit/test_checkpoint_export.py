@@ -1,4 +1,5 @@
 """A checkpoint as one plain torch.save file (checkpoint/export.py): every format read, nothing invalid exported."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,10 @@ def test_a_checkpoint_becomes_one_file_of_everything_it_holds(tmp_path):
     assert everything["model"].keys() == model.state_dict().keys()
     assert all(torch.equal(everything["model"][name], value) for name, value in model.state_dict().items())
     moments = [state["exp_avg"] for state in opt.state_dict()["state"].values()]
-    assert all(torch.equal(a, b) for a, b in zip(
-        [state["exp_avg"] for state in everything["optim"]["state"].values()], moments))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip([state["exp_avg"] for state in everything["optim"]["state"].values()], moments)
+    )
     assert load_plain(everything["extra-rank-0"]) == {"step": 3}
 
 

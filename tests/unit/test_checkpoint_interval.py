@@ -1,4 +1,5 @@
 """checkpoint_interval.AutoInterval: Young's rule from measured save costs, step times and failures."""
+
 import math
 
 import pytest
@@ -16,8 +17,9 @@ class Clock:
 
 def measured(cost_steps=(0.5, 0.2), usual=0.1, failures=0, clock=None, commit=None, **bounds):
     """An interval that saw 10 usual steps, then one save beside `cost_steps`, committed `commit` s after save()."""
-    policy = AutoInterval(bounds.get("min_steps", 5), bounds.get("max_steps", 10_000), 3600, failures=failures,
-                          clock=clock or Clock())
+    policy = AutoInterval(
+        bounds.get("min_steps", 5), bounds.get("max_steps", 10_000), 3600, failures=failures, clock=clock or Clock()
+    )
     for _ in range(10):
         policy.step(usual, beside_save=False)
     for seconds in cost_steps:

@@ -1,5 +1,6 @@
 """The memory tier (checkpoint/memory_tier.py) through CheckpointStore on file://: what a restart inside the pod
 loads from node memory, and that a stale, partial or damaged copy is never used."""
+
 from __future__ import annotations
 
 import errno
@@ -99,20 +100,42 @@ def rewrite_digests(path: Path, change) -> None:
     digests_file(path).write_text(json.dumps(digests))
 
 
-@pytest.mark.parametrize("damage, source", [
-    (lambda kept: (kept / MANIFEST_NAME).unlink(), "storage"),  # killed before the commit reached memory
-    (lambda kept: (kept / MANIFEST_NAME).write_text((kept / MANIFEST_NAME).read_text().replace("5", "6", 1)),
-     "storage"),  # another manifest
-    (lambda kept: truncate(data_files(kept)[-1]), "storage"),
-    (lambda kept: data_files(kept)[0].unlink(), "storage"),
-    (lambda kept: digests_file(data_files(kept)[-1]).unlink(), "storage"),  # killed between the file and its digests
-    (lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d.update(file_digest=["xxh3_128", "0" * 32])), "storage"),  # stale
-    # Same size, other bytes: found as it loads, the load reads it again from storage.
-    (lambda kept: flip_byte(data_files(kept)[-1]), "memory and storage"),
-    (lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d["xxh3_128"].__setitem__(-1, "0" * 32)),
-     "memory and storage"),
-], ids=["no-manifest", "other-manifest", "truncated", "missing-file", "no-digests", "stale-digests", "flipped-byte",
-        "wrong-segment-digest"])
+@pytest.mark.parametrize(
+    "damage, source",
+    [
+        (lambda kept: (kept / MANIFEST_NAME).unlink(), "storage"),  # killed before the commit reached memory
+        (
+            lambda kept: (kept / MANIFEST_NAME).write_text((kept / MANIFEST_NAME).read_text().replace("5", "6", 1)),
+            "storage",
+        ),  # another manifest
+        (lambda kept: truncate(data_files(kept)[-1]), "storage"),
+        (lambda kept: data_files(kept)[0].unlink(), "storage"),
+        (
+            lambda kept: digests_file(data_files(kept)[-1]).unlink(),
+            "storage",
+        ),  # killed between the file and its digests
+        (
+            lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d.update(file_digest=["xxh3_128", "0" * 32])),
+            "storage",
+        ),  # stale
+        # Same size, other bytes: found as it loads, the load reads it again from storage.
+        (lambda kept: flip_byte(data_files(kept)[-1]), "memory and storage"),
+        (
+            lambda kept: rewrite_digests(data_files(kept)[-1], lambda d: d["xxh3_128"].__setitem__(-1, "0" * 32)),
+            "memory and storage",
+        ),
+    ],
+    ids=[
+        "no-manifest",
+        "other-manifest",
+        "truncated",
+        "missing-file",
+        "no-digests",
+        "stale-digests",
+        "flipped-byte",
+        "wrong-segment-digest",
+    ],
+)
 def test_a_partial_or_damaged_copy_is_never_used(storage, memory, damage, source):
     _, digest = saved(storage, memory)
     damage(step_dir(memory, 5))
@@ -132,8 +155,11 @@ def test_when_storage_is_damaged_too_the_load_fails_and_a_restart_resumes_from_t
                 older = model_digest(model.state_dict())
     for directory in (step_dir(memory, 10), step_dir(storage, 10)):
         flip_byte(data_files(directory)[-1])
-    with pytest.raises(OSError, match=r"its copy in memory is damaged and storage is not readable or not valid "
-                                      r"\(xxh3_128 mismatch in __0_0.distcp\); a restart resumes"):
+    with pytest.raises(
+        OSError,
+        match=r"its copy in memory is damaged and storage is not readable or not valid "
+        r"\(xxh3_128 mismatch in __0_0.distcp\); a restart resumes",
+    ):
         restored(storage, memory)
     assert restored(storage, memory) == (5, older, "storage")
 
@@ -172,8 +198,11 @@ def test_each_copy_has_its_file_digest_and_the_xxh3_of_each_segment_beside_it(st
     for path in data_files(step_dir(memory, 5)):
         data = path.read_bytes()
         assert json.loads(digests_file(path).read_text()) == {
-            "size": len(data), "file_digest": ["xxh3_128", manifest[path.name]["xxh3_128"]], "segment_bytes": 4096,
-            "xxh3_128": [xxhash.xxh3_128(data[at:at + 4096]).hexdigest() for at in range(0, len(data), 4096)]}
+            "size": len(data),
+            "file_digest": ["xxh3_128", manifest[path.name]["xxh3_128"]],
+            "segment_bytes": 4096,
+            "xxh3_128": [xxhash.xxh3_128(data[at : at + 4096]).hexdigest() for at in range(0, len(data), 4096)],
+        }
     assert restored(storage, memory) == (5, digest, "memory")
 
 
@@ -189,8 +218,10 @@ def test_the_manifest_lists_path_size_and_xxh3_128_only(storage, memory, with_ti
 
 def test_a_failed_save_keeps_nothing_of_its_step_and_the_committed_copy_stays(storage, memory, monkeypatch):
     model, digest = saved(storage, memory, steps=(5,))
-    monkeypatch.setattr("trainingrun_trainer.checkpoint.store.CheckpointStore._commit",
-                        lambda self, job, uri, statuses: (None, "rank 0: refused", b""))
+    monkeypatch.setattr(
+        "trainingrun_trainer.checkpoint.store.CheckpointStore._commit",
+        lambda self, job, uri, statuses: (None, "rank 0: refused", b""),
+    )
     with CheckpointStore(storage.as_uri(), memory_tier=str(memory)) as store:
         store.save(10, app_state(model, torch.optim.AdamW(model.parameters())), {"step": 10})
         assert store.wait() is None
@@ -251,8 +282,17 @@ def test_a_copy_that_fails_mid_write_drops_only_the_copy(storage, memory, monkey
     assert restored(storage, memory) == (5, digest, "storage")
 
 
-def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: list[str], out_dir: str,
-                     writer_process: bool = False, damage: bool = False, persist_behind: bool = False) -> None:
+def _two_rank_worker(
+    rank: int,
+    world: int,
+    init_file: str,
+    uri: str,
+    tiers: list[str],
+    out_dir: str,
+    writer_process: bool = False,
+    damage: bool = False,
+    persist_behind: bool = False,
+) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     memory_tier.RESERVE_SHARE = 0.0  # as the `memory` fixture does, in this process
@@ -262,8 +302,9 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
         ddp = DDP(make_model(0))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         train_step(ddp, opt, seed=100 + rank)
-        with CheckpointStore(uri, memory_tier=tiers[rank], writer_process=writer_process,
-                             persist_behind=persist_behind) as store:
+        with CheckpointStore(
+            uri, memory_tier=tiers[rank], writer_process=writer_process, persist_behind=persist_behind
+        ) as store:
             assert not writer_process or store._writer.wait_ready(120)
             store.save(5, app_state(ddp, opt), {"rank": rank})
             assert store.wait() is not None
@@ -282,17 +323,26 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, tiers: lis
             extra = store.load(store.latest_valid(), state)
             source = store.last_restore_source
         fresh.module.load_state_dict(state["model"])
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-            "rank": extra["rank"], "source": source, "digest": model_digest(fresh.module.state_dict()), "behind": behind,
-            "expected": model_digest(ddp.module.state_dict())}))
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": extra["rank"],
+                    "source": source,
+                    "digest": model_digest(fresh.module.state_dict()),
+                    "behind": behind,
+                    "expected": model_digest(ddp.module.state_dict()),
+                }
+            )
+        )
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, sources, writer_process", [(1, ["memory", "memory"], False),
-                                                           (2, ["storage", "memory and storage"], False),
-                                                           (1, ["memory", "memory"], True)])
+@pytest.mark.parametrize(
+    "nodes, sources, writer_process",
+    [(1, ["memory", "memory"], False), (2, ["storage", "memory and storage"], False), (1, ["memory", "memory"], True)],
+)
 def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, writer_process):
     """One node: both ranks' files are in its memory. Two nodes: each node lacks the file the other's rank wrote
     (DCP spreads the replicated tensors over both), so rank 0 verifies every file in storage, keeping them in its
@@ -300,8 +350,12 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, wri
     writer processes (one per rank) writing the files and the copies, as with one node."""
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
     uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path), writer_process),
-             nprocs=2, join=True)
+    mp.spawn(
+        _two_rank_worker,
+        args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path), writer_process),
+        nprocs=2,
+        join=True,
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["source"] for r in results] == sources
     assert [r["rank"] for r in results] == [0, 1]
@@ -309,14 +363,19 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, wri
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, sources, behind", [(1, ["memory", "memory"], True),
-                                                    (2, ["storage", "memory and storage"], False)])
+@pytest.mark.parametrize(
+    "nodes, sources, behind", [(1, ["memory", "memory"], True), (2, ["storage", "memory and storage"], False)]
+)
 def test_two_ranks_persisting_behind_on_one_node_and_committing_to_storage_on_two(tmp_path, nodes, sources, behind):
     """Persisting behind needs every rank's files in one node's tier (rank 0 copies them all); with two nodes the
     store commits to storage as before."""
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
-    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers,
-                                     str(tmp_path), False, False, True), nprocs=2, join=True)
+    mp.spawn(
+        _two_rank_worker,
+        args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers, str(tmp_path), False, False, True),
+        nprocs=2,
+        join=True,
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["behind"] for r in results] == [behind, behind]
     assert [r["source"] for r in results] == sources
@@ -326,8 +385,12 @@ def test_two_ranks_persisting_behind_on_one_node_and_committing_to_storage_on_tw
 @pytest.mark.slow
 def test_a_damaged_file_found_as_two_ranks_load_is_read_again_from_storage_by_both(tmp_path):
     tiers = [str(tmp_path / "node" / "tier")] * 2
-    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers,
-                                     str(tmp_path), False, True), nprocs=2, join=True)
+    mp.spawn(
+        _two_rank_worker,
+        args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers, str(tmp_path), False, True),
+        nprocs=2,
+        join=True,
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["source"] for r in results] == ["memory and storage"] * 2
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
@@ -368,13 +431,16 @@ def test_a_tier_file_reads_its_bytes_and_checks_every_segment_it_touches(tmp_pat
         stream.finish()
 
 
-@pytest.mark.parametrize("damaged_at, read, fails", [
-    (20, (20, 3), True),  # in the bytes read
-    (17, (20, 3), True),  # in the same segment, before them
-    (30, (20, 3), True),  # in the same segment, after them: checked by finish()
-    (40, (20, 3), False),  # in a segment never read: this reader does not need it
-    (99, (0, 100), True),  # the last, short segment
-])
+@pytest.mark.parametrize(
+    "damaged_at, read, fails",
+    [
+        (20, (20, 3), True),  # in the bytes read
+        (17, (20, 3), True),  # in the same segment, before them
+        (30, (20, 3), True),  # in the same segment, after them: checked by finish()
+        (40, (20, 3), False),  # in a segment never read: this reader does not need it
+        (99, (0, 100), True),  # the last, short segment
+    ],
+)
 def test_a_damaged_segment_that_a_read_touches_fails_it(tmp_path, small_segments, damaged_at, read, fails):
     data = bytearray(range(100))
     kept = tier_file(tmp_path / "f", bytes(data))
@@ -393,7 +459,10 @@ def test_a_damaged_segment_that_a_read_touches_fails_it(tmp_path, small_segments
 def test_a_tier_file_cut_short_fails_the_read(tmp_path, small_segments):
     kept = tier_file(tmp_path / "f", bytes(100))
     (tmp_path / "f").write_bytes(bytes(50))
-    with memory_tier.VerifiedTierFile(kept) as stream, pytest.raises(memory_tier.TierMismatch, match="ends at 50 bytes"):
+    with (
+        memory_tier.VerifiedTierFile(kept) as stream,
+        pytest.raises(memory_tier.TierMismatch, match="ends at 50 bytes"),
+    ):
         read_at(stream, 40, 30)
 
 
@@ -443,6 +512,7 @@ def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_on
                 if together.wait() == 0:
                     passed.append(True)
             return real(self, uri, **options)
+
         return call
 
     passed: list = []

@@ -1,5 +1,6 @@
 """Persisting behind (CheckpointStore(persist_behind=True)): a save commits in the memory tier, rank 0 copies it to
 storage behind it, newest first; a restart loads the newest memory checkpoint, a new pod the newest in storage."""
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,9 @@ def bucket(tmp_path) -> Path:
 
 @pytest.fixture
 def memory(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", 0.0)  # as test_checkpoint_memory_tier's fixture, for the same reason
+    monkeypatch.setattr(
+        memory_tier, "RESERVE_SHARE", 0.0
+    )  # as test_checkpoint_memory_tier's fixture, for the same reason
     return tmp_path / "shm" / "trainingrun-uid-attempt-1"
 
 
@@ -125,7 +128,8 @@ def test_a_restart_resumes_from_memory_what_storage_never_got(bucket, memory, mo
 
 @pytest.mark.parametrize("in_background", [(), ("model", "optim")], ids=["staged-first", "staged-into-the-tier"])
 def test_a_damaged_memory_checkpoint_that_storage_lacks_fails_once_then_the_restart_takes_storages(
-        bucket, memory, monkeypatch, in_background):
+    bucket, memory, monkeypatch, in_background
+):
     model, opt = trained()
     with behind(bucket, memory) as store:
         store.save(1, app_state(model, opt), {"step": 1})
@@ -152,8 +156,11 @@ def test_without_room_in_memory_a_save_commits_to_storage_as_before(bucket, memo
     with behind(bucket, memory) as store:
         store.save(1, app_state(model, opt), {"step": 1})
         assert store.flush().step == 1
-        monkeypatch.setattr(memory_tier.shutil, "disk_usage", lambda _: memory_tier.shutil._ntuple_diskusage(
-            1 << 30, 1 << 30, memory_tier.RESERVE_BYTES))
+        monkeypatch.setattr(
+            memory_tier.shutil,
+            "disk_usage",
+            lambda _: memory_tier.shutil._ntuple_diskusage(1 << 30, 1 << 30, memory_tier.RESERVE_BYTES),
+        )
         train_step(model, opt, seed=2)
         with caplog.at_level(logging.INFO):
             store.save(2, app_state(model, opt), {"step": 2})
@@ -189,8 +196,13 @@ def test_each_save_writes_its_data_files_into_the_memory_of_a_step_no_longer_nee
 def test_a_save_says_where_its_time_went(bucket, memory):
     model, opt = trained()
     with behind(bucket, memory) as store:
-        store.save(1, app_state(model, opt), {"step": 1}, model_digest=lambda staged: model_digest(staged["model"]),
-                   copy_in_background=("model", "optim"))
+        store.save(
+            1,
+            app_state(model, opt),
+            {"step": 1},
+            model_digest=lambda staged: model_digest(staged["model"]),
+            copy_in_background=("model", "optim"),
+        )
         store.wait_copied()
         assert store.wait() is not None
         phases = store.last_save_phases
@@ -207,8 +219,11 @@ def test_no_spare_is_prepared_where_it_would_take_the_reserve_of_dev_shm(bucket,
         assert store.wait() is not None and gate.entered.wait(60)
         [data] = step_dir(memory, 1).glob("*.distcp")
         free = data.stat().st_size + memory_tier.RESERVE_BYTES - 1  # the spare would leave less than the reserve
-        monkeypatch.setattr(memory_tier.shutil, "disk_usage",
-                            lambda _: memory_tier.shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free))
+        monkeypatch.setattr(
+            memory_tier.shutil,
+            "disk_usage",
+            lambda _: memory_tier.shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free),
+        )
         gate.release()
         assert store.flush().step == 1
     assert not list((memory / memory_tier.SPARE_DIR).glob("*"))
@@ -219,8 +234,9 @@ def test_no_spare_is_prepared_where_it_would_take_the_reserve_of_dev_shm(bucket,
 
 def test_a_storage_interval_copies_every_nth_memory_checkpoint_and_flush_the_newest(bucket, memory):
     model, opt = trained()
-    with CheckpointStore(bucket.as_uri(), keep=10, memory_tier=str(memory), persist_behind=True,
-                         persist_every_steps=3) as store:
+    with CheckpointStore(
+        bucket.as_uri(), keep=10, memory_tier=str(memory), persist_behind=True, persist_every_steps=3
+    ) as store:
         for step in range(1, 9):
             train_step(model, opt, seed=step)
             store.save(step, app_state(model, opt), {"step": step})
@@ -237,8 +253,9 @@ def test_a_storage_interval_copies_every_nth_memory_checkpoint_and_flush_the_new
 def test_a_storage_interval_in_seconds_copies_the_first_memory_checkpoint_after_it_is_up(bucket, memory):
     model, opt = trained()
     now = [0.0]
-    with CheckpointStore(bucket.as_uri(), keep=10, memory_tier=str(memory), persist_behind=True,
-                         persist_every_seconds=60) as store:
+    with CheckpointStore(
+        bucket.as_uri(), keep=10, memory_tier=str(memory), persist_behind=True, persist_every_seconds=60
+    ) as store:
         store._clock = lambda: now[0]
         for step, at in ((1, 0.0), (2, 30.0), (3, 59.0), (4, 61.0), (5, 100.0)):
             now[0] = at

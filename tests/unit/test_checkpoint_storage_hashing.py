@@ -1,4 +1,5 @@
 """checkpoint/storage.py: hashing a file in object storage with ranges fetched at once."""
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,9 @@ def bucket(monkeypatch):
     return store, f"{uri}/file"
 
 
-@pytest.mark.parametrize("name,expected", [("xxh3_128", xxhash.xxh3_128(DATA).hexdigest()),
-                                           ("sha256", hashlib.sha256(DATA).hexdigest())])
+@pytest.mark.parametrize(
+    "name,expected", [("xxh3_128", xxhash.xxh3_128(DATA).hexdigest()), ("sha256", hashlib.sha256(DATA).hexdigest())]
+)
 def test_ranges_are_hashed_and_copied_in_order(bucket, name, expected):
     store, uri = bucket
     kept = Kept()
@@ -73,4 +75,7 @@ def test_a_local_file_is_read_as_one_stream(tmp_path):
     (tmp_path / "file").write_bytes(DATA)
     store = _Storage(tmp_path.as_uri(), {})
     assert store.local
-    assert store.digest((tmp_path / "file").as_uri(), "sha256", size=len(DATA)) == (len(DATA), hashlib.sha256(DATA).hexdigest())
+    assert store.digest((tmp_path / "file").as_uri(), "sha256", size=len(DATA)) == (
+        len(DATA),
+        hashlib.sha256(DATA).hexdigest(),
+    )

@@ -1,5 +1,6 @@
 """Format 3's data files (checkpoint/tensor_files.py): tensors stored as their bytes, read back into any destination,
 refused by name by DCP's stock reader, and older formats still read."""
+
 from __future__ import annotations
 
 import io
@@ -49,28 +50,35 @@ def test_every_tensor_is_stored_as_its_bytes(store, root):
     store.save(3, app_state(model, opt), {"step": 3}, blocking=True)
     directory = step_dir(root, 3)
     stored = metadata(directory)
-    tensors = {index.fqn: info for index, info in stored.storage_data.items()
-               if isinstance(stored.state_dict_metadata[index.fqn], dcp.metadata.TensorStorageMetadata)}
+    tensors = {
+        index.fqn: info
+        for index, info in stored.storage_data.items()
+        if isinstance(stored.state_dict_metadata[index.fqn], dcp.metadata.TensorStorageMetadata)
+    }
     assert tensors and all(info.transform_descriptors == [RAW_TENSOR] for info in tensors.values())
-    assert json.loads((directory / MANIFEST_NAME).read_text())["format_version"] == 4  # format 3 stored tensors so; 4 adds xxh3_128 digests
+    assert (
+        json.loads((directory / MANIFEST_NAME).read_text())["format_version"] == 4
+    )  # format 3 stored tensors so; 4 adds xxh3_128 digests
     data = (directory / "__0_0.distcp").read_bytes()
     for name, value in model.state_dict().items():
         info = tensors[f"model.{name}"]
-        assert data[info.offset:info.offset + info.length] == value.contiguous().numpy().tobytes(), name
+        assert data[info.offset : info.offset + info.length] == value.contiguous().numpy().tobytes(), name
 
 
 def test_dcps_own_reader_refuses_them_by_name_rather_than_misread_them(store, root):
     model, opt = trained()
     store.save(3, app_state(model, opt), {"step": 3}, blocking=True)
     with pytest.raises(BaseException, match=f"Unknown extension name='{RAW_TENSOR.split('/')[0]}'"):
-        dcp.load({"model": make_model(1).state_dict()}, storage_reader=FsspecReader(str(step_dir(root, 3))),
-                 no_dist=True)
+        dcp.load(
+            {"model": make_model(1).state_dict()}, storage_reader=FsspecReader(str(step_dir(root, 3))), no_dist=True
+        )
 
 
 def test_tensors_load_into_other_dtypes_and_non_contiguous_destinations(store):
     weight = torch.randn(6, 4)
-    info = store.save(1, {"weight": weight, "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)},
-                      blocking=True).result()
+    info = store.save(
+        1, {"weight": weight, "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}, blocking=True
+    ).result()
     as_bf16, transposed = torch.zeros(6, 4, dtype=torch.bfloat16), torch.zeros(4, 6).t()
     state = {"weight": as_bf16, "scalar": torch.tensor(0.0), "empty": torch.ones(0, 3)}
     store.load(info, state)
@@ -98,13 +106,29 @@ def test_a_format_2_checkpoint_still_loads(store, root):
     directory = step_dir(root, 4)
     extra = io.BytesIO()
     torch.save({"step": 4}, extra)
-    dcp.save({"model": model.state_dict(), "extra-rank-0": extra.getvalue()},
-             storage_writer=FsspecWriter(f"file://{directory}"), no_dist=True)
-    files = [{"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-             for p in sorted(directory.iterdir())]
-    (directory / MANIFEST_NAME).write_text(json.dumps({
-        "format_version": 2, "step": 4, "time": "2026-11-20T00:00:00Z", "world_size": 1, "config_hash": "",
-        "model_digest": "", "torch_version": torch.__version__, "files": files}))
+    dcp.save(
+        {"model": model.state_dict(), "extra-rank-0": extra.getvalue()},
+        storage_writer=FsspecWriter(f"file://{directory}"),
+        no_dist=True,
+    )
+    files = [
+        {"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(directory.iterdir())
+    ]
+    (directory / MANIFEST_NAME).write_text(
+        json.dumps(
+            {
+                "format_version": 2,
+                "step": 4,
+                "time": "2026-11-20T00:00:00Z",
+                "world_size": 1,
+                "config_hash": "",
+                "model_digest": "",
+                "torch_version": torch.__version__,
+                "files": files,
+            }
+        )
+    )
     info = store.latest_valid()
     assert info.step == 4 and info.format_version == 2
     loaded = make_model(2)

@@ -1,5 +1,6 @@
 """Stage once (checkpoint.tier_staging): persisting behind, the tensors a save copies in the background go straight
 into the rank's data file in the memory tier, which the save completes in place."""
+
 from __future__ import annotations
 
 import errno
@@ -24,8 +25,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def save_as_the_trainer_does(store: CheckpointStore, step: int, model, opt) -> None:
     """The trainer's save: weights and moments copied in the background, the model digest from the staged copy."""
-    store.save(step, app_state(model, opt), {"step": step}, copy_in_background=("model", "optim"),
-               model_digest=lambda staged: model_digest(staged["model"]))
+    store.save(
+        step,
+        app_state(model, opt),
+        {"step": step},
+        copy_in_background=("model", "optim"),
+        model_digest=lambda staged: model_digest(staged["model"]),
+    )
 
 
 def test_a_state_staged_into_memory_restores_as_it_was_at_save_time_though_training_went_on(bucket, memory):
@@ -46,9 +52,13 @@ def test_tied_non_contiguous_empty_and_odd_dtype_tensors_are_staged_and_restored
     gen = torch.Generator().manual_seed(3)
     shared = torch.randn(300, 7, generator=gen)
     tensors = {
-        "big": torch.randn(1000, 33, generator=gen), "tied": shared, "tied_again": shared,
-        "transposed": torch.randn(9, 40, generator=gen).t(), "empty": torch.empty(0, 3),
-        "flags": torch.rand(77, generator=gen) > 0.5, "half": torch.randn(13, generator=gen).to(torch.bfloat16),
+        "big": torch.randn(1000, 33, generator=gen),
+        "tied": shared,
+        "tied_again": shared,
+        "transposed": torch.randn(9, 40, generator=gen).t(),
+        "empty": torch.empty(0, 3),
+        "flags": torch.rand(77, generator=gen) > 0.5,
+        "half": torch.randn(13, generator=gen).to(torch.bfloat16),
         "step": torch.tensor(12, dtype=torch.int64),
     }
     # `shared` also in another entry, as EMA state holds the model's buffers
@@ -61,9 +71,12 @@ def test_tied_non_contiguous_empty_and_odd_dtype_tensors_are_staged_and_restored
         assert store.flush() is not None
     [data] = step_dir(memory, 1).glob("*.distcp")
     # Staged straight into the file, largest tensor first: its bytes open the file (DCP's writer puts byte items first).
-    assert data.read_bytes()[:big.nbytes] == big.numpy().tobytes()
-    target = {"weights": {name: torch.zeros_like(t) for name, t in tensors.items()}, "groups": [{"lr": 0.0, "params": []}],
-              "ema": {"buffer": torch.zeros_like(shared)}}
+    assert data.read_bytes()[: big.nbytes] == big.numpy().tobytes()
+    target = {
+        "weights": {name: torch.zeros_like(t) for name, t in tensors.items()},
+        "groups": [{"lr": 0.0, "params": []}],
+        "ema": {"buffer": torch.zeros_like(shared)},
+    }
     for root, tier in ((bucket, memory), (bucket, None)):
         with CheckpointStore(root.as_uri(), memory_tier=str(tier) if tier else None) as reader:
             reader.load(reader.latest_valid(), target)
@@ -128,8 +141,9 @@ def shm_memory(memory):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
-def test_gpu_tensors_are_copied_from_the_device_into_locked_memory_pages_and_restore_as_saved(bucket, shm_memory,
-                                                                                             monkeypatch):
+def test_gpu_tensors_are_copied_from_the_device_into_locked_memory_pages_and_restore_as_saved(
+    bucket, shm_memory, monkeypatch
+):
     """In /dev/shm as in a pod: CUDA locks the pages of a memory-backed file; a file on disk it refused (H200)."""
     memory = shm_memory
     locked = []
@@ -171,7 +185,9 @@ def test_where_pages_cannot_be_locked_gpu_tensors_are_copied_through_pageable_me
     with CheckpointStore(bucket.as_uri(), memory_tier=str(memory)) as reader:
         reader.load(reader.latest_valid(), target)
         assert reader.last_restore_source == "memory"
-    assert torch.equal(target["weights"]["w"], torch.arange(1000.0)) and torch.equal(target["weights"]["b"], torch.ones(3))
+    assert torch.equal(target["weights"]["w"], torch.arange(1000.0)) and torch.equal(
+        target["weights"]["b"], torch.ones(3)
+    )
 
 
 def test_tier_files_are_locked_once_and_let_go_when_deleted_replaced_or_released(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """checkpoint.writerProcess: a separate process writes a rank's files (checkpoint/writer_process.py)."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ def test_the_writer_process_writes_what_the_training_process_would(tmp_path):
     # The data files byte for byte; .metadata pickles the write results, whose strings came back through a pipe as
     # copies (pickle repeats them instead of referring back), and names its own directory.
     assert process.keys() == thread.keys() and len(process) > 1
-    assert {name: entry for name, entry in process.items() if name != ".metadata"} == \
-        {name: entry for name, entry in thread.items() if name != ".metadata"}
+    assert {name: entry for name, entry in process.items() if name != ".metadata"} == {
+        name: entry for name, entry in thread.items() if name != ".metadata"
+    }
 
 
 def test_the_staged_state_is_the_state_at_save_time_though_training_goes_on_and_buffers_are_reused(tmp_path):
@@ -164,9 +166,16 @@ def _fsdp2_worker(rank: int, world: int, init_file: str, uri: str, out_dir: str)
         with CheckpointStore(uri) as store:
             extra = store.load(store.latest_valid(), state)
         set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-            "rank": extra["rank"], "written": written, "expected": expected,
-            "digest": model_digest(get_model_state_dict(fresh))}))
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": extra["rank"],
+                    "written": written,
+                    "expected": expected,
+                    "digest": model_digest(get_model_state_dict(fresh)),
+                }
+            )
+        )
     finally:
         dist.destroy_process_group()
 

@@ -1,4 +1,5 @@
 """`trainingrun crd | validate | render`: exit codes, output, and messages a person can act on."""
+
 import os
 import subprocess
 import sys
@@ -17,7 +18,10 @@ def run_cli(*argv):
     )
 
 
-@pytest.mark.parametrize("command", [[], ["crd"], ["validate"], ["render"], ["status"], ["logs"], ["checkpoints"], ["operator"], ["monitoring"]])
+@pytest.mark.parametrize(
+    "command",
+    [[], ["crd"], ["validate"], ["render"], ["status"], ["logs"], ["checkpoints"], ["operator"], ["monitoring"]],
+)
 def test_help_on_every_command(command):
     result = run_cli(*command, "--help")
     assert result.returncode == 0
@@ -94,16 +98,21 @@ def test_validate_checks_the_trainers_own_classes_and_their_arguments(tmp_path, 
         "'contextLen'; accepted: numSamples, contextLength, vocabSize, seed, split; did you mean 'contextLength'?",
     ]
     user_class = MISSPELT_CLASSES.replace("trainingrun_trainer.models.CharTransfomer", "mypkg.models.Net").replace(
-        "contextLen", "contextLength")
+        "contextLen", "contextLength"
+    )
     assert cli.main(["validate", write(tmp_path, user_class)]) == 0
-    assert ("spec.trainer.model.classPath mypkg.models.Net comes from your image: the trainer checks it and its "
-            "initArgs when the run starts") in capsys.readouterr().out
+    assert (
+        "spec.trainer.model.classPath mypkg.models.Net comes from your image: the trainer checks it and its "
+        "initArgs when the run starts"
+    ) in capsys.readouterr().out
 
 
 def test_validate_needs_no_torch(tmp_path):
     """The operator's image has no torch: validate (and the operator, which parses the same way) must not import it."""
-    code = ("import sys; sys.modules['torch'] = None; from trainingrun_operator import cli; "
-            f"sys.exit(cli.main(['validate', {write(tmp_path, MISSPELT_CLASSES)!r}]))")
+    code = (
+        "import sys; sys.modules['torch'] = None; from trainingrun_operator import cli; "
+        f"sys.exit(cli.main(['validate', {write(tmp_path, MISSPELT_CLASSES)!r}]))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "did you mean 'CharTransformer'" in result.stderr, result.stderr
 
@@ -156,7 +165,10 @@ def test_render_prints_children_as_yaml(capsys):
     assert documents[1]["spec"]["selector"]["trainingrun.dev/attempt"] == "3"
     job = documents[-1]
     assert job["metadata"]["name"] == "charlm-gpu-a3"
-    env = {e["name"]: e.get("value") for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value")
+        for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["TRAININGRUN_RESUME_FROM"] == "gs://bkt/x/step-1"
     assert "no metadata.uid" in captured.err  # the placeholder is announced, not hidden
 
@@ -178,8 +190,13 @@ def test_checkpoints_lists_valid_and_invalid(tmp_path, capsys):
     uri = f"file://{tmp_path}/ckpt"
     store = CheckpointStore(uri, keep=5)
     for step in (10, 20):
-        store.save(step, {"model": {"w": torch.full((4,), float(step))}}, {"step": step}, model_digest=f"d{step}",
-                   blocking=True)
+        store.save(
+            step,
+            {"model": {"w": torch.full((4,), float(step))}},
+            {"step": step},
+            model_digest=f"d{step}",
+            blocking=True,
+        )
     store.close()
     (tmp_path / "ckpt" / "step-00000020" / "manifest.json").unlink()  # as if the save died before its commit
     assert cli.main(["checkpoints", uri, "--json"]) == 0
@@ -196,8 +213,13 @@ def test_checkpoints_lists_valid_and_invalid(tmp_path, capsys):
 def test_operator_without_credentials_says_why_and_exits_1(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
     env["HOME"] = str(tmp_path)  # no ~/.kube/config
-    result = subprocess.run([sys.executable, "-m", "trainingrun_operator", "--metrics-port", "0", "--health-port", "0"],
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainingrun_operator", "--metrics-port", "0", "--health-port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("trainingrun operator: no Kubernetes credentials")
 

@@ -1,5 +1,6 @@
 """`components.build` / `check`: the shipped classes build from camelCase config, and every mistake a
 user can make in `classPath` / `initArgs` is a ConfigError naming the field and the fix."""
+
 import importlib.util
 import sys
 import textwrap
@@ -26,7 +27,7 @@ def user_module(tmp_path, monkeypatch):
     """A user's module on sys.path, as a package installed in a derived trainer image would be."""
     (tmp_path / "user_models.py").write_text(
         textwrap.dedent(
-            '''
+            """
             CONSTRUCTED = []
 
             class Needy:
@@ -50,7 +51,7 @@ def user_module(tmp_path, monkeypatch):
                 return {"scale": scale}
 
             NOT_A_CLASS = 3
-            '''
+            """
         )
     )
     (tmp_path / "broken_module.py").write_text("raise RuntimeError('boom at import')\n")
@@ -286,22 +287,30 @@ def test_the_table_of_builtin_classes_equals_the_code():
     found = {}
     for module in (models, data, shards):
         for name, value in vars(module).items():
-            if inspect.isclass(value) and value.__module__ == module.__name__ and not name.startswith("_") \
-                    and not issubclass(value, Exception):
+            if (
+                inspect.isclass(value)
+                and value.__module__ == module.__name__
+                and not name.startswith("_")
+                and not issubclass(value, Exception)
+            ):
                 found[f"{module.__name__}.{name}"] = {
-                    p.name: p.default is p.empty for p in inspect.signature(value).parameters.values()}
+                    p.name: p.default is p.empty for p in inspect.signature(value).parameters.values()
+                }
     assert components.BUILTIN_CLASSES == found
 
 
-@pytest.mark.parametrize("class_path, init_args, field, extra", [
-    ("trainingrun_trainer.models.CharTransfomer", {}, MODEL, {}),  # misspelt class
-    ("trainingrun_trainer.modles.CharTransformer", {}, MODEL, {}),  # misspelt module
-    ("trainingrun_trainer.models.CharTransformer", {"dimm": 64}, MODEL, {}),
-    ("trainingrun_trainer.models.CharTransformer", {"contextLength": 8, "context_length": 8}, MODEL, {}),
-    ("trainingrun_trainer.models.TransformerBlock", {"dim": 8}, MODEL, {}),  # a required argument missing
-    ("trainingrun_trainer.data.SyntheticText", {"split": "eval"}, DATASET, {"split": "train"}),
-    ("trainingrun_trainer.data.SyntheticText", {"numSamples": 8}, DATASET, {"split": "train"}),
-])
+@pytest.mark.parametrize(
+    "class_path, init_args, field, extra",
+    [
+        ("trainingrun_trainer.models.CharTransfomer", {}, MODEL, {}),  # misspelt class
+        ("trainingrun_trainer.modles.CharTransformer", {}, MODEL, {}),  # misspelt module
+        ("trainingrun_trainer.models.CharTransformer", {"dimm": 64}, MODEL, {}),
+        ("trainingrun_trainer.models.CharTransformer", {"contextLength": 8, "context_length": 8}, MODEL, {}),
+        ("trainingrun_trainer.models.TransformerBlock", {"dim": 8}, MODEL, {}),  # a required argument missing
+        ("trainingrun_trainer.data.SyntheticText", {"split": "eval"}, DATASET, {"split": "train"}),
+        ("trainingrun_trainer.data.SyntheticText", {"numSamples": 8}, DATASET, {"split": "train"}),
+    ],
+)
 def test_builtin_classes_are_checked_from_the_table_as_the_trainer_checks_them(class_path, init_args, field, extra):
     """Same verdict as importing the class; the messages name the field and the fix (the module's wording may
     differ only where importing a module that does not exist says so in Python's own words)."""
@@ -326,13 +335,22 @@ def test_classes_from_elsewhere_are_left_to_the_trainer(user_module):
     assert components.check_builtin(component("torchvision.models.ResNet"), MODEL) is False
 
 
-@pytest.mark.parametrize("trainer, field, extra", [
-    ({"loggers": [{"kind": "wandb", "project": "p"}]}, "spec.trainer.loggers[0]: kind wandb", "wandb"),
-    ({"data": {"dataset": {"classPath": "trainingrun_trainer.shards.ImageShards", "initArgs": {"uri": "gs://b/x"}}}},
-     "spec.trainer.data.dataset: trainingrun_trainer.shards.ImageShards", "images"),
-])
-def test_an_optional_feature_whose_library_is_missing_names_the_field_and_the_extra(monkeypatch, trainer, field,
-                                                                                     extra):
+@pytest.mark.parametrize(
+    "trainer, field, extra",
+    [
+        ({"loggers": [{"kind": "wandb", "project": "p"}]}, "spec.trainer.loggers[0]: kind wandb", "wandb"),
+        (
+            {
+                "data": {
+                    "dataset": {"classPath": "trainingrun_trainer.shards.ImageShards", "initArgs": {"uri": "gs://b/x"}}
+                }
+            },
+            "spec.trainer.data.dataset: trainingrun_trainer.shards.ImageShards",
+            "images",
+        ),
+    ],
+)
+def test_an_optional_feature_whose_library_is_missing_names_the_field_and_the_extra(monkeypatch, trainer, field, extra):
     from trainingrun_api.components import OPTIONAL_LIBRARIES, check_libraries
     from trainingrun_api.config import TrainerConfig
 
@@ -351,7 +369,8 @@ def test_every_optional_library_is_an_extra_of_the_project():
     import tomllib
 
     extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     from trainingrun_api.components import OPTIONAL_LIBRARIES
 
     for _module, extra in OPTIONAL_LIBRARIES.values():

@@ -1,4 +1,5 @@
 """The trainer config models: torch-free, camelCase on the wire, same shape as the TrainingRun."""
+
 import subprocess
 import sys
 
@@ -14,8 +15,12 @@ def test_config_and_operator_cli_import_no_torch():
 
 
 def test_run_config_round_trips_through_the_wire_form():
-    config = RunConfig.from_wire({"trainer": {"maxSteps": 5, "model": {"classPath": "a.B", "initArgs": {"dimX": 3}}},
-                                  "checkpoint": {"uri": "gs://bkt/p"}})
+    config = RunConfig.from_wire(
+        {
+            "trainer": {"maxSteps": 5, "model": {"classPath": "a.B", "initArgs": {"dimX": 3}}},
+            "checkpoint": {"uri": "gs://bkt/p"},
+        }
+    )
     again = RunConfig.from_wire(config.to_wire())
     assert again == config and again.trainer.model.init_args == {"dimX": 3}
     with pytest.raises(ValidationError):
@@ -27,5 +32,7 @@ def test_the_checkpoint_interval_is_chosen_from_measured_costs_unless_the_spec_s
     costs a few steps, not a fixed 500."""
     config = RunConfig.from_wire({"trainer": {"maxSteps": 5}, "checkpoint": {"uri": "gs://bkt/p"}})
     assert config.checkpoint.interval.auto and config.checkpoint.persist_behind
-    fixed = RunConfig.from_wire({"trainer": {"maxSteps": 5}, "checkpoint": {"uri": "gs://bkt/p", "interval": {"steps": 50}}})
+    fixed = RunConfig.from_wire(
+        {"trainer": {"maxSteps": 5}, "checkpoint": {"uri": "gs://bkt/p", "interval": {"steps": 50}}}
+    )
     assert fixed.checkpoint.interval.steps == 50 and not fixed.checkpoint.interval.auto

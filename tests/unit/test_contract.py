@@ -1,4 +1,5 @@
 """The torch-free contract between trainer and operator: what both sides compute the same way."""
+
 from trainingrun_api import contract
 
 
@@ -11,18 +12,23 @@ def test_percent_and_completion_time_come_from_the_step_rate_between_reports():
     assert first["percent"] == 10.0 and "estimatedCompletionTime" not in first  # no rate yet
     second = contract.with_estimates(first, progress(110, 10))  # 1 step/s, 890 to go
     assert second["percent"] == 11.0 and second["estimatedCompletionTime"] == "2026-11-25T10:15:00Z"
-    assert contract.with_estimates(second, progress(110, 20))["estimatedCompletionTime"] == \
-        second["estimatedCompletionTime"]  # a heartbeat keeps it: the status is not rewritten
+    assert (
+        contract.with_estimates(second, progress(110, 20))["estimatedCompletionTime"]
+        == second["estimatedCompletionTime"]
+    )  # a heartbeat keeps it: the status is not rewritten
     resumed = contract.with_estimates(second, progress(50, 30))  # a new attempt resumed below the last step
     assert resumed["estimatedCompletionTime"] is None  # removed, not left stale
     done = contract.with_estimates(second, progress(1000, 40))
     assert done["percent"] == 100.0 and done["estimatedCompletionTime"] == "2026-11-25T10:00:40Z"
-    assert contract.with_estimates(None, {"step": 5, "updatedAt": "2026-11-25T10:00:00Z"}) == \
-        {"step": 5, "updatedAt": "2026-11-25T10:00:00Z"}  # no totalSteps: nothing to estimate
+    assert contract.with_estimates(None, {"step": 5, "updatedAt": "2026-11-25T10:00:00Z"}) == {
+        "step": 5,
+        "updatedAt": "2026-11-25T10:00:00Z",
+    }  # no totalSteps: nothing to estimate
 
 
-def process(name, alive, startup=1.0, restore=0.0, checkpoint=0.5, data_wait=0.25, compute=5.0, evaluation=0.0,
-            restored=0.0):
+def process(
+    name, alive, startup=1.0, restore=0.0, checkpoint=0.5, data_wait=0.25, compute=5.0, evaluation=0.0, restored=0.0
+):
     return contract.ProcessTime(name, alive, startup, restore, checkpoint, data_wait, compute, evaluation, restored)
 
 
@@ -41,7 +47,8 @@ def test_the_time_breakdown_adds_up_to_wall_time_and_splits_compute_into_kept_an
 
 
 def test_a_resumed_invocation_counts_only_the_productive_time_it_added():
-    parts = contract.time_breakdown(10.0, [process("a", alive=9.0, compute=6.0, restored=100.0)],
-                                    productive_seconds=105.0)
+    parts = contract.time_breakdown(
+        10.0, [process("a", alive=9.0, compute=6.0, restored=100.0)], productive_seconds=105.0
+    )
     assert (parts["productive"], parts["lost"]) == (5.0, 1.0)
     assert contract.time_breakdown(3.0, [], productive_seconds=0.0)["startup"] == 3.0  # nothing reported: all startup

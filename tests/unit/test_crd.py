@@ -1,4 +1,5 @@
 """The CRD is generated from the API model, committed, and a valid apiextensions/v1 object."""
+
 import kubernetes_validate
 import pytest
 import yaml
@@ -37,13 +38,15 @@ def test_schema_is_structural():
     """Every node has a type, or says it keeps unknown fields or is int-or-string; no $ref, anyOf or empty schemas."""
     for path, node in walk(schema()):
         assert "$ref" not in node and "anyOf" not in node and "allOf" not in node, path
-        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields") \
-            or node.get("x-kubernetes-int-or-string"), path
+        assert (
+            "type" in node or node.get("x-kubernetes-preserve-unknown-fields") or node.get("x-kubernetes-int-or-string")
+        ), path
 
 
 def test_every_spec_and_status_field_is_documented():
     undocumented = [
-        path for path, node in walk(schema())
+        path
+        for path, node in walk(schema())
         if path.startswith(("spec.", "status.")) and not path.endswith(("[]", "{}")) and not node.get("description")
     ]
     assert undocumented == []
@@ -70,14 +73,31 @@ def test_api_names_and_printer_columns():
 def test_status_has_the_design_fields_and_no_defaults():
     status = schema()["properties"]["status"]
     assert {
-        "phase", "attempt", "jobName", "progress", "lastGoodCheckpoint", "restarts", "goodput",
-        "conditions", "observedGeneration",
+        "phase",
+        "attempt",
+        "jobName",
+        "progress",
+        "lastGoodCheckpoint",
+        "restarts",
+        "goodput",
+        "conditions",
+        "observedGeneration",
     } <= set(status["properties"])
     assert set(status["properties"]["phase"]["enum"]) == {
-        "Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"
+        "Pending",
+        "Running",
+        "Recovering",
+        "Suspended",
+        "Succeeded",
+        "Failed",
     }
     assert set(status["properties"]["conditions"]["items"]["properties"]) >= {
-        "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"
+        "type",
+        "status",
+        "reason",
+        "message",
+        "lastTransitionTime",
+        "observedGeneration",
     }
     assert not [p for p, n in walk(status) if "default" in n]
 
@@ -90,8 +110,13 @@ def test_structural_rejects_what_a_crd_cannot_express():
 
 
 def test_a_number_or_word_becomes_int_or_string_with_a_rule_for_both():
-    node = crd.structural({"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "const": "auto"},
-                                     {"type": "null"}], "default": 5}, {})
+    node = crd.structural(
+        {
+            "anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "const": "auto"}, {"type": "null"}],
+            "default": 5,
+        },
+        {},
+    )
     assert node["x-kubernetes-int-or-string"] and node["nullable"] and node["default"] == 5 and "type" not in node
     assert node["x-kubernetes-validations"][0]["rule"] == "type(self) == int ? self >= 1 : self in ['auto']"
 
@@ -111,5 +136,6 @@ def test_the_default_check_catches_an_empty_object_default():
     broken["properties"]["spec"]["properties"]["recovery"]["default"] = {}
     errors = default_errors(broken)
     # The API server said: "no such key: backoffSeconds evaluating rule: recovery.backoffSeconds must be <= ..."
-    assert any(e.startswith("spec.recovery:") and "no such member in mapping: 'backoffSeconds'" in e
-               for e in errors), errors
+    assert any(e.startswith("spec.recovery:") and "no such member in mapping: 'backoffSeconds'" in e for e in errors), (
+        errors
+    )

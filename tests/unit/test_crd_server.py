@@ -3,6 +3,7 @@
 A checker that admits everything would make every CRD test pass, so each kind of check is shown to
 fire on the real generated CRD, and every CEL rule of that CRD is shown to fire on some object.
 """
+
 import copy
 import re
 
@@ -78,7 +79,9 @@ def test_null_in_non_nullable_field_is_pruned_then_defaulted(crd):
 
 
 def test_null_in_nullable_field_is_kept_and_not_defaulted(crd):
-    defaulted, errors = admit(crd, with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": None, "seconds": 60}}))
+    defaulted, errors = admit(
+        crd, with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": None, "seconds": 60}})
+    )
     assert errors == []
     assert defaulted["spec"]["checkpoint"]["interval"] == {"steps": None, "seconds": 60}
 
@@ -86,7 +89,12 @@ def test_null_in_nullable_field_is_kept_and_not_defaulted(crd):
 # ------------------------------------------------------------------ every CEL rule fires
 
 CEL_CASES = [
-    ("replicas-min-over-max", with_spec(replicas={"min": 3, "max": 2}), "spec.replicas", "replicas.min must be <= replicas.max"),
+    (
+        "replicas-min-over-max",
+        with_spec(replicas={"min": 3, "max": 2}),
+        "spec.replicas",
+        "replicas.min must be <= replicas.max",
+    ),
     (
         "interval-neither-steps-nor-seconds",
         with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": None}}),
@@ -99,54 +107,126 @@ CEL_CASES = [
         "spec.checkpoint",
         "endpointUrl is only used with s3:// URIs",
     ),
-    ("interval-steps-a-word", with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": "often"}}),
-     "spec.checkpoint.interval.steps", "must be a whole number from 1 or one of 'auto'"),
-    ("interval-steps-zero", with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": 0}}),
-     "spec.checkpoint.interval.steps", "must be a whole number from 1 or one of 'auto'"),
-    ("interval-bounds-without-auto", with_spec(checkpoint={"uri": "s3://bkt/p",
-                                                            "interval": {"steps": 100, "maxSteps": 9}}),
-     "spec.checkpoint.interval", "checkpoint.interval.minSteps, maxSteps and expectedSecondsBetweenFailures only apply"),
-    ("interval-min-over-max", with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": "auto", "minSteps": 9,
-                                                                                       "maxSteps": 3}}),
-     "spec.checkpoint.interval", "checkpoint.interval.minSteps is above maxSteps"),
-    ("storage-interval-empty", with_spec(checkpoint={"uri": "s3://bkt/p", "storageInterval": {}}),
-     "spec.checkpoint.storageInterval", "set checkpoint.storageInterval.steps, checkpoint.storageInterval.seconds"),
-    ("nproc-over-gpu", with_spec(nprocPerNode=4, resources={"gpu": 2}), "spec", "nprocPerNode must be <= resources.gpu"),
+    (
+        "interval-steps-a-word",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": "often"}}),
+        "spec.checkpoint.interval.steps",
+        "must be a whole number from 1 or one of 'auto'",
+    ),
+    (
+        "interval-steps-zero",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": 0}}),
+        "spec.checkpoint.interval.steps",
+        "must be a whole number from 1 or one of 'auto'",
+    ),
+    (
+        "interval-bounds-without-auto",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": 100, "maxSteps": 9}}),
+        "spec.checkpoint.interval",
+        "checkpoint.interval.minSteps, maxSteps and expectedSecondsBetweenFailures only apply",
+    ),
+    (
+        "interval-min-over-max",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": "auto", "minSteps": 9, "maxSteps": 3}}),
+        "spec.checkpoint.interval",
+        "checkpoint.interval.minSteps is above maxSteps",
+    ),
+    (
+        "storage-interval-empty",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "storageInterval": {}}),
+        "spec.checkpoint.storageInterval",
+        "set checkpoint.storageInterval.steps, checkpoint.storageInterval.seconds",
+    ),
+    (
+        "nproc-over-gpu",
+        with_spec(nprocPerNode=4, resources={"gpu": 2}),
+        "spec",
+        "nprocPerNode must be <= resources.gpu",
+    ),
     (
         "file-uri-several-pods",
         with_spec(checkpoint={"uri": "file:///tmp/ckpt"}, replicas={"min": 2}),
         "spec",
         "a file:// checkpoint is local to each pod",
     ),
-    ("fp16-without-gpu", with_spec(trainer={"precision": "16-mixed"}), "spec", "trainer.precision 16-mixed needs a GPU"),
-    ("prefetch-without-workers", with_spec(trainer={"data": {"prefetchFactor": 4}}), "spec.trainer.data",
-     "prefetchFactor needs worker processes"),
-    ("tensorboard-without-log-dir", with_spec(trainer={"loggers": [{"kind": "tensorboard"}]}), "spec.trainer.loggers[0]",
-     "a tensorboard logger needs logDir"),
-    ("mlflow-without-tracking-uri", with_spec(trainer={"loggers": [{"kind": "mlflow"}]}), "spec.trainer.loggers[0]",
-     "a mlflow logger needs trackingUri"),
-    ("log-dir-on-mlflow", with_spec(trainer={"loggers": [{"kind": "mlflow", "trackingUri": "http://m", "logDir": "/t"}]}),
-     "spec.trainer.loggers[0]", "logDir is for tensorboard and wandb loggers only"),
-    ("wandb-without-project", with_spec(trainer={"loggers": [{"kind": "wandb"}]}), "spec.trainer.loggers[0]",
-     "a wandb logger needs project"),
-    ("entity-on-mlflow", with_spec(trainer={"loggers": [{"kind": "mlflow", "trackingUri": "http://m", "entity": "t"}]}),
-     "spec.trainer.loggers[0]", "entity is for wandb loggers only"),
-    ("project-on-tensorboard", with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "/t", "project": "p"}]}),
-     "spec.trainer.loggers[0]", "project is for wandb loggers only"),
-    ("tracking-uri-on-tensorboard",
-     with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "/t", "trackingUri": "http://m"}]}),
-     "spec.trainer.loggers[0]", "trackingUri is for mlflow loggers only"),
-    ("experiment-on-tensorboard",
-     with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "/t", "experiment": "e"}]}),
-     "spec.trainer.loggers[0]", "experiment is for mlflow loggers only"),
+    (
+        "fp16-without-gpu",
+        with_spec(trainer={"precision": "16-mixed"}),
+        "spec",
+        "trainer.precision 16-mixed needs a GPU",
+    ),
+    (
+        "prefetch-without-workers",
+        with_spec(trainer={"data": {"prefetchFactor": 4}}),
+        "spec.trainer.data",
+        "prefetchFactor needs worker processes",
+    ),
+    (
+        "tensorboard-without-log-dir",
+        with_spec(trainer={"loggers": [{"kind": "tensorboard"}]}),
+        "spec.trainer.loggers[0]",
+        "a tensorboard logger needs logDir",
+    ),
+    (
+        "mlflow-without-tracking-uri",
+        with_spec(trainer={"loggers": [{"kind": "mlflow"}]}),
+        "spec.trainer.loggers[0]",
+        "a mlflow logger needs trackingUri",
+    ),
+    (
+        "log-dir-on-mlflow",
+        with_spec(trainer={"loggers": [{"kind": "mlflow", "trackingUri": "http://m", "logDir": "/t"}]}),
+        "spec.trainer.loggers[0]",
+        "logDir is for tensorboard and wandb loggers only",
+    ),
+    (
+        "wandb-without-project",
+        with_spec(trainer={"loggers": [{"kind": "wandb"}]}),
+        "spec.trainer.loggers[0]",
+        "a wandb logger needs project",
+    ),
+    (
+        "entity-on-mlflow",
+        with_spec(trainer={"loggers": [{"kind": "mlflow", "trackingUri": "http://m", "entity": "t"}]}),
+        "spec.trainer.loggers[0]",
+        "entity is for wandb loggers only",
+    ),
+    (
+        "project-on-tensorboard",
+        with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "/t", "project": "p"}]}),
+        "spec.trainer.loggers[0]",
+        "project is for wandb loggers only",
+    ),
+    (
+        "tracking-uri-on-tensorboard",
+        with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "/t", "trackingUri": "http://m"}]}),
+        "spec.trainer.loggers[0]",
+        "trackingUri is for mlflow loggers only",
+    ),
+    (
+        "experiment-on-tensorboard",
+        with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "/t", "experiment": "e"}]}),
+        "spec.trainer.loggers[0]",
+        "experiment is for mlflow loggers only",
+    ),
     (
         "backoff-over-max",
         with_spec(recovery={"backoffSeconds": 700, "maxBackoffSeconds": 600}),
         "spec.recovery",
         "recovery.backoffSeconds must be <= recovery.maxBackoffSeconds",
     ),
-    ("name-too-long", {**MINIMAL, "metadata": {"name": "a" * 41}}, "<root>", "metadata.name must be at most 40 characters"),
-    ("name-not-dns", {**MINIMAL, "metadata": {"name": "Bad_Name"}}, "<root>", "metadata.name must be at most 40 characters"),
+    (
+        "name-too-long",
+        {**MINIMAL, "metadata": {"name": "a" * 41}},
+        "<root>",
+        "metadata.name must be at most 40 characters",
+    ),
+    (
+        "name-not-dns",
+        {**MINIMAL, "metadata": {"name": "Bad_Name"}},
+        "<root>",
+        "metadata.name must be at most 40 characters",
+    ),
     (
         "reserved-env-name",
         with_spec(env=[{"name": "TRAININGRUN_X", "value": "1"}], secrets={"env": []}),
@@ -161,30 +241,133 @@ CEL_CASES = [
     ),
     (
         "env-in-both-lists",
-        with_spec(env=[{"name": "WANDB_API_KEY", "value": "x"}], secrets={"env": [{"name": "WANDB_API_KEY", "secretName": "s", "key": "k"}]}),
+        with_spec(
+            env=[{"name": "WANDB_API_KEY", "value": "x"}],
+            secrets={"env": [{"name": "WANDB_API_KEY", "secretName": "s", "key": "k"}]},
+        ),
         "spec",
         "a variable is set in both env and secrets.env",
     ),
-    ("uri-credentials", with_spec(checkpoint={"uri": "s3://KEY:SECRET@bkt/p"}), "spec.checkpoint", "checkpoint.uri holds credentials"),
-    ("uri-whitespace", with_spec(checkpoint={"uri": "s3://bkt/a b"}), "spec.checkpoint", "checkpoint.uri contains whitespace"),
-    ("uri-scheme", with_spec(checkpoint={"uri": "http://bkt/p"}), "spec.checkpoint", "checkpoint.uri must start with gs://"),
-    ("uri-no-bucket", with_spec(checkpoint={"uri": "gs:///p"}), "spec.checkpoint", "checkpoint.uri needs a bucket name"),
-    ("uri-relative-file", with_spec(checkpoint={"uri": "file://rel"}), "spec.checkpoint", "checkpoint.uri: a file:// URI must be absolute"),
-    ("endpoint-credentials", with_spec(checkpoint={"uri": "s3://bkt/p", "endpointUrl": "https://u:p@minio"}), "spec.checkpoint", "checkpoint.endpointUrl holds credentials"),
-    ("resume-from-credentials", with_spec(checkpoint={"uri": "s3://bkt/p", "resumeFrom": "s3://K:S@bkt/o/step-00000010"}), "spec.checkpoint", "checkpoint.resumeFrom holds credentials"),
-    ("resume-from-not-a-step", with_spec(checkpoint={"uri": "s3://bkt/p", "resumeFrom": "s3://bkt/other"}), "spec.checkpoint", "checkpoint.resumeFrom must be a checkpoint's step directory"),
-    ("resume-from-other-storage", with_spec(checkpoint={"uri": "s3://bkt/p", "resumeFrom": "gs://bkt/o/step-00000010"}), "spec.checkpoint", "checkpoint.resumeFrom must be on the same storage"),
-    ("tracking-uri-credentials", with_spec(trainer={"loggers": [{"kind": "mlflow", "trackingUri": "https://u:p@mlflow"}]}), "spec.trainer.loggers[0]", "trackingUri holds credentials"),
-    ("log-dir-credentials", with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "s3://KEY:SECRET@bkt/tb"}]}), "spec.trainer.loggers[0]", "logDir holds credentials"),
-    ("metrics-rendezvous-port", with_spec(metrics={"port": 23456}), "spec.metrics", "metrics.port 23456 is the Kubeflow rendezvous port"),
-    ("node-selector-key", with_spec(nodeSelector={"a b": "c"}), "spec.nodeSelector", "nodeSelector: every key must be a Kubernetes qualified name"),
-    ("pod-label-key", with_spec(podLabels={"x/" + "a" * 64: "c"}), "spec.podLabels", "podLabels: every key must be a Kubernetes qualified name"),
-    ("pod-label-reserved", with_spec(podLabels={"training.kubeflow.org/job-name": "x"}), "spec.podLabels", "podLabels: keys under trainingrun.dev/"),
-    ("pod-annotation-key", with_spec(podAnnotations={"a" * 254 + "/b": "c"}), "spec.podAnnotations", "podAnnotations: every key must be"),
-    ("toleration-exists-with-value", with_spec(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]), "spec.tolerations[0]", "tolerations: value must be empty when operator is Exists"),
-    ("toleration-no-key-equal", with_spec(tolerations=[{"value": "v"}]), "spec.tolerations[0]", "tolerations: operator must be Exists when key is empty"),
-    ("toleration-seconds-not-noexecute", with_spec(tolerations=[{"key": "k", "tolerationSeconds": 5}]), "spec.tolerations[0]", "tolerations: tolerationSeconds needs effect NoExecute"),
-    ("toleration-key", with_spec(tolerations=[{"key": "a b", "operator": "Exists"}]), "spec.tolerations[0]", "tolerations: key must be a Kubernetes qualified name"),
+    (
+        "uri-credentials",
+        with_spec(checkpoint={"uri": "s3://KEY:SECRET@bkt/p"}),
+        "spec.checkpoint",
+        "checkpoint.uri holds credentials",
+    ),
+    (
+        "uri-whitespace",
+        with_spec(checkpoint={"uri": "s3://bkt/a b"}),
+        "spec.checkpoint",
+        "checkpoint.uri contains whitespace",
+    ),
+    (
+        "uri-scheme",
+        with_spec(checkpoint={"uri": "http://bkt/p"}),
+        "spec.checkpoint",
+        "checkpoint.uri must start with gs://",
+    ),
+    (
+        "uri-no-bucket",
+        with_spec(checkpoint={"uri": "gs:///p"}),
+        "spec.checkpoint",
+        "checkpoint.uri needs a bucket name",
+    ),
+    (
+        "uri-relative-file",
+        with_spec(checkpoint={"uri": "file://rel"}),
+        "spec.checkpoint",
+        "checkpoint.uri: a file:// URI must be absolute",
+    ),
+    (
+        "endpoint-credentials",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "endpointUrl": "https://u:p@minio"}),
+        "spec.checkpoint",
+        "checkpoint.endpointUrl holds credentials",
+    ),
+    (
+        "resume-from-credentials",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "resumeFrom": "s3://K:S@bkt/o/step-00000010"}),
+        "spec.checkpoint",
+        "checkpoint.resumeFrom holds credentials",
+    ),
+    (
+        "resume-from-not-a-step",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "resumeFrom": "s3://bkt/other"}),
+        "spec.checkpoint",
+        "checkpoint.resumeFrom must be a checkpoint's step directory",
+    ),
+    (
+        "resume-from-other-storage",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "resumeFrom": "gs://bkt/o/step-00000010"}),
+        "spec.checkpoint",
+        "checkpoint.resumeFrom must be on the same storage",
+    ),
+    (
+        "tracking-uri-credentials",
+        with_spec(trainer={"loggers": [{"kind": "mlflow", "trackingUri": "https://u:p@mlflow"}]}),
+        "spec.trainer.loggers[0]",
+        "trackingUri holds credentials",
+    ),
+    (
+        "log-dir-credentials",
+        with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "s3://KEY:SECRET@bkt/tb"}]}),
+        "spec.trainer.loggers[0]",
+        "logDir holds credentials",
+    ),
+    (
+        "metrics-rendezvous-port",
+        with_spec(metrics={"port": 23456}),
+        "spec.metrics",
+        "metrics.port 23456 is the Kubeflow rendezvous port",
+    ),
+    (
+        "node-selector-key",
+        with_spec(nodeSelector={"a b": "c"}),
+        "spec.nodeSelector",
+        "nodeSelector: every key must be a Kubernetes qualified name",
+    ),
+    (
+        "pod-label-key",
+        with_spec(podLabels={"x/" + "a" * 64: "c"}),
+        "spec.podLabels",
+        "podLabels: every key must be a Kubernetes qualified name",
+    ),
+    (
+        "pod-label-reserved",
+        with_spec(podLabels={"training.kubeflow.org/job-name": "x"}),
+        "spec.podLabels",
+        "podLabels: keys under trainingrun.dev/",
+    ),
+    (
+        "pod-annotation-key",
+        with_spec(podAnnotations={"a" * 254 + "/b": "c"}),
+        "spec.podAnnotations",
+        "podAnnotations: every key must be",
+    ),
+    (
+        "toleration-exists-with-value",
+        with_spec(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]),
+        "spec.tolerations[0]",
+        "tolerations: value must be empty when operator is Exists",
+    ),
+    (
+        "toleration-no-key-equal",
+        with_spec(tolerations=[{"value": "v"}]),
+        "spec.tolerations[0]",
+        "tolerations: operator must be Exists when key is empty",
+    ),
+    (
+        "toleration-seconds-not-noexecute",
+        with_spec(tolerations=[{"key": "k", "tolerationSeconds": 5}]),
+        "spec.tolerations[0]",
+        "tolerations: tolerationSeconds needs effect NoExecute",
+    ),
+    (
+        "toleration-key",
+        with_spec(tolerations=[{"key": "a b", "operator": "Exists"}]),
+        "spec.tolerations[0]",
+        "tolerations: key must be a Kubernetes qualified name",
+    ),
 ]
 
 
@@ -197,12 +380,16 @@ def test_cel_rule_fires(crd, body, path, message):
 def test_every_cel_rule_of_the_crd_has_a_violating_case(schema):
     """A rule added to the CRD without a case above would be untested; this names it."""
     covered = {message for *_, message in CEL_CASES}
-    missing = [(p, r["message"]) for p, _, r in rules_of(schema) if not any(r["message"].startswith(m) for m in covered)]
+    missing = [
+        (p, r["message"]) for p, _, r in rules_of(schema) if not any(r["message"].startswith(m) for m in covered)
+    ]
     assert missing == []
 
 
 def test_valid_boundaries_pass_the_rules(crd):
-    body = with_spec(replicas={"min": 2, "max": 2}, nprocPerNode=2, resources={"gpu": 2}, trainer={"precision": "16-mixed"})
+    body = with_spec(
+        replicas={"min": 2, "max": 2}, nprocPerNode=2, resources={"gpu": 2}, trainer={"precision": "16-mixed"}
+    )
     body["metadata"]["name"] = "a" * 40
     body["spec"]["checkpoint"] = {"uri": "s3://bkt/p", "endpointUrl": "http://minio:9000", "interval": {"seconds": 60}}
     body["spec"]["recovery"] = {"backoffSeconds": 600, "maxBackoffSeconds": 600}

@@ -1,5 +1,6 @@
 """Synthetic datasets are pure functions of (seed, split, index); the ResumableSampler resumes at any
 world size with no sample skipped or repeated."""
+
 import os
 import random
 import threading

@@ -1,4 +1,5 @@
 """efficiency: model FLOP/s and MFU from a run's throughput, the model's FLOP count and its device's peak."""
+
 import logging
 
 import pytest
@@ -8,18 +9,21 @@ from trainingrun_trainer import efficiency
 from trainingrun_trainer.models import CharTransformer
 
 
-@pytest.mark.parametrize("name, precision, tf32, peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16-mixed", False, 989.4e12),
-    ("NVIDIA H100 PCIe", "bf16-mixed", False, 756e12),
-    ("NVIDIA H100 NVL", "16-mixed", False, 835e12),
-    ("NVIDIA H200", "bf16-true", False, 989.4e12),
-    ("NVIDIA A100-SXM4-80GB", "32-true", True, 156e12),
-    ("NVIDIA A100-SXM4-40GB", "32-true", False, 19.5e12),
-    ("NVIDIA A10G", "bf16-mixed", False, 70e12),  # not the A100's, though its name starts the same
-    ("NVIDIA L40S", "bf16-mixed", False, 362e12),
-    ("NVIDIA L4", "bf16-mixed", False, 121e12),
-    ("NVIDIA B200", "bf16-mixed", False, 2250e12),
-])
+@pytest.mark.parametrize(
+    "name, precision, tf32, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", False, 989.4e12),
+        ("NVIDIA H100 PCIe", "bf16-mixed", False, 756e12),
+        ("NVIDIA H100 NVL", "16-mixed", False, 835e12),
+        ("NVIDIA H200", "bf16-true", False, 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", "32-true", True, 156e12),
+        ("NVIDIA A100-SXM4-40GB", "32-true", False, 19.5e12),
+        ("NVIDIA A10G", "bf16-mixed", False, 70e12),  # not the A100's, though its name starts the same
+        ("NVIDIA L40S", "bf16-mixed", False, 362e12),
+        ("NVIDIA L4", "bf16-mixed", False, 121e12),
+        ("NVIDIA B200", "bf16-mixed", False, 2250e12),
+    ],
+)
 def test_the_peak_is_the_devices_dense_throughput_at_the_runs_precision(name, precision, tf32, peak):
     assert efficiency.device_peak(name, precision, tf32) == peak
 
@@ -44,8 +48,9 @@ def test_a_cpu_run_reports_flops_and_no_mfu():
 
 def test_the_spec_wins_over_the_models_count_and_the_table():
     model = CharTransformer(vocab_size=32, dim=32, layers=1, heads=2, context_length=16)
-    run = efficiency.for_run(model, "32-true", torch.device("cpu"), world_size=1, flops_per_sample=1000,
-                             peak_flops_per_second=1e6)
+    run = efficiency.for_run(
+        model, "32-true", torch.device("cpu"), world_size=1, flops_per_sample=1000, peak_flops_per_second=1e6
+    )
     assert run.mfu(100.0) == pytest.approx(0.1)
 
 
@@ -64,13 +69,16 @@ def test_a_model_without_a_count_reports_no_flops():
     assert run.flops_per_second(5.0) is None and run.mfu(5.0) is None
 
 
-@pytest.mark.parametrize("setting, device_type, wrapped, lenient", [
-    (None, "cuda", True, True),    # unset: on with GPUs, and a frame it cannot compile runs as it is
-    (None, "cpu", False, False),   # unset: off on CPUs
-    (True, "cpu", True, False),    # asked for: also on CPUs, and its errors end the run
-    (True, "cuda", True, False),
-    (False, "cuda", False, False),
-])
+@pytest.mark.parametrize(
+    "setting, device_type, wrapped, lenient",
+    [
+        (None, "cuda", True, True),  # unset: on with GPUs, and a frame it cannot compile runs as it is
+        (None, "cpu", False, False),  # unset: off on CPUs
+        (True, "cpu", True, False),  # asked for: also on CPUs, and its errors end the run
+        (True, "cuda", True, False),
+        (False, "cuda", False, False),
+    ],
+)
 def test_the_model_is_compiled_on_gpus_unless_the_spec_says_otherwise(setting, device_type, wrapped, lenient):
     import torch._dynamo as dynamo
 

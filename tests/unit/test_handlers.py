@@ -1,5 +1,6 @@
 """The operator's work queue and Event queue, without a server (the kopf handlers around them are tested in
 tests/integration and tests/real_api)."""
+
 import logging
 
 import pytest

@@ -2,6 +2,7 @@
 
 Building the images takes minutes and podman: scripts/build-images.sh does that (CI runs it after the tests).
 """
+
 import json
 import re
 import subprocess
@@ -33,13 +34,17 @@ def last(dockerfile: str, instruction: str) -> str:
 
 
 def build_arg(dockerfile: str, name: str) -> str:
-    return next(rest.split("=", 1)[1] for word, rest in instructions(dockerfile)
-                if word == "ARG" and rest.startswith(f"{name}="))
+    return next(
+        rest.split("=", 1)[1]
+        for word, rest in instructions(dockerfile)
+        if word == "ARG" and rest.startswith(f"{name}=")
+    )
 
 
 def test_image_pins_are_what_the_tests_ran_with():
-    result = subprocess.run([sys.executable, str(REPO / "scripts/pin-image-deps.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts/pin-image-deps.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 

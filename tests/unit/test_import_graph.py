@@ -3,6 +3,7 @@
 Read from the source (every import statement, at module level or inside a function, type-only ones included), so an
 arrow the wrong way fails here before any image is built.
 """
+
 import ast
 import sys
 from pathlib import Path
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = {"trainingrun_api": REPO / "common", "trainingrun_operator": REPO / "operator",
-            "trainingrun_trainer": REPO / "trainer_image"}
+PACKAGES = {
+    "trainingrun_api": REPO / "common",
+    "trainingrun_operator": REPO / "operator",
+    "trainingrun_trainer": REPO / "trainer_image",
+}
 #: What the shared package may import besides the standard library: the config models and their YAML.
 API_THIRD_PARTY = {"pydantic", "yaml"}
 
@@ -36,13 +40,17 @@ def imported_packages(package: str) -> dict[str, set[str]]:
 
 def test_the_shared_package_imports_neither_side_nor_torch():
     imports = imported_packages("trainingrun_api")
-    outside = {name: sorted(modules) for name, modules in imports.items()
-               if name not in sys.stdlib_module_names and name not in API_THIRD_PARTY | {"trainingrun_api"}}
+    outside = {
+        name: sorted(modules)
+        for name, modules in imports.items()
+        if name not in sys.stdlib_module_names and name not in API_THIRD_PARTY | {"trainingrun_api"}
+    }
     assert not outside, f"trainingrun_api must stay torch-free and import neither side: {outside}"
 
 
-@pytest.mark.parametrize("package, other", [("trainingrun_operator", "trainingrun_trainer"),
-                                            ("trainingrun_trainer", "trainingrun_operator")])
+@pytest.mark.parametrize(
+    "package, other", [("trainingrun_operator", "trainingrun_trainer"), ("trainingrun_trainer", "trainingrun_operator")]
+)
 def test_neither_side_imports_the_other(package, other):
     # The CLI's trainer-side commands (`checkpoints`, `prepare`...) load the trainer when they run, by name
     # (cli._trainer_module), so an operator image without torch still starts: not an import statement.

@@ -1,4 +1,5 @@
 """API paths for the kinds the operator writes, and the order its requests go out in."""
+
 import pytest
 
 from trainingrun_operator.kube import collection_path, object_path
@@ -7,10 +8,14 @@ from trainingrun_operator.kube import collection_path, object_path
 def test_paths():
     assert collection_path("v1", "ConfigMap", "ns") == "/api/v1/namespaces/ns/configmaps"
     assert collection_path("kubeflow.org/v1", "PyTorchJob", "ns") == "/apis/kubeflow.org/v1/namespaces/ns/pytorchjobs"
-    assert object_path("trainingrun.dev/v1alpha1", "TrainingRun", "ns", "demo", "status") == \
-        "/apis/trainingrun.dev/v1alpha1/namespaces/ns/trainingruns/demo/status"
-    assert object_path("rbac.authorization.k8s.io/v1", "Role", "ns", "r") == \
-        "/apis/rbac.authorization.k8s.io/v1/namespaces/ns/roles/r"
+    assert (
+        object_path("trainingrun.dev/v1alpha1", "TrainingRun", "ns", "demo", "status")
+        == "/apis/trainingrun.dev/v1alpha1/namespaces/ns/trainingruns/demo/status"
+    )
+    assert (
+        object_path("rbac.authorization.k8s.io/v1", "Role", "ns", "r")
+        == "/apis/rbac.authorization.k8s.io/v1/namespaces/ns/roles/r"
+    )
 
 
 @pytest.mark.asyncio
@@ -29,8 +34,10 @@ async def test_the_gate_lets_waiters_in_by_priority_then_in_order():
         order.append(label)
         gate.release()
 
-    waiters = [asyncio.create_task(wait(label, priority)) for label, priority in
-               (("event", EVENT), ("status 1", STATUS), ("child", ACT), ("status 2", STATUS))]
+    waiters = [
+        asyncio.create_task(wait(label, priority))
+        for label, priority in (("event", EVENT), ("status 1", STATUS), ("child", ACT), ("status 2", STATUS))
+    ]
     await asyncio.sleep(0)  # all four are waiting
     assert order == [] and gate.holders == 1
     gate.release()

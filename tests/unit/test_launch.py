@@ -1,4 +1,5 @@
 """The container entry point maps worker exit codes so PyTorchJob's ExitCode policy means what it says."""
+
 import os
 import signal
 import subprocess
@@ -31,15 +32,30 @@ def test_mapping():
 def launch(**env):
     full = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
     return subprocess.run(
-        [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone", "--nproc-per-node=2",
-         "--max-restarts=0", str(WORKER)],
-        env=full, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "trainingrun_trainer.launch",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            str(WORKER),
+        ],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
 @pytest.mark.parametrize(
     "env,expected",
-    [({"EXIT_CODE": 0}, 0), ({"EXIT_CODE": 3}, 3), ({"EXIT_CODE": 143}, 143), ({"EXIT_SIGNAL": int(signal.SIGKILL)}, 137)],
+    [
+        ({"EXIT_CODE": 0}, 0),
+        ({"EXIT_CODE": 3}, 3),
+        ({"EXIT_CODE": 143}, 143),
+        ({"EXIT_SIGNAL": int(signal.SIGKILL)}, 137),
+    ],
     ids=["success", "permanent", "preempted", "killed"],
 )
 def test_real_agent_exit_codes(env, expected):
@@ -56,9 +72,20 @@ def test_built_in_trainer_permanent_exit_is_not_retried_in_place(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
     env.update({"TRAININGRUN_CONFIG": str(config), "OMP_NUM_THREADS": "1"})
     result = subprocess.run(
-        [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone", "--nproc-per-node=2",
-         "--max-restarts=2", "--module", "trainingrun_trainer"],
-        env=env, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "trainingrun_trainer.launch",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=2",
+            "--module",
+            "trainingrun_trainer",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr[-3000:]
     # Only the first group ran the trainer (a message per rank that got that far before the agent
@@ -79,7 +106,8 @@ def test_a_taken_metrics_port_is_one_line_naming_it_and_a_config_error():
     assert result.stderr.strip().splitlines() == [
         f"trainingrun launch: cannot serve metrics on port {port} (TRAININGRUN_METRICS_PORT: spec.metrics.port in a "
         "pod, --metrics-port under trainingrun local): Address already in use; pick a free port, or turn metrics off "
-        "(spec.metrics.enabled: false; leave --metrics-port out) -> exit 2"]
+        "(spec.metrics.enabled: false; leave --metrics-port out) -> exit 2"
+    ]
 
 
 def agent_args(*argv: str):
@@ -112,26 +140,34 @@ def test_other_pods_keep_the_service_endpoint_and_give_peers_their_ip():
 
 
 def test_what_the_user_set_wins_and_outside_a_pod_nothing_changes():
-    args = agent_args("--rdzv-endpoint=demo-rendezvous:23456", "--local-addr=node-7",
-                      "--rdzv-conf=keep_alive_interval=10, is_host=false")
+    args = agent_args(
+        "--rdzv-endpoint=demo-rendezvous:23456",
+        "--local-addr=node-7",
+        "--rdzv-conf=keep_alive_interval=10, is_host=false",
+    )
     pod_rendezvous(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"})
     assert args.local_addr == "node-7"
     assert conf(args) == {"keep_alive_interval": "10", "is_host": "false", "keep_alive_max_attempt": "2"}
-    for argv, env in [(["--standalone"], {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"}),
-                      (["--rdzv-endpoint=localhost:29500"], {})]:
+    for argv, env in [
+        (["--standalone"], {**POD_ENV, contract.POD_NAME: "demo-a1-worker-0"}),
+        (["--rdzv-endpoint=localhost:29500"], {}),
+    ]:
         args = agent_args(*argv)
         pod_rendezvous(args, env)
         assert (args.rdzv_conf, args.local_addr) == ("", None)
 
 
-@pytest.mark.parametrize("argv, env, starts, omp", [
-    (["--module", "trainingrun_trainer"], {"PET_NPROC_PER_NODE": "2"}, True, "1"),  # as torchrun would set it
-    (["--nproc-per-node=2", "--module", "trainingrun_trainer"], {"OMP_NUM_THREADS": "4"}, True, "4"),
-    (["--nproc_per_node", "1", "-m", "trainingrun_trainer"], {}, True, None),
-    (["--nproc-per-node=auto", "--module", "trainingrun_trainer"], {}, False, None),  # torch decides later
-    (["--module", "my_trainer"], {}, False, None),  # any other program: exactly torchrun
-    (["train.py", "--data", "trainingrun_trainer"], {}, False, None),
-])
+@pytest.mark.parametrize(
+    "argv, env, starts, omp",
+    [
+        (["--module", "trainingrun_trainer"], {"PET_NPROC_PER_NODE": "2"}, True, "1"),  # as torchrun would set it
+        (["--nproc-per-node=2", "--module", "trainingrun_trainer"], {"OMP_NUM_THREADS": "4"}, True, "4"),
+        (["--nproc_per_node", "1", "-m", "trainingrun_trainer"], {}, True, None),
+        (["--nproc-per-node=auto", "--module", "trainingrun_trainer"], {}, False, None),  # torch decides later
+        (["--module", "my_trainer"], {}, False, None),  # any other program: exactly torchrun
+        (["train.py", "--data", "trainingrun_trainer"], {}, False, None),
+    ],
+)
 def test_the_forkserver_starts_before_torch_only_for_the_builtin_trainer(monkeypatch, argv, env, starts, omp):
     from multiprocessing import forkserver
 
@@ -169,14 +205,18 @@ def test_a_refilled_budget_keeps_the_restart_count_growing():
     assert spec.max_restarts - remaining == 3
 
 
-@pytest.mark.parametrize("trainer, gpus, compiles", [
-    ({"compile": True}, False, True),
-    ({"compile": False}, True, False),
-    ({}, True, True),  # the trainer's default: compile with GPUs
-    ({}, False, False),
-])
-def test_the_forkserver_preloads_torch_compile_when_the_run_will_compile(monkeypatch, tmp_path, trainer, gpus,
-                                                                         compiles):
+@pytest.mark.parametrize(
+    "trainer, gpus, compiles",
+    [
+        ({"compile": True}, False, True),
+        ({"compile": False}, True, False),
+        ({}, True, True),  # the trainer's default: compile with GPUs
+        ({}, False, False),
+    ],
+)
+def test_the_forkserver_preloads_torch_compile_when_the_run_will_compile(
+    monkeypatch, tmp_path, trainer, gpus, compiles
+):
     from trainingrun_trainer import launch as launch_module
 
     config = tmp_path / "config.yaml"
@@ -222,10 +262,15 @@ def test_the_compile_preload_leaves_its_costs_paid_and_no_thread_behind():
 
 def test_a_failing_compile_preload_is_reported_and_leaves_the_forkserver_running():
     # The forkserver dies on any preload error but an ImportError; so would every worker it forks.
-    script = ("from torch._inductor import codecache\n"
-              "def fails(): raise RuntimeError('no sources')\n"
-              "codecache.torch_key = fails\n"
-              "import trainingrun_trainer.compile_preload")
+    script = (
+        "from torch._inductor import codecache\n"
+        "def fails(): raise RuntimeError('no sources')\n"
+        "codecache.torch_key = fails\n"
+        "import trainingrun_trainer.compile_preload"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "preloading torch.compile failed (RuntimeError: no sources)" in done.stderr and "each worker compiles without it" in done.stderr
+    assert (
+        "preloading torch.compile failed (RuntimeError: no sources)" in done.stderr
+        and "each worker compiles without it" in done.stderr
+    )

@@ -1,4 +1,5 @@
 """Pure parts of the local runner: defaults, .env parsing, secret resolution, exit classification."""
+
 import os
 
 import pytest
@@ -51,33 +52,68 @@ def test_secrets_come_from_environment_then_env_file(tmp_path):
     (tmp_path / ".env").write_text("WANDB_API_KEY=from-file\nGOOGLE_APPLICATION_CREDENTIALS=/k.json\n")
     values = local.resolve_secrets(spec, {"WANDB_API_KEY": "from-env"}, str(tmp_path / ".env"))
     assert values == {"WANDB_API_KEY": "from-env", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}
-    with pytest.raises(local.LocalRunError, match=r"missing secrets: WANDB_API_KEY \(secrets.env wandb/api-key\), "
-                                                  r"GOOGLE_APPLICATION_CREDENTIALS"):
+    with pytest.raises(
+        local.LocalRunError,
+        match=r"missing secrets: WANDB_API_KEY \(secrets.env wandb/api-key\), "
+        r"GOOGLE_APPLICATION_CREDENTIALS",
+    ):
         local.resolve_secrets(spec, {}, str(tmp_path / "none"))
 
 
-
-
 def test_result_line_format():
-    summary = local.Summary(steps=5, final_loss=1.23456, attempts=2, restarts_in_place=1, lost_steps=3,
-                            goodput=0.91234, wall_seconds=12.34, outcome="succeeded")
-    assert summary.result_line() == ("result: steps=5 final_loss=1.2346 attempts=2 restarts_in_place=1 lost_steps=3 "
-                                     "goodput=0.912 wall_seconds=12.3")
+    summary = local.Summary(
+        steps=5,
+        final_loss=1.23456,
+        attempts=2,
+        restarts_in_place=1,
+        lost_steps=3,
+        goodput=0.91234,
+        wall_seconds=12.34,
+        outcome="succeeded",
+    )
+    assert summary.result_line() == (
+        "result: steps=5 final_loss=1.2346 attempts=2 restarts_in_place=1 lost_steps=3 goodput=0.912 wall_seconds=12.3"
+    )
 
 
 def test_the_startup_line_adds_up_the_phases():
-    summary = local.Summary(steps=5, final_loss=1.0, attempts=1, restarts_in_place=0, lost_steps=0, goodput=0.9,
-                            wall_seconds=10.0, outcome="succeeded",
-                            startup={"imports": 2.0, "init": 0.25, "model": 0.5, "data": 0.25, "prepare": 0.5,
-                                     "restore": 0.25, "first_step": 1.0})
-    assert summary.startup_line() == ("start-up: imports 2.0 s + init 0.2 s + model 0.5 s + data 0.2 s + prepare 0.5 s "
-                                      "+ restore 0.2 s + first step 1.0 s = 4.8 s to the first steps of the training "
-                                      "processes")
+    summary = local.Summary(
+        steps=5,
+        final_loss=1.0,
+        attempts=1,
+        restarts_in_place=0,
+        lost_steps=0,
+        goodput=0.9,
+        wall_seconds=10.0,
+        outcome="succeeded",
+        startup={
+            "imports": 2.0,
+            "init": 0.25,
+            "model": 0.5,
+            "data": 0.25,
+            "prepare": 0.5,
+            "restore": 0.25,
+            "first_step": 1.0,
+        },
+    )
+    assert summary.startup_line() == (
+        "start-up: imports 2.0 s + init 0.2 s + model 0.5 s + data 0.2 s + prepare 0.5 s "
+        "+ restore 0.2 s + first step 1.0 s = 4.8 s to the first steps of the training "
+        "processes"
+    )
 
 
 def test_the_throughput_line_shows_model_flops_and_mfu_when_reported():
-    base = dict(steps=5, final_loss=1.0, attempts=1, restarts_in_place=0, lost_steps=0, goodput=0.9,
-                wall_seconds=10.0, outcome="succeeded")
+    base = dict(
+        steps=5,
+        final_loss=1.0,
+        attempts=1,
+        restarts_in_place=0,
+        lost_steps=0,
+        goodput=0.9,
+        wall_seconds=10.0,
+        outcome="succeeded",
+    )
     assert local.Summary(**base).throughput_line() is None  # nothing reported
     cpu = local.Summary(**base, samples_per_second=320.0, model_flops_per_second=2.5e9)
     assert cpu.throughput_line() == "throughput: 320.0 samples/s, 0.0025 TFLOP/s, MFU - (no GPU peak)"
@@ -96,8 +132,10 @@ def runner_with_groups(tmp_path, *groups):
 
 def write_minimal(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: laptop}\n"
-                    "spec:\n  trainer: {maxSteps: 10}\n")
+    path.write_text(
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: laptop}\n"
+        "spec:\n  trainer: {maxSteps: 10}\n"
+    )
     return path
 
 
@@ -116,8 +154,10 @@ def test_a_rerun_is_the_same_run_and_a_new_checkpoint_uri_a_new_one(tmp_path):
     local.RunLedger.load(tmp_path / "runs" / "laptop", first.spec.checkpoint.uri, uid=first.metadata.uid).save()
     again = local.load_run(str(write_minimal(tmp_path)), options)
     assert again.metadata.uid == first.metadata.uid
-    elsewhere = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions(
-        runs_dir=str(tmp_path / "runs"), checkpoint_uri=f"file://{tmp_path}/other"))
+    elsewhere = local.load_run(
+        str(write_minimal(tmp_path)),
+        local.LocalOptions(runs_dir=str(tmp_path / "runs"), checkpoint_uri=f"file://{tmp_path}/other"),
+    )
     assert elsewhere.metadata.uid != first.metadata.uid
 
 
@@ -185,13 +225,16 @@ def test_chaos_kill_steps_are_taken_one_per_worker_group():
         chaos_step("3OO", 0)
 
 
-@pytest.mark.parametrize("cpu,nproc,shell,user,expected", [
-    ("500m", 2, None, None, "1"),     # the pod's share, as the PyTorchJob gets it
-    ("8", 1, None, None, "cores"),    # never more than this machine has
-    (None, 1, None, None, "cores"),
-    ("8", 1, "3", None, "3"),         # the shell's OMP_NUM_THREADS
-    ("8", 1, "3", "5", "5"),          # the file's env wins over both
-])
+@pytest.mark.parametrize(
+    "cpu,nproc,shell,user,expected",
+    [
+        ("500m", 2, None, None, "1"),  # the pod's share, as the PyTorchJob gets it
+        ("8", 1, None, None, "cores"),  # never more than this machine has
+        (None, 1, None, None, "cores"),
+        ("8", 1, "3", None, "3"),  # the shell's OMP_NUM_THREADS
+        ("8", 1, "3", "5", "5"),  # the file's env wins over both
+    ],
+)
 def test_threads_per_process(tmp_path, monkeypatch, cpu, nproc, shell, user, expected):
     body = "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: laptop}\nspec:\n  trainer: {maxSteps: 10}\n"
     if cpu:
@@ -232,8 +275,12 @@ def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
     meta, uri = run.metadata, run.spec.checkpoint.uri
 
     def post(report, token=None):
-        request = urllib.request.Request(status.url, data=report.to_json(), method="POST", headers={
-            "Authorization": f"Bearer {token or status.token_file.read_text()}"})
+        request = urllib.request.Request(
+            status.url,
+            data=report.to_json(),
+            method="POST",
+            headers={"Authorization": f"Bearer {token or status.token_file.read_text()}"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 return response.status, ""
@@ -249,14 +296,23 @@ def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
         assert code == 403 and "not the step-00000010 directory" in message
         assert status.snapshot() == {}
         good = CommittedCheckpoint(f"{uri}/step-00000010", 10, "2026-11-24T00:00:00Z")
-        assert post(Report(meta.namespace, meta.name, meta.uid, 2, progress=progress, last_good_checkpoint=good))[0] == 200
-        assert status.snapshot() == {"progress": {"step": 5, "updatedAt": "2026-11-24T00:00:00Z"},
-                                     "lastGoodCheckpoint": {"uri": good.uri, "step": 10, "time": good.time}}
+        assert (
+            post(Report(meta.namespace, meta.name, meta.uid, 2, progress=progress, last_good_checkpoint=good))[0] == 200
+        )
+        assert status.snapshot() == {
+            "progress": {"step": 5, "updatedAt": "2026-11-24T00:00:00Z"},
+            "lastGoodCheckpoint": {"uri": good.uri, "step": 10, "time": good.time},
+        }
         # percent and the estimated completion time, as the operator adds them (the step rate between reports)
         for step, at in ((10, "00:00:10"), (20, "00:00:20")):
             report = Report(meta.namespace, meta.name, meta.uid, 2, progress=Progress(step, f"2026-11-24T{at}Z", 100))
             assert post(report)[0] == 200
-        assert status.snapshot()["progress"] == {"step": 20, "updatedAt": "2026-11-24T00:00:20Z", "totalSteps": 100,
-                                                 "percent": 20.0, "estimatedCompletionTime": "2026-11-24T00:01:40Z"}
+        assert status.snapshot()["progress"] == {
+            "step": 20,
+            "updatedAt": "2026-11-24T00:00:20Z",
+            "totalSteps": 100,
+            "percent": 20.0,
+            "estimatedCompletionTime": "2026-11-24T00:01:40Z",
+        }
     finally:
         status.close()

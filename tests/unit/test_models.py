@@ -1,5 +1,6 @@
 """The shipped models follow the model contract, learn the shipped synthetic data, and are
 deterministic under a seed (which exact resume relies on)."""
+
 import pytest
 import torch
 
@@ -276,11 +277,17 @@ def test_dropout_is_off_in_eval_mode():
     assert torch.equal(model(batch), model(batch))
 
 
-@pytest.mark.parametrize("make_model,make_batch", [
-    pytest.param(lambda: CharTransformer(vocab_size=64, dim=64, layers=2, heads=4, context_length=32),
-                 lambda: text_batch(batch_size=3, context_length=32, vocab_size=64), id="char-transformer"),
-    pytest.param(lambda: MaskedAutoencoder(**TINY_MAE), lambda: image_batch(batch_size=3), id="masked-autoencoder"),
-])
+@pytest.mark.parametrize(
+    "make_model,make_batch",
+    [
+        pytest.param(
+            lambda: CharTransformer(vocab_size=64, dim=64, layers=2, heads=4, context_length=32),
+            lambda: text_batch(batch_size=3, context_length=32, vocab_size=64),
+            id="char-transformer",
+        ),
+        pytest.param(lambda: MaskedAutoencoder(**TINY_MAE), lambda: image_batch(batch_size=3), id="masked-autoencoder"),
+    ],
+)
 def test_flops_per_sample_is_what_torch_counts_for_a_forward_and_backward_pass(make_model, make_batch):
     """The MFU numerator: the count of torch's FlopCounterMode (attention through SDPA's math path, whose matmuls it
     sees) over the samples of a batch."""

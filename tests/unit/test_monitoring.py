@@ -1,4 +1,5 @@
 """Alert rules, monitors and dashboards: generated, committed, checked by promtool, naming real series."""
+
 import json
 import os
 import re
@@ -14,8 +15,10 @@ from trainingrun_operator import monitoring
 
 PROMTOOL = shutil.which("promtool")
 # scripts/install-test-tools.sh (run by .ci/run) installs promtool and sets TRAININGRUN_CI, so there these tests run (and fail without it).
-needs_promtool = pytest.mark.skipif(PROMTOOL is None and not os.environ.get("TRAININGRUN_CI"),
-                                    reason="needs promtool (Debian's prometheus): bash scripts/install-test-tools.sh")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None and not os.environ.get("TRAININGRUN_CI"),
+    reason="needs promtool (Debian's prometheus): bash scripts/install-test-tools.sh",
+)
 
 
 def test_committed_files_are_generated():
@@ -62,13 +65,20 @@ def test_dashboards_have_the_run_variables_and_grafana_sidecar_labels():
         assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert json.loads(config_map["data"][name]) == body
     fleet_titles = {p["title"] for p in monitoring.dashboards()["trainingrun-fleet.json"]["panels"]}
-    assert {"Runs by phase", "Restarts by cause (1h)", "Goodput by run", "GPU-hours (24h)", "Energy (24h)"} <= fleet_titles
+    assert {
+        "Runs by phase",
+        "Restarts by cause (1h)",
+        "Goodput by run",
+        "GPU-hours (24h)",
+        "Energy (24h)",
+    } <= fleet_titles
 
 
 @needs_promtool
 def test_rules_pass_promtool_check():
-    result = subprocess.run([PROMTOOL, "check", "rules", str(REPO / "manifests/monitoring/rules.yaml")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [PROMTOOL, "check", "rules", str(REPO / "manifests/monitoring/rules.yaml")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(monitoring.ALERTS)} rules found" in result.stdout
 
@@ -87,8 +97,10 @@ def test_each_alert_fires_on_its_condition_and_only_then(tmp_path):
             tested.add(check["alertname"])
             alert = alerts[check["alertname"]]
             for expected in check["exp_alerts"]:
-                expected["exp_annotations"] = {"summary": render(alert.summary, expected["exp_labels"]),
-                                               "description": render(alert.description, expected["exp_labels"])}
+                expected["exp_annotations"] = {
+                    "summary": render(alert.summary, expected["exp_labels"]),
+                    "description": render(alert.description, expected["exp_labels"]),
+                }
     assert tested == set(alerts)  # every alert is exercised
     tests["rule_files"] = [str(REPO / "manifests/monitoring/rules.yaml")]
     path = tmp_path / "alerts_test.yaml"
@@ -108,8 +120,9 @@ def test_a_broken_rule_is_caught(tmp_path):
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
     tests = yaml.safe_load((REPO / "tests/fixtures/alerts_test.yaml").read_text())
     tests["rule_files"] = [str(tmp_path / "rules.yaml")]
-    tests["tests"] = [t for t in tests["tests"]
-                      if any(c["alertname"] == "TrainingRunCheckpointFailing" for c in t["alert_rule_test"])]
+    tests["tests"] = [
+        t for t in tests["tests"] if any(c["alertname"] == "TrainingRunCheckpointFailing" for c in t["alert_rule_test"])
+    ]
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(tests))
     result = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "t.yaml")], capture_output=True, text=True)
     assert result.returncode != 0

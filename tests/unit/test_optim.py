@@ -1,4 +1,5 @@
 """Weight-decay groups and LR schedules."""
+
 import math
 
 import pytest
@@ -24,7 +25,10 @@ def test_decay_only_matrices():
     assert decayed["weight_decay"] == 0.1 and undecayed["weight_decay"] == 0.0
     assert [p is model.linear.weight for p in decayed["params"]] == [True]
     assert {id(p) for p in undecayed["params"]} == {
-        id(model.embed.weight), id(model.linear.bias), id(model.norm.weight), id(model.norm.bias)
+        id(model.embed.weight),
+        id(model.linear.bias),
+        id(model.norm.weight),
+        id(model.norm.bias),
     }
     single = build_optimizer(model, OptimizerConfig(weight_decay=0.1, no_decay_for_bias_and_norm=False))
     assert len(single.param_groups) == 1
@@ -44,7 +48,10 @@ def test_warmup_is_linear_then_cosine_reaches_the_floor():
 
 
 def test_warm_restarts_jump_back_up_with_growing_periods():
-    f = factors(ScheduleConfig(name="cosine-warm-restarts", restart_period_steps=10, restart_period_mult=2, min_lr_ratio=0.0), 70)
+    f = factors(
+        ScheduleConfig(name="cosine-warm-restarts", restart_period_steps=10, restart_period_mult=2, min_lr_ratio=0.0),
+        70,
+    )
     restarts = [i for i in range(1, 70) if f[i] > f[i - 1] + 0.5]
     assert restarts == [10, 30]  # periods 10, 20, 40
     assert f[0] == pytest.approx(1.0) and f[9] < 0.05

@@ -1,5 +1,6 @@
 """`trainingrun data prepare`: text files into TextBytes shards (file:// here; gs:// and s3:// in
 tests/integration/test_trainer_shards.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,9 @@ def test_a_destination_with_shards_is_kept_unless_overwrite(source, tmp_path):
     with pytest.raises(PrepareError, match=f"DEST {destination} already holds {len(first.shards)} shards.*--overwrite"):
         prepare_text(source, destination, shard_bytes=2000)
     again = prepare_text(source, destination, shard_bytes=2000, overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"shard-{n:05d}.txt" for n in range(len(again.shards))]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        f"shard-{n:05d}.txt" for n in range(len(again.shards))
+    ]
     assert b"".join(p.read_bytes() for p in sorted((tmp_path / "out").iterdir())) == joined(source)
 
 

@@ -1,4 +1,5 @@
 """reconcile.decide and its helpers: the operator's decisions without a cluster."""
+
 import functools
 from datetime import datetime, timedelta, timezone
 
@@ -12,51 +13,82 @@ NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
 
 
 def run_of(**spec):
-    body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "demo", "namespace": "ns", "uid": "u"},
-            "spec": {"checkpoint": {"uri": "s3://bkt/demo"}, **spec}}
+    body = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": "demo", "namespace": "ns", "uid": "u"},
+        "spec": {"checkpoint": {"uri": "s3://bkt/demo"}, **spec},
+    }
     return validation.parse(body)
 
 
 def job(attempt, *conditions, run=None, since=NOW):
     built = builders.pytorch_job(run or run_of(), attempt)
-    built["status"] = {"conditions": [{"type": c, "status": "True", "lastTransitionTime": reconcile.rfc3339(since)}
-                                      for c in conditions]}
+    built["status"] = {
+        "conditions": [
+            {"type": c, "status": "True", "lastTransitionTime": reconcile.rfc3339(since)} for c in conditions
+        ]
+    }
     return built
 
 
 def pod(attempt, status, **metadata):
-    return {"metadata": {"name": f"demo-a{attempt}-worker-0", "labels": {builders.LABEL_ATTEMPT: str(attempt)},
-                         **metadata}, "status": status}
+    return {
+        "metadata": {"name": f"demo-a{attempt}-worker-0", "labels": {builders.LABEL_ATTEMPT: str(attempt)}, **metadata},
+        "status": status,
+    }
 
 
 def ended(code, reason="Error", message="", key="state"):
-    return {"containerStatuses": [{"name": "pytorch", key: {"terminated": {
-        "exitCode": code, "reason": reason, "message": message}}}]}
+    return {
+        "containerStatuses": [
+            {"name": "pytorch", key: {"terminated": {"exitCode": code, "reason": reason, "message": message}}}
+        ]
+    }
 
 
 def observe(run=None, status=None, jobs=(), pods=(), now=NOW):
-    return reconcile.Observed(run=run or run_of(), status=status or {},
-                              jobs={j["metadata"]["name"]: j for j in jobs}, pods=list(pods), now=now)
+    return reconcile.Observed(
+        run=run or run_of(),
+        status=status or {},
+        jobs={j["metadata"]["name"]: j for j in jobs},
+        pods=list(pods),
+        now=now,
+    )
 
 
 def running_status(attempt=1, **extra):
-    return {"phase": "Running", "attempt": attempt, "jobName": f"demo-a{attempt}", "startTime": "2026-11-21T11:00:00Z",
-            "attemptStartTime": "2026-11-21T11:59:00Z", "checkpointUri": "s3://bkt/demo", **extra}
+    return {
+        "phase": "Running",
+        "attempt": attempt,
+        "jobName": f"demo-a{attempt}",
+        "startTime": "2026-11-21T11:00:00Z",
+        "attemptStartTime": "2026-11-21T11:59:00Z",
+        "checkpointUri": "s3://bkt/demo",
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------- classification
 
 
-@pytest.mark.parametrize("pod_status,metadata,cause", [
-    ({"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]}, {}, "preemption"),
-    ({"reason": "Evicted", "message": "The node was low on resource: memory."}, {}, "preemption"),
-    (ended(143), {}, "preemption"),
-    (ended(137, "Error"), {"deletionTimestamp": "2026-11-21T11:59:59Z"}, "preemption"),
-    (ended(137, "OOMKilled"), {}, "failure"),
-    (ended(138), {}, "failure"),
-    (ended(2, message="spec.trainer.model: no such class"), {}, "permanent"),
-    (ended(3, key="lastState"), {}, "permanent"),
-])
+@pytest.mark.parametrize(
+    "pod_status,metadata,cause",
+    [
+        (
+            {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]},
+            {},
+            "preemption",
+        ),
+        ({"reason": "Evicted", "message": "The node was low on resource: memory."}, {}, "preemption"),
+        (ended(143), {}, "preemption"),
+        (ended(137, "Error"), {"deletionTimestamp": "2026-11-21T11:59:59Z"}, "preemption"),
+        (ended(137, "OOMKilled"), {}, "failure"),
+        (ended(138), {}, "failure"),
+        (ended(2, message="spec.trainer.model: no such class"), {}, "permanent"),
+        (ended(3, key="lastState"), {}, "permanent"),
+    ],
+)
 def test_failure_causes(pod_status, metadata, cause):
     failure = reconcile.classify_failure(job(1, "Failed"), [pod(1, pod_status, **metadata)])
     assert failure.cause == cause and failure.from_pods
@@ -74,10 +106,11 @@ def test_failure_without_pods_says_so():
     assert failure.cause == "failure" and not failure.from_pods and "1 Worker replica(s) failed" in failure.detail
 
 
-
 def test_goodput_is_a_function_of_status():
-    status = {"startTime": "2026-11-21T11:00:00Z",
-              "progress": {"productiveSeconds": 1800.0, "updatedAt": "2026-11-21T12:00:00Z"}}
+    status = {
+        "startTime": "2026-11-21T11:00:00Z",
+        "progress": {"productiveSeconds": 1800.0, "updatedAt": "2026-11-21T12:00:00Z"},
+    }
     assert reconcile.goodput(status) == 0.5
     assert reconcile.goodput({"startTime": "2026-11-21T11:00:00Z"}) is None
 
@@ -134,8 +167,9 @@ def test_the_time_account_adds_a_process_that_ended_and_breaks_wall_time_down():
     status = {**start, **reconcile.account_time(status, second, 18.0, at + timedelta(seconds=30))}
     assert status["processTime"]["ended"] == {**contract.wire(again), "process": "ended"}
     breakdown = status["timeBreakdown"]
-    assert breakdown["wallSeconds"] == 60.0 and sum(v for k, v in breakdown.items() if k != "wallSeconds") == \
-        pytest.approx(60.0)
+    assert breakdown["wallSeconds"] == 60.0 and sum(
+        v for k, v in breakdown.items() if k != "wallSeconds"
+    ) == pytest.approx(60.0)
     assert (breakdown["productiveSeconds"], breakdown["lostSeconds"], breakdown["backoffSeconds"]) == (18.0, 3.0, 5.0)
     assert breakdown["startupSeconds"] == 7.0 + (60.0 - 5.0 - 35.0)  # in processes, and when none reported
     assert api.TrainingRunStatus.from_wire(status).time_breakdown.eval_seconds == 1.0  # the status model has it
@@ -144,8 +178,9 @@ def test_the_time_account_adds_a_process_that_ended_and_breaks_wall_time_down():
 def test_budget_spent_fails_the_run():
     run = run_of(recovery={"maxFailures": 1, "backoffSeconds": 0})
     status = running_status(2, restarts={"failures": 1, "preemptions": 0, "total": 1})
-    plan = reconcile.decide(observe(run, status, [job(1, "Failed"), job(2, "Failed")],
-                                    [pod(2, ended(137, "OOMKilled"))]))
+    plan = reconcile.decide(
+        observe(run, status, [job(1, "Failed"), job(2, "Failed")], [pod(2, ended(137, "OOMKilled"))])
+    )
     assert plan.status["phase"] == "Failed" and plan.status["restarts"]["failures"] == 2
     failed = next(c for c in plan.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "FailureBudgetSpent" and "maxFailures=1" in failed["message"]
@@ -153,9 +188,12 @@ def test_budget_spent_fails_the_run():
 
 
 def test_recovering_waits_until_the_next_attempt_time():
-    status = running_status(phase="Recovering", nextAttemptTime="2026-11-21T12:00:30Z",
-                            lastGoodCheckpoint={"uri": "s3://bkt/demo/step-00000100", "step": 100},
-                            checkpointInMemory={"step": 120, "time": "2026-11-21T12:00:00Z"})
+    status = running_status(
+        phase="Recovering",
+        nextAttemptTime="2026-11-21T12:00:30Z",
+        lastGoodCheckpoint={"uri": "s3://bkt/demo/step-00000100", "step": 100},
+        checkpointInMemory={"step": 120, "time": "2026-11-21T12:00:00Z"},
+    )
     assert reconcile.decide(observe(status=status, jobs=[job(1, "Failed")])).start_attempt is None
     plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed")], now=NOW + timedelta(seconds=30)))
     assert plan.start_attempt == 2 and plan.resume_from == "s3://bkt/demo/step-00000100"
@@ -188,8 +226,9 @@ def test_no_reports_at_all_is_a_condition_not_a_restart():
     """Pods that cannot reach the report endpoint may be training: the run says so and restarts nothing;
     when reports arrive again the condition clears."""
     run = run_of(recovery={"stallTimeoutSeconds": 60})
-    status = running_status(progress={"step": 40, "updatedAt": "2026-11-21T11:59:10Z"},
-                            lastReportTime="2026-11-21T11:59:10Z")
+    status = running_status(
+        progress={"step": 40, "updatedAt": "2026-11-21T11:59:10Z"}, lastReportTime="2026-11-21T11:59:10Z"
+    )
     later = NOW + timedelta(minutes=5)
     plan = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], now=later))
     assert "phase" not in plan.status and plan.delete_jobs == [] and plan.restart_cause is None
@@ -243,13 +282,28 @@ def test_deciding_again_after_the_plan_changes_nothing(scenario):
         jobs, status = [job(1, "Failed")], running_status(phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z")
     elif scenario == "secret":
         jobs = [job(1, "Created")]
-        pods = [pod(1, {"containerStatuses": [{"name": "pytorch", "state": {"waiting": {
-            "reason": "CreateContainerConfigError", "message": 'secret "s" not found'}}}]})]
+        pods = [
+            pod(
+                1,
+                {
+                    "containerStatuses": [
+                        {
+                            "name": "pytorch",
+                            "state": {
+                                "waiting": {"reason": "CreateContainerConfigError", "message": 'secret "s" not found'}
+                            },
+                        }
+                    ]
+                },
+            )
+        ]
     elif scenario == "stalled":
         jobs, status["attemptStartTime"] = [job(1, "Running")], "2026-11-21T10:00:00Z"
     elif scenario == "rejected":
-        jobs, run = [job(1, "Running")], run_of(checkpoint={"uri": "s3://other/demo"},
-                                                 recovery={"stallTimeoutSeconds": 600})
+        jobs, run = (
+            [job(1, "Running")],
+            run_of(checkpoint={"uri": "s3://other/demo"}, recovery={"stallTimeoutSeconds": 600}),
+        )
     if scenario == "new":
         status = {}
     first = reconcile.decide(observe(run, status, jobs, pods))
@@ -269,15 +323,55 @@ def pending_status(attempt=1):
     return {**running_status(attempt), "phase": "Pending"}
 
 
-@pytest.mark.parametrize("pods,warnings,type_,words", [
-    ([pod(1, {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                              "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]})], [],
-     "Unschedulable", "3 Insufficient nvidia.com/gpu"),
-    ([], [{"reason": "FailedCreate", "message": 'Error creating: pods "demo-a1-worker-0" is forbidden: exceeded quota',
-           "involvedObject": {"kind": "PyTorchJob", "name": "demo-a1"}}], "PodsNotCreated", "exceeded quota"),
-    ([], [{"reason": "FailedMount", "message": 'MountVolume.SetUp failed for volume "data" : nfs: access denied',
-           "involvedObject": {"kind": "Pod", "name": "demo-a1-worker-0"}}], "VolumeMountFailed", "nfs: access denied"),
-])
+@pytest.mark.parametrize(
+    "pods,warnings,type_,words",
+    [
+        (
+            [
+                pod(
+                    1,
+                    {
+                        "conditions": [
+                            {
+                                "type": "PodScheduled",
+                                "status": "False",
+                                "reason": "Unschedulable",
+                                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                            }
+                        ]
+                    },
+                )
+            ],
+            [],
+            "Unschedulable",
+            "3 Insufficient nvidia.com/gpu",
+        ),
+        (
+            [],
+            [
+                {
+                    "reason": "FailedCreate",
+                    "message": 'Error creating: pods "demo-a1-worker-0" is forbidden: exceeded quota',
+                    "involvedObject": {"kind": "PyTorchJob", "name": "demo-a1"},
+                }
+            ],
+            "PodsNotCreated",
+            "exceeded quota",
+        ),
+        (
+            [],
+            [
+                {
+                    "reason": "FailedMount",
+                    "message": 'MountVolume.SetUp failed for volume "data" : nfs: access denied',
+                    "involvedObject": {"kind": "Pod", "name": "demo-a1-worker-0"},
+                }
+            ],
+            "VolumeMountFailed",
+            "nfs: access denied",
+        ),
+    ],
+)
 def test_a_pending_attempt_says_why_its_pods_do_not_run(pods, warnings, type_, words):
     observed = observe(status=pending_status(), jobs=[job(1, "Created")], pods=pods)
     observed.warnings = warnings
@@ -295,10 +389,22 @@ def test_a_running_attempt_whose_replacement_pod_finds_no_node_says_so_and_is_no
     """A pod replaced within the attempt (deleted, evicted, node gone) can be Unschedulable while the run is
     Running: the run says so, and waiting for a node past stallTimeoutSeconds starts no new attempt."""
     run = run_of(recovery={"stallTimeoutSeconds": 60})
-    status = running_status(attemptStartTime="2026-11-21T11:50:00Z",
-                            progress={"step": 40, "updatedAt": "2026-11-21T11:55:00Z"})
-    unschedulable = pod(1, {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                            "message": "0/1 nodes are available: 1 Insufficient cpu."}]})
+    status = running_status(
+        attemptStartTime="2026-11-21T11:50:00Z", progress={"step": 40, "updatedAt": "2026-11-21T11:55:00Z"}
+    )
+    unschedulable = pod(
+        1,
+        {
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/1 nodes are available: 1 Insufficient cpu.",
+                }
+            ]
+        },
+    )
     plan = reconcile.decide(observe(run, status, [job(1, "Running", run=run)], [unschedulable]))
     condition = next(c for c in plan.status["conditions"] if c["type"] == "Unschedulable")
     assert condition["status"] == "True" and "Insufficient cpu" in condition["message"]
@@ -314,47 +420,81 @@ def test_a_running_attempt_whose_replacement_pod_finds_no_node_says_so_and_is_no
 
 def test_a_missing_secret_volume_is_secret_missing():
     observed = observe(status=pending_status(), jobs=[job(1, "Created")])
-    observed.warnings = [{"reason": "FailedMount", "involvedObject": {"kind": "Pod", "name": "demo-a1-worker-0"},
-                          "message": 'MountVolume.SetUp failed for volume "gcs-key" : secret "gcs" not found'}]
+    observed.warnings = [
+        {
+            "reason": "FailedMount",
+            "involvedObject": {"kind": "Pod", "name": "demo-a1-worker-0"},
+            "message": 'MountVolume.SetUp failed for volume "gcs-key" : secret "gcs" not found',
+        }
+    ]
     plan = reconcile.decide(observed)
     condition = next(c for c in plan.status["conditions"] if c["type"] == "SecretMissing")
     assert condition["status"] == "True" and 'secret "gcs" not found' in condition["message"]
     assert not any(c["type"] == "VolumeMountFailed" for c in plan.status["conditions"])
 
 
-@pytest.mark.parametrize("kubelet_says,shown", [
-    # What a kubelet says before its Secret cache has synced (seen in CI): the run names its Secrets.
-    ("failed to sync secret cache: timed out waiting for the condition",
-     "failed to sync secret cache: timed out waiting for the condition (the run reads Secrets s3, tracker)"),
-    ('secret "s3" not found', 'secret "s3" not found'),
-    ("couldn't find key api-key in Secret ns/tracker", "couldn't find key api-key in Secret ns/tracker"),
-])
+@pytest.mark.parametrize(
+    "kubelet_says,shown",
+    [
+        # What a kubelet says before its Secret cache has synced (seen in CI): the run names its Secrets.
+        (
+            "failed to sync secret cache: timed out waiting for the condition",
+            "failed to sync secret cache: timed out waiting for the condition (the run reads Secrets s3, tracker)",
+        ),
+        ('secret "s3" not found', 'secret "s3" not found'),
+        ("couldn't find key api-key in Secret ns/tracker", "couldn't find key api-key in Secret ns/tracker"),
+    ],
+)
 def test_a_container_waiting_on_a_secret_names_the_secrets_the_run_reads(kubelet_says, shown):
-    run = run_of(secrets={"s3Credentials": {"secretName": "s3"}, "env": [
-        {"name": "WANDB_API_KEY", "secretName": "tracker", "key": "api-key"},
-        {"name": "OTHER", "secretName": "s3", "key": "other"}]})
-    waiting = pod(1, {"containerStatuses": [{"name": "pytorch", "state": {"waiting": {
-        "reason": "CreateContainerConfigError", "message": kubelet_says}}}]})
+    run = run_of(
+        secrets={
+            "s3Credentials": {"secretName": "s3"},
+            "env": [
+                {"name": "WANDB_API_KEY", "secretName": "tracker", "key": "api-key"},
+                {"name": "OTHER", "secretName": "s3", "key": "other"},
+            ],
+        }
+    )
+    waiting = pod(
+        1,
+        {
+            "containerStatuses": [
+                {
+                    "name": "pytorch",
+                    "state": {"waiting": {"reason": "CreateContainerConfigError", "message": kubelet_says}},
+                }
+            ]
+        },
+    )
     plan = reconcile.decide(observe(run, pending_status(), [job(1, "Created", run=run)], [waiting]))
     condition = next(c for c in plan.status["conditions"] if c["type"] == "SecretMissing")
     assert condition["message"] == f"pod demo-a1-worker-0: {shown}"
     assert [n.message for n in plan.events if n.reason == "SecretMissing"] == [
-        f"pod demo-a1-worker-0: {shown}; create it in namespace ns (no restart is charged while waiting)"]
+        f"pod demo-a1-worker-0: {shown}; create it in namespace ns (no restart is charged while waiting)"
+    ]
 
 
 def test_pods_restarted_in_place_are_counted_once_each_with_an_event():
     """Kubeflow replaces a deleted, evicted or retryably failed pod within the attempt and marks the job
     Restarting (dropping Running) until it runs again: the run counts each such restart once, by the
     condition's transition time, and says so in an Event."""
+
     def restarting_job(since):
         built = job(1, "Restarting", since=since)
-        built["status"]["conditions"][0]["message"] = "PyTorchJob demo-a1 is restarting because 1 Worker replica(s) failed."
+        built["status"]["conditions"][0]["message"] = (
+            "PyTorchJob demo-a1 is restarting because 1 Worker replica(s) failed."
+        )
         return built
 
     status = running_status()
     first = reconcile.decide(observe(status=status, jobs=[restarting_job(NOW)]))
-    assert first.status["restarts"] == {"failures": 0, "preemptions": 0, "total": 0, "inPlace": 1,
-                                        "lastInPlaceTime": reconcile.rfc3339(NOW)}
+    assert first.status["restarts"] == {
+        "failures": 0,
+        "preemptions": 0,
+        "total": 0,
+        "inPlace": 1,
+        "lastInPlaceTime": reconcile.rfc3339(NOW),
+    }
     assert [(n.reason, n.type) for n in first.events] == [("PodsRestarted", "Warning")]
     assert "because 1 Worker replica(s) failed" in first.events[0].message and "restart 1 " in first.events[0].message
     status = merged_status(status, first.status)
@@ -379,8 +519,15 @@ def test_a_resume_waits_for_the_suspended_attempts_pods_to_be_gone():
     assert waiting["status"] == "True" and "attempt 2 starts when they are gone" in waiting["message"]
     assert [n.reason for n in plan.events] == ["WaitingForOldPods"]
 
-    gone = reconcile.decide(observe(run_of(), suspended_status(conditions=plan.status["conditions"]),
-                                    [job(1, "Suspended")], [], now=NOW + timedelta(seconds=5)))
+    gone = reconcile.decide(
+        observe(
+            run_of(),
+            suspended_status(conditions=plan.status["conditions"]),
+            [job(1, "Suspended")],
+            [],
+            now=NOW + timedelta(seconds=5),
+        )
+    )
     assert gone.start_attempt == 2 and gone.delete_jobs == ["demo-a1"]
     assert next(c for c in gone.status["conditions"] if c["type"] == "WaitingForOldPods")["reason"] == "OldPodsGone"
 
@@ -390,11 +537,19 @@ def test_a_resume_waits_no_longer_than_the_grace_period_and_some_slack():
     first = reconcile.decide(observe(run_of(), suspended_status(), [job(1, "Suspended")], [stopping]))
     grace = run_of().spec.termination_grace_period_seconds
     later = NOW + timedelta(seconds=grace) + reconcile.OLD_PODS_SLACK
-    plan = reconcile.decide(observe(run_of(), suspended_status(conditions=first.status["conditions"]),
-                                    [job(1, "Suspended")], [stopping], now=later))
+    plan = reconcile.decide(
+        observe(
+            run_of(),
+            suspended_status(conditions=first.status["conditions"]),
+            [job(1, "Suspended")],
+            [stopping],
+            now=later,
+        )
+    )
     assert plan.start_attempt == 2
-    assert next(c for c in plan.status["conditions"] if c["type"] == "WaitingForOldPods")["reason"] == \
-        "WaitedLongEnough"
+    assert (
+        next(c for c in plan.status["conditions"] if c["type"] == "WaitingForOldPods")["reason"] == "WaitedLongEnough"
+    )
 
 
 def test_pods_that_already_ended_do_not_hold_a_resume():

@@ -1,4 +1,5 @@
 """The recovery policy both the operator and `trainingrun local` follow (trainingrun_operator/recovery.py)."""
+
 from trainingrun_operator import api
 from trainingrun_operator.recovery import Restarts, after_attempt, backoff_seconds
 

@@ -1,5 +1,6 @@
 """Progress reporting against a real local HTTP server: newest values, heartbeats, rotated tokens,
 never blocking, never leaking the token."""
+
 import json
 import logging
 import threading
@@ -125,8 +126,12 @@ def test_a_checkpoint_in_memory_is_not_news_it_goes_with_the_next_report(endpoin
 def test_an_unreachable_endpoint_is_logged_once_and_never_raises(caplog, tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    reporter = ProgressReporter(ReportEndpoint("http://127.0.0.1:9/v1/reports", str(token), None), IDENTITY,
-                                interval_seconds=0.01, timeout_seconds=2)
+    reporter = ProgressReporter(
+        ReportEndpoint("http://127.0.0.1:9/v1/reports", str(token), None),
+        IDENTITY,
+        interval_seconds=0.01,
+        timeout_seconds=2,
+    )
     with caplog.at_level(logging.WARNING, logger="trainingrun.reporting"):
         for step in range(1, 4):
             reporter.progress(progress(step))
@@ -148,8 +153,12 @@ def test_without_a_report_url_nothing_is_sent():
 
 
 def test_endpoint_from_the_contracts_environment():
-    env = {contract.REPORT_URL: "https://op.ns.svc:8443/v1/reports", contract.REPORT_TOKEN_FILE: "/t",
-           contract.REPORT_CA_FILE: "/ca.crt", contract.REPORT_INTERVAL_SECONDS: "2.5"}
+    env = {
+        contract.REPORT_URL: "https://op.ns.svc:8443/v1/reports",
+        contract.REPORT_TOKEN_FILE: "/t",
+        contract.REPORT_CA_FILE: "/ca.crt",
+        contract.REPORT_INTERVAL_SECONDS: "2.5",
+    }
     reporter = from_env(IDENTITY, env=env)
     try:
         assert reporter.endpoint == ReportEndpoint("https://op.ns.svc:8443/v1/reports", "/t", "/ca.crt")
@@ -158,30 +167,92 @@ def test_endpoint_from_the_contracts_environment():
         reporter._stop.set()
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"name": "demo", "uid": "u", "attempt": 1}, "namespace"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 0}, "attempt"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "progress": {"step": -1}}, "progress.step"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "progress": {"step": 1, "updatedAt": "2026-11-24T00:00:00Z", "loss": "nan"}}, "progress.loss"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "lastGoodCheckpoint": {"uri": "s3://b/x/step-00000001", "step": 1, "time": "yesterday"}}, "lastGoodCheckpoint.time"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "checkpointInMemory": {"step": -3, "time": "2026-11-24T00:00:00Z"}}, "checkpointInMemory.step"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "checkpointInMemory": {"step": 3, "time": 5}}, "checkpointInMemory.time"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "processTime": {"process": "pod/1/2", "restoreSeconds": -1}}, "processTime.restoreSeconds"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "processTime": {"aliveSeconds": 1}},
-     "processTime.process"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "checkpointInterval": {"steps": 0, "failures": 0, "secondsBetweenFailures": 60}}, "checkpointInterval.steps"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "checkpointInterval": {"steps": 5, "failures": 0, "secondsBetweenFailures": 60, "saveCostSeconds": -1}},
-     "checkpointInterval.saveCostSeconds"),
-    ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1,
-      "checkpointInterval": {"steps": 5, "failures": 0}}, "checkpointInterval.secondsBetweenFailures"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"name": "demo", "uid": "u", "attempt": 1}, "namespace"),
+        ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 0}, "attempt"),
+        ({"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "progress": {"step": -1}}, "progress.step"),
+        (
+            {
+                "namespace": "ns",
+                "name": "demo",
+                "uid": "u",
+                "attempt": 1,
+                "progress": {"step": 1, "updatedAt": "2026-11-24T00:00:00Z", "loss": "nan"},
+            },
+            "progress.loss",
+        ),
+        (
+            {
+                "namespace": "ns",
+                "name": "demo",
+                "uid": "u",
+                "attempt": 1,
+                "lastGoodCheckpoint": {"uri": "s3://b/x/step-00000001", "step": 1, "time": "yesterday"},
+            },
+            "lastGoodCheckpoint.time",
+        ),
+        (
+            {
+                "namespace": "ns",
+                "name": "demo",
+                "uid": "u",
+                "attempt": 1,
+                "checkpointInMemory": {"step": -3, "time": "2026-11-24T00:00:00Z"},
+            },
+            "checkpointInMemory.step",
+        ),
+        (
+            {"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "checkpointInMemory": {"step": 3, "time": 5}},
+            "checkpointInMemory.time",
+        ),
+        (
+            {
+                "namespace": "ns",
+                "name": "demo",
+                "uid": "u",
+                "attempt": 1,
+                "processTime": {"process": "pod/1/2", "restoreSeconds": -1},
+            },
+            "processTime.restoreSeconds",
+        ),
+        (
+            {"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "processTime": {"aliveSeconds": 1}},
+            "processTime.process",
+        ),
+        (
+            {
+                "namespace": "ns",
+                "name": "demo",
+                "uid": "u",
+                "attempt": 1,
+                "checkpointInterval": {"steps": 0, "failures": 0, "secondsBetweenFailures": 60},
+            },
+            "checkpointInterval.steps",
+        ),
+        (
+            {
+                "namespace": "ns",
+                "name": "demo",
+                "uid": "u",
+                "attempt": 1,
+                "checkpointInterval": {"steps": 5, "failures": 0, "secondsBetweenFailures": 60, "saveCostSeconds": -1},
+            },
+            "checkpointInterval.saveCostSeconds",
+        ),
+        (
+            {
+                "namespace": "ns",
+                "name": "demo",
+                "uid": "u",
+                "attempt": 1,
+                "checkpointInterval": {"steps": 5, "failures": 0},
+            },
+            "checkpointInterval.secondsBetweenFailures",
+        ),
+    ],
+)
 def test_a_malformed_report_names_its_field(body, field):
     with pytest.raises(contract.ReportError, match=field.replace(".", r"\.")):
         Report.from_json(json.dumps(body).encode())
@@ -195,13 +266,26 @@ def test_a_process_time_goes_over_the_wire_and_back_but_not_into_status():
 
 
 def test_the_auto_intervals_choice_goes_over_the_wire_into_status():
-    choice = contract.IntervalChoice(steps=120, seconds=12.0, save_cost_seconds=0.05, seconds_between_failures=600.0,
-                                     failures=2, expected_lost_seconds=6.0)
+    choice = contract.IntervalChoice(
+        steps=120,
+        seconds=12.0,
+        save_cost_seconds=0.05,
+        seconds_between_failures=600.0,
+        failures=2,
+        expected_lost_seconds=6.0,
+    )
     report = Report("ns", "demo", "u", 1, checkpoint_interval=choice)
     assert Report.from_json(report.to_json()).checkpoint_interval == choice
-    assert report.status_fields() == {"checkpointInterval": {
-        "steps": 120, "seconds": 12.0, "saveCostSeconds": 0.05, "secondsBetweenFailures": 600.0, "failures": 2,
-        "expectedLostSeconds": 6.0}}
+    assert report.status_fields() == {
+        "checkpointInterval": {
+            "steps": 120,
+            "seconds": 12.0,
+            "saveCostSeconds": 0.05,
+            "secondsBetweenFailures": 600.0,
+            "failures": 2,
+            "expectedLostSeconds": 6.0,
+        }
+    }
 
 
 def test_a_report_is_refused_for_another_run_or_attempt_or_a_checkpoint_elsewhere():
@@ -223,16 +307,27 @@ def test_a_report_sets_status_fields_the_status_model_has_under_the_same_names()
     field a report cannot set."""
     from trainingrun_operator import api
 
-    report = Report("team-a", "demo", "uid-1", 2,
-                    progress=Progress(step=7, updated_at="2026-11-24T00:00:00Z", total_steps=10, loss=1.5,
-                                      samples_per_second=320.0, productive_seconds=12.5),
-                    last_good_checkpoint=CommittedCheckpoint("s3://b/run/step-00000005", 5, "2026-11-24T00:00:00Z",
-                                                             "0" * 64))
+    report = Report(
+        "team-a",
+        "demo",
+        "uid-1",
+        2,
+        progress=Progress(
+            step=7,
+            updated_at="2026-11-24T00:00:00Z",
+            total_steps=10,
+            loss=1.5,
+            samples_per_second=320.0,
+            productive_seconds=12.5,
+        ),
+        last_good_checkpoint=CommittedCheckpoint("s3://b/run/step-00000005", 5, "2026-11-24T00:00:00Z", "0" * 64),
+    )
     fields = report.status_fields()
     status = api.TrainingRunStatus.model_validate(fields)  # extra="forbid": an unknown name fails here
     assert status.model_dump(by_alias=True, exclude_none=True, include={"progress", "last_good_checkpoint"}) == fields
-    assert set(Progress.WIRE.values()) | set(api.DERIVED_PROGRESS_FIELDS) == \
-        {f.alias or n for n, f in api.Progress.model_fields.items()}
+    assert set(Progress.WIRE.values()) | set(api.DERIVED_PROGRESS_FIELDS) == {
+        f.alias or n for n, f in api.Progress.model_fields.items()
+    }
     assert set(CommittedCheckpoint.WIRE.values()) == {f.alias or n for n, f in api.CheckpointRef.model_fields.items()}
 
 
@@ -258,8 +353,7 @@ def test_a_503_is_sent_again_at_once_on_a_new_connection(refusals, sent):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     reporter = ProgressReporter(None, IDENTITY)  # no thread of its own: the one report below is this test's
-    reporter.endpoint = ReportEndpoint(f"http://127.0.0.1:{server.server_address[1]}{contract.REPORT_PATH}",
-                                       None, None)
+    reporter.endpoint = ReportEndpoint(f"http://127.0.0.1:{server.server_address[1]}{contract.REPORT_PATH}", None, None)
     reporter._send(reporter._report())
     server.shutdown()
     assert len(connections) == min(refusals + 1, SENDS_ON_503) == len(set(connections))

@@ -1,4 +1,5 @@
 """The operator's report endpoint, in process (the real-API tier tests it with real tokens and pods)."""
+
 import asyncio
 from datetime import datetime, timezone
 
@@ -19,8 +20,13 @@ def test_a_standby_replica_answers_503_and_writes_nothing():
     async def accept(key, fields, at_once=False):
         written.append(key)
 
-    endpoint = reports.ReportEndpoint(NeverAsked(), view=lambda namespace, name: None, accept=accept,
-                                      clock=lambda: datetime.now(timezone.utc), acting=lambda: False)
+    endpoint = reports.ReportEndpoint(
+        NeverAsked(),
+        view=lambda namespace, name: None,
+        accept=accept,
+        clock=lambda: datetime.now(timezone.utc),
+        acting=lambda: False,
+    )
     request = make_mocked_request("POST", "/v1/reports", headers={"Authorization": "Bearer t"})
     response = asyncio.run(endpoint.handle(request))
     assert response.status == 503 and b"stands by" in response.body and written == []
@@ -29,19 +35,31 @@ def test_a_standby_replica_answers_503_and_writes_nothing():
 def test_report_fields_are_read_through_the_status_model():
     from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
 
-    report = Report("ns", "demo", "u", 1, progress=Progress(step=3, updated_at="2026-11-25T00:00:00Z", loss=1),
-                    last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000003", 3, "2026-11-25T00:00:00Z"))
+    report = Report(
+        "ns",
+        "demo",
+        "u",
+        1,
+        progress=Progress(step=3, updated_at="2026-11-25T00:00:00Z", loss=1),
+        last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000003", 3, "2026-11-25T00:00:00Z"),
+    )
     assert reports.status_fields(report) == {
         "progress": {"step": 3, "updatedAt": "2026-11-25T00:00:00Z", "loss": 1.0},
-        "lastGoodCheckpoint": {"uri": "s3://b/demo/step-00000003", "step": 3, "time": "2026-11-25T00:00:00Z"}}
+        "lastGoodCheckpoint": {"uri": "s3://b/demo/step-00000003", "step": 3, "time": "2026-11-25T00:00:00Z"},
+    }
 
 
 def test_the_newest_checkpoint_in_memory_is_read_into_status_beside_the_one_in_storage():
     from trainingrun_api.contract import CheckpointInMemory, CommittedCheckpoint, Report
 
-    report = Report("ns", "demo", "u", 1,
-                    last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000030", 30, "2026-11-25T00:00:00Z"),
-                    checkpoint_in_memory=CheckpointInMemory(50, "2026-11-25T00:00:09Z"))
+    report = Report(
+        "ns",
+        "demo",
+        "u",
+        1,
+        last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000030", 30, "2026-11-25T00:00:00Z"),
+        checkpoint_in_memory=CheckpointInMemory(50, "2026-11-25T00:00:09Z"),
+    )
     fields = reports.status_fields(Report.from_json(report.to_json()))
     assert fields["checkpointInMemory"] == {"step": 50, "time": "2026-11-25T00:00:09Z"}
     assert fields["lastGoodCheckpoint"]["step"] == 30
@@ -62,8 +80,10 @@ def test_a_report_field_the_status_model_lacks_is_refused(monkeypatch):
 def test_a_report_cannot_set_what_the_operator_derives():
     from trainingrun_api import contract
 
-    body = ('{"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "progress": {"step": 3, '
-            '"updatedAt": "2026-11-25T00:00:00Z", "percent": 99}}')
+    body = (
+        '{"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "progress": {"step": 3, '
+        '"updatedAt": "2026-11-25T00:00:00Z", "percent": 99}}'
+    )
     report = contract.Report.from_json(body.encode())  # fields the contract does not name are dropped
     assert "percent" not in reports.status_fields(report)["progress"]
 
@@ -74,11 +94,14 @@ def process_time(process):
     return ProcessTime(process, 10.0, 5.0, 1.0, 0.0, 0.0, 4.0, 0.0, 100.0)
 
 
-@pytest.mark.parametrize("process,with_progress,at_once", [
-    ("worker-0/202/t1", True, True),    # a restarted process's first step: the run trains again
-    ("worker-0/101/t0", True, False),   # the process status already shows
-    ("worker-0/202/t1", False, False),  # a new process that has not stepped yet
-])
+@pytest.mark.parametrize(
+    "process,with_progress,at_once",
+    [
+        ("worker-0/202/t1", True, True),  # a restarted process's first step: the run trains again
+        ("worker-0/101/t0", True, False),  # the process status already shows
+        ("worker-0/202/t1", False, False),  # a new process that has not stepped yet
+    ],
+)
 def test_a_new_process_s_first_step_is_written_at_once(process, with_progress, at_once):
     from trainingrun_api.contract import Progress, Report
 
@@ -110,7 +133,9 @@ def test_a_write_at_once_goes_ahead_of_the_wait_once_per_period_and_takes_what_w
         assert len(written) == 2 and writes.pending[key] == {"progress": {"step": 102}}
         await asyncio.wait_for(asyncio.gather(*writes.flushing.values()), 10)
         assert [fields for _, fields in written] == [
-            {"lastReportTime": "a"}, {"lastGoodCheckpoint": {"step": 100}, "progress": {"step": 101}},
-            {"progress": {"step": 102}}]
+            {"lastReportTime": "a"},
+            {"lastGoodCheckpoint": {"step": 100}, "progress": {"step": 101}},
+            {"progress": {"step": 102}},
+        ]
 
     asyncio.run(scenario())

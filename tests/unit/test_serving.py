@@ -1,4 +1,5 @@
 """The replica that acts makes the report Service's EndpointSlice, pointed at its own pod; a standby writes nothing."""
+
 import asyncio
 import logging
 from types import SimpleNamespace
@@ -10,8 +11,12 @@ from trainingrun_operator.kube import ApiError
 from trainingrun_operator.settings import Settings
 
 SETTINGS = Settings(report_service="ops/tr-report", report_port=8443, pod_ip="10.244.0.9", pod_name="tr-op-abc")
-SERVICE = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "tr-report", "namespace": "ops", "uid": "svc-1"},
-           "spec": {"ports": [{"name": "report", "port": 8443, "targetPort": 8443, "protocol": "TCP"}]}}
+SERVICE = {
+    "apiVersion": "v1",
+    "kind": "Service",
+    "metadata": {"name": "tr-report", "namespace": "ops", "uid": "svc-1"},
+    "spec": {"ports": [{"name": "report", "port": 8443, "targetPort": 8443, "protocol": "TCP"}]},
+}
 
 
 class Client:
@@ -44,8 +49,13 @@ def test_the_slice_is_valid_owned_by_the_service_and_names_this_pod_alone():
     assert (meta["namespace"], meta["name"]) == ("ops", "tr-report-acting")
     assert meta["labels"]["kubernetes.io/service-name"] == "tr-report"  # kube-proxy routes the Service by it
     assert meta["ownerReferences"] == [{"apiVersion": "v1", "kind": "Service", "name": "tr-report", "uid": "svc-1"}]
-    assert endpoint_slice["endpoints"] == [{"addresses": ["10.244.0.9"], "conditions": {"ready": True},
-                                            "targetRef": {"kind": "Pod", "namespace": "ops", "name": "tr-op-abc"}}]
+    assert endpoint_slice["endpoints"] == [
+        {
+            "addresses": ["10.244.0.9"],
+            "conditions": {"ready": True},
+            "targetRef": {"kind": "Pod", "namespace": "ops", "name": "tr-op-abc"},
+        }
+    ]
     assert endpoint_slice["ports"] == [{"name": "report", "port": 8443, "protocol": "TCP"}]
     assert endpoint_slice["addressType"] == "IPv4"
     ipv6 = Settings(report_service="ops/tr-report", pod_ip="fd00::7")

@@ -1,4 +1,5 @@
 """session.Run: what resume loads, whatever the operator's resume point says."""
+
 from __future__ import annotations
 
 import logging
@@ -18,11 +19,26 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def run_in(root, resume_from=None, local_rank=0, committed_step_file=None) -> Run:
     uri = f"file://{root}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=2, config_path="unused",
-                         resume_from=resume_from, metrics_port=None, pod_name="demo-a2-worker-0", rank=local_rank,
-                         local_rank=local_rank, world_size=1, committed_step_file=committed_step_file)
-    return Run(context, CheckpointConfig(uri=uri, keep=10), reporter=ProgressReporter(None, Report("ns", "demo", "u", 2)),
-               handle_sigterm=False)
+    context = RunContext(
+        name="demo",
+        namespace="ns",
+        uid="u",
+        attempt=2,
+        config_path="unused",
+        resume_from=resume_from,
+        metrics_port=None,
+        pod_name="demo-a2-worker-0",
+        rank=local_rank,
+        local_rank=local_rank,
+        world_size=1,
+        committed_step_file=committed_step_file,
+    )
+    return Run(
+        context,
+        CheckpointConfig(uri=uri, keep=10),
+        reporter=ProgressReporter(None, Report("ns", "demo", "u", 2)),
+        handle_sigterm=False,
+    )
 
 
 def saved_at(run: Run, *steps: int) -> dict[int, torch.Tensor]:
@@ -47,10 +63,13 @@ def test_the_operators_resume_point_is_a_floor_not_a_pin(tmp_path, caplog):
     assert extra["step"] == 30 and torch.equal(state["model"]["weight"], weights[30])
 
 
-@pytest.mark.parametrize("resume_from, said", [
-    ("s3://elsewhere/x/step-00000030", "ignoring TRAININGRUN_RESUME_FROM"),
-    ("{root}/step-00000040", "is not a valid checkpoint any more: resuming from {root}/step-00000020"),
-])
+@pytest.mark.parametrize(
+    "resume_from, said",
+    [
+        ("s3://elsewhere/x/step-00000030", "ignoring TRAININGRUN_RESUME_FROM"),
+        ("{root}/step-00000040", "is not a valid checkpoint any more: resuming from {root}/step-00000020"),
+    ],
+)
 def test_a_resume_point_elsewhere_or_gone_is_never_loaded(tmp_path, caplog, resume_from, said):
     weights = saved_at(run_in(tmp_path), 10, 20)
     root = f"file://{tmp_path}"
@@ -74,11 +93,26 @@ class SteppingClock:
 
 def auto_run_in(root, attempt=1, restart_count=0) -> Run:
     uri = f"file://{root}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=attempt, config_path="unused",
-                         resume_from=None, metrics_port=None, pod_name="demo-a1-worker-0", rank=0, local_rank=0,
-                         world_size=1, restart_count=restart_count)
-    config = CheckpointConfig.model_validate({"uri": uri, "interval": {"steps": "auto", "minSteps": 4, "maxSteps": 1000}})
-    return Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", attempt)), handle_sigterm=False)
+    context = RunContext(
+        name="demo",
+        namespace="ns",
+        uid="u",
+        attempt=attempt,
+        config_path="unused",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="demo-a1-worker-0",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        restart_count=restart_count,
+    )
+    config = CheckpointConfig.model_validate(
+        {"uri": uri, "interval": {"steps": "auto", "minSteps": 4, "maxSteps": 1000}}
+    )
+    return Run(
+        context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", attempt)), handle_sigterm=False
+    )
 
 
 def train(run: Run, clock: SteppingClock, first: int, last: int, *, step_seconds=0.1, save_cost=0.5) -> list[int]:
@@ -146,8 +180,19 @@ def test_a_start_of_another_run_on_the_same_uri_starts_the_count_over(tmp_path):
 def test_the_writer_process_is_off_unless_the_spec_says_also_with_a_gpu(tmp_path, monkeypatch, setting, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the thread measured better on GPU hosts too
     uri = f"file://{tmp_path}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused",
-                         resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0, world_size=1)
+    context = RunContext(
+        name="demo",
+        namespace="ns",
+        uid="u",
+        attempt=1,
+        config_path="unused",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="p",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+    )
     config = CheckpointConfig.model_validate({"uri": uri, **({} if setting is None else {"writerProcess": setting})})
     run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
     try:
@@ -164,7 +209,9 @@ def test_local_rank_zero_tells_the_launcher_each_committed_step(tmp_path, local_
     assert (told.read_text() if told.exists() else None) == ("10" if local_rank == 0 else None)
     saved_at(run, 20)
     assert (told.read_text() if told.exists() else None) == ("20" if local_rank == 0 else None)
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("committed-step")] == (["committed-step"] if local_rank == 0 else [])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("committed-step")] == (
+        ["committed-step"] if local_rank == 0 else []
+    )
 
 
 def test_a_launcher_file_that_cannot_be_written_costs_a_warning_not_the_step(tmp_path, caplog):
@@ -177,9 +224,19 @@ def test_a_launcher_file_that_cannot_be_written_costs_a_warning_not_the_step(tmp
 
 def run_as(root, uid, resume_from=None) -> Run:
     uri = f"file://{root}"
-    context = RunContext(name="demo", namespace="ns", uid=uid, attempt=1, config_path="unused",
-                         resume_from=None, metrics_port=None, pod_name="demo-a1-worker-0", rank=0, local_rank=0,
-                         world_size=1)
+    context = RunContext(
+        name="demo",
+        namespace="ns",
+        uid=uid,
+        attempt=1,
+        config_path="unused",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="demo-a1-worker-0",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+    )
     config = CheckpointConfig(uri=uri, keep=10, resume_from=resume_from)
     return Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", uid, 1)), handle_sigterm=False)
 
@@ -189,8 +246,11 @@ def test_a_run_created_again_on_a_uri_with_another_runs_checkpoints_stops_and_sa
     from trainingrun_api.config import ConfigError
 
     saved_at(run_as(tmp_path, "first-uid"), 10, 20)
-    with pytest.raises(ConfigError, match=r"holds checkpoints of another run \(uid first-uid, newest "
-                                          rf"file://{tmp_path}/step-00000020\).*set spec.checkpoint.resumeFrom"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds checkpoints of another run \(uid first-uid, newest "
+        rf"file://{tmp_path}/step-00000020\).*set spec.checkpoint.resumeFrom",
+    ):
         run_as(tmp_path, "second-uid").resume({"model": nn.Linear(2, 2).state_dict()})
 
 
@@ -268,9 +328,19 @@ def test_persisting_behind_the_run_reports_the_newest_checkpoint_in_memory_and_t
     import uuid
 
     uri = f"file://{tmp_path}/ckpt"
-    context = RunContext(name="demo", namespace="ns", uid=f"test-{uuid.uuid4().hex}", attempt=1, config_path="unused",
-                         resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0,
-                         world_size=1)
+    context = RunContext(
+        name="demo",
+        namespace="ns",
+        uid=f"test-{uuid.uuid4().hex}",
+        attempt=1,
+        config_path="unused",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="p",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+    )
     reporter = RecordingReporter()
     run = Run(context, CheckpointConfig(uri=uri), reporter=reporter, handle_sigterm=False)
     try:
@@ -295,8 +365,19 @@ def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
     import pydantic
 
     uri = f"file://{tmp_path}"
-    context = RunContext(name="demo", namespace="ns", uid="u", attempt=1, config_path="unused",
-                         resume_from=None, metrics_port=None, pod_name="p", rank=0, local_rank=0, world_size=1)
+    context = RunContext(
+        name="demo",
+        namespace="ns",
+        uid="u",
+        attempt=1,
+        config_path="unused",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="p",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+    )
     config = CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}})
     run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
     try:

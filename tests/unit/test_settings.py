@@ -1,4 +1,5 @@
 """Operator settings come from TRAININGRUN_* variables; a bad value names the variable."""
+
 import dataclasses
 
 import pytest
@@ -10,11 +11,15 @@ def test_defaults_and_environment():
     from_env = Settings.from_env({})
     assert dataclasses.replace(from_env, signing_key=b"") == Settings()
     assert len(from_env.signing_key) == 32 and from_env.signing_key != Settings.from_env({}).signing_key  # random
-    settings = Settings.from_env({
-        "TRAININGRUN_NAMESPACES": "team-a, team-b,", "TRAININGRUN_PEERING": "trainingrun-operator",
-        "TRAININGRUN_OPERATOR_METRICS_PORT": "0", "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "2.5",
-        "TRAININGRUN_KEEP_FAILED_ATTEMPTS": "3",
-    })
+    settings = Settings.from_env(
+        {
+            "TRAININGRUN_NAMESPACES": "team-a, team-b,",
+            "TRAININGRUN_PEERING": "trainingrun-operator",
+            "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
+            "TRAININGRUN_RECONCILE_INTERVAL_SECONDS": "2.5",
+            "TRAININGRUN_KEEP_FAILED_ATTEMPTS": "3",
+        }
+    )
     assert settings.namespaces == ("team-a", "team-b") and settings.peering == "trainingrun-operator"
     assert settings.metrics_port == 0 and settings.reconcile_interval_seconds == 2.5
     assert settings.keep_failed_attempts == 3
@@ -30,8 +35,13 @@ def test_the_signing_key_comes_from_the_report_endpoints_private_key(tmp_path):
 
 
 def test_the_report_service_needs_the_pods_ip():
-    settings = Settings.from_env({"TRAININGRUN_REPORT_SERVICE": "ops/tr-report",
-                                  "TRAININGRUN_OPERATOR_POD_IP": "fd00::7", "TRAININGRUN_OPERATOR_POD_NAME": "op-1"})
+    settings = Settings.from_env(
+        {
+            "TRAININGRUN_REPORT_SERVICE": "ops/tr-report",
+            "TRAININGRUN_OPERATOR_POD_IP": "fd00::7",
+            "TRAININGRUN_OPERATOR_POD_NAME": "op-1",
+        }
+    )
     assert (settings.report_service, settings.pod_ip, settings.pod_name) == ("ops/tr-report", "fd00::7", "op-1")
     with pytest.raises(ValueError, match="TRAININGRUN_OPERATOR_POD_IP='' is not an IP address.*status.podIP"):
         Settings.from_env({"TRAININGRUN_REPORT_SERVICE": "ops/tr-report"})

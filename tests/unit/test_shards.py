@@ -1,5 +1,6 @@
 """Token shards and text read by byte ranges through fsspec (file:// here; the storage servers in
 tests/integration/test_trainer_shards.py)."""
+
 from __future__ import annotations
 
 import os
@@ -90,12 +91,20 @@ def test_the_shards_headers_are_read_at_once_not_one_after_another(shards, tmp_p
     assert [shard.uri.rsplit("/", 1)[1] for shard in data.shards] == ["a.bin", "b.bin"]  # in order still
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda d: write_shard(d / "b.bin", np.arange(10), llmc=True) or
-     (d / "b.bin").write_bytes((d / "b.bin").read_bytes()[:-6]), "header says 10 uint16 tokens (1044 bytes), but the "
-                                                                  "shard has 1038 bytes: truncated?"),
-    (lambda d: (d / "b.bin").write_bytes(b"\x01\x02\x03"), "3 bytes is not a whole number of uint16 tokens"),
-], ids=["truncated-llmc", "odd-size"])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (
+            lambda d: (
+                write_shard(d / "b.bin", np.arange(10), llmc=True)
+                or (d / "b.bin").write_bytes((d / "b.bin").read_bytes()[:-6])
+            ),
+            "header says 10 uint16 tokens (1044 bytes), but the shard has 1038 bytes: truncated?",
+        ),
+        (lambda d: (d / "b.bin").write_bytes(b"\x01\x02\x03"), "3 bytes is not a whole number of uint16 tokens"),
+    ],
+    ids=["truncated-llmc", "odd-size"],
+)
 def test_a_damaged_shard_is_named_with_what_was_expected(shards, tmp_path, damage, words):
     damage(shards)
     with pytest.raises(DataError) as error:
@@ -111,11 +120,14 @@ def test_an_empty_uri_and_a_too_short_split_say_what_to_do(tmp_path, shards):
         dataset(shards, tmp_path, context_length=5000)
 
 
-@pytest.mark.parametrize("argument,value,words", [
-    ("block_bytes", 100, "block_bytes must be an integer of at least 4096"),
-    ("read_ahead", -1, "read_ahead must be a whole number of items"),
-    ("fetch_threads", 0, "fetch_threads must be a positive number of threads"),
-])
+@pytest.mark.parametrize(
+    "argument,value,words",
+    [
+        ("block_bytes", 100, "block_bytes must be an integer of at least 4096"),
+        ("read_ahead", -1, "read_ahead must be a whole number of items"),
+        ("fetch_threads", 0, "fetch_threads must be a positive number of threads"),
+    ],
+)
 def test_a_bad_tuning_argument_is_named(shards, tmp_path, argument, value, words):
     with pytest.raises(ValueError, match=words):
         TokenShards(f"file://{shards}", cache_dir=str(tmp_path / "cache"), **{argument: value})
@@ -174,6 +186,7 @@ def test_an_items_fetch_brings_its_blocks_into_the_cache_and_the_read_then_fetch
 def fetches_of(record, done, gate=None, niceness=None):
     """A `missing` for data.read_ahead whose fetch of item i appends i to `record` and sets `done[i]` (then waits
     for `gate`, when given; adds the nice value of the thread that fetched to `niceness`, when given)."""
+
     def missing(index):
         def fetch():
             if niceness is not None:
@@ -182,7 +195,9 @@ def fetches_of(record, done, gate=None, niceness=None):
             done[index].set()
             if gate is not None:
                 assert gate.wait(timeout=30)
+
         return fetch
+
     return missing
 
 
@@ -304,8 +319,7 @@ def test_a_dataloader_worker_forked_while_a_block_is_in_flight_fetches_it_itself
     fetcher.start()
     try:
         assert inside.wait(timeout=30) and data._fetching  # forked with the block in flight
-        loader = DataLoader(data, batch_size=1, sampler=[7], num_workers=1, multiprocessing_context="fork",
-                            timeout=30)
+        loader = DataLoader(data, batch_size=1, sampler=[7], num_workers=1, multiprocessing_context="fork", timeout=30)
         (batch,) = list(loader)
     finally:
         release.set()
@@ -373,13 +387,18 @@ def test_image_shards_serve_each_sample_of_a_split_once_decoded_and_resized(tmp_
     done = prepare(tmp_path / "photos", f"file://{tmp_path}/wds", "images", shard_bytes=30 * 1024)
     assert len(done.shards) >= 2 and all(uri.endswith(".tar") for uri in done.shards)
     train = ImageShards(f"file://{tmp_path}/wds", image_size=8, eval_fraction=0.2, cache_dir=str(tmp_path / "cache"))
-    evaluation = ImageShards(f"file://{tmp_path}/wds", image_size=8, eval_fraction=0.2, split="eval",
-                             cache_dir=str(tmp_path / "cache"))
+    evaluation = ImageShards(
+        f"file://{tmp_path}/wds", image_size=8, eval_fraction=0.2, split="eval", cache_dir=str(tmp_path / "cache")
+    )
     reds = sorted(round((float(train[i]["images"][0, 0, 0]) + 1) * 127.5) for i in range(len(train)))
     held_out = sorted(round((float(evaluation[i]["images"][0, 0, 0]) + 1) * 127.5) for i in range(len(evaluation)))
     assert sorted(reds + held_out) == [n * 10 for n in range(20)]  # every image once, in one split only
     image = train[0]["images"]
-    assert image.shape == (3, 8, 8) and image.dtype == torch.float32 and -1 <= float(image.min()) <= float(image.max()) <= 1
+    assert (
+        image.shape == (3, 8, 8)
+        and image.dtype == torch.float32
+        and -1 <= float(image.min()) <= float(image.max()) <= 1
+    )
     assert abs(float(image[2, 0, 0]) - 1.0) < 1e-6  # blue 255 -> 1.0
 
 
@@ -394,13 +413,19 @@ def test_a_damaged_image_shard_is_named(tmp_path):
     shard = tmp_path / "wds" / "shard-00000.tar"
     whole = shard.read_bytes()
     shard.write_bytes(whole[:700])  # cut inside the first member
-    with pytest.raises(DataError, match=r"shard-00000\.tar: member 00000000\.png at byte 0 says \d+ bytes, past the "
-                                        r"shard's end \(700 bytes\): truncated"):
+    with pytest.raises(
+        DataError,
+        match=r"shard-00000\.tar: member 00000000\.png at byte 0 says \d+ bytes, past the "
+        r"shard's end \(700 bytes\): truncated",
+    ):
         ImageShards(f"file://{tmp_path}/wds", cache_dir=str(tmp_path / "cache-1"))
     first_member_end = 512 + -(-tarfile.TarInfo.frombuf(whole[:512], "utf-8", "strict").size // 512) * 512
     shard.write_bytes(whole[:first_member_end])  # cut between members: every header fits, the end marker is gone
-    with pytest.raises(DataError, match=rf"shard-00000\.tar: ends at byte {first_member_end} without tar's "
-                                        "end-of-archive marker: truncated"):
+    with pytest.raises(
+        DataError,
+        match=rf"shard-00000\.tar: ends at byte {first_member_end} without tar's "
+        "end-of-archive marker: truncated",
+    ):
         ImageShards(f"file://{tmp_path}/wds", cache_dir=str(tmp_path / "cache-1b"))
     shard.write_bytes(b"not a tar at all" * 64)
     with pytest.raises(DataError, match=r"shard-00000\.tar: no tar header at byte 0"):

@@ -1,4 +1,5 @@
 """What the trainer checkpoints, and which of it a forward pass changes."""
+
 import torch
 from torch import nn
 
@@ -14,4 +15,6 @@ def test_a_forward_pass_changes_the_state_of_models_with_persistent_buffers_only
     assert not changed_by_forward(with_a_scratch_buffer)
     # The built-in models: their checkpointed weights change only in the optimizer step.
     assert not changed_by_forward(CharTransformer(vocab_size=16, dim=8, layers=1, heads=2, context_length=8))
-    assert not changed_by_forward(MaskedAutoencoder(image_size=8, patch_size=4, dim=8, layers=1, heads=2, decoder_dim=8))
+    assert not changed_by_forward(
+        MaskedAutoencoder(image_size=8, patch_size=4, dim=8, layers=1, heads=2, decoder_dim=8)
+    )

@@ -1,4 +1,5 @@
 """ProcessClock (timekeeping.py): what a training process reports about its own time."""
+
 import os
 import subprocess
 import sys
@@ -9,10 +10,15 @@ from trainingrun_trainer import timekeeping
 
 def test_the_process_start_is_read_from_the_system_not_from_the_import():
     """A child that sleeps before importing the module still reports the time since it started."""
-    code = ("import time; time.sleep(1.5); from trainingrun_trainer import timekeeping; "
-            "print(time.monotonic() - timekeeping.process_started())")
-    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                               env={**os.environ}).stdout)
+    code = (
+        "import time; time.sleep(1.5); from trainingrun_trainer import timekeeping; "
+        "print(time.monotonic() - timekeeping.process_started())"
+    )
+    age = float(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ}
+        ).stdout
+    )
     assert age >= 1.4
 
 
@@ -54,6 +60,8 @@ def test_the_startup_phases_add_up_to_startup_and_the_line_to_the_first_step():
     phases = {phase: getattr(snapshot, f"{phase}_seconds") for phase in timekeeping.STARTUP_PHASES}
     assert phases == {"imports": 4.0, "init": 0.5, "model": 1.5, "data": 0.25, "prepare": 0.25}
     assert snapshot.startup_seconds == 6.5 == sum(phases.values()) and snapshot.restore_seconds == 2.0
-    assert clock.first_step_done(1.5) == ("start-up 10.00 s to the first step: imports 4.00 s, init 0.50 s, model "
-                                          "1.50 s, data 0.25 s, prepare 0.25 s, restore 2.00 s, first step 1.50 s")
+    assert clock.first_step_done(1.5) == (
+        "start-up 10.00 s to the first step: imports 4.00 s, init 0.50 s, model "
+        "1.50 s, data 0.25 s, prepare 0.25 s, restore 2.00 s, first step 1.50 s"
+    )
     assert clock.snapshot().first_step_seconds == 1.5

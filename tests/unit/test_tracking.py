@@ -1,4 +1,5 @@
 """Trackers get rank 0's records from a bounded queue; a slow or failing one never holds training."""
+
 from __future__ import annotations
 
 import logging
@@ -76,13 +77,26 @@ def test_a_failing_tracker_is_logged_once_and_still_gets_later_records(caplog):
 def context(rank):
     from trainingrun_trainer.context import RunContext
 
-    return RunContext(name="demo", namespace="team-a", uid="u-1", attempt=1, config_path="",
-                      resume_from=None, metrics_port=None, pod_name="p", rank=rank, local_rank=rank, world_size=2)
+    return RunContext(
+        name="demo",
+        namespace="team-a",
+        uid="u-1",
+        attempt=1,
+        config_path="",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="p",
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+    )
 
 
 def test_only_rank_zero_tracks():
-    loggers = [LoggerConfig(kind="tensorboard", log_dir="/tmp/tb"),
-               LoggerConfig(kind="mlflow", tracking_uri="http://127.0.0.1:9")]
+    loggers = [
+        LoggerConfig(kind="tensorboard", log_dir="/tmp/tb"),
+        LoggerConfig(kind="mlflow", tracking_uri="http://127.0.0.1:9"),
+    ]
     assert isinstance(tracking.for_rank(loggers, context(1)), tracking.NullTracker)
     assert isinstance(tracking.for_rank([], context(0)), tracking.NullTracker)
     tracker = tracking.for_rank(loggers, context(0))
@@ -92,15 +106,21 @@ def test_only_rank_zero_tracks():
     tracker.close()
 
 
-@pytest.mark.parametrize("logger, problem", [
-    ({"kind": "tensorboard"}, "a tensorboard logger needs logDir"),
-    ({"kind": "mlflow"}, "a mlflow logger needs trackingUri"),
+@pytest.mark.parametrize(
+    "logger, problem",
+    [
+        ({"kind": "tensorboard"}, "a tensorboard logger needs logDir"),
+        ({"kind": "mlflow"}, "a mlflow logger needs trackingUri"),
         ({"kind": "tensorboard", "logDir": "/tb", "experiment": "e"}, "experiment is for mlflow loggers only"),
-    ({"kind": "mlflow", "trackingUri": "http://m:5000", "logDir": "/tb"}, "logDir is for tensorboard and wandb loggers"),
-    ({"kind": "wandb"}, "a wandb logger needs project"),
-    ({"kind": "tensorboard", "logDir": "/tb", "entity": "team"}, "entity is for wandb loggers only"),
-    ({"kind": "mlflow", "trackingUri": "http://m:5000", "project": "p"}, "project is for wandb loggers only"),
-])
+        (
+            {"kind": "mlflow", "trackingUri": "http://m:5000", "logDir": "/tb"},
+            "logDir is for tensorboard and wandb loggers",
+        ),
+        ({"kind": "wandb"}, "a wandb logger needs project"),
+        ({"kind": "tensorboard", "logDir": "/tb", "entity": "team"}, "entity is for wandb loggers only"),
+        ({"kind": "mlflow", "trackingUri": "http://m:5000", "project": "p"}, "project is for wandb loggers only"),
+    ],
+)
 def test_each_kind_says_what_it_needs(logger, problem):
     with pytest.raises(ValueError, match=problem):
         LoggerConfig.from_wire(logger)
@@ -150,8 +170,10 @@ def test_mlflow_keeps_one_run_per_trainingrun_and_each_step_once(tmp_path):
 
 def offline_wandb_steps(directory, run_id):
     """{run directory: steps of its history records}, as `wandb sync` would upload them into run `run_id`."""
-    return {path.parent.name: list(tracking.wandb_history_steps(str(path)))
-            for path in sorted(directory.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))}
+    return {
+        path.parent.name: list(tracking.wandb_history_steps(str(path)))
+        for path in sorted(directory.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    }
 
 
 def offline_wandb_steps_once_written(directory, run_id, expected, deadline_s=60.0):

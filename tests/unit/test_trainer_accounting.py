@@ -1,4 +1,5 @@
 """Trainer._charge_save_slowdown: the time a background save adds to the steps beside it is "checkpoint" time."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +11,13 @@ from trainingrun_trainer.trainer import Trainer
 
 def accounting():
     """The parts of a Trainer the charge reads and writes: a save's progress, the clock and productive time."""
-    return SimpleNamespace(save_slowdown=SaveCosts(), _beside_save=False, run=SimpleNamespace(saving=False),
-                           clock=ProcessClock("pod-0"), productive_seconds=0.0)
+    return SimpleNamespace(
+        save_slowdown=SaveCosts(),
+        _beside_save=False,
+        run=SimpleNamespace(saving=False),
+        clock=ProcessClock("pod-0"),
+        productive_seconds=0.0,
+    )
 
 
 def step(trainer, compute):

@@ -1,4 +1,5 @@
 """`python -m trainingrun_trainer` as a pod runs it (one process here; torchrun tests come with the runtime)."""
+
 import os
 import subprocess
 import sys
@@ -14,11 +15,14 @@ TINY = tiny_trainer(samples=512, deterministic=True, logIntervalSteps=5)
 
 def run_trainer(tmp_path, trainer, checkpoint_uri, extra_env=None):
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": checkpoint_uri, "interval": {"steps": 10}}}))
+    config.write_text(
+        yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": checkpoint_uri, "interval": {"steps": 10}}})
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "RANK", "WORLD_SIZE"))}
     env.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": "t", **(extra_env or {})})
-    return subprocess.run([sys.executable, "-m", "trainingrun_trainer"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "trainingrun_trainer"], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_trains_checkpoints_and_resumes_where_it_stopped(tmp_path):
@@ -73,9 +77,17 @@ def test_checkpoint_storage_down_at_start_is_retryable_not_permanent(tmp_path):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # bound, never listening: connections are refused
-        result = run_trainer(tmp_path, {**TINY, "maxSteps": 5}, "s3://bucket/run", extra_env={
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_MAX_ATTEMPTS": "1"})
+        result = run_trainer(
+            tmp_path,
+            {**TINY, "maxSteps": 5},
+            "s3://bucket/run",
+            extra_env={
+                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+                "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test",
+                "AWS_MAX_ATTEMPTS": "1",
+            },
+        )
     assert result.returncode == exit_codes.RETRYABLE, result.stderr[-3000:]
     assert not exit_codes.is_permanent(result.returncode)
     assert "trainingrun-trainer: cannot list the checkpoints under s3://bucket/run" in result.stderr

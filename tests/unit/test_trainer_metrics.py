@@ -1,4 +1,5 @@
 """Trainer metrics: off unless the launcher serves them; NVML read in the background, never in a step."""
+
 import subprocess
 import sys
 import textwrap
@@ -9,8 +10,14 @@ def run_python(script: str, **env) -> str:
 
     full = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     full.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          check=True, env=full, timeout=120).stdout
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=full,
+        timeout=120,
+    ).stdout
 
 
 def test_metrics_are_off_without_the_launchers_directory():
@@ -24,7 +31,8 @@ def test_metrics_are_off_without_the_launchers_directory():
 
 
 def test_cpu_ranks_have_no_gpu_series(tmp_path):
-    out = run_python("""
+    out = run_python(
+        """
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
         from trainingrun_trainer.context import RunContext
@@ -36,7 +44,10 @@ def test_cpu_ranks_have_no_gpu_series(tmp_path):
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=%r)
         print(generate_latest(registry).decode())
-    """ % str(tmp_path), PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    """
+        % str(tmp_path),
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+    )
     assert 'trainingrun_step{namespace="default",rank="1",run="r"} 3.0' in out
     assert 'trainingrun_loss{namespace="default",rank="1",run="r"} 1.5' in out
     assert "trainingrun_gpu" not in out and "trainingrun_emissions" not in out
@@ -71,7 +82,8 @@ def test_nvml_polling_never_blocks_a_step():
 
 def expositions_after(tmp_path, *calls: str) -> list[str]:
     """The rank's exposition after each call on its metrics `m` (in a fresh process, as the launcher serves them)."""
-    script = textwrap.dedent("""
+    script = textwrap.dedent(
+        """
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
         from trainingrun_trainer.context import RunContext
@@ -83,7 +95,9 @@ def expositions_after(tmp_path, *calls: str) -> list[str]:
             registry = CollectorRegistry()
             MultiProcessCollector(registry, path=%r)
             return generate_latest(registry).decode()
-    """ % str(tmp_path)) + "".join(f"{call}\nprint(exposition())\nprint('----')\n" for call in calls)
+    """
+        % str(tmp_path)
+    ) + "".join(f"{call}\nprint(exposition())\nprint('----')\n" for call in calls)
     return run_python(script, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)).split("----")[:-1]
 
 
@@ -100,7 +114,8 @@ def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
         tmp_path,
         "m.checkpoint_interval(None)",  # a fixed interval
         "m.checkpoint_interval(IntervalChoice(10, None, None, 3600.0, 0, None))",  # nothing measured yet
-        "m.checkpoint_interval(IntervalChoice(120, 12.0, 0.05, 600.0, 2, 6.0))")
+        "m.checkpoint_interval(IntervalChoice(120, 12.0, 0.05, 600.0, 2, 6.0))",
+    )
     assert "trainingrun_checkpoint_interval_steps" not in fixed
     assert 'trainingrun_checkpoint_interval_steps{namespace="default",rank="0",run="r"} 10.0' in early
     assert "trainingrun_checkpoint_expected_lost_seconds{" not in early  # not a made-up 0
@@ -115,8 +130,9 @@ def test_the_persist_lag_is_what_memory_holds_beyond_storage_and_zero_where_save
             def __init__(self, behind, lag, failed):
                 self.persist_behind, self.persist_lag_steps, self.failed_persists = behind, lag, failed
     """)
-    behind, to_storage = expositions_after(tmp_path, store + "m.checkpoints(Store(True, 20, 2))",
-                                           "m.checkpoints(Store(False, 0, 2))")
+    behind, to_storage = expositions_after(
+        tmp_path, store + "m.checkpoints(Store(True, 20, 2))", "m.checkpoints(Store(False, 0, 2))"
+    )
     labels = '{namespace="default",rank="0",run="r"}'
     assert f"trainingrun_checkpoint_persist_lag_steps{labels} 20.0" in behind
     assert f"trainingrun_checkpoint_persist_failures_total{labels} 2.0" in behind
@@ -124,8 +140,10 @@ def test_the_persist_lag_is_what_memory_holds_beyond_storage_and_zero_where_save
 
 
 def test_model_flops_are_each_ranks_share_and_mfu_is_absent_without_a_peak(tmp_path):
-    step = ("m.step(step=3, loss=1.5, learning_rate=0.1, grad_norm=2.0, step_seconds=0.2, data_wait_seconds=0.01, "
-            "productive_seconds=0.6, samples_per_second=100.0, model_flops_per_second=4e12{})")
+    step = (
+        "m.step(step=3, loss=1.5, learning_rate=0.1, grad_norm=2.0, step_seconds=0.2, data_wait_seconds=0.01, "
+        "productive_seconds=0.6, samples_per_second=100.0, model_flops_per_second=4e12{})"
+    )
     script = """
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
@@ -142,8 +160,9 @@ def test_model_flops_are_each_ranks_share_and_mfu_is_absent_without_a_peak(tmp_p
     (tmp_path / "cpu").mkdir()
     (tmp_path / "gpu").mkdir()
     cpu = run_python(script % (step.format(""), str(tmp_path / "cpu")), PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "cpu"))
-    gpu = run_python(script % (step.format(", mfu=0.42"), str(tmp_path / "gpu")),
-                     PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "gpu"))
+    gpu = run_python(
+        script % (step.format(", mfu=0.42"), str(tmp_path / "gpu")), PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "gpu")
+    )
     assert 'trainingrun_model_flops_per_second{namespace="default",rank="1",run="r"} 1e+12' in cpu
     assert "trainingrun_mfu_ratio{" not in cpu  # a CPU run: FLOP/s, no made-up MFU
     assert 'trainingrun_mfu_ratio{namespace="default",rank="1",run="r"} 0.42' in gpu
@@ -151,7 +170,8 @@ def test_model_flops_are_each_ranks_share_and_mfu_is_absent_without_a_peak(tmp_p
 
 def test_the_startup_series_has_every_phase_once_the_first_step_ran(tmp_path):
     before, after = expositions_after(
-        tmp_path, "pass",
+        tmp_path,
+        "pass",
         "from trainingrun_trainer.timekeeping import ProcessClock\n"
         "now = [100.0]\n"
         "clock = ProcessClock('pod-0', now=lambda: now[0])\n"
@@ -162,8 +182,16 @@ def test_the_startup_series_has_every_phase_once_the_first_step_ran(tmp_path):
         "now[0] = 108.5\n"
         "clock.ready()\n"
         "clock.first_step_done(1.5)\n"
-        "m.startup(clock)")
+        "m.startup(clock)",
+    )
     assert "trainingrun_startup_seconds{" not in before
-    for phase, seconds in (("imports", 4.0), ("init", 0.5), ("model", 1.5), ("data", 0.25), ("prepare", 0.25),
-                           ("restore", 2.0), ("first_step", 1.5)):
+    for phase, seconds in (
+        ("imports", 4.0),
+        ("init", 0.5),
+        ("model", 1.5),
+        ("data", 0.25),
+        ("prepare", 0.25),
+        ("restore", 2.0),
+        ("first_step", 1.5),
+    ):
         assert f'trainingrun_startup_seconds{{namespace="default",phase="{phase}",rank="0",run="r"}} {seconds}' in after

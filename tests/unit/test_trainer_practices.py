@@ -1,4 +1,5 @@
 """EMA, precision plans, seeding and the non-finite guard."""
+
 import random
 
 import numpy as np

@@ -5,6 +5,7 @@ uses `Run` (checkpoint store, resume, preemption, status reporting) the same way
 examples/custom_loop.py. Its config models, the contract with the operator and the exit codes live in the
 torch-free `trainingrun_api`, which the operator imports too.
 """
+
 __version__ = "0.1.0"
 
 __all__ = ["Run", "CheckpointStore", "RunContext", "model_digest", "init_process_group"]

@@ -10,6 +10,7 @@ made; with the helpers at +5 it is 0.13% (benchmarks/data_loading.py, synthetic 
 At +5 a helper still gets a third of a nice-0 thread's share when they compete, far more than reading ahead needs.
 The checkpoint writer process does the same at its own level (checkpoint.writer_process.WRITER_NICE).
 """
+
 from __future__ import annotations
 
 import os

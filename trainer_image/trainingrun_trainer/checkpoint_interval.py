@@ -22,6 +22,7 @@ Whatever T comes out, the interval is never shorter than COMMIT_MARGIN commits (
 the last saves): a save that comes before the one before it has committed waits for it, holding training back. This
 bound wins over `max_steps` too.
 """
+
 from __future__ import annotations
 
 import math
@@ -95,8 +96,16 @@ class SaveCosts:
 class AutoInterval(SaveCosts):
     """Chooses the interval from measured save costs, step times and failures; the training thread calls it."""
 
-    def __init__(self, min_steps: int, max_steps: int, prior_seconds_between_failures: float, *,
-                 failures: int = 0, run_started: Optional[float] = None, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        min_steps: int,
+        max_steps: int,
+        prior_seconds_between_failures: float,
+        *,
+        failures: int = 0,
+        run_started: Optional[float] = None,
+        clock: Callable[[], float] = time.time,
+    ):
         super().__init__()
         self.min_steps, self.max_steps = min_steps, max_steps
         self.prior_seconds_between_failures = prior_seconds_between_failures
@@ -128,7 +137,10 @@ class AutoInterval(SaveCosts):
         steps, step, cost = self.steps(), self.step_seconds, self.save_cost
         seconds = steps * step if step else None
         return IntervalChoice(
-            steps=steps, seconds=None if seconds is None else round(seconds, 3),
+            steps=steps,
+            seconds=None if seconds is None else round(seconds, 3),
             save_cost_seconds=None if cost is None else round(cost, 4),
-            seconds_between_failures=round(self.seconds_between_failures(), 1), failures=self.failures,
-            expected_lost_seconds=None if seconds is None else round(seconds / 2, 3))
+            seconds_between_failures=round(self.seconds_between_failures(), 1),
+            failures=self.failures,
+            expected_lost_seconds=None if seconds is None else round(seconds / 2, 3),
+        )

@@ -13,6 +13,7 @@ The forkserver dies on any error but an ImportError while it preloads, and every
 is reported and swallowed: the workers then pay these costs themselves. Nothing here may start a thread, since the
 forkserver forks after it (tests/unit/test_launch.py checks).
 """
+
 import sys
 
 from .launch import node_has_gpus
@@ -27,5 +28,9 @@ try:
 
         cpu_vec_isa.valid_vec_isa_list()
 except Exception as error:  # noqa: BLE001  (see above: never stop the forkserver)
-    print(f"trainingrun launch: preloading torch.compile failed ({type(error).__name__}: {error}); each worker "
-          "compiles without it", file=sys.stderr, flush=True)
+    print(
+        f"trainingrun launch: preloading torch.compile failed ({type(error).__name__}: {error}); each worker "
+        "compiles without it",
+        file=sys.stderr,
+        flush=True,
+    )

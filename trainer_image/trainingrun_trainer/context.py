@@ -3,6 +3,7 @@
 The operator (and `trainingrun local`) set these variables; torchrun adds RANK, WORLD_SIZE,
 LOCAL_RANK and friends. Reading them in one place keeps the contract in one place.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,8 +95,9 @@ class RunContext:
             rank=integer("RANK", 0) or 0,
             local_rank=integer("LOCAL_RANK", 0) or 0,
             world_size=integer("WORLD_SIZE", 1) or 1,
-            chaos_kill_at_step=chaos_step(env.get(contract.CHAOS_KILL_AT_STEP, ""),
-                                          integer("TORCHELASTIC_RESTART_COUNT", 0) or 0),
+            chaos_kill_at_step=chaos_step(
+                env.get(contract.CHAOS_KILL_AT_STEP, ""), integer("TORCHELASTIC_RESTART_COUNT", 0) or 0
+            ),
             restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0) or 0,
             committed_step_file=env.get(contract.COMMITTED_STEP_FILE) or None,
         )

@@ -11,6 +11,7 @@ and means nothing once the number of ranks changes, which is exactly what an ela
 after a preemption. This sampler's position is global (epoch, samples consumed by all ranks), so
 a run stopped at any world size resumes at any other without skipping or repeating a sample.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -117,9 +118,7 @@ class SyntheticText(_SeededItems):
         self.vocab_size = vocab_size
         rng = np.random.default_rng([seed, _SHARED_TAG])
         branching = min(self.BRANCHING, vocab_size)
-        self.successors = np.stack(
-            [rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
-        )
+        self.successors = np.stack([rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)])
         self.probabilities = rng.dirichlet(np.ones(branching), size=vocab_size)
         # Plain lists: the walk below is a python loop, and bisect on a list beats numpy per call.
         self._cumulative = np.cumsum(self.probabilities, axis=1).tolist()
@@ -330,8 +329,9 @@ class _ReadAhead(Sampler[int]):
     sampler's own (the trainer advances it). A failed fetch is left for the read itself to report, with its clear
     error."""
 
-    def __init__(self, sampler: Sampler[int], missing: Callable[[int], Optional[Callable[[], None]]], ahead: int,
-                 threads: int):
+    def __init__(
+        self, sampler: Sampler[int], missing: Callable[[int], Optional[Callable[[], None]]], ahead: int, threads: int
+    ):
         self.sampler, self.missing, self.ahead, self.threads = sampler, missing, ahead, threads
         self._begun: tuple[Optional[ThreadPoolExecutor], list[int]] = (None, [])
 
@@ -380,8 +380,9 @@ class _ReadAhead(Sampler[int]):
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self.threads, thread_name_prefix="trainingrun-read-ahead",
-                                  initializer=give_way_to_training)
+        return ThreadPoolExecutor(
+            self.threads, thread_name_prefix="trainingrun-read-ahead", initializer=give_way_to_training
+        )
 
     def _fetch_in(self, pool: ThreadPoolExecutor, index: int) -> None:
         try:
@@ -458,8 +459,9 @@ def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
         producer.join(STOP_SECONDS)
 
 
-def read_ahead(sampler: Sampler[int], missing: Callable[[int], Optional[Callable[[], None]]], ahead: int,
-               threads: int) -> _ReadAhead:
+def read_ahead(
+    sampler: Sampler[int], missing: Callable[[int], Optional[Callable[[], None]]], ahead: int, threads: int
+) -> _ReadAhead:
     """`sampler` with the items `ahead` of the one handed out fetched meanwhile in `threads` threads, as
     `missing(index)` says (see _ReadAhead)."""
     return _ReadAhead(sampler, missing, ahead, threads)

@@ -11,6 +11,7 @@ reports FLOP/s only; a CPU run reports FLOP/s and no MFU (a CPU has no one peak 
 MFU = model FLOP/s / (ranks x peak). It counts the model's arithmetic only: recomputed activations
 (activationCheckpointing) and padding do not count, so it can be compared across settings.
 """
+
 from __future__ import annotations
 
 import logging
@@ -82,8 +83,14 @@ class Efficiency:
         return achieved / (self.peak * self.world_size)
 
 
-def for_run(model: Any, precision: str, device: Any, world_size: int, flops_per_sample: Optional[int] = None,
-            peak_flops_per_second: Optional[float] = None) -> Efficiency:
+def for_run(
+    model: Any,
+    precision: str,
+    device: Any,
+    world_size: int,
+    flops_per_sample: Optional[int] = None,
+    peak_flops_per_second: Optional[float] = None,
+) -> Efficiency:
     """The run's `Efficiency` on `device` (a torch.device): the peak from the spec or the table, for CUDA devices."""
     flops = model_flops_per_sample(model, flops_per_sample)
     peak = peak_flops_per_second
@@ -94,11 +101,17 @@ def for_run(model: Any, precision: str, device: Any, world_size: int, flops_per_
         tf32 = torch.backends.cuda.matmul.allow_tf32
         peak = device_peak(name, precision, tf32)
         if peak is None:
-            log.warning("MFU is not reported: %r is not in the table of GPU peaks; set spec.trainer.peakFlopsPerSecond "
-                        "to the device's dense FLOP/s for %s (model FLOP/s are reported)", name, precision)
+            log.warning(
+                "MFU is not reported: %r is not in the table of GPU peaks; set spec.trainer.peakFlopsPerSecond "
+                "to the device's dense FLOP/s for %s (model FLOP/s are reported)",
+                name,
+                precision,
+            )
     if flops is None:
-        log.info("model FLOP/s and MFU are not reported: the model has no flops_per_sample() and "
-                 "spec.trainer.flopsPerSample is not set")
+        log.info(
+            "model FLOP/s and MFU are not reported: the model has no flops_per_sample() and "
+            "spec.trainer.flopsPerSample is not set"
+        )
     return Efficiency(flops, peak, world_size)
 
 

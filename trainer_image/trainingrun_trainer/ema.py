@@ -1,4 +1,5 @@
 """Exponential moving average of the model's weights, checkpointed with everything else."""
+
 from __future__ import annotations
 
 import torch

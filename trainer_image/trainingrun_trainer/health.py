@@ -1,4 +1,5 @@
 """The non-finite policy: skip a bad step, roll back after N in a row, give up after M rollbacks."""
+
 from __future__ import annotations
 
 import enum

@@ -34,6 +34,7 @@ back (`RestartBudget`). torchrun's budget is for the attempt's life, so a long r
 crash spent it in a few days and then paid a whole new attempt (new pods, imports, rendezvous) for
 every later crash; a group that crashes again before saving anything still ends the attempt.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,9 +51,16 @@ TRAINER_MODULE = "trainingrun_trainer"
 REJOINS = 2
 #: Imported once by the forkserver, so forked workers start with them loaded: the trainer and
 #: what its first step imports lazily (DDP and the optimizers pull in torch._dynamo, ~0.3 s each time).
-PRELOAD = ["trainingrun_trainer.main", "trainingrun_trainer.trainer", "trainingrun_trainer.models",
-           "trainingrun_trainer.data", "torch._dynamo", "torch.distributed.checkpoint.state_dict", "numpy.random",
-           "fsspec.implementations.local"]
+PRELOAD = [
+    "trainingrun_trainer.main",
+    "trainingrun_trainer.trainer",
+    "trainingrun_trainer.models",
+    "trainingrun_trainer.data",
+    "torch._dynamo",
+    "torch.distributed.checkpoint.state_dict",
+    "numpy.random",
+    "fsspec.implementations.local",
+]
 #: Preloaded too when the run compiles its model: what every worker's torch.compile would pay again (compile_preload).
 COMPILE_PRELOAD = ["trainingrun_trainer.compile_preload"]
 
@@ -174,10 +182,13 @@ def _progress_aware_agent(budget: RestartBudget) -> type:
                 used = worker_group.spec.max_restarts - self._remaining_restarts
                 self._remaining_restarts = budget.restore(worker_group.spec, self._remaining_restarts)
                 if used:
-                    print(f"trainingrun launch: the worker group committed step {budget.committed} since its last "
-                          f"restart: {budget.per_attempt} in-place restarts left again (--max-restarts, "
-                          f"spec.recovery.maxRestartsPerAttempt, counts restarts without a new checkpoint)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"trainingrun launch: the worker group committed step {budget.committed} since its last "
+                        f"restart: {budget.per_attempt} in-place restarts left again (--max-restarts, "
+                        f"spec.recovery.maxRestartsPerAttempt, counts restarts without a new checkpoint)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             return result
 
     return ProgressAwareAgent
@@ -192,8 +203,10 @@ def _plain_torch_log_format() -> None:
     """
     import logging
 
-    plain = logging.Formatter("%(levelname).1s%(asctime)s.%(msecs)03d %(process)d %(pathname)s:%(lineno)d] "
-                              "%(message)s", datefmt="%m%d %H:%M:%S")
+    plain = logging.Formatter(
+        "%(levelname).1s%(asctime)s.%(msecs)03d %(process)d %(pathname)s:%(lineno)d] %(message)s",
+        datefmt="%m%d %H:%M:%S",
+    )
     for name in ("torch", "torch.distributed"):
         for handler in logging.getLogger(name).handlers:
             if type(handler.formatter).__name__ == "TorchLogsFormatter":
@@ -220,7 +233,8 @@ def _serve_metrics() -> None:
         raise MetricsPortTaken(
             f"cannot serve metrics on port {port} ({contract.METRICS_PORT}: spec.metrics.port in a pod, "
             f"--metrics-port under trainingrun local): {error.strerror or error}; pick a free port, or turn metrics "
-            "off (spec.metrics.enabled: false; leave --metrics-port out)") from None
+            "off (spec.metrics.enabled: false; leave --metrics-port out)"
+        ) from None
 
 
 #: In a pod, a peer that stops sending keep-alives is dropped from the rendezvous after 1 s x 2 instead of torch's
@@ -248,8 +262,9 @@ def pod_rendezvous(args: Any, env: Any = os.environ) -> None:
         args.rdzv_endpoint = f"localhost:{port}"
         conf["is_host"] = "true"
     given = {item.partition("=")[0].strip() for item in args.rdzv_conf.split(",") if item.strip()}
-    args.rdzv_conf = ",".join([*filter(None, [args.rdzv_conf]),
-                               *(f"{key}={value}" for key, value in conf.items() if key not in given)])
+    args.rdzv_conf = ",".join(
+        [*filter(None, [args.rdzv_conf]), *(f"{key}={value}" for key, value in conf.items() if key not in given)]
+    )
 
 
 def _start_forkserver(argv: Sequence[str], env: Any = os.environ) -> bool:
@@ -299,10 +314,16 @@ def _launch(args: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
         # torch's launch_agent builds the agent by this module-level name: ours refills the restart budget.
         launcher_api.LocalElasticAgent = _progress_aware_agent(
-            RestartBudget(Path(scratch) / COMMITTED_STEP_FILE, config.max_restarts))
-        _rejoining(lambda: launcher_api.elastic_launch(config=config, entrypoint=run_trainer_worker)(
-            scratch, *args.training_script_args), standalone=args.standalone, endpoint=args.rdzv_endpoint,
-            timeout=float(config.rdzv_configs.get("read_timeout", 60)))
+            RestartBudget(Path(scratch) / COMMITTED_STEP_FILE, config.max_restarts)
+        )
+        _rejoining(
+            lambda: launcher_api.elastic_launch(config=config, entrypoint=run_trainer_worker)(
+                scratch, *args.training_script_args
+            ),
+            standalone=args.standalone,
+            endpoint=args.rdzv_endpoint,
+            timeout=float(config.rdzv_configs.get("read_timeout", 60)),
+        )
 
 
 def _rejoining(launch: Any, standalone: bool, endpoint: str = "", timeout: float = 60.0) -> None:
@@ -319,8 +340,12 @@ def _rejoining(launch: Any, standalone: bool, endpoint: str = "", timeout: float
         except RendezvousConnectionError as error:
             if standalone or rejoin == REJOINS:
                 raise
-            print(f"trainingrun launch: rendezvous store lost ({error}); rejoining in this container "
-                  f"({rejoin + 1}/{REJOINS})", file=sys.stderr, flush=True)
+            print(
+                f"trainingrun launch: rendezvous store lost ({error}); rejoining in this container "
+                f"({rejoin + 1}/{REJOINS})",
+                file=sys.stderr,
+                flush=True,
+            )
             _wait_until_listening(endpoint, timeout)
 
 
@@ -345,8 +370,12 @@ def _wait_until_listening(endpoint: str, timeout: float) -> None:
         except OSError:
             refused += 1
         time.sleep(0.05)
-    print(f"trainingrun launch: waited {time.monotonic() - started:.2f} s for {endpoint} "
-          f"({unresolved} lookups found no address, {refused} connections failed)", file=sys.stderr, flush=True)
+    print(
+        f"trainingrun launch: waited {time.monotonic() - started:.2f} s for {endpoint} "
+        f"({unresolved} lookups found no address, {refused} connections failed)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _stop_on_signals() -> None:
@@ -390,8 +419,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 128 + int(error.sigval)
     except (RendezvousError, DistNetworkError, DistStoreError) as error:
         # The rendezvous store went with its host, or a round never completed: not the trainer's fault.
-        print(f"trainingrun launch: rendezvous lost ({type(error).__name__}: {error}) -> exit "
-              f"{exit_codes.RETRYABLE} (retryable: the pod restarts and rejoins)", file=sys.stderr)
+        print(
+            f"trainingrun launch: rendezvous lost ({type(error).__name__}: {error}) -> exit "
+            f"{exit_codes.RETRYABLE} (retryable: the pod restarts and rejoins)",
+            file=sys.stderr,
+        )
         return exit_codes.RETRYABLE
     return exit_codes.OK
 

@@ -2,6 +2,7 @@
 process group exists, then train. Every failure ends in an exit code that tells the operator (or
 `trainingrun local`) whether retrying can help; see `exit_codes`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,21 +72,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exit_codes.CONFIG_ERROR
     except CheckpointLoadError as error:
         log.error("%s", error)
-        print(f"trainingrun-trainer: {error}; move that checkpoint directory aside to resume from an older one",
-              file=sys.stderr)
+        print(
+            f"trainingrun-trainer: {error}; move that checkpoint directory aside to resume from an older one",
+            file=sys.stderr,
+        )
         return exit_codes.CHECKPOINT_REFUSED
     except StorageUnavailable as error:
         # A storage outage at start must not end the run: the attempt is retried after the backoff.
         log.error("%s; exiting %d so the attempt is retried", error, exit_codes.RETRYABLE)
-        print(f"trainingrun-trainer: {error}; retrying: check the storage endpoint and credentials if this repeats",
-              file=sys.stderr)
+        print(
+            f"trainingrun-trainer: {error}; retrying: check the storage endpoint and credentials if this repeats",
+            file=sys.stderr,
+        )
         exit_now(exit_codes.RETRYABLE)
     except Exception as error:
         if not peer_failure(error):
             raise
         # Not this worker's fault: retrying can help, so it must not read as a permanent exit 1.
-        log.error("a peer worker is gone (%s); exiting %d so the attempt is retried",
-                  str(error).splitlines()[0][:200], exit_codes.RETRYABLE)
+        log.error(
+            "a peer worker is gone (%s); exiting %d so the attempt is retried",
+            str(error).splitlines()[0][:200],
+            exit_codes.RETRYABLE,
+        )
         # At once: the process group is broken and a save in flight can never commit, and a normal
         # interpreter exit waits on those threads for about a second that the restart then lacks.
         exit_now(exit_codes.RETRYABLE)

@@ -27,6 +27,7 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
 
 GPU series exist only where NVML finds this rank's GPU: absent, not zero, on CPU.
 """
+
 from __future__ import annotations
 
 import glob
@@ -79,9 +80,17 @@ class NullMetrics:
 class TrainerMetrics(NullMetrics):
     """This rank's series, label children bound once; `step()` is a handful of float writes."""
 
-    def __init__(self, run: str, namespace: str, rank: int, gpu_index: Optional[int] = None,
-                 grid_intensity_g_per_kwh: Optional[float] = None, attempt: int = 1, group_restarts: int = 0,
-                 world_size: int = 1):
+    def __init__(
+        self,
+        run: str,
+        namespace: str,
+        rank: int,
+        gpu_index: Optional[int] = None,
+        grid_intensity_g_per_kwh: Optional[float] = None,
+        attempt: int = 1,
+        group_restarts: int = 0,
+        world_size: int = 1,
+    ):
         from prometheus_client import Counter, Gauge, Histogram
 
         labels = {"run": run, "namespace": namespace, "rank": str(rank)}
@@ -103,66 +112,117 @@ class TrainerMetrics(NullMetrics):
         self._samples = gauge("trainingrun_samples_per_second", "Samples per second over all ranks, last window.")
         self._tokens = gauge("trainingrun_tokens_per_second", "Tokens per second over all ranks, last window.")
         # Absent until a value comes: models that do not count their FLOPs have none, CPUs and unknown GPUs no MFU.
-        self._flops = Gauge("trainingrun_model_flops_per_second", "This rank's share of the run's model FLOP/s, last "
-                            "window (sum over ranks: the run's).", names, multiprocess_mode="livemostrecent")
-        self._mfu = Gauge("trainingrun_mfu_ratio", "Model FLOP/s of this rank over its device's dense peak at the "
-                          "run's precision, last window (average over ranks: the run's MFU).", names,
-                          multiprocess_mode="livemostrecent")
+        self._flops = Gauge(
+            "trainingrun_model_flops_per_second",
+            "This rank's share of the run's model FLOP/s, last window (sum over ranks: the run's).",
+            names,
+            multiprocess_mode="livemostrecent",
+        )
+        self._mfu = Gauge(
+            "trainingrun_mfu_ratio",
+            "Model FLOP/s of this rank over its device's dense peak at the "
+            "run's precision, last window (average over ranks: the run's MFU).",
+            names,
+            multiprocess_mode="livemostrecent",
+        )
         self._world_size = max(1, world_size)
-        self._startup = Gauge("trainingrun_startup_seconds", "This process's start-up by phase, to its first step "
-                              "(imports, init, model, data, prepare, restore, first_step): the phases add up to it.",
-                              names + ["phase"], multiprocess_mode="livemostrecent")
+        self._startup = Gauge(
+            "trainingrun_startup_seconds",
+            "This process's start-up by phase, to its first step "
+            "(imports, init, model, data, prepare, restore, first_step): the phases add up to it.",
+            names + ["phase"],
+            multiprocess_mode="livemostrecent",
+        )
         self._last_step = gauge("trainingrun_last_step_timestamp_seconds", "Unix time of the last completed step.")
-        self._productive = gauge("trainingrun_productive_seconds", "Step time kept in the current model, data wait excluded.")
+        self._productive = gauge(
+            "trainingrun_productive_seconds", "Step time kept in the current model, data wait excluded."
+        )
         self._goodput = gauge("trainingrun_goodput_ratio", "Productive seconds over this attempt's wall time.")
         gauge("trainingrun_attempt", "Attempt number (TRAININGRUN_ATTEMPT).").set(attempt)
-        gauge("trainingrun_worker_group_restarts",
-              "In-place restarts of this attempt's worker group (TORCHELASTIC_RESTART_COUNT).").set(group_restarts)
-        self._step_seconds = histogram("trainingrun_step_duration_seconds", "Wall time of one optimizer step.",
-                                       STEP_BUCKETS)
-        self._data_wait = histogram("trainingrun_data_wait_seconds", "Time a step waited for its batches.",
-                                    WAIT_BUCKETS)
-        self._save_seconds = histogram("trainingrun_checkpoint_save_seconds",
-                                       "Staging start to commit of a checkpoint.", CHECKPOINT_BUCKETS)
-        self._restore_seconds = histogram("trainingrun_checkpoint_restore_seconds", "Time to load a checkpoint.",
-                                          CHECKPOINT_BUCKETS)
+        gauge(
+            "trainingrun_worker_group_restarts",
+            "In-place restarts of this attempt's worker group (TORCHELASTIC_RESTART_COUNT).",
+        ).set(group_restarts)
+        self._step_seconds = histogram(
+            "trainingrun_step_duration_seconds", "Wall time of one optimizer step.", STEP_BUCKETS
+        )
+        self._data_wait = histogram(
+            "trainingrun_data_wait_seconds", "Time a step waited for its batches.", WAIT_BUCKETS
+        )
+        self._save_seconds = histogram(
+            "trainingrun_checkpoint_save_seconds", "Staging start to commit of a checkpoint.", CHECKPOINT_BUCKETS
+        )
+        self._restore_seconds = histogram(
+            "trainingrun_checkpoint_restore_seconds", "Time to load a checkpoint.", CHECKPOINT_BUCKETS
+        )
         self._saved_bytes = counter("trainingrun_checkpoint_saved_bytes", "Bytes this rank wrote to checkpoints.")
         self._save_failures = counter("trainingrun_checkpoint_failures", "Checkpoints that were not committed.")
-        self._save_wait = counter("trainingrun_checkpoint_wait_seconds",
-                                  "Time saves waited for the save before them to commit (an interval shorter than a "
-                                  "commit).")
-        self._persist_lag = gauge("trainingrun_checkpoint_persist_lag_steps",
-                                  "Steps the newest checkpoint in node memory is ahead of the newest in storage "
-                                  "(checkpoint.persistBehind; rank 0).")
-        self._persist_failures = counter("trainingrun_checkpoint_persist_failures",
-                                         "Checkpoints committed in node memory that could not be copied to storage.")
+        self._save_wait = counter(
+            "trainingrun_checkpoint_wait_seconds",
+            "Time saves waited for the save before them to commit (an interval shorter than a commit).",
+        )
+        self._persist_lag = gauge(
+            "trainingrun_checkpoint_persist_lag_steps",
+            "Steps the newest checkpoint in node memory is ahead of the newest in storage "
+            "(checkpoint.persistBehind; rank 0).",
+        )
+        self._persist_failures = counter(
+            "trainingrun_checkpoint_persist_failures",
+            "Checkpoints committed in node memory that could not be copied to storage.",
+        )
         self._nonfinite = counter("trainingrun_nonfinite_steps", "Steps with a non-finite loss or gradient.")
         self._rollbacks = counter("trainingrun_rollbacks", "Rollbacks to the last good checkpoint.")
         # Series without a value until the first evaluation: absent, never a made-up 0 loss.
-        self._eval = {name: Gauge(f"trainingrun_{name}", doc, names, multiprocess_mode="livemostrecent")
-                      for name, doc in (("eval_loss", "Mean loss on the held-out split at the last evaluation."),
-                                        ("eval_loss_ema", "The same with the EMA weights (spec.trainer.ema)."),
-                                        ("eval_step", "Step of the last evaluation."))}
+        self._eval = {
+            name: Gauge(f"trainingrun_{name}", doc, names, multiprocess_mode="livemostrecent")
+            for name, doc in (
+                ("eval_loss", "Mean loss on the held-out split at the last evaluation."),
+                ("eval_loss_ema", "The same with the EMA weights (spec.trainer.ema)."),
+                ("eval_step", "Step of the last evaluation."),
+            )
+        }
         # Only with checkpoint.interval.steps: auto, on rank 0: absent otherwise.
-        self._interval = {name: Gauge(f"trainingrun_checkpoint_{name}", doc, names, multiprocess_mode="livemostrecent")
-                          for name, doc in (
-                              ("interval_steps", "The interval checkpoint.interval.steps: auto chose."),
-                              ("save_cost_seconds", "What one save costs the training loop: blocking plus the "
-                                                    "slowdown of the steps beside the background write."),
-                              ("expected_lost_seconds", "Training a failure throws away on average at that "
-                                                        "interval (half of it)."))}
+        self._interval = {
+            name: Gauge(f"trainingrun_checkpoint_{name}", doc, names, multiprocess_mode="livemostrecent")
+            for name, doc in (
+                ("interval_steps", "The interval checkpoint.interval.steps: auto chose."),
+                (
+                    "save_cost_seconds",
+                    "What one save costs the training loop: blocking plus the "
+                    "slowdown of the steps beside the background write.",
+                ),
+                ("expected_lost_seconds", "Training a failure throws away on average at that interval (half of it)."),
+            )
+        }
         self._labels = labels
-        for child in (self._save_failures, self._nonfinite, self._rollbacks, self._saved_bytes, self._save_wait,
-                      self._persist_failures):
+        for child in (
+            self._save_failures,
+            self._nonfinite,
+            self._rollbacks,
+            self._saved_bytes,
+            self._save_wait,
+            self._persist_failures,
+        ):
             child.inc(0)  # present from the start, so alerts see 0 rather than nothing
         self._started = time.monotonic()
         self._seen = {"committed": 0, "failed": 0, "restores": 0, "waited": 0.0, "persist_failed": 0}
         self._gpu = GpuPoller(labels, gpu_index, grid_intensity_g_per_kwh) if gpu_index is not None else None
 
-    def step(self, *, step: int, loss: float, learning_rate: float, grad_norm: float, step_seconds: float,
-             data_wait_seconds: float, productive_seconds: float, samples_per_second: Optional[float] = None,
-             tokens_per_second: Optional[float] = None, model_flops_per_second: Optional[float] = None,
-             mfu: Optional[float] = None) -> None:
+    def step(
+        self,
+        *,
+        step: int,
+        loss: float,
+        learning_rate: float,
+        grad_norm: float,
+        step_seconds: float,
+        data_wait_seconds: float,
+        productive_seconds: float,
+        samples_per_second: Optional[float] = None,
+        tokens_per_second: Optional[float] = None,
+        model_flops_per_second: Optional[float] = None,
+        mfu: Optional[float] = None,
+    ) -> None:
         """`samples_per_second`, `tokens_per_second`, `model_flops_per_second`: over all ranks; `mfu`: the run's."""
         self._step.set(step)
         self._loss.set(loss)
@@ -213,8 +273,11 @@ class TrainerMetrics(NullMetrics):
         """The auto interval's choice (a contract.IntervalChoice; None: not auto): parts not yet measured stay absent."""
         if choice is None:
             return
-        for name, value in (("interval_steps", choice.steps), ("save_cost_seconds", choice.save_cost_seconds),
-                            ("expected_lost_seconds", choice.expected_lost_seconds)):
+        for name, value in (
+            ("interval_steps", choice.steps),
+            ("save_cost_seconds", choice.save_cost_seconds),
+            ("expected_lost_seconds", choice.expected_lost_seconds),
+        ):
             if value is not None:
                 self._interval[name].labels(**self._labels).set(value)
 
@@ -255,13 +318,15 @@ class GpuPoller:
         self.memory_total = gauge("trainingrun_gpu_memory_total_bytes", "GPU memory installed.")
         self.temperature = gauge("trainingrun_gpu_temperature_celsius", "GPU temperature.")
         self.power = gauge("trainingrun_gpu_power_watts", "GPU power draw.")
-        self.energy = Counter("trainingrun_gpu_energy_joules", "GPU energy since this process started.",
-                              names).labels(**labels)
+        self.energy = Counter("trainingrun_gpu_energy_joules", "GPU energy since this process started.", names).labels(
+            **labels
+        )
         self.emissions = None
         if grid_intensity_g_per_kwh:
             self.grams_per_joule = grid_intensity_g_per_kwh / 3.6e6
-            self.emissions = Counter("trainingrun_emissions_grams", "Estimated CO2e: GPU energy x grid intensity.",
-                                     names).labels(**labels)
+            self.emissions = Counter(
+                "trainingrun_emissions_grams", "Estimated CO2e: GPU energy x grid intensity.", names
+            ).labels(**labels)
         self._energy_mj: Optional[int] = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="trainingrun-nvml", daemon=True)
@@ -301,10 +366,16 @@ def for_rank(context: Any, device_type: str) -> NullMetrics:
         return NullMetrics()
     gpu_index = context.local_rank if device_type == "cuda" and _nvml_available() else None
     intensity = os.environ.get(contract.GRID_INTENSITY)
-    return TrainerMetrics(context.name, context.namespace, context.rank, gpu_index,
-                          float(intensity) if intensity else None, attempt=context.attempt,
-                          group_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
-                          world_size=context.world_size)
+    return TrainerMetrics(
+        context.name,
+        context.namespace,
+        context.rank,
+        gpu_index,
+        float(intensity) if intensity else None,
+        attempt=context.attempt,
+        group_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+        world_size=context.world_size,
+    )
 
 
 def _nvml_available() -> bool:

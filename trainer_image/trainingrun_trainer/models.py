@@ -28,6 +28,7 @@ Randomness comes only from the global torch RNG (initialisation, dropout, MAE ma
 input's device, so a run is reproducible from its seed and the trainer's saved RNG states make a
 resumed run continue exactly.
 """
+
 from __future__ import annotations
 
 import torch
@@ -196,9 +197,7 @@ class MaskedAutoencoder(nn.Module):
             f"image_size ({image_size}) must be divisible by patch_size ({patch_size})",
         )
         _require(dim % heads == 0, f"dim ({dim}) must be divisible by heads ({heads})")
-        _require(
-            decoder_dim % heads == 0, f"decoder_dim ({decoder_dim}) must be divisible by heads ({heads})"
-        )
+        _require(decoder_dim % heads == 0, f"decoder_dim ({decoder_dim}) must be divisible by heads ({heads})")
         _require(0.0 < mask_ratio < 1.0, f"mask_ratio must be between 0 and 1 (exclusive), got {mask_ratio}")
         self.image_size = image_size
         self.patch_size = patch_size

@@ -3,6 +3,7 @@
 Schedules are pure functions of the step (`lr_factor`), wrapped in a LambdaLR, so a resumed run
 gets exactly the LR an uninterrupted run would: the scheduler state is only its step count.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,13 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, device_type: str 
     groups = parameter_groups(model, config.weight_decay, config.no_decay_for_bias_and_norm)
     if config.name == "adamw":
         fused = config.fused if config.fused is not None else device_type == "cuda"
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                                 **({"fused": True} if fused else {}))
+        return torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            **({"fused": True} if fused else {}),
+        )
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
 
 

@@ -3,6 +3,7 @@
 Mixed modes keep float32 weights and run forward/backward under autocast; `16-mixed` also needs a
 GradScaler because fp16 gradients underflow. `bf16-true` casts the weights themselves to bfloat16.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -9,6 +9,7 @@ Each shard is written to a local temporary file and uploaded as soon as it is fu
 the data's size. A destination that already holds shards is refused unless `overwrite`: nothing there is lost by a
 typo; with `overwrite`, shards beyond the new count are removed.
 """
+
 from __future__ import annotations
 
 import posixpath
@@ -56,9 +57,11 @@ class _Destination:
         self.scheme = destination.split("://", 1)[0] + "://" if "://" in destination else ""
         self.existing = self.fs.glob(posixpath.join(self.root, f"shard-*.{extension}"))
         if self.existing and not overwrite:
-            raise PrepareError(f"DEST {destination} already holds {len(self.existing)} shards (e.g. "
-                               f"{posixpath.basename(self.existing[0])}): choose another DEST, or pass --overwrite "
-                               "to replace them")
+            raise PrepareError(
+                f"DEST {destination} already holds {len(self.existing)} shards (e.g. "
+                f"{posixpath.basename(self.existing[0])}): choose another DEST, or pass --overwrite "
+                "to replace them"
+            )
         self.fs.makedirs(self.root, exist_ok=True)  # a local destination's folder; nothing on object stores
         self.written: list[str] = []
 
@@ -68,14 +71,20 @@ class _Destination:
         self.written.append(self.scheme + target if self.scheme and "://" not in target else target)
 
     def finish(self) -> list[str]:
-        for stale in self.existing[len(self.written):]:
+        for stale in self.existing[len(self.written) :]:
             self.fs.rm_file(stale)  # shards of an earlier preparation beyond the new count
         return self.written
 
 
-def prepare(source: Path, destination: str, kind: str = "text", shard_bytes: int = 64 << 20,
-            overwrite: bool = False, endpoint_url: Optional[str] = None,
-            progress: Callable[[int, int], None] = lambda done, total: None) -> Prepared:
+def prepare(
+    source: Path,
+    destination: str,
+    kind: str = "text",
+    shard_bytes: int = 64 << 20,
+    overwrite: bool = False,
+    endpoint_url: Optional[str] = None,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> Prepared:
     """Write SRC's text or images as shards under `destination`; `progress(bytes done, bytes in total)` as it goes."""
     if kind not in ("text", "images"):
         raise PrepareError(f"--kind must be text or images, got {kind!r}")
@@ -89,8 +98,13 @@ def prepare(source: Path, destination: str, kind: str = "text", shard_bytes: int
     return Prepared(target.finish(), len(files), total)
 
 
-def _text_shards(files: list[Path], scratch: Path, shard_bytes: int, upload: Callable[[Path], None],
-                 progress: Callable[[int, int], None]) -> int:
+def _text_shards(
+    files: list[Path],
+    scratch: Path,
+    shard_bytes: int,
+    upload: Callable[[Path], None],
+    progress: Callable[[int, int], None],
+) -> int:
     total = sum(f.stat().st_size for f in files) + len(files) - 1
     shard, in_shard, done = open(scratch, "wb"), 0, 0
 
@@ -121,8 +135,13 @@ def _text_shards(files: list[Path], scratch: Path, shard_bytes: int, upload: Cal
     return total
 
 
-def _image_shards(files: list[Path], scratch: Path, shard_bytes: int, upload: Callable[[Path], None],
-                  progress: Callable[[int, int], None]) -> int:
+def _image_shards(
+    files: list[Path],
+    scratch: Path,
+    shard_bytes: int,
+    upload: Callable[[Path], None],
+    progress: Callable[[int, int], None],
+) -> int:
     import tarfile
 
     total, done = sum(f.stat().st_size for f in files), 0

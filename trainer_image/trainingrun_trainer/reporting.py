@@ -10,6 +10,7 @@ stay at least MIN_SECONDS_APART apart all the same. The token is read from its f
 the kubelet rotates projected tokens, and a token read once would expire. Without a report URL (a plain torchrun) nothing is sent.
 Only the standard library is used: the trainer image needs no Kubernetes client.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,8 +62,13 @@ class ReportEndpoint:
 class ProgressReporter:
     """Sends `Report`s of one attempt; `progress()` and `committed()` never block and never raise."""
 
-    def __init__(self, endpoint: Optional[ReportEndpoint], identity: Report,
-                 interval_seconds: float = contract.DEFAULT_REPORT_INTERVAL_SECONDS, timeout_seconds: float = 10.0):
+    def __init__(
+        self,
+        endpoint: Optional[ReportEndpoint],
+        identity: Report,
+        interval_seconds: float = contract.DEFAULT_REPORT_INTERVAL_SECONDS,
+        timeout_seconds: float = 10.0,
+    ):
         self.endpoint = endpoint
         self.identity = identity
         self.interval = interval_seconds
@@ -89,8 +95,9 @@ class ProgressReporter:
     def enabled(self) -> bool:
         return self.endpoint is not None
 
-    def progress(self, progress: Progress, process_time: Optional[ProcessTime] = None,
-                 interval: Optional[IntervalChoice] = None) -> None:
+    def progress(
+        self, progress: Progress, process_time: Optional[ProcessTime] = None, interval: Optional[IntervalChoice] = None
+    ) -> None:
         with self._lock:
             news = self._first_step is None or (not self._stepped and progress.step != self._first_step)
             if self._first_step is None:
@@ -139,10 +146,17 @@ class ProgressReporter:
 
     def _report(self) -> Report:
         with self._lock:
-            return Report(self.identity.namespace, self.identity.name, self.identity.uid, self.identity.attempt,
-                          progress=self._progress, last_good_checkpoint=self._checkpoint,
-                          process_time=self._process_time, checkpoint_interval=self._interval,
-                          checkpoint_in_memory=self._in_memory)
+            return Report(
+                self.identity.namespace,
+                self.identity.name,
+                self.identity.uid,
+                self.identity.attempt,
+                progress=self._progress,
+                last_good_checkpoint=self._checkpoint,
+                process_time=self._process_time,
+                checkpoint_interval=self._interval,
+                checkpoint_in_memory=self._in_memory,
+            )
 
     def _send(self, report: Report) -> None:
         assert self.endpoint is not None
@@ -157,20 +171,30 @@ class ProgressReporter:
             if not self._failing:
                 # The URL, the status and the reason only: never the token.
                 status = getattr(error, "code", None)
-                log.warning("cannot report progress to %s (%s%s); training continues, will keep trying",
-                            self.endpoint.url, f"{status} " if status else "",
-                            getattr(error, "reason", None) or type(error).__name__)
+                log.warning(
+                    "cannot report progress to %s (%s%s); training continues, will keep trying",
+                    self.endpoint.url,
+                    f"{status} " if status else "",
+                    getattr(error, "reason", None) or type(error).__name__,
+                )
             self._failing = True
 
     def _post(self, report: Report) -> None:
         """POST once; a 503 (a standby operator replica, or authentication unavailable for a moment) is sent
         again at once on a new connection, which the operator's Service may route to the replica that acts."""
         assert self.endpoint is not None
-        context = ssl.create_default_context(cafile=self.endpoint.ca_file) \
-            if self.endpoint.url.startswith("https://") else None
+        context = (
+            ssl.create_default_context(cafile=self.endpoint.ca_file)
+            if self.endpoint.url.startswith("https://")
+            else None
+        )
         for attempt in range(SENDS_ON_503):
-            request = urllib.request.Request(self.endpoint.url, data=report.to_json(), method="POST", headers={
-                "Authorization": f"Bearer {self.endpoint.token()}", "Content-Type": "application/json"})
+            request = urllib.request.Request(
+                self.endpoint.url,
+                data=report.to_json(),
+                method="POST",
+                headers={"Authorization": f"Bearer {self.endpoint.token()}", "Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout, context=context) as response:
                     response.read()

@@ -1,4 +1,5 @@
 """Seeding of everything, deterministic mode, and RNG state capture for exact resume."""
+
 from __future__ import annotations
 
 import os

@@ -21,6 +21,7 @@ status reporting as the built-in trainer by using this class (see examples/custo
 `extra` is this rank's small state of plain values (step, RNG, sampler position): numbers, strings,
 tensors, numpy arrays, lists and dicts of them; nothing read from storage may run code.
 """
+
 from __future__ import annotations
 
 import glob
@@ -79,8 +80,9 @@ def init_process_group(backend: str) -> None:
     timeout = timedelta(minutes=10)
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(f"trainingrun/restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=prefixed, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                            timeout=timeout)
+    dist.init_process_group(
+        backend, store=prefixed, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout
+    )
 
 
 class Run:
@@ -120,7 +122,9 @@ class Run:
         #: The newest checkpoint this process committed (persisting behind: in memory).
         self.last_committed: Optional[CheckpointInfo] = None
         self._reported: Optional[CheckpointInfo] = None  # the newest in storage, as reported
-        self._reported_in_memory: Optional[CheckpointInfo] = None  # persisting behind: the newest in memory, as reported
+        self._reported_in_memory: Optional[CheckpointInfo] = (
+            None  # persisting behind: the newest in memory, as reported
+        )
         self.reporter = reporter
         self.preempted = False
         self._last_save = time.monotonic()
@@ -153,9 +157,12 @@ class Run:
         if not interval.auto or not self.context.is_rank_zero:
             return None
         # Until record_start reads the run's own count: the restarts this process can see for itself.
-        return AutoInterval(interval.min_steps or AUTO_MIN_STEPS, interval.max_steps or AUTO_MAX_STEPS,
-                            interval.expected_seconds_between_failures or AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
-                            failures=self.context.attempt - 1 + self.context.restart_count)
+        return AutoInterval(
+            interval.min_steps or AUTO_MIN_STEPS,
+            interval.max_steps or AUTO_MAX_STEPS,
+            interval.expected_seconds_between_failures or AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
+            failures=self.context.attempt - 1 + self.context.restart_count,
+        )
 
     def _count_start(self) -> None:
         """Read and count this start in the run's starts.json, for the auto interval's failure rate."""
@@ -164,8 +171,12 @@ class Run:
         try:
             started, before = self.store.record_start(self.context.uid or self.context.name)
         except Exception as error:  # storage trouble shows up again, and is reported, in the resume that follows
-            log.warning("cannot count this start in %s (%s): the auto checkpoint interval counts %d failures",
-                        self.store.uri, type(error).__name__, self.auto_interval.failures)
+            log.warning(
+                "cannot count this start in %s (%s): the auto checkpoint interval counts %d failures",
+                self.store.uri,
+                type(error).__name__,
+                self.auto_interval.failures,
+            )
             return
         self.auto_interval.run_started = min(started, self.auto_interval.run_started)
         self.auto_interval.failures = max(before, self.auto_interval.failures)
@@ -191,8 +202,10 @@ class Run:
         try:
             source = self.store.latest_valid()
         except Exception as error:  # each fsspec backend raises its own kinds (OSError, botocore's, google's)
-            raise StorageUnavailable(f"cannot list the checkpoints under {self.store.uri}: "
-                                     f"{str(error).splitlines()[0][:300] if str(error) else type(error).__name__}") from error
+            raise StorageUnavailable(
+                f"cannot list the checkpoints under {self.store.uri}: "
+                f"{str(error).splitlines()[0][:300] if str(error) else type(error).__name__}"
+            ) from error
         if self.context.is_rank_zero:
             self._check_floor(source)
         self._reported = self.store.in_storage  # lastGoodCheckpoint: the checkpoints this process commits
@@ -204,15 +217,24 @@ class Run:
             if self.context.is_rank_zero:
                 log.info("no checkpoint to resume from: starting at step 0")
             return None
-        uri, step = (source.uri, source.step) if isinstance(source, CheckpointInfo) else \
-            (source, int(source.rpartition("/step-")[2]))
+        uri, step = (
+            (source.uri, source.step)
+            if isinstance(source, CheckpointInfo)
+            else (source, int(source.rpartition("/step-")[2]))
+        )
         try:
             extra = self.store.load(source, state)
         except OSError as error:
             raise StorageUnavailable(f"cannot read the checkpoint {uri}: {error}") from error
         if self.context.is_rank_zero:
-            log.info("resumed from %s at step %d in %.2f s, reading %s%s", uri, step, self.store.last_restore_seconds,
-                     RESTORE_SOURCES[self.store.last_restore_source], started_from)
+            log.info(
+                "resumed from %s at step %d in %.2f s, reading %s%s",
+                uri,
+                step,
+                self.store.last_restore_seconds,
+                RESTORE_SOURCES[self.store.last_restore_source],
+                started_from,
+            )
         self._last_saved_step = step
         cost = extra.pop(SAVE_COST_KEY, None)
         if self.auto_interval is not None and isinstance(cost, float):
@@ -231,7 +253,8 @@ class Run:
             raise ConfigError(
                 f"checkpoint.uri {self.store.uri} holds checkpoints of another run (uid {other.run_uid}, newest "
                 f"{other.uri}) and none of this run's: to continue from it, set spec.checkpoint.resumeFrom to "
-                f"{other.uri}; to start over, give this run its own checkpoint.uri")
+                f"{other.uri}; to start over, give this run its own checkpoint.uri"
+            )
         return None
 
     def _check_floor(self, source: Optional[CheckpointInfo]) -> None:
@@ -240,11 +263,15 @@ class Run:
             return
         floor_step = contract.checkpoint_step(floor, self.store.uri)
         if floor_step is None:
-            log.warning("ignoring TRAININGRUN_RESUME_FROM=%s: not a checkpoint directory under %s", floor,
-                        self.store.uri)
+            log.warning(
+                "ignoring TRAININGRUN_RESUME_FROM=%s: not a checkpoint directory under %s", floor, self.store.uri
+            )
         elif source is None or source.step < floor_step:
-            log.warning("the operator's resume point %s is not a valid checkpoint any more: resuming from %s",
-                        floor, source.uri if source else "the start")
+            log.warning(
+                "the operator's resume point %s is not a valid checkpoint any more: resuming from %s",
+                floor,
+                source.uri if source else "the start",
+            )
 
     def checkpoint_due(self, step: int) -> tuple[bool, bool]:
         """(stop, save): whether to stop for preemption and whether a periodic save is due.
@@ -348,14 +375,27 @@ class Run:
             return
         self._told_waiting = True
         interval = self.checkpoint.interval
-        every = " and ".join(part for part in (
-            f"{interval.steps} steps" if isinstance(interval.steps, int) else "",
-            f"{interval.seconds:g} s" if interval.seconds is not None else "") if part) or "its interval"
-        log.warning("the checkpoint of step %d waited %.2f s for the one before it to commit: a commit takes %.2f s, "
-                    "longer than the interval (every %s), so checkpoints hold training back; make "
-                    "spec.checkpoint.interval longer (steps: auto never chooses one shorter than a commit). "
-                    "Counted in trainingrun_checkpoint_wait_seconds_total; said once", step, seconds,
-                    self.store.last_save_seconds, every)
+        every = (
+            " and ".join(
+                part
+                for part in (
+                    f"{interval.steps} steps" if isinstance(interval.steps, int) else "",
+                    f"{interval.seconds:g} s" if interval.seconds is not None else "",
+                )
+                if part
+            )
+            or "its interval"
+        )
+        log.warning(
+            "the checkpoint of step %d waited %.2f s for the one before it to commit: a commit takes %.2f s, "
+            "longer than the interval (every %s), so checkpoints hold training back; make "
+            "spec.checkpoint.interval longer (steps: auto never chooses one shorter than a commit). "
+            "Counted in trainingrun_checkpoint_wait_seconds_total; said once",
+            step,
+            seconds,
+            self.store.last_save_seconds,
+            every,
+        )
 
     @property
     def saving(self) -> bool:
@@ -417,13 +457,20 @@ class Run:
         the reporter's pace)."""
         if not self.reporter.enabled:
             return  # every step: ranks that do not report build nothing
-        self.reporter.progress(Progress(
-            step=step, updated_at=now_rfc3339(), total_steps=total_steps,
-            loss=loss if loss is not None and math.isfinite(loss) else None,
-            samples_per_second=samples_per_second,
-            productive_seconds=None if productive_seconds is None else round(productive_seconds, 3),
-            model_flops_per_second=model_flops_per_second, mfu=None if mfu is None else round(mfu, 4)),
-            process_time.snapshot() if process_time is not None else None, self.interval_choice())
+        self.reporter.progress(
+            Progress(
+                step=step,
+                updated_at=now_rfc3339(),
+                total_steps=total_steps,
+                loss=loss if loss is not None and math.isfinite(loss) else None,
+                samples_per_second=samples_per_second,
+                productive_seconds=None if productive_seconds is None else round(productive_seconds, 3),
+                model_flops_per_second=model_flops_per_second,
+                mfu=None if mfu is None else round(mfu, 4),
+            ),
+            process_time.snapshot() if process_time is not None else None,
+            self.interval_choice(),
+        )
 
     def close(self, finished: bool = False) -> None:
         """Finish the last save, report it, and flush the reporter; `finished`: the run is done, so its copy in

@@ -21,6 +21,7 @@ Only the bytes of a window are read, in blocks of `block_bytes` fetched by byte 
 directory shared by the ranks and DataLoader workers of a node: never a whole shard up front. A cached block is
 named after the shard's URI, size and version (ETag or mtime), so a shard replaced in storage is read again.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -95,10 +96,23 @@ class TokenShards(Dataset):
 
     pure_items = True  #: an item is a function of its index alone (data.in_background may read it)
 
-    def __init__(self, uri: str, context_length: int = 64, dtype: str = "uint16", pattern: str = "*.bin",
-                 vocab_size: Optional[int] = None, num_samples: Optional[int] = None, eval_fraction: float = 0.05,
-                 seed: int = 0, split: str = "train", cache_dir: Optional[str] = None, block_bytes: int = 1 << 20,
-                 endpoint_url: Optional[str] = None, read_ahead: int = 512, fetch_threads: int = 16):
+    def __init__(
+        self,
+        uri: str,
+        context_length: int = 64,
+        dtype: str = "uint16",
+        pattern: str = "*.bin",
+        vocab_size: Optional[int] = None,
+        num_samples: Optional[int] = None,
+        eval_fraction: float = 0.05,
+        seed: int = 0,
+        split: str = "train",
+        cache_dir: Optional[str] = None,
+        block_bytes: int = 1 << 20,
+        endpoint_url: Optional[str] = None,
+        read_ahead: int = 512,
+        fetch_threads: int = 16,
+    ):
         if not isinstance(uri, str) or not uri:
             raise ValueError("uri must name a directory or file of shards, e.g. gs://bucket/tokens/")
         if not isinstance(context_length, int) or context_length < 1:
@@ -137,9 +151,11 @@ class TokenShards(Dataset):
 
     def _nothing_in_split(self) -> str:
         largest = max((s.tokens for s in self.shards), default=0)
-        return (f"{self.uri}: no shard holds a window of context_length + 1 = {self.context_length + 1} tokens in its "
-                f"{self.split} split (the largest has {largest} tokens, {self.eval_fraction:g} of each is eval): use a "
-                "shorter context_length, a different eval_fraction or more data")
+        return (
+            f"{self.uri}: no shard holds a window of context_length + 1 = {self.context_length + 1} tokens in its "
+            f"{self.split} split (the largest has {largest} tokens, {self.eval_fraction:g} of each is eval): use a "
+            "shorter context_length, a different eval_fraction or more data"
+        )
 
     def _samples_per_epoch(self) -> int:
         """About one pass over the split's tokens."""
@@ -200,8 +216,10 @@ class TokenShards(Dataset):
             raise StorageUnavailable(f"cannot list {self.uri}: {_first_line(error)}") from error
         files = sorted((name, e) for name, e in entries.items() if e.get("type", "file") == "file")
         if not files:
-            raise DataError(f"{self.uri}: no files matching {self.pattern!r}: check the URI (and that the shards were "
-                            "uploaded, e.g. with `trainingrun data prepare`)")
+            raise DataError(
+                f"{self.uri}: no files matching {self.pattern!r}: check the URI (and that the shards were "
+                "uploaded, e.g. with `trainingrun data prepare`)"
+            )
 
         def shard(file: tuple[str, dict[str, Any]]) -> _Shard:
             name, entry = file
@@ -211,8 +229,11 @@ class TokenShards(Dataset):
             return [shard(file) for file in files]
         # Each shard's header is a request: one after another, a start (every restart's too) waited the storage
         # latency once per shard, 1.1 s for 32 shards at 30 ms.
-        with ThreadPoolExecutor(min(self.fetch_threads, len(files)), thread_name_prefix="trainingrun-shard-headers",
-                                initializer=give_way_to_training) as pool:
+        with ThreadPoolExecutor(
+            min(self.fetch_threads, len(files)),
+            thread_name_prefix="trainingrun-shard-headers",
+            initializer=give_way_to_training,
+        ) as pool:
             return list(pool.map(shard, files))
 
     #: Whether a shard may start with an llm.c header.
@@ -220,8 +241,16 @@ class TokenShards(Dataset):
 
     def _shard(self, uri: str, path: str, entry: dict[str, Any]) -> _Shard:
         size = int(entry.get("size") or 0)
-        version = str(next((entry[k] for k in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified")
-                            if entry.get(k) is not None), ""))
+        version = str(
+            next(
+                (
+                    entry[k]
+                    for k in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified")
+                    if entry.get(k) is not None
+                ),
+                "",
+            )
+        )
         if self.headers and size >= LLMC_HEADER_BYTES:
             header = np.frombuffer(self._fetch(path, uri, 0, LLMC_HEADER_BYTES), dtype="<i4")
             dtype = LLMC_MAGICS.get(int(header[0]))
@@ -229,21 +258,26 @@ class TokenShards(Dataset):
                 tokens, width = int(header[2]), np.dtype(dtype).itemsize
                 expected = LLMC_HEADER_BYTES + tokens * width
                 if size != expected:
-                    raise DataError(f"{uri}: its llm.c header says {tokens} {dtype} tokens ({expected} bytes), but the "
-                                    f"shard has {size} bytes: {'truncated' if size < expected else 'not an llm.c shard'}?"
-                                    " Write it again")
+                    raise DataError(
+                        f"{uri}: its llm.c header says {tokens} {dtype} tokens ({expected} bytes), but the "
+                        f"shard has {size} bytes: {'truncated' if size < expected else 'not an llm.c shard'}?"
+                        " Write it again"
+                    )
                 return _Shard(uri, path, size, version, LLMC_HEADER_BYTES, dtype, tokens)
         width = np.dtype(self.dtype).itemsize
         if size % width:
-            raise DataError(f"{uri}: {size} bytes is not a whole number of {self.dtype} tokens ({width} bytes each): "
-                            "a truncated shard, or set dtype to the width it was written with")
+            raise DataError(
+                f"{uri}: {size} bytes is not a whole number of {self.dtype} tokens ({width} bytes each): "
+                "a truncated shard, or set dtype to the width it was written with"
+            )
         return _Shard(uri, path, size, version, 0, self.dtype, size // width)
 
     def _region(self, shard: _Shard) -> tuple[int, int]:
         """(first token, number of windows) of this split in a shard."""
         eval_tokens = int(shard.tokens * self.eval_fraction)
-        first, last = (0, shard.tokens - eval_tokens) if self.split == "train" else (shard.tokens - eval_tokens,
-                                                                                       shard.tokens)
+        first, last = (
+            (0, shard.tokens - eval_tokens) if self.split == "train" else (shard.tokens - eval_tokens, shard.tokens)
+        )
         return first, max(0, last - first - self.context_length)
 
     # ------------------------------------------------------------ items
@@ -276,10 +310,12 @@ class TokenShards(Dataset):
         if self.vocab_size is not None and len(found) and int(tokens.max()) >= self.vocab_size:
             row, column = divmod(int(tokens.argmax()), tokens.shape[1])
             shard, start, _ = found[row]
-            raise DataError(f"{shard.uri}: token {int(tokens.max())} at byte "
-                            f"{start + column * np.dtype(shard.dtype).itemsize} is not below vocab_size "
-                            f"{self.vocab_size}: the shard holds {shard.dtype} tokens of a larger vocabulary, or dtype "
-                            "is wrong")
+            raise DataError(
+                f"{shard.uri}: token {int(tokens.max())} at byte "
+                f"{start + column * np.dtype(shard.dtype).itemsize} is not below vocab_size "
+                f"{self.vocab_size}: the shard holds {shard.dtype} tokens of a larger vocabulary, or dtype "
+                "is wrong"
+            )
         return [{"tokens": window} for window in torch.from_numpy(tokens).unbind(0)]
 
     def missing(self, index: int) -> Optional[Callable[[], None]]:
@@ -304,25 +340,32 @@ class TokenShards(Dataset):
         def fetch() -> None:
             for block, cached in absent:
                 self._fetch_once(shard, block, cached)
+
         return fetch
 
     # ------------------------------------------------------------ reading
 
     def _read(self, shard: _Shard, start: int, end: int) -> bytes:
         size = self.block_bytes
-        piece = b"".join(self._block_part(shard, block, max(start, block * size) - block * size,
-                                          min(end, (block + 1) * size) - block * size)
-                         for block in range(start // size, (end - 1) // size + 1))
+        piece = b"".join(
+            self._block_part(
+                shard, block, max(start, block * size) - block * size, min(end, (block + 1) * size) - block * size
+            )
+            for block in range(start // size, (end - 1) // size + 1)
+        )
         if len(piece) != end - start:
-            raise DataError(f"{shard.uri}: read {len(piece)} bytes at byte {start}, expected {end - start}: the shard "
-                            f"is shorter than the {shard.size} bytes it had when listed (replaced or truncated?)")
+            raise DataError(
+                f"{shard.uri}: read {len(piece)} bytes at byte {start}, expected {end - start}: the shard "
+                f"is shorter than the {shard.size} bytes it had when listed (replaced or truncated?)"
+            )
         return piece
 
     def _cached(self, shard: _Shard, block: int) -> str:
         key = self._cache_keys.get(shard.uri)
         if key is None:
             key = self._cache_keys[shard.uri] = hashlib.sha256(
-                f"{shard.uri}\0{shard.size}\0{shard.version}\0{self.block_bytes}".encode()).hexdigest()
+                f"{shard.uri}\0{shard.size}\0{shard.version}\0{self.block_bytes}".encode()
+            ).hexdigest()
         return os.path.join(self.cache, key[:2], f"{key}.{block}")
 
     def _block_part(self, shard: _Shard, block: int, low: int, high: int) -> bytes:
@@ -378,14 +421,36 @@ class TextBytes(TokenShards):
 
     TokenShards' arguments but `dtype` (bytes are the tokens), with `pattern` "*.txt"."""
 
-    def __init__(self, uri: str, context_length: int = 64, pattern: str = "*.txt", num_samples: Optional[int] = None,
-                 eval_fraction: float = 0.05, seed: int = 0, split: str = "train", cache_dir: Optional[str] = None,
-                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None, read_ahead: int = 512,
-                 fetch_threads: int = 16):
-        super().__init__(uri, context_length=context_length, dtype="uint8", pattern=pattern, num_samples=num_samples,
-                         eval_fraction=eval_fraction, seed=seed, split=split, cache_dir=cache_dir,
-                         block_bytes=block_bytes, endpoint_url=endpoint_url, read_ahead=read_ahead,
-                         fetch_threads=fetch_threads)
+    def __init__(
+        self,
+        uri: str,
+        context_length: int = 64,
+        pattern: str = "*.txt",
+        num_samples: Optional[int] = None,
+        eval_fraction: float = 0.05,
+        seed: int = 0,
+        split: str = "train",
+        cache_dir: Optional[str] = None,
+        block_bytes: int = 1 << 20,
+        endpoint_url: Optional[str] = None,
+        read_ahead: int = 512,
+        fetch_threads: int = 16,
+    ):
+        super().__init__(
+            uri,
+            context_length=context_length,
+            dtype="uint8",
+            pattern=pattern,
+            num_samples=num_samples,
+            eval_fraction=eval_fraction,
+            seed=seed,
+            split=split,
+            cache_dir=cache_dir,
+            block_bytes=block_bytes,
+            endpoint_url=endpoint_url,
+            read_ahead=read_ahead,
+            fetch_threads=fetch_threads,
+        )
 
     headers = False
 
@@ -402,23 +467,46 @@ class ImageShards(TokenShards):
     IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm")
     headers = False
 
-    def __init__(self, uri: str, image_size: int = 32, channels: int = 3, pattern: str = "*.tar",
-                 eval_fraction: float = 0.05, split: str = "train", cache_dir: Optional[str] = None,
-                 block_bytes: int = 1 << 20, endpoint_url: Optional[str] = None, read_ahead: int = 512,
-                 fetch_threads: int = 16):
+    def __init__(
+        self,
+        uri: str,
+        image_size: int = 32,
+        channels: int = 3,
+        pattern: str = "*.tar",
+        eval_fraction: float = 0.05,
+        split: str = "train",
+        cache_dir: Optional[str] = None,
+        block_bytes: int = 1 << 20,
+        endpoint_url: Optional[str] = None,
+        read_ahead: int = 512,
+        fetch_threads: int = 16,
+    ):
         if not isinstance(image_size, int) or image_size < 1:
             raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
         self.image_size, self.channels = image_size, channels
-        super().__init__(uri, context_length=1, dtype="uint8", pattern=pattern, num_samples=None,
-                         eval_fraction=eval_fraction, seed=0, split=split, cache_dir=cache_dir,
-                         block_bytes=block_bytes, endpoint_url=endpoint_url, read_ahead=read_ahead,
-                         fetch_threads=fetch_threads)
+        super().__init__(
+            uri,
+            context_length=1,
+            dtype="uint8",
+            pattern=pattern,
+            num_samples=None,
+            eval_fraction=eval_fraction,
+            seed=0,
+            split=split,
+            cache_dir=cache_dir,
+            block_bytes=block_bytes,
+            endpoint_url=endpoint_url,
+            read_ahead=read_ahead,
+            fetch_threads=fetch_threads,
+        )
 
     def _nothing_in_split(self) -> str:
-        return (f"{self.uri}: no image samples in the {self.split} split of {len(self.shards)} shards "
-                f"({self.eval_fraction:g} of each shard's samples are eval): check the shards hold <key>.<ext> members")
+        return (
+            f"{self.uri}: no image samples in the {self.split} split of {len(self.shards)} shards "
+            f"({self.eval_fraction:g} of each shard's samples are eval): check the shards hold <key>.<ext> members"
+        )
 
     def _samples_per_epoch(self) -> int:
         return self.windows  # every sample of the split once
@@ -446,8 +534,10 @@ class ImageShards(TokenShards):
         key, members = self._members(shard)[first + index - (self._ends[number - 1] if number else 0)]
         found = next(((ext, members[ext]) for ext in self.IMAGE_EXTENSIONS if ext in members), None)
         if found is None:
-            raise DataError(f"{shard.uri}: sample {key!r} has no image member (it has {', '.join(sorted(members))}); "
-                            f"expected one of .{', .'.join(self.IMAGE_EXTENSIONS)}")
+            raise DataError(
+                f"{shard.uri}: sample {key!r} has no image member (it has {', '.join(sorted(members))}); "
+                f"expected one of .{', .'.join(self.IMAGE_EXTENSIONS)}"
+            )
         ext, (offset, size) = found
         return shard, f"{key}.{ext}", offset, offset + size
 
@@ -473,10 +563,13 @@ class ImageShards(TokenShards):
                 side = min(image.size)
                 left, top = (image.width - side) // 2, (image.height - side) // 2
                 image = image.crop((left, top, left + side, top + side)).resize(
-                    (self.image_size, self.image_size), Image.Resampling.BILINEAR)
+                    (self.image_size, self.image_size), Image.Resampling.BILINEAR
+                )
                 pixels = np.asarray(image, dtype=np.float32)
         except (UnidentifiedImageError, OSError, ValueError) as error:
-            raise DataError(f"{shard.uri}: member {member} is not an image Pillow can read: {_first_line(error)}") from None
+            raise DataError(
+                f"{shard.uri}: member {member} is not an image Pillow can read: {_first_line(error)}"
+            ) from None
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
         return torch.from_numpy(pixels.transpose(2, 0, 1) / 127.5 - 1.0)
@@ -496,21 +589,26 @@ def _tar_samples(shard: _Shard, read: Any) -> list[tuple[str, dict[str, tuple[in
     offset, long_name = 0, None
     while True:
         if offset + 512 > shard.size:
-            raise DataError(f"{shard.uri}: ends at byte {shard.size} without tar's end-of-archive marker: truncated? "
-                            "Write the shard again")
+            raise DataError(
+                f"{shard.uri}: ends at byte {shard.size} without tar's end-of-archive marker: truncated? "
+                "Write the shard again"
+            )
         block = read(offset, offset + 512)
         if block == bytes(512):
             break  # the end-of-archive marker
         try:
             header = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
         except tarfile.HeaderError as error:
-            raise DataError(f"{shard.uri}: no tar header at byte {offset} ({error}): not a WebDataset tar shard, or a "
-                            "damaged one") from None
+            raise DataError(
+                f"{shard.uri}: no tar header at byte {offset} ({error}): not a WebDataset tar shard, or a damaged one"
+            ) from None
         data = offset + 512
         end = data + (header.size + 511) // 512 * 512
         if data + header.size > shard.size:
-            raise DataError(f"{shard.uri}: member {header.name} at byte {offset} says {header.size} bytes, past the "
-                            f"shard's end ({shard.size} bytes): truncated?")
+            raise DataError(
+                f"{shard.uri}: member {header.name} at byte {offset} says {header.size} bytes, past the "
+                f"shard's end ({shard.size} bytes): truncated?"
+            )
         if header.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE):
             text = read(data, data + header.size)
             if header.type == tarfile.GNUTYPE_LONGNAME:

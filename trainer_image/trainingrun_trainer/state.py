@@ -15,6 +15,7 @@ These are the same on every rank, so DCP writes each once. What differs between 
 streams, the loss this rank saw and the step time it measured; the checkpoint store keeps it as that rank's
 own entry (`extra`), which a rank the checkpoint's world did not have finds missing.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -88,12 +89,18 @@ class PerRank:
     rng: dict[str, Any]  #: python, numpy, torch (and CUDA) RNG states: seeding.rng_state()
     world_size: int  #: RNG streams are per rank: they carry over only to the same world size
     loss: Optional[float] = None  #: this rank's loss at the last step
-    productive_seconds: float = 0.0  #: step time (data wait excluded) this rank measured, summed over attempts of the same run
+    productive_seconds: float = (
+        0.0  #: step time (data wait excluded) this rank measured, summed over attempts of the same run
+    )
 
     def as_extra(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "PerRank":
-        return cls(rng=extra["rng"], world_size=int(extra["world_size"]), loss=extra.get("loss"),
-                   productive_seconds=float(extra.get("productive_seconds") or 0.0))
+        return cls(
+            rng=extra["rng"],
+            world_size=int(extra["world_size"]),
+            loss=extra.get("loss"),
+            productive_seconds=float(extra.get("productive_seconds") or 0.0),
+        )

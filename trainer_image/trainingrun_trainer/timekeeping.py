@@ -1,6 +1,7 @@
 """Where a training process's time goes (`contract.ProcessTime`), on rank 0's clock: the parts of the goodput
 breakdown a process can see. The trainer adds to it as it goes and reports it with its progress; the supervisor
 (the operator, `trainingrun local`) adds what happens outside processes (launching, rendezvous, backoff)."""
+
 from __future__ import annotations
 
 import os
@@ -86,16 +87,22 @@ class ProcessClock:
         """The first step took `seconds`; the line that says where the time to it went (the parts add up)."""
         self.first_step = seconds
         parts = self.snapshot().startup_parts()
-        return (f"start-up {sum(parts.values()):.2f} s to the first step: "
-                + ", ".join(f"{name.replace('_', ' ')} {value:.2f} s" for name, value in parts.items()))
+        return f"start-up {sum(parts.values()):.2f} s to the first step: " + ", ".join(
+            f"{name.replace('_', ' ')} {value:.2f} s" for name, value in parts.items()
+        )
 
     def snapshot(self) -> ProcessTime:
         s = self.seconds
         return ProcessTime(
-            process=self.process, alive_seconds=round(self._now() - self.started, 3),
-            startup_seconds=round(s["startup"], 3), restore_seconds=round(s["restore"], 3),
-            checkpoint_seconds=round(s["checkpoint"], 3), data_wait_seconds=round(s["data_wait"], 3),
-            compute_seconds=round(s["compute"], 3), eval_seconds=round(s["eval"], 3),
+            process=self.process,
+            alive_seconds=round(self._now() - self.started, 3),
+            startup_seconds=round(s["startup"], 3),
+            restore_seconds=round(s["restore"], 3),
+            checkpoint_seconds=round(s["checkpoint"], 3),
+            data_wait_seconds=round(s["data_wait"], 3),
+            compute_seconds=round(s["compute"], 3),
+            eval_seconds=round(s["eval"], 3),
             restored_productive_seconds=round(self.restored_productive_seconds, 3),
             **{f"{phase}_seconds": round(self.startup_phases[phase], 3) for phase in STARTUP_PHASES},
-            first_step_seconds=round(self.first_step, 3))
+            first_step_seconds=round(self.first_step, 3),
+        )

@@ -17,6 +17,7 @@ the steps after its checkpoint again, and with exact resume the same values):
   the same id (W&B's design: `wandb sync` puts them in one run), and the steps the earlier ones hold are read from
   their transaction logs.
 """
+
 from __future__ import annotations
 
 import glob
@@ -43,8 +44,21 @@ CLOSE_SECONDS = 10.0
 _STOP = object()
 #: Words of a config key (camelCase, snake_case or kebab-case) whose value is never sent to a tracker: initArgs of a
 #: user's class may hold a key or a token. Whole words: `tokenizer_path` is no token.
-SECRET_WORDS = {"secret", "secrets", "token", "password", "passwd", "pwd", "credential", "credentials",
-                "auth", "authorization", "signature", "apikey", "privatekey"}
+SECRET_WORDS = {
+    "secret",
+    "secrets",
+    "token",
+    "password",
+    "passwd",
+    "pwd",
+    "credential",
+    "credentials",
+    "auth",
+    "authorization",
+    "signature",
+    "apikey",
+    "privatekey",
+}
 SECRET_PAIRS = {("api", "key"), ("private", "key"), ("access", "key")}
 #: The user:password@ of a URI.
 USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
@@ -63,8 +77,10 @@ def redacted(config: Any) -> Any:
     """The config as trackers get it: values of secret-looking keys replaced, and userinfo cut out of URIs (validation
     refuses both in the fields it knows; this also covers a user's initArgs and older specs)."""
     if isinstance(config, Mapping):
-        return {key: REDACTED if secret_key(key) and value not in (None, "") else redacted(value)
-                for key, value in config.items()}
+        return {
+            key: REDACTED if secret_key(key) and value not in (None, "") else redacted(value)
+            for key, value in config.items()
+        }
     if isinstance(config, (list, tuple)):
         return [redacted(value) for value in config]
     if isinstance(config, str):
@@ -125,20 +141,24 @@ class MLflow:
         self.client = MlflowClient(self.tracking_uri)
         found = self.client.get_experiment_by_name(self.experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
-        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{self.UID_TAG}` = '{self.run_uid}'",
-                                       max_results=1)
+        runs = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{self.UID_TAG}` = '{self.run_uid}'", max_results=1
+        )
         if runs:
             self.run_id = runs[0].info.run_id
             history = self.client.get_metric_history(self.run_id, "train/loss")
             self.logged_up_to = max((m.step for m in history), default=-1)
             self.client.update_run(self.run_id, status="RUNNING")
             return
-        run = self.client.create_run(experiment_id, run_name=self.run_name, tags={
-            self.UID_TAG: self.run_uid, "trainingrun.namespace": self.namespace})
+        run = self.client.create_run(
+            experiment_id,
+            run_name=self.run_name,
+            tags={self.UID_TAG: self.run_uid, "trainingrun.namespace": self.namespace},
+        )
         self.run_id = run.info.run_id
         params = [Param(key, str(value)[: self.PARAM_CHARS]) for key, value in sorted(_flat(config).items())]
         for first in range(0, len(params), self.PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=params[first:first + self.PARAMS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=params[first : first + self.PARAMS_PER_BATCH])
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
@@ -156,8 +176,9 @@ class MLflow:
 class WandB:
     """Metrics and the config on Weights & Biases: one W&B run per TrainingRun, whose id is the run's uid."""
 
-    def __init__(self, project: str, entity: Optional[str], directory: str, run_name: str, run_uid: str,
-                 namespace: str):
+    def __init__(
+        self, project: str, entity: Optional[str], directory: str, run_name: str, run_uid: str, namespace: str
+    ):
         self.project, self.entity, self.run_name, self.namespace = project, entity, run_name, namespace
         self.directory = directory or tempfile.gettempdir()
         self.run_id = run_uid
@@ -172,13 +193,27 @@ class WandB:
         import wandb
 
         os.makedirs(self.directory, exist_ok=True)
-        self.run = wandb.init(project=self.project, entity=self.entity, id=self.run_id, name=self.run_name,
-                              resume="allow", dir=self.directory, config=dict(config), tags=[self.namespace],
-                              settings=wandb.Settings(console="off"))
+        self.run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            id=self.run_id,
+            name=self.run_name,
+            resume="allow",
+            dir=self.directory,
+            config=dict(config),
+            tags=[self.namespace],
+            settings=wandb.Settings(console="off"),
+        )
         if self.run.settings._offline:
-            earlier = [p for p in glob.glob(os.path.join(self.run.settings.wandb_dir, f"offline-run-*-{self.run_id}",
-                                                         f"run-{self.run_id}.wandb"))
-                       if os.path.dirname(p) != self.run.settings.sync_dir]
+            earlier = [
+                p
+                for p in glob.glob(
+                    os.path.join(
+                        self.run.settings.wandb_dir, f"offline-run-*-{self.run_id}", f"run-{self.run_id}.wandb"
+                    )
+                )
+                if os.path.dirname(p) != self.run.settings.sync_dir
+            ]
             self.logged_up_to = max((s for path in earlier for s in wandb_history_steps(path)), default=-1)
         elif self.run.resumed:
             self.logged_up_to = self.run.step - 1  # W&B's next step for this run
@@ -214,7 +249,7 @@ def wandb_history_steps(path: str) -> Iterator[int]:
             position += left_in_block  # a block's last bytes are padding
             continue
         checksum, length, kind = struct.unpack_from("<IHB", data, position)
-        chunk = data[position + WANDB_CHUNK_HEADER:position + WANDB_CHUNK_HEADER + length]
+        chunk = data[position + WANDB_CHUNK_HEADER : position + WANDB_CHUNK_HEADER + length]
         if len(chunk) < length or kind not in (1, 2, 3, 4) or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
             return
         position += WANDB_CHUNK_HEADER + length
@@ -236,18 +271,25 @@ def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def backends_for(loggers: Sequence[LoggerConfig], run_name: str = "run", run_uid: str = "",
-                 namespace: str = "default") -> list[Any]:
+def backends_for(
+    loggers: Sequence[LoggerConfig], run_name: str = "run", run_uid: str = "", namespace: str = "default"
+) -> list[Any]:
     backends: list[Any] = []
     for logger in loggers:
         if logger.kind == "tensorboard":
             backends.append(TensorBoard(logger.log_dir or ""))
         elif logger.kind == "mlflow":
-            backends.append(MLflow(logger.tracking_uri or "", logger.experiment or namespace, run_name,
-                                   run_uid or run_name, namespace))
+            backends.append(
+                MLflow(
+                    logger.tracking_uri or "", logger.experiment or namespace, run_name, run_uid or run_name, namespace
+                )
+            )
         elif logger.kind == "wandb":
-            backends.append(WandB(logger.project or "", logger.entity, logger.log_dir or "", run_name,
-                                  run_uid or run_name, namespace))
+            backends.append(
+                WandB(
+                    logger.project or "", logger.entity, logger.log_dir or "", run_name, run_uid or run_name, namespace
+                )
+            )
     return backends
 
 
@@ -290,8 +332,10 @@ class Tracker:
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1:
-                log.warning("the trackers fall behind (%d records queued): records are dropped, training goes on",
-                            self._queue.maxsize)
+                log.warning(
+                    "the trackers fall behind (%d records queued): records are dropped, training goes on",
+                    self._queue.maxsize,
+                )
 
     def _deliver(self) -> None:
         give_way_to_training()  # woken by each step's records: it must not preempt the step that queued them
@@ -306,9 +350,13 @@ class Tracker:
                 except Exception as error:  # noqa: BLE001 - a tracker's failure must not end training
                     if number not in self._failed:
                         self._failed.add(number)
-                        log.warning("%s: %s failed (%s: %s); training goes on, later records are still sent",
-                                    type(backend).__name__, kind, type(error).__name__, str(error).splitlines()[0]
-                                    if str(error) else "")
+                        log.warning(
+                            "%s: %s failed (%s: %s); training goes on, later records are still sent",
+                            type(backend).__name__,
+                            kind,
+                            type(error).__name__,
+                            str(error).splitlines()[0] if str(error) else "",
+                        )
 
 
 class NullTracker:

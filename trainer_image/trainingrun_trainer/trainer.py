@@ -5,6 +5,7 @@ schedules are pure functions of the step, and the checkpoint holds model, optimi
 grad scaler, EMA, step, sampler position and every RNG state per rank (state.py). A resumed run therefore
 computes the same steps an uninterrupted run would, and in deterministic mode the same bits.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,8 +110,14 @@ class Trainer:
         self.copy_before_forward = changed_by_forward(model)
         counts_tokens = getattr(model, "tokens_per_sample", None)
         self.tokens_per_sample = int(counts_tokens()) if callable(counts_tokens) else 0
-        self.efficiency = efficiency.for_run(model, self.cfg.precision, self.device, self.context.world_size,
-                                             self.cfg.flops_per_sample, self.cfg.peak_flops_per_second)
+        self.efficiency = efficiency.for_run(
+            model,
+            self.cfg.precision,
+            self.device,
+            self.context.world_size,
+            self.cfg.flops_per_sample,
+            self.cfg.peak_flops_per_second,
+        )
         if self.cfg.strategy == "fsdp2" and self.distributed:
             from torch.distributed.fsdp import fully_shard
 
@@ -143,8 +150,9 @@ class Trainer:
         )
         self.global_batch = data.batch_size * self.context.world_size
         ahead = getattr(self.dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
-        self.batch_order = read_ahead(self.sampler, self.dataset.missing, ahead, self.dataset.fetch_threads) \
-            if ahead else None
+        self.batch_order = (
+            read_ahead(self.sampler, self.dataset.missing, ahead, self.dataset.fetch_threads) if ahead else None
+        )
         if self.batch_order is not None:
             self.batch_order.begin()  # a cold cache's first fetches overlap the restore, not the first step
         self.eval_dataset = None
@@ -181,16 +189,26 @@ class Trainer:
 
     def _state(self) -> dict[str, Any]:
         """Every component, as DCP Stateful entries: saved as they are now, loaded in place (state.py)."""
-        state: dict[str, Any] = {"model": ModelState(self.model), "optim": OptimizerState(self.model, self.optimizer),
-                                 "scheduler": self.scheduler, "scaler": self.scaler, "sampler": self.sampler,
-                                 "guard": self.guard, "train": self.progress}
+        state: dict[str, Any] = {
+            "model": ModelState(self.model),
+            "optim": OptimizerState(self.model, self.optimizer),
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "sampler": self.sampler,
+            "guard": self.guard,
+            "train": self.progress,
+        }
         if self.ema:
             state["ema"] = self.ema
         return state
 
     def _per_rank(self) -> dict[str, Any]:
-        return PerRank(rng=rng_state(), world_size=self.context.world_size, loss=self.last_loss,
-                       productive_seconds=self.productive_seconds).as_extra()
+        return PerRank(
+            rng=rng_state(),
+            world_size=self.context.world_size,
+            loss=self.last_loss,
+            productive_seconds=self.productive_seconds,
+        ).as_extra()
 
     def _apply_restored(self, extra: dict[str, Any]) -> None:
         """After a checkpoint was loaded into `_state()`'s entries: this rank's own values from its `extra`."""
@@ -260,8 +278,14 @@ class Trainer:
             digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
         else:
             digest = lambda staged: model_digest(staged["model"])  # noqa: E731 - rank 0 computes it in the background
-        self.run.save(self.step, state, self._per_rank(), model_digest=digest, blocking=blocking,
-                      copy_in_background=CHANGED_BY_OPTIMIZER_STEP)
+        self.run.save(
+            self.step,
+            state,
+            self._per_rank(),
+            model_digest=digest,
+            blocking=blocking,
+            copy_in_background=CHANGED_BY_OPTIMIZER_STEP,
+        )
 
     def _wait_for_checkpoint_copy(self) -> None:
         """Before the weights change: wait until the save in flight has copied them (it copies in the background)."""
@@ -343,12 +367,21 @@ class Trainer:
         self.clock.restored_productive_seconds = self.productive_seconds
         if extra is not None:
             # Where the run stands now, before the first new step (which may be a while, or never).
-            self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
-                            productive_seconds=self.productive_seconds)
+            self.run.report(
+                self.step,
+                total_steps=self.cfg.max_steps,
+                loss=self.last_loss,
+                productive_seconds=self.productive_seconds,
+            )
         self.tracker = tracking.for_rank(cfg.loggers, self.context)
         self.tracker.start(self.step, self.config.to_wire())
-        self.tracker.metrics(self.step, {"run/attempt": self.context.attempt,
-                                         "run/restarts_in_place": float(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)})
+        self.tracker.metrics(
+            self.step,
+            {
+                "run/attempt": self.context.attempt,
+                "run/restarts_in_place": float(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+            },
+        )
         batches = self._batches()
         self.clock.ready()
         code = None
@@ -359,9 +392,16 @@ class Trainer:
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
         # The last word on this process's time: the final save included.
-        self.run.report(self.step, total_steps=self.cfg.max_steps, loss=self.last_loss,
-                        samples_per_second=self.samples_per_second, productive_seconds=self.productive_seconds,
-                        process_time=self.clock, model_flops_per_second=self.model_flops_per_second, mfu=self.mfu)
+        self.run.report(
+            self.step,
+            total_steps=self.cfg.max_steps,
+            loss=self.last_loss,
+            samples_per_second=self.samples_per_second,
+            productive_seconds=self.productive_seconds,
+            process_time=self.clock,
+            model_flops_per_second=self.model_flops_per_second,
+            mfu=self.mfu,
+        )
         self.run.close(finished=code == exit_codes.OK)
         if self.distributed:
             dist.destroy_process_group()
@@ -449,7 +489,10 @@ class Trainer:
             if not self.clock.first_step:
                 log.info(self.clock.first_step_done(step_seconds))
                 self.metrics.startup(self.clock)
-            if self.step == self.context.chaos_kill_at_step and self.context.rank == self.step % self.context.world_size:
+            if (
+                self.step == self.context.chaos_kill_at_step
+                and self.context.rank == self.step % self.context.world_size
+            ):
                 # Earlier checkpoints are made durable first, so the injected crash loses exactly
                 # the steps since the last checkpoint, whatever the machine's load.
                 self.run.store.wait()
@@ -462,38 +505,70 @@ class Trainer:
                     results = self._evaluate()
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
                 self.metrics.evaluation(self.step, results)
-                self.tracker.metrics(self.step, {f"eval/{name.removeprefix('eval_')}": value
-                                                 for name, value in results.items()})
+                self.tracker.metrics(
+                    self.step, {f"eval/{name.removeprefix('eval_')}": value for name, value in results.items()}
+                )
 
             self.last_loss = loss
-            self.metrics.step(step=self.step, loss=loss, learning_rate=self.scheduler.get_last_lr()[0],
-                              grad_norm=grad_norm, step_seconds=step_seconds,
-                              data_wait_seconds=self.data_wait_seconds, productive_seconds=self.productive_seconds,
-                              samples_per_second=self.samples_per_second, tokens_per_second=self.tokens_per_second,
-                              model_flops_per_second=self.model_flops_per_second, mfu=self.mfu)
+            self.metrics.step(
+                step=self.step,
+                loss=loss,
+                learning_rate=self.scheduler.get_last_lr()[0],
+                grad_norm=grad_norm,
+                step_seconds=step_seconds,
+                data_wait_seconds=self.data_wait_seconds,
+                productive_seconds=self.productive_seconds,
+                samples_per_second=self.samples_per_second,
+                tokens_per_second=self.tokens_per_second,
+                model_flops_per_second=self.model_flops_per_second,
+                mfu=self.mfu,
+            )
             self.metrics.checkpoints(self.run.store, self.run.checkpoint_wait_seconds)
-            self.tracker.metrics(self.step, {"train/loss": loss, "train/learning_rate": self.scheduler.get_last_lr()[0],
-                                             "train/grad_norm": grad_norm, "train/samples_per_second": self.samples_per_second,
-                                             "train/tokens_per_second": self.tokens_per_second,
-                                             "train/model_flops_per_second": self.model_flops_per_second,
-                                             "train/mfu": self.mfu})
+            self.tracker.metrics(
+                self.step,
+                {
+                    "train/loss": loss,
+                    "train/learning_rate": self.scheduler.get_last_lr()[0],
+                    "train/grad_norm": grad_norm,
+                    "train/samples_per_second": self.samples_per_second,
+                    "train/tokens_per_second": self.tokens_per_second,
+                    "train/model_flops_per_second": self.model_flops_per_second,
+                    "train/mfu": self.mfu,
+                },
+            )
             self._track_commit()
             # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
-            self.run.report(self.step, total_steps=cfg.max_steps, loss=loss, samples_per_second=self.samples_per_second,
-                            productive_seconds=self.productive_seconds, process_time=self.clock,
-                            model_flops_per_second=self.model_flops_per_second, mfu=self.mfu)
+            self.run.report(
+                self.step,
+                total_steps=cfg.max_steps,
+                loss=loss,
+                samples_per_second=self.samples_per_second,
+                productive_seconds=self.productive_seconds,
+                process_time=self.clock,
+                model_flops_per_second=self.model_flops_per_second,
+                mfu=self.mfu,
+            )
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
                 self.metrics.checkpoint_interval(self.run.interval_choice())
                 elapsed = time.monotonic() - window_start
-                self.samples_per_second = window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
+                self.samples_per_second = (
+                    window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
+                )
                 if self.tokens_per_sample:
                     self.tokens_per_second = self.samples_per_second * self.tokens_per_sample
                 self.model_flops_per_second = self.efficiency.flops_per_second(self.samples_per_second)
                 self.mfu = self.efficiency.mfu(self.samples_per_second)
-                log.info("step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f%s", self.step, cfg.max_steps,
-                         loss, grad_norm, self.scheduler.get_last_lr()[0], self.samples_per_second,
-                         (f" TFLOP/s {self.model_flops_per_second / 1e12:.3g}" if self.model_flops_per_second else "")
-                         + (f" MFU {self.mfu:.1%}" if self.mfu is not None else ""))
+                log.info(
+                    "step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f%s",
+                    self.step,
+                    cfg.max_steps,
+                    loss,
+                    grad_norm,
+                    self.scheduler.get_last_lr()[0],
+                    self.samples_per_second,
+                    (f" TFLOP/s {self.model_flops_per_second / 1e12:.3g}" if self.model_flops_per_second else "")
+                    + (f" MFU {self.mfu:.1%}" if self.mfu is not None else ""),
+                )
                 window_start, window_steps = time.monotonic(), 0
 
             if stop:
@@ -508,8 +583,11 @@ class Trainer:
         if committed is None or committed.step != self.step:
             # Exiting 0 would report success with the final weights lost; a retry redoes the steps
             # after the last good checkpoint and saves again (or, inside the pod, finds them in memory).
-            log.error("the final checkpoint at step %d is not in storage; exiting with the retryable code %d",
-                      self.step, exit_codes.RETRYABLE)
+            log.error(
+                "the final checkpoint at step %d is not in storage; exiting with the retryable code %d",
+                self.step,
+                exit_codes.RETRYABLE,
+            )
             return exit_codes.RETRYABLE
         self.run.report_committed()
         self._track_commit()
@@ -534,7 +612,10 @@ class Trainer:
         scaled_already = self.guard.rollbacks
         self.guard.rollbacks = rollbacks  # the count survives the restore, or we would loop forever
         scale_learning_rate(self.scheduler, self.cfg.health.rollback_lr_scale ** (rollbacks - scaled_already))
-        log.warning("rolled back to step %d (%s); learning rate scaled by %s", self.step, self.guard.last_reason,
-                    self.cfg.health.rollback_lr_scale)
+        log.warning(
+            "rolled back to step %d (%s); learning rate scaled by %s",
+            self.step,
+            self.guard.last_reason,
+            self.cfg.health.rollback_lr_scale,
+        )
         return True
-

@@ -11,25 +11,46 @@ SIGKILLs a worker to show that this works.
 The parts: `inputs` (the file, options and secrets), `ledger` (what a run keeps between invocations),
 `status_server` (the report endpoint), `processes` (/proc and logs), `runner` (the supervisor), `display`.
 """
+
 from .display import PlainDisplay, RichDisplay
 from .inputs import (
-                     DEFAULT_RUNS_DIR,
-                     LocalOptionError,
-                     LocalOptions,
-                     LocalRunError,
-                     check_options,
-                     load_run,
-                     port_is_free,
-                     read_env_file,
-                     resolve_secrets,
-                     secret_variables,
+    DEFAULT_RUNS_DIR,
+    LocalOptionError,
+    LocalOptions,
+    LocalRunError,
+    check_options,
+    load_run,
+    port_is_free,
+    read_env_file,
+    resolve_secrets,
+    secret_variables,
 )
 from .ledger import RunLedger
 from .processes import LogFollower, child_pids, worker_pids
 from .runner import STOP_SIGNALS, Attempt, LocalRunner, Summary, WorkerGroup
 from .status_server import StatusServer
 
-__all__ = ["DEFAULT_RUNS_DIR", "STOP_SIGNALS", "Attempt", "LocalOptionError", "LocalOptions", "LocalRunError",
-           "LocalRunner", "LogFollower", "PlainDisplay", "RichDisplay", "RunLedger", "StatusServer", "Summary",
-           "WorkerGroup", "check_options", "child_pids", "load_run", "port_is_free", "read_env_file",
-           "resolve_secrets", "secret_variables", "worker_pids"]
+__all__ = [
+    "DEFAULT_RUNS_DIR",
+    "STOP_SIGNALS",
+    "Attempt",
+    "LocalOptionError",
+    "LocalOptions",
+    "LocalRunError",
+    "LocalRunner",
+    "LogFollower",
+    "PlainDisplay",
+    "RichDisplay",
+    "RunLedger",
+    "StatusServer",
+    "Summary",
+    "WorkerGroup",
+    "check_options",
+    "child_pids",
+    "load_run",
+    "port_is_free",
+    "read_env_file",
+    "resolve_secrets",
+    "secret_variables",
+    "worker_pids",
+]

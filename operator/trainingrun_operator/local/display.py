@@ -1,4 +1,5 @@
 """Showing a local run's progress: a live bar on terminals, plain lines elsewhere."""
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,12 @@ class PlainDisplay:
             return
         self.last_step, self.last_time = step, now
         loss, rate = progress.get("loss"), progress.get("samplesPerSecond")
-        print(f"{runner.attempt_label()} step {step}/{total} loss {'-' if loss is None else f'{loss:.4f}'} "
-              f"samples/s {'-' if rate is None else f'{rate:.1f}'}", file=self.out, flush=True)
+        print(
+            f"{runner.attempt_label()} step {step}/{total} loss {'-' if loss is None else f'{loss:.4f}'} "
+            f"samples/s {'-' if rate is None else f'{rate:.1f}'}",
+            file=self.out,
+            flush=True,
+        )
 
     def close(self) -> None:
         pass
@@ -53,11 +58,13 @@ class RichDisplay:
         progress = status.get("progress", {})
         total = progress.get("totalSteps") or runner.spec.trainer.max_steps
         if self.task is None:
-            self.task = self.progress.add_task("train", total=total, attempt=runner.attempt_label(), loss="-",
-                                              rate="-")
+            self.task = self.progress.add_task("train", total=total, attempt=runner.attempt_label(), loss="-", rate="-")
         loss = progress.get("loss")
         self.progress.update(
-            self.task, completed=progress.get("step") or 0, total=total, attempt=runner.attempt_label(),
+            self.task,
+            completed=progress.get("step") or 0,
+            total=total,
+            attempt=runner.attempt_label(),
             loss="-" if loss is None else f"{loss:.4f}",
             rate="-" if progress.get("samplesPerSecond") is None else f"{progress['samplesPerSecond']:.0f}",
         )

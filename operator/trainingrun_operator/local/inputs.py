@@ -1,5 +1,6 @@
 """What a local run starts from: the TrainingRun file (parsed as `validate` does, with what a laptop run may leave
 out filled in), the command-line options, and the secrets it references (environment or .env, never printed)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,7 +42,11 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
     documents = validation.load_file(path)
     if len(documents) != 1:
         raise validation.InvalidTrainingRun(
-            [validation.Problem("", f"{path} holds {len(documents)} documents; `trainingrun local` runs one TrainingRun")]
+            [
+                validation.Problem(
+                    "", f"{path} holds {len(documents)} documents; `trainingrun local` runs one TrainingRun"
+                )
+            ]
         )
     document = documents[0]
     if isinstance(document, dict) and isinstance(document.get("spec"), dict):
@@ -49,7 +54,11 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
         name = str((document.get("metadata") or {}).get("name", "run"))
         checkpoint = spec.setdefault("checkpoint", {})
         if isinstance(checkpoint, dict):
-            uri = options.checkpoint_uri or checkpoint.get("uri") or f"file://{Path(options.runs_dir).resolve()}/{name}/checkpoints"
+            uri = (
+                options.checkpoint_uri
+                or checkpoint.get("uri")
+                or f"file://{Path(options.runs_dir).resolve()}/{name}/checkpoints"
+            )
             checkpoint["uri"] = uri
             if isinstance(document.get("metadata"), dict):
                 # Rerunning the command goes on with the same run (its goodput counts both invocations).
@@ -68,11 +77,15 @@ def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
     last = run.spec.trainer.max_steps
     late = sorted(step for step in options.chaos_kill_steps if step > last)
     if late:
-        raise LocalOptionError(f"--chaos-kill-step {late[0]} is past the run's last step ({last}, "
-                               f"spec.trainer.maxSteps or --max-steps): it would never fire; pick a step up to {last}")
+        raise LocalOptionError(
+            f"--chaos-kill-step {late[0]} is past the run's last step ({last}, "
+            f"spec.trainer.maxSteps or --max-steps): it would never fire; pick a step up to {last}"
+        )
     if options.metrics_port and not port_is_free(options.metrics_port):
-        raise LocalOptionError(f"--metrics-port {options.metrics_port} is in use on this machine: pick a free port, "
-                               "or leave --metrics-port out (the run then serves no metrics)")
+        raise LocalOptionError(
+            f"--metrics-port {options.metrics_port} is in use on this machine: pick a free port, "
+            "or leave --metrics-port out (the run then serves no metrics)"
+        )
 
 
 def port_is_free(port: int) -> bool:
@@ -115,11 +128,18 @@ def secret_variables(spec: api.TrainingRunSpec) -> list[tuple[str, str]]:
     wanted = [(e.name, f"secrets.env {e.secret_name}/{e.key}") for e in spec.secrets.env]
     if spec.secrets.gcs_key_file:
         ref = spec.secrets.gcs_key_file
-        wanted.append(("GOOGLE_APPLICATION_CREDENTIALS", f"path of the key file for secrets.gcsKeyFile {ref.secret_name}/{ref.key}"))
+        wanted.append(
+            (
+                "GOOGLE_APPLICATION_CREDENTIALS",
+                f"path of the key file for secrets.gcsKeyFile {ref.secret_name}/{ref.key}",
+            )
+        )
     s3 = spec.secrets.s3_credentials
     if s3:
-        wanted += [("AWS_ACCESS_KEY_ID", f"secrets.s3Credentials {s3.secret_name}/{s3.access_key_id_key}"),
-                   ("AWS_SECRET_ACCESS_KEY", f"secrets.s3Credentials {s3.secret_name}/{s3.secret_access_key_key}")]
+        wanted += [
+            ("AWS_ACCESS_KEY_ID", f"secrets.s3Credentials {s3.secret_name}/{s3.access_key_id_key}"),
+            ("AWS_SECRET_ACCESS_KEY", f"secrets.s3Credentials {s3.secret_name}/{s3.secret_access_key_key}"),
+        ]
         if s3.session_token_key:
             wanted.append(("AWS_SESSION_TOKEN", f"secrets.s3Credentials {s3.secret_name}/{s3.session_token_key}"))
     return wanted
@@ -137,7 +157,8 @@ def resolve_secrets(spec: api.TrainingRunSpec, environ: dict[str, str], env_file
             missing.append(f"{variable} ({meaning})")
     if missing:
         raise LocalRunError(
-            "missing secrets: " + ", ".join(missing)
+            "missing secrets: "
+            + ", ".join(missing)
             + f"; set them in the environment or in {env_file} (see .env.example)"
         )
     return values

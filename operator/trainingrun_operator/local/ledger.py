@@ -1,4 +1,5 @@
 """What one local run keeps between invocations of `trainingrun local`."""
+
 from __future__ import annotations
 
 import json
@@ -33,5 +34,9 @@ class RunLedger:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"uid": self.uid, "checkpointUri": self.checkpoint_uri,
-                                         "wallSeconds": round(self.wall_seconds, 3)}), encoding="utf-8")
+        self.path.write_text(
+            json.dumps(
+                {"uid": self.uid, "checkpointUri": self.checkpoint_uri, "wallSeconds": round(self.wall_seconds, 3)}
+            ),
+            encoding="utf-8",
+        )

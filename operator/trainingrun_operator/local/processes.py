@@ -1,4 +1,5 @@
 """The processes of a local attempt, found through /proc, and the log lines they write."""
+
 from __future__ import annotations
 
 import os

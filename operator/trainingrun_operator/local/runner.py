@@ -1,4 +1,5 @@
 """The supervisor of a local run: attempts, in-place restarts, recovery, fault injection and the summary."""
+
 from __future__ import annotations
 
 import glob
@@ -54,8 +55,11 @@ class Attempt:
         if not self.log_path or not self.log_path.exists():
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
-        said = [line for line in lines if line.startswith(("trainingrun-trainer:", "trainingrun launch: cannot"))
-                or " ERROR trainingrun" in line]
+        said = [
+            line
+            for line in lines
+            if line.startswith(("trainingrun-trainer:", "trainingrun launch: cannot")) or " ERROR trainingrun" in line
+        ]
         return "\n".join(dict.fromkeys(said))  # each once, in order
 
 
@@ -96,9 +100,11 @@ class Summary:
 
     def breakdown_line(self) -> str:
         """`time: wall 61.2 s = productive 40.1 s (65.5%) + lost 1.2 s + ...`, every part of the breakdown."""
-        parts = " + ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" + (
-            f" ({seconds / self.wall_seconds:.1%})" if name == "productive" and self.wall_seconds > 0 else "")
-            for name, seconds in self.breakdown.items())
+        parts = " + ".join(
+            f"{name.replace('_', ' ')} {seconds:.1f} s"
+            + (f" ({seconds / self.wall_seconds:.1%})" if name == "productive" and self.wall_seconds > 0 else "")
+            for name, seconds in self.breakdown.items()
+        )
         return f"time: wall {self.wall_seconds:.1f} s = {parts}"
 
     def interval_line(self) -> Optional[str]:
@@ -109,10 +115,13 @@ class Summary:
 
         def seconds(key: str, digits: int = 1) -> str:
             return "-" if chosen.get(key) is None else f"{chosen[key]:.{digits}f} s"
-        return (f"checkpoint interval (auto): {chosen['steps']} steps = {seconds('seconds')}; a save costs "
-                f"{seconds('saveCostSeconds', 3)}, {chosen.get('failures', 0)} failure(s), one every "
-                f"{seconds('secondsBetweenFailures')} (estimated); a failure loses {seconds('expectedLostSeconds')} "
-                "of training on average")
+
+        return (
+            f"checkpoint interval (auto): {chosen['steps']} steps = {seconds('seconds')}; a save costs "
+            f"{seconds('saveCostSeconds', 3)}, {chosen.get('failures', 0)} failure(s), one every "
+            f"{seconds('secondsBetweenFailures')} (estimated); a failure loses {seconds('expectedLostSeconds')} "
+            "of training on average"
+        )
 
     def startup_line(self) -> Optional[str]:
         """`start-up: imports 4.1 s + init 0.3 s + ... + first step 1.2 s = 7.0 s to the first steps`: the processes'
@@ -132,15 +141,23 @@ class Summary:
 
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
-        return (f"result: steps={self.steps} final_loss={loss} attempts={self.attempts} "
-                f"restarts_in_place={self.restarts_in_place} lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}")
+        return (
+            f"result: steps={self.steps} final_loss={loss} attempts={self.attempts} "
+            f"restarts_in_place={self.restarts_in_place} lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}"
+        )
 
 
 class LocalRunner:
     """Supervises attempts of one TrainingRun on this machine."""
 
-    def __init__(self, run: api.TrainingRun, options: LocalOptions, secrets: dict[str, str],
-                 out: TextIO = sys.stdout, display: Optional[Callable[["LocalRunner", dict], None]] = None):
+    def __init__(
+        self,
+        run: api.TrainingRun,
+        options: LocalOptions,
+        secrets: dict[str, str],
+        out: TextIO = sys.stdout,
+        display: Optional[Callable[["LocalRunner", dict], None]] = None,
+    ):
         self.run = run
         self.spec = run.spec
         self.options = options
@@ -170,7 +187,7 @@ class LocalRunner:
         return sum(1 for earlier, group in zip(self.groups, self.groups[1:]) if group.attempt == earlier.attempt)
 
     def attempt_label(self) -> str:
-        """"attempt 2", or "attempt 2, restart 1 in place" once torchrun has restarted its worker group."""
+        """ "attempt 2", or "attempt 2, restart 1 in place" once torchrun has restarted its worker group."""
         in_place = sum(1 for g in self.groups if g.attempt == self.attempt_count) - 1
         label = f"attempt {self.attempt_count}"
         return f"{label}, restart {in_place} in place" if in_place > 0 else label
@@ -185,13 +202,20 @@ class LocalRunner:
         env.update(self.secrets)
         users = {e.name for e in self.spec.env} | set(self.secrets)
         # As in a pod: the contract, where a default the user also set (OMP_NUM_THREADS, HOME, ...) is the user's.
-        env.update({k: v for k, v in builders.contract_env(self.run, attempt, str(config_path)).items()
-                    if k not in users or k.startswith(contract.PREFIX)})
-        env.update({
-            contract.REPORT_URL: status.url,
-            contract.REPORT_TOKEN_FILE: str(status.token_file),
-            contract.REPORT_INTERVAL_SECONDS: "0.1",
-        })
+        env.update(
+            {
+                k: v
+                for k, v in builders.contract_env(self.run, attempt, str(config_path)).items()
+                if k not in users or k.startswith(contract.PREFIX)
+            }
+        )
+        env.update(
+            {
+                contract.REPORT_URL: status.url,
+                contract.REPORT_TOKEN_FILE: str(status.token_file),
+                contract.REPORT_INTERVAL_SECONDS: "0.1",
+            }
+        )
         # A pod's metrics port (spec.metrics) is its own; on this machine metrics are served only when asked, on the
         # port asked for: the default (9464) is often taken here (OpenTelemetry's Prometheus exporter uses it).
         env.pop(contract.METRICS_PORT, None)
@@ -202,8 +226,9 @@ class LocalRunner:
         elif "OMP_NUM_THREADS" not in users:
             # The pod's share of its CPU request, for this run's process count, and no more than this machine has.
             machine_share = max(1, (os.cpu_count() or 1) // self.nproc)
-            env["OMP_NUM_THREADS"] = str(min(builders.omp_threads(self.spec, self.nproc) or machine_share,
-                                             machine_share))
+            env["OMP_NUM_THREADS"] = str(
+                min(builders.omp_threads(self.spec, self.nproc) or machine_share, machine_share)
+            )
         return env
 
     def _write_config(self) -> Path:
@@ -254,17 +279,30 @@ class LocalRunner:
             restarted_in_place = bool(self.groups) and self.groups[-1].attempt == attempt.number
             source, resumed = started.group(1), int(started.group(2) or 0)
             # Its reports are those from now on (the first, at the resumed step, may be in already: it adds nothing).
-            self.groups.append(WorkerGroup(attempt.number, resumed_step=resumed, last_step=resumed,
-                                           reports_before=status.report_count(), resumed=bool(source)))
+            self.groups.append(
+                WorkerGroup(
+                    attempt.number,
+                    resumed_step=resumed,
+                    last_step=resumed,
+                    reports_before=status.report_count(),
+                    resumed=bool(source),
+                )
+            )
             if restarted_in_place:
-                print(f"{self.attempt_label()}: torchrun restarted the worker group in place "
-                      f"(spec.recovery.maxRestartsPerAttempt={self.spec.recovery.max_restarts_per_attempt})",
-                      file=self.out, flush=True)
+                print(
+                    f"{self.attempt_label()}: torchrun restarted the worker group in place "
+                    f"(spec.recovery.maxRestartsPerAttempt={self.spec.recovery.max_restarts_per_attempt})",
+                    file=self.out,
+                    flush=True,
+                )
             if source:
                 print(f"{self.attempt_label()}: resumed from step {resumed} ({source})", file=self.out, flush=True)
             else:
-                print(f"{self.attempt_label()}: no checkpoint to resume from, starting at step 0", file=self.out,
-                      flush=True)
+                print(
+                    f"{self.attempt_label()}: no checkpoint to resume from, starting at step 0",
+                    file=self.out,
+                    flush=True,
+                )
             return
         killed = CHAOS_KILLED.search(line)
         if killed:
@@ -301,17 +339,27 @@ class LocalRunner:
                 attempt = Attempt(number, log_path=self.run_dir / f"attempt-{number}.log")
                 self.attempts.append(attempt)
                 status.new_attempt(number)
-                command = [sys.executable, "-m", "trainingrun_trainer.launch", "--standalone",
-                           f"--nproc-per-node={self.nproc}", f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}",
-                           "--module", "trainingrun_trainer"]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "trainingrun_trainer.launch",
+                    "--standalone",
+                    f"--nproc-per-node={self.nproc}",
+                    f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}",
+                    "--module",
+                    "trainingrun_trainer",
+                ]
                 env = self._environment(number, status, config_path)
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
                     env[contract.CHAOS_KILL_AT_STEP] = ",".join(map(str, self._kill_steps))
                 with open(attempt.log_path, "w", encoding="utf-8") as log:
                     self.current = subprocess.Popen(
-                        command, env=env,
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                        command,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
                     )
                     attempt.code = self._supervise(self.current, attempt, status)
                 _end_session(self.current)
@@ -330,12 +378,18 @@ class LocalRunner:
                 self.restarts = decision.restarts
                 if not decision.retry:
                     outcome = "failed"
-                    message = (f"attempt {number} ended with exit code {attempt.code} ({kind}); the recovery budget "
-                               + decision.budget_words())
+                    message = (
+                        f"attempt {number} ended with exit code {attempt.code} ({kind}); the recovery budget "
+                        + decision.budget_words()
+                    )
                     break
                 delay = decision.delay_seconds
-                print(f"attempt {number} ended with exit code {attempt.code} ({kind}); "
-                      f"attempt {number + 1} resumes from the last good checkpoint in {delay}s", file=self.out, flush=True)
+                print(
+                    f"attempt {number} ended with exit code {attempt.code} ({kind}); "
+                    f"attempt {number + 1} resumes from the last good checkpoint in {delay}s",
+                    file=self.out,
+                    flush=True,
+                )
                 if delay:
                     waited = time.monotonic()
                     time.sleep(delay)  # the backoff itself, as the operator would wait
@@ -355,8 +409,9 @@ class LocalRunner:
         for kept in glob.glob(contract.memory_tier_dir(self.run.metadata.uid or self.run.metadata.name, "*")):
             shutil.rmtree(kept, ignore_errors=True)
 
-    def _summary(self, status: dict, wall: float, outcome: str, message: str,
-                 processes: list[contract.ProcessTime]) -> Summary:
+    def _summary(
+        self, status: dict, wall: float, outcome: str, message: str, processes: list[contract.ProcessTime]
+    ) -> Summary:
         """The run's figures, goodput over every invocation; adds this invocation's wall time to the run's ledger."""
         progress = status.get("progress", {})
         lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.groups, self.groups[1:]))
@@ -369,10 +424,12 @@ class LocalRunner:
         total_wall = self.ledger.wall_seconds
         first = self.groups[0] if self.groups else None
         if outcome == "succeeded" and first and first.resumed and first.resumed_step >= self.spec.trainer.max_steps:
-            message = (f"{self.run.metadata.name} had already finished: the checkpoint at step {first.resumed_step} "
-                       f"in {self.spec.checkpoint.uri} is its last step (spec.trainer.maxSteps="
-                       f"{self.spec.trainer.max_steps}), so nothing was trained; raise --max-steps to train on, or "
-                       f"give another --checkpoint-uri to start over")
+            message = (
+                f"{self.run.metadata.name} had already finished: the checkpoint at step {first.resumed_step} "
+                f"in {self.spec.checkpoint.uri} is its last step (spec.trainer.maxSteps="
+                f"{self.spec.trainer.max_steps}), so nothing was trained; raise --max-steps to train on, or "
+                f"give another --checkpoint-uri to start over"
+            )
         return Summary(
             steps=steps,
             final_loss=progress.get("loss"),
@@ -390,14 +447,21 @@ class LocalRunner:
             samples_per_second=progress.get("samplesPerSecond"),
             model_flops_per_second=progress.get("modelFlopsPerSecond"),
             mfu=progress.get("mfu"),
-            startup={part: sum(p.startup_parts()[part] for p in processes) for part in contract.ProcessTime.STARTUP_PARTS}
-            if processes else {},
+            startup={
+                part: sum(p.startup_parts()[part] for p in processes) for part in contract.ProcessTime.STARTUP_PARTS
+            }
+            if processes
+            else {},
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:
-        notes = [f"chaos: --chaos-kill-step {step} never fired (the workers never computed step {step} in this "
-                 f"invocation)" for step in self._kill_steps]
+        notes = [
+            f"chaos: --chaos-kill-step {step} never fired (the workers never computed step {step} in this invocation)"
+            for step in self._kill_steps
+        ]
         if self.options.chaos_kill_every and not self.random_kills:
-            notes.append(f"chaos: --chaos-kill-every {self.options.chaos_kill_every:g} never fired: the run ended "
-                         f"after {wall:.1f} s; use a shorter interval or more --max-steps")
+            notes.append(
+                f"chaos: --chaos-kill-every {self.options.chaos_kill_every:g} never fired: the run ended "
+                f"after {wall:.1f} s; use a shorter interval or more --max-steps"
+            )
         return notes

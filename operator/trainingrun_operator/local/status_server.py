@@ -1,4 +1,5 @@
 """The operator's report endpoint, served on 127.0.0.1 for one local run."""
+
 from __future__ import annotations
 
 import hmac
@@ -37,8 +38,9 @@ class StatusServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 if self.path != contract.REPORT_PATH:
                     return self._answer(404, "no such endpoint")
-                if not hmac.compare_digest(self.headers.get("Authorization", ""),
-                                           f"Bearer {server.token_file.read_text()}"):
+                if not hmac.compare_digest(
+                    self.headers.get("Authorization", ""), f"Bearer {server.token_file.read_text()}"
+                ):
                     return self._answer(401, "a bearer token is required")
                 if length > contract.MAX_REPORT_BYTES:
                     return self._answer(413, "report too large")
@@ -47,8 +49,9 @@ class StatusServer:
                 except contract.ReportError as error:
                     return self._answer(400, str(error))
                 meta = run.metadata
-                refusal = report.refusal(meta.namespace, meta.name, meta.uid or "", server.attempt,
-                                         run.spec.checkpoint.uri)
+                refusal = report.refusal(
+                    meta.namespace, meta.name, meta.uid or "", server.attempt, run.spec.checkpoint.uri
+                )
                 if refusal:
                     return self._answer(403, refusal)
                 fields = report.status_fields()

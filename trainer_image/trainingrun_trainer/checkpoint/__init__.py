@@ -88,6 +88,7 @@ The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hash
 (inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store`
 (`CheckpointStore`), `listing` (the CLI's table).
 """
+
 from __future__ import annotations
 
 import os
@@ -104,14 +105,14 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unav
 from .digest import model_digest  # noqa: E402
 from .export import load_everything, to_torch_save  # noqa: E402
 from .layout import (  # noqa: E402
-                     FORMAT_VERSION,
-                     MANIFEST_NAME,
-                     CheckpointInfo,
-                     CheckpointLoadError,
-                     PendingSave,
-                     StorageUnavailable,
-                     now_rfc3339,
-                     step_dir_name,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    CheckpointInfo,
+    CheckpointLoadError,
+    PendingSave,
+    StorageUnavailable,
+    now_rfc3339,
+    step_dir_name,
 )
 from .listing import format_table, to_json  # noqa: E402
 from .manifest import verify  # noqa: E402

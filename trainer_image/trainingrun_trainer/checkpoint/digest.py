@@ -1,4 +1,5 @@
 """A digest of a model's weights that does not depend on the world size or the sharding."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -15,7 +16,7 @@ def _canonical_name(name: str) -> str:
         changed = False
         for prefix in ("module.", "_orig_mod."):
             if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
+                name, changed = name[len(prefix) :], True
     return name
 
 

@@ -4,6 +4,7 @@ DCP's own `dcp_to_torch_save` cannot read format 3 (tensors stored as their byte
 "Unknown extension name='trainingrun-raw-tensor'". This reads every format, verifies the checkpoint against its
 manifest first and, as every load here, runs no code from storage.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ class _PlainEmptyPlanner(_EmptyStateDictLoadPlanner):
     load_bytes = _PlainLoadPlanner.load_bytes
 
 
-def load_everything(uri: str, *, endpoint_url: Optional[str] = None,
-                    storage_options: Optional[Mapping] = None) -> dict[str, Any]:
+def load_everything(
+    uri: str, *, endpoint_url: Optional[str] = None, storage_options: Optional[Mapping] = None
+) -> dict[str, Any]:
     """Every entry of the checkpoint directory `uri` (``<base>/step-NNNNNNNN``), nested as it was saved, on the CPU;
     each rank's ``extra-rank-<r>`` entry stays the bytes of its torch.save (`load_plain` reads them; format 1 kept
     them in files of their own, left out here). Raises CheckpointLoadError when the directory is not a valid

@@ -1,4 +1,5 @@
 """How a checkpoint looks on storage: names, the format version, and the types that describe one."""
+
 from __future__ import annotations
 
 import hashlib
@@ -41,6 +42,8 @@ FILE_DIGEST = file_digest_name(FORMAT_VERSION)
 def file_hasher(name: str) -> Any:
     """A new hash object (update, hexdigest) of the file digest `name`."""
     return xxhash.xxh3_128() if name == "xxh3_128" else hashlib.sha256()
+
+
 #: Name of the commit marker inside a checkpoint directory.
 MANIFEST_NAME = "manifest.json"
 #: Beside the step directories: how often the run's training processes started (`CheckpointStore.record_start`).

@@ -1,4 +1,5 @@
 """What `trainingrun checkpoints URI [--json]` prints."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,14 +23,16 @@ def format_table(infos: Iterable[CheckpointInfo]) -> str:
     URI or, for an invalid one, the reason), one per line, with a header."""
     rows = [("STEP", "VALID", "TIME", "SIZE", "MODEL", "URI / REASON")]
     for info in infos:
-        rows.append((
-            str(info.step),
-            "yes" if info.valid else "NO",
-            info.time or "-",
-            _human_bytes(info.size_bytes),
-            (info.model_digest or "-")[:12],
-            info.uri if info.valid else f"{info.uri}  ({info.reason})",
-        ))
+        rows.append(
+            (
+                str(info.step),
+                "yes" if info.valid else "NO",
+                info.time or "-",
+                _human_bytes(info.size_bytes),
+                (info.model_digest or "-")[:12],
+                info.uri if info.valid else f"{info.uri}  ({info.reason})",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:

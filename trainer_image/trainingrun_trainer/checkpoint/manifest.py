@@ -1,4 +1,5 @@
 """Inspecting checkpoints: a directory's manifest, its files checked against it, and `verify`."""
+
 from __future__ import annotations
 
 import hashlib
@@ -38,14 +39,23 @@ def _parse_manifest(raw: bytes) -> dict:
     if not isinstance(manifest, dict):
         raise ValueError("not a JSON object")
     if manifest.get("format_version") not in READABLE_FORMATS or type(manifest.get("format_version")) is not int:
-        raise ValueError(f"format_version {manifest.get('format_version')!r}, expected one of "
-                         f"{', '.join(map(str, READABLE_FORMATS))} (written by a newer trainer image?)")
+        raise ValueError(
+            f"format_version {manifest.get('format_version')!r}, expected one of "
+            f"{', '.join(map(str, READABLE_FORMATS))} (written by a newer trainer image?)"
+        )
     files = manifest.get("files")
     digest = file_digest_name(manifest["format_version"])
-    if not isinstance(files, list) or len(files) > MAX_MANIFEST_FILES or not all(
-        isinstance(f, dict) and isinstance(f.get("path"), str) and _is_count(f.get("size"))
-        and isinstance(f.get(digest), str) and FILE_DIGEST_HEX[digest].fullmatch(f[digest])
-        for f in files
+    if (
+        not isinstance(files, list)
+        or len(files) > MAX_MANIFEST_FILES
+        or not all(
+            isinstance(f, dict)
+            and isinstance(f.get("path"), str)
+            and _is_count(f.get("size"))
+            and isinstance(f.get(digest), str)
+            and FILE_DIGEST_HEX[digest].fullmatch(f[digest])
+            for f in files
+        )
     ):
         raise ValueError(f"'files' is not a list of {{path, size, {digest}}}")
     names = [f["path"] for f in files]
@@ -65,8 +75,15 @@ def _parse_manifest(raw: bytes) -> dict:
     return manifest
 
 
-def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
-             trusted: Optional[Mapping[str, str]] = None, tier: Any = None, owner: Optional[str] = None) -> CheckpointInfo:
+def _inspect(
+    storage: _Storage,
+    uri: str,
+    step: int,
+    deep: bool,
+    trusted: Optional[Mapping[str, str]] = None,
+    tier: Any = None,
+    owner: Optional[str] = None,
+) -> CheckpointInfo:
     """Check one step directory. Shallow: manifest readable, every file present with its size.
     Deep: also re-hash every file, unless ``trusted`` maps this uri to this very manifest's sha256
     (this process wrote or verified it; used by rotation only). With a memory ``tier`` (`MemoryTier`), a deep check
@@ -89,10 +106,17 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
     def invalid(reason: str, manifest: Optional[dict] = None, manifest_sha: Optional[str] = None):
         manifest = manifest or {}
         return CheckpointInfo(
-            step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=False,
-            reason=reason, model_digest=manifest.get("model_digest") or None,
-            world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
-            format_version=manifest.get("format_version"), run_uid=manifest.get("run_uid") or None,
+            step=step,
+            uri=uri,
+            time=manifest.get("time") or newest,
+            size_bytes=size,
+            valid=False,
+            reason=reason,
+            model_digest=manifest.get("model_digest") or None,
+            world_size=manifest.get("world_size"),
+            manifest_sha256=manifest_sha,
+            format_version=manifest.get("format_version"),
+            run_uid=manifest.get("run_uid") or None,
         )
 
     if MANIFEST_NAME not in files or (raw is None and read_error is None):
@@ -120,19 +144,36 @@ def _inspect(storage: _Storage, uri: str, step: int, deep: bool,
         reason: Optional[str] = "interrupted"
         try:
             digest = file_digest_name(manifest["format_version"])
-            reason = next((why for entry in manifest["files"] if (why := _check(
-                storage, uri, entry, digest, tier.copy(kept, entry["path"]) if kept is not None else None)) is not None),
-                None)
+            reason = next(
+                (
+                    why
+                    for entry in manifest["files"]
+                    if (
+                        why := _check(
+                            storage, uri, entry, digest, tier.copy(kept, entry["path"]) if kept is not None else None
+                        )
+                    )
+                    is not None
+                ),
+                None,
+            )
         finally:
             if kept is not None:
                 tier.commit(step, raw) if reason is None else tier.discard(step)
         if reason is not None:
             return invalid(reason, manifest, manifest_sha)
     return CheckpointInfo(
-        step=step, uri=uri, time=manifest.get("time") or newest, size_bytes=size, valid=True,
-        reason=None, model_digest=manifest.get("model_digest") or None,
-        world_size=manifest.get("world_size"), manifest_sha256=manifest_sha,
-        format_version=manifest["format_version"], files={entry["path"]: entry["size"] for entry in manifest["files"]},
+        step=step,
+        uri=uri,
+        time=manifest.get("time") or newest,
+        size_bytes=size,
+        valid=True,
+        reason=None,
+        model_digest=manifest.get("model_digest") or None,
+        world_size=manifest.get("world_size"),
+        manifest_sha256=manifest_sha,
+        format_version=manifest["format_version"],
+        files={entry["path"]: entry["size"] for entry in manifest["files"]},
         run_uid=manifest.get("run_uid") or None,
     )
 
@@ -159,8 +200,15 @@ def _check(storage: _Storage, uri: str, entry: dict, digest: str, copy: Any) -> 
         if copy is not None:
             copy.abandon()
         raise
-    reason = ("missing file" if got_size is None else "size mismatch in" if got_size != entry["size"]
-              else f"{digest} mismatch in" if got_digest != entry[digest] else None)
+    reason = (
+        "missing file"
+        if got_size is None
+        else "size mismatch in"
+        if got_size != entry["size"]
+        else f"{digest} mismatch in"
+        if got_digest != entry[digest]
+        else None
+    )
     if copy is not None:
         copy.close(digest, got_digest) if reason is None else copy.abandon()
     return None if reason is None else f"{reason} {name}"
@@ -176,8 +224,9 @@ def _step_dirs(storage: _Storage, base_uri: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def verify(uri: str, *, endpoint_url: Optional[str] = None,
-           storage_options: Optional[Mapping] = None) -> CheckpointInfo:
+def verify(
+    uri: str, *, endpoint_url: Optional[str] = None, storage_options: Optional[Mapping] = None
+) -> CheckpointInfo:
     """Re-hash the files of one checkpoint directory (``<base>/step-NNNNNNNN``) against its
     manifest and return what was found; ``valid`` False with a ``reason`` when they differ."""
     uri = uri.rstrip("/")

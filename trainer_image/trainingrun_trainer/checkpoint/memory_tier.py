@@ -25,6 +25,7 @@ that file from storage instead (`CheckpointStore.load`). Anything else (a stale 
 missing file) is read from storage at once. Writing the tier never fails a save: an error or a /dev/shm too full to
 keep a reserve for DataLoader workers and NCCL turns the copy off, with one warning.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -152,10 +153,16 @@ class MemoryTier:
         if usage.free + self._spare_bytes() < expected_bytes + reserve:
             self._remove_steps(lambda other: other < step and other not in keep)  # older than what comes: no use
             if not self._told_no_room:
-                logger.warning("checkpoint step %d is not kept in memory: %s has %d MiB free, the copy needs about "
-                               "%d MiB and %d MiB stay free for DataLoader workers and NCCL (raise "
-                               "resources.sharedMemory); told once", step, self.root, usage.free >> 20,
-                               expected_bytes >> 20, reserve >> 20)
+                logger.warning(
+                    "checkpoint step %d is not kept in memory: %s has %d MiB free, the copy needs about "
+                    "%d MiB and %d MiB stay free for DataLoader workers and NCCL (raise "
+                    "resources.sharedMemory); told once",
+                    step,
+                    self.root,
+                    usage.free >> 20,
+                    expected_bytes >> 20,
+                    reserve >> 20,
+                )
                 self._told_no_room = True
             return None
         return directory
@@ -194,12 +201,17 @@ class MemoryTier:
         """Drop the steps older than `step` but those in `keep`."""
         self._remove_steps(lambda other: other < step and other not in keep)
 
-    def write_digests(self, directory: str, name: str, size: int, digest_name: str, digest: str,
-                      segments: list[str]) -> None:
+    def write_digests(
+        self, directory: str, name: str, size: int, digest_name: str, digest: str, segments: list[str]
+    ) -> None:
         """The digests file of `name`, a file written straight into `directory` (persisting behind), so a load checks
         it as it reads (`TierFile`). Raises OSError."""
-        digests = {"size": size, "file_digest": [digest_name, digest], "segment_bytes": SEGMENT_BYTES,
-                   "xxh3_128": segments}
+        digests = {
+            "size": size,
+            "file_digest": [digest_name, digest],
+            "segment_bytes": SEGMENT_BYTES,
+            "xxh3_128": segments,
+        }
         _write_atomically(os.path.join(directory, name + DIGESTS_SUFFIX), json.dumps(digests).encode())
 
     def path(self, step: int) -> str:
@@ -208,8 +220,11 @@ class MemoryTier:
 
     def _remove_steps(self, which: Callable[[int], bool]) -> None:
         # Never the step a rank of this node may be writing: a slower rank still commits the step before.
-        doomed = sorted((int(match.group(1)), name) for name in os.listdir(self.root)
-                        if (match := _STEP_DIR.fullmatch(name)) and which(int(match.group(1))))
+        doomed = sorted(
+            (int(match.group(1)), name)
+            for name in os.listdir(self.root)
+            if (match := _STEP_DIR.fullmatch(name)) and which(int(match.group(1)))
+        )
         if doomed and self.recycle:
             _, newest = doomed.pop()
             spare = os.path.join(self.root, SPARE_DIR)
@@ -264,8 +279,9 @@ class MemoryTier:
 
     def turn_off(self, why: str) -> None:
         if self.off is None:
-            logger.warning("checkpoints are no longer kept in memory (%s): %s; restarts read them from storage",
-                           self.root, why)
+            logger.warning(
+                "checkpoints are no longer kept in memory (%s): %s; restarts read them from storage", self.root, why
+            )
             self.off = why
 
     # ------------------------------------------------------------ restoring (training thread)
@@ -294,8 +310,11 @@ class MemoryTier:
             names = os.listdir(self.root)
         except OSError:
             return None
-        steps = [int(match.group(1)) for name in names if (match := _STEP_DIR.fullmatch(name))
-                 and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))]
+        steps = [
+            int(match.group(1))
+            for name in names
+            if (match := _STEP_DIR.fullmatch(name)) and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
+        ]
         return max(steps, default=None)
 
     def forget(self) -> None:
@@ -341,9 +360,13 @@ def _tier_file(path: str, entry: dict, digest: str) -> Optional[TierFile]:
         with open(path + DIGESTS_SUFFIX, "rb") as f:
             digests = json.loads(f.read())
         segment_bytes, segments = int(digests["segment_bytes"]), tuple(digests["xxh3_128"])
-        if os.path.getsize(path) != entry["size"] or digests["size"] != entry["size"] \
-                or digests["file_digest"] != [digest, entry[digest]] or segment_bytes <= 0 \
-                or len(segments) != -(-entry["size"] // segment_bytes):
+        if (
+            os.path.getsize(path) != entry["size"]
+            or digests["size"] != entry["size"]
+            or digests["file_digest"] != [digest, entry[digest]]
+            or segment_bytes <= 0
+            or len(segments) != -(-entry["size"] // segment_bytes)
+        ):
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -390,7 +413,7 @@ class VerifiedTierFile(io.RawIOBase):
             start = self._pos + done
             segment = start // self._file.segment_bytes
             end = min(self._pos + wanted, self._segment_end(segment), start + READ_CHUNK)
-            chunk = view[done:done + end - start]
+            chunk = view[done : done + end - start]
             self._read_exactly(chunk, start)
             if segment not in self._checked:
                 self._hash_read(segment, start, chunk)
@@ -419,7 +442,7 @@ class VerifiedTierFile(io.RawIOBase):
             self._hash.reset()
         self._hash_up_to(start)  # the bytes of the segment before the read
         if start + chunk.nbytes > self._hashed_to:
-            self._hash.update(chunk[self._hashed_to - start:])
+            self._hash.update(chunk[self._hashed_to - start :])
             self._hashed_to = start + chunk.nbytes
         if self._hashed_to == self._segment_end(segment):
             self._check_segment()
@@ -435,8 +458,9 @@ class VerifiedTierFile(io.RawIOBase):
         segment, self._segment = self._segment, -1
         if self._hash.hexdigest() != self._file.digests[segment]:
             first = segment * self._file.segment_bytes
-            raise TierMismatch(f"{self._file.path}: bytes {first}-{self._segment_end(segment)} differ from what was "
-                               "written there")
+            raise TierMismatch(
+                f"{self._file.path}: bytes {first}-{self._segment_end(segment)} differ from what was written there"
+            )
         self._checked.add(segment)
 
     def _read_exactly(self, target: memoryview, offset: int) -> None:
@@ -508,7 +532,7 @@ class RecycledFile:
         end = self._pos + view.nbytes
         if end > self._size:
             self._remap(max(end, self._size + self.GROW))
-        self._map[self._pos:end] = view
+        self._map[self._pos : end] = view
         self._pos = end
         return view.nbytes
 
@@ -576,8 +600,12 @@ class TierCopy:
         """The upload of these bytes, whose file digest `digest_name` (the manifest's) is `digest`, succeeded: the copy
         is complete."""
         if self.file is not None:
-            digests = {"size": self._size, "file_digest": [digest_name, digest], "segment_bytes": SEGMENT_BYTES,
-                       "xxh3_128": self._segments.finish()}
+            digests = {
+                "size": self._size,
+                "file_digest": [digest_name, digest],
+                "segment_bytes": SEGMENT_BYTES,
+                "xxh3_128": self._segments.finish(),
+            }
             try:
                 self.file.close()
                 os.replace(self.path + ".partial", self.path)

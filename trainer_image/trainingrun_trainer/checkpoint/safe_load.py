@@ -1,4 +1,5 @@
 """Reading what storage holds without running code from it (see the package's trust model)."""
+
 from __future__ import annotations
 
 import collections
@@ -36,8 +37,16 @@ def load_plain(raw: bytes) -> Any:
 
 
 #: DCP's metadata classes and enums, and what their pickle refers to: exactly these (module, name) pairs load.
-_METADATA_NAMES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                   "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+_METADATA_NAMES = (
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}", re.ASCII)
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}(\.[A-Za-z_][A-Za-z0-9_]{0,99}){0,9}", re.ASCII)
 #: The largest `.metadata` read (bytes): a few MB for a model of thousands of tensors sharded over thousands of ranks.
@@ -49,15 +58,25 @@ MAX_STATE_DEPTH = 64
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem, metadata
 
-    allowed: dict[tuple[str, str], Any] = {(metadata.__name__, name): getattr(metadata, name) for name in _METADATA_NAMES}
-    allowed.update({
-        ("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-    })
-    allowed.update({("torch", name): value for name, value in vars(torch).items()
-                    if isinstance(value, torch.dtype) and _IDENTIFIER.fullmatch(name)})
+    allowed: dict[tuple[str, str], Any] = {
+        (metadata.__name__, name): getattr(metadata, name) for name in _METADATA_NAMES
+    }
+    allowed.update(
+        {
+            ("torch", "Size"): torch.Size,
+            ("torch", "device"): torch.device,
+            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+            (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
+            ("collections", "OrderedDict"): collections.OrderedDict,
+        }
+    )
+    allowed.update(
+        {
+            ("torch", name): value
+            for name, value in vars(torch).items()
+            if isinstance(value, torch.dtype) and _IDENTIFIER.fullmatch(name)
+        }
+    )
     return allowed
 
 
@@ -74,17 +93,24 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     ENUMS = tuple(value for value in ALLOWED.values() if isinstance(value, type) and issubclass(value, enum.Enum))
 
     def find_class(self, module: str, name: str) -> Any:
-        if not (isinstance(module, str) and isinstance(name, str) and _MODULE.fullmatch(module)
-                and _IDENTIFIER.fullmatch(name)):
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {str(module)[:100]!r}.{str(name)[:100]!r}, "
-                                         "which is not a plain name: refusing to load it")
+        if not (
+            isinstance(module, str)
+            and isinstance(name, str)
+            and _MODULE.fullmatch(module)
+            and _IDENTIFIER.fullmatch(name)
+        ):
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata refers to {str(module)[:100]!r}.{str(name)[:100]!r}, "
+                "which is not a plain name: refusing to load it"
+            )
         found = self.ALLOWED.get((module, name))
         if found is not None:
             return found
         if (module, name) == ("builtins", "getattr"):
             return _enum_member
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint "
-                                     "never holds: refusing to load it")
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never holds: refusing to load it"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("checkpoint metadata holds a persistent id, which a DCP checkpoint never holds")
@@ -94,8 +120,10 @@ def _enum_member(cls: Any, name: Any) -> Any:
     """getattr restricted to what DCP metadata uses it for: a member of one of its own enums."""
     if cls in _MetadataUnpickler.ENUMS and isinstance(name, str) and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f"checkpoint metadata asks for getattr({str(cls)[:100]}, {str(name)[:100]!r}): only "
-                                 "members of DCP's own enums are loaded")
+    raise pickle.UnpicklingError(
+        f"checkpoint metadata asks for getattr({str(cls)[:100]}, {str(name)[:100]!r}): only "
+        "members of DCP's own enums are loaded"
+    )
 
 
 def read_metadata(stream: Any, files: Optional[Mapping[str, int]]) -> Any:
@@ -108,8 +136,9 @@ def read_metadata(stream: Any, files: Optional[Mapping[str, int]]) -> Any:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:  # noqa: BLE001 - a hostile pickle raises anything its allowed calls raise
-        raise ValueError(f".metadata is not DCP metadata this trainer reads: {type(exc).__name__}: "
-                         f"{str(exc)[:300]}") from None
+        raise ValueError(
+            f".metadata is not DCP metadata this trainer reads: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from None
     check_metadata(metadata, files)
     return metadata
 
@@ -121,8 +150,9 @@ def check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
     try:
         _check_metadata(metadata, files)
     except (AttributeError, TypeError) as exc:  # an object unpickled without its fields, an unhashable key...
-        raise ValueError(f".metadata: malformed ({type(exc).__name__}: {str(exc)[:200]}): not DCP metadata this "
-                         "trainer reads") from None
+        raise ValueError(
+            f".metadata: malformed ({type(exc).__name__}: {str(exc)[:200]}): not DCP metadata this trainer reads"
+        ) from None
 
 
 def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
@@ -133,8 +163,11 @@ def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
         return ValueError(f".metadata: {what}: not DCP metadata this trainer reads")
 
     def sizes(value: Any) -> bool:
-        return isinstance(value, (torch.Size, tuple, list)) and len(value) <= MAX_STATE_DEPTH and all(
-            type(v) is int and v >= 0 for v in value)
+        return (
+            isinstance(value, (torch.Size, tuple, list))
+            and len(value) <= MAX_STATE_DEPTH
+            and all(type(v) is int and v >= 0 for v in value)
+        )
 
     if type(metadata) is not dcp.Metadata:
         raise wrong(f"a {type(metadata).__name__}, not DCP's Metadata")
@@ -145,10 +178,19 @@ def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
         if not isinstance(fqn, str):
             raise wrong("an entry's name is not a string")
         if type(entry) is dcp.TensorStorageMetadata:
-            if not (type(entry.properties) is dcp.TensorProperties and isinstance(entry.properties.dtype, torch.dtype)
-                    and sizes(entry.size) and isinstance(entry.chunks, list)
-                    and all(type(c) is dcp.ChunkStorageMetadata and sizes(c.offsets) and sizes(c.sizes)
-                            and len(c.sizes) == len(c.offsets) == len(entry.size) for c in entry.chunks)):
+            if not (
+                type(entry.properties) is dcp.TensorProperties
+                and isinstance(entry.properties.dtype, torch.dtype)
+                and sizes(entry.size)
+                and isinstance(entry.chunks, list)
+                and all(
+                    type(c) is dcp.ChunkStorageMetadata
+                    and sizes(c.offsets)
+                    and sizes(c.sizes)
+                    and len(c.sizes) == len(c.offsets) == len(entry.size)
+                    for c in entry.chunks
+                )
+            ):
                 raise wrong(f"the tensor {fqn[:100]!r} has no dtype or a malformed shape")
         elif type(entry) is not dcp.BytesStorageMetadata:
             raise wrong(f"the entry {fqn[:100]!r} is a {type(entry).__name__}")
@@ -161,18 +203,22 @@ def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
         if type(index) is not dcp.MetadataIndex or not isinstance(index.fqn, str) or index.fqn not in entries:
             raise wrong("an item's index names no entry")
         if type(info) is not filesystem._StorageInfo or not is_plain_name(info.relative_path):
-            raise wrong(f"an item of {index.fqn[:100]!r} is stored in {str(getattr(info, 'relative_path', info))[:100]!r}, "
-                        "which is not a plain file name")
+            raise wrong(
+                f"an item of {index.fqn[:100]!r} is stored in {str(getattr(info, 'relative_path', info))[:100]!r}, "
+                "which is not a plain file name"
+            )
         if files is not None and info.relative_path not in files:
-            raise wrong(f"an item of {index.fqn[:100]!r} is stored in {info.relative_path!r}, which the manifest does "
-                        "not list")
+            raise wrong(
+                f"an item of {index.fqn[:100]!r} is stored in {info.relative_path!r}, which the manifest does not list"
+            )
         if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0):
             raise wrong(f"an item of {index.fqn[:100]!r} has no valid offset and length")
         if files is not None and info.offset + info.length > files[info.relative_path]:
             raise wrong(f"an item of {index.fqn[:100]!r} lies past the end of {info.relative_path}")
         transforms = info.transform_descriptors
-        if transforms is not None and not (isinstance(transforms, (list, tuple))
-                                           and all(t in _TRANSFORMS for t in transforms)):
+        if transforms is not None and not (
+            isinstance(transforms, (list, tuple)) and all(t in _TRANSFORMS for t in transforms)
+        ):
             raise wrong(f"an item of {index.fqn[:100]!r} names transforms {str(transforms)[:100]}")
     paths = metadata.planner_data
     if paths is not None:
@@ -180,8 +226,12 @@ def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
             raise wrong("planner_data is not a dict")
         for fqn, path in paths.items():
             # A path's integers index lists that a load grows to that length: keep them to the entries' count.
-            if not (isinstance(fqn, str) and isinstance(path, (tuple, list)) and 0 < len(path) <= MAX_STATE_DEPTH
-                    and all(isinstance(key, str) or (type(key) is int and 0 <= key <= len(entries)) for key in path)):
+            if not (
+                isinstance(fqn, str)
+                and isinstance(path, (tuple, list))
+                and 0 < len(path) <= MAX_STATE_DEPTH
+                and all(isinstance(key, str) or (type(key) is int and 0 <= key <= len(entries)) for key in path)
+            ):
                 raise wrong(f"the path of {str(fqn)[:100]!r} is not a short list of names and indexes")
 
 
@@ -233,8 +283,11 @@ class _PlainLoadPlanner(DefaultLoadPlanner):
             return
         # Left out of the plan only (the flattened copy): dcp.load hands back every key it was given.
         entry_of = getattr(self, "mappings", {})
-        absent = [fqn for fqn in self.state_dict if fqn not in metadata.state_dict_metadata
-                  and entry_of.get(fqn, (fqn,))[0] in self.optional]
+        absent = [
+            fqn
+            for fqn in self.state_dict
+            if fqn not in metadata.state_dict_metadata and entry_of.get(fqn, (fqn,))[0] in self.optional
+        ]
         for fqn in absent:
             del self.state_dict[fqn]
         self.missing = {entry_of.get(fqn, (fqn,))[0] for fqn in absent}

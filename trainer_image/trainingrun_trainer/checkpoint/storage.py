@@ -1,4 +1,5 @@
 """fsspec storage for checkpoints: options per scheme, listing and the few operations the store needs."""
+
 from __future__ import annotations
 
 import base64
@@ -96,7 +97,7 @@ class _Storage:
         once (hashed in order)."""
         digest = file_hasher(name)
         read = 0
-        for chunk in (self._ranges(uri, size) if size is not None and not self.local else self._stream(uri)):
+        for chunk in self._ranges(uri, size) if size is not None and not self.local else self._stream(uri):
             digest.update(chunk)
             read += len(chunk)
             if copy is not None:
@@ -115,6 +116,7 @@ class _Storage:
         path = self._path(uri)
         starts = iter(range(0, size, _HASH_CHUNK))
         with ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="checkpoint-fetch") as pool:
+
             def fetch(start: int) -> tuple[int, Future]:
                 end = min(start + _HASH_CHUNK, size)
                 return end - start, pool.submit(self.fs.cat_file, path, start=start, end=end)
@@ -187,8 +189,9 @@ class _Storage:
         stored = self.fs.info(target).get("crc32c")
         # A GCS-compatible store that keeps no CRC32C is let be: the manifest's digests still guard every read.
         if stored is not None and stored != sent:
-            raise OSError(f"{uri}: GCS computed CRC32C {str(stored)[:16]} of the upload, but {sent} was sent: damaged "
-                          "in transit")
+            raise OSError(
+                f"{uri}: GCS computed CRC32C {str(stored)[:16]} of the upload, but {sent} was sent: damaged in transit"
+            )
 
     def rm_file(self, uri: str) -> None:
         """Delete one file (or link: never what it points at). On file://, its directory is opened without following

@@ -1,4 +1,5 @@
 """`CheckpointStore`: saves (async, committed by the manifest), lists, loads and rotates checkpoints."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -129,11 +130,22 @@ class CheckpointStore:
     The store is not thread-safe: call it from the training thread only.
     """
 
-    def __init__(self, uri: str, keep: int = 3, keep_every: Optional[int] = None,
-                 endpoint_url: Optional[str] = None, process_group: Any = None, *,
-                 storage_options: Optional[Mapping] = None, memory_tier: Optional[str] = None,
-                 writer_process: bool = False, run_uid: Optional[str] = None, persist_behind: bool = False,
-                 persist_every_steps: Optional[int] = None, persist_every_seconds: Optional[float] = None):
+    def __init__(
+        self,
+        uri: str,
+        keep: int = 3,
+        keep_every: Optional[int] = None,
+        endpoint_url: Optional[str] = None,
+        process_group: Any = None,
+        *,
+        storage_options: Optional[Mapping] = None,
+        memory_tier: Optional[str] = None,
+        writer_process: bool = False,
+        run_uid: Optional[str] = None,
+        persist_behind: bool = False,
+        persist_every_steps: Optional[int] = None,
+        persist_every_seconds: Optional[float] = None,
+    ):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if keep_every is not None and keep_every < 1:
@@ -152,11 +164,14 @@ class CheckpointStore:
             self._writer.start()  # it imports torch while training starts
         # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies), in shared
         # memory when the writer process writes them: containers are rebuilt, other values deep-copied.
-        self._shared_stager = StateDictStager(share_memory=True, pin_memory=torch.cuda.is_available()) \
-            if writer_process else None
+        self._shared_stager = (
+            StateDictStager(share_memory=True, pin_memory=torch.cuda.is_available()) if writer_process else None
+        )
         self._private_stager = StateDictStager(pin_memory=torch.cuda.is_available())
         self._shared_bytes = 0  # held by the shared staging buffers
-        self._defer_state_dicts: Optional[bool] = None  # see save(); decided by the first save that copies in the background
+        self._defer_state_dicts: Optional[bool] = (
+            None  # see save(); decided by the first save that copies in the background
+        )
         self._told_no_shared_room = False
         #: Fault injection (tests): the writer process kills itself part way through the save of this step.
         self.writer_dies_at_step: Optional[int] = None
@@ -179,8 +194,11 @@ class CheckpointStore:
         self.persist_behind = persist_behind and bool(nodes) and len(set(nodes)) == 1
         if self.persist_behind:
             self._tier.recycle = True
-        self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-persist") \
-            if self.persist_behind and self.rank == 0 else None
+        self._persister = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-persist")
+            if self.persist_behind and self.rank == 0
+            else None
+        )
         self._persist_lock = threading.Lock()
         self._persist_next: Optional[tuple[CheckpointInfo, bytes]] = None  # newest wins: the next to copy
         self._persisting: Optional[int] = None  # the step being copied
@@ -230,9 +248,17 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, state: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None, *,
-             config_hash: str = "", model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
-             blocking: bool = False, copy_in_background: Collection[str] = ()) -> PendingSave:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        extra: Optional[Mapping[str, Any]] = None,
+        *,
+        config_hash: str = "",
+        model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
+        blocking: bool = False,
+        copy_in_background: Collection[str] = (),
+    ) -> PendingSave:
         """Checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank.
 
         ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
@@ -265,21 +291,35 @@ class CheckpointStore:
         # be plain tensors (not sharded: gathering those may be a collective, which only the training thread may run):
         # torch's get_state_dict walks every module and parameter, milliseconds per save, more the larger the model,
         # and nothing it reads changes before the optimizer step.
-        deferred = [key for key in copy_in_background if key in state] \
-            if not blocking and self._writer is None and self._defer_state_dicts else []
+        deferred = (
+            [key for key in copy_in_background if key in state]
+            if not blocking and self._writer is None and self._defer_state_dicts
+            else []
+        )
         plain = _plain({key: value for key, value in state.items() if key not in deferred})
         expected_bytes = self.last_save_bytes or tensor_bytes(plain)
         shared = self._room_to_share(plain)
-        later = {} if blocking else {key: state[key] if key in deferred else plain.pop(key)
-                                     for key in copy_in_background if key in state}
+        later = (
+            {}
+            if blocking
+            else {key: state[key] if key in deferred else plain.pop(key) for key in copy_in_background if key in state}
+        )
         if later and self._defer_state_dicts is None:
             self._defer_state_dicts = plain_tensors(later)
         staged = self._stager(shared)(plain)
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
         staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
-        job = _SaveJob(step=step, state=staged, config_hash=config_hash, model_digest=model_digest, started=started,
-                       expected_bytes=expected_bytes, shared=shared, later=later or None)
+        job = _SaveJob(
+            step=step,
+            state=staged,
+            config_hash=config_hash,
+            model_digest=model_digest,
+            started=started,
+            expected_bytes=expected_bytes,
+            shared=shared,
+            later=later or None,
+        )
         if not later:
             job.copied.set_result(None)
         if blocking:
@@ -325,14 +365,21 @@ class CheckpointStore:
                 return False
             if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
                 if not self._told_no_shared_room:
-                    logger.warning("checkpoints are written in-process, not by the writer process: %s has %d MiB "
-                                   "free and staging needs %d MiB more (raise resources.sharedMemory); told once",
-                                   SHARED_MEMORY, usage.free >> 20, needed >> 20)
+                    logger.warning(
+                        "checkpoints are written in-process, not by the writer process: %s has %d MiB "
+                        "free and staging needs %d MiB more (raise resources.sharedMemory); told once",
+                        SHARED_MEMORY,
+                        usage.free >> 20,
+                        needed >> 20,
+                    )
                     self._told_no_shared_room = True
                 return False
             if not self._shared_bytes:
-                logger.info("rank %d: checkpoint files are written by the writer process %d from now on", self.rank,
-                            self._writer.pid)
+                logger.info(
+                    "rank %d: checkpoint files are written by the writer process %d from now on",
+                    self.rank,
+                    self._writer.pid,
+                )
             self._shared_bytes += needed
         return True
 
@@ -377,8 +424,10 @@ class CheckpointStore:
         if MANIFEST_NAME in listing and self.run_uid:
             found = _inspect(self._storage, step_uri, step, deep=False)
             if self._another_runs(found):
-                raise FileExistsError(f"{step_uri} is a checkpoint of another run (uid {found.run_uid}): two runs "
-                                      "name the same checkpoint.uri; give each run its own")
+                raise FileExistsError(
+                    f"{step_uri} is a checkpoint of another run (uid {found.run_uid}): two runs "
+                    "name the same checkpoint.uri; give each run its own"
+                )
         if MANIFEST_NAME in listing:
             logger.warning("overwriting the committed checkpoint %s", step_uri)
             self._storage.rm_file(_join(step_uri, MANIFEST_NAME))
@@ -452,8 +501,13 @@ class CheckpointStore:
                 try:
                     job.state.update(staged.stage(job.later))
                 except OSError as exc:
-                    logger.warning("checkpoint step %d: rank %d cannot stage its state in %s (%s): this save "
-                                   "commits to storage", job.step, self.rank, tier_dir, _describe(exc))
+                    logger.warning(
+                        "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save commits to storage",
+                        job.step,
+                        self.rank,
+                        tier_dir,
+                        _describe(exc),
+                    )
                     staged.failed = True
                     staged.close()
             if staged is None or staged.failed:
@@ -468,8 +522,9 @@ class CheckpointStore:
         job.copied.set_result(None)
         return staged
 
-    def _save(self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False,
-              staged: Optional[StagedFile] = None) -> Optional[CheckpointInfo]:
+    def _save(
+        self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False, staged: Optional[StagedFile] = None
+    ) -> Optional[CheckpointInfo]:
         """Write `job` and commit it: to storage, keeping a copy in `tier_dir` (None: none); or, `in_memory`, into
         `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
         persisted."""
@@ -478,33 +533,52 @@ class CheckpointStore:
         error: Optional[str] = None
         # From the staged copy, in the background, beside the write (both only read it), so training waits for
         # neither; rank 0 only writes the manifest, so only rank 0 computes it.
-        digesting = self._digesting.submit(job.model_digest, job.state) \
-            if callable(job.model_digest) and self.rank == 0 else None
+        digesting = (
+            self._digesting.submit(job.model_digest, job.state)
+            if callable(job.model_digest) and self.rank == 0
+            else None
+        )
         try:
             if in_memory:
-                writer = _Writer(tier_dir, record, on_global_plan=lambda: None, sync_files=False,
-                                 process=self._writer if job.shared and staged is None else None, segments=True,
-                                 staged=staged,
-                                 die_after_items=1 if job.step == self.writer_dies_at_step else None)
+                writer = _Writer(
+                    tier_dir,
+                    record,
+                    on_global_plan=lambda: None,
+                    sync_files=False,
+                    process=self._writer if job.shared and staged is None else None,
+                    segments=True,
+                    staged=staged,
+                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
+                )
             else:
                 writer = _Writer(
-                    step_uri, record,
+                    step_uri,
+                    record,
                     on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
-                    sync_files=self._storage.local, tier=self._tier, tier_dir=tier_dir,
+                    sync_files=self._storage.local,
+                    tier=self._tier,
+                    tier_dir=tier_dir,
                     process=self._writer if job.shared else None,
-                    die_after_items=1 if job.step == self.writer_dies_at_step else None, **self._options,
+                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
+                    **self._options,
                 )
-            dcp.save(job.state, storage_writer=writer, process_group=self._pg,
-                     no_dist=not self._distributed)
+            dcp.save(job.state, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
             job.marks.append(("writing", time.perf_counter()))
             if in_memory:
                 for name, entry in record.items():
-                    self._tier.write_digests(tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST],
-                                             entry.pop(SEGMENTS_KEY))
+                    self._tier.write_digests(
+                        tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST], entry.pop(SEGMENTS_KEY)
+                    )
         except _SAVE_ERRORS as exc:
             error = _describe(exc)
-            logger.error("checkpoint step %d: rank %d could not write %s: %s",
-                         job.step, self.rank, tier_dir if in_memory else step_uri, error, exc_info=True)
+            logger.error(
+                "checkpoint step %d: rank %d could not write %s: %s",
+                job.step,
+                self.rank,
+                tier_dir if in_memory else step_uri,
+                error,
+                exc_info=True,
+            )
             job.logged = True
         if callable(job.model_digest):
             job.model_digest = digesting.result() if digesting is not None and error is None else ""
@@ -520,8 +594,13 @@ class CheckpointStore:
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             outcome = (None, _describe(exc), b"")
             if not job.logged:
-                logger.error("checkpoint step %d: rank %d lost contact with its peers: %s",
-                             job.step, self.rank, outcome[1], exc_info=True)
+                logger.error(
+                    "checkpoint step %d: rank %d lost contact with its peers: %s",
+                    job.step,
+                    self.rank,
+                    outcome[1],
+                    exc_info=True,
+                )
                 job.logged = True
         info, commit_error, manifest = outcome
         if tier_dir is not None and info is not None and not in_memory:
@@ -533,8 +612,9 @@ class CheckpointStore:
 
         self.last_save_seconds = time.perf_counter() - job.started
         job.marks.append(("committing", time.perf_counter()))
-        self.last_save_phases = {name: at - before for (name, at), (_, before)
-                                 in zip(job.marks, [("started", job.started)] + job.marks)}
+        self.last_save_phases = {
+            name: at - before for (name, at), (_, before) in zip(job.marks, [("started", job.started)] + job.marks)
+        }
         self.last_save_bytes = sum(entry["size"] for entry in record.values())
         self.committed_saves += 1
         if in_memory:
@@ -544,8 +624,13 @@ class CheckpointStore:
             self.in_memory = self.in_storage = info
         if self.rank == 0:
             self.last_save_bytes += self._manifest_bytes
-            logger.info("committed checkpoint step %d %s (%d bytes, %.2f s)", job.step,
-                        "in memory" if in_memory else f"to {info.uri}", info.size_bytes, self.last_save_seconds)
+            logger.info(
+                "committed checkpoint step %d %s (%d bytes, %.2f s)",
+                job.step,
+                "in memory" if in_memory else f"to {info.uri}",
+                info.size_bytes,
+                self.last_save_seconds,
+            )
             if in_memory:
                 self._persist(info, manifest)
             else:
@@ -561,8 +646,9 @@ class CheckpointStore:
             logger.error("checkpoint step %d was not committed: %s", job.step, error)
         return None
 
-    def _commit(self, job: _SaveJob, step_uri: str, statuses: list,
-                tier_dir: Optional[str] = None) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
+    def _commit(
+        self, job: _SaveJob, step_uri: str, statuses: list, tier_dir: Optional[str] = None
+    ) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
         """Rank 0: write the manifest if every rank succeeded, to storage or (`tier_dir`) into the memory tier.
         Returns (info, error, the manifest's bytes)."""
         self._manifest_bytes = 0
@@ -603,10 +689,16 @@ class CheckpointStore:
         if tier_dir is None:
             self._trusted[step_uri] = manifest_sha
         info = CheckpointInfo(
-            step=job.step, uri=step_uri, time=manifest["time"],
-            size_bytes=sum(entry["size"] for entry in files.values()) + len(raw), valid=True, reason=None,
-            model_digest=job.model_digest or None, world_size=self.world_size,
-            manifest_sha256=manifest_sha, run_uid=self.run_uid,
+            step=job.step,
+            uri=step_uri,
+            time=manifest["time"],
+            size_bytes=sum(entry["size"] for entry in files.values()) + len(raw),
+            valid=True,
+            reason=None,
+            model_digest=job.model_digest or None,
+            world_size=self.world_size,
+            manifest_sha256=manifest_sha,
+            run_uid=self.run_uid,
             files={name: entry["size"] for name, entry in files.items()},
         )
         return info, None, raw
@@ -633,8 +725,12 @@ class CheckpointStore:
             superseded, self._persist_next = self._persist_next, (info, manifest)
             if superseded is not None:
                 self.superseded_persists += 1
-                logger.info("checkpoint step %d is not persisted: step %d supersedes it (storage is slower than the "
-                            "checkpoint interval)", superseded[0].step, info.step)
+                logger.info(
+                    "checkpoint step %d is not persisted: step %d supersedes it (storage is slower than the "
+                    "checkpoint interval)",
+                    superseded[0].step,
+                    info.step,
+                )
                 self._tier.discard(superseded[0].step)
             if self._persist_loop is None:
                 self._persist_loop = self._persister.submit(self._persist_queued)
@@ -643,8 +739,9 @@ class CheckpointStore:
         if self._last_queued is None or (self.persist_every_steps is None and self.persist_every_seconds is None):
             return True
         queued_step, queued_at = self._last_queued
-        return (self.persist_every_steps is not None and step - queued_step >= self.persist_every_steps) or \
-            (self.persist_every_seconds is not None and self._clock() - queued_at >= self.persist_every_seconds)
+        return (self.persist_every_steps is not None and step - queued_step >= self.persist_every_steps) or (
+            self.persist_every_seconds is not None and self._clock() - queued_at >= self.persist_every_seconds
+        )
 
     def _persist_queued(self) -> None:
         while True:
@@ -667,8 +764,13 @@ class CheckpointStore:
             self._storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
         except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
             self.failed_persists += 1
-            logger.error("checkpoint step %d (committed in memory) could not be copied to %s: %s", info.step,
-                         info.uri, _describe(exc), exc_info=True)
+            logger.error(
+                "checkpoint step %d (committed in memory) could not be copied to %s: %s",
+                info.step,
+                info.uri,
+                _describe(exc),
+                exc_info=True,
+            )
             return
         self._trusted[info.uri] = info.manifest_sha256
         self.in_storage = info
@@ -677,7 +779,9 @@ class CheckpointStore:
         with self._persist_lock:  # the memory tier keeps the newest memory checkpoint and what is queued
             newest = self.in_memory.step if self.in_memory is not None else info.step
             self._tier.remove_older(newest, keep=self._persist_steps() - {info.step})
-        self._tier.prepare_spare({name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX)})
+        self._tier.prepare_spare(
+            {name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX)}
+        )
         try:
             self._rotate()
         except Exception as exc:
@@ -731,8 +835,12 @@ class CheckpointStore:
         except ValueError:  # torn by hand or by a bug: count from here
             logger.warning("%s is not JSON: counting the run's starts from this one", uri)
             recorded = {}
-        if not isinstance(recorded, dict) or recorded.get("run") != run or not isinstance(recorded.get("starts"), int) \
-                or not isinstance(recorded.get("firstStart"), (int, float)):
+        if (
+            not isinstance(recorded, dict)
+            or recorded.get("run") != run
+            or not isinstance(recorded.get("starts"), int)
+            or not isinstance(recorded.get("firstStart"), (int, float))
+        ):
             recorded = {"run": run, "firstStart": now, "starts": 0}
         before = recorded["starts"]
         recorded["starts"] = before + 1
@@ -747,8 +855,7 @@ class CheckpointStore:
         """Every step directory below the store's uri, newest step first, valid or not. With
         ``verify`` (default) every file is re-hashed; without, only presence and sizes are checked.
         Works on any single rank (no collective)."""
-        return [_inspect(self._storage, uri, step, deep=verify)
-                for step, uri in _step_dirs(self._storage, self.uri)]
+        return [_inspect(self._storage, uri, step, deep=verify) for step, uri in _step_dirs(self._storage, self.uri)]
 
     def _find_latest_valid(self, in_memory: Optional[CheckpointInfo] = None) -> Optional[CheckpointInfo]:
         """The newest valid checkpoint, re-hashing every file in storage (and keeping what it read in the memory
@@ -830,8 +937,13 @@ class CheckpointStore:
         when the tier is another store's (its `origin`: two runs sharing one tier's name, which a run's uid prevents)."""
         origin = self._tier.origin_of_tier()
         if origin is not None and origin != self.uri:
-            logger.warning("the memory tier %s holds checkpoints of %s, not of %s: ignoring its step %d", self._tier.root,
-                           origin, self.uri, step)
+            logger.warning(
+                "the memory tier %s holds checkpoints of %s, not of %s: ignoring its step %d",
+                self._tier.root,
+                origin,
+                self.uri,
+                step,
+            )
             return None
         directory = self._tier.path(step)
         found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self.run_uid)
@@ -845,11 +957,19 @@ class CheckpointStore:
         one this node's memory tier holds) is looked at while the directory is listed: on an object store a restart
         inside the pod then waits for one round trip instead of two."""
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-list") as pool:
-            early = None if likely is None else pool.submit(
-                _inspect, self._storage, self._step_uri(likely), likely, deep=False, owner=self.run_uid)
+            early = (
+                None
+                if likely is None
+                else pool.submit(
+                    _inspect, self._storage, self._step_uri(likely), likely, deep=False, owner=self.run_uid
+                )
+            )
             for step, uri in _step_dirs(self._storage, self.uri):
-                info = early.result() if early is not None and step == likely else \
-                    _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
+                info = (
+                    early.result()
+                    if early is not None and step == likely
+                    else _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
+                )
                 if info.valid:
                     return info
         return None
@@ -872,8 +992,13 @@ class CheckpointStore:
         match = _STEP_DIR.fullmatch(posixpath.basename(uri))
         if not match:
             raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
-        if isinstance(info_or_uri, CheckpointInfo) and info_or_uri.valid and info_or_uri.manifest_sha256 \
-                and info_or_uri.files is not None and self._trusted.get(uri) == info_or_uri.manifest_sha256:
+        if (
+            isinstance(info_or_uri, CheckpointInfo)
+            and info_or_uri.valid
+            and info_or_uri.manifest_sha256
+            and info_or_uri.files is not None
+            and self._trusted.get(uri) == info_or_uri.manifest_sha256
+        ):
             info = info_or_uri  # this process wrote or verified this very manifest: no storage round trips again
         else:
             info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
@@ -883,22 +1008,26 @@ class CheckpointStore:
         if entry in state:
             raise ValueError(f"state key {entry!r} is reserved for this rank's extra state: rename it")
         legacy = info.format_version == 1
-        reading = LocalFirstFileSystem(self._tier.files(info.step, info.manifest_sha256) if self._tier else {},
-                                       self._storage.local)
+        reading = LocalFirstFileSystem(
+            self._tier.files(info.step, info.manifest_sha256) if self._tier else {}, self._storage.local
+        )
         try:
             loading, planner = self._read(info, state, entry, legacy, reading)
         except CheckpointException as exc:  # a BaseException: make it an error that says what failed
             # A copy in memory that did not match, or was gone, on any rank (DCP's own fallbacks may hide the cause,
             # as its metadata read does): every rank reads it again from storage.
-            mismatch = bool(reading.mismatched) or any(isinstance(_cause(failure), TierMismatch)
-                                                       for failure in exc.failures.values())
+            mismatch = bool(reading.mismatched) or any(
+                isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()
+            )
             if not any(self._gather(mismatch)):
                 raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
             loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
         state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
         if legacy:
             if planner.missing:
-                logger.info("%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing)))
+                logger.info(
+                    "%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing))
+                )
             raw, source = self._legacy_extra(info), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank))
         else:
             raw, source = (None if entry in planner.missing else loading[entry]), f"{uri} ({entry})"
@@ -909,16 +1038,20 @@ class CheckpointStore:
             try:
                 extra = load_plain(raw)
             except pickle.UnpicklingError as exc:
-                raise CheckpointLoadError(f"cannot load {source}: it holds more than plain values "
-                                          f"(refusing to run code from storage): {exc}".splitlines()[0]) from None
+                raise CheckpointLoadError(
+                    f"cannot load {source}: it holds more than plain values "
+                    f"(refusing to run code from storage): {exc}".splitlines()[0]
+                ) from None
         self.last_restore_seconds = time.perf_counter() - began
-        self.last_restore_source = " and ".join(sorted(reading.sources if uri != self._read_from_storage
-                                                       else {"storage"}))
+        self.last_restore_source = " and ".join(
+            sorted(reading.sources if uri != self._read_from_storage else {"storage"})
+        )
         self.restores += 1
         return extra
 
-    def _read(self, info: CheckpointInfo, state: dict, entry: str, legacy: bool,
-              reading: LocalFirstFileSystem) -> tuple[dict, _PlainLoadPlanner]:
+    def _read(
+        self, info: CheckpointInfo, state: dict, entry: str, legacy: bool, reading: LocalFirstFileSystem
+    ) -> tuple[dict, _PlainLoadPlanner]:
         """dcp.load of the verified checkpoint `info`, reading only the files its manifest lists (`reading`: which files
         come from the memory tier; it records where it read): (what was loaded, the planner)."""
         loading = dict(state) if legacy else {**state, entry: b""}
@@ -929,17 +1062,28 @@ class CheckpointStore:
         dcp.load(loading, storage_reader=reader, planner=planner, process_group=self._pg, no_dist=not self._distributed)
         return loading, planner
 
-    def _read_again_from_storage(self, uri: str, info: CheckpointInfo, state: dict, entry: str, legacy: bool,
-                                 failed: CheckpointException,
-                                 reading: LocalFirstFileSystem) -> tuple[dict, _PlainLoadPlanner]:
+    def _read_again_from_storage(
+        self,
+        uri: str,
+        info: CheckpointInfo,
+        state: dict,
+        entry: str,
+        legacy: bool,
+        failed: CheckpointException,
+        reading: LocalFirstFileSystem,
+    ) -> tuple[dict, _PlainLoadPlanner]:
         """A rank found a file of its memory tier damaged as it loaded (every rank is here: DCP gathered the failure):
         rank 0 checks the checkpoint in storage, whose files were only listed when the tiers held it, keeping what it
         reads in its tier for the next restart; then every rank loads again, reading the files its tier failed
         (`reading.mismatched`) from storage. Raises OSError when storage does not verify either: the trainer restarts
         (a retryable exit), and the restart's latest_valid, which no longer finds it in memory, skips it."""
         bad = set(reading.mismatched)
-        logger.warning("rank %d: %s: reading it again, %s", self.rank, _describe(failed),
-                       f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged")
+        logger.warning(
+            "rank %d: %s: reading it again, %s",
+            self.rank,
+            _describe(failed),
+            f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged",
+        )
         checked: Any = None
         if self.rank == 0:
             try:
@@ -951,13 +1095,17 @@ class CheckpointStore:
             if self._tier is not None:  # damaged, and nowhere else: the restart must not find it again
                 self._tier.discard(info.step)
             why = _describe(checked) if isinstance(checked, Exception) else checked.reason
-            raise OSError(f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
-                          f"valid ({why}); a restart resumes from the newest valid checkpoint")
+            raise OSError(
+                f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
+                f"valid ({why}); a restart resumes from the newest valid checkpoint"
+            )
         kept = {}
         if self._tier is not None:
             self._tier.forget()
             kept = self._tier.files(info.step, info.manifest_sha256)
-        again = LocalFirstFileSystem({name: copy for name, copy in kept.items() if name not in bad}, self._storage.local)
+        again = LocalFirstFileSystem(
+            {name: copy for name, copy in kept.items() if name not in bad}, self._storage.local
+        )
         try:
             loaded = self._read(checked, state, entry, legacy, again)
         except CheckpointException as exc:

@@ -9,6 +9,7 @@ items). Reading puts a whole stored chunk straight into the destination tensor w
 
 One file per rank (``__<rank>_0.distcp``, as DCP names it), byte items first, then tensors, largest first.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,13 +33,16 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def write_rank_file(create_stream: Callable, concat_path: Callable, root: Any, plan: SavePlan,
-                    resolve: Callable[[Any], Any], sync: bool) -> list[WriteResult]:
+def write_rank_file(
+    create_stream: Callable, concat_path: Callable, root: Any, plan: SavePlan, resolve: Callable[[Any], Any], sync: bool
+) -> list[WriteResult]:
     """Write this rank's items of `plan` into one file below `root`; DCP's write results for them."""
     name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
     byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
-    tensor_items = sorted((item for item in plan.items if item.type != WriteItemType.BYTE_IO),
-                          key=lambda item: -item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize)
+    tensor_items = sorted(
+        (item for item in plan.items if item.type != WriteItemType.BYTE_IO),
+        key=lambda item: -item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize,
+    )
     results = []
     with create_stream(concat_path(root, name), "wb") as stream:
         for item in byte_items + tensor_items:
@@ -61,7 +65,11 @@ def write_rank_file(create_stream: Callable, concat_path: Callable, root: Any, p
 
 def _stored_chunk(metadata: TensorStorageMetadata, index: MetadataIndex) -> Any:
     chunks = metadata.chunks
-    if index.index is not None and index.index < len(chunks) and list(chunks[index.index].offsets) == list(index.offset):
+    if (
+        index.index is not None
+        and index.index < len(chunks)
+        and list(chunks[index.index].offsets) == list(index.offset)
+    ):
         return chunks[index.index]
     return next(chunk for chunk in chunks if list(chunk.offsets) == list(index.offset))
 
@@ -106,8 +114,10 @@ def read_raw_items(reader: Any, plan: LoadPlan, planner: Any, state_dict_metadat
             _read_items(reader.fs, path, relative_path, groups[0], state_dict_metadata)
         else:
             with ThreadPoolExecutor(len(groups), thread_name_prefix="checkpoint-read") as pool:
-                for done in [pool.submit(_read_items, reader.fs, path, relative_path, group, state_dict_metadata)
-                             for group in groups]:
+                for done in [
+                    pool.submit(_read_items, reader.fs, path, relative_path, group, state_dict_metadata)
+                    for group in groups
+                ]:
                     done.result()
         for _, item, target in items:
             planner.commit_tensor(item, target)
@@ -139,13 +149,18 @@ def _read_items(fs: Any, path: Any, relative_path: str, items: list, state_dict_
                 raise ValueError(f"{what}: {info.length} bytes stored for a {dtype} chunk of {list(chunk.sizes)}")
             stream.seek(info.offset)
             whole = list(item.storage_offsets) == [0] * len(chunk.sizes) and list(item.lengths) == list(chunk.sizes)
-            if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
-                    and target.size() == chunk.sizes:
+            if (
+                whole
+                and target.device.type == "cpu"
+                and target.dtype == dtype
+                and target.is_contiguous()
+                and target.size() == chunk.sizes
+            ):
                 _read_into(stream, _byte_view(target), what)
             else:
                 buffer = bytearray(info.length)
                 _read_into(stream, memoryview(buffer), what)
-                tensor = (torch.frombuffer(buffer, dtype=dtype) if info.length else torch.empty(0, dtype=dtype))
+                tensor = torch.frombuffer(buffer, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)
                 tensor = narrow_tensor_by_index(tensor.reshape(chunk.sizes), item.storage_offsets, item.lengths)
                 if target.size() != tensor.size():
                     raise ValueError(f"{what}: stored {list(tensor.size())}, expected {list(target.size())}")

@@ -18,6 +18,7 @@ link's speed (copies into pageable memory go through the driver's own small buff
 pages cannot be locked (no room to pin, a runtime without it) the copy goes through pageable memory, the same bytes.
 A state with other tensors (DTensor, sharded, quantized) is staged by the store's `StateDictStager` as before.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,12 @@ def plain_tensors(tree: Any, device: Optional[str] = None) -> bool:
     """Whether every tensor in `tree` (nested dicts, lists, tuples) is a plain strided tensor (no DTensor, sharded or
     quantized tensor), and on `device` when one is named."""
     if isinstance(tree, torch.Tensor):
-        return type(tree) in (torch.Tensor, torch.nn.Parameter) and tree.layout == torch.strided \
-            and not tree.is_quantized and (device is None or tree.device.type == device)
+        return (
+            type(tree) in (torch.Tensor, torch.nn.Parameter)
+            and tree.layout == torch.strided
+            and not tree.is_quantized
+            and (device is None or tree.device.type == device)
+        )
     if isinstance(tree, Mapping):
         return all(plain_tensors(value, device) for value in tree.values())
     if isinstance(tree, (list, tuple)):
@@ -145,7 +150,7 @@ class StagedFile:
             if view is None:
                 nbytes = tree.numel() * tree.element_size()
                 if nbytes:
-                    target = self._bytes[offsets[key]:offsets[key] + nbytes]
+                    target = self._bytes[offsets[key] : offsets[key] + nbytes]
                     target.copy_(_byte_view_tensor(tree), non_blocking=self.pinned)
                     view = target.view(tree.dtype).view(tree.shape)
                 else:
@@ -174,8 +179,10 @@ class StagedFile:
         the write results, and the file's manifest entry less its path (size, file digest, segment digests under
         `SEGMENTS_KEY`)."""
         if f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}" != self.name:
-            raise ValueError(f"DCP names this rank's data file {plan.storage_data.prefix}0{DEFAULT_SUFFIX}, not "
-                             f"{self.name}: the staged copy does not match the plan")
+            raise ValueError(
+                f"DCP names this rank's data file {plan.storage_data.prefix}0{DEFAULT_SUFFIX}, not "
+                f"{self.name}: the staged copy does not match the plan"
+            )
         results: list[WriteResult] = []
         appended: list[memoryview] = []
         for item in plan.items:
@@ -191,8 +198,13 @@ class StagedFile:
                 offset = self.size
                 appended.append(view)
                 self.size += view.nbytes
-            results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=_StorageInfo(
-                self.name, offset, view.nbytes, transform_descriptors=descriptors)))
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=view.nbytes,
+                    storage_data=_StorageInfo(self.name, offset, view.nbytes, transform_descriptors=descriptors),
+                )
+            )
         tail = b"".join(appended)  # byte items and what was not staged: small
         position = self.staged_bytes
         view = memoryview(tail)
@@ -206,14 +218,14 @@ class StagedFile:
         """The file's digest and its segments' (`SegmentHasher`'s), from memory: the file digest on this thread, the
         segments, which do not depend on each other, on a pool beside it (xxhash lets go of the GIL)."""
         staged = memoryview(self._bytes.numpy()) if self._bytes is not None else memoryview(b"")
-        staged = staged[:self.staged_bytes]
+        staged = staged[: self.staged_bytes]
 
         def segment(start: int) -> str:
             end = min(start + SEGMENT_BYTES, self.size)
             if end <= self.staged_bytes:
                 piece = staged[start:end]
             else:  # runs into (or lies in) the tail
-                piece = bytes(staged[start:]) + tail[max(0, start - self.staged_bytes):end - self.staged_bytes]
+                piece = bytes(staged[start:]) + tail[max(0, start - self.staged_bytes) : end - self.staged_bytes]
             return xxhash.xxh3_128(piece).hexdigest()
 
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-segments") as pool:
@@ -235,8 +247,9 @@ class StagedFile:
 def _mapping(fd: int, size: int) -> torch.Tensor:
     """The first `size` bytes of file `fd`, mapped shared, as a uint8 tensor (which keeps the mapping while views of
     it live)."""
-    return torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)),
-                            dtype=torch.uint8)
+    return torch.frombuffer(
+        mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)), dtype=torch.uint8
+    )
 
 
 class LockedMappings:

@@ -1,4 +1,5 @@
 """The DCP writer that hashes every file as it is written, for the manifest, and copies it to the memory tier."""
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,7 @@ class _HashingStream:
         if self._hashing is None and self.size + view.nbytes >= PIECE_BYTES:
             self._hashing = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
         for start in range(0, view.nbytes, PIECE_BYTES):
-            piece = view[start:start + PIECE_BYTES]
+            piece = view[start : start + PIECE_BYTES]
             self._raw.write(piece)
             self._copy.write(piece)
             if self._hashing is not None:
@@ -75,15 +76,14 @@ class _HashingStream:
         return getattr(self._raw, name)
 
 
-
-
 class _HashingFileSystem:
     """Wraps DCP's fsspec FileSystem: records {basename: manifest entry} of every file DCP writes, and copies it
     into the memory tier's `tier_dir` (None: no copy), following DCP's rename of ``.metadata.tmp`` to ``.metadata``.
     `segments`: also record each file's segment digests (for files written into the memory tier itself)."""
 
-    def __init__(self, inner: Any, record: dict, tier: Optional[MemoryTier], tier_dir: Optional[str],
-                 segments: bool = False):
+    def __init__(
+        self, inner: Any, record: dict, tier: Optional[MemoryTier], tier_dir: Optional[str], segments: bool = False
+    ):
         self._inner = inner
         self._record = record
         self._tier, self._tier_dir = tier or MemoryTier(""), tier_dir
@@ -101,8 +101,11 @@ class _HashingFileSystem:
         name = posixpath.basename(os.fspath(path))
         copy = self._tier.copy(self._tier_dir, name)
         # A data file written straight into the memory tier goes into recycled pages (`RecycledFile`).
-        opened = RecycledFile(os.fspath(path)) if self._segments and name.endswith(DEFAULT_SUFFIX) else \
-            self._inner.create_stream(path, mode)
+        opened = (
+            RecycledFile(os.fspath(path))
+            if self._segments and name.endswith(DEFAULT_SUFFIX)
+            else self._inner.create_stream(path, mode)
+        )
         try:
             with opened as stream:
                 tee = _HashingStream(stream, copy, self._segments)
@@ -128,16 +131,28 @@ class _Writer(FsspecWriter):
     `process`, this rank's data files are written by that writer process (`writer_process`); with a `staged` file
     (`tier_staging`), this rank's data file is the one its state was staged into, completed in place."""
 
-    def __init__(self, path: str, record: dict, on_global_plan, *, sync_files: bool,
-                 tier: Optional[MemoryTier] = None, tier_dir: Optional[str] = None,
-                 process: Optional[WriterProcess] = None, die_after_items: Optional[int] = None,
-                 segments: bool = False, staged: Optional[StagedFile] = None, **storage_options):
+    def __init__(
+        self,
+        path: str,
+        record: dict,
+        on_global_plan,
+        *,
+        sync_files: bool,
+        tier: Optional[MemoryTier] = None,
+        tier_dir: Optional[str] = None,
+        process: Optional[WriterProcess] = None,
+        die_after_items: Optional[int] = None,
+        segments: bool = False,
+        staged: Optional[StagedFile] = None,
+        **storage_options,
+    ):
         super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
         self.fs = _HashingFileSystem(self.fs, record, tier, tier_dir, segments)
         self._on_global_plan = on_global_plan
         self._record, self._tier, self._tier_dir = record, tier, tier_dir
-        self._request = dict(uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items,
-                             segments=segments)
+        self._request = dict(
+            uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items, segments=segments
+        )
         self._process = process
         self._staged = staged
 
@@ -148,13 +163,17 @@ class _Writer(FsspecWriter):
             done.set_result(results)
             return done
         if self._process is None:
-            done.set_result(write_rank_file(self.fs.create_stream, self.fs.concat_path, self.path, plan,
-                                            planner.resolve_data, self.sync_files))
+            done.set_result(
+                write_rank_file(
+                    self.fs.create_stream, self.fs.concat_path, self.path, plan, planner.resolve_data, self.sync_files
+                )
+            )
             return done
         data = {item.index: planner.resolve_data(item) for item in plan.items}
         tier_root = self._tier.root if self._tier is not None and self._tier_dir is not None else None
-        results, record = self._process.write(WriteRequest(
-            plan=plan, data=data, tier_root=tier_root, tier_dir=self._tier_dir, **self._request))
+        results, record = self._process.write(
+            WriteRequest(plan=plan, data=data, tier_root=tier_root, tier_dir=self._tier_dir, **self._request)
+        )
         self._record.update(record)
         done.set_result(results)
         return done

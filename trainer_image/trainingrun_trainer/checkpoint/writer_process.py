@@ -9,6 +9,7 @@ small values are pickled. The writer answers with DCP's write results and the fi
 A writer that dies (killed, out of memory) fails that save like any storage error: no manifest, one log record,
 training goes on, and the next save starts a new writer.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -115,8 +116,10 @@ class WriterProcess:
             process = self._process
             process.join(5)
             self._discard()
-            raise WriterDied(f"the checkpoint writer process (pid {process.pid}) ended with exit code "
-                             f"{process.exitcode} before it answered ({type(error).__name__})") from None
+            raise WriterDied(
+                f"the checkpoint writer process (pid {process.pid}) ended with exit code "
+                f"{process.exitcode} before it answered ({type(error).__name__})"
+            ) from None
         if status != "ok":
             raise OSError(result)
         return result, record
@@ -179,8 +182,11 @@ def _serve(conn: Any) -> None:
     from .tensor_files import write_rank_file
     from .writer import _HashingFileSystem
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s checkpoint-writer %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s checkpoint-writer %(levelname)s %(name)s: %(message)s",
+    )
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # Ctrl-C or a SIGTERM for the whole process group: the trainer writes its emergency checkpoint through this
         # process, and the writer ends when the trainer does (its end of the pipe closes).
@@ -202,8 +208,14 @@ def _serve(conn: Any) -> None:
             writer = FsspecWriter(request.uri, sync_files=request.sync_files, overwrite=True, **request.options)
             tier = MemoryTier(request.tier_root) if request.tier_root else None
             fs = _HashingFileSystem(writer.fs, record, tier, request.tier_dir, request.segments)
-            results = write_rank_file(fs.create_stream, fs.concat_path, writer.path, request.plan,
-                                      _Resolved(request.data, request.die_after_items).resolve_data, request.sync_files)
+            results = write_rank_file(
+                fs.create_stream,
+                fs.concat_path,
+                writer.path,
+                request.plan,
+                _Resolved(request.data, request.die_after_items).resolve_data,
+                request.sync_files,
+            )
             reply: tuple = ("ok", results, record)
         except Exception as error:  # noqa: BLE001 - every failure goes back to the save it belongs to
             logger.debug("writing %s failed", request.uri, exc_info=True)
