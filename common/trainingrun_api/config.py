@@ -8,6 +8,7 @@ as in the TrainingRun, so a user can copy between them.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union, cast
 
@@ -746,14 +747,23 @@ class RunConfig(ApiModel):
     checkpoint: CheckpointConfig
 
 
+def config_json(config: RunConfig) -> str:
+    """The trainer config as the operator and `trainingrun local` write it for the trainer (CONFIG_FILE_NAME)."""
+    return json.dumps(config.to_wire(), indent=1) + "\n"
+
+
 def load_config(path: str) -> RunConfig:
+    """The trainer config at `path`: JSON when it ends in .json (what the operator writes), else YAML (a file of
+    one's own, for a custom loop or a torchrun of one's own)."""
+    as_json = path.endswith(".json")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = json.load(f) if as_json else yaml.safe_load(f)
     except OSError as error:
         raise ConfigError(f"cannot read the trainer config {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"the trainer config {path} is not valid YAML: {error}") from None
+    except (ValueError, yaml.YAMLError) as error:
+        kind = "JSON" if as_json else "YAML"
+        raise ConfigError(f"the trainer config {path} is not valid {kind}: {str(error)[:300]}") from None
     try:
         config: RunConfig = RunConfig.from_wire(data or {})
         return config

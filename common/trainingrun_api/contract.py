@@ -28,7 +28,10 @@ NAME = "TRAININGRUN_NAME"
 NAMESPACE = "TRAININGRUN_NAMESPACE"
 UID = "TRAININGRUN_UID"
 ATTEMPT = "TRAININGRUN_ATTEMPT"
-CONFIG = "TRAININGRUN_CONFIG"  #: path of the mounted trainer config YAML
+CONFIG = "TRAININGRUN_CONFIG"  #: path of the trainer config file the operator mounts (CONFIG_FILE_NAME)
+#: The trainer config as the operator writes it: JSON, read with json (config.load_config), so no YAML 1.1 reading
+#: (1e-08 as a string, `on` as true) can change a value between the spec and the pod.
+CONFIG_FILE_NAME = "config.json"
 RESUME_FROM = "TRAININGRUN_RESUME_FROM"  #: the operator's last reported checkpoint: a floor, never a pin
 METRICS_PORT = "TRAININGRUN_METRICS_PORT"
 POD_NAME = "TRAININGRUN_POD_NAME"

@@ -13,17 +13,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 import socket
 import uuid
 from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Optional
 
-import yaml
-
 from trainingrun_api import contract
-from trainingrun_api.config import RunConfig
+from trainingrun_api.config import RunConfig, config_json
 
 from . import api
 from .settings import Settings
@@ -54,89 +51,6 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: Lifetime of a pod's report token; the kubelet replaces it at 80% of that.
 REPORT_TOKEN_SECONDS = 3600
 SECRET_FILE_MODE = 0o440  # group-readable, so the non-root trainer reads it through fsGroup
-
-
-#: libyaml's emitter when present, for what `config_yaml` leaves to PyYAML.
-SAFE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-#: Keys written bare; the others are quoted. YAML 1.1 (PyYAML) reads y/n/on/off/yes/no as booleans.
-_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
-_YAML11_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}
-
-
-def config_yaml(value: Any) -> str:
-    """The trainer config as block YAML that PyYAML reads back equal (dicts, lists, str, int, float, bool,
-    None). PyYAML's own representer cost ~2 ms per ConfigMap even with libyaml's emitter, the largest
-    part of creating a run in a burst; this costs ~0.1 ms. Strings that are not plain printable ASCII go
-    to PyYAML, whose escaping covers every case."""
-    try:
-        return "\n".join(_yaml_lines(value, "") if value else [_yaml_flow(value)]) + "\n"
-    except _NotPlain:
-        return yaml.dump(value, Dumper=SAFE_DUMPER, sort_keys=False)
-
-
-class _NotPlain(Exception):
-    pass
-
-
-def _yaml_scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if value != value:
-            return ".nan"
-        if value in (float("inf"), float("-inf")):
-            return ".inf" if value > 0 else "-.inf"
-        text = repr(value)
-        mantissa, e, exponent = text.partition("e")
-        if e and "." not in mantissa:  # YAML 1.1 reads 1e-08 as a string; 1.0e-08 is a float
-            text = f"{mantissa}.0e{exponent}"
-        return text
-    if isinstance(value, str):
-        if not (value.isascii() and value.isprintable()):
-            raise _NotPlain
-        return json.dumps(value)  # a JSON string of printable ASCII is a YAML double-quoted scalar
-    raise _NotPlain
-
-
-def _yaml_key(key: Any) -> str:
-    if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) and key.lower() not in _YAML11_WORDS:
-        return key
-    return _yaml_scalar(key)
-
-
-def _yaml_lines(value: Any, indent: str) -> list[str]:
-    lines: list[str] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            head = f"{indent}{_yaml_key(key)}:"
-            if isinstance(item, (dict, list)) and item:
-                lines.append(head)
-                lines += _yaml_lines(item, indent + "  " if isinstance(item, dict) else indent)
-            else:
-                lines.append(f"{head} {_yaml_flow(item)}")
-    elif isinstance(value, list):
-        for item in value:
-            if isinstance(item, (dict, list)) and item:
-                nested = _yaml_lines(item, indent + "  ")
-                lines.append(f"{indent}- {nested[0][len(indent) + 2 :]}")
-                lines += nested[1:]
-            else:
-                lines.append(f"{indent}- {_yaml_flow(item)}")
-    else:
-        lines.append(indent + _yaml_flow(value))
-    return lines
-
-
-def _yaml_flow(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{}"
-    if isinstance(value, list):
-        return "[]"
-    return _yaml_scalar(value)
 
 
 # ---------------------------------------------------------------- names
@@ -219,7 +133,7 @@ def config_map(run: api.TrainingRun, settings: Settings = Settings()) -> dict[st
     """The trainer config every pod mounts (defaults filled in, so the pod sees what ran), and the CA
     certificate pods verify the operator's report endpoint with."""
     config = RunConfig(trainer=run.spec.trainer, checkpoint=run.spec.checkpoint)
-    data = {"config.yaml": config_yaml(config.to_wire())}
+    data = {contract.CONFIG_FILE_NAME: config_json(config)}
     if settings.report_ca:
         data[contract.REPORT_CA_KEY] = settings.report_ca
     return {

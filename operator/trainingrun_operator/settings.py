@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainingrun_api import contract
+
 from . import __version__
 
 
@@ -163,7 +165,7 @@ class Settings:
 
     @property
     def config_path(self) -> str:
-        return f"{self.config_dir}/config.yaml"
+        return f"{self.config_dir}/{contract.CONFIG_FILE_NAME}"
 
 
 def signing_key(tls_key: Path) -> bytes:

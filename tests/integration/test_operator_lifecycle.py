@@ -1,10 +1,10 @@
 """The operator for real against kmock: lifecycle, recovery, budgets, stalls, secrets, suspend, spec changes."""
 
 import asyncio
+import json
 from datetime import datetime, timedelta
 
 import pytest
-import yaml
 
 from operator_harness import (
     PODS,
@@ -282,7 +282,7 @@ async def test_checkpoint_uri_cannot_change_while_running(kmock, cluster):
         await eventually(lambda: cluster.events("SpecRejected"))
         await fail_attempt(cluster, "demo-a1")
         await eventually(lambda: cluster.job("demo-a2"))
-        config = yaml.safe_load(cluster.obj("v1/configmaps", "demo-config")["data"]["config.yaml"])
+        config = json.loads(cluster.obj("v1/configmaps", "demo-config")["data"]["config.json"])
         assert config["checkpoint"]["uri"] == "s3://bucket/demo"  # the URI the run started with, not the edit
 
 

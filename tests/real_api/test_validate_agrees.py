@@ -170,11 +170,11 @@ def test_a_config_map_over_1_mib_is_refused(kube_cluster_with_crds, namespace):
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": "big", "namespace": namespace},
-        "data": {"config.yaml": "x" * (validation.MAX_CONFIG_MAP_BYTES + 1)},
+        "data": {"config.json": "x" * (validation.MAX_CONFIG_MAP_BYTES + 1)},
     }
     code, message = dry_run(kube_cluster_with_crds, config_map, namespace)
     assert code == 422 and "1048576" in message, message
-    config_map["data"]["config.yaml"] = config_map["data"]["config.yaml"][:-1]
+    config_map["data"]["config.json"] = config_map["data"]["config.json"][:-1]
     assert dry_run(kube_cluster_with_crds, config_map, namespace)[0] == 201
 
 

@@ -6,7 +6,6 @@ import json
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from conftest import EXAMPLES
 from trainingrun_api import contract
@@ -96,7 +95,7 @@ def test_elastic_job_shape(minimal_body):
     assert env["TRAININGRUN_ATTEMPT"] == "3"
     assert env["TRAININGRUN_RESUME_FROM"] == "s3://bucket/runs/demo/step-00000500"
     assert "TRAININGRUN_CHECKPOINT_URI" not in env  # one channel: the config file
-    assert env["TRAININGRUN_CONFIG"] == "/etc/trainingrun/config.yaml"
+    assert env["TRAININGRUN_CONFIG"] == "/etc/trainingrun/config.json"
     assert env["TRAININGRUN_UID"] == "3f1c2a9e-0000-4000-8000-000000000001"
     assert env["TRAININGRUN_METRICS_PORT"] == "9464"
     # the agent gives workers most of the grace period for the emergency checkpoint, and exits before SIGKILL
@@ -252,7 +251,7 @@ def test_own_service_account_is_used_as_it_is(minimal_body):
 def test_config_map_holds_the_trainer_config_with_defaults(minimal_body):
     minimal_body["spec"]["trainer"] = {"maxSteps": 77, "optimizer": {"lr": 0.001}}
     config_map = builders.config_map(run_from(minimal_body))
-    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    config = json.loads(config_map["data"]["config.json"])
     assert config["trainer"]["maxSteps"] == 77
     assert config["trainer"]["optimizer"]["lr"] == 0.001
     assert config["trainer"]["optimizer"]["name"] == "adamw"  # default filled in
@@ -377,7 +376,7 @@ def test_the_checkpoint_uri_reaches_the_pod_through_the_config_file_alone(minima
     edited = run.model_copy(deep=True)
     edited.spec.checkpoint.uri = "s3://elsewhere/later"
     config_map, job = builders.children(edited, 2, checkpoint_uri=started)
-    assert yaml.safe_load(config_map["data"]["config.yaml"])["checkpoint"]["uri"] == started
+    assert json.loads(config_map["data"]["config.json"])["checkpoint"]["uri"] == started
     env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if "s3://" in str(e.get("value")) or "CHECKPOINT_URI" in e["name"]]
     # the job is stamped as built from the spec it ran with: the started URI, not the edit

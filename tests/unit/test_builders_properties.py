@@ -39,28 +39,3 @@ def test_any_document_renders_valid_children_or_fails_validation(pytorchjob_sche
         K8S_VERSION,
         strict=True,
     )
-
-
-_yaml_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=12)
-)
-_yaml_keys = st.text(max_size=8) | st.sampled_from(["on", "No", "y", "null", "1", "a.b", "-x", "classPath"])
-_yaml_values = st.recursive(
-    _yaml_scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_yaml_keys, inner, max_size=4),
-    max_leaves=20,
-)
-
-
-@settings(max_examples=500, deadline=None)
-@given(st.dictionaries(_yaml_keys, _yaml_values, max_size=6))
-def test_config_yaml_reads_back_equal(value):
-    """The ConfigMap's YAML is written by hand (PyYAML's representer was most of a burst's CPU): PyYAML, as the
-    trainer reads it, must get back exactly what was written, for any keys, strings and numbers."""
-    import yaml
-
-    assert yaml.safe_load(builders.config_yaml(value)) == value

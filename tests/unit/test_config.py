@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from trainingrun_api.config import RunConfig
@@ -36,3 +37,35 @@ def test_the_checkpoint_interval_is_chosen_from_measured_costs_unless_the_spec_s
         {"trainer": {"maxSteps": 5}, "checkpoint": {"uri": "gs://bkt/p", "interval": {"steps": 50}}}
     )
     assert fixed.checkpoint.interval.steps == 50 and not fixed.checkpoint.interval.auto
+
+
+def test_the_config_file_the_operator_writes_reads_back_equal(tmp_path):
+    """JSON, read with json: YAML 1.1 (PyYAML) would read 1e-08 as a string and `on` as true."""
+    from trainingrun_api import contract
+    from trainingrun_api.config import config_json, load_config
+
+    config = RunConfig.from_wire(
+        {
+            "trainer": {
+                "optimizer": {"eps": 1e-08, "lr": 3e-4},
+                "model": {
+                    "classPath": "trainingrun_trainer.models.CharTransformer",
+                    "initArgs": {"on": "no", "y": 1e-08, "text": "\u00e9\u2028\t", "nested": [{"off": None}]},
+                },
+            },
+            "checkpoint": {"uri": "file:///ckpt"},
+        }
+    )
+    path = tmp_path / contract.CONFIG_FILE_NAME
+    path.write_text(config_json(config))
+    assert load_config(str(path)) == config
+    assert yaml.safe_load(path.read_text())["trainer"]["model"]["initArgs"]["y"] == "1e-08"  # the trap avoided
+
+
+def test_a_config_file_that_is_not_json_names_the_file(tmp_path):
+    from trainingrun_api.config import ConfigError, load_config
+
+    path = tmp_path / "config.json"
+    path.write_text("trainer: {}\n")
+    with pytest.raises(ConfigError, match=r"config.json is not valid JSON"):
+        load_config(str(path))

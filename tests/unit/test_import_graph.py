@@ -57,6 +57,45 @@ def test_neither_side_imports_the_other(package, other):
     assert other not in imported_packages(package), sorted(imported_packages(package)[other])
 
 
+def private_torch_names(path: Path) -> list[str]:
+    """The private torch names a module uses: imported from a private module or by a private name, or reached as a
+    private attribute of a name it bound to torch or a torch module."""
+    found, torch_names = [], set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    torch_names.add(alias.asname or alias.name.split(".")[0])
+                    if any(part.startswith("_") for part in alias.name.split(".")):
+                        found.append(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            private_module = any(part.startswith("_") for part in node.module.split("."))
+            for alias in node.names:
+                torch_names.add(alias.asname or alias.name)
+                if private_module or alias.name.startswith("_"):
+                    found.append(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in torch_names:
+                found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return found
+
+
+def test_only_torch_internals_uses_private_torch_names():
+    package = PACKAGES["trainingrun_trainer"] / "trainingrun_trainer"
+    users = {
+        str(path.relative_to(package)): names
+        for path in package.rglob("*.py")
+        if path.name != "torch_internals.py" and (names := private_torch_names(path))
+    }
+    assert not users, f"private torch names belong in torch_internals.py, with the reason: {users}"
+    assert private_torch_names(package / "torch_internals.py")  # the scan sees them where they are
+
+
 def test_both_sides_import_the_shared_package():
     assert "trainingrun_api" in imported_packages("trainingrun_operator")
     assert "trainingrun_api" in imported_packages("trainingrun_trainer")

@@ -19,14 +19,9 @@ import sys
 from .launch import node_has_gpus
 
 try:
-    import torch._inductor.codecache as codecache
-    import torch._inductor.compile_fx  # noqa: F401  (the import is the point)
+    from .torch_internals import preload_compile
 
-    codecache.torch_key()
-    if not node_has_gpus():
-        from torch._inductor import cpu_vec_isa
-
-        cpu_vec_isa.valid_vec_isa_list()
+    preload_compile(probe_cpu=not node_has_gpus())
 except Exception as error:  # noqa: BLE001  (see above: never stop the forkserver)
     print(
         f"trainingrun launch: preloading torch.compile failed ({type(error).__name__}: {error}); each worker "

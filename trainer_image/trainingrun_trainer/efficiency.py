@@ -124,7 +124,7 @@ def compiled(module: Any, setting: Optional[bool], device_type: str) -> Any:
     import torch
 
     if setting is None:
-        import torch._dynamo as dynamo
+        from .torch_internals import dynamo_config
 
-        dynamo.config.suppress_errors = True
+        dynamo_config().suppress_errors = True
     return torch.compile(module)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .torch_internals import foreach_lerp_
+
 
 class WeightEMA:
     """Keeps `shadow = decay * shadow + (1 - decay) * weights` in float32 after every optimizer step.
@@ -25,7 +27,7 @@ class WeightEMA:
     def update(self, model: nn.Module) -> None:
         params = [p for name, p in model.named_parameters() if name in self.shadow]
         shadows = [self.shadow[name] for name, p in model.named_parameters() if name in self.shadow]
-        torch._foreach_lerp_(shadows, [p.detach().to(torch.float32) for p in params], 1.0 - self.decay)
+        foreach_lerp_(shadows, [p.detach().to(torch.float32) for p in params], 1.0 - self.decay)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

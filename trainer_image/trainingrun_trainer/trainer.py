@@ -101,7 +101,7 @@ class Trainer:
         self.plan = PrecisionPlan(self.cfg.precision, self.device_type)
         model = self.plan.prepare(model).to(self.device)
         if self.cfg.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            from .torch_internals import checkpoint_wrapper
 
             blocks = model.blocks
             for i, block in enumerate(blocks):

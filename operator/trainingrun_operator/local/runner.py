@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-import yaml
-
 from trainingrun_api import contract, exit_codes
-from trainingrun_api.config import RunConfig
+from trainingrun_api.config import RunConfig, config_json
 
 from .. import api, builders, recovery
 from .inputs import LocalOptions
@@ -233,9 +231,9 @@ class LocalRunner:
 
     def _write_config(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / "config.yaml"
+        path = self.run_dir / contract.CONFIG_FILE_NAME
         config = RunConfig(trainer=self.spec.trainer, checkpoint=self.spec.checkpoint)
-        path.write_text(yaml.safe_dump(config.to_wire(), sort_keys=False), encoding="utf-8")
+        path.write_text(config_json(config), encoding="utf-8")
         return path
 
     def _kill_a_worker(self, reason: str) -> None:

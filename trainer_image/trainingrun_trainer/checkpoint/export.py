@@ -11,16 +11,15 @@ import os
 from typing import Any, Mapping, Optional
 
 import torch
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from ..torch_internals import EmptyStateDictLoadPlanner, load_state_dict_into
 from .layout import _SAVE_ERRORS, CheckpointLoadError, _describe
 from .manifest import verify
 from .safe_load import _PlainLoadPlanner, _PlainReader
 from .storage import _storage_options
 
 
-class _PlainEmptyPlanner(_EmptyStateDictLoadPlanner):
+class _PlainEmptyPlanner(EmptyStateDictLoadPlanner):
     """DCP's planner that builds the state from the checkpoint's metadata, loading non-tensor values as plain values."""
 
     load_bytes = _PlainLoadPlanner.load_bytes
@@ -40,7 +39,7 @@ def load_everything(
     state: dict[str, Any] = {}
     reader = _PlainReader(uri, info.files, **_storage_options(uri, endpoint_url, storage_options))
     try:
-        _load_state_dict(state, storage_reader=reader, planner=_PlainEmptyPlanner(), no_dist=True)
+        load_state_dict_into(state, storage_reader=reader, planner=_PlainEmptyPlanner(), no_dist=True)
     except _SAVE_ERRORS as exc:  # DCP's CheckpointException is a BaseException: say what failed, in one line
         raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
     return state

@@ -10,9 +10,9 @@ import re
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from ..torch_internals import FsspecReader, StorageInfo, serialization_get_layout, set_element
 from .layout import is_plain_name
 from .tensor_files import RAW_TENSOR, read_raw_items
 
@@ -65,8 +65,8 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         {
             ("torch", "Size"): torch.Size,
             ("torch", "device"): torch.device,
-            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-            (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
+            ("torch.serialization", "_get_layout"): serialization_get_layout,
+            (filesystem.__name__, "_StorageInfo"): StorageInfo,
             ("collections", "OrderedDict"): collections.OrderedDict,
         }
     )
@@ -156,7 +156,6 @@ def check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
 
 
 def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
-    from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint import metadata as dcp
 
     def wrong(what: str) -> ValueError:
@@ -202,7 +201,7 @@ def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
     for index, info in stored.items():
         if type(index) is not dcp.MetadataIndex or not isinstance(index.fqn, str) or index.fqn not in entries:
             raise wrong("an item's index names no entry")
-        if type(info) is not filesystem._StorageInfo or not is_plain_name(info.relative_path):
+        if type(info) is not StorageInfo or not is_plain_name(info.relative_path):
             raise wrong(
                 f"an item of {index.fqn[:100]!r} is stored in {str(getattr(info, 'relative_path', info))[:100]!r}, "
                 "which is not a plain file name"
@@ -293,8 +292,6 @@ class _PlainLoadPlanner(DefaultLoadPlanner):
         self.missing = {entry_of.get(fqn, (fqn,))[0] for fqn in absent}
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         loaded = load_plain(value.getvalue())
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

@@ -20,11 +20,11 @@ from typing import Any, Callable, Collection, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..torch_internals import StateDictStager
 from .layout import (
     _LEGACY_EXTRA_FILE,
     _SAVE_ERRORS,

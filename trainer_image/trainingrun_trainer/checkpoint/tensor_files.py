@@ -18,11 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+
+from ..torch_internals import StorageInfo, narrow_tensor_by_index
 
 #: The transform descriptor of a raw tensor item in DCP's metadata (name/version, as DCP's extensions write them).
 RAW_TENSOR = "trainingrun-raw-tensor/1"
@@ -50,12 +51,12 @@ def write_rank_file(
             offset = stream.tell()
             if item.type == WriteItemType.BYTE_IO:
                 stream.write(data.getbuffer())
-                info = _StorageInfo(name, offset, stream.tell() - offset)
+                info = StorageInfo(name, offset, stream.tell() - offset)
             else:
                 if data.device.type != "cpu":
                     raise ValueError(f"{item.index.fqn}: a staged tensor must be on the CPU, not {data.device}")
                 stream.write(_byte_view(data.contiguous()))
-                info = _StorageInfo(name, offset, stream.tell() - offset, transform_descriptors=[RAW_TENSOR])
+                info = StorageInfo(name, offset, stream.tell() - offset, transform_descriptors=[RAW_TENSOR])
             results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
         if sync:
             stream.flush()
@@ -98,7 +99,7 @@ def read_raw_items(reader: Any, plan: LoadPlan, planner: Any, state_dict_metadat
     raw: dict[str, list] = {}
     left = []
     for item in plan.items:
-        info: _StorageInfo = reader.storage_data[item.storage_index]
+        info: StorageInfo = reader.storage_data[item.storage_index]
         if item.type == LoadItemType.TENSOR and RAW_TENSOR in (info.transform_descriptors or ()):
             raw.setdefault(info.relative_path, []).append((info, item, planner.resolve_tensor(item).detach()))
         else:

@@ -31,10 +31,11 @@ from typing import Any, Optional
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..torch_internals import StorageInfo
 from .layout import FILE_DIGEST, file_hasher
 from .memory_tier import SEGMENT_BYTES, SEGMENTS_KEY, SPARE_DIR
 from .tensor_files import RAW_TENSOR, _byte_view
@@ -202,7 +203,7 @@ class StagedFile:
                 WriteResult(
                     index=item.index,
                     size_in_bytes=view.nbytes,
-                    storage_data=_StorageInfo(self.name, offset, view.nbytes, transform_descriptors=descriptors),
+                    storage_data=StorageInfo(self.name, offset, view.nbytes, transform_descriptors=descriptors),
                 )
             )
         tail = b"".join(appended)  # byte items and what was not staged: small

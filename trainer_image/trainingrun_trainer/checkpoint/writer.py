@@ -8,10 +8,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.futures import Future as TorchFuture
 
+from ..torch_internals import FsspecWriter
 from .layout import FILE_DIGEST, file_hasher
 from .memory_tier import SEGMENTS_KEY, MemoryTier, RecycledFile, SegmentHasher, TierCopy
 from .tensor_files import write_rank_file

@@ -176,8 +176,7 @@ def _die_with_the_trainer() -> None:
 
 
 def _serve(conn: Any) -> None:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
+    from ..torch_internals import FsspecWriter
     from .memory_tier import MemoryTier
     from .tensor_files import write_rank_file
     from .writer import _HashingFileSystem
