@@ -186,7 +186,8 @@ def start_fleet(plane: kube_cluster.ControlPlane, runs: int) -> list[tuple[str, 
 
 def report_once(url: str, context: ssl.SSLContext, name: str, uid: str, token: str, step: int) -> tuple[float, int]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    body = Report(NAMESPACE, name, uid, 1, progress=Progress(step, now, loss=1.0)).to_json()
+    progress = Progress(step=step, updated_at=now, loss=1.0)
+    body = Report(namespace=NAMESPACE, name=name, uid=uid, attempt=1, progress=progress).to_json()
     request = urllib.request.Request(
         url, data=body, method="POST", headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     )
@@ -237,7 +238,8 @@ async def _flood(url: str, ca: str, rate: float, seconds: float, sources: int, o
         for i in range(sources)
     ]
     answered: dict[str, int] = {}
-    body = Report(NAMESPACE, "run-0000", "uid", 1, progress=Progress(1, "2026-01-01T00:00:00Z")).to_json()
+    progress = Progress(step=1, updated_at="2026-01-01T00:00:00Z")
+    body = Report(namespace=NAMESPACE, name="run-0000", uid="uid", attempt=1, progress=progress).to_json()
     in_flight = asyncio.Semaphore(256)
     sent = not_sent = 0
 

@@ -1,6 +1,6 @@
 """The operator-trainer contract in one place: the environment a trainer container gets and the
 progress report rank 0 sends. The operator's builders, its report endpoint, `trainingrun local` and
-the trainer all import these names; neither side spells them out. Standard library only (no torch),
+the trainer all import these names; neither side spells them out. No torch (the standard library and pydantic),
 so the operator imports it too.
 
 Reports: rank 0 POSTs a JSON `Report` to `TRAININGRUN_REPORT_URL` with `Authorization: Bearer <token>`,
@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from typing import Annotated, Any, Callable, ClassVar, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
 
 # ---------------------------------------------------------------- environment of a trainer container
 
@@ -99,72 +101,134 @@ class ReportError(ValueError):
     """A report that is not well formed; the message names the field."""
 
 
-@dataclass
-class Progress:
-    step: int
-    updated_at: str  #: when that step finished (RFC 3339)
-    total_steps: Optional[int] = None
-    loss: Optional[float] = None
-    samples_per_second: Optional[float] = None
-    productive_seconds: Optional[float] = None  #: step time kept in the model (data wait excluded), this run only
-    model_flops_per_second: Optional[float] = None  #: over all ranks (`efficiency`)
-    mfu: Optional[float] = None  #: model FLOP/s over every rank's peak; none on CPUs and unknown GPUs
-
-    WIRE = {
-        "step": "step",
-        "updated_at": "updatedAt",
-        "total_steps": "totalSteps",
-        "loss": "loss",
-        "samples_per_second": "samplesPerSecond",
-        "productive_seconds": "productiveSeconds",
-        "model_flops_per_second": "modelFlopsPerSecond",
-        "mfu": "mfu",
-    }
+# ---------------------------------------------------------------- a report's values, each checked once
 
 
-@dataclass
-class ProcessTime:
+def _checked(check: Callable[[Any], bool], message: str) -> BeforeValidator:
+    """A value that passes `check` as it is (no conversion: "2" is not 2, true is not 1), else `message`."""
+
+    def validate(value: Any) -> Any:
+        if not check(value):
+            raise ValueError(message)
+        return value
+
+    return BeforeValidator(validate)
+
+
+def _is_integer(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value < 2**63
+
+
+def _is_number(value: Any, minimum: Optional[float]) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (minimum is None or value >= minimum)
+    )
+
+
+def _text(limit: int) -> BeforeValidator:
+    return _checked(
+        lambda v: isinstance(v, str) and 0 < len(v) <= limit and _PRINTABLE.fullmatch(v) is not None,
+        f"must be a non-empty string of at most {limit} printable ASCII characters",
+    )
+
+
+Text = Annotated[str, _text(253)]  #: names, uids, process labels
+UriText = Annotated[str, _text(2048)]
+Count = Annotated[int, _checked(lambda v: _is_integer(v, 0), "must be a whole number from 0")]
+Positive = Annotated[int, _checked(lambda v: _is_integer(v, 1), "must be a whole number from 1")]
+Seconds = Annotated[float, _checked(lambda v: _is_number(v, 0), "must be a finite number >= 0")]
+Finite = Annotated[float, _checked(lambda v: _is_number(v, None), "must be a finite number")]
+Time = Annotated[
+    str,
+    _checked(
+        lambda v: isinstance(v, str) and _TIME.fullmatch(v) is not None and parse_time(v) is not None,
+        "must be an RFC 3339 time",
+    ),
+]
+Sha256 = Annotated[
+    str, _checked(lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None, "must be 64 lowercase hex digits")
+]
+
+
+class ReportPart(BaseModel):
+    """A part of the report: camelCase on the wire, snake_case in Python; names it does not know are dropped (a newer
+    trainer may send more). The trainer builds parts with `model_construct` (no checks: reporting never raises in
+    the training loop); the operator reads them with `Report.from_json`, which checks every value once. The status
+    model of the CRD is generated from these (`api.status_part`), so the two cannot drift apart."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def __init__(self, *values: Any, **fields: Any) -> None:
+        """Checked; positional values fill the fields in the order they are declared."""
+        super().__init__(**dict(zip(type(self).model_fields, values)), **fields)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Its wire names and values, unset values left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Progress(ReportPart):
+    """Training progress as last reported by rank 0."""
+
+    step: Count = Field(description="Last completed optimizer step.")
+    updated_at: Time = Field(description="When `step` finished, as rank 0 reported it (RFC 3339).")
+    total_steps: Optional[Count] = Field(default=None, description="Steps the run trains for.")
+    loss: Optional[Finite] = Field(default=None, description="Training loss at `step`.")
+    samples_per_second: Optional[Seconds] = Field(default=None, description="Throughput over all ranks.")
+    productive_seconds: Optional[Seconds] = Field(
+        default=None,
+        description="Step time kept in the current model, data wait excluded, summed over attempts (for goodput).",
+    )
+    model_flops_per_second: Optional[Seconds] = Field(
+        default=None, description="The model's FLOP/s over all ranks: its FLOPs per sample x samples per second."
+    )
+    mfu: Optional[Seconds] = Field(
+        default=None,
+        description="Model FLOPs utilisation: modelFlopsPerSecond over every GPU's dense peak at the run's "
+        "precision (0..1); absent on CPUs and GPUs the trainer's peak table lacks (spec.trainer.peakFlopsPerSecond).",
+    )
+
+
+class ProcessTime(ReportPart):
     """Where one training process's time went since it started (rank 0's clock), cumulative: the parts of the goodput
     breakdown a process sees. A restarted worker group is a new `process`; what a killed one did after its last
     report is not here (the supervisor sees it as time outside processes)."""
 
-    process: str  #: tells processes apart: pod, pid and start time
-    alive_seconds: float  #: since the process started
-    startup_seconds: float  #: process start to ready to train: imports, process group, model, data (restore excluded)
-    restore_seconds: float  #: loading the checkpoint it resumed from
-    checkpoint_seconds: float  #: the training thread blocked by saves, and steps slowed by a background save
-    data_wait_seconds: float  #: steps waiting for their batches
-    compute_seconds: float  #: every step it ran, data wait excluded: kept in the model or lost later
-    eval_seconds: float  #: evaluations
-    restored_productive_seconds: float  #: the run's productive seconds in the checkpoint it resumed from
+    process: Text = Field(description="The process (pod/pid/start time), or 'ended' for the sum.")
+    alive_seconds: Seconds = Field(default=0.0, description="Since the process started.")
+    startup_seconds: Seconds = Field(
+        default=0.0, description="Imports, process group, model and data before training (restore excluded)."
+    )
+    restore_seconds: Seconds = Field(default=0.0, description="Loading the checkpoint it resumed from.")
+    checkpoint_seconds: Seconds = Field(
+        default=0.0,
+        description="The training thread blocked by saves, and the time a background save added to the "
+        "steps beside it (not productive).",
+    )
+    data_wait_seconds: Seconds = Field(default=0.0, description="Steps waiting for their batches.")
+    compute_seconds: Seconds = Field(default=0.0, description="Step time, data wait excluded: kept or lost later.")
+    eval_seconds: Seconds = Field(default=0.0, description="Evaluations.")
+    restored_productive_seconds: Seconds = Field(
+        default=0.0,
+        description="The run's productive seconds in the checkpoint it resumed from (the sum: the smallest).",
+    )
     # The parts of startup_seconds (`timekeeping.STARTUP_PHASES`), and the first step (part of compute_seconds).
-    imports_seconds: float = 0.0  #: interpreter start and imports
-    init_seconds: float = 0.0  #: seeding, CUDA, the process group
-    model_seconds: float = 0.0  #: building the model and optimizer
-    data_seconds: float = 0.0  #: building the data
-    prepare_seconds: float = 0.0  #: the rest before training: the checkpoint store, trackers
-    first_step_seconds: float = 0.0  #: the first step: compile, warm-up
-
-    WIRE = {
-        "process": "process",
-        "alive_seconds": "aliveSeconds",
-        "startup_seconds": "startupSeconds",
-        "restore_seconds": "restoreSeconds",
-        "checkpoint_seconds": "checkpointSeconds",
-        "data_wait_seconds": "dataWaitSeconds",
-        "compute_seconds": "computeSeconds",
-        "eval_seconds": "evalSeconds",
-        "restored_productive_seconds": "restoredProductiveSeconds",
-        "imports_seconds": "importsSeconds",
-        "init_seconds": "initSeconds",
-        "model_seconds": "modelSeconds",
-        "data_seconds": "dataSeconds",
-        "prepare_seconds": "prepareSeconds",
-        "first_step_seconds": "firstStepSeconds",
-    }
+    imports_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: interpreter start and imports.")
+    init_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: seeding, CUDA and the process group.")
+    model_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: building the model and optimizer.")
+    data_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: building the data.")
+    prepare_seconds: Seconds = Field(
+        default=0.0, description="Of startupSeconds: the rest before training (checkpoint store, trackers)."
+    )
+    first_step_seconds: Seconds = Field(
+        default=0.0, description="The first step (torch.compile compiling, CUDA warming up); part of computeSeconds."
+    )
 
     #: Start-up to the first step, part by part (they add up to it): `startup_seconds`' phases, restore, the first step.
-    STARTUP_PARTS = ("imports", "init", "model", "data", "prepare", "restore", "first_step")
+    STARTUP_PARTS: ClassVar[tuple[str, ...]] = ("imports", "init", "model", "data", "prepare", "restore", "first_step")
 
     def startup_parts(self) -> dict[str, float]:
         """{part: seconds} of `STARTUP_PARTS`."""
@@ -172,76 +236,75 @@ class ProcessTime:
 
     def plus(self, other: "ProcessTime", process: str = "ended") -> "ProcessTime":
         """Both processes' time together (the productive seconds they resumed from: the smaller)."""
-        return ProcessTime(
-            process,
-            **{
-                field: (min if field == "restored_productive_seconds" else float.__add__)(
-                    float(getattr(self, field)), float(getattr(other, field))
-                )
-                for field in self.WIRE
-                if field != "process"
-            },
-        )
+        values: dict[str, Any] = {
+            field: (min if field == "restored_productive_seconds" else float.__add__)(
+                float(getattr(self, field)), float(getattr(other, field))
+            )
+            for field in ProcessTime.model_fields
+            if field != "process"
+        }
+        return ProcessTime.model_construct(process=process, **values)
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> "ProcessTime":
-        """From the names on the wire (and in status.processTime); missing numbers are 0."""
-        return cls(
-            process=str(body.get("process") or ""),
-            **{field: float(body.get(wire) or 0.0) for field, wire in cls.WIRE.items() if field != "process"},
-        )
+        """From status.processTime as the operator wrote it (missing numbers are 0)."""
+        values: dict[str, Any] = {
+            field: float(body.get(info.alias or field) or 0.0)
+            for field, info in cls.model_fields.items()
+            if field != "process"
+        }
+        return cls.model_construct(process=str(body.get("process") or ""), **values)
 
 
-@dataclass
-class IntervalChoice:
-    """The checkpoint interval `checkpoint.interval.steps: auto` chose, and what it was made of."""
+class IntervalChoice(ReportPart):
+    """With checkpoint.interval.steps: auto, the interval rank 0 chose at its last report, and what it is made of:
+    steps = sqrt(2 x saveCostSeconds x secondsBetweenFailures) / the usual step time, within minSteps..maxSteps."""
 
-    steps: int  #: the interval, in steps
-    seconds: Optional[float]  #: that many steps at the usual step time (None until steps were measured)
-    save_cost_seconds: Optional[float]  #: what one save costs the training loop (None until one was measured)
-    seconds_between_failures: float  #: the run's mean time between failures, as estimated now
-    failures: int  #: restarts of the training processes seen so far
-    expected_lost_seconds: Optional[float]  #: training a failure throws away, on average: half an interval
-
-    WIRE = {
-        "steps": "steps",
-        "seconds": "seconds",
-        "save_cost_seconds": "saveCostSeconds",
-        "seconds_between_failures": "secondsBetweenFailures",
-        "failures": "failures",
-        "expected_lost_seconds": "expectedLostSeconds",
-    }
-
-
-@dataclass
-class CommittedCheckpoint:
-    uri: str  #: <checkpoint URI of the run>/step-NNNNNNNN
-    step: int
-    time: str
-    sha256: Optional[str] = None  #: of the manifest
-
-    WIRE = {"uri": "uri", "step": "step", "time": "time", "sha256": "sha256"}
+    steps: Positive = Field(description="The interval, in steps.")
+    seconds: Optional[Seconds] = Field(default=None, description="That many steps at the usual step time.")
+    save_cost_seconds: Optional[Seconds] = Field(
+        default=None,
+        description="What one save costs the training loop: blocking plus the slowdown of the steps "
+        "beside the background write (the median of the last saves).",
+    )
+    seconds_between_failures: Seconds = Field(
+        description="The run's mean time between failures as estimated now: the seconds since the run started / "
+        "failures; before the first, expectedSecondsBetweenFailures or the time run so far, when longer."
+    )
+    failures: Count = Field(default=0, description="Restarts of the training processes seen so far.")
+    expected_lost_seconds: Optional[Seconds] = Field(
+        default=None, description="Training a failure throws away, on average: half an interval."
+    )
 
 
-@dataclass
-class CheckpointInMemory:
+class CommittedCheckpoint(ReportPart):
+    """The newest checkpoint whose manifest was committed."""
+
+    uri: UriText = Field(description="URI of the checkpoint directory: <checkpoint URI of the run>/step-NNNNNNNN.")
+    step: Count = Field(description="Step the checkpoint holds.")
+    time: Time = Field(description="When it was committed (RFC 3339).")
+    sha256: Optional[Sha256] = Field(default=None, description="SHA-256 of its manifest.")
+
+
+class CheckpointInMemory(ReportPart):
     """Persisting behind: the newest checkpoint committed in the pod's memory, which storage may not hold yet (a
     restart of the workers inside the pod resumes from it; a new pod from lastGoodCheckpoint)."""
 
-    step: int
-    time: str
-
-    WIRE = {"step": "step", "time": "time"}
+    step: Count = Field(description="Step the checkpoint holds.")
+    time: Time = Field(description="When it was committed in memory (RFC 3339).")
 
 
-@dataclass
-class Report:
+#: The parts of a report that become status fields, by wire name.
+STATUS_PARTS = ("progress", "lastGoodCheckpoint", "checkpointInMemory", "checkpointInterval")
+
+
+class Report(ReportPart):
     """What rank 0 tells the operator: who it is, and progress and/or the last committed checkpoint."""
 
-    namespace: str
-    name: str
-    uid: str
-    attempt: int
+    namespace: Text
+    name: Text
+    uid: Text
+    attempt: Positive
     progress: Optional[Progress] = None
     last_good_checkpoint: Optional[CommittedCheckpoint] = None
     process_time: Optional[ProcessTime] = None
@@ -249,20 +312,11 @@ class Report:
     checkpoint_in_memory: Optional[CheckpointInMemory] = None
 
     def to_json(self) -> bytes:
-        body = {
-            "namespace": self.namespace,
-            "name": self.name,
-            "uid": self.uid,
-            "attempt": self.attempt,
-            **self.status_fields(),
-        }
-        if self.process_time:
-            body["processTime"] = wire(self.process_time)
-        return json.dumps(body, separators=(",", ":")).encode()
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Report":
-        """Parse and check a report body; ReportError names the first field that is wrong."""
+        """Parse and check a report body, every value once; ReportError names the first field that is wrong."""
         if len(raw) > MAX_REPORT_BYTES:
             raise ReportError(f"the report is larger than {MAX_REPORT_BYTES} bytes")
         if _nesting(raw) > MAX_REPORT_DEPTH:
@@ -273,79 +327,16 @@ class Report:
             raise ReportError(f"the report is not JSON: {str(error)[:200]}") from None
         if not isinstance(body, dict):
             raise ReportError("the report must be a JSON object")
-        report = cls(
-            namespace=_text(body, "namespace"),
-            name=_text(body, "name"),
-            uid=_text(body, "uid"),
-            attempt=_integer(body, "attempt", minimum=1),
-        )
-        if body.get("progress") is not None:
-            progress = _object(body, "progress")
-            report.progress = Progress(
-                step=_integer(progress, "step", "progress."),
-                updated_at=_time(progress, "updatedAt", "progress."),
-                total_steps=_integer(progress, "totalSteps", "progress.", optional=True),
-                loss=_number(progress, "loss", "progress."),
-                samples_per_second=_number(progress, "samplesPerSecond", "progress.", minimum=0),
-                productive_seconds=_number(progress, "productiveSeconds", "progress.", minimum=0),
-                model_flops_per_second=_number(progress, "modelFlopsPerSecond", "progress.", minimum=0),
-                mfu=_number(progress, "mfu", "progress.", minimum=0),
-            )
-        if body.get("lastGoodCheckpoint") is not None:
-            checkpoint = _object(body, "lastGoodCheckpoint")
-            report.last_good_checkpoint = CommittedCheckpoint(
-                uri=_text(checkpoint, "uri", "lastGoodCheckpoint.", limit=2048),
-                step=_integer(checkpoint, "step", "lastGoodCheckpoint."),
-                time=_time(checkpoint, "time", "lastGoodCheckpoint."),
-                sha256=_sha256(checkpoint, "sha256", "lastGoodCheckpoint."),
-            )
-        if body.get("checkpointInMemory") is not None:
-            in_memory = _object(body, "checkpointInMemory")
-            report.checkpoint_in_memory = CheckpointInMemory(
-                step=_integer(in_memory, "step", "checkpointInMemory."),
-                time=_time(in_memory, "time", "checkpointInMemory."),
-            )
-        if body.get("processTime") is not None:
-            times = _object(body, "processTime")
-            report.process_time = ProcessTime(
-                process=_text(times, "process", "processTime."),
-                **{
-                    field: _number(times, wire, "processTime.", minimum=0) or 0.0
-                    for field, wire in ProcessTime.WIRE.items()
-                    if field != "process"
-                },
-            )
-        if body.get("checkpointInterval") is not None:
-            interval = _object(body, "checkpointInterval")
-            numbers = {
-                field: _number(interval, wire, "checkpointInterval.", minimum=0)
-                for field, wire in IntervalChoice.WIRE.items()
-                if field not in ("steps", "failures")
-            }
-            between = numbers.pop("seconds_between_failures")
-            if between is None:
-                raise ReportError("checkpointInterval.secondsBetweenFailures must be a finite number >= 0")
-            report.checkpoint_interval = IntervalChoice(
-                steps=_integer(interval, "steps", "checkpointInterval.", minimum=1),
-                failures=_integer(interval, "failures", "checkpointInterval."),
-                seconds_between_failures=between,
-                **numbers,
-            )
-        return report
+        try:
+            return cls.model_validate(body, by_alias=True, by_name=False)
+        except ValidationError as error:
+            raise ReportError(_first_problem(error)) from None
 
     def status_fields(self) -> dict[str, Any]:
         """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint, checkpointInMemory,
         checkpointInterval), as the CRD spells them."""
-        fields: dict[str, Any] = {}
-        if self.progress:
-            fields["progress"] = wire(self.progress)
-        if self.last_good_checkpoint:
-            fields["lastGoodCheckpoint"] = wire(self.last_good_checkpoint)
-        if self.checkpoint_in_memory:
-            fields["checkpointInMemory"] = wire(self.checkpoint_in_memory)
-        if self.checkpoint_interval:
-            fields["checkpointInterval"] = wire(self.checkpoint_interval)
-        return fields
+        body = self.to_wire()
+        return {name: body[name] for name in STATUS_PARTS if name in body}
 
     def refusal(self, namespace: str, name: str, uid: str, attempt: int, checkpoint_uri: str) -> Optional[str]:
         """Why this report cannot be taken for that run's current attempt (None when it can): another run or
@@ -361,6 +352,19 @@ class Report:
                 f"the run's checkpoint URI {checkpoint_uri}"
             )
         return None
+
+
+def _first_problem(error: ValidationError) -> str:
+    """The first problem of a report, as `<field path> <what is wrong>` in wire names."""
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the report"
+    if first["type"] == "value_error":
+        return f"{where} {first['ctx']['error']}"
+    if first["type"] == "missing":
+        return f"{where} is missing"
+    if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{where} must be an object"
+    return f"{where}: {first['msg']}"
 
 
 def rfc3339(moment: datetime, fraction: bool = False) -> str:
@@ -455,18 +459,6 @@ def checkpoint_step(uri: str, run_uri: str) -> Optional[int]:
 # ---------------------------------------------------------------- checks of single fields
 
 
-def wire(value: Any) -> dict[str, Any]:
-    """A contract dataclass as its wire names (None values left out)."""
-    return {value.WIRE[k]: v for k, v in asdict(value).items() if v is not None}
-
-
-def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
-    value = body.get(key)
-    if not isinstance(value, dict):
-        raise ReportError(f"{key} must be an object")
-    return value
-
-
 def _nesting(raw: bytes) -> int:
     """How deep a JSON text's arrays and objects nest (brackets inside strings not counted), without parsing it: the
     parser recurses once per level."""
@@ -488,47 +480,3 @@ def _nesting(raw: bytes) -> int:
         elif byte in (0x5D, 0x7D):
             depth -= 1
     return deepest
-
-
-def _text(body: dict[str, Any], key: str, prefix: str = "", limit: int = 253) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not value or len(value) > limit or not _PRINTABLE.fullmatch(value):
-        raise ReportError(f"{prefix}{key} must be a non-empty string of at most {limit} printable ASCII characters")
-    return value
-
-
-def _integer(body: dict[str, Any], key: str, prefix: str = "", minimum: int = 0, optional: bool = False) -> Any:
-    value = body.get(key)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 2**63:
-        raise ReportError(f"{prefix}{key} must be a whole number from {minimum}")
-    return value
-
-
-def _number(body: dict[str, Any], key: str, prefix: str, minimum: Optional[float] = None) -> Optional[float]:
-    value = body.get(key)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or (minimum is not None and value < minimum)
-    ):
-        raise ReportError(f"{prefix}{key} must be a finite number" + (f" >= {minimum}" if minimum is not None else ""))
-    return float(value)
-
-
-def _time(body: dict[str, Any], key: str, prefix: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not _TIME.fullmatch(value) or parse_time(value) is None:
-        raise ReportError(f"{prefix}{key} must be an RFC 3339 time")
-    return value
-
-
-def _sha256(body: dict[str, Any], key: str, prefix: str) -> Optional[str]:
-    value = body.get(key)
-    if value is not None and (not isinstance(value, str) or not _SHA256.fullmatch(value)):
-        raise ReportError(f"{prefix}{key} must be 64 lowercase hex digits")
-    return value

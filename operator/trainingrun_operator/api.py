@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from trainingrun_api import contract
 from trainingrun_api.config import ApiModel, CheckpointConfig, TrainerConfig
@@ -441,56 +441,42 @@ class TrainingRunSpec(ApiModel):
 Phase = Literal["Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
 
 
-class Progress(ApiModel):
-    """Training progress as last reported by rank 0."""
+def status_part(part: type[contract.ReportPart], name: str, **derived: Any) -> type[ApiModel]:
+    """The status model of a report part (`contract`), generated from it so the two cannot drift apart: the same
+    names and descriptions, each optional (status may hold what an older trainer reported; a field with a default
+    keeps it), plus the fields the operator `derived` itself. A report is checked once, by the contract's model;
+    status is written from that."""
+    fields: dict[str, Any] = {}
+    for field, info in part.model_fields.items():
+        kept = not info.is_required() and info.default is not None
+        annotation = info.annotation if kept else Optional[info.annotation]
+        fields[field] = (annotation, Field(default=info.default if kept else None, description=info.description))
+    model: type[ApiModel] = create_model(name, __base__=ApiModel, __doc__=part.__doc__, **fields, **derived)
+    return model
 
-    step: Optional[int] = Field(default=None, description="Last completed optimizer step.")
-    total_steps: Optional[int] = Field(default=None, description="Steps the run trains for.")
-    loss: Optional[float] = Field(default=None, description="Training loss at `step`.")
-    samples_per_second: Optional[float] = Field(default=None, description="Throughput over all ranks.")
-    productive_seconds: Optional[float] = Field(
-        default=None,
-        description="Step time kept in the current model, data wait excluded, summed over attempts (for goodput).",
-    )
-    updated_at: Optional[str] = Field(
-        default=None, description="When `step` finished, as rank 0 reported it (RFC 3339)."
-    )
-    model_flops_per_second: Optional[float] = Field(
-        default=None, description="The model's FLOP/s over all ranks: its FLOPs per sample x samples per second."
-    )
-    mfu: Optional[float] = Field(
-        default=None,
-        description="Model FLOPs utilisation: modelFlopsPerSecond over every GPU's dense peak at the run's "
-        "precision (0..1); absent on CPUs and GPUs the trainer's peak table lacks (spec.trainer.peakFlopsPerSecond).",
-    )
-    percent: Optional[float] = Field(
-        default=None, description="step / totalSteps in percent (the operator computes it from the report)."
-    )
-    estimated_completion_time: Optional[str] = Field(
-        default=None,
-        description="When the run reaches totalSteps at the step rate between the last two reports "
-        "of this attempt (RFC 3339; the operator computes it).",
-    )
 
+Progress = status_part(
+    contract.Progress,
+    "Progress",
+    percent=(
+        Optional[float],
+        Field(default=None, description="step / totalSteps in percent (the operator computes it from the report)."),
+    ),
+    estimated_completion_time=(
+        Optional[str],
+        Field(
+            default=None,
+            description="When the run reaches totalSteps at the step rate between the last two reports "
+            "of this attempt (RFC 3339; the operator computes it).",
+        ),
+    ),
+)
 
 #: Progress fields the operator derives from reports; a report cannot set them.
 DERIVED_PROGRESS_FIELDS = ("percent", "estimatedCompletionTime")
 
-
-class CheckpointRef(ApiModel):
-    """The newest checkpoint whose manifest was committed."""
-
-    uri: Optional[str] = Field(default=None, description="URI of the checkpoint directory.")
-    step: Optional[int] = Field(default=None, description="Step the checkpoint holds.")
-    time: Optional[str] = Field(default=None, description="When it was committed (RFC 3339).")
-    sha256: Optional[str] = Field(default=None, description="SHA-256 of its manifest.")
-
-
-class CheckpointInMemoryRef(ApiModel):
-    """Persisting behind: the newest checkpoint committed in the pod's memory, which storage may not hold yet."""
-
-    step: Optional[int] = Field(default=None, description="Step the checkpoint holds.")
-    time: Optional[str] = Field(default=None, description="When it was committed in memory (RFC 3339).")
+CheckpointRef = status_part(contract.CommittedCheckpoint, "CheckpointRef")
+CheckpointInMemoryRef = status_part(contract.CheckpointInMemory, "CheckpointInMemoryRef")
 
 
 class Restarts(ApiModel):
@@ -510,38 +496,7 @@ class Restarts(ApiModel):
     backoff_seconds: float = Field(default=0.0, description="Seconds of backoff before the attempts after the first.")
 
 
-class ProcessTimes(ApiModel):
-    """Where training processes' time went as rank 0 reported it (the trainer's clocks): the newest report's process,
-    or the sum over the processes that ended."""
-
-    process: Optional[str] = Field(
-        default=None, description="The process (pod/pid/start time), or 'ended' for the sum."
-    )
-    alive_seconds: float = Field(default=0.0, description="Since the process started.")
-    startup_seconds: float = Field(default=0.0, description="Imports, process group, model and data before training.")
-    restore_seconds: float = Field(default=0.0, description="Loading the checkpoint it resumed from.")
-    checkpoint_seconds: float = Field(
-        default=0.0,
-        description="The training thread blocked by saves, and the time a background save added to the "
-        "steps beside it (not productive).",
-    )
-    data_wait_seconds: float = Field(default=0.0, description="Steps waiting for their batches.")
-    compute_seconds: float = Field(default=0.0, description="Step time, data wait excluded: kept or lost later.")
-    eval_seconds: float = Field(default=0.0, description="Evaluations.")
-    restored_productive_seconds: float = Field(
-        default=0.0,
-        description="The run's productive seconds in the checkpoint it resumed from (the sum: the smallest).",
-    )
-    imports_seconds: float = Field(default=0.0, description="Of startupSeconds: interpreter start and imports.")
-    init_seconds: float = Field(default=0.0, description="Of startupSeconds: seeding, CUDA and the process group.")
-    model_seconds: float = Field(default=0.0, description="Of startupSeconds: building the model and optimizer.")
-    data_seconds: float = Field(default=0.0, description="Of startupSeconds: building the data.")
-    prepare_seconds: float = Field(
-        default=0.0, description="Of startupSeconds: the rest before training (checkpoint store, trackers)."
-    )
-    first_step_seconds: float = Field(
-        default=0.0, description="The first step (torch.compile compiling, CUDA warming up); part of computeSeconds."
-    )
+ProcessTimes = status_part(contract.ProcessTime, "ProcessTimes")
 
 
 class TimeAccount(ApiModel):
@@ -571,25 +526,7 @@ class TimeBreakdown(ApiModel):
     other_seconds: float = Field(default=0.0, description="The rest: logging, metrics and reporting between steps.")
 
 
-class CheckpointIntervalChoice(ApiModel):
-    """With checkpoint.interval.steps: auto, the interval rank 0 chose at its last report, and what it is made of:
-    steps = sqrt(2 x saveCostSeconds x secondsBetweenFailures) / the usual step time, within minSteps..maxSteps."""
-
-    steps: int = Field(description="The interval, in steps.")
-    seconds: Optional[float] = Field(default=None, description="That many steps at the usual step time.")
-    save_cost_seconds: Optional[float] = Field(
-        default=None,
-        description="What one save costs the training loop: blocking plus the slowdown of the steps "
-        "beside the background write (the median of the last saves).",
-    )
-    seconds_between_failures: float = Field(
-        description="The run's mean time between failures as estimated now: the seconds since the run started / "
-        "failures; before the first, expectedSecondsBetweenFailures or the time run so far, when longer."
-    )
-    failures: int = Field(default=0, description="Restarts of the training processes seen so far.")
-    expected_lost_seconds: Optional[float] = Field(
-        default=None, description="Training a failure throws away, on average: half an interval."
-    )
+CheckpointIntervalChoice = status_part(contract.IntervalChoice, "CheckpointIntervalChoice")
 
 
 class Condition(ApiModel):

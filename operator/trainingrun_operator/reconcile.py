@@ -308,7 +308,7 @@ def account_time(
         **{f"{part}_seconds": round(seconds, 3) for part, seconds in parts.items()},
     )
     return {
-        "processTime": {"ended": contract.wire(ended) if ended else None, "current": contract.wire(times)},
+        "processTime": {"ended": ended.to_wire() if ended else None, "current": times.to_wire()},
         "timeBreakdown": breakdown.to_wire(),
     }
 

@@ -36,12 +36,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
-import pydantic
 from aiohttp import web
 
 from trainingrun_api import contract
 
-from . import api, builders, reconcile
+from . import builders, reconcile
 from .kube import REVIEW, ApiError, Kube
 
 log = logging.getLogger("trainingrun.reports")
@@ -303,16 +302,6 @@ def check_pod(caller: Caller, run: RunView) -> None:
 TIME_FIELDS = ("processTime", "timeBreakdown", "checkpointInterval")
 
 
-def status_fields(report: contract.Report) -> dict[str, Any]:
-    """The status a report sets, read through the status model that generates the CRD's status schema: a
-    field that model lacks, or one of another type, is refused here, never written."""
-    try:
-        status = api.TrainingRunStatus.from_wire(report.status_fields())
-    except pydantic.ValidationError as error:
-        raise Refused(400, f"the report does not fit the TrainingRun status: {error.errors()[0]['msg']}") from None
-    return status.model_dump(by_alias=True, exclude_unset=True)
-
-
 def trains_again(report: contract.Report, status: dict[str, Any]) -> bool:
     """The first step of a process status has not seen yet (a start, a restart in place, a new attempt): what
     `kubectl get tr` shows as training again, so it is written at once rather than with the next write."""
@@ -446,7 +435,7 @@ class ReportEndpoint:
         refusal = report.refusal(report.namespace, report.name, run.uid, run.attempt, run.checkpoint_uri)
         if refusal:
             raise Refused(403, refusal)
-        fields = status_fields(report)
+        fields = report.status_fields()  # checked once, by contract.Report; the status model is generated from it
         now = self.clock()
         no_later_than_now(fields, now)
         if "progress" in fields:

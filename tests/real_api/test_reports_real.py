@@ -257,9 +257,9 @@ def test_the_operator_keeps_the_processes_account_of_time_and_the_breakdown_in_s
         lambda: (cluster.status("timed").get("progress") or {}).get("step") == 9 and cluster.status("timed"),
         what="step 9",
     )
-    assert status["processTime"]["ended"] == {**contract.wire(first), "process": "ended"}
-    assert status["checkpointInterval"] == contract.wire(interval)  # kept by the server: the CRD has its schema
-    assert status["processTime"]["current"] == contract.wire(second)
+    assert status["processTime"]["ended"] == {**first.to_wire(), "process": "ended"}
+    assert status["checkpointInterval"] == interval.to_wire()  # kept by the server: the CRD has its schema
+    assert status["processTime"]["current"] == second.to_wire()
     parts = status["timeBreakdown"]
     wall = parts.pop("wallSeconds")
     assert wall > 0 and sum(parts.values()) == pytest.approx(wall, abs=0.01)

@@ -159,13 +159,13 @@ def test_the_time_account_adds_a_process_that_ended_and_breaks_wall_time_down():
     first = contract.ProcessTime("pod/1/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
     at = reconcile.parse_time("2026-11-21T11:00:30Z")
     status = {**start, **reconcile.account_time(start, first, 11.0, at)}
-    assert status["processTime"] == {"ended": None, "current": contract.wire(first)}
+    assert status["processTime"] == {"ended": None, "current": first.to_wire()}
     again = contract.ProcessTime("pod/1/1", 25.0, 4.0, 0.0, 1.0, 0.5, 16.0, 0.0, 0.0)  # the same process, later
     status = {**start, **reconcile.account_time(status, again, 15.0, at + timedelta(seconds=5))}
     assert status["processTime"]["ended"] is None
     second = contract.ProcessTime("pod/2/9", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 1.0, 13.0)  # a restart, from 13 s
     status = {**start, **reconcile.account_time(status, second, 18.0, at + timedelta(seconds=30))}
-    assert status["processTime"]["ended"] == {**contract.wire(again), "process": "ended"}
+    assert status["processTime"]["ended"] == {**again.to_wire(), "process": "ended"}
     breakdown = status["timeBreakdown"]
     assert breakdown["wallSeconds"] == 60.0 and sum(
         v for k, v in breakdown.items() if k != "wallSeconds"

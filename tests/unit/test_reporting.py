@@ -325,10 +325,12 @@ def test_a_report_sets_status_fields_the_status_model_has_under_the_same_names()
     fields = report.status_fields()
     status = api.TrainingRunStatus.model_validate(fields)  # extra="forbid": an unknown name fails here
     assert status.model_dump(by_alias=True, exclude_none=True, include={"progress", "last_good_checkpoint"}) == fields
-    assert set(Progress.WIRE.values()) | set(api.DERIVED_PROGRESS_FIELDS) == {
+    assert {f.alias for f in Progress.model_fields.values()} | set(api.DERIVED_PROGRESS_FIELDS) == {
         f.alias or n for n, f in api.Progress.model_fields.items()
     }
-    assert set(CommittedCheckpoint.WIRE.values()) == {f.alias or n for n, f in api.CheckpointRef.model_fields.items()}
+    assert {f.alias for f in CommittedCheckpoint.model_fields.values()} == {
+        f.alias or n for n, f in api.CheckpointRef.model_fields.items()
+    }
 
 
 @pytest.mark.parametrize("refusals, sent", [(3, 1), (4, 0)])

@@ -43,7 +43,7 @@ def test_report_fields_are_read_through_the_status_model():
         progress=Progress(step=3, updated_at="2026-11-25T00:00:00Z", loss=1),
         last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000003", 3, "2026-11-25T00:00:00Z"),
     )
-    assert reports.status_fields(report) == {
+    assert report.status_fields() == {
         "progress": {"step": 3, "updatedAt": "2026-11-25T00:00:00Z", "loss": 1.0},
         "lastGoodCheckpoint": {"uri": "s3://b/demo/step-00000003", "step": 3, "time": "2026-11-25T00:00:00Z"},
     }
@@ -60,21 +60,27 @@ def test_the_newest_checkpoint_in_memory_is_read_into_status_beside_the_one_in_s
         last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000030", 30, "2026-11-25T00:00:00Z"),
         checkpoint_in_memory=CheckpointInMemory(50, "2026-11-25T00:00:09Z"),
     )
-    fields = reports.status_fields(Report.from_json(report.to_json()))
+    fields = Report.from_json(report.to_json()).status_fields()
     assert fields["checkpointInMemory"] == {"step": 50, "time": "2026-11-25T00:00:09Z"}
     assert fields["lastGoodCheckpoint"]["step"] == 30
     reports.no_later_than_now(fields, datetime(2026, 11, 25, 0, 0, 5, tzinfo=timezone.utc))
     assert fields["checkpointInMemory"]["time"] == "2026-11-25T00:00:05Z"  # a pod's clock ahead of the operator's
 
 
-def test_a_report_field_the_status_model_lacks_is_refused(monkeypatch):
-    from trainingrun_api.contract import Progress, Report
+def test_the_status_parts_are_generated_from_the_report_parts():
+    """One source: a field a report part gains is in the status model (and so in the CRD's status schema) too."""
+    from pydantic import Field
 
-    report = Report("ns", "demo", "u", 1, progress=Progress(step=3, updated_at="2026-11-25T00:00:00Z"))
-    monkeypatch.setattr(Report, "status_fields", lambda self: {"progress": {"step": 3, "stepz": 4}})
-    with pytest.raises(reports.Refused) as refused:
-        reports.status_fields(report)
-    assert refused.value.code == 400 and "status" in str(refused.value)
+    from trainingrun_api.contract import Progress
+    from trainingrun_operator import api
+
+    class Newer(Progress):
+        tokens_per_second: float | None = Field(default=None, description="Tokens over all ranks.")
+
+    status = api.status_part(Newer, "NewerProgress")
+    assert status.model_fields["tokens_per_second"].description == "Tokens over all ranks."
+    assert not status.model_fields["step"].is_required()  # status may hold what an older trainer reported
+    assert status.from_wire({"tokensPerSecond": 2.5}).tokens_per_second == 2.5
 
 
 def test_a_report_cannot_set_what_the_operator_derives():
@@ -85,7 +91,7 @@ def test_a_report_cannot_set_what_the_operator_derives():
         '"updatedAt": "2026-11-25T00:00:00Z", "percent": 99}}'
     )
     report = contract.Report.from_json(body.encode())  # fields the contract does not name are dropped
-    assert "percent" not in reports.status_fields(report)["progress"]
+    assert "percent" not in report.status_fields()["progress"]
 
 
 def process_time(process):

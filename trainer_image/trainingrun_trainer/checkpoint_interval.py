@@ -136,7 +136,7 @@ class AutoInterval(SaveCosts):
         """The interval and what it is made of, for status, metrics and the local summary."""
         steps, step, cost = self.steps(), self.step_seconds, self.save_cost
         seconds = steps * step if step else None
-        return IntervalChoice(
+        return IntervalChoice.model_construct(  # unchecked: reporting never raises in the training loop
             steps=steps,
             seconds=None if seconds is None else round(seconds, 3),
             save_cost_seconds=None if cost is None else round(cost, 4),

@@ -146,11 +146,11 @@ class ProgressReporter:
 
     def _report(self) -> Report:
         with self._lock:
-            return Report(
-                self.identity.namespace,
-                self.identity.name,
-                self.identity.uid,
-                self.identity.attempt,
+            return Report.model_construct(
+                namespace=self.identity.namespace,
+                name=self.identity.name,
+                uid=self.identity.uid,
+                attempt=self.identity.attempt,
                 progress=self._progress,
                 last_good_checkpoint=self._checkpoint,
                 process_time=self._process_time,

@@ -116,7 +116,9 @@ class Run:
             persist_every_seconds=checkpoint.storage_interval.seconds if checkpoint.storage_interval else None,
         )
         if reporter is None:
-            identity = Report(context.namespace, context.name, context.uid, context.attempt)
+            identity = Report.model_construct(
+                namespace=context.namespace, name=context.name, uid=context.uid, attempt=context.attempt
+            )
             reporter = reporting.from_env(identity) if context.is_rank_zero else ProgressReporter(None, identity)
         self._pending: Optional[PendingSave] = None
         #: The newest checkpoint this process committed (persisting behind: in memory).
@@ -419,10 +421,16 @@ class Run:
         stored, in_memory = self.store.in_storage, self.store.in_memory
         if self.store.persist_behind and in_memory is not None and in_memory is not self._reported_in_memory:
             self._reported_in_memory = in_memory
-            self.reporter.committed_in_memory(CheckpointInMemory(in_memory.step, in_memory.time))
+            self.reporter.committed_in_memory(
+                CheckpointInMemory.model_construct(step=in_memory.step, time=in_memory.time)
+            )
         if stored is not None and stored is not self._reported and stored != self._reported:
             self._reported = stored
-            self.reporter.committed(CommittedCheckpoint(stored.uri, stored.step, stored.time, stored.manifest_sha256))
+            self.reporter.committed(
+                CommittedCheckpoint.model_construct(
+                    uri=stored.uri, step=stored.step, time=stored.time, sha256=stored.manifest_sha256
+                )
+            )
 
     def _tell_launcher(self, info: Optional[CheckpointInfo]) -> None:
         """Progress the launcher's agent can see, written the moment a save commits (on the thread that committed
@@ -458,7 +466,7 @@ class Run:
         if not self.reporter.enabled:
             return  # every step: ranks that do not report build nothing
         self.reporter.progress(
-            Progress(
+            Progress.model_construct(  # unchecked: reporting never raises in the training loop
                 step=step,
                 updated_at=now_rfc3339(),
                 total_steps=total_steps,

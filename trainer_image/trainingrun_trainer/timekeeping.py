@@ -93,7 +93,7 @@ class ProcessClock:
 
     def snapshot(self) -> ProcessTime:
         s = self.seconds
-        return ProcessTime(
+        return ProcessTime.model_construct(  # unchecked: reporting never raises in the training loop
             process=self.process,
             alive_seconds=round(self._now() - self.started, 3),
             startup_seconds=round(s["startup"], 3),
