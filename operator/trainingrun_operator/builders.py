@@ -1,28 +1,22 @@
 """Pure builders: a TrainingRun (and an attempt number) in, Kubernetes objects out.
 
 Nothing here calls the API; the kopf handlers call these and send what they return. Every child is
-named deterministically from the run, so a restarted operator finds what it made before instead of
-making it twice, and is owned by the run, so deleting the run deletes them.
-
-Over 500 lines because it renders every object the operator sends (ConfigMap, PyTorchJob, rendezvous
-Service, Events) with the contract and quantities they share; split by object before it grows further.
+named deterministically from the run (`naming`), so a restarted operator finds what it made before instead of
+making it twice, and is owned by the run, so deleting the run deletes them. The trainer container's environment is
+`pod_env`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import socket
 import uuid
 from datetime import datetime
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Optional
 
 from trainingrun_api import contract
 from trainingrun_api.config import RunConfig, config_json
 
-from . import api
+from . import api, naming, pod_env
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -30,100 +24,9 @@ if TYPE_CHECKING:
 
 # torchrun's elastic agent, wrapped so the container's exit code keeps ExitCode semantics (launch.py).
 DEFAULT_COMMAND = ["python", "-m", "trainingrun_trainer.launch", "--module", "trainingrun_trainer"]
-# How long the agent leaves workers to write the emergency checkpoint after SIGTERM, short of the
-# pod's grace period so the agent itself still exits before the kubelet's SIGKILL.
-SHUTDOWN_MARGIN_SECONDS = 15
-CONTAINER_NAME = "pytorch"  # the Kubeflow Training Operator finds the trainer container by this name
-LABEL_RUN = "trainingrun.dev/run"
-LABEL_ATTEMPT = "trainingrun.dev/attempt"
-#: The Kubeflow Training Operator labels each pod with its replica index (0 hosts the rendezvous store).
-KUBEFLOW_REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
-ANNOTATION_RESUME_FROM = "trainingrun.dev/resume-from"
-#: On each PyTorchJob: a digest of the spec its pods were built from, so a later spec change shows.
-ANNOTATION_SPEC_HASH = "trainingrun.dev/spec-hash"
-#: On each PyTorchJob the operator creates: what only it can write (`job_signature`), which a job someone else made
-#: under the same name lacks.
-ANNOTATION_SIGNATURE = "trainingrun.dev/signature"
-#: On each PyTorchJob: the run's metadata.generation it was built from. The API server bumps it on every spec
-#: change, so an equal generation answers "unchanged?" without hashing the spec at every reconcile.
-ANNOTATION_GENERATION = "trainingrun.dev/generation"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: Lifetime of a pod's report token; the kubelet replaces it at 80% of that.
 REPORT_TOKEN_SECONDS = 3600
 SECRET_FILE_MODE = 0o440  # group-readable, so the non-root trainer reads it through fsGroup
-
-
-# ---------------------------------------------------------------- names
-
-
-def job_name(run_name: str, attempt: int) -> str:
-    return f"{run_name}-a{attempt}"
-
-
-def job_signature(key: bytes, run_uid: str, name: str) -> str:
-    """HMAC of a run's job name with the operator's signing key (Settings.signing_key)."""
-    return hmac.new(key, f"{run_uid}/{name}".encode(), hashlib.sha256).hexdigest()[:32]
-
-
-def spec_hash(run: api.TrainingRun) -> str:
-    """Digest of what an attempt's pods are built from; `suspend` changes no pod and is left out."""
-    spec = run.spec.model_dump(mode="json", by_alias=True)
-    spec.pop("suspend", None)
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def config_map_name(run_name: str) -> str:
-    return f"{run_name}-config"
-
-
-def rendezvous_service_name(run_name: str) -> str:
-    return f"{run_name}-rendezvous"
-
-
-def worker_pod(run_name: str, attempt: int, index: int) -> str:
-    return f"{job_name(run_name, attempt)}-worker-{index}"  # the name Kubeflow gives the pod of Worker replica `index`
-
-
-def rendezvous_host_pod(run_name: str, attempt: int) -> str:
-    return worker_pod(run_name, attempt, 0)
-
-
-def has_rendezvous_service(spec: api.TrainingRunSpec) -> bool:
-    """Pods of a multi-pod run reach the rendezvous store through the run's Service; one pod needs none."""
-    return spec.replicas.effective_max > 1
-
-
-# ---------------------------------------------------------------- shared parts
-
-
-def labels(run: api.TrainingRun, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "trainingrun",
-        "app.kubernetes.io/instance": run.metadata.name,
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": "trainingrun-operator",
-        LABEL_RUN: run.metadata.name,
-    }
-
-
-def owner_reference(run: api.TrainingRun) -> dict[str, Any]:
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.KIND,
-        "name": run.metadata.name,
-        "uid": run.metadata.uid or "",
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def metadata(run: api.TrainingRun, name: str, component: str, **extra_labels: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": run.metadata.namespace,
-        "labels": {**labels(run, component), **extra_labels},
-        "ownerReferences": [owner_reference(run)],
-    }
 
 
 # ---------------------------------------------------------------- children
@@ -139,7 +42,7 @@ def config_map(run: api.TrainingRun, settings: Settings = Settings()) -> dict[st
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": metadata(run, config_map_name(run.metadata.name), "config"),
+        "metadata": naming.metadata(run, naming.config_map_name(run.metadata.name), "config"),
         "data": data,
     }
 
@@ -154,11 +57,15 @@ def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(run, rendezvous_service_name(run.metadata.name), "rendezvous"),
+        "metadata": naming.metadata(run, naming.rendezvous_service_name(run.metadata.name), "rendezvous"),
         "spec": {
             "type": "ClusterIP",
             "publishNotReadyAddresses": True,
-            "selector": {LABEL_RUN: run.metadata.name, LABEL_ATTEMPT: str(attempt), KUBEFLOW_REPLICA_INDEX_LABEL: "0"},
+            "selector": {
+                naming.LABEL_RUN: run.metadata.name,
+                naming.LABEL_ATTEMPT: str(attempt),
+                naming.KUBEFLOW_REPLICA_INDEX_LABEL: "0",
+            },
             "ports": [
                 {
                     "name": "rendezvous",
@@ -169,150 +76,6 @@ def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
             ],
         },
     }
-
-
-#: torchrun settings every pod of a multi-pod run needs. torch reuses the first round's rendezvous store
-#: as the workers' store and never republishes its address: a pod that replaces a deleted one would
-#: wait for the next round until the survivors time out (exit 1, the run fails).
-RENDEZVOUS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-_QUANTITY_SUFFIXES = {
-    "n": "1e-9",
-    "u": "1e-6",
-    "m": "1e-3",
-    "k": "1e3",
-    "M": "1e6",
-    "G": "1e9",
-    "T": "1e12",
-    "P": "1e15",
-    "E": "1e18",
-    "Ki": "1024",
-    "Mi": "1048576",
-    "Gi": "1073741824",
-    "Ti": "1099511627776",
-    "Pi": "1125899906842624",
-    "Ei": "1152921504606846976",
-}
-
-
-def quantity_value(quantity: str) -> Decimal:
-    """A Kubernetes quantity as a number: '500m' -> 0.5, '2' -> 2, '1e3' -> 1000."""
-    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
-        if quantity.endswith(suffix) and not quantity[: -len(suffix)].endswith(("e", "E")):
-            return Decimal(quantity[: -len(suffix)]) * Decimal(_QUANTITY_SUFFIXES[suffix])
-    return Decimal(quantity)
-
-
-def omp_threads(spec: api.TrainingRunSpec, nproc: Optional[int] = None) -> Optional[int]:
-    """Intra-op threads per process: the pod's CPU request shared by its processes (at least 1).
-    torch otherwise starts a thread per core of the node, whatever the pod may use: oversubscribed
-    processes, and numerics that change with the node (a run and its resumed attempts, or the same
-    file under `trainingrun local`, would not compute the same model)."""
-    if not spec.resources.cpu:
-        return None
-    return max(1, int(quantity_value(spec.resources.cpu) // (nproc or spec.nproc_per_node)))
-
-
-#: Where torch.compile keeps its caches in a pod: in /tmp, the pod's emptyDir, which outlives restarts in the pod.
-COMPILE_CACHE_DIR = "/tmp/compile-cache"
-
-
-def contract_env(
-    run: api.TrainingRun, attempt: int, config_path: str, resume_from: Optional[str] = None
-) -> dict[str, str]:
-    """The plain-valued part of the operator-trainer contract (docs/architecture.md): the same for a pod and for
-    `trainingrun local`, so the two cannot drift apart."""
-    spec = run.spec
-    env = {
-        contract.NAME: run.metadata.name,
-        contract.NAMESPACE: run.metadata.namespace,
-        contract.UID: run.metadata.uid or "",
-        contract.ATTEMPT: str(attempt),
-        contract.CONFIG: config_path,
-        "PYTHONUNBUFFERED": "1",
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
-        **RENDEZVOUS_ENV,
-    }
-    threads = omp_threads(spec)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if resume_from:
-        env[contract.RESUME_FROM] = resume_from
-    if spec.metrics.enabled:
-        env[contract.METRICS_PORT] = str(spec.metrics.port)
-    if spec.checkpoint.endpoint_url:
-        env["AWS_ENDPOINT_URL"] = spec.checkpoint.endpoint_url
-    return env
-
-
-def report_interval_seconds(stall_timeout_seconds: int) -> float:
-    """How often rank 0 reports, also when nothing changed: a quarter of a short stall timeout, so that with the
-    endpoint's heartbeat writes (reports.heartbeat_write_seconds, a third) reports seen in status are never
-    further apart than the timeout, which would read as ReportingUnavailable."""
-    default = contract.DEFAULT_REPORT_INTERVAL_SECONDS
-    return min(default, stall_timeout_seconds / 4) if stall_timeout_seconds else default
-
-
-def trainer_env(
-    run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
-) -> list[dict[str, Any]]:
-    """The contract as container env; secrets appear only as secretKeyRef. A variable the user sets in
-    env or secrets.env that the operator also sets as a default (HOME, PYTHONUNBUFFERED,
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE, OMP_NUM_THREADS, TORCHINDUCTOR_CACHE_DIR,
-    TRITON_CACHE_DIR) is the user's: the default is left out, never listed twice (the
-    PyTorchJob CRD refuses a name given twice). Names the contract needs are refused by validation."""
-    spec = run.spec
-    users = {e.name for e in spec.env} | {e.name for e in spec.secrets.env}
-    env: list[dict[str, Any]] = [
-        {"name": name, "value": value}
-        for name, value in contract_env(run, attempt, settings.config_path, resume_from).items()
-    ]
-    env += [
-        {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": contract.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        *(
-            [{"name": contract.RENDEZVOUS_HOST_POD, "value": rendezvous_host_pod(run.metadata.name, attempt)}]
-            if has_rendezvous_service(spec)
-            else []
-        ),
-        # The root filesystem is read-only; libraries that cache under ~ write to /tmp instead.
-        {"name": "HOME", "value": "/tmp"},
-        # torch.compile's caches in the pod's /tmp (an emptyDir): a worker restarted in place or a container
-        # restarted in the pod finds what the last one compiled. Never in the bucket: loading a cache runs the code
-        # in it, and what a bucket holds is not ours to run.
-        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/inductor"},
-        {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
-    ]
-    if settings.report_url:
-        env += [
-            {"name": contract.REPORT_URL, "value": settings.report_url},
-            {"name": contract.REPORT_TOKEN_FILE, "value": contract.REPORT_TOKEN_PATH},
-        ]
-        interval = report_interval_seconds(spec.recovery.stall_timeout_seconds)
-        if interval != contract.DEFAULT_REPORT_INTERVAL_SECONDS:
-            env.append({"name": contract.REPORT_INTERVAL_SECONDS, "value": f"{interval:g}"})
-        if settings.report_ca:
-            env.append({"name": contract.REPORT_CA_FILE, "value": f"{settings.config_dir}/{contract.REPORT_CA_KEY}"})
-    env = [e for e in env if e["name"] not in users]
-    if spec.secrets.gcs_key_file:
-        env.append({"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": f"{settings.gcs_key_dir}/key.json"})
-    s3 = spec.secrets.s3_credentials
-    if s3:
-        for name, key in (
-            ("AWS_ACCESS_KEY_ID", s3.access_key_id_key),
-            ("AWS_SECRET_ACCESS_KEY", s3.secret_access_key_key),
-            ("AWS_SESSION_TOKEN", s3.session_token_key),
-        ):
-            if key:
-                env.append(secret_env(name, s3.secret_name, key))
-    env += [secret_env(e.name, e.secret_name, e.key) for e in spec.secrets.env]
-    env += [{"name": e.name, "value": e.value} for e in spec.env]
-    return env
-
-
-def secret_env(name: str, secret_name: str, key: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}}
 
 
 def resources(spec: api.TrainingRunSpec) -> dict[str, Any]:
@@ -331,7 +94,7 @@ def resources(spec: api.TrainingRunSpec) -> dict[str, Any]:
 def volumes_and_mounts(run: api.TrainingRun, settings: Settings) -> tuple[list[dict], list[dict]]:
     spec = run.spec
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_map_name(run.metadata.name)}},
+        {"name": "config", "configMap": {"name": naming.config_map_name(run.metadata.name)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}},
         {"name": "tmp", "emptyDir": {}},
     ]
@@ -388,10 +151,10 @@ def pod_template(run: api.TrainingRun, attempt: int, settings: Settings, resume_
     spec = run.spec
     volumes, mounts = volumes_and_mounts(run, settings)
     container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
+        "name": naming.CONTAINER_NAME,
         "image": spec.image or settings.default_trainer_image,
         "command": list(spec.command or DEFAULT_COMMAND),
-        "env": trainer_env(run, attempt, settings, resume_from),
+        "env": pod_env.trainer_env(run, attempt, settings, resume_from),
         "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -436,7 +199,7 @@ def pod_template(run: api.TrainingRun, attempt: int, settings: Settings, resume_
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
     template_metadata: dict[str, Any] = {
-        "labels": {**spec.pod_labels, **labels(run, "trainer"), LABEL_ATTEMPT: str(attempt)}
+        "labels": {**spec.pod_labels, **naming.labels(run, "trainer"), naming.LABEL_ATTEMPT: str(attempt)}
     }
     if spec.pod_annotations:
         template_metadata["annotations"] = dict(spec.pod_annotations)
@@ -453,17 +216,19 @@ def pytorch_job(
     if attempt < 1:
         raise ValueError(f"attempt must be 1 or more, got {attempt}")
     spec = run.spec
-    name = job_name(run.metadata.name, attempt)
-    meta = metadata(run, name, "trainer", **{LABEL_ATTEMPT: str(attempt)})
+    name = naming.job_name(run.metadata.name, attempt)
+    meta = naming.metadata(run, name, "trainer", **{naming.LABEL_ATTEMPT: str(attempt)})
     if spec.queue_name:
-        meta["labels"][KUEUE_QUEUE_LABEL] = spec.queue_name
-    meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(run)}
+        meta["labels"][naming.KUEUE_QUEUE_LABEL] = spec.queue_name
+    meta["annotations"] = {naming.ANNOTATION_SPEC_HASH: naming.spec_hash(run)}
     if settings.signing_key:
-        meta["annotations"][ANNOTATION_SIGNATURE] = job_signature(settings.signing_key, str(run.metadata.uid), name)
+        meta["annotations"][naming.ANNOTATION_SIGNATURE] = naming.job_signature(
+            settings.signing_key, str(run.metadata.uid), name
+        )
     if run.metadata.generation is not None:
-        meta["annotations"][ANNOTATION_GENERATION] = str(run.metadata.generation)
+        meta["annotations"][naming.ANNOTATION_GENERATION] = str(run.metadata.generation)
     if resume_from:
-        meta["annotations"][ANNOTATION_RESUME_FROM] = resume_from
+        meta["annotations"][naming.ANNOTATION_RESUME_FROM] = resume_from
     run_policy: dict[str, Any] = {
         # Pods stay after the job ends so their logs can be read; deleting the job removes them.
         "cleanPodPolicy": "None",
@@ -480,8 +245,8 @@ def pytorch_job(
         "rdzvId": f"{run.metadata.uid or run.metadata.name}-a{attempt}",
         "maxRestarts": spec.recovery.max_restarts_per_attempt,
     }
-    if has_rendezvous_service(spec):
-        elastic_policy["rdzvHost"] = rendezvous_service_name(run.metadata.name)
+    if naming.has_rendezvous_service(spec):
+        elastic_policy["rdzvHost"] = naming.rendezvous_service_name(run.metadata.name)
         elastic_policy["rdzvPort"] = contract.RENDEZVOUS_PORT
     return {
         "apiVersion": "kubeflow.org/v1",
@@ -523,7 +288,7 @@ def children(
     PyTorchJob, last. `checkpoint_uri` (default: the spec's) reaches the pods through the config file alone."""
     run = as_started(run, checkpoint_uri)
     support = [config_map(run, settings)]
-    if has_rendezvous_service(run.spec):
+    if naming.has_rendezvous_service(run.spec):
         support.append(rendezvous_service(run, attempt))
     return [*support, pytorch_job(run, attempt, settings, resume_from)]
 

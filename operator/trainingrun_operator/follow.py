@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, TextIO
 
 from trainingrun_api import contract
 
-from . import api, builders, validation
+from . import api, naming, validation
 
 #: What to install when the `kubernetes` client is missing (the operator's image leaves it out on purpose).
 CLIENT_MISSING = (
@@ -71,7 +71,7 @@ class KubeSource:
                 return None
             raise
         for status in found.status.container_statuses or []:
-            if status.name == builders.CONTAINER_NAME:
+            if status.name == naming.CONTAINER_NAME:
                 state = "running" if status.state.running else "terminated" if status.state.terminated else None
                 return (f"{found.metadata.uid}/{status.restart_count}", state) if state else None
         return None
@@ -82,12 +82,12 @@ class KubeSource:
 
         if not follow:  # Watch.stream always follows; raw bytes, as the client would parse a log that looks like JSON
             response = self.core.read_namespaced_pod_log(
-                pod, self.namespace, container=builders.CONTAINER_NAME, _preload_content=False
+                pod, self.namespace, container=naming.CONTAINER_NAME, _preload_content=False
             )
             yield from response.data.decode("utf-8", "replace").splitlines()
             return
         yield from watch.Watch().stream(
-            self.core.read_namespaced_pod_log, name=pod, namespace=self.namespace, container=builders.CONTAINER_NAME
+            self.core.read_namespaced_pod_log, name=pod, namespace=self.namespace, container=naming.CONTAINER_NAME
         )
 
 
@@ -135,7 +135,7 @@ def follow_logs(
         current = status.get("attempt")
         if shown_attempt is None or (follow and attempt is None and current and current > shown_attempt):
             shown_attempt = current
-        pod = builders.worker_pod(name, shown_attempt, pod_index) if shown_attempt else None
+        pod = naming.worker_pod(name, shown_attempt, pod_index) if shown_attempt else None
         container = source.container(pod) if pod else None
         if container and (shown is None or container[0] != shown[0]):
             print(f"==> attempt {shown_attempt}, pod {pod} <==", file=out, flush=True)

@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import kopf
 
-from . import api, builders, indexes, leadership, reconcile, serving, validation
+from . import api, builders, indexes, leadership, naming, reconcile, serving, validation
 from . import kube as kube_module
 from .indexes import controller_uid, merged_status, run_document, slim_job, slim_pod, slim_run
 from .kube import ApiError, Kube
@@ -43,7 +43,7 @@ log = logging.getLogger("trainingrun.operator")
 RUNS = (api.GROUP, api.VERSION, api.PLURAL)
 JOBS = ("kubeflow.org", "v1", "pytorchjobs")
 PODS = ("", "v1", "pods")
-CHILD_FILTER = {builders.LABEL_RUN: kopf.PRESENT}
+CHILD_FILTER = {naming.LABEL_RUN: kopf.PRESENT}
 #: Status fields remembered from the operator's own writes until the watch shows them: all of them, as the
 #: operator alone writes status (progress and lastGoodCheckpoint as pods reported them, see reports.py).
 OPERATOR_FIELDS = (
@@ -256,11 +256,11 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
 
     @kopf.index(*JOBS, labels=CHILD_FILTER, id="jobs", registry=registry)
     async def jobs(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
-        return {(namespace, labels[builders.LABEL_RUN]): slim_job(body)}
+        return {(namespace, labels[naming.LABEL_RUN]): slim_job(body)}
 
     @kopf.index(*PODS, labels=CHILD_FILTER, id="pods", registry=registry)
     async def pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
-        return {(namespace, labels[builders.LABEL_RUN]): slim_pod(body)}
+        return {(namespace, labels[naming.LABEL_RUN]): slim_pod(body)}
 
     def keep_indexes(kwargs: dict[str, Any]) -> None:
         if state.indexes is None:
@@ -279,12 +279,12 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         keep_indexes(kwargs)
         if type == "DELETED":
             state.created_jobs.discard((namespace, name))
-        state.enqueue((namespace, labels[builders.LABEL_RUN]))
+        state.enqueue((namespace, labels[naming.LABEL_RUN]))
 
     @kopf.on.event(*PODS, labels=CHILD_FILTER, registry=registry)
     async def pod_event(namespace: str, labels: Any, **kwargs: Any) -> None:
         keep_indexes(kwargs)
-        state.enqueue((namespace, labels[builders.LABEL_RUN]))
+        state.enqueue((namespace, labels[naming.LABEL_RUN]))
 
 
 async def _reconcile_worker(state: OperatorState) -> None:
@@ -445,7 +445,7 @@ async def _carry_out(
     kube, (namespace, name) = state.client(), key
     if plan.start_attempt:
         assert run is not None
-        job_name = builders.job_name(name, plan.start_attempt)
+        job_name = naming.job_name(name, plan.start_attempt)
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
             if not await _create_children(state, key, body, plan, run, job_name):
                 return
@@ -611,12 +611,12 @@ async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
         {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": controller_uid(child)},
         {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True},
     ]
-    signature = (meta.get("annotations") or {}).get(builders.ANNOTATION_SIGNATURE)
-    if signature:  # a PyTorchJob is used as it is: it must be one this operator made (builders.job_signature)
+    signature = (meta.get("annotations") or {}).get(naming.ANNOTATION_SIGNATURE)
+    if signature:  # a PyTorchJob is used as it is: it must be one this operator made (naming.job_signature)
         operations.append(
             {
                 "op": "test",
-                "path": "/metadata/annotations/" + builders.ANNOTATION_SIGNATURE.replace("~", "~0").replace("/", "~1"),
+                "path": "/metadata/annotations/" + naming.ANNOTATION_SIGNATURE.replace("~", "~0").replace("/", "~1"),
                 "value": signature,
             }
         )

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from trainingrun_api.contract import parse_time
 
-from .builders import ANNOTATION_SIGNATURE, job_signature
+from .naming import ANNOTATION_SIGNATURE, job_signature
 
 
 def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def run_owns_job(
     job: dict[str, Any], run_uid: Optional[str], status: dict[str, Any], signing_key: bytes, since: datetime
 ) -> bool:
     """Whether a PyTorchJob is the run's own: controlled by the run, and signed by this operator
-    (builders.job_signature), or the one its status (which only the operator writes) named as the current attempt's
+    (naming.job_signature), or the one its status (which only the operator writes) named as the current attempt's
     before this process started at `since` (made by an earlier operator: another key, or none). Anyone who may
     create PyTorchJobs in the namespace can copy the run's uid into an owner reference; only the operator signs.
     Without a signing key (tests), the owner reference decides."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from . import builders
+from . import naming
 
 #: Every series a query may name, by exporter.
 TRAINER_SERIES = {
@@ -210,7 +210,7 @@ def pod_monitor(namespace: str = "trainingrun-system") -> dict[str, Any]:
             "namespaceSelector": {"any": True},
             "selector": {
                 "matchLabels": {"app.kubernetes.io/name": "trainingrun", "app.kubernetes.io/component": "trainer"},
-                "matchExpressions": [{"key": builders.LABEL_RUN, "operator": "Exists"}],
+                "matchExpressions": [{"key": naming.LABEL_RUN, "operator": "Exists"}],
             },
             # The series carry run, namespace and rank themselves; honorLabels keeps them as they are
             # (the target's own namespace label would otherwise rename theirs to exported_namespace).

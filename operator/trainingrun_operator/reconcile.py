@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from trainingrun_api import contract, exit_codes
 
-from . import api, builders, recovery
+from . import api, builders, naming, recovery
 
 TERMINAL = ("Succeeded", "Failed")
 KUBEFLOW_JOB_NAME_LABEL = "training.kubeflow.org/job-name"
@@ -109,7 +109,7 @@ def restarting(job: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def attempt_of(obj: dict[str, Any]) -> Optional[int]:
-    value = ((obj.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_ATTEMPT)
+    value = ((obj.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_ATTEMPT)
     return int(value) if value and value.isdigit() else None
 
 
@@ -125,7 +125,7 @@ def _trainer_terminations(pod: dict[str, Any]) -> list[dict[str, Any]]:
     """The trainer container's termination records (current state and the last one)."""
     found = []
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if status.get("name") != builders.CONTAINER_NAME:
+        if status.get("name") != naming.CONTAINER_NAME:
             continue
         for key in ("state", "lastState"):
             terminated = (status.get(key) or {}).get("terminated")
@@ -370,7 +370,7 @@ def decide(o: Observed) -> Plan:
             plan.status["phase"] = "Suspended"
         return _finish(plan, o, conditions)
 
-    job_name = status.get("jobName") or builders.job_name(o.run.metadata.name, attempt)
+    job_name = status.get("jobName") or naming.job_name(o.run.metadata.name, attempt)
     job = o.jobs.get(job_name)
     _check_spec(plan, o, job, conditions)
 
@@ -518,7 +518,7 @@ def _old_jobs(o: Observed, keep_after: int, keep: int) -> list[str]:
 def _start(
     plan: Plan, o: Observed, number: int, cause: str, conditions: Conditions, resume_from: Optional[str]
 ) -> None:
-    name = builders.job_name(o.run.metadata.name, number)
+    name = naming.job_name(o.run.metadata.name, number)
     plan.start_attempt, plan.resume_from, plan.attempt_cause = number, resume_from, cause
     plan.status.update(
         phase="Pending",
@@ -654,12 +654,12 @@ def _check_spec(plan: Plan, o: Observed, job: Optional[dict[str, Any]], conditio
     if job is None or o.status.get("phase") in TERMINAL:
         return
     annotations = (job.get("metadata") or {}).get("annotations") or {}
-    if o.run.metadata.generation is not None and annotations.get(builders.ANNOTATION_GENERATION) == str(
+    if o.run.metadata.generation is not None and annotations.get(naming.ANNOTATION_GENERATION) == str(
         o.run.metadata.generation
     ):
         return  # built from this very spec
-    built_from = annotations.get(builders.ANNOTATION_SPEC_HASH)
-    if built_from and built_from != builders.spec_hash(builders.as_started(o.run, started_uri)):
+    built_from = annotations.get(naming.ANNOTATION_SPEC_HASH)
+    if built_from and built_from != naming.spec_hash(builders.as_started(o.run, started_uri)):
         attempt = int(o.status.get("attempt") or 0)
         message = (
             f"the spec changed; attempt {attempt} keeps running as it was built, "

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from trainingrun_api import contract
 
-from . import builders, reconcile
+from . import naming, reconcile
 from .kube import REVIEW, ApiError, Kube
 
 log = logging.getLogger("trainingrun.reports")
@@ -286,7 +286,7 @@ def check_pod(caller: Caller, run: RunView) -> None:
         if meta.get("name") != caller.pod_name:
             continue
         owner = next((r.get("uid") for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
-        attempt = (meta.get("labels") or {}).get(builders.LABEL_ATTEMPT)
+        attempt = (meta.get("labels") or {}).get(naming.LABEL_ATTEMPT)
         if meta.get("uid") == caller.pod_uid and attempt == str(run.attempt) and run.job_uid and owner == run.job_uid:
             return
         break

@@ -84,7 +84,7 @@ class Settings:
     #: queued several times is reconciled once. Each reconcile holds its run's parsed spec while it waits
     #: for the API server, so this bounds the operator's memory in a burst.
     reconcile_workers: int = 64
-    #: Signs each PyTorchJob the operator creates (builders.job_signature), so a job someone else planted under the
+    #: Signs each PyTorchJob the operator creates (naming.job_signature), so a job someone else planted under the
     #: name of a run's next attempt, with an owner reference to the run, is never taken as the run's: derived from the
     #: report endpoint's TLS key (tls.key in report_tls_dir, the same Secret on every replica), else random for this
     #: process. Empty: jobs are not signed (tests). Never logged.

@@ -38,7 +38,7 @@ import yaml
 from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
 from tiny_runs import tiny_model
 from trainingrun_api import contract, exit_codes
-from trainingrun_operator import builders
+from trainingrun_operator import naming, pod_env
 from trainingrun_operator.builders import DEFAULT_COMMAND
 from trainingrun_trainer import launch
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
@@ -787,10 +787,10 @@ NOT_THE_HOST = {"PET_RDZV_CONF": "is_host=false,read_timeout=5"}
 
 def start_pod(run: Run, launched: list, rdzv_port: int, index: int) -> Launched:
     """Pod `index` of the run's attempt 1 (worker-0 hosts the rendezvous store)."""
-    host_pod = builders.rendezvous_host_pod(run.dir.name, 1)
+    host_pod = naming.rendezvous_host_pod(run.dir.name, 1)
     env = {
         **run.environment(),
-        **builders.RENDEZVOUS_ENV,
+        **pod_env.RENDEZVOUS_ENV,
         "PET_NNODES": "2:2",
         "PET_NPROC_PER_NODE": "1",
         "PET_RDZV_BACKEND": "c10d",
@@ -912,7 +912,7 @@ def test_a_pod_waiting_in_rendezvous_stops_at_once_on_sigterm_as_pid_1(tmp_path,
     port = free_port()
     env = {
         **run.environment(),
-        **builders.RENDEZVOUS_ENV,
+        **pod_env.RENDEZVOUS_ENV,
         "PET_NNODES": "2:2",
         "PET_NPROC_PER_NODE": "1",
         "PET_RDZV_BACKEND": "c10d",

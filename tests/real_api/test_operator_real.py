@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from trainingrun_operator import builders, validation
+from trainingrun_operator import builders, naming, validation
 
 RUNS = "trainingruns.trainingrun.dev"
 JOBS = "pytorchjobs.kubeflow.org"
@@ -252,7 +252,7 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     assert status["observedGeneration"] == run["metadata"]["generation"]  # the server's, not the test's
     children = [("configmap", "demo-config"), ("service", "demo-rendezvous"), (JOBS, "demo-a1")]
     rendezvous = cluster.get("service", "demo-rendezvous")
-    assert rendezvous["spec"]["selector"][builders.LABEL_ATTEMPT] == "1" and rendezvous["spec"]["clusterIP"]
+    assert rendezvous["spec"]["selector"][naming.LABEL_ATTEMPT] == "1" and rendezvous["spec"]["clusterIP"]
     for kind, name in children:
         owner = cluster.get(kind, name)["metadata"]["ownerReferences"][0]
         assert owner["uid"] == run["metadata"]["uid"] and owner["controller"] is True, (kind, name)
@@ -274,7 +274,7 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     # the rendezvous Service now selects attempt 2's worker-0, at the address the server gave it at attempt 1
     moved = wait_for(
         lambda: (
-            (cluster.get("service", "demo-rendezvous")["spec"]["selector"][builders.LABEL_ATTEMPT] == "2")
+            (cluster.get("service", "demo-rendezvous")["spec"]["selector"][naming.LABEL_ATTEMPT] == "2")
             and cluster.get("service", "demo-rendezvous")
         ),
         what="the Service at attempt 2",
@@ -415,7 +415,7 @@ def test_a_job_planted_with_an_owner_reference_to_the_run_is_never_used(cluster,
     wait_for(lambda: cluster.get(JOBS, "demo-a1"), what="attempt 1's PyTorchJob")
     run = cluster.get(RUNS, "demo")
     mine = cluster.get(JOBS, "demo-a1")
-    assert mine["metadata"]["annotations"].get(builders.ANNOTATION_SIGNATURE)
+    assert mine["metadata"]["annotations"].get(naming.ANNOTATION_SIGNATURE)
     planted = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 2)
     planted["metadata"]["namespace"] = ns
     planted["metadata"]["ownerReferences"] = [
@@ -439,7 +439,7 @@ def test_a_job_planted_with_an_owner_reference_to_the_run_is_never_used(cluster,
     cluster.job_condition("demo-a2", "Created", "Running")  # what the planted job's pods would make Kubeflow say
     plane.kubectl("-n", ns, "delete", JOBS, "demo-a2")
     job = wait_for(lambda: cluster.get(JOBS, "demo-a2"), timeout=60, what="the run's own attempt 2")
-    assert job["metadata"]["annotations"].get(builders.ANNOTATION_SIGNATURE)
+    assert job["metadata"]["annotations"].get(naming.ANNOTATION_SIGNATURE)
     assert "evil" not in json.dumps(job["spec"])
 
 
@@ -449,7 +449,7 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
     reference (so none goes with the run); the run says NameConflict, naming its two, with one Event. Once
     those are gone, the run creates its own and the condition clears."""
     plane, ns = cluster.plane, cluster.namespace
-    labels = {builders.LABEL_RUN: "demo"}
+    labels = {naming.LABEL_RUN: "demo"}
     job = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 1)
     del job["metadata"]["ownerReferences"]
     foreign = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from trainingrun_operator import builders, validation
+from trainingrun_operator import builders, naming, validation
 from trainingrun_operator.indexes import run_owns_job, slim_job
 from trainingrun_operator.settings import Settings
 
@@ -50,8 +50,8 @@ def test_an_owner_reference_alone_is_not_enough():
 def test_a_signature_made_with_another_key_or_for_another_job_is_not_enough():
     assert not owns(job(2, key=b"x" * 32))
     copied = job(2)
-    copied["metadata"]["annotations"][builders.ANNOTATION_SIGNATURE] = job(3)["metadata"]["annotations"][
-        builders.ANNOTATION_SIGNATURE
+    copied["metadata"]["annotations"][naming.ANNOTATION_SIGNATURE] = job(3)["metadata"]["annotations"][
+        naming.ANNOTATION_SIGNATURE
     ]
     assert not owns(copied)
 

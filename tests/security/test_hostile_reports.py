@@ -16,7 +16,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from trainingrun_api import contract
-from trainingrun_operator import builders, reports
+from trainingrun_operator import naming, reports
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
 RUN_URI = "s3://bucket/demo"
@@ -32,7 +32,7 @@ def view(namespace, name):
         "metadata": {
             "name": "demo-a1-worker-0",
             "uid": "pod-uid",
-            "labels": {builders.LABEL_ATTEMPT: "1"},
+            "labels": {naming.LABEL_ATTEMPT: "1"},
             "ownerReferences": [{"uid": "job-uid", "controller": True}],
         }
     }

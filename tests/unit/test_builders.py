@@ -9,7 +9,7 @@ import pytest
 
 from conftest import EXAMPLES
 from trainingrun_api import contract
-from trainingrun_operator import builders, validation
+from trainingrun_operator import builders, naming, validation
 from trainingrun_operator.api import MAX_RUN_NAME_LENGTH
 from trainingrun_operator.settings import Settings
 
@@ -136,13 +136,13 @@ def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_curre
     assert service["spec"]["type"] == "ClusterIP" and service["spec"]["publishNotReadyAddresses"] is True
     # it selects exactly worker 0 of this attempt: the pod labels plus Kubeflow's replica index
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
-    worker_labels = {**template["metadata"]["labels"], builders.KUBEFLOW_REPLICA_INDEX_LABEL: "0"}
+    worker_labels = {**template["metadata"]["labels"], naming.KUBEFLOW_REPLICA_INDEX_LABEL: "0"}
     assert service["spec"]["selector"].items() <= worker_labels.items()
-    assert service["spec"]["selector"][builders.LABEL_ATTEMPT] == "2"
+    assert service["spec"]["selector"][naming.LABEL_ATTEMPT] == "2"
     assert (
-        not service["spec"]["selector"].items() <= {**worker_labels, builders.KUBEFLOW_REPLICA_INDEX_LABEL: "1"}.items()
+        not service["spec"]["selector"].items() <= {**worker_labels, naming.KUBEFLOW_REPLICA_INDEX_LABEL: "1"}.items()
     )
-    assert builders.children(run, attempt=3)[1]["spec"]["selector"][builders.LABEL_ATTEMPT] == "3"
+    assert builders.children(run, attempt=3)[1]["spec"]["selector"][naming.LABEL_ATTEMPT] == "3"
     env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
     assert env[contract.RENDEZVOUS_HOST_POD]["value"] == "demo-a2-worker-0"
     assert env[contract.POD_IP]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -380,4 +380,4 @@ def test_the_checkpoint_uri_reaches_the_pod_through_the_config_file_alone(minima
     env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if "s3://" in str(e.get("value")) or "CHECKPOINT_URI" in e["name"]]
     # the job is stamped as built from the spec it ran with: the started URI, not the edit
-    assert job["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] == builders.spec_hash(run)
+    assert job["metadata"]["annotations"][naming.ANNOTATION_SPEC_HASH] == naming.spec_hash(run)

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainingrun_api import contract
-from trainingrun_operator import api, builders, reconcile, validation
+from trainingrun_operator import api, builders, naming, reconcile, validation
 from trainingrun_operator.indexes import merged_status
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
@@ -34,7 +34,7 @@ def job(attempt, *conditions, run=None, since=NOW):
 
 def pod(attempt, status, **metadata):
     return {
-        "metadata": {"name": f"demo-a{attempt}-worker-0", "labels": {builders.LABEL_ATTEMPT: str(attempt)}, **metadata},
+        "metadata": {"name": f"demo-a{attempt}-worker-0", "labels": {naming.LABEL_ATTEMPT: str(attempt)}, **metadata},
         "status": status,
     }
 
@@ -258,12 +258,12 @@ def test_a_job_built_from_the_runs_generation_is_not_hashed_again():
     old, new = run_of(image="r/t:1"), run_of(image="r/t:2")
     old.metadata.generation, new.metadata.generation = 3, 4
     built = job(1, "Running", run=old)
-    assert built["metadata"]["annotations"][builders.ANNOTATION_GENERATION] == "3"
-    built["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH] = "not-this-spec"
+    assert built["metadata"]["annotations"][naming.ANNOTATION_GENERATION] == "3"
+    built["metadata"]["annotations"][naming.ANNOTATION_SPEC_HASH] = "not-this-spec"
     assert "conditions" not in reconcile.decide(observe(old, running_status(), [built])).status
     changed = reconcile.decide(observe(new, running_status(), [built]))
     assert next(c for c in changed.status["conditions"] if c["type"] == "SpecChangePending")["status"] == "True"
-    del built["metadata"]["annotations"][builders.ANNOTATION_GENERATION]  # as an older operator built it
+    del built["metadata"]["annotations"][naming.ANNOTATION_GENERATION]  # as an older operator built it
     hashed = reconcile.decide(observe(old, running_status(), [built]))
     assert next(c for c in hashed.status["conditions"] if c["type"] == "SpecChangePending")["status"] == "True"
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, TextIO
 from trainingrun_api import contract, exit_codes
 from trainingrun_api.config import RunConfig, config_json
 
-from .. import api, builders, recovery
+from .. import api, pod_env, recovery
 from .inputs import LocalOptions
 from .ledger import RunLedger
 from .processes import LogFollower, _end_session, worker_pids
@@ -203,7 +203,7 @@ class LocalRunner:
         env.update(
             {
                 k: v
-                for k, v in builders.contract_env(self.run, attempt, str(config_path)).items()
+                for k, v in pod_env.contract_env(self.run, attempt, str(config_path)).items()
                 if k not in users or k.startswith(contract.PREFIX)
             }
         )
@@ -225,7 +225,7 @@ class LocalRunner:
             # The pod's share of its CPU request, for this run's process count, and no more than this machine has.
             machine_share = max(1, (os.cpu_count() or 1) // self.nproc)
             env["OMP_NUM_THREADS"] = str(
-                min(builders.omp_threads(self.spec, self.nproc) or machine_share, machine_share)
+                min(pod_env.omp_threads(self.spec, self.nproc) or machine_share, machine_share)
             )
         return env
 
