@@ -23,8 +23,9 @@ import kopf
 import yaml
 
 from trainingrun_operator import api
-from trainingrun_operator.handlers import OperatorState, run_operator
+from trainingrun_operator.handlers import run_operator
 from trainingrun_operator.settings import Settings
+from trainingrun_operator.state import OperatorState
 
 RUNS = "trainingrun.dev/v1alpha1/trainingruns"
 JOBS = "kubeflow.org/v1/pytorchjobs"

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import socket
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from trainingrun_api import contract
 from trainingrun_api.config import RunConfig, config_json
 
 from . import api, naming, pod_env
 from .settings import Settings
-
-if TYPE_CHECKING:
-    from .reconcile import Note
 
 # torchrun's elastic agent, wrapped so the container's exit code keeps ExitCode semantics (launch.py).
 DEFAULT_COMMAND = ["python", "-m", "trainingrun_trainer.launch", "--module", "trainingrun_trainer"]
@@ -293,7 +291,16 @@ def children(
     return [*support, pytorch_job(run, attempt, settings, resume_from)]
 
 
-def event_object(body: dict[str, Any], note: "Note", now: datetime) -> dict[str, Any]:
+@dataclass
+class Note:
+    """A Kubernetes Event to post on the TrainingRun (the decisions of `reconcile` carry them)."""
+
+    type: str  #: Normal or Warning
+    reason: str
+    message: str
+
+
+def event_object(body: dict[str, Any], note: Note, now: datetime) -> dict[str, Any]:
     """A core/v1 Event about the TrainingRun `body`, from this operator instance (the host name)."""
     meta = body.get("metadata") or {}
     stamp = contract.rfc3339(now)

@@ -47,7 +47,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     import dataclasses
     import logging
 
-    from .handlers import OperatorState, run_operator
+    from .handlers import run_operator
+    from .state import OperatorState
 
     try:
         settings = Settings.from_env()

@@ -13,8 +13,8 @@ Runs are reconciled one at a time per run (a lock each), and the status fields t
 are taken from its own last write until the watch delivers it, so two quick triggers can never
 charge one failure twice or start an attempt twice. Everything else survives a restart in status.
 
-What the indexes keep is in indexes.py, the HTTP servers (metrics, readiness, reports) in serving.py, which
-replica acts in leadership.py. Over 500 lines still because carrying out a plan (children created or
+What the indexes keep is in indexes.py, what the process keeps in memory in state.py, the HTTP servers (metrics,
+readiness, reports) in serving.py, which replica acts in leadership.py. Over 500 lines still because carrying out a plan (children created or
 updated only when the run controls them, refusals backed off, status, Events) is one path through the API
 server; split it there (a module that carries out plans) before it grows further.
 """
@@ -22,12 +22,9 @@ server; split it there (a module that carries out plans) before it grows further
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Optional
 
 import kopf
 
@@ -35,8 +32,7 @@ from . import api, builders, indexes, leadership, naming, reconcile, serving, va
 from . import kube as kube_module
 from .indexes import controller_uid, merged_status, run_document, slim_job, slim_pod, slim_run
 from .kube import ApiError, Kube
-from .metrics import OperatorMetrics
-from .settings import Settings
+from .state import Key, OperatorState, Rejection, WarningsRead
 
 log = logging.getLogger("trainingrun.operator")
 
@@ -64,110 +60,6 @@ OPERATOR_FIELDS = (
     "checkpointInMemory",
     "lastReportTime",
 )
-
-Key = tuple[str, str]  # (namespace, name) of a TrainingRun
-
-
-NO_CREDENTIALS = (
-    "no Kubernetes credentials: no service account token in this pod "
-    "(/var/run/secrets/kubernetes.io/serviceaccount/token) and no kubeconfig ($KUBECONFIG or "
-    "~/.kube/config); run it in a pod with a ServiceAccount, or point KUBECONFIG at a cluster"
-)
-
-
-async def default_login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
-    """In a pod: the service account; elsewhere: the kubeconfig (as kopf itself would)."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-    if info is None:
-        log.error(NO_CREDENTIALS)
-        raise kopf.PermanentError(NO_CREDENTIALS)  # no retries: nothing will change by waiting
-    return info
-
-
-@dataclass
-class OperatorState:
-    """What one operator process keeps in memory; all of it can be rebuilt from the cluster."""
-
-    settings: Settings
-    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
-    login: Callable[..., Awaitable[Optional[kopf.ConnectionInfo]]] = default_login
-    clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
-    connection: Optional[kopf.ConnectionInfo] = None
-    kube: Optional[Kube] = None
-    ready: bool = False
-    logged_in: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Set while this replica acts: always when standalone, else when kopf's peering lets it (leadership.py).
-    acting: asyncio.Event = field(default_factory=asyncio.Event)
-    identity: str = field(default_factory=leadership.identity)
-    priority: int = field(default_factory=leadership.start_priority)
-    #: Operator-owned status as last written, until the watch shows it: no double charging.
-    written: dict[Key, dict[str, Any]] = field(default_factory=dict)
-    locks: dict[Key, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
-    #: Runs waiting in `work` for a reconcile worker, each once however often it was triggered meanwhile.
-    queued: set[Key] = field(default_factory=set)
-    work: asyncio.Queue = field(default_factory=asyncio.Queue)
-    #: Events waiting to be posted: a reconcile never waits for one (they have the lowest priority of all
-    #: requests, and a reconcile waiting for its Event held up the runs behind it).
-    events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(EVENTS_QUEUED_MAX))
-    #: Warning Events of each namespace with runs Pending for a while, see _namespace_warnings.
-    warnings: dict[str, "WarningsRead"] = field(default_factory=dict)
-    warnings_locks: dict[str, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
-    #: Runs whose children the API server refused, until when they wait (see _children_refused).
-    rejections: dict[Key, "Rejection"] = field(default_factory=dict)
-    #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
-    created_jobs: set[tuple[str, str]] = field(default_factory=set)
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    #: kopf's indexes of runs, jobs and pods, as handed to the first handler (for the periodic resync).
-    indexes: Optional[dict[str, kopf.Index]] = None
-    #: When this process started: jobs its status named before then are the run's even unsigned (run_owns_job).
-    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
-    #: Why the operator gave up (e.g. no credentials); the CLI exits 1 with it.
-    fatal: Optional[str] = None
-    stop: Optional[asyncio.Future] = None
-
-    @property
-    def api_server(self) -> str:
-        """The API server's address, for messages (never the credentials)."""
-        return self.connection.server if self.connection is not None else "?"
-
-    def client(self) -> Kube:
-        if self.kube is None:
-            assert self.connection is not None, "no login yet"
-            self.kube = Kube(
-                self.connection,
-                on_error=lambda code: self.metrics.api_errors.labels(str(code)).inc(),
-                in_flight=self.settings.api_requests_in_flight,
-            )
-        return self.kube
-
-    def enqueue(self, key: Key) -> None:
-        if key not in self.queued:
-            self.queued.add(key)
-            self.work.put_nowait(key)
-
-    def queue_event(self, body: dict[str, Any], note: reconcile.Note) -> None:
-        try:
-            self.events.put_nowait(builders.event_object(body, note, self.clock()))
-        except asyncio.QueueFull:
-            self.metrics.events_dropped.inc()
-            meta = body.get("metadata") or {}
-            log.warning(
-                "%s/%s: %s: %s (not posted as an Event: %d are waiting to be posted)",
-                meta.get("namespace"),
-                meta.get("name"),
-                note.reason,
-                note.message,
-                EVENTS_QUEUED_MAX,
-            )
-
-    def forget(self, key: Key) -> None:
-        self.written.pop(key, None)
-        self.rejections.pop(key, None)
-        self.metrics.phases.pop(key, None)
-        self.metrics.time_breakdowns.pop(key, None)
-        self.locks.pop(key, None)
-        self.queued.discard(key)
-        self.metrics.forget_run(*key)
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -388,12 +280,6 @@ async def _pending_warnings(state: OperatorState, key: Key, status: dict[str, An
     ]
 
 
-@dataclass
-class WarningsRead:
-    at: float  #: time.monotonic() of the read
-    events: list[dict[str, Any]]  #: what reconcile needs of each Warning Event
-
-
 async def _namespace_warnings(state: OperatorState, namespace: str) -> list[dict[str, Any]]:
     """A namespace's Warning Events, read at most once per reconcile interval and shared by all its runs: Events
     are not watched (they are the busiest kind there is), and one read per Pending run made a queue of 2,000
@@ -525,13 +411,6 @@ TRANSIENT_CREATE_STATUSES = {404, 409, 429}
 CHILD_REJECTED_MAX_BACKOFF_SECONDS = 300.0
 
 
-@dataclass
-class Rejection:
-    generation: Optional[int]  #: the spec generation whose children were refused
-    retry_at: float  #: time.monotonic() of the next try
-    delay: float
-
-
 def _is_refusal(outcome: Any) -> bool:
     return (
         isinstance(outcome, ApiError)
@@ -658,7 +537,6 @@ async def _reject(
 
 
 #: Events queued at most; past that (the API server far behind) they are logged, counted and not posted.
-EVENTS_QUEUED_MAX = 10_000
 EVENT_SENDERS = 2
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from trainingrun_api import contract, exit_codes
 
 from . import api, builders, naming, recovery
+from .builders import Note
 
 TERMINAL = ("Succeeded", "Failed")
 KUBEFLOW_JOB_NAME_LABEL = "training.kubeflow.org/job-name"
@@ -48,15 +49,6 @@ class Observed:
     #: an attempt has been Pending for a while: they are how pods that are never created, never scheduled or
     #: never started show (Kubeflow's FailedCreate, the kubelet's FailedMount).
     warnings: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class Note:
-    """A Kubernetes Event to post on the TrainingRun."""
-
-    type: str  #: Normal or Warning
-    reason: str
-    message: str
 
 
 @dataclass

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Optional
 from . import api, reports
 from .indexes import SPEC_JSON, merged_status, run_owns_job
 from .kube import STATUS, ApiError
+from .state import Key, OperatorState
 
 if TYPE_CHECKING:
-    from .handlers import Key, OperatorState
     from .settings import Settings
 
 log = logging.getLogger("trainingrun.operator")

@@ -1,17 +1,18 @@
-"""The operator's work queue and Event queue, without a server (the kopf handlers around them are tested in
+"""The operator state's work queue and Event queue, without a server (the kopf handlers around them are tested in
 tests/integration and tests/real_api)."""
 
 import logging
 
 import pytest
 
-from trainingrun_operator import handlers, reconcile
+from trainingrun_operator import reconcile
+from trainingrun_operator import state as state_module
 from trainingrun_operator.settings import Settings
 
 
 @pytest.mark.asyncio
 async def test_a_run_triggered_many_times_while_queued_is_reconciled_once():
-    state = handlers.OperatorState(Settings())
+    state = state_module.OperatorState(Settings())
     for _ in range(3):
         state.enqueue(("team", "a"))
     state.enqueue(("team", "b"))
@@ -24,8 +25,8 @@ async def test_a_run_triggered_many_times_while_queued_is_reconciled_once():
 
 @pytest.mark.asyncio
 async def test_events_past_the_queue_limit_are_logged_and_counted_not_raised(monkeypatch, caplog):
-    monkeypatch.setattr(handlers, "EVENTS_QUEUED_MAX", 2)
-    state = handlers.OperatorState(Settings())
+    monkeypatch.setattr(state_module, "EVENTS_QUEUED_MAX", 2)
+    state = state_module.OperatorState(Settings())
     body = {"metadata": {"name": "a", "namespace": "team", "uid": "u"}}
     with caplog.at_level(logging.WARNING, logger="trainingrun.operator"):
         for n in range(3):
