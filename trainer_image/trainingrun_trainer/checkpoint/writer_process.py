@@ -177,9 +177,9 @@ def _die_with_the_trainer() -> None:
 
 def _serve(conn: Any) -> None:
     from ..torch_internals import FsspecWriter
+    from .hashing_fs import HashingFileSystem
     from .memory_tier import MemoryTier
     from .tensor_files import write_rank_file
-    from .writer import _HashingFileSystem
 
     logging.basicConfig(
         level=logging.INFO,
@@ -206,7 +206,7 @@ def _serve(conn: Any) -> None:
         try:
             writer = FsspecWriter(request.uri, sync_files=request.sync_files, overwrite=True, **request.options)
             tier = MemoryTier(request.tier_root) if request.tier_root else None
-            fs = _HashingFileSystem(writer.fs, record, tier, request.tier_dir, request.segments)
+            fs = HashingFileSystem(writer.fs, record, tier, request.tier_dir, request.segments)
             results = write_rank_file(
                 fs.create_stream,
                 fs.concat_path,
