@@ -23,7 +23,8 @@ import inspect
 import re
 from typing import Any, Callable, Iterable, cast
 
-from trainingrun_api.config import Component, ConfigError, TrainerConfig
+from trainingrun_api.config import Component, TrainerConfig
+from trainingrun_api.model_base import ConfigError
 
 __all__ = [
     "ConfigError",

@@ -17,7 +17,9 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from trainingrun_api import contract
-from trainingrun_api.config import ApiModel, CheckpointConfig, TrainerConfig
+from trainingrun_api.checkpoint_config import CheckpointConfig
+from trainingrun_api.config import TrainerConfig
+from trainingrun_api.model_base import ApiModel
 
 from . import scheduling
 from .scheduling import (

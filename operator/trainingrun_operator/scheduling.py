@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from trainingrun_api.config import ApiModel
+from trainingrun_api.model_base import ApiModel
 
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"

@@ -174,7 +174,7 @@ def credential_problems(run: api.TrainingRun) -> list[Problem]:
     """Strings of spec.trainer (initArgs of models, datasets and callbacks included, which the CRD's schema cannot see
     into) that hold credentials in a URI (user:password@): they would sit in the run's ConfigMap and go to trackers.
     The problem names the field, never the value."""
-    from trainingrun_api.config import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
+    from trainingrun_api.model_base import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
 
     found = []
     pending: list[tuple[str, Any]] = [("spec.trainer", run.spec.trainer.to_wire())]

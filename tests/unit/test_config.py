@@ -63,7 +63,8 @@ def test_the_config_file_the_operator_writes_reads_back_equal(tmp_path):
 
 
 def test_a_config_file_that_is_not_json_names_the_file(tmp_path):
-    from trainingrun_api.config import ConfigError, load_config
+    from trainingrun_api.config import load_config
+    from trainingrun_api.model_base import ConfigError
 
     path = tmp_path / "config.json"
     path.write_text("trainer: {}\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainingrun_api.config import CheckpointConfig
+from trainingrun_api.checkpoint_config import CheckpointConfig
 from trainingrun_api.contract import Report
 from trainingrun_trainer.context import RunContext
 from trainingrun_trainer.reporting import ProgressReporter
@@ -243,7 +243,7 @@ def run_as(root, uid, resume_from=None) -> Run:
 
 def test_a_run_created_again_on_a_uri_with_another_runs_checkpoints_stops_and_says_how_to_continue(tmp_path):
     """It must neither resume from them unasked (issue 35) nor start over beside them unseen."""
-    from trainingrun_api.config import ConfigError
+    from trainingrun_api.model_base import ConfigError
 
     saved_at(run_as(tmp_path, "first-uid"), 10, 20)
     with pytest.raises(

@@ -58,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"trainingrun-trainer: {error}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
 
-    from trainingrun_api.config import ConfigError
+    from trainingrun_api.model_base import ConfigError
 
     from .checkpoint import CheckpointLoadError, StorageUnavailable
     from .shards import DataError

@@ -37,14 +37,14 @@ import torch
 import torch.distributed as dist
 
 from trainingrun_api import contract, exit_codes
-from trainingrun_api.config import (
+from trainingrun_api.checkpoint_config import (
     AUTO_MAX_STEPS,
     AUTO_MIN_STEPS,
     AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
     CheckpointConfig,
-    ConfigError,
 )
 from trainingrun_api.contract import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress, Report
+from trainingrun_api.model_base import ConfigError
 
 from . import reporting
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
