@@ -1,6 +1,7 @@
 """trainingrun_api: what the operator and the trainer agree on, in one torch-free package both import.
 
-- `contract`: the environment a trainer container gets and the progress report it sends back;
+- `contract`: the environment a trainer container gets, the report endpoint, the time helpers;
+- `progress_report`: the report rank 0 sends back (checked once, by its models) and what is derived from reports;
 - `exit_codes`: what a trainer's exit code means to the operator (retry, give up, preempted);
 - `config`: the trainer config models (`spec.trainer`; `RunConfig`, the file mounted at TRAININGRUN_CONFIG);
 - `checkpoint_config`: `spec.checkpoint`, and the rules a checkpoint URI follows;

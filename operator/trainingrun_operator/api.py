@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from trainingrun_api import contract
+from trainingrun_api import contract, progress_report
 from trainingrun_api.checkpoint_config import CheckpointConfig
 from trainingrun_api.config import TrainerConfig
 from trainingrun_api.model_base import ApiModel
@@ -443,7 +443,7 @@ class TrainingRunSpec(ApiModel):
 Phase = Literal["Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
 
 
-def status_part(part: type[contract.ReportPart], name: str, **derived: Any) -> type[ApiModel]:
+def status_part(part: type[progress_report.ReportPart], name: str, **derived: Any) -> type[ApiModel]:
     """The status model of a report part (`contract`), generated from it so the two cannot drift apart: the same
     names and descriptions, each optional (status may hold what an older trainer reported; a field with a default
     keeps it), plus the fields the operator `derived` itself. A report is checked once, by the contract's model;
@@ -458,7 +458,7 @@ def status_part(part: type[contract.ReportPart], name: str, **derived: Any) -> t
 
 
 Progress = status_part(
-    contract.Progress,
+    progress_report.Progress,
     "Progress",
     percent=(
         Optional[float],
@@ -477,8 +477,8 @@ Progress = status_part(
 #: Progress fields the operator derives from reports; a report cannot set them.
 DERIVED_PROGRESS_FIELDS = ("percent", "estimatedCompletionTime")
 
-CheckpointRef = status_part(contract.CommittedCheckpoint, "CheckpointRef")
-CheckpointInMemoryRef = status_part(contract.CheckpointInMemory, "CheckpointInMemoryRef")
+CheckpointRef = status_part(progress_report.CommittedCheckpoint, "CheckpointRef")
+CheckpointInMemoryRef = status_part(progress_report.CheckpointInMemory, "CheckpointInMemoryRef")
 
 
 class Restarts(ApiModel):
@@ -498,7 +498,7 @@ class Restarts(ApiModel):
     backoff_seconds: float = Field(default=0.0, description="Seconds of backoff before the attempts after the first.")
 
 
-ProcessTimes = status_part(contract.ProcessTime, "ProcessTimes")
+ProcessTimes = status_part(progress_report.ProcessTime, "ProcessTimes")
 
 
 class TimeAccount(ApiModel):
@@ -528,7 +528,7 @@ class TimeBreakdown(ApiModel):
     other_seconds: float = Field(default=0.0, description="The rest: logging, metrics and reporting between steps.")
 
 
-CheckpointIntervalChoice = status_part(contract.IntervalChoice, "CheckpointIntervalChoice")
+CheckpointIntervalChoice = status_part(progress_report.IntervalChoice, "CheckpointIntervalChoice")
 
 
 class Condition(ApiModel):

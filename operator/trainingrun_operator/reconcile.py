@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Optional
 
-from trainingrun_api import contract, exit_codes
+from trainingrun_api import contract, exit_codes, progress_report
 
 from . import api, builders, naming, recovery
 from .builders import Note
@@ -273,20 +273,20 @@ def goodput(status: dict[str, Any]) -> Optional[float]:
     productive = progress.get("productiveSeconds")
     if productive is None or not started or not reported:
         return None
-    figure = contract.goodput(productive, (reported - started).total_seconds())
+    figure = progress_report.goodput(productive, (reported - started).total_seconds())
     return None if figure is None else round(figure, 4)
 
 
 def account_time(
-    status: dict[str, Any], times: contract.ProcessTime, productive_seconds: Optional[float], now: datetime
+    status: dict[str, Any], times: progress_report.ProcessTime, productive_seconds: Optional[float], now: datetime
 ) -> dict[str, Any]:
     """status.processTime and status.timeBreakdown after a report of `times` at `now`: a process other than the one
     that reported last adds that one's last report to the ended processes; the breakdown covers startTime to now."""
     account = status.get("processTime") or {}
-    ended = contract.ProcessTime.from_wire(account["ended"]) if account.get("ended") else None
+    ended = progress_report.ProcessTime.from_wire(account["ended"]) if account.get("ended") else None
     previous = account.get("current")
     if previous and previous.get("process") != times.process:
-        last = contract.ProcessTime.from_wire(previous)
+        last = progress_report.ProcessTime.from_wire(previous)
         ended = ended.plus(last) if ended else dataclasses.replace(last, process="ended")
     processes = [p for p in (ended, times) if p is not None]
     started = parse_time(status.get("startTime"))
@@ -294,7 +294,7 @@ def account_time(
     backoff = float((status.get("restarts") or {}).get("backoffSeconds") or 0.0)
     if productive_seconds is None:
         productive_seconds = float((status.get("progress") or {}).get("productiveSeconds") or 0.0)
-    parts = contract.time_breakdown(max(0.0, wall), processes, productive_seconds, backoff)
+    parts = progress_report.time_breakdown(max(0.0, wall), processes, productive_seconds, backoff)
     breakdown = api.TimeBreakdown(
         wall_seconds=round(max(0.0, wall), 3),
         **{f"{part}_seconds": round(seconds, 3) for part, seconds in parts.items()},

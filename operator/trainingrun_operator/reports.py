@@ -12,7 +12,7 @@ The operator alone writes a run's status; a pod only tells it what it saw, and w
    same name and uid, the attempt's label, controlled by the attempt's PyTorchJob, which the run
    controls), in the run's namespace. A pod of another run (sharing a ServiceAccount or not), of an
    earlier attempt, or any other token is refused (401/403) and status stays as it is.
-3. What it says: the report is parsed field by field (contract.Report) and must be about this run and
+3. What it says: the report is parsed field by field (progress_report.Report) and must be about this run and
    attempt; a checkpoint must be a step directory under the URI the run started with (status.checkpointUri,
    which only the operator writes). Phase, budgets and the checkpoint URI are never taken from a report.
 
@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from trainingrun_api import contract
+from trainingrun_api import contract, progress_report
 
 from . import naming, reconcile
 from .kube import REVIEW, ApiError, Kube
@@ -302,7 +302,7 @@ def check_pod(caller: Caller, run: RunView) -> None:
 TIME_FIELDS = ("processTime", "timeBreakdown", "checkpointInterval")
 
 
-def trains_again(report: contract.Report, status: dict[str, Any]) -> bool:
+def trains_again(report: progress_report.Report, status: dict[str, Any]) -> bool:
     """The first step of a process status has not seen yet (a start, a restart in place, a new attempt): what
     `kubectl get tr` shows as training again, so it is written at once rather than with the next write."""
     if report.progress is None or report.process_time is None:
@@ -396,7 +396,7 @@ class ReportEndpoint:
         self.acting = acting  #: False on a replica that stands by: its indexes are not kept current
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=contract.MAX_REPORT_BYTES)
+        app = web.Application(client_max_size=progress_report.MAX_REPORT_BYTES)
         app.router.add_post(contract.REPORT_PATH, self.handle)
         return app
 
@@ -410,8 +410,8 @@ class ReportEndpoint:
     async def _take(self, request: web.Request) -> None:
         if not self.acting():
             raise Refused(503, "this operator replica stands by for another one; send the report again")
-        if (request.content_length or 0) > contract.MAX_REPORT_BYTES:
-            raise Refused(413, f"reports are at most {contract.MAX_REPORT_BYTES} bytes")
+        if (request.content_length or 0) > progress_report.MAX_REPORT_BYTES:
+            raise Refused(413, f"reports are at most {progress_report.MAX_REPORT_BYTES} bytes")
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme != "Bearer" or not token:
             raise Refused(401, "a bearer token (the pod's projected report token) is required")
@@ -423,8 +423,8 @@ class ReportEndpoint:
         if caller is None:
             raise Refused(401, f"the token is not a pod's ServiceAccount token for audience {contract.REPORT_AUDIENCE}")
         try:
-            report = contract.Report.from_json(await request.read())
-        except (contract.ReportError, web.HTTPRequestEntityTooLarge) as error:
+            report = progress_report.Report.from_json(await request.read())
+        except (progress_report.ReportError, web.HTTPRequestEntityTooLarge) as error:
             raise Refused(400, str(error)) from None
         if report.namespace != caller.namespace:
             raise Refused(403, f"a pod of namespace {caller.namespace} cannot report for namespace {report.namespace}")
@@ -435,11 +435,13 @@ class ReportEndpoint:
         refusal = report.refusal(report.namespace, report.name, run.uid, run.attempt, run.checkpoint_uri)
         if refusal:
             raise Refused(403, refusal)
-        fields = report.status_fields()  # checked once, by contract.Report; the status model is generated from it
+        fields = (
+            report.status_fields()
+        )  # checked once, by progress_report.Report; the status model is generated from it
         now = self.clock()
         no_later_than_now(fields, now)
         if "progress" in fields:
-            fields["progress"] = contract.with_estimates(run.status.get("progress"), fields["progress"])
+            fields["progress"] = progress_report.with_estimates(run.status.get("progress"), fields["progress"])
         if report.process_time:
             fields.update(
                 reconcile.account_time(

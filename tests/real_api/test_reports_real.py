@@ -24,8 +24,8 @@ from test_operator_real import (  # noqa: F401 - fixtures
     wait_for,
 )
 
-from trainingrun_api import contract
-from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
+from trainingrun_api import contract, progress_report
+from trainingrun_api.progress_report import CommittedCheckpoint, Progress, Report
 
 ACCOUNT = "trainers"  # one ServiceAccount for every run of the namespace, as in examples/workload-identity.yaml
 
@@ -123,7 +123,7 @@ def report_of(cluster, name, uid, attempt=1, step=5, checkpoint=None, in_memory=
         attempt,
         progress=Progress(step, now, total_steps=20, loss=2.5),
         last_good_checkpoint=checkpoint,
-        checkpoint_in_memory=contract.CheckpointInMemory(in_memory, now) if in_memory else None,
+        checkpoint_in_memory=progress_report.CheckpointInMemory(in_memory, now) if in_memory else None,
     )
 
 
@@ -238,8 +238,8 @@ def test_the_operator_keeps_the_processes_account_of_time_and_the_breakdown_in_s
         report.process_time = times
         return report
 
-    first = contract.ProcessTime("timed-a1-worker-0/41/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
-    interval = contract.IntervalChoice(
+    first = progress_report.ProcessTime("timed-a1-worker-0/41/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
+    interval = progress_report.IntervalChoice(
         steps=40,
         seconds=2.0,
         save_cost_seconds=0.06,
@@ -251,7 +251,7 @@ def test_the_operator_keeps_the_processes_account_of_time_and_the_breakdown_in_s
     report.checkpoint_interval = interval  # checkpoint.interval.steps: auto
     assert post(endpoint, report, token)[0] == 200
     wait_for(lambda: (cluster.status("timed").get("processTime") or {}).get("current"), what="the process's time")
-    second = contract.ProcessTime("timed-a1-worker-0/97/2", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 0.0, 11.0)
+    second = progress_report.ProcessTime("timed-a1-worker-0/97/2", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 0.0, 11.0)
     assert post(endpoint, timed(9, second), token)[0] == 200
     status = wait_for(
         lambda: (cluster.status("timed").get("progress") or {}).get("step") == 9 and cluster.status("timed"),

@@ -265,7 +265,7 @@ def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
     import urllib.error
     import urllib.request
 
-    from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
+    from trainingrun_api.progress_report import CommittedCheckpoint, Progress, Report
 
     path = tmp_path / "run.yaml"
     path.write_text(BODY)

@@ -5,7 +5,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from trainingrun_api import contract
+from trainingrun_api import progress_report
 from trainingrun_operator import api, builders, naming, reconcile, validation
 from trainingrun_operator.indexes import merged_status
 
@@ -156,14 +156,14 @@ def test_failed_job_without_the_pods_story_waits_then_counts_as_a_failure():
 
 def test_the_time_account_adds_a_process_that_ended_and_breaks_wall_time_down():
     start = {"startTime": "2026-11-21T11:00:00Z", "restarts": {"backoffSeconds": 5.0}}
-    first = contract.ProcessTime("pod/1/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
+    first = progress_report.ProcessTime("pod/1/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
     at = reconcile.parse_time("2026-11-21T11:00:30Z")
     status = {**start, **reconcile.account_time(start, first, 11.0, at)}
     assert status["processTime"] == {"ended": None, "current": first.to_wire()}
-    again = contract.ProcessTime("pod/1/1", 25.0, 4.0, 0.0, 1.0, 0.5, 16.0, 0.0, 0.0)  # the same process, later
+    again = progress_report.ProcessTime("pod/1/1", 25.0, 4.0, 0.0, 1.0, 0.5, 16.0, 0.0, 0.0)  # the same process, later
     status = {**start, **reconcile.account_time(status, again, 15.0, at + timedelta(seconds=5))}
     assert status["processTime"]["ended"] is None
-    second = contract.ProcessTime("pod/2/9", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 1.0, 13.0)  # a restart, from 13 s
+    second = progress_report.ProcessTime("pod/2/9", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 1.0, 13.0)  # a restart, from 13 s
     status = {**start, **reconcile.account_time(status, second, 18.0, at + timedelta(seconds=30))}
     assert status["processTime"]["ended"] == {**again.to_wire(), "process": "ended"}
     breakdown = status["timeBreakdown"]

@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trainingrun_api import contract
-from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
+from trainingrun_api import contract, progress_report
+from trainingrun_api.progress_report import CommittedCheckpoint, Progress, Report
 from trainingrun_trainer.reporting import ProgressReporter, ReportEndpoint, from_env
 
 TOKEN = "projected-token-must-not-leak"
@@ -114,11 +114,11 @@ def test_a_checkpoint_in_memory_is_not_news_it_goes_with_the_next_report(endpoin
     reporter = ProgressReporter(ReportEndpoint(url, str(token), None), IDENTITY, interval_seconds=3600)
     wait_until(lambda r: len(r) == 1)  # at start: who it is
     for step in range(10, 60, 10):
-        reporter.committed_in_memory(contract.CheckpointInMemory(step, "2026-11-24T00:00:00Z"))
+        reporter.committed_in_memory(progress_report.CheckpointInMemory(step, "2026-11-24T00:00:00Z"))
     reporter.committed(CommittedCheckpoint("s3://bkt/demo/step-00000030", 30, "2026-11-24T00:00:00Z"))  # news
     wait_until(lambda r: any(report.last_good_checkpoint for _, _, report in r))
     assert len(received) == 2 and received[-1][2].checkpoint_in_memory.step == 50
-    reporter.committed_in_memory(contract.CheckpointInMemory(60, "2026-11-24T00:00:01Z"))
+    reporter.committed_in_memory(progress_report.CheckpointInMemory(60, "2026-11-24T00:00:01Z"))
     reporter.close()
     assert len(received) == 3 and received[-1][2].checkpoint_in_memory.step == 60
 
@@ -254,19 +254,19 @@ def test_endpoint_from_the_contracts_environment():
     ],
 )
 def test_a_malformed_report_names_its_field(body, field):
-    with pytest.raises(contract.ReportError, match=field.replace(".", r"\.")):
+    with pytest.raises(progress_report.ReportError, match=field.replace(".", r"\.")):
         Report.from_json(json.dumps(body).encode())
 
 
 def test_a_process_time_goes_over_the_wire_and_back_but_not_into_status():
-    times = contract.ProcessTime("pod-0/41/1764000000", 30.5, 4.25, 0.5, 1.0, 0.75, 22.0, 0.0, 12.0)
+    times = progress_report.ProcessTime("pod-0/41/1764000000", 30.5, 4.25, 0.5, 1.0, 0.75, 22.0, 0.0, 12.0)
     report = Report("ns", "demo", "u", 1, process_time=times)
     assert Report.from_json(report.to_json()).process_time == times
     assert report.status_fields() == {}  # the operator keeps its own account of time (a later part of issue 19)
 
 
 def test_the_auto_intervals_choice_goes_over_the_wire_into_status():
-    choice = contract.IntervalChoice(
+    choice = progress_report.IntervalChoice(
         steps=120,
         seconds=12.0,
         save_cost_seconds=0.05,
@@ -297,8 +297,8 @@ def test_a_report_is_refused_for_another_run_or_attempt_or_a_checkpoint_elsewher
     assert "not the step-00000010 directory" in report.refusal("ns", "demo", "u", 2, "s3://attacker/demo")
     report.last_good_checkpoint = CommittedCheckpoint("s3://bkt/demo/step-00000010", 11, "2026-11-24T00:00:00Z")
     assert report.refusal("ns", "demo", "u", 2, "s3://bkt/demo")
-    with pytest.raises(contract.ReportError, match="larger than"):
-        Report.from_json(b"x" * (contract.MAX_REPORT_BYTES + 1))
+    with pytest.raises(progress_report.ReportError, match="larger than"):
+        Report.from_json(b"x" * (progress_report.MAX_REPORT_BYTES + 1))
 
 
 def test_a_report_sets_status_fields_the_status_model_has_under_the_same_names():

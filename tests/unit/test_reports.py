@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from trainingrun_api import progress_report
 from trainingrun_operator import reports
 
 
@@ -33,7 +34,7 @@ def test_a_standby_replica_answers_503_and_writes_nothing():
 
 
 def test_report_fields_are_read_through_the_status_model():
-    from trainingrun_api.contract import CommittedCheckpoint, Progress, Report
+    from trainingrun_api.progress_report import CommittedCheckpoint, Progress, Report
 
     report = Report(
         "ns",
@@ -50,7 +51,7 @@ def test_report_fields_are_read_through_the_status_model():
 
 
 def test_the_newest_checkpoint_in_memory_is_read_into_status_beside_the_one_in_storage():
-    from trainingrun_api.contract import CheckpointInMemory, CommittedCheckpoint, Report
+    from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, Report
 
     report = Report(
         "ns",
@@ -71,7 +72,7 @@ def test_the_status_parts_are_generated_from_the_report_parts():
     """One source: a field a report part gains is in the status model (and so in the CRD's status schema) too."""
     from pydantic import Field
 
-    from trainingrun_api.contract import Progress
+    from trainingrun_api.progress_report import Progress
     from trainingrun_operator import api
 
     class Newer(Progress):
@@ -84,18 +85,17 @@ def test_the_status_parts_are_generated_from_the_report_parts():
 
 
 def test_a_report_cannot_set_what_the_operator_derives():
-    from trainingrun_api import contract
 
     body = (
         '{"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "progress": {"step": 3, '
         '"updatedAt": "2026-11-25T00:00:00Z", "percent": 99}}'
     )
-    report = contract.Report.from_json(body.encode())  # fields the contract does not name are dropped
+    report = progress_report.Report.from_json(body.encode())  # fields the contract does not name are dropped
     assert "percent" not in report.status_fields()["progress"]
 
 
 def process_time(process):
-    from trainingrun_api.contract import ProcessTime
+    from trainingrun_api.progress_report import ProcessTime
 
     return ProcessTime(process, 10.0, 5.0, 1.0, 0.0, 0.0, 4.0, 0.0, 100.0)
 
@@ -109,7 +109,7 @@ def process_time(process):
     ],
 )
 def test_a_new_process_s_first_step_is_written_at_once(process, with_progress, at_once):
-    from trainingrun_api.contract import Progress, Report
+    from trainingrun_api.progress_report import Progress, Report
 
     status = {"processTime": {"current": {"process": "worker-0/101/t0"}}}
     progress = Progress(step=101, updated_at="2026-11-27T00:00:00Z") if with_progress else None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainingrun_api.checkpoint_config import CheckpointConfig
-from trainingrun_api.contract import Report
+from trainingrun_api.progress_report import Report
 from trainingrun_trainer.context import RunContext
 from trainingrun_trainer.reporting import ProgressReporter
 from trainingrun_trainer.session import Run

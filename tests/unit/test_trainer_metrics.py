@@ -87,7 +87,7 @@ def expositions_after(tmp_path, *calls: str) -> list[str]:
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
         from trainingrun_trainer.context import RunContext
-        from trainingrun_api.contract import IntervalChoice
+        from trainingrun_api.progress_report import IntervalChoice
         from trainingrun_trainer import metrics
         context = RunContext.from_env({"TRAININGRUN_CONFIG": "x", "TRAININGRUN_NAME": "r"})
         m = metrics.for_rank(context, "cpu")

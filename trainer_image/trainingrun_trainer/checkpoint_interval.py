@@ -31,7 +31,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from trainingrun_api.contract import IntervalChoice
+from trainingrun_api.progress_report import IntervalChoice
 
 #: Steps without a save beside them that the usual step time is taken from.
 STEP_WINDOW = 64

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from trainingrun_api import contract
+from trainingrun_api import contract, progress_report
 
 log = logging.getLogger("trainingrun.metrics")
 
@@ -232,7 +232,7 @@ class TrainerMetrics(NullMetrics):
         self._data_wait.observe(data_wait_seconds)
         self._last_step.set(time.time())
         self._productive.set(productive_seconds)
-        self._goodput.set(contract.goodput(productive_seconds, time.monotonic() - self._started) or 0.0)
+        self._goodput.set(progress_report.goodput(productive_seconds, time.monotonic() - self._started) or 0.0)
         if samples_per_second is not None:
             self._samples.set(samples_per_second)
         if tokens_per_second is not None:
@@ -270,7 +270,7 @@ class TrainerMetrics(NullMetrics):
             self._restore_seconds.observe(store.last_restore_seconds)
 
     def checkpoint_interval(self, choice: Any) -> None:
-        """The auto interval's choice (a contract.IntervalChoice; None: not auto): parts not yet measured stay absent."""
+        """The auto interval's choice (a progress_report.IntervalChoice; None: not auto): parts not yet measured stay absent."""
         if choice is None:
             return
         for name, value in (

@@ -1,6 +1,6 @@
 """Rank 0 reports progress and committed checkpoints to the operator (or `trainingrun local`).
 
-The protocol is `contract.Report`, POSTed to the endpoint the operator names in the environment.
+The protocol is `progress_report.Report`, POSTed to the endpoint the operator names in the environment.
 Best effort by design: a background thread sends the newest values at a bounded rate, so a slow or
 unreachable operator never stalls a training step, and a failure is logged once, not every report.
 It also sends when nothing changed (a heartbeat), so the operator can tell a stalled trainer from
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from trainingrun_api import contract
-from trainingrun_api.contract import (
+from trainingrun_api.progress_report import (
     CheckpointInMemory,
     CommittedCheckpoint,
     IntervalChoice,

@@ -43,8 +43,8 @@ from trainingrun_api.checkpoint_config import (
     AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
     CheckpointConfig,
 )
-from trainingrun_api.contract import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress, Report
 from trainingrun_api.model_base import ConfigError
+from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress, Report
 
 from . import reporting
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339

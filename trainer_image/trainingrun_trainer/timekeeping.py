@@ -1,4 +1,4 @@
-"""Where a training process's time goes (`contract.ProcessTime`), on rank 0's clock: the parts of the goodput
+"""Where a training process's time goes (`progress_report.ProcessTime`), on rank 0's clock: the parts of the goodput
 breakdown a process can see. The trainer adds to it as it goes and reports it with its progress; the supervisor
 (the operator, `trainingrun local`) adds what happens outside processes (launching, rendezvous, backoff)."""
 
@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from trainingrun_api.contract import ProcessTime
+from trainingrun_api.progress_report import ProcessTime
 
 _IMPORTED = time.monotonic()
 

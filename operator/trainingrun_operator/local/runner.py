@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from trainingrun_api import contract, exit_codes
+from trainingrun_api import contract, exit_codes, progress_report
 from trainingrun_api.config import RunConfig, config_json
 
 from .. import api, pod_env, recovery
@@ -77,7 +77,7 @@ class Summary:
     outcome: str
     message: str = ""
     stop_signal: Optional[int] = None  #: the signal that interrupted the run
-    #: This invocation's wall time by part (contract.time_breakdown), adding up to wall_seconds.
+    #: This invocation's wall time by part (progress_report.time_breakdown), adding up to wall_seconds.
     breakdown: dict[str, float] = field(default_factory=dict)
     chaos_notes: list[str] = field(default_factory=list)  #: fault injection asked for that never happened
     #: With checkpoint.interval.steps: auto, the last interval rank 0 reported (status.checkpointInterval).
@@ -86,7 +86,7 @@ class Summary:
     samples_per_second: Optional[float] = None
     model_flops_per_second: Optional[float] = None
     mfu: Optional[float] = None
-    #: The training processes' start-up by phase, summed over processes (contract.ProcessTime), first step included.
+    #: The training processes' start-up by phase, summed over processes (progress_report.ProcessTime), first step included.
     startup: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -408,7 +408,7 @@ class LocalRunner:
             shutil.rmtree(kept, ignore_errors=True)
 
     def _summary(
-        self, status: dict, wall: float, outcome: str, message: str, processes: list[contract.ProcessTime]
+        self, status: dict, wall: float, outcome: str, message: str, processes: list[progress_report.ProcessTime]
     ) -> Summary:
         """The run's figures, goodput over every invocation; adds this invocation's wall time to the run's ledger."""
         progress = status.get("progress", {})
@@ -434,19 +434,20 @@ class LocalRunner:
             attempts=self.attempt_count,
             restarts_in_place=self.restarts_in_place,
             lost_steps=lost,
-            goodput=contract.goodput(productive, total_wall) or 0.0,
+            goodput=progress_report.goodput(productive, total_wall) or 0.0,
             wall_seconds=wall,
             outcome=outcome,
             message=message,
             stop_signal=self.interrupted,
             chaos_notes=self._chaos_that_never_fired(wall),
-            breakdown=contract.time_breakdown(wall, processes, productive, self.backoff_seconds),
+            breakdown=progress_report.time_breakdown(wall, processes, productive, self.backoff_seconds),
             checkpoint_interval=status.get("checkpointInterval"),
             samples_per_second=progress.get("samplesPerSecond"),
             model_flops_per_second=progress.get("modelFlopsPerSecond"),
             mfu=progress.get("mfu"),
             startup={
-                part: sum(p.startup_parts()[part] for p in processes) for part in contract.ProcessTime.STARTUP_PARTS
+                part: sum(p.startup_parts()[part] for p in processes)
+                for part in progress_report.ProcessTime.STARTUP_PARTS
             }
             if processes
             else {},

@@ -10,13 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from trainingrun_api import contract
+from trainingrun_api import contract, progress_report
 
 from .. import api
 
 
 class StatusServer:
-    """The operator's report endpoint on 127.0.0.1 for one local run: the same protocol (contract.Report,
+    """The operator's report endpoint on 127.0.0.1 for one local run: the same protocol (progress_report.Report,
     a bearer token read from a file at each report), the same checks, and the status it keeps."""
 
     def __init__(self, run: api.TrainingRun, token_file: Path) -> None:
@@ -24,7 +24,7 @@ class StatusServer:
         self.attempt = 0  #: reports of other attempts are refused, as the operator does
         self.reports = 0  #: reports taken so far
         #: The newest ProcessTime of every training process that reported, in the order they first did.
-        self.processes: dict[str, contract.ProcessTime] = {}
+        self.processes: dict[str, progress_report.ProcessTime] = {}
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         token_file.parent.mkdir(parents=True, exist_ok=True)
@@ -42,11 +42,11 @@ class StatusServer:
                     self.headers.get("Authorization", ""), f"Bearer {server.token_file.read_text()}"
                 ):
                     return self._answer(401, "a bearer token is required")
-                if length > contract.MAX_REPORT_BYTES:
+                if length > progress_report.MAX_REPORT_BYTES:
                     return self._answer(413, "report too large")
                 try:
-                    report = contract.Report.from_json(self.rfile.read(length))
-                except contract.ReportError as error:
+                    report = progress_report.Report.from_json(self.rfile.read(length))
+                except progress_report.ReportError as error:
                     return self._answer(400, str(error))
                 meta = run.metadata
                 refusal = report.refusal(
@@ -57,7 +57,9 @@ class StatusServer:
                 fields = report.status_fields()
                 with server.changed:
                     if "progress" in fields:  # percent and ETA as the operator adds them in the cluster
-                        fields["progress"] = contract.with_estimates(server.status.get("progress"), fields["progress"])
+                        fields["progress"] = progress_report.with_estimates(
+                            server.status.get("progress"), fields["progress"]
+                        )
                     server.status.update(fields)
                     if report.process_time:
                         server.processes[report.process_time.process] = report.process_time
@@ -81,7 +83,7 @@ class StatusServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="local-status", daemon=True)
         self.thread.start()
 
-    def process_times(self) -> list[contract.ProcessTime]:
+    def process_times(self) -> list[progress_report.ProcessTime]:
         with self.lock:
             return list(self.processes.values())
 

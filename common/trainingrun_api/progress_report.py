@@ -1,0 +1,395 @@
+"""The progress report rank 0 sends the operator (`Report`, POSTed to the report endpoint of `contract`), its
+parts, and what the operator and `trainingrun local` derive from reports: percent done and the completion estimate,
+goodput and the time breakdown.
+
+A report's parts are pydantic models that check every value once, when the operator reads a report
+(`Report.from_json`); the CRD's status models are generated from them (`trainingrun_operator.api.status_part`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import timedelta
+from typing import Annotated, Any, Callable, ClassVar, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from .contract import checkpoint_step, parse_time, rfc3339
+
+#: Bodies larger than this are refused unread.
+MAX_REPORT_BYTES = 64 * 1024
+#: Matched whole (`fullmatch`) and ASCII only.
+_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_TIME = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})", re.ASCII
+)
+#: Printable ASCII: names, uids and process labels in a report.
+_PRINTABLE = re.compile(r"[ -~]+", re.ASCII)
+#: A report nests objects two deep; anything deeper is refused (and never recursed into).
+MAX_REPORT_DEPTH = 4
+
+
+class ReportError(ValueError):
+    """A report that is not well formed; the message names the field."""
+
+
+# ---------------------------------------------------------------- a report's values, each checked once
+
+
+def _checked(check: Callable[[Any], bool], message: str) -> BeforeValidator:
+    """A value that passes `check` as it is (no conversion: "2" is not 2, true is not 1), else `message`."""
+
+    def validate(value: Any) -> Any:
+        if not check(value):
+            raise ValueError(message)
+        return value
+
+    return BeforeValidator(validate)
+
+
+def _is_integer(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value < 2**63
+
+
+def _is_number(value: Any, minimum: Optional[float]) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (minimum is None or value >= minimum)
+    )
+
+
+def _text(limit: int) -> BeforeValidator:
+    return _checked(
+        lambda v: isinstance(v, str) and 0 < len(v) <= limit and _PRINTABLE.fullmatch(v) is not None,
+        f"must be a non-empty string of at most {limit} printable ASCII characters",
+    )
+
+
+Text = Annotated[str, _text(253)]  #: names, uids, process labels
+UriText = Annotated[str, _text(2048)]
+Count = Annotated[int, _checked(lambda v: _is_integer(v, 0), "must be a whole number from 0")]
+Positive = Annotated[int, _checked(lambda v: _is_integer(v, 1), "must be a whole number from 1")]
+Seconds = Annotated[float, _checked(lambda v: _is_number(v, 0), "must be a finite number >= 0")]
+Finite = Annotated[float, _checked(lambda v: _is_number(v, None), "must be a finite number")]
+Time = Annotated[
+    str,
+    _checked(
+        lambda v: isinstance(v, str) and _TIME.fullmatch(v) is not None and parse_time(v) is not None,
+        "must be an RFC 3339 time",
+    ),
+]
+Sha256 = Annotated[
+    str, _checked(lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None, "must be 64 lowercase hex digits")
+]
+
+
+class ReportPart(BaseModel):
+    """A part of the report: camelCase on the wire, snake_case in Python; names it does not know are dropped (a newer
+    trainer may send more). The trainer builds parts with `model_construct` (no checks: reporting never raises in
+    the training loop); the operator reads them with `Report.from_json`, which checks every value once. The status
+    model of the CRD is generated from these (`api.status_part`), so the two cannot drift apart."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def __init__(self, *values: Any, **fields: Any) -> None:
+        """Checked; positional values fill the fields in the order they are declared."""
+        super().__init__(**dict(zip(type(self).model_fields, values)), **fields)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Its wire names and values, unset values left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Progress(ReportPart):
+    """Training progress as last reported by rank 0."""
+
+    step: Count = Field(description="Last completed optimizer step.")
+    updated_at: Time = Field(description="When `step` finished, as rank 0 reported it (RFC 3339).")
+    total_steps: Optional[Count] = Field(default=None, description="Steps the run trains for.")
+    loss: Optional[Finite] = Field(default=None, description="Training loss at `step`.")
+    samples_per_second: Optional[Seconds] = Field(default=None, description="Throughput over all ranks.")
+    productive_seconds: Optional[Seconds] = Field(
+        default=None,
+        description="Step time kept in the current model, data wait excluded, summed over attempts (for goodput).",
+    )
+    model_flops_per_second: Optional[Seconds] = Field(
+        default=None, description="The model's FLOP/s over all ranks: its FLOPs per sample x samples per second."
+    )
+    mfu: Optional[Seconds] = Field(
+        default=None,
+        description="Model FLOPs utilisation: modelFlopsPerSecond over every GPU's dense peak at the run's "
+        "precision (0..1); absent on CPUs and GPUs the trainer's peak table lacks (spec.trainer.peakFlopsPerSecond).",
+    )
+
+
+class ProcessTime(ReportPart):
+    """Where one training process's time went since it started (rank 0's clock), cumulative: the parts of the goodput
+    breakdown a process sees. A restarted worker group is a new `process`; what a killed one did after its last
+    report is not here (the supervisor sees it as time outside processes)."""
+
+    process: Text = Field(description="The process (pod/pid/start time), or 'ended' for the sum.")
+    alive_seconds: Seconds = Field(default=0.0, description="Since the process started.")
+    startup_seconds: Seconds = Field(
+        default=0.0, description="Imports, process group, model and data before training (restore excluded)."
+    )
+    restore_seconds: Seconds = Field(default=0.0, description="Loading the checkpoint it resumed from.")
+    checkpoint_seconds: Seconds = Field(
+        default=0.0,
+        description="The training thread blocked by saves, and the time a background save added to the "
+        "steps beside it (not productive).",
+    )
+    data_wait_seconds: Seconds = Field(default=0.0, description="Steps waiting for their batches.")
+    compute_seconds: Seconds = Field(default=0.0, description="Step time, data wait excluded: kept or lost later.")
+    eval_seconds: Seconds = Field(default=0.0, description="Evaluations.")
+    restored_productive_seconds: Seconds = Field(
+        default=0.0,
+        description="The run's productive seconds in the checkpoint it resumed from (the sum: the smallest).",
+    )
+    # The parts of startup_seconds (`timekeeping.STARTUP_PHASES`), and the first step (part of compute_seconds).
+    imports_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: interpreter start and imports.")
+    init_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: seeding, CUDA and the process group.")
+    model_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: building the model and optimizer.")
+    data_seconds: Seconds = Field(default=0.0, description="Of startupSeconds: building the data.")
+    prepare_seconds: Seconds = Field(
+        default=0.0, description="Of startupSeconds: the rest before training (checkpoint store, trackers)."
+    )
+    first_step_seconds: Seconds = Field(
+        default=0.0, description="The first step (torch.compile compiling, CUDA warming up); part of computeSeconds."
+    )
+
+    #: Start-up to the first step, part by part (they add up to it): `startup_seconds`' phases, restore, the first step.
+    STARTUP_PARTS: ClassVar[tuple[str, ...]] = ("imports", "init", "model", "data", "prepare", "restore", "first_step")
+
+    def startup_parts(self) -> dict[str, float]:
+        """{part: seconds} of `STARTUP_PARTS`."""
+        return {part: getattr(self, f"{part}_seconds") for part in self.STARTUP_PARTS}
+
+    def plus(self, other: "ProcessTime", process: str = "ended") -> "ProcessTime":
+        """Both processes' time together (the productive seconds they resumed from: the smaller)."""
+        values: dict[str, Any] = {
+            field: (min if field == "restored_productive_seconds" else float.__add__)(
+                float(getattr(self, field)), float(getattr(other, field))
+            )
+            for field in ProcessTime.model_fields
+            if field != "process"
+        }
+        return ProcessTime.model_construct(process=process, **values)
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "ProcessTime":
+        """From status.processTime as the operator wrote it (missing numbers are 0)."""
+        values: dict[str, Any] = {
+            field: float(body.get(info.alias or field) or 0.0)
+            for field, info in cls.model_fields.items()
+            if field != "process"
+        }
+        return cls.model_construct(process=str(body.get("process") or ""), **values)
+
+
+class IntervalChoice(ReportPart):
+    """With checkpoint.interval.steps: auto, the interval rank 0 chose at its last report, and what it is made of:
+    steps = sqrt(2 x saveCostSeconds x secondsBetweenFailures) / the usual step time, within minSteps..maxSteps."""
+
+    steps: Positive = Field(description="The interval, in steps.")
+    seconds: Optional[Seconds] = Field(default=None, description="That many steps at the usual step time.")
+    save_cost_seconds: Optional[Seconds] = Field(
+        default=None,
+        description="What one save costs the training loop: blocking plus the slowdown of the steps "
+        "beside the background write (the median of the last saves).",
+    )
+    seconds_between_failures: Seconds = Field(
+        description="The run's mean time between failures as estimated now: the seconds since the run started / "
+        "failures; before the first, expectedSecondsBetweenFailures or the time run so far, when longer."
+    )
+    failures: Count = Field(default=0, description="Restarts of the training processes seen so far.")
+    expected_lost_seconds: Optional[Seconds] = Field(
+        default=None, description="Training a failure throws away, on average: half an interval."
+    )
+
+
+class CommittedCheckpoint(ReportPart):
+    """The newest checkpoint whose manifest was committed."""
+
+    uri: UriText = Field(description="URI of the checkpoint directory: <checkpoint URI of the run>/step-NNNNNNNN.")
+    step: Count = Field(description="Step the checkpoint holds.")
+    time: Time = Field(description="When it was committed (RFC 3339).")
+    sha256: Optional[Sha256] = Field(default=None, description="SHA-256 of its manifest.")
+
+
+class CheckpointInMemory(ReportPart):
+    """Persisting behind: the newest checkpoint committed in the pod's memory, which storage may not hold yet (a
+    restart of the workers inside the pod resumes from it; a new pod from lastGoodCheckpoint)."""
+
+    step: Count = Field(description="Step the checkpoint holds.")
+    time: Time = Field(description="When it was committed in memory (RFC 3339).")
+
+
+#: The parts of a report that become status fields, by wire name.
+STATUS_PARTS = ("progress", "lastGoodCheckpoint", "checkpointInMemory", "checkpointInterval")
+
+
+class Report(ReportPart):
+    """What rank 0 tells the operator: who it is, and progress and/or the last committed checkpoint."""
+
+    namespace: Text
+    name: Text
+    uid: Text
+    attempt: Positive
+    progress: Optional[Progress] = None
+    last_good_checkpoint: Optional[CommittedCheckpoint] = None
+    process_time: Optional[ProcessTime] = None
+    checkpoint_interval: Optional[IntervalChoice] = None
+    checkpoint_in_memory: Optional[CheckpointInMemory] = None
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Report":
+        """Parse and check a report body, every value once; ReportError names the first field that is wrong."""
+        if len(raw) > MAX_REPORT_BYTES:
+            raise ReportError(f"the report is larger than {MAX_REPORT_BYTES} bytes")
+        if _nesting(raw) > MAX_REPORT_DEPTH:
+            raise ReportError(f"the report nests deeper than {MAX_REPORT_DEPTH} levels")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as error:
+            raise ReportError(f"the report is not JSON: {str(error)[:200]}") from None
+        if not isinstance(body, dict):
+            raise ReportError("the report must be a JSON object")
+        try:
+            return cls.model_validate(body, by_alias=True, by_name=False)
+        except ValidationError as error:
+            raise ReportError(_first_problem(error)) from None
+
+    def status_fields(self) -> dict[str, Any]:
+        """The TrainingRun status fields this report sets (progress, lastGoodCheckpoint, checkpointInMemory,
+        checkpointInterval), as the CRD spells them."""
+        body = self.to_wire()
+        return {name: body[name] for name in STATUS_PARTS if name in body}
+
+    def refusal(self, namespace: str, name: str, uid: str, attempt: int, checkpoint_uri: str) -> Optional[str]:
+        """Why this report cannot be taken for that run's current attempt (None when it can): another run or
+        attempt, or a checkpoint that is not a step directory under the URI the run started with."""
+        if (self.namespace, self.name, self.uid) != (namespace, name, uid):
+            return f"the report is for {self.namespace}/{self.name} (uid {self.uid}), not this run"
+        if self.attempt != attempt:
+            return f"the report is for attempt {self.attempt}; the current attempt is {attempt}"
+        checkpoint = self.last_good_checkpoint
+        if checkpoint and checkpoint_step(checkpoint.uri, checkpoint_uri) != checkpoint.step:
+            return (
+                f"lastGoodCheckpoint.uri {checkpoint.uri} is not the step-{checkpoint.step:08d} directory under "
+                f"the run's checkpoint URI {checkpoint_uri}"
+            )
+        return None
+
+
+def _first_problem(error: ValidationError) -> str:
+    """The first problem of a report, as `<field path> <what is wrong>` in wire names."""
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the report"
+    if first["type"] == "value_error":
+        return f"{where} {first['ctx']['error']}"
+    if first["type"] == "missing":
+        return f"{where} is missing"
+    if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{where} must be an object"
+    return f"{where}: {first['msg']}"
+
+
+def with_estimates(previous: Optional[dict[str, Any]], progress: dict[str, Any]) -> dict[str, Any]:
+    """`progress` (a status.progress dict) with percent done and the estimated completion time, from the step rate
+    between the previous progress and this one: the operator's report endpoint and `trainingrun local` both. Without a rate (the first report, a resume below the previous step)
+    the previous estimate is kept while the step stands, else there is none."""
+    step, total = progress.get("step"), progress.get("totalSteps")
+    if step is None or not total:
+        return progress
+    estimated = {**progress, "percent": round(100.0 * min(step, total) / total, 1)}
+    now, before = parse_time(progress.get("updatedAt")), previous or {}
+    then = parse_time(before.get("updatedAt"))
+    if step >= total:
+        estimated["estimatedCompletionTime"] = progress.get("updatedAt")
+    elif now and then and isinstance(before.get("step"), int) and step > before["step"] and now > then:
+        rate = (step - before["step"]) / (now - then).total_seconds()
+        estimated["estimatedCompletionTime"] = rfc3339(now + timedelta(seconds=(total - step) / rate))
+    elif step == before.get("step") and before.get("estimatedCompletionTime"):
+        estimated["estimatedCompletionTime"] = before["estimatedCompletionTime"]
+    elif before.get("estimatedCompletionTime"):
+        estimated["estimatedCompletionTime"] = None  # a merge patch removes the stale one
+    return estimated
+
+
+def goodput(productive_seconds: float, wall_seconds: float) -> Optional[float]:
+    """The one definition of goodput, for status, the trainer's metric and `trainingrun local`: step time kept in
+    the model (progress.productiveSeconds: lost steps are not in it) / wall time since the run started (every
+    attempt, restart and wait included). None before any wall time has passed."""
+    if wall_seconds <= 0:
+        return None
+    return min(1.0, max(0.0, productive_seconds) / wall_seconds)
+
+
+#: The goodput breakdown's parts, in the order they are shown; they add up to wall time.
+BREAKDOWN = ("productive", "lost", "startup", "restore", "checkpoint", "data_wait", "eval", "backoff", "other")
+
+
+def time_breakdown(
+    wall_seconds: float, processes: list[ProcessTime], productive_seconds: float, backoff_seconds: float = 0.0
+) -> dict[str, float]:
+    """Where `wall_seconds` went, from the last report of each training process in that time (rank 0's), the run's
+    productive seconds at its end and the time spent waiting out backoffs: {part: seconds} over BREAKDOWN.
+
+    productive: step compute the model kept since the first process resumed; lost: step compute that a crash or a
+    rollback threw away; startup: starting (and ending) processes, imports, rendezvous, model and data, and all time
+    no training process reported (launchers, a killed process after its last report); restore, checkpoint (the
+    training thread blocked, and the time a background save added to the steps beside it), data_wait, eval: as the
+    processes measured them; other: what remains (logging, metrics, reporting between steps)."""
+
+    def total(field: str) -> float:
+        return float(sum(getattr(process, field) for process in processes))
+
+    start = min((process.restored_productive_seconds for process in processes), default=productive_seconds)
+    compute = total("compute_seconds")
+    kept = min(compute, max(0.0, productive_seconds - start))
+    parts = {
+        "productive": kept,
+        "lost": compute - kept,
+        "startup": total("startup_seconds") + max(0.0, wall_seconds - backoff_seconds - total("alive_seconds")),
+        "restore": total("restore_seconds"),
+        "checkpoint": total("checkpoint_seconds"),
+        "data_wait": total("data_wait_seconds"),
+        "eval": total("eval_seconds"),
+        "backoff": backoff_seconds,
+    }
+    parts["other"] = wall_seconds - sum(parts.values())
+    return parts
+
+
+# ---------------------------------------------------------------- checks of single fields
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep a JSON text's arrays and objects nest (brackets inside strings not counted), without parsing it: the
+    parser recurses once per level."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
