@@ -1,0 +1,259 @@
+"""Carrying out a plan (`reconcile.Plan`) through the API server: an attempt's children created or adopted (only
+when the run controls them; refusals backed off), suspension, deletions, then status (remembered until the watch
+shows it, so two quick triggers never charge one failure twice), then Events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+from . import api, builders, naming, reconcile, validation
+from . import kube as kube_module
+from .indexes import controller_uid, merged_status
+from .kube import ApiError, Kube
+from .state import Key, OperatorState, Rejection
+
+log = logging.getLogger("trainingrun.operator")
+
+#: Status fields remembered from the operator's own writes until the watch shows them: all of them, as the
+#: operator alone writes status (progress and lastGoodCheckpoint as pods reported them, see reports.py).
+OPERATOR_FIELDS = (
+    "phase",
+    "attempt",
+    "jobName",
+    "startTime",
+    "attemptStartTime",
+    "nextAttemptTime",
+    "checkpointUri",
+    "completionTime",
+    "restarts",
+    "goodput",
+    "conditions",
+    "observedGeneration",
+    "progress",
+    "lastGoodCheckpoint",
+    "checkpointInMemory",
+    "lastReportTime",
+)
+
+
+async def carry_out(
+    state: OperatorState,
+    key: Key,
+    run: Optional[api.TrainingRun],
+    body: dict[str, Any],
+    plan: reconcile.Plan,
+    job_uids: Optional[dict[str, str]] = None,
+) -> None:
+    """Children, suspension, deletions, then status (remembered until the watch shows it), then Events.
+    `run` (the parsed spec) is needed only when the plan starts an attempt; `job_uids` (name: uid of the
+    run's own jobs) only when it deletes jobs."""
+    kube, (namespace, name) = state.client(), key
+    if plan.start_attempt:
+        assert run is not None
+        job_name = naming.job_name(name, plan.start_attempt)
+        if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
+            if not await _create_children(state, key, body, plan, run, job_name):
+                return
+    if plan.suspend_job:
+        await kube.patch(
+            "kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job, {"spec": {"runPolicy": {"suspend": True}}}
+        )
+    for job_name in plan.delete_jobs:
+        try:  # exactly the job this run owns: the name may belong to someone else's object by now
+            await kube.delete("kubeflow.org/v1", "PyTorchJob", namespace, job_name, uid=(job_uids or {}).get(job_name))
+        except ApiError as error:
+            if error.status != 409:
+                raise
+        state.created_jobs.discard((namespace, job_name))
+    if plan.status:
+        await kube.patch(
+            api.API_VERSION,
+            api.KIND,
+            namespace,
+            name,
+            {"status": plan.status},
+            subresource="status",
+            priority=kube_module.STATUS,
+        )
+        written = state.written.setdefault(key, {})
+        written.update({k: v for k, v in plan.status.items() if k in OPERATOR_FIELDS})
+        if plan.restart_cause:
+            state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
+    for note in plan.events:
+        state.queue_event(body, note)
+
+
+async def _create_children(
+    state: OperatorState, key: Key, body: dict[str, Any], plan: reconcile.Plan, run: api.TrainingRun, job_name: str
+) -> bool:
+    """Create (or adopt) an attempt's children; False when the plan must wait (refused now or recently)."""
+    kube, generation = state.client(), (body.get("metadata") or {}).get("generation")
+    held = state.rejections.get(key)
+    if held and held.generation == generation and time.monotonic() < held.retry_at:
+        return False  # the server refused this spec's children: wait for the backoff or a spec change
+    *support, job = builders.children(run, plan.start_attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
+    # All at once: in a burst of runs, sending the ConfigMap first put every job behind every run's other
+    # create (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates pods only after it has seen
+    # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is
+    # written only when both exist, so a failure here starts the same attempt again.
+    ordered = [job, *support]
+    outcomes = await asyncio.gather(*(_ensure(kube, child) for child in ordered), return_exceptions=True)
+    if not isinstance(outcomes[0], BaseException):
+        state.created_jobs.add((key[0], job_name))
+    if outcomes[0] is True:  # the PyTorchJob is new, not adopted
+        state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
+    conflicts = [(child, outcome) for child, outcome in zip(ordered, outcomes) if isinstance(outcome, NotOwned)]
+    refused = [(child, outcome) for child, outcome in zip(ordered, outcomes) if _is_refusal(outcome)]
+    if conflicts or refused:
+        await _children_refused(state, key, body, refused, conflicts)
+        return False
+    failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if failed:
+        raise failed[0]
+    if state.rejections.pop(key, None) is not None:
+        status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+        conditions = reconcile.Conditions(
+            plan.status.get("conditions") or status.get("conditions") or [],
+            reconcile.rfc3339(state.clock()),
+            generation,
+        )
+        conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects")
+        conditions.set("NameConflict", False, "Resolved", "every object of this attempt is the run's own")
+        if conditions.changed:
+            plan.status["conditions"] = conditions.as_list()
+    return True
+
+
+#: Answers to a create that come right by waiting (namespace or CRD appearing, already exists, throttled);
+#: any other 4xx refuses the object itself, and retrying the same object would be refused again.
+TRANSIENT_CREATE_STATUSES = {404, 409, 429}
+CHILD_REJECTED_MAX_BACKOFF_SECONDS = 300.0
+
+
+def _is_refusal(outcome: Any) -> bool:
+    return (
+        isinstance(outcome, ApiError)
+        and 400 <= outcome.status < 500
+        and outcome.status not in TRANSIENT_CREATE_STATUSES
+    )
+
+
+async def _children_refused(
+    state: OperatorState,
+    key: Key,
+    body: dict[str, Any],
+    refused: list[tuple[dict[str, Any], ApiError]],
+    conflicts: list[tuple[dict[str, Any], "NotOwned"]],
+) -> None:
+    """The API server refused a child (condition ChildRejected with its words), or a child's name is taken by
+    an object this run does not own (condition NameConflict; that object is left as it is): one Event each,
+    and a backoff instead of the same answer at every resync. A spec change (new generation) tries at once."""
+    generation = (body.get("metadata") or {}).get("generation")
+    previous = state.rejections.get(key)
+    first, cap = state.settings.child_rejected_backoff_seconds, CHILD_REJECTED_MAX_BACKOFF_SECONDS
+    delay = min(previous.delay * 2, cap) if previous and previous.generation == generation else first
+    state.rejections[key] = Rejection(generation, time.monotonic() + delay, delay)
+    status = merged_status(body.get("status") or {}, state.written.get(key, {}))
+    conditions = reconcile.Conditions(status.get("conditions") or [], reconcile.rfc3339(state.clock()), generation)
+    events = []
+    retry = f"next try in {delay:.0f}s, or at once after a spec change"
+    if refused:
+        message = "; ".join(
+            f"{c['kind']} {c['metadata']['name']}: {e.status} {e.reason}: {e.message}" for c, e in refused
+        )[:2000]
+        if conditions.set(
+            "ChildRejected", True, "ChildRejected", f"the API server refused this run's objects ({retry}): {message}"
+        ):
+            log.warning("%s/%s: the API server refused its objects: %s", key[0], key[1], message)
+            events.append(reconcile.Note("Warning", "ChildRejected", message))
+    if conflicts:
+        message = (
+            "; ".join(str(conflict) for _, conflict in conflicts)
+            + f"; this run changes and deletes only its own objects: delete or rename "
+            f"{'those' if len(conflicts) > 1 else 'it'}, or create the run under another name"
+        )[:2000]
+        if conditions.set("NameConflict", True, "NotOwned", f"{message} ({retry})"):
+            log.warning("%s/%s: %s", key[0], key[1], message)
+            events.append(reconcile.Note("Warning", "NameConflict", message))
+    if conditions.changed:
+        plan = reconcile.Plan(status={"conditions": conditions.as_list()}, events=events)
+        await carry_out(state, key, None, body, plan)
+
+
+class NotOwned(Exception):
+    """A child's name is taken by an object whose controller is not this run."""
+
+    def __init__(self, child: dict[str, Any]):
+        super().__init__(
+            f"{child['kind']} {child['metadata']['name']} already exists and is not controlled by "
+            "this run (left as it is)"
+        )
+
+
+async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
+    """Create a child. If the name exists and this run controls that object, bring it up to date (a PyTorchJob
+    is never changed, and must bear this operator's signature); if anyone else does, or no one, raise NotOwned and
+    leave it untouched.
+
+    One JSON patch whose first operations test the controller reference: the server applies all of it or
+    none (422), so an object that is not the run's is never written, not even between a read and a write,
+    and the operator needs no read access to ConfigMaps."""
+    try:
+        await kube.create(child)
+        return True
+    except ApiError as error:
+        if error.status != 409:
+            raise
+    meta = child["metadata"]
+    operations: list[dict[str, Any]] = [
+        {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": controller_uid(child)},
+        {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True},
+    ]
+    signature = (meta.get("annotations") or {}).get(naming.ANNOTATION_SIGNATURE)
+    if signature:  # a PyTorchJob is used as it is: it must be one this operator made (naming.job_signature)
+        operations.append(
+            {
+                "op": "test",
+                "path": "/metadata/annotations/" + naming.ANNOTATION_SIGNATURE.replace("~", "~0").replace("/", "~1"),
+                "value": signature,
+            }
+        )
+    if child["kind"] != "PyTorchJob":
+        operations.append({"op": "add", "path": "/metadata/labels", "value": meta.get("labels") or {}})
+        operations += [
+            {"op": "add", "path": f"/{key}", "value": value}
+            for key, value in child.items()
+            if key not in ("apiVersion", "kind", "metadata", "spec")
+        ]
+        # Field by field: a Service's spec also holds what the server allocated (clusterIP), which must stay.
+        operations += [
+            {"op": "add", "path": f"/spec/{key}", "value": value} for key, value in (child.get("spec") or {}).items()
+        ]
+    try:
+        await kube.patch(
+            child["apiVersion"], child["kind"], meta["namespace"], meta["name"], operations, json_patch=True
+        )
+    except ApiError as error:
+        if error.status == 422:  # a test operation failed
+            raise NotOwned(child) from None
+        raise
+    return False
+
+
+async def reject(
+    state: OperatorState, key: Key, body: dict[str, Any], status: dict[str, Any], error: validation.InvalidTrainingRun
+) -> None:
+    """A spec the CRD let through but the operator cannot run: say why, create nothing, wait for a fix."""
+    message = "; ".join(str(p) for p in error.problems)[:2000]
+    conditions = reconcile.Conditions(
+        status.get("conditions") or [], reconcile.rfc3339(state.clock()), (body.get("metadata") or {}).get("generation")
+    )
+    if conditions.set("SpecRejected", True, "InvalidSpec", message):
+        plan = reconcile.Plan(
+            status={"conditions": conditions.as_list()}, events=[reconcile.Note("Warning", "SpecRejected", message)]
+        )
+        await carry_out(state, key, None, body, plan)
