@@ -15,7 +15,6 @@ so a reader sees the whole decision; the recovery policy itself is in recovery.p
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -287,7 +286,7 @@ def account_time(
     previous = account.get("current")
     if previous and previous.get("process") != times.process:
         last = progress_report.ProcessTime.from_wire(previous)
-        ended = ended.plus(last) if ended else dataclasses.replace(last, process="ended")
+        ended = ended.plus(last) if ended else last.model_copy(update={"process": "ended"})
     processes = [p for p in (ended, times) if p is not None]
     started = parse_time(status.get("startTime"))
     wall = (now - started).total_seconds() if started else sum(p.alive_seconds for p in processes)
