@@ -12,8 +12,11 @@ Runs, on one CUDA device, the model of the first H100 measurement (CharTransform
       the trainer against a bare loop, and with an async checkpoint every 10 steps (`ckpt_overhead_ratio`);
   gpu_defaults.py --variants fused,compile,recompile,graphs
       the model in a bare loop with the trainer's GPU defaults, with torch.compile from an empty cache (`compile_s`),
-      again in a new process that finds the cache (`restart_to_training_s`: process start to the first trained step,
-      as a worker restarted in its pod, less the restore), and with CUDA graphs (mode="reduce-overhead").
+      again in a new process that finds the cache (`recompile_startup_s`: process start to the first trained step),
+      and with CUDA graphs (mode="reduce-overhead");
+  restart_in_place.py --modes compile
+      `trainingrun local` of the minimal example with compile on, a worker SIGKILLed at step 60 and restarted in
+      place by torchrun: the kill to the first trained step again (`restart_to_training_s`).
 
 First it runs the unit tests that need a GPU (`GPU_TESTS`; `--no-tests` skips them; their verdict is `gpu_tests=`).
 It prints every output as it comes and ends with one line:
@@ -33,8 +36,8 @@ On the GPU machine (torch 2.11 there, no registry, no pydantic): carry the wheel
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
   PYTHONPATH=/tmp/site:$PWD/common:$PWD/trainer_image:$PWD/operator PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py
 
-About 7 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, gpu_defaults 100 s): give
-the device call 540 s. `--quick` (a smaller model, 2 repeats) checks the script itself, also on CPU (`--device cpu`).
+About 8 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, restart_in_place ~60 s
+(estimated: not yet run on a GPU), gpu_defaults 100 s): give the device call 580 s. `--quick` (a smaller model, 2 repeats) checks the script itself, also on CPU (`--device cpu`).
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         args.timeout,
     )  # the trainer's GPU default, both sides
+    restart = run("restart_in_place.py", ["--modes", "compile"], args.timeout)  # a worker killed mid-run, compile on
     defaults = run(
         "gpu_defaults.py",
         ["--device", args.device, "--variants", "fused,compile,recompile,graphs", *(["--quick"] if args.quick else [])],
@@ -189,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         "compile_mfu": defaults.get("compile_mfu", "nan"),
         "graphs_mfu": defaults.get("graphs_mfu", "nan"),
         "compile_s": defaults.get("compile_s", "nan"),
-        "restart_to_training_s": defaults.get("recompile_startup_s", "nan"),
+        "restart_to_training_s": restart.get("restart_to_training_s", "nan"),
+        "recompile_startup_s": defaults.get("recompile_startup_s", "nan"),
         "gpu_tests": tests,
         "device": device.replace(" ", "_"),
         "torch": torch.__version__,
