@@ -52,11 +52,12 @@ def run_steps(name: str, clone: Path) -> None:
 
 def test_the_readme_marks_the_steps_ci_runs_and_ci_installs_nothing_itself():
     found = readme_steps.all_steps((REPO / "README.md").read_text(encoding="utf-8"))
-    assert found["demo"] == ["make demo"] and found["test"] == ["make test"]
+    assert found["demo"] == ["make demo"] and found["test"] == ["make test"] and found["lint"] == ["make lint"]
     assert found["e2e"][-1] == "make e2e" and "bash scripts/build-images.sh" in found["e2e"]
     ci = (REPO / ".ci" / "run").read_text()
     assert [line.split()[1] for line in ci.splitlines() if line.startswith("readme_steps ")] == [
         "test-tools",
+        "lint",
         "test",
         "e2e",
     ]
