@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from trainingrun_api import contract
+from trainingrun_api import contract, progress_report
 from trainingrun_operator import naming, reports
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
@@ -86,7 +86,7 @@ async def test_json_nested_thousands_deep_is_a_400_that_says_so(endpoint):
 
 
 def test_brackets_inside_strings_are_not_nesting():
-    assert contract._nesting(b'{"a": "[[[[[[[[\\"{{{{", "b": [1]}') == 2
+    assert progress_report._nesting(b'{"a": "[[[[[[[[\\"{{{{", "b": [1]}') == 2
 
 
 @pytest.mark.parametrize(
