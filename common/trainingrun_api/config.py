@@ -376,8 +376,10 @@ class RunConfig(ApiModel):
 
 
 def config_json(config: RunConfig) -> str:
-    """The trainer config as the operator and `trainingrun local` write it for the trainer (CONFIG_FILE_NAME)."""
-    return json.dumps(config.to_wire(), indent=1) + "\n"
+    """The trainer config as the operator and `trainingrun local` write it for the trainer (CONFIG_FILE_NAME). Compact:
+    `indent` would bypass json's C encoder (0.05 ms a run against 0.014, and a twentieth of the operator's CPU in
+    a profiled burst)."""
+    return json.dumps(config.to_wire(), separators=(",", ":")) + "\n"
 
 
 def load_config(path: str) -> RunConfig:
