@@ -34,17 +34,20 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "manifests" / "examples" / "minimal-cpu.yaml"
 
 
-def run_once(body: dict, workdir: Path, name: str, nproc: int, kill_every: float | None):
+def run_once(body: dict, workdir: Path, name: str, nproc: int, **options):
+    """`trainingrun local` of `body` as run `name` under `workdir`, with these LocalOptions (the chaos ones); its
+    summary and its run directory (logs: attempt-N.log)."""
     from trainingrun_operator import local, validation
 
     body = yaml.safe_load(yaml.safe_dump(body))
     body["metadata"]["name"] = name
     body["metadata"]["uid"] = str(uuid.uuid4())  # as `trainingrun local` gives a new run one (reports name it)
     body["spec"]["checkpoint"]["uri"] = f"file://{workdir}/{name}/checkpoints"
-    options = local.LocalOptions(nproc=nproc, chaos_kill_every=kill_every, runs_dir=str(workdir), chaos_seed=1)
     run = validation.parse(body)
     with open(workdir / f"{name}.out", "w") as out:
-        summary = local.LocalRunner(run, options, {}, out=out).execute()
+        summary = local.LocalRunner(
+            run, local.LocalOptions(nproc=nproc, runs_dir=str(workdir), **options), {}, out=out
+        ).execute()
     return summary, (workdir / name)
 
 
@@ -79,7 +82,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         body["spec"]["checkpoint"]["interval"] = {"steps": args.steps}  # the baseline saves only at the end
-        baseline, _ = run_once(body, workdir, "baseline", args.nproc, None)
+        baseline, _ = run_once(body, workdir, "baseline", args.nproc, chaos_seed=1)
         productive_rate = args.steps / (baseline.goodput * baseline.wall_seconds)  # steps per productive second
         save_cost = 0.06  # what a save of this model costs the steps beside it here (auto measures 0.06-0.08 s)
         print(
@@ -92,7 +95,9 @@ def main() -> int:
             young_steps = max(1, round(max(1.0, math.sqrt(2 * save_cost * period)) * productive_rate))
             for name, interval in settings(period, young_steps, args.fixed_factors):
                 body["spec"]["checkpoint"]["interval"] = interval
-                summary, _ = run_once(body, workdir, f"kill-{period:g}s-{len(rows)}", args.nproc, period)
+                summary, _ = run_once(
+                    body, workdir, f"kill-{period:g}s-{len(rows)}", args.nproc, chaos_kill_every=period, chaos_seed=1
+                )
                 chosen = (
                     interval["steps"]
                     if interval["steps"] != "auto"

@@ -17,27 +17,13 @@ import argparse
 import re
 import sys
 import tempfile
-import uuid
 from datetime import datetime
 from pathlib import Path
 
 import yaml
+from goodput import EXAMPLE, run_once  # benchmarks/ is the script's directory: on sys.path
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "manifests" / "examples" / "minimal-cpu.yaml"
 STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
-
-
-def run_once(body: dict, workdir: Path, name: str, nproc: int, kill_step: int | None):
-    from trainingrun_operator import local, validation
-
-    body = yaml.safe_load(yaml.safe_dump(body))
-    body["metadata"] = {"name": name, "uid": str(uuid.uuid4())}
-    body["spec"]["checkpoint"]["uri"] = f"file://{workdir}/{name}/checkpoints"
-    options = local.LocalOptions(nproc=nproc, chaos_kill_steps=[kill_step] if kill_step else [], runs_dir=str(workdir))
-    with open(workdir / f"{name}.out", "w") as out:
-        local.LocalRunner(validation.parse(body), options, {}, out=out).execute()
-    return (workdir / name / "attempt-1.log").read_text()
 
 
 def restart_figures(log: str) -> tuple[float, str]:
@@ -68,8 +54,9 @@ def main() -> int:
         workdir = Path(tmp)
         for label in args.modes:
             body["spec"]["trainer"]["compile"] = label == "compile"
-            run_once(body, workdir, f"{label}-warm-up", args.nproc, None)  # fills the compile cache, as a first start
-            seconds, phases = restart_figures(run_once(body, workdir, label, args.nproc, args.kill_step))
+            run_once(body, workdir, f"{label}-warm-up", args.nproc)  # fills the compile cache, as a first start
+            _, run_dir = run_once(body, workdir, label, args.nproc, chaos_kill_steps=[args.kill_step])
+            seconds, phases = restart_figures((run_dir / "attempt-1.log").read_text())
             rows.append((label, seconds, phases))
             print(f"{label}: trained again {seconds:.2f} s after the kill ({phases})", flush=True)
     print()

@@ -5,6 +5,7 @@ arrow the wrong way fails here before any image is built.
 """
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -20,13 +21,19 @@ PACKAGES = {
 API_THIRD_PARTY = {"pydantic", "yaml"}
 
 
+@functools.cache
+def syntax_tree(path: Path) -> ast.Module:
+    """A source file parsed once for all the checks here."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def imported_packages(package: str) -> dict[str, set[str]]:
     """{top-level package imported: the package's modules that import it}, relative imports resolved."""
     found: dict[str, set[str]] = {}
     root = PACKAGES[package]
     for path in (root / package).rglob("*.py"):
         module = ".".join(path.relative_to(root).with_suffix("").parts)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(syntax_tree(path)):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -61,7 +68,7 @@ def private_torch_names(path: Path) -> list[str]:
     """The private torch names a module uses: imported from a private module or by a private name, or reached as a
     private attribute of a name it bound to torch or a torch module."""
     found, torch_names = [], set()
-    tree = ast.parse(path.read_text(), str(path))
+    tree = syntax_tree(path)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -108,7 +115,7 @@ def module_imports() -> dict[str, set[str]]:
     for module, path in paths.items():
         package_parts = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
         graph[module] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(syntax_tree(path)):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

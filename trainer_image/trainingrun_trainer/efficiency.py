@@ -115,11 +115,16 @@ def for_run(
     return Efficiency(flops, peak, world_size)
 
 
+def compiles(setting: Optional[bool], on_gpus: bool) -> bool:
+    """Whether a run compiles its model: spec.trainer.compile, or, unset, when it trains on GPUs."""
+    return bool(setting) or (setting is None and on_gpus)
+
+
 def compiled(module: Any, setting: Optional[bool], device_type: str) -> Any:
     """`module` wrapped by torch.compile where `setting` (spec.trainer.compile) says, or, unset, on GPUs. Compiling by
     default must not fail a run the user never asked to compile: there a frame torch.compile cannot take runs as it
     is (torch logs why); an explicit `true` lets the error end the run."""
-    if not (setting or (setting is None and device_type == "cuda")):
+    if not compiles(setting, device_type == "cuda"):
         return module
     import torch
 

@@ -88,8 +88,10 @@ def _will_compile(env: Any) -> bool:
             trainer = (yaml.safe_load(f) or {}).get("trainer") or {}
     except (OSError, yaml.YAMLError, AttributeError):
         return False
+    from .efficiency import compiles  # torch-free at import
+
     setting = trainer.get("compile") if isinstance(trainer, dict) else None
-    return setting is True or (setting is None and node_has_gpus())
+    return isinstance(setting, (bool, type(None))) and compiles(setting, node_has_gpus())
 
 
 def container_exit_code(worker_codes: Iterable[int]) -> int:
