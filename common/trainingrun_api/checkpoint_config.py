@@ -80,6 +80,12 @@ AUTO_PRIOR_SECONDS_BETWEEN_FAILURES = 3600
 _AUTO_ONLY = ("minSteps", "maxSteps", "expectedSecondsBetweenFailures")
 
 
+def _steps_or_auto(value: Any) -> Any:
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{value!r} is neither a whole number of steps from 1 nor 'auto'; write e.g. 500 or auto")
+
+
 class CheckpointInterval(ApiModel):
     """When to checkpoint; whichever limit is reached first triggers a save."""
 
@@ -138,9 +144,7 @@ class CheckpointInterval(ApiModel):
     @field_validator("steps", mode="before")
     @classmethod
     def _steps(cls, value: Any) -> Any:
-        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            return value
-        raise ValueError(f"{value!r} is neither a whole number of steps from 1 nor 'auto'; write e.g. 500 or auto")
+        return _steps_or_auto(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> "CheckpointInterval":
@@ -182,14 +186,31 @@ class StorageInterval(ApiModel):
         )
     )
 
-    steps: Optional[int] = Field(
-        default=None, ge=1, description="Copy a memory checkpoint when it is this many steps past the last one copied."
+    steps: Optional[Union[Annotated[int, Field(ge=1)], Literal["auto"]]] = Field(
+        default=None,
+        description="Copy a memory checkpoint when it is this many steps past the last one copied, or `auto`: the "
+        "interval that loses the least training time to pod losses, sqrt(2 x what one copy costs the training loop x "
+        "the run's mean time between pod losses) (Young/Daly, as checkpoint.interval's auto), never shorter than a "
+        "copy takes. A copy's cost is the slowdown of the steps beside it; a pod loss is a new attempt (its pods "
+        "start without the node memory of the last); until the first, the mean time between them is "
+        "checkpoint.interval.expectedSecondsBetweenFailures (default "
+        f"{AUTO_PRIOR_SECONDS_BETWEEN_FAILURES}) or the time run so far, when longer. Until a copy's cost is measured, "
+        "every memory checkpoint is copied. status.checkpointInterval.storageSteps shows the choice.",
     )
     seconds: Optional[int] = Field(
         default=None,
         ge=1,
         description="Copy a memory checkpoint when this many seconds passed since the last copy began.",
     )
+
+    @property
+    def auto(self) -> bool:
+        return self.steps == "auto"
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _steps(cls, value: Any) -> Any:
+        return _steps_or_auto(value)
 
     @model_validator(mode="after")
     def _some_limit(self) -> "StorageInterval":

@@ -193,9 +193,13 @@ class ProcessTime(ReportPart):
 
 class IntervalChoice(ReportPart):
     """With checkpoint.interval.steps: auto, the interval rank 0 chose at its last report, and what it is made of:
-    steps = sqrt(2 x saveCostSeconds x secondsBetweenFailures) / the usual step time, within minSteps..maxSteps."""
+    steps = sqrt(2 x saveCostSeconds x secondsBetweenFailures) / the usual step time, within minSteps..maxSteps. With
+    checkpoint.storageInterval.steps: auto, the same for copies to storage: storageSteps = sqrt(2 x
+    persistCostSeconds x secondsBetweenPodLosses) / the usual step time."""
 
-    steps: Positive = Field(description="The interval, in steps.")
+    steps: Optional[Positive] = Field(
+        default=None, description="The interval, in steps (absent unless checkpoint.interval.steps is auto)."
+    )
     seconds: Optional[Seconds] = Field(default=None, description="That many steps at the usual step time.")
     save_cost_seconds: Optional[Seconds] = Field(
         default=None,
@@ -209,6 +213,21 @@ class IntervalChoice(ReportPart):
     failures: Count = Field(default=0, description="Restarts of the training processes seen so far.")
     expected_lost_seconds: Optional[Seconds] = Field(
         default=None, description="Training a failure throws away, on average: half an interval."
+    )
+    storage_steps: Optional[Positive] = Field(
+        default=None,
+        description="With storageInterval.steps: auto, how many steps apart checkpoints in memory are copied to "
+        "storage now (absent: every one, at storage's pace, until a copy's cost is measured).",
+    )
+    persist_cost_seconds: Optional[Seconds] = Field(
+        default=None,
+        description="What one copy to storage costs the training loop: the slowdown of the steps beside it (the "
+        "median of the last copies).",
+    )
+    seconds_between_pod_losses: Optional[Seconds] = Field(
+        default=None,
+        description="The run's mean time between failures that lose the node's memory (new attempts), estimated as "
+        "secondsBetweenFailures is.",
     )
 
 

@@ -58,6 +58,8 @@ TRAINER_SERIES = {
     "trainingrun_checkpoint_interval_steps",
     "trainingrun_checkpoint_save_cost_seconds",
     "trainingrun_checkpoint_expected_lost_seconds",
+    "trainingrun_checkpoint_storage_interval_steps",
+    "trainingrun_checkpoint_persist_cost_seconds",
 }
 OPERATOR_SERIES = {
     "trainingrun_operator_runs",
@@ -359,6 +361,13 @@ RUN_PANELS = [
         ),
     ),
     Panel(
+        "Storage interval (storageInterval.steps: auto)",
+        (
+            (f"max(trainingrun_checkpoint_storage_interval_steps{RUN})", "copied to storage every (steps)"),
+            (f"max(trainingrun_checkpoint_persist_cost_seconds{RUN})", "copy cost (s)"),
+        ),
+    ),
+    Panel(
         "Restarts",
         (
             (f"max(trainingrun_attempt{RUN}) - 1", "new attempts"),
@@ -390,8 +399,9 @@ GPU_PANELS = {"GPU utilization", "GPU memory", "GPU power", "MFU"}
 OPERATOR_PANELS = {"Where the time went (since the run started)"}
 #: Panels with data only when the run evaluates (spec.trainer.eval.intervalSteps > 0).
 EVAL_PANELS = {"Eval loss (held-out split)"}
-#: Panels with data only when the run lets the trainer choose its checkpoint interval (checkpoint.interval.steps: auto).
-AUTO_INTERVAL_PANELS = {"Checkpoint interval (steps: auto)"}
+#: Panels with data only when the run lets the trainer choose its checkpoint intervals (checkpoint.interval.steps: auto;
+#: persisting behind, storageInterval.steps: auto).
+AUTO_INTERVAL_PANELS = {"Checkpoint interval (steps: auto)", "Storage interval (storageInterval.steps: auto)"}
 
 FLEET_PANELS = [
     Panel("Runs by phase", (("sum by (phase) (trainingrun_operator_runs)", "{{phase}}"),)),

@@ -68,7 +68,11 @@ def live_run(tmp_path):
             "trainer": tiny_trainer(
                 maxSteps=1000000, logIntervalSteps=5, eval={"intervalSteps": 5, "batches": 1}, ema={"enabled": True}
             ),
-            "checkpoint": {"uri": "file:///unused", "interval": {"steps": "auto", "minSteps": 5, "maxSteps": 20}},
+            "checkpoint": {
+                "uri": "file:///unused",
+                "interval": {"steps": "auto", "minSteps": 5, "maxSteps": 20},
+                "storageInterval": {"steps": "auto"},
+            },
             "nprocPerNode": 2,
         },
     }

@@ -92,3 +92,61 @@ def test_slow_first_steps_do_not_set_the_step_time():
     for seconds in (5.0, 2.0, 0.1, 0.1, 0.1):  # allocation, warm-up, then the usual step
         policy.step(seconds, beside_save=False)
     assert policy.step_seconds == pytest.approx(0.1)
+
+
+def copied(copy_steps=(0.3, 0.3), with_save=(), usual=0.1, copies=1, copy_seconds=0.05, pod_losses=0, failures=0):
+    """A storage interval that saw 10 usual steps, then one copy to storage beside `with_save` (steps beside a save
+    as well) and `copy_steps` (beside the copy alone)."""
+    policy = AutoInterval(
+        5, 10_000, 3600, memory_auto=False, storage_auto=True, pod_losses=pod_losses, failures=failures, clock=Clock()
+    )
+    for _ in range(10):
+        policy.step(usual, beside_save=False)
+    for seconds in with_save:
+        policy.step(seconds, beside_save=True, beside_persist=True)
+    for seconds in copy_steps:
+        policy.step(seconds, beside_save=False, beside_persist=True)
+    policy.persist_finished(copies, copy_seconds)
+    return policy
+
+
+def test_until_a_copy_is_measured_every_checkpoint_is_copied():
+    policy = AutoInterval(5, 10_000, 3600, memory_auto=False, storage_auto=True, clock=Clock())
+    for _ in range(10):
+        policy.step(0.1, beside_save=False)
+    assert policy.storage_steps() is None
+    choice = policy.choice()
+    assert choice.storage_steps is None and choice.steps is None  # checkpoint.interval is not auto: not reported
+    assert choice.seconds_between_pod_losses == 3600
+
+
+def test_a_copys_cost_is_the_slowdown_of_the_steps_beside_it_alone_scaled_to_every_step_it_ran_beside():
+    # (0.3 - 0.1) x 2 over the two steps beside the copy alone, scaled to the three it ran beside, for two copies
+    policy = copied(copy_steps=(0.3, 0.3), with_save=(1.0,), copies=2)
+    assert policy.persist_cost == pytest.approx(0.4 * 3 / 2 / 2)
+    assert policy.step_seconds == pytest.approx(0.1)  # the steps beside the copy are not usual steps
+    assert copied(copies=0).persist_cost is None  # none done or failed: nothing to charge
+    assert copied(copy_steps=(), with_save=(1.0,)).persist_cost == 0.0  # only beside the save: the save's cost has it
+    assert copied(copy_steps=(), with_save=()).persist_cost is None  # beside no step seen: nothing measured
+
+
+def test_the_storage_interval_follows_youngs_rule_on_pod_losses_not_on_restarts_inside_the_pod():
+    quiet = copied()  # a copy costs 0.4 s, a step 0.1 s, no pod lost: the prior's hour
+    young = round(math.sqrt(2 * 0.4 * 3600) / 0.1)
+    assert quiet.storage_steps() == young
+    assert copied(failures=5).storage_steps() == young  # restarts in place resume from memory
+    lost = copied(pod_losses=2)
+    lost.clock.now += 600  # two pod losses in 10 minutes
+    assert lost.storage_steps() == round(math.sqrt(2 * 0.4 * 300) / 0.1) < young
+    choice = lost.choice()
+    assert (choice.storage_steps, choice.persist_cost_seconds, choice.seconds_between_pod_losses) == (
+        lost.storage_steps(),
+        0.4,
+        300.0,
+    )
+
+
+def test_the_storage_interval_is_never_shorter_than_a_copy_takes():
+    cheap = copied(copy_steps=(0.1, 0.1), copy_seconds=2.0)  # costs training nothing, takes 2 s
+    assert cheap.persist_cost == 0.0
+    assert cheap.storage_steps() == math.ceil(2.0 * COMMIT_MARGIN / 0.1)

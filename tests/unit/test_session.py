@@ -386,3 +386,70 @@ def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
         run.close()
     with pytest.raises(pydantic.ValidationError, match="checkpoint.storageInterval.steps, .seconds or both"):
         CheckpointConfig.model_validate({"uri": uri, "storageInterval": {}})
+    with pytest.raises(pydantic.ValidationError, match="storageInterval.steps\n.*neither a whole number.*or auto"):
+        CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"steps": "often"}})
+
+
+def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_beside_it(tmp_path, monkeypatch, caplog):
+    import math
+    import threading
+    import uuid
+
+    from trainingrun_trainer import session
+
+    clock = SteppingClock()
+    monkeypatch.setattr(session, "time", clock)
+    context = RunContext(
+        name="demo",
+        namespace="ns",
+        uid=f"test-{uuid.uuid4().hex}",
+        attempt=1,
+        config_path="unused",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="p",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        restart_count=2,  # restarts inside the pod: the storage interval does not count them
+    )
+    config = CheckpointConfig.model_validate(
+        {"uri": f"file://{tmp_path}/ckpt", "interval": {"steps": 5}, "storageInterval": {"steps": "auto"}}
+    )
+    run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
+    gate = threading.Event()
+    upload = run.store._storage.upload
+    monkeypatch.setattr(run.store._storage, "upload", lambda *args: (gate.wait(30), upload(*args))[1])
+    model = nn.Linear(2, 2)
+    try:
+        chooser = run.auto_interval
+        assert chooser.storage_auto and not chooser.memory_auto
+        assert run.store.persist_every_steps is None  # every checkpoint, until a copy is measured
+        for step in range(1, 6):  # usual steps of 0.1 s; the fixed interval saves at 5
+            clock.now += 0.1
+            assert run.agree(step)[1] == (step == 5)
+        run.save(5, {"model": model.state_dict()}, {"step": 5})
+        run.report_committed()  # in memory; its copy to storage waits at the gate
+        for step in (6, 7, 8):  # beside the copy (6 also beside the save): 0.2 s slower each
+            clock.now += 0.3
+            run.agree(step)
+        with caplog.at_level(logging.INFO, logger="trainingrun.session"):
+            gate.set()
+            run.store.wait_persisted()
+            clock.now += 0.1
+            run.agree(9)
+        cost = (0.2 + 0.2 + 0.0) * 4 / 3  # steps 7-9 alone, scaled to the four the copy ran beside
+        young = round(math.sqrt(2 * cost * 3600) / 0.1)
+        assert chooser.persist_cost == pytest.approx(cost)
+        assert run.store.persist_every_steps == young
+        choice = run.interval_choice()
+        assert (choice.storage_steps, choice.failures, choice.steps) == (young, 2, None)
+        assert any(f"storage interval (auto): every {young} steps" in r.getMessage() for r in caplog.records)
+        run.save(10, {"model": model.state_dict()}, {"step": 10})
+        run.report_committed()
+        run.store.wait_persisted()
+        assert run.store.in_storage.step == 5  # held back: not `young` steps past the last copy
+        assert run.store.flush().step == 10  # the end of the run copies the newest whatever the interval
+    finally:
+        gate.set()
+        run.close()

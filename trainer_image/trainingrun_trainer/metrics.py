@@ -181,7 +181,7 @@ class TrainerMetrics(NullMetrics):
                 ("eval_step", "Step of the last evaluation."),
             )
         }
-        # Only with checkpoint.interval.steps: auto, on rank 0: absent otherwise.
+        # Only with checkpoint.interval.steps or storageInterval.steps: auto, on rank 0: absent otherwise.
         self._interval = {
             name: Gauge(f"trainingrun_checkpoint_{name}", doc, names, multiprocess_mode="livemostrecent")
             for name, doc in (
@@ -192,6 +192,14 @@ class TrainerMetrics(NullMetrics):
                     "slowdown of the steps beside the background write.",
                 ),
                 ("expected_lost_seconds", "Training a failure throws away on average at that interval (half of it)."),
+                (
+                    "storage_interval_steps",
+                    "The storage interval checkpoint.storageInterval.steps: auto chose (absent: every checkpoint).",
+                ),
+                (
+                    "persist_cost_seconds",
+                    "What one copy to storage costs the training loop: the slowdown of the steps beside it.",
+                ),
             )
         }
         self._labels = labels
@@ -277,6 +285,8 @@ class TrainerMetrics(NullMetrics):
             ("interval_steps", choice.steps),
             ("save_cost_seconds", choice.save_cost_seconds),
             ("expected_lost_seconds", choice.expected_lost_seconds),
+            ("storage_interval_steps", choice.storage_steps),
+            ("persist_cost_seconds", choice.persist_cost_seconds),
         ):
             if value is not None:
                 self._interval[name].labels(**self._labels).set(value)

@@ -103,6 +103,7 @@ class Run:
         self.context = context
         self.checkpoint = checkpoint
         self.config_hash = config_hash
+        storage = checkpoint.storage_interval
         self.store = CheckpointStore(
             checkpoint.uri,
             keep=checkpoint.keep,
@@ -112,8 +113,9 @@ class Run:
             writer_process=checkpoint.writer_process,
             run_uid=context.uid or None,
             persist_behind=checkpoint.persist_behind,
-            persist_every_steps=checkpoint.storage_interval.steps if checkpoint.storage_interval else None,
-            persist_every_seconds=checkpoint.storage_interval.seconds if checkpoint.storage_interval else None,
+            # storageInterval.steps: auto starts by copying every one, and `_time_step` sets the choice.
+            persist_every_steps=(storage.steps if storage is not None and isinstance(storage.steps, int) else None),
+            persist_every_seconds=storage.seconds if storage is not None else None,
         )
         if reporter is None:
             identity = Report.model_construct(
@@ -135,6 +137,9 @@ class Run:
         self.auto_interval = self._auto_interval()
         self._step_began: Optional[float] = None  # when the current step's agreement was asked for
         self._beside_save = False  # a save was staged or written during the current step
+        self._beside_persist = False  # a copy to storage ran during the current step (storageInterval auto)
+        self._copies_seen = 0  # the store's copies to storage (done or failed) measured so far
+        self._told_storage_steps: Optional[int] = None
         #: Seconds saves waited for the save before them to commit: an interval shorter than a commit holds training
         #: back (trainingrun_checkpoint_wait_seconds_total).
         self.checkpoint_wait_seconds = 0.0
@@ -155,8 +160,11 @@ class Run:
         return directory
 
     def _auto_interval(self) -> Optional[AutoInterval]:
-        interval = self.checkpoint.interval
-        if not interval.auto or not self.context.is_rank_zero:
+        """Rank 0's chooser of the intervals that are auto (checkpoint.interval.steps, and persisting behind
+        checkpoint.storageInterval.steps); None when neither is."""
+        interval, storage = self.checkpoint.interval, self.checkpoint.storage_interval
+        storage_auto = storage is not None and storage.auto and self.store.persist_behind
+        if not (interval.auto or storage_auto) or not self.context.is_rank_zero:
             return None
         # Until record_start reads the run's own count: the restarts this process can see for itself.
         return AutoInterval(
@@ -164,6 +172,9 @@ class Run:
             interval.max_steps or AUTO_MAX_STEPS,
             interval.expected_seconds_between_failures or AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
             failures=self.context.attempt - 1 + self.context.restart_count,
+            memory_auto=interval.auto,
+            storage_auto=storage_auto,
+            pod_losses=self.context.attempt - 1,
         )
 
     def _count_start(self) -> None:
@@ -302,6 +313,7 @@ class Run:
         interval = self.checkpoint.interval
         if self.auto_interval is not None:
             self._time_step(save_finished)
+        if self.auto_interval is not None and self.auto_interval.memory_auto:
             save = self.auto_interval.due(step - self._last_saved_step)
         else:
             save = isinstance(interval.steps, int) and step % interval.steps == 0
@@ -320,15 +332,39 @@ class Run:
         return result
 
     def _time_step(self, save_finished: bool) -> None:
-        """The auto interval learns the step that ended now (from one agreement to the next), and a save's cost."""
-        assert self.auto_interval is not None
+        """The auto interval learns the step that ended now (from one agreement to the next), and what a save and a
+        copy to storage cost; a storage interval that is auto takes its new choice."""
+        chooser = self.auto_interval
+        assert chooser is not None
         now = time.monotonic()
+        copies = self.store.persists + self.store.failed_persists - self._copies_seen
+        persisting = self.store.persisting
+        beside_persist = chooser.storage_auto and (self._beside_persist or persisting or copies > 0)
         if self._step_began is not None:
-            self.auto_interval.step(now - self._step_began, self._beside_save)
+            chooser.step(now - self._step_began, self._beside_save, beside_persist)
         self._step_began = now
         if self._beside_save and save_finished:
-            self.auto_interval.save_finished(self.store.last_save_seconds)
+            chooser.save_finished(self.store.last_save_seconds)
         self._beside_save = not save_finished
+        self._beside_persist = persisting
+        if beside_persist and not persisting:
+            self._copies_seen += copies
+            chooser.persist_finished(copies, self.store.last_persist_seconds if self.store.persists else None)
+            self._choose_storage_interval()
+
+    def _choose_storage_interval(self) -> None:
+        chooser = self.auto_interval
+        assert chooser is not None
+        self.store.persist_every_steps = chosen = chooser.storage_steps()
+        if chosen == self._told_storage_steps:
+            return
+        self._told_storage_steps = chosen
+        log.info(
+            "storage interval (auto): %s; a copy to storage costs training %.3f s and takes %.2f s",
+            f"every {chosen} steps" if chosen else "every checkpoint, at storage's pace",
+            chooser.persist_cost or 0.0,
+            chooser.persist_seconds or 0.0,
+        )
 
     def interval_choice(self) -> Optional[IntervalChoice]:
         """With checkpoint.interval.steps: auto, on rank 0: the interval now and what it is made of."""

@@ -114,12 +114,21 @@ class Summary:
         def seconds(key: str, digits: int = 1) -> str:
             return "-" if chosen.get(key) is None else f"{chosen[key]:.{digits}f} s"
 
-        return (
-            f"checkpoint interval (auto): {chosen['steps']} steps = {seconds('seconds')}; a save costs "
-            f"{seconds('saveCostSeconds', 3)}, {chosen.get('failures', 0)} failure(s), one every "
-            f"{seconds('secondsBetweenFailures')} (estimated); a failure loses {seconds('expectedLostSeconds')} "
-            "of training on average"
-        )
+        parts = []
+        if chosen.get("steps") is not None:
+            parts.append(
+                f"checkpoint interval (auto): {chosen['steps']} steps = {seconds('seconds')}; a save costs "
+                f"{seconds('saveCostSeconds', 3)}, {chosen.get('failures', 0)} failure(s), one every "
+                f"{seconds('secondsBetweenFailures')} (estimated); a failure loses {seconds('expectedLostSeconds')} "
+                "of training on average"
+            )
+        if chosen.get("secondsBetweenPodLosses") is not None:
+            storage = chosen.get("storageSteps")
+            parts.append(
+                f"storage interval (auto): {f'{storage} step' + 's' * (storage != 1) if storage else 'every checkpoint'}; a copy costs "
+                f"{seconds('persistCostSeconds', 3)}, a pod loss every {seconds('secondsBetweenPodLosses')} (estimated)"
+            )
+        return "\n".join(parts) or None
 
     def startup_line(self) -> Optional[str]:
         """`start-up: imports 4.1 s + init 0.3 s + ... + first step 1.2 s = 7.0 s to the first steps`: the processes'

@@ -212,6 +212,7 @@ class CheckpointStore:
         self.in_storage: Optional[CheckpointInfo] = None
         self.failed_persists = 0
         self.superseded_persists = 0
+        self.persists = 0  # copies to storage that succeeded
         self.last_persist_seconds = 0.0
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
@@ -775,6 +776,7 @@ class CheckpointStore:
         self._trusted[info.uri] = info.manifest_sha256
         self.in_storage = info
         self.last_persist_seconds = time.perf_counter() - began
+        self.persists += 1
         logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, self.last_persist_seconds)
         with self._persist_lock:  # the memory tier keeps the newest memory checkpoint and what is queued
             newest = self.in_memory.step if self.in_memory is not None else info.step
@@ -786,6 +788,11 @@ class CheckpointStore:
             self._rotate()
         except Exception as exc:
             logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
+
+    @property
+    def persisting(self) -> bool:
+        """Rank 0's persister is copying to storage (or about to)."""
+        return self._persist_loop is not None
 
     @property
     def persist_lag_steps(self) -> int:
