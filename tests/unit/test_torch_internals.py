@@ -27,6 +27,21 @@ def test_every_eager_private_name_is_what_the_trainer_expects():
     assert shadow[0].tolist() == [0.25, 0.25]
 
 
+def test_dcps_save_plan_cache_is_where_the_store_keys_and_clears_it():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+    assert all(isinstance(getattr(SavePlanner, name), dict) for name in torch_internals.SAVE_PLAN_CACHES)
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    torch_internals.set_plan_cache_key(planner, "test-store")
+    planner.set_up_planner({"w": torch.zeros(2)}, is_coordinator=True)
+    planner.create_local_plan()
+    planner.finish_plan(SavePlan([]))  # promotes the local plan into the cache, under the key
+    assert "test-store" in SavePlanner._cached_save_plan
+    torch_internals.forget_save_plans("test-store")
+    assert not any("test-store" in getattr(SavePlanner, name) for name in torch_internals.SAVE_PLAN_CACHES)
+
+
 def test_every_lazy_private_name_is_there():
     assert torch_internals.dynamo_config().suppress_errors in (True, False)
     wrapped = torch_internals.checkpoint_wrapper(torch.nn.Linear(2, 2))

@@ -49,6 +49,31 @@ serialization_get_layout = torch.serialization._get_layout
 #: One fused kernel per EMA update instead of one per parameter (ema.py).
 foreach_lerp_ = torch._foreach_lerp_
 
+#: DCP's save plan caching (`DefaultSavePlanner(enable_plan_caching=True)`, public) keeps its plans in these
+#: process-wide dicts of SavePlanner, by the planner's `_cached_plans_key` (default: the class name, which every store of
+#: a process would share). The store gives each of its planners its own key (`set_plan_cache_key`) and drops its
+#: entries when it closes (`forget_save_plans`): planning once instead of every save was most of a small model's
+#: checkpoint-thread CPU (checkpoint/save_planner.py).
+SAVE_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+    "_cached_final_save_plan",
+)
+
+
+def set_plan_cache_key(planner: Any, key: str) -> None:
+    planner._cached_plans_key = key
+
+
+def forget_save_plans(key: str) -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in SAVE_PLAN_CACHES:
+        getattr(SavePlanner, name, {}).pop(key, None)  # a torch without one: test_torch_internals says so
+
+
 __all__ = [
     "EmptyStateDictLoadPlanner",
     "FsspecReader",
@@ -58,11 +83,13 @@ __all__ = [
     "checkpoint_wrapper",
     "dynamo_config",
     "foreach_lerp_",
+    "forget_save_plans",
     "load_state_dict_into",
     "narrow_tensor_by_index",
     "preload_compile",
     "serialization_get_layout",
     "set_element",
+    "set_plan_cache_key",
 ]
 
 

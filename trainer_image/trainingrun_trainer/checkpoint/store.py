@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..torch_internals import StateDictStager
+from ..torch_internals import StateDictStager, forget_save_plans
 from .layout import (
     _LEGACY_EXTRA_FILE,
     _SAVE_ERRORS,
@@ -47,6 +48,7 @@ from .layout import (
 from .manifest import _inspect, _step_dirs
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, SEGMENTS_KEY, LocalFirstFileSystem, MemoryTier, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
+from .save_planner import ReusingSavePlanner
 from .storage import _is_dir, _Storage, _storage_options
 from .tier_staging import StagedFile, data_file_name, plain_tensors, release_locked_pages, stageable
 from .writer import _Writer
@@ -54,6 +56,8 @@ from .writer_process import WriterProcess
 
 #: Where shared memory lives (torch's shared tensors, the memory tier).
 SHARED_MEMORY = "/dev/shm"
+#: Numbers the stores of this process: each keeps its own plans in DCP's process-wide plan cache.
+_STORES = itertools.count()
 
 
 @dataclass
@@ -233,6 +237,8 @@ class CheckpointStore:
         self.another_runs_newest: Optional[CheckpointInfo] = None
         self._closed = False
         self._manifest_bytes = 0
+        self._plans_key = f"trainingrun-checkpoint-store-{next(_STORES)}"  # DCP's plan cache of this store (`_planner`)
+        self._planned: dict[str, Any] = {}  # the layout of the state the last finished plan was made from
 
         self.failed_saves = 0
         self.committed_saves = 0
@@ -405,6 +411,7 @@ class CheckpointStore:
             self._persister.shutdown(wait=True)
         if self._writer is not None:
             self._writer.close()
+        forget_save_plans(self._plans_key)
         self._closed = True
 
     def __enter__(self) -> "CheckpointStore":
@@ -563,7 +570,13 @@ class CheckpointStore:
                     die_after_items=1 if job.step == self.writer_dies_at_step else None,
                     **self._options,
                 )
-            dcp.save(job.state, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed)
+            dcp.save(
+                job.state,
+                storage_writer=writer,
+                planner=self._planner(),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
             job.marks.append(("writing", time.perf_counter()))
             if in_memory:
                 for name, entry in record.items():
@@ -640,6 +653,10 @@ class CheckpointStore:
                 except Exception as exc:
                     logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
         return info
+
+    def _planner(self) -> ReusingSavePlanner:
+        """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""
+        return ReusingSavePlanner(self._plans_key, self._planned)
 
     def _failed(self, job: _SaveJob, error: Optional[str]) -> None:
         self.failed_saves += 1
