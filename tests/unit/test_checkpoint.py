@@ -537,17 +537,17 @@ def test_rotation_reads_each_older_checkpoint_once_not_at_every_save(root, monke
     """Milestones accumulate: every save's rotation would otherwise read all of them again (a listing and a manifest
     each: round trips on an object store). One that leaves the listing is forgotten: read again if it comes back.
     (The `keep` newest are judged afresh at every rotation: test_partial_and_corrupt_checkpoints_fall_back.)"""
-    from trainingrun_trainer.checkpoint import store as store_module
+    from trainingrun_trainer.checkpoint import rotation
 
     shallow: list[str] = []
-    inspect = store_module._inspect
+    inspect = rotation._inspect
 
     def counted(storage, uri, step, deep, **kwargs):
         if not deep:
             shallow.append(uri.rsplit("/", 1)[-1])
         return inspect(storage, uri, step, deep, **kwargs)
 
-    monkeypatch.setattr(store_module, "_inspect", counted)
+    monkeypatch.setattr(rotation, "_inspect", counted)
     model = make_model()
     with CheckpointStore(str(root), keep=1, keep_every=2) as store:
         for step in range(1, 10):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import itertools
 import json
 import os
-import pickle
-import posixpath
 import shutil
 import socket
 import threading
@@ -21,33 +18,29 @@ from typing import Any, Callable, Collection, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..torch_internals import StateDictStager, forget_save_plans
 from .layout import (
-    _LEGACY_EXTRA_FILE,
     _SAVE_ERRORS,
-    _STEP_DIR,
     EXTRA_ENTRY,
     FILE_DIGEST,
     FORMAT_VERSION,
     MANIFEST_NAME,
     STARTS_NAME,
     CheckpointInfo,
-    CheckpointLoadError,
     PendingSave,
-    _cause,
     _describe,
     _join,
     logger,
     now_rfc3339,
     step_dir_name,
 )
-from .manifest import _inspect, _step_dirs
-from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, SEGMENTS_KEY, LocalFirstFileSystem, MemoryTier, TierMismatch
-from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
+from .manifest import _inspect
+from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, SEGMENTS_KEY, MemoryTier
+from .persisting import PersistingBehind
+from .restoring import Restoring
+from .rotation import Rotating
 from .save_planner import ReusingSavePlanner
 from .storage import _is_dir, _Storage, _storage_options
 from .tier_staging import StagedFile, data_file_name, plain_tensors, release_locked_pages, stageable
@@ -91,7 +84,7 @@ def tensor_bytes(tree: Any) -> int:
     return len(tree) if isinstance(tree, bytes) else 0
 
 
-class CheckpointStore:
+class CheckpointStore(PersistingBehind, Restoring, Rotating):
     """Saves, lists, loads and rotates checkpoints below ``uri`` (gs://, s3://, file:// or a path).
 
     Args:
@@ -721,129 +714,6 @@ class CheckpointStore:
         )
         return info, None, raw
 
-    # ------------------------------------------------------------------ persisting behind (rank 0)
-
-    def _persist_steps(self) -> set[int]:
-        """The steps the persister holds in the memory tier: the one it copies and the one it copies next."""
-        steps = {self._persisting} if self._persisting is not None else set()
-        if self._persist_next is not None:
-            steps.add(self._persist_next[0].step)
-        return steps
-
-    def _persist(self, info: CheckpointInfo, manifest: bytes, whenever: bool = False) -> None:
-        """Queue a memory checkpoint to be copied to storage: newest wins over one still waiting. One that comes
-        before the storage interval is up (`persist_every_steps`/`_seconds`) is held back instead, unless `whenever`
-        (flush): the next memory checkpoint supersedes it, or flush() queues it."""
-        with self._persist_lock:
-            if not whenever and not self._persist_due(info.step):
-                self._held_back = (info, manifest)
-                return
-            self._held_back = None
-            self._last_queued = (info.step, self._clock())
-            superseded, self._persist_next = self._persist_next, (info, manifest)
-            if superseded is not None:
-                self.superseded_persists += 1
-                logger.info(
-                    "checkpoint step %d is not persisted: step %d supersedes it (storage is slower than the "
-                    "checkpoint interval)",
-                    superseded[0].step,
-                    info.step,
-                )
-                self._tier.discard(superseded[0].step)
-            if self._persist_loop is None:
-                self._persist_loop = self._persister.submit(self._persist_queued)
-
-    def _persist_due(self, step: int) -> bool:
-        if self._last_queued is None or (self.persist_every_steps is None and self.persist_every_seconds is None):
-            return True
-        queued_step, queued_at = self._last_queued
-        return (self.persist_every_steps is not None and step - queued_step >= self.persist_every_steps) or (
-            self.persist_every_seconds is not None and self._clock() - queued_at >= self.persist_every_seconds
-        )
-
-    def _persist_queued(self) -> None:
-        while True:
-            with self._persist_lock:
-                item, self._persist_next = self._persist_next, None
-                if item is None:
-                    self._persisting, self._persist_loop = None, None
-                    return
-                self._persisting = item[0].step
-            self._copy_to_storage(*item)
-
-    def _copy_to_storage(self, info: CheckpointInfo, manifest: bytes) -> None:
-        """Copy a memory checkpoint's files to storage, unchanged, then its manifest (the commit); rotate."""
-        began = time.perf_counter()
-        directory = self._tier.path(info.step)
-        try:
-            self._clear_step_dir(info.uri, info.step)
-            for name in sorted(info.files or {}):
-                self._storage.upload(os.path.join(directory, name), _join(info.uri, name))
-            self._storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
-        except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
-            self.failed_persists += 1
-            logger.error(
-                "checkpoint step %d (committed in memory) could not be copied to %s: %s",
-                info.step,
-                info.uri,
-                _describe(exc),
-                exc_info=True,
-            )
-            return
-        self._trusted[info.uri] = info.manifest_sha256
-        self.in_storage = info
-        self.last_persist_seconds = time.perf_counter() - began
-        self.persists += 1
-        logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, self.last_persist_seconds)
-        with self._persist_lock:  # the memory tier keeps the newest memory checkpoint and what is queued
-            newest = self.in_memory.step if self.in_memory is not None else info.step
-            self._tier.remove_older(newest, keep=self._persist_steps() - {info.step})
-        self._tier.prepare_spare(
-            {name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX)}
-        )
-        try:
-            self._rotate()
-        except Exception as exc:
-            logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
-
-    @property
-    def persisting(self) -> bool:
-        """Rank 0's persister is copying to storage (or about to)."""
-        return self._persist_loop is not None
-
-    @property
-    def persist_lag_steps(self) -> int:
-        """Steps the newest memory checkpoint is ahead of the newest in storage (0 when not persisting behind)."""
-        if self.in_memory is None:
-            return 0
-        return self.in_memory.step - (self.in_storage.step if self.in_storage is not None else 0)
-
-    def flush(self) -> Optional[CheckpointInfo]:
-        """Finish the save in flight, then wait until rank 0 has persisted the newest memory checkpoint (or failed to);
-        the newest checkpoint in storage, the same on every rank. Persisting behind under torch.distributed this is a
-        collective: call it on every rank."""
-        self.wait()
-        if not self.persist_behind:
-            return self.in_storage
-        with self._persist_lock:
-            held_back = self._held_back
-        if held_back is not None:
-            self._persist(*held_back, whenever=True)
-        self.wait_persisted()
-        if self._distributed:
-            self.in_storage = self._broadcast(self.in_storage)
-        return self.in_storage
-
-    def wait_persisted(self) -> None:
-        """Wait until this rank's persister (rank 0's) is idle: every copy queued so far is in storage or failed. Not a
-        collective, and a checkpoint held back by the storage interval stays held (`flush` copies it)."""
-        while True:
-            with self._persist_lock:
-                loop = self._persist_loop
-            if loop is None:
-                return
-            loop.result()
-
     # ------------------------------------------------------------------ the run's starts
 
     def record_start(self, run: str, now: Optional[float] = None) -> tuple[float, int]:
@@ -872,344 +742,3 @@ class CheckpointStore:
             os.makedirs(self._storage._path(self.uri), exist_ok=True)
         self._storage.write_bytes(uri, json.dumps(recorded).encode(), atomic=True)
         return float(recorded["firstStart"]), before
-
-    # ------------------------------------------------------------------ reading
-
-    def list(self, verify: bool = True) -> list[CheckpointInfo]:
-        """Every step directory below the store's uri, newest step first, valid or not. With
-        ``verify`` (default) every file is re-hashed; without, only presence and sizes are checked.
-        Works on any single rank (no collective)."""
-        return [_inspect(self._storage, uri, step, deep=verify) for step, uri in _step_dirs(self._storage, self.uri)]
-
-    def _find_latest_valid(self, in_memory: Optional[CheckpointInfo] = None) -> Optional[CheckpointInfo]:
-        """The newest valid checkpoint, re-hashing every file in storage (and keeping what it read in the memory
-        tier, for the load that follows); `in_memory` is one every rank holds verified in its memory tier: its files
-        in storage are only checked for presence and size."""
-        if in_memory is not None:  # listed a moment ago, and every newer directory lacked a manifest or files
-            self._trusted[in_memory.uri] = in_memory.manifest_sha256
-            return in_memory
-        for step, uri in _step_dirs(self._storage, self.uri):
-            info = _inspect(self._storage, uri, step, deep=True, tier=self._tier, owner=self.run_uid)
-            if info.valid:
-                self._trusted[uri] = info.manifest_sha256
-                return info
-            if self._another_runs(info) and self.another_runs_newest is None:
-                self.another_runs_newest = info
-            logger.warning("skipping checkpoint %s: %s", uri, info.reason)
-        return None
-
-    def latest_valid(self) -> Optional[CheckpointInfo]:
-        """The newest checkpoint whose files match its manifest (every file re-hashed, also the
-        ones this process wrote), or None; invalid newer directories are skipped with a warning.
-        When every rank's memory tier holds the newest committed checkpoint, its files in storage are only listed:
-        :meth:`load` checks the memory copies as it reads them and falls back to storage, verified, for a damaged one.
-
-        Finishes the save in flight first. Under torch.distributed this is a collective: call it
-        on every rank; rank 0 verifies and broadcasts the answer, so every rank resumes from the
-        same checkpoint."""
-        self.wait()
-        in_memory = self._held_in_memory()
-        self.another_runs_newest = None
-        if not self._distributed:
-            result = self._find_latest_valid(in_memory)
-        else:
-            result = None
-            if self.rank == 0:
-                try:
-                    result = self._find_latest_valid(in_memory)
-                except Exception as exc:
-                    result = exc
-            result, self.another_runs_newest = self._broadcast((result, self.another_runs_newest))
-            if isinstance(result, Exception):
-                raise result
-            if result is not None:
-                self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
-        self._read_from_storage = None
-        self.in_memory = result
-        if in_memory is None:  # else `_held_in_memory` found the newest in storage
-            self.in_storage = result
-        if self._tier is not None and in_memory is None:
-            # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage,
-            # even where the bytes come from that copy; and every rank checks the tier again.
-            if result is not None and self._tier_of_rank0:
-                self._read_from_storage = result.uri
-            self._tier.forget()
-        return result
-
-    def _held_in_memory(self) -> Optional[CheckpointInfo]:
-        """The newest committed checkpoint (by its manifest, files not re-hashed) when every rank's memory tier holds
-        all of its files (by `MemoryTier.files`); else None. Persisting behind, that is the tier's newest memory
-        checkpoint when storage holds none as new. A collective under torch.distributed when the store has a tier."""
-        if self._tier is None:
-            return None
-        newest: Any = None
-        if self.rank == 0:
-            likely = self._tier.newest_step()
-            try:
-                newest = self._newest_committed(likely)
-            except Exception as exc:  # storage unreachable: the resume that follows says so
-                logger.debug("listing %s for the memory tier failed: %s", self.uri, exc)
-            self.in_storage = newest
-            if self.persist_behind and likely is not None and (newest is None or newest.step < likely):
-                newest = self._in_memory_only(likely) or newest
-        newest = self._broadcast(newest)
-        held = newest is not None and self._tier.holds_all(newest.step, newest.manifest_sha256)
-        return newest if all(self._gather(held)) else None
-
-    def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
-        """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
-        when the tier is another store's (its `origin`: two runs sharing one tier's name, which a run's uid prevents)."""
-        origin = self._tier.origin_of_tier()
-        if origin is not None and origin != self.uri:
-            logger.warning(
-                "the memory tier %s holds checkpoints of %s, not of %s: ignoring its step %d",
-                self._tier.root,
-                origin,
-                self.uri,
-                step,
-            )
-            return None
-        directory = self._tier.path(step)
-        found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self.run_uid)
-        if not found.valid:
-            logger.warning("the checkpoint of step %d kept in memory is not usable: %s", step, found.reason)
-            return None
-        return dataclasses.replace(found, uri=self._step_uri(step), size_bytes=sum(found.files.values()))
-
-    def _newest_committed(self, likely: Optional[int]) -> Optional[CheckpointInfo]:
-        """The newest checkpoint in storage with a manifest and all of its files (not re-hashed). Step `likely` (the
-        one this node's memory tier holds) is looked at while the directory is listed: on an object store a restart
-        inside the pod then waits for one round trip instead of two."""
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-list") as pool:
-            early = (
-                None
-                if likely is None
-                else pool.submit(
-                    _inspect, self._storage, self._step_uri(likely), likely, deep=False, owner=self.run_uid
-                )
-            )
-            for step, uri in _step_dirs(self._storage, self.uri):
-                info = (
-                    early.result()
-                    if early is not None and step == likely
-                    else _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
-                )
-                if info.valid:
-                    return info
-        return None
-
-    def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict) -> dict:
-        """Load a checkpoint into ``state`` in place (DCP: tensors are copied into the tensors
-        already in ``state``, resharding as needed; Stateful objects get ``load_state_dict``) and
-        return this rank's ``extra`` dict ({} with a warning when the checkpoint was written by
-        fewer ranks). Under torch.distributed, call on every rank.
-
-        Every file is re-hashed against the manifest first, and a ValueError raised if it is not a
-        committed checkpoint, unless this process wrote or verified this very manifest (a
-        CheckpointInfo from :meth:`latest_valid` was: then storage is not even listed again). Files read from the
-        memory tier are checked as they are read; a damaged one is read again from storage (OSError when storage
-        does not verify either).
-        """
-        self.wait()
-        began = time.perf_counter()
-        uri = info_or_uri.uri if isinstance(info_or_uri, CheckpointInfo) else str(info_or_uri).rstrip("/")
-        match = _STEP_DIR.fullmatch(posixpath.basename(uri))
-        if not match:
-            raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
-        if (
-            isinstance(info_or_uri, CheckpointInfo)
-            and info_or_uri.valid
-            and info_or_uri.manifest_sha256
-            and info_or_uri.files is not None
-            and self._trusted.get(uri) == info_or_uri.manifest_sha256
-        ):
-            info = info_or_uri  # this process wrote or verified this very manifest: no storage round trips again
-        else:
-            info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
-        if not info.valid:
-            raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
-        entry = EXTRA_ENTRY.format(rank=self.rank)
-        if entry in state:
-            raise ValueError(f"state key {entry!r} is reserved for this rank's extra state: rename it")
-        legacy = info.format_version == 1
-        reading = LocalFirstFileSystem(
-            self._tier.files(info.step, info.manifest_sha256) if self._tier else {}, self._storage.local
-        )
-        try:
-            loading, planner = self._read(info, state, entry, legacy, reading)
-        except CheckpointException as exc:  # a BaseException: make it an error that says what failed
-            # A copy in memory that did not match, or was gone, on any rank (DCP's own fallbacks may hide the cause,
-            # as its metadata read does): every rank reads it again from storage.
-            mismatch = bool(reading.mismatched) or any(
-                isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()
-            )
-            if not any(self._gather(mismatch)):
-                raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
-            loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
-        state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
-        if legacy:
-            if planner.missing:
-                logger.info(
-                    "%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing))
-                )
-            raw, source = self._legacy_extra(info), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank))
-        else:
-            raw, source = (None if entry in planner.missing else loading[entry]), f"{uri} ({entry})"
-        if raw is None:
-            logger.warning("%s has no extra state for rank %d (saved by fewer ranks)", uri, self.rank)
-            extra: dict = {}
-        else:
-            try:
-                extra = load_plain(raw)
-            except pickle.UnpicklingError as exc:
-                raise CheckpointLoadError(
-                    f"cannot load {source}: it holds more than plain values "
-                    f"(refusing to run code from storage): {exc}".splitlines()[0]
-                ) from None
-        self.last_restore_seconds = time.perf_counter() - began
-        self.last_restore_source = " and ".join(
-            sorted(reading.sources if uri != self._read_from_storage else {"storage"})
-        )
-        self.restores += 1
-        return extra
-
-    def _read(
-        self, info: CheckpointInfo, state: dict, entry: str, legacy: bool, reading: LocalFirstFileSystem
-    ) -> tuple[dict, _PlainLoadPlanner]:
-        """dcp.load of the verified checkpoint `info`, reading only the files its manifest lists (`reading`: which files
-        come from the memory tier; it records where it read): (what was loaded, the planner)."""
-        loading = dict(state) if legacy else {**state, entry: b""}
-        # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
-        planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
-        reader = _PlainReader(info.uri, info.files, **self._options)
-        reading.inner, reader.fs = reader.fs, reading
-        dcp.load(loading, storage_reader=reader, planner=planner, process_group=self._pg, no_dist=not self._distributed)
-        return loading, planner
-
-    def _read_again_from_storage(
-        self,
-        uri: str,
-        info: CheckpointInfo,
-        state: dict,
-        entry: str,
-        legacy: bool,
-        failed: CheckpointException,
-        reading: LocalFirstFileSystem,
-    ) -> tuple[dict, _PlainLoadPlanner]:
-        """A rank found a file of its memory tier damaged as it loaded (every rank is here: DCP gathered the failure):
-        rank 0 checks the checkpoint in storage, whose files were only listed when the tiers held it, keeping what it
-        reads in its tier for the next restart; then every rank loads again, reading the files its tier failed
-        (`reading.mismatched`) from storage. Raises OSError when storage does not verify either: the trainer restarts
-        (a retryable exit), and the restart's latest_valid, which no longer finds it in memory, skips it."""
-        bad = set(reading.mismatched)
-        logger.warning(
-            "rank %d: %s: reading it again, %s",
-            self.rank,
-            _describe(failed),
-            f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged",
-        )
-        checked: Any = None
-        if self.rank == 0:
-            try:
-                checked = _inspect(self._storage, uri, info.step, deep=True, tier=self._tier)
-            except Exception as exc:
-                checked = exc
-        checked = self._broadcast(checked)
-        if isinstance(checked, Exception) or not checked.valid:
-            if self._tier is not None:  # damaged, and nowhere else: the restart must not find it again
-                self._tier.discard(info.step)
-            why = _describe(checked) if isinstance(checked, Exception) else checked.reason
-            raise OSError(
-                f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
-                f"valid ({why}); a restart resumes from the newest valid checkpoint"
-            )
-        kept = {}
-        if self._tier is not None:
-            self._tier.forget()
-            kept = self._tier.files(info.step, info.manifest_sha256)
-        again = LocalFirstFileSystem(
-            {name: copy for name, copy in kept.items() if name not in bad}, self._storage.local
-        )
-        try:
-            loaded = self._read(checked, state, entry, legacy, again)
-        except CheckpointException as exc:
-            raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
-        reading.sources |= again.sources
-        return loaded
-
-    def _legacy_extra(self, info: CheckpointInfo) -> Optional[bytes]:
-        """This rank's extra state in a format 1 checkpoint: a file of its own (when its manifest lists one)."""
-        name = _LEGACY_EXTRA_FILE.format(rank=self.rank)
-        if name not in (info.files or {}):
-            return None
-        try:
-            return self._storage.read_bytes(_join(info.uri, name), limit=info.files[name])
-        except FileNotFoundError:
-            return None
-
-    def _another_runs(self, info: CheckpointInfo) -> bool:
-        return bool(self.run_uid and info.run_uid and info.run_uid != self.run_uid)
-
-    # ------------------------------------------------------------------ rotation
-
-    def rotate(self) -> list[str]:
-        """Delete checkpoints that are neither among the ``keep`` newest valid ones nor milestones
-        (valid, step % keep_every == 0), and invalid directories older than the newest valid
-        checkpoint (they can never be resumed from). Never deletes the newest valid checkpoint
-        (verified by re-hash unless this process wrote it) or anything newer than it. Only rank
-        0 deletes; other ranks return []. Returns the deleted URIs. Runs after every commit.
-
-        Checkpoints older than the newest valid one are judged by presence and size only, to
-        avoid reading every checkpoint on every save. A manifest is deleted before its files, so
-        an interrupted deletion leaves a directory that reads as a partial save.
-        """
-        self.wait()
-        self.wait_persisted()
-        return self._rotate()
-
-    def _rotate(self) -> list[str]:
-        if self.rank != 0:
-            return []
-        dirs = _step_dirs(self._storage, self.uri)
-        listed = {uri for _, uri in dirs}
-        self._valid_before = {uri: info for uri, info in self._valid_before.items() if uri in listed}
-        newest_valid: Optional[int] = None
-        verdicts: list[tuple[int, str, bool]] = []
-        for step, uri in dirs:
-            if newest_valid is None:
-                info = _inspect(self._storage, uri, step, deep=True, trusted=self._trusted, owner=self.run_uid)
-                if info.valid:
-                    newest_valid = step
-                    self._trusted[uri] = info.manifest_sha256
-            else:
-                info = self._valid_before.get(uri) or _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
-            if info.valid and self.keep_every and step % self.keep_every == 0:
-                self._valid_before[uri] = info
-            if self._another_runs(info):
-                continue  # never counted, never deleted
-            verdicts.append((step, uri, info.valid))
-        if newest_valid is None:
-            return []
-        kept = 0
-        doomed = []
-        for step, uri, valid in verdicts:
-            if step > newest_valid:
-                continue  # newer than the newest valid: maybe a save in progress elsewhere
-            if valid:
-                kept += 1
-                if kept <= self.keep or (self.keep_every and step % self.keep_every == 0):
-                    continue
-            doomed.append(uri)
-        for uri in doomed:
-            try:
-                self._storage.rm_file(_join(uri, MANIFEST_NAME))
-            except FileNotFoundError:
-                pass
-            self._trusted.pop(uri, None)
-            self._valid_before.pop(uri, None)
-            self._storage.rm_tree(uri)
-            logger.info("rotated out checkpoint %s", uri)
-        return doomed
-
-
-# --------------------------------------------------------------------------------------------

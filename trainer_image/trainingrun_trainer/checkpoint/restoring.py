@@ -1,0 +1,309 @@
+"""Reading checkpoints: listing, finding the newest valid one (from node memory when every rank holds it), and loading
+one, verified, into a state (a part of `CheckpointStore`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import posixpath
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Union
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .layout import (
+    _LEGACY_EXTRA_FILE,
+    _STEP_DIR,
+    EXTRA_ENTRY,
+    CheckpointInfo,
+    CheckpointLoadError,
+    _cause,
+    _describe,
+    _join,
+    logger,
+)
+from .manifest import _inspect, _step_dirs
+from .memory_tier import LocalFirstFileSystem, TierMismatch
+from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
+from .storage import _Storage
+
+
+class Restoring:
+    """CheckpointStore's reading side: `list`, `latest_valid`, `load`. State lives in `CheckpointStore.__init__`."""
+
+    def list(self, verify: bool = True) -> list[CheckpointInfo]:
+        """Every step directory below the store's uri, newest step first, valid or not. With
+        ``verify`` (default) every file is re-hashed; without, only presence and sizes are checked.
+        Works on any single rank (no collective)."""
+        return [_inspect(self._storage, uri, step, deep=verify) for step, uri in _step_dirs(self._storage, self.uri)]
+
+    def _find_latest_valid(self, in_memory: Optional[CheckpointInfo] = None) -> Optional[CheckpointInfo]:
+        """The newest valid checkpoint, re-hashing every file in storage (and keeping what it read in the memory
+        tier, for the load that follows); `in_memory` is one every rank holds verified in its memory tier: its files
+        in storage are only checked for presence and size."""
+        if in_memory is not None:  # listed a moment ago, and every newer directory lacked a manifest or files
+            self._trusted[in_memory.uri] = in_memory.manifest_sha256
+            return in_memory
+        for step, uri in _step_dirs(self._storage, self.uri):
+            info = _inspect(self._storage, uri, step, deep=True, tier=self._tier, owner=self.run_uid)
+            if info.valid:
+                self._trusted[uri] = info.manifest_sha256
+                return info
+            if self._another_runs(info) and self.another_runs_newest is None:
+                self.another_runs_newest = info
+            logger.warning("skipping checkpoint %s: %s", uri, info.reason)
+        return None
+
+    def latest_valid(self) -> Optional[CheckpointInfo]:
+        """The newest checkpoint whose files match its manifest (every file re-hashed, also the
+        ones this process wrote), or None; invalid newer directories are skipped with a warning.
+        When every rank's memory tier holds the newest committed checkpoint, its files in storage are only listed:
+        :meth:`load` checks the memory copies as it reads them and falls back to storage, verified, for a damaged one.
+
+        Finishes the save in flight first. Under torch.distributed this is a collective: call it
+        on every rank; rank 0 verifies and broadcasts the answer, so every rank resumes from the
+        same checkpoint."""
+        self.wait()
+        in_memory = self._held_in_memory()
+        self.another_runs_newest = None
+        if not self._distributed:
+            result = self._find_latest_valid(in_memory)
+        else:
+            result = None
+            if self.rank == 0:
+                try:
+                    result = self._find_latest_valid(in_memory)
+                except Exception as exc:
+                    result = exc
+            result, self.another_runs_newest = self._broadcast((result, self.another_runs_newest))
+            if isinstance(result, Exception):
+                raise result
+            if result is not None:
+                self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
+        self._read_from_storage = None
+        self.in_memory = result
+        if in_memory is None:  # else `_held_in_memory` found the newest in storage
+            self.in_storage = result
+        if self._tier is not None and in_memory is None:
+            # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage,
+            # even where the bytes come from that copy; and every rank checks the tier again.
+            if result is not None and self._tier_of_rank0:
+                self._read_from_storage = result.uri
+            self._tier.forget()
+        return result
+
+    def _held_in_memory(self) -> Optional[CheckpointInfo]:
+        """The newest committed checkpoint (by its manifest, files not re-hashed) when every rank's memory tier holds
+        all of its files (by `MemoryTier.files`); else None. Persisting behind, that is the tier's newest memory
+        checkpoint when storage holds none as new. A collective under torch.distributed when the store has a tier."""
+        if self._tier is None:
+            return None
+        newest: Any = None
+        if self.rank == 0:
+            likely = self._tier.newest_step()
+            try:
+                newest = self._newest_committed(likely)
+            except Exception as exc:  # storage unreachable: the resume that follows says so
+                logger.debug("listing %s for the memory tier failed: %s", self.uri, exc)
+            self.in_storage = newest
+            if self.persist_behind and likely is not None and (newest is None or newest.step < likely):
+                newest = self._in_memory_only(likely) or newest
+        newest = self._broadcast(newest)
+        held = newest is not None and self._tier.holds_all(newest.step, newest.manifest_sha256)
+        return newest if all(self._gather(held)) else None
+
+    def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
+        """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
+        when the tier is another store's (its `origin`: two runs sharing one tier's name, which a run's uid prevents)."""
+        origin = self._tier.origin_of_tier()
+        if origin is not None and origin != self.uri:
+            logger.warning(
+                "the memory tier %s holds checkpoints of %s, not of %s: ignoring its step %d",
+                self._tier.root,
+                origin,
+                self.uri,
+                step,
+            )
+            return None
+        directory = self._tier.path(step)
+        found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self.run_uid)
+        if not found.valid:
+            logger.warning("the checkpoint of step %d kept in memory is not usable: %s", step, found.reason)
+            return None
+        return dataclasses.replace(found, uri=self._step_uri(step), size_bytes=sum(found.files.values()))
+
+    def _newest_committed(self, likely: Optional[int]) -> Optional[CheckpointInfo]:
+        """The newest checkpoint in storage with a manifest and all of its files (not re-hashed). Step `likely` (the
+        one this node's memory tier holds) is looked at while the directory is listed: on an object store a restart
+        inside the pod then waits for one round trip instead of two."""
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-list") as pool:
+            early = (
+                None
+                if likely is None
+                else pool.submit(
+                    _inspect, self._storage, self._step_uri(likely), likely, deep=False, owner=self.run_uid
+                )
+            )
+            for step, uri in _step_dirs(self._storage, self.uri):
+                info = (
+                    early.result()
+                    if early is not None and step == likely
+                    else _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
+                )
+                if info.valid:
+                    return info
+        return None
+
+    def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict) -> dict:
+        """Load a checkpoint into ``state`` in place (DCP: tensors are copied into the tensors
+        already in ``state``, resharding as needed; Stateful objects get ``load_state_dict``) and
+        return this rank's ``extra`` dict ({} with a warning when the checkpoint was written by
+        fewer ranks). Under torch.distributed, call on every rank.
+
+        Every file is re-hashed against the manifest first, and a ValueError raised if it is not a
+        committed checkpoint, unless this process wrote or verified this very manifest (a
+        CheckpointInfo from :meth:`latest_valid` was: then storage is not even listed again). Files read from the
+        memory tier are checked as they are read; a damaged one is read again from storage (OSError when storage
+        does not verify either).
+        """
+        self.wait()
+        began = time.perf_counter()
+        uri = info_or_uri.uri if isinstance(info_or_uri, CheckpointInfo) else str(info_or_uri).rstrip("/")
+        match = _STEP_DIR.fullmatch(posixpath.basename(uri))
+        if not match:
+            raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
+        if (
+            isinstance(info_or_uri, CheckpointInfo)
+            and info_or_uri.valid
+            and info_or_uri.manifest_sha256
+            and info_or_uri.files is not None
+            and self._trusted.get(uri) == info_or_uri.manifest_sha256
+        ):
+            info = info_or_uri  # this process wrote or verified this very manifest: no storage round trips again
+        else:
+            info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
+        if not info.valid:
+            raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
+        entry = EXTRA_ENTRY.format(rank=self.rank)
+        if entry in state:
+            raise ValueError(f"state key {entry!r} is reserved for this rank's extra state: rename it")
+        legacy = info.format_version == 1
+        reading = LocalFirstFileSystem(
+            self._tier.files(info.step, info.manifest_sha256) if self._tier else {}, self._storage.local
+        )
+        try:
+            loading, planner = self._read(info, state, entry, legacy, reading)
+        except CheckpointException as exc:  # a BaseException: make it an error that says what failed
+            # A copy in memory that did not match, or was gone, on any rank (DCP's own fallbacks may hide the cause,
+            # as its metadata read does): every rank reads it again from storage.
+            mismatch = bool(reading.mismatched) or any(
+                isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()
+            )
+            if not any(self._gather(mismatch)):
+                raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+            loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
+        state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
+        if legacy:
+            if planner.missing:
+                logger.info(
+                    "%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing))
+                )
+            raw, source = self._legacy_extra(info), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank))
+        else:
+            raw, source = (None if entry in planner.missing else loading[entry]), f"{uri} ({entry})"
+        if raw is None:
+            logger.warning("%s has no extra state for rank %d (saved by fewer ranks)", uri, self.rank)
+            extra: dict = {}
+        else:
+            try:
+                extra = load_plain(raw)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointLoadError(
+                    f"cannot load {source}: it holds more than plain values "
+                    f"(refusing to run code from storage): {exc}".splitlines()[0]
+                ) from None
+        self.last_restore_seconds = time.perf_counter() - began
+        self.last_restore_source = " and ".join(
+            sorted(reading.sources if uri != self._read_from_storage else {"storage"})
+        )
+        self.restores += 1
+        return extra
+
+    def _read(
+        self, info: CheckpointInfo, state: dict, entry: str, legacy: bool, reading: LocalFirstFileSystem
+    ) -> tuple[dict, _PlainLoadPlanner]:
+        """dcp.load of the verified checkpoint `info`, reading only the files its manifest lists (`reading`: which files
+        come from the memory tier; it records where it read): (what was loaded, the planner)."""
+        loading = dict(state) if legacy else {**state, entry: b""}
+        # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
+        planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
+        reader = _PlainReader(info.uri, info.files, **self._options)
+        reading.inner, reader.fs = reader.fs, reading
+        dcp.load(loading, storage_reader=reader, planner=planner, process_group=self._pg, no_dist=not self._distributed)
+        return loading, planner
+
+    def _read_again_from_storage(
+        self,
+        uri: str,
+        info: CheckpointInfo,
+        state: dict,
+        entry: str,
+        legacy: bool,
+        failed: CheckpointException,
+        reading: LocalFirstFileSystem,
+    ) -> tuple[dict, _PlainLoadPlanner]:
+        """A rank found a file of its memory tier damaged as it loaded (every rank is here: DCP gathered the failure):
+        rank 0 checks the checkpoint in storage, whose files were only listed when the tiers held it, keeping what it
+        reads in its tier for the next restart; then every rank loads again, reading the files its tier failed
+        (`reading.mismatched`) from storage. Raises OSError when storage does not verify either: the trainer restarts
+        (a retryable exit), and the restart's latest_valid, which no longer finds it in memory, skips it."""
+        bad = set(reading.mismatched)
+        logger.warning(
+            "rank %d: %s: reading it again, %s",
+            self.rank,
+            _describe(failed),
+            f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged",
+        )
+        checked: Any = None
+        if self.rank == 0:
+            try:
+                checked = _inspect(self._storage, uri, info.step, deep=True, tier=self._tier)
+            except Exception as exc:
+                checked = exc
+        checked = self._broadcast(checked)
+        if isinstance(checked, Exception) or not checked.valid:
+            if self._tier is not None:  # damaged, and nowhere else: the restart must not find it again
+                self._tier.discard(info.step)
+            why = _describe(checked) if isinstance(checked, Exception) else checked.reason
+            raise OSError(
+                f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
+                f"valid ({why}); a restart resumes from the newest valid checkpoint"
+            )
+        kept = {}
+        if self._tier is not None:
+            self._tier.forget()
+            kept = self._tier.files(info.step, info.manifest_sha256)
+        again = LocalFirstFileSystem(
+            {name: copy for name, copy in kept.items() if name not in bad}, self._storage.local
+        )
+        try:
+            loaded = self._read(checked, state, entry, legacy, again)
+        except CheckpointException as exc:
+            raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+        reading.sources |= again.sources
+        return loaded
+
+    def _legacy_extra(self, info: CheckpointInfo) -> Optional[bytes]:
+        """This rank's extra state in a format 1 checkpoint: a file of its own (when its manifest lists one)."""
+        name = _LEGACY_EXTRA_FILE.format(rank=self.rank)
+        if name not in (info.files or {}):
+            return None
+        try:
+            return self._storage.read_bytes(_join(info.uri, name), limit=info.files[name])
+        except FileNotFoundError:
+            return None
+
+    def _another_runs(self, info: CheckpointInfo) -> bool:
+        return bool(self.run_uid and info.run_uid and info.run_uid != self.run_uid)
