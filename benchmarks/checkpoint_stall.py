@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from trainingrun_trainer.checkpoint import CheckpointStore, model_digest
+    from trainingrun_trainer.checkpoint.saving import tensor_bytes
     from trainingrun_trainer.checkpoint.storage import FETCH_AHEAD
-    from trainingrun_trainer.checkpoint.store import tensor_bytes
     from trainingrun_trainer.data import SyntheticText
     from trainingrun_trainer.models import CharTransformer
     from trainingrun_trainer.seeding import rng_state

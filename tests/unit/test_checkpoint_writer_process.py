@@ -11,8 +11,7 @@ import pytest
 import torch
 from test_checkpoint import app_state, make_model, step_dir, train_step, trained
 
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest
-from trainingrun_trainer.checkpoint import store as store_module
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest, saving
 from trainingrun_trainer.checkpoint.writer_process import WriterProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -87,7 +86,7 @@ def test_a_writer_that_dies_mid_save_commits_nothing_and_training_goes_on(tmp_pa
 
 def test_without_room_in_shared_memory_saves_are_written_in_process_with_one_warning(tmp_path, monkeypatch, caplog):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 10 << 20))
+    monkeypatch.setattr(saving.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 10 << 20))
     monkeypatch.setattr(WriterProcess, "write", lambda *a: pytest.fail("the writer process was used"))
     model, opt = trained()
     with writing_store(tmp_path.as_uri()) as store, caplog.at_level(logging.WARNING, logger="trainingrun.checkpoint"):

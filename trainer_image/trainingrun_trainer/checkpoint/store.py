@@ -1,90 +1,50 @@
-"""`CheckpointStore`: saves (async, committed by the manifest), lists, loads and rotates checkpoints."""
+"""`CheckpointStore`: saves (async, committed by the manifest), lists, loads and rotates checkpoints.
+
+The class is put together from one part per concern, each in its module: `saving` (the training thread's side of a
+save), `committing` (the checkpoint thread: write, then commit), `persisting` (copies to storage behind node memory),
+`restoring` (list, latest_valid, load) and `rotation`. This module holds what they share: the store's state (set up in
+`__init__`, documented on the class), collectives, closing, and the run's start count."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import itertools
 import json
 import os
-import shutil
 import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 
 from ..torch_internals import StateDictStager, forget_save_plans
+from .committing import Committing
 from .layout import (
-    _SAVE_ERRORS,
-    EXTRA_ENTRY,
-    FILE_DIGEST,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     STARTS_NAME,
     CheckpointInfo,
     PendingSave,
-    _describe,
     _join,
     logger,
-    now_rfc3339,
     step_dir_name,
 )
 from .manifest import _inspect
-from .memory_tier import RESERVE_BYTES, RESERVE_SHARE, SEGMENTS_KEY, MemoryTier
+from .memory_tier import MemoryTier
 from .persisting import PersistingBehind
 from .restoring import Restoring
 from .rotation import Rotating
-from .save_planner import ReusingSavePlanner
+from .saving import Saving, _SaveJob
 from .storage import _is_dir, _Storage, _storage_options
-from .tier_staging import StagedFile, data_file_name, plain_tensors, release_locked_pages, stageable
-from .writer import _Writer
+from .tier_staging import release_locked_pages
 from .writer_process import WriterProcess
 
-#: Where shared memory lives (torch's shared tensors, the memory tier).
-SHARED_MEMORY = "/dev/shm"
 #: Numbers the stores of this process: each keeps its own plans in DCP's process-wide plan cache.
 _STORES = itertools.count()
 
 
-@dataclass
-class _SaveJob:
-    step: int
-    state: Any
-    config_hash: str
-    model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
-    started: float
-    expected_bytes: int  # about what this rank writes (for the memory tier's room)
-    shared: bool = False  # staged in shared memory, for the writer process
-    logged: bool = False  # this rank already logged the failure
-    later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
-    marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
-    copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
-
-
-def _plain(state: Mapping[str, Any]) -> dict:
-    """`state` with Stateful objects replaced by their state_dict."""
-    return {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
-
-
-def tensor_bytes(tree: Any) -> int:
-    """Bytes of the tensors (and byte strings) in a nested state."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, Mapping):
-        return sum(tensor_bytes(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(tensor_bytes(value) for value in tree)
-    return len(tree) if isinstance(tree, bytes) else 0
-
-
-class CheckpointStore(PersistingBehind, Restoring, Rotating):
+class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating):
     """Saves, lists, loads and rotates checkpoints below ``uri`` (gs://, s3://, file:// or a path).
 
     Args:
@@ -246,152 +206,6 @@ class CheckpointStore(PersistingBehind, Restoring, Rotating):
         self.last_restore_seconds = 0.0
         self.last_restore_source = ""
 
-    # ------------------------------------------------------------------ saving
-
-    def save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        extra: Optional[Mapping[str, Any]] = None,
-        *,
-        config_hash: str = "",
-        model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
-        blocking: bool = False,
-        copy_in_background: Collection[str] = (),
-    ) -> PendingSave:
-        """Checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank.
-
-        ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
-        ``torch.distributed.checkpoint.state_dict.get_state_dict`` for model + optimizer).
-        ``extra``: this rank's own small state of plain values (RNG states...), saved as this rank's
-        entry of the same DCP checkpoint (``extra-rank-<r>``). ``config_hash`` and ``model_digest``
-        (see :func:`model_digest`) are recorded in the manifest as given ("" = not recorded); ``model_digest`` may be a
-        function of the staged state, then rank 0 computes it in the background.
-
-        Finishes the previous save first, then stages (copies) state and extra and returns; the
-        write and commit run in the background unless ``blocking``. Never raises a storage error:
-        a failed save returns a handle whose ``result()`` is None and counts in ``failed_saves``.
-
-        ``copy_in_background``: keys of ``state`` whose tensors the caller leaves unchanged until it calls
-        :meth:`wait_copied` (the trainer: model, optimizer and EMA, which only the next optimizer step changes).
-        The background thread copies them while training goes on, and after the first such save (which shows them
-        to be plain, unsharded tensors) also takes their state_dict(): leave their structure unchanged too.
-        """
-        if self._closed:
-            raise RuntimeError("the checkpoint store is closed")
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        began = time.perf_counter()
-        self.wait()
-        started = time.perf_counter()
-        reserved = [key for key in state if str(key).startswith(EXTRA_ENTRY.format(rank=""))]
-        if reserved:
-            raise ValueError(f"state keys {reserved} are reserved for each rank's extra state: rename them")
-        # The background thread also takes the state_dict() of what it copies, once the first save has shown them to
-        # be plain tensors (not sharded: gathering those may be a collective, which only the training thread may run):
-        # torch's get_state_dict walks every module and parameter, milliseconds per save, more the larger the model,
-        # and nothing it reads changes before the optimizer step.
-        deferred = (
-            [key for key in copy_in_background if key in state]
-            if not blocking and self._writer is None and self._defer_state_dicts
-            else []
-        )
-        plain = _plain({key: value for key, value in state.items() if key not in deferred})
-        expected_bytes = self.last_save_bytes or tensor_bytes(plain)
-        shared = self._room_to_share(plain)
-        later = (
-            {}
-            if blocking
-            else {key: state[key] if key in deferred else plain.pop(key) for key in copy_in_background if key in state}
-        )
-        if later and self._defer_state_dicts is None:
-            self._defer_state_dicts = plain_tensors(later)
-        staged = self._stager(shared)(plain)
-        buffer = io.BytesIO()
-        torch.save(dict(extra or {}), buffer)
-        staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
-        job = _SaveJob(
-            step=step,
-            state=staged,
-            config_hash=config_hash,
-            model_digest=model_digest,
-            started=started,
-            expected_bytes=expected_bytes,
-            shared=shared,
-            later=later or None,
-        )
-        if not later:
-            job.copied.set_result(None)
-        if blocking:
-            future: Future = Future()
-            future.set_result(self._run(job))
-        else:
-            future = self._executor.submit(self._run, job)
-        self.last_blocking_seconds = time.perf_counter() - began
-        pending = PendingSave(step, future, self.last_blocking_seconds)
-        self._pending, self._copying = pending, job
-        return pending
-
-    def _stager(self, shared: bool) -> Callable[[dict], dict]:
-        return (self._shared_stager if shared else self._private_stager).stage
-
-    def wait_copied(self) -> float:
-        """Wait until the save in flight has copied its ``copy_in_background`` entries; returns the seconds waited
-        (they count in ``last_blocking_seconds`` and the save's ``blocking_seconds``). Call it before changing
-        them. Raises what copying raised (out of memory...), as ``save()`` would have."""
-        job, self._copying = self._copying, None
-        if job is None:
-            return 0.0
-        began = time.perf_counter()
-        error = job.copied.exception()
-        waited = time.perf_counter() - began
-        self.last_blocking_seconds += waited
-        if self._pending is not None:  # the save whose copy this was: set together in save(), wait() keeps the order
-            self._pending.blocking_seconds += waited
-        if error is not None:
-            raise error
-        return waited
-
-    def _room_to_share(self, plain: Mapping[str, Any]) -> bool:
-        """Whether this save can stage into shared memory for the writer process: /dev/shm must hold what the
-        buffers lack and keep its reserve, or copying into them would end the process with SIGBUS."""
-        if self._writer is None or not self._writer.ready():
-            return False
-        needed = max(0, tensor_bytes(plain) - self._shared_bytes)
-        if needed:
-            try:
-                usage = shutil.disk_usage(SHARED_MEMORY)
-            except OSError:
-                return False
-            if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
-                if not self._told_no_shared_room:
-                    logger.warning(
-                        "checkpoints are written in-process, not by the writer process: %s has %d MiB "
-                        "free and staging needs %d MiB more (raise resources.sharedMemory); told once",
-                        SHARED_MEMORY,
-                        usage.free >> 20,
-                        needed >> 20,
-                    )
-                    self._told_no_shared_room = True
-                return False
-            if not self._shared_bytes:
-                logger.info(
-                    "rank %d: checkpoint files are written by the writer process %d from now on",
-                    self.rank,
-                    self._writer.pid,
-                )
-            self._shared_bytes += needed
-        return True
-
-    def wait(self) -> Optional[CheckpointInfo]:
-        """Finish the save in flight, if any, and return the most recent save's outcome: the
-        committed :class:`CheckpointInfo`, or None if it failed (or nothing was saved yet)."""
-        self.wait_copied()
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._last_result = pending.result()
-        return self._last_result
-
     def close(self) -> None:
         """Finish the save in flight and stop the background thread. Idempotent."""
         if self._closed:
@@ -455,264 +269,6 @@ class CheckpointStore(PersistingBehind, Restoring, Rotating):
         box = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(box, group=self._pg, group_src=0)
         return box[0]
-
-    def _run(self, job: _SaveJob) -> Optional[CheckpointInfo]:
-        """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
-        storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
-        log record and failed_saves."""
-        if not self.persist_behind:
-            self._stage_later(job, None)
-            job.marks.append(("staging", time.perf_counter()))
-            return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
-        with self._persist_lock:  # the persister may be taking the next step to copy
-            keep = self._persist_steps()
-        tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=keep)
-        staged = self._stage_later(job, tier_dir)
-        job.marks.append(("staging", time.perf_counter()))
-        try:
-            if staged is not None and staged.failed:
-                self._tier.discard(job.step)  # no room after all: this rank's tier gets nothing of this step
-                tier_dir = None
-            try:
-                in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
-            except _SAVE_ERRORS as exc:
-                if tier_dir is not None:
-                    self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
-                return self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
-            if in_memory:
-                return self._save(job, tier_dir, in_memory=True, staged=staged)
-            if tier_dir is not None:
-                self._tier.discard(job.step)
-            return self._save(job, None)
-        finally:
-            if staged is not None:
-                staged.close()
-
-    def _stage_later(self, job: _SaveJob, tier_dir: Optional[str]) -> Optional[StagedFile]:
-        """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
-        may change them. Into this rank's data file in `tier_dir` when they are CPU tensors (stage once,
-        `tier_staging`; returned), else by the stager."""
-        if job.later is None:
-            return None
-        staged: Optional[StagedFile] = None
-        try:
-            job.later = _plain(job.later)
-            if tier_dir is not None and stageable(job.later):
-                staged = StagedFile(os.path.join(tier_dir, data_file_name(self.rank)))
-                try:
-                    job.state.update(staged.stage(job.later))
-                except OSError as exc:
-                    logger.warning(
-                        "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save commits to storage",
-                        job.step,
-                        self.rank,
-                        tier_dir,
-                        _describe(exc),
-                    )
-                    staged.failed = True
-                    staged.close()
-            if staged is None or staged.failed:
-                job.state.update(self._stager(job.shared)(job.later))
-        except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
-            job.copied.set_exception(exc)
-            if staged is not None:
-                staged.close()
-            raise
-        finally:
-            job.later = None
-        job.copied.set_result(None)
-        return staged
-
-    def _save(
-        self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False, staged: Optional[StagedFile] = None
-    ) -> Optional[CheckpointInfo]:
-        """Write `job` and commit it: to storage, keeping a copy in `tier_dir` (None: none); or, `in_memory`, into
-        `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
-        persisted."""
-        step_uri = self._step_uri(job.step)
-        record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
-        error: Optional[str] = None
-        # From the staged copy, in the background, beside the write (both only read it), so training waits for
-        # neither; rank 0 only writes the manifest, so only rank 0 computes it.
-        digesting = (
-            self._digesting.submit(job.model_digest, job.state)
-            if callable(job.model_digest) and self.rank == 0
-            else None
-        )
-        try:
-            if in_memory:
-                writer = _Writer(
-                    tier_dir,
-                    record,
-                    on_global_plan=lambda: None,
-                    sync_files=False,
-                    process=self._writer if job.shared and staged is None else None,
-                    segments=True,
-                    staged=staged,
-                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
-                )
-            else:
-                writer = _Writer(
-                    step_uri,
-                    record,
-                    on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
-                    sync_files=self._storage.local,
-                    tier=self._tier,
-                    tier_dir=tier_dir,
-                    process=self._writer if job.shared else None,
-                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
-                    **self._options,
-                )
-            dcp.save(
-                job.state,
-                storage_writer=writer,
-                planner=self._planner(),
-                process_group=self._pg,
-                no_dist=not self._distributed,
-            )
-            job.marks.append(("writing", time.perf_counter()))
-            if in_memory:
-                for name, entry in record.items():
-                    self._tier.write_digests(
-                        tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST], entry.pop(SEGMENTS_KEY)
-                    )
-        except _SAVE_ERRORS as exc:
-            error = _describe(exc)
-            logger.error(
-                "checkpoint step %d: rank %d could not write %s: %s",
-                job.step,
-                self.rank,
-                tier_dir if in_memory else step_uri,
-                error,
-                exc_info=True,
-            )
-            job.logged = True
-        if callable(job.model_digest):
-            job.model_digest = digesting.result() if digesting is not None and error is None else ""
-        job.state = None  # drop the staged copy
-        job.marks.append(("model digest", time.perf_counter()))
-
-        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes]] = None
-        try:
-            statuses = self._gather((error, record))
-            if self.rank == 0:
-                outcome = self._commit(job, step_uri, statuses, tier_dir if in_memory else None)
-            outcome = self._broadcast(outcome)
-        except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
-            outcome = (None, _describe(exc), b"")
-            if not job.logged:
-                logger.error(
-                    "checkpoint step %d: rank %d lost contact with its peers: %s",
-                    job.step,
-                    self.rank,
-                    outcome[1],
-                    exc_info=True,
-                )
-                job.logged = True
-        info, commit_error, manifest = outcome
-        if tier_dir is not None and info is not None and not in_memory:
-            self._tier.commit(job.step, manifest)
-        elif tier_dir is not None and info is None:
-            self._tier.discard(job.step)
-        if info is None:
-            return self._failed(job, commit_error)
-
-        self.last_save_seconds = time.perf_counter() - job.started
-        job.marks.append(("committing", time.perf_counter()))
-        self.last_save_phases = {
-            name: at - before for (name, at), (_, before) in zip(job.marks, [("started", job.started)] + job.marks)
-        }
-        self.last_save_bytes = sum(entry["size"] for entry in record.values())
-        self.committed_saves += 1
-        if in_memory:
-            self.in_memory = info
-            self._trusted[step_uri] = info.manifest_sha256  # a load reads it from the tier, checked as it reads
-        else:
-            self.in_memory = self.in_storage = info
-        if self.rank == 0:
-            self.last_save_bytes += self._manifest_bytes
-            logger.info(
-                "committed checkpoint step %d %s (%d bytes, %.2f s)",
-                job.step,
-                "in memory" if in_memory else f"to {info.uri}",
-                info.size_bytes,
-                self.last_save_seconds,
-            )
-            if in_memory:
-                self._persist(info, manifest)
-            else:
-                try:
-                    self._rotate()
-                except Exception as exc:
-                    logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
-        return info
-
-    def _planner(self) -> ReusingSavePlanner:
-        """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""
-        return ReusingSavePlanner(self._plans_key, self._planned)
-
-    def _failed(self, job: _SaveJob, error: Optional[str]) -> None:
-        self.failed_saves += 1
-        if not job.logged:  # another rank failed: one record on this rank too
-            logger.error("checkpoint step %d was not committed: %s", job.step, error)
-        return None
-
-    def _commit(
-        self, job: _SaveJob, step_uri: str, statuses: list, tier_dir: Optional[str] = None
-    ) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
-        """Rank 0: write the manifest if every rank succeeded, to storage or (`tier_dir`) into the memory tier.
-        Returns (info, error, the manifest's bytes)."""
-        self._manifest_bytes = 0
-        failed = [(rank, err) for rank, (err, _) in enumerate(statuses) if err is not None]
-        if failed:
-            return None, "; ".join(f"rank {rank}: {err}" for rank, err in failed), b""
-        files = {}
-        for _, record in statuses:
-            files.update(record)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "step": job.step,
-            "time": now_rfc3339(),
-            "world_size": self.world_size,
-            "config_hash": job.config_hash,
-            "model_digest": job.model_digest,
-            "torch_version": torch.__version__,
-            "files": [{"path": name, **entry} for name, entry in sorted(files.items())],
-        }
-        if self.run_uid:
-            manifest["run_uid"] = self.run_uid
-        raw = (json.dumps(manifest, indent=1) + "\n").encode()
-        try:
-            if tier_dir is not None:
-                with self._persist_lock:  # older copies go, but not the one being persisted
-                    self._tier.commit(job.step, raw, keep=self._persist_steps())
-                if self._tier.off is not None:
-                    raise OSError(f"the memory tier is off: {self._tier.off}")
-            else:
-                self._storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)
-            job.logged = True
-            return None, f"rank 0: {error}", b""
-        self._manifest_bytes = len(raw)
-        manifest_sha = hashlib.sha256(raw).hexdigest()
-        if tier_dir is None:
-            self._trusted[step_uri] = manifest_sha
-        info = CheckpointInfo(
-            step=job.step,
-            uri=step_uri,
-            time=manifest["time"],
-            size_bytes=sum(entry["size"] for entry in files.values()) + len(raw),
-            valid=True,
-            reason=None,
-            model_digest=job.model_digest or None,
-            world_size=self.world_size,
-            manifest_sha256=manifest_sha,
-            run_uid=self.run_uid,
-            files={name: entry["size"] for name, entry in files.items()},
-        )
-        return info, None, raw
 
     # ------------------------------------------------------------------ the run's starts
 

@@ -1,0 +1,293 @@
+"""The checkpoint thread: writing a staged state (DCP, every rank) and committing it with rank 0's manifest, in node
+memory or in storage (a part of `CheckpointStore`; steps 2-5 of the package's description)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .layout import (
+    _SAVE_ERRORS,
+    FILE_DIGEST,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    CheckpointInfo,
+    _describe,
+    _join,
+    logger,
+    now_rfc3339,
+)
+from .memory_tier import SEGMENTS_KEY
+from .save_planner import ReusingSavePlanner
+from .saving import _plain, _SaveJob
+from .tier_staging import StagedFile, data_file_name, stageable
+from .writer import _Writer
+
+
+class Committing:
+    """CheckpointStore's background save: `_run` writes and commits one `_SaveJob`. State lives in
+    `CheckpointStore.__init__`."""
+
+    def _run(self, job: _SaveJob) -> Optional[CheckpointInfo]:
+        """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
+        storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
+        log record and failed_saves."""
+        if not self.persist_behind:
+            self._stage_later(job, None)
+            job.marks.append(("staging", time.perf_counter()))
+            return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
+        with self._persist_lock:  # the persister may be taking the next step to copy
+            keep = self._persist_steps()
+        tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=keep)
+        staged = self._stage_later(job, tier_dir)
+        job.marks.append(("staging", time.perf_counter()))
+        try:
+            if staged is not None and staged.failed:
+                self._tier.discard(job.step)  # no room after all: this rank's tier gets nothing of this step
+                tier_dir = None
+            try:
+                in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
+            except _SAVE_ERRORS as exc:
+                if tier_dir is not None:
+                    self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
+                return self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+            if in_memory:
+                return self._save(job, tier_dir, in_memory=True, staged=staged)
+            if tier_dir is not None:
+                self._tier.discard(job.step)
+            return self._save(job, None)
+        finally:
+            if staged is not None:
+                staged.close()
+
+    def _stage_later(self, job: _SaveJob, tier_dir: Optional[str]) -> Optional[StagedFile]:
+        """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
+        may change them. Into this rank's data file in `tier_dir` when they are CPU tensors (stage once,
+        `tier_staging`; returned), else by the stager."""
+        if job.later is None:
+            return None
+        staged: Optional[StagedFile] = None
+        try:
+            job.later = _plain(job.later)
+            if tier_dir is not None and stageable(job.later):
+                staged = StagedFile(os.path.join(tier_dir, data_file_name(self.rank)))
+                try:
+                    job.state.update(staged.stage(job.later))
+                except OSError as exc:
+                    logger.warning(
+                        "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save commits to storage",
+                        job.step,
+                        self.rank,
+                        tier_dir,
+                        _describe(exc),
+                    )
+                    staged.failed = True
+                    staged.close()
+            if staged is None or staged.failed:
+                job.state.update(self._stager(job.shared)(job.later))
+        except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
+            job.copied.set_exception(exc)
+            if staged is not None:
+                staged.close()
+            raise
+        finally:
+            job.later = None
+        job.copied.set_result(None)
+        return staged
+
+    def _save(
+        self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False, staged: Optional[StagedFile] = None
+    ) -> Optional[CheckpointInfo]:
+        """Write `job` and commit it: to storage, keeping a copy in `tier_dir` (None: none); or, `in_memory`, into
+        `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
+        persisted."""
+        step_uri = self._step_uri(job.step)
+        record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
+        error: Optional[str] = None
+        # From the staged copy, in the background, beside the write (both only read it), so training waits for
+        # neither; rank 0 only writes the manifest, so only rank 0 computes it.
+        digesting = (
+            self._digesting.submit(job.model_digest, job.state)
+            if callable(job.model_digest) and self.rank == 0
+            else None
+        )
+        try:
+            if in_memory:
+                writer = _Writer(
+                    tier_dir,
+                    record,
+                    on_global_plan=lambda: None,
+                    sync_files=False,
+                    process=self._writer if job.shared and staged is None else None,
+                    segments=True,
+                    staged=staged,
+                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
+                )
+            else:
+                writer = _Writer(
+                    step_uri,
+                    record,
+                    on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
+                    sync_files=self._storage.local,
+                    tier=self._tier,
+                    tier_dir=tier_dir,
+                    process=self._writer if job.shared else None,
+                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
+                    **self._options,
+                )
+            dcp.save(
+                job.state,
+                storage_writer=writer,
+                planner=self._planner(),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
+            job.marks.append(("writing", time.perf_counter()))
+            if in_memory:
+                for name, entry in record.items():
+                    self._tier.write_digests(
+                        tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST], entry.pop(SEGMENTS_KEY)
+                    )
+        except _SAVE_ERRORS as exc:
+            error = _describe(exc)
+            logger.error(
+                "checkpoint step %d: rank %d could not write %s: %s",
+                job.step,
+                self.rank,
+                tier_dir if in_memory else step_uri,
+                error,
+                exc_info=True,
+            )
+            job.logged = True
+        if callable(job.model_digest):
+            job.model_digest = digesting.result() if digesting is not None and error is None else ""
+        job.state = None  # drop the staged copy
+        job.marks.append(("model digest", time.perf_counter()))
+
+        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes]] = None
+        try:
+            statuses = self._gather((error, record))
+            if self.rank == 0:
+                outcome = self._commit(job, step_uri, statuses, tier_dir if in_memory else None)
+            outcome = self._broadcast(outcome)
+        except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
+            outcome = (None, _describe(exc), b"")
+            if not job.logged:
+                logger.error(
+                    "checkpoint step %d: rank %d lost contact with its peers: %s",
+                    job.step,
+                    self.rank,
+                    outcome[1],
+                    exc_info=True,
+                )
+                job.logged = True
+        info, commit_error, manifest = outcome
+        if tier_dir is not None and info is not None and not in_memory:
+            self._tier.commit(job.step, manifest)
+        elif tier_dir is not None and info is None:
+            self._tier.discard(job.step)
+        if info is None:
+            return self._failed(job, commit_error)
+
+        self.last_save_seconds = time.perf_counter() - job.started
+        job.marks.append(("committing", time.perf_counter()))
+        self.last_save_phases = {
+            name: at - before for (name, at), (_, before) in zip(job.marks, [("started", job.started)] + job.marks)
+        }
+        self.last_save_bytes = sum(entry["size"] for entry in record.values())
+        self.committed_saves += 1
+        if in_memory:
+            self.in_memory = info
+            self._trusted[step_uri] = info.manifest_sha256  # a load reads it from the tier, checked as it reads
+        else:
+            self.in_memory = self.in_storage = info
+        if self.rank == 0:
+            self.last_save_bytes += self._manifest_bytes
+            logger.info(
+                "committed checkpoint step %d %s (%d bytes, %.2f s)",
+                job.step,
+                "in memory" if in_memory else f"to {info.uri}",
+                info.size_bytes,
+                self.last_save_seconds,
+            )
+            if in_memory:
+                self._persist(info, manifest)
+            else:
+                try:
+                    self._rotate()
+                except Exception as exc:
+                    logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
+        return info
+
+    def _planner(self) -> ReusingSavePlanner:
+        """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""
+        return ReusingSavePlanner(self._plans_key, self._planned)
+
+    def _failed(self, job: _SaveJob, error: Optional[str]) -> None:
+        self.failed_saves += 1
+        if not job.logged:  # another rank failed: one record on this rank too
+            logger.error("checkpoint step %d was not committed: %s", job.step, error)
+        return None
+
+    def _commit(
+        self, job: _SaveJob, step_uri: str, statuses: list, tier_dir: Optional[str] = None
+    ) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
+        """Rank 0: write the manifest if every rank succeeded, to storage or (`tier_dir`) into the memory tier.
+        Returns (info, error, the manifest's bytes)."""
+        self._manifest_bytes = 0
+        failed = [(rank, err) for rank, (err, _) in enumerate(statuses) if err is not None]
+        if failed:
+            return None, "; ".join(f"rank {rank}: {err}" for rank, err in failed), b""
+        files = {}
+        for _, record in statuses:
+            files.update(record)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": job.step,
+            "time": now_rfc3339(),
+            "world_size": self.world_size,
+            "config_hash": job.config_hash,
+            "model_digest": job.model_digest,
+            "torch_version": torch.__version__,
+            "files": [{"path": name, **entry} for name, entry in sorted(files.items())],
+        }
+        if self.run_uid:
+            manifest["run_uid"] = self.run_uid
+        raw = (json.dumps(manifest, indent=1) + "\n").encode()
+        try:
+            if tier_dir is not None:
+                with self._persist_lock:  # older copies go, but not the one being persisted
+                    self._tier.commit(job.step, raw, keep=self._persist_steps())
+                if self._tier.off is not None:
+                    raise OSError(f"the memory tier is off: {self._tier.off}")
+            else:
+                self._storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)
+            job.logged = True
+            return None, f"rank 0: {error}", b""
+        self._manifest_bytes = len(raw)
+        manifest_sha = hashlib.sha256(raw).hexdigest()
+        if tier_dir is None:
+            self._trusted[step_uri] = manifest_sha
+        info = CheckpointInfo(
+            step=job.step,
+            uri=step_uri,
+            time=manifest["time"],
+            size_bytes=sum(entry["size"] for entry in files.values()) + len(raw),
+            valid=True,
+            reason=None,
+            model_digest=job.model_digest or None,
+            world_size=self.world_size,
+            manifest_sha256=manifest_sha,
+            run_uid=self.run_uid,
+            files={name: entry["size"] for name, entry in files.items()},
+        )
+        return info, None, raw

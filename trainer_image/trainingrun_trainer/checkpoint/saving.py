@@ -1,0 +1,204 @@
+"""Saving on the training thread: staging a state and handing it to the checkpoint thread (a part of `CheckpointStore`)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping, Optional, Union
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .layout import (
+    EXTRA_ENTRY,
+    CheckpointInfo,
+    PendingSave,
+    logger,
+)
+from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
+from .tier_staging import plain_tensors
+
+#: Where shared memory lives (torch's shared tensors, the memory tier).
+SHARED_MEMORY = "/dev/shm"
+
+
+@dataclass
+class _SaveJob:
+    step: int
+    state: Any
+    config_hash: str
+    model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
+    started: float
+    expected_bytes: int  # about what this rank writes (for the memory tier's room)
+    shared: bool = False  # staged in shared memory, for the writer process
+    logged: bool = False  # this rank already logged the failure
+    later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
+    marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
+    copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
+
+
+def _plain(state: Mapping[str, Any]) -> dict:
+    """`state` with Stateful objects replaced by their state_dict."""
+    return {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors (and byte strings) in a nested state."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, Mapping):
+        return sum(tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(value) for value in tree)
+    return len(tree) if isinstance(tree, bytes) else 0
+
+
+class Saving:
+    """CheckpointStore's `save`, `wait_copied` and `wait`. State lives in `CheckpointStore.__init__`."""
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        extra: Optional[Mapping[str, Any]] = None,
+        *,
+        config_hash: str = "",
+        model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
+        blocking: bool = False,
+        copy_in_background: Collection[str] = (),
+    ) -> PendingSave:
+        """Checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank.
+
+        ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` for model + optimizer).
+        ``extra``: this rank's own small state of plain values (RNG states...), saved as this rank's
+        entry of the same DCP checkpoint (``extra-rank-<r>``). ``config_hash`` and ``model_digest``
+        (see :func:`model_digest`) are recorded in the manifest as given ("" = not recorded); ``model_digest`` may be a
+        function of the staged state, then rank 0 computes it in the background.
+
+        Finishes the previous save first, then stages (copies) state and extra and returns; the
+        write and commit run in the background unless ``blocking``. Never raises a storage error:
+        a failed save returns a handle whose ``result()`` is None and counts in ``failed_saves``.
+
+        ``copy_in_background``: keys of ``state`` whose tensors the caller leaves unchanged until it calls
+        :meth:`wait_copied` (the trainer: model, optimizer and EMA, which only the next optimizer step changes).
+        The background thread copies them while training goes on, and after the first such save (which shows them
+        to be plain, unsharded tensors) also takes their state_dict(): leave their structure unchanged too.
+        """
+        if self._closed:
+            raise RuntimeError("the checkpoint store is closed")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        began = time.perf_counter()
+        self.wait()
+        started = time.perf_counter()
+        reserved = [key for key in state if str(key).startswith(EXTRA_ENTRY.format(rank=""))]
+        if reserved:
+            raise ValueError(f"state keys {reserved} are reserved for each rank's extra state: rename them")
+        # The background thread also takes the state_dict() of what it copies, once the first save has shown them to
+        # be plain tensors (not sharded: gathering those may be a collective, which only the training thread may run):
+        # torch's get_state_dict walks every module and parameter, milliseconds per save, more the larger the model,
+        # and nothing it reads changes before the optimizer step.
+        deferred = (
+            [key for key in copy_in_background if key in state]
+            if not blocking and self._writer is None and self._defer_state_dicts
+            else []
+        )
+        plain = _plain({key: value for key, value in state.items() if key not in deferred})
+        expected_bytes = self.last_save_bytes or tensor_bytes(plain)
+        shared = self._room_to_share(plain)
+        later = (
+            {}
+            if blocking
+            else {key: state[key] if key in deferred else plain.pop(key) for key in copy_in_background if key in state}
+        )
+        if later and self._defer_state_dicts is None:
+            self._defer_state_dicts = plain_tensors(later)
+        staged = self._stager(shared)(plain)
+        buffer = io.BytesIO()
+        torch.save(dict(extra or {}), buffer)
+        staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
+        job = _SaveJob(
+            step=step,
+            state=staged,
+            config_hash=config_hash,
+            model_digest=model_digest,
+            started=started,
+            expected_bytes=expected_bytes,
+            shared=shared,
+            later=later or None,
+        )
+        if not later:
+            job.copied.set_result(None)
+        if blocking:
+            future: Future = Future()
+            future.set_result(self._run(job))
+        else:
+            future = self._executor.submit(self._run, job)
+        self.last_blocking_seconds = time.perf_counter() - began
+        pending = PendingSave(step, future, self.last_blocking_seconds)
+        self._pending, self._copying = pending, job
+        return pending
+
+    def _stager(self, shared: bool) -> Callable[[dict], dict]:
+        return (self._shared_stager if shared else self._private_stager).stage
+
+    def wait_copied(self) -> float:
+        """Wait until the save in flight has copied its ``copy_in_background`` entries; returns the seconds waited
+        (they count in ``last_blocking_seconds`` and the save's ``blocking_seconds``). Call it before changing
+        them. Raises what copying raised (out of memory...), as ``save()`` would have."""
+        job, self._copying = self._copying, None
+        if job is None:
+            return 0.0
+        began = time.perf_counter()
+        error = job.copied.exception()
+        waited = time.perf_counter() - began
+        self.last_blocking_seconds += waited
+        if self._pending is not None:  # the save whose copy this was: set together in save(), wait() keeps the order
+            self._pending.blocking_seconds += waited
+        if error is not None:
+            raise error
+        return waited
+
+    def _room_to_share(self, plain: Mapping[str, Any]) -> bool:
+        """Whether this save can stage into shared memory for the writer process: /dev/shm must hold what the
+        buffers lack and keep its reserve, or copying into them would end the process with SIGBUS."""
+        if self._writer is None or not self._writer.ready():
+            return False
+        needed = max(0, tensor_bytes(plain) - self._shared_bytes)
+        if needed:
+            try:
+                usage = shutil.disk_usage(SHARED_MEMORY)
+            except OSError:
+                return False
+            if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+                if not self._told_no_shared_room:
+                    logger.warning(
+                        "checkpoints are written in-process, not by the writer process: %s has %d MiB "
+                        "free and staging needs %d MiB more (raise resources.sharedMemory); told once",
+                        SHARED_MEMORY,
+                        usage.free >> 20,
+                        needed >> 20,
+                    )
+                    self._told_no_shared_room = True
+                return False
+            if not self._shared_bytes:
+                logger.info(
+                    "rank %d: checkpoint files are written by the writer process %d from now on",
+                    self.rank,
+                    self._writer.pid,
+                )
+            self._shared_bytes += needed
+        return True
+
+    def wait(self) -> Optional[CheckpointInfo]:
+        """Finish the save in flight, if any, and return the most recent save's outcome: the
+        committed :class:`CheckpointInfo`, or None if it failed (or nothing was saved yet)."""
+        self.wait_copied()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._last_result = pending.result()
+        return self._last_result
