@@ -100,7 +100,7 @@ def _int_or_string(schema: dict[str, Any], branches: list[dict[str, Any]]) -> di
     words = [word["const"]] if "const" in word else list(word["enum"])
     checks = [f"self >= {number['minimum']}"] if "minimum" in number else ["true"]
     listed = ", ".join(f"'{w}'" for w in words)
-    node: dict[str, Any] = {k: v for k, v in schema.items() if k in ("description", "default")}
+    node: dict[str, Any] = {k: v for k, v in schema.items() if k == "description" or (k == "default" and v is not None)}
     node["x-kubernetes-int-or-string"] = True
     node["x-kubernetes-validations"] = [
         {

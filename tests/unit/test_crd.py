@@ -121,6 +121,18 @@ def test_a_number_or_word_becomes_int_or_string_with_a_rule_for_both():
     assert node["x-kubernetes-validations"][0]["rule"] == "type(self) == int ? self >= 1 : self in ['auto']"
 
 
+def test_no_node_has_a_null_default():
+    """The API server drops `default: null` from a stored CRD, so a second server-side apply of the same file by another
+    field manager (helm 4 after `kubectl apply --server-side`) conflicts on .spec.versions: found by
+    tests/real_api/test_install.py when an optional number-or-word (storageInterval.steps) emitted one."""
+    optional_word = crd.structural(
+        {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "const": "auto"}, {"type": "null"}]}, {}
+    )
+    assert "default" not in optional_word
+    spec = yaml.safe_load(crd.crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert [path for path, node in walk(spec) if "default" in node and node["default"] is None] == []
+
+
 def test_every_default_satisfies_its_own_rules():
     """The API server refuses a CRD whose defaults break the schema's CEL rules (it checks each default
     without filling in the defaults inside it): `recovery: {}` failed 'backoffSeconds <= maxBackoffSeconds'."""
