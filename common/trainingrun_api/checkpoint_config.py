@@ -80,13 +80,22 @@ AUTO_PRIOR_SECONDS_BETWEEN_FAILURES = 3600
 _AUTO_ONLY = ("minSteps", "maxSteps", "expectedSecondsBetweenFailures")
 
 
-def _steps_or_auto(value: Any) -> Any:
-    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
-    raise ValueError(f"{value!r} is neither a whole number of steps from 1 nor 'auto'; write e.g. 500 or auto")
+class _StepsOrAuto(ApiModel):
+    """An interval whose `steps` is a whole number from 1 or `auto`."""
+
+    @property
+    def auto(self) -> bool:
+        return getattr(self, "steps", None) == "auto"
+
+    @field_validator("steps", mode="before", check_fields=False)
+    @classmethod
+    def _steps(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"{value!r} is neither a whole number of steps from 1 nor 'auto'; write e.g. 500 or auto")
 
 
-class CheckpointInterval(ApiModel):
+class CheckpointInterval(_StepsOrAuto):
     """When to checkpoint; whichever limit is reached first triggers a save."""
 
     model_config = ConfigDict(
@@ -137,15 +146,6 @@ class CheckpointInterval(ApiModel):
         "the run started / the failures seen.",
     )
 
-    @property
-    def auto(self) -> bool:
-        return self.steps == "auto"
-
-    @field_validator("steps", mode="before")
-    @classmethod
-    def _steps(cls, value: Any) -> Any:
-        return _steps_or_auto(value)
-
     @model_validator(mode="after")
     def _consistent(self) -> "CheckpointInterval":
         if self.steps is None and self.seconds is None:
@@ -171,7 +171,7 @@ class CheckpointInterval(ApiModel):
         return self
 
 
-class StorageInterval(ApiModel):
+class StorageInterval(_StepsOrAuto):
     """Persisting behind: how often a checkpoint committed in memory is also copied to storage."""
 
     model_config = ConfigDict(
@@ -202,15 +202,6 @@ class StorageInterval(ApiModel):
         ge=1,
         description="Copy a memory checkpoint when this many seconds passed since the last copy began.",
     )
-
-    @property
-    def auto(self) -> bool:
-        return self.steps == "auto"
-
-    @field_validator("steps", mode="before")
-    @classmethod
-    def _steps(cls, value: Any) -> Any:
-        return _steps_or_auto(value)
 
     @model_validator(mode="after")
     def _some_limit(self) -> "StorageInterval":

@@ -41,6 +41,24 @@ def run_in(root, resume_from=None, local_rank=0, committed_step_file=None) -> Ru
     )
 
 
+def rank_zero_context(**overrides) -> RunContext:
+    """Attempt 1's rank 0 of run demo, alone."""
+    fields = dict(
+        name="demo",
+        namespace="ns",
+        uid="u",
+        attempt=1,
+        config_path="unused",
+        resume_from=None,
+        metrics_port=None,
+        pod_name="p",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+    )
+    return RunContext(**{**fields, **overrides})
+
+
 def saved_at(run: Run, *steps: int) -> dict[int, torch.Tensor]:
     weights = {}
     for step in steps:
@@ -180,19 +198,7 @@ def test_a_start_of_another_run_on_the_same_uri_starts_the_count_over(tmp_path):
 def test_the_writer_process_is_off_unless_the_spec_says_also_with_a_gpu(tmp_path, monkeypatch, setting, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the thread measured better on GPU hosts too
     uri = f"file://{tmp_path}"
-    context = RunContext(
-        name="demo",
-        namespace="ns",
-        uid="u",
-        attempt=1,
-        config_path="unused",
-        resume_from=None,
-        metrics_port=None,
-        pod_name="p",
-        rank=0,
-        local_rank=0,
-        world_size=1,
-    )
+    context = rank_zero_context(uid="u")
     config = CheckpointConfig.model_validate({"uri": uri, **({} if setting is None else {"writerProcess": setting})})
     run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
     try:
@@ -328,19 +334,7 @@ def test_persisting_behind_the_run_reports_the_newest_checkpoint_in_memory_and_t
     import uuid
 
     uri = f"file://{tmp_path}/ckpt"
-    context = RunContext(
-        name="demo",
-        namespace="ns",
-        uid=f"test-{uuid.uuid4().hex}",
-        attempt=1,
-        config_path="unused",
-        resume_from=None,
-        metrics_port=None,
-        pod_name="p",
-        rank=0,
-        local_rank=0,
-        world_size=1,
-    )
+    context = rank_zero_context(uid=f"test-{uuid.uuid4().hex}")
     reporter = RecordingReporter()
     run = Run(context, CheckpointConfig(uri=uri), reporter=reporter, handle_sigterm=False)
     try:
@@ -365,19 +359,7 @@ def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
     import pydantic
 
     uri = f"file://{tmp_path}"
-    context = RunContext(
-        name="demo",
-        namespace="ns",
-        uid="u",
-        attempt=1,
-        config_path="unused",
-        resume_from=None,
-        metrics_port=None,
-        pod_name="p",
-        rank=0,
-        local_rank=0,
-        world_size=1,
-    )
+    context = rank_zero_context(uid="u")
     config = CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}})
     run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
     try:
@@ -399,20 +381,8 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
 
     clock = SteppingClock()
     monkeypatch.setattr(session, "time", clock)
-    context = RunContext(
-        name="demo",
-        namespace="ns",
-        uid=f"test-{uuid.uuid4().hex}",
-        attempt=1,
-        config_path="unused",
-        resume_from=None,
-        metrics_port=None,
-        pod_name="p",
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        restart_count=2,  # restarts inside the pod: the storage interval does not count them
-    )
+    # restarts inside the pod: the storage interval does not count them
+    context = rank_zero_context(uid=f"test-{uuid.uuid4().hex}", restart_count=2)
     config = CheckpointConfig.model_validate(
         {"uri": f"file://{tmp_path}/ckpt", "interval": {"steps": 5}, "storageInterval": {"steps": "auto"}}
     )

@@ -179,8 +179,12 @@ class AutoInterval(SaveCosts):
         self.run_started = clock() if run_started is None else run_started
 
     def seconds_between_failures(self) -> float:
+        return self._mean_time_between(self.failures)
+
+    def _mean_time_between(self, failures: int) -> float:
+        """Seconds since the run started / `failures`; before the first, the prior or the time run so far."""
         ran = max(0.0, self.clock() - self.run_started)
-        return ran / self.failures if self.failures else max(self.prior_seconds_between_failures, ran)
+        return ran / failures if failures else max(self.prior_seconds_between_failures, ran)
 
     def steps(self) -> int:
         """The interval now, in steps."""
@@ -216,8 +220,7 @@ class AutoInterval(SaveCosts):
     def seconds_between_pod_losses(self) -> float:
         """The mean time between failures that lose the node's memory (new attempts), estimated as
         `seconds_between_failures` is."""
-        ran = max(0.0, self.clock() - self.run_started)
-        return ran / self.pod_losses if self.pod_losses else max(self.prior_seconds_between_failures, ran)
+        return self._mean_time_between(self.pod_losses)
 
     def storage_steps(self) -> Optional[int]:
         """storageInterval.steps: auto: how many steps apart memory checkpoints are copied to storage now; None: every
