@@ -95,6 +95,14 @@ class DataConfig(ApiModel):
         "sets pure_items = True: items that depend on their index alone), else on the training thread. With heavy "
         "decoding or augmentation, 2-4 keep up with a GPU (watch trainingrun_data_wait_seconds).",
     )
+    worker_start_method: Literal["forkserver", "spawn", "fork"] = Field(
+        default="forkserver",
+        description="How DataLoader workers start (numWorkers > 0). forkserver: from a clean process that has "
+        "imported torch and the dataset's module, so a worker starts in milliseconds and inherits no lock held by the "
+        "trainer's background threads (checkpoint, read-ahead); the dataset must be picklable. fork: copies the "
+        "training process, for datasets that cannot be pickled; a worker forked while another thread holds a lock "
+        "(e.g. torch's thread pool) can hang at its start. spawn: a fresh interpreter per worker, slowest to start.",
+    )
     prefetch_factor: Optional[int] = Field(
         default=None,
         ge=1,

@@ -3,6 +3,8 @@ world size with no sample skipped or repeated."""
 
 import os
 import random
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -12,8 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from trainingrun_api.model_base import ConfigError
 from trainingrun_trainer.background import helper_niceness
-from trainingrun_trainer.data import ResumableSampler, SyntheticImages, SyntheticText, in_background, seed_worker
+from trainingrun_trainer.data import (
+    ResumableSampler,
+    SyntheticImages,
+    SyntheticText,
+    batches_of,
+    in_background,
+    seed_worker,
+    worker_processes,
+)
 
 # ---------------------------------------------------------------- datasets
 
@@ -386,6 +397,109 @@ def test_dataloader_workers_differ_from_each_other_and_repeat_across_runs():
     assert values == run()
     # Items 0 and 1 come from different workers; forked numpy state alone would make them equal.
     assert values[0] != values[1]
+
+
+#: Stands for a lock of torch's thread pool that a trainer thread (checkpoint, read-ahead) may hold when workers start.
+HELD_BY_A_TRAINER_THREAD = threading.Lock()
+
+
+class NeedsTheLock(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        with HELD_BY_A_TRAINER_THREAD:
+            return torch.tensor(index)
+
+
+def test_workers_start_from_a_forkserver_so_a_lock_held_by_a_trainer_thread_is_not_held_in_them():
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with HELD_BY_A_TRAINER_THREAD:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        dataset = NeedsTheLock()
+        loader = DataLoader(
+            dataset, batch_size=2, num_workers=2, multiprocessing_context=worker_processes("forkserver", dataset),
+            timeout=60,  # a deadline: a worker stuck on the lock fails the test instead of hanging it
+        )  # fmt: skip
+        assert [batch.tolist() for batch in batches_of(loader, "forkserver")] == [[0, 1], [2, 3]]
+        # What the trainer did before: a forked worker inherits the lock as held, and nobody there releases it.
+        forked = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork", timeout=2)
+        with pytest.raises(RuntimeError, match="timed out"):
+            list(forked)
+    finally:
+        release.set()
+        holder.join()
+
+
+KILLED_WITH_WORKERS = """
+import os, signal
+from multiprocessing import forkserver
+from torch.utils.data import DataLoader
+from trainingrun_trainer.data import SyntheticText, batches_of, start_worker, worker_processes
+
+dataset = SyntheticText(num_samples=64, context_length=8)
+loader = DataLoader(
+    dataset, batch_size=2, num_workers=2, multiprocessing_context=worker_processes("forkserver", dataset),
+    worker_init_fn=start_worker(os.getpid()),
+)
+batches = batches_of(loader, "forkserver")
+next(batches)
+print(forkserver._forkserver._forkserver_pid, *(worker.pid for worker in batches._workers), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_and_their_forkserver_end_when_the_trainer_is_killed():
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WITH_WORKERS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    # The forkserver and the workers hold the trainer's stdout and stderr: they are closed once all of them ended.
+    # Before, the workers outlived a killed trainer, kept their forkserver alive and this waited forever.
+    out, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == -9, err
+    forkserver_and_workers = [int(pid) for pid in out.split()]
+    assert len(forkserver_and_workers) == 3
+    assert [pid for pid in forkserver_and_workers if still_running(pid)] == []
+
+
+def still_running(pid: int) -> bool:
+    """Neither gone nor a zombie (an orphan's exit status is its new parent's to collect, whenever it does)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+class HoldsALock(torch.utils.data.Dataset):
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return torch.tensor(index)
+
+
+def test_a_dataset_workers_cannot_be_sent_is_a_config_error_naming_the_way_out():
+    dataset = HoldsALock()
+    loader = DataLoader(dataset, num_workers=1, multiprocessing_context=worker_processes("forkserver", dataset))
+    with pytest.raises(ConfigError) as raised:
+        batches_of(loader, "forkserver")
+    message = str(raised.value)
+    assert message.startswith("spec.trainer.data.dataset: HoldsALock cannot be sent to worker processes")
+    assert "workerStartMethod: fork" in message and "lock" in message
+    forked = DataLoader(dataset, num_workers=1, multiprocessing_context=worker_processes("fork", dataset))
+    assert [int(batch) for batch in batches_of(forked, "fork")] == [0, 1]
 
 
 def test_in_background_yields_every_item_in_order_made_on_another_thread():

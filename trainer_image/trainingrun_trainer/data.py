@@ -16,20 +16,36 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import itertools
+import multiprocessing
+import multiprocessing.context
+import os
 import queue
 import random
+import select
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from trainingrun_api.components import ConfigError
 
 from .background import give_way_to_training
 
-__all__ = ["SPLITS", "SyntheticText", "SyntheticImages", "ResumableSampler", "in_background", "seed_worker"]
+__all__ = [
+    "SPLITS",
+    "SyntheticText",
+    "SyntheticImages",
+    "ResumableSampler",
+    "in_background",
+    "seed_worker",
+    "start_worker",
+    "worker_processes",
+]
 
 SPLITS = ("train", "eval")
 
@@ -479,3 +495,57 @@ def seed_worker(worker_id: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def start_worker(trainer_pid: int) -> Callable[[int], None]:
+    """The DataLoader's `worker_init_fn`: `seed_worker`, and end the worker when the trainer process `trainer_pid`
+    ends (`exit_with`)."""
+    return functools.partial(_start_worker, trainer_pid)
+
+
+def _start_worker(trainer_pid: int, worker_id: int) -> None:
+    exit_with(trainer_pid)
+    seed_worker(worker_id)
+
+
+def exit_with(pid: int) -> None:
+    """End this process as soon as process `pid` ends. torch's worker ends when its parent does, but a worker
+    started by a forkserver is the forkserver's child, and the forkserver lives while any of its children holds its
+    pipe: once the trainer was SIGKILLed, worker and forkserver kept each other alive for good, with the trainer's
+    stderr open, and every restart of a trainer in the same pod left another pair."""
+    try:
+        trainer = os.pidfd_open(pid)
+    except ProcessLookupError:  # it ended before this worker got here
+        os._exit(0)
+
+    def wait_for_the_trainer() -> None:
+        select.select([trainer], [], [])  # readable once it has ended
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_trainer, name="trainingrun-exit-with-trainer", daemon=True).start()
+
+
+def worker_processes(method: str, dataset: Dataset) -> multiprocessing.context.BaseContext:
+    """Where a DataLoader's workers start from (`spec.trainer.data.workerStartMethod`). A forkserver is a process
+    that never ran the trainer's threads: forking the training process itself while its checkpoint or read-ahead
+    thread held a lock of torch's thread pool left the worker stuck in `torch.set_num_threads` and the run waiting
+    for its batch forever. The forkserver imports torch and the dataset's module once, so each epoch's workers
+    start without importing them again."""
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":  # no effect once this process's forkserver runs; the first loader's list is kept
+        context.set_forkserver_preload(["torch", __name__, type(dataset).__module__])
+    return context
+
+
+def batches_of(loader: DataLoader, method: str) -> Iterator[dict[str, torch.Tensor]]:
+    """`iter(loader)`, starting its workers; a dataset that cannot be sent to them is a configuration error."""
+    try:
+        return iter(loader)
+    except Exception as error:
+        if loader.num_workers == 0 or method == "fork" or "pickl" not in str(error).lower():
+            raise
+        raise ConfigError(
+            f"spec.trainer.data.dataset: {type(loader.dataset).__qualname__} cannot be sent to worker processes "
+            f"started by {method} ({type(error).__name__}: {error}); make it picklable (e.g. open files and clients "
+            "lazily, in __getitem__) or set spec.trainer.data.workerStartMethod: fork"
+        ) from error

@@ -30,7 +30,7 @@ from . import efficiency, metrics, tracking
 from .checkpoint import model_digest
 from .checkpoint_interval import SaveCosts
 from .context import RunContext
-from .data import ResumableSampler, in_background, read_ahead, seed_worker
+from .data import ResumableSampler, batches_of, in_background, read_ahead, start_worker, worker_processes
 from .ema import WeightEMA
 from .health import NonFiniteGuard, Verdict
 from .optim import build_optimizer, build_scheduler, scale_learning_rate
@@ -161,22 +161,25 @@ class Trainer:
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
-        read_by_a_thread = self.cfg.data.num_workers == 0 and getattr(self.dataset, "pure_items", False)
+        data = self.cfg.data
+        read_by_a_thread = data.num_workers == 0 and getattr(self.dataset, "pure_items", False)
+        workers = worker_processes(data.worker_start_method, self.dataset) if data.num_workers else None
         while True:
             generator = torch.Generator().manual_seed(self.cfg.seed + self.sampler.state_dict()["epoch"])
             loader = DataLoader(
                 self.dataset,
-                batch_size=self.cfg.data.batch_size,
+                batch_size=data.batch_size,
                 sampler=self.sampler if self.batch_order is None else self.batch_order,
-                num_workers=self.cfg.data.num_workers,
-                prefetch_factor=self.cfg.data.prefetch_factor,
-                pin_memory=self.cfg.data.pin_memory and self.device_type == "cuda",
-                worker_init_fn=seed_worker,
+                num_workers=data.num_workers,
+                multiprocessing_context=workers,
+                prefetch_factor=data.prefetch_factor,
+                pin_memory=data.pin_memory and self.device_type == "cuda",
+                worker_init_fn=start_worker(os.getpid()),
                 generator=generator,
                 drop_last=True,
             )
             produced = False
-            for batch in in_background(loader) if read_by_a_thread else loader:
+            for batch in in_background(loader) if read_by_a_thread else batches_of(loader, data.worker_start_method):
                 produced = True
                 yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             if not produced:
