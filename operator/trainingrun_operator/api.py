@@ -6,28 +6,30 @@ server must also enforce is written twice on purpose: as a pydantic validator (f
 the operator) and as a CEL rule in `x-kubernetes-validations` (for `kubectl apply`); the tests run
 every invalid example through both.
 
-Slightly over 500 lines: the whole user-facing API in one file, as `kubectl explain` shows it, is easier to
-review than the same models spread over several.
+The spec's models are here, with what goes into the containers' environment in api_env.py, the object's metadata in
+api_meta.py and the status in api_status.py (generated in part from the trainer's report, so the
+two cannot drift apart).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainingrun_api import contract, progress_report
+from trainingrun_api import contract
 from trainingrun_api.checkpoint_config import CheckpointConfig
 from trainingrun_api.config import TrainerConfig
 from trainingrun_api.model_base import ApiModel
 
 from . import scheduling
+from .api_env import LIST_MAP_BY_NAME, EnvVar, Secrets
+from .api_meta import ObjectMeta
 from .scheduling import (
     DNS_SUBDOMAIN,
     LABEL_VALUE,
     Affinity,
     Annotations,
-    Labels,
     NodeSelectorLabels,
     PodLabels,
     Toleration,
@@ -41,19 +43,9 @@ PLURAL = "trainingruns"
 SINGULAR = "trainingrun"
 SHORT_NAMES = ["tr"]
 
-# Children are named <run>-a<attempt> (PyTorchJob) and Kubeflow names pods and Services
-# <job>-worker-<index>; a Service name is a DNS-1035 label of at most 63 characters. 40 leaves room
-# for an attempt of up to 4 digits and a replica index of up to 5 digits: 40+2+4+8+5 = 59.
-MAX_RUN_NAME_LENGTH = 40
-RUN_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-#: A DNS label (RFC 1123), as the API server checks namespaces.
-NAMESPACE_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 MAX_REPLICAS = 10000
 MAX_ATTEMPT_BUDGET = 1000
 
-#: A Secret (or ConfigMap) key: letters, digits, '-', '_', '.'; not '.', '..' or anything starting with '..'.
-SECRET_KEY = r"^([-_a-zA-Z0-9]|\.[-_a-zA-Z0-9])[-._a-zA-Z0-9]*$"
-ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 QUANTITY = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
 #: A device plugin's extended resource: fully qualified (domain/name), so never cpu, memory or another standard one.
 EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
@@ -71,10 +63,6 @@ RESERVED_ENV_NAMES = {
     "RANK",
     "LOCAL_RANK",
 }
-
-
-# Lists of named items are maps for the API server: it rejects a name given twice.
-_LIST_MAP_BY_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
 
 
 # A file:// path is on each pod's own disk: several pods would each hold a part of every checkpoint.
@@ -155,69 +143,6 @@ class Resources(ApiModel):
         "of the pod's ranks (each needs about one copy of the pod's ranks' state; without room, saves are written "
         "in-process and not kept in memory, with a warning).",
     )
-
-
-class SecretKeyRef(ApiModel):
-    """One key of a Secret in the run's namespace. The operator never reads its value."""
-
-    secret_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Name of the Secret.")
-    key: str = Field(pattern=SECRET_KEY, min_length=1, max_length=253, description="Key within the Secret.")
-
-
-class S3Credentials(ApiModel):
-    """A Secret with S3 access keys, exposed to the trainer as AWS_* variables."""
-
-    secret_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Name of the Secret.")
-    access_key_id_key: str = Field(
-        default="AWS_ACCESS_KEY_ID", pattern=SECRET_KEY, max_length=253, description="Key holding the access key id."
-    )
-    secret_access_key_key: str = Field(
-        default="AWS_SECRET_ACCESS_KEY",
-        pattern=SECRET_KEY,
-        max_length=253,
-        description="Key holding the secret access key.",
-    )
-    session_token_key: Optional[str] = Field(
-        default=None, pattern=SECRET_KEY, max_length=253, description="Key holding a session token, if any."
-    )
-
-
-class SecretEnv(ApiModel):
-    """An environment variable whose value comes from a Secret key (tracker API keys and the like)."""
-
-    name: str = Field(pattern=ENV_NAME, max_length=128, description="Variable name, e.g. WANDB_API_KEY.")
-    secret_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="Name of the Secret.")
-    key: str = Field(pattern=SECRET_KEY, min_length=1, max_length=253, description="Key within the Secret.")
-
-
-class Secrets(ApiModel):
-    """Credentials by reference only. With neither storage secret, pods use workload identity."""
-
-    gcs_key_file: Optional[SecretKeyRef] = Field(
-        default=None,
-        description="A GCP service-account key file; mounted read-only and named by GOOGLE_APPLICATION_CREDENTIALS.",
-    )
-    s3_credentials: Optional[S3Credentials] = Field(
-        default=None, description="S3 access keys, passed as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
-    )
-    env: list[SecretEnv] = Field(
-        default_factory=list,
-        max_length=64,
-        description="More variables from Secret keys.",
-        json_schema_extra=_LIST_MAP_BY_NAME,
-    )
-
-    def secret_names(self) -> list[str]:
-        """Every Secret the trainer pods read, each once, in the order the spec names them."""
-        refs = [self.gcs_key_file, self.s3_credentials, *self.env]
-        return list(dict.fromkeys(r.secret_name for r in refs if r is not None))
-
-
-class EnvVar(ApiModel):
-    """A plain (non-secret) environment variable for the trainer containers."""
-
-    name: str = Field(pattern=ENV_NAME, max_length=128, description="Variable name.")
-    value: str = Field(default="", max_length=32768, description="Value. Never put secrets here; use secrets.env.")
 
 
 class Recovery(ApiModel):
@@ -358,7 +283,7 @@ class TrainingRunSpec(ApiModel):
         default_factory=list,
         max_length=128,
         description="Plain environment variables.",
-        json_schema_extra=_LIST_MAP_BY_NAME,
+        json_schema_extra=LIST_MAP_BY_NAME,
     )
     recovery: Recovery = Field(default_factory=Recovery, description="Restart budgets and timing.")
     metrics: Metrics = Field(default_factory=Metrics, description="Trainer metrics endpoint.")
@@ -438,214 +363,7 @@ class TrainingRunSpec(ApiModel):
         return self
 
 
-# ---------------------------------------------------------------- status
-
-Phase = Literal["Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
-
-
-def status_part(part: type[progress_report.ReportPart], name: str, **derived: Any) -> type[ApiModel]:
-    """The status model of a report part (`contract`), generated from it so the two cannot drift apart: the same
-    names and descriptions, each optional (status may hold what an older trainer reported; a field with a default
-    keeps it), plus the fields the operator `derived` itself. A report is checked once, by the contract's model;
-    status is written from that."""
-    fields: dict[str, Any] = {}
-    for field, info in part.model_fields.items():
-        kept = not info.is_required() and info.default is not None
-        annotation = info.annotation if kept else Optional[info.annotation]
-        fields[field] = (annotation, Field(default=info.default if kept else None, description=info.description))
-    model: type[ApiModel] = create_model(name, __base__=ApiModel, __doc__=part.__doc__, **fields, **derived)
-    return model
-
-
-Progress = status_part(
-    progress_report.Progress,
-    "Progress",
-    percent=(
-        Optional[float],
-        Field(default=None, description="step / totalSteps in percent (the operator computes it from the report)."),
-    ),
-    estimated_completion_time=(
-        Optional[str],
-        Field(
-            default=None,
-            description="When the run reaches totalSteps at the step rate between the last two reports "
-            "of this attempt (RFC 3339; the operator computes it).",
-        ),
-    ),
-)
-
-#: Progress fields the operator derives from reports; a report cannot set them.
-DERIVED_PROGRESS_FIELDS = ("percent", "estimatedCompletionTime")
-
-CheckpointRef = status_part(progress_report.CommittedCheckpoint, "CheckpointRef")
-CheckpointInMemoryRef = status_part(progress_report.CheckpointInMemory, "CheckpointInMemoryRef")
-
-
-class Restarts(ApiModel):
-    """Attempts restarted, by cause, and pods restarted within attempts."""
-
-    failures: int = Field(default=0, description="Attempts lost to application failures and stalls.")
-    preemptions: int = Field(default=0, description="Attempts lost to preemption or eviction.")
-    total: int = Field(default=0, description="failures + preemptions.")
-    in_place: int = Field(
-        default=0,
-        description="Times the Kubeflow Training Operator restarted pods within an attempt (a pod deleted, evicted or "
-        "exited retryably); they rejoin and resume from the last checkpoint, no new attempt is charged.",
-    )
-    last_in_place_time: Optional[str] = Field(
-        default=None, description="When the PyTorchJob last reported Restarting (RFC 3339): the last restart counted."
-    )
-    backoff_seconds: float = Field(default=0.0, description="Seconds of backoff before the attempts after the first.")
-
-
-ProcessTimes = status_part(progress_report.ProcessTime, "ProcessTimes")
-
-
-class TimeAccount(ApiModel):
-    """The operator's account of the processes' time, kept across processes: one that reports after another adds
-    the other's last report to `ended`."""
-
-    ended: Optional[ProcessTimes] = Field(default=None, description="Processes of this run that ended, summed.")
-    current: Optional[ProcessTimes] = Field(default=None, description="The newest report's process.")
-
-
-class TimeBreakdown(ApiModel):
-    """The run's wall time since startTime, at the last report, by part; the parts add up to wallSeconds."""
-
-    wall_seconds: float = Field(default=0.0, description="From startTime to the last report.")
-    productive_seconds: float = Field(default=0.0, description="Step compute kept in the model.")
-    lost_seconds: float = Field(default=0.0, description="Step compute thrown away by crashes and rollbacks.")
-    startup_seconds: float = Field(
-        default=0.0,
-        description="Starting processes (imports, rendezvous, model, data) and every moment no training "
-        "process reported: scheduling, image pulls, pods restarting, a killed process after its last report.",
-    )
-    restore_seconds: float = Field(default=0.0, description="Loading checkpoints.")
-    checkpoint_seconds: float = Field(default=0.0, description="Training blocked by saves.")
-    data_wait_seconds: float = Field(default=0.0, description="Steps waiting for input.")
-    eval_seconds: float = Field(default=0.0, description="Evaluations.")
-    backoff_seconds: float = Field(default=0.0, description="Waiting out backoffs between attempts.")
-    other_seconds: float = Field(default=0.0, description="The rest: logging, metrics and reporting between steps.")
-
-
-CheckpointIntervalChoice = status_part(progress_report.IntervalChoice, "CheckpointIntervalChoice")
-
-
-class Condition(ApiModel):
-    """A Kubernetes-style condition."""
-
-    type: str = Field(description="Condition type, e.g. Ready, SecretMissing.")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: Optional[str] = Field(default=None, description="CamelCase reason for the last transition.")
-    message: Optional[str] = Field(default=None, description="Human-readable details.")
-    last_transition_time: Optional[str] = Field(default=None, description="When status last changed (RFC 3339).")
-    observed_generation: Optional[int] = Field(default=None, description="Spec generation the condition is based on.")
-
-
-class TrainingRunStatus(ApiModel):
-    """Observed state, written by the operator alone (progress and checkpoints as rank 0 reported them to it)."""
-
-    phase: Optional[Phase] = Field(
-        default=None, description="Pending, Running, Recovering, Suspended, Succeeded or Failed."
-    )
-    attempt: Optional[int] = Field(default=None, description="Current attempt number, from 1.")
-    job_name: Optional[str] = Field(default=None, description="PyTorchJob of the current attempt.")
-    start_time: Optional[str] = Field(default=None, description="When the first attempt started (RFC 3339).")
-    attempt_start_time: Optional[str] = Field(default=None, description="When the current attempt started (RFC 3339).")
-    next_attempt_time: Optional[str] = Field(
-        default=None, description="While Recovering or Suspended-then-resumed: when the next attempt starts (RFC 3339)."
-    )
-    checkpoint_uri: Optional[str] = Field(
-        default=None, description="The checkpoint URI the run started with; it cannot change while the run is active."
-    )
-    completion_time: Optional[str] = Field(default=None, description="When the run succeeded or failed (RFC 3339).")
-    progress: Optional[Progress] = Field(default=None, description="Training progress.")
-    last_good_checkpoint: Optional[CheckpointRef] = Field(
-        default=None, description="Newest committed checkpoint in storage: where a new attempt resumes from."
-    )
-    checkpoint_in_memory: Optional[CheckpointInMemoryRef] = Field(
-        default=None,
-        description="With checkpoint.persistBehind: the newest checkpoint committed in the pod's memory "
-        "(ahead of lastGoodCheckpoint until storage holds it; a restart of the workers inside the pod resumes from it, "
-        "a new pod from lastGoodCheckpoint). Cleared when an attempt starts: a new pod's memory is empty.",
-    )
-    last_report_time: Optional[str] = Field(
-        default=None,
-        description="When the operator last accepted a report from the current attempt (RFC 3339); "
-        "rank 0 reports every 10 s, also when nothing changed.",
-    )
-    restarts: Optional[Restarts] = Field(default=None, description="Restarts by cause.")
-    goodput: Optional[float] = Field(
-        default=None, description="Productive step time kept in the model divided by wall time since start."
-    )
-    time_breakdown: Optional[TimeBreakdown] = Field(
-        default=None, description="Where the run's wall time went, at the last report (goodput's decomposition)."
-    )
-    process_time: Optional[TimeAccount] = Field(
-        default=None, description="The training processes' own account of their time, from their reports."
-    )
-    checkpoint_interval: Optional[CheckpointIntervalChoice] = Field(
-        default=None, description="The checkpoint interval chosen by checkpoint.interval.steps: auto."
-    )
-    conditions: list[Condition] = Field(default_factory=list, description="Conditions, one per type.")
-    observed_generation: Optional[int] = Field(default=None, description="Spec generation last acted on.")
-
-
 # ---------------------------------------------------------------- the resource
-
-
-class ObjectMeta(BaseModel):
-    """Kubernetes object metadata: the fields the operator uses, typed and checked as the API server checks
-    them, and the rest of ObjectMeta's fields kept as they are; any other field is refused, as the API
-    server's strict field validation (kubectl's default) refuses `metadata.lables`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    namespace: str = "default"
-    uid: Optional[str] = None
-    generation: Optional[int] = None
-    labels: Labels = Field(default_factory=dict)
-    annotations: Annotations = Field(default_factory=dict)
-    generate_name: Optional[str] = Field(default=None, alias="generateName")
-    resource_version: Optional[str] = Field(default=None, alias="resourceVersion")
-    creation_timestamp: Optional[str] = Field(default=None, alias="creationTimestamp")
-    deletion_timestamp: Optional[str] = Field(default=None, alias="deletionTimestamp")
-    deletion_grace_period_seconds: Optional[int] = Field(default=None, alias="deletionGracePeriodSeconds")
-    finalizers: Optional[list[str]] = None
-    owner_references: Optional[list[dict[str, Any]]] = Field(default=None, alias="ownerReferences")
-    managed_fields: Optional[list[dict[str, Any]]] = Field(default=None, alias="managedFields")
-    self_link: Optional[str] = Field(default=None, alias="selfLink")
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str) -> str:
-        import re
-
-        if len(value) > 63 or not re.fullmatch(NAMESPACE_PATTERN, value, re.ASCII):
-            raise ValueError(
-                f"{value!r} cannot be a namespace: a namespace is a DNS label (at most 63 lowercase letters, digits "
-                "and '-', starting and ending with a letter or digit), e.g. 'team-a'; the API server refuses any other"
-            )
-        return value
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        import re
-
-        if len(value) > MAX_RUN_NAME_LENGTH:
-            raise ValueError(
-                f"'{value}' is {len(value)} characters; a TrainingRun name may have at most "
-                f"{MAX_RUN_NAME_LENGTH} so that its pods and Services (<name>-a<attempt>-worker-<i>) fit in 63; "
-                "choose a shorter name"
-            )
-        if not re.fullmatch(RUN_NAME_PATTERN, value, re.ASCII):
-            raise ValueError(
-                f"'{value}' is not a valid name: use lowercase letters, digits and '-', starting with a "
-                "letter and ending with a letter or digit (it becomes part of Service names)"
-            )
-        return value
 
 
 class TrainingRun(BaseModel):

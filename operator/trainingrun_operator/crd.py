@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from . import api
+from . import api, api_meta, api_status
 
 _DROPPED_KEYS = {"title", "additionalProperties"}
 _PASSED_KEYS = {
@@ -145,11 +145,11 @@ def model_schema(model: type) -> dict[str, Any]:
 
 def openapi_schema() -> dict[str, Any]:
     spec = model_schema(api.TrainingRunSpec)
-    status = _without_defaults(model_schema(api.TrainingRunStatus))
+    status = _without_defaults(model_schema(api_status.TrainingRunStatus))
     name_rule = {
-        "rule": f"size(self.metadata.name) <= {api.MAX_RUN_NAME_LENGTH} && "
-        f"self.metadata.name.matches('{api.RUN_NAME_PATTERN}')",
-        "message": f"metadata.name must be at most {api.MAX_RUN_NAME_LENGTH} characters of lowercase "
+        "rule": f"size(self.metadata.name) <= {api_meta.MAX_RUN_NAME_LENGTH} && "
+        f"self.metadata.name.matches('{api_meta.RUN_NAME_PATTERN}')",
+        "message": f"metadata.name must be at most {api_meta.MAX_RUN_NAME_LENGTH} characters of lowercase "
         "letters, digits and '-', starting with a letter, so that pod and Service names of its "
         "attempts fit in 63 characters",
     }

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, TextIO
 
 from trainingrun_api import contract
 
-from . import api, naming, validation
+from . import api, api_status, naming, validation
 
 #: What to install when the `kubernetes` client is missing (the operator's image leaves it out on purpose).
 CLIENT_MISSING = (
@@ -171,7 +171,7 @@ def follow_logs(
 def status_lines(body: dict[str, Any], now: Optional[datetime] = None) -> list[str]:
     """What `trainingrun status` prints: phase and attempt, progress with the operator's estimate of the time left,
     goodput and restarts, the newest checkpoint, and every condition."""
-    meta, status = body.get("metadata") or {}, api.TrainingRunStatus.model_validate(body.get("status") or {})
+    meta, status = body.get("metadata") or {}, api_status.TrainingRunStatus.model_validate(body.get("status") or {})
     head = f"TrainingRun {meta.get('namespace')}/{meta.get('name')}: {status.phase or 'Pending (not seen by the operator yet)'}"
     if status.attempt:
         head += f", attempt {status.attempt}" + (f" (PyTorchJob {status.job_name})" if status.job_name else "")
@@ -199,7 +199,7 @@ def status_lines(body: dict[str, Any], now: Optional[datetime] = None) -> list[s
         lines.append(f"  progress    {text}")
     else:
         lines.append("  progress    no step reported yet")
-    restarts = status.restarts or api.Restarts()
+    restarts = status.restarts or api_status.Restarts()
     goodput = f"{status.goodput:.2f}" if status.goodput is not None else "-"
     lines.append(
         f"  goodput     {goodput} (restarts: {restarts.failures} failed, {restarts.preemptions} preempted, "

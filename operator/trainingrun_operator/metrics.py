@@ -24,7 +24,7 @@ from pydantic.alias_generators import to_camel
 
 from trainingrun_api import progress_report
 
-from .api import Phase
+from .api_status import Phase
 
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 

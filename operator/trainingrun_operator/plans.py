@@ -10,7 +10,9 @@ import logging
 import time
 from typing import Any, Optional
 
-from . import api, builders, naming, reconcile, validation
+from trainingrun_api import contract
+
+from . import api, builders, naming, reconcile, run_status, validation
 from . import kube as kube_module
 from .indexes import controller_uid, merged_status
 from .kube import ApiError, Kube
@@ -116,9 +118,9 @@ async def _create_children(
         raise failed[0]
     if state.rejections.pop(key, None) is not None:
         status = merged_status(body.get("status") or {}, state.written.get(key, {}))
-        conditions = reconcile.Conditions(
+        conditions = run_status.Conditions(
             plan.status.get("conditions") or status.get("conditions") or [],
-            reconcile.rfc3339(state.clock()),
+            contract.rfc3339(state.clock()),
             generation,
         )
         conditions.set("ChildRejected", False, "Accepted", "the API server accepted this attempt's objects")
@@ -158,7 +160,7 @@ async def _children_refused(
     delay = min(previous.delay * 2, cap) if previous and previous.generation == generation else first
     state.rejections[key] = Rejection(generation, time.monotonic() + delay, delay)
     status = merged_status(body.get("status") or {}, state.written.get(key, {}))
-    conditions = reconcile.Conditions(status.get("conditions") or [], reconcile.rfc3339(state.clock()), generation)
+    conditions = run_status.Conditions(status.get("conditions") or [], contract.rfc3339(state.clock()), generation)
     events = []
     retry = f"next try in {delay:.0f}s, or at once after a spec change"
     if refused:
@@ -169,7 +171,7 @@ async def _children_refused(
             "ChildRejected", True, "ChildRejected", f"the API server refused this run's objects ({retry}): {message}"
         ):
             log.warning("%s/%s: the API server refused its objects: %s", key[0], key[1], message)
-            events.append(reconcile.Note("Warning", "ChildRejected", message))
+            events.append(builders.Note("Warning", "ChildRejected", message))
     if conflicts:
         message = (
             "; ".join(str(conflict) for _, conflict in conflicts)
@@ -178,7 +180,7 @@ async def _children_refused(
         )[:2000]
         if conditions.set("NameConflict", True, "NotOwned", f"{message} ({retry})"):
             log.warning("%s/%s: %s", key[0], key[1], message)
-            events.append(reconcile.Note("Warning", "NameConflict", message))
+            events.append(builders.Note("Warning", "NameConflict", message))
     if conditions.changed:
         plan = reconcile.Plan(status={"conditions": conditions.as_list()}, events=events)
         await carry_out(state, key, None, body, plan)
@@ -249,11 +251,11 @@ async def reject(
 ) -> None:
     """A spec the CRD let through but the operator cannot run: say why, create nothing, wait for a fix."""
     message = "; ".join(str(p) for p in error.problems)[:2000]
-    conditions = reconcile.Conditions(
-        status.get("conditions") or [], reconcile.rfc3339(state.clock()), (body.get("metadata") or {}).get("generation")
+    conditions = run_status.Conditions(
+        status.get("conditions") or [], contract.rfc3339(state.clock()), (body.get("metadata") or {}).get("generation")
     )
     if conditions.set("SpecRejected", True, "InvalidSpec", message):
         plan = reconcile.Plan(
-            status={"conditions": conditions.as_list()}, events=[reconcile.Note("Warning", "SpecRejected", message)]
+            status={"conditions": conditions.as_list()}, events=[builders.Note("Warning", "SpecRejected", message)]
         )
         await carry_out(state, key, None, body, plan)

@@ -9,26 +9,36 @@ cluster, and a restarted operator decides the same from the same status.
 Everything the operator must remember lives in `status`: attempt, jobName, restarts by cause,
 nextAttemptTime while Recovering, startTime for goodput and the checkpoint URI the run started with.
 
-Slightly over 500 lines: one decision function and the helpers that read pods and jobs for it, kept together
-so a reader sees the whole decision; the recovery policy itself is in recovery.py.
+What the children say (a job's state, why an attempt failed, what keeps pods from running) is read by
+children.py, status edits that decide nothing (conditions, goodput, time accounting) are run_status.py's, and the
+recovery policy is recovery.py's.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Optional
 
-from trainingrun_api import contract, exit_codes, progress_report
+from trainingrun_api import contract
 
-from . import api, builders, naming, recovery
+from . import api, naming, recovery
 from .builders import Note
+from .children import (
+    BLOCKED_CONDITIONS,
+    Failure,
+    attempt_of,
+    blocked_pods,
+    classify_failure,
+    failed_since,
+    job_state,
+    missing_secret,
+    missing_secret_volume,
+    pods_of,
+    restarting,
+)
+from .run_status import TERMINAL, Conditions, goodput, spec_conditions
 
-TERMINAL = ("Succeeded", "Failed")
-KUBEFLOW_JOB_NAME_LABEL = "training.kubeflow.org/job-name"
-#: Pod-level reasons that mean the node or the scheduler took the pod away, not the training code.
-DISRUPTION_POD_REASONS = {"Evicted", "Preempting", "Terminated", "NodeShutdown", "Shutdown", "NodeLost"}
 #: How long a failed PyTorchJob whose pods show no reason yet is given for the pod watch to catch up
 #: (the job and pod watches are separate streams); after that it is classified as a failure.
 FAILURE_EVIDENCE_GRACE = timedelta(seconds=30)
@@ -63,279 +73,10 @@ class Plan:
     attempt_cause: Optional[str] = None  #: initial, recovery, resume or recreate, when an attempt starts (metrics)
 
 
-@dataclass
-class Failure:
-    cause: str  #: permanent, preemption or failure
-    detail: str  #: what happened, for the Event and the condition
-    exit_code: Optional[int] = None
-    from_pods: bool = True  #: False when no pod said why (they may be gone, or not seen yet)
-
-
 # ---------------------------------------------------------------- small pure helpers
 
 
 rfc3339, parse_time = contract.rfc3339, contract.parse_time  # the one pair of time helpers, used here often
-
-
-def job_state(job: dict[str, Any]) -> Optional[str]:
-    """Succeeded, Failed, Suspended, Running, Restarting or Created, from the Kubeflow job conditions."""
-    true = {c.get("type") for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"}
-    for state in ("Succeeded", "Failed", "Suspended", "Running", "Restarting", "Created"):
-        if state in true:
-            return state
-    return None
-
-
-def restarting(job: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The PyTorchJob's Restarting condition while it is true: Kubeflow sets it (and drops Running) each time it
-    replaces a pod of the job, and drops it when the job runs again."""
-    return next(
-        (
-            c
-            for c in (job.get("status") or {}).get("conditions") or []
-            if c.get("type") == "Restarting" and c.get("status") == "True"
-        ),
-        None,
-    )
-
-
-def attempt_of(obj: dict[str, Any]) -> Optional[int]:
-    value = ((obj.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_ATTEMPT)
-    return int(value) if value and value.isdigit() else None
-
-
-def pods_of(pods: list[dict[str, Any]], job_name: str, attempt: int) -> list[dict[str, Any]]:
-    def belongs(pod: dict[str, Any]) -> bool:
-        labels = (pod.get("metadata") or {}).get("labels") or {}
-        return labels.get(KUBEFLOW_JOB_NAME_LABEL) == job_name or attempt_of(pod) == attempt
-
-    return [p for p in pods if belongs(p)]
-
-
-def _trainer_terminations(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    """The trainer container's termination records (current state and the last one)."""
-    found = []
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if status.get("name") != naming.CONTAINER_NAME:
-            continue
-        for key in ("state", "lastState"):
-            terminated = (status.get(key) or {}).get("terminated")
-            if terminated:
-                found.append(terminated)
-    return found
-
-
-def _disruption(pod: dict[str, Any]) -> Optional[str]:
-    status = pod.get("status") or {}
-    for condition in status.get("conditions") or []:
-        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
-            return f"pod {pod['metadata']['name']} was disrupted ({condition.get('reason') or 'DisruptionTarget'})"
-    if status.get("reason") in DISRUPTION_POD_REASONS:
-        return f"pod {pod['metadata']['name']} was {status['reason'].lower()}: {status.get('message') or ''}".rstrip(
-            ": "
-        )
-    return None
-
-
-def classify_failure(job: dict[str, Any], pods: list[dict[str, Any]]) -> Failure:
-    """Why an attempt's PyTorchJob failed: preemption, a permanent error, or a (retryable) failure.
-
-    A disrupted pod (DisruptionTarget condition, eviction, node shutdown) or the launcher's exit 143
-    (emergency checkpoint after SIGTERM) is a preemption; 137 is one too when the pod was being
-    deleted (SIGKILL after the grace period), else an OOM kill or crash. Exit codes 1-127 are the
-    trainer's permanent verdicts (bad config, divergence): retrying cannot help.
-    """
-    for pod in pods:
-        disrupted = _disruption(pod)
-        if disrupted:
-            return Failure("preemption", disrupted)
-    codes = []
-    for pod in pods:
-        deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
-        for terminated in _trainer_terminations(pod):
-            code = terminated.get("exitCode")
-            if code is None or code == 0:
-                continue
-            name = pod["metadata"]["name"]
-            message = (terminated.get("message") or "").strip()
-            reason = terminated.get("reason") or ""
-            codes.append((code, name, reason, message, deleting))
-    for code, name, _reason, _message, deleting in codes:
-        if exit_codes.classify(code, stopping=deleting) == exit_codes.PREEMPTION:
-            return Failure("preemption", f"pod {name} stopped after SIGTERM (exit code {code})", code)
-    for code, name, reason, message, _ in codes:
-        if exit_codes.classify(code) == exit_codes.PERMANENT:
-            said = f": {message}" if message else (f" ({reason})" if reason else "")
-            return Failure("permanent", f"pod {name} exited with {code}{said}", code)
-    if codes:
-        code, name, reason, message, _ = codes[0]
-        said = f" ({reason})" if reason else ""
-        return Failure("failure", f"pod {name} exited with {code}{said}", code)
-    job_message = next(
-        (
-            c.get("message")
-            for c in (job.get("status") or {}).get("conditions") or []
-            if c.get("type") == "Failed" and c.get("status") == "True"
-        ),
-        None,
-    )
-    return Failure(
-        "failure", f"PyTorchJob {job['metadata']['name']} failed: {job_message or 'no reason given'}", from_pods=False
-    )
-
-
-def failed_since(job: dict[str, Any]) -> Optional[datetime]:
-    for condition in (job.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "Failed" and condition.get("status") == "True":
-            return parse_time(condition.get("lastTransitionTime"))
-    return None
-
-
-def _names(message: str, secret_name: str) -> bool:
-    """Whether a kubelet message names this Secret: `secret "s3" not found`, `... in Secret ns/s3`."""
-    return re.search(rf'(^|["/\s]){re.escape(secret_name)}($|["\s:,;])', message) is not None
-
-
-def missing_secret(pods: list[dict[str, Any]], secret_names: list[str]) -> Optional[str]:
-    """The kubelet's message for a container that cannot start because a Secret or key is missing, with the
-    Secrets the run reads when the message names none of them: a kubelet whose Secret cache has not synced yet
-    says only "failed to sync secret cache: timed out waiting for the condition"."""
-    for pod in pods:
-        for status in (pod.get("status") or {}).get("containerStatuses") or []:
-            waiting = (status.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") == "CreateContainerConfigError":
-                message = waiting.get("message") or "a Secret or key is missing"
-                if secret_names and not any(_names(message, name) for name in secret_names):
-                    message += (
-                        f" (the run reads Secret{'s' if len(secret_names) > 1 else ''} {', '.join(secret_names)})"
-                    )
-                return f"pod {pod['metadata']['name']}: {message}"
-    return None
-
-
-#: Why an attempt's pods do not run, by condition type: (reason, message). Reported while the run is Pending
-#: or Running (a replacement pod within the attempt).
-BLOCKED_CONDITIONS = ("PodsNotCreated", "Unschedulable", "VolumeMountFailed")
-FAILED_CREATE_REASONS = ("FailedCreate", "FailedCreatePod")  # what Kubeflow's pod control records on the job
-
-
-def blocked_pods(
-    job_name: str, pods: list[dict[str, Any]], warnings: list[dict[str, Any]]
-) -> dict[str, tuple[str, str]]:
-    """What keeps an attempt's pods from running, from the scheduler's pod conditions and the Warning Events
-    of Kubeflow (on the job) and the kubelet (on the pods). A missing Secret volume is `missing_secret_volume`'s."""
-    found: dict[str, tuple[str, str]] = {}
-    for pod in pods:
-        for condition in (pod.get("status") or {}).get("conditions") or []:
-            if (
-                condition.get("type") == "PodScheduled"
-                and condition.get("status") == "False"
-                and condition.get("reason") == "Unschedulable"
-            ):
-                found.setdefault(
-                    "Unschedulable",
-                    ("Unschedulable", f"pod {pod['metadata']['name']}: {condition.get('message') or 'no node fits'}"),
-                )
-    for event in warnings:
-        about, reason, message = (
-            (event.get("involvedObject") or {}).get("name"),
-            event.get("reason"),
-            event.get("message"),
-        )
-        if about == job_name and reason in FAILED_CREATE_REASONS:
-            found.setdefault("PodsNotCreated", ("FailedCreate", f"PyTorchJob {job_name}: {message}"))
-        elif reason == "FailedMount" and not _about_secret(message):
-            found.setdefault("VolumeMountFailed", ("FailedMount", f"pod {about}: {message}"))
-    return found
-
-
-def _about_secret(message: Any) -> bool:
-    return isinstance(message, str) and 'secret "' in message and "not found" in message
-
-
-def missing_secret_volume(warnings: list[dict[str, Any]]) -> Optional[str]:
-    """The kubelet's FailedMount message for a Secret volume (the GCS key file) that does not exist."""
-    for event in warnings:
-        if event.get("reason") == "FailedMount" and _about_secret(event.get("message")):
-            return f"pod {(event.get('involvedObject') or {}).get('name')}: {event['message']}"
-    return None
-
-
-def goodput(status: dict[str, Any]) -> Optional[float]:
-    """Productive step time the trainer reports / wall time from start to that report.
-
-    Measured to the report's own time, not to now, so it is a function of status alone: writing it
-    never changes it, and a restarted operator computes the same figure.
-    """
-    progress = status.get("progress") or {}
-    started, reported = parse_time(status.get("startTime")), parse_time(progress.get("updatedAt"))
-    productive = progress.get("productiveSeconds")
-    if productive is None or not started or not reported:
-        return None
-    figure = progress_report.goodput(productive, (reported - started).total_seconds())
-    return None if figure is None else round(figure, 4)
-
-
-def account_time(
-    status: dict[str, Any], times: progress_report.ProcessTime, productive_seconds: Optional[float], now: datetime
-) -> dict[str, Any]:
-    """status.processTime and status.timeBreakdown after a report of `times` at `now`: a process other than the one
-    that reported last adds that one's last report to the ended processes; the breakdown covers startTime to now."""
-    account = status.get("processTime") or {}
-    ended = progress_report.ProcessTime.from_wire(account["ended"]) if account.get("ended") else None
-    previous = account.get("current")
-    if previous and previous.get("process") != times.process:
-        last = progress_report.ProcessTime.from_wire(previous)
-        ended = ended.plus(last) if ended else last.model_copy(update={"process": "ended"})
-    processes = [p for p in (ended, times) if p is not None]
-    started = parse_time(status.get("startTime"))
-    wall = (now - started).total_seconds() if started else sum(p.alive_seconds for p in processes)
-    backoff = float((status.get("restarts") or {}).get("backoffSeconds") or 0.0)
-    if productive_seconds is None:
-        productive_seconds = float((status.get("progress") or {}).get("productiveSeconds") or 0.0)
-    parts = progress_report.time_breakdown(max(0.0, wall), processes, productive_seconds, backoff)
-    breakdown = api.TimeBreakdown(
-        wall_seconds=round(max(0.0, wall), 3),
-        **{f"{part}_seconds": round(seconds, 3) for part, seconds in parts.items()},
-    )
-    return {
-        "processTime": {"ended": ended.to_wire() if ended else None, "current": times.to_wire()},
-        "timeBreakdown": breakdown.to_wire(),
-    }
-
-
-class Conditions:
-    """Edits to status.conditions: one per type; a transition time changes only with the status."""
-
-    def __init__(self, current: list[dict[str, Any]], now: str, generation: Optional[int]):
-        self.items = {c["type"]: dict(c) for c in current if c.get("type")}
-        self.now, self.generation, self.changed = now, generation, False
-
-    def is_true(self, type_: str) -> bool:
-        return self.items.get(type_, {}).get("status") == "True"
-
-    def set(self, type_: str, true: bool, reason: str, message: str = "") -> bool:
-        """Set a condition; returns whether its status flipped (worth an Event)."""
-        old = self.items.get(type_)
-        status = "True" if true else "False"
-        if old is None and not true:
-            return False  # a condition that never was True needs no False entry
-        flipped = old is None or old.get("status") != status
-        new = {
-            "type": type_,
-            "status": status,
-            "reason": reason,
-            "message": message,
-            "lastTransitionTime": self.now if flipped else old.get("lastTransitionTime", self.now),
-        }
-        if self.generation is not None:
-            new["observedGeneration"] = self.generation
-        if new != old:
-            self.items[type_], self.changed = new, True
-        return flipped
-
-    def as_list(self) -> list[dict[str, Any]]:
-        return list(self.items.values())
 
 
 # ---------------------------------------------------------------- the decision
@@ -363,7 +104,7 @@ def decide(o: Observed) -> Plan:
 
     job_name = status.get("jobName") or naming.job_name(o.run.metadata.name, attempt)
     job = o.jobs.get(job_name)
-    _check_spec(plan, o, job, conditions)
+    plan.events += spec_conditions(o.run, o.status, job, plan.checkpoint_uri, conditions)
 
     if spec.suspend:
         if phase != "Suspended":
@@ -628,36 +369,6 @@ def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, condition
     plan.events.append(Note("Warning", "Stalled", f"attempt {attempt}: {detail}; restarting it"))
     plan.delete_jobs.append(job_name)
     _attempt_ended(plan, o, attempt, Failure("failure", detail), conditions, stalled=True)
-
-
-def _check_spec(plan: Plan, o: Observed, job: Optional[dict[str, Any]], conditions: Conditions) -> None:
-    """Immutable fields are refused; other changes wait for the next attempt, and say so."""
-    started_uri, wanted_uri = plan.checkpoint_uri, o.run.spec.checkpoint.uri
-    if wanted_uri != started_uri:
-        message = (
-            f"spec.checkpoint.uri cannot change once the run has started (it is {started_uri}): "
-            "set it back, or create a new TrainingRun to train elsewhere"
-        )
-        if conditions.set("SpecRejected", True, "CheckpointUriImmutable", message):
-            plan.events.append(Note("Warning", "SpecRejected", message))
-    elif conditions.is_true("SpecRejected"):
-        conditions.set("SpecRejected", False, "Accepted", "the spec is accepted")
-    if job is None or o.status.get("phase") in TERMINAL:
-        return
-    annotations = (job.get("metadata") or {}).get("annotations") or {}
-    if o.run.metadata.generation is not None and annotations.get(naming.ANNOTATION_GENERATION) == str(
-        o.run.metadata.generation
-    ):
-        return  # built from this very spec
-    built_from = annotations.get(naming.ANNOTATION_SPEC_HASH)
-    if built_from and built_from != naming.spec_hash(builders.as_started(o.run, started_uri)):
-        attempt = int(o.status.get("attempt") or 0)
-        message = (
-            f"the spec changed; attempt {attempt} keeps running as it was built, "
-            f"the change applies from attempt {attempt + 1} (suspend and resume the run to apply it now)"
-        )
-        if conditions.set("SpecChangePending", True, "AppliesOnNextAttempt", message):
-            plan.events.append(Note("Normal", "SpecChangePending", message))
 
 
 def _finish(plan: Plan, o: Observed, conditions: Conditions) -> Plan:

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from trainingrun_api import contract, progress_report
 
-from . import naming, reconcile
+from . import naming, run_status
 from .kube import REVIEW, ApiError, Kube
 
 log = logging.getLogger("trainingrun.reports")
@@ -297,7 +297,7 @@ def check_pod(caller: Caller, run: RunView) -> None:
     )
 
 
-#: Status fields that move with the clock (reconcile.account_time, the auto interval's estimate): alone they are no
+#: Status fields that move with the clock (run_status.account_time, the auto interval's estimate): alone they are no
 #: reason to write status; they go with the next write.
 TIME_FIELDS = ("processTime", "timeBreakdown", "checkpointInterval")
 
@@ -318,9 +318,9 @@ def no_later_than_now(fields: dict[str, Any], now: datetime) -> None:
     """Clamp the times a pod reports to the operator's clock: a time in the future would keep the stall watchdog
     from ever firing (and show a checkpoint from tomorrow)."""
     for field, key in REPORTED_TIMES:
-        stated = reconcile.parse_time((fields.get(field) or {}).get(key))
+        stated = contract.parse_time((fields.get(field) or {}).get(key))
         if stated is not None and stated > now:
-            fields[field][key] = reconcile.rfc3339(now)
+            fields[field][key] = contract.rfc3339(now)
 
 
 class CoalescedWrites:
@@ -444,11 +444,11 @@ class ReportEndpoint:
             fields["progress"] = progress_report.with_estimates(run.status.get("progress"), fields["progress"])
         if report.process_time:
             fields.update(
-                reconcile.account_time(
+                run_status.account_time(
                     run.status, report.process_time, report.progress and report.progress.productive_seconds, now
                 )
             )
-        heard = reconcile.parse_time(run.status.get("lastReportTime"))
+        heard = contract.parse_time(run.status.get("lastReportTime"))
         # The clocks move at every report; they alone are no reason to write (they go with the next write).
         changed = any(run.status.get(k) != v for k, v in fields.items() if k not in TIME_FIELDS)
         if (
@@ -458,7 +458,7 @@ class ReportEndpoint:
         ):
             await self.accept(
                 (report.namespace, report.name),
-                {**fields, "lastReportTime": reconcile.rfc3339(now)},
+                {**fields, "lastReportTime": contract.rfc3339(now)},
                 at_once=trains_again(report, run.status),
             )
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import EXAMPLES
 from trainingrun_api import contract
 from trainingrun_operator import builders, naming, validation
-from trainingrun_operator.api import MAX_RUN_NAME_LENGTH
+from trainingrun_operator.api_meta import MAX_RUN_NAME_LENGTH
 from trainingrun_operator.settings import Settings
 
 K8S_VERSION = "1.30.0"

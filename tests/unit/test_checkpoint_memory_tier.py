@@ -18,7 +18,7 @@ import xxhash
 from fsspec.implementations.local import LocalFileOpener
 from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
 
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest, tier_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RESERVE_SHARE = memory_tier.RESERVE_SHARE  # as shipped, before the `memory` fixture sets it aside
@@ -60,11 +60,11 @@ def restored(storage: Path, memory: Path | None):
 
 
 def data_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.iterdir() if p.name != MANIFEST_NAME and p.suffix != memory_tier.DIGESTS_SUFFIX)
+    return sorted(p for p in directory.iterdir() if p.name != MANIFEST_NAME and p.suffix != tier_files.DIGESTS_SUFFIX)
 
 
 def digests_file(path: Path) -> Path:
-    return path.with_name(path.name + memory_tier.DIGESTS_SUFFIX)
+    return path.with_name(path.name + tier_files.DIGESTS_SUFFIX)
 
 
 def test_a_restart_loads_the_committed_checkpoint_from_memory_without_reading_its_data_from_storage(storage, memory):
@@ -192,7 +192,7 @@ def rewrite_manifests(storage: Path, memory: Path, step: int, change) -> None:
 
 
 def test_each_copy_has_its_file_digest_and_the_xxh3_of_each_segment_beside_it(storage, memory, monkeypatch):
-    monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 4096)  # several segments of a small model's files
+    monkeypatch.setattr(tier_files, "SEGMENT_BYTES", 4096)  # several segments of a small model's files
     _, digest = saved(storage, memory)
     manifest = {e["path"]: e for e in json.loads((step_dir(storage, 5) / MANIFEST_NAME).read_text())["files"]}
     for path in data_files(step_dir(memory, 5)):
@@ -396,18 +396,18 @@ def test_a_damaged_file_found_as_two_ranks_load_is_read_again_from_storage_by_bo
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
 
 
-def tier_file(path: Path, data: bytes, segment_bytes: int = 16) -> memory_tier.TierFile:
+def tier_file(path: Path, data: bytes, segment_bytes: int = 16) -> tier_files.TierFile:
     """`data` written at `path` as the tier writes a copy, with its recorded digests."""
     path.write_bytes(data)
-    hasher = memory_tier.SegmentHasher()
+    hasher = tier_files.SegmentHasher()
     hasher.update(data)
-    return memory_tier.TierFile(str(path), len(data), segment_bytes, tuple(hasher.finish()))
+    return tier_files.TierFile(str(path), len(data), segment_bytes, tuple(hasher.finish()))
 
 
 @pytest.fixture
 def small_segments(monkeypatch):
-    monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 16)
-    monkeypatch.setattr(memory_tier, "READ_CHUNK", 5)  # reads cross chunk and segment boundaries
+    monkeypatch.setattr(tier_files, "SEGMENT_BYTES", 16)
+    monkeypatch.setattr(tier_files, "READ_CHUNK", 5)  # reads cross chunk and segment boundaries
 
 
 def read_at(stream, offset: int, length: int) -> bytes:
@@ -421,11 +421,11 @@ def test_a_tier_file_reads_its_bytes_and_checks_every_segment_it_touches(tmp_pat
     data = bytes(range(100))
     kept = tier_file(tmp_path / "f", data)
     assert len(kept.digests) == 7  # 6 whole segments and 4 bytes
-    with memory_tier.VerifiedTierFile(kept) as stream:
+    with tier_files.VerifiedTierFile(kept) as stream:
         assert read_at(stream, 0, 100) == data
         assert read_at(stream, 37, 20) == data[37:57]  # backwards, into segments already checked
         stream.finish()
-    with memory_tier.VerifiedTierFile(kept) as stream:
+    with tier_files.VerifiedTierFile(kept) as stream:
         assert read_at(stream, 90, 10) == data[90:] and stream.read() == b""
         assert read_at(stream, 20, 3) == data[20:23]  # the rest of segment 1 is read when it is left or finished
         stream.finish()
@@ -446,12 +446,12 @@ def test_a_damaged_segment_that_a_read_touches_fails_it(tmp_path, small_segments
     kept = tier_file(tmp_path / "f", bytes(data))
     data[damaged_at] ^= 0xFF
     (tmp_path / "f").write_bytes(bytes(data))
-    with memory_tier.VerifiedTierFile(kept) as stream:
+    with tier_files.VerifiedTierFile(kept) as stream:
         if not fails:
             read_at(stream, *read)
             stream.finish()
             return
-        with pytest.raises(memory_tier.TierMismatch, match=r"bytes \d+-\d+ differ from what was written there"):
+        with pytest.raises(tier_files.TierMismatch, match=r"bytes \d+-\d+ differ from what was written there"):
             read_at(stream, *read)
             stream.finish()
 
@@ -460,8 +460,8 @@ def test_a_tier_file_cut_short_fails_the_read(tmp_path, small_segments):
     kept = tier_file(tmp_path / "f", bytes(100))
     (tmp_path / "f").write_bytes(bytes(50))
     with (
-        memory_tier.VerifiedTierFile(kept) as stream,
-        pytest.raises(memory_tier.TierMismatch, match="ends at 50 bytes"),
+        tier_files.VerifiedTierFile(kept) as stream,
+        pytest.raises(tier_files.TierMismatch, match="ends at 50 bytes"),
     ):
         read_at(stream, 40, 30)
 
@@ -472,16 +472,16 @@ def test_a_large_file_is_read_by_several_threads(storage, memory, monkeypatch, f
 
     monkeypatch.setattr(tensor_files, "READ_THREADS", 3)
     monkeypatch.setattr(tensor_files, "MIN_BYTES_PER_THREAD", 1)
-    monkeypatch.setattr(memory_tier, "SEGMENT_BYTES", 4096)  # the parts start and end inside segments
+    monkeypatch.setattr(tier_files, "SEGMENT_BYTES", 4096)  # the parts start and end inside segments
     _, digest = saved(storage, memory)
     opened = []
-    real_create = memory_tier.LocalFirstFileSystem.create_stream
+    real_create = tier_files.LocalFirstFileSystem.create_stream
 
     def create_stream(self, path, mode):
         opened.append(Path(path).name)
         return real_create(self, path, mode)
 
-    monkeypatch.setattr(memory_tier.LocalFirstFileSystem, "create_stream", create_stream)
+    monkeypatch.setattr(tier_files.LocalFirstFileSystem, "create_stream", create_stream)
     source = "memory" if from_memory else "storage"
     assert restored(storage, memory if from_memory else None) == (5, digest, source)
     assert opened.count("__0_0.distcp") == 4  # three parts of its tensors, then DCP's read of the byte items

@@ -11,7 +11,7 @@ import pytest
 from test_checkpoint import app_state, flip_byte, step_dir, train_step, trained
 from test_checkpoint_memory_tier import data_files, restored
 
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest, tier_files
 from trainingrun_trainer.checkpoint import storage as storage_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -182,14 +182,14 @@ def test_each_save_writes_its_data_files_into_the_memory_of_a_step_no_longer_nee
             assert store.flush().step == step
             [data] = step_dir(memory, step).glob("*.distcp")
             inodes[step] = data.stat().st_ino
-            spare = memory / memory_tier.SPARE_DIR / data.name
+            spare = memory / tier_files.SPARE_DIR / data.name
             spares[step] = (spare.stat().st_ino, spare.stat().st_size) if spare.exists() else None
         digest = model_digest(model.state_dict())
     # After the first save, the persister made a spare of its size in the background; the second save wrote into it.
     assert spares[1] == (inodes[2], (step_dir(bucket, 1) / data.name).stat().st_size)
     # Step 1 became the spare when step 2 committed; step 3 was written into its file, so the tier holds two copies.
     assert inodes[3] == inodes[1] != inodes[2]
-    assert steps_in(memory) == [3] and (memory / memory_tier.SPARE_DIR).is_dir()
+    assert steps_in(memory) == [3] and (memory / tier_files.SPARE_DIR).is_dir()
     assert restored(bucket, memory) == (3, digest, "memory")
 
 
@@ -226,10 +226,10 @@ def test_no_spare_is_prepared_where_it_would_take_the_reserve_of_dev_shm(bucket,
         )
         gate.release()
         assert store.flush().step == 1
-    assert not list((memory / memory_tier.SPARE_DIR).glob("*"))
+    assert not list((memory / tier_files.SPARE_DIR).glob("*"))
     monkeypatch.undo()
     assert store._tier.prepare_spare({data.name: data.stat().st_size})
-    assert (memory / memory_tier.SPARE_DIR / data.name).stat().st_size == data.stat().st_size
+    assert (memory / tier_files.SPARE_DIR / data.name).stat().st_size == data.stat().st_size
 
 
 def test_a_storage_interval_copies_every_nth_memory_checkpoint_and_flush_the_newest(bucket, memory):

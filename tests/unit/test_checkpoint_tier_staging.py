@@ -93,15 +93,15 @@ def test_a_staged_file_of_several_segments_records_the_digests_of_its_bytes(buck
     import xxhash
     from test_checkpoint_memory_tier import digests_file
 
-    from trainingrun_trainer.checkpoint import memory_tier
+    from trainingrun_trainer.checkpoint import tier_files
 
-    big = torch.randn(3 * memory_tier.SEGMENT_BYTES // 4 + 1001, generator=torch.Generator().manual_seed(8))
+    big = torch.randn(3 * tier_files.SEGMENT_BYTES // 4 + 1001, generator=torch.Generator().manual_seed(8))
     with behind(bucket, memory) as store:
         store.save(1, {"weights": {"big": big}}, {"step": 1}, copy_in_background=("weights",))
         assert store.flush() is not None
     [data] = step_dir(memory, 1).glob("*.distcp")
     content = data.read_bytes()
-    expected = memory_tier.SegmentHasher()
+    expected = tier_files.SegmentHasher()
     expected.update(content)
     recorded = json.loads(digests_file(data).read_text())
     assert len(recorded["xxh3_128"]) == 4 and recorded["xxh3_128"] == expected.finish()

@@ -4,7 +4,7 @@ import pytest
 
 from trainingrun_api import exit_codes
 from trainingrun_api.exit_codes import FAILURE, PERMANENT, PREEMPTION, SUCCEEDED, classify
-from trainingrun_operator import reconcile
+from trainingrun_operator import children
 
 
 @pytest.mark.parametrize(
@@ -50,4 +50,4 @@ def pod(code, deleting=False):
 )
 def test_the_operator_reads_pod_exit_codes_with_the_same_table(code, deleting):
     job = {"metadata": {"name": "demo-a1"}, "status": {}}
-    assert reconcile.classify_failure(job, [pod(code, deleting)]).cause == classify(code, stopping=deleting)
+    assert children.classify_failure(job, [pod(code, deleting)]).cause == classify(code, stopping=deleting)

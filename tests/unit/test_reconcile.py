@@ -1,4 +1,4 @@
-"""reconcile.decide and its helpers: the operator's decisions without a cluster."""
+"""reconcile.decide and what it reads (children.py, run_status.py): the operator's decisions without a cluster."""
 
 import functools
 from datetime import datetime, timedelta, timezone
@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainingrun_api import progress_report
-from trainingrun_operator import api, builders, naming, reconcile, validation
+from trainingrun_operator import api, api_status, builders, children, naming, reconcile, run_status, validation
 from trainingrun_operator.indexes import merged_status
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
@@ -90,19 +90,19 @@ def running_status(attempt=1, **extra):
     ],
 )
 def test_failure_causes(pod_status, metadata, cause):
-    failure = reconcile.classify_failure(job(1, "Failed"), [pod(1, pod_status, **metadata)])
+    failure = children.classify_failure(job(1, "Failed"), [pod(1, pod_status, **metadata)])
     assert failure.cause == cause and failure.from_pods
 
 
 def test_permanent_failure_carries_the_termination_message():
-    failure = reconcile.classify_failure(job(1, "Failed"), [pod(1, ended(2, message="bad classPath\n"))])
+    failure = children.classify_failure(job(1, "Failed"), [pod(1, ended(2, message="bad classPath\n"))])
     assert failure.detail == "pod demo-a1-worker-0 exited with 2: bad classPath" and failure.exit_code == 2
 
 
 def test_failure_without_pods_says_so():
     failed = job(1, "Failed")
     failed["status"]["conditions"][0]["message"] = "PyTorchJob demo-a1 is failed because 1 Worker replica(s) failed."
-    failure = reconcile.classify_failure(failed, [])
+    failure = children.classify_failure(failed, [])
     assert failure.cause == "failure" and not failure.from_pods and "1 Worker replica(s) failed" in failure.detail
 
 
@@ -111,19 +111,19 @@ def test_goodput_is_a_function_of_status():
         "startTime": "2026-11-21T11:00:00Z",
         "progress": {"productiveSeconds": 1800.0, "updatedAt": "2026-11-21T12:00:00Z"},
     }
-    assert reconcile.goodput(status) == 0.5
-    assert reconcile.goodput({"startTime": "2026-11-21T11:00:00Z"}) is None
+    assert run_status.goodput(status) == 0.5
+    assert run_status.goodput({"startTime": "2026-11-21T11:00:00Z"}) is None
 
 
 def test_conditions_keep_their_transition_time_until_the_status_flips():
-    conditions = reconcile.Conditions([], "t1", 3)
+    conditions = run_status.Conditions([], "t1", 3)
     assert conditions.set("SecretMissing", True, "CreateContainerConfigError", "m")
-    later = reconcile.Conditions(conditions.as_list(), "t2", 3)
+    later = run_status.Conditions(conditions.as_list(), "t2", 3)
     assert not later.set("SecretMissing", True, "CreateContainerConfigError", "m2")
     assert later.items["SecretMissing"]["lastTransitionTime"] == "t1"
     assert later.set("SecretMissing", False, "SecretsFound")
     assert later.items["SecretMissing"]["lastTransitionTime"] == "t2"
-    assert not reconcile.Conditions([], "t", None).set("Never", False, "x")  # no False entry for a new type
+    assert not run_status.Conditions([], "t", None).set("Never", False, "x")  # no False entry for a new type
 
 
 # ---------------------------------------------------------------- decisions
@@ -158,13 +158,13 @@ def test_the_time_account_adds_a_process_that_ended_and_breaks_wall_time_down():
     start = {"startTime": "2026-11-21T11:00:00Z", "restarts": {"backoffSeconds": 5.0}}
     first = progress_report.ProcessTime("pod/1/1", 20.0, 4.0, 0.0, 1.0, 0.5, 12.0, 0.0, 0.0)
     at = reconcile.parse_time("2026-11-21T11:00:30Z")
-    status = {**start, **reconcile.account_time(start, first, 11.0, at)}
+    status = {**start, **run_status.account_time(start, first, 11.0, at)}
     assert status["processTime"] == {"ended": None, "current": first.to_wire()}
     again = progress_report.ProcessTime("pod/1/1", 25.0, 4.0, 0.0, 1.0, 0.5, 16.0, 0.0, 0.0)  # the same process, later
-    status = {**start, **reconcile.account_time(status, again, 15.0, at + timedelta(seconds=5))}
+    status = {**start, **run_status.account_time(status, again, 15.0, at + timedelta(seconds=5))}
     assert status["processTime"]["ended"] is None
     second = progress_report.ProcessTime("pod/2/9", 10.0, 3.0, 0.5, 0.5, 0.25, 5.0, 1.0, 13.0)  # a restart, from 13 s
-    status = {**start, **reconcile.account_time(status, second, 18.0, at + timedelta(seconds=30))}
+    status = {**start, **run_status.account_time(status, second, 18.0, at + timedelta(seconds=30))}
     assert status["processTime"]["ended"] == {**again.to_wire(), "process": "ended"}
     breakdown = status["timeBreakdown"]
     assert breakdown["wallSeconds"] == 60.0 and sum(
@@ -172,7 +172,7 @@ def test_the_time_account_adds_a_process_that_ended_and_breaks_wall_time_down():
     ) == pytest.approx(60.0)
     assert (breakdown["productiveSeconds"], breakdown["lostSeconds"], breakdown["backoffSeconds"]) == (18.0, 3.0, 5.0)
     assert breakdown["startupSeconds"] == 7.0 + (60.0 - 5.0 - 35.0)  # in processes, and when none reported
-    assert api.TrainingRunStatus.from_wire(status).time_breakdown.eval_seconds == 1.0  # the status model has it
+    assert api_status.TrainingRunStatus.from_wire(status).time_breakdown.eval_seconds == 1.0  # the status model has it
 
 
 def test_budget_spent_fails_the_run():
@@ -502,7 +502,7 @@ def test_pods_restarted_in_place_are_counted_once_each_with_an_event():
     assert reconcile.decide(observe(status=status, jobs=[job(1, "Running")])).status.get("restarts") is None
     later = reconcile.decide(observe(status=status, jobs=[restarting_job(NOW + timedelta(minutes=5))]))
     assert later.status["restarts"]["inPlace"] == 2 and later.status["restarts"]["total"] == 0
-    api.TrainingRunStatus.model_validate(merged_status(status, later.status))  # the CRD's status schema takes it
+    api_status.TrainingRunStatus.model_validate(merged_status(status, later.status))  # the CRD's status schema takes it
 
 
 def suspended_status(attempt=1, **extra):

@@ -305,7 +305,7 @@ def test_a_report_sets_status_fields_the_status_model_has_under_the_same_names()
     """The contract's wire names and the typed status model (which generates the CRD's status schema) agree, both
     ways: a full report validates strictly and dumps back unchanged, and the model has no progress or checkpoint
     field a report cannot set."""
-    from trainingrun_operator import api
+    from trainingrun_operator import api_status
 
     report = Report(
         "team-a",
@@ -323,13 +323,13 @@ def test_a_report_sets_status_fields_the_status_model_has_under_the_same_names()
         last_good_checkpoint=CommittedCheckpoint("s3://b/run/step-00000005", 5, "2026-11-24T00:00:00Z", "0" * 64),
     )
     fields = report.status_fields()
-    status = api.TrainingRunStatus.model_validate(fields)  # extra="forbid": an unknown name fails here
+    status = api_status.TrainingRunStatus.model_validate(fields)  # extra="forbid": an unknown name fails here
     assert status.model_dump(by_alias=True, exclude_none=True, include={"progress", "last_good_checkpoint"}) == fields
-    assert {f.alias for f in Progress.model_fields.values()} | set(api.DERIVED_PROGRESS_FIELDS) == {
-        f.alias or n for n, f in api.Progress.model_fields.items()
+    assert {f.alias for f in Progress.model_fields.values()} | set(api_status.DERIVED_PROGRESS_FIELDS) == {
+        f.alias or n for n, f in api_status.Progress.model_fields.items()
     }
     assert {f.alias for f in CommittedCheckpoint.model_fields.values()} == {
-        f.alias or n for n, f in api.CheckpointRef.model_fields.items()
+        f.alias or n for n, f in api_status.CheckpointRef.model_fields.items()
     }
 
 

@@ -73,12 +73,12 @@ def test_the_status_parts_are_generated_from_the_report_parts():
     from pydantic import Field
 
     from trainingrun_api.progress_report import Progress
-    from trainingrun_operator import api
+    from trainingrun_operator import api_status
 
     class Newer(Progress):
         tokens_per_second: float | None = Field(default=None, description="Tokens over all ranks.")
 
-    status = api.status_part(Newer, "NewerProgress")
+    status = api_status.status_part(Newer, "NewerProgress")
     assert status.model_fields["tokens_per_second"].description == "Tokens over all ranks."
     assert not status.model_fields["step"].is_required()  # status may hold what an older trainer reported
     assert status.from_wire({"tokensPerSecond": 2.5}).tokens_per_second == 2.5

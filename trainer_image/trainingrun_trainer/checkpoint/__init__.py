@@ -50,7 +50,7 @@ How a save is sequenced (same on every rank; collectives use a dedicated gloo gr
 
 Persisting behind (``CheckpointStore(persist_behind=True)``, the trainer's default: ``checkpoint.persistBehind``), when
 every rank shares one node's memory tier: in step 2 every rank writes its files straight into the tier's step
-directory (`memory_tier.RecycledFile`: into the mapped pages of the files of a step the tier no longer needs, with the
+directory (`tier_files.RecycledFile`: into the mapped pages of the files of a step the tier no longer needs, with the
 xxh3_128 of each 4 MiB segment beside them), and in step 4 rank 0 writes the manifest there: the checkpoint is
 committed in memory and ``wait()`` returns it. Rank 0's persister thread then copies those files to storage unchanged,
 and the same manifest bytes last (the commit in storage), and rotates storage. It copies the newest first: a memory

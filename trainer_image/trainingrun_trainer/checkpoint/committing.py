@@ -23,9 +23,9 @@ from .layout import (
     logger,
     now_rfc3339,
 )
-from .memory_tier import SEGMENTS_KEY
 from .save_planner import ReusingSavePlanner
 from .saving import _plain, _SaveJob
+from .tier_files import SEGMENTS_KEY
 from .tier_staging import StagedFile, data_file_name, stageable
 from .writer import _Writer
 

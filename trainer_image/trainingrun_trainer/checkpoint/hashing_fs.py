@@ -14,7 +14,8 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from .layout import FILE_DIGEST, file_hasher
-from .memory_tier import SEGMENTS_KEY, MemoryTier, RecycledFile, SegmentHasher, TierCopy
+from .memory_tier import MemoryTier, TierCopy
+from .tier_files import SEGMENTS_KEY, RecycledFile, SegmentHasher
 
 #: Writes are passed on and hashed in pieces of this many bytes, the hashing on a thread of its own (xxhash releases
 #: the interpreter lock): the digests of one piece are computed while the next is written.

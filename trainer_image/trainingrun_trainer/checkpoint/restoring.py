@@ -25,9 +25,9 @@ from .layout import (
     logger,
 )
 from .manifest import _inspect, _step_dirs
-from .memory_tier import LocalFirstFileSystem, TierMismatch
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage
+from .tier_files import LocalFirstFileSystem, TierMismatch
 
 
 class Restoring:

@@ -3,7 +3,7 @@ completes in place.
 
 Staging into buffers and then writing the buffers into the tier copies every byte twice. Here the tier's data file is
 the staging buffer: `StagedFile.stage` copies each tensor into the file's shared mapping (the pages of the spare's
-file, `memory_tier.SPARE_DIR`, where there is one) and returns the state with views of those bytes in place of the
+file, `tier_files.SPARE_DIR`, where there is one) and returns the state with views of those bytes in place of the
 tensors; training may change its own tensors from then on. DCP then plans the save of the views and
 `StagedFile.complete` records where each already lies (no copy), appends what was not staged (byte items, tensors
 staged elsewhere) and hashes the file once, from memory: its file digest and the xxh3_128 of each segment.
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..torch_internals import StorageInfo
 from .layout import FILE_DIGEST, file_hasher
-from .memory_tier import SEGMENT_BYTES, SEGMENTS_KEY, SPARE_DIR
 from .tensor_files import RAW_TENSOR, _byte_view
+from .tier_files import SEGMENT_BYTES, SEGMENTS_KEY, SPARE_DIR
 
 #: Each staged tensor starts at a multiple of this many bytes: a cache line, and every dtype's alignment.
 ALIGN = 64
