@@ -123,7 +123,7 @@ BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
         "read_ahead": False,
         "fetch_threads": False,
     },
-    "trainingrun_trainer.data.ResumableSampler": {
+    "trainingrun_trainer.sampling.ResumableSampler": {
         "dataset_len": True,
         "rank": True,
         "world_size": True,

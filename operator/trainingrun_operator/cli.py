@@ -6,22 +6,16 @@ Exit codes: 0 success, 1 invalid input (one line per problem on stderr), 2 usage
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from trainingrun_api import components
 
-from . import __version__, builders, crd, validation
+from . import __version__, builders, cli_local, crd, validation
 from .settings import Settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
-
-
-def print_problems(path: str, error: validation.InvalidTrainingRun) -> None:
-    for problem in error.problems:
-        print(f"{path}: {problem}", file=sys.stderr)
 
 
 def write_files(root: str, files: dict[str, str]) -> None:
@@ -108,7 +102,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             runs = validation.load_runs(path)
         except validation.InvalidTrainingRun as error:
             failed = True
-            print_problems(path, error)
+            error.print_to_stderr(path)
             continue
         for run in runs:
             print(f"{path}: TrainingRun {run.metadata.namespace}/{run.metadata.name} is valid")
@@ -125,7 +119,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     try:
         runs = validation.load_runs(args.file)
     except validation.InvalidTrainingRun as error:
-        print_problems(args.file, error)
+        error.print_to_stderr(args.file)
         return 1
     settings = Settings.from_env()
     documents = []
@@ -184,167 +178,6 @@ def _on_the_cluster(args: argparse.Namespace, doing: str, action: Callable[[Any]
             file=sys.stderr,
         )
         return 1
-
-
-def _trainer_module(name: str, command: str) -> Any:
-    """A module of the trainer package, imported when a command runs: the operator image has no torch."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"trainingrun_trainer.{name}")
-    except ImportError as error:
-        print(
-            f"trainingrun {command} needs the trainer extra (pip install 'trainingrun-operator[trainer]'): {error}",
-            file=sys.stderr,
-        )
-        return None
-
-
-def cmd_checkpoints(args: argparse.Namespace) -> int:
-    checkpoint = _trainer_module("checkpoint", "checkpoints")
-    if checkpoint is None:
-        return 1
-    try:
-        store = checkpoint.CheckpointStore(args.uri, endpoint_url=args.endpoint_url)
-        infos = store.list()
-    except (OSError, ValueError) as error:
-        print(f"cannot list checkpoints under {args.uri}: {error}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(checkpoint.to_json(infos))
-    elif infos:
-        print(checkpoint.format_table(infos))
-    else:
-        print(f"no checkpoints under {args.uri}")
-    return 0
-
-
-def cmd_data_prepare(args: argparse.Namespace) -> int:
-    prepare = _trainer_module("prepare", "data prepare")
-    if prepare is None:
-        return 1
-    bar = _ByteProgress(sys.stderr)
-    try:
-        done = prepare.prepare(
-            Path(args.src),
-            args.dest,
-            args.kind,
-            shard_bytes=args.shard_mb,
-            overwrite=args.overwrite,
-            endpoint_url=args.endpoint_url,
-            progress=bar.update,
-        )
-    except prepare.PrepareError as error:
-        bar.close()
-        print(f"trainingrun data prepare: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        bar.close()
-        print(f"trainingrun data prepare: cannot write {args.dest}: {error}", file=sys.stderr)
-        return 1
-    bar.close()
-    use = (
-        "trainingrun_trainer.shards.TextBytes, initArgs {uri: %s} (model vocabSize 256)"
-        if args.kind == "text"
-        else "trainingrun_trainer.shards.ImageShards, initArgs {uri: %s, imageSize: 32}"
-    ) % args.dest
-    print(
-        f"{done.files} files, {done.bytes} bytes -> {len(done.shards)} shards under {args.dest}; train on them with "
-        f"classPath {use}"
-    )
-    return 0
-
-
-def _progress_bars(out: Any) -> bool:
-    """Whether to draw progress bars on `out`: a terminal, with rich installed (the `cli` extra); else plain lines."""
-    import importlib.util
-
-    return out.isatty() and importlib.util.find_spec("rich") is not None
-
-
-class _ByteProgress:
-    """A bar of bytes on terminals, a line per tenth elsewhere."""
-
-    def __init__(self, out: Any):
-        self.out, self.bar, self.task, self.said = out, None, None, -1
-        if _progress_bars(out):
-            from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-            self.bar = Progress(
-                BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), console=Console(file=out)
-            )
-            self.bar.start()
-
-    def update(self, done: int, total: int) -> None:
-        if self.bar is not None:
-            if self.task is None:
-                self.task = self.bar.add_task("prepare", total=total)
-            self.bar.update(self.task, completed=done)
-        elif total and done * 10 // total > self.said:
-            self.said = done * 10 // total
-            print(f"{done}/{total} bytes ({100 * done // total}%)", file=self.out, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
-def cmd_local(args: argparse.Namespace) -> int:
-    from . import local
-
-    options = local.LocalOptions(
-        nproc=args.nproc,
-        checkpoint_uri=args.checkpoint_uri,
-        max_steps=args.max_steps,
-        chaos_kill_steps=args.chaos_kill_step or [],
-        chaos_kill_every=args.chaos_kill_every,
-        metrics_port=args.metrics_port,
-        env_file=args.env_file,
-        runs_dir=args.runs_dir,
-    )
-    try:
-        run = local.load_run(args.file, options)
-        local.check_options(run, options)
-        secrets = local.resolve_secrets(run.spec, dict(os.environ), options.env_file)
-    except validation.InvalidTrainingRun as error:
-        print_problems(args.file, error)
-        return 1
-    except local.LocalOptionError as error:
-        print(f"trainingrun local: {error}", file=sys.stderr)
-        return 2
-    except local.LocalRunError as error:
-        print(f"{args.file}: {error}", file=sys.stderr)
-        return 1
-    display = local.RichDisplay(sys.stdout) if _progress_bars(sys.stdout) else local.PlainDisplay(sys.stdout)
-    metrics = f"; metrics on http://127.0.0.1:{options.metrics_port}/metrics" if options.metrics_port else ""
-    print(
-        f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {options.nproc or run.spec.nproc_per_node} "
-        f"process(es), checkpoints in {run.spec.checkpoint.uri}{metrics}",
-        flush=True,
-    )
-    try:
-        summary = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display).execute()
-    finally:
-        display.close()
-    for note in summary.chaos_notes:
-        print(note)
-    if summary.message:
-        print(summary.message, file=sys.stderr if summary.outcome != "succeeded" else sys.stdout)
-    in_place = f" and {summary.restarts_in_place} restart(s) in place" if summary.restarts_in_place else ""
-    print(
-        f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in "
-        f"{Path(options.runs_dir) / run.metadata.name}"
-    )
-    print(summary.breakdown_line())
-    if summary.startup_line():
-        print(summary.startup_line())
-    if summary.interval_line():
-        print(summary.interval_line())
-    if summary.throughput_line():
-        print(summary.throughput_line())
-    print(summary.result_line(), flush=True)
-    return summary.exit_code
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -467,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=positive_int, help="port of the trainer's metrics endpoint")
     p.add_argument("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)")
     p.add_argument("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)")
-    p.set_defaults(func=cmd_local)
+    p.set_defaults(func=cli_local.cmd_local)
 
     p = commands.add_parser(
         "status",
@@ -510,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("uri", metavar="URI", help="gs://, s3:// or file:// URI of a run's checkpoints")
     p.add_argument("--json", action="store_true", help="print a JSON list (step, valid, model_digest, uri, time, ...)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
-    p.set_defaults(func=cmd_checkpoints)
+    p.set_defaults(func=cli_local.cmd_checkpoints)
 
     data = commands.add_parser("data", help="prepare training data in object storage").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND"
@@ -529,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=("text", "images"), default="text", help="what SRC holds (default text)")
     p.add_argument("--overwrite", action="store_true", help="replace shards DEST already holds")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
-    p.set_defaults(func=cmd_data_prepare)
+    p.set_defaults(func=cli_local.cmd_data_prepare)
     return parser
 
 

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from . import api, reports
+from . import api, report_callers, reports
 from .indexes import SPEC_JSON, merged_status, run_owns_job
 from .kube import STATUS, ApiError
 from .state import Key, OperatorState
@@ -124,7 +124,7 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
     )
 
 
-def known_pod(state: OperatorState, pod: reports.ClaimedPod) -> bool:
+def known_pod(state: OperatorState, pod: report_callers.ClaimedPod) -> bool:
     """Whether a token's claimed pod is a worker pod of a run, by the operator's index (no API reads): its name says
     which run (`<run>-a<attempt>-worker-<i>`), and name and uid must match a pod the index holds for that run."""
     if state.indexes is None:
@@ -235,7 +235,7 @@ async def serve_reports(state: OperatorState) -> None:
         lambda key, fields: write_reported_status(state, key, fields), reports.STATUS_WRITE_SECONDS
     )
     endpoint = reports.ReportEndpoint(
-        reports.TokenReviewer(
+        report_callers.TokenReviewer(
             state.client, settings.report_token_cache_seconds, known_pod=lambda pod: known_pod(state, pod)
         ),
         view=lambda namespace, name: run_view(state, namespace, name),

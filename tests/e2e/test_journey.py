@@ -34,7 +34,7 @@ import kube_cluster
 import kube_journey
 import kube_node
 from kube_journey import CHART, OPERATOR_NAMESPACE, RUN_FILE, Cluster, run_file
-from trainingrun_operator import monitoring
+from trainingrun_operator import dashboards
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -306,14 +306,14 @@ def scrape_a_running_run(cluster: Cluster, namespace: str, tmp_path: Path) -> No
         targets = cluster.wait("both trainer pods as targets", both_pods, explain=lambda: cluster.diagnose(namespace))
         targets_file.write_text(json.dumps(targets))
         checked = 0
-        for panel in monitoring.RUN_PANELS:
+        for panel in dashboards.RUN_PANELS:
             for expr, _ in panel.targets:
                 concrete = expr.replace("$namespace", namespace).replace("$run", "watched")
                 if panel.title in (
-                    monitoring.GPU_PANELS
-                    | monitoring.EVAL_PANELS
-                    | monitoring.OPERATOR_PANELS
-                    | monitoring.AUTO_INTERVAL_PANELS
+                    dashboards.GPU_PANELS
+                    | dashboards.EVAL_PANELS
+                    | dashboards.OPERATOR_PANELS
+                    | dashboards.AUTO_INTERVAL_PANELS
                 ):
                     continue  # no GPU here; the watched run neither evaluates nor uses steps: auto (test_observability.py
                     # does both); trainer pods only are scraped here (the operator's series: test_operator_metrics.py)

@@ -1,5 +1,5 @@
 """A live `trainingrun local` run exposes metrics that promtool accepts, and a real Prometheus scraping it
-answers every TrainingRun dashboard query (GPU panels excepted on CPU, by monitoring.GPU_PANELS)."""
+answers every TrainingRun dashboard query (GPU panels excepted on CPU, by dashboards.GPU_PANELS)."""
 
 import json
 import os
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tiny_runs import tiny_trainer
-from trainingrun_operator import monitoring
+from trainingrun_operator import dashboards, series
 
 PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
 pytestmark = [
@@ -116,7 +116,7 @@ def test_live_exposition_passes_promtool_and_has_no_gpu_series(live_run):
     for rank in ("0", "1"):
         assert f'trainingrun_loss{{namespace="default",rank="{rank}",run="{RUN}"}}' in exposition
     assert "trainingrun_checkpoint_saved_bytes_total" in exposition
-    assert not [s for s in monitoring.GPU_SERIES if s in exposition]  # absent, not zero, on CPU
+    assert not [s for s in series.GPU_SERIES if s in exposition]  # absent, not zero, on CPU
 
 
 def test_prometheus_answers_every_dashboard_query(live_run, tmp_path):
@@ -145,16 +145,16 @@ def test_prometheus_answers_every_dashboard_query(live_run, tmp_path):
             return answer["data"]["result"]
 
         checked = 0
-        for panel in monitoring.RUN_PANELS:
-            if panel.title in monitoring.GPU_PANELS | monitoring.OPERATOR_PANELS:
+        for panel in dashboards.RUN_PANELS:
+            if panel.title in dashboards.GPU_PANELS | dashboards.OPERATOR_PANELS:
                 continue  # no GPU here; no operator under `trainingrun local` (tests/unit/test_operator_metrics.py has its series)
             for expr, _ in panel.targets:
                 concrete = expr.replace("$namespace", "default").replace("$run", RUN)
                 until(lambda concrete=concrete: query(concrete), f"series for panel {panel.title!r}: {concrete}")
                 checked += 1
         assert checked >= 15
-        for panel in monitoring.RUN_PANELS:  # and the excepted ones really have nothing on CPU
-            if panel.title in monitoring.GPU_PANELS:
+        for panel in dashboards.RUN_PANELS:  # and the excepted ones really have nothing on CPU
+            if panel.title in dashboards.GPU_PANELS:
                 for expr, _ in panel.targets:
                     assert query(expr.replace("$namespace", "default").replace("$run", RUN)) == []
     finally:

@@ -42,7 +42,7 @@ from trainingrun_operator import naming, pod_env
 from trainingrun_operator.builders import DEFAULT_COMMAND
 from trainingrun_trainer import launch
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
-from trainingrun_trainer.data import ResumableSampler
+from trainingrun_trainer.sampling import ResumableSampler
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from trainingrun_api import contract
-from trainingrun_operator import reports
+from trainingrun_operator import report_callers, reports
 from trainingrun_operator.kube import REVIEW
 
 pytestmark = pytest.mark.asyncio
@@ -70,7 +70,7 @@ class ApiServer:
                 "audiences": [contract.REPORT_AUDIENCE],
                 "user": {
                     "username": "system:serviceaccount:ns:trainers",
-                    "extra": {reports.POD_NAME_EXTRA: ["p"], reports.POD_UID_EXTRA: ["u"]},
+                    "extra": {report_callers.POD_NAME_EXTRA: ["p"], report_callers.POD_UID_EXTRA: ["u"]},
                 },
             }
         }
@@ -91,7 +91,7 @@ class ApiServer:
 )
 async def test_a_token_that_cannot_be_a_pods_report_token_costs_no_token_review(token):
     server = ApiServer()
-    reviewer = reports.TokenReviewer(lambda: server, 60)
+    reviewer = report_callers.TokenReviewer(lambda: server, 60)
     assert await reviewer.caller(token, "10.0.0.9") is None
     assert server.reviews == 0 and reviewer.refused_unreviewed == 1
 
@@ -99,9 +99,9 @@ async def test_a_token_that_cannot_be_a_pods_report_token_costs_no_token_review(
 async def test_two_thousand_junk_tokens_cost_no_token_review_and_keep_the_pods_token():
     """On main: 2,000 TokenReviews at the operator's top priority, and the cache wiped whole at 20,000."""
     server = ApiServer()
-    reviewer = reports.TokenReviewer(lambda: server, 60)
+    reviewer = report_callers.TokenReviewer(lambda: server, 60)
     assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"
-    for number in range(reports.TOKEN_CACHE_SIZE + 2000):
+    for number in range(report_callers.TOKEN_CACHE_SIZE + 2000):
         await reviewer.caller(f"junk-{number}", "10.0.0.9")
     assert server.reviews == 1
     assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"  # from memory
@@ -112,7 +112,7 @@ async def test_forged_tokens_naming_no_pod_of_a_run_cost_no_token_review():
     """The claimed pod must be a pod of an active run in the operator's index: forged tokens name none."""
     server = ApiServer()
     known = {"u"}
-    reviewer = reports.TokenReviewer(lambda: server, 60, known_pod=lambda pod: pod.uid in known)
+    reviewer = report_callers.TokenReviewer(lambda: server, 60, known_pod=lambda pod: pod.uid in known)
     for number in range(2000):
         assert await reviewer.caller(jwt(marker=str(number), pod_uid=f"forged-{number}"), "10.0.0.9") is None
     assert server.reviews == 0 and reviewer.refused_unreviewed == 2000
@@ -121,12 +121,12 @@ async def test_forged_tokens_naming_no_pod_of_a_run_cost_no_token_review():
 
 async def test_tokens_naming_a_real_pod_are_reviewed_at_that_pods_rate_only():
     server = ApiServer()
-    reviewer = reports.TokenReviewer(lambda: server, 60, per_pod_rate=0.2, per_pod_burst=3)
+    reviewer = report_callers.TokenReviewer(lambda: server, 60, per_pod_rate=0.2, per_pod_burst=3)
     throttled = 0
     for number in range(500):
         try:
             await reviewer.caller(jwt(marker=str(number), pod_uid="victim"), "10.0.0.9")
-        except reports.Refused as refusal:
+        except report_callers.Refused as refusal:
             assert refusal.code == 429
             throttled += 1
     assert server.reviews == 3 and throttled == 497
@@ -137,24 +137,24 @@ async def test_tokens_naming_a_real_pod_are_reviewed_at_that_pods_rate_only():
 async def test_one_address_may_bring_many_pods_first_tokens_but_not_without_bound():
     """Pods behind one address (host network, a proxy) each get their first review; a flood from it is capped."""
     server = ApiServer()
-    reviewer = reports.TokenReviewer(lambda: server, 60, per_source_rate=20, per_source_burst=200)
+    reviewer = report_callers.TokenReviewer(lambda: server, 60, per_source_rate=20, per_source_burst=200)
     outcomes = []
     for number in range(1000):
         try:
             outcomes.append(await reviewer.caller(jwt(marker=str(number), pod_uid=f"pod-{number}"), "10.0.0.9"))
-        except reports.Refused as refusal:
+        except report_callers.Refused as refusal:
             outcomes.append(refusal.code)
     assert 200 <= server.reviews <= 210 and outcomes.count(429) == 1000 - server.reviews
 
 
 async def test_reviews_have_a_small_lane_and_a_full_lane_answers_at_once():
     server = ApiServer(delay=0.05)
-    reviewer = reports.TokenReviewer(lambda: server, 60, reviews_in_flight=2, reviews_waiting=4)
+    reviewer = report_callers.TokenReviewer(lambda: server, 60, reviews_in_flight=2, reviews_waiting=4)
 
     async def one(number):
         try:
             return await reviewer.caller(jwt(marker=str(number), pod_uid=f"pod-{number}"), f"10.0.1.{number}")
-        except reports.Refused as refusal:
+        except report_callers.Refused as refusal:
             return refusal.code
 
     outcomes = await asyncio.gather(*(one(number) for number in range(50)))
@@ -165,7 +165,7 @@ async def test_reviews_have_a_small_lane_and_a_full_lane_answers_at_once():
 async def test_an_accepted_token_expires_from_the_cache_and_is_reviewed_again():
     now = [0.0]
     server = ApiServer()
-    reviewer = reports.TokenReviewer(lambda: server, 60, clock=lambda: now[0])
+    reviewer = report_callers.TokenReviewer(lambda: server, 60, clock=lambda: now[0])
     await reviewer.caller(LEGITIMATE, "10.0.0.1")
     now[0] = 59
     await reviewer.caller(LEGITIMATE, "10.0.0.1")

@@ -16,7 +16,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from trainingrun_api import contract, progress_report
-from trainingrun_operator import naming, reports
+from trainingrun_operator import naming, report_callers, reports
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
 RUN_URI = "s3://bucket/demo"
@@ -24,7 +24,7 @@ RUN_URI = "s3://bucket/demo"
 
 class PodOfTheRun:
     async def caller(self, token, source=None):
-        return reports.Caller("ns", "trainers", "demo-a1-worker-0", "pod-uid")
+        return report_callers.Caller("ns", "trainers", "demo-a1-worker-0", "pod-uid")
 
 
 def view(namespace, name):

@@ -228,13 +228,13 @@ def test_progress_bars_only_on_terminals_with_rich(monkeypatch):
     import importlib.util
     import io
 
-    from trainingrun_operator import cli as cli_module
+    from trainingrun_operator import cli_local
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
-    assert cli_module._progress_bars(Terminal()) and not cli_module._progress_bars(io.StringIO())
+    assert cli_local.progress_bars(Terminal()) and not cli_local.progress_bars(io.StringIO())
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rich" else found(name, *a))
-    assert not cli_module._progress_bars(Terminal())  # without the cli extra: plain lines
+    assert not cli_local.progress_bars(Terminal())  # without the cli extra: plain lines

@@ -12,7 +12,7 @@ import torch
 from trainingrun_api import components
 from trainingrun_api.components import ConfigError, build, camel_case, check, snake_case
 from trainingrun_api.config import Component
-from trainingrun_trainer import data, models, shards
+from trainingrun_trainer import data, models, sampling, shards
 
 MODEL = "spec.trainer.model"
 DATASET = "spec.trainer.data.dataset"
@@ -285,11 +285,11 @@ def test_the_table_of_builtin_classes_equals_the_code():
     import inspect
 
     found = {}
-    for module in (models, data, shards):
+    for module in (models, data, sampling, shards):
         for name, value in vars(module).items():
             if (
                 inspect.isclass(value)
-                and value.__module__ == module.__name__
+                and (value.__module__ == module.__name__ or value.__module__.startswith(module.__name__ + "."))
                 and not name.startswith("_")
                 and not issubclass(value, Exception)
             ):

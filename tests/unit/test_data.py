@@ -1,5 +1,6 @@
-"""Synthetic datasets are pure functions of (seed, split, index); the ResumableSampler resumes at any
-world size with no sample skipped or repeated."""
+"""Synthetic datasets (data.py) are pure functions of (seed, split, index); the ResumableSampler (sampling.py)
+resumes at any world size with no sample skipped or repeated; batches reach the training thread from a thread or from
+workers that start clean and end with the trainer (loading.py)."""
 
 import os
 import random
@@ -17,15 +18,9 @@ from torch.utils.data import DataLoader
 
 from trainingrun_api.model_base import ConfigError
 from trainingrun_trainer.background import helper_niceness
-from trainingrun_trainer.data import (
-    ResumableSampler,
-    SyntheticImages,
-    SyntheticText,
-    batches_of,
-    in_background,
-    seed_worker,
-    worker_processes,
-)
+from trainingrun_trainer.data import SyntheticImages, SyntheticText
+from trainingrun_trainer.loading import batches_of, in_background, seed_worker, worker_processes
+from trainingrun_trainer.sampling import ResumableSampler
 
 # ---------------------------------------------------------------- datasets
 
@@ -444,7 +439,8 @@ KILLED_WITH_WORKERS = """
 import os, signal
 from multiprocessing import forkserver
 from torch.utils.data import DataLoader
-from trainingrun_trainer.data import SyntheticText, batches_of, start_worker, worker_processes
+from trainingrun_trainer.data import SyntheticText
+from trainingrun_trainer.loading import batches_of, start_worker, worker_processes
 
 dataset = SyntheticText(num_samples=64, context_length=8)
 loader = DataLoader(

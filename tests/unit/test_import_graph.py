@@ -60,7 +60,7 @@ def test_the_shared_package_imports_neither_side_nor_torch():
 )
 def test_neither_side_imports_the_other(package, other):
     # The CLI's trainer-side commands (`checkpoints`, `prepare`...) load the trainer when they run, by name
-    # (cli._trainer_module), so an operator image without torch still starts: not an import statement.
+    # (cli_local.trainer_module), so an operator image without torch still starts: not an import statement.
     assert other not in imported_packages(package), sorted(imported_packages(package)[other])
 
 

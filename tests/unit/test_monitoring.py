@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from trainingrun_operator import monitoring
+from trainingrun_operator import dashboards, monitoring, series
 
 PROMTOOL = shutil.which("promtool")
 # scripts/install-test-tools.sh (run by .ci/run) installs promtool and sets TRAININGRUN_CI, so there these tests run (and fail without it).
@@ -28,7 +28,7 @@ def test_committed_files_are_generated():
 
 def test_every_query_names_only_exported_series():
     for expr in monitoring.every_expression():
-        assert monitoring.series_in(expr) <= monitoring.SERIES, expr
+        assert series.series_in(expr) <= series.SERIES, expr
 
 
 def test_the_trainer_exports_exactly_the_listed_series():
@@ -50,21 +50,21 @@ for family in REGISTRY.collect():
         print(family.name + ("_total" if family.type == "counter" else ""))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert set(out.split()) == monitoring.TRAINER_SERIES
+    assert set(out.split()) == series.TRAINER_SERIES
 
 
 def test_dashboards_have_the_run_variables_and_grafana_sidecar_labels():
-    run = monitoring.dashboards()["trainingrun.json"]
+    run = dashboards.dashboards()["trainingrun.json"]
     names = [v["name"] for v in run["templating"]["list"]]
     assert names == ["datasource", "namespace", "run"]
     for panel in run["panels"]:
         for target in panel["targets"]:
             assert 'namespace="$namespace", run="$run"' in target["expr"], panel["title"]
-    for name, body in monitoring.dashboards().items():
-        config_map = monitoring.dashboard_config_map(name, body)
+    for name, body in dashboards.dashboards().items():
+        config_map = dashboards.dashboard_config_map(name, body)
         assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert json.loads(config_map["data"][name]) == body
-    fleet_titles = {p["title"] for p in monitoring.dashboards()["trainingrun-fleet.json"]["panels"]}
+    fleet_titles = {p["title"] for p in dashboards.dashboards()["trainingrun-fleet.json"]["panels"]}
     assert {
         "Runs by phase",
         "Restarts by cause (1h)",

@@ -2,7 +2,7 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainingrun_operator import monitoring
+from trainingrun_operator import series
 from trainingrun_operator.metrics import OperatorMetrics
 
 
@@ -29,6 +29,6 @@ def test_each_runs_time_breakdown_is_a_series_per_part_until_the_run_is_forgotte
         (("namespace", "team-a"), ("part", "lost"), ("run", "demo")): 2.5,
         (("namespace", "team-a"), ("part", "data_wait"), ("run", "demo")): 1.5,
     }
-    assert "trainingrun_operator_run_time_seconds" in monitoring.OPERATOR_SERIES  # the dashboard may name it
+    assert "trainingrun_operator_run_time_seconds" in series.OPERATOR_SERIES  # the dashboard may name it
     metrics.time_breakdowns.pop(("team-a", "demo"))
     assert samples(metrics, "trainingrun_operator_run_time_seconds") == {}

@@ -147,13 +147,19 @@ def train(run: Run, clock: SteppingClock, first: int, last: int, *, step_seconds
     return saved
 
 
+def on_the_clock(monkeypatch, clock) -> None:
+    """`Run` (session.py and its part session_intervals.py) reads time from `clock`."""
+    from trainingrun_trainer import session, session_intervals
+
+    for module in (session, session_intervals):
+        monkeypatch.setattr(module, "time", clock)
+
+
 def test_auto_interval_saves_early_to_measure_a_save_then_follows_youngs_rule(tmp_path, monkeypatch):
     import math
 
-    from trainingrun_trainer import session
-
     clock = SteppingClock()
-    monkeypatch.setattr(session, "time", clock)
+    on_the_clock(monkeypatch, clock)
     run = auto_run_in(tmp_path)
     assert run.resume({"model": nn.Linear(2, 2).state_dict()}) is None  # counts the run's first start
     saved = train(run, clock, 1, 1500)
@@ -165,10 +171,9 @@ def test_auto_interval_saves_early_to_measure_a_save_then_follows_youngs_rule(tm
 
 
 def test_a_restart_counts_as_a_failure_and_carries_the_save_cost(tmp_path, monkeypatch):
-    from trainingrun_trainer import session
 
     clock = SteppingClock()
-    monkeypatch.setattr(session, "time", clock)
+    on_the_clock(monkeypatch, clock)
     first = auto_run_in(tmp_path)
     first.resume({"model": nn.Linear(2, 2).state_dict()})
     train(first, clock, 1, 10)  # saves at 4 (cost unknown), then the cost is measured
@@ -377,10 +382,8 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
     import threading
     import uuid
 
-    from trainingrun_trainer import session
-
     clock = SteppingClock()
-    monkeypatch.setattr(session, "time", clock)
+    on_the_clock(monkeypatch, clock)
     # restarts inside the pod: the storage interval does not count them
     context = rank_zero_context(uid=f"test-{uuid.uuid4().hex}", restart_count=2)
     config = CheckpointConfig.model_validate(

@@ -14,7 +14,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader
 
 from trainingrun_trainer.background import helper_niceness
-from trainingrun_trainer.data import ResumableSampler
+from trainingrun_trainer.sampling import ResumableSampler
 from trainingrun_trainer.shards import LLMC_HEADER_BYTES, DataError, ImageShards, TextBytes, TokenShards
 
 
@@ -184,7 +184,7 @@ def test_an_items_fetch_brings_its_blocks_into_the_cache_and_the_read_then_fetch
 
 
 def fetches_of(record, done, gate=None, niceness=None):
-    """A `missing` for data.read_ahead whose fetch of item i appends i to `record` and sets `done[i]` (then waits
+    """A `missing` for sampling.read_ahead whose fetch of item i appends i to `record` and sets `done[i]` (then waits
     for `gate`, when given; adds the nice value of the thread that fetched to `niceness`, when given)."""
 
     def missing(index):
@@ -202,7 +202,7 @@ def fetches_of(record, done, gate=None, niceness=None):
 
 
 def test_read_ahead_keeps_the_samplers_order_and_fetches_ahead_of_it():
-    from trainingrun_trainer.data import read_ahead
+    from trainingrun_trainer.sampling import read_ahead
 
     sampler = ResumableSampler(100, rank=0, world_size=1, seed=3)
     order = list(sampler)
@@ -233,7 +233,7 @@ def test_fetches_begun_before_iterating_serve_it_and_are_dropped_when_the_positi
     """begin() fetches the first items while the model builds and restores; iterating from the same position
     fetches none of them again; from a moved position (a resume) the fetches not started yet are dropped."""
 
-    from trainingrun_trainer.data import read_ahead
+    from trainingrun_trainer.sampling import read_ahead
 
     sampler = ResumableSampler(100, rank=0, world_size=1, seed=3, samples_per_step=4)
     order = list(sampler)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import math
 import os
 import shutil
 import signal
@@ -38,20 +37,17 @@ import torch.distributed as dist
 
 from trainingrun_api import contract, exit_codes
 from trainingrun_api.checkpoint_config import (
-    AUTO_MAX_STEPS,
-    AUTO_MIN_STEPS,
-    AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
     CheckpointConfig,
 )
 from trainingrun_api.model_base import ConfigError
-from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress, Report
+from trainingrun_api.progress_report import Report
 
 from . import reporting
-from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable, now_rfc3339
-from .checkpoint_interval import AutoInterval
+from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable
 from .context import RunContext
 from .reporting import ProgressReporter
-from .timekeeping import ProcessClock
+from .session_intervals import RunIntervals
+from .session_reports import RunReports
 
 log = logging.getLogger("trainingrun.session")
 
@@ -85,7 +81,7 @@ def init_process_group(backend: str) -> None:
     )
 
 
-class Run:
+class Run(RunIntervals, RunReports):
     """One attempt of a TrainingRun as seen from inside a training process."""
 
     #: Exit with this after a SIGTERM save: the operator counts it as a preemption and retries.
@@ -158,24 +154,6 @@ class Run:
                 if earlier != directory:
                     shutil.rmtree(earlier, ignore_errors=True)
         return directory
-
-    def _auto_interval(self) -> Optional[AutoInterval]:
-        """Rank 0's chooser of the intervals that are auto (checkpoint.interval.steps, and persisting behind
-        checkpoint.storageInterval.steps); None when neither is."""
-        interval, storage = self.checkpoint.interval, self.checkpoint.storage_interval
-        storage_auto = storage is not None and storage.auto and self.store.persist_behind
-        if not (interval.auto or storage_auto) or not self.context.is_rank_zero:
-            return None
-        # Until record_start reads the run's own count: the restarts this process can see for itself.
-        return AutoInterval(
-            interval.min_steps or AUTO_MIN_STEPS,
-            interval.max_steps or AUTO_MAX_STEPS,
-            interval.expected_seconds_between_failures or AUTO_PRIOR_SECONDS_BETWEEN_FAILURES,
-            failures=self.context.attempt - 1 + self.context.restart_count,
-            memory_auto=interval.auto,
-            storage_auto=storage_auto,
-            pod_losses=self.context.attempt - 1,
-        )
 
     def _count_start(self) -> None:
         """Read and count this start in the run's starts.json, for the auto interval's failure rate."""
@@ -286,15 +264,6 @@ class Run:
                 source.uri if source else "the start",
             )
 
-    def checkpoint_due(self, step: int) -> tuple[bool, bool]:
-        """(stop, save): whether to stop for preemption and whether a periodic save is due.
-
-        Collective under torch.distributed: every rank must call it at the same step, and all get
-        the same answer, so a SIGTERM that reaches one rank first still stops all of them together.
-        """
-        stop, save = self.agree(step)
-        return stop, save
-
     def agree(self, step: int, *flags: bool) -> tuple[bool, ...]:
         """(stop, save, *flags), each True on every rank when it is True on any, in ONE collective.
 
@@ -330,45 +299,6 @@ class Run:
             return tuple(bool(v) for v in tensor.tolist())
 
         return result
-
-    def _time_step(self, save_finished: bool) -> None:
-        """The auto interval learns the step that ended now (from one agreement to the next), and what a save and a
-        copy to storage cost; a storage interval that is auto takes its new choice."""
-        chooser = self.auto_interval
-        assert chooser is not None
-        now = time.monotonic()
-        copies = self.store.persists + self.store.failed_persists - self._copies_seen
-        persisting = self.store.persisting
-        beside_persist = chooser.storage_auto and (self._beside_persist or persisting or copies > 0)
-        if self._step_began is not None:
-            chooser.step(now - self._step_began, self._beside_save, beside_persist)
-        self._step_began = now
-        if self._beside_save and save_finished:
-            chooser.save_finished(self.store.last_save_seconds)
-        self._beside_save = not save_finished
-        self._beside_persist = persisting
-        if beside_persist and not persisting:
-            self._copies_seen += copies
-            chooser.persist_finished(copies, self.store.last_persist_seconds if self.store.persists else None)
-            self._choose_storage_interval()
-
-    def _choose_storage_interval(self) -> None:
-        chooser = self.auto_interval
-        assert chooser is not None
-        self.store.persist_every_steps = chosen = chooser.storage_steps()
-        if chosen == self._told_storage_steps:
-            return
-        self._told_storage_steps = chosen
-        log.info(
-            "storage interval (auto): %s; a copy to storage costs training %.3f s and takes %.2f s",
-            f"every {chosen} steps" if chosen else "every checkpoint, at storage's pace",
-            chooser.persist_cost or 0.0,
-            chooser.persist_seconds or 0.0,
-        )
-
-    def interval_choice(self) -> Optional[IntervalChoice]:
-        """With checkpoint.interval.steps: auto, on rank 0: the interval now and what it is made of."""
-        return self.auto_interval.choice() if self.auto_interval is not None else None
 
     def save(
         self,
@@ -407,114 +337,10 @@ class Run:
         self._last_saved_step = step
         self._beside_save = True
 
-    def _waited_for_the_save_before(self, step: int, seconds: float) -> None:
-        self.checkpoint_wait_seconds += seconds
-        if self._told_waiting:
-            return
-        self._told_waiting = True
-        interval = self.checkpoint.interval
-        every = (
-            " and ".join(
-                part
-                for part in (
-                    f"{interval.steps} steps" if isinstance(interval.steps, int) else "",
-                    f"{interval.seconds:g} s" if interval.seconds is not None else "",
-                )
-                if part
-            )
-            or "its interval"
-        )
-        log.warning(
-            "the checkpoint of step %d waited %.2f s for the one before it to commit: a commit takes %.2f s, "
-            "longer than the interval (every %s), so checkpoints hold training back; make "
-            "spec.checkpoint.interval longer (steps: auto never chooses one shorter than a commit). "
-            "Counted in trainingrun_checkpoint_wait_seconds_total; said once",
-            step,
-            seconds,
-            self.store.last_save_seconds,
-            every,
-        )
-
     @property
     def saving(self) -> bool:
         """A save is being written in the background (not yet committed, nor failed)."""
         return self._pending is not None and not self._pending.done()
-
-    def report_committed(self) -> Optional[CheckpointInfo]:
-        """Finish the save in flight (the next save waits for it anyway) and report the newest checkpoint in storage
-        as lastGoodCheckpoint (persisting behind, the one committed now may still be on its way there: it is
-        checkpointInMemory)."""
-        info = self.store.wait()
-        self._pending = None
-        if info is not None:
-            self.last_committed = info
-        self._report_stored()
-        return info
-
-    def _report_stored(self) -> None:
-        """Tell the reporter the newest checkpoints in storage and (persisting behind) in memory, when they changed;
-        cheap enough for every step."""
-        stored, in_memory = self.store.in_storage, self.store.in_memory
-        if self.store.persist_behind and in_memory is not None and in_memory is not self._reported_in_memory:
-            self._reported_in_memory = in_memory
-            self.reporter.committed_in_memory(
-                CheckpointInMemory.model_construct(step=in_memory.step, time=in_memory.time)
-            )
-        if stored is not None and stored is not self._reported and stored != self._reported:
-            self._reported = stored
-            self.reporter.committed(
-                CommittedCheckpoint.model_construct(
-                    uri=stored.uri, step=stored.step, time=stored.time, sha256=stored.manifest_sha256
-                )
-            )
-
-    def _tell_launcher(self, info: Optional[CheckpointInfo]) -> None:
-        """Progress the launcher's agent can see, written the moment a save commits (on the thread that committed
-        it, not at the next report: a worker killed a few steps later has made it): a group that committed a step
-        gets its in-place restart budget back."""
-        path = self.context.committed_step_file
-        if info is None:
-            return
-        try:
-            partial = f"{path}.partial"
-            with open(partial, "w", encoding="utf-8") as out:
-                out.write(str(info.step))
-            os.replace(partial, path)
-        except OSError as error:  # the budget then refills less often: never worth failing a step
-            log.warning("could not record committed step %d for the launcher at %s: %s", info.step, path, error)
-
-    # ------------------------------------------------------------ reporting
-
-    def report(
-        self,
-        step: int,
-        *,
-        total_steps: Optional[int] = None,
-        loss: Optional[float] = None,
-        samples_per_second: Optional[float] = None,
-        productive_seconds: Optional[float] = None,
-        process_time: Optional[ProcessClock] = None,
-        model_flops_per_second: Optional[float] = None,
-        mfu: Optional[float] = None,
-    ) -> None:
-        """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
-        the reporter's pace)."""
-        if not self.reporter.enabled:
-            return  # every step: ranks that do not report build nothing
-        self.reporter.progress(
-            Progress.model_construct(  # unchecked: reporting never raises in the training loop
-                step=step,
-                updated_at=now_rfc3339(),
-                total_steps=total_steps,
-                loss=loss if loss is not None and math.isfinite(loss) else None,
-                samples_per_second=samples_per_second,
-                productive_seconds=None if productive_seconds is None else round(productive_seconds, 3),
-                model_flops_per_second=model_flops_per_second,
-                mfu=None if mfu is None else round(mfu, 4),
-            ),
-            process_time.snapshot() if process_time is not None else None,
-            self.interval_choice(),
-        )
 
     def close(self, finished: bool = False) -> None:
         """Finish the last save, report it, and flush the reporter; `finished`: the run is done, so its copy in

@@ -23,22 +23,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainingrun_api import components, exit_codes
+from trainingrun_api import exit_codes
 from trainingrun_api.config import RunConfig
 
-from . import efficiency, metrics, tracking
-from .checkpoint import model_digest
+from . import metrics, tracking
 from .checkpoint_interval import SaveCosts
 from .context import RunContext
-from .data import ResumableSampler, batches_of, in_background, read_ahead, start_worker, worker_processes
-from .ema import WeightEMA
-from .health import NonFiniteGuard, Verdict
-from .optim import build_optimizer, build_scheduler, scale_learning_rate
-from .precision import PrecisionPlan
-from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
-from .session import Run, init_process_group
-from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank, TrainState, changed_by_forward
+from .health import Verdict
+from .seeding import seed_everything, use_deterministic_algorithms
+from .session import Run
+from .state import TrainState
 from .timekeeping import ProcessClock
+from .trainer_checkpoints import TrainerCheckpoints
+from .trainer_setup import TrainerSetup
 
 log = logging.getLogger("trainingrun.trainer")
 
@@ -51,7 +48,10 @@ def config_hash(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class Trainer:
+class Trainer(TrainerSetup, TrainerCheckpoints):
+    """One process's training run: setup and input (trainer_setup.py), checkpoint state, saves and rollbacks
+    (trainer_checkpoints.py), and here the loop."""
+
     def __init__(self, config: RunConfig, context: RunContext, device_type: str):
         self.config = config
         self.context = context
@@ -81,218 +81,6 @@ class Trainer:
     @step.setter
     def step(self, value: int) -> None:
         self.progress.step = value
-
-    # ------------------------------------------------------------ setup
-
-    def _init_distributed(self) -> None:
-        self.distributed = self.context.world_size > 1
-        if self.device_type == "cuda":
-            torch.cuda.set_device(self.context.local_rank)
-            self.device = torch.device("cuda", self.context.local_rank)
-            tf32 = self.cfg.tf32 is not False
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-        else:
-            self.device = torch.device("cpu")
-        if self.distributed:
-            init_process_group("nccl" if self.device_type == "cuda" else "gloo")
-
-    def _build_model(self) -> None:
-        model = components.build(self.cfg.model, "spec.trainer.model")
-        self.plan = PrecisionPlan(self.cfg.precision, self.device_type)
-        model = self.plan.prepare(model).to(self.device)
-        if self.cfg.activation_checkpointing:
-            from .torch_internals import checkpoint_wrapper
-
-            blocks = model.blocks
-            for i, block in enumerate(blocks):
-                blocks[i] = checkpoint_wrapper(block)
-        self.model = model  # the unwrapped module: what gets checkpointed and digested
-        self.copy_before_forward = changed_by_forward(model)
-        counts_tokens = getattr(model, "tokens_per_sample", None)
-        self.tokens_per_sample = int(counts_tokens()) if callable(counts_tokens) else 0
-        self.efficiency = efficiency.for_run(
-            model,
-            self.cfg.precision,
-            self.device,
-            self.context.world_size,
-            self.cfg.flops_per_sample,
-            self.cfg.peak_flops_per_second,
-        )
-        if self.cfg.strategy == "fsdp2" and self.distributed:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-            self.wrapped: nn.Module = model
-        elif self.distributed:
-            self.wrapped = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device_type == "cuda" else None
-            )
-        else:
-            self.wrapped = model
-        self.wrapped = efficiency.compiled(self.wrapped, self.cfg.compile, self.device_type)
-        self.optimizer = build_optimizer(model, self.cfg.optimizer, self.device_type)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.max_steps)
-        self.scaler = self.plan.grad_scaler()
-        self.ema = WeightEMA(model, self.cfg.ema.decay) if self.cfg.ema.enabled else None
-        self.guard = NonFiniteGuard(self.cfg.health)
-
-    def _build_data(self) -> None:
-        data = self.cfg.data
-        self.dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="train")
-        self.sampler = ResumableSampler(
-            len(self.dataset),
-            rank=self.context.rank,
-            world_size=self.context.world_size,
-            seed=self.cfg.seed,
-            samples_per_step=data.batch_size * self.cfg.grad_accumulation_steps,
-        )
-        self.global_batch = data.batch_size * self.context.world_size
-        ahead = getattr(self.dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
-        self.batch_order = (
-            read_ahead(self.sampler, self.dataset.missing, ahead, self.dataset.fetch_threads) if ahead else None
-        )
-        if self.batch_order is not None:
-            self.batch_order.begin()  # a cold cache's first fetches overlap the restore, not the first step
-        self.eval_dataset = None
-        if self.cfg.eval.interval_steps:
-            self.eval_dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="eval")
-
-    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
-        data = self.cfg.data
-        read_by_a_thread = data.num_workers == 0 and getattr(self.dataset, "pure_items", False)
-        workers = worker_processes(data.worker_start_method, self.dataset) if data.num_workers else None
-        while True:
-            generator = torch.Generator().manual_seed(self.cfg.seed + self.sampler.state_dict()["epoch"])
-            loader = DataLoader(
-                self.dataset,
-                batch_size=data.batch_size,
-                sampler=self.sampler if self.batch_order is None else self.batch_order,
-                num_workers=data.num_workers,
-                multiprocessing_context=workers,
-                prefetch_factor=data.prefetch_factor,
-                pin_memory=data.pin_memory and self.device_type == "cuda",
-                worker_init_fn=start_worker(os.getpid()),
-                generator=generator,
-                drop_last=True,
-            )
-            produced = False
-            for batch in in_background(loader) if read_by_a_thread else batches_of(loader, data.worker_start_method):
-                produced = True
-                yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            if not produced:
-                raise RuntimeError(
-                    "the dataset yields no full batch: spec.trainer.data.batchSize x world size is larger "
-                    "than the dataset; lower batchSize or use more samples"
-                )
-
-    # ------------------------------------------------------------ checkpoint state
-
-    def _state(self) -> dict[str, Any]:
-        """Every component, as DCP Stateful entries: saved as they are now, loaded in place (state.py)."""
-        state: dict[str, Any] = {
-            "model": ModelState(self.model),
-            "optim": OptimizerState(self.model, self.optimizer),
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "sampler": self.sampler,
-            "guard": self.guard,
-            "train": self.progress,
-        }
-        if self.ema:
-            state["ema"] = self.ema
-        return state
-
-    def _per_rank(self) -> dict[str, Any]:
-        return PerRank(
-            rng=rng_state(),
-            world_size=self.context.world_size,
-            loss=self.last_loss,
-            productive_seconds=self.productive_seconds,
-        ).as_extra()
-
-    def _apply_restored(self, extra: dict[str, Any]) -> None:
-        """After a checkpoint was loaded into `_state()`'s entries: this rank's own values from its `extra`."""
-        if self.distributed:
-            # A rank that the checkpoint's world did not have (the job grew) has no values of its own; it takes
-            # rank 0's (its RNG streams are reseeded below, as the world size changed).
-            box = [extra if self.context.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            extra = extra or box[0]
-        if "scheduler" in extra:
-            self._apply_format_1(extra)
-        mine = PerRank.from_extra(extra)
-        # Work after this checkpoint is lost; only the time that produced this state still counts, and only
-        # when this run produced it: goodput is over this run's wall time, so a TrainingRun created again on
-        # an existing URI starts from zero (not from the earlier run's seconds).
-        same_run = self.progress.run_uid == self.context.uid
-        self.productive_seconds = mine.productive_seconds if same_run else 0.0
-        self.progress.run_uid = self.context.uid
-        self.last_loss = mine.loss
-        if mine.world_size == self.context.world_size:
-            set_rng_state(mine.rng)
-        else:
-            # Per-rank streams cannot be mapped to another world size; derive fresh, reproducible ones.
-            seed_everything(self.cfg.seed + self.step, self.context.rank)
-
-    def _apply_format_1(self, extra: dict[str, Any]) -> None:
-        """A checkpoint saved before the state dict held every component (format 1): what every rank shares
-        was in each rank's extra, and the store left those entries as they were."""
-        self.progress.load_state_dict({"step": extra["step"], "run_uid": extra.get("run_uid", self.context.uid)})
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.scaler.load_state_dict(extra["scaler"])
-        self.sampler.load_state_dict(extra["sampler"])
-        self.guard.load_state_dict(extra.get("guard", {}))
-
-    def _account_step(self, started: float, kept: bool) -> float:
-        """A step's time: data wait and compute in the process's clock, compute also productive when `kept`
-        (rolled back steps are not). Returns the step's seconds."""
-        seconds = time.monotonic() - started
-        compute = max(0.0, seconds - self.data_wait_seconds - self.copy_wait_seconds)
-        self.clock.add("data_wait", self.data_wait_seconds)
-        self.clock.add("checkpoint", self.copy_wait_seconds)
-        self.clock.add("compute", compute)
-        if kept:
-            self.productive_seconds += compute
-            self._charge_save_slowdown(compute)
-        return seconds
-
-    def _charge_save_slowdown(self, compute: float) -> None:
-        """Once a background save is done, the compute time it took from the steps beside it (their time beyond a
-        usual step: the write competes for the CPU, memory bandwidth and the interpreter lock) is counted as
-        "checkpoint", not productive: otherwise frequent saves look free while the run takes longer."""
-        self.save_slowdown.step(compute, self._beside_save)
-        if self._beside_save and not self.run.saving:
-            self._beside_save = False
-            slowdown = self.clock.recount(self.save_slowdown.save_finished(), "compute", "checkpoint")
-            self.productive_seconds = max(0.0, self.productive_seconds - slowdown)
-
-    def _save(self, blocking: bool) -> None:
-        with self.clock.timing("checkpoint"):
-            self._save_now(blocking)
-        self._beside_save = self._beside_save or self.run.saving
-
-    def _save_now(self, blocking: bool) -> None:
-        state = self._state()
-        if self.cfg.strategy == "fsdp2" and self.distributed:
-            state["model"] = state["model"].state_dict()
-            digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
-        else:
-            digest = lambda staged: model_digest(staged["model"])  # noqa: E731 - rank 0 computes it in the background
-        self.run.save(
-            self.step,
-            state,
-            self._per_rank(),
-            model_digest=digest,
-            blocking=blocking,
-            copy_in_background=CHANGED_BY_OPTIMIZER_STEP,
-        )
-
-    def _wait_for_checkpoint_copy(self) -> None:
-        """Before the weights change: wait until the save in flight has copied them (it copies in the background)."""
-        self.copy_wait_seconds += self.run.store.wait_copied()
 
     # ------------------------------------------------------------ the loop
 
@@ -391,7 +179,7 @@ class Trainer:
         try:
             code = self._loop(batches)
         finally:
-            batches.close()  # stops the thread that reads ahead (data.in_background), if any
+            batches.close()  # stops the thread that reads ahead (loading.in_background), if any
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
         # The last word on this process's time: the final save included.
@@ -595,30 +383,3 @@ class Trainer:
         self.run.report_committed()
         self._track_commit()
         return exit_codes.OK
-
-    def _track_commit(self) -> None:
-        committed = self.run.last_committed
-        if committed is not None and committed.step != self.tracked_checkpoint:
-            self.tracked_checkpoint = committed.step
-            self.tracker.metrics(self.step, {"checkpoint/committed_step": committed.step})
-
-    def _rollback(self) -> bool:
-        self.run.report_committed()
-        info = self.run.store.latest_valid()
-        if info is None:
-            log.error("non-finite steps and no checkpoint to roll back to: %s", self.guard.abort_message())
-            return False
-        rollbacks = self.guard.rollbacks
-        self._apply_restored(self.run.store.load(info, self._state()))
-        # The restored scheduler holds the LR scaled by the rollbacks made before that checkpoint
-        # was saved (its guard state counts them); apply the scale of the ones made since.
-        scaled_already = self.guard.rollbacks
-        self.guard.rollbacks = rollbacks  # the count survives the restore, or we would loop forever
-        scale_learning_rate(self.scheduler, self.cfg.health.rollback_lr_scale ** (rollbacks - scaled_already))
-        log.warning(
-            "rolled back to step %d (%s); learning rate scaled by %s",
-            self.step,
-            self.guard.last_reason,
-            self.cfg.health.rollback_lr_scale,
-        )
-        return True

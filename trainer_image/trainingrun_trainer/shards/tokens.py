@@ -1,26 +1,5 @@
-"""Datasets in object storage (gs://, s3://, file:// or a path, through fsspec): token shards and plain text.
-
-Shard layouts, as nanoGPT and llm.c users already have them:
-
-- nanoGPT: a `.bin` file of little-endian tokens (`dtype` uint16, or uint32 for vocabularies over 65,536), no header.
-- llm.c: a 1024-byte header of 256 int32 (magic 20240520 with uint16 tokens, or 20240801 with uint32; a version; the
-  token count), then the tokens. Found by its magic, whatever `dtype` says.
-- `TextBytes`: any text file read as bytes, a vocabulary of 256 (the built-in character model with `vocabSize: 256`).
-- `ImageShards`: WebDataset's layout, tar files whose members `<key>.<ext>` group into samples by key; each sample's
-  image (jpg, png, webp...) is decoded with Pillow, for the built-in masked autoencoder.
-
-Item i of a split is a window of `context_length + 1` tokens at a position drawn from
-`numpy.random.default_rng([seed, tag, split, i])`: a pure function of (seed, split, index), as the generated datasets
-are, so the `ResumableSampler`'s position resumes exactly at any world size. Positions are uniform over every window
-of every shard; a window never spans two shards. The last `eval_fraction` of each shard's tokens is the eval split.
-
-`ImageShards` serves sample i of a split directly (the sampler shuffles): its members' offsets come from reading
-the tar headers once, through the same cache, and are kept beside it.
-
-Only the bytes of a window are read, in blocks of `block_bytes` fetched by byte range and kept in a local cache
-directory shared by the ranks and DataLoader workers of a node: never a whole shard up front. A cached block is
-named after the shard's URI, size and version (ETag or mtime), so a shard replaced in storage is read again.
-"""
+"""Token shards in object storage (`TokenShards`): windows of tokens read by byte range through a block cache shared
+by a node's ranks and DataLoader workers (the package's docstring has the layouts)."""
 
 from __future__ import annotations
 
@@ -31,7 +10,6 @@ import posixpath
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -39,35 +17,23 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .background import give_way_to_training
-from .checkpoint.layout import StorageUnavailable
-from .checkpoint.storage import _storage_options
-from .data import _check_common, _split_id, checked_index
-
-__all__ = ["TokenShards", "TextBytes", "ImageShards", "DataError"]
+from ..background import give_way_to_training
+from ..checkpoint.layout import StorageUnavailable
+from ..checkpoint.storage import _storage_options
+from ..data import check_common, checked_index, split_id
+from .format import (
+    CACHE_ENV,
+    DTYPES,
+    LITTLE_ENDIAN,
+    LLMC_HEADER_BYTES,
+    LLMC_MAGICS,
+    DataError,
+    Shard,
+    first_line,
+    read_part,
+)
 
 _WINDOW_TAG = 4  # [seed, tag, split, index]: a shard window (data.py's tags are 1-3)
-LLMC_HEADER_BYTES = 1024
-LLMC_MAGICS = {20240520: "uint16", 20240801: "uint32"}
-DTYPES = ("uint8", "uint16", "uint32")
-_LITTLE_ENDIAN = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
-#: Where blocks are cached when `cache_dir` is not given.
-CACHE_ENV = "TRAININGRUN_DATA_CACHE"
-
-
-class DataError(ValueError):
-    """A shard that is not what the dataset expects (truncated, wrong format): retrying cannot help."""
-
-
-@dataclass(frozen=True)
-class _Shard:
-    uri: str
-    path: str  #: the filesystem's path for it
-    size: int  #: bytes
-    version: str  #: ETag or mtime: a replaced shard gets new cache entries
-    offset: int  #: byte where the tokens start (after an llm.c header)
-    dtype: str
-    tokens: int
 
 
 class TokenShards(Dataset):
@@ -87,14 +53,14 @@ class TokenShards(Dataset):
         block_bytes: bytes fetched per range request and cached per file.
         endpoint_url: an S3-compatible endpoint for s3:// (default AWS_ENDPOINT_URL), or a GCS endpoint for gs://.
         read_ahead: items whose blocks are fetched into the cache, in background threads, before the DataLoader asks
-            for them (the trainer wraps its sampler in data.read_ahead); 0 turns it off.
+            for them (the trainer wraps its sampler in sampling.read_ahead); 0 turns it off.
         fetch_threads: how many of those fetches are in flight at once. Storage latency, not bandwidth, bounds a
             cold start: the first batch needs a block per item (32 one-MB blocks through a 30 ms link: 0.35 s with 4
             threads, 0.14 s with 16). Also how many shards' headers are read at once when the dataset is built
             (32 shards through a 30 ms link: 1.13 s one after another, 0.17 s with 16).
     """
 
-    pure_items = True  #: an item is a function of its index alone (data.in_background may read it)
+    pure_items = True  #: an item is a function of its index alone (loading.in_background may read it)
 
     def __init__(
         self,
@@ -135,8 +101,8 @@ class TokenShards(Dataset):
         self._cache_keys: dict[str, str] = {}  #: per shard URI: its blocks' name in the cache
         self._in_cache: set[tuple[str, int]] = set()  #: blocks this process knows are in the cache
         #: Items' byte ranges the read-ahead found, until the item is read (choosing a window costs ~50 us).
-        self._ranges: dict[int, tuple[_Shard, int, int]] = {}
-        self._split_id = _split_id(split)
+        self._ranges: dict[int, tuple[Shard, int, int]] = {}
+        self._split_id = split_id(split)
         self._options = _storage_options(uri, endpoint_url, None)
         self._start_process_state()
         self.cache = Path(cache_dir or os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "trainingrun-data")
@@ -147,7 +113,7 @@ class TokenShards(Dataset):
         if not self.windows:
             raise DataError(self._nothing_in_split())
         self.num_samples = self._samples_per_epoch() if num_samples is None else num_samples
-        _check_common(self.num_samples, seed)
+        check_common(self.num_samples, seed)
 
     def _nothing_in_split(self) -> str:
         largest = max((s.tokens for s in self.shards), default=0)
@@ -200,7 +166,7 @@ class TokenShards(Dataset):
         self.__dict__.update(state)
         self._start_process_state()
 
-    def _discover(self) -> list[_Shard]:
+    def _discover(self) -> list[Shard]:
         fs = self._filesystem()
         root = fs._strip_protocol(self.uri)
         scheme = self.uri.split("://", 1)[0] + "://" if "://" in self.uri else ""
@@ -213,7 +179,7 @@ class TokenShards(Dataset):
         except FileNotFoundError:
             entries = {}
         except Exception as error:  # each backend raises its own kinds
-            raise StorageUnavailable(f"cannot list {self.uri}: {_first_line(error)}") from error
+            raise StorageUnavailable(f"cannot list {self.uri}: {first_line(error)}") from error
         files = sorted((name, e) for name, e in entries.items() if e.get("type", "file") == "file")
         if not files:
             raise DataError(
@@ -221,7 +187,7 @@ class TokenShards(Dataset):
                 "uploaded, e.g. with `trainingrun data prepare`)"
             )
 
-        def shard(file: tuple[str, dict[str, Any]]) -> _Shard:
+        def shard(file: tuple[str, dict[str, Any]]) -> Shard:
             name, entry = file
             return self._shard(scheme + name if scheme and "://" not in name else name, name, entry)
 
@@ -239,7 +205,7 @@ class TokenShards(Dataset):
     #: Whether a shard may start with an llm.c header.
     headers = True
 
-    def _shard(self, uri: str, path: str, entry: dict[str, Any]) -> _Shard:
+    def _shard(self, uri: str, path: str, entry: dict[str, Any]) -> Shard:
         size = int(entry.get("size") or 0)
         version = str(
             next(
@@ -263,16 +229,16 @@ class TokenShards(Dataset):
                         f"shard has {size} bytes: {'truncated' if size < expected else 'not an llm.c shard'}?"
                         " Write it again"
                     )
-                return _Shard(uri, path, size, version, LLMC_HEADER_BYTES, dtype, tokens)
+                return Shard(uri, path, size, version, LLMC_HEADER_BYTES, dtype, tokens)
         width = np.dtype(self.dtype).itemsize
         if size % width:
             raise DataError(
                 f"{uri}: {size} bytes is not a whole number of {self.dtype} tokens ({width} bytes each): "
                 "a truncated shard, or set dtype to the width it was written with"
             )
-        return _Shard(uri, path, size, version, 0, self.dtype, size // width)
+        return Shard(uri, path, size, version, 0, self.dtype, size // width)
 
-    def _region(self, shard: _Shard) -> tuple[int, int]:
+    def _region(self, shard: Shard) -> tuple[int, int]:
         """(first token, number of windows) of this split in a shard."""
         eval_tokens = int(shard.tokens * self.eval_fraction)
         first, last = (
@@ -285,7 +251,7 @@ class TokenShards(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def _item_range(self, index: int) -> tuple[_Shard, int, int]:
+    def _item_range(self, index: int) -> tuple[Shard, int, int]:
         """(shard, first byte, end byte) of item `index`."""
         index = checked_index(index, self.num_samples)
         window = int(np.random.default_rng([self.seed, _WINDOW_TAG, self._split_id, index]).integers(self.windows))
@@ -306,7 +272,7 @@ class TokenShards(Dataset):
         found = [self._ranges.pop(index, None) or self._item_range(index) for index in indices]
         tokens = np.empty((len(found), self.context_length + 1), dtype=np.int64)
         for row, (shard, start, end) in zip(tokens, found):
-            row[:] = np.frombuffer(self._read(shard, start, end), dtype=_LITTLE_ENDIAN[shard.dtype])
+            row[:] = np.frombuffer(self._read(shard, start, end), dtype=LITTLE_ENDIAN[shard.dtype])
         if self.vocab_size is not None and len(found) and int(tokens.max()) >= self.vocab_size:
             row, column = divmod(int(tokens.argmax()), tokens.shape[1])
             shard, start, _ = found[row]
@@ -320,7 +286,7 @@ class TokenShards(Dataset):
 
     def missing(self, index: int) -> Optional[Callable[[], None]]:
         """None when item `index`'s blocks are in the node's cache, else the fetch that brings them there, for a
-        background thread (data.read_ahead). Cheap when cached, so a warm cache costs the read-ahead no thread
+        background thread (sampling.read_ahead). Cheap when cached, so a warm cache costs the read-ahead no thread
         hand-off per item. The item's byte range is kept for its read."""
         shard, start, end = self._item_range(index)
         if len(self._ranges) > 4 * max(self.read_ahead, 1):
@@ -345,7 +311,7 @@ class TokenShards(Dataset):
 
     # ------------------------------------------------------------ reading
 
-    def _read(self, shard: _Shard, start: int, end: int) -> bytes:
+    def _read(self, shard: Shard, start: int, end: int) -> bytes:
         size = self.block_bytes
         piece = b"".join(
             self._block_part(
@@ -360,7 +326,7 @@ class TokenShards(Dataset):
             )
         return piece
 
-    def _cached(self, shard: _Shard, block: int) -> str:
+    def _cached(self, shard: Shard, block: int) -> str:
         key = self._cache_keys.get(shard.uri)
         if key is None:
             key = self._cache_keys[shard.uri] = hashlib.sha256(
@@ -368,16 +334,16 @@ class TokenShards(Dataset):
             ).hexdigest()
         return os.path.join(self.cache, key[:2], f"{key}.{block}")
 
-    def _block_part(self, shard: _Shard, block: int, low: int, high: int) -> bytes:
+    def _block_part(self, shard: Shard, block: int, low: int, high: int) -> bytes:
         """Bytes [low, high) of a block: only those read from the node's cache, or the block fetched and cached."""
         cached = self._cached(shard, block)
         try:
-            return _read_part(cached, low, high)
+            return read_part(cached, low, high)
         except FileNotFoundError:
             fetched = self._fetch_once(shard, block, cached)
-        return _read_part(cached, low, high) if fetched is None else fetched[low:high]
+        return read_part(cached, low, high) if fetched is None else fetched[low:high]
 
-    def _fetch_once(self, shard: _Shard, block: int, cached: str) -> Optional[bytes]:
+    def _fetch_once(self, shard: Shard, block: int, cached: str) -> Optional[bytes]:
         """The block when this thread fetched it; None when the fetch another thread had in flight cached it."""
         key = (shard.uri, block)
         self._in_this_process()
@@ -396,7 +362,7 @@ class TokenShards(Dataset):
             with self._lock:
                 self._fetching.pop(key).set()
 
-    def _fetch_block(self, shard: _Shard, block: int, cached: str) -> bytes:
+    def _fetch_block(self, shard: Shard, block: int, cached: str) -> bytes:
         start = block * self.block_bytes
         data = self._fetch(shard.path, shard.uri, start, min(start + self.block_bytes, shard.size))
         os.makedirs(os.path.dirname(cached), exist_ok=True)
@@ -411,223 +377,6 @@ class TokenShards(Dataset):
         try:
             return self._filesystem().cat_file(path, start=start, end=end)
         except FileNotFoundError as error:
-            raise DataError(f"{uri}: gone from storage since it was listed: {_first_line(error)}") from error
+            raise DataError(f"{uri}: gone from storage since it was listed: {first_line(error)}") from error
         except Exception as error:  # unreachable, refused, timed out: a later attempt may succeed
-            raise StorageUnavailable(f"cannot read {uri} bytes {start}-{end}: {_first_line(error)}") from error
-
-
-class TextBytes(TokenShards):
-    """Plain text files as bytes (a vocabulary of 256): `{"tokens": LongTensor[context_length + 1]}`.
-
-    TokenShards' arguments but `dtype` (bytes are the tokens), with `pattern` "*.txt"."""
-
-    def __init__(
-        self,
-        uri: str,
-        context_length: int = 64,
-        pattern: str = "*.txt",
-        num_samples: Optional[int] = None,
-        eval_fraction: float = 0.05,
-        seed: int = 0,
-        split: str = "train",
-        cache_dir: Optional[str] = None,
-        block_bytes: int = 1 << 20,
-        endpoint_url: Optional[str] = None,
-        read_ahead: int = 512,
-        fetch_threads: int = 16,
-    ):
-        super().__init__(
-            uri,
-            context_length=context_length,
-            dtype="uint8",
-            pattern=pattern,
-            num_samples=num_samples,
-            eval_fraction=eval_fraction,
-            seed=seed,
-            split=split,
-            cache_dir=cache_dir,
-            block_bytes=block_bytes,
-            endpoint_url=endpoint_url,
-            read_ahead=read_ahead,
-            fetch_threads=fetch_threads,
-        )
-
-    headers = False
-
-
-class ImageShards(TokenShards):
-    """WebDataset tar shards of images: `{"images": FloatTensor[channels, image_size, image_size]}` in [-1, 1].
-
-    Args: `uri`, `pattern` (default "*.tar"), `image_size` (each image is centre-cropped to a square and resized),
-    `channels` (3: RGB, 1: grayscale), and TokenShards' `eval_fraction` (the last part of each shard's samples),
-    `cache_dir`, `block_bytes`, `endpoint_url`, `read_ahead`, `fetch_threads`. Every sample of a split is served
-    once per epoch, in the sampler's order. A sample without an image member is an error that names it.
-    """
-
-    IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm")
-    headers = False
-
-    def __init__(
-        self,
-        uri: str,
-        image_size: int = 32,
-        channels: int = 3,
-        pattern: str = "*.tar",
-        eval_fraction: float = 0.05,
-        split: str = "train",
-        cache_dir: Optional[str] = None,
-        block_bytes: int = 1 << 20,
-        endpoint_url: Optional[str] = None,
-        read_ahead: int = 512,
-        fetch_threads: int = 16,
-    ):
-        if not isinstance(image_size, int) or image_size < 1:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        if channels not in (1, 3):
-            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
-        self.image_size, self.channels = image_size, channels
-        super().__init__(
-            uri,
-            context_length=1,
-            dtype="uint8",
-            pattern=pattern,
-            num_samples=None,
-            eval_fraction=eval_fraction,
-            seed=0,
-            split=split,
-            cache_dir=cache_dir,
-            block_bytes=block_bytes,
-            endpoint_url=endpoint_url,
-            read_ahead=read_ahead,
-            fetch_threads=fetch_threads,
-        )
-
-    def _nothing_in_split(self) -> str:
-        return (
-            f"{self.uri}: no image samples in the {self.split} split of {len(self.shards)} shards "
-            f"({self.eval_fraction:g} of each shard's samples are eval): check the shards hold <key>.<ext> members"
-        )
-
-    def _samples_per_epoch(self) -> int:
-        return self.windows  # every sample of the split once
-
-    def _region(self, shard: _Shard) -> tuple[int, int]:
-        """(first sample, samples) of this split in a shard."""
-        samples = len(self._members(shard))
-        eval_samples = int(samples * self.eval_fraction)
-        return (0, samples - eval_samples) if self.split == "train" else (samples - eval_samples, eval_samples)
-
-    def _members(self, shard: _Shard) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-        """[(key, {extension: (offset, size)})] of a shard, from its tar headers (read once, then kept)."""
-        cache = getattr(self, "_member_cache", None)
-        if cache is None:
-            cache = self._member_cache = {}
-        if shard.uri not in cache:
-            cache[shard.uri] = _tar_samples(shard, lambda start, end: self._read(shard, start, end))
-        return cache[shard.uri]
-
-    def _image_member(self, index: int) -> tuple[_Shard, str, int, int]:
-        """(shard, member name, first byte, end byte) of sample `index`'s image."""
-        index = checked_index(index, self.num_samples)
-        number = bisect.bisect_right(self._ends, index)
-        shard, (first, _) = self.shards[number], self._regions[number]
-        key, members = self._members(shard)[first + index - (self._ends[number - 1] if number else 0)]
-        found = next(((ext, members[ext]) for ext in self.IMAGE_EXTENSIONS if ext in members), None)
-        if found is None:
-            raise DataError(
-                f"{shard.uri}: sample {key!r} has no image member (it has {', '.join(sorted(members))}); "
-                f"expected one of .{', .'.join(self.IMAGE_EXTENSIONS)}"
-            )
-        ext, (offset, size) = found
-        return shard, f"{key}.{ext}", offset, offset + size
-
-    def _item_range(self, index: int) -> tuple[_Shard, int, int]:
-        shard, _, start, end = self._image_member(index)
-        return shard, start, end
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        shard, member, start, end = self._image_member(index)
-        return {"images": self._decode(shard, member, self._read(shard, start, end))}
-
-    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        return [self[index] for index in indices]  # decoding dominates: nothing to share across a batch
-
-    def _decode(self, shard: _Shard, member: str, raw: bytes) -> torch.Tensor:
-        import io
-
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(io.BytesIO(raw)) as image:
-                image = image.convert("RGB" if self.channels == 3 else "L")
-                side = min(image.size)
-                left, top = (image.width - side) // 2, (image.height - side) // 2
-                image = image.crop((left, top, left + side, top + side)).resize(
-                    (self.image_size, self.image_size), Image.Resampling.BILINEAR
-                )
-                pixels = np.asarray(image, dtype=np.float32)
-        except (UnidentifiedImageError, OSError, ValueError) as error:
-            raise DataError(
-                f"{shard.uri}: member {member} is not an image Pillow can read: {_first_line(error)}"
-            ) from None
-        if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
-        return torch.from_numpy(pixels.transpose(2, 0, 1) / 127.5 - 1.0)
-
-
-def _read_part(path: str, low: int, high: int) -> bytes:
-    with open(path, "rb") as part:
-        part.seek(low)
-        return part.read(high - low)
-
-
-def _tar_samples(shard: _Shard, read: Any) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """Walk a tar's headers (ustar, GNU long names, pax paths): samples by key, in the order they appear."""
-    import tarfile
-
-    samples: dict[str, dict[str, tuple[int, int]]] = {}
-    offset, long_name = 0, None
-    while True:
-        if offset + 512 > shard.size:
-            raise DataError(
-                f"{shard.uri}: ends at byte {shard.size} without tar's end-of-archive marker: truncated? "
-                "Write the shard again"
-            )
-        block = read(offset, offset + 512)
-        if block == bytes(512):
-            break  # the end-of-archive marker
-        try:
-            header = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-        except tarfile.HeaderError as error:
-            raise DataError(
-                f"{shard.uri}: no tar header at byte {offset} ({error}): not a WebDataset tar shard, or a damaged one"
-            ) from None
-        data = offset + 512
-        end = data + (header.size + 511) // 512 * 512
-        if data + header.size > shard.size:
-            raise DataError(
-                f"{shard.uri}: member {header.name} at byte {offset} says {header.size} bytes, past the "
-                f"shard's end ({shard.size} bytes): truncated?"
-            )
-        if header.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE):
-            text = read(data, data + header.size)
-            if header.type == tarfile.GNUTYPE_LONGNAME:
-                long_name = text.rstrip(b"\0").decode("utf-8", "surrogateescape")
-            else:
-                for record in text.decode("utf-8", "surrogateescape").splitlines():
-                    _, _, field = record.partition(" ")
-                    if field.startswith("path="):
-                        long_name = field[5:]
-        elif header.isfile():
-            name, long_name = long_name or header.name, None
-            base = posixpath.basename(name)
-            key, dot, ext = base.partition(".")
-            if dot and not base.startswith("."):
-                samples.setdefault(posixpath.join(posixpath.dirname(name), key), {})[ext.lower()] = (data, header.size)
-        offset = end
-    return list(samples.items())
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).splitlines()[0][:300] if str(error) else ""
-    return text or type(error).__name__
+            raise StorageUnavailable(f"cannot read {uri} bytes {start}-{end}: {first_line(error)}") from error

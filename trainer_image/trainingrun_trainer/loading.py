@@ -1,0 +1,151 @@
+"""Getting batches to the training thread: read by a thread of its own when the dataset allows (`in_background`), or
+by DataLoader workers started from a forkserver (`worker_processes`), each seeded and ending with the trainer."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import multiprocessing.context
+import os
+import queue
+import random
+import select
+import threading
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from trainingrun_api.components import ConfigError
+
+from .background import give_way_to_training
+
+__all__ = ["batches_of", "exit_with", "in_background", "seed_worker", "start_worker", "worker_processes"]
+
+
+T = TypeVar("T")
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_END = object()
+
+
+#: How long closing `in_background` waits for its thread to finish the item in hand.
+STOP_SECONDS = 60.0
+
+
+def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
+    """What `items` yields, in order, made by a thread of its own up to `depth` items ahead: with numWorkers 0 the
+    next batches are read while the step computes (its tensor operations release the interpreter lock). Errors
+    are raised here, where the item was wanted; closing the iterator stops the thread. The thread gives way to the
+    training thread (`background.give_way_to_training`), so taking an item does not cost the taker its CPU.
+
+    Only for datasets whose items do not draw from the global RNGs (`pure_items`): a thread would interleave those
+    draws with the training step's and change both."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        give_way_to_training()
+        try:
+            for item in items:
+                ready.put(item)
+                if stop.is_set():
+                    return
+            ready.put(_END)
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread
+            ready.put(_Failed(exc))
+
+    producer = threading.Thread(target=produce, name="trainingrun-batches", daemon=True)
+    producer.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        while True:  # make room, so a producer blocked on a full queue sees `stop`
+            try:
+                ready.get_nowait()
+            except queue.Empty:
+                break
+        # It finishes the item in hand: let it, so it is not inside the dataset when the process exits (a bound, in
+        # case a read hangs on storage).
+        producer.join(STOP_SECONDS)
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: seed python `random`, numpy and torch in each worker.
+
+    DataLoader gives each worker the torch seed `base_seed + worker_id`, where `base_seed` comes
+    from the loader's generator, but leaves python `random` and numpy as forked copies of the
+    parent's state, identical in every worker. Deriving all three from `torch.initial_seed()`
+    makes augmentations differ across workers and repeat across runs with the same seed.
+    """
+    seed = torch.initial_seed() % 2**32  # numpy takes 32-bit seeds
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def start_worker(trainer_pid: int) -> Callable[[int], None]:
+    """The DataLoader's `worker_init_fn`: `seed_worker`, and end the worker when the trainer process `trainer_pid`
+    ends (`exit_with`)."""
+    return functools.partial(_start_worker, trainer_pid)
+
+
+def _start_worker(trainer_pid: int, worker_id: int) -> None:
+    exit_with(trainer_pid)
+    seed_worker(worker_id)
+
+
+def exit_with(pid: int) -> None:
+    """End this process as soon as process `pid` ends. torch's worker ends when its parent does, but a worker
+    started by a forkserver is the forkserver's child, and the forkserver lives while any of its children holds its
+    pipe: once the trainer was SIGKILLed, worker and forkserver kept each other alive for good, with the trainer's
+    stderr open, and every restart of a trainer in the same pod left another pair."""
+    try:
+        trainer = os.pidfd_open(pid)
+    except ProcessLookupError:  # it ended before this worker got here
+        os._exit(0)
+
+    def wait_for_the_trainer() -> None:
+        select.select([trainer], [], [])  # readable once it has ended
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_trainer, name="trainingrun-exit-with-trainer", daemon=True).start()
+
+
+def worker_processes(method: str, dataset: Dataset) -> multiprocessing.context.BaseContext:
+    """Where a DataLoader's workers start from (`spec.trainer.data.workerStartMethod`). A forkserver is a process
+    that never ran the trainer's threads: forking the training process itself while its checkpoint or read-ahead
+    thread held a lock of torch's thread pool left the worker stuck in `torch.set_num_threads` and the run waiting
+    for its batch forever. The forkserver imports torch and the dataset's module once, so each epoch's workers
+    start without importing them again."""
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":  # no effect once this process's forkserver runs; the first loader's list is kept
+        context.set_forkserver_preload(["torch", __name__, type(dataset).__module__])
+    return context
+
+
+def batches_of(loader: DataLoader, method: str) -> Iterator[dict[str, torch.Tensor]]:
+    """`iter(loader)`, starting its workers; a dataset that cannot be sent to them is a configuration error."""
+    try:
+        return iter(loader)
+    except Exception as error:
+        if loader.num_workers == 0 or method == "fork" or "pickl" not in str(error).lower():
+            raise
+        raise ConfigError(
+            f"spec.trainer.data.dataset: {type(loader.dataset).__qualname__} cannot be sent to worker processes "
+            f"started by {method} ({type(error).__name__}: {error}); make it picklable (e.g. open files and clients "
+            "lazily, in __getitem__) or set spec.trainer.data.workerStartMethod: fork"
+        ) from error

@@ -1,0 +1,133 @@
+"""WebDataset tar shards of images (`ImageShards`), for the built-in masked autoencoder."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..data import checked_index
+from .format import DataError, Shard, first_line, tar_samples
+from .tokens import TokenShards
+
+
+class ImageShards(TokenShards):
+    """WebDataset tar shards of images: `{"images": FloatTensor[channels, image_size, image_size]}` in [-1, 1].
+
+    Args: `uri`, `pattern` (default "*.tar"), `image_size` (each image is centre-cropped to a square and resized),
+    `channels` (3: RGB, 1: grayscale), and TokenShards' `eval_fraction` (the last part of each shard's samples),
+    `cache_dir`, `block_bytes`, `endpoint_url`, `read_ahead`, `fetch_threads`. Every sample of a split is served
+    once per epoch, in the sampler's order. A sample without an image member is an error that names it.
+    """
+
+    IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm")
+    headers = False
+
+    def __init__(
+        self,
+        uri: str,
+        image_size: int = 32,
+        channels: int = 3,
+        pattern: str = "*.tar",
+        eval_fraction: float = 0.05,
+        split: str = "train",
+        cache_dir: Optional[str] = None,
+        block_bytes: int = 1 << 20,
+        endpoint_url: Optional[str] = None,
+        read_ahead: int = 512,
+        fetch_threads: int = 16,
+    ):
+        if not isinstance(image_size, int) or image_size < 1:
+            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
+        self.image_size, self.channels = image_size, channels
+        super().__init__(
+            uri,
+            context_length=1,
+            dtype="uint8",
+            pattern=pattern,
+            num_samples=None,
+            eval_fraction=eval_fraction,
+            seed=0,
+            split=split,
+            cache_dir=cache_dir,
+            block_bytes=block_bytes,
+            endpoint_url=endpoint_url,
+            read_ahead=read_ahead,
+            fetch_threads=fetch_threads,
+        )
+
+    def _nothing_in_split(self) -> str:
+        return (
+            f"{self.uri}: no image samples in the {self.split} split of {len(self.shards)} shards "
+            f"({self.eval_fraction:g} of each shard's samples are eval): check the shards hold <key>.<ext> members"
+        )
+
+    def _samples_per_epoch(self) -> int:
+        return self.windows  # every sample of the split once
+
+    def _region(self, shard: Shard) -> tuple[int, int]:
+        """(first sample, samples) of this split in a shard."""
+        samples = len(self._members(shard))
+        eval_samples = int(samples * self.eval_fraction)
+        return (0, samples - eval_samples) if self.split == "train" else (samples - eval_samples, eval_samples)
+
+    def _members(self, shard: Shard) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+        """[(key, {extension: (offset, size)})] of a shard, from its tar headers (read once, then kept)."""
+        cache = getattr(self, "_member_cache", None)
+        if cache is None:
+            cache = self._member_cache = {}
+        if shard.uri not in cache:
+            cache[shard.uri] = tar_samples(shard, lambda start, end: self._read(shard, start, end))
+        return cache[shard.uri]
+
+    def _image_member(self, index: int) -> tuple[Shard, str, int, int]:
+        """(shard, member name, first byte, end byte) of sample `index`'s image."""
+        index = checked_index(index, self.num_samples)
+        number = bisect.bisect_right(self._ends, index)
+        shard, (first, _) = self.shards[number], self._regions[number]
+        key, members = self._members(shard)[first + index - (self._ends[number - 1] if number else 0)]
+        found = next(((ext, members[ext]) for ext in self.IMAGE_EXTENSIONS if ext in members), None)
+        if found is None:
+            raise DataError(
+                f"{shard.uri}: sample {key!r} has no image member (it has {', '.join(sorted(members))}); "
+                f"expected one of .{', .'.join(self.IMAGE_EXTENSIONS)}"
+            )
+        ext, (offset, size) = found
+        return shard, f"{key}.{ext}", offset, offset + size
+
+    def _item_range(self, index: int) -> tuple[Shard, int, int]:
+        shard, _, start, end = self._image_member(index)
+        return shard, start, end
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        shard, member, start, end = self._image_member(index)
+        return {"images": self._decode(shard, member, self._read(shard, start, end))}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        return [self[index] for index in indices]  # decoding dominates: nothing to share across a batch
+
+    def _decode(self, shard: Shard, member: str, raw: bytes) -> torch.Tensor:
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(raw)) as image:
+                image = image.convert("RGB" if self.channels == 3 else "L")
+                side = min(image.size)
+                left, top = (image.width - side) // 2, (image.height - side) // 2
+                image = image.crop((left, top, left + side, top + side)).resize(
+                    (self.image_size, self.image_size), Image.Resampling.BILINEAR
+                )
+                pixels = np.asarray(image, dtype=np.float32)
+        except (UnidentifiedImageError, OSError, ValueError) as error:
+            raise DataError(
+                f"{shard.uri}: member {member} is not an image Pillow can read: {first_line(error)}"
+            ) from None
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]
+        return torch.from_numpy(pixels.transpose(2, 0, 1) / 127.5 - 1.0)
