@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from pydantic.alias_generators import to_camel
 
-from trainingrun_api import progress_report
+from trainingrun_api import run_figures
 
 from .api_status import Phase
 
@@ -116,7 +116,7 @@ class _RunTime:
             labels=["namespace", "run", "part"],
         )
         for (namespace, run), breakdown in list(self.metrics.time_breakdowns.items()):
-            for part in progress_report.BREAKDOWN:
+            for part in run_figures.BREAKDOWN:
                 seconds = breakdown.get(to_camel(f"{part}_seconds"))
                 if seconds is not None:
                     family.add_metric([namespace, run, part], float(seconds))

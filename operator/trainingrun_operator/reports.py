@@ -34,7 +34,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from trainingrun_api import contract, progress_report
+from trainingrun_api import contract, progress_report, run_figures
 
 from . import naming, run_status
 from .kube import ApiError
@@ -230,7 +230,7 @@ class ReportEndpoint:
         now = self.clock()
         no_later_than_now(fields, now)
         if "progress" in fields:
-            fields["progress"] = progress_report.with_estimates(run.status.get("progress"), fields["progress"])
+            fields["progress"] = run_figures.with_estimates(run.status.get("progress"), fields["progress"])
         if report.process_time:
             fields.update(
                 run_status.account_time(

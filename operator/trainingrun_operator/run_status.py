@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Optional
 
-from trainingrun_api import contract, progress_report
+from trainingrun_api import contract, progress_report, run_figures
 
 from . import api, api_status, builders, naming
 from .builders import Note
@@ -27,7 +27,7 @@ def goodput(status: dict[str, Any]) -> Optional[float]:
     productive = progress.get("productiveSeconds")
     if productive is None or not started or not reported:
         return None
-    figure = progress_report.goodput(productive, (reported - started).total_seconds())
+    figure = run_figures.goodput(productive, (reported - started).total_seconds())
     return None if figure is None else round(figure, 4)
 
 
@@ -48,7 +48,7 @@ def account_time(
     backoff = float((status.get("restarts") or {}).get("backoffSeconds") or 0.0)
     if productive_seconds is None:
         productive_seconds = float((status.get("progress") or {}).get("productiveSeconds") or 0.0)
-    parts = progress_report.time_breakdown(max(0.0, wall), processes, productive_seconds, backoff)
+    parts = run_figures.time_breakdown(max(0.0, wall), processes, productive_seconds, backoff)
     breakdown = api_status.TimeBreakdown(
         wall_seconds=round(max(0.0, wall), 3),
         **{f"{part}_seconds": round(seconds, 3) for part, seconds in parts.items()},

@@ -179,3 +179,17 @@ def test_no_module_imports_in_a_circle():
 def test_both_sides_import_the_shared_package():
     assert "trainingrun_api" in imported_packages("trainingrun_operator")
     assert "trainingrun_api" in imported_packages("trainingrun_trainer")
+
+
+#: The longest a source file may be: past it a module holds more than one concern (issue 39 split the last ones).
+MAX_SOURCE_LINES = 400
+
+
+def test_no_source_file_is_longer_than_a_reader_can_hold():
+    long = {
+        str(path.relative_to(REPO)): lines
+        for package in PACKAGES.values()
+        for path in sorted(package.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_SOURCE_LINES
+    }
+    assert long == {}, f"split these along the seams their docstrings name: {long}"

@@ -171,11 +171,11 @@ def test_what_the_user_set_wins_and_outside_a_pod_nothing_changes():
 def test_the_forkserver_starts_before_torch_only_for_the_builtin_trainer(monkeypatch, argv, env, starts, omp):
     from multiprocessing import forkserver
 
-    from trainingrun_trainer import launch as launch_module
+    from trainingrun_trainer import preloading
 
     started = []
     monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
-    assert launch_module._start_forkserver(argv, env) is starts
+    assert preloading.start_forkserver(argv, env) is starts
     assert bool(started) is starts
     assert env.get("OMP_NUM_THREADS") == omp
 
@@ -217,24 +217,24 @@ def test_a_refilled_budget_keeps_the_restart_count_growing():
 def test_the_forkserver_preloads_torch_compile_when_the_run_will_compile(
     monkeypatch, tmp_path, trainer, gpus, compiles
 ):
-    from trainingrun_trainer import launch as launch_module
+    from trainingrun_trainer import preloading
 
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": "file:///ckpt"}}))
-    monkeypatch.setattr(launch_module, "node_has_gpus", lambda: gpus)
-    modules = launch_module.preload({contract.CONFIG: str(config)})
-    assert set(launch_module.PRELOAD) <= set(modules)
+    monkeypatch.setattr(preloading, "node_has_gpus", lambda: gpus)
+    modules = preloading.preload({contract.CONFIG: str(config)})
+    assert set(preloading.PRELOAD) <= set(modules)
     assert ("trainingrun_trainer.compile_preload" in modules) is compiles
 
 
 @pytest.mark.parametrize("content", [None, "trainer: [unclosed", "- a list", "trainer: 3"])
 def test_a_config_the_launcher_cannot_read_preloads_the_usual_modules(tmp_path, content):
-    from trainingrun_trainer import launch as launch_module
+    from trainingrun_trainer import preloading
 
     config = tmp_path / "config.yaml"
     if content is not None:
         config.write_text(content)
-    assert launch_module.preload({contract.CONFIG: str(config)}) == launch_module.PRELOAD
+    assert preloading.preload({contract.CONFIG: str(config)}) == preloading.PRELOAD
 
 
 PRELOADED = """

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tensorboard_events import scalars
-from trainingrun_api.config import LoggerConfig
+from trainingrun_api.logger_config import LoggerConfig
 from trainingrun_trainer import tracking
 from trainingrun_trainer.background import helper_niceness
 

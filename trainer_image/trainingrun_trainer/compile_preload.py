@@ -16,7 +16,7 @@ forkserver forks after it (tests/unit/test_launch.py checks).
 
 import sys
 
-from .launch import node_has_gpus
+from .preloading import node_has_gpus
 
 try:
     from .torch_internals import preload_compile

@@ -33,11 +33,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import threading
 import time
 from typing import Any, Optional
 
-from trainingrun_api import contract, progress_report
+from trainingrun_api import contract, run_figures
+
+from .gpu_metrics import GpuPoller, nvml_available
 
 log = logging.getLogger("trainingrun.metrics")
 
@@ -45,8 +46,6 @@ MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 CHECKPOINT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-#: How often NVML is read, at most: once a second, however often Prometheus scrapes.
-GPU_POLL_SECONDS = 1.0
 
 
 class NullMetrics:
@@ -240,7 +239,7 @@ class TrainerMetrics(NullMetrics):
         self._data_wait.observe(data_wait_seconds)
         self._last_step.set(time.time())
         self._productive.set(productive_seconds)
-        self._goodput.set(progress_report.goodput(productive_seconds, time.monotonic() - self._started) or 0.0)
+        self._goodput.set(run_figures.goodput(productive_seconds, time.monotonic() - self._started) or 0.0)
         if samples_per_second is not None:
             self._samples.set(samples_per_second)
         if tokens_per_second is not None:
@@ -307,74 +306,11 @@ class TrainerMetrics(NullMetrics):
             self._gpu.stop()
 
 
-class GpuPoller:
-    """Reads this rank's GPU through NVML in a thread, at most once a second; a step never waits for it."""
-
-    def __init__(self, labels: dict[str, str], index: int, grid_intensity_g_per_kwh: Optional[float]):
-        import pynvml
-        from prometheus_client import Counter, Gauge
-
-        self.nvml = pynvml
-        pynvml.nvmlInit()
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        labels = {**labels, "gpu": str(index)}
-        names = list(labels)
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, names, multiprocess_mode="livemostrecent").labels(**labels)
-
-        self.utilization = gauge("trainingrun_gpu_utilization_ratio", "GPU busy fraction over NVML's sample period.")
-        self.memory_used = gauge("trainingrun_gpu_memory_used_bytes", "GPU memory in use.")
-        self.memory_total = gauge("trainingrun_gpu_memory_total_bytes", "GPU memory installed.")
-        self.temperature = gauge("trainingrun_gpu_temperature_celsius", "GPU temperature.")
-        self.power = gauge("trainingrun_gpu_power_watts", "GPU power draw.")
-        self.energy = Counter("trainingrun_gpu_energy_joules", "GPU energy since this process started.", names).labels(
-            **labels
-        )
-        self.emissions = None
-        if grid_intensity_g_per_kwh:
-            self.grams_per_joule = grid_intensity_g_per_kwh / 3.6e6
-            self.emissions = Counter(
-                "trainingrun_emissions_grams", "Estimated CO2e: GPU energy x grid intensity.", names
-            ).labels(**labels)
-        self._energy_mj: Optional[int] = None
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="trainingrun-nvml", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll()
-            except Exception as error:  # noqa: BLE001 - a flaky sensor must never stop training
-                log.debug("NVML poll failed: %s", error)
-            self._stop.wait(GPU_POLL_SECONDS)
-
-    def poll(self) -> None:
-        nvml, handle = self.nvml, self.handle
-        self.utilization.set(nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
-        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        self.memory_used.set(memory.used)
-        self.memory_total.set(memory.total)
-        self.temperature.set(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
-        self.power.set(nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
-        energy_mj = nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-        if self._energy_mj is not None and energy_mj >= self._energy_mj:
-            joules = (energy_mj - self._energy_mj) / 1000.0
-            self.energy.inc(joules)
-            if self.emissions is not None:
-                self.emissions.inc(joules * self.grams_per_joule)
-        self._energy_mj = energy_mj
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 def for_rank(context: Any, device_type: str) -> NullMetrics:
     """This rank's metrics when the launcher serves them (PROMETHEUS_MULTIPROC_DIR), else NullMetrics."""
     if not os.environ.get(MULTIPROC_DIR):
         return NullMetrics()
-    gpu_index = context.local_rank if device_type == "cuda" and _nvml_available() else None
+    gpu_index = context.local_rank if device_type == "cuda" and nvml_available() else None
     intensity = os.environ.get(contract.GRID_INTENSITY)
     return TrainerMetrics(
         context.name,
@@ -386,16 +322,6 @@ def for_rank(context: Any, device_type: str) -> NullMetrics:
         group_restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
         world_size=context.world_size,
     )
-
-
-def _nvml_available() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return True
-    except Exception:  # noqa: BLE001 - no driver, no library: no GPU series
-        return False
 
 
 # ---------------------------------------------------------------- the launcher's endpoint

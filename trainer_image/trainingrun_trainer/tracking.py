@@ -33,7 +33,7 @@ import time
 import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from trainingrun_api.config import LoggerConfig
+from trainingrun_api.logger_config import LoggerConfig
 
 from .background import give_way_to_training
 

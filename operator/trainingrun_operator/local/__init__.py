@@ -27,8 +27,9 @@ from .inputs import (
 )
 from .ledger import RunLedger
 from .processes import LogFollower, child_pids, worker_pids
-from .runner import STOP_SIGNALS, Attempt, LocalRunner, Summary, WorkerGroup
+from .runner import STOP_SIGNALS, Attempt, LocalRunner, WorkerGroup
 from .status_server import StatusServer
+from .summary import Summary
 
 __all__ = [
     "DEFAULT_RUNS_DIR",

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from trainingrun_api import contract, progress_report
+from trainingrun_api import contract, progress_report, run_figures
 
 from .. import api
 
@@ -57,7 +57,7 @@ class StatusServer:
                 fields = report.status_fields()
                 with server.changed:
                     if "progress" in fields:  # percent and ETA as the operator adds them in the cluster
-                        fields["progress"] = progress_report.with_estimates(
+                        fields["progress"] = run_figures.with_estimates(
                             server.status.get("progress"), fields["progress"]
                         )
                     server.status.update(fields)
