@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pydantic import Field
+from pydantic.json_schema import JsonDict
 
 from trainingrun_api.model_base import ApiModel
 
@@ -15,7 +16,7 @@ from .scheduling import DNS_SUBDOMAIN
 SECRET_KEY = r"^([-_a-zA-Z0-9]|\.[-_a-zA-Z0-9])[-._a-zA-Z0-9]*$"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Lists of named items are maps for the API server: it rejects a name given twice.
-LIST_MAP_BY_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+LIST_MAP_BY_NAME: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
 
 
 class SecretKeyRef(ApiModel):

@@ -77,8 +77,8 @@ class TimeAccount(ApiModel):
     """The operator's account of the processes' time, kept across processes: one that reports after another adds
     the other's last report to `ended`."""
 
-    ended: Optional[ProcessTimes] = Field(default=None, description="Processes of this run that ended, summed.")
-    current: Optional[ProcessTimes] = Field(default=None, description="The newest report's process.")
+    ended: Optional[ProcessTimes] = Field(default=None, description="Processes of this run that ended, summed.")  # type: ignore[valid-type]  # generated (status_part)
+    current: Optional[ProcessTimes] = Field(default=None, description="The newest report's process.")  # type: ignore[valid-type]  # generated (status_part)
 
 
 class TimeBreakdown(ApiModel):
@@ -131,11 +131,11 @@ class TrainingRunStatus(ApiModel):
         default=None, description="The checkpoint URI the run started with; it cannot change while the run is active."
     )
     completion_time: Optional[str] = Field(default=None, description="When the run succeeded or failed (RFC 3339).")
-    progress: Optional[Progress] = Field(default=None, description="Training progress.")
-    last_good_checkpoint: Optional[CheckpointRef] = Field(
+    progress: Optional[Progress] = Field(default=None, description="Training progress.")  # type: ignore[valid-type]  # generated (status_part)
+    last_good_checkpoint: Optional[CheckpointRef] = Field(  # type: ignore[valid-type]  # generated (status_part)
         default=None, description="Newest committed checkpoint in storage: where a new attempt resumes from."
     )
-    checkpoint_in_memory: Optional[CheckpointInMemoryRef] = Field(
+    checkpoint_in_memory: Optional[CheckpointInMemoryRef] = Field(  # type: ignore[valid-type]  # generated (status_part)
         default=None,
         description="With checkpoint.persistBehind: the newest checkpoint committed in the pod's memory "
         "(ahead of lastGoodCheckpoint until storage holds it; a restart of the workers inside the pod resumes from it, "
@@ -156,7 +156,7 @@ class TrainingRunStatus(ApiModel):
     process_time: Optional[TimeAccount] = Field(
         default=None, description="The training processes' own account of their time, from their reports."
     )
-    checkpoint_interval: Optional[CheckpointIntervalChoice] = Field(
+    checkpoint_interval: Optional[CheckpointIntervalChoice] = Field(  # type: ignore[valid-type]  # generated (status_part)
         default=None, description="The checkpoint interval chosen by checkpoint.interval.steps: auto."
     )
     conditions: list[Condition] = Field(default_factory=list, description="Conditions, one per type.")

@@ -93,7 +93,8 @@ class ByteProgress:
     """A bar of bytes on terminals, a line per tenth elsewhere."""
 
     def __init__(self, out: Any):
-        self.out, self.bar, self.task, self.said = out, None, None, -1
+        self.out, self.bar, self.said = out, None, -1
+        self.task: Any = None  #: rich's TaskID, once the total is known
         if progress_bars(out):
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn

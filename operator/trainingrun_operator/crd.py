@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from . import api, api_meta, api_status
 
@@ -138,7 +139,7 @@ def _without_defaults(node: Any) -> Any:
     return node
 
 
-def model_schema(model: type) -> dict[str, Any]:
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     return structural(raw, raw.get("$defs", {}))
 

@@ -224,7 +224,9 @@ def dashboard(title: str, uid: str, panels: list[Panel], variables: bool) -> dic
                 ],
             }
         )
-    templating = [{"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"}]
+    templating: list[dict[str, Any]] = [
+        {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"}
+    ]
     if variables:
         templating += [
             {

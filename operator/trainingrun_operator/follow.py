@@ -122,7 +122,7 @@ def follow_logs(
 
     out = out or sys.stdout
     body = source.run()
-    name = (body.get("metadata") or {}).get("name")
+    name = str((body.get("metadata") or {}).get("name") or "")
     spec = _spec(body)
     if pod_index >= spec.replicas.effective_max:
         raise NothingToShow(
@@ -137,7 +137,7 @@ def follow_logs(
             shown_attempt = current
         pod = naming.worker_pod(name, shown_attempt, pod_index) if shown_attempt else None
         container = source.container(pod) if pod else None
-        if container and (shown is None or container[0] != shown[0]):
+        if pod and container and (shown is None or container[0] != shown[0]):
             print(f"==> attempt {shown_attempt}, pod {pod} <==", file=out, flush=True)
             for line in source.lines(pod, follow and container[1] == "running"):
                 print(line, file=out, flush=True)

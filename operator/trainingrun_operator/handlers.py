@@ -122,15 +122,16 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
 
     # Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per watch event.
     @kopf.index(*RUNS, id="runs", registry=registry)
-    async def runs(namespace: str, name: str, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+    # `namespace: Any`: kopf types it `str | None` for cluster-scoped resources; these are all namespaced.
+    async def runs(namespace: Any, name: str, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, name): slim_run(body)}
 
     @kopf.index(*JOBS, labels=CHILD_FILTER, id="jobs", registry=registry)
-    async def jobs(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+    async def jobs(namespace: Any, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, labels[naming.LABEL_RUN]): slim_job(body)}
 
     @kopf.index(*PODS, labels=CHILD_FILTER, id="pods", registry=registry)
-    async def pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
+    async def pods(namespace: Any, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, labels[naming.LABEL_RUN]): slim_pod(body)}
 
     def keep_indexes(kwargs: dict[str, Any]) -> None:
@@ -138,7 +139,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
             state.indexes = {k: kwargs[k] for k in ("runs", "jobs", "pods")}
 
     @kopf.on.event(*RUNS, registry=registry)
-    async def run_event(type: str, namespace: str, name: str, **kwargs: Any) -> None:
+    async def run_event(type: str, namespace: Any, name: str, **kwargs: Any) -> None:
         keep_indexes(kwargs)
         if type == "DELETED":
             state.forget((namespace, name))  # children go with it (ownerReferences); checkpoints stay
@@ -146,14 +147,14 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         state.enqueue((namespace, name))
 
     @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
-    async def job_event(type: str, namespace: str, name: str, labels: Any, **kwargs: Any) -> None:
+    async def job_event(type: str, namespace: Any, name: str, labels: Any, **kwargs: Any) -> None:
         keep_indexes(kwargs)
         if type == "DELETED":
             state.created_jobs.discard((namespace, name))
         state.enqueue((namespace, labels[naming.LABEL_RUN]))
 
     @kopf.on.event(*PODS, labels=CHILD_FILTER, registry=registry)
-    async def pod_event(namespace: str, labels: Any, **kwargs: Any) -> None:
+    async def pod_event(namespace: Any, labels: Any, **kwargs: Any) -> None:
         keep_indexes(kwargs)
         state.enqueue((namespace, labels[naming.LABEL_RUN]))
 
@@ -164,6 +165,7 @@ async def _reconcile_worker(state: OperatorState) -> None:
         await state.acting.wait()
         key = await state.work.get()
         state.queued.discard(key)
+        assert state.indexes is not None  # keys are queued by events and the resync, after the indexes are kept
         try:
             await reconcile_run(state, key, **state.indexes)
         except (ApiError, OSError, asyncio.TimeoutError) as error:
@@ -353,7 +355,7 @@ async def run_operator(
         registry=registry,
         standalone=not settings.peering,
         peering_name=settings.peering or None,
-        identity=state.identity,
+        identity=state.identity,  # type: ignore[arg-type]  # kopf's Identity is a NewType of str it does not export
         priority=state.priority,
         namespaces=list(settings.namespaces),
         clusterwide=not settings.namespaces,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 from trainingrun_api import contract
 
@@ -58,7 +58,7 @@ async def carry_out(
         assert run is not None
         job_name = naming.job_name(name, plan.start_attempt)
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
-            if not await _create_children(state, key, body, plan, run, job_name):
+            if not await _create_children(state, key, body, plan, run, plan.start_attempt, job_name):
                 return
     if plan.suspend_job:
         await kube.patch(
@@ -90,14 +90,20 @@ async def carry_out(
 
 
 async def _create_children(
-    state: OperatorState, key: Key, body: dict[str, Any], plan: reconcile.Plan, run: api.TrainingRun, job_name: str
+    state: OperatorState,
+    key: Key,
+    body: dict[str, Any],
+    plan: reconcile.Plan,
+    run: api.TrainingRun,
+    attempt: int,
+    job_name: str,
 ) -> bool:
-    """Create (or adopt) an attempt's children; False when the plan must wait (refused now or recently)."""
+    """Create (or adopt) attempt `attempt`'s children; False when the plan must wait (refused now or recently)."""
     kube, generation = state.client(), (body.get("metadata") or {}).get("generation")
     held = state.rejections.get(key)
     if held and held.generation == generation and time.monotonic() < held.retry_at:
         return False  # the server refused this spec's children: wait for the backoff or a spec change
-    *support, job = builders.children(run, plan.start_attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
+    *support, job = builders.children(run, attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
     # All at once: in a burst of runs, sending the ConfigMap first put every job behind every run's other
     # create (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates pods only after it has seen
     # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is
@@ -136,7 +142,7 @@ TRANSIENT_CREATE_STATUSES = {404, 409, 429}
 CHILD_REJECTED_MAX_BACKOFF_SECONDS = 300.0
 
 
-def _is_refusal(outcome: Any) -> bool:
+def _is_refusal(outcome: Any) -> TypeGuard[ApiError]:
     return (
         isinstance(outcome, ApiError)
         and 400 <= outcome.status < 500

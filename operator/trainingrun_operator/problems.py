@@ -29,7 +29,7 @@ def problems_from(error: ValidationError) -> list[Problem]:
     problems = []
     for item in error.errors(include_url=False):
         loc = [part for part in item["loc"] if not _is_internal(part)]
-        problem = Problem(_path(loc), _message(item, loc))
+        problem = Problem(_path(loc), _message(dict(item), loc))
         if (problem.path, problem.message) not in seen:
             seen.add((problem.path, problem.message))
             problems.append(problem)

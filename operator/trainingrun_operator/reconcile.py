@@ -310,8 +310,8 @@ def _count_in_place_restart(plan: Plan, o: Observed, attempt: int, job: dict[str
     """A Restarting condition not counted yet (its transition time is the key): one more in-place restart."""
     condition = restarting(job)
     restarts = _restarts(o.status)
-    since = condition and condition.get("lastTransitionTime")
-    if not since or since == restarts.get("lastInPlaceTime"):
+    since = condition.get("lastTransitionTime") if condition else None
+    if not condition or not since or since == restarts.get("lastInPlaceTime"):
         return
     restarts["inPlace"] = int(restarts.get("inPlace") or 0) + 1
     restarts["lastInPlaceTime"] = since

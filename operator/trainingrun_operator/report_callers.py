@@ -75,14 +75,15 @@ def claimed_pod(token: str, now: float) -> Optional[ClaimedPod]:
         isinstance(v, str) and v for v in (namespace, pod.get("name"), pod.get("uid"))
     ):
         return None
-    return ClaimedPod(namespace, pod["name"], pod["uid"])
+    return ClaimedPod(str(namespace), pod["name"], pod["uid"])
 
 
 class Lru:
     """A dict of at most `size` entries that forgets the least recently used first."""
 
     def __init__(self, size: int):
-        self.size, self.entries = size, collections.OrderedDict()
+        self.size = size
+        self.entries: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     def get(self, key: Any) -> Any:
         found = self.entries.get(key)

@@ -234,7 +234,10 @@ class ReportEndpoint:
         if report.process_time:
             fields.update(
                 run_status.account_time(
-                    run.status, report.process_time, report.progress and report.progress.productive_seconds, now
+                    run.status,
+                    report.process_time,
+                    report.progress.productive_seconds if report.progress else None,
+                    now,
                 )
             )
         heard = contract.parse_time(run.status.get("lastReportTime"))

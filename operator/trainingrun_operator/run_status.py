@@ -81,7 +81,7 @@ class Conditions:
             "status": status,
             "reason": reason,
             "message": message,
-            "lastTransitionTime": self.now if flipped else old.get("lastTransitionTime", self.now),
+            "lastTransitionTime": self.now if old is None or flipped else old.get("lastTransitionTime", self.now),
         }
         if self.generation is not None:
             new["observedGeneration"] = self.generation

@@ -262,6 +262,7 @@ def _load_all(stream: Any) -> Iterable[Any]:
     try:
         while loader.check_node():
             node = loader.get_node()
+            assert node is not None  # check_node said one follows
             size = _expanded_size(node, {})
             if size > MAX_EXPANDED_NODES:
                 raise yaml.constructor.ConstructorError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from .runner import LocalRunner
 
@@ -51,7 +51,7 @@ class RichDisplay:
             TimeRemainingColumn(),
             console=Console(file=out),
         )
-        self.task = None
+        self.task: Any = None  #: rich's TaskID, once the total is known
         self.progress.start()
 
     def __call__(self, runner: LocalRunner, status: dict) -> None:

@@ -64,7 +64,7 @@ class Attempt:
 
 
 #: Signals that stop a local run as a pod deletion would (emergency checkpoint, workers gone), by how they are named.
-STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
 
 class LocalRunner:
@@ -171,9 +171,10 @@ class LocalRunner:
             except ProcessLookupError:
                 pass
 
-    def _supervise(self, process: subprocess.Popen, attempt: Attempt, status: StatusServer) -> int:
-        log = LogFollower(attempt.log_path)
-        next_random_kill = time.monotonic() + self.options.chaos_kill_every if self.options.chaos_kill_every else None
+    def _supervise(self, process: subprocess.Popen, attempt: Attempt, log_path: Path, status: StatusServer) -> int:
+        log = LogFollower(log_path)
+        every = self.options.chaos_kill_every
+        next_random_kill = time.monotonic() + every if every else None
         while True:
             code = process.poll()
             for line in log.new_lines():
@@ -188,9 +189,9 @@ class LocalRunner:
                 for line in log.new_lines():
                     self._on_log_line(line, attempt, status)
                 return code
-            if next_random_kill and time.monotonic() >= next_random_kill:
-                self._kill_a_worker(f"--chaos-kill-every {self.options.chaos_kill_every:g}s")
-                next_random_kill = time.monotonic() + self.options.chaos_kill_every
+            if every and next_random_kill and time.monotonic() >= next_random_kill:
+                self._kill_a_worker(f"--chaos-kill-every {every:g}s")
+                next_random_kill = time.monotonic() + every
             status.wait_for_change(0.25)
 
     def _on_log_line(self, line: str, attempt: Attempt, status: StatusServer) -> None:
@@ -241,7 +242,7 @@ class LocalRunner:
             self.current.send_signal(signal.SIGTERM)
 
     def _interrupted_message(self) -> str:
-        return f"stopped by {STOP_SIGNALS[self.interrupted]}; rerun the same command to resume"
+        return f"stopped by {STOP_SIGNALS.get(self.interrupted or 0, 'a signal')}; rerun the same command to resume"
 
     def execute(self) -> Summary:
         started = time.monotonic()
@@ -256,7 +257,8 @@ class LocalRunner:
                     outcome, message = "interrupted", self._interrupted_message()
                     break
                 number += 1
-                attempt = Attempt(number, log_path=self.run_dir / f"attempt-{number}.log")
+                log_path = self.run_dir / f"attempt-{number}.log"
+                attempt = Attempt(number, log_path=log_path)
                 self.attempts.append(attempt)
                 status.new_attempt(number)
                 command = [
@@ -273,7 +275,7 @@ class LocalRunner:
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
                     env[contract.CHAOS_KILL_AT_STEP] = ",".join(map(str, self._kill_steps))
-                with open(attempt.log_path, "w", encoding="utf-8") as log:
+                with open(log_path, "w", encoding="utf-8") as log:
                     self.current = subprocess.Popen(
                         command,
                         env=env,
@@ -281,7 +283,7 @@ class LocalRunner:
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
-                    attempt.code = self._supervise(self.current, attempt, status)
+                    attempt.code = self._supervise(self.current, attempt, log_path, status)
                 _end_session(self.current)
                 self.current = None
                 self._free_node_memory()  # the attempt's pod is gone: so is what it kept in /dev/shm
