@@ -29,12 +29,12 @@ K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURD
 test: setup
 	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest
 
-# Lint and import order (ruff, everything) and types (mypy: strict for the shared package, checked for the operator);
+# Lint and import order (ruff, everything) and types (mypy: strict for the shared package, checked for both sides);
 # the settings are in pyproject.toml, and .pre-commit-config.yaml runs the same before each commit.
 lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/mypy -p trainingrun_api -p trainingrun_operator
+	$(BIN)/mypy -p trainingrun_api -p trainingrun_operator -p trainingrun_trainer
 
 # The end-to-end tier (tests/e2e/): a real single-node cluster, Kubeflow, our chart and images; as root.
 # Needs the node's packages and the image archives: scripts/install-node.sh, scripts/build-images.sh,

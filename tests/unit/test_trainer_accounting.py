@@ -14,7 +14,7 @@ def accounting():
     return SimpleNamespace(
         save_slowdown=SaveCosts(),
         _beside_save=False,
-        run=SimpleNamespace(saving=False),
+        session=SimpleNamespace(saving=False),
         clock=ProcessClock("pod-0"),
         productive_seconds=0.0,
     )
@@ -30,11 +30,11 @@ def test_the_steps_a_background_save_slowed_give_their_extra_time_to_checkpoint(
     trainer = accounting()
     for _ in range(10):
         step(trainer, 0.1)
-    trainer.run.saving, trainer._beside_save = True, True  # Trainer._save staged a background save
+    trainer.session.saving, trainer._beside_save = True, True  # Trainer._save staged a background save
     step(trainer, 0.25)
     step(trainer, 0.2)
     assert trainer.clock.seconds["checkpoint"] == 0  # known only once the save is done
-    trainer.run.saving = False
+    trainer.session.saving = False
     step(trainer, 0.15)  # the write ended during this step
     assert trainer.clock.seconds["checkpoint"] == pytest.approx(0.15 + 0.1 + 0.05)
     assert trainer.productive_seconds == pytest.approx(1.3)  # 13 steps of the usual 0.1 s

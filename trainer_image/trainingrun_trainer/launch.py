@@ -130,7 +130,7 @@ class RestartBudget:
         return self.per_attempt
 
 
-def _progress_aware_agent(budget: RestartBudget) -> type:
+def _progress_aware_agent(budget: RestartBudget) -> Any:
     """torch's LocalElasticAgent, whose restart budget `budget` refills after progress (see the module doc)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -248,7 +248,7 @@ def _launch(args: Any) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload())  # if main did not start it
     with tempfile.TemporaryDirectory(prefix="trainingrun-launch-") as scratch:
         # torch's launch_agent builds the agent by this module-level name: ours refills the restart budget.
-        launcher_api.LocalElasticAgent = _progress_aware_agent(
+        launcher_api.LocalElasticAgent = _progress_aware_agent(  # type: ignore[misc]
             RestartBudget(Path(scratch) / COMMITTED_STEP_FILE, config.max_restarts)
         )
         _rejoining(

@@ -215,7 +215,7 @@ class TrainerMetrics(NullMetrics):
         self._seen = {"committed": 0, "failed": 0, "restores": 0, "waited": 0.0, "persist_failed": 0}
         self._gpu = GpuPoller(labels, gpu_index, grid_intensity_g_per_kwh) if gpu_index is not None else None
 
-    def step(
+    def step(  # type: ignore[override]  # NullMetrics.step takes any keywords and does nothing
         self,
         *,
         step: int,

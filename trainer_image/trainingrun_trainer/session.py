@@ -30,7 +30,7 @@ import os
 import shutil
 import signal
 import time
-from typing import Any, Callable, Collection, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -191,14 +191,14 @@ class Run(RunIntervals, RunReports):
         if self.context.is_rank_zero:
             self._count_start()
         try:
-            source = self.store.latest_valid()
+            source: Union[CheckpointInfo, str, None] = self.store.latest_valid()
         except Exception as error:  # each fsspec backend raises its own kinds (OSError, botocore's, google's)
             raise StorageUnavailable(
                 f"cannot list the checkpoints under {self.store.uri}: "
                 f"{str(error).splitlines()[0][:300] if str(error) else type(error).__name__}"
             ) from error
         if self.context.is_rank_zero:
-            self._check_floor(source)
+            self._check_floor(source if isinstance(source, CheckpointInfo) else None)
         self._reported = self.store.in_storage  # lastGoodCheckpoint: the checkpoints this process commits
         started_from = ""
         if source is None:

@@ -22,6 +22,8 @@ log = logging.getLogger("trainingrun.session")
 class RunIntervals:
     """Part of `Run`: whether a step checkpoints, and the auto intervals' measurements and choices."""
 
+    _step_began: Optional[float]
+
     def _auto_interval(self) -> Optional[AutoInterval]:
         """Rank 0's chooser of the intervals that are auto (checkpoint.interval.steps, and persisting behind
         checkpoint.storageInterval.steps); None when neither is."""

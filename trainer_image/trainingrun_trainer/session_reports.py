@@ -10,7 +10,7 @@ from typing import Optional
 
 from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, Progress
 
-from .checkpoint import CheckpointInfo, now_rfc3339
+from .checkpoint import CheckpointInfo, PendingSave, now_rfc3339
 from .timekeeping import ProcessClock
 
 log = logging.getLogger("trainingrun.session")
@@ -18,6 +18,8 @@ log = logging.getLogger("trainingrun.session")
 
 class RunReports:
     """Part of `Run`: reports to the operator and the launcher."""
+
+    _pending: Optional[PendingSave]
 
     def report_committed(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight (the next save waits for it anyway) and report the newest checkpoint in storage

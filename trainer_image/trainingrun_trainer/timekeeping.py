@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from trainingrun_api.progress_report import ProcessTime
 
@@ -93,6 +93,7 @@ class ProcessClock:
 
     def snapshot(self) -> ProcessTime:
         s = self.seconds
+        startup: dict[str, Any] = {f"{phase}_seconds": round(self.startup_phases[phase], 3) for phase in STARTUP_PHASES}
         return ProcessTime.model_construct(  # unchecked: reporting never raises in the training loop
             process=self.process,
             alive_seconds=round(self._now() - self.started, 3),
@@ -103,6 +104,6 @@ class ProcessClock:
             compute_seconds=round(s["compute"], 3),
             eval_seconds=round(s["eval"], 3),
             restored_productive_seconds=round(self.restored_productive_seconds, 3),
-            **{f"{phase}_seconds": round(self.startup_phases[phase], 3) for phase in STARTUP_PHASES},
+            **startup,
             first_step_seconds=round(self.first_step, 3),
         )

@@ -16,7 +16,7 @@ import math
 import os
 import signal
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
     """One process's training run: setup and input (trainer_setup.py), checkpoint state, saves and rollbacks
     (trainer_checkpoints.py), and here the loop."""
 
+    session: Run  #: the platform's side of the run: checkpoints, resume, reports (session.py); set as training starts
+
     def __init__(self, config: RunConfig, context: RunContext, device_type: str):
         self.config = config
         self.context = context
@@ -84,7 +86,9 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
 
     # ------------------------------------------------------------ the loop
 
-    def _train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> tuple[float, float, Callable[[], tuple]]:
+    def _train_step(
+        self, batches: Generator[dict[str, torch.Tensor], None, None]
+    ) -> tuple[float, float, Callable[[], tuple]]:
         """Forward/backward over the accumulation, clip; returns (loss, grad norm, agreement).
 
         The per-step agreement between ranks (stop? save? was the loss non-finite anywhere?) is
@@ -120,7 +124,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                     copied.synchronize()
                 total += float(value)
                 if last:  # completes during the backward pass (on CPUs, started before it)
-                    agreement = self.run.agree_async(self.step + 1, not math.isfinite(total))
+                    agreement = self.session.agree_async(self.step + 1, not math.isfinite(total))
                 if not queued:
                     self.scaler.scale(loss).backward()
         self.sampler.advance(self.global_batch * accumulation)
@@ -150,15 +154,15 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
 
     def _resume_and_train(self) -> int:
         cfg = self.cfg
-        self.run = Run(self.context, self.config.checkpoint, config_hash=config_hash(self.config))
+        self.session = Run(self.context, self.config.checkpoint, config_hash=config_hash(self.config))
         with self.clock.timing("restore"):
-            extra = self.run.resume(self._state())
+            extra = self.session.resume(self._state())
             if extra is not None:
                 self._apply_restored(extra)
         self.clock.restored_productive_seconds = self.productive_seconds
         if extra is not None:
             # Where the run stands now, before the first new step (which may be a while, or never).
-            self.run.report(
+            self.session.report(
                 self.step,
                 total_steps=self.cfg.max_steps,
                 loss=self.last_loss,
@@ -183,7 +187,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
         # The last word on this process's time: the final save included.
-        self.run.report(
+        self.session.report(
             self.step,
             total_steps=self.cfg.max_steps,
             loss=self.last_loss,
@@ -193,7 +197,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             model_flops_per_second=self.model_flops_per_second,
             mfu=self.mfu,
         )
-        self.run.close(finished=code == exit_codes.OK)
+        self.session.close(finished=code == exit_codes.OK)
         if self.distributed:
             dist.destroy_process_group()
         return code
@@ -223,7 +227,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 total[1] += len(next(iter(batch.values())))
             if self.distributed:
                 dist.all_reduce(total)
-            return float(total[0] / max(total[1], 1))
+            return float(total[0]) / max(float(total[1]), 1.0)
 
         results = {}
         with torch.random.fork_rng(devices=[self.device] if self.device_type == "cuda" else []):
@@ -242,7 +246,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 self.model.train()
         return results
 
-    def _loop(self, batches: Iterator[dict[str, torch.Tensor]]) -> int:
+    def _loop(self, batches: Generator[dict[str, torch.Tensor], None, None]) -> int:
         cfg = self.cfg
         window_start, window_steps = time.monotonic(), 0
         while self.step < cfg.max_steps:
@@ -286,7 +290,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             ):
                 # Earlier checkpoints are made durable first, so the injected crash loses exactly
                 # the steps since the last checkpoint, whatever the machine's load.
-                self.run.store.wait()
+                self.session.store.wait()
                 log.warning("chaos: SIGKILL worker rank %d at step %d", self.context.rank, self.step)
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -314,7 +318,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 model_flops_per_second=self.model_flops_per_second,
                 mfu=self.mfu,
             )
-            self.metrics.checkpoints(self.run.store, self.run.checkpoint_wait_seconds)
+            self.metrics.checkpoints(self.session.store, self.session.checkpoint_wait_seconds)
             self.tracker.metrics(
                 self.step,
                 {
@@ -329,7 +333,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             )
             self._track_commit()
             # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
-            self.run.report(
+            self.session.report(
                 self.step,
                 total_steps=cfg.max_steps,
                 loss=loss,
@@ -340,7 +344,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 mfu=self.mfu,
             )
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
-                self.metrics.checkpoint_interval(self.run.interval_choice())
+                self.metrics.checkpoint_interval(self.session.interval_choice())
                 elapsed = time.monotonic() - window_start
                 self.samples_per_second = (
                     window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
@@ -370,7 +374,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 self._save(blocking=False)
         self._save(blocking=True)
         with self.clock.timing("checkpoint"):
-            committed = self.run.store.flush()  # persisting behind: until storage holds it
+            committed = self.session.store.flush()  # persisting behind: until storage holds it
         if committed is None or committed.step != self.step:
             # Exiting 0 would report success with the final weights lost; a retry redoes the steps
             # after the last good checkpoint and saves again (or, inside the pod, finds them in memory).
@@ -380,6 +384,6 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 exit_codes.RETRYABLE,
             )
             return exit_codes.RETRYABLE
-        self.run.report_committed()
+        self.session.report_committed()
         self._track_commit()
         return exit_codes.OK

@@ -50,7 +50,7 @@ class TrainerCheckpoints:
             # rank 0's (its RNG streams are reseeded below, as the world size changed).
             box = [extra if self.context.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
-            extra = extra or box[0]
+            extra = extra or box[0] or {}
         if "scheduler" in extra:
             self._apply_format_1(extra)
         mine = PerRank.from_extra(extra)
@@ -94,7 +94,7 @@ class TrainerCheckpoints:
         usual step: the write competes for the CPU, memory bandwidth and the interpreter lock) is counted as
         "checkpoint", not productive: otherwise frequent saves look free while the run takes longer."""
         self.save_slowdown.step(compute, self._beside_save)
-        if self._beside_save and not self.run.saving:
+        if self._beside_save and not self.session.saving:
             self._beside_save = False
             slowdown = self.clock.recount(self.save_slowdown.save_finished(), "compute", "checkpoint")
             self.productive_seconds = max(0.0, self.productive_seconds - slowdown)
@@ -102,7 +102,7 @@ class TrainerCheckpoints:
     def _save(self, blocking: bool) -> None:
         with self.clock.timing("checkpoint"):
             self._save_now(blocking)
-        self._beside_save = self._beside_save or self.run.saving
+        self._beside_save = self._beside_save or self.session.saving
 
     def _save_now(self, blocking: bool) -> None:
         state = self._state()
@@ -111,7 +111,7 @@ class TrainerCheckpoints:
             digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
         else:
             digest = lambda staged: model_digest(staged["model"])  # noqa: E731 - rank 0 computes it in the background
-        self.run.save(
+        self.session.save(
             self.step,
             state,
             self._per_rank(),
@@ -122,22 +122,22 @@ class TrainerCheckpoints:
 
     def _wait_for_checkpoint_copy(self) -> None:
         """Before the weights change: wait until the save in flight has copied them (it copies in the background)."""
-        self.copy_wait_seconds += self.run.store.wait_copied()
+        self.copy_wait_seconds += self.session.store.wait_copied()
 
     def _track_commit(self) -> None:
-        committed = self.run.last_committed
+        committed = self.session.last_committed
         if committed is not None and committed.step != self.tracked_checkpoint:
             self.tracked_checkpoint = committed.step
             self.tracker.metrics(self.step, {"checkpoint/committed_step": committed.step})
 
     def _rollback(self) -> bool:
-        self.run.report_committed()
-        info = self.run.store.latest_valid()
+        self.session.report_committed()
+        info = self.session.store.latest_valid()
         if info is None:
             log.error("non-finite steps and no checkpoint to roll back to: %s", self.guard.abort_message())
             return False
         rollbacks = self.guard.rollbacks
-        self._apply_restored(self.run.store.load(info, self._state()))
+        self._apply_restored(self.session.store.load(info, self._state()))
         # The restored scheduler holds the LR scaled by the rollbacks made before that checkpoint
         # was saved (its guard state counts them); apply the scale of the ones made since.
         scaled_already = self.guard.rollbacks

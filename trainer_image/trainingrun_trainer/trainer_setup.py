@@ -4,7 +4,7 @@ optimizer, schedule, EMA and health guard, and the data: datasets, the resumable
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Any, Generator
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ class TrainerSetup:
         if self.cfg.activation_checkpointing:
             from .torch_internals import checkpoint_wrapper
 
-            blocks = model.blocks
+            blocks: Any = model.blocks  # a ModuleList (torch types a module's attributes as Tensor | Module)
             for i, block in enumerate(blocks):
                 blocks[i] = checkpoint_wrapper(block)
         self.model = model  # the unwrapped module: what gets checkpointed and digested
@@ -63,10 +63,11 @@ class TrainerSetup:
         if self.cfg.strategy == "fsdp2" and self.distributed:
             from torch.distributed.fsdp import fully_shard
 
-            for block in model.blocks:
+            blocks_to_shard: Any = model.blocks
+            for block in blocks_to_shard:
                 fully_shard(block)
             fully_shard(model)
-            self.wrapped: nn.Module = model
+            self.wrapped: Any = model  # DDP, FSDP2 or the model itself, maybe compiled
         elif self.distributed:
             self.wrapped = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device_type == "cuda" else None
@@ -83,6 +84,8 @@ class TrainerSetup:
     def _build_data(self) -> None:
         data = self.cfg.data
         self.dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="train")
+        #: Where DataLoader workers start from (None: no workers); a forkserver starts now (loading.worker_processes).
+        self.workers_start = worker_processes(data.worker_start_method, self.dataset) if data.num_workers else None
         self.sampler = ResumableSampler(
             len(self.dataset),
             rank=self.context.rank,
@@ -101,11 +104,10 @@ class TrainerSetup:
         if self.cfg.eval.interval_steps:
             self.eval_dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="eval")
 
-    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self) -> Generator[dict[str, torch.Tensor], None, None]:
         """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
         data = self.cfg.data
         read_by_a_thread = data.num_workers == 0 and getattr(self.dataset, "pure_items", False)
-        workers = worker_processes(data.worker_start_method, self.dataset) if data.num_workers else None
         while True:
             generator = torch.Generator().manual_seed(self.cfg.seed + self.sampler.state_dict()["epoch"])
             loader = DataLoader(
@@ -113,7 +115,7 @@ class TrainerSetup:
                 batch_size=data.batch_size,
                 sampler=self.sampler if self.batch_order is None else self.batch_order,
                 num_workers=data.num_workers,
-                multiprocessing_context=workers,
+                multiprocessing_context=self.workers_start,
                 prefetch_factor=data.prefetch_factor,
                 pin_memory=data.pin_memory and self.device_type == "cuda",
                 worker_init_fn=start_worker(os.getpid()),

@@ -56,7 +56,8 @@ class Committing:
             except _SAVE_ERRORS as exc:
                 if tier_dir is not None:
                     self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
-                return self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+                self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+                return None
             if in_memory:
                 return self._save(job, tier_dir, in_memory=True, staged=staged)
             if tier_dir is not None:
@@ -119,6 +120,7 @@ class Committing:
         )
         try:
             if in_memory:
+                assert tier_dir is not None  # every rank has one when in_memory
                 writer = _Writer(
                     tier_dir,
                     record,
@@ -193,7 +195,8 @@ class Committing:
         elif tier_dir is not None and info is None:
             self._tier.discard(job.step)
         if info is None:
-            return self._failed(job, commit_error)
+            self._failed(job, commit_error)
+            return None
 
         self.last_save_seconds = time.perf_counter() - job.started
         job.marks.append(("committing", time.perf_counter()))
@@ -284,7 +287,7 @@ class Committing:
             size_bytes=sum(entry["size"] for entry in files.values()) + len(raw),
             valid=True,
             reason=None,
-            model_digest=job.model_digest or None,
+            model_digest=job.model_digest or None,  # type: ignore[arg-type]  # a str by now: _save resolved it
             world_size=self.world_size,
             manifest_sha256=manifest_sha,
             run_uid=self.run_uid,

@@ -57,7 +57,7 @@ def model_digest(state_dict: Mapping[str, Any]) -> str:
         tensor = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
         if tensor.numel():
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # hashed in place, not copied to bytes
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an array is a buffer
     return digest.hexdigest()
 
 

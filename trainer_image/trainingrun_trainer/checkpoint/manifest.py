@@ -121,7 +121,7 @@ def _inspect(
 
     if MANIFEST_NAME not in files or (raw is None and read_error is None):
         return invalid("no manifest (partial save)")
-    if read_error is not None:
+    if read_error is not None or raw is None:
         return invalid(f"manifest unreadable: {read_error}")
     manifest_sha = hashlib.sha256(raw).hexdigest()
     try:

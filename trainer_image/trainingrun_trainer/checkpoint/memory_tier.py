@@ -268,7 +268,7 @@ class MemoryTier:
     def holds_all(self, step: int, manifest_sha256: Optional[str]) -> bool:
         """Whether every file of that checkpoint is here, by `files`."""
         found = self.files(step, manifest_sha256)
-        return bool(found) and len(found) == self._usable[manifest_sha256][1]
+        return bool(found) and len(found) == self._usable[manifest_sha256 or ""][1]
 
     def _find(self, step: int, manifest_sha256: str) -> tuple[dict[str, TierFile], int]:
         directory = self.path(step)
@@ -324,7 +324,7 @@ class TierCopy:
     def close(self, digest_name: str, digest: str) -> None:
         """The upload of these bytes, whose file digest `digest_name` (the manifest's) is `digest`, succeeded: the copy
         is complete."""
-        if self.file is not None:
+        if self.file is not None and self.path is not None:  # a file is opened only with a path
             digests = {
                 "size": self._size,
                 "file_digest": [digest_name, digest],
@@ -347,7 +347,8 @@ class TierCopy:
             except OSError:
                 pass
             self.file = None
-            remove_file(self.path + ".partial")
+            if self.path is not None:
+                remove_file(self.path + ".partial")
 
     def _drop(self, error: OSError) -> None:
         self.abandon()

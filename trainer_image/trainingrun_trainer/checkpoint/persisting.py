@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
 from typing import Optional
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
@@ -21,6 +22,14 @@ from .layout import (
 class PersistingBehind:
     """CheckpointStore's copies to storage behind the memory tier: queueing (newest wins, the storage interval), the
     persister's loop, and waiting for it (`flush`, `wait_persisted`). State lives in `CheckpointStore.__init__`."""
+
+    _persist_next: Optional[tuple[CheckpointInfo, bytes]]
+    _held_back: Optional[tuple[CheckpointInfo, bytes]]
+    _last_queued: Optional[tuple[int, float]]
+    in_memory: Optional[CheckpointInfo]
+    in_storage: Optional[CheckpointInfo]
+    _persisting: Optional[int]
+    _persist_loop: Optional[Future]
 
     def _persist_steps(self) -> set[int]:
         """The steps the persister holds in the memory tier: the one it copies and the one it copies next."""

@@ -33,6 +33,9 @@ from .tier_files import LocalFirstFileSystem, TierMismatch
 class Restoring:
     """CheckpointStore's reading side: `list`, `latest_valid`, `load`. State lives in `CheckpointStore.__init__`."""
 
+    in_memory: Optional[CheckpointInfo]
+    another_runs_newest: Optional[CheckpointInfo]
+
     def list(self, verify: bool = True) -> list[CheckpointInfo]:
         """Every step directory below the store's uri, newest step first, valid or not. With
         ``verify`` (default) every file is re-hashed; without, only presence and sizes are checked.
@@ -68,10 +71,10 @@ class Restoring:
         self.wait()
         in_memory = self._held_in_memory()
         self.another_runs_newest = None
+        result: Union[CheckpointInfo, Exception, None] = None
         if not self._distributed:
             result = self._find_latest_valid(in_memory)
         else:
-            result = None
             if self.rank == 0:
                 try:
                     result = self._find_latest_valid(in_memory)
@@ -132,7 +135,7 @@ class Restoring:
         if not found.valid:
             logger.warning("the checkpoint of step %d kept in memory is not usable: %s", step, found.reason)
             return None
-        return dataclasses.replace(found, uri=self._step_uri(step), size_bytes=sum(found.files.values()))
+        return dataclasses.replace(found, uri=self._step_uri(step), size_bytes=sum((found.files or {}).values()))
 
     def _newest_committed(self, likely: Optional[int]) -> Optional[CheckpointInfo]:
         """The newest checkpoint in storage with a manifest and all of its files (not re-hashed). Step `likely` (the
@@ -240,7 +243,7 @@ class Restoring:
         # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
         planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
         reader = _PlainReader(info.uri, info.files, **self._options)
-        reading.inner, reader.fs = reader.fs, reading
+        reading.inner, reader.fs = reader.fs, reading  # type: ignore[assignment]  # serves what DCP's reader calls
         dcp.load(loading, storage_reader=reader, planner=planner, process_group=self._pg, no_dist=not self._distributed)
         return loading, planner
 
@@ -298,10 +301,11 @@ class Restoring:
     def _legacy_extra(self, info: CheckpointInfo) -> Optional[bytes]:
         """This rank's extra state in a format 1 checkpoint: a file of its own (when its manifest lists one)."""
         name = _LEGACY_EXTRA_FILE.format(rank=self.rank)
-        if name not in (info.files or {}):
+        files = info.files or {}
+        if name not in files:
             return None
         try:
-            return self._storage.read_bytes(_join(info.uri, name), limit=info.files[name])
+            return self._storage.read_bytes(_join(info.uri, name), limit=files[name])
         except FileNotFoundError:
             return None
 

@@ -25,7 +25,12 @@ _NUMPY_ARRAY_GLOBALS: list = []
 try:
     import numpy as _np
 
-    _NUMPY_ARRAY_GLOBALS = [_np._core.multiarray._reconstruct, _np.ndarray, _np.dtype, _np.dtypes.UInt32DType]
+    _NUMPY_ARRAY_GLOBALS = [
+        _np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # numpy 2's private module
+        _np.ndarray,
+        _np.dtype,
+        _np.dtypes.UInt32DType,
+    ]
 except (ImportError, AttributeError):  # numpy absent or 1.x: no arrays to admit
     pass
 
@@ -274,7 +279,7 @@ class _PlainLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, optional: Iterable[str] = ()) -> None:
         super().__init__()
-        self.optional, self.missing = set(optional), set()
+        self.optional, self.missing = set(optional), set[str]()
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)

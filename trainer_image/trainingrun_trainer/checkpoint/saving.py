@@ -59,6 +59,10 @@ def tensor_bytes(tree: Any) -> int:
 class Saving:
     """CheckpointStore's `save`, `wait_copied` and `wait`. State lives in `CheckpointStore.__init__`."""
 
+    _pending: Optional[PendingSave]
+    _copying: Optional[_SaveJob]
+    _defer_state_dicts: Optional[bool]
+
     def save(
         self,
         step: int,

@@ -144,12 +144,12 @@ class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating)
                 self._pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
             self.rank = dist.get_rank(self._pg)
             self.world_size = dist.get_world_size(self._pg)
-        nodes = self._gather(f"{socket.gethostname()}:{os.path.realpath(memory_tier)}") if self._tier else []
+        nodes = self._gather(f"{socket.gethostname()}:{os.path.realpath(self._tier.root)}") if self._tier else []
         # Whether rank 0, which verifies a checkpoint read from storage and keeps it in its tier, shares this one.
         self._tier_of_rank0 = bool(nodes) and nodes[0] == nodes[self.rank]
         #: Whether saves commit in the memory tier and rank 0 persists them behind (every rank shares one tier).
         self.persist_behind = persist_behind and bool(nodes) and len(set(nodes)) == 1
-        if self.persist_behind:
+        if self.persist_behind and self._tier is not None:
             self._tier.recycle = True
         self._persister = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-persist")

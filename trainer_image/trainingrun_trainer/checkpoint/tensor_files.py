@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..torch_internals import StorageInfo, narrow_tensor_by_index
@@ -31,7 +31,7 @@ RAW_TENSOR = "trainingrun-raw-tensor/1"
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
 
 
 def write_rank_file(
@@ -42,7 +42,7 @@ def write_rank_file(
     byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
     tensor_items = sorted(
         (item for item in plan.items if item.type != WriteItemType.BYTE_IO),
-        key=lambda item: -item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize,
+        key=_largest_first,
     )
     results = []
     with create_stream(concat_path(root, name), "wb") as stream:
@@ -64,15 +64,21 @@ def write_rank_file(
     return results
 
 
+def _largest_first(item: WriteItem) -> int:
+    """Sort key of a tensor item (it has tensor_data): larger first."""
+    assert item.tensor_data is not None
+    return -item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+
 def _stored_chunk(metadata: TensorStorageMetadata, index: MetadataIndex) -> Any:
     chunks = metadata.chunks
     if (
         index.index is not None
         and index.index < len(chunks)
-        and list(chunks[index.index].offsets) == list(index.offset)
+        and list(chunks[index.index].offsets) == list(index.offset or ())
     ):
         return chunks[index.index]
-    return next(chunk for chunk in chunks if list(chunk.offsets) == list(index.offset))
+    return next(chunk for chunk in chunks if list(chunk.offsets) == list(index.offset or ()))
 
 
 def _read_into(stream: Any, target: memoryview, what: str) -> None:

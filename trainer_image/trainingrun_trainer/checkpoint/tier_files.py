@@ -257,6 +257,7 @@ class RecycledFile:
         end = self._pos + view.nbytes
         if end > self._size:
             self._remap(max(end, self._size + self.GROW))
+        assert self._map is not None  # mapped by _remap above when it was empty
         self._map[self._pos : end] = view
         self._pos = end
         return view.nbytes

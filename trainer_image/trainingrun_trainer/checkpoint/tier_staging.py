@@ -27,7 +27,7 @@ import mmap
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import xxhash
@@ -151,6 +151,7 @@ class StagedFile:
             if view is None:
                 nbytes = tree.numel() * tree.element_size()
                 if nbytes:
+                    assert self._bytes is not None  # mapped by prepare()
                     target = self._bytes[offsets[key] : offsets[key] + nbytes]
                     target.copy_(_byte_view_tensor(tree), non_blocking=self.pinned)
                     view = target.view(tree.dtype).view(tree.shape)
@@ -218,11 +219,12 @@ class StagedFile:
     def _digests(self, tail: bytes) -> tuple[str, list[str]]:
         """The file's digest and its segments' (`SegmentHasher`'s), from memory: the file digest on this thread, the
         segments, which do not depend on each other, on a pool beside it (xxhash lets go of the GIL)."""
-        staged = memoryview(self._bytes.numpy()) if self._bytes is not None else memoryview(b"")
+        staged = memoryview(self._bytes.numpy()) if self._bytes is not None else memoryview(b"")  # type: ignore[arg-type]
         staged = staged[: self.staged_bytes]
 
         def segment(start: int) -> str:
             end = min(start + SEGMENT_BYTES, self.size)
+            piece: Union[memoryview, bytes]
             if end <= self.staged_bytes:
                 piece = staged[start:end]
             else:  # runs into (or lies in) the tail

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from torch.futures import Future as TorchFuture
 
@@ -36,10 +36,10 @@ class _Writer(FsspecWriter):
         **storage_options,
     ):
         super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
-        self.fs = HashingFileSystem(self.fs, record, tier, tier_dir, segments)
+        self.fs = HashingFileSystem(self.fs, record, tier, tier_dir, segments)  # type: ignore[assignment]  # wraps it
         self._on_global_plan = on_global_plan
         self._record, self._tier, self._tier_dir = record, tier, tier_dir
-        self._request = dict(
+        self._request: dict[str, Any] = dict(
             uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items, segments=segments
         )
         self._process = process

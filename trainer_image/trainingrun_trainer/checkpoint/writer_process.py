@@ -81,7 +81,7 @@ class WriterProcess:
         with _without_main():
             process.start()
         try:
-            os.setpriority(os.PRIO_PROCESS, process.pid, WRITER_NICE)  # before it even imports torch
+            os.setpriority(os.PRIO_PROCESS, process.pid or 0, WRITER_NICE)  # before it even imports torch
         except OSError as error:
             logger.info("the checkpoint writer keeps the trainer's priority: %s", error)
         theirs.close()

@@ -77,9 +77,10 @@ class ImageShards(TokenShards):
 
     def _members(self, shard: Shard) -> list[tuple[str, dict[str, tuple[int, int]]]]:
         """[(key, {extension: (offset, size)})] of a shard, from its tar headers (read once, then kept)."""
-        cache = getattr(self, "_member_cache", None)
+        cache: Optional[dict[str, list[tuple[str, dict[str, tuple[int, int]]]]]] = getattr(self, "_member_cache", None)
         if cache is None:
-            cache = self._member_cache = {}
+            cache = {}
+            self._member_cache = cache
         if shard.uri not in cache:
             cache[shard.uri] = tar_samples(shard, lambda start, end: self._read(shard, start, end))
         return cache[shard.uri]
@@ -116,8 +117,8 @@ class ImageShards(TokenShards):
         from PIL import Image, UnidentifiedImageError
 
         try:
-            with Image.open(io.BytesIO(raw)) as image:
-                image = image.convert("RGB" if self.channels == 3 else "L")
+            with Image.open(io.BytesIO(raw)) as opened:
+                image = opened.convert("RGB" if self.channels == 3 else "L")
                 side = min(image.size)
                 left, top = (image.width - side) // 2, (image.height - side) // 2
                 image = image.crop((left, top, left + side, top + side)).resize(

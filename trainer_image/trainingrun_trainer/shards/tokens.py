@@ -142,12 +142,16 @@ class TokenShards(Dataset):
 
     #: What belongs to one process: a DataLoader worker, forked or spawned, starts its own.
     _PROCESS_STATE = ("_fs", "_fetching", "_lock", "_pid")
+    _fs: Any  #: the storage client (None until first asked for)
+    #: Blocks being fetched by some thread of this process, each set when its fetch ends: the read-ahead threads
+    #: and the reader wait for a fetch in flight instead of fetching the same block again.
+    _fetching: dict[tuple[str, int], threading.Event]
+    _lock: threading.Lock
+    _pid: int
 
     def _start_process_state(self) -> None:
-        self._fs: Any = None
-        #: Blocks being fetched by some thread of this process, each set when its fetch ends: the read-ahead threads
-        #: and the reader wait for a fetch in flight instead of fetching the same block again.
-        self._fetching: dict[tuple[str, int], threading.Event] = {}
+        self._fs = None
+        self._fetching = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()  #: the process the above belong to
 
@@ -269,13 +273,13 @@ class TokenShards(Dataset):
         """Items read and converted together: the DataLoader asks for a batch's items in one call, and one
         conversion and one vocabulary check per batch cost the thread that reads ahead of the step less than
         one per item."""
-        found = [self._ranges.pop(index, None) or self._item_range(index) for index in indices]
+        found = [self._ranges.pop(index, None) or self._item_range(index) for index in indices]  # type: ignore[arg-type]
         tokens = np.empty((len(found), self.context_length + 1), dtype=np.int64)
         for row, (shard, start, end) in zip(tokens, found):
             row[:] = np.frombuffer(self._read(shard, start, end), dtype=LITTLE_ENDIAN[shard.dtype])
         if self.vocab_size is not None and len(found) and int(tokens.max()) >= self.vocab_size:
-            row, column = divmod(int(tokens.argmax()), tokens.shape[1])
-            shard, start, _ = found[row]
+            at, column = divmod(int(tokens.argmax()), tokens.shape[1])
+            shard, start, _ = found[at]
             raise DataError(
                 f"{shard.uri}: token {int(tokens.max())} at byte "
                 f"{start + column * np.dtype(shard.dtype).itemsize} is not below vocab_size "
