@@ -191,16 +191,17 @@ class Run(RunIntervals, RunReports):
         if self.context.is_rank_zero:
             self._count_start()
         try:
-            source: Union[CheckpointInfo, str, None] = self.store.latest_valid()
+            newest = self.store.latest_valid()
         except Exception as error:  # each fsspec backend raises its own kinds (OSError, botocore's, google's)
             raise StorageUnavailable(
                 f"cannot list the checkpoints under {self.store.uri}: "
                 f"{str(error).splitlines()[0][:300] if str(error) else type(error).__name__}"
             ) from error
         if self.context.is_rank_zero:
-            self._check_floor(source if isinstance(source, CheckpointInfo) else None)
+            self._check_floor(newest)
         self._reported = self.store.in_storage  # lastGoodCheckpoint: the checkpoints this process commits
         started_from = ""
+        source: Union[CheckpointInfo, str, None] = newest  # or checkpoint.resumeFrom's step directory
         if source is None:
             source = self._elsewhere()
             started_from = " (checkpoint.resumeFrom: read only)" if source is not None else ""
