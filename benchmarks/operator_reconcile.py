@@ -149,6 +149,11 @@ class Burst:
     busy_kb: dict[str, int]
     cpu_s: tuple[float, float]  # (controller, kmock + this client)
     settled_kb: dict[str, int] = dataclasses.field(default_factory=dict)  # SETTLE_SECONDS after the last job
+    #: The controller's CPU from the burst until SETTLE_SECONDS after its last job: with the status writes and Events
+    #: that trail the jobs, and the resyncs in that time.
+    settled_cpu_s: float = 0.0
+    reconciles: int = 0  #: the operator's reconciles until the last job appeared (0 for the floor)
+    settled_reconciles: int = 0  #: and until SETTLE_SECONDS later
     #: Why the burst ended before every job appeared (a deadline, the controller exiting); None: it finished.
     failure: str | None = None
     missing: int = 0  #: runs whose job never appeared
@@ -424,6 +429,8 @@ async def real_burst(
     ready_line: str,
     log_path: Path,
     deadline_s: float = 600.0,
+    sample_to: str | None = None,
+    metrics_port: int = 0,
 ) -> Burst:
     """Create `count` TrainingRuns at once in a fresh namespace of the real API server and time each create ->
     its `<run>-a1` PyTorchJob, as seen by a watch on PyTorchJobs opened before the burst."""
@@ -435,6 +442,7 @@ async def real_burst(
     context = plane.ssl_context()
     log = open(log_path, "w")
     controller = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    sampler = None
     try:
         deadline = time.monotonic() + 90
         while ready_line not in log_path.read_text():
@@ -444,6 +452,7 @@ async def real_burst(
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # the watches are opened right after that line; give them a moment
         idle = memory_kb(controller.pid)
+        sampler = _start_sampler(controller.pid, sample_to)
         cpu_before = cpu_seconds(controller.pid), server_cpu_seconds(plane)
         created: dict[str, float] = {}
         appeared: dict[str, float] = {}
@@ -554,15 +563,53 @@ async def real_burst(
             )
         burst = Burst.measured(created, appeared, started, controller.pid, idle, cpu_before)
         burst = dataclasses.replace(
-            burst, cpu_s=(burst.cpu_s[0], server_cpu_seconds(plane) - cpu_before[1]), failure=failure
+            burst,
+            cpu_s=(burst.cpu_s[0], server_cpu_seconds(plane) - cpu_before[1]),
+            failure=failure,
+            reconciles=await _reconciles(metrics_port),
         )
         if failure is None:
             await asyncio.sleep(SETTLE_SECONDS)  # status writes and Events trail the jobs; then the runs just exist
-        return dataclasses.replace(burst, settled_kb=memory_kb(controller.pid) if controller.poll() is None else {})
+        alive = controller.poll() is None
+        return dataclasses.replace(
+            burst,
+            settled_kb=memory_kb(controller.pid) if alive else {},
+            settled_cpu_s=cpu_seconds(controller.pid) - cpu_before[0] if alive else 0.0,
+            settled_reconciles=await _reconciles(metrics_port) if alive else 0,
+        )
     finally:
+        if sampler is not None:
+            sampler.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+            sampler.wait(60)
         controller.terminate()
         controller.wait(30)
         log.close()
+
+
+async def _reconciles(port: int) -> int:
+    """Reconciles the operator has done so far (its metrics endpoint on `port`; 0 when it has none)."""
+    if not port:
+        return 0
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+            text = await response.text()
+    count = "trainingrun_operator_reconcile_duration_seconds_count"
+    return int(float(next(row for row in text.splitlines() if row.startswith(count)).split()[-1]))
+
+
+def _start_sampler(pid: int, output: str | None) -> subprocess.Popen | None:
+    """py-spy sampling `pid` on CPU (not idle) into `output`, collapsed stacks; $OPERATOR_PYSPY names py-spy. A
+    sampler costs the operator a few per cent where cProfile tripled its CPU per run."""
+    py_spy = os.environ.get("OPERATOR_PYSPY")
+    if not output or not py_spy:
+        return None
+    return subprocess.Popen(
+        [py_spy, "record", "--pid", str(pid), "--nonblocking", "--rate", "200", "--format", "raw", "-o", output],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def main_real(sizes: list[int]) -> int:
@@ -597,14 +644,17 @@ async def main_real(sizes: list[int]) -> int:
             pki = plane.pki
             for count in sizes:
                 namespace = f"bench-{count}"
+                metrics_port = kube_cluster.free_port()
                 operator = await real_burst(
                     plane,
                     count,
                     namespace,
                     operator_command("--standalone", "-n", namespace),
-                    env,
+                    {**env, "TRAININGRUN_OPERATOR_METRICS_PORT": str(metrics_port)},
                     "PyTorchJob CRD (kubeflow.org/v1) is served",
                     Path(tmp) / f"{namespace}.log",
+                    sample_to=os.environ.get("OPERATOR_PYSPY_OUT", "/tmp/operator-{count}.pyspy").format(count=count),
+                    metrics_port=metrics_port,
                 )
                 floor = await real_burst(
                     plane,
@@ -635,7 +685,7 @@ async def main_real(sizes: list[int]) -> int:
     )
     print(
         f"{'runs':>6} {'p50 ms':>8} {'p95 ms':>8} {'runs/s':>8} {'RSS MB':>7} {'settled':>7} {'peak':>6} "
-        f"{'CPU ms/run':>10} {'server':>7} | "
+        f"{'CPU ms/run':>10} {'settled':>7} {'rec/run':>5} {'settl':>5} {'server':>7} | "
         f"{'floor p50':>9} {'floor p95':>9} {'floor runs/s':>12} {'server':>7} | {'p50 ratio':>9}"
     )
 
@@ -646,7 +696,9 @@ async def main_real(sizes: list[int]) -> int:
         print(
             f"{count:>6} {op.p50:>8.0f} {op.p95:>8.0f} {count / max(op.total_s, 1e-9):>8.1f} "
             f"{mb(op.busy_kb, 'VmRSS'):>7.1f} {mb(op.settled_kb, 'VmRSS'):>7.1f} {mb(op.settled_kb, 'VmHWM'):>6.1f} "
-            f"{op.cpu_s[0] * 1000 / count:>10.1f} {op.cpu_s[1] * 1000 / count:>7.1f} | {fl.p50:>9.0f} {fl.p95:>9.0f} "
+            f"{op.cpu_s[0] * 1000 / count:>10.1f} {op.settled_cpu_s * 1000 / count:>7.1f} "
+            f"{op.reconciles / count:>5.1f} {op.settled_reconciles / count:>5.1f} "
+            f"{op.cpu_s[1] * 1000 / count:>7.1f} | {fl.p50:>9.0f} {fl.p95:>9.0f} "
             f"{count / max(fl.total_s, 1e-9):>12.1f} {fl.cpu_s[1] * 1000 / count:>7.1f} | "
             f"{op.p50 / max(fl.p50, 0.001):>9.2f}"
         )
@@ -658,7 +710,11 @@ async def main_real(sizes: list[int]) -> int:
     print(
         f"RSS MB: when the last job appeared; settled: {SETTLE_SECONDS:.0f} s later; peak: the process's high-water mark"
     )
-    print("CPU ms/run: the controller's; server: etcd, kube-apiserver and kube-controller-manager together")
+    print(
+        "CPU ms/run: the controller's until the last job appeared; settled: until 15 s later (trailing status writes, "
+        "Events, resyncs); rec/run: the operator's reconciles per run until the last job appeared, settl: until 15 s "
+        "later; server: etcd, kube-apiserver and kube-controller-manager together"
+    )
     print("targets: p50 <= 100 ms for 30 at once; >= 100 runs/s admitted with 2,000; RSS <= 150 MB with 2,000")
     by_size = {count: op for count, op, _ in rows}
     figures = []
@@ -671,6 +727,8 @@ async def main_real(sizes: list[int]) -> int:
             f"real_rss_mb_2000={mb(by_size[2000].busy_kb, 'VmRSS'):.1f}",
             f"real_settled_rss_mb_2000={mb(by_size[2000].settled_kb, 'VmRSS'):.1f}",
             f"real_cpu_ms_per_run_2000={by_size[2000].cpu_s[0] * 1000 / 2000:.2f}",
+            f"real_settled_cpu_ms_per_run_2000={by_size[2000].settled_cpu_s * 1000 / 2000:.2f}",
+            f"real_reconciles_per_run_2000={by_size[2000].reconciles / 2000:.2f}",
         ]
     failed = [f"{count}:{side}" for count, op, fl in rows for side, b in (("operator", op), ("floor", fl)) if b.failure]
     if failed:

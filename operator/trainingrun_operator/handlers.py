@@ -1,6 +1,6 @@
 """kopf handlers: keep kopf's in-memory indexes of runs, jobs and pods, and reconcile on any change.
 
-Every trigger (a TrainingRun event, a PyTorchJob or pod event, the periodic resync) queues the run's key;
+Every trigger (a TrainingRun event, a PyTorchJob or pod event, a recheck: rechecks.py) queues the run's key;
 a fixed number of workers take keys from the queue and run the same level-triggered `reconcile_run`: read
 the run and its children from the indexes (no API reads), let `reconcile.decide` choose, then
 create/patch/delete what the plan says and write status. A key already queued is not queued again: the
@@ -27,11 +27,11 @@ from typing import Any, Optional
 
 import kopf
 
-from . import api, indexes, leadership, naming, plans, reconcile, serving, validation
+from . import api, indexes, leadership, naming, plans, rechecks, reconcile, serving, validation
 from . import kube as kube_module
 from .indexes import merged_status, run_document, slim_job, slim_pod, slim_run
 from .kube import ApiError
-from .state import Key, OperatorState, WarningsRead
+from .state import Key, OperatorState
 
 log = logging.getLogger("trainingrun.operator")
 
@@ -75,7 +75,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         state.tasks.append(asyncio.create_task(serving.watch_crd(state), name="trainingrun-crd-check"))
         if state.settings.metrics_port:
             state.tasks.append(asyncio.create_task(serving.serve_metrics(state), name="trainingrun-metrics"))
-        state.tasks.append(asyncio.create_task(_resync(state), name="trainingrun-resync"))
+        state.tasks.append(asyncio.create_task(rechecks.run(state), name="trainingrun-rechecks"))
         state.tasks += [
             asyncio.create_task(_reconcile_worker(state), name=f"trainingrun-reconcile-{n}")
             for n in range(state.settings.reconcile_workers)
@@ -166,23 +166,15 @@ async def _reconcile_worker(state: OperatorState) -> None:
         key = await state.work.get()
         state.queued.discard(key)
         assert state.indexes is not None  # keys are queued by events and the resync, after the indexes are kept
+        retry_in = state.settings.reconcile_interval_seconds
         try:
             await reconcile_run(state, key, **state.indexes)
         except (ApiError, OSError, asyncio.TimeoutError) as error:
-            log.warning(
-                "%s/%s: reconcile failed, retrying within %ss: %s",
-                key[0],
-                key[1],
-                state.settings.reconcile_interval_seconds,
-                error,
-            )
+            log.warning("%s/%s: reconcile failed, retrying in %ss: %s", key[0], key[1], retry_in, error)
+            state.rechecks.at(key, time.monotonic() + retry_in)
         except Exception:  # noqa: BLE001 - a bug in one run's reconcile must not stop the others
-            log.exception(
-                "%s/%s: reconcile failed, retrying within %ss",
-                key[0],
-                key[1],
-                state.settings.reconcile_interval_seconds,
-            )
+            log.exception("%s/%s: reconcile failed, retrying in %ss", key[0], key[1], retry_in)
+            state.rechecks.at(key, time.monotonic() + retry_in)
 
 
 async def reconcile_run(
@@ -225,9 +217,11 @@ async def reconcile_run(
                 pods=list(pods.get(key, [])),
                 now=state.clock(),
                 keep_failed_attempts=state.settings.keep_failed_attempts,
-                warnings=await _pending_warnings(state, key, status),
+                warnings=await rechecks.pending_warnings(state, key, status),
             )
             plan = reconcile.decide(observed)
+            if plan.recheck_at is not None and plan.recheck_at > observed.now:
+                state.rechecks.at(key, time.monotonic() + (plan.recheck_at - observed.now).total_seconds())
             await plans.carry_out(
                 state,
                 key,
@@ -241,61 +235,6 @@ async def reconcile_run(
             state.metrics.time_breakdowns[key] = merged.get("timeBreakdown") or {}
         finally:
             state.metrics.reconcile_seconds.observe(time.monotonic() - started)
-
-
-async def _pending_warnings(state: OperatorState, key: Key, status: dict[str, Any]) -> list[dict[str, Any]]:
-    """Warning Events about the current attempt's job and pods, once it has been Pending for a while."""
-    started = reconcile.parse_time(status.get("attemptStartTime"))
-    job_name = status.get("jobName")
-    if (
-        status.get("phase") != "Pending"
-        or not started
-        or not job_name
-        or (state.clock() - started).total_seconds() < state.settings.pending_events_after_seconds
-    ):
-        return []
-    return [
-        e
-        for e in await _namespace_warnings(state, key[0])
-        if _about_job((e.get("involvedObject") or {}).get("name") or "", job_name)
-    ]
-
-
-async def _namespace_warnings(state: OperatorState, namespace: str) -> list[dict[str, Any]]:
-    """A namespace's Warning Events, read at most once per reconcile interval and shared by all its runs: Events
-    are not watched (they are the busiest kind there is), and one read per Pending run made a queue of 2,000
-    waiting runs send 2,000 LISTs per interval."""
-
-    def fresh() -> Optional[WarningsRead]:
-        read = state.warnings.get(namespace)
-        return read if read and time.monotonic() - read.at < state.settings.reconcile_interval_seconds else None
-
-    if (read := fresh()) is not None:
-        return read.events
-    async with state.warnings_locks[namespace]:  # runs that ask meanwhile wait for this read
-        if (read := fresh()) is not None:
-            return read.events
-        try:
-            events = await state.client().list("v1", "Event", namespace, fieldSelector="type=Warning", limit="500")
-        except (ApiError, OSError, asyncio.TimeoutError) as error:
-            log.warning("%s: could not read Warning Events: %s", namespace, error)
-            events = []
-        state.warnings[namespace] = WarningsRead(
-            time.monotonic(),
-            [
-                {
-                    "reason": e.get("reason"),
-                    "message": e.get("message"),
-                    "involvedObject": {k: (e.get("involvedObject") or {}).get(k) for k in ("kind", "name")},
-                }
-                for e in events
-            ],
-        )
-        return state.warnings[namespace].events
-
-
-def _about_job(name: str, job_name: str) -> bool:
-    return name == job_name or name.startswith(job_name + "-")  # the job, or its pods (<job>-worker-<i>)
 
 
 #: Tasks posting queued Events.
@@ -315,18 +254,6 @@ async def _post_events(state: OperatorState) -> None:
             )
         else:
             log.info("%s/%s: %s: %s", about["namespace"], about["name"], event["reason"], event["message"])
-
-
-async def _resync(state: OperatorState) -> None:
-    """Every run, every reconcile interval, even without events: backoffs end, stalls are found and a
-    reconcile that failed on an API error is retried. One loop, not a kopf timer per run: no
-    per-object task and no finalizer, so deleting a run never waits for the operator."""
-    while True:
-        await asyncio.sleep(state.settings.reconcile_interval_seconds)
-        if state.indexes is None or not state.acting.is_set():
-            continue  # no run seen yet, or another replica acts
-        for key in list(state.indexes["runs"].keys()):
-            state.enqueue(key)
 
 
 async def _follow_peering(state: OperatorState) -> None:

@@ -102,6 +102,7 @@ async def _create_children(
     kube, generation = state.client(), (body.get("metadata") or {}).get("generation")
     held = state.rejections.get(key)
     if held and held.generation == generation and time.monotonic() < held.retry_at:
+        state.rechecks.at(key, held.retry_at)
         return False  # the server refused this spec's children: wait for the backoff or a spec change
     *support, job = builders.children(run, attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
     # All at once: in a burst of runs, sending the ConfigMap first put every job behind every run's other
@@ -165,6 +166,7 @@ async def _children_refused(
     first, cap = state.settings.child_rejected_backoff_seconds, CHILD_REJECTED_MAX_BACKOFF_SECONDS
     delay = min(previous.delay * 2, cap) if previous and previous.generation == generation else first
     state.rejections[key] = Rejection(generation, time.monotonic() + delay, delay)
+    state.rechecks.at(key, state.rejections[key].retry_at)
     status = merged_status(body.get("status") or {}, state.written.get(key, {}))
     conditions = run_status.Conditions(status.get("conditions") or [], contract.rfc3339(state.clock()), generation)
     events = []

@@ -71,6 +71,13 @@ class Plan:
     events: list[Note] = field(default_factory=list)
     restart_cause: Optional[str] = None  #: failure, preemption or stall, when an attempt ended here (metrics)
     attempt_cause: Optional[str] = None  #: initial, recovery, resume or recreate, when an attempt starts (metrics)
+    #: The earliest time this decision may change with nothing but the clock (a backoff ends, a stall timeout passes):
+    #: reconcile again then, event or not (rechecks.py). None, or a time already past (acted on now): only an event
+    #: changes it.
+    recheck_at: Optional[datetime] = None
+
+    def recheck(self, at: datetime) -> None:
+        self.recheck_at = at if self.recheck_at is None else min(self.recheck_at, at)
 
 
 # ---------------------------------------------------------------- small pure helpers
@@ -132,6 +139,8 @@ def decide(o: Observed) -> Plan:
         due = parse_time(status.get("nextAttemptTime"))
         if due is None or o.now >= due:
             _start(plan, o, attempt + 1, "recovery", conditions, resume_from=_last_good(status))
+        else:
+            plan.recheck(due)
         return _finish(plan, o, conditions)
 
     # Pending or Running: follow the current attempt.
@@ -184,6 +193,7 @@ def decide(o: Observed) -> Plan:
         failure = classify_failure(job, pods)
         since = failed_since(job)
         if not failure.from_pods and since and o.now < since + FAILURE_EVIDENCE_GRACE:
+            plan.recheck(since + FAILURE_EVIDENCE_GRACE)
             return _finish(plan, o, conditions)  # the pods' story is probably on its way: decide then
         _attempt_ended(plan, o, attempt, failure, conditions)
     else:
@@ -218,6 +228,8 @@ def _old_pods_still_stopping(plan: Plan, o: Observed, attempt: int, job_name: st
     limit = timedelta(seconds=o.run.spec.termination_grace_period_seconds) + OLD_PODS_SLACK
     waited_out = since is not None and o.now >= (parse_time(since) or o.now) + limit
     if stopping and not waited_out:
+        began = parse_time(since) if since else None
+        plan.recheck((began or o.now) + limit)
         message = (
             f"attempt {attempt}'s {len(stopping)} pod(s) still stop (their emergency checkpoint); attempt "
             f"{attempt + 1} starts when they are gone, or after {int(limit.total_seconds())} s"
@@ -345,7 +357,9 @@ def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, condition
     started = parse_time(o.status.get("attemptStartTime"))
     heard = parse_time(o.status.get("lastReportTime"))
     heard = heard if heard and started and heard >= started else None
-    if (o.now - (heard or started or o.now)).total_seconds() > timeout:
+    silent_since = heard or started or o.now
+    plan.recheck(silent_since + timedelta(seconds=timeout))
+    if (o.now - silent_since).total_seconds() >= timeout:
         since = f"since {heard.isoformat()}" if heard else f"since attempt {attempt} started"
         message = (
             f"no report from attempt {attempt}'s rank 0 {since}, for more than "
@@ -359,7 +373,9 @@ def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, condition
         conditions.set("ReportingUnavailable", False, "ReportsArrive", "rank 0's reports arrive again")
     reported = parse_time(progress.get("updatedAt"))
     last = max([t for t in (reported, started) if t is not None], default=None)
-    if last is None or (o.now - last).total_seconds() <= timeout:
+    if last is None or (o.now - last).total_seconds() < timeout:
+        if last is not None:
+            plan.recheck(last + timedelta(seconds=timeout))
         return
     if reported and started and reported >= started:
         where = f"last step {progress.get('step')} finished at {progress.get('updatedAt')}"

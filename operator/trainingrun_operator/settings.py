@@ -41,9 +41,14 @@ class Settings:
     metrics_port: int = 9090
     #: Port of kopf's liveness endpoint /healthz (TRAININGRUN_OPERATOR_HEALTH_PORT); 0 turns it off.
     health_port: int = 8081
-    #: Every run is re-examined this often even without events: backoff waits end, stalls are found,
-    #: and a failed API call is retried (TRAININGRUN_RECONCILE_INTERVAL_SECONDS).
+    #: A failed reconcile (an API error) is retried after this long, and the Warning Events of namespaces with
+    #: attempts Pending for a while are read this often (TRAININGRUN_RECONCILE_INTERVAL_SECONDS). What depends on
+    #: the clock (a backoff ending, a stall) is reconciled when it is due, not at this interval (rechecks.py).
     reconcile_interval_seconds: float = 10.0
+    #: Every run is reconciled this often even without any event or due time, a safety net for a missed watch event,
+    #: and whenever this replica starts acting (TRAININGRUN_RESYNC_SECONDS). With 20,000 runs, 600 s is 33 reconciles
+    #: a second.
+    resync_seconds: float = 600.0
     #: Failed attempts whose PyTorchJob (and pods, for their logs) are kept while the run goes on;
     #: older ones are deleted. When the run ends only the final attempt is kept (TRAININGRUN_KEEP_FAILED_ATTEMPTS).
     keep_failed_attempts: int = 1
@@ -107,6 +112,9 @@ class Settings:
         for name in ("TRAININGRUN_API_REQUESTS_IN_FLIGHT", "TRAININGRUN_RECONCILE_WORKERS"):
             if number(name, 1) < 1:
                 raise ValueError(f"{name}={env[name]!r} must be at least 1")
+        for name in ("TRAININGRUN_RECONCILE_INTERVAL_SECONDS", "TRAININGRUN_RESYNC_SECONDS"):
+            if number(name, 1.0, float) <= 0:
+                raise ValueError(f"{name}={env[name]!r} must be more than 0 seconds")
         report_url = env.get("TRAININGRUN_REPORT_URL", defaults.report_url)
         tls_dir = env.get("TRAININGRUN_REPORT_TLS_DIR", defaults.report_tls_dir)
         ca_path = Path(tls_dir) / "ca.crt"
@@ -140,6 +148,7 @@ class Settings:
             reconcile_interval_seconds=number(
                 "TRAININGRUN_RECONCILE_INTERVAL_SECONDS", defaults.reconcile_interval_seconds, float
             ),
+            resync_seconds=number("TRAININGRUN_RESYNC_SECONDS", defaults.resync_seconds, float),
             keep_failed_attempts=number("TRAININGRUN_KEEP_FAILED_ATTEMPTS", defaults.keep_failed_attempts),
             crd_check_seconds=number("TRAININGRUN_CRD_CHECK_SECONDS", defaults.crd_check_seconds, float),
             child_rejected_backoff_seconds=number(

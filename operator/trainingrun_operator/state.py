@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -49,6 +50,51 @@ class WarningsRead:
 
 
 @dataclass
+class Rechecks:
+    """Due times (time.monotonic()) of runs, earliest first, and the runs whose Warning Events are watched."""
+
+    _due: dict[Key, float] = field(default_factory=dict)
+    _heap: list[tuple[float, Key]] = field(default_factory=list)
+    #: namespace -> {run: its current attempt's PyTorchJob}: attempts Pending long enough to have their warnings read
+    watching_warnings: dict[str, dict[Key, str]] = field(default_factory=lambda: collections.defaultdict(dict))
+    #: run -> the warnings about its job its last reconcile saw (a fingerprint)
+    warnings_seen: dict[Key, int] = field(default_factory=dict)
+
+    def at(self, key: Key, when: float) -> None:
+        """Reconcile `key` at `when` (or earlier, if it is due earlier already: that reconcile says what comes next)."""
+        current = self._due.get(key)
+        if current is not None and current <= when:
+            return
+        self._due[key] = when
+        heapq.heappush(self._heap, (when, key))
+
+    def due(self, now: float) -> list[Key]:
+        """The runs due by `now`, each once; they are no longer scheduled."""
+        keys = []
+        while self._heap and self._heap[0][0] <= now:
+            when, key = heapq.heappop(self._heap)
+            if self._due.get(key) == when:  # else superseded by an earlier time, or forgotten
+                del self._due[key]
+                keys.append(key)
+        return keys
+
+    def scheduled(self, key: Key) -> Optional[float]:
+        return self._due.get(key)
+
+    def watch_warnings(self, key: Key, job_name: Optional[str]) -> None:
+        """Watch the Warning Events about `job_name` for `key` (None: stop watching)."""
+        if job_name:
+            self.watching_warnings[key[0]][key] = job_name
+        else:
+            self.watching_warnings.get(key[0], {}).pop(key, None)
+            self.warnings_seen.pop(key, None)
+
+    def forget(self, key: Key) -> None:
+        self._due.pop(key, None)  # its heap entries are skipped when they come up
+        self.watch_warnings(key, None)
+
+
+@dataclass
 class Rejection:
     generation: Optional[int]  #: the spec generation whose children were refused
     retry_at: float  #: time.monotonic() of the next try
@@ -80,8 +126,10 @@ class OperatorState:
     #: Events waiting to be posted: a reconcile never waits for one (they have the lowest priority of all
     #: requests, and a reconcile waiting for its Event held up the runs behind it).
     events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(EVENTS_QUEUED_MAX))
-    #: Warning Events of each namespace with runs Pending for a while, see _namespace_warnings.
+    #: Warning Events of each namespace with runs Pending for a while, see rechecks.namespace_warnings.
     warnings: dict[str, WarningsRead] = field(default_factory=dict)
+    #: When runs are reconciled without an event (rechecks.py).
+    rechecks: Rechecks = field(default_factory=Rechecks)
     warnings_locks: dict[str, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
     #: Runs whose children the API server refused, until when they wait (see _children_refused).
     rejections: dict[Key, Rejection] = field(default_factory=dict)
@@ -133,6 +181,7 @@ class OperatorState:
 
     def forget(self, key: Key) -> None:
         self.written.pop(key, None)
+        self.rechecks.forget(key)
         self.rejections.pop(key, None)
         self.metrics.phases.pop(key, None)
         self.metrics.time_breakdowns.pop(key, None)

@@ -555,3 +555,65 @@ def test_a_resume_waits_no_longer_than_the_grace_period_and_some_slack():
 def test_pods_that_already_ended_do_not_hold_a_resume():
     done = pod(1, {"phase": "Failed"})
     assert reconcile.decide(observe(run_of(), suspended_status(), [job(1, "Suspended")], [done])).start_attempt == 2
+
+
+# ---------------------------------------------------------------- when a decision changes with the clock alone
+
+
+def acts(plan):
+    return plan.start_attempt, plan.delete_jobs, plan.status.get("phase"), sorted(n.reason for n in plan.events)
+
+
+def _stalling():
+    run = run_of(recovery={"stallTimeoutSeconds": 60})
+    status = running_status(
+        progress={"step": 40, "updatedAt": "2026-11-21T11:59:30Z"}, lastReportTime="2026-11-21T11:59:50Z"
+    )
+    return run, status, [job(1, "Running", run=run)], []
+
+
+def _silent():
+    run = run_of(recovery={"stallTimeoutSeconds": 60})
+    status = running_status(
+        progress={"step": 40, "updatedAt": "2026-11-21T11:59:50Z"}, lastReportTime="2026-11-21T11:59:50Z"
+    )
+    return run, status, [job(1, "Running", run=run)], []
+
+
+CLOCK_SCENARIOS = {
+    "backoff ends": lambda: (
+        run_of(),
+        running_status(phase="Recovering", nextAttemptTime="2026-11-21T12:00:30Z"),
+        [job(1, "Failed")],
+        [],
+    ),
+    "failure evidence grace ends": lambda: (run_of(), running_status(), [job(1, "Failed", since=NOW)], []),
+    "a step is overdue": _stalling,
+    "reports stop": _silent,
+    "old pods outlive their grace": lambda: (
+        run_of(),
+        suspended_status(),
+        [job(1, "Suspended")],
+        [pod(1, {"phase": "Running"}, deletionTimestamp="2026-11-21T11:59:50Z")],
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", CLOCK_SCENARIOS)
+def test_a_decision_that_changes_with_the_clock_alone_says_when(scenario):
+    """Rechecks reconcile a run at `recheck_at` instead of every run every few seconds: at that time, and not a second
+    before, the same observation decides something else."""
+    run, status, jobs, pods = CLOCK_SCENARIOS[scenario]()
+    first = reconcile.decide(observe(run, status, jobs, pods))
+    assert first.recheck_at is not None and first.recheck_at > NOW
+    status = merged_status(status, first.status)
+    just_before = reconcile.decide(observe(run, status, jobs, pods, now=first.recheck_at - timedelta(seconds=1)))
+    due = reconcile.decide(observe(run, status, jobs, pods, now=first.recheck_at))
+    assert acts(just_before) == (None, [], None, [])
+    assert acts(due) != acts(just_before)
+
+
+def test_a_decision_only_events_change_sets_no_recheck():
+    pending = {**running_status(), "phase": "Pending"}
+    assert reconcile.decide(observe(status=pending, jobs=[job(1)])).recheck_at is None
+    assert reconcile.decide(observe(status=running_status(3, phase="Succeeded"))).recheck_at is None
