@@ -431,6 +431,7 @@ async def real_burst(
     deadline_s: float = 600.0,
     sample_to: str | None = None,
     metrics_port: int = 0,
+    spread_over_s: float = 0.0,
 ) -> Burst:
     """Create `count` TrainingRuns at once in a fresh namespace of the real API server and time each create ->
     its `<run>-a1` PyTorchJob, as seen by a watch on PyTorchJobs opened before the burst."""
@@ -527,6 +528,7 @@ async def real_burst(
                         await response.read()
 
             async def create(index: int) -> None:
+                await asyncio.sleep(index * spread_over_s / count)  # held, not bursted: created at a steady pace
                 name = f"run-{index:04d}"
                 body = {
                     "apiVersion": "trainingrun.dev/v1alpha1",
@@ -612,9 +614,9 @@ def _start_sampler(pid: int, output: str | None) -> subprocess.Popen | None:
     )
 
 
-async def main_real(sizes: list[int]) -> int:
+async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> int:
     """Every size once against one real control plane (a fresh namespace per burst, the operator watching only
-    it), the operator beside the floor."""
+    it), the operator beside the floor; then each `held` size, created over `held_over_s`, the operator alone."""
     import kube_cluster
 
     assets = os.environ.get(kube_cluster.ASSETS_ENV)
@@ -622,6 +624,7 @@ async def main_real(sizes: list[int]) -> int:
     if missing:
         raise SystemExit(f"--real needs {', '.join(missing)}: {kube_cluster.HOW_TO_GET}")
     rows = []
+    kept: dict[int, Burst] = {}
     with tempfile.TemporaryDirectory() as tmp:
         plane = kube_cluster.ControlPlane(Path(assets), Path(tmp) / "cluster").start()
         try:
@@ -676,6 +679,22 @@ async def main_real(sizes: list[int]) -> int:
                 )
                 rows.append((count, operator, floor))
                 print(f"  {count} runs: operator p50 {operator.p50:.0f} ms, floor p50 {floor.p50:.0f} ms", flush=True)
+            for count in held:
+                namespace = f"held-{count}"
+                metrics_port = kube_cluster.free_port()
+                kept[count] = await real_burst(
+                    plane,
+                    count,
+                    namespace,
+                    operator_command("--standalone", "-n", namespace),
+                    {**env, "TRAININGRUN_OPERATOR_METRICS_PORT": str(metrics_port)},
+                    "PyTorchJob CRD (kubeflow.org/v1) is served",
+                    Path(tmp) / f"{namespace}.log",
+                    deadline_s=max(600.0, count / 10),
+                    metrics_port=metrics_port,
+                    spread_over_s=held_over_s,
+                )
+                print(f"  {count} runs held: the last job after {kept[count].total_s:.0f} s", flush=True)
         finally:
             plane.stop()
     print(
@@ -730,7 +749,20 @@ async def main_real(sizes: list[int]) -> int:
             f"real_settled_cpu_ms_per_run_2000={by_size[2000].settled_cpu_s * 1000 / 2000:.2f}",
             f"real_reconciles_per_run_2000={by_size[2000].reconciles / 2000:.2f}",
         ]
+    for count, op in kept.items():
+        print(
+            f"held: {count} runs created over {held_over_s:.0f} s: every job after {op.total_s:.0f} s, p50 "
+            f"{op.p50:.0f} ms; RSS {mb(op.busy_kb, 'VmRSS'):.1f} MB at the last job, {mb(op.settled_kb, 'VmRSS'):.1f} "
+            f"settled (peak {mb(op.settled_kb, 'VmHWM'):.1f}); CPU {op.cpu_s[0] * 1000 / count:.2f} ms/run "
+            f"({op.settled_cpu_s * 1000 / count:.2f} settled); {op.settled_reconciles / count:.2f} reconciles/run"
+            + (f"; FAILED: {op.failure}" if op.failure else "")
+        )
+        figures += [
+            f"real_settled_rss_mb_{count}={mb(op.settled_kb, 'VmRSS'):.1f}",
+            f"real_cpu_ms_per_run_{count}={op.cpu_s[0] * 1000 / count:.2f}",
+        ]
     failed = [f"{count}:{side}" for count, op, fl in rows for side, b in (("operator", op), ("floor", fl)) if b.failure]
+    failed += [f"{count}:held" for count, op in kept.items() if op.failure]
     if failed:
         figures.append(f"failed_bursts={','.join(failed)}")
     print("result: " + " ".join(figures))
@@ -747,12 +779,22 @@ def main() -> int:
         help="against a real kube-apiserver started from $KUBEBUILDER_ASSETS, bursts of --sizes",
     )
     parser.add_argument("--sizes", default="1,30,200,2000", help="with --real: burst sizes, comma-separated")
+    parser.add_argument(
+        "--held", default="", help="with --real: sizes created at a steady pace over --held-over seconds (20000)"
+    )
+    parser.add_argument("--held-over", type=float, default=60.0)
     args = parser.parse_args()
     # Killed (e.g. by `timeout`), still stop the control plane: its processes run in sessions of their own and
     # would otherwise go on taking CPU from every later measurement.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.real:
-        return asyncio.run(main_real([int(n) for n in args.sizes.split(",")]))
+        return asyncio.run(
+            main_real(
+                [int(n) for n in args.sizes.split(",") if n],
+                [int(n) for n in args.held.split(",") if n],
+                args.held_over,
+            )
+        )
     return asyncio.run(main_async(args.runs, args.repeat))
 
 

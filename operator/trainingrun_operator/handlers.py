@@ -1,4 +1,5 @@
-"""kopf handlers: keep kopf's in-memory indexes of runs, jobs and pods, and reconcile on any change.
+"""kopf handlers: keep the runs (state.runs) and kopf's in-memory indexes of jobs and pods, and reconcile on any
+change.
 
 Every trigger (a TrainingRun event, a PyTorchJob or pod event, a recheck: rechecks.py) queues the run's key;
 a fixed number of workers take keys from the queue and run the same level-triggered `reconcile_run`: read
@@ -65,6 +66,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         settings.persistence.diffbase_storage = NoDiffBase()
         settings.posting.enabled = False  # Events are the operator's own, never copies of log lines
         settings.peering.name = state.settings.peering or "trainingrun-operator"
+        settings.peering.lifetime = state.settings.peering_lifetime_seconds
         settings.peering.standalone = not state.settings.peering
         settings.peering.mandatory = bool(state.settings.peering)
         if state.settings.peering:
@@ -120,13 +122,12 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if state.kube is not None:
             await state.kube.close()
 
-    # Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per watch event.
-    @kopf.index(*RUNS, id="runs", registry=registry)
-    # `namespace: Any`: kopf types it `str | None` for cluster-scoped resources; these are all namespaced.
-    async def runs(namespace: Any, name: str, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
-        return {(namespace, name): slim_run(body)}
-
+    # Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per watch event. Runs have no
+    # kopf index: run_event keeps them (state.runs), one handler per event where an index was a second, a tenth of the
+    # operator's CPU in a burst. Jobs and pods keep theirs: kopf calls no on.event handler before every index has
+    # listed its kind, so a run is never reconciled before its jobs are known (it would create them again).
     @kopf.index(*JOBS, labels=CHILD_FILTER, id="jobs", registry=registry)
+    # `namespace: Any`: kopf types it `str | None` for cluster-scoped resources; these are all namespaced.
     async def jobs(namespace: Any, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
         return {(namespace, labels[naming.LABEL_RUN]): slim_job(body)}
 
@@ -136,14 +137,15 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
 
     def keep_indexes(kwargs: dict[str, Any]) -> None:
         if state.indexes is None:
-            state.indexes = {k: kwargs[k] for k in ("runs", "jobs", "pods")}
+            state.indexes = {k: kwargs[k] for k in ("jobs", "pods")}
 
     @kopf.on.event(*RUNS, registry=registry)
-    async def run_event(type: str, namespace: Any, name: str, **kwargs: Any) -> None:
+    async def run_event(type: str, namespace: Any, name: str, body: Any, **kwargs: Any) -> None:
         keep_indexes(kwargs)
         if type == "DELETED":
             state.forget((namespace, name))  # children go with it (ownerReferences); checkpoints stay
             return
+        state.runs[(namespace, name)] = slim_run(body)
         state.enqueue((namespace, name))
 
     @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
@@ -168,7 +170,7 @@ async def _reconcile_worker(state: OperatorState) -> None:
         assert state.indexes is not None  # keys are queued by events and the resync, after the indexes are kept
         retry_in = state.settings.reconcile_interval_seconds
         try:
-            await reconcile_run(state, key, **state.indexes)
+            await reconcile_run(state, key, jobs=state.indexes["jobs"], pods=state.indexes["pods"])
         except (ApiError, OSError, asyncio.TimeoutError) as error:
             log.warning("%s/%s: reconcile failed, retrying in %ss: %s", key[0], key[1], retry_in, error)
             state.rechecks.at(key, time.monotonic() + retry_in)
@@ -177,11 +179,9 @@ async def _reconcile_worker(state: OperatorState) -> None:
             state.rechecks.at(key, time.monotonic() + retry_in)
 
 
-async def reconcile_run(
-    state: OperatorState, key: Key, *, runs: kopf.Index, jobs: kopf.Index, pods: kopf.Index, **_: Any
-) -> None:
+async def reconcile_run(state: OperatorState, key: Key, *, jobs: kopf.Index, pods: kopf.Index) -> None:
     async with state.locks[key]:
-        body = next(iter(runs.get(key, [])), None)
+        body = state.runs.get(key)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
         started = time.monotonic()

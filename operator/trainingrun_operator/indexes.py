@@ -1,4 +1,5 @@
-"""What the operator keeps of each object in kopf's in-memory indexes, and reading it back.
+"""What the operator keeps of each object in memory (runs in `OperatorState.runs`, jobs and pods in kopf's
+indexes), and reading it back.
 
 The indexes are the operator's only view of the cluster between watch events (reconciles make no API reads),
 so they hold each run, job and pod slimmed to the fields that reconcile and the report endpoint use.

@@ -123,7 +123,7 @@ async def run(state: OperatorState) -> None:
         now = time.monotonic()
         if not was_acting or now >= next_sweep:
             was_acting, next_sweep = True, now + settings.resync_seconds
-            for key in list(state.indexes["runs"].keys()):
+            for key in list(state.runs):
                 state.enqueue(key)
         for key in state.rechecks.due(now):
             state.enqueue(key)

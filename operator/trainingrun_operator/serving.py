@@ -95,7 +95,7 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
     if state.indexes is None:
         return None
     key = (namespace, name)
-    body = next(iter(state.indexes["runs"].get(key, [])), None)
+    body = state.runs.get(key)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return None
     status = merged_status(body.get("status") or {}, state.written.get(key, {}))

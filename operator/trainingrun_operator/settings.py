@@ -37,6 +37,10 @@ class Settings:
     #: kopf peering object shared by the replicas, of which one acts; empty runs standalone
     #: (TRAININGRUN_PEERING). The chart creates the peering resources when it runs several replicas.
     peering: str = ""
+    #: Seconds a replica's peering record stays valid without renewal (TRAININGRUN_PEERING_LIFETIME_SECONDS): how long
+    #: the others wait after the acting replica dies without a word (SIGKILL, a lost node) before the next takes over.
+    #: kopf renews it every second with 6 (max(1, lifetime - 5..10)); its default of 60 left runs unattended a minute.
+    peering_lifetime_seconds: int = 6
     #: Port of /metrics and /readyz (TRAININGRUN_OPERATOR_METRICS_PORT); 0 turns them off.
     metrics_port: int = 9090
     #: Port of kopf's liveness endpoint /healthz (TRAININGRUN_OPERATOR_HEALTH_PORT); 0 turns it off.
@@ -109,9 +113,13 @@ class Settings:
             except ValueError:
                 raise ValueError(f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number") from None
 
-        for name in ("TRAININGRUN_API_REQUESTS_IN_FLIGHT", "TRAININGRUN_RECONCILE_WORKERS"):
-            if number(name, 1) < 1:
-                raise ValueError(f"{name}={env[name]!r} must be at least 1")
+        for name, least in (
+            ("TRAININGRUN_API_REQUESTS_IN_FLIGHT", 1),
+            ("TRAININGRUN_RECONCILE_WORKERS", 1),
+            ("TRAININGRUN_PEERING_LIFETIME_SECONDS", 2),  # renewed every second: 1 would expire between renewals
+        ):
+            if number(name, least) < least:
+                raise ValueError(f"{name}={env[name]!r} must be at least {least}")
         for name in ("TRAININGRUN_RECONCILE_INTERVAL_SECONDS", "TRAININGRUN_RESYNC_SECONDS"):
             if number(name, 1.0, float) <= 0:
                 raise ValueError(f"{name}={env[name]!r} must be more than 0 seconds")
@@ -143,6 +151,7 @@ class Settings:
             trainer_uid=number("TRAININGRUN_TRAINER_UID", defaults.trainer_uid),
             namespaces=tuple(n.strip() for n in env.get("TRAININGRUN_NAMESPACES", "").split(",") if n.strip()),
             peering=env.get("TRAININGRUN_PEERING", defaults.peering),
+            peering_lifetime_seconds=number("TRAININGRUN_PEERING_LIFETIME_SECONDS", defaults.peering_lifetime_seconds),
             metrics_port=number("TRAININGRUN_OPERATOR_METRICS_PORT", defaults.metrics_port),
             health_port=number("TRAININGRUN_OPERATOR_HEALTH_PORT", defaults.health_port),
             reconcile_interval_seconds=number(

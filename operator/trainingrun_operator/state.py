@@ -136,7 +136,9 @@ class OperatorState:
     #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
     created_jobs: set[tuple[str, str]] = field(default_factory=set)
     tasks: list[asyncio.Task] = field(default_factory=list)
-    #: kopf's indexes of runs, jobs and pods, as handed to the first handler (for the periodic resync).
+    #: Every run as its last watch event showed it, slimmed (indexes.slim_run), kept by handlers.run_event.
+    runs: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: kopf's indexes of jobs and pods, as handed to the first handler.
     indexes: Optional[dict[str, kopf.Index]] = None
     #: When this process started: jobs its status named before then are the run's even unsigned (run_owns_job).
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
@@ -180,6 +182,7 @@ class OperatorState:
             )
 
     def forget(self, key: Key) -> None:
+        self.runs.pop(key, None)
         self.written.pop(key, None)
         self.rechecks.forget(key)
         self.rejections.pop(key, None)

@@ -61,6 +61,20 @@ def test_concurrency_of_at_least_one(name):
         Settings.from_env({name: "0"})
 
 
+def test_a_peering_record_outlives_its_renewal():
+    assert Settings.from_env({}).peering_lifetime_seconds == 6
+    assert Settings.from_env({"TRAININGRUN_PEERING_LIFETIME_SECONDS": "15"}).peering_lifetime_seconds == 15
+    with pytest.raises(ValueError, match="TRAININGRUN_PEERING_LIFETIME_SECONDS='1' must be at least 2"):
+        Settings.from_env({"TRAININGRUN_PEERING_LIFETIME_SECONDS": "1"})
+
+
+@pytest.mark.parametrize("name", ["TRAININGRUN_RECONCILE_INTERVAL_SECONDS", "TRAININGRUN_RESYNC_SECONDS"])
+def test_intervals_are_more_than_nothing(name):
+    assert getattr(Settings.from_env({name: "2.5"}), name.removeprefix("TRAININGRUN_").lower()) == 2.5
+    with pytest.raises(ValueError, match=f"{name}='0' must be more than 0 seconds"):
+        Settings.from_env({name: "0"})
+
+
 def test_cli_flags_override_the_environment(monkeypatch):
     import trainingrun_operator.handlers as handlers
     from trainingrun_operator import cli
