@@ -73,7 +73,7 @@ REPORT_AUDIENCE = "trainingrun.dev/report"
 #: Where a pod's projected report token is mounted, and its file name.
 REPORT_TOKEN_DIR = "/var/run/secrets/trainingrun.dev/report"
 REPORT_TOKEN_PATH = f"{REPORT_TOKEN_DIR}/token"
-#: Key of the report endpoint's CA certificate in the run's ConfigMap (mounted beside the config).
+#: File name of the report endpoint's CA certificate in the config volume (beside the config).
 REPORT_CA_KEY = "report-ca.crt"
 DEFAULT_REPORT_INTERVAL_SECONDS = 10.0
 

@@ -269,7 +269,7 @@ class TrainingRunSpec(ApiModel):
     args: Optional[list[str]] = Field(default=None, max_length=256, description="Container arguments.")
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
-        description="The trainer config, mounted into every pod from a ConfigMap.",
+        description="The trainer config, a file in every pod (from a pod annotation, through a downward API volume).",
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,

@@ -30,19 +30,14 @@ SECRET_FILE_MODE = 0o440  # group-readable, so the non-root trainer reads it thr
 # ---------------------------------------------------------------- children
 
 
-def config_map(run: api.TrainingRun, settings: Settings = Settings()) -> dict[str, Any]:
-    """The trainer config every pod mounts (defaults filled in, so the pod sees what ran), and the CA
-    certificate pods verify the operator's report endpoint with."""
+def config_annotations(run: api.TrainingRun, settings: Settings = Settings()) -> dict[str, str]:
+    """The trainer config every pod reads (defaults filled in, so the pod sees what ran) and the CA certificate pods
+    verify the operator's report endpoint with, as pod annotations a downward API volume turns into files."""
     config = RunConfig(trainer=run.spec.trainer, checkpoint=run.spec.checkpoint)
-    data = {contract.CONFIG_FILE_NAME: config_json(config)}
+    annotations = {naming.ANNOTATION_CONFIG: config_json(config)}
     if settings.report_ca:
-        data[contract.REPORT_CA_KEY] = settings.report_ca
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": naming.metadata(run, naming.config_map_name(run.metadata.name), "config"),
-        "data": data,
-    }
+        annotations[naming.ANNOTATION_REPORT_CA] = settings.report_ca
+    return annotations
 
 
 def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
@@ -89,10 +84,21 @@ def resources(spec: api.TrainingRunSpec) -> dict[str, Any]:
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
+def config_files(settings: Settings) -> list[dict[str, Any]]:
+    """The files of the config volume (settings.config_dir), each an annotation of the pod (config_annotations)."""
+    files = {contract.CONFIG_FILE_NAME: naming.ANNOTATION_CONFIG}
+    if settings.report_ca:
+        files[contract.REPORT_CA_KEY] = naming.ANNOTATION_REPORT_CA
+    return [
+        {"path": path, "fieldRef": {"fieldPath": f"metadata.annotations['{annotation}']"}}
+        for path, annotation in files.items()
+    ]
+
+
 def volumes_and_mounts(run: api.TrainingRun, settings: Settings) -> tuple[list[dict], list[dict]]:
     spec = run.spec
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": naming.config_map_name(run.metadata.name)}},
+        {"name": "config", "downwardAPI": {"items": config_files(settings)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}},
         {"name": "tmp", "emptyDir": {}},
     ]
@@ -197,10 +203,9 @@ def pod_template(run: api.TrainingRun, attempt: int, settings: Settings, resume_
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
     template_metadata: dict[str, Any] = {
-        "labels": {**spec.pod_labels, **naming.labels(run, "trainer"), naming.LABEL_ATTEMPT: str(attempt)}
+        "labels": {**spec.pod_labels, **naming.labels(run, "trainer"), naming.LABEL_ATTEMPT: str(attempt)},
+        "annotations": {**spec.pod_annotations, **config_annotations(run, settings)},  # the operator's win
     }
-    if spec.pod_annotations:
-        template_metadata["annotations"] = dict(spec.pod_annotations)
     return {"metadata": template_metadata, "spec": pod_spec}
 
 
@@ -282,12 +287,11 @@ def children(
     resume_from: Optional[str] = None,
     checkpoint_uri: Optional[str] = None,
 ) -> list[dict[str, Any]]:
-    """Everything one attempt of a run needs: its ConfigMap, its rendezvous Service (multi-pod runs) and its
-    PyTorchJob, last. `checkpoint_uri` (default: the spec's) reaches the pods through the config file alone."""
+    """Everything one attempt of a run needs: its rendezvous Service (multi-pod runs) and its PyTorchJob, last (its
+    pods carry the config: config_annotations). `checkpoint_uri` (default: the spec's) reaches the pods through the
+    config file alone."""
     run = as_started(run, checkpoint_uri)
-    support = [config_map(run, settings)]
-    if naming.has_rendezvous_service(run.spec):
-        support.append(rendezvous_service(run, attempt))
+    support = [rendezvous_service(run, attempt)] if naming.has_rendezvous_service(run.spec) else []
     return [*support, pytorch_job(run, attempt, settings, resume_from)]
 
 

@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser(
         "render",
         help="print the Kubernetes objects a TrainingRun becomes",
-        description="Print, as multi-document YAML, the ConfigMap, RBAC and PyTorchJob "
+        description="Print, as multi-document YAML, the rendezvous Service, RBAC and PyTorchJob "
         "the operator creates for one attempt of each TrainingRun in FILE.",
     )
     p.add_argument("file", metavar="FILE", help="YAML file with one or more TrainingRuns")

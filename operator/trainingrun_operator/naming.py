@@ -26,6 +26,11 @@ ANNOTATION_SIGNATURE = "trainingrun.dev/signature"
 #: On each PyTorchJob: the run's metadata.generation it was built from. The API server bumps it on every spec
 #: change, so an equal generation answers "unchanged?" without hashing the spec at every reconcile.
 ANNOTATION_GENERATION = "trainingrun.dev/generation"
+#: On each attempt's pods (the PyTorchJob's pod template): the trainer config and the report endpoint's CA, which
+#: a downward API volume mounts as files (builders.volumes_and_mounts). No ConfigMap: one write fewer per attempt,
+#: and what a pod reads is fixed with its attempt.
+ANNOTATION_CONFIG = "trainingrun.dev/config"
+ANNOTATION_REPORT_CA = "trainingrun.dev/report-ca"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
@@ -43,10 +48,6 @@ def spec_hash(run: api.TrainingRun) -> str:
     spec = run.spec.model_dump(mode="json", by_alias=True)
     spec.pop("suspend", None)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def config_map_name(run_name: str) -> str:
-    return f"{run_name}-config"
 
 
 def rendezvous_service_name(run_name: str) -> str:

@@ -28,7 +28,7 @@ class Settings:
     default_trainer_image: str = f"ghcr.io/trainingrun-dev/trainer:{__version__}"
     #: UID and GID trainer containers run as; the trainer image creates this user (TRAININGRUN_TRAINER_UID).
     trainer_uid: int = 1000
-    #: Where the run's ConfigMap is mounted in trainer containers.
+    #: Where the config volume (the trainer config and the report CA, from pod annotations) is mounted in trainers.
     config_dir: str = "/etc/trainingrun"
     #: Where a GCS key-file Secret is mounted.
     gcs_key_dir: str = "/var/run/secrets/trainingrun/gcs"
@@ -73,7 +73,7 @@ class Settings:
     #: Directory with the endpoint's certificate: tls.crt, tls.key and ca.crt, the CA pods verify it with
     #: (TRAININGRUN_REPORT_TLS_DIR; the chart mounts a Secret there).
     report_tls_dir: str = "/etc/trainingrun-operator/tls"
-    #: PEM of ca.crt in report_tls_dir, read at start; published to pods in each run's ConfigMap.
+    #: PEM of ca.crt in report_tls_dir, read at start; published to pods in an annotation (builders.config_annotations).
     report_ca: str = ""
     #: The report Service, `namespace/name`, which has no selector: the replica that acts makes and owns its
     #: EndpointSlice `<name>-acting`, pointed at its own pod, so reports reach only the replica whose indexes are

@@ -101,10 +101,9 @@ def without_pruned_nulls(value: Any, schema: dict[str, Any]) -> Any:
     return value
 
 
-#: What the API server and etcd take: a ConfigMap's data is at most 1 MiB (core/v1 validation), and
-#: etcd refuses a write over 1.5 MiB; a run's PyTorchJob and the run itself are kept under 1 MiB so
-#: they fit with room for status and managedFields.
-MAX_CONFIG_MAP_BYTES = 1024 * 1024
+#: What the API server and etcd take: a pod's annotations, where it carries its trainer config, are at most
+#: scheduling.MAX_ANNOTATIONS_BYTES; etcd refuses a write over 1.5 MiB, and a run's PyTorchJob and the run itself are
+#: kept under 1 MiB so they fit with room for status and managedFields.
 MAX_OBJECT_BYTES = 1024 * 1024
 
 
@@ -112,7 +111,7 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
     """Problems that show only once the children are rendered: sizes the API server or etcd refuse."""
     import json
 
-    from . import builders
+    from . import builders, naming, scheduling
 
     problems = []
     size = len(json.dumps(document, separators=(",", ":")))
@@ -125,18 +124,19 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
                 "or storage",
             )
         )
-    config = builders.config_map(run)
-    size = sum(len(v.encode()) for v in config["data"].values())  # the API server counts values only
-    if size > MAX_CONFIG_MAP_BYTES:
+    job = builders.pytorch_job(run, 1)
+    annotations = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["annotations"]
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+    if size > scheduling.MAX_ANNOTATIONS_BYTES:
+        config = len(annotations[naming.ANNOTATION_CONFIG].encode())
         problems.append(
             Problem(
                 "spec.trainer",
-                f"renders to a {size}-byte config; a ConfigMap holds at most "
-                f"{MAX_CONFIG_MAP_BYTES} bytes: move large initArgs into the image "
-                "or storage",
+                f"renders to a {config}-byte config, which its pods carry in an annotation: with "
+                f"spec.podAnnotations that is {size} bytes of annotations, and a pod takes at most "
+                f"{scheduling.MAX_ANNOTATIONS_BYTES}: move large initArgs into the image or storage",
             )
         )
-    job = builders.pytorch_job(run, 1)
     size = len(json.dumps(job, separators=(",", ":")))
     if size > MAX_OBJECT_BYTES:
         problems.append(
@@ -166,7 +166,7 @@ def component_problems(run: api.TrainingRun) -> list[Problem]:
 
 def credential_problems(run: api.TrainingRun) -> list[Problem]:
     """Strings of spec.trainer (initArgs of models, datasets and callbacks included, which the CRD's schema cannot see
-    into) that hold credentials in a URI (user:password@): they would sit in the run's ConfigMap and go to trackers.
+    into) that hold credentials in a URI (user:password@): they would sit in its pods' annotations and go to trackers.
     The problem names the field, never the value."""
     from trainingrun_api.model_base import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
 

@@ -17,6 +17,7 @@ from operator_harness import (
     terminated,
     training_run,
 )
+from trainingrun_operator import naming
 
 pytestmark = pytest.mark.asyncio
 
@@ -31,13 +32,11 @@ async def test_full_lifecycle_create_running_succeeded(kmock, cluster):
     async with operator(kmock):
         await cluster.create_run(training_run())
         await eventually(lambda: cluster.job("demo-a1"), what="attempt 1's PyTorchJob")
-        # status is written once all five children exist (they are created together)
+        # status is written once the job exists (the config rides in its pods' annotations: no ConfigMap)
         status = await eventually(lambda: cluster.status().get("phase") == "Pending" and cluster.status())
         assert status["attempt"] == 1 and status["jobName"] == "demo-a1"
-        for kind, name in [("v1/configmaps", "demo-config")]:
-            child = cluster.obj(kind, name)
-            assert child is not None, name
-            assert child["metadata"]["ownerReferences"][0]["uid"] == "0000-demo"
+        assert cluster.job("demo-a1")["metadata"]["ownerReferences"][0]["uid"] == "0000-demo"
+        assert cluster.obj("v1/configmaps", "demo-config") is None
 
         await cluster.add_pod("demo-a1", status=running())
         await cluster.job_condition("demo-a1", "Created", "Running")
@@ -282,7 +281,8 @@ async def test_checkpoint_uri_cannot_change_while_running(kmock, cluster):
         await eventually(lambda: cluster.events("SpecRejected"))
         await fail_attempt(cluster, "demo-a1")
         await eventually(lambda: cluster.job("demo-a2"))
-        config = json.loads(cluster.obj("v1/configmaps", "demo-config")["data"]["config.json"])
+        template = cluster.job("demo-a2")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+        config = json.loads(template["metadata"]["annotations"][naming.ANNOTATION_CONFIG])
         assert config["checkpoint"]["uri"] == "s3://bucket/demo"  # the URI the run started with, not the edit
 
 

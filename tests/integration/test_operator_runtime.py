@@ -58,10 +58,10 @@ async def test_api_errors_are_survived(kmock):
     }
     kmock[kmock_lib.action.WATCH, kmock_lib.resource(JOBS)][:1] << gone
     kmock[f"post /apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs"][:1] << 500
-    kmock[f"post /api/v1/namespaces/{NAMESPACE}/configmaps"][:2] << 429
+    kmock[f"post /api/v1/namespaces/{NAMESPACE}/services"][:2] << 429
     kmock[f"patch /apis/trainingrun.dev/v1alpha1/namespaces/{NAMESPACE}/trainingruns/demo/status"][:1] << 500
     async with operator(kmock) as state:
-        await cluster.create_run(training_run())
+        await cluster.create_run(training_run(replicas={"min": 1, "max": 2}))  # with a rendezvous Service
         status = await eventually(lambda: cluster.status().get("attempt") == 1 and cluster.status())
         assert status["phase"] == "Pending" and cluster.job_names() == ["demo-a1"]
         # the job watch was answered 410 Gone once and kopf watched again: the run still follows its job
@@ -69,7 +69,7 @@ async def test_api_errors_are_survived(kmock):
         await eventually(lambda: cluster.status()["phase"] == "Running")
         errors = {labels["code"]: value for labels, value in _samples(state, "trainingrun_operator_api_errors_total")}
     assert errors.get("500", 0) >= 2 and errors.get("429", 0) >= 1  # each seen, and retried
-    assert errors.get("409", 0) >= 2  # the job and the config map were there after all: adopted, not errors
+    assert errors.get("409", 0) >= 2  # the job and the Service were there after all: adopted, not errors
     watches = [r for r in list(kmock) if "pytorchjobs" in str(r.url) and "watch=true" in str(r.url)]
     assert len(watches) >= 2
 
@@ -79,15 +79,15 @@ async def test_a_child_refused_while_the_job_was_created_is_retried_and_the_atte
     exist already. Status is not written, so the next reconcile ensures both again and keeps the job."""
     declare_resources(kmock)
     cluster = Cluster(kmock)
-    kmock[f"post /api/v1/namespaces/{NAMESPACE}/configmaps"][:1] << 403
+    kmock[f"post /api/v1/namespaces/{NAMESPACE}/services"][:1] << 403
     async with operator(kmock) as state:
-        await cluster.create_run(training_run())
+        await cluster.create_run(training_run(replicas={"min": 1, "max": 2}))  # with a rendezvous Service
         status = await eventually(lambda: cluster.status().get("attempt") == 1 and cluster.status())
         attempts = {labels["cause"]: value for labels, value in _samples(state, "trainingrun_operator_attempts_total")}
-    assert cluster.obj("v1/configmaps", "demo-config") is not None
+    assert cluster.obj("v1/services", "demo-rendezvous") is not None
     assert cluster.job_names() == ["demo-a1"] and status["jobName"] == "demo-a1"
-    config_map_posts = [r for r in list(kmock) if r.method == "POST" and "configmaps" in str(r.url)]
-    assert len(config_map_posts) >= 2  # refused, then created on the retry
+    service_posts = [r for r in list(kmock) if r.method == "POST" and "services" in str(r.url)]
+    assert len(service_posts) >= 2  # refused, then created on the retry
     assert attempts == {"initial": 1.0}
 
 

@@ -250,7 +250,8 @@ def test_lifecycle_with_the_charts_identity(cluster, operator_process):
     status = wait_for(lambda: cluster.status().get("phase") == "Pending" and cluster.status())
     assert status["attempt"] == 1 and status["jobName"] == "demo-a1"
     assert status["observedGeneration"] == run["metadata"]["generation"]  # the server's, not the test's
-    children = [("configmap", "demo-config"), ("service", "demo-rendezvous"), (JOBS, "demo-a1")]
+    children = [("service", "demo-rendezvous"), (JOBS, "demo-a1")]  # the config rides in its pods' annotations
+    assert plane.kubectl("-n", ns, "get", "configmap", "demo-config", check=False).returncode != 0
     rendezvous = cluster.get("service", "demo-rendezvous")
     assert rendezvous["spec"]["selector"][naming.LABEL_ATTEMPT] == "1" and rendezvous["spec"]["clusterIP"]
     for kind, name in children:
@@ -444,20 +445,21 @@ def test_a_job_planted_with_an_owner_reference_to_the_run_is_never_used(cluster,
 
 
 def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alone(cluster, operator_process):
-    """A ConfigMap and a PyTorchJob (labelled as the run's) that exist before the run, not controlled by it, and
+    """A Service and a PyTorchJob (labelled as the run's) that exist before the run, not controlled by it, and
     a ServiceAccount and Role named as earlier versions named a run's: none is changed or gains an owner
     reference (so none goes with the run); the run says NameConflict, naming its two, with one Event. Once
     those are gone, the run creates its own and the condition clears."""
     plane, ns = cluster.plane, cluster.namespace
     labels = {naming.LABEL_RUN: "demo"}
-    job = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 1)
+    multi_pod = {"replicas": {"min": 2, "max": 2}}  # a run with a rendezvous Service
+    job = builders.pytorch_job(validation.parse(json.loads(training_run(ns, **multi_pod))), 1)
     del job["metadata"]["ownerReferences"]
     foreign = [
         {
             "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": "demo-config", "labels": labels},
-            "data": {"settings": "someone else's"},
+            "kind": "Service",
+            "metadata": {"name": "demo-rendezvous", "labels": labels},
+            "spec": {"selector": {"app": "someone-else"}, "ports": [{"port": 8080}]},
         },
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "demo-trainer"}},
         {
@@ -472,17 +474,17 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
         document["metadata"]["namespace"] = ns
         plane.kubectl("create", "-f", "-", input=json.dumps(document))
     kinds = [
-        ("configmap", "demo-config"),
+        ("service", "demo-rendezvous"),
         ("serviceaccount", "demo-trainer"),
         ("role", "demo-trainer"),
         (JOBS, "demo-a1"),
     ]
     before = {kind: cluster.get(kind, name)["metadata"]["resourceVersion"] for kind, name in kinds}
 
-    plane.kubectl("create", "-f", "-", input=training_run(ns))
+    plane.kubectl("create", "-f", "-", input=training_run(ns, **multi_pod))
     condition = wait_for(lambda: cluster.condition("NameConflict"), timeout=60, what="condition NameConflict")
     assert condition["status"] == "True", condition
-    for kind in ("ConfigMap demo-config", "PyTorchJob demo-a1"):
+    for kind in ("Service demo-rendezvous", "PyTorchJob demo-a1"):
         assert f"{kind} already exists and is not controlled by this run" in condition["message"], condition
     wait_for(lambda: cluster.events("NameConflict"), what="the NameConflict Event")
     for kind, name in kinds:
@@ -491,7 +493,7 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
         assert not now["metadata"].get("ownerReferences"), f"{kind}/{name} was adopted"
     assert cluster.status().get("phase") != "Running"
 
-    for kind, name in [("configmap", "demo-config"), (JOBS, "demo-a1")]:
+    for kind, name in [("service", "demo-rendezvous"), (JOBS, "demo-a1")]:
         plane.kubectl("-n", ns, "delete", kind, name)
     wait_for(
         lambda: (cluster.condition("NameConflict") or {}).get("status") == "False",
@@ -499,5 +501,5 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
         what="NameConflict resolved",
     )
     run_uid = cluster.get(RUNS, "demo")["metadata"]["uid"]
-    assert cluster.get("configmap", "demo-config")["metadata"]["ownerReferences"][0]["uid"] == run_uid
+    assert cluster.get("service", "demo-rendezvous")["metadata"]["ownerReferences"][0]["uid"] == run_uid
     assert len(cluster.events("NameConflict")) == 1

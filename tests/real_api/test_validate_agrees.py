@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kube_cluster import collection, refusal
 from run_documents import CASES, GAP_CASES, VALID_CASES, documents
-from trainingrun_operator import builders, validation
+from trainingrun_operator import builders, scheduling, validation
 
 DRY_RUN = "?dryRun=All&fieldValidation=Strict"
 
@@ -165,17 +165,31 @@ def test_validate_refuses_a_namespace_exactly_when_the_server_can_never_have_it(
         assert code in (400, 404, 422), f"{code} {message}"
 
 
-def test_a_config_map_over_1_mib_is_refused(kube_cluster_with_crds, namespace):
-    config_map = {
+def test_a_config_too_big_for_its_pods_annotations_is_refused_as_the_server_would(
+    kube_cluster_with_crds, namespace, minimal_body
+):
+    """Pods carry the trainer config in an annotation. The server takes an object's annotations up to 256 KiB, keys
+    and values together (the same check for every kind: a ConfigMap here, which needs no ServiceAccount), and the
+    operator refuses a run whose config would not fit, naming spec.trainer, before any pod is tried."""
+    limit = scheduling.MAX_ANNOTATIONS_BYTES
+    carrier = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": "big", "namespace": namespace},
-        "data": {"config.json": "x" * (validation.MAX_CONFIG_MAP_BYTES + 1)},
+        "metadata": {"name": "big", "namespace": namespace, "annotations": {"a": "x" * limit}},
     }
-    code, message = dry_run(kube_cluster_with_crds, config_map, namespace)
-    assert code == 422 and "1048576" in message, message
-    config_map["data"]["config.json"] = config_map["data"]["config.json"][:-1]
-    assert dry_run(kube_cluster_with_crds, config_map, namespace)[0] == 201
+    code, message = dry_run(kube_cluster_with_crds, carrier, namespace)
+    assert code == 422 and str(limit) in message, message
+    carrier["metadata"]["annotations"]["a"] = "x" * (limit - 1)
+    assert dry_run(kube_cluster_with_crds, carrier, namespace)[0] == 201
+
+    minimal_body["spec"]["image"] = "registry.example/team/trainer:1"
+    minimal_body["spec"]["trainer"] = {"model": {"classPath": "team.models.Big", "initArgs": {"table": "x" * limit}}}
+    with pytest.raises(validation.InvalidTrainingRun) as caught:
+        validation.check(minimal_body)
+    problem = next(p for p in caught.value.problems if p.path == "spec.trainer")
+    assert f"at most {limit}" in str(problem) and "initArgs" in str(problem)
+    minimal_body["spec"]["trainer"]["model"]["initArgs"]["table"] = "x" * (limit // 2)
+    validation.check(minimal_body)  # half of it fits
 
 
 @pytest.mark.parametrize("change", [c[1] for c in VALID_CASES], ids=[c[0] for c in VALID_CASES])

@@ -128,8 +128,8 @@ def test_attempts_get_distinct_names_and_rendezvous(minimal_body):
 def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_current_attempt(minimal_body):
     minimal_body["spec"]["replicas"] = {"min": 1, "max": 3}
     run = run_from(minimal_body)
-    config_map, service, job = builders.children(run, attempt=2)
-    assert [config_map["kind"], service["kind"], job["kind"]] == ["ConfigMap", "Service", "PyTorchJob"]
+    service, job = builders.children(run, attempt=2)
+    assert [service["kind"], job["kind"]] == ["Service", "PyTorchJob"]
     assert job["spec"]["elasticPolicy"]["rdzvHost"] == service["metadata"]["name"] == "demo-rendezvous"
     assert job["spec"]["elasticPolicy"]["rdzvPort"] == service["spec"]["ports"][0]["port"] == contract.RENDEZVOUS_PORT
     assert service["spec"]["ports"][0]["targetPort"] == contract.RENDEZVOUS_PORT
@@ -142,7 +142,7 @@ def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_curre
     assert (
         not service["spec"]["selector"].items() <= {**worker_labels, naming.KUBEFLOW_REPLICA_INDEX_LABEL: "1"}.items()
     )
-    assert builders.children(run, attempt=3)[1]["spec"]["selector"][naming.LABEL_ATTEMPT] == "3"
+    assert builders.children(run, attempt=3)[0]["spec"]["selector"][naming.LABEL_ATTEMPT] == "3"
     env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
     assert env[contract.RENDEZVOUS_HOST_POD]["value"] == "demo-a2-worker-0"
     assert env[contract.POD_IP]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -152,7 +152,7 @@ def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_curre
 def test_single_pod_runs_have_no_rendezvous_service(minimal_body):
     minimal_body["spec"]["replicas"] = {"min": 1, "max": 1}
     run = run_from(minimal_body)
-    assert [o["kind"] for o in builders.children(run)] == ["ConfigMap", "PyTorchJob"]
+    assert [o["kind"] for o in builders.children(run)] == ["PyTorchJob"]
     job = builders.pytorch_job(run, 1)
     assert "rdzvHost" not in job["spec"]["elasticPolicy"]  # Kubeflow's default: the pod's own name
     env = {e["name"] for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]}
@@ -192,18 +192,20 @@ def test_run_policy_and_scheduling(minimal_body):
     assert pod["affinity"]["nodeAffinity"]
     assert pod["priorityClassName"] == "high"
     assert pod["imagePullSecrets"] == [{"name": "registry"}]
-    assert template["metadata"]["annotations"] == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+    annotations = template["metadata"]["annotations"]
+    assert annotations.pop(naming.ANNOTATION_CONFIG)  # the trainer config rides along (test_pods_read_the_trainer...)
+    assert annotations == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 
 
 def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
     """No per-run ServiceAccount, Role or RoleBinding: a pod runs as the run's serviceAccountName (else the
     namespace default) with no API token mounted, and reports with a projected token for the report
-    audience, verified against the CA the ConfigMap carries."""
+    audience, verified against the CA its annotation carries."""
     run = run_from(minimal_body)
     settings = Settings(report_url="https://op.ops.svc:8443/v1/reports", report_ca="-----BEGIN CERTIFICATE-----\n")
     objects = builders.children(run, 1, settings)
-    assert [o["kind"] for o in objects] == ["ConfigMap", "PyTorchJob"]
-    pod = objects[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert [o["kind"] for o in objects] == ["PyTorchJob"]
+    pod = objects[0]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
     projected = next(v for v in pod["volumes"] if v["name"] == "report-token")["projected"]["sources"][0]
     assert projected["serviceAccountToken"]["audience"] == contract.REPORT_AUDIENCE
@@ -215,7 +217,7 @@ def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
     assert env[contract.REPORT_URL] == settings.report_url
     assert env[contract.REPORT_TOKEN_FILE] == f"{contract.REPORT_TOKEN_DIR}/{projected['serviceAccountToken']['path']}"
     assert env[contract.REPORT_CA_FILE] == f"{settings.config_dir}/{contract.REPORT_CA_KEY}"
-    assert objects[0]["data"][contract.REPORT_CA_KEY] == settings.report_ca
+    assert pod_files(objects[0])[env[contract.REPORT_CA_FILE]] == settings.report_ca
     # without a report endpoint: no token at all
     bare = builders.pytorch_job(run, 1, Settings())["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert (
@@ -248,10 +250,33 @@ def test_own_service_account_is_used_as_it_is(minimal_body):
     assert pod["serviceAccountName"] == "workload-identity-sa"
 
 
-def test_config_map_holds_the_trainer_config_with_defaults(minimal_body):
+def pod_files(job):
+    """The config volume's files as the kubelet writes them: each the pod annotation its downward API item names."""
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == "config")
+    mount = next(m for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] == "config")
+    annotations = template["metadata"]["annotations"]
+    files = {}
+    for item in volume["downwardAPI"]["items"]:
+        key = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
+        files[f"{mount['mountPath']}/{item['path']}"] = annotations[key]
+    return files
+
+
+def test_pods_read_the_trainer_config_with_defaults_from_their_annotations(minimal_body):
     minimal_body["spec"]["trainer"] = {"maxSteps": 77, "optimizer": {"lr": 0.001}}
-    config_map = builders.config_map(run_from(minimal_body))
-    config = json.loads(config_map["data"]["config.json"])
+    minimal_body["spec"]["podAnnotations"] = {naming.ANNOTATION_CONFIG: "{}", "team": "vision"}  # the operator's wins
+    run = run_from(minimal_body)
+    assert [c["kind"] for c in builders.children(run)] == ["PyTorchJob"]  # no ConfigMap: one write per attempt
+    job = builders.pytorch_job(run, 1, Settings(report_url="https://operator:8443/v1/reports", report_ca="PEM"))
+    files = pod_files(job)
+    env = {
+        e["name"]: e.get("value")
+        for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert files[env["TRAININGRUN_CONFIG"]] and files[env[contract.REPORT_CA_FILE]] == "PEM"
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["annotations"]["team"] == "vision"
+    config = json.loads(files[env["TRAININGRUN_CONFIG"]])
     assert config["trainer"]["maxSteps"] == 77
     assert config["trainer"]["optimizer"]["lr"] == 0.001
     assert config["trainer"]["optimizer"]["name"] == "adamw"  # default filled in
@@ -375,8 +400,8 @@ def test_the_checkpoint_uri_reaches_the_pod_through_the_config_file_alone(minima
     started = run.spec.checkpoint.uri
     edited = run.model_copy(deep=True)
     edited.spec.checkpoint.uri = "s3://elsewhere/later"
-    config_map, job = builders.children(edited, 2, checkpoint_uri=started)
-    assert json.loads(config_map["data"]["config.json"])["checkpoint"]["uri"] == started
+    (job,) = builders.children(edited, 2, checkpoint_uri=started)
+    assert json.loads(pod_files(job)["/etc/trainingrun/config.json"])["checkpoint"]["uri"] == started
     env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if "s3://" in str(e.get("value")) or "CHECKPOINT_URI" in e["name"]]
     # the job is stamped as built from the spec it ran with: the started URI, not the edit

@@ -161,8 +161,8 @@ def test_render_prints_children_as_yaml(capsys):
     assert cli.main(["render", str(example), "--attempt", "3", "--resume-from", "gs://bkt/x/step-1"]) == 0
     captured = capsys.readouterr()
     documents = [d for d in yaml.safe_load_all(captured.out) if d]
-    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "PyTorchJob"]  # a multi-pod run
-    assert documents[1]["spec"]["selector"]["trainingrun.dev/attempt"] == "3"
+    assert [d["kind"] for d in documents] == ["Service", "PyTorchJob"]  # a multi-pod run
+    assert documents[0]["spec"]["selector"]["trainingrun.dev/attempt"] == "3"
     job = documents[-1]
     assert job["metadata"]["name"] == "charlm-gpu-a3"
     env = {

@@ -39,7 +39,7 @@ app.kubernetes.io/component: operator
   resources: [pods]
   verbs: [list, watch]
 - apiGroups: [""]
-  resources: [configmaps, services]
+  resources: [services]
   verbs: [create, patch]
 - apiGroups: [""]
   resources: [events]
