@@ -145,8 +145,13 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if type == "DELETED":
             state.forget((namespace, name))  # children go with it (ownerReferences); checkpoints stay
             return
-        state.runs[(namespace, name)] = slim_run(body)
-        state.enqueue((namespace, name))
+        key = (namespace, name)
+        run = state.runs[key] = slim_run(body, state.runs.get(key))
+        if key in state.reconciled and state.reconciled[key] == indexes.view(
+            run, merged_status(run["status"], state.written.get(key, {}))
+        ):
+            return  # only shows what its last reconcile wrote: deciding again would change nothing
+        state.enqueue(key)
 
     @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
     async def job_event(type: str, namespace: Any, name: str, labels: Any, **kwargs: Any) -> None:
@@ -181,6 +186,7 @@ async def _reconcile_worker(state: OperatorState) -> None:
 
 async def reconcile_run(state: OperatorState, key: Key, *, jobs: kopf.Index, pods: kopf.Index) -> None:
     async with state.locks[key]:
+        state.reconciled.pop(key, None)  # set again below by a reconcile that carries out its whole plan
         body = state.runs.get(key)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
@@ -220,21 +226,52 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: kopf.Index, pod
                 warnings=await rechecks.pending_warnings(state, key, status),
             )
             plan = reconcile.decide(observed)
-            if plan.recheck_at is not None and plan.recheck_at > observed.now:
-                state.rechecks.at(key, time.monotonic() + (plan.recheck_at - observed.now).total_seconds())
-            await plans.carry_out(
-                state,
-                key,
-                run,
-                body,
-                plan,
-                job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()},
-            )
+            if plan.recheck_at is not None:
+                wait = max(0.0, (plan.recheck_at - observed.now).total_seconds())
+                state.rechecks.at(key, time.monotonic() + wait)
             merged = merged_status(status, plan.status)
+            if _decides_the_same_after(state, key, observed, plan, merged, list(jobs.get(key, []))):
+                # Before the status write: its watch event may come while the write's answer is on its way.
+                state.reconciled[key] = indexes.view(body, merged)
+            carried_out = False
+            try:
+                carried_out = await plans.carry_out(
+                    state,
+                    key,
+                    run,
+                    body,
+                    plan,
+                    job_uids={name: j["metadata"].get("uid") for name, j in observed.jobs.items()},
+                )
+            finally:
+                if not carried_out:
+                    state.reconciled.pop(key, None)
             state.metrics.phases[key] = merged.get("phase") or "Pending"
             state.metrics.time_breakdowns[key] = merged.get("timeBreakdown") or {}
         finally:
             state.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+
+def _decides_the_same_after(
+    state: OperatorState,
+    key: Key,
+    observed: reconcile.Observed,
+    plan: reconcile.Plan,
+    merged: dict[str, Any],
+    jobs: list[dict[str, Any]],
+) -> bool:
+    """Whether a reconcile of the plan's own result would see what this one saw but the status it wrote, so that the
+    watch event of that write needs none (decide is idempotent on its own plan). Two inputs are read from status
+    here, not in decide: the Warning Events, read only while Pending, and which jobs are the run's (an unsigned job
+    its status names); when the plan changes those, the event is reconciled."""
+    if observed.warnings and {"phase", "jobName", "attemptStartTime"} & plan.status.keys():
+        return False
+    owned = {
+        j["metadata"]["name"]
+        for j in jobs
+        if indexes.run_owns_job(j, observed.run.metadata.uid, merged, state.settings.signing_key, state.started)
+    }
+    return owned == set(observed.jobs)
 
 
 #: Tasks posting queued Events.

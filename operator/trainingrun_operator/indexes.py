@@ -28,21 +28,44 @@ def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str
     return status
 
 
-def slim_run(body: Any) -> dict[str, Any]:
-    """What the index keeps of a run. The spec, with every default the API server filled in, is kept as its
-    JSON text: as nested dicts it was most of the operator's memory with thousands of runs."""
+def slim_run(body: Any, before: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """What the operator keeps of a run. The spec, with every default the API server filled in, is kept as its
+    JSON text: as nested dicts it was most of the operator's memory with thousands of runs. The text of `before`
+    (the same run's last event) is reused when the generation is the same: the API server bumps it with every spec
+    change, and most events of a run are its status."""
     meta = body.get("metadata", {})
     kept = ("name", "namespace", "uid", "generation", "labels", "annotations", "deletionTimestamp")
+    same_spec = (
+        before is not None
+        and meta.get("generation") is not None
+        and (before["metadata"].get("uid"), before["metadata"].get("generation"))
+        == (meta.get("uid"), meta.get("generation"))
+    )
     return {
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
         "metadata": {k: copy.deepcopy(meta[k]) for k in kept if k in meta},
-        SPEC_JSON: json.dumps(body.get("spec") or {}, separators=(",", ":")),
+        SPEC_JSON: before[SPEC_JSON]
+        if same_spec and before
+        else json.dumps(body.get("spec") or {}, separators=(",", ":")),
         "status": copy.deepcopy(body.get("status") or {}),
     }
 
 
 SPEC_JSON = "specJson"
+
+
+def view(slim: dict[str, Any], status: dict[str, Any]) -> int:
+    """A fingerprint of what a reconcile reads of a run: its metadata, its spec and `status` (merged with the
+    operator's own writes). Equal views decide the same (reconcile.decide is a function of them, the children and
+    the time), so a watch event that only shows what the last reconcile wrote needs no reconcile."""
+    return hash(
+        (
+            slim[SPEC_JSON],
+            json.dumps(slim.get("metadata"), sort_keys=True, separators=(",", ":")),
+            json.dumps(status, sort_keys=True, separators=(",", ":")),
+        )
+    )
 
 
 def run_document(slim: dict[str, Any]) -> dict[str, Any]:

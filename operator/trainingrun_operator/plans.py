@@ -49,17 +49,17 @@ async def carry_out(
     body: dict[str, Any],
     plan: reconcile.Plan,
     job_uids: Optional[dict[str, str]] = None,
-) -> None:
+) -> bool:
     """Children, suspension, deletions, then status (remembered until the watch shows it), then Events.
     `run` (the parsed spec) is needed only when the plan starts an attempt; `job_uids` (name: uid of the
-    run's own jobs) only when it deletes jobs."""
+    run's own jobs) only when it deletes jobs. False when it stopped before the status: the children must wait."""
     kube, (namespace, name) = state.client(), key
     if plan.start_attempt:
         assert run is not None
         job_name = naming.job_name(name, plan.start_attempt)
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
             if not await _create_children(state, key, body, plan, run, plan.start_attempt, job_name):
-                return
+                return False
     if plan.suspend_job:
         await kube.patch(
             "kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job, {"spec": {"runPolicy": {"suspend": True}}}
@@ -87,6 +87,7 @@ async def carry_out(
             state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
     for note in plan.events:
         state.queue_event(body, note)
+    return True
 
 
 async def _create_children(

@@ -72,8 +72,9 @@ class Plan:
     restart_cause: Optional[str] = None  #: failure, preemption or stall, when an attempt ended here (metrics)
     attempt_cause: Optional[str] = None  #: initial, recovery, resume or recreate, when an attempt starts (metrics)
     #: The earliest time this decision may change with nothing but the clock (a backoff ends, a stall timeout passes):
-    #: reconcile again then, event or not (rechecks.py). None, or a time already past (acted on now): only an event
-    #: changes it.
+    #: reconcile again then, event or not (rechecks.py); now when the next step is due at once (an attempt ended with
+    #: no backoff). None: only an event changes it. Never a time already acted on, or the run would be reconciled
+    #: over and over.
     recheck_at: Optional[datetime] = None
 
     def recheck(self, at: datetime) -> None:
@@ -302,6 +303,7 @@ def _attempt_ended(
     delay = decision.delay_seconds
     restarts["backoffSeconds"] = round(float(restarts.get("backoffSeconds") or 0.0) + delay, 3)
     plan.status.update(phase="Recovering", nextAttemptTime=rfc3339(o.now + timedelta(seconds=delay)))
+    plan.recheck(o.now + timedelta(seconds=delay))  # now, with no backoff: the next reconcile starts it
     resume = _last_good(status)
     plan.events.append(
         Note(
@@ -358,7 +360,6 @@ def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, condition
     heard = parse_time(o.status.get("lastReportTime"))
     heard = heard if heard and started and heard >= started else None
     silent_since = heard or started or o.now
-    plan.recheck(silent_since + timedelta(seconds=timeout))
     if (o.now - silent_since).total_seconds() >= timeout:
         since = f"since {heard.isoformat()}" if heard else f"since attempt {attempt} started"
         message = (
@@ -369,6 +370,7 @@ def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, condition
         if conditions.set("ReportingUnavailable", True, "NoReports", message):
             plan.events.append(Note("Warning", "ReportingUnavailable", message))
         return
+    plan.recheck(silent_since + timedelta(seconds=timeout))
     if conditions.is_true("ReportingUnavailable"):
         conditions.set("ReportingUnavailable", False, "ReportsArrive", "rank 0's reports arrive again")
     reported = parse_time(progress.get("updatedAt"))

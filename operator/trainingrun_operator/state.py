@@ -138,6 +138,8 @@ class OperatorState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     #: Every run as its last watch event showed it, slimmed (indexes.slim_run), kept by handlers.run_event.
     runs: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: What each run's last reconcile saw and wrote (indexes.view): a watch event showing just that is not queued.
+    reconciled: dict[Key, int] = field(default_factory=dict)
     #: kopf's indexes of jobs and pods, as handed to the first handler.
     indexes: Optional[dict[str, kopf.Index]] = None
     #: When this process started: jobs its status named before then are the run's even unsigned (run_owns_job).
@@ -183,6 +185,7 @@ class OperatorState:
 
     def forget(self, key: Key) -> None:
         self.runs.pop(key, None)
+        self.reconciled.pop(key, None)
         self.written.pop(key, None)
         self.rechecks.forget(key)
         self.rejections.pop(key, None)

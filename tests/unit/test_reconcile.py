@@ -613,6 +613,28 @@ def test_a_decision_that_changes_with_the_clock_alone_says_when(scenario):
     assert acts(due) != acts(just_before)
 
 
+def test_an_attempt_ended_without_backoff_is_rechecked_at_once():
+    """Its Recovering status comes back as a watch event that changes nothing the operator did not write, which is
+    not reconciled: the next attempt starts from this recheck."""
+    run = run_of(recovery={"backoffSeconds": 0})
+    failed = job(1, "Failed")
+    plan = reconcile.decide(observe(run, running_status(), [failed], [pod(1, ended(134))]))
+    assert plan.status["phase"] == "Recovering" and plan.recheck_at == NOW
+    status = merged_status(running_status(), plan.status)
+    assert reconcile.decide(observe(run, status, [failed], [pod(1, ended(134))])).start_attempt == 2
+
+
+def test_a_decision_acted_on_asks_for_no_recheck_of_the_same_time():
+    """No reports for longer than the stall timeout: the condition is set once; deciding again at a later time must
+    not ask to be reconciled at a time already past, over and over."""
+    run, status, jobs, pods = _silent()
+    later = NOW + timedelta(minutes=5)
+    first = reconcile.decide(observe(run, status, jobs, pods, now=later))
+    assert any(c["type"] == "ReportingUnavailable" for c in first.status["conditions"])
+    again = reconcile.decide(observe(run, merged_status(status, first.status), jobs, pods, now=later))
+    assert again.recheck_at is None or again.recheck_at > later
+
+
 def test_a_decision_only_events_change_sets_no_recheck():
     pending = {**running_status(), "phase": "Pending"}
     assert reconcile.decide(observe(status=pending, jobs=[job(1)])).recheck_at is None

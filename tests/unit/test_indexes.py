@@ -1,0 +1,49 @@
+"""indexes.py: what the operator keeps of a run, and when a run's watch event needs a reconcile."""
+
+import copy
+
+from trainingrun_operator.indexes import SPEC_JSON, merged_status, slim_run, view
+
+RUN = {
+    "apiVersion": "trainingrun.dev/v1alpha1",
+    "kind": "TrainingRun",
+    "metadata": {"name": "demo", "namespace": "ns", "uid": "u1", "generation": 1, "resourceVersion": "10"},
+    "spec": {"checkpoint": {"uri": "s3://bucket/demo"}},
+    "status": {"phase": "Pending", "attempt": 1},
+}
+
+
+def event(**changes):
+    body = copy.deepcopy(RUN)
+    for path, value in changes.items():
+        where, key = path.split("__")
+        body[where][key] = value
+    return body
+
+
+def test_a_status_event_reuses_the_spec_text_and_a_spec_change_does_not():
+    first = slim_run(RUN)
+    status_only = slim_run(event(status__phase="Running", metadata__resourceVersion="11"), first)
+    assert status_only[SPEC_JSON] is first[SPEC_JSON]  # not dumped again
+    edited = event(spec__suspend=True, metadata__generation=2)
+    assert '"suspend":true' in slim_run(edited, first)[SPEC_JSON]
+    recreated = event(spec__suspend=True, metadata__uid="u2")  # same name and generation, another object
+    assert '"suspend":true' in slim_run(recreated, first)[SPEC_JSON]
+
+
+def test_only_the_echo_of_the_last_reconciles_write_matches_its_view():
+    """The view a reconcile records (what it read, with its own status write merged in) equals that of the watch event
+    its write brings back; a report's write, a label, a spec change or someone else's status edit do not."""
+    before = slim_run(RUN)
+    written = {"phase": "Running", "observedGeneration": 1}
+    recorded = view(before, merged_status(before["status"], written))
+    echo = slim_run(event(status__phase="Running", status__observedGeneration=1), before)
+    assert view(echo, merged_status(echo["status"], written)) == recorded
+    reported = {**written, "lastReportTime": "2026-11-28T01:00:00Z"}  # the report endpoint wrote since
+    assert view(echo, merged_status(echo["status"], reported)) != recorded
+    labelled = slim_run(event(metadata__labels={"team": "a"}, status__phase="Running", status__observedGeneration=1))
+    assert view(labelled, merged_status(labelled["status"], written)) != recorded
+    edited = slim_run(event(spec__suspend=True, metadata__generation=2, status__phase="Running"), before)
+    assert view(edited, merged_status(edited["status"], written)) != recorded
+    touched = slim_run(event(status__phase="Running", status__observedGeneration=1, status__goodput=0.5), before)
+    assert view(touched, merged_status(touched["status"], written)) != recorded
