@@ -16,8 +16,11 @@ $KUBEBUILDER_ASSETS): bursts of 1, 30, 200 and 2,000 runs, p50/p95 create -> PyT
 runs admitted per second, RSS (when the last job appeared, 15 s later, and the peak) and CPU per run, the
 operator's and the server's (etcd, kube-apiserver, kube-controller-manager), beside the bare-watcher floor
 on the same server. On 2 cores the server's CPU per run bounds what any controller can admit: the floor
-pays one write per run, the operator four (ConfigMap, PyTorchJob, status, Event), and a TrainingRun status
-write alone costs the server ~6 ms, more than creating the run.
+pays one write per run, the operator three (PyTorchJob, status, Event), and a TrainingRun status
+write alone costs the server ~6 ms, more than creating the run. Beside CPU per run until the last job appeared it
+prints it settled (15 s later: the status writes and Events that trail the jobs) and the operator's reconciles per
+run (its metrics endpoint). With $OPERATOR_PYSPY naming py-spy, the operator is sampled on CPU into
+/tmp/operator-<size>.pyspy (collapsed stacks; a few per cent of overhead, where cProfile tripled it).
 Targets (issue 13): p50 <= 100 ms for 30 at once, >= 100 runs/s with 2,000, RSS <= 150 MB with 2,000.
 The `result:` line has `real_cpu_ms_per_run_2000` and `real_settled_rss_mb_2000` (issue 40's figures). Its watches
 resume from the last resourceVersion seen when the loaded server drops them (and list again on 410), a create the
@@ -25,6 +28,12 @@ server dropped is tried again, and every wait has a deadline: a burst that does 
 the reason (`failed_bursts=` in the result line) and exits 1, instead of waiting for ever.
 
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/operator_reconcile.py --real [--sizes 1,30,200,2000]
+
+`--held 20000` creates that many runs at a steady pace over `--held-over` seconds (60) instead of at once, the
+operator alone, and prints its RSS when the last job appeared and 15 s later, and CPU per run
+(`real_settled_rss_mb_20000`, `real_cpu_ms_per_run_20000`; target RSS <= 400 MB).
+
+    KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/operator_reconcile.py --real --sizes "" --held 20000
 """
 
 from __future__ import annotations
@@ -619,36 +628,17 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
     it), the operator beside the floor; then each `held` size, created over `held_over_s`, the operator alone."""
     import kube_cluster
 
-    assets = os.environ.get(kube_cluster.ASSETS_ENV)
-    missing = kube_cluster.missing_binaries(assets)
-    if missing:
-        raise SystemExit(f"--real needs {', '.join(missing)}: {kube_cluster.HOW_TO_GET}")
     rows = []
     kept: dict[int, Burst] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        plane = kube_cluster.ControlPlane(Path(assets), Path(tmp) / "cluster").start()
+        plane = kube_cluster.started_for_benchmark(Path(tmp))
         try:
-            plane.kubectl(
-                "apply",
-                "--server-side",
-                "-f",
-                str(REPO / "manifests" / "crds"),
-                "-f",
-                str(REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"),
-            )
-            for crd in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org"):
-                plane.wait_established(crd)
-            env = {
-                **os.environ,
-                "KUBECONFIG": str(plane.admin_kubeconfig),
-                "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
-                "TRAININGRUN_OPERATOR_HEALTH_PORT": "0",
-            }
+            env = plane.operator_env()
             pki = plane.pki
-            for count in sizes:
-                namespace = f"bench-{count}"
+
+            async def operator_burst(count: int, namespace: str, **options) -> Burst:
                 metrics_port = kube_cluster.free_port()
-                operator = await real_burst(
+                return await real_burst(
                     plane,
                     count,
                     namespace,
@@ -656,8 +646,16 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
                     {**env, "TRAININGRUN_OPERATOR_METRICS_PORT": str(metrics_port)},
                     "PyTorchJob CRD (kubeflow.org/v1) is served",
                     Path(tmp) / f"{namespace}.log",
-                    sample_to=os.environ.get("OPERATOR_PYSPY_OUT", "/tmp/operator-{count}.pyspy").format(count=count),
                     metrics_port=metrics_port,
+                    **options,
+                )
+
+            for count in sizes:
+                namespace = f"bench-{count}"
+                operator = await operator_burst(
+                    count,
+                    namespace,
+                    sample_to=os.environ.get("OPERATOR_PYSPY_OUT", "/tmp/operator-{count}.pyspy").format(count=count),
                 )
                 floor = await real_burst(
                     plane,
@@ -680,19 +678,8 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
                 rows.append((count, operator, floor))
                 print(f"  {count} runs: operator p50 {operator.p50:.0f} ms, floor p50 {floor.p50:.0f} ms", flush=True)
             for count in held:
-                namespace = f"held-{count}"
-                metrics_port = kube_cluster.free_port()
-                kept[count] = await real_burst(
-                    plane,
-                    count,
-                    namespace,
-                    operator_command("--standalone", "-n", namespace),
-                    {**env, "TRAININGRUN_OPERATOR_METRICS_PORT": str(metrics_port)},
-                    "PyTorchJob CRD (kubeflow.org/v1) is served",
-                    Path(tmp) / f"{namespace}.log",
-                    deadline_s=max(600.0, count / 10),
-                    metrics_port=metrics_port,
-                    spread_over_s=held_over_s,
+                kept[count] = await operator_burst(
+                    count, f"held-{count}", deadline_s=max(600.0, count / 10), spread_over_s=held_over_s
                 )
                 print(f"  {count} runs held: the last job after {kept[count].total_s:.0f} s", flush=True)
         finally:
@@ -705,7 +692,7 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
     print(
         f"{'runs':>6} {'p50 ms':>8} {'p95 ms':>8} {'runs/s':>8} {'RSS MB':>7} {'settled':>7} {'peak':>6} "
         f"{'CPU ms/run':>10} {'settled':>7} {'rec/run':>5} {'settl':>5} {'server':>7} | "
-        f"{'floor p50':>9} {'floor p95':>9} {'floor runs/s':>12} {'server':>7} | {'p50 ratio':>9}"
+        f"{'floor p50':>9} {'floor p95':>9} {'floor runs/s':>12} {'CPU ms/run':>10} {'server':>7} | {'p50 ratio':>9}"
     )
 
     def mb(kb: dict[str, int], key: str) -> float:
@@ -718,7 +705,7 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
             f"{op.cpu_s[0] * 1000 / count:>10.1f} {op.settled_cpu_s * 1000 / count:>7.1f} "
             f"{op.reconciles / count:>5.1f} {op.settled_reconciles / count:>5.1f} "
             f"{op.cpu_s[1] * 1000 / count:>7.1f} | {fl.p50:>9.0f} {fl.p95:>9.0f} "
-            f"{count / max(fl.total_s, 1e-9):>12.1f} {fl.cpu_s[1] * 1000 / count:>7.1f} | "
+            f"{count / max(fl.total_s, 1e-9):>12.1f} {fl.cpu_s[0] * 1000 / count:>10.1f} {fl.cpu_s[1] * 1000 / count:>7.1f} | "
             f"{op.p50 / max(fl.p50, 0.001):>9.2f}"
         )
         for side, burst in (("operator", op), ("floor", fl)):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -111,31 +110,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import kube_cluster
 
-    assets = os.environ.get(kube_cluster.ASSETS_ENV)
-    missing = kube_cluster.missing_binaries(assets)
-    if missing:
-        raise SystemExit(f"needs {', '.join(missing)}: {kube_cluster.HOW_TO_GET}")
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
-        plane = kube_cluster.ControlPlane(Path(assets), Path(tmp) / "cluster").start()
+        plane = kube_cluster.started_for_benchmark(Path(tmp))
         try:
-            plane.kubectl(
-                "apply",
-                "--server-side",
-                "-f",
-                str(REPO / "manifests" / "crds"),
-                "-f",
-                str(REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"),
-            )
-            for crd in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org", "kopfpeerings.kopf.dev"):
-                plane.wait_established(crd)
-            env = {
-                **os.environ,
-                "KUBECONFIG": str(plane.admin_kubeconfig),
-                "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
-                "TRAININGRUN_OPERATOR_HEALTH_PORT": "0",
-                "TRAININGRUN_REPORT_PORT": "0",
-            }
+            env = {**plane.operator_env(), "TRAININGRUN_REPORT_PORT": "0"}
             if args.lifetime is not None:
                 env["TRAININGRUN_PEERING_LIFETIME_SECONDS"] = str(args.lifetime)
             for attempt in range(args.repeat):

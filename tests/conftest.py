@@ -16,7 +16,7 @@ import kube_cluster  # noqa: E402  (needs tests/ on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
-PYTORCHJOB_CRD = REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
+PYTORCHJOB_CRD = REPO / kube_cluster.PYTORCHJOB_CRD
 
 
 @pytest.fixture(autouse=True)
@@ -82,11 +82,7 @@ def kube_cluster_session(tmp_path_factory) -> "kube_cluster.ControlPlane":
 def kube_cluster_with_crds(kube_cluster_session) -> "kube_cluster.ControlPlane":
     """The control plane with the project's CRDs and Kubeflow's PyTorchJob CRD installed, as a user would
     (`kubectl apply --server-side`)."""
-    plane = kube_cluster_session
-    plane.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "crds"), "-f", str(PYTORCHJOB_CRD))
-    for name in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org"):
-        plane.wait_established(name)
-    return plane
+    return kube_cluster_session.install_crds()
 
 
 @pytest.fixture

@@ -46,6 +46,25 @@ def missing_binaries(assets: Optional[str]) -> list[str]:
     return [b for b in BINARIES if not os.access(Path(assets) / b, os.X_OK)]
 
 
+#: Kubeflow Training Operator v1.9.0's PyTorchJob CRD, relative to the repository.
+PYTORCHJOB_CRD = Path("tests/fixtures/kubeflow.org_pytorchjobs.v1.9.0.yaml")
+
+
+def started_for_benchmark(workdir: Path) -> "ControlPlane":
+    """A control plane from $KUBEBUILDER_ASSETS with the CRDs installed; a benchmark without the binaries exits saying
+    how to get them."""
+    assets = os.environ.get(ASSETS_ENV)
+    missing = missing_binaries(assets)
+    if missing:
+        raise SystemExit(f"needs {', '.join(missing)}: {HOW_TO_GET}")
+    plane = ControlPlane(Path(str(assets)), workdir / "cluster").start()
+    try:
+        return plane.install_crds()
+    except BaseException:
+        plane.stop()
+        raise
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -402,6 +421,25 @@ class ControlPlane(ProcessGroup):
     def apply(self, documents: Any, *extra: str) -> subprocess.CompletedProcess:
         text = documents if isinstance(documents, str) else yaml.safe_dump_all(list(documents))
         return self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", *extra, input=text)
+
+    def operator_env(self) -> dict[str, str]:
+        """The environment of an operator process logged in as the cluster's admin, without its HTTP ports."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.admin_kubeconfig),
+            "TRAININGRUN_OPERATOR_METRICS_PORT": "0",
+            "TRAININGRUN_OPERATOR_HEALTH_PORT": "0",
+        }
+
+    def install_crds(self) -> "ControlPlane":
+        """The project's CRDs (kopf's peering ones included) and Kubeflow's PyTorchJob CRD, as a user would install them
+        (`kubectl apply --server-side`), once served."""
+        repo = Path(__file__).resolve().parent.parent
+        crds = repo / "manifests" / "crds"
+        self.kubectl("apply", "--server-side", "-f", str(crds), "-f", str(repo / PYTORCHJOB_CRD))
+        for name in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org", "kopfpeerings.kopf.dev"):
+            self.wait_established(name)
+        return self
 
     def wait_established(self, crd_name: str, timeout: float = 60.0) -> None:
         """Until the CRD is served. (`kubectl wait` fails outright when it looks before the CRD has any

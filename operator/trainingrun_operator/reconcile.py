@@ -71,10 +71,8 @@ class Plan:
     events: list[Note] = field(default_factory=list)
     restart_cause: Optional[str] = None  #: failure, preemption or stall, when an attempt ended here (metrics)
     attempt_cause: Optional[str] = None  #: initial, recovery, resume or recreate, when an attempt starts (metrics)
-    #: The earliest time this decision may change with nothing but the clock (a backoff ends, a stall timeout passes):
-    #: reconcile again then, event or not (rechecks.py); now when the next step is due at once (an attempt ended with
-    #: no backoff). None: only an event changes it. Never a time already acted on, or the run would be reconciled
-    #: over and over.
+    #: When this decision changes with the clock alone (a backoff ends, a stall timeout): reconcile then (rechecks.py);
+    #: now when the next step is due at once. None: only an event changes it. Never a time already acted on.
     recheck_at: Optional[datetime] = None
 
     def recheck(self, at: datetime) -> None:
@@ -229,8 +227,7 @@ def _old_pods_still_stopping(plan: Plan, o: Observed, attempt: int, job_name: st
     limit = timedelta(seconds=o.run.spec.termination_grace_period_seconds) + OLD_PODS_SLACK
     waited_out = since is not None and o.now >= (parse_time(since) or o.now) + limit
     if stopping and not waited_out:
-        began = parse_time(since) if since else None
-        plan.recheck((began or o.now) + limit)
+        plan.recheck(((parse_time(since) if since else None) or o.now) + limit)
         message = (
             f"attempt {attempt}'s {len(stopping)} pod(s) still stop (their emergency checkpoint); attempt "
             f"{attempt + 1} starts when they are gone, or after {int(limit.total_seconds())} s"
