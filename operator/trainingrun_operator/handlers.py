@@ -147,11 +147,15 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
             return
         key = (namespace, name)
         run = state.runs[key] = slim_run(body, state.runs.get(key))
-        if key in state.reconciled and state.reconciled[key] == indexes.view(
-            run, merged_status(run["status"], state.written.get(key, {}))
-        ):
-            return  # only shows what its last reconcile wrote: deciding again would change nothing
-        state.enqueue(key)
+        written = state.written.get(key, {})
+        seen = key in state.reconciled and state.reconciled[key] == indexes.view(
+            run, merged_status(run["status"], written)
+        )
+        indexes.forget_shown(written, run["status"])
+        if not written:
+            state.written.pop(key, None)
+        if not seen:  # else it only shows what its last reconcile wrote: deciding again would change nothing
+            state.enqueue(key)
 
     @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
     async def job_event(type: str, namespace: Any, name: str, labels: Any, **kwargs: Any) -> None:
@@ -301,7 +305,7 @@ async def _follow_peering(state: OperatorState) -> None:
         state.identity,
         state.priority,
         state.acting,
-        on_change=lambda acting: state.metrics.acting.set(1 if acting else 0),
+        on_change=state.acting_changed,
     )
 
 

@@ -28,6 +28,15 @@ def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str
     return status
 
 
+def forget_shown(written: dict[str, Any], observed: dict[str, Any]) -> None:
+    """Drop from `written` (status fields the operator wrote) those the watch now shows: from then on the server's
+    status is the truth. Kept for good, they cost memory with every run and, after a replica stood by while another
+    acted, would have put back what it wrote before over what the other wrote since."""
+    for key, value in list(written.items()):
+        if observed.get(key) == value:  # a field removed (None) shows as absent
+            del written[key]
+
+
 def slim_run(body: Any, before: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """What the operator keeps of a run. The spec, with every default the API server filled in, is kept as its
     JSON text: as nested dicts it was most of the operator's memory with thousands of runs. The text of `before`

@@ -183,6 +183,16 @@ class OperatorState:
                 EVENTS_QUEUED_MAX,
             )
 
+    def acting_changed(self, acting: bool) -> None:
+        """This replica starts or stops acting (leadership.follow). Standing by, it forgets what it wrote and decided:
+        another replica writes meanwhile, and when this one acts again the server's status is the truth (a full
+        sweep reconciles every run then, and due times come again)."""
+        self.metrics.acting.set(1 if acting else 0)
+        if not acting:
+            self.written.clear()
+            self.reconciled.clear()
+            self.rechecks = Rechecks()
+
     def forget(self, key: Key) -> None:
         self.runs.pop(key, None)
         self.reconciled.pop(key, None)

@@ -2,7 +2,7 @@
 
 import copy
 
-from trainingrun_operator.indexes import SPEC_JSON, merged_status, slim_run, view
+from trainingrun_operator.indexes import SPEC_JSON, forget_shown, merged_status, slim_run, view
 
 RUN = {
     "apiVersion": "trainingrun.dev/v1alpha1",
@@ -47,3 +47,12 @@ def test_only_the_echo_of_the_last_reconciles_write_matches_its_view():
     assert view(edited, merged_status(edited["status"], written)) != recorded
     touched = slim_run(event(status__phase="Running", status__observedGeneration=1, status__goodput=0.5), before)
     assert view(touched, merged_status(touched["status"], written)) != recorded
+
+
+def test_what_the_watch_shows_is_no_longer_remembered_as_written():
+    written = {"phase": "Recovering", "attempt": 2, "nextAttemptTime": None, "progress": {"step": 40}}
+    older = {"phase": "Running", "attempt": 1, "nextAttemptTime": "2026-11-28T01:00:00Z", "progress": {"step": 40}}
+    forget_shown(written, older)  # an event from before the write shows only what did not change
+    assert written == {"phase": "Recovering", "attempt": 2, "nextAttemptTime": None}
+    forget_shown(written, {"phase": "Recovering", "attempt": 2, "progress": {"step": 40}})  # the write's own event
+    assert written == {}  # nextAttemptTime, removed, shows as absent

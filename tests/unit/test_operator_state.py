@@ -34,3 +34,19 @@ async def test_events_past_the_queue_limit_are_logged_and_counted_not_raised(mon
     assert state.events.qsize() == 2
     assert state.metrics.events_dropped._value.get() == 1
     assert "team/a: AttemptStarted: attempt 2 (not posted as an Event" in caplog.text
+
+
+def test_a_replica_that_stands_by_forgets_what_it_wrote_and_decided():
+    """Another replica acts meanwhile: when this one acts again, what it wrote before must not be laid over what the
+    other wrote since (an older attempt number would start that attempt again)."""
+    state = state_module.OperatorState(Settings())
+    key = ("team", "a")
+    state.acting_changed(True)
+    state.written[key] = {"attempt": 1, "jobName": "a-a1"}
+    state.reconciled[key] = 42
+    state.rechecks.at(key, 0.0)
+    state.acting_changed(True)  # still acting: nothing forgotten
+    assert state.written[key] and state.reconciled[key] == 42
+    state.acting_changed(False)
+    assert state.written == {} and state.reconciled == {} and state.rechecks.due(1.0) == []
+    assert state.metrics.acting._value.get() == 0
