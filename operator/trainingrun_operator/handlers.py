@@ -270,6 +270,8 @@ def _decides_the_same_after(
     its status names); when the plan changes those, the event is reconciled."""
     if observed.warnings and {"phase", "jobName", "attemptStartTime"} & plan.status.keys():
         return False
+    if not {"jobName", "attemptStartTime"} & plan.status.keys():
+        return True  # what run_owns_job reads of status is unchanged
     owned = {
         j["metadata"]["name"]
         for j in jobs

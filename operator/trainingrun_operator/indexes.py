@@ -44,19 +44,20 @@ def slim_run(body: Any, before: Optional[dict[str, Any]] = None) -> dict[str, An
     change, and most events of a run are its status."""
     meta = body.get("metadata", {})
     kept = ("name", "namespace", "uid", "generation", "labels", "annotations", "deletionTimestamp")
-    same_spec = (
+    if (
         before is not None
         and meta.get("generation") is not None
         and (before["metadata"].get("uid"), before["metadata"].get("generation"))
         == (meta.get("uid"), meta.get("generation"))
-    )
+    ):
+        spec_json = before[SPEC_JSON]
+    else:
+        spec_json = json.dumps(body.get("spec") or {}, separators=(",", ":"))
     return {
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
         "metadata": {k: copy.deepcopy(meta[k]) for k in kept if k in meta},
-        SPEC_JSON: before[SPEC_JSON]
-        if same_spec and before
-        else json.dumps(body.get("spec") or {}, separators=(",", ":")),
+        SPEC_JSON: spec_json,
         "status": copy.deepcopy(body.get("status") or {}),
     }
 

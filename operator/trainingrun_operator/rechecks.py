@@ -27,8 +27,14 @@ from .state import Key, OperatorState, WarningsRead
 log = logging.getLogger("trainingrun.operator")
 
 
+def jobs_it_may_be_about(name: str) -> set[str]:
+    """The job names an Event about object `name` may be about: the job itself, or its pods (<job>-worker-<i>), so
+    `name` or a part of it before a '-'."""
+    return {name[:cut] for cut in [len(name), *(i for i, c in enumerate(name) if c == "-")]}
+
+
 def about_job(name: str, job_name: str) -> bool:
-    return name == job_name or name.startswith(job_name + "-")  # the job, or its pods (<job>-worker-<i>)
+    return job_name in jobs_it_may_be_about(name)
 
 
 def fingerprint(warnings: list[dict[str, Any]]) -> int:
@@ -98,10 +104,9 @@ async def _wake_on_warnings(state: OperatorState) -> None:
         events = await namespace_warnings(state, namespace)
         runs = {job_name: key for key, job_name in watched.items()}
         about: dict[Key, list[dict[str, Any]]] = collections.defaultdict(list)
-        for event in events:  # about_job for every watched job at once: the name, or a prefix of it before a '-'
-            name = event["involvedObject"].get("name") or ""
-            for cut in [len(name), *(i for i, c in enumerate(name) if c == "-")]:
-                if (key := runs.get(name[:cut])) is not None:
+        for event in events:  # about_job for every watched job at once
+            for job_name in jobs_it_may_be_about(event["involvedObject"].get("name") or ""):
+                if (key := runs.get(job_name)) is not None:
                     about[key].append(event)
         for key in list(watched):
             if fingerprint(about.get(key, [])) != state.rechecks.warnings_seen.get(key):

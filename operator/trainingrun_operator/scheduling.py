@@ -28,6 +28,13 @@ QUALIFIED_NAME = (
 )
 QUALIFIED_NAME_LENGTHS = r"^(.{1,253}/)?[^/]{1,63}$"
 MAX_ANNOTATIONS_BYTES = 256 * 1024  # apimachinery's TotalAnnotationSizeLimitB
+
+
+def annotations_bytes(annotations: dict[str, str]) -> int:
+    """What the API server counts against MAX_ANNOTATIONS_BYTES: keys and values together."""
+    return sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+
+
 #: Most entries in a label, selector or annotation map. With maxProperties the CEL key rules fit the API
 #: server's cost budget; without it the server refused them (estimated cost 1.5x the budget).
 MAX_MAP_ENTRIES = 64
@@ -81,7 +88,7 @@ def check_annotations(annotations: dict[str, str]) -> dict[str, str]:
         problem = qualified_name_problem(key)
         if problem:
             raise ValueError(problem + "; fix or remove it")
-    size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+    size = annotations_bytes(annotations)
     if size > MAX_ANNOTATIONS_BYTES:
         raise ValueError(
             f"annotations total {size} bytes; Kubernetes allows at most {MAX_ANNOTATIONS_BYTES}: "

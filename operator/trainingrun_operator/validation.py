@@ -126,7 +126,7 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
         )
     job = builders.pytorch_job(run, 1)
     annotations = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["annotations"]
-    size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+    size = scheduling.annotations_bytes(annotations)
     if size > scheduling.MAX_ANNOTATIONS_BYTES:
         config = len(annotations[naming.ANNOTATION_CONFIG].encode())
         problems.append(
