@@ -56,6 +56,10 @@ What is measured
       restored weights must equal the saved ones, and each restore must have read where it says. Beside each restore
       from storage, fsspec alone reads the same files (a new filesystem, one find, one cat of every file):
       `storage_restore_vs_fsspec` = that read / the restore, the slowest storage (issue 37's target >= 0.8).
+      Beside each memory restore, the copy floor: the tier's data files copied alone (no listing, metadata, checks or
+      placing into tensors) into memory already touched, by as many threads as a restore reads a file with:
+      `memory_restore_vs_copy_floor` = the slower memory restore / that copy, and `copy_floor_vs_torch_load`, what
+      issue 37's `memory_restore_vs_torch_load` <= 0.2 asks of this machine's memory before any other work.
 
 Targets
     memory_restore_speedup = the faster of the two storage restores / the slower of the memory restores >= 10
@@ -157,6 +161,8 @@ def measure_restores(
                         read = store.last_restore_source
                     seconds.setdefault(label, []).append(time.perf_counter() - began)
                     shutil.rmtree(new_pod, ignore_errors=True)
+                    if read_from == "memory":
+                        seconds.setdefault(COPY_FLOOR, []).append(copy_floor_seconds(memory, step))
                     if read != read_from or digest(target) != expected:
                         raise SystemExit(
                             f"restore '{label}' read from {read} (expected {read_from}) or restored other "
@@ -167,6 +173,44 @@ def measure_restores(
 
 #: Label prefix of the reference reads in `measure_restores`: fsspec alone reading the files a restore reads.
 FSSPEC_READ = "fsspec reads the same files: "
+#: Label of the memory restore's floor in `measure_restores`: copying the bytes alone (`copy_floor_seconds`).
+COPY_FLOOR = "copy floor: the tier's data files into memory already touched"
+
+
+def copy_floor_seconds(tier: str, step: int) -> float:
+    """Seconds to copy the data files of `step` in the memory tier `tier` into memory already touched (as a restore
+    copies into a built model's tensors), each file in `READ_THREADS` contiguous parts at once, 1 MiB reads: what a
+    memory restore cannot go below on this machine (no listing, metadata, checks or placing into tensors)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from trainingrun_trainer.checkpoint.tensor_files import READ_THREADS
+
+    files = sorted(Path(tier).glob(f"step-{step:08d}/*.distcp"))
+    buffers = [np.ones(path.stat().st_size, dtype=np.uint8) for path in files]  # touched: no page faults timed
+
+    def copy(fd: int, view: memoryview, start: int, end: int) -> None:
+        for offset in range(start, end, 1 << 20):
+            os.preadv(fd, [view[offset : min(end, offset + (1 << 20))]], offset)
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        for path, buffer in zip(files, buffers):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                view, part = memoryview(buffer), -(-buffer.nbytes // READ_THREADS)
+                for done in [
+                    pool.submit(copy, fd, view, start, min(buffer.nbytes, start + part))
+                    for start in range(0, buffer.nbytes, part)
+                ]:
+                    done.result()
+            finally:
+                os.close(fd)
+    seconds = time.perf_counter() - began
+    if not files:
+        raise SystemExit(f"no data files of step {step} in {tier}")
+    return seconds
 
 
 def fsspec_read_seconds(server, uri: str, step: int) -> float:
@@ -293,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainingrun_trainer.checkpoint import CheckpointStore, model_digest
     from trainingrun_trainer.checkpoint.saving import tensor_bytes
     from trainingrun_trainer.checkpoint.storage import FETCH_AHEAD
+    from trainingrun_trainer.checkpoint.tensor_files import READ_THREADS
     from trainingrun_trainer.data import SyntheticText
     from trainingrun_trainer.models import CharTransformer
     from trainingrun_trainer.seeding import rng_state
@@ -719,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     restore_medians = {label: statistics.median(values) for label, values in restores.items()}
     fsspec_reads = {label.removeprefix(FSSPEC_READ): v for label, v in restore_medians.items() if FSSPEC_READ in label}
+    copy_floor = restore_medians.pop(COPY_FLOOR, math.nan)
     restore_medians = {label: v for label, v in restore_medians.items() if FSSPEC_READ not in label}
     from_storage = min((v for label, v in restore_medians.items() if not label.startswith("memory")), default=math.nan)
     # Restoring from storage at the pace fsspec alone reads the same files: >= 0.8 (issue 37); the slowest storage.
@@ -735,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         f"each, median (min-max):"
     )
     for label, values in restores.items():
-        if FSSPEC_READ in label:
+        if FSSPEC_READ in label or label == COPY_FLOOR:
             continue
         print(
             f"  {'from ' + label:<32}{restore_medians[label]:8.3f} s ({min(values):.3f}-{max(values):.3f})"
@@ -762,6 +808,11 @@ def main(argv: list[str] | None = None) -> int:
         f"memory_restore_vs_torch_load = the slower memory restore (a new process: listing, verify, load) / torch.load "
         f"= {from_memory:.3f} / {med['torch.load']:.3f} = {memory_vs_load:.2f} (issue 37's target: <= 0.2)"
     )
+    print(
+        f"  its floor: copying the tier's data files alone into memory already touched ({COPY_FLOOR.split(':')[0]}, "
+        f"{READ_THREADS} threads) {copy_floor:.3f} s = {copy_floor / med['torch.load']:.2f} x torch.load; the restore "
+        f"takes {from_memory / copy_floor:.2f} x that floor (memory_restore_vs_copy_floor)"
+    )
     cores = os.cpu_count() or 1
     if foreign and max(foreign) > 0.1 * cores:
         print(
@@ -786,7 +837,9 @@ def main(argv: list[str] | None = None) -> int:
         f"persist_vs_torch_save={persist_behind[0]:.4f} background_cpu_ratio_persist_behind="
         f"{behind_cpu / med['  its CPU seconds']:.2f} "
         f"commit_vs_torch_save_writer_process={commit_process[0]:.4f} memory_restore_vs_torch_load={memory_vs_load:.4f} "
-        f"storage_restore_vs_fsspec={storage_vs_fsspec:.4f}{vs_fsspec_fields}"
+        f"storage_restore_vs_fsspec={storage_vs_fsspec:.4f}{vs_fsspec_fields} "
+        f"memory_restore_vs_copy_floor={from_memory / copy_floor:.4f} copy_floor_vs_torch_load="
+        f"{copy_floor / med['torch.load']:.4f}"
     )
     return 0 if all(restored_ok) else 1
 

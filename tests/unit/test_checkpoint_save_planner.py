@@ -1,12 +1,21 @@
 """checkpoint/save_planner.py: a store plans once while its state keeps its layout, and afresh when it changes."""
 
+import json
+import logging
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_checkpoint import app_state, make_model, train_step
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from trainingrun_trainer.checkpoint import CheckpointStore
-from trainingrun_trainer.checkpoint.save_planner import layout
+from trainingrun_trainer.checkpoint import CheckpointStore, committing, memory_tier, model_digest
+from trainingrun_trainer.checkpoint.save_planner import ReusingSavePlanner, layout
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 @pytest.fixture
@@ -67,3 +76,174 @@ def test_the_layout_is_what_a_write_item_records_and_only_plain_tensors_and_valu
         pass
 
     assert layout({"w": torch.zeros(2).as_subclass(Subclass)}) is None
+
+
+@pytest.fixture
+def dcp_saves(monkeypatch):
+    """How many saves went through dcp.save (planning with every rank) rather than by the last plan."""
+    calls = []
+    original = committing.dcp.save
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(committing.dcp, "save", counting)
+    return calls
+
+
+def behind(tmp_path) -> CheckpointStore:
+    return CheckpointStore(
+        f"file://{tmp_path}/bucket", memory_tier=str(tmp_path / "shm" / "tier"), persist_behind=True, keep=10
+    )
+
+
+def test_saves_of_an_unchanged_layout_to_memory_are_written_by_the_last_plan_and_load_from_either_tier(
+    tmp_path, dcp_saves, monkeypatch
+):
+    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", 0.0)  # the test's tmp_path is not node memory
+    with behind(tmp_path) as store:
+        for step in (1, 2, 3):
+            store.save(step, {"model": {"w": torch.full((3,), float(step))}}, {"step": step}, blocking=True)
+        assert len(dcp_saves) == 1
+        grown = {"model": {"w": torch.full((3,), 4.0), "b": torch.ones(2)}}
+        store.save(4, grown, {"step": 4}, blocking=True)
+        assert len(dcp_saves) == 2  # a new entry: planned with every rank again
+        store.save(5, {"model": {"w": torch.full((3,), 5.0), "b": torch.full((2,), 5.0)}}, {"step": 5}, blocking=True)
+        assert len(dcp_saves) == 2
+        store.wait_persisted()
+    # Every file of the newest step, the metadata too, is in its manifest and verifies, in storage and in memory.
+    storage = CheckpointStore(f"file://{tmp_path}/bucket")
+    newest = storage.list(verify=True)[0]
+    assert newest.step == 5 and newest.valid and ".metadata" in newest.files
+    with behind(tmp_path) as restart:
+        target = {"model": {"w": torch.zeros(3), "b": torch.zeros(2)}}
+        assert restart.load(restart.latest_valid(), target) == {"step": 5}
+        assert restart.last_restore_source == "memory"
+    assert target["model"]["w"].tolist() == [5.0] * 3 and target["model"]["b"].tolist() == [5.0] * 2
+    target = {"model": {"w": torch.zeros(3), "b": torch.zeros(2)}}
+    assert storage.load(newest, target) == {"step": 5}  # a new pod
+    assert target["model"]["w"].tolist() == [5.0] * 3 and target["model"]["b"].tolist() == [5.0] * 2
+
+
+def test_metadata_that_cannot_be_written_fails_that_save_only(tmp_path, dcp_saves, monkeypatch, caplog):
+    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", 0.0)
+    finish = ReusingSavePlanner.finish_as_planned
+    fail_once = [OSError("No space left on device")]
+
+    def failing(self, writer, results):
+        if fail_once:
+            raise fail_once.pop()
+        finish(self, writer, results)
+
+    monkeypatch.setattr(ReusingSavePlanner, "finish_as_planned", failing)
+    with behind(tmp_path) as store, caplog.at_level(logging.ERROR, logger="trainingrun.checkpoint"):
+        store.save(1, {"model": {"w": torch.ones(3)}}, blocking=True)
+        store.save(2, {"model": {"w": torch.full((3,), 2.0)}}, blocking=True)
+        assert store.failed_saves == 1 and store.in_memory.step == 1
+        assert "No space left on device" in caplog.text
+        store.save(3, {"model": {"w": torch.full((3,), 3.0)}}, blocking=True)
+        assert store.failed_saves == 1 and store.in_memory.step == 3
+        target = {"model": {"w": torch.zeros(3)}}
+        store.load(store.latest_valid(), target)
+    assert target["model"]["w"].tolist() == [3.0] * 3
+    assert len(dcp_saves) == 1
+
+
+def _repeating_worker(rank: int, init_file: str, uri: str, tier: str, out_dir: str) -> None:
+    memory_tier.RESERVE_SHARE = 0.0
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    saves = []
+    original = committing.dcp.save
+    committing.dcp.save = lambda *args, **kwargs: saves.append(1) or original(*args, **kwargs)
+    try:
+        model = make_model(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with CheckpointStore(uri, memory_tier=tier, persist_behind=True, keep=10) as store:
+            for step in (1, 2, 3):
+                train_step(model, opt, seed=step)
+                store.save(step, app_state(model, opt), {"rank": rank, "step": step})
+                assert store.wait() is not None
+            expected = model_digest(model.state_dict())
+        restored = {}
+        for memory in (tier, None):  # a restart in place, then a new pod
+            fresh = make_model(1)
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            state = app_state(fresh, fresh_opt)
+            with CheckpointStore(uri, memory_tier=memory, persist_behind=True) as store:
+                extra = store.load(store.latest_valid(), state)
+                restored[store.last_restore_source] = [extra, model_digest(state["model"])]
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps({"saves": len(saves), "expected": expected, "restored": restored})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_write_repeated_saves_by_their_last_plans(tmp_path):
+    """After the first save, every rank writes by its last plan and rank 0 writes the metadata from the results it
+    gathers: both ranks restore their own extra state and the newest weights from memory and from storage."""
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(
+        _repeating_worker,
+        args=(str(tmp_path / "pg-store"), uri, str(tmp_path / "node" / "tier"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["saves"] for r in results] == [1, 1]
+    for rank, result in enumerate(results):
+        assert set(result["restored"]) == {"memory", "storage"}
+        for extra, digest in result["restored"].values():
+            assert extra == {"rank": rank, "step": 3}
+            assert digest == result["expected"]
+    assert CheckpointStore(uri).list(verify=True)[0].valid
+
+
+def test_a_plain_value_is_serialized_again_only_when_its_type_or_value_changes(tmp_path, monkeypatch):
+    serialized = []
+    original = torch.save
+
+    def counting(obj, *args, **kwargs):
+        serialized.append(obj)
+        return original(obj, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting)
+
+    def state(lr, count):
+        return {"model": {"w": torch.ones(3)}, "hp": {"lr": lr, "betas": (0.9, 0.95), "count": count}}
+
+    with CheckpointStore(f"file://{tmp_path}/a") as store:
+        store.save(1, state(0.1, 1), blocking=True)
+        assert all(value in serialized for value in (0.1, (0.9, 0.95), 1))
+        serialized.clear()
+        store.save(2, state(0.1, 1), blocking=True)
+        assert [value for value in serialized if not isinstance(value, (dict, bytes))] == []  # this rank's extra
+        store.save(3, state(0.2, 1.0), blocking=True)  # a new lr, and a count of another type
+        assert sorted(repr(value) for value in serialized if not isinstance(value, (dict, bytes))) == ["0.2", "1.0"]
+        target = state(0.0, 0)
+        store.load(next(i for i in store.list() if i.step == 2), target)
+        assert target["hp"] == {"lr": 0.1, "betas": (0.9, 0.95), "count": 1}
+        store.load(next(i for i in store.list() if i.step == 3), target)
+        assert target["hp"]["lr"] == 0.2 and type(target["hp"]["count"]) is float
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        (1, 1, True),
+        (1, 1.0, False),
+        (1, True, False),
+        ((0.9, 0.95), (0.9, 0.95), True),
+        ((0.9, 0.95), [0.9, 0.95], False),
+        ([1, [2, 3]], [1, [2, 3.0]], False),
+        (float("nan"), float("nan"), False),
+        (None, None, True),
+    ],
+)
+def test_values_are_the_same_only_in_type_and_value_all_the_way_down(a, b, same):
+    from trainingrun_trainer.checkpoint.save_planner import _same
+
+    assert _same(a, b) is same

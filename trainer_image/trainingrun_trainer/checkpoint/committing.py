@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .layout import (
@@ -51,15 +52,19 @@ class Committing:
             if staged is not None and staged.failed:
                 self._tier.discard(job.step)  # no room after all: this rank's tier gets nothing of this step
                 tier_dir = None
+            planner = self._planner()
             try:
-                in_memory = all(self._gather(tier_dir is not None))  # every rank takes the same path
+                repeats = planner.repeats(job.state, is_coordinator=self.rank == 0)
+                # Every rank takes the same path: the memory tier when every rank has room there; DCP's planning
+                # skipped when every rank's state keeps the layout of its last plan.
+                in_memory, repeats = self._all(tier_dir is not None, repeats)
             except _SAVE_ERRORS as exc:
                 if tier_dir is not None:
                     self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
                 self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
                 return None
             if in_memory:
-                return self._save(job, tier_dir, in_memory=True, staged=staged)
+                return self._save(job, tier_dir, in_memory=True, staged=staged, planner=planner if repeats else None)
             if tier_dir is not None:
                 self._tier.discard(job.step)
             return self._save(job, None)
@@ -103,14 +108,20 @@ class Committing:
         return staged
 
     def _save(
-        self, job: _SaveJob, tier_dir: Optional[str], in_memory: bool = False, staged: Optional[StagedFile] = None
+        self,
+        job: _SaveJob,
+        tier_dir: Optional[str],
+        in_memory: bool = False,
+        staged: Optional[StagedFile] = None,
+        planner: Optional[ReusingSavePlanner] = None,
     ) -> Optional[CheckpointInfo]:
         """Write `job` and commit it: to storage, keeping a copy in `tier_dir` (None: none); or, `in_memory`, into
         `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
-        persisted."""
+        persisted. With `planner` (every rank's `repeats`), each rank writes by its last plan, without `dcp.save`."""
         step_uri = self._step_uri(job.step)
         record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
         error: Optional[str] = None
+        results: Optional[list] = None  # this rank's DCP write results, for rank 0's metadata, when `planner`
         # From the staged copy, in the background, beside the write (both only read it), so training waits for
         # neither; rank 0 only writes the manifest, so only rank 0 computes it.
         digesting = (
@@ -143,19 +154,19 @@ class Committing:
                     die_after_items=1 if job.step == self.writer_dies_at_step else None,
                     **self._options,
                 )
-            dcp.save(
-                job.state,
-                storage_writer=writer,
-                planner=self._planner(),
-                process_group=self._pg,
-                no_dist=not self._distributed,
-            )
+            if planner is not None:
+                results = planner.write_as_planned(writer, self.rank)
+            else:
+                dcp.save(
+                    job.state,
+                    storage_writer=writer,
+                    planner=self._planner(),
+                    process_group=self._pg,
+                    no_dist=not self._distributed,
+                )
             job.marks.append(("writing", time.perf_counter()))
-            if in_memory:
-                for name, entry in record.items():
-                    self._tier.write_digests(
-                        tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST], entry.pop(SEGMENTS_KEY)
-                    )
+            if tier_dir is not None and in_memory:
+                self._write_digests(tier_dir, record)
         except _SAVE_ERRORS as exc:
             error = _describe(exc)
             logger.error(
@@ -174,9 +185,16 @@ class Committing:
 
         outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes]] = None
         try:
-            statuses = self._gather((error, record))
+            statuses = self._gather_to_first((error, record, results))
             if self.rank == 0:
-                outcome = self._commit(job, step_uri, statuses, tier_dir if in_memory else None)
+                if planner is not None and not any(failed for failed, _, _ in statuses):
+                    statuses[0] = (
+                        self._finish_as_planned(planner, writer, record, statuses, tier_dir),
+                        *statuses[0][1:],
+                    )
+                outcome = self._commit(
+                    job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None
+                )
             outcome = self._broadcast(outcome)
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             outcome = (None, _describe(exc), b"")
@@ -227,6 +245,40 @@ class Committing:
                 except Exception as exc:
                     logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
         return info
+
+    def _write_digests(self, tier_dir: str, record: dict[str, dict]) -> None:
+        """The digests file of each file of `record` written straight into the memory tier (taking its segments)."""
+        for name, entry in record.items():
+            if SEGMENTS_KEY in entry:
+                self._tier.write_digests(
+                    tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST], entry.pop(SEGMENTS_KEY)
+                )
+
+    def _finish_as_planned(
+        self, planner: ReusingSavePlanner, writer: _Writer, record: dict, statuses: list, tier_dir: Optional[str]
+    ) -> Optional[str]:
+        """Rank 0, every rank having written by its last plan: write the checkpoint's metadata from every rank's write
+        results, recorded (`record`, the writer's) into rank 0's status, as `dcp.save` would have before the gather.
+        An error, or None."""
+        before = set(record)
+        try:
+            planner.finish_as_planned(writer, [results for _, _, results in statuses])
+            written = {name: entry for name, entry in record.items() if name not in before}
+            if tier_dir is not None:
+                self._write_digests(tier_dir, written)
+        except _SAVE_ERRORS as exc:
+            logger.error("checkpoint: rank 0 could not write the metadata: %s", _describe(exc), exc_info=True)
+            return _describe(exc)
+        statuses[0][1].update(written)
+        return None
+
+    def _all(self, *flags: bool) -> list[bool]:
+        """Each of `flags` and-ed over the ranks (one all_reduce of a small tensor)."""
+        if not self._distributed:
+            return list(flags)
+        agreed = torch.tensor([int(flag) for flag in flags], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._pg)
+        return [bool(flag) for flag in agreed.tolist()]
 
     def _planner(self) -> ReusingSavePlanner:
         """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""

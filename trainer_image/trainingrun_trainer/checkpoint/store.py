@@ -263,6 +263,14 @@ class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating)
         dist.all_gather_object(out, obj, group=self._pg)
         return out
 
+    def _gather_to_first(self, obj: Any) -> list:
+        """Every rank's `obj` on rank 0 (in rank order); [] on the other ranks."""
+        if not self._distributed:
+            return [obj]
+        out: Optional[list] = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, group=self._pg, group_dst=0)
+        return out or []
+
     def _broadcast(self, obj: Any) -> Any:
         if not self._distributed:
             return obj
