@@ -30,6 +30,7 @@ of them) equal in type and value to the one it saved last under that name.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 from typing import Any, Hashable, Optional, Sequence
 
@@ -141,7 +142,11 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def write_as_planned(self, writer: Any, rank: int) -> list[WriteResult]:
         """Write this rank's part of the state set up by `repeats` with `writer` (a DCP StorageWriter) by the last final
         plan, as `dcp.save` would; this rank's write results."""
-        writer.set_up_storage_writer(self.is_coordinator, rank=rank, use_collectives=True)
+        # As dcp.save does: an older torch's writers take no rank.
+        if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
+            writer.set_up_storage_writer(self.is_coordinator, rank=rank, use_collectives=True)
+        else:
+            writer.set_up_storage_writer(self.is_coordinator)
         return writer.write_data(self._finished["plan"], self).wait()
 
     def finish_as_planned(self, writer: Any, results: Sequence[list[WriteResult]]) -> None:
