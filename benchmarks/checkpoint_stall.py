@@ -188,6 +188,8 @@ def copy_floor_seconds(tier: str, step: int) -> float:
     from trainingrun_trainer.checkpoint.tensor_files import READ_THREADS
 
     files = sorted(Path(tier).glob(f"step-{step:08d}/*.distcp"))
+    if not files:
+        raise SystemExit(f"no data files of step {step} in {tier}")
     buffers = [np.ones(path.stat().st_size, dtype=np.uint8) for path in files]  # touched: no page faults timed
 
     def copy(fd: int, view: memoryview, start: int, end: int) -> None:
@@ -207,10 +209,7 @@ def copy_floor_seconds(tier: str, step: int) -> float:
                     done.result()
             finally:
                 os.close(fd)
-    seconds = time.perf_counter() - began
-    if not files:
-        raise SystemExit(f"no data files of step {step} in {tier}")
-    return seconds
+    return time.perf_counter() - began
 
 
 def fsspec_read_seconds(server, uri: str, step: int) -> float:

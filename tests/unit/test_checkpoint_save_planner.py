@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_checkpoint import app_state, make_model, train_step
+from test_checkpoint_persist_behind import behind as persisting_behind
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
@@ -93,9 +94,7 @@ def dcp_saves(monkeypatch):
 
 
 def behind(tmp_path) -> CheckpointStore:
-    return CheckpointStore(
-        f"file://{tmp_path}/bucket", memory_tier=str(tmp_path / "shm" / "tier"), persist_behind=True, keep=10
-    )
+    return persisting_behind(tmp_path / "bucket", tmp_path / "shm" / "tier")
 
 
 def test_saves_of_an_unchanged_layout_to_memory_are_written_by_the_last_plan_and_load_from_either_tier(

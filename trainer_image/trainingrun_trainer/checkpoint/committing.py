@@ -10,7 +10,6 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .layout import (
@@ -188,10 +187,10 @@ class Committing:
             statuses = self._gather_to_first((error, record, results))
             if self.rank == 0:
                 if planner is not None and not any(failed for failed, _, _ in statuses):
-                    statuses[0] = (
-                        self._finish_as_planned(planner, writer, record, statuses, tier_dir),
-                        *statuses[0][1:],
+                    failed = self._finish_as_planned(
+                        planner, writer, record, [done for _, _, done in statuses], tier_dir
                     )
+                    statuses[0] = (failed, record, None)  # rank 0's record, the metadata's entry added
                 outcome = self._commit(
                     job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None
                 )
@@ -247,7 +246,8 @@ class Committing:
         return info
 
     def _write_digests(self, tier_dir: str, record: dict[str, dict]) -> None:
-        """The digests file of each file of `record` written straight into the memory tier (taking its segments)."""
+        """The digests file of each file of `record` written straight into the memory tier whose digests file is not
+        written yet (its entry still holds its segments, which this takes)."""
         for name, entry in record.items():
             if SEGMENTS_KEY in entry:
                 self._tier.write_digests(
@@ -255,30 +255,19 @@ class Committing:
                 )
 
     def _finish_as_planned(
-        self, planner: ReusingSavePlanner, writer: _Writer, record: dict, statuses: list, tier_dir: Optional[str]
+        self, planner: ReusingSavePlanner, writer: _Writer, record: dict, results: list, tier_dir: Optional[str]
     ) -> Optional[str]:
         """Rank 0, every rank having written by its last plan: write the checkpoint's metadata from every rank's write
-        results, recorded (`record`, the writer's) into rank 0's status, as `dcp.save` would have before the gather.
-        An error, or None."""
-        before = set(record)
+        `results`, as `dcp.save` would have before the gather (the writer records it in rank 0's `record`). An error,
+        or None."""
         try:
-            planner.finish_as_planned(writer, [results for _, _, results in statuses])
-            written = {name: entry for name, entry in record.items() if name not in before}
+            planner.finish_as_planned(writer, results)
             if tier_dir is not None:
-                self._write_digests(tier_dir, written)
+                self._write_digests(tier_dir, record)  # the metadata's: the data files' were written before
         except _SAVE_ERRORS as exc:
             logger.error("checkpoint: rank 0 could not write the metadata: %s", _describe(exc), exc_info=True)
             return _describe(exc)
-        statuses[0][1].update(written)
         return None
-
-    def _all(self, *flags: bool) -> list[bool]:
-        """Each of `flags` and-ed over the ranks (one all_reduce of a small tensor)."""
-        if not self._distributed:
-            return list(flags)
-        agreed = torch.tensor([int(flag) for flag in flags], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._pg)
-        return [bool(flag) for flag in agreed.tolist()]
 
     def _planner(self) -> ReusingSavePlanner:
         """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""

@@ -263,6 +263,14 @@ class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating)
         dist.all_gather_object(out, obj, group=self._pg)
         return out
 
+    def _all(self, *flags: bool) -> list[bool]:
+        """Each of `flags` and-ed over the ranks (one all_reduce of a small tensor, no pickling)."""
+        if not self._distributed:
+            return list(flags)
+        agreed = torch.tensor([int(flag) for flag in flags], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._pg)
+        return [bool(flag) for flag in agreed.tolist()]
+
     def _gather_to_first(self, obj: Any) -> list:
         """Every rank's `obj` on rank 0 (in rank order); [] on the other ranks."""
         if not self._distributed:
