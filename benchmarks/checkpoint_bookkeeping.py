@@ -6,8 +6,8 @@ What is measured
     Two processes on gloo (torch.multiprocessing, 127.0.0.1), each with the trainer's small benchmark model
     (`CharTransformer` dim 128, 2 layers, 4 heads, context 64: 0.44 M parameters) and its AdamW state, and a
     `CheckpointStore` persisting behind (memory tier in /dev/shm, storage file:// in a temp dir), as the trainer saves:
-    `save(..., copy_in_background=("model", "optim"))`, `wait_copied()`, then `wait()` and `wait_persisted()` so that
-    each save is whole before the next. After `--warmup` saves, `--saves` saves are timed: each rank's CPU time per
+    `save(..., copy_in_background=("model", "optim"), model_digest=DigestOfEntry("model"))`, `wait_copied()`, then
+    `wait()` and `wait_persisted()` so that each save is whole before the next. After `--warmup` saves, `--saves` saves are timed: each rank's CPU time per
     save (getrusage) and per thread (/proc/self/task: the training thread, the store's checkpoint and persister threads,
     gloo's), and the wall time per save. No training runs beside the saves: this is what a save costs, not what it
     costs the steps beside it (`trainer_overhead.py --checkpoint-every` measures that).
@@ -16,13 +16,16 @@ What is measured
     to rank 0, which merges them and sends each its final plan, then gathers the write results and sends every rank
     the metadata), "plans once" (the store's planner through `dcp.save`, as before the store skipped it) and "by the
     last plan" (the store as it is: while every rank's layout is unchanged, each writes by its last plan and rank 0
-    writes the metadata from the results it gathers anyway). Each side runs `--repeats` times, alternating; medians
+    writes the metadata from the results it gathers anyway, and each rank stages only the tensors its plan writes).
+    Each side runs `--repeats` times, alternating; medians
     are printed.
 
 Run by hand, never by the test suite:
     /work/venv/bin/python benchmarks/checkpoint_bookkeeping.py          # ~1 minute on the 2-core VM
 The last line is `result: cpu_ms_per_save_plans_once=<x> cpu_ms_per_save_plans_every_save=<x> ratio=<x>
-cpu_ms_per_save_by_last_plan=<x> ratio_by_last_plan=<x>` (both ranks summed; ratios against planning every save).
+cpu_ms_per_save_by_last_plan=<x> ratio_by_last_plan=<x> node_memory_bytes_by_last_plan=<x>
+node_memory_bytes_plans_once=<x>` (both ranks summed; ratios against planning every save; the bytes are the data files
+one save puts in node memory, which persisting then copies to storage).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def worker(rank: int, port: int, root: str, side: str, warmup: int, saves: int, 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainingrun_trainer.checkpoint import CheckpointStore
+    from trainingrun_trainer.checkpoint import CheckpointStore, DigestOfEntry
     from trainingrun_trainer.checkpoint.save_planner import ReusingSavePlanner
     from trainingrun_trainer.models import CharTransformer
 
@@ -97,7 +100,11 @@ def worker(rank: int, port: int, root: str, side: str, warmup: int, saves: int, 
 
     def save(step: int) -> None:
         store.save(
-            step, {"model": model_state, "optim": optim_state}, {"step": step}, copy_in_background=("model", "optim")
+            step,
+            {"model": model_state, "optim": optim_state},
+            {"step": step},
+            copy_in_background=("model", "optim"),
+            model_digest=DigestOfEntry("model"),
         )
         store.wait_copied()
         if store.wait() is None:
@@ -115,7 +122,14 @@ def worker(rank: int, port: int, root: str, side: str, warmup: int, saves: int, 
     cpu = usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime
     per_thread = {name: (seconds - threads_before.get(name, 0.0)) * 1000 / saves for name, seconds in threads.items()}
     Path(out, f"rank{rank}.json").write_text(
-        json.dumps({"cpu_ms": cpu * 1000 / saves, "wall_ms": wall * 1000 / saves, "threads": per_thread})
+        json.dumps(
+            {
+                "cpu_ms": cpu * 1000 / saves,
+                "wall_ms": wall * 1000 / saves,
+                "threads": per_thread,
+                "bytes": store.last_save_bytes,  # this rank's files of the last save, in node memory
+            }
+        )
     )
     store.close()
     dist.destroy_process_group()
@@ -161,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     for side in SIDES:
         total[side] = statistics.median(run[0]["cpu_ms"] + run[1]["cpu_ms"] for run in runs[side])
     ratio, ratio_by_last_plan = total[SIDES[1]] / total[SIDES[0]], total[SIDES[2]] / total[SIDES[0]]
+    stored = {side: statistics.median(run[0]["bytes"] + run[1]["bytes"] for run in runs[side]) for side in SIDES}
+    print(f"{'both ranks: bytes in node memory':<44}" + "".join(f"{stored[side]:>22,.0f}" for side in SIDES))
     print(
         f"both ranks' CPU per save: {total[SIDES[2]]:.1f} ms by the last plan ({ratio_by_last_plan:.2f}x planning every "
         f"save), {total[SIDES[1]]:.1f} ms planning once ({ratio:.2f}x), {total[SIDES[0]]:.1f} ms planning every save"
@@ -168,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"result: cpu_ms_per_save_plans_once={total[SIDES[1]]:.1f} cpu_ms_per_save_plans_every_save="
         f"{total[SIDES[0]]:.1f} ratio={ratio:.3f} cpu_ms_per_save_by_last_plan={total[SIDES[2]]:.1f} "
-        f"ratio_by_last_plan={ratio_by_last_plan:.3f}"
+        f"ratio_by_last_plan={ratio_by_last_plan:.3f} node_memory_bytes_by_last_plan={stored[SIDES[2]]:.0f} "
+        f"node_memory_bytes_plans_once={stored[SIDES[1]]:.0f}"
     )
     return 0
 

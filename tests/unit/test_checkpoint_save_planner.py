@@ -11,9 +11,10 @@ import torch.multiprocessing as mp
 from test_checkpoint import app_state, make_model, train_step
 from test_checkpoint_persist_behind import behind as persisting_behind
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from trainingrun_trainer.checkpoint import CheckpointStore, committing, memory_tier, model_digest
+from trainingrun_trainer.checkpoint import CheckpointStore, DigestOfEntry, committing, memory_tier, model_digest
 from trainingrun_trainer.checkpoint.save_planner import ReusingSavePlanner, layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -66,12 +67,14 @@ def test_two_stores_in_one_process_keep_their_own_plans(tmp_path):
         assert loaded(two, 1, {"model": {"v": torch.zeros(4)}})["model"]["v"].tolist() == [1.0] * 4
 
 
-def test_the_layout_is_what_a_write_item_records_and_only_plain_tensors_and_values_have_one():
+def test_the_layout_is_what_a_plan_depends_on_and_only_plain_tensors_and_values_have_one():
     base = layout({"w": torch.zeros(2, 3), "extra": b"x"})
     assert base == layout({"w": torch.ones(2, 3), "extra": b"longer"})  # values do not matter
     assert base != layout({"w": torch.zeros(3, 2), "extra": b"x"})
     assert base != layout({"w": torch.zeros(2, 3, dtype=torch.float16), "extra": b"x"})
-    assert base != layout({"w": torch.zeros(2, 3, requires_grad=True), "extra": b"x"})
+    # A staged copy never requires grad and may lie in pinned pages: the live state's layout is the staged one's.
+    assert base == layout({"w": torch.nn.Parameter(torch.zeros(2, 3)), "extra": b"x"})
+    assert base == layout({"w": torch.zeros(2, 3, device="meta"), "extra": b"x"})
 
     class Subclass(torch.Tensor):  # DTensor and other subclasses plan themselves
         pass
@@ -199,6 +202,89 @@ def test_two_ranks_write_repeated_saves_by_their_last_plans(tmp_path):
             assert extra == {"rank": rank, "step": 3}
             assert digest == result["expected"]
     assert CheckpointStore(uri).list(verify=True)[0].valid
+
+
+def _staging_worker(rank: int, init_file: str, uri: str, tier: str, out_dir: str) -> None:
+    memory_tier.RESERVE_SHARE = 0.0
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)  # replicated weights, as DDP keeps them
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with CheckpointStore(uri, memory_tier=tier, persist_behind=True, keep=10) as store:
+            for step in (1, 2, 3):
+                train_step_wide(model, opt, seed=step)
+                saved = {"digest": model_digest(model.state_dict()), "moments": optimizer_moments(opt)}
+                store.save(
+                    step,
+                    app_state(model, opt),
+                    {"rank": rank, "step": step},
+                    copy_in_background=("model", "optim"),
+                    model_digest=DigestOfEntry("model"),
+                )
+                store.wait_copied()
+                train_step_wide(model, opt, seed=10 + step)  # changes the tensors being saved
+                info = store.wait()
+                assert info is not None and info.model_digest == saved["digest"]
+        restored = {}
+        for memory in (tier, None):  # a restart in place, then a new pod
+            torch.manual_seed(5)
+            fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            train_step_wide(fresh, fresh_opt, seed=99)  # the moments exist to load into
+            state = app_state(fresh, fresh_opt)
+            with CheckpointStore(uri, memory_tier=memory, persist_behind=True) as store:
+                extra = store.load(store.latest_valid(), state)
+                set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                restored[store.last_restore_source] = [
+                    extra,
+                    model_digest(fresh.state_dict()) == saved["digest"],
+                    all(torch.equal(a, b) for a, b in zip(optimizer_moments(fresh_opt), saved["moments"])),
+                ]
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(restored))
+    finally:
+        dist.destroy_process_group()
+
+
+def train_step_wide(model, opt, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    model(torch.randn(5, 64, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def optimizer_moments(opt) -> list:
+    return [value.clone() for state in opt.state.values() for value in state.values() if value.dim() > 0]
+
+
+@pytest.mark.slow
+def test_each_rank_stages_into_node_memory_only_what_its_last_plan_writes(tmp_path):
+    """DCP's plan writes each replicated tensor from one rank; once a plan is known, a rank stages only its part into
+    its data file (the first save, planned by DCP, staged everything on both ranks). Both ranks restore the state of
+    save time from either tier, though training changed the tensors the moment each copy was made."""
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(
+        _staging_worker,
+        args=(str(tmp_path / "pg-store"), uri, str(tmp_path / "node" / "tier"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    for rank in range(2):
+        restored = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert restored == {source: [{"rank": rank, "step": 3}, True, True] for source in ("memory", "storage")}
+    steps = {info.step: info for info in CheckpointStore(uri).list(verify=True)}
+    assert all(info.valid for info in steps.values())
+    data = {
+        step: [size for name, size in info.files.items() if name.endswith(".distcp")] for step, info in steps.items()
+    }
+    assert len(data[1]) == len(data[3]) == 2
+    state_bytes = 3 * sum(
+        p.numel() * 4 for p in torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).parameters()
+    )
+    assert all(size > state_bytes for size in data[1])  # each rank's whole state: half of it never read
+    assert state_bytes < sum(data[3]) < 1.1 * state_bytes  # one copy of the state between them
+    assert max(data[3]) < 0.75 * state_bytes  # both ranks write a part
 
 
 def test_a_plain_value_is_serialized_again_only_when_its_type_or_value_changes(tmp_path, monkeypatch):

@@ -108,28 +108,73 @@ def test_a_staged_file_of_several_segments_records_the_digests_of_its_bytes(buck
     assert recorded["file_digest"][1] == xxhash.xxh3_128(content).hexdigest() and recorded["size"] == len(content)
 
 
-def test_a_save_that_finds_no_room_to_stage_in_memory_commits_to_storage(bucket, memory, monkeypatch, caplog):
+def test_a_rank_stages_into_its_file_only_the_tensors_its_plan_writes(tmp_path):
+    planned, digested, elsewhere = torch.arange(1000.0), torch.ones(300), torch.full((500,), 2.0)
+    tree = {"model": {"planned": planned, "digested": digested}, "optim": {"elsewhere": elsewhere, "lr": 0.1}}
+    staged_file = tier_staging.StagedFile(str(tmp_path / tier_staging.data_file_name(1)))
+    staged = staged_file.stage(tree, planned=[planned], also_copied=[digested])
+    planned.zero_(), digested.zero_(), elsewhere.zero_()  # training goes on
+    try:
+        assert staged_file.size == -(-planned.nbytes // tier_staging.ALIGN) * tier_staging.ALIGN  # what the plan writes
+        assert staged["model"]["planned"].tolist() == list(range(1000))
+        assert staged["model"]["digested"].tolist() == [1.0] * 300  # copied, outside the file
+        placeholder = staged["optim"]["elsewhere"]
+        assert placeholder.device.type == "meta" and placeholder.shape == (500,) and placeholder.dtype == torch.float32
+        assert staged["optim"]["lr"] == 0.1
+    finally:
+        staged_file.close()
+
+
+def no_room_to_stage(monkeypatch) -> None:
+    def full(fd, offset, length):  # /dev/shm filled by something else since the room check
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier_staging.os, "posix_fallocate", full)
+
+
+def test_a_first_save_that_finds_no_room_to_stage_in_memory_commits_to_storage(bucket, memory, monkeypatch, caplog):
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        no_room_to_stage(monkeypatch)
+        digest = model_digest(model.state_dict())
+        with caplog.at_level(logging.INFO):
+            save_as_the_trainer_does(store, 1, model, opt)
+            store.wait_copied()
+            info = store.wait()
+        assert info.step == 1 and store.in_storage == info
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("cannot stage its state" in m and "No space left" in m and "commits to storage" in m for m in messages)
+    assert any("committed checkpoint step 1 to" in m for m in messages)
+    assert steps_in(bucket) == [1] and 1 not in steps_in(memory)
+    assert restored(bucket, None) == (1, digest, "storage")
+
+
+def test_a_repeated_save_that_finds_no_room_to_stage_fails_alone_and_the_next_one_commits(
+    bucket, memory, monkeypatch, caplog
+):
+    """A save written by the last plan stages only what that plan writes, so it cannot fall back to storage, where DCP
+    plans afresh and may ask this rank for any tensor: it fails, with the reason, and nothing committed is lost."""
     model, opt = trained()
     with behind(bucket, memory) as store:
         save_as_the_trainer_does(store, 1, model, opt)
         assert store.flush().step == 1
-
-        def full(fd, offset, length):  # /dev/shm filled by something else since the room check
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(tier_staging.os, "posix_fallocate", full)
-        train_step(model, opt, seed=2)
+        with monkeypatch.context() as patched:
+            no_room_to_stage(patched)
+            train_step(model, opt, seed=2)
+            with caplog.at_level(logging.INFO):
+                save_as_the_trainer_does(store, 2, model, opt)
+                store.wait_copied()
+                assert store.wait() is None
+        assert store.failed_saves == 1 and store.in_memory.step == 1
+        train_step(model, opt, seed=3)
         digest = model_digest(model.state_dict())
-        with caplog.at_level(logging.INFO):
-            save_as_the_trainer_does(store, 2, model, opt)
-            store.wait_copied()
-            info = store.wait()
-        assert info.step == 2 and store.in_storage == info
+        save_as_the_trainer_does(store, 3, model, opt)
+        assert store.flush().step == 3
     messages = [r.getMessage() for r in caplog.records]
-    assert any("cannot stage its state" in m and "No space left" in m for m in messages)
-    assert any("committed checkpoint step 2 to" in m for m in messages)
-    assert steps_in(bucket) == [1, 2] and 2 not in steps_in(memory)
-    assert restored(bucket, None) == (2, digest, "storage")
+    assert any("cannot stage its state" in m and "No space left" in m and "this save fails" in m for m in messages)
+    assert "checkpoint step 2: rank 0 had no room in node memory to stage its state after all" in messages
+    assert 2 not in steps_in(memory) and 2 not in steps_in(bucket)
+    assert restored(bucket, memory) == (3, digest, "memory")
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .checkpoint import model_digest
+from .checkpoint import DigestOfEntry, model_digest
 from .optim import scale_learning_rate
 from .seeding import rng_state, seed_everything, set_rng_state
 from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank
@@ -110,7 +110,7 @@ class TrainerCheckpoints:
             state["model"] = state["model"].state_dict()
             digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
         else:
-            digest = lambda staged: model_digest(staged["model"])  # noqa: E731 - rank 0 computes it in the background
+            digest = DigestOfEntry("model")  # rank 0 computes it in the background
         self.session.save(
             self.step,
             state,

@@ -102,7 +102,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # single-process is a supported mode here, so that one message is silenced.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
-from .digest import model_digest  # noqa: E402
+from .digest import DigestOfEntry, model_digest  # noqa: E402
 from .export import load_everything, to_torch_save  # noqa: E402
 from .layout import (  # noqa: E402
     FORMAT_VERSION,
@@ -131,6 +131,7 @@ __all__ = [
     "load_everything",
     "load_plain",
     "model_digest",
+    "DigestOfEntry",
     "now_rfc3339",
     "step_dir_name",
     "to_json",

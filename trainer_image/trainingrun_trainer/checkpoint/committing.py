@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from typing import Optional
 
@@ -24,9 +23,9 @@ from .layout import (
     now_rfc3339,
 )
 from .save_planner import ReusingSavePlanner
-from .saving import _plain, _SaveJob
+from .saving import _SaveJob
 from .tier_files import SEGMENTS_KEY
-from .tier_staging import StagedFile, data_file_name, stageable
+from .tier_staging import StagedFile
 from .writer import _Writer
 
 
@@ -39,72 +38,73 @@ class Committing:
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
         if not self.persist_behind:
+            self._take_later(job)
             self._stage_later(job, None)
             job.marks.append(("staging", time.perf_counter()))
             return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
         with self._persist_lock:  # the persister may be taking the next step to copy
             keep = self._persist_steps()
         tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=keep)
-        staged = self._stage_later(job, tier_dir)
-        job.marks.append(("staging", time.perf_counter()))
+        planner = self._planner()
+        self._take_later(job)
         try:
-            if staged is not None and staged.failed:
-                self._tier.discard(job.step)  # no room after all: this rank's tier gets nothing of this step
-                tier_dir = None
-            planner = self._planner()
-            try:
-                repeats = planner.repeats(job.state, is_coordinator=self.rank == 0)
-                # Every rank takes the same path: the memory tier when every rank has room there; DCP's planning
-                # skipped when every rank's state keeps the layout of its last plan.
-                in_memory, repeats = self._all(tier_dir is not None, repeats)
-            except _SAVE_ERRORS as exc:
-                if tier_dir is not None:
-                    self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
-                self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
-                return None
-            if in_memory:
-                return self._save(job, tier_dir, in_memory=True, staged=staged, planner=planner if repeats else None)
+            # Agreed before staging: the memory tier when every rank has room there; DCP's planning skipped when every
+            # rank's state keeps the layout of its last plan, and then each rank stages only what its plan writes.
+            in_memory, repeats = self._all(
+                tier_dir is not None, self._repeats(planner, {**job.state, **(job.later or {})})
+            )
+        except _SAVE_ERRORS as exc:
+            if job.later:
+                job.later = None
+                job.copied.set_result(None)  # nothing to copy: training goes on
             if tier_dir is not None:
                 self._tier.discard(job.step)
+            self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+            return None
+        if tier_dir is not None and not in_memory:
+            self._tier.discard(job.step)
+            tier_dir = None
+        fast = in_memory and repeats
+        staged = self._stage_later(job, tier_dir, planner if fast else None)
+        job.marks.append(("staging", time.perf_counter()))
+        try:
+            if fast:
+                # Nothing may fall back to storage now: a rank's state holds only what its plan writes.
+                return self._save(
+                    job, tier_dir, True, staged, planner, error=self._fast_path_error(job, staged, planner)
+                )
+            if in_memory:
+                try:
+                    (in_memory,) = self._all(not (staged is not None and staged.failed))
+                except _SAVE_ERRORS as exc:
+                    self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
+                    self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+                    return None
+                if in_memory:
+                    return self._save(job, tier_dir, in_memory=True, staged=staged)
+                self._tier.discard(job.step)  # a rank had no room after all: every rank's save goes to storage
             return self._save(job, None)
         finally:
             if staged is not None:
                 staged.close()
 
-    def _stage_later(self, job: _SaveJob, tier_dir: Optional[str]) -> Optional[StagedFile]:
-        """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
-        may change them. Into this rank's data file in `tier_dir` when they are CPU tensors (stage once,
-        `tier_staging`; returned), else by the stager."""
-        if job.later is None:
-            return None
-        staged: Optional[StagedFile] = None
+    def _repeats(self, planner: ReusingSavePlanner, state: dict) -> bool:
+        """Whether this rank may write `state` by its last plan (`ReusingSavePlanner.repeats`); False when the planner
+        cannot take it (dcp.save then plans it, and raises what is wrong with it on every rank)."""
         try:
-            job.later = _plain(job.later)
-            if tier_dir is not None and stageable(job.later):
-                staged = StagedFile(os.path.join(tier_dir, data_file_name(self.rank)))
-                try:
-                    job.state.update(staged.stage(job.later))
-                except OSError as exc:
-                    logger.warning(
-                        "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save commits to storage",
-                        job.step,
-                        self.rank,
-                        tier_dir,
-                        _describe(exc),
-                    )
-                    staged.failed = True
-                    staged.close()
-            if staged is None or staged.failed:
-                job.state.update(self._stager(job.shared)(job.later))
-        except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
-            job.copied.set_exception(exc)
-            if staged is not None:
-                staged.close()
-            raise
-        finally:
-            job.later = None
-        job.copied.set_result(None)
-        return staged
+            return planner.repeats(state, is_coordinator=self.rank == 0)
+        except _SAVE_ERRORS:
+            return False
+
+    def _fast_path_error(
+        self, job: _SaveJob, staged: Optional[StagedFile], planner: ReusingSavePlanner
+    ) -> Optional[str]:
+        """Why this rank cannot write its staged state by its last plan (every rank agreed it would), or None."""
+        if staged is not None and staged.failed:
+            return f"rank {self.rank} had no room in node memory to stage its state after all"
+        if not self._repeats(planner, job.state):
+            return f"rank {self.rank}'s staged state does not have the layout of its last plan"
+        return None
 
     def _save(
         self,
@@ -113,70 +113,40 @@ class Committing:
         in_memory: bool = False,
         staged: Optional[StagedFile] = None,
         planner: Optional[ReusingSavePlanner] = None,
+        error: Optional[str] = None,
     ) -> Optional[CheckpointInfo]:
         """Write `job` and commit it: to storage, keeping a copy in `tier_dir` (None: none); or, `in_memory`, into
         `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
-        persisted. With `planner` (every rank's `repeats`), each rank writes by its last plan, without `dcp.save`."""
+        persisted. With `planner` (every rank's `repeats`), each rank writes by its last plan, without `dcp.save`.
+        `error`: this rank cannot write its part (by its last plan); it joins the commit, which then fails."""
         step_uri = self._step_uri(job.step)
         record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
-        error: Optional[str] = None
         results: Optional[list] = None  # this rank's DCP write results, for rank 0's metadata, when `planner`
         # From the staged copy, in the background, beside the write (both only read it), so training waits for
         # neither; rank 0 only writes the manifest, so only rank 0 computes it.
         digesting = (
             self._digesting.submit(job.model_digest, job.state)
-            if callable(job.model_digest) and self.rank == 0
+            if callable(job.model_digest) and self.rank == 0 and error is None
             else None
         )
-        try:
-            if in_memory:
-                assert tier_dir is not None  # every rank has one when in_memory
-                writer = _Writer(
-                    tier_dir,
-                    record,
-                    on_global_plan=lambda: None,
-                    sync_files=False,
-                    process=self._writer if job.shared and staged is None else None,
-                    segments=True,
-                    staged=staged,
-                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
-                )
-            else:
-                writer = _Writer(
-                    step_uri,
-                    record,
-                    on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
-                    sync_files=self._storage.local,
-                    tier=self._tier,
-                    tier_dir=tier_dir,
-                    process=self._writer if job.shared else None,
-                    die_after_items=1 if job.step == self.writer_dies_at_step else None,
-                    **self._options,
-                )
-            if planner is not None:
-                results = planner.write_as_planned(writer, self.rank)
-            else:
-                dcp.save(
-                    job.state,
-                    storage_writer=writer,
-                    planner=self._planner(),
-                    process_group=self._pg,
-                    no_dist=not self._distributed,
-                )
-            job.marks.append(("writing", time.perf_counter()))
-            if tier_dir is not None and in_memory:
-                self._write_digests(tier_dir, record)
-        except _SAVE_ERRORS as exc:
-            error = _describe(exc)
-            logger.error(
-                "checkpoint step %d: rank %d could not write %s: %s",
-                job.step,
-                self.rank,
-                tier_dir if in_memory else step_uri,
-                error,
-                exc_info=True,
-            )
+        writer: Optional[_Writer] = None
+        if error is not None:
+            logger.error("checkpoint step %d: %s", job.step, error)
             job.logged = True
+        else:
+            try:
+                writer, results = self._write(job, step_uri, record, tier_dir, in_memory, staged, planner)
+            except _SAVE_ERRORS as exc:
+                error = _describe(exc)
+                logger.error(
+                    "checkpoint step %d: rank %d could not write %s: %s",
+                    job.step,
+                    self.rank,
+                    tier_dir if in_memory else step_uri,
+                    error,
+                    exc_info=True,
+                )
+                job.logged = True
         if callable(job.model_digest):
             job.model_digest = digesting.result() if digesting is not None and error is None else ""
         job.state = None  # drop the staged copy
@@ -187,6 +157,7 @@ class Committing:
             statuses = self._gather_to_first((error, record, results))
             if self.rank == 0:
                 if planner is not None and not any(failed for failed, _, _ in statuses):
+                    assert writer is not None  # rank 0 wrote its part
                     failed = self._finish_as_planned(
                         planner, writer, record, [done for _, _, done in statuses], tier_dir
                     )
@@ -244,6 +215,58 @@ class Committing:
                 except Exception as exc:
                     logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
         return info
+
+    def _write(
+        self,
+        job: _SaveJob,
+        step_uri: str,
+        record: dict,
+        tier_dir: Optional[str],
+        in_memory: bool,
+        staged: Optional[StagedFile],
+        planner: Optional[ReusingSavePlanner],
+    ) -> tuple[_Writer, Optional[list]]:
+        """This rank's part of `_save`: its files written (their manifest entries into `record`); the writer, and this
+        rank's write results when it wrote by `planner`'s last plan."""
+        if in_memory:
+            assert tier_dir is not None  # every rank has one when in_memory
+            writer = _Writer(
+                tier_dir,
+                record,
+                on_global_plan=lambda: None,
+                sync_files=False,
+                process=self._writer if job.shared and staged is None else None,
+                segments=True,
+                staged=staged,
+                die_after_items=1 if job.step == self.writer_dies_at_step else None,
+            )
+        else:
+            writer = _Writer(
+                step_uri,
+                record,
+                on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
+                sync_files=self._storage.local,
+                tier=self._tier,
+                tier_dir=tier_dir,
+                process=self._writer if job.shared else None,
+                die_after_items=1 if job.step == self.writer_dies_at_step else None,
+                **self._options,
+            )
+        if planner is not None:
+            results: Optional[list] = planner.write_as_planned(writer, self.rank)
+        else:
+            results = None
+            dcp.save(
+                job.state,
+                storage_writer=writer,
+                planner=self._planner(),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
+        job.marks.append(("writing", time.perf_counter()))
+        if tier_dir is not None and in_memory:
+            self._write_digests(tier_dir, record)
+        return writer, results
 
     def _write_digests(self, tier_dir: str, record: dict[str, dict]) -> None:
         """The digests file of each file of `record` written straight into the memory tier whose digests file is not

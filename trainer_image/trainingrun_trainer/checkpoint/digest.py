@@ -61,4 +61,17 @@ def model_digest(state_dict: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
+class DigestOfEntry:
+    """The `model_digest` of one entry of a staged state (`CheckpointStore.save(model_digest=DigestOfEntry("model"))`):
+    rank 0 computes it in the background from its staged copy. Naming the entry lets rank 0 copy only that entry whole
+    where its save plan writes part of the state (with several ranks); any other function of the staged state makes it
+    copy the whole state."""
+
+    def __init__(self, entry: str = "model"):
+        self.entry = entry
+
+    def __call__(self, staged: Mapping[str, Any]) -> str:
+        return model_digest(staged[self.entry])
+
+
 # --------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ save's work.
 
 DCP's own plan caching (`enable_plan_caching`) sends an empty plan when the rank's plan equals the last one, and the
 coordinator then reuses its merged plan and metadata. It still builds every write item to compare; this planner
-skips that too when the state's layout (each entry's name, kind, shape, dtype, layout, requires_grad and pinning:
-what a write item records) is the one the last finished plan was made from. Only plain tensors and byte entries take
+skips that too when the state's layout (each entry's name, kind, shape, dtype and layout) is the one the last finished
+plan was made from. A write item also records requires_grad and pinning, which the layout leaves out: staged copies
+never require grad, and whether the memory tier could pin its pages does not change a plan, so the live state's
+layout (before staging) is the staged one's, and the metadata keeps what the last planned save's staged copy was. Only plain tensors and byte entries take
 the shortcut; a state with DTensors or sharded tensors is planned by DCP as before.
 
 Even planning once, `dcp.save` runs four object collectives a save: every rank's (empty) plan to the coordinator and
@@ -48,8 +50,8 @@ def layout(state_dict: dict[str, Any]) -> Optional[tuple[Hashable, ...]]:
     DCP writes as bytes."""
     parts: list[Hashable] = []
     for name, value in state_dict.items():
-        if type(value) is torch.Tensor:  # noqa: E721 - subclasses (DTensor...) plan themselves
-            parts.append((name, value.dtype, value.layout, value.requires_grad, value.is_pinned(), tuple(value.shape)))
+        if type(value) in (torch.Tensor, torch.nn.Parameter):  # other subclasses (DTensor...) plan themselves
+            parts.append((name, value.dtype, value.layout, tuple(value.shape)))
         elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
             return None
         else:
@@ -138,6 +140,15 @@ class ReusingSavePlanner(DefaultSavePlanner):
             and "plan" in self._finished
             and (not is_coordinator or "metadata" in self._finished)
         )
+
+    def planned_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the state set up by `repeats` that this rank's last final plan writes (DCP's plan writes each
+        replicated tensor from one rank only: the rest of this rank's state need not be staged)."""
+        return [
+            value
+            for value in (self.state_dict.get(item.index.fqn) for item in self._finished["plan"].items)
+            if isinstance(value, torch.Tensor)
+        ]
 
     def write_as_planned(self, writer: Any, rank: int) -> list[WriteResult]:
         """Write this rank's part of the state set up by `repeats` with `writer` (a DCP StorageWriter) by the last final

@@ -1,8 +1,10 @@
-"""Saving on the training thread: staging a state and handing it to the checkpoint thread (a part of `CheckpointStore`)."""
+"""Saving on the training thread: staging a state and handing it to the checkpoint thread, which stages what the
+training thread left to it (`copy_in_background`) (a part of `CheckpointStore`)."""
 
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import time
 from concurrent.futures import Future
@@ -16,10 +18,12 @@ from .layout import (
     EXTRA_ENTRY,
     CheckpointInfo,
     PendingSave,
+    _describe,
     logger,
 )
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
-from .tier_staging import plain_tensors
+from .save_planner import ReusingSavePlanner
+from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable, tensors_of
 
 #: Where shared memory lives (torch's shared tensors, the memory tier).
 SHARED_MEMORY = "/dev/shm"
@@ -57,7 +61,8 @@ def tensor_bytes(tree: Any) -> int:
 
 
 class Saving:
-    """CheckpointStore's `save`, `wait_copied` and `wait`. State lives in `CheckpointStore.__init__`."""
+    """CheckpointStore's `save`, `wait_copied` and `wait`, and the checkpoint thread's staging of what a save left to
+    the background. State lives in `CheckpointStore.__init__`."""
 
     _pending: Optional[PendingSave]
     _copying: Optional[_SaveJob]
@@ -206,3 +211,60 @@ class Saving:
         if pending is not None:
             self._last_result = pending.result()
         return self._last_result
+
+    def _take_later(self, job: _SaveJob) -> None:
+        """Take the state_dict() of what save() left to the background (`job.later`), raising to the training thread
+        (wait_copied) what that raises, as save() would have."""
+        try:
+            job.later = _plain(job.later or {})
+        except BaseException as exc:
+            job.later = None
+            job.copied.set_exception(exc)
+            raise
+
+    def _stage_later(
+        self, job: _SaveJob, tier_dir: Optional[str], planner: Optional[ReusingSavePlanner] = None
+    ) -> Optional[StagedFile]:
+        """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
+        may change them. Into this rank's data file in `tier_dir` when they are CPU or CUDA tensors (stage once,
+        `tier_staging`; returned), else by the stager. With `planner` (set up by its `repeats`), only the tensors this
+        rank's last plan writes go into the file, and rank 0 copies what its model digest reads besides."""
+        later, job.later = job.later, None
+        if not later:  # save() told the training thread
+            return None
+        staged: Optional[StagedFile] = None
+        try:
+            if tier_dir is not None and stageable(later):
+                staged = StagedFile(os.path.join(tier_dir, data_file_name(self.rank)))
+                try:
+                    if planner is None:
+                        job.state.update(staged.stage(later))
+                    else:
+                        job.state.update(staged.stage(later, planner.planned_tensors(), self._digest_reads(job, later)))
+                except OSError as exc:
+                    logger.warning(
+                        "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save %s",
+                        job.step,
+                        self.rank,
+                        tier_dir,
+                        _describe(exc),
+                        "fails" if planner is not None else "commits to storage",
+                    )
+                    staged.failed = True
+                    staged.close()
+            if staged is None or (staged.failed and planner is None):  # not stageable, or staged to commit to storage
+                job.state.update(self._stager(job.shared)(later))
+        except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
+            job.copied.set_exception(exc)
+            if staged is not None:
+                staged.close()
+            raise
+        job.copied.set_result(None)
+        return staged
+
+    def _digest_reads(self, job: _SaveJob, later: dict) -> list:
+        """The tensors of `later` rank 0's model digest reads: those of its `entry` (`DigestOfEntry`), else all."""
+        if self.rank != 0 or not callable(job.model_digest):
+            return []
+        entry = getattr(job.model_digest, "entry", None)
+        return tensors_of(later if entry is None else later.get(entry, {}))

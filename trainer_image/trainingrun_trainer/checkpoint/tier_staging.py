@@ -25,7 +25,7 @@ import copy
 import errno
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
 
@@ -73,20 +73,21 @@ def plain_tensors(tree: Any, device: Optional[str] = None) -> bool:
 def stageable(tree: Any) -> bool:
     """Whether every tensor in `tree` is a plain strided tensor on the CPU or a CUDA device: what `StagedFile.stage`
     copies."""
-    return plain_tensors(tree) and all(tensor.device.type in ("cpu", "cuda") for tensor in _tensors(tree))
+    return plain_tensors(tree) and all(tensor.device.type in ("cpu", "cuda") for tensor in tensors_of(tree))
 
 
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """The tensors in a nested state (dicts, lists, tuples)."""
     if isinstance(tree, torch.Tensor):
         return [tree]
     if isinstance(tree, Mapping):
-        return [tensor for value in tree.values() for tensor in _tensors(value)]
+        return [tensor for value in tree.values() for tensor in tensors_of(value)]
     if isinstance(tree, (list, tuple)):
-        return [tensor for value in tree for tensor in _tensors(value)]
+        return [tensor for value in tree for tensor in tensors_of(value)]
     return []
 
 
@@ -108,15 +109,24 @@ class StagedFile:
         self.staged_bytes = 0  # the file's bytes that stage() wrote
         self.size = 0
         self.pinned = False  #: whether stage() locked the file's pages for copies from a GPU
+        self._outside: set[tuple] = set()  # keys of the tensors stage() copies outside the file
 
-    def stage(self, tree: Any) -> Any:
+    def stage(
+        self, tree: Any, planned: Optional[Iterable[torch.Tensor]] = None, also_copied: Iterable[torch.Tensor] = ()
+    ) -> Any:
         """Copy the tensors of `tree` into the file; `tree` with views of the copies in their place (containers
         rebuilt, other values deep-copied, as a stager does). Raises OSError when node memory lacks room for them
-        (before any is copied: a store into a full memory-backed mapping would end the process with SIGBUS)."""
+        (before any is copied: a store into a full memory-backed mapping would end the process with SIGBUS).
+
+        `planned`: only these tensors of `tree` go into the file (what this rank's save plan writes); of the others,
+        those in `also_copied` are copied into this process's memory (what rank 0's model digest reads) and the rest
+        stand in as tensors on the meta device, with their dtype and shape but no data (reading one raises)."""
+        chosen = None if planned is None else {_key(tensor) for tensor in planned}
+        self._outside = {_key(tensor) for tensor in also_copied}
         offsets: dict[tuple, int] = {}
         end = 0
-        for tensor in sorted(_tensors(tree), key=lambda t: -t.numel() * t.element_size()):  # largest first
-            if _key(tensor) not in offsets:
+        for tensor in sorted(tensors_of(tree), key=lambda t: -t.numel() * t.element_size()):  # largest first
+            if _key(tensor) not in offsets and (chosen is None or _key(tensor) in chosen):
                 offsets[_key(tensor)] = end
                 end = _aligned(end + tensor.numel() * tensor.element_size())
         spare = os.path.join(os.path.dirname(os.path.dirname(self.path)), SPARE_DIR, self.name)
@@ -133,7 +143,7 @@ class StagedFile:
                 if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: not /dev/shm
                     raise
         self.staged_bytes = self.size = end
-        devices = {tensor.device for tensor in _tensors(tree) if tensor.is_cuda}
+        devices = {tensor.device for tensor in tensors_of(tree) if tensor.is_cuda}
         if end and devices:
             self._bytes, self.pinned = _LOCKED.mapping(self._fd, end)
         elif end:
@@ -148,7 +158,14 @@ class StagedFile:
         if isinstance(tree, torch.Tensor):
             key = _key(tree)
             view = self._views.get(key)
-            if view is None:
+            if view is None and key not in offsets:
+                view = (
+                    tree.detach().to("cpu", copy=True)
+                    if key in self._outside
+                    else torch.empty_like(tree, device="meta")
+                )
+                self._views[key] = view
+            elif view is None:
                 nbytes = tree.numel() * tree.element_size()
                 if nbytes:
                     assert self._bytes is not None  # mapped by prepare()
