@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from test_checkpoint import app_state, make_model, train_step
 from test_checkpoint_persist_behind import behind as persisting_behind
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from trainingrun_trainer.checkpoint import CheckpointStore, DigestOfEntry, committing, memory_tier, model_digest
 from trainingrun_trainer.checkpoint.save_planner import ReusingSavePlanner, layout
