@@ -59,6 +59,11 @@ checkpoint committed while an older one is being copied replaces any still waiti
 spare. ``flush()`` (and ``close()``) waits until storage holds the newest. A restart inside the pod resumes from the
 tier's newest memory checkpoint when storage holds none as new; one whose copy turns out damaged is dropped, so the
 next restart takes storage's newest. A save the tier lacks room for (on any rank) commits to storage as above.
+While every rank's state keeps the layout of its last plan (agreed with one small all_reduce before staging), a save
+to the tier skips ``dcp.save`` (`save_planner`) and each rank stages into its file only the tensors its last plan
+writes: DCP's plan writes each replicated tensor from one rank, so the tier (and storage) holds one copy of a DDP
+model and its moments, not one per rank. Such a save cannot fall back to storage, where DCP plans afresh and may ask
+any rank for any tensor: a rank that finds no room to stage after all fails that save alone (the next one commits).
 Several nodes: each node's tier holds only its ranks' files, so saves commit to storage (the tier keeps a copy).
 
 A storage error in steps 2-4 never raises into the training loop: each rank logs it once
