@@ -152,6 +152,18 @@ def test_metadata_that_cannot_be_written_fails_that_save_only(tmp_path, dcp_save
     assert len(dcp_saves) == 1
 
 
+def on_two_ranks(worker, tmp_path) -> str:
+    """Run `worker(rank, init_file, uri, tier, out_dir)` on 2 gloo ranks sharing one node's memory tier; the uri."""
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(
+        worker,
+        args=(str(tmp_path / "pg-store"), uri, str(tmp_path / "node" / "tier"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    return uri
+
+
 def _repeating_worker(rank: int, init_file: str, uri: str, tier: str, out_dir: str) -> None:
     memory_tier.RESERVE_SHARE = 0.0
     torch.set_num_threads(1)
@@ -187,13 +199,7 @@ def _repeating_worker(rank: int, init_file: str, uri: str, tier: str, out_dir: s
 def test_two_ranks_write_repeated_saves_by_their_last_plans(tmp_path):
     """After the first save, every rank writes by its last plan and rank 0 writes the metadata from the results it
     gathers: both ranks restore their own extra state and the newest weights from memory and from storage."""
-    uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(
-        _repeating_worker,
-        args=(str(tmp_path / "pg-store"), uri, str(tmp_path / "node" / "tier"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
+    uri = on_two_ranks(_repeating_worker, tmp_path)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["saves"] for r in results] == [1, 1]
     for rank, result in enumerate(results):
@@ -263,13 +269,7 @@ def test_each_rank_stages_into_node_memory_only_what_its_last_plan_writes(tmp_pa
     """DCP's plan writes each replicated tensor from one rank; once a plan is known, a rank stages only its part into
     its data file (the first save, planned by DCP, staged everything on both ranks). Both ranks restore the state of
     save time from either tier, though training changed the tensors the moment each copy was made."""
-    uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(
-        _staging_worker,
-        args=(str(tmp_path / "pg-store"), uri, str(tmp_path / "node" / "tier"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
+    uri = on_two_ranks(_staging_worker, tmp_path)
     for rank in range(2):
         restored = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert restored == {source: [{"rank": rank, "step": 3}, True, True] for source in ("memory", "storage")}
