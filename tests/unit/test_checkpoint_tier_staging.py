@@ -21,6 +21,7 @@ from test_checkpoint_persist_behind import behind, bucket, memory, steps_in  # n
 from trainingrun_trainer.checkpoint import CheckpointStore, model_digest, tier_staging
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
 
 
 def save_as_the_trainer_does(store: CheckpointStore, step: int, model, opt) -> None:
@@ -108,8 +109,13 @@ def test_a_staged_file_of_several_segments_records_the_digests_of_its_bytes(buck
     assert recorded["file_digest"][1] == xxhash.xxh3_128(content).hexdigest() and recorded["size"] == len(content)
 
 
-def test_a_rank_stages_into_its_file_only_the_tensors_its_plan_writes(tmp_path):
-    planned, digested, elsewhere = torch.arange(1000.0), torch.ones(300), torch.full((500,), 2.0)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
+def test_a_rank_stages_into_its_file_only_the_tensors_its_plan_writes(tmp_path, device):
+    planned, digested, elsewhere = (
+        torch.arange(1000.0, device=device),
+        torch.ones(300, device=device),
+        torch.full((500,), 2.0, device=device),
+    )
     tree = {"model": {"planned": planned, "digested": digested}, "optim": {"elsewhere": elsewhere, "lr": 0.1}}
     staged_file = tier_staging.StagedFile(str(tmp_path / tier_staging.data_file_name(1)))
     staged = staged_file.stage(tree, planned=[planned], also_copied=[digested])
@@ -118,6 +124,7 @@ def test_a_rank_stages_into_its_file_only_the_tensors_its_plan_writes(tmp_path):
         assert staged_file.size == -(-planned.nbytes // tier_staging.ALIGN) * tier_staging.ALIGN  # what the plan writes
         assert staged["model"]["planned"].tolist() == list(range(1000))
         assert staged["model"]["digested"].tolist() == [1.0] * 300  # copied, outside the file
+        assert staged["model"]["digested"].device.type == "cpu"
         placeholder = staged["optim"]["elsewhere"]
         assert placeholder.device.type == "meta" and placeholder.shape == (500,) and placeholder.dtype == torch.float32
         assert staged["optim"]["lr"] == 0.1
@@ -185,7 +192,7 @@ def shm_memory(memory):
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
+@NEEDS_CUDA
 def test_gpu_tensors_are_copied_from_the_device_into_locked_memory_pages_and_restore_as_saved(
     bucket, shm_memory, monkeypatch
 ):
@@ -217,7 +224,7 @@ def test_gpu_tensors_are_copied_from_the_device_into_locked_memory_pages_and_res
     assert restored(bucket, None) == (3, saved_digest, "storage")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
+@NEEDS_CUDA
 def test_where_pages_cannot_be_locked_gpu_tensors_are_copied_through_pageable_memory(bucket, memory, monkeypatch):
     monkeypatch.setattr(tier_staging, "_pin", lambda pages: False)  # a runtime that cannot lock them
     state = {"weights": {"w": torch.arange(1000.0, device="cuda"), "b": torch.ones(3, device="cuda")}}

@@ -159,11 +159,7 @@ class StagedFile:
             key = _key(tree)
             view = self._views.get(key)
             if view is None and key not in offsets:
-                view = (
-                    tree.detach().to("cpu", copy=True)
-                    if key in self._outside
-                    else torch.empty_like(tree, device="meta")
-                )
+                view = _copied(tree) if key in self._outside else torch.empty_like(tree, device="meta")
                 self._views[key] = view
             elif view is None:
                 nbytes = tree.numel() * tree.element_size()
@@ -336,6 +332,16 @@ def _pin(pages: torch.Tensor) -> bool:
 
 def _unpin(pages: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
+
+
+def _copied(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in this process's memory: from a GPU into page-locked memory (torch's host allocator keeps
+    such blocks for the next save), the copy queued on the current stream (`stage` waits for it)."""
+    if not tensor.is_cuda:
+        return tensor.detach().clone()
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    copy.copy_(tensor.detach(), non_blocking=True)
+    return copy
 
 
 def _byte_view_tensor(tensor: torch.Tensor) -> torch.Tensor:
