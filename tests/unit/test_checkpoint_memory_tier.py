@@ -181,6 +181,43 @@ def test_a_new_pods_restore_downloads_each_file_once_and_keeps_it_for_the_next_r
     assert restored(storage, memory) == (5, digest, "memory") and opened == []
 
 
+@pytest.fixture
+def hashed(monkeypatch) -> list:
+    """The tier files whose segments a load hashed."""
+    paths: list = []
+    real = tier_files.VerifiedTierFile._hash_read
+
+    def counting(self, *args):
+        paths.append(Path(self._file.path).name)
+        return real(self, *args)
+
+    monkeypatch.setattr(tier_files.VerifiedTierFile, "_hash_read", counting)
+    return paths
+
+
+def test_a_new_pods_restore_hashes_what_it_downloads_once(storage, memory, hashed):
+    """Rank 0 of a new pod verifies each file while it downloads it into the tier: the load that follows in that
+    process reads those bytes without hashing them again; a restart (another process) checks every segment."""
+    _, digest = saved(storage, memory.parent / "the-pod-before")
+    assert restored(storage, memory) == (5, digest, "storage")
+    assert hashed == []
+    assert restored(storage, memory) == (5, digest, "memory") and "__0_0.distcp" in hashed
+
+
+def test_a_file_changed_after_its_download_is_checked_as_it_loads(storage, memory, hashed, monkeypatch):
+    _, digest = saved(storage, memory.parent / "the-pod-before")
+    real_forget = memory_tier.MemoryTier.forget
+
+    def damage_then_forget(self):  # between the download (latest_valid) and the load
+        flip_byte(data_files(step_dir(memory, 5))[-1])
+        real_forget(self)
+
+    monkeypatch.setattr(memory_tier.MemoryTier, "forget", damage_then_forget)
+    # Found as it loaded (the weights are the saved ones), and read again from storage.
+    assert restored(storage, memory) == (5, digest, "storage")
+    assert "__0_0.distcp" in hashed
+
+
 def rewrite_manifests(storage: Path, memory: Path, step: int, change) -> None:
     """Apply `change` to every file entry of the committed manifest, in storage and in memory alike (so the copy
     stays byte for byte the committed one)."""
