@@ -214,11 +214,24 @@ class Kube:
             if error.status != 404:
                 raise
 
-    async def list(self, api_version: str, kind: str, namespace: str, **params: str) -> list[dict[str, Any]]:
-        """The items of a collection (one page; `limit` and selectors as keyword arguments)."""
-        query = "?" + urlencode(params) if params else ""
-        found = await self.request("GET", collection_path(api_version, kind, namespace) + query)
-        return found.get("items") or []
+    async def list(
+        self, api_version: str, kind: str, namespace: str, *, page_size: int = 500, most: int = 2000, **params: str
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """The items of a collection (selectors as keyword arguments), `page_size` a request, following the server's
+        continue token up to `most` items; whether that was all of them (a namespace may hold more than a page, and
+        more than is worth holding)."""
+        items: list[dict[str, Any]] = []
+        path, token = collection_path(api_version, kind, namespace), ""
+        while len(items) < most:
+            query = {**params, "limit": str(min(page_size, most - len(items)))}
+            if token:
+                query["continue"] = token
+            found = await self.request("GET", f"{path}?{urlencode(query)}")
+            items.extend(found.get("items") or [])
+            token = (found.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return items, True
+        return items, False
 
     async def serves(self, api_version: str, plural: str) -> bool:
         """Whether the API server serves this resource (e.g. a CRD is installed)."""

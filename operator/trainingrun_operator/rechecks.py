@@ -63,6 +63,11 @@ async def pending_warnings(state: OperatorState, key: Key, status: dict[str, Any
     return warnings
 
 
+#: The most Warning Events read from one namespace at a time (500 a request): Events live an hour, so a namespace holds
+#: more only while something fails at a high rate, and each read is held in memory until the next.
+WARNING_EVENTS_READ = 2000
+
+
 async def namespace_warnings(state: OperatorState, namespace: str) -> list[dict[str, Any]]:
     """A namespace's Warning Events, read at most once per reconcile interval and shared by all its runs: one read
     per Pending run made a queue of 2,000 waiting runs send 2,000 LISTs per interval."""
@@ -77,10 +82,19 @@ async def namespace_warnings(state: OperatorState, namespace: str) -> list[dict[
         if (read := fresh()) is not None:
             return read.events
         try:
-            events = await state.client().list("v1", "Event", namespace, fieldSelector="type=Warning", limit="500")
+            events, complete = await state.client().list(
+                "v1", "Event", namespace, most=WARNING_EVENTS_READ, fieldSelector="type=Warning"
+            )
         except (ApiError, OSError, asyncio.TimeoutError) as error:
             log.warning("%s: could not read Warning Events: %s", namespace, error)
-            events = []
+            events, complete = [], True
+        if not complete and (namespace not in state.warnings or state.warnings[namespace].complete):  # once a spell
+            log.warning(
+                "%s holds more than %d Warning Events: Pending runs there learn only of those among the first %d",
+                namespace,
+                WARNING_EVENTS_READ,
+                WARNING_EVENTS_READ,
+            )
         state.warnings[namespace] = WarningsRead(
             time.monotonic(),
             [
@@ -91,6 +105,7 @@ async def namespace_warnings(state: OperatorState, namespace: str) -> list[dict[
                 }
                 for e in events
             ],
+            complete,
         )
         return state.warnings[namespace].events
 

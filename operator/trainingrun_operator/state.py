@@ -47,6 +47,7 @@ EVENTS_QUEUED_MAX = 10_000
 class WarningsRead:
     at: float  #: time.monotonic() of the read
     events: list[dict[str, Any]]  #: what reconcile needs of each Warning Event
+    complete: bool = True  #: False when the namespace held more than were read (`rechecks.WARNING_EVENTS_READ`)
 
 
 @dataclass
