@@ -24,8 +24,8 @@ xxh3_128 recorded when the copy was written, so a damaged copy fails the load (`
 that file from storage instead (`CheckpointStore.load`). One exception: a file this process wrote from bytes it checked
 as it read them from storage (or wrote to storage itself) and that is unchanged since (inode, size, mtime, and ctime,
 which a rename or any write through write() sets) loads without a second hash: a new pod's restore verifies each
-file while it downloads it into the tier and then loads it from there, and hashing it twice cost that restore about a
-fifth of its time. Anything else (a stale step, a file cut short by a kill, a
+file while it downloads it into the tier and then loads it from there (hashing it twice made a 258 MB restore from
+file:// on the 2-core VM take 0.21-0.22 s, once 0.20 s). Anything else (a stale step, a file cut short by a kill, a
 missing file) is read from storage at once. Writing the tier never fails a save: an error or a /dev/shm too full to
 keep a reserve for DataLoader workers and NCCL turns the copy off, with one warning.
 """
