@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import json
 from typing import Any, Callable, Optional
 from urllib.parse import urlencode
 
@@ -24,6 +25,10 @@ import aiohttp
 from .settings import Settings
 
 #: (apiVersion, kind) -> plural, for the kinds the operator writes.
+#: The most bytes of one page of a list the operator reads: objects others write (an Event's message has no limit but
+#: the object's, about 1.5 MiB) must not make it hold gigabytes; 500 ordinary Warning Events take about 0.5 MiB.
+MAX_PAGE_BYTES = 16 << 20
+
 PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
@@ -82,6 +87,21 @@ class ApiError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
+class AnswerTooLarge(OSError):
+    """The API server's answer was longer than its reader would hold."""
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, max_bytes: int, path: str) -> dict[str, Any]:
+    """The JSON of `response`, read only while it is at most `max_bytes` long."""
+    chunks, size = [], 0
+    while chunk := await response.content.read(1 << 20):
+        size += len(chunk)
+        if size > max_bytes:
+            raise AnswerTooLarge(f"GET {path.split('?')[0]}: the answer is longer than {max_bytes} bytes")
+        chunks.append(chunk)
+    return json.loads(b"".join(chunks)) if chunks else {}
+
+
 def collection_path(api_version: str, kind: str, namespace: Optional[str]) -> str:
     plural = PLURALS[(api_version, kind)]
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
@@ -131,9 +151,11 @@ class Kube:
         content_type: str = "application/json",
         priority: int = ACT,
         answer: bool = True,
+        max_bytes: Optional[int] = None,
     ) -> dict[str, Any]:
         """The server's answer as a dict; with `answer=False` an empty one, unread: a write's answer is the whole
-        object written, and decoding what no caller used was a tenth of the operator's CPU in a burst of runs."""
+        object written, and decoding what no caller used was a tenth of the operator's CPU in a burst of runs.
+        `max_bytes`: a longer answer is not read (`AnswerTooLarge`): what others wrote (Events) may be large."""
         for attempt in range(self.retries + 1):
             await self.gate(priority)
             try:
@@ -144,6 +166,8 @@ class Kube:
                         if not answer:
                             await response.read()  # read to the end, so the connection is used again
                             return {}
+                        if max_bytes is not None:
+                            return await _read_at_most(response, max_bytes, path)
                         return await response.json(content_type=None) or {}
                     self.on_error(response.status)
                     try:
@@ -215,18 +239,26 @@ class Kube:
                 raise
 
     async def list(
-        self, api_version: str, kind: str, namespace: str, *, page_size: int = 500, most: int = 2000, **params: str
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        *,
+        page_size: int = 500,
+        most: int = 2000,
+        page_bytes: int = MAX_PAGE_BYTES,
+        **params: str,
     ) -> tuple[list[dict[str, Any]], bool]:
         """The items of a collection (selectors as keyword arguments), `page_size` a request, following the server's
         continue token up to `most` items; whether that was all of them (a namespace may hold more than a page, and
-        more than is worth holding)."""
+        more than is worth holding). A page longer than `page_bytes` raises `AnswerTooLarge`."""
         items: list[dict[str, Any]] = []
         path, token = collection_path(api_version, kind, namespace), ""
         while len(items) < most:
             query = {**params, "limit": str(min(page_size, most - len(items)))}
             if token:
                 query["continue"] = token
-            found = await self.request("GET", f"{path}?{urlencode(query)}")
+            found = await self.request("GET", f"{path}?{urlencode(query)}", max_bytes=page_bytes)
             items.extend(found.get("items") or [])
             token = (found.get("metadata") or {}).get("continue") or ""
             if not token:

@@ -99,15 +99,27 @@ async def namespace_warnings(state: OperatorState, namespace: str) -> list[dict[
             time.monotonic(),
             [
                 {
-                    "reason": e.get("reason"),
-                    "message": e.get("message"),
-                    "involvedObject": {k: (e.get("involvedObject") or {}).get(k) for k in ("kind", "name")},
+                    "reason": _short(e.get("reason"), 128),
+                    "message": _short(e.get("message"), 1024),  # as client-go's event recorder cuts them
+                    "involvedObject": {
+                        k: _short(_mapping(e.get("involvedObject")).get(k), 253) for k in ("kind", "name")
+                    },
                 }
                 for e in events
             ],
             complete,
         )
         return state.warnings[namespace].events
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _short(value: Any, most: int) -> Optional[str]:
+    """A string field of an Event anyone in the namespace may have written, cut to `most` characters (None if not a
+    string): these are held until the next read and shown in runs' conditions."""
+    return value[:most] if isinstance(value, str) else None
 
 
 async def _wake_on_warnings(state: OperatorState) -> None:

@@ -4,17 +4,19 @@ import kopf
 import pytest
 import yaml
 
-from trainingrun_operator.kube import Kube
+from trainingrun_operator.kube import AnswerTooLarge, Kube
 
 
-def warning_event(namespace: str, pod: str, reason: str = "FailedScheduling", kind: str = "Warning") -> dict:
+def warning_event(
+    namespace: str, pod: str, reason: str = "FailedScheduling", kind: str = "Warning", message: str = "0/1 nodes fit"
+) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": f"{pod}.17f0c0ffee", "namespace": namespace},
         "involvedObject": {"kind": "Pod", "name": pod, "namespace": namespace},
         "reason": reason,
-        "message": "0/1 nodes are available",
+        "message": message,
         "type": kind,
     }
 
@@ -29,15 +31,7 @@ async def test_a_list_reads_every_page_up_to_its_bound(kube_cluster_session, kub
         warning_event(namespace, "zz-other", "Pulled", "Normal")
     ]
     plane.kubectl("create", "-f", "-", input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": events}))
-    pki = plane.pki
-    kube = Kube(
-        kopf.ConnectionInfo(
-            server=plane.server,
-            ca_path=str(pki / "ca.crt"),
-            certificate_path=str(pki / "admin.crt"),
-            private_key_path=str(pki / "admin.key"),
-        )
-    )
+    kube = admin_client(plane)
     try:
         found, complete = await kube.list("v1", "Event", namespace, page_size=50, fieldSelector="type=Warning")
         assert complete and sorted(e["involvedObject"]["name"] for e in found) == pods  # 3 pages, Normal left out
@@ -45,3 +39,32 @@ async def test_a_list_reads_every_page_up_to_its_bound(kube_cluster_session, kub
         assert not complete and [e["involvedObject"]["name"] for e in found] == pods[:70]
     finally:
         await kube.close()
+
+
+@pytest.mark.asyncio
+async def test_a_page_longer_than_its_reader_holds_is_not_read(kube_cluster_session, kube_namespace):
+    """Anyone who may create Events in a namespace writes their messages: a page of large ones fails the read with a
+    clear error instead of being held."""
+    plane, namespace = kube_cluster_session, kube_namespace
+    events = [warning_event(namespace, f"run-{i}-worker-0", message="x" * 30_000) for i in range(4)]
+    plane.kubectl("create", "-f", "-", input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": events}))
+    kube = admin_client(plane)
+    try:
+        found, complete = await kube.list("v1", "Event", namespace, page_bytes=200_000, fieldSelector="type=Warning")
+        assert complete and len(found) == 4
+        with pytest.raises(AnswerTooLarge, match="longer than 100000 bytes"):
+            await kube.list("v1", "Event", namespace, page_bytes=100_000, fieldSelector="type=Warning")
+    finally:
+        await kube.close()
+
+
+def admin_client(plane) -> Kube:
+    pki = plane.pki
+    return Kube(
+        kopf.ConnectionInfo(
+            server=plane.server,
+            ca_path=str(pki / "ca.crt"),
+            certificate_path=str(pki / "admin.crt"),
+            private_key_path=str(pki / "admin.key"),
+        )
+    )

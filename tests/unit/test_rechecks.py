@@ -59,3 +59,34 @@ async def test_only_runs_whose_warnings_changed_are_reconciled():
     state.rechecks.warnings_seen[("ns", "c")] = rechecks.fingerprint([])
     await rechecks._wake_on_warnings(state)
     assert state.queued == {B}
+
+
+class EventsOfOthers:
+    """A client whose Warning Events were written by whoever may create Events in the namespace."""
+
+    def __init__(self, events, complete=True):
+        self.events, self.complete, self.reads = events, complete, 0
+
+    async def list(self, api_version, kind, namespace, **params):
+        self.reads += 1
+        return self.events, self.complete
+
+
+@pytest.mark.asyncio
+async def test_what_is_kept_of_a_namespaces_warnings_is_cut_to_size(caplog):
+    state = OperatorState(settings=Settings(metrics_port=0, reconcile_interval_seconds=0))
+    huge = {
+        "reason": "R" * 10_000,
+        "message": "m" * 1_000_000,
+        "involvedObject": {"kind": "Pod", "name": "n" * 5_000, "uid": "kept-out"},
+        "metadata": {"annotations": {"a": "x" * 100_000}},
+    }
+    state.kube = EventsOfOthers([huge, {"reason": 7, "message": None, "involvedObject": "not a dict"}], complete=False)
+    with caplog.at_level("WARNING"):
+        kept = await rechecks.namespace_warnings(state, "ns")
+        await rechecks.namespace_warnings(state, "ns")  # read again (interval 0): told once while it lasts
+    assert kept[0] == {"reason": "R" * 128, "message": "m" * 1024, "involvedObject": {"kind": "Pod", "name": "n" * 253}}
+    assert kept[1] == {"reason": None, "message": None, "involvedObject": {"kind": None, "name": None}}
+    assert state.kube.reads == 2
+    told = [r.getMessage() for r in caplog.records if "more than 2000 Warning Events" in r.getMessage()]
+    assert len(told) == 1
