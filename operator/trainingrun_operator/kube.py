@@ -24,11 +24,11 @@ import aiohttp
 
 from .settings import Settings
 
-#: (apiVersion, kind) -> plural, for the kinds the operator writes.
 #: The most bytes of one page of a list the operator reads: objects others write (an Event's message has no limit but
 #: the object's, about 1.5 MiB) must not make it hold gigabytes; 500 ordinary Warning Events take about 0.5 MiB.
 MAX_PAGE_BYTES = 16 << 20
 
+#: (apiVersion, kind) -> plural, for the kinds the operator writes.
 PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",

@@ -115,7 +115,7 @@ class Restoring:
                 newest = self._in_memory_only(likely) or newest
         newest = self._broadcast(newest)
         held = newest is not None and self._tier.holds_all(newest.step, newest.manifest_sha256)
-        return newest if all(self._gather(held)) else None
+        return newest if self._all(held)[0] else None
 
     def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
         """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
@@ -204,7 +204,7 @@ class Restoring:
             mismatch = bool(reading.mismatched) or any(
                 isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()
             )
-            if not any(self._gather(mismatch)):
+            if self._all(not mismatch)[0]:  # no rank's copy in memory failed
                 raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
             loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
         state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict

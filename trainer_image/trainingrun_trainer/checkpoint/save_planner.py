@@ -11,8 +11,9 @@ coordinator then reuses its merged plan and metadata. It still builds every writ
 skips that too when the state's layout (each entry's name, kind, shape, dtype and layout) is the one the last finished
 plan was made from. A write item also records requires_grad and pinning, which the layout leaves out: staged copies
 never require grad, and whether the memory tier could pin its pages does not change a plan, so the live state's
-layout (before staging) is the staged one's, and the metadata keeps what the last planned save's staged copy was. Only plain tensors and byte entries take
-the shortcut; a state with DTensors or sharded tensors is planned by DCP as before.
+layout (before staging) is the staged one's, and the metadata keeps what the last planned save's staged copy was.
+Only plain tensors and byte entries take the shortcut; a state with DTensors or sharded tensors is planned by DCP as
+before.
 
 Even planning once, `dcp.save` runs four object collectives a save: every rank's (empty) plan to the coordinator and
 each rank's final plan back, then every rank's write results to the coordinator and the whole checkpoint metadata

@@ -109,7 +109,6 @@ class StagedFile:
         self.staged_bytes = 0  # the file's bytes that stage() wrote
         self.size = 0
         self.pinned = False  #: whether stage() locked the file's pages for copies from a GPU
-        self._outside: set[tuple] = set()  # keys of the tensors stage() copies outside the file
 
     def stage(
         self, tree: Any, planned: Optional[Iterable[torch.Tensor]] = None, also_copied: Iterable[torch.Tensor] = ()
@@ -122,7 +121,7 @@ class StagedFile:
         those in `also_copied` are copied into this process's memory (what rank 0's model digest reads) and the rest
         stand in as tensors on the meta device, with their dtype and shape but no data (reading one raises)."""
         chosen = None if planned is None else {_key(tensor) for tensor in planned}
-        self._outside = {_key(tensor) for tensor in also_copied}
+        outside = {_key(tensor) for tensor in also_copied}
         offsets: dict[tuple, int] = {}
         end = 0
         for tensor in sorted(tensors_of(tree), key=lambda t: -t.numel() * t.element_size()):  # largest first
@@ -149,17 +148,17 @@ class StagedFile:
         elif end:
             self._bytes = _mapping(self._fd, end)
         try:
-            return self._stage(tree, offsets)
+            return self._stage(tree, offsets, outside)
         finally:
             for device in devices:  # the copies ran on each device's current stream, after what was queued there
                 torch.cuda.current_stream(device).synchronize()
 
-    def _stage(self, tree: Any, offsets: dict[tuple, int]) -> Any:
+    def _stage(self, tree: Any, offsets: dict[tuple, int], outside: set[tuple]) -> Any:
         if isinstance(tree, torch.Tensor):
             key = _key(tree)
             view = self._views.get(key)
             if view is None and key not in offsets:
-                view = _copied(tree) if key in self._outside else torch.empty_like(tree, device="meta")
+                view = _copied(tree) if key in outside else torch.empty_like(tree, device="meta")
                 self._views[key] = view
             elif view is None:
                 nbytes = tree.numel() * tree.element_size()
@@ -173,9 +172,9 @@ class StagedFile:
                 self._views[key] = view
             return view
         if isinstance(tree, Mapping):
-            return {key: self._stage(value, offsets) for key, value in tree.items()}
+            return {key: self._stage(value, offsets, outside) for key, value in tree.items()}
         if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
-            return type(tree)(self._stage(value, offsets) for value in tree)
+            return type(tree)(self._stage(value, offsets, outside) for value in tree)
         if type(tree) in _IMMUTABLE:  # an optimizer's param_groups: hundreds of numbers per save
             return tree
         return copy.deepcopy(tree)
