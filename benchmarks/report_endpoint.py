@@ -20,11 +20,18 @@ audience and a pod binding, a bad signature: each would need a TokenReview). Mea
 round, and --reconciles new TrainingRuns are created one after another, timed from the create to their PyTorchJob
 appearing; the same number is timed before the flood. Targets: reports p95 < 100 ms, reconcile delayed <= 50 ms.
 
+--soak-minutes M (issue 40): after the rounds, the fleet goes on reporting every --interval for M minutes (stops by
+itself; at most 100, the tokens' lifetime bounds it), each report a new step as a training run's. Every minute it
+prints the reports answered, their p95, and the operator's RSS and CPU; the figures are RSS at minute 5 against the
+last minute (the one-hour soak: --runs 2000 --soak-minutes 60).
+
 Needs the real-API tier's binaries (as `make test`):
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/report_endpoint.py [--runs 200] [--rounds 3]
 Last line: `result: runs=<n> reports=<n> accepted=<n> p50_ms=<x> p95_ms=<x> first_round_p95_ms=<x>
 cached_p95_ms=<x>` (with --flood also `flood_sent_per_s=<x> flood_report_p95_ms=<x> reconcile_p50_ms=<x>
-flood_reconcile_p50_ms=<x> reconcile_delay_ms=<x> token_reviews=<n>`).
+flood_reconcile_p50_ms=<x> reconcile_delay_ms=<x> token_reviews=<n>`; with --soak-minutes also `soak_minutes=<x>
+soak_reports=<n> soak_accepted=<n> soak_reports_per_s=<x> soak_worst_minute_p95_ms=<x> soak_rss_mb_min5=<x> soak_rss_mb_end=<x>
+soak_rss_growth_mb=<x> soak_cpu_ms_per_report=<x>`).
 
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/report_endpoint.py --runs 50 --rounds 2 --flood 2000
 """
@@ -59,6 +66,8 @@ from trainingrun_api import contract  # noqa: E402
 from trainingrun_api.contract import Progress, Report  # noqa: E402
 
 NAMESPACE, ACCOUNT = "fleet", "trainers"
+#: The fleet's report tokens live this long; a soak ends well before (setup and rounds come first).
+TOKEN_SECONDS, SOAK_MAX_MINUTES = 7200, 100
 PYTORCHJOB_CRD = REPO / "tests" / "fixtures" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 
 
@@ -155,7 +164,7 @@ def start_fleet(plane: kube_cluster.ControlPlane, runs: int) -> list[tuple[str, 
                 "kind": "TokenRequest",
                 "spec": {
                     "audiences": [contract.REPORT_AUDIENCE],
-                    "expirationSeconds": 7200,
+                    "expirationSeconds": TOKEN_SECONDS,
                     "boundObjectRef": {
                         "kind": "Pod",
                         "apiVersion": "v1",
@@ -318,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reconciles", type=int, default=10, help="runs created and timed with and without flood")
     parser.add_argument("--flood-worker", nargs=2, metavar=("URL", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--ca", help=argparse.SUPPRESS)
+    parser.add_argument("--soak-minutes", type=float, default=0, help="then report for this long (at most 100)")
     args = parser.parse_args(argv)
+    if not 0 <= args.soak_minutes <= SOAK_MAX_MINUTES:
+        parser.error(f"--soak-minutes must be 0 to {SOAK_MAX_MINUTES} (the fleet's tokens live {TOKEN_SECONDS} s)")
     if args.flood_worker:
         import asyncio
 
@@ -329,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     flooded: dict = {}
+    soaked: dict = {}
     assets = os.environ.get(kube_cluster.ASSETS_ENV)
     if kube_cluster.missing_binaries(assets):
         raise SystemExit(f"needs {kube_cluster.ASSETS_ENV}: {kube_cluster.HOW_TO_GET}")
@@ -373,13 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
                 for round_ in range(args.rounds):
                     start = time.monotonic()
-                    futures = []
-                    for i, (name, uid, token) in enumerate(fleet):
-                        delay = start + i * args.interval / len(fleet) - time.monotonic()
-                        if delay > 0:
-                            time.sleep(delay)  # the load's own schedule: one run's report every interval/runs
-                        futures.append(pool.submit(report_once, url, context, name, uid, token, 10 * (round_ + 1)))
-                    rounds.append([f.result() for f in futures])
+                    rounds.append(report_round(pool, url, context, fleet, args.interval, 10 * (round_ + 1)))
                     latencies = [1000 * s for s, _ in rounds[-1]]
                     print(
                         f"round {round_ + 1}: {len(latencies)} reports in {time.monotonic() - start:.1f} s, "
@@ -388,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if args.flood:
                     flooded = flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator.pid)
+                if args.soak_minutes:
+                    soaked = soak(args, url, context, fleet, pool, operator.pid, first_step=10 * (args.rounds + 1))
         finally:
             if operator is not None:
                 operator.terminate()
@@ -431,12 +440,99 @@ def main(argv: list[str] | None = None) -> int:
             f"token_reviews={flooded['reviews']} "
             f"operator_cpu_us_per_flood_request={flooded['operator_cpu_us_per_request']:.0f}"
         )
+    soak_line = soak_summary(soaked) if soaked else ""
     print(
         f"result: runs={args.runs} reports={len(everything)} accepted={accepted} "
         f"p50_ms={statistics.median(everything):.1f} p95_ms={p95:.1f} "
-        f"first_round_p95_ms={percentile(first, 0.95):.1f} cached_p95_ms={percentile(cached, 0.95):.1f}" + flood_line
+        f"first_round_p95_ms={percentile(first, 0.95):.1f} cached_p95_ms={percentile(cached, 0.95):.1f}"
+        + flood_line
+        + soak_line
     )
-    return 0 if accepted == len(everything) else 1
+    return 0 if accepted == len(everything) and (not soaked or soaked["accepted"] == soaked["reports"]) else 1
+
+
+def report_round(pool, url, context, fleet, interval: float, step: int) -> list[tuple[float, int]]:
+    """Every run reports once, spread evenly over `interval` seconds; [(seconds, status code)] when all answered."""
+    start = time.monotonic()
+    futures = []
+    for i, (name, uid, token) in enumerate(fleet):
+        delay = start + i * interval / len(fleet) - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # the load's own schedule: one run's report every interval/runs
+        futures.append(pool.submit(report_once, url, context, name, uid, token, step))
+    return [f.result() for f in futures]
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process now, in MB (/proc)."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def soak(args, url, context, fleet, pool, operator_pid, first_step: int) -> dict:
+    """Rounds of reports for --soak-minutes (a round that has begun is finished), a new step each round; at every
+    minute's end the reports answered in it, their p95, and the operator's RSS and CPU."""
+    began = time.monotonic()
+    end = began + 60 * args.soak_minutes
+    cpu_began = cpu_seconds(operator_pid)
+    minutes: list[dict] = []
+    latencies: list[float] = []
+    codes: list[int] = []
+    step = first_step
+    print(f"{'minute':>6}{'reports':>9}{'accepted':>9}{'p95 ms':>8}{'RSS MB':>8}{'CPU s':>7}")
+    while time.monotonic() < end:
+        results = report_round(pool, url, context, fleet, args.interval, step)
+        step += 10
+        latencies += [1000 * s for s, _ in results]
+        codes += [c for _, c in results]
+        while time.monotonic() >= began + 60 * (len(minutes) + 1) or (time.monotonic() >= end and latencies):
+            row = {
+                "minute": len(minutes) + 1,
+                "reports": len(latencies),
+                "accepted": sum(1 for c in codes if c == 200),
+                "p95_ms": percentile(latencies, 0.95) if latencies else 0.0,
+                "rss_mb": rss_mb(operator_pid),
+                "cpu_s": cpu_seconds(operator_pid) - cpu_began,
+            }
+            minutes.append(row)
+            latencies, codes = [], []
+            print(
+                f"{row['minute']:>6}{row['reports']:>9}{row['accepted']:>9}{row['p95_ms']:>8.1f}"
+                f"{row['rss_mb']:>8.1f}{row['cpu_s']:>7.1f}",
+                flush=True,
+            )
+    seconds = time.monotonic() - began
+    reports = sum(m["reports"] for m in minutes)
+    return {
+        "minutes": minutes,
+        "seconds": seconds,
+        "reports": reports,
+        "accepted": sum(m["accepted"] for m in minutes),
+        "p95_ms": max(m["p95_ms"] for m in minutes),
+        "cpu_s": minutes[-1]["cpu_s"],
+    }
+
+
+def soak_summary(soaked: dict) -> str:
+    """The soak's figures printed, and its part of the result line. RSS at minute 5 (or the first minute of a shorter
+    soak: start-up and the first token reviews are behind it) against the last minute's."""
+    minutes = soaked["minutes"]
+    early = minutes[min(4, len(minutes) - 1)]
+    last = minutes[-1]
+    growth = last["rss_mb"] - early["rss_mb"]
+    per_report = 1000 * soaked["cpu_s"] / max(1, soaked["reports"])
+    print(
+        f"soak: {soaked['reports']} reports in {soaked['seconds'] / 60:.1f} min ({soaked['reports'] / soaked['seconds']:.0f}"
+        f"/s), {soaked['accepted']} accepted, worst minute's p95 {soaked['p95_ms']:.1f} ms; operator RSS "
+        f"{early['rss_mb']:.1f} MB at minute {early['minute']}, {last['rss_mb']:.1f} MB at minute {last['minute']} "
+        f"({growth:+.1f} MB); its CPU {per_report:.2f} ms per report (status writes and their watch events included)"
+    )
+    return (
+        f" soak_minutes={soaked['seconds'] / 60:.1f} soak_reports={soaked['reports']} soak_accepted={soaked['accepted']}"
+        f" soak_reports_per_s={soaked['reports'] / soaked['seconds']:.1f} soak_worst_minute_p95_ms={soaked['p95_ms']:.1f}"
+        f" soak_rss_mb_min{early['minute']}={early['rss_mb']:.1f} soak_rss_mb_end={last['rss_mb']:.1f}"
+        f" soak_rss_growth_mb={growth:.1f} soak_cpu_ms_per_report={per_report:.2f}"
+    )
 
 
 def cpu_seconds(pid: int) -> float:

@@ -343,6 +343,9 @@ def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Condit
     plan.status.update(phase="Failed", completionTime=rfc3339(o.now), nextAttemptTime=None)
     conditions.set("Failed", True, reason, message)
     plan.events.append(Note("Warning", reason, message))
+    # Here, not on the next reconcile: that one is the echo of this status write, which is skipped.
+    attempt = int(o.status.get("attempt") or 0)
+    plan.delete_jobs += [name for name in _old_jobs(o, keep_after=attempt - 1, keep=0) if name not in plan.delete_jobs]
 
 
 def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> None:

@@ -268,9 +268,12 @@ def test_a_job_built_from_the_runs_generation_is_not_hashed_again():
     assert next(c for c in hashed.status["conditions"] if c["type"] == "SpecChangePending")["status"] == "True"
 
 
-@pytest.mark.parametrize("scenario", ["new", "running", "failed", "recovering", "secret", "stalled", "rejected"])
+@pytest.mark.parametrize(
+    "scenario", ["new", "running", "failed", "budget spent", "succeeded", "recovering", "secret", "stalled", "rejected"]
+)
 def test_deciding_again_after_the_plan_changes_nothing(scenario):
-    """Level-triggered and idempotent: a reconcile right after another acts and says nothing."""
+    """Level-triggered and idempotent: a reconcile right after another acts and says nothing. The operator relies on
+    it: the watch event of the plan's own status write is not reconciled (handlers._decides_the_same_after)."""
     run, status, jobs, pods = run_of(recovery={"stallTimeoutSeconds": 600}), running_status(), [], []
     job = functools.partial(globals()["job"], run=run)
     if scenario == "running":
@@ -278,6 +281,13 @@ def test_deciding_again_after_the_plan_changes_nothing(scenario):
         status["phase"] = "Pending"
     elif scenario == "failed":
         jobs, pods = [job(1, "Failed")], [pod(1, ended(137, "OOMKilled"))]
+    elif scenario == "budget spent":  # the run ends: the earlier attempt's job goes with that decision
+        run = run_of(recovery={"maxFailures": 1, "backoffSeconds": 0, "stallTimeoutSeconds": 600})
+        job = functools.partial(globals()["job"], run=run)
+        status = running_status(2, restarts={"failures": 1, "preemptions": 0, "total": 1})
+        jobs, pods = [job(1, "Failed"), job(2, "Failed")], [pod(2, ended(137, "OOMKilled"))]
+    elif scenario == "succeeded":
+        jobs, status = [job(1, "Failed"), job(2, "Succeeded")], running_status(2)
     elif scenario == "recovering":
         jobs, status = [job(1, "Failed")], running_status(phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z")
     elif scenario == "secret":
@@ -313,7 +323,8 @@ def test_deciding_again_after_the_plan_changes_nothing(scenario):
     if first.start_attempt and not any(j["metadata"]["name"] == status["jobName"] for j in jobs):
         jobs.append(job(first.start_attempt))
     second = reconcile.decide(observe(run, status, jobs, pods))
-    assert second.status == {} and second.events == [] and second.start_attempt in (None,)
+    assert second.status == {} and second.events == [] and second.start_attempt is None
+    assert second.delete_jobs == []
 
 
 # ---------------------------------------------------------------- pods that never run
