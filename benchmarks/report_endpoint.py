@@ -63,7 +63,7 @@ from test_reports_real import certificate  # noqa: E402
 
 import kube_cluster  # noqa: E402
 from trainingrun_api import contract  # noqa: E402
-from trainingrun_api.contract import Progress, Report  # noqa: E402
+from trainingrun_api.progress_report import Progress, Report  # noqa: E402
 
 NAMESPACE, ACCOUNT = "fleet", "trainers"
 #: The fleet's report tokens live this long; a soak ends well before (setup and rounds come first).
@@ -207,6 +207,8 @@ def report_once(url: str, context: ssl.SSLContext, name: str, uid: str, token: s
             code = response.status
     except urllib.error.HTTPError as error:
         code = error.code
+    except OSError:  # refused, reset or timed out: counted as not accepted, the load goes on
+        code = 0
     return time.perf_counter() - began, code
 
 
@@ -517,7 +519,7 @@ def soak_summary(soaked: dict) -> str:
     """The soak's figures printed, and its part of the result line. RSS at minute 5 (or the first minute of a shorter
     soak: start-up and the first token reviews are behind it) against the last minute's."""
     minutes = soaked["minutes"]
-    early = minutes[min(4, len(minutes) - 1)]
+    early = minutes[max(0, min(4, len(minutes) - 2))]
     last = minutes[-1]
     growth = last["rss_mb"] - early["rss_mb"]
     per_report = 1000 * soaked["cpu_s"] / max(1, soaked["reports"])
