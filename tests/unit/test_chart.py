@@ -261,3 +261,41 @@ def test_images_pinned_by_digest():
         [HELM, "template", "tr", str(CHART), "--set", "image.digest=sha256:short"], capture_output=True, text=True
     )
     assert result.returncode != 0 and "digest" in result.stderr
+
+
+def test_the_report_certificate_is_ecdsa_and_a_trainer_verifies_it_for_the_service_name(tmp_path):
+    """The Secret the chart makes: the operator's server context loads it, and a client trusting only its ca.crt
+    completes a handshake for the report Service's name. Its keys are ECDSA P-256 (not genCA's RSA 2048): a
+    handshake per report, and the server's side of one costs about half the CPU (benchmarks/report_tls.py)."""
+    import base64
+    import socket
+    import ssl
+    import threading
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from trainingrun_operator.reports import server_ssl_context
+
+    secret = next(d for d in render() if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-report-tls"))
+    for name, value in secret["data"].items():
+        (tmp_path / name).write_bytes(base64.b64decode(value))
+    for name in ("tls.crt", "ca.crt"):
+        key = x509.load_pem_x509_certificate((tmp_path / name).read_bytes()).public_key()
+        assert isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name == "secp256r1", name
+    service = next(d for d in render() if d["kind"] == "Service" and "report" in d["metadata"]["name"])
+    host = f"{service['metadata']['name']}.trainingrun-system.svc"
+    server_side, client_side = socket.socketpair()
+    served: list[bytes] = []
+
+    def serve() -> None:
+        with server_ssl_context(str(tmp_path)).wrap_socket(server_side, server_side=True) as tls:
+            served.append(tls.recv(5))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    client = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+    with client.wrap_socket(client_side, server_hostname=host) as tls:
+        tls.sendall(b"hello")
+    thread.join(timeout=30)
+    assert served == [b"hello"]
