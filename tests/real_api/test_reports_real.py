@@ -182,7 +182,8 @@ def test_only_a_pod_of_the_runs_current_attempt_changes_its_status(cluster, endp
 
     rotated = plane.token(ns, ACCOUNT, contract.REPORT_AUDIENCE, pod=(demo_pod, demo_pod_uid))
     assert rotated != demo_token
-    assert post(endpoint, report_of(cluster, "demo", demo_uid, step=6), rotated)[0] == 200
+    step_6 = CommittedCheckpoint("s3://bucket/demo/step-00000006", 6, "2026-11-24T00:00:01Z")  # news: written now
+    assert post(endpoint, report_of(cluster, "demo", demo_uid, step=6, checkpoint=step_6), rotated)[0] == 200
     wait_for(lambda: cluster.status("demo")["progress"]["step"] == 6, what="step 6")
 
     # attempt 1 fails; its pod, still there, may not report for attempt 2

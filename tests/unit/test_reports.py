@@ -145,3 +145,82 @@ def test_a_write_at_once_goes_ahead_of_the_wait_once_per_period_and_takes_what_w
         ]
 
     asyncio.run(scenario())
+
+
+class OnePod:
+    """A reviewer that knows one token: the pod demo-a1-worker-0 of run demo's attempt 1."""
+
+    async def caller(self, token, source=""):
+        from trainingrun_operator.report_callers import Caller
+
+        return Caller("ns", "trainers", "demo-a1-worker-0", "pod-uid") if token == "t" else None
+
+
+def run_view(status):
+    pod = {
+        "metadata": {
+            "name": "demo-a1-worker-0",
+            "uid": "pod-uid",
+            "labels": {"trainingrun.dev/attempt": "1"},
+            "ownerReferences": [{"controller": True, "uid": "job-uid"}],
+        }
+    }
+    return reports.RunView("u", 1, "demo-a1", "s3://b/demo", status, [pod], "job-uid")
+
+
+def test_a_new_step_alone_waits_for_the_heartbeat_and_news_goes_at_once():
+    """A run's status is written per heartbeat while only its step moves, and at once for what a restart or the user
+    needs now: the first step, a committed checkpoint, the last step."""
+    from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, Progress, Report
+
+    now = [datetime(2026, 11, 25, 0, 0, 0, tzinfo=timezone.utc)]
+    status: dict = {}
+    written = []
+
+    async def accept(key, fields, at_once=False):
+        written.append(sorted(fields))
+        status.update(fields)  # as the index shows the write
+
+    endpoint = reports.ReportEndpoint(
+        OnePod(), view=lambda ns, name: run_view(status), accept=accept, clock=lambda: now[0]
+    )
+
+    def report(seconds, step, **more):
+        now[0] = datetime(2026, 11, 25, 0, 0, seconds, tzinfo=timezone.utc)
+        at = f"2026-11-25T00:00:{seconds:02d}Z"
+        body = Report("ns", "demo", "u", 1, progress=Progress(step, at, total_steps=100), **more).to_json()
+        request = make_mocked_request("POST", "/v1/reports", headers={"Authorization": "Bearer t"})
+        request._read_bytes = body
+        before = len(written)
+        assert asyncio.run(endpoint.handle(request)).status == 200
+        return len(written) > before
+
+    assert report(0, 1)  # the first step
+    assert not report(10, 11)  # a new step alone: with the heartbeat
+    assert not report(20, 21, checkpoint_in_memory=CheckpointInMemory(20, "2026-11-25T00:00:20Z"))
+    assert report(30, 31) and status["progress"]["step"] == 31  # the heartbeat, with the newest step
+    assert report(
+        31, 32, last_good_checkpoint=CommittedCheckpoint("s3://b/demo/step-00000030", 30, "2026-11-25T00:00:30Z")
+    )
+    assert not report(40, 42)
+    assert report(41, 43, process_time=process_time("worker-0/202/t1"))  # a restarted process's first step
+    assert not report(44, 44, process_time=process_time("worker-0/202/t1"))
+    assert report(45, 100)  # the last step
+    assert status["progress"]["step"] == 100 and status["progress"]["percent"] == 100.0
+    assert written[0] == ["lastReportTime", "progress"]
+
+
+@pytest.mark.parametrize(
+    "fields,status,news",
+    [
+        ({"progress": {"step": 5}}, {}, True),  # the first step
+        ({"progress": {"step": 6}}, {"progress": {"step": 5}}, False),
+        ({"progress": {"step": 10, "totalSteps": 10}}, {"progress": {"step": 9, "totalSteps": 10}}, True),
+        ({"progress": {"step": 10, "totalSteps": 10}}, {"progress": {"step": 10, "totalSteps": 10}}, False),
+        ({"checkpointInMemory": {"step": 6}}, {"checkpointInMemory": {"step": 5}}, False),
+        ({"lastGoodCheckpoint": {"step": 6}}, {"lastGoodCheckpoint": {"step": 5}}, True),
+        ({"lastGoodCheckpoint": {"step": 5}, "timeBreakdown": {"a": 1}}, {"lastGoodCheckpoint": {"step": 5}}, False),
+    ],
+)
+def test_what_is_news_to_status(fields, status, news):
+    assert reports.news(fields, status) is news
