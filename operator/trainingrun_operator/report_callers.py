@@ -142,7 +142,8 @@ class TokenReviewer:
     second, with bursts), and the review lane has room: `reviews_in_flight` reviews at a time, at the lowest API
     priority (below the operator's own reconciles, status and Events), `reviews_waiting` more waiting; beyond that
     the report is answered 429 at once. A pod's accepted token is reviewed once per `cache_seconds` and answered from
-    memory in between, whatever a flood does."""
+    memory in between, whatever a flood does; when its review is due and the limits have no room, its last answer
+    stands for up to one more period (`deferred`), so a fleet whose tokens fall due together is not refused."""
 
     def __init__(
         self,
@@ -169,25 +170,37 @@ class TokenReviewer:
         self.reviews = 0
         self.refused_unreviewed = 0  #: tokens refused without a TokenReview (shape, audience, expiry, unknown pod)
         self.throttled = 0  #: reports answered 429 (a pod or source over its rate, or the review lane full)
+        self.deferred = 0  #: accepted tokens due for review answered from memory while the lane was full
 
     async def caller(self, token: str, source: str = "") -> Optional[Caller]:
         key = hashlib.sha256(token.encode()).digest()
         now = self.clock()
+        due: Optional[Caller] = None  #: an accepted token whose next review is due, within one more period
         for cache in (self.accepted, self.refused):
             cached = cache.get(key)
             if cached is not None:
                 if cached[0] > now:
                     return cached[1]
-                cache.pop(key)
+                if cache is self.accepted and now < cached[0] + self.cache_seconds:
+                    due = cached[1]
+                else:
+                    cache.pop(key)
         pod = claimed_pod(token, self.wall_clock())
         if pod is None:
             self.refused_unreviewed += 1
+            self.accepted.pop(key)
             self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
             return None
         if not self.known_pod(pod):  # not remembered: the pod may be new, and the index sees it in a moment
             self.refused_unreviewed += 1
             return None
         if not self.per_pod.allow(pod.uid) or not self.per_source.allow(source) or self.waiting >= self.reviews_waiting:
+            if due is not None:
+                # A fleet's tokens fall due together, and the limits are for new ones. This one was good a period
+                # ago, has not expired, and its pod is still one of a run (the report is checked against the pod
+                # index after this): its answer stands until a later report finds room, at most one more period.
+                self.deferred += 1
+                return due
             self.throttled += 1
             raise Refused(429, "too many new report tokens; send the report again later")
         self.waiting += 1
@@ -200,6 +213,7 @@ class TokenReviewer:
             if not entered:  # cancelled while waiting for the lane
                 self.waiting -= 1
         if caller is None:
+            self.accepted.pop(key)
             self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
         else:
             self.accepted.put(key, (now + self.cache_seconds, caller))

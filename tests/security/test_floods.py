@@ -208,3 +208,37 @@ async def test_a_report_after_a_quiet_period_is_written_at_once():
     now[0] = 3.5
     await writes.submit(("ns", "demo"), {"progress": {"step": 2}})
     assert [fields["progress"]["step"] for fields in written] == [1, 2] and not writes.flushing
+
+
+async def test_an_accepted_token_due_for_review_stands_while_the_lane_is_full_for_one_more_period_only():
+    """2,000 pods' tokens fall due together every cache period: a full lane answers a due token from memory (and
+    reviews it when a later report finds room); a new token is still refused, and a due one past a second period
+    or no longer a pod of a run is not answered from memory."""
+    now = [0.0]
+    server = ApiServer()
+    known = {"u"}
+    reviewer = report_callers.TokenReviewer(
+        lambda: server, 60, clock=lambda: now[0], reviews_waiting=1, known_pod=lambda pod: pod.uid in known
+    )
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"
+    reviewer.reviews_waiting = 0  # from here the lane is full
+    now[0] = 100  # due since 60
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p"
+    assert server.reviews == 1 and reviewer.deferred == 1
+    with pytest.raises(report_callers.Refused) as refused:
+        await reviewer.caller(jwt(marker="new"), "10.0.0.1")
+    assert refused.value.code == 429
+    reviewer.reviews_waiting = 1  # room again: the due token is reviewed, and good for a period from now
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p" and server.reviews == 2
+    reviewer.reviews_waiting = 0
+    now[0] = 219  # due since 160, within one more period
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p" and server.reviews == 2
+    now[0] = 221  # two periods since its review: not from memory
+    with pytest.raises(report_callers.Refused):
+        await reviewer.caller(LEGITIMATE, "10.0.0.1")
+    reviewer.reviews_waiting = 1
+    assert (await reviewer.caller(LEGITIMATE, "10.0.0.1")).pod_name == "p" and server.reviews == 3
+    reviewer.reviews_waiting, known = 0, set()
+    reviewer.known_pod = lambda pod: pod.uid in known
+    now[0] = 300  # due, but its pod is gone from the runs
+    assert await reviewer.caller(LEGITIMATE, "10.0.0.1") is None and server.reviews == 3
