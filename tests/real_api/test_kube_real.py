@@ -68,3 +68,22 @@ def admin_client(plane) -> Kube:
             private_key_path=str(pki / "admin.key"),
         )
     )
+
+
+@pytest.mark.asyncio
+async def test_the_server_filters_by_field_selector_before_it_pages(kube_cluster_session, kube_namespace):
+    """The API allows a page with fewer items than its limit, even none, and a continue token (filtering after
+    reading a page from etcd); Kube.list bounds its requests for that (test_kube.py). This server (v1.36, lists from
+    its watch cache) filters first: Warning Events behind 200 Normal ones come in the first page of 50."""
+    plane, namespace = kube_cluster_session, kube_namespace
+    normal = [warning_event(namespace, f"a-{i:03d}", "Pulled", "Normal") for i in range(200)]
+    warnings = [warning_event(namespace, f"z-{i}") for i in range(3)]
+    plane.kubectl(
+        "create", "-f", "-", input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": normal + warnings})
+    )
+    kube = admin_client(plane)
+    try:
+        found, complete = await kube.list("v1", "Event", namespace, page_size=50, pages=1, fieldSelector="type=Warning")
+        assert complete and sorted(e["involvedObject"]["name"] for e in found) == ["z-0", "z-1", "z-2"]
+    finally:
+        await kube.close()

@@ -62,3 +62,25 @@ async def test_a_cancelled_waiter_gives_its_place_back():
     assert gate.holders == 0
     await asyncio.wait_for(gate(ACT), 1)  # the place is free
     assert gate.holders == 1
+
+
+@pytest.mark.asyncio
+async def test_a_list_answered_with_empty_pages_stops_after_a_bounded_number_of_requests():
+    """The API may answer a page with no items and a continue token (a field selector applied after the page was
+    read); a namespace full of Events must not cost a request per page without bound."""
+    from trainingrun_operator.kube import Kube
+
+    class EmptyPages(Kube):
+        def __init__(self):
+            self.asked: list[str] = []
+
+        async def request(self, method, path, body=None, **kwargs):
+            self.asked.append(path)
+            return {"items": [], "metadata": {"continue": f"token-{len(self.asked)}"}}
+
+    kube = EmptyPages()
+    assert await kube.list("v1", "Event", "ns", fieldSelector="type=Warning") == ([], False)
+    assert len(kube.asked) == 16  # four times the 4 pages of 500 that most=2000 fills
+    assert "continue=token-15" in kube.asked[-1]
+    kube.asked.clear()
+    assert await kube.list("v1", "Event", "ns", pages=2) == ([], False) and len(kube.asked) == 2
