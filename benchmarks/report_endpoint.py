@@ -31,7 +31,7 @@ Last line: `result: runs=<n> reports=<n> accepted=<n> p50_ms=<x> p95_ms=<x> firs
 cached_p95_ms=<x>` (with --flood also `flood_sent_per_s=<x> flood_report_p95_ms=<x> reconcile_p50_ms=<x>
 flood_reconcile_p50_ms=<x> reconcile_delay_ms=<x> token_reviews=<n>`; with --soak-minutes also `soak_minutes=<x>
 soak_reports=<n> soak_accepted=<n> soak_reports_per_s=<x> soak_worst_minute_p95_ms=<x> soak_rss_mb_min5=<x> soak_rss_mb_end=<x>
-soak_rss_growth_mb=<x> soak_cpu_ms_per_report=<x>`).
+soak_rss_growth_mb=<x> soak_cpu_ms_per_report=<x> soak_status_writes_per_s=<x>`).
 
     KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/report_endpoint.py --runs 50 --rounds 2 --flood 2000
 """
@@ -412,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.flood:
                     flooded = flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator.pid)
                 if args.soak_minutes:
+                    writes_before = status_writes(plane)
                     soaked = soak(args, url, context, fleet, pool, operator.pid, first_step=10 * (args.rounds + 1))
+                    soaked["status_writes"] = status_writes(plane) - writes_before
         finally:
             if operator is not None:
                 operator.terminate()
@@ -541,13 +543,15 @@ def soak_summary(soaked: dict) -> str:
         f"soak: {soaked['reports']} reports in {soaked['seconds'] / 60:.1f} min ({soaked['reports'] / soaked['seconds']:.0f}"
         f"/s), {soaked['accepted']} accepted, worst minute's p95 {soaked['p95_ms']:.1f} ms; operator RSS "
         f"{early['rss_mb']:.1f} MB at minute {early['minute']}, {last['rss_mb']:.1f} MB at minute {last['minute']} "
-        f"({growth:+.1f} MB); its CPU {per_report:.2f} ms per report (status writes and their watch events included)"
+        f"({growth:+.1f} MB); its CPU {per_report:.2f} ms per report (status writes and their watch events included); "
+        f"{soaked['status_writes'] / soaked['seconds']:.1f} status writes a second"
     )
     return (
         f" soak_minutes={soaked['seconds'] / 60:.1f} soak_reports={soaked['reports']} soak_accepted={soaked['accepted']}"
         f" soak_reports_per_s={soaked['reports'] / soaked['seconds']:.1f} soak_worst_minute_p95_ms={soaked['p95_ms']:.1f}"
         f" soak_rss_mb_min{early['minute']}={early['rss_mb']:.1f} soak_rss_mb_end={last['rss_mb']:.1f}"
         f" soak_rss_growth_mb={growth:.1f} soak_cpu_ms_per_report={per_report:.2f}"
+        f" soak_status_writes_per_s={soaked['status_writes'] / soaked['seconds']:.1f}"
     )
 
 
@@ -613,12 +617,22 @@ def flood_phase(args, plane, url, tls, context, fleet, pool, workdir, operator_p
 
 def token_reviews(plane: kube_cluster.ControlPlane) -> int:
     """TokenReviews the API server has answered (its apiserver_request_total for tokenreviews)."""
+    return api_requests(plane, 'resource="tokenreviews"')
+
+
+def status_writes(plane: kube_cluster.ControlPlane) -> int:
+    """Writes of TrainingRun status the API server has answered."""
+    return api_requests(plane, 'resource="trainingruns"', 'subresource="status"', 'verb="PATCH"')
+
+
+def api_requests(plane: kube_cluster.ControlPlane, *labels: str) -> int:
+    """Requests the API server has answered with all of `labels` (its apiserver_request_total)."""
     text = plane.kubectl("get", "--raw", "/metrics").stdout
     return int(
         sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith("apiserver_request_total{") and 'resource="tokenreviews"' in line
+            if line.startswith("apiserver_request_total{") and all(label in line for label in labels)
         )
     )
 
