@@ -219,11 +219,8 @@ def _old_pods_still_stopping(plan: Plan, o: Observed, attempt: int, job_name: st
         for p in pods_of(o.pods, job_name, attempt)
         if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
     ]
-    since = (
-        conditions.items.get("WaitingForOldPods", {}).get("lastTransitionTime")
-        if conditions.is_true("WaitingForOldPods")
-        else None
-    )
+    waiting = conditions.items.get("WaitingForOldPods", {}) if conditions.is_true("WaitingForOldPods") else {}
+    since = waiting.get("lastTransitionTime")
     limit = timedelta(seconds=o.run.spec.termination_grace_period_seconds) + OLD_PODS_SLACK
     waited_out = since is not None and o.now >= (parse_time(since) or o.now) + limit
     if stopping and not waited_out:
@@ -344,8 +341,7 @@ def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Condit
     conditions.set("Failed", True, reason, message)
     plan.events.append(Note("Warning", reason, message))
     # Here, not on the next reconcile: that one is the echo of this status write, which is skipped.
-    attempt = int(o.status.get("attempt") or 0)
-    plan.delete_jobs += [name for name in _old_jobs(o, keep_after=attempt - 1, keep=0) if name not in plan.delete_jobs]
+    plan.delete_jobs += _old_jobs(o, keep_after=int(o.status.get("attempt") or 0) - 1, keep=0)
 
 
 def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> None:
