@@ -3,7 +3,7 @@
 Every report of a trainer is a new HTTPS connection (the trainer's urllib keeps none), so the endpoint makes one
 handshake per report: with 2,000 runs reporting every 10 s, 200 a second. The chart made its certificate with
 genCA/genSignedCert (RSA 2048) and now makes it with ECDSA P-256 keys. This script makes a CA and a certificate of
-each kind (as the chart does), serves them with the operator's own server context (reports.server_ssl_context), and
+each kind (test_reports_real.certificate), serves them with the operator's own server context (reports.server_ssl_context), and
 completes --handshakes handshakes over loopback with a client that verifies the chain as the trainer does; the
 figure is the server thread's CPU per handshake (time.thread_time, so a loaded machine changes it little).
 
@@ -14,7 +14,6 @@ Last line: `result: rsa2048_server_cpu_ms=<x> ecdsa_p256_server_cpu_ms=<x> ecdsa
 from __future__ import annotations
 
 import argparse
-import datetime
 import socket
 import ssl
 import statistics
@@ -25,57 +24,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "common"), str(REPO / "operator")]
+sys.path[:0] = [str(REPO / "common"), str(REPO / "operator"), str(REPO / "tests"), str(REPO / "tests" / "real_api")]
+
+from test_reports_real import certificate  # noqa: E402
 
 from trainingrun_operator.reports import server_ssl_context  # noqa: E402
 
 HOST = "trainingrun-operator-report.trainingrun-system.svc"
-
-
-def write_certificate(directory: Path, kind: str) -> Path:
-    """A CA and a certificate for HOST signed by it (tls.crt, tls.key, ca.crt), with `kind` keys: rsa or ecdsa."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec, rsa
-    from cryptography.x509.oid import NameOID
-
-    def key():
-        return rsa.generate_private_key(65537, 2048) if kind == "rsa" else ec.generate_private_key(ec.SECP256R1())
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, leaf_key = key(), key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "trainingrun-operator report CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    leaf = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)]))
-        .issuer_name(ca_name)
-        .public_key(leaf_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(HOST)]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    out = directory / kind
-    out.mkdir()
-    (out / "ca.crt").write_bytes(ca.public_bytes(pem))
-    (out / "tls.crt").write_bytes(leaf.public_bytes(pem))
-    (out / "tls.key").write_bytes(
-        leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return out
 
 
 def server_cpu_per_handshake(tls_dir: Path, handshakes: int) -> list[float]:
@@ -112,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {}
     with tempfile.TemporaryDirectory(prefix="report-tls-") as tmp:
         for kind in ("rsa", "ecdsa"):
-            costs = server_cpu_per_handshake(write_certificate(Path(tmp), kind), args.handshakes)
+            (Path(tmp) / kind).mkdir()
+            costs = server_cpu_per_handshake(certificate(Path(tmp) / kind, HOST, kind), args.handshakes)
             figures[kind] = 1000 * statistics.median(costs)
             print(f"{kind:<6} {len(costs)} handshakes: server CPU per handshake, median {figures[kind]:.3f} ms")
     ratio = figures["ecdsa"] / figures["rsa"]
