@@ -32,7 +32,7 @@ from . import api, indexes, leadership, naming, plans, rechecks, reconcile, serv
 from . import kube as kube_module
 from .indexes import merged_status, run_document, slim_job, slim_pod, slim_run
 from .kube import ApiError
-from .state import Key, OperatorState
+from .state import Key, OperatorState, Reconciled
 
 log = logging.getLogger("trainingrun.operator")
 
@@ -148,7 +148,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         key = (namespace, name)
         run = state.runs[key] = slim_run(body, state.runs.get(key))
         written = state.written.get(key, {})
-        seen = key in state.reconciled and state.reconciled[key] == indexes.view(
+        seen = key in state.reconciled and state.reconciled[key].run == indexes.view(
             run, merged_status(run["status"], written)
         )
         indexes.forget_shown(written, run["status"])
@@ -160,9 +160,14 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
     @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
     async def job_event(type: str, namespace: Any, name: str, labels: Any, **kwargs: Any) -> None:
         keep_indexes(kwargs)
+        key = (namespace, labels[naming.LABEL_RUN])
         if type == "DELETED":
             state.created_jobs.discard((namespace, name))
-        state.enqueue((namespace, labels[naming.LABEL_RUN]))
+        left = state.reconciled.get(key)
+        if left is None or left.jobs != {
+            j["metadata"]["name"]: indexes.job_view(j) for j in kwargs["jobs"].get(key, [])
+        }:
+            state.enqueue(key)  # else its jobs are as its last reconcile left them (e.g. the one it created, as sent)
 
     @kopf.on.event(*PODS, labels=CHILD_FILTER, registry=registry)
     async def pod_event(namespace: Any, labels: Any, **kwargs: Any) -> None:
@@ -236,7 +241,14 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: kopf.Index, pod
             merged = merged_status(status, plan.status)
             if _decides_the_same_after(state, key, observed, plan, merged, list(jobs.get(key, []))):
                 # Before the status write: its watch event may come while the write's answer is on its way.
-                state.reconciled[key] = indexes.view(body, merged)
+                state.reconciled[key] = Reconciled(
+                    indexes.view(body, merged),
+                    {
+                        j["metadata"]["name"]: indexes.job_view(j)
+                        for j in jobs.get(key, [])
+                        if j["metadata"]["name"] not in plan.delete_jobs
+                    },
+                )
             carried_out = False
             try:
                 carried_out = await plans.carry_out(

@@ -78,6 +78,13 @@ def view(slim: dict[str, Any], status: dict[str, Any]) -> int:
     )
 
 
+def job_view(slim: dict[str, Any]) -> int:
+    """A fingerprint of a slimmed job (slim_job) but what the server assigns when it creates one (uid,
+    creationTimestamp): the job the operator sent and the watch's first event of it have the same view."""
+    meta = {k: v for k, v in slim["metadata"].items() if k not in ("uid", "creationTimestamp")}
+    return hash(json.dumps({**slim, "metadata": meta}, sort_keys=True, separators=(",", ":")))
+
+
 def run_document(slim: dict[str, Any]) -> dict[str, Any]:
     """The run as a TrainingRun document again (without status), for parsing."""
     return {

@@ -14,7 +14,7 @@ from trainingrun_api import contract
 
 from . import api, builders, naming, reconcile, run_status, validation
 from . import kube as kube_module
-from .indexes import controller_uid, merged_status
+from .indexes import controller_uid, job_view, merged_status, slim_job
 from .kube import ApiError, Kube
 from .state import Key, OperatorState, Rejection
 
@@ -61,6 +61,8 @@ async def carry_out(
             if not await _create_children(state, key, body, plan, run, plan.start_attempt, job_name):
                 return False
     if plan.suspend_job:
+        if (left := state.reconciled.get(key)) is not None:
+            left.jobs.pop(plan.suspend_job, None)
         await kube.patch(
             "kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job, {"spec": {"runPolicy": {"suspend": True}}}
         )
@@ -111,6 +113,9 @@ async def _create_children(
     # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is
     # written only when both exist, so a failure here starts the same attempt again.
     ordered = [job, *support]
+    left = state.reconciled.get(key)
+    if left is not None:  # before the request: the watch may show the job before its answer comes
+        left.jobs[job_name] = job_view(slim_job(job))
     outcomes = await asyncio.gather(*(_ensure(kube, child) for child in ordered), return_exceptions=True)
     if not isinstance(outcomes[0], BaseException):
         state.created_jobs.add((key[0], job_name))

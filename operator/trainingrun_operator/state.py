@@ -96,6 +96,17 @@ class Rechecks:
 
 
 @dataclass
+class Reconciled:
+    """What a run's last complete reconcile saw and left: a watch event that shows just that needs no reconcile
+    (reconcile.decide is idempotent on its own plan)."""
+
+    run: int  #: the run as it read it, status merged with its own writes (indexes.view)
+    #: Each of the run's jobs as it left them (indexes.job_view), the PyTorchJob it created as it sent it. A job it
+    #: deleted or suspended is left out: its events are reconciled.
+    jobs: dict[str, int]
+
+
+@dataclass
 class Rejection:
     generation: Optional[int]  #: the spec generation whose children were refused
     retry_at: float  #: time.monotonic() of the next try
@@ -139,8 +150,8 @@ class OperatorState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     #: Every run as its last watch event showed it, slimmed (indexes.slim_run), kept by handlers.run_event.
     runs: dict[Key, dict[str, Any]] = field(default_factory=dict)
-    #: What each run's last reconcile saw and wrote (indexes.view): a watch event showing just that is not queued.
-    reconciled: dict[Key, int] = field(default_factory=dict)
+    #: What each run's last reconcile saw and left: a watch event showing just that is not queued.
+    reconciled: dict[Key, Reconciled] = field(default_factory=dict)
     #: kopf's indexes of jobs and pods, as handed to the first handler.
     indexes: Optional[dict[str, kopf.Index]] = None
     #: When this process started: jobs its status named before then are the run's even unsigned (run_owns_job).

@@ -2,7 +2,9 @@
 
 import copy
 
-from trainingrun_operator.indexes import SPEC_JSON, forget_shown, merged_status, slim_run, view
+from trainingrun_operator import builders, validation
+from trainingrun_operator.indexes import SPEC_JSON, forget_shown, job_view, merged_status, slim_job, slim_run, view
+from trainingrun_operator.settings import Settings
 
 RUN = {
     "apiVersion": "trainingrun.dev/v1alpha1",
@@ -56,3 +58,37 @@ def test_what_the_watch_shows_is_no_longer_remembered_as_written():
     assert written == {"phase": "Recovering", "attempt": 2, "nextAttemptTime": None}
     forget_shown(written, {"phase": "Recovering", "attempt": 2, "progress": {"step": 40}})  # the write's own event
     assert written == {}  # nextAttemptTime, removed, shows as absent
+
+
+def as_the_server_shows(sent, **status):
+    """A job as the watch brings it back: what the server assigns on create, and any status since."""
+    shown = copy.deepcopy(sent)
+    shown["metadata"].update(
+        uid="j1", creationTimestamp="2026-11-28T14:00:00Z", resourceVersion="12", generation=1, managedFields=[{}]
+    )
+    if status:
+        shown["status"] = status
+    return shown
+
+
+def test_the_job_a_reconcile_sent_matches_the_watchs_first_event_of_it_and_nothing_later():
+    """A job event whose jobs are as the last reconcile left them is not reconciled (handlers.job_event): the job it
+    created must have the view of the watch's ADDED event, and any change the run's decision reads must not."""
+    run = validation.parse(
+        {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", **{k: RUN[k] for k in ("metadata", "spec")}}
+    )
+    sent = builders.pytorch_job(run, 1, Settings(signing_key=b"k" * 32))
+    left = job_view(slim_job(sent))
+    assert job_view(slim_job(as_the_server_shows(sent))) == left
+    created = {"conditions": [{"type": "Created", "status": "True", "lastTransitionTime": "2026-11-28T14:00:01Z"}]}
+    assert job_view(slim_job(as_the_server_shows(sent, **created))) != left  # Kubeflow saw it
+    changed = [
+        as_the_server_shows(sent, **created),
+        {**as_the_server_shows(sent), "spec": {**sent["spec"], "runPolicy": {"suspend": True}}},
+    ]
+    for edit in ({"deletionTimestamp": "2026-11-28T14:00:02Z"}, {"labels": {}}, {"annotations": {}}):
+        edited = as_the_server_shows(sent)
+        edited["metadata"].update(edit)
+        changed.append(edited)
+    unsigned = as_the_server_shows(builders.pytorch_job(run, 1, Settings()))
+    assert [job_view(slim_job(job)) == left for job in [*changed, unsigned]] == [False] * 6

@@ -43,10 +43,10 @@ def test_a_replica_that_stands_by_forgets_what_it_wrote_and_decided():
     key = ("team", "a")
     state.acting_changed(True)
     state.written[key] = {"attempt": 1, "jobName": "a-a1"}
-    state.reconciled[key] = 42
+    state.reconciled[key] = state_module.Reconciled(42, {})
     state.rechecks.at(key, 0.0)
     state.acting_changed(True)  # still acting: nothing forgotten
-    assert state.written[key] and state.reconciled[key] == 42
+    assert state.written[key] and state.reconciled[key].run == 42
     state.acting_changed(False)
     assert state.written == {} and state.reconciled == {} and state.rechecks.due(1.0) == []
     assert state.metrics.acting._value.get() == 0
