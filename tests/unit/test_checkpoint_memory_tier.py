@@ -18,7 +18,14 @@ import xxhash
 from fsspec.implementations.local import LocalFileOpener
 from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
 
-from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest, tier_files
+from trainingrun_trainer.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointStore,
+    manifest,
+    memory_tier,
+    model_digest,
+    tier_files,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RESERVE_SHARE = memory_tier.RESERVE_SHARE  # as shipped, before the `memory` fixture sets it aside
@@ -179,6 +186,28 @@ def test_a_new_pods_restore_downloads_each_file_once_and_keeps_it_for_the_next_r
     assert sorted(opened) == sorted(p.name for p in data_files(step_dir(storage, 5)) if p.suffix == ".distcp")
     opened.clear()
     assert restored(storage, memory) == (5, digest, "memory") and opened == []
+
+
+def test_a_new_pods_restore_checks_the_files_of_a_checkpoint_at_once(storage, memory, monkeypatch):
+    """Rank 0 of a new pod reads, hashes and keeps in memory every file of every rank before any rank loads: one at a
+    time, each file waited for the one before it."""
+    _, digest = saved(storage, memory.parent / "the-pod-before")
+    monkeypatch.setattr(manifest, "CHECK_THREADS", 2)
+    together = threading.Barrier(2, timeout=30)  # broken unless two files are checked at the same time
+    real_check = manifest._check
+
+    checked = []
+
+    def check(storage, uri, entry, *args):
+        checked.append(entry["path"])
+        together.wait()
+        return real_check(storage, uri, entry, *args)
+
+    monkeypatch.setattr(manifest, "_check", check)
+    assert restored(storage, memory) == (5, digest, "storage")
+    assert len(checked) >= 2
+    monkeypatch.setattr(manifest, "_check", real_check)
+    assert restored(storage, memory) == (5, digest, "memory")  # every copy it kept is whole
 
 
 @pytest.fixture

@@ -79,3 +79,40 @@ def test_a_local_file_is_read_as_one_stream(tmp_path):
         len(DATA),
         hashlib.sha256(DATA).hexdigest(),
     )
+
+
+def test_the_copy_is_written_beside_the_reading_at_most_copy_ahead_chunks_behind(bucket, monkeypatch):
+    """A copy into memory took longer than reading and hashing the same bytes: its own thread writes it while the next
+    chunks are read and hashed, and no more than COPY_AHEAD of them wait for it (each is 8 MiB)."""
+    store, uri = bucket
+    hashed, hashed_bytes = threading.Semaphore(0), [0]
+    real_hasher = storage_module.file_hasher
+
+    class Counting:
+        def __init__(self, name):
+            self.inner = real_hasher(name)
+
+        def update(self, chunk):
+            self.inner.update(chunk)
+            hashed_bytes[0] += len(chunk)
+            hashed.release()
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    class Slow(Kept):
+        def __init__(self):
+            super().__init__()
+            self.behind = []
+
+        def write(self, chunk):
+            if not self.data:  # the first chunk's write waits until the second chunk is hashed without it
+                assert hashed.acquire(timeout=10) and hashed.acquire(timeout=10)
+            super().write(chunk)
+            self.behind.append(hashed_bytes[0] - len(self.data))
+
+    monkeypatch.setattr(storage_module, "file_hasher", Counting)
+    kept = Slow()
+    assert store.digest(uri, "xxh3_128", kept, size=len(DATA)) == (len(DATA), xxhash.xxh3_128(DATA).hexdigest())
+    assert bytes(kept.data) == DATA
+    assert max(kept.behind) <= (storage_module.COPY_AHEAD + 1) * 1000  # bytes hashed, not yet written

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional
@@ -24,6 +25,9 @@ from .storage import _entry_time, _is_dir, _is_file, _Storage, _storage_options
 MAX_MANIFEST_BYTES = 64 << 20
 #: The most files one manifest may list.
 MAX_MANIFEST_FILES = 1_000_000
+#: Files of one checkpoint re-hashed at once (each also fetches `storage.FETCH_AHEAD` ranges at once from an object
+#: store, so at most this many times that many requests are in flight).
+CHECK_THREADS = min(4, os.cpu_count() or 1)
 
 
 def _is_count(value: object) -> bool:
@@ -144,19 +148,17 @@ def _inspect(
         reason: Optional[str] = "interrupted"
         try:
             digest = file_digest_name(manifest["format_version"])
-            reason = next(
-                (
-                    why
-                    for entry in manifest["files"]
-                    if (
-                        why := _check(
-                            storage, uri, entry, digest, tier.copy(kept, entry["path"]) if kept is not None else None
-                        )
-                    )
-                    is not None
-                ),
-                None,
-            )
+            entries = manifest["files"]
+
+            def check(entry: dict) -> Optional[str]:
+                return _check(storage, uri, entry, digest, tier.copy(kept, entry["path"]) if kept is not None else None)
+
+            # Files at once: hashing releases the interpreter lock, and so do reads and the tier's writes. One at a time,
+            # a restore from storage waited for each file's read, hash and copy into memory in turn.
+            with ThreadPoolExecutor(
+                min(CHECK_THREADS, len(entries)) or 1, thread_name_prefix="checkpoint-check"
+            ) as pool:
+                reason = next((why for why in pool.map(check, entries) if why is not None), None)
         finally:
             if kept is not None:
                 tier.commit(step, raw) if reason is None else tier.discard(step)

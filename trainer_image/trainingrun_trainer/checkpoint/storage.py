@@ -18,6 +18,8 @@ from .layout import _HASH_CHUNK, file_hasher
 
 #: Ranges of one file in object storage fetched at once when it is hashed (each `_HASH_CHUNK` bytes).
 FETCH_AHEAD = 8
+#: Chunks read (each `_HASH_CHUNK` bytes) that may wait to be written to the memory tier's copy.
+COPY_AHEAD = 4
 
 
 def _storage_options(uri: str, endpoint_url: Optional[str], storage_options: Optional[Mapping]) -> dict:
@@ -97,11 +99,20 @@ class _Storage:
         once (hashed in order)."""
         digest = file_hasher(name)
         read = 0
-        for chunk in self._ranges(uri, size) if size is not None and not self.local else self._stream(uri):
-            digest.update(chunk)
-            read += len(chunk)
-            if copy is not None:
-                copy.write(chunk)
+        chunks = self._ranges(uri, size) if size is not None and not self.local else self._stream(uri)
+        # The copy is written by a thread of its own, up to COPY_AHEAD chunks behind: a write into memory (tmpfs pages
+        # allocated) took longer than reading and hashing the same bytes, and both release the interpreter lock.
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-tier-copy") as writer:
+            copying: deque[Future] = deque()
+            for chunk in chunks:
+                digest.update(chunk)
+                read += len(chunk)
+                if copy is not None:
+                    copying.append(writer.submit(copy.write, chunk))
+                    if len(copying) > COPY_AHEAD:
+                        copying.popleft().result()
+            for written in copying:
+                written.result()
         return read, digest.hexdigest()
 
     def _stream(self, uri: str) -> Iterator[bytes]:
