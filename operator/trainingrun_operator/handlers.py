@@ -1,13 +1,13 @@
-"""kopf handlers: keep the runs (state.runs) and kopf's in-memory indexes of jobs and pods, and reconcile on any
-change.
+"""The operator's triggers and reconcile workers: keep the runs (state.runs) and the jobs and pods of each
+(state.indexes) from the operator's own watches (informer.py), and reconcile on any change. kopf logs in, runs
+peering (leadership.py), the liveness endpoint, and calls the startup and cleanup handlers here.
 
 Every trigger (a TrainingRun event, a PyTorchJob or pod event, a recheck: rechecks.py) queues the run's key;
 a fixed number of workers take keys from the queue and run the same level-triggered `reconcile_run`: read
 the run and its children from the indexes (no API reads), let `reconcile.decide` choose, then
 create/patch/delete what the plan says and write status. A key already queued is not queued again: the
-worker reads the indexes when it starts, so it sees every change that queued it. The kopf handlers only
-queue, so kopf's per-event machinery is never held up by API calls: in a burst of 2,000 runs, reconciles
-waiting inside kopf's handlers held ~4,000 of its handler stacks at once, most of the operator's memory.
+worker reads the indexes when it starts, so it sees every change that queued it. The event functions only
+keep and queue, so watching is never held up by API calls.
 Handlers stay thin; decisions are in reconcile.py, objects in builders.py, carrying out a plan in plans.py, API
 calls in kube.py.
 
@@ -22,24 +22,21 @@ readiness, reports) in serving.py, which replica acts in leadership.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import kopf
 
 from . import api, indexes, leadership, naming, plans, rechecks, reconcile, serving, validation
 from . import kube as kube_module
 from .indexes import merged_status, run_document, slim_job, slim_pod, slim_run
+from .informer import Index, Informer
 from .kube import ApiError
 from .state import Key, OperatorState, Reconciled
 
 log = logging.getLogger("trainingrun.operator")
-
-RUNS = (api.GROUP, api.VERSION, api.PLURAL)
-JOBS = ("kubeflow.org", "v1", "pytorchjobs")
-PODS = ("", "v1", "pods")
-CHILD_FILTER = {naming.LABEL_RUN: kopf.PRESENT}
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -78,6 +75,7 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if state.settings.metrics_port:
             state.tasks.append(asyncio.create_task(serving.serve_metrics(state), name="trainingrun-metrics"))
         state.tasks.append(asyncio.create_task(rechecks.run(state), name="trainingrun-rechecks"))
+        state.tasks.append(asyncio.create_task(_inform(state), name="trainingrun-inform"))
         state.tasks += [
             asyncio.create_task(_reconcile_worker(state), name=f"trainingrun-reconcile-{n}")
             for n in range(state.settings.reconcile_workers)
@@ -122,61 +120,89 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         if state.kube is not None:
             await state.kube.close()
 
-    # Indexers are coroutines: kopf runs plain functions in a thread pool, a thread hop per watch event. Runs have no
-    # kopf index: run_event keeps them (state.runs), one handler per event where an index was a second, a tenth of the
-    # operator's CPU in a burst. Jobs and pods keep theirs: kopf calls no on.event handler before every index has
-    # listed its kind, so a run is never reconciled before its jobs are known (it would create them again).
-    @kopf.index(*JOBS, labels=CHILD_FILTER, id="jobs", registry=registry)
-    # `namespace: Any`: kopf types it `str | None` for cluster-scoped resources; these are all namespaced.
-    async def jobs(namespace: Any, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
-        return {(namespace, labels[naming.LABEL_RUN]): slim_job(body)}
 
-    @kopf.index(*PODS, labels=CHILD_FILTER, id="pods", registry=registry)
-    async def pods(namespace: Any, labels: Any, body: Any, **_: Any) -> dict[Key, dict[str, Any]]:
-        return {(namespace, labels[naming.LABEL_RUN]): slim_pod(body)}
+def run_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
+    """A run's watch event: keep it (state.runs), and queue it unless it shows only what its last reconcile wrote."""
+    meta = body.get("metadata") or {}
+    key = (str(meta.get("namespace")), str(meta.get("name")))
+    if type == "DELETED":
+        state.forget(key)  # children go with it (ownerReferences); checkpoints stay
+        return
+    run = state.runs[key] = slim_run(body, state.runs.get(key))
+    written = state.written.get(key, {})
+    seen = key in state.reconciled and state.reconciled[key].run == indexes.view(
+        run, merged_status(run["status"], written)
+    )
+    indexes.forget_shown(written, run["status"])
+    if not written:
+        state.written.pop(key, None)
+    if not seen:
+        state.enqueue(key)
 
-    def keep_indexes(kwargs: dict[str, Any]) -> None:
-        if state.indexes is None:
-            state.indexes = {k: kwargs[k] for k in ("jobs", "pods")}
 
-    @kopf.on.event(*RUNS, registry=registry)
-    async def run_event(type: str, namespace: Any, name: str, body: Any, **kwargs: Any) -> None:
-        keep_indexes(kwargs)
-        if type == "DELETED":
-            state.forget((namespace, name))  # children go with it (ownerReferences); checkpoints stay
-            return
-        key = (namespace, name)
-        run = state.runs[key] = slim_run(body, state.runs.get(key))
-        written = state.written.get(key, {})
-        seen = key in state.reconciled and state.reconciled[key].run == indexes.view(
-            run, merged_status(run["status"], written)
-        )
-        indexes.forget_shown(written, run["status"])
-        if not written:
-            state.written.pop(key, None)
-        if not seen:  # else it only shows what its last reconcile wrote: deciding again would change nothing
-            state.enqueue(key)
+def job_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
+    """A PyTorchJob's watch event: keep it, and queue its run unless its jobs are as its last reconcile left them (e.g.
+    the one it created, as it sent it)."""
+    meta = body.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    key = (namespace, str((meta.get("labels") or {}).get(naming.LABEL_RUN)))
+    assert state.indexes is not None
+    jobs = state.indexes["jobs"]
+    jobs.put(key, name, None if type == "DELETED" else slim_job(body))
+    if type == "DELETED":
+        state.created_jobs.discard((namespace, name))
+    left = state.reconciled.get(key)
+    if left is None or left.jobs != {j["metadata"]["name"]: indexes.job_view(j) for j in jobs.get(key, [])}:
+        state.enqueue(key)
 
-    @kopf.on.event(*JOBS, labels=CHILD_FILTER, registry=registry)
-    async def job_event(type: str, namespace: Any, name: str, labels: Any, **kwargs: Any) -> None:
-        keep_indexes(kwargs)
-        key = (namespace, labels[naming.LABEL_RUN])
-        if type == "DELETED":
-            state.created_jobs.discard((namespace, name))
-        left = state.reconciled.get(key)
-        if left is None or left.jobs != {
-            j["metadata"]["name"]: indexes.job_view(j) for j in kwargs["jobs"].get(key, [])
-        }:
-            state.enqueue(key)  # else its jobs are as its last reconcile left them (e.g. the one it created, as sent)
 
-    @kopf.on.event(*PODS, labels=CHILD_FILTER, registry=registry)
-    async def pod_event(namespace: Any, labels: Any, **kwargs: Any) -> None:
-        keep_indexes(kwargs)
-        state.enqueue((namespace, labels[naming.LABEL_RUN]))
+def pod_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
+    """A worker pod's watch event: keep it, and queue its run."""
+    meta = body.get("metadata") or {}
+    key = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(naming.LABEL_RUN)))
+    assert state.indexes is not None
+    state.indexes["pods"].put(key, str(meta.get("name")), None if type == "DELETED" else slim_pod(body))
+    state.enqueue(key)
+
+
+async def _inform(state: OperatorState) -> None:
+    """List and watch runs, jobs and pods (informer.py): in every watched namespace, or cluster-wide. The reconcile
+    workers wait until every kind was listed once, so a restarted operator never reconciles a run before its jobs
+    are known (it would create them again)."""
+    await state.logged_in.wait()
+    state.indexes = {"jobs": Index(), "pods": Index()}
+    selector = naming.LABEL_RUN
+    namespaces: list[Optional[str]] = list(state.settings.namespaces) or [None]
+    kinds: list[tuple[str, str, str, Callable[[OperatorState, str, dict[str, Any]], None]]] = [
+        (api.API_VERSION, api.KIND, "", run_event),
+        ("kubeflow.org/v1", "PyTorchJob", selector, job_event),
+        ("v1", "Pod", selector, pod_event),
+    ]
+    listed: list[asyncio.Event] = []
+    informers: list[asyncio.Task] = []
+    for api_version, kind, labels, handler in kinds:
+        for namespace in namespaces:
+            listed.append(asyncio.Event())
+            informer = Informer(
+                state.client,
+                kube_module.collection_path(api_version, kind, namespace),
+                functools.partial(handler, state),
+                labels,
+            )
+            informers.append(asyncio.create_task(informer.run(listed[-1]), name=f"trainingrun-watch-{kind}"))
+    try:
+        await asyncio.gather(*(d.wait() for d in listed))
+        state.informed.set()
+        await asyncio.gather(*informers)
+    finally:
+        for task in informers:
+            task.cancel()
+        await asyncio.gather(*informers, return_exceptions=True)
 
 
 async def _reconcile_worker(state: OperatorState) -> None:
     """Reconcile queued runs one after another, for ever. A failure is logged; the resync queues the run again."""
+    await state.informed.wait()
     while True:
         await state.acting.wait()
         key = await state.work.get()
@@ -193,7 +219,7 @@ async def _reconcile_worker(state: OperatorState) -> None:
             state.rechecks.at(key, time.monotonic() + retry_in)
 
 
-async def reconcile_run(state: OperatorState, key: Key, *, jobs: kopf.Index, pods: kopf.Index) -> None:
+async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: Index) -> None:
     async with state.locks[key]:
         state.reconciled.pop(key, None)  # set again below by a reconcile that carries out its whole plan
         body = state.runs.get(key)

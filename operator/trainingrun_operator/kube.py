@@ -17,7 +17,7 @@ import asyncio
 import heapq
 import itertools
 import json
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 from urllib.parse import urlencode
 
 import aiohttp
@@ -28,12 +28,13 @@ from .settings import Settings
 #: the object's, about 1.5 MiB) must not make it hold gigabytes; 500 ordinary Warning Events take about 0.5 MiB.
 MAX_PAGE_BYTES = 16 << 20
 
-#: (apiVersion, kind) -> plural, for the kinds the operator writes.
+#: (apiVersion, kind) -> plural, for the kinds the operator writes or watches.
 PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Event"): "events",
+    ("v1", "Pod"): "pods",
     ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
@@ -89,6 +90,16 @@ class ApiError(Exception):
 
 class AnswerTooLarge(OSError):
     """The API server's answer was longer than its reader would hold."""
+
+
+class WatchGone(Exception):
+    """A watch's resourceVersion is too old (410 Gone): list again."""
+
+
+#: The longest watch event read (bytes): etcd holds objects of at most ~1.5 MiB, the API server takes 3 MiB requests.
+MAX_WATCH_LINE_BYTES = 16 << 20
+#: A watch with nothing to read for this long is taken as dropped (the server sends bookmarks about every minute).
+WATCH_READ_TIMEOUT_SECONDS = 600
 
 
 async def _read_at_most(response: aiohttp.ClientResponse, max_bytes: int, path: str) -> dict[str, Any]:
@@ -271,6 +282,31 @@ class Kube:
             if not token:
                 return items, True
         return items, False
+
+    async def watch(self, path: str, max_line_bytes: int = MAX_WATCH_LINE_BYTES) -> AsyncIterator[dict[str, Any]]:
+        """The events of a watch request, as dicts, until the server ends it. Outside the gate: a watch stays open.
+        `WatchGone` on 410 (the resourceVersion is too old: list again), ApiError on other refusals; a line longer than
+        `max_line_bytes` is a ValueError."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=WATCH_READ_TIMEOUT_SECONDS)
+        async with self._session.get(self.server + path, timeout=timeout) as response:
+            if response.status == 410:
+                raise WatchGone(path.split("?")[0])
+            if response.status >= 400:
+                self.on_error(response.status)
+                raise ApiError(response.status, response.reason or "", (await response.text())[:1000])
+            pending = bytearray()
+            async for chunk in response.content.iter_any():
+                pending += chunk
+                while (end := pending.find(b"\n")) >= 0:
+                    line = bytes(pending[:end])
+                    del pending[: end + 1]
+                    if line.strip():
+                        event = json.loads(line)
+                        if (event.get("object") or {}).get("code") == 410 and event.get("type") == "ERROR":
+                            raise WatchGone(path.split("?")[0])
+                        yield event
+                if len(pending) > max_line_bytes:
+                    raise ValueError(f"GET {path.split('?')[0]}: a watch event longer than {max_line_bytes} bytes")
 
     async def serves(self, api_version: str, plural: str) -> bool:
         """Whether the API server serves this resource (e.g. a CRD is installed)."""

@@ -87,7 +87,7 @@ class Settings:
     #: How long a TokenReview's answer about a report token is reused (TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS).
     report_token_cache_seconds: float = 60.0
     #: The operator's own API requests in flight at once; more wait, children of new attempts first, then
-    #: status, then Events (TRAININGRUN_API_REQUESTS_IN_FLIGHT). kopf's watches are not counted.
+    #: status, then Events (TRAININGRUN_API_REQUESTS_IN_FLIGHT). Watches (informer.py) are not counted, lists are.
     api_requests_in_flight: int = 32
     #: Runs reconciled at once (TRAININGRUN_RECONCILE_WORKERS); every trigger queues its run, and a run
     #: queued several times is reconciled once. Each reconcile holds its run's parsed spec while it waits

@@ -152,13 +152,15 @@ class OperatorState:
     runs: dict[Key, dict[str, Any]] = field(default_factory=dict)
     #: What each run's last reconcile saw and left: a watch event showing just that is not queued.
     reconciled: dict[Key, Reconciled] = field(default_factory=dict)
-    #: kopf's indexes of jobs and pods, as handed to the first handler.
-    indexes: Optional[dict[str, kopf.Index]] = None
+    #: The jobs and pods of each run (informer.Index), kept by handlers.job_event and pod_event.
+    indexes: Optional[dict[str, Any]] = None
     #: When this process started: jobs its status named before then are the run's even unsigned (run_owns_job).
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     #: Why the operator gave up (e.g. no credentials); the CLI exits 1 with it.
     fatal: Optional[str] = None
     stop: Optional[asyncio.Future] = None
+    #: Set once runs, jobs and pods were each listed (handlers._inform): reconciles wait for it.
+    informed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def api_server(self) -> str:
