@@ -136,7 +136,7 @@ def run_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
     indexes.forget_shown(written, run["status"])
     if not written:
         state.written.pop(key, None)
-    if not seen:
+    if not seen:  # else it only shows what its last reconcile wrote: deciding again would change nothing
         state.enqueue(key)
 
 
@@ -152,7 +152,7 @@ def job_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
     if type == "DELETED":
         state.created_jobs.discard((namespace, name))
     left = state.reconciled.get(key)
-    if left is None or left.jobs != {j["metadata"]["name"]: indexes.job_view(j) for j in jobs.get(key, [])}:
+    if left is None or left.jobs != indexes.jobs_view(jobs.get(key, [])):
         state.enqueue(key)
 
 
@@ -269,11 +269,7 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
                 # Before the status write: its watch event may come while the write's answer is on its way.
                 state.reconciled[key] = Reconciled(
                     indexes.view(body, merged),
-                    {
-                        j["metadata"]["name"]: indexes.job_view(j)
-                        for j in jobs.get(key, [])
-                        if j["metadata"]["name"] not in plan.delete_jobs
-                    },
+                    indexes.jobs_view(j for j in jobs.get(key, []) if j["metadata"]["name"] not in plan.delete_jobs),
                 )
             carried_out = False
             try:

@@ -85,6 +85,11 @@ def job_view(slim: dict[str, Any]) -> int:
     return hash(json.dumps({**slim, "metadata": meta}, sort_keys=True, separators=(",", ":")))
 
 
+def jobs_view(jobs: Any) -> dict[str, int]:
+    """Each slimmed job's view (job_view) by its name: what `state.Reconciled.jobs` holds."""
+    return {j["metadata"]["name"]: job_view(j) for j in jobs}
+
+
 def run_document(slim: dict[str, Any]) -> dict[str, Any]:
     """The run as a TrainingRun document again (without status), for parsing."""
     return {

@@ -100,6 +100,11 @@ class _Storage:
         digest = file_hasher(name)
         read = 0
         chunks = self._ranges(uri, size) if size is not None and not self.local else self._stream(uri)
+        if copy is None:
+            for chunk in chunks:
+                digest.update(chunk)
+                read += len(chunk)
+            return read, digest.hexdigest()
         # The copy is written by a thread of its own, up to COPY_AHEAD chunks behind: a write into memory (tmpfs pages
         # allocated) took longer than reading and hashing the same bytes, and both release the interpreter lock.
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-tier-copy") as writer:
@@ -107,10 +112,9 @@ class _Storage:
             for chunk in chunks:
                 digest.update(chunk)
                 read += len(chunk)
-                if copy is not None:
-                    copying.append(writer.submit(copy.write, chunk))
-                    if len(copying) > COPY_AHEAD:
-                        copying.popleft().result()
+                copying.append(writer.submit(copy.write, chunk))
+                if len(copying) > COPY_AHEAD:
+                    copying.popleft().result()
             for written in copying:
                 written.result()
         return read, digest.hexdigest()
