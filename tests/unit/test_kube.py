@@ -84,3 +84,71 @@ async def test_a_list_answered_with_empty_pages_stops_after_a_bounded_number_of_
     assert "continue=token-15" in kube.asked[-1]
     kube.asked.clear()
     assert await kube.list("v1", "Event", "ns", pages=2) == ([], False) and len(kube.asked) == 2
+
+
+def pods(namespace="ns"):
+    return f"/api/v1/namespaces/{namespace}/pods"
+
+
+async def watched(kmock, namespace="ns", **kwargs):
+    """The events of one watch of the pods in `namespace` through `Kube.watch` against kmock, and what ended it."""
+    import kopf
+
+    from trainingrun_operator.kube import Kube
+
+    kube, events = Kube(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True)), []
+    try:
+        async for event in kube.watch(f"{pods(namespace)}?watch=true&resourceVersion=7", **kwargs):
+            events.append(event)
+    except Exception as error:  # what ended the watch is the result
+        return events, error
+    finally:
+        await kube.close()
+    return events, None
+
+
+def pod_event(type_, name):
+    return {"type": type_, "object": {"kind": "Pod", "metadata": {"name": name, "resourceVersion": "8"}}}
+
+
+@pytest.mark.asyncio
+async def test_a_watch_answered_410_is_gone(kmock):
+    """A resourceVersion older than the server keeps: the informer must list again, not back off and retry it."""
+    from trainingrun_operator.kube import WatchGone
+
+    kmock[f"get {pods()}"] << 410 << {"kind": "Status", "code": 410, "reason": "Expired"}
+    events, ended = await watched(kmock)
+    assert events == [] and isinstance(ended, WatchGone)
+
+
+@pytest.mark.asyncio
+async def test_a_410_error_event_in_the_stream_is_gone_after_the_events_before_it(kmock):
+    """The API server answers an expired watch 200 and then streams an ERROR event with code 410."""
+    from trainingrun_operator.kube import WatchGone
+
+    gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}}
+    kmock[f"get {pods()}"] << (pod_event("ADDED", "a"), pod_event("MODIFIED", "a"), gone, pod_event("ADDED", "b"))
+    events, ended = await watched(kmock)
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "a"), ("MODIFIED", "a")]
+    assert isinstance(ended, WatchGone)
+
+
+@pytest.mark.asyncio
+async def test_other_error_events_pass_and_refusals_and_long_lines_end_the_watch(kmock):
+    """An ERROR with another code is the informer's to raise (it backs off); a 403 is an ApiError; a line longer than
+    the cap is refused before it is parsed, however the server splits it."""
+    from trainingrun_operator.kube import ApiError
+
+    forbidden = {"type": "ERROR", "object": {"kind": "Status", "code": 500, "reason": "InternalError"}}
+    kmock[f"get {pods('erring')}"] << (pod_event("ADDED", "a"), forbidden)
+    kmock[f"get {pods('forbidden')}"] << 403 << {"kind": "Status", "code": 403, "reason": "Forbidden"}
+    long_line = (pod_event("ADDED", "a"), b'{"type": "ADDED", "object": {"x": "', b"y" * 5000)
+    kmock[f"get {pods('long')}"] << long_line
+
+    events, ended = await watched(kmock, "erring")
+    assert [e["type"] for e in events] == ["ADDED", "ERROR"] and ended is None
+    events, ended = await watched(kmock, "forbidden")
+    assert events == [] and isinstance(ended, ApiError) and ended.status == 403
+    events, ended = await watched(kmock, "long", max_line_bytes=4096)
+    assert [e["type"] for e in events] == ["ADDED"]
+    assert isinstance(ended, ValueError) and "longer than 4096 bytes" in str(ended)
