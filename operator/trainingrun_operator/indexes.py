@@ -1,5 +1,5 @@
-"""What the operator keeps of each object in memory (runs in `OperatorState.runs`, jobs and pods in kopf's
-indexes), and reading it back.
+"""What the operator keeps of each object in memory (runs in `OperatorState.runs`, jobs and pods in
+`informer.Index`es), and reading it back.
 
 The indexes are the operator's only view of the cluster between watch events (reconciles make no API reads),
 so they hold each run, job and pod slimmed to the fields that reconcile and the report endpoint use.
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import copy
 import hmac
-import json
 from datetime import datetime
 from typing import Any, Optional
+
+import orjson
 
 from trainingrun_api.contract import parse_time
 
@@ -52,7 +53,7 @@ def slim_run(body: Any, before: Optional[dict[str, Any]] = None) -> dict[str, An
     ):
         spec_json = before[SPEC_JSON]
     else:
-        spec_json = json.dumps(body.get("spec") or {}, separators=(",", ":"))
+        spec_json = orjson.dumps(body.get("spec") or {}).decode()
     return {
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
@@ -69,20 +70,18 @@ def view(slim: dict[str, Any], status: dict[str, Any]) -> int:
     """A fingerprint of what a reconcile reads of a run: its metadata, its spec and `status` (merged with the
     operator's own writes). Equal views decide the same (reconcile.decide is a function of them, the children and
     the time), so a watch event that only shows what the last reconcile wrote needs no reconcile."""
-    return hash(
-        (
-            slim[SPEC_JSON],
-            json.dumps(slim.get("metadata"), sort_keys=True, separators=(",", ":")),
-            json.dumps(status, sort_keys=True, separators=(",", ":")),
-        )
-    )
+    return hash((slim[SPEC_JSON], _canonical(slim.get("metadata")), _canonical(status)))
 
 
 def job_view(slim: dict[str, Any]) -> int:
     """A fingerprint of a slimmed job (slim_job) but what the server assigns when it creates one (uid,
     creationTimestamp): the job the operator sent and the watch's first event of it have the same view."""
     meta = {k: v for k, v in slim["metadata"].items() if k not in ("uid", "creationTimestamp")}
-    return hash(json.dumps({**slim, "metadata": meta}, sort_keys=True, separators=(",", ":")))
+    return hash(_canonical({**slim, "metadata": meta}))
+
+
+def _canonical(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
 
 
 def jobs_view(jobs: Any) -> dict[str, int]:
@@ -96,7 +95,7 @@ def run_document(slim: dict[str, Any]) -> dict[str, Any]:
         "apiVersion": slim.get("apiVersion"),
         "kind": slim.get("kind"),
         "metadata": slim.get("metadata") or {},
-        "spec": json.loads(slim[SPEC_JSON]),
+        "spec": orjson.loads(slim[SPEC_JSON]),
     }
 
 

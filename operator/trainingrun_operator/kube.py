@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import json
 from typing import Any, AsyncIterator, Callable, Optional
 from urllib.parse import urlencode
 
 import aiohttp
+import orjson
 
 from .settings import Settings
 
@@ -110,7 +110,13 @@ async def _read_at_most(response: aiohttp.ClientResponse, max_bytes: int, path: 
         if size > max_bytes:
             raise AnswerTooLarge(f"GET {path.split('?')[0]}: the answer is longer than {max_bytes} bytes")
         chunks.append(chunk)
-    return json.loads(b"".join(chunks)) if chunks else {}
+    return _decoded(b"".join(chunks))
+
+
+def _decoded(raw: bytes) -> Any:
+    """An answer's JSON (orjson: a third of the standard library's CPU, a depth limit, and a ValueError for whatever
+    it refuses); an empty answer is an empty dict."""
+    return orjson.loads(raw) if raw.strip() else {}
 
 
 def collection_path(api_version: str, kind: str, namespace: Optional[str]) -> str:
@@ -171,7 +177,10 @@ class Kube:
             await self.gate(priority)
             try:
                 async with self._session.request(
-                    method, self.server + path, json=body, headers={"Content-Type": content_type}
+                    method,
+                    self.server + path,
+                    data=None if body is None else orjson.dumps(body),
+                    headers={"Content-Type": content_type},
                 ) as response:
                     if response.status < 400:
                         if not answer:
@@ -179,11 +188,12 @@ class Kube:
                             return {}
                         if max_bytes is not None:
                             return await _read_at_most(response, max_bytes, path)
-                        return await response.json(content_type=None) or {}
+                        return _decoded(await response.read()) or {}
                     self.on_error(response.status)
                     try:
-                        payload = await response.json(content_type=None) or {}
-                    except (ValueError, aiohttp.ContentTypeError):
+                        payload = _decoded(await response.read())
+                        payload = payload if isinstance(payload, dict) else {}
+                    except ValueError:
                         payload = {}
             finally:
                 self.gate.release()
@@ -301,7 +311,7 @@ class Kube:
                     line = bytes(pending[:end])
                     del pending[: end + 1]
                     if line.strip():
-                        event = json.loads(line)
+                        event = orjson.loads(line)
                         if (event.get("object") or {}).get("code") == 410 and event.get("type") == "ERROR":
                             raise WatchGone(path.split("?")[0])
                         yield event
