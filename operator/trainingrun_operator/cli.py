@@ -71,12 +71,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     state = OperatorState(settings)
     try:
-        if settings.event_loop == "uvloop":
-            import uvloop
-
-            uvloop.run(run_operator(state))
-        else:
-            asyncio.run(run_operator(state))
+        asyncio.run(run_operator(state))
     except Exception as error:  # noqa: BLE001 - kopf re-raises what made it stop; say it in one line when we know why
         if not state.fatal and isinstance(error, OSError):  # kopf gave up on the API server after ~1 minute of retries
             state.fatal = f"cannot reach the Kubernetes API at {state.api_server}: {error}"

@@ -19,9 +19,6 @@ from trainingrun_api import contract
 
 from . import __version__
 
-#: The event loops the operator can run on (Settings.event_loop).
-EVENT_LOOPS = ("uvloop", "asyncio")
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -96,10 +93,6 @@ class Settings:
     #: queued several times is reconciled once. Each reconcile holds its run's parsed spec while it waits
     #: for the API server, so this bounds the operator's memory in a burst.
     reconcile_workers: int = 64
-    #: The event loop the operator runs on (TRAININGRUN_EVENT_LOOP): `uvloop` (libuv: its sockets, TLS and callbacks in
-    #: C) or `asyncio` (the standard library's, to rule uvloop out when debugging). In a burst of 2,000 runs on a real
-    #: API server uvloop took 18% less CPU per admitted run (benchmarks/operator_reconcile.py --real).
-    event_loop: str = "uvloop"
     #: Signs each PyTorchJob the operator creates (naming.job_signature), so a job someone else planted under the
     #: name of a run's next attempt, with an owner reference to the run, is never taken as the run's: derived from the
     #: report endpoint's TLS key (tls.key in report_tls_dir, the same Secret on every replica), else random for this
@@ -130,9 +123,6 @@ class Settings:
         for name in ("TRAININGRUN_RECONCILE_INTERVAL_SECONDS", "TRAININGRUN_RESYNC_SECONDS"):
             if number(name, 1.0, float) <= 0:
                 raise ValueError(f"{name}={env[name]!r} must be more than 0 seconds")
-        event_loop = env.get("TRAININGRUN_EVENT_LOOP", "") or defaults.event_loop
-        if event_loop not in EVENT_LOOPS:
-            raise ValueError(f"TRAININGRUN_EVENT_LOOP={event_loop!r} must be one of {', '.join(EVENT_LOOPS)}")
         report_url = env.get("TRAININGRUN_REPORT_URL", defaults.report_url)
         tls_dir = env.get("TRAININGRUN_REPORT_TLS_DIR", defaults.report_tls_dir)
         ca_path = Path(tls_dir) / "ca.crt"
@@ -188,7 +178,6 @@ class Settings:
             ),
             api_requests_in_flight=number("TRAININGRUN_API_REQUESTS_IN_FLIGHT", defaults.api_requests_in_flight),
             reconcile_workers=number("TRAININGRUN_RECONCILE_WORKERS", defaults.reconcile_workers),
-            event_loop=event_loop,
             signing_key=signing_key(Path(tls_dir) / "tls.key"),
         )
 

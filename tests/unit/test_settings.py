@@ -91,29 +91,3 @@ def test_cli_flags_override_the_environment(monkeypatch):
     assert seen["settings"].metrics_port == 0
     assert cli.main(["operator", "-A", "--standalone"]) == 0
     assert seen["settings"].namespaces == () and seen["settings"].peering == ""
-
-
-@pytest.mark.parametrize("choice", ["uvloop", "asyncio"])
-def test_the_operator_runs_on_the_event_loop_chosen(monkeypatch, choice):
-    import asyncio
-
-    import uvloop
-
-    import trainingrun_operator.handlers as handlers
-    from trainingrun_operator import cli
-
-    seen = {}
-
-    async def fake_run_operator(state, **_):
-        seen["loop"] = type(asyncio.get_running_loop())
-
-    monkeypatch.setattr(handlers, "run_operator", fake_run_operator)
-    monkeypatch.setenv("TRAININGRUN_EVENT_LOOP", choice)
-    assert cli.main(["operator", "--standalone"]) == 0
-    assert issubclass(seen["loop"], uvloop.Loop) == (choice == "uvloop")
-    assert Settings.from_env({}).event_loop == "uvloop"  # the default
-
-
-def test_an_unknown_event_loop_names_the_choices():
-    with pytest.raises(ValueError, match="TRAININGRUN_EVENT_LOOP='trio' must be one of uvloop, asyncio"):
-        Settings.from_env({"TRAININGRUN_EVENT_LOOP": "trio"})
