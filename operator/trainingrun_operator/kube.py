@@ -173,14 +173,12 @@ class Kube:
         """The server's answer as a dict; with `answer=False` an empty one, unread: a write's answer is the whole
         object written, and decoding what no caller used was a tenth of the operator's CPU in a burst of runs.
         `max_bytes`: a longer answer is not read (`AnswerTooLarge`): what others wrote (Events) may be large."""
+        data = None if body is None else orjson.dumps(body)  # once, however often the request is tried
         for attempt in range(self.retries + 1):
             await self.gate(priority)
             try:
                 async with self._session.request(
-                    method,
-                    self.server + path,
-                    data=None if body is None else orjson.dumps(body),
-                    headers={"Content-Type": content_type},
+                    method, self.server + path, data=data, headers={"Content-Type": content_type}
                 ) as response:
                     if response.status < 400:
                         if not answer:
