@@ -2,7 +2,9 @@
 
 import json
 import logging
+import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +16,15 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from trainingrun_trainer.checkpoint import CheckpointStore, DigestOfEntry, committing, memory_tier, model_digest
-from trainingrun_trainer.checkpoint.save_planner import ReusingSavePlanner, layout
+from trainingrun_trainer.checkpoint import (
+    CheckpointStore,
+    DigestOfEntry,
+    committing,
+    memory_tier,
+    model_digest,
+    save_planner,
+)
+from trainingrun_trainer.checkpoint.save_planner import ReusingSavePlanner, SameResults, layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -150,6 +159,51 @@ def test_metadata_that_cannot_be_written_fails_that_save_only(tmp_path, dcp_save
         store.load(store.latest_valid(), target)
     assert target["model"]["w"].tolist() == [3.0] * 3
     assert len(dcp_saves) == 1
+
+
+def test_a_save_with_the_last_write_results_refers_to_them_and_writes_the_last_metadata_bytes(tmp_path, monkeypatch):
+    """Write results equal to the last committed save's are sent as `SameResults`, and the metadata is pickled again
+    only when what it stores changed (here: the extra's bytes grow); every checkpoint loads its own values."""
+    monkeypatch.setattr(memory_tier, "RESERVE_SHARE", 0.0)
+    pickled, sent = [], []
+    monkeypatch.setattr(
+        save_planner, "pickle", SimpleNamespace(dumps=lambda obj: pickled.append(1) or pickle.dumps(obj))
+    )
+    to_send = ReusingSavePlanner.results_to_send
+    monkeypatch.setattr(
+        ReusingSavePlanner, "results_to_send", lambda self, results: sent.append(to_send(self, results)) or sent[-1]
+    )
+    notes = {1: "a", 2: "a", 3: "b", 4: "b", 5: "c" * 1000, 6: "d" * 1000}
+    uri = (tmp_path / "bucket").as_uri()
+    with CheckpointStore(uri, memory_tier=str(tmp_path / "tier"), persist_behind=True, keep=10) as store:
+        for step, note in notes.items():
+            store.save(step, {"model": {"w": torch.full((3,), float(step))}}, {"note": note}, blocking=True)
+    # 1 is planned by DCP; 2 sends its results; 3 and 4 refer to them (a note of the same length lies where it did);
+    # 5's longer note moves what follows it: new results and new metadata; 6 refers to 5's.
+    assert [type(s).__name__ for s in sent] == ["list", "SameResults", "SameResults", "list", "SameResults"]
+    assert len(pickled) == 2
+    storage = CheckpointStore(uri)
+    for info in storage.list(verify=True):
+        target = {"model": {"w": torch.zeros(3)}}
+        assert info.valid and storage.load(info, target) == {"note": notes[info.step]}
+        assert target["model"]["w"].tolist() == [float(info.step)] * 3
+    assert sorted(info.step for info in storage.list()) == list(notes)
+
+
+def test_results_are_referred_to_only_while_both_sides_hold_those_of_the_last_committed_save():
+    planner = ReusingSavePlanner("test-results", {})
+    first, second = [object()], [object()]
+    assert planner.results_to_send(first) is first  # nothing committed yet
+    planner.committed(4, first, [first, second])
+    assert planner.results_to_send(list(first)) == SameResults(4)
+    assert planner.results_received(1, SameResults(4)) is second
+    assert planner.results_received(1, second) is second
+    with pytest.raises(LookupError, match="step 3"):
+        planner.results_received(1, SameResults(3))
+    planner.not_committed()  # a failed save: neither side refers to older results
+    assert planner.results_to_send(first) is first
+    with pytest.raises(LookupError, match="rank 0 does not hold"):
+        planner.results_received(1, SameResults(4))
 
 
 def on_two_ranks(worker, tmp_path) -> str:

@@ -153,12 +153,14 @@ class Committing:
         job.marks.append(("model digest", time.perf_counter()))
 
         outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes]] = None
+        gathered: Optional[list] = None  # rank 0: every rank's write results, when every rank wrote by its last plan
         try:
-            statuses = self._gather_to_first((error, record, results))
+            sent = planner.results_to_send(results) if planner is not None and results is not None else results
+            statuses = self._gather_to_first((error, record, sent))
             if self.rank == 0:
                 if planner is not None and not any(failed for failed, _, _ in statuses):
                     assert writer is not None  # rank 0 wrote its part
-                    failed = self._finish_as_planned(
+                    failed, gathered = self._finish_as_planned(
                         planner, writer, record, [done for _, _, done in statuses], tier_dir
                     )
                     statuses[0] = (failed, record, None)  # rank 0's record, the metadata's entry added
@@ -178,6 +180,10 @@ class Committing:
                 )
                 job.logged = True
         info, commit_error, manifest = outcome
+        if planner is not None and info is not None and results is not None:
+            planner.committed(job.step, results, gathered)
+        elif planner is not None:
+            planner.not_committed()
         if tier_dir is not None and info is not None and not in_memory:
             self._tier.commit(job.step, manifest)
         elif tier_dir is not None and info is None:
@@ -278,19 +284,20 @@ class Committing:
                 )
 
     def _finish_as_planned(
-        self, planner: ReusingSavePlanner, writer: _Writer, record: dict, results: list, tier_dir: Optional[str]
-    ) -> Optional[str]:
-        """Rank 0, every rank having written by its last plan: write the checkpoint's metadata from every rank's write
-        `results`, as `dcp.save` would have before the gather (the writer records it in rank 0's `record`). An error,
-        or None."""
+        self, planner: ReusingSavePlanner, writer: _Writer, record: dict, sent: list, tier_dir: Optional[str]
+    ) -> tuple[Optional[str], Optional[list]]:
+        """Rank 0, every rank having written by its last plan: write the checkpoint's metadata from the write results
+        every rank `sent` (or referred to), as `dcp.save` would have before the gather (the writer records it in rank
+        0's `record`). An error or None, and every rank's write results."""
         try:
+            results = [planner.results_received(rank, done) for rank, done in enumerate(sent)]
             planner.finish_as_planned(writer, results)
             if tier_dir is not None:
                 self._write_digests(tier_dir, record)  # the metadata's: the data files' were written before
         except _SAVE_ERRORS as exc:
             logger.error("checkpoint: rank 0 could not write the metadata: %s", _describe(exc), exc_info=True)
-            return _describe(exc)
-        return None
+            return _describe(exc), None
+        return None, results
 
     def _planner(self) -> ReusingSavePlanner:
         """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""

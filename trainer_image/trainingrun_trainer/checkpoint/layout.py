@@ -46,6 +46,8 @@ def file_hasher(name: str) -> Any:
 
 #: Name of the commit marker inside a checkpoint directory.
 MANIFEST_NAME = "manifest.json"
+#: DCP's metadata file, written by rank 0.
+METADATA_NAME = ".metadata"
 #: Beside the step directories: how often the run's training processes started (`CheckpointStore.record_start`).
 STARTS_NAME = "starts.json"
 #: A step directory's name. Matched whole (`fullmatch`) and ASCII only: `\\d` alone also takes other scripts' digits,

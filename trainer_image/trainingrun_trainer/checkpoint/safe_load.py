@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..torch_internals import FsspecReader, StorageInfo, serialization_get_layout, set_element
-from .layout import is_plain_name
+from .layout import METADATA_NAME, is_plain_name
 from .tensor_files import RAW_TENSOR, read_raw_items
 
 #: The transforms an item's storage info may name: none (formats 1 and 2) or format 3's raw bytes.
@@ -247,7 +247,7 @@ class _PlainReader(FsspecReader):
 
     def __init__(self, path: str, files: Optional[Mapping[str, int]], **storage_options: Any) -> None:
         super().__init__(path, **storage_options)
-        if files is not None and ".metadata" not in files:
+        if files is not None and METADATA_NAME not in files:
             raise ValueError(f"{path}: its manifest does not list .metadata")
         self.files = files
 

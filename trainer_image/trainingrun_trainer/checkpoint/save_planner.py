@@ -23,6 +23,15 @@ coordinator writes the metadata (`finish_as_planned`) from the write results it 
 entries anyway. A save to node memory then runs 3 collectives instead of 7 (2-core VM, 0.44 M parameters + AdamW, 2
 ranks: 33 ms of CPU a save for both ranks instead of 53, `benchmarks/checkpoint_bookkeeping.py`).
 
+Of those 3, gathering every rank's write results (about 60 small objects a rank, pickled by each rank and unpickled by
+the coordinator) and pickling the metadata were most of the coordinator's checkpoint thread (a py-spy profile: 21% and
+17%). Yet a save by the last plan usually writes the same results as the one before (the same items at the same
+offsets; only a plain value whose bytes changed length moves them). So a rank sends `SameResults` in place of results
+equal to those it sent with its last committed save, and the coordinator, which kept them, takes its copy; and it
+pickles the metadata only when what it would store differs from the last save's, else writes the same bytes. The
+metadata leaves out DCP's `storage_meta` (the checkpoint's path and a random save id, which no load reads), so equal
+contents make equal bytes.
+
 Each save also resolves every write item: DCP looks for a shard of each tensor (checks that cost 4 ms a save of the
 benchmark model's 60 tensors on the checkpoint thread, holding the interpreter lock the training thread needs), and
 torch.saves each plain value (an optimizer's lr, betas, eps... one zip archive each). For a state of plain tensors this
@@ -35,10 +44,13 @@ from __future__ import annotations
 import copy
 import inspect
 import io
-from typing import Any, Hashable, Optional, Sequence
+import pickle
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional, Sequence, Union
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -84,12 +96,22 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+@dataclass(frozen=True)
+class SameResults:
+    """Sent to the coordinator in place of a rank's write results equal to those it sent with the save of `step`, the
+    last it committed by its last plan."""
+
+    step: int
+
+
 class ReusingSavePlanner(DefaultSavePlanner):
     """A DefaultSavePlanner with DCP's plan caching under `key` (one per store), that also skips building its local
     plan while the state's `layout` is the one of the last finished plan. `finished` carries that layout from one
     save's planner to the next (a planner serves one save), with the last final plan of this rank ("plan"), on the
     coordinator the checkpoint metadata it was merged into ("metadata"), and the bytes of each plain value written
-    ("bytes": {name: (value, bytes)})."""
+    ("bytes": {name: (value, bytes)}), and of the last save committed by the last plan, the write results this rank
+    sent ("sent": (step, results)), on the coordinator those of every rank ("gathered": {rank: (step, results)}) and
+    the metadata's pickled bytes ("metadata bytes": (storage data, bytes))."""
 
     def __init__(self, key: str, finished: dict[str, Any]):
         super().__init__(enable_plan_caching=True)
@@ -106,6 +128,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
         plans, metadata = super().create_global_plan(all_plans)
         self._finished["metadata"] = metadata
+        self._finished.pop("metadata bytes", None)
         return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
@@ -162,5 +185,41 @@ class ReusingSavePlanner(DefaultSavePlanner):
         return writer.write_data(self._finished["plan"], self).wait()
 
     def finish_as_planned(self, writer: Any, results: Sequence[list[WriteResult]]) -> None:
-        """The coordinator: write the checkpoint's metadata for every rank's `results`, as `dcp.save` does last."""
-        writer.finish(metadata=self._finished["metadata"], results=list(results))
+        """The coordinator: write the checkpoint's metadata for every rank's `results`, as `dcp.save` does last (by
+        `writer.write_metadata`, a `checkpoint.writer._Writer`); pickled again only when it changed."""
+        storage_data = {result.index: result.storage_data for rank_results in results for result in rank_results}
+        cached = self._finished.get("metadata bytes")
+        if cached is None or cached[0] != storage_data:
+            metadata = self._finished["metadata"]
+            metadata.version = CURRENT_DCP_VERSION
+            metadata.storage_data, metadata.storage_meta = storage_data, None
+            cached = self._finished["metadata bytes"] = (storage_data, pickle.dumps(metadata))
+        writer.write_metadata(cached[1])
+
+    def results_to_send(self, results: list[WriteResult]) -> Union[list[WriteResult], SameResults]:
+        """What this rank sends the coordinator for its write `results`: `SameResults` when they equal those it sent
+        with its last save committed by the last plan."""
+        sent = self._finished.get("sent")
+        return SameResults(sent[0]) if sent is not None and sent[1] == results else results
+
+    def results_received(self, rank: int, received: Union[list[WriteResult], SameResults]) -> list[WriteResult]:
+        """The coordinator: `rank`'s write results from what it sent. Raises LookupError when it sent `SameResults` of
+        a save this coordinator holds no results of (a commit that one side saw fail)."""
+        if not isinstance(received, SameResults):
+            return received
+        gathered = self._finished.get("gathered", {}).get(rank)
+        if gathered is None or gathered[0] != received.step:
+            raise LookupError(f"rank {rank} sent the write results of step {received.step}, which rank 0 does not hold")
+        return gathered[1]
+
+    def committed(self, step: int, sent: list[WriteResult], gathered: Optional[list[list[WriteResult]]]) -> None:
+        """A save by the last plan committed on every rank: the results this rank sent (`gathered`: every rank's, on
+        the coordinator) are those the next save may refer to."""
+        self._finished["sent"] = (step, sent)
+        if gathered is not None:
+            self._finished["gathered"] = {rank: (step, results) for rank, results in enumerate(gathered)}
+
+    def not_committed(self) -> None:
+        """A save failed: no rank refers to its results, or to any before it."""
+        self._finished.pop("sent", None)
+        self._finished.pop("gathered", None)

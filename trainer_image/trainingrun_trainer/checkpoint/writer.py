@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from torch.futures import Future as TorchFuture
 
 from ..torch_internals import FsspecWriter
 from .hashing_fs import HashingFileSystem
+from .layout import METADATA_NAME
 from .memory_tier import MemoryTier
 from .tensor_files import write_rank_file
 from .tier_staging import StagedFile
@@ -66,6 +68,19 @@ class _Writer(FsspecWriter):
         self._record.update(record)
         done.set_result(results)
         return done
+
+    def write_metadata(self, data: bytes) -> None:
+        """Write DCP's metadata file from its pickled bytes, as DCP's `finish` does after pickling it (to a temporary
+        name, then renamed: a reader never sees half of it)."""
+        temporary = self.fs.concat_path(self.path, METADATA_NAME + ".tmp")
+        with self.fs.create_stream(temporary, "wb") as stream:
+            stream.write(data)
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        final = self.fs.concat_path(self.path, METADATA_NAME)
+        if self.fs.exists(final):
+            self.fs.rm_file(final)
+        self.fs.rename(temporary, final)
 
     def _metadata_exists(self) -> bool:
         # DCP warns about an existing .metadata ("overwriting since overwrite=True ...") before
