@@ -156,6 +156,9 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def repeats(self, state_dict: dict[str, Any], is_coordinator: bool) -> bool:
         """Set up for saving `state_dict`; whether this rank may write it by its last final plan (its layout is the one
         that plan was made from). Only when every rank's does may the store skip DCP's planning (`write_as_planned`)."""
+        # A state with a sharded tensor has no layout, and this planner then serves no save (the store plans such a
+        # save afresh): no need to look for one, through the whole state, twice a save.
+        self.flatten_sharded_tensors = False
         self.set_up_planner(state_dict, is_coordinator=is_coordinator)
         self._layout = layout(self.state_dict)
         return (

@@ -124,10 +124,11 @@ class StagedFile:
         outside = {_key(tensor) for tensor in also_copied}
         offsets: dict[tuple, int] = {}
         end = 0
-        for tensor in sorted(tensors_of(tree), key=lambda t: -t.numel() * t.element_size()):  # largest first
-            if _key(tensor) not in offsets and (chosen is None or _key(tensor) in chosen):
-                offsets[_key(tensor)] = end
-                end = _aligned(end + tensor.numel() * tensor.element_size())
+        sizes = [(tensor.numel() * tensor.element_size(), _key(tensor)) for tensor in tensors_of(tree)]
+        for nbytes, key in sorted(sizes, key=lambda size_key: -size_key[0]):  # largest first
+            if key not in offsets and (chosen is None or key in chosen):
+                offsets[key] = end
+                end = _aligned(end + nbytes)
         spare = os.path.join(os.path.dirname(os.path.dirname(self.path)), SPARE_DIR, self.name)
         try:
             os.replace(spare, self.path)  # another save's file, of about the size this one will be: its pages are there
@@ -204,19 +205,20 @@ class StagedFile:
             if item.type == WriteItemType.BYTE_IO:
                 view, descriptors, offset = data.getbuffer(), None, None
             else:
-                offset = self._offset_of(data)
+                offset, descriptors = self._offset_of(data), [RAW_TENSOR]
                 if offset is None and data.device.type != "cpu":
                     raise ValueError(f"{item.index.fqn}: a staged tensor must be on the CPU, not {data.device}")
-                view, descriptors = _byte_view(data.contiguous()), [RAW_TENSOR]
-            if offset is None:
+                view = _byte_view(data.contiguous()) if offset is None else None  # a staged one lies there already
+            if view is not None:
                 offset = self.size
                 appended.append(view)
                 self.size += view.nbytes
+            nbytes = view.nbytes if view is not None else data.numel() * data.element_size()
             results.append(
                 WriteResult(
                     index=item.index,
-                    size_in_bytes=view.nbytes,
-                    storage_data=StorageInfo(self.name, offset, view.nbytes, transform_descriptors=descriptors),
+                    size_in_bytes=nbytes,
+                    storage_data=StorageInfo(self.name, offset, nbytes, transform_descriptors=descriptors),
                 )
             )
         tail = b"".join(appended)  # byte items and what was not staged: small
@@ -243,9 +245,13 @@ class StagedFile:
                 piece = bytes(staged[start:]) + tail[max(0, start - self.staged_bytes) : end - self.staged_bytes]
             return xxhash.xxh3_128(piece).hexdigest()
 
+        digest = file_hasher(FILE_DIGEST)
+        if self.size <= SEGMENT_BYTES:  # one segment: not worth starting threads for, save after save
+            digest.update(staged)
+            digest.update(tail)
+            return digest.hexdigest(), [segment(0)] if self.size else []
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-segments") as pool:
             segments = pool.map(segment, range(0, self.size, SEGMENT_BYTES))
-            digest = file_hasher(FILE_DIGEST)
             digest.update(staged)
             digest.update(tail)
             return digest.hexdigest(), list(segments)
