@@ -213,6 +213,7 @@ class StagedFile:
                 offset = self.size
                 appended.append(view)
                 self.size += view.nbytes
+            assert offset is not None  # where a staged tensor lies, else where it was appended
             nbytes = view.nbytes if view is not None else data.numel() * data.element_size()
             results.append(
                 WriteResult(
