@@ -247,10 +247,11 @@ class StagedFile:
             return xxhash.xxh3_128(piece).hexdigest()
 
         digest = file_hasher(FILE_DIGEST)
-        if self.size <= SEGMENT_BYTES:  # one segment: not worth starting threads for, save after save
+        if self.size <= SEGMENT_BYTES and FILE_DIGEST == "xxh3_128":  # one segment, the whole file: the same digest
             digest.update(staged)
             digest.update(tail)
-            return digest.hexdigest(), [segment(0)] if self.size else []
+            whole = digest.hexdigest()
+            return whole, [whole] if self.size else []
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-segments") as pool:
             segments = pool.map(segment, range(0, self.size, SEGMENT_BYTES))
             digest.update(staged)
