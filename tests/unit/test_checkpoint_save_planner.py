@@ -178,6 +178,7 @@ def test_a_save_with_the_last_write_results_refers_to_them_and_writes_the_last_m
     with CheckpointStore(uri, memory_tier=str(tmp_path / "tier"), persist_behind=True, keep=10) as store:
         for step, note in notes.items():
             store.save(step, {"model": {"w": torch.full((3,), float(step))}}, {"note": note}, blocking=True)
+            store.wait_persisted()  # else a newer memory checkpoint may supersede this one's upload (newest wins)
     # 1 is planned by DCP; 2 sends its results; 3 and 4 refer to them (a note of the same length lies where it did);
     # 5's longer note moves what follows it: new results and new metadata; 6 refers to 5's.
     assert [type(s).__name__ for s in sent] == ["list", "SameResults", "SameResults", "list", "SameResults"]
