@@ -58,7 +58,8 @@ Run by hand, never by the test suite:
         --layers 12 --heads 16 --context 256 --batch-size 32 --steps 500 --threads 4
 The last line is `result: overhead_ratio=<x> trainer_seconds=<x> bare_seconds=<x> quiet_overhead_ratio=<x>
 cpu_overhead_ratio=<x> ckpt_overhead_ratio=<x> ckpt_trainer_seconds=<x> ckpt_paired_overhead_ratio=<x>
-metrics_overhead_ratio=<x> reporting_overhead_ratio=<x>` (a row's fields only when it ran).
+metrics_overhead_ratio=<x> reporting_overhead_ratio=<x>` (a row's fields only when it ran; `--paired-only`: only
+`ckpt_paired_overhead_ratio`).
 """
 
 from __future__ import annotations
@@ -525,6 +526,22 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
     }
 
 
+def paired_summary(runs: list[dict], log_interval: int) -> tuple[str, str]:
+    """The paired row's line for people and its `result:` field, from the pairs of all its runs pooled (one run's
+    median moves by several percent on a shared machine)."""
+    pairs = sorted(p for r in runs for p in r["pair_ratios"])
+    ratio = statistics.median(pairs)
+    quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [ratio] * 3
+    runs_text = ", ".join(f"{statistics.median(r['pair_ratios']):.3f}" for r in runs if r["pair_ratios"])
+    text = (
+        f"ckpt_paired_overhead_ratio = a log window with a save / the next without, as if every "
+        f"{log_interval} steps saved = {ratio:.4f} (median of {len(pairs)} pairs, quartiles "
+        f"{quartiles[0]:.4f}-{quartiles[2]:.4f}; run medians {runs_text}; target <= 1.03: "
+        f"{'met' if ratio <= 1.03 else 'NOT met'})"
+    )
+    return text, f" ckpt_paired_overhead_ratio={ratio:.4f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -575,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add the row that alternates log windows with and without a save (ckpt_paired_overhead_ratio)",
     )
+    parser.add_argument(
+        "--paired-only",
+        action="store_true",
+        help="run the paired row alone (an A/B of checkpoint code: run it with each side's PYTHONPATH in turn)",
+    )
     parser.add_argument("--no-metrics", action="store_true", help="drop the trainer + metrics row")
     parser.add_argument("--no-reporting", action="store_true", help="drop the trainer + reporting row")
     parser.add_argument(
@@ -604,15 +626,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps % args.log_interval:
         parser.error("--steps must be a multiple of --log-interval")
 
+    paired = ("trainer-paired", f"trainer (ckpt every {2 * args.log_interval}, paired)")
     sides = [("bare", "bare DDP loop"), ("trainer", "trainer (final save only)")]
     if args.checkpoint_every:
         sides.append(("trainer-ckpt", f"trainer (async ckpt every {args.checkpoint_every})"))
     if args.paired:
-        sides.append(("trainer-paired", f"trainer (ckpt every {2 * args.log_interval}, paired)"))
+        sides.append(paired)
     if not args.no_metrics:
         sides.append(("trainer-metrics", "trainer + metrics"))
     if not args.no_reporting:
         sides.append(("trainer-reporting", "trainer + reporting"))
+    if args.paired_only:
+        sides = [paired]
     results: dict[str, list[dict]] = {kind: [] for kind, _ in sides}
 
     began = time.perf_counter()
@@ -633,6 +658,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
     total = time.perf_counter() - began
 
+    if args.paired_only:
+        text, extra = paired_summary(results["trainer-paired"], args.log_interval)
+        print(f"\n{text}\nbenchmark wall time {total:.0f} s\nresult:{extra}")
+        return 0
     timed = args.steps - args.warmup_steps
     medians = {kind: statistics.median(r["seconds"] for r in runs) for kind, runs in results.items()}
     bare = medians["bare"]
@@ -708,15 +737,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"with async checkpoints every {args.checkpoint_every} steps: {ckpt_ratio:.3f} x bare")
         extra = f" ckpt_overhead_ratio={ckpt_ratio:.4f} ckpt_trainer_seconds={medians['trainer-ckpt']:.3f}"
     if "trainer-paired" in medians:
-        pairs = sorted(p for r in results["trainer-paired"] for p in r["pair_ratios"])
-        paired_ratio = statistics.median(pairs)
-        quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [paired_ratio] * 3
-        print(
-            f"ckpt_paired_overhead_ratio = a log window with a save / the next without, as if every "
-            f"{args.log_interval} steps saved = {paired_ratio:.4f} (median of {len(pairs)} pairs, quartiles "
-            f"{quartiles[0]:.4f}-{quartiles[2]:.4f}; target <= 1.03: {'met' if paired_ratio <= 1.03 else 'NOT met'})"
-        )
-        extra += f" ckpt_paired_overhead_ratio={paired_ratio:.4f}"
+        text, paired_extra = paired_summary(results["trainer-paired"], args.log_interval)
+        print(text)
+        extra += paired_extra
     for feature in ("metrics", "reporting"):  # what one feature adds to the trainer
         kind = f"trainer-{feature}"
         if kind not in medians:

@@ -145,7 +145,7 @@ def job_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
     the one it created, as it sent it)."""
     meta = body.get("metadata") or {}
     namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-    key = (namespace, str((meta.get("labels") or {}).get(naming.LABEL_RUN)))
+    key = _labelled_run(meta)
     assert state.indexes is not None
     jobs = state.indexes["jobs"]
     jobs.put(key, name, None if type == "DELETED" else slim_job(body))
@@ -159,10 +159,15 @@ def job_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
 def pod_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
     """A worker pod's watch event: keep it, and queue its run."""
     meta = body.get("metadata") or {}
-    key = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(naming.LABEL_RUN)))
+    key = _labelled_run(meta)
     assert state.indexes is not None
     state.indexes["pods"].put(key, str(meta.get("name")), None if type == "DELETED" else slim_pod(body))
     state.enqueue(key)
+
+
+def _labelled_run(meta: dict[str, Any]) -> Key:
+    """The run a job or pod is labelled with (informers watch only those with the label)."""
+    return str(meta.get("namespace")), str((meta.get("labels") or {}).get(naming.LABEL_RUN))
 
 
 async def _inform(state: OperatorState) -> None:
