@@ -223,7 +223,7 @@ def pytorch_job(
     meta = naming.metadata(run, name, "trainer", **{naming.LABEL_ATTEMPT: str(attempt)})
     if spec.queue_name:
         meta["labels"][naming.KUEUE_QUEUE_LABEL] = spec.queue_name
-    meta["annotations"] = {naming.ANNOTATION_SPEC_HASH: naming.spec_hash(run)}
+    meta["annotations"] = {naming.ANNOTATION_SPEC_DIGEST: naming.spec_digest(run)}
     if settings.signing_key:
         meta["annotations"][naming.ANNOTATION_SIGNATURE] = naming.job_signature(
             settings.signing_key, str(run.metadata.uid), name

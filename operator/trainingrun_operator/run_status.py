@@ -120,8 +120,11 @@ def spec_conditions(
         run.metadata.generation
     ):
         return notes  # built from this very spec
-    built_from = annotations.get(naming.ANNOTATION_SPEC_HASH)
-    if built_from and built_from != naming.spec_hash(builders.as_started(run, started_uri)):
+    if naming.ANNOTATION_SPEC_DIGEST in annotations:
+        built_from, digest = annotations[naming.ANNOTATION_SPEC_DIGEST], naming.spec_digest
+    else:  # an older operator's job
+        built_from, digest = annotations.get(naming.ANNOTATION_SPEC_HASH), naming.legacy_spec_hash
+    if built_from and built_from != digest(builders.as_started(run, started_uri)):
         attempt = int(status.get("attempt") or 0)
         message = (
             f"the spec changed; attempt {attempt} keeps running as it was built, "

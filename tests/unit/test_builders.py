@@ -405,4 +405,5 @@ def test_the_checkpoint_uri_reaches_the_pod_through_the_config_file_alone(minima
     env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if "s3://" in str(e.get("value")) or "CHECKPOINT_URI" in e["name"]]
     # the job is stamped as built from the spec it ran with: the started URI, not the edit
-    assert job["metadata"]["annotations"][naming.ANNOTATION_SPEC_HASH] == naming.spec_hash(run)
+    assert job["metadata"]["annotations"][naming.ANNOTATION_SPEC_DIGEST] == naming.spec_digest(run)
+    assert naming.ANNOTATION_SPEC_HASH not in job["metadata"]["annotations"]  # an older operator's, never written

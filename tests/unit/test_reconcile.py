@@ -259,13 +259,37 @@ def test_a_job_built_from_the_runs_generation_is_not_hashed_again():
     old.metadata.generation, new.metadata.generation = 3, 4
     built = job(1, "Running", run=old)
     assert built["metadata"]["annotations"][naming.ANNOTATION_GENERATION] == "3"
-    built["metadata"]["annotations"][naming.ANNOTATION_SPEC_HASH] = "not-this-spec"
+    built["metadata"]["annotations"][naming.ANNOTATION_SPEC_DIGEST] = "not-this-spec"
     assert "conditions" not in reconcile.decide(observe(old, running_status(), [built])).status
     changed = reconcile.decide(observe(new, running_status(), [built]))
     assert next(c for c in changed.status["conditions"] if c["type"] == "SpecChangePending")["status"] == "True"
     del built["metadata"]["annotations"][naming.ANNOTATION_GENERATION]  # as an older operator built it
     hashed = reconcile.decide(observe(old, running_status(), [built]))
     assert next(c for c in hashed.status["conditions"] if c["type"] == "SpecChangePending")["status"] == "True"
+
+
+@pytest.mark.parametrize("annotation", ["digest", "an older operator's hash"])
+def test_a_spec_change_is_told_from_a_suspension_by_either_digest_the_job_carries(annotation):
+    """A job of an older operator carries its spec hash (json.dumps), a new one the digest (orjson): each is compared
+    with the same function that made it, so neither a resumed run nor an upgrade says the spec changed when it did
+    not."""
+    old = run_of(image="r/t:1")
+    suspended, changed = run_of(image="r/t:1", suspend=True), run_of(image="r/t:2")
+    for run, generation in ((old, 3), (suspended, 4), (changed, 5)):
+        run.metadata.generation = generation
+    built = job(1, "Running", run=old)
+    annotations = built["metadata"]["annotations"]
+    del annotations[naming.ANNOTATION_GENERATION]  # the digest decides
+    if annotation != "digest":
+        del annotations[naming.ANNOTATION_SPEC_DIGEST]
+        annotations[naming.ANNOTATION_SPEC_HASH] = naming.legacy_spec_hash(old)
+    assert naming.spec_digest(old) != naming.legacy_spec_hash(old)  # so a mix-up would show below
+
+    def spec_change_pending(run) -> bool:
+        conditions = reconcile.decide(observe(run, running_status(), [built])).status.get("conditions") or []
+        return any(c["type"] == "SpecChangePending" and c["status"] == "True" for c in conditions)
+
+    assert not spec_change_pending(suspended) and spec_change_pending(changed)
 
 
 @pytest.mark.parametrize(
