@@ -352,13 +352,13 @@ async def main_async(count: int, repeats: int) -> int:
 # ---------------------------------------------------------------- against a real API server (--real)
 
 # The same floor against the real API server: watch TrainingRuns in one namespace, POST a minimal valid
-# PyTorchJob per ADDED event, with the admin's client certificate (kubeconfig's files given as arguments).
+# PyTorchJob per ADDED event, with the admin's client certificate (kubeconfig's files given as arguments), through
+# the operator's own API client (kube.Kube over kube_http): what any controller must do per run, on the same stack.
 REAL_FLOOR_WATCHER = """
-import asyncio, json, ssl, sys, time, aiohttp
+import asyncio, sys, time, kopf
+from trainingrun_operator.kube import ApiError, Kube, WatchGone
 url, namespace, ca, cert, key = sys.argv[1:6]
-context = ssl.create_default_context(cafile=ca)
-context.load_cert_chain(cert, key)
-runs = f"{url}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns"
+runs = f"/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns"
 def job(name):
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name + "-a1", "namespace": namespace},
             "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {"containers": [
@@ -366,39 +366,33 @@ def job(name):
 async def main():
     # As any controller must: list, then watch from the list's resourceVersion; after a dropped watch (the server
     # under load closes it) watch again from the last version seen; after 410 Gone list again. Bounded in time.
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=64)) as session:
-        tasks, handled, version, ends = set(), set(), None, time.monotonic() + 1800
-        def handle(name):
-            if name not in handled:
-                handled.add(name)
-                task = asyncio.create_task(create_job(name))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        async def create_job(name):
-            async with session.post(f"{url}/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs", json=job(name)) as r:
-                await r.read()
-        print("watching", flush=True)
-        while time.monotonic() < ends:
-            try:
-                if version is None:
-                    async with session.get(runs) as response:
-                        listed = await response.json()
-                    for item in listed["items"]:
-                        handle(item["metadata"]["name"])
-                    version = listed["metadata"]["resourceVersion"]
-                params = {"watch": "true", "resourceVersion": version, "allowWatchBookmarks": "true"}
-                async with session.get(runs, params=params, timeout=aiohttp.ClientTimeout(total=None)) as response:
-                    async for line in response.content:
-                        event = json.loads(line)
-                        if event["type"] == "ERROR":
-                            version = None if event["object"].get("code") == 410 else version
-                            break
-                        version = event["object"]["metadata"].get("resourceVersion", version)
-                        if event["type"] == "ADDED":
-                            handle(event["object"]["metadata"]["name"])
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
-                print(f"watch dropped ({type(error).__name__}); watching again from {version}", flush=True)
-                await asyncio.sleep(0.2)
+    kube = Kube(kopf.ConnectionInfo(server=url, ca_path=ca, certificate_path=cert, private_key_path=key))
+    tasks, handled, version, ends = set(), set(), None, time.monotonic() + 1800
+    def handle(name):
+        if name not in handled:
+            handled.add(name)
+            task = asyncio.create_task(kube.create(job(name)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    print("watching", flush=True)
+    while time.monotonic() < ends:
+        try:
+            if version is None:
+                listed = await kube.request("GET", runs)
+                for item in listed["items"]:
+                    handle(item["metadata"]["name"])
+                version = listed["metadata"]["resourceVersion"]
+            async for event in kube.watch(f"{runs}?watch=true&resourceVersion={version}&allowWatchBookmarks=true"):
+                if event["type"] == "ERROR":
+                    break
+                version = event["object"]["metadata"].get("resourceVersion", version)
+                if event["type"] == "ADDED":
+                    handle(event["object"]["metadata"]["name"])
+        except WatchGone:
+            version = None
+        except (ApiError, OSError, ValueError) as error:
+            print(f"watch dropped ({type(error).__name__}); watching again from {version}", flush=True)
+            await asyncio.sleep(0.2)
 asyncio.run(main())
 """
 

@@ -58,6 +58,10 @@ class ApiModel(BaseModel):
         validate_default=True,
         # Kubernetes rejects "2" for an integer field; so do we, so `validate` agrees with the API server.
         strict=True,
+        # JSON has no NaN or infinity (the API server never passes one on), but YAML does (`.nan`), and `trainingrun
+        # local` reads YAML: a number field without bounds would take one, and the config written for the trainer
+        # (orjson: NaN is null) would then not parse.
+        allow_inf_nan=False,
     )
 
     @classmethod

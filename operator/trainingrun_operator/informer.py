@@ -19,8 +19,6 @@ import logging
 from typing import Any, Callable, Optional
 from urllib.parse import urlencode
 
-import aiohttp
-
 from .kube import ApiError, Kube, WatchGone
 
 log = logging.getLogger("trainingrun.operator")
@@ -81,7 +79,7 @@ class Informer:
                     backoff = BACKOFF_SECONDS
             except WatchGone:
                 log.info("watching %s: the resourceVersion is too old, listing again", self.path)
-            except (ApiError, OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError) as error:
+            except (ApiError, OSError, ValueError) as error:  # kube_http's errors are OSError or ValueError
                 log.warning("watching %s failed, trying again in %.1f s: %s", self.path, backoff, error)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)

@@ -1,6 +1,7 @@
-"""A small async Kubernetes API client for the operator's own calls (kopf keeps its own for watching).
+"""A small async Kubernetes API client for the operator's own calls (kopf keeps its own for logging in and peering).
 
-Only what the operator does: create, patch (merge or JSON), delete and discover. It connects with the same
+Only what the operator does: create, patch (merge or JSON), delete, list, watch and discover, over `kube_http`'s
+keep-alive connections. It connects with the same
 credentials kopf logged in with (`kopf.ConnectionInfo`), retries throttling and server errors with
 backoff (honouring Retry-After), and raises `ApiError` with the status code for everything else,
 so callers can treat 409 on create as "already there" and 404 on delete as "already gone".
@@ -19,14 +20,16 @@ import itertools
 from typing import Any, AsyncIterator, Callable, Optional
 from urllib.parse import urlencode
 
-import aiohttp
 import orjson
 
+from .kube_http import AnswerTooLarge, Http
 from .settings import Settings
 
 #: The most bytes of one page of a list the operator reads: objects others write (an Event's message has no limit but
 #: the object's, about 1.5 MiB) must not make it hold gigabytes; 500 ordinary Warning Events take about 0.5 MiB.
 MAX_PAGE_BYTES = 16 << 20
+#: The most bytes of any other answer: one object (etcd holds at most ~1.5 MiB) or a discovery document.
+MAX_ANSWER_BYTES = 16 << 20
 
 #: (apiVersion, kind) -> plural, for the kinds the operator writes or watches.
 PLURALS = {
@@ -88,10 +91,6 @@ class ApiError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
-class AnswerTooLarge(OSError):
-    """The API server's answer was longer than its reader would hold."""
-
-
 class WatchGone(Exception):
     """A watch's resourceVersion is too old (410 Gone): list again."""
 
@@ -100,17 +99,6 @@ class WatchGone(Exception):
 MAX_WATCH_LINE_BYTES = 16 << 20
 #: A watch with nothing to read for this long is taken as dropped (the server sends bookmarks about every minute).
 WATCH_READ_TIMEOUT_SECONDS = 600
-
-
-async def _read_at_most(response: aiohttp.ClientResponse, max_bytes: int, path: str) -> dict[str, Any]:
-    """The JSON of `response`, read only while it is at most `max_bytes` long."""
-    chunks, size = [], 0
-    while chunk := await response.content.read(1 << 20):
-        size += len(chunk)
-        if size > max_bytes:
-            raise AnswerTooLarge(f"GET {path.split('?')[0]}: the answer is longer than {max_bytes} bytes")
-        chunks.append(chunk)
-    return _decoded(b"".join(chunks))
 
 
 def _decoded(raw: bytes) -> Any:
@@ -153,12 +141,11 @@ class Kube:
             "User-Agent": f"trainingrun-operator/{__version__}",
             **info.as_http_headers(),
         }  # bearer token or basic auth
-        self._session = aiohttp.ClientSession(
-            headers=headers, connector=aiohttp.TCPConnector(ssl=info.as_ssl_context(), limit=64)
-        )  # kopf's: CA, client certificate, insecure
+        ssl_context = info.as_ssl_context() if self.server.startswith("https:") else None
+        self.http = Http(self.server, headers, ssl_context)  # kopf's: CA, client certificate, insecure
 
     async def close(self) -> None:
-        await self._session.close()
+        self.http.close()
 
     async def request(
         self,
@@ -174,29 +161,25 @@ class Kube:
         object written, and decoding what no caller used was a tenth of the operator's CPU in a burst of runs.
         `max_bytes`: a longer answer is not read (`AnswerTooLarge`): what others wrote (Events) may be large."""
         data = None if body is None else orjson.dumps(body)  # once, however often the request is tried
+        headers = {} if data is None else {"Content-Type": content_type}
         for attempt in range(self.retries + 1):
             await self.gate(priority)
             try:
-                async with self._session.request(
-                    method, self.server + path, data=data, headers={"Content-Type": content_type}
-                ) as response:
-                    if response.status < 400:
-                        if not answer:
-                            await response.read()  # read to the end, so the connection is used again
-                            return {}
-                        if max_bytes is not None:
-                            return await _read_at_most(response, max_bytes, path)
-                        return _decoded(await response.read()) or {}
-                    self.on_error(response.status)
-                    try:
-                        payload = _decoded(await response.read())
-                        payload = payload if isinstance(payload, dict) else {}
-                    except ValueError:
-                        payload = {}
+                response = await self.http.request(method, path, headers, data, max_bytes or MAX_ANSWER_BYTES)
+            except AnswerTooLarge as error:
+                raise AnswerTooLarge(f"{method} {path.split('?')[0]}: {error}") from None
             finally:
                 self.gate.release()
+            if response.status < 400:
+                return (_decoded(response.body) or {}) if answer else {}
+            self.on_error(response.status)
+            try:
+                payload = _decoded(response.body)
+                payload = payload if isinstance(payload, dict) else {}
+            except ValueError:
+                payload = {}
             if response.status in RETRIED_STATUSES and attempt < self.retries:
-                retry_after = response.headers.get("Retry-After", "")
+                retry_after = response.headers.get("retry-after", "")
                 delay = float(retry_after) if retry_after.isdigit() else self.backoff_seconds * 2**attempt
                 await asyncio.sleep(min(delay, 10.0))  # outside the gate: a throttled call holds no place
                 continue
@@ -295,24 +278,28 @@ class Kube:
         """The events of a watch request, as dicts, until the server ends it. Outside the gate: a watch stays open.
         `WatchGone` on 410 (the resourceVersion is too old: list again), ApiError on other refusals; a line longer than
         `max_line_bytes` is a ValueError."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=WATCH_READ_TIMEOUT_SECONDS)
-        async with self._session.get(self.server + path, timeout=timeout) as response:
-            if response.status == 410:
-                raise WatchGone(path.split("?")[0])
+        async with self.http.stream(path, {}, WATCH_READ_TIMEOUT_SECONDS) as (response, pieces):
             if response.status >= 400:
+                text = b"".join([piece async for piece in _at_most(pieces, 1000)]).decode("utf-8", "replace")
+                if response.status == 410:
+                    raise WatchGone(path.split("?")[0])
                 self.on_error(response.status)
-                raise ApiError(response.status, response.reason or "", (await response.text())[:1000])
-            pending = bytearray()
-            async for chunk in response.content.iter_any():
-                pending += chunk
-                while (end := pending.find(b"\n")) >= 0:
-                    line = bytes(pending[:end])
-                    del pending[: end + 1]
+                raise ApiError(response.status, response.reason, text[:1000])
+            pending, start = bytearray(), 0
+            async for piece in pieces:
+                pending += piece
+                # Every whole line of what arrived, then one cut: cutting after each line moved the rest each time,
+                # and in a burst a piece holds hundreds of events.
+                while (end := pending.find(b"\n", start)) >= 0:
+                    line = pending[start:end]
+                    start = end + 1
                     if line.strip():
                         event = orjson.loads(line)
                         if (event.get("object") or {}).get("code") == 410 and event.get("type") == "ERROR":
                             raise WatchGone(path.split("?")[0])
                         yield event
+                del pending[:start]
+                start = 0
                 if len(pending) > max_line_bytes:
                     raise ValueError(f"GET {path.split('?')[0]}: a watch event longer than {max_line_bytes} bytes")
 
@@ -325,3 +312,12 @@ class Kube:
                 return False
             raise
         return any(r.get("name") == plural for r in found.get("resources", []))
+
+
+async def _at_most(pieces: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[bytes]:
+    """The first `max_bytes` of `pieces` (a refusal's message)."""
+    async for piece in pieces:
+        yield piece[:max_bytes]
+        max_bytes -= len(piece)
+        if max_bytes <= 0:
+            return

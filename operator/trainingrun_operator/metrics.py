@@ -102,6 +102,10 @@ class _RunsByPhase:
         yield family
 
 
+#: (part, its status.timeBreakdown key): made once, not per run at each scrape (20,000 runs made 180,000 a scrape).
+BREAKDOWN_KEYS = [(part, to_camel(f"{part}_seconds")) for part in run_figures.BREAKDOWN]
+
+
 class _RunTime:
     """Each run's status.timeBreakdown as the operator last saw it, at scrape time: one series per part."""
 
@@ -116,8 +120,8 @@ class _RunTime:
             labels=["namespace", "run", "part"],
         )
         for (namespace, run), breakdown in list(self.metrics.time_breakdowns.items()):
-            for part in run_figures.BREAKDOWN:
-                seconds = breakdown.get(to_camel(f"{part}_seconds"))
+            for part, key in BREAKDOWN_KEYS:
+                seconds = breakdown.get(key)
                 if seconds is not None:
                     family.add_metric([namespace, run, part], float(seconds))
         yield family

@@ -80,6 +80,8 @@ def _message(item: dict[str, Any], loc: list[Any]) -> str:
         return _unknown_field(loc)
     if kind in _TYPE_WORDS:
         return f"must be {_TYPE_WORDS[kind]}, got {_show(value)}; write it as {_TYPE_WORDS[kind]}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {_show(value)}; write a number"
     if kind == "literal_error":
         allowed = [a.strip().strip("'\"") for a in str(ctx.get("expected", "")).replace(" or ", ",").split(",")]
         allowed = [a for a in allowed if a]

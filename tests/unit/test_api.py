@@ -145,3 +145,24 @@ def test_floats_read_as_kubernetes_reads_them(tmp_path):
     )
     [run] = validation.load_runs(str(path))
     assert run.spec.trainer.optimizer.eps == 1e-08 and run.spec.trainer.optimizer.lr == 3e-4
+
+
+@pytest.mark.parametrize("where", ["spec.trainer.optimizer.lr", "spec.trainer.model.initArgs.dropout"])
+@pytest.mark.parametrize("number", [".nan", ".inf", "-.inf"])
+def test_a_number_that_is_not_finite_is_refused_with_its_field(tmp_path, where, number):
+    """YAML has NaN and infinities, JSON (the API server's) does not, and the trainer's config is JSON: a local file
+    with one is refused before anything runs, naming the field."""
+    trainer = (
+        f"{{optimizer: {{lr: {number}}}}}"
+        if where.endswith(".lr")
+        else f"{{model: {{classPath: trainingrun_trainer.models.CharTransformer, initArgs: {{dropout: {number}}}}}}}"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
+        f"spec:\n  checkpoint: {{uri: 's3://bucket/x'}}\n  trainer: {trainer}\n"
+    )
+    with pytest.raises(validation.InvalidTrainingRun) as refused:
+        validation.load_runs(str(path))
+    message = str(refused.value)
+    assert where.rsplit(".", 1)[0] in message and "finite" in message, message

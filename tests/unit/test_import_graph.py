@@ -17,8 +17,9 @@ PACKAGES = {
     "trainingrun_operator": REPO / "operator",
     "trainingrun_trainer": REPO / "trainer_image",
 }
-#: What the shared package may import besides the standard library: the config models and their YAML.
-API_THIRD_PARTY = {"pydantic", "yaml"}
+#: What the shared package may import besides the standard library: the config models, their YAML and JSON (the
+#: project's base dependencies, in both images).
+API_THIRD_PARTY = {"pydantic", "yaml", "orjson"}
 
 
 @functools.cache
