@@ -166,6 +166,15 @@ class Burst:
     #: Why the burst ended before every job appeared (a deadline, the controller exiting); None: it finished.
     failure: str | None = None
     missing: int = 0  #: runs whose job never appeared
+    #: With --real: the controller's CPU a second before the burst, doing nothing (kopf, timers, its watches), and the
+    #: wall time settled_cpu_s was taken over: what settled_cpu_s would be without any run is their product.
+    idle_cpu_ms_per_s: float = 0.0
+    settled_wall_s: float = 0.0
+
+    def net_settled_cpu_ms_per_run(self, count: int) -> float:
+        """The settled CPU a run took beyond the controller's idle CPU over the same time (held runs spread over a
+        minute take a minute of idle CPU with them)."""
+        return (self.settled_cpu_s - self.idle_cpu_ms_per_s / 1000 * self.settled_wall_s) * 1000 / count
 
     @classmethod
     def measured(
@@ -400,6 +409,8 @@ asyncio.run(main())
 #: With --real, RSS is read again this long after the last job appeared: what holding the runs costs, once the
 #: burst's queues have drained.
 SETTLE_SECONDS = 15.0
+#: With --real, the controller's CPU is read over this long before the burst, with no run yet (its idle CPU).
+IDLE_SECONDS = 5.0
 
 
 async def _until_done(watcher: asyncio.Task, controller: subprocess.Popen, deadline_s: float) -> str | None:
@@ -456,8 +467,12 @@ async def real_burst(
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # the watches are opened right after that line; give them a moment
         idle = memory_kb(controller.pid)
+        idle_cpu = cpu_seconds(controller.pid)
+        await asyncio.sleep(IDLE_SECONDS)
+        idle_cpu_ms_per_s = (cpu_seconds(controller.pid) - idle_cpu) * 1000 / IDLE_SECONDS
         sampler = _start_sampler(controller.pid, sample_to)
         cpu_before = cpu_seconds(controller.pid), server_cpu_seconds(plane)
+        measured_from = time.monotonic()
         created: dict[str, float] = {}
         appeared: dict[str, float] = {}
         drops: list[str] = []
@@ -581,6 +596,8 @@ async def real_burst(
             settled_kb=memory_kb(controller.pid) if alive else {},
             settled_cpu_s=cpu_seconds(controller.pid) - cpu_before[0] if alive else 0.0,
             settled_reconciles=await _reconciles(metrics_port) if alive else 0,
+            idle_cpu_ms_per_s=idle_cpu_ms_per_s,
+            settled_wall_s=time.monotonic() - measured_from,
         )
     finally:
         if sampler is not None:
@@ -735,7 +752,8 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
             f"held: {count} runs created over {held_over_s:.0f} s: every job after {op.total_s:.0f} s, p50 "
             f"{op.p50:.0f} ms; RSS {mb(op.busy_kb, 'VmRSS'):.1f} MB at the last job, {mb(op.settled_kb, 'VmRSS'):.1f} "
             f"settled (peak {mb(op.settled_kb, 'VmHWM'):.1f}); CPU {op.cpu_s[0] * 1000 / count:.2f} ms/run "
-            f"({op.settled_cpu_s * 1000 / count:.2f} settled); {op.settled_reconciles / count:.2f} reconciles/run"
+            f"({op.settled_cpu_s * 1000 / count:.2f} settled, {op.net_settled_cpu_ms_per_run(count):.2f} beyond the "
+            f"{op.idle_cpu_ms_per_s:.1f} ms/s it takes idle); {op.settled_reconciles / count:.2f} reconciles/run"
             + (f"; FAILED: {op.failure}" if op.failure else "")
         )
         figures += [

@@ -17,6 +17,7 @@ argument (giving both is an error). Messages show argument names camelCase, as t
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -235,6 +236,24 @@ def check(component: Component, field: str = "component", **extra_kwargs: Any) -
     return target
 
 
+@functools.cache
+def _builtin_modules() -> dict[str, dict[str, inspect.Signature]]:
+    """BUILTIN_CLASSES as {module: {class: its constructor's signature}}, made once: the operator checks every new
+    run's components, and making the signatures each time was most of that."""
+    modules: dict[str, dict[str, inspect.Signature]] = {}
+    for path, params in BUILTIN_CLASSES.items():
+        module_name, _, class_name = path.rpartition(".")
+        modules.setdefault(module_name, {})[class_name] = inspect.Signature(
+            [
+                inspect.Parameter(
+                    name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty if required else None
+                )
+                for name, required in params.items()
+            ]
+        )
+    return modules
+
+
 def is_builtin(class_path: str) -> bool:
     """Whether `class_path` names something in the trainer's own package (checkable from `BUILTIN_CLASSES`)."""
     return class_path.startswith(BUILTIN_PACKAGE + ".")
@@ -248,13 +267,9 @@ def check_builtin(component: Component, field: str = "component", **extra_kwargs
         return False
     module_name, _, class_name = component.class_path.rpartition(".")
     where = f"{field}.classPath"
-    classes = {
-        path.rpartition(".")[2]: params
-        for path, params in BUILTIN_CLASSES.items()
-        if path.rpartition(".")[0] == module_name
-    }
+    classes = _builtin_modules().get(module_name)
     if not classes:
-        modules = sorted({path.rpartition(".")[0] for path in BUILTIN_CLASSES})
+        modules = sorted(_builtin_modules())
         raise ConfigError(
             f"{where}: the trainer has no module '{module_name}'; its classes are in {', '.join(modules)}"
         )
@@ -262,14 +277,7 @@ def check_builtin(component: Component, field: str = "component", **extra_kwargs
         close = difflib.get_close_matches(class_name, list(classes), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"it has: {', '.join(sorted(classes))}"
         raise ConfigError(f"{where}: module '{module_name}' has no class '{class_name}'; {hint}")
-    signature = inspect.Signature(
-        [
-            inspect.Parameter(
-                name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty if required else None
-            )
-            for name, required in classes[class_name].items()
-        ]
-    )
+    signature = classes[class_name]
     kwargs, written_as = _keyword_arguments(component, f"{field}.initArgs", extra_kwargs, class_name)
     _check_signature(signature, class_name, kwargs, written_as, f"{field}.initArgs")
     return True

@@ -11,6 +11,7 @@ import re
 import sys
 from typing import Any, Iterable
 
+import orjson
 import yaml
 from pydantic import ValidationError
 
@@ -170,8 +171,11 @@ def credential_problems(run: api.TrainingRun) -> list[Problem]:
     The problem names the field, never the value."""
     from trainingrun_api.model_base import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
 
-    found = []
-    pending: list[tuple[str, Any]] = [("spec.trainer", run.spec.trainer.to_wire())]
+    found: list[Problem] = []
+    trainer = run.spec.trainer.to_wire()
+    if b"://" not in orjson.dumps(trainer):  # no URI at all (most runs): no walk, which built a path for every field
+        return found
+    pending: list[tuple[str, Any]] = [("spec.trainer", trainer)]
     while pending:
         path, value = pending.pop()
         if isinstance(value, dict):
