@@ -79,7 +79,7 @@ class Informer:
                     backoff = BACKOFF_SECONDS
             except WatchGone:
                 log.info("watching %s: the resourceVersion is too old, listing again", self.path)
-            except (ApiError, OSError, ValueError) as error:  # kube_http's errors are OSError or ValueError
+            except (ApiError, OSError, ValueError) as error:  # OSError: the connection; ValueError: a bad line
                 log.warning("watching %s failed, trying again in %.1f s: %s", self.path, backoff, error)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)

@@ -279,10 +279,10 @@ class Kube:
         `WatchGone` on 410 (the resourceVersion is too old: list again), ApiError on other refusals; a line longer than
         `max_line_bytes` is a ValueError."""
         async with self.http.stream(path, {}, WATCH_READ_TIMEOUT_SECONDS) as (response, pieces):
+            if response.status == 410:
+                raise WatchGone(path.split("?")[0])
             if response.status >= 400:
                 text = b"".join([piece async for piece in _at_most(pieces, 1000)]).decode("utf-8", "replace")
-                if response.status == 410:
-                    raise WatchGone(path.split("?")[0])
                 self.on_error(response.status)
                 raise ApiError(response.status, response.reason, text[:1000])
             pending, start = bytearray(), 0

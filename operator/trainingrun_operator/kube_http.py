@@ -46,12 +46,20 @@ class ServerDisconnected(ConnectionError):
     """The server closed the connection before its answer was complete."""
 
 
+class _Stale(Exception):
+    """A kept connection turned out closed by the server before it answered anything: the request may go again."""
+
+
 @dataclass
 class Answer:
     status: int
     reason: str
     headers: dict[str, str]  # names in lower case
     body: bytes = b""
+
+    @property
+    def chunked(self) -> bool:
+        return "chunked" in self.headers.get("transfer-encoding", "").lower()
 
 
 class _Connection:
@@ -93,7 +101,7 @@ class _Connection:
         awaited at most `read_timeout` seconds; to the end of the connection when the server gave no length."""
         if answer.status in (204, 304) or 100 <= answer.status < 200:
             return
-        if "chunked" in answer.headers.get("transfer-encoding", "").lower():
+        if answer.chunked:
             decoder = ChunkedDecoder()
             while not decoder.done:
                 if not (data := await self._read(PIECE_BYTES, read_timeout)):
@@ -131,7 +139,7 @@ class ChunkedDecoder:
         self.done = False
 
     def feed(self, data: bytes) -> bytes:
-        """The body bytes `data` completes; ValueError when the framing is not chunked encoding."""
+        """The body bytes `data` completes; NotHttp when the framing is not chunked encoding."""
         if self.done:
             raise NotHttp("bytes after the end of a chunked answer")
         buffer, at, out = self._buffer, 0, []
@@ -179,7 +187,7 @@ def _chunk_size(line: bytes) -> int:
 
 def _keeps_alive(answer: Answer) -> bool:
     return "close" not in answer.headers.get("connection", "").lower() and (
-        "chunked" in answer.headers.get("transfer-encoding", "").lower() or "content-length" in answer.headers
+        answer.chunked or "content-length" in answer.headers
     )
 
 
@@ -226,27 +234,31 @@ class Http:
                     connection.close()
                     continue
                 try:
-                    return await self._exchange(connection, head, body, max_bytes)
-                except (ServerDisconnected, ConnectionResetError, BrokenPipeError) as error:
-                    if getattr(error, "answered", False):
-                        raise
-            return await self._exchange(await self._connect(), head, body, max_bytes)
+                    return await self._exchange(connection, head, body, max_bytes, reused=True)
+                except _Stale:
+                    continue
+            return await self._exchange(await self._connect(), head, body, max_bytes, reused=False)
 
-    async def _exchange(self, connection: _Connection, head: bytes, body: Optional[bytes], max_bytes: int) -> Answer:
+    async def _exchange(
+        self, connection: _Connection, head: bytes, body: Optional[bytes], max_bytes: int, reused: bool
+    ) -> Answer:
+        """`_Stale` when a `reused` connection fails before any answer began; once the server has begun to answer,
+        a failure is the caller's (the request is never sent again)."""
         kept = False
         try:
-            await connection.send(head, body)
-            answer = await connection.read_head()
             try:
-                pieces, size = [], 0
-                async for piece in connection.body_pieces(answer):
-                    size += len(piece)
-                    if size > max_bytes:
-                        raise AnswerTooLarge(f"the answer is longer than {max_bytes} bytes")
-                    pieces.append(piece)
-            except ConnectionError as error:
-                error.answered = True  # type: ignore[attr-defined]  # the server had begun: never sent again
+                await connection.send(head, body)
+                answer = await connection.read_head()
+            except (ServerDisconnected, ConnectionResetError, BrokenPipeError) as error:
+                if reused:
+                    raise _Stale from error
                 raise
+            pieces, size = [], 0
+            async for piece in connection.body_pieces(answer):
+                size += len(piece)
+                if size > max_bytes:
+                    raise AnswerTooLarge(f"the answer is longer than {max_bytes} bytes")
+                pieces.append(piece)
             answer.body = b"".join(pieces)
             kept = _keeps_alive(answer)
             return answer

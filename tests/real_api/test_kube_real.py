@@ -112,7 +112,7 @@ async def test_the_operators_http_client_keeps_one_connection_and_reads_both_ans
 
     async def recorded(connection):
         answer = await read_head(connection)
-        framings.append("chunked" if "chunked" in answer.headers.get("transfer-encoding", "") else "length")
+        framings.append("chunked" if answer.chunked else "length")
         return answer
 
     monkeypatch.setattr(kube_http._Connection, "read_head", recorded)
