@@ -20,7 +20,9 @@ pays one write per run, the operator three (PyTorchJob, status, Event), and a Tr
 write alone costs the server ~6 ms, more than creating the run. Beside CPU per run until the last job appeared it
 prints it settled (15 s later: the status writes and Events that trail the jobs) and the operator's reconciles per
 run (its metrics endpoint). With $OPERATOR_PYSPY naming py-spy, the operator is sampled on CPU into
-/tmp/operator-<size>.pyspy (collapsed stacks; a few per cent of overhead, where cProfile tripled it).
+/tmp/operator-<size>.pyspy (collapsed stacks; a few per cent of overhead, where cProfile tripled it). With
+$OPERATOR_BREAKDOWN set, the operator times a few of its functions from inside (cpu_breakdown.py: thread CPU, about
+2 us a call) and each burst prints their CPU per run beside what each costs a call when warm.
 Targets (issue 13): p50 <= 100 ms for 30 at once, >= 100 runs/s with 2,000, RSS <= 150 MB with 2,000.
 The `result:` line has `real_cpu_ms_per_run_2000` and `real_settled_rss_mb_2000` (issue 40's figures). Its watches
 resume from the last resourceVersion seen when the loaded server drops them (and list again on 410), a create the
@@ -53,6 +55,8 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the resources the operator touches, as the kmock tests declare them
+import cpu_breakdown  # noqa: E402  (beside this file)
+
 NAMESPACE = "bench"
 
 
@@ -110,7 +114,17 @@ def operator_command(*args: str) -> list[str]:
     when the operator was not scheduled."""
     if os.environ.get("OPERATOR_PROFILE"):
         return [sys.executable, "-c", PROFILED.format(AS_IN_IMAGE, os.environ["OPERATOR_PROFILE"]), *args]
+    if os.environ.get("OPERATOR_BREAKDOWN"):
+        return [sys.executable, "-c", BROKEN_DOWN + AS_IN_IMAGE, *args]
     return [sys.executable, "-c", AS_IN_IMAGE, *args]
+
+
+#: The operator with cpu_breakdown's timers, writing to $OPERATOR_BREAKDOWN_OUT (set per burst).
+BROKEN_DOWN = (
+    "import os, sys; sys.modules['kubernetes'] = None; "  # before anything imports kopf, as AS_IN_IMAGE does
+    f"sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import cpu_breakdown; "
+    "cpu_breakdown.install(os.environ['OPERATOR_BREAKDOWN_OUT']); "
+)
 
 
 PROFILED = """
@@ -170,6 +184,8 @@ class Burst:
     #: wall time settled_cpu_s was taken over: what settled_cpu_s would be without any run is their product.
     idle_cpu_ms_per_s: float = 0.0
     settled_wall_s: float = 0.0
+    #: With $OPERATOR_BREAKDOWN: the operator's CPU per run in each timed function, until settled (cpu_breakdown.py).
+    breakdown: list[str] = dataclasses.field(default_factory=list)
 
     def net_settled_cpu_ms_per_run(self, count: int) -> float:
         """The settled CPU a run took beyond the controller's idle CPU over the same time (held runs spread over a
@@ -456,7 +472,7 @@ async def real_burst(
     plane.create_namespace(namespace)
     context = plane.ssl_context()
     log = open(log_path, "w")
-    controller = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    controller = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_on_controller_cpu)
     sampler = None
     try:
         deadline = time.monotonic() + 90
@@ -471,6 +487,8 @@ async def real_burst(
         await asyncio.sleep(IDLE_SECONDS)
         idle_cpu_ms_per_s = (cpu_seconds(controller.pid) - idle_cpu) * 1000 / IDLE_SECONDS
         sampler = _start_sampler(controller.pid, sample_to)
+        broken_down = env.get("OPERATOR_BREAKDOWN_OUT", "")
+        breakdown_before = cpu_breakdown.read(broken_down) if broken_down else {}
         cpu_before = cpu_seconds(controller.pid), server_cpu_seconds(plane)
         measured_from = time.monotonic()
         created: dict[str, float] = {}
@@ -548,12 +566,7 @@ async def real_burst(
             async def create(index: int) -> None:
                 await asyncio.sleep(index * spread_over_s / count)  # held, not bursted: created at a steady pace
                 name = f"run-{index:04d}"
-                body = {
-                    "apiVersion": "trainingrun.dev/v1alpha1",
-                    "kind": "TrainingRun",
-                    "metadata": {"name": name, "namespace": namespace},
-                    "spec": {"checkpoint": {"uri": f"s3://bench/{name}"}},
-                }
+                body = run_body(name, namespace)
                 url = f"{plane.server}/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns"
                 for _ in range(3):  # a connection the loaded server dropped is tried again; 409: it got there
                     try:
@@ -591,6 +604,9 @@ async def real_burst(
         if failure is None:
             await asyncio.sleep(SETTLE_SECONDS)  # status writes and Events trail the jobs; then the runs just exist
         alive = controller.poll() is None
+        if broken_down and alive:
+            await asyncio.sleep(1.0)  # the timers are written every half second
+            breakdown = cpu_breakdown.table(breakdown_before, cpu_breakdown.read(broken_down), count, WARM_COSTS)
         return dataclasses.replace(
             burst,
             settled_kb=memory_kb(controller.pid) if alive else {},
@@ -598,6 +614,7 @@ async def real_burst(
             settled_reconciles=await _reconciles(metrics_port) if alive else 0,
             idle_cpu_ms_per_s=idle_cpu_ms_per_s,
             settled_wall_s=time.monotonic() - measured_from,
+            breakdown=breakdown if broken_down and alive else [],
         )
     finally:
         if sampler is not None:
@@ -634,6 +651,29 @@ def _start_sampler(pid: int, output: str | None) -> subprocess.Popen | None:
     )
 
 
+def run_body(name: str, namespace: str) -> dict:
+    """Each TrainingRun of a real burst: the least a run needs (a checkpoint URI), every default taken."""
+    return {
+        "apiVersion": "trainingrun.dev/v1alpha1",
+        "kind": "TrainingRun",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"checkpoint": {"uri": f"s3://bench/{name}"}},
+    }
+
+
+#: With $OPERATOR_BREAKDOWN: what the timed functions cost a call when warm, on a run of the burst.
+WARM_COSTS: dict[str, float] = {}
+
+
+#: With --controller-cpu: the CPU the measured controller (operator or floor) runs on, every other process elsewhere.
+CONTROLLER_CPU: int | None = None
+
+
+def _on_controller_cpu() -> None:
+    if CONTROLLER_CPU is not None:
+        os.sched_setaffinity(0, {CONTROLLER_CPU})
+
+
 async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> int:
     """Every size once against one real control plane (a fresh namespace per burst, the operator watching only
     it), the operator beside the floor; then each `held` size, created over `held_over_s`, the operator alone."""
@@ -641,6 +681,8 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
 
     rows = []
     kept: dict[int, Burst] = {}
+    if os.environ.get("OPERATOR_BREAKDOWN"):
+        WARM_COSTS.update(cpu_breakdown.warm_costs(run_body("run-0000", "bench")))
     with tempfile.TemporaryDirectory() as tmp:
         plane = kube_cluster.started_for_benchmark(Path(tmp))
         try:
@@ -649,12 +691,17 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
 
             async def operator_burst(count: int, namespace: str, **options) -> Burst:
                 metrics_port = kube_cluster.free_port()
+                broken_down = {"OPERATOR_BREAKDOWN_OUT": f"{tmp}/{namespace}.breakdown.json"}
                 return await real_burst(
                     plane,
                     count,
                     namespace,
                     operator_command("--standalone", "-n", namespace),
-                    {**env, "TRAININGRUN_OPERATOR_METRICS_PORT": str(metrics_port)},
+                    {
+                        **env,
+                        "TRAININGRUN_OPERATOR_METRICS_PORT": str(metrics_port),
+                        **(broken_down if os.environ.get("OPERATOR_BREAKDOWN") else {}),
+                    },
                     "PyTorchJob CRD (kubeflow.org/v1) is served",
                     Path(tmp) / f"{namespace}.log",
                     metrics_port=metrics_port,
@@ -733,6 +780,14 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
         "later; server: etcd, kube-apiserver and kube-controller-manager together"
     )
     print("targets: p50 <= 100 ms for 30 at once; >= 100 runs/s admitted with 2,000; RSS <= 150 MB with 2,000")
+    for label, burst in [(f"{count} at once", op) for count, op, _ in rows] + [
+        (f"{count} held", op) for count, op in kept.items()
+    ]:
+        if burst.breakdown:
+            print(
+                f"where the operator's CPU went, {label} (until settled; nested functions overlap; cpu_breakdown.py):"
+            )
+            print("\n".join(burst.breakdown))
     by_size = {count: op for count, op, _ in rows}
     figures = []
     for count in (1, 30, 200):
@@ -782,7 +837,17 @@ def main() -> int:
         "--held", default="", help="with --real: sizes created at a steady pace over --held-over seconds (20000)"
     )
     parser.add_argument("--held-over", type=float, default=60.0)
+    parser.add_argument(
+        "--controller-cpu",
+        type=int,
+        help="run the measured controller alone on this CPU and the API server, etcd and this script on the others: "
+        "its CPU per run then varies less between runs (on 2 cores shared, the same code measured 2.3 to 5 ms)",
+    )
     args = parser.parse_args()
+    if args.controller_cpu is not None:
+        global CONTROLLER_CPU
+        CONTROLLER_CPU = args.controller_cpu
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {CONTROLLER_CPU})  # the control plane started later too
     # Killed (e.g. by `timeout`), still stop the control plane: its processes run in sessions of their own and
     # would otherwise go on taking CPU from every later measurement.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -36,6 +36,22 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Allocations between young-generation garbage collections (Python's default: 700). The operator allocates and
+#: drops a few hundred containers per watch event and write; with the default, collections and their older
+#: generations' passes over everything it keeps took about a tenth of its CPU in a burst of 2,000 runs.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def _collect_garbage_less_often() -> None:
+    """Collect rarely, and never look at what exists before the first watch (modules, classes): it lives for ever."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
@@ -70,6 +86,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         # log (trainingrun.operator) already tells each decision once.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     state = OperatorState(settings)
+    _collect_garbage_less_often()
     try:
         asyncio.run(run_operator(state))
     except Exception as error:  # noqa: BLE001 - kopf re-raises what made it stop; say it in one line when we know why

@@ -18,3 +18,40 @@ def test_the_benchmark_starts_and_describes_its_arguments(script):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
+
+
+def test_the_cpu_breakdown_times_the_operators_functions_and_garbage_collection(tmp_path):
+    """cpu_breakdown's timers, installed in a process as operator_reconcile.py installs them in the operator: each
+    timed function's calls are counted and its CPU summed, and the table puts the largest first."""
+    output = tmp_path / "breakdown.json"
+    code = f"""
+import gc, sys, time
+sys.path.insert(0, {str(BENCHMARKS)!r})
+import cpu_breakdown
+cpu_breakdown.install({str(output)!r})
+from trainingrun_operator import kube, validation
+for _ in range(3):
+    validation.parse({{"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {{"name": "a"}},
+                       "spec": {{"checkpoint": {{"uri": "s3://bucket/a"}}}}}})
+kube.orjson.loads(b'{{"a": 1}}')
+gc.collect()
+before = cpu_breakdown.read({str(output)!r})
+while cpu_breakdown.read({str(output)!r}) == before:
+    time.sleep(0.1)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import cpu_breakdown
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    totals = cpu_breakdown.read(str(output))
+    assert totals["validation.parse (pydantic)"][0] == 3
+    assert totals["validation.parse (pydantic)"][1] > 0
+    assert totals["orjson.loads (answers, watch events)"][0] == 1
+    assert totals[cpu_breakdown.GC_LABEL][0] >= 1
+    lines = cpu_breakdown.table({}, totals, 3, {"validation.parse (pydantic)": 50.0})
+    per_run = [float(line.split()[0]) for line in lines[1:]]
+    assert per_run == sorted(per_run, reverse=True)
+    parse = next(line for line in lines if line.endswith("validation.parse (pydantic)"))
+    assert parse.split()[1] == "1.00" and parse.split()[3] == "50.0"  # one call a run; the warm figure beside it

@@ -238,3 +238,15 @@ def test_progress_bars_only_on_terminals_with_rich(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rich" else found(name, *a))
     assert not cli_local.progress_bars(Terminal())  # without the cli extra: plain lines
+
+
+def test_the_operator_collects_garbage_rarely_and_never_looks_at_its_modules_again():
+    # In a subprocess: freezing and thresholds are the whole interpreter's.
+    code = (
+        "import gc; from trainingrun_operator import cli; cli._collect_garbage_less_often(); "
+        "print(gc.get_threshold()[0], gc.get_freeze_count())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    young, frozen = map(int, done.stdout.split())
+    assert young == cli.GC_YOUNG_THRESHOLD > 700  # Python's default is 700
+    assert frozen > 10_000  # the modules, classes and functions imported so far
