@@ -2,6 +2,9 @@
 
 import copy
 import json
+import re
+import socket
+from datetime import datetime, timezone
 
 import jsonschema
 import kubernetes_validate
@@ -407,3 +410,20 @@ def test_the_checkpoint_uri_reaches_the_pod_through_the_config_file_alone(minima
     # the job is stamped as built from the spec it ran with: the started URI, not the edit
     assert job["metadata"]["annotations"][naming.ANNOTATION_SPEC_DIGEST] == naming.spec_digest(run)
     assert naming.ANNOTATION_SPEC_HASH not in job["metadata"]["annotations"]  # an older operator's, never written
+
+
+def test_events_of_one_run_at_one_moment_get_names_of_their_own(minimal_body):
+    """Event names are the run's and the clock's nanoseconds, as client-go's: never twice the same in a process, even
+    when the operator's clock stands still (a second Event under a taken name would be refused and lost)."""
+    body = copy.deepcopy(minimal_body)
+    body["metadata"].update(name="r" * MAX_RUN_NAME_LENGTH, namespace="ns", uid="u-1")
+    now = datetime(2026, 11, 29, 9, 0, tzinfo=timezone.utc)
+    note = builders.Note("Normal", "AttemptStarted", "attempt 1 started")
+    events = [builders.event_object(body, note, now) for _ in range(1000)]
+    names = [e["metadata"]["name"] for e in events]
+    assert len(set(names)) == len(names)
+    for name in names:
+        assert name.startswith(body["metadata"]["name"] + ".")
+        assert len(name) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name)
+    assert {e["reportingInstance"] for e in events} == {socket.gethostname()}
+    assert events[0]["involvedObject"]["uid"] == "u-1" and events[0]["firstTimestamp"] == "2026-11-29T09:00:00Z"
