@@ -489,6 +489,7 @@ async def real_burst(
         sampler = _start_sampler(controller.pid, sample_to)
         broken_down = env.get("OPERATOR_BREAKDOWN_OUT", "")
         breakdown_before = cpu_breakdown.read(broken_down) if broken_down else {}
+        breakdown: list[str] = []
         cpu_before = cpu_seconds(controller.pid), server_cpu_seconds(plane)
         measured_from = time.monotonic()
         created: dict[str, float] = {}
@@ -614,7 +615,7 @@ async def real_burst(
             settled_reconciles=await _reconciles(metrics_port) if alive else 0,
             idle_cpu_ms_per_s=idle_cpu_ms_per_s,
             settled_wall_s=time.monotonic() - measured_from,
-            breakdown=breakdown if broken_down and alive else [],
+            breakdown=breakdown,
         )
     finally:
         if sampler is not None:
