@@ -744,7 +744,7 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
         finally:
             plane.stop()
     print(
-        "TrainingRuns created at once against a real kube-apiserver v1.36 (etcd, 2 cores shared with it); the "
+        f"TrainingRuns created at once against a real kube-apiserver v1.36 (etcd, {os.cpu_count()} cores shared with it); the "
         "operator (admin kubeconfig, watching the burst's namespace) beside the floor (a bare watcher POSTing one "
         "job per run)"
     )

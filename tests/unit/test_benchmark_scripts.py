@@ -55,3 +55,30 @@ while cpu_breakdown.read({str(output)!r}) == before:
     assert per_run == sorted(per_run, reverse=True)
     parse = next(line for line in lines if line.endswith("validation.parse (pydantic)"))
     assert parse.split()[1] == "1.00" and parse.split()[3] == "50.0"  # one call a run; the warm figure beside it
+
+
+def test_the_fleet_suite_unpacks_the_carried_binaries_and_names_the_script_that_makes_them(tmp_path, monkeypatch):
+    """The device machine has no Kubernetes: fleet_suite.py unpacks the xz'd binaries a call carries, executable,
+    byte for byte; without them it says which script makes them."""
+    import lzma
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import fleet_suite
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    originals = {name: f"#!/bin/sh\necho {name}\nexit\n".encode() + b"#" * 100_000 for name in fleet_suite.BINARIES}
+    for name, content in originals.items():
+        (carried / f"{name}.xz").write_bytes(lzma.compress(content))
+    monkeypatch.setattr(fleet_suite, "COMPRESSED", carried)
+    folder = fleet_suite.unpacked(tmp_path / "k8s")
+    for name, content in originals.items():
+        assert (folder / name).read_bytes() == content
+        assert subprocess.run([str(folder / name)], capture_output=True, text=True).stdout == f"{name}\n"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(originals)  # no partial file left behind
+
+    (carried / "kubectl.xz").unlink()
+    with pytest.raises(SystemExit, match="fleet-device-assets.sh"):
+        fleet_suite.unpacked(tmp_path / "elsewhere")
