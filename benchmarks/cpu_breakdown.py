@@ -6,8 +6,11 @@ Why not only py-spy: it samples whatever the thread is doing when it is runnable
 three times too large. Why not cProfile: it tripled the operator's CPU. These timers cost about 2 us a call.
 
 `operator_reconcile.py` installs them in the operator when $OPERATOR_BREAKDOWN is set and prints, per run, each
-function's calls and CPU beside what the same function costs in a warm loop (`warm_costs`): in a burst, the operator
-shares its caches with etcd and the API server, and the same code took 4-13x longer a call than when warm.
+function's calls and CPU beside what the same function costs in a loop (`baseline_costs`), warm and cold. In a
+burst on the 2-core VM the same code took 4-13x longer a call than warm, and about as long as with none of it left in
+any cache: parse 340-580 us in bursts, 560-590 after 16 or 64 MiB copied between the calls, 62-119 warm; building a
+PyTorchJob 320-680, 620-770, 106-150. With 1 MiB copied (this VM's L2 caches) the calls took 1.2x warm: the burst
+finds the operator evicted from the 32 MiB L3, which it shares with etcd, the API server and the host's other VMs.
 """
 
 from __future__ import annotations
@@ -127,10 +130,12 @@ def read(output: str) -> dict[str, list]:
         return {}
 
 
-def table(before: dict[str, list], after: dict[str, list], runs: int, warm: dict[str, float]) -> list[str]:
+def table(
+    before: dict[str, list], after: dict[str, list], runs: int, baseline: dict[str, tuple[float, float]]
+) -> list[str]:
     """One line per timed function, largest first: calls and CPU per run between `before` and `after`, CPU per call,
-    and the same function's CPU per call when warm (`warm_costs`), where measured."""
-    lines = [f"    {'ms/run':>7} {'calls/run':>9} {'us/call':>8} {'warm us':>8}  function"]
+    and the same function's CPU per call warm and cold (`baseline_costs`), where measured."""
+    lines = [f"    {'ms/run':>7} {'calls/run':>9} {'us/call':>8} {'warm us':>8} {'cold us':>8}  function"]
     rows = []
     for label, (calls, seconds) in after.items():
         calls -= before.get(label, [0, 0.0])[0]
@@ -138,14 +143,26 @@ def table(before: dict[str, list], after: dict[str, list], runs: int, warm: dict
         if calls:
             rows.append((seconds * 1000 / runs, calls / runs, seconds * 1e6 / calls, label))
     for ms, calls, us, label in sorted(rows, reverse=True):
-        warm_us = f"{warm[label]:8.1f}" if label in warm else f"{'':8}"
-        lines.append(f"    {ms:7.3f} {calls:9.2f} {us:8.1f} {warm_us}  {label}")
+        bounds = " ".join(f"{us:8.1f}" for us in baseline[label]) if label in baseline else f"{'':17}"
+        lines.append(f"    {ms:7.3f} {calls:9.2f} {us:8.1f} {bounds}  {label}")
     return lines
 
 
-def warm_costs(document: dict[str, Any]) -> dict[str, float]:
-    """CPU us a call of the operator's own functions on the TrainingRun `document`, each repeated in a loop (warm
-    caches): the baseline for the burst's figures. orjson's: a watch event of the run's PyTorchJob."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of CPU 0 (sysfs: "32768K" here, an L3), 32 MiB where it says nothing readable."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        if text[:-1].isdigit() and text[-1:] in ("K", "M"):
+            sizes.append(int(text[:-1]) << (10 if text.endswith("K") else 20))
+    return max(sizes, default=32 << 20)
+
+
+def baseline_costs(document: dict[str, Any], repeats: int = 200) -> dict[str, tuple[float, float]]:
+    """CPU us a call of the operator's own functions on the TrainingRun `document`, each repeated in a loop: warm
+    (nothing between the calls), and cold (a copy of `last_level_cache_bytes` before each, which leaves none of the
+    function's code or data in any cache): the bounds to read a burst's figures against. orjson's: a watch event of
+    the run's PyTorchJob."""
     import copy
     import datetime
 
@@ -160,7 +177,7 @@ def warm_costs(document: dict[str, Any]) -> dict[str, float]:
     event = orjson.dumps({"type": "ADDED", "object": job})
     note = builders.Note("Normal", "AttemptStarted", "attempt 1 started")
     now = datetime.datetime.now(datetime.timezone.utc)
-    copies = [copy.deepcopy(document) for _ in range(500)]
+    copies = [copy.deepcopy(document) for _ in range(2 * repeats)]
     calls: dict[str, Callable[[int], Any]] = {
         "validation.parse (pydantic)": lambda i: validation.parse(copies[i], from_server=True),
         "validation.credential_problems": lambda i: validation.credential_problems(run),
@@ -170,14 +187,23 @@ def warm_costs(document: dict[str, Any]) -> dict[str, float]:
         "orjson.loads (answers, watch events)": lambda i: orjson.loads(event),
         "orjson.dumps": lambda i: orjson.dumps(job),
     }
+    cache = last_level_cache_bytes()
+    source, evicted = os.urandom(cache), bytearray(cache)
     costs = {}
     for label, call in calls.items():
-        for i in range(50):
+        for i in range(min(50, repeats)):
             call(i)
         started = time.thread_time()
-        for i in range(500):
+        for i in range(repeats):
             call(i)
-        costs[label] = (time.thread_time() - started) * 1e6 / 500
+        warm = (time.thread_time() - started) * 1e6 / repeats
+        cold = 0.0
+        for i in range(repeats, 2 * repeats):
+            evicted[:] = source
+            started = time.thread_time()
+            call(i)
+            cold += time.thread_time() - started
+        costs[label] = (warm, cold * 1e6 / repeats)
     return costs
 
 
@@ -191,9 +217,10 @@ def main() -> int:
     args = parser.parse_args()
     document = yaml.safe_load(args.trainingrun.read_text())
     document.setdefault("metadata", {}).setdefault("namespace", "default")
-    print("CPU us a call, warm (each function 500 times in a loop):")
-    for label, us in warm_costs(document).items():
-        print(f"  {us:8.1f}  {label}")
+    cache_mib = last_level_cache_bytes() >> 20
+    print(f"CPU us a call, each function 200 times in a loop: warm, and cold ({cache_mib} MiB copied before each)")
+    for label, (warm, cold) in baseline_costs(document).items():
+        print(f"  {warm:8.1f} {cold:8.1f}  {label}")
     return 0
 
 

@@ -607,7 +607,7 @@ async def real_burst(
         alive = controller.poll() is None
         if broken_down and alive:
             await asyncio.sleep(1.0)  # the timers are written every half second
-            breakdown = cpu_breakdown.table(breakdown_before, cpu_breakdown.read(broken_down), count, WARM_COSTS)
+            breakdown = cpu_breakdown.table(breakdown_before, cpu_breakdown.read(broken_down), count, BASELINE_COSTS)
         return dataclasses.replace(
             burst,
             settled_kb=memory_kb(controller.pid) if alive else {},
@@ -662,8 +662,8 @@ def run_body(name: str, namespace: str) -> dict:
     }
 
 
-#: With $OPERATOR_BREAKDOWN: what the timed functions cost a call when warm, on a run of the burst.
-WARM_COSTS: dict[str, float] = {}
+#: With $OPERATOR_BREAKDOWN: what the timed functions cost a call warm and cold, on a run of the burst.
+BASELINE_COSTS: dict[str, tuple[float, float]] = {}
 
 
 #: With --controller-cpu: the CPU the measured controller (operator or floor) runs on, every other process elsewhere.
@@ -683,7 +683,7 @@ async def main_real(sizes: list[int], held: list[int], held_over_s: float) -> in
     rows = []
     kept: dict[int, Burst] = {}
     if os.environ.get("OPERATOR_BREAKDOWN"):
-        WARM_COSTS.update(cpu_breakdown.warm_costs(run_body("run-0000", "bench")))
+        BASELINE_COSTS.update(cpu_breakdown.baseline_costs(run_body("run-0000", "bench")))
     with tempfile.TemporaryDirectory() as tmp:
         plane = kube_cluster.started_for_benchmark(Path(tmp))
         try:

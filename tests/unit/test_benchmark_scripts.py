@@ -50,11 +50,25 @@ while cpu_breakdown.read({str(output)!r}) == before:
     assert totals["validation.parse (pydantic)"][1] > 0
     assert totals["orjson.loads (answers, watch events)"][0] == 1
     assert totals[cpu_breakdown.GC_LABEL][0] >= 1
-    lines = cpu_breakdown.table({}, totals, 3, {"validation.parse (pydantic)": 50.0})
+    lines = cpu_breakdown.table({}, totals, 3, {"validation.parse (pydantic)": (50.0, 200.0)})
     per_run = [float(line.split()[0]) for line in lines[1:]]
     assert per_run == sorted(per_run, reverse=True)
     parse = next(line for line in lines if line.endswith("validation.parse (pydantic)"))
-    assert parse.split()[1] == "1.00" and parse.split()[3] == "50.0"  # one call a run; the warm figure beside it
+    assert parse.split()[1] == "1.00"  # one call a run
+    assert parse.split()[3:5] == ["50.0", "200.0"]  # the warm and cold figures beside it
+
+
+def test_the_baseline_costs_are_of_timed_functions_so_each_lands_beside_its_burst_figure():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import cpu_breakdown
+        from operator_reconcile import run_body
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    costs = cpu_breakdown.baseline_costs(run_body("run-0000", "bench"), repeats=5)
+    assert len(costs) == 7
+    assert set(costs) <= {label for _, _, label in cpu_breakdown.TIMED}
+    assert all(warm > 0 and cold > 0 for warm, cold in costs.values())
 
 
 def test_the_fleet_suite_unpacks_the_carried_binaries_and_names_the_script_that_makes_them(tmp_path, monkeypatch):
