@@ -2,6 +2,8 @@
 the suite (they load the machine); a rename in the packages must still not leave one broken until someone runs it
 (report_endpoint.py imported Progress from where it no longer lived)."""
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,9 +73,9 @@ def test_the_baseline_costs_are_of_timed_functions_so_each_lands_beside_its_burs
     assert all(warm > 0 and cold > 0 for warm, cold in costs.values())
 
 
-def test_the_fleet_suite_unpacks_the_carried_binaries_and_names_the_script_that_makes_them(tmp_path, monkeypatch):
+def test_the_fleet_suite_unpacks_what_a_device_call_carries_and_names_the_script_that_makes_it(tmp_path, monkeypatch):
     """The device machine has no Kubernetes: fleet_suite.py unpacks the xz'd binaries a call carries, executable,
-    byte for byte; without them it says which script makes them."""
+    byte for byte; without them it says which script makes them. Where openssl is missing, the carried one is used."""
     import lzma
 
     sys.path.insert(0, str(BENCHMARKS))
@@ -96,3 +98,10 @@ def test_the_fleet_suite_unpacks_the_carried_binaries_and_names_the_script_that_
     (carried / "kubectl.xz").unlink()
     with pytest.raises(SystemExit, match="fleet-device-assets.sh"):
         fleet_suite.unpacked(tmp_path / "elsewhere")
+
+    (carried / "openssl").write_text("#!/bin/sh\necho carried openssl\n")  # as a transfer may leave it: no x bit
+    monkeypatch.setenv("PATH", os.environ["PATH"])
+    fleet_suite.use_carried_openssl(tmp_path / "bin")
+    found = shutil.which("openssl")
+    assert found == str(tmp_path / "bin" / "openssl")
+    assert subprocess.run([found], capture_output=True, text=True).stdout == "carried openssl\n"
