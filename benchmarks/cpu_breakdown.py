@@ -158,8 +158,12 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def baseline_costs(document: dict[str, Any], repeats: int = 200) -> dict[str, tuple[float, float]]:
-    """CPU us a call of the operator's own functions on the TrainingRun `document`, each repeated in a loop: warm
+#: Calls `baseline_costs` times each function, warm and again cold.
+BASELINE_REPEATS = 200
+
+
+def baseline_costs(document: dict[str, Any], repeats: int = BASELINE_REPEATS) -> dict[str, tuple[float, float]]:
+    """CPU us a call of the operator's own functions on the TrainingRun `document`, each `repeats` times in a loop: warm
     (nothing between the calls), and cold (a copy of `last_level_cache_bytes` before each, which leaves none of the
     function's code or data in any cache): the bounds to read a burst's figures against. orjson's: a watch event of
     the run's PyTorchJob."""
@@ -218,7 +222,9 @@ def main() -> int:
     document = yaml.safe_load(args.trainingrun.read_text())
     document.setdefault("metadata", {}).setdefault("namespace", "default")
     cache_mib = last_level_cache_bytes() >> 20
-    print(f"CPU us a call, each function 200 times in a loop: warm, and cold ({cache_mib} MiB copied before each)")
+    print(
+        f"CPU us a call, each function {BASELINE_REPEATS} times in a loop: warm, and cold ({cache_mib} MiB copied before each)"
+    )
     for label, (warm, cold) in baseline_costs(document).items():
         print(f"  {warm:8.1f} {cold:8.1f}  {label}")
     return 0

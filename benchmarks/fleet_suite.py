@@ -44,7 +44,9 @@ from pathlib import Path
 from gpu_suite import run
 
 REPO = Path(__file__).resolve().parent.parent
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+sys.path.insert(0, str(REPO / "tests"))
+from kube_cluster import BINARIES  # noqa: E402  (the control plane's binaries, which a call carries)
+
 COMPRESSED = REPO / ".k8s-xz"
 
 
