@@ -418,3 +418,68 @@ def test_a_run_never_resumes_from_rotates_or_overwrites_another_runs_checkpoints
 def test_checkpoints_written_before_run_uids_were_recorded_are_still_resumed(bucket):
     save_as(bucket, None, 3)
     assert CheckpointStore(f"file://{bucket}", run_uid="run-a").latest_valid().step == 3
+
+
+# ---------------------------------------------------------------------------------------- refused metadata leaves no trace
+
+
+def building(module: str, name: str, attributes: dict) -> bytes:
+    """A pickle whose BUILD sets `attributes` on the class `module`.`name` itself (state `(None, attributes)`)."""
+    items = b"".join(
+        _text(key) + pickle.dumps(value, protocol=2)[2:-1] + pickle.SETITEM for key, value in attributes.items()
+    )
+    return (
+        pickle.PROTO
+        + b"\x04"
+        + reference(module, name)
+        + pickle.NONE
+        + pickle.EMPTY_DICT
+        + items
+        + pickle.TUPLE2
+        + pickle.BUILD
+        + pickle.STOP
+    )
+
+
+def test_a_refused_metadata_that_sets_attributes_of_dcps_classes_changes_nothing_in_the_process(bucket):
+    """On main the BUILD reached `MetadataIndex` itself: refused, but afterwards the valid older step failed to load
+    (`unhashable type: 'MetadataIndex'`) and so did every later save in that process."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    saved(bucket, step=1, seed=1)
+    rewrite(saved(bucket, step=2, seed=2), ".metadata", building(METADATA_MODULE, "MetadataIndex", {"__hash__": None}))
+    store = CheckpointStore(f"file://{bucket}")
+    newest, older = store.list()[0], store.list()[1]
+    assert newest.step == 2 and newest.valid  # the manifest was fixed up: only loading can tell
+    with pytest.raises(ckpt.CheckpointLoadError, match="not DCP metadata this trainer reads"):
+        store.load(newest, {"model": make_model(5).state_dict()})
+    assert MetadataIndex.__hash__ is not None
+    into = make_model(5)
+    assert store.load(older, {"model": into.state_dict()}) == {"step": 1}
+    assert all(torch.equal(into.state_dict()[k], v) for k, v in weights(make_model(1)).items())
+    assert saved(bucket, step=3, seed=3).is_dir()
+    assert CheckpointStore(f"file://{bucket}").latest_valid().step == 3
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        pickle.EMPTY_DICT + _text("__class__") + reference(METADATA_MODULE, "Metadata") + pickle.SETITEM,
+        pickle.NONE + pickle.EMPTY_DICT + _text("__hash__") + pickle.NONE + pickle.SETITEM + pickle.TUPLE2,
+    ],
+    ids=["__class__", "__hash__"],
+)
+def test_build_on_an_instance_sets_only_its_fields(state):
+    raw = (
+        pickle.PROTO
+        + b"\x04"
+        + reference(METADATA_MODULE, "MetadataIndex")
+        + _text("x")
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + state
+        + pickle.BUILD
+        + pickle.STOP
+    )
+    with pytest.raises(pickle.UnpicklingError, match="other than its fields"):
+        unpickle(raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import io
 import pickle
@@ -119,6 +120,39 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("checkpoint metadata holds a persistent id, which a DCP checkpoint never holds")
+
+    #: The classes whose instances BUILD may fill in, and the attributes it may set: their dataclass fields.
+    BUILT = {
+        value: frozenset(field.name for field in dataclasses.fields(value))
+        for value in ALLOWED.values()
+        if isinstance(value, type) and dataclasses.is_dataclass(value)
+    }
+
+    def load_build(self) -> None:
+        """BUILD only on an instance of an allowed dataclass, and only with its fields: pickle's BUILD on a class
+        itself (`MetadataIndex`, state `(None, {"__hash__": None})`) would set attributes of DCP's classes for the
+        whole process, so that a refused `.metadata` broke every later load and save."""
+        if len(self.stack) < 2:
+            raise pickle.UnpicklingError("checkpoint metadata builds nothing: not a pickle DCP writes")
+        state, built = self.stack[-1], self.stack[-2]
+        fields = self.BUILT.get(type(built))
+        if fields is None:
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata sets attributes of {str(built)[:100]}, which is not an instance of DCP's "
+                "metadata classes: refusing to load it"
+            )
+        if "__setstate__" not in type(built).__dict__:  # a class with its own __setstate__ checks its state itself
+            parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+            for part in parts:
+                if part is not None and not (isinstance(part, dict) and all(key in fields for key in part)):
+                    raise pickle.UnpicklingError(
+                        f"checkpoint metadata sets attributes of a {type(built).__name__} other than its fields: "
+                        "refusing to load it"
+                    )
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def _enum_member(cls: Any, name: Any) -> Any:
