@@ -123,6 +123,7 @@ BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
         "endpoint_url": False,
         "read_ahead": False,
         "fetch_threads": False,
+        "max_pixels": False,
     },
     "trainingrun_trainer.sampling.ResumableSampler": {
         "dataset_len": True,

@@ -15,6 +15,8 @@ DTYPES = ("uint8", "uint16", "uint32")
 LITTLE_ENDIAN = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
 #: Where blocks are cached when `cache_dir` is not given.
 CACHE_ENV = "TRAININGRUN_DATA_CACHE"
+#: The longest GNU long-name or pax header read (bytes): a path, a few records; anything longer is not a sample's.
+MAX_EXTENDED_HEADER_BYTES = 64 << 10
 
 
 class DataError(ValueError):
@@ -60,6 +62,11 @@ def tar_samples(shard: Shard, read: Any) -> list[tuple[str, dict[str, tuple[int,
                 f"{shard.uri}: no tar header at byte {offset} ({error}): not a WebDataset tar shard, or a damaged one"
             ) from None
         data = offset + 512
+        if header.size < 0:  # base-256 sizes may be negative: -512 would read this header again, forever
+            raise DataError(
+                f"{shard.uri}: member {header.name[:100]!r} at byte {offset} says it has {header.size} bytes: a "
+                "damaged or hostile tar; write the shard again"
+            )
         end = data + (header.size + 511) // 512 * 512
         if data + header.size > shard.size:
             raise DataError(
@@ -67,6 +74,12 @@ def tar_samples(shard: Shard, read: Any) -> list[tuple[str, dict[str, tuple[int,
                 f"shard's end ({shard.size} bytes): truncated?"
             )
         if header.type in (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE):
+            if header.size > MAX_EXTENDED_HEADER_BYTES:
+                raise DataError(
+                    f"{shard.uri}: the {'long-name' if header.type == tarfile.GNUTYPE_LONGNAME else 'pax'} header at "
+                    f"byte {offset} says {header.size} bytes, more than the {MAX_EXTENDED_HEADER_BYTES} a sample's "
+                    "name needs: a damaged or hostile tar; write the shard again"
+                )
             text = read(data, data + header.size)
             if header.type == tarfile.GNUTYPE_LONGNAME:
                 long_name = text.rstrip(b"\0").decode("utf-8", "surrogateescape")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -11,6 +12,19 @@ import torch
 from ..data import checked_index
 from .format import DataError, Shard, first_line, tar_samples
 from .tokens import TokenShards
+
+#: The formats Pillow may decode from a shard: the IMAGE_EXTENSIONS', no others (each decoder is attack surface).
+DECODED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM")
+#: Images of up to this many times the output's pixels are decoded by default, and never fewer than MIN_MAX_PIXELS.
+MAX_PIXELS_PER_OUTPUT_PIXEL = 1024
+MIN_MAX_PIXELS = 4096 * 4096
+
+
+def default_max_pixels(image_size: int) -> int:
+    """The largest image decoded for an output of image_size x image_size: 1024 times its pixels, at least 16.7 Mpx
+    (4096 x 4096; a 12 Mpx photo passes for any size). Pillow's own limit (89 Mpx warns, 179 Mpx refuses) is for any
+    image anywhere; this one knows what the image is for."""
+    return max(MIN_MAX_PIXELS, MAX_PIXELS_PER_OUTPUT_PIXEL * image_size * image_size)
 
 
 class ImageShards(TokenShards):
@@ -38,9 +52,16 @@ class ImageShards(TokenShards):
         endpoint_url: Optional[str] = None,
         read_ahead: int = 512,
         fetch_threads: int = 16,
+        max_pixels: Optional[int] = None,
     ):
         if not isinstance(image_size, int) or image_size < 1:
             raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+        if max_pixels is not None and (type(max_pixels) is not int or max_pixels < image_size * image_size):
+            raise ValueError(
+                f"max_pixels must be an integer of at least image_size squared ({image_size * image_size}), got "
+                f"{max_pixels!r}"
+            )
+        self.max_pixels = default_max_pixels(image_size) if max_pixels is None else max_pixels
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
         self.image_size, self.channels = image_size, channels
@@ -114,10 +135,21 @@ class ImageShards(TokenShards):
     def _decode(self, shard: Shard, member: str, raw: bytes) -> torch.Tensor:
         import io
 
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image
 
+        too_large = (
+            f"{shard.uri}: member {member} has more pixels than maxPixels ({self.max_pixels}) allows for imageSize "
+            f"{self.image_size}"
+        )
+        fix = ": shrink the image, or raise spec.trainer.data.dataset.initArgs.maxPixels"
         try:
-            with Image.open(io.BytesIO(raw)) as opened:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below says it
+                opened = Image.open(io.BytesIO(raw), formats=DECODED_FORMATS)  # the header only
+            with opened:
+                width, height = opened.size
+                if width * height > self.max_pixels:
+                    raise DataError(f"{too_large} ({width}x{height}){fix}")
                 image = opened.convert("RGB" if self.channels == 3 else "L")
                 side = min(image.size)
                 left, top = (image.width - side) // 2, (image.height - side) // 2
@@ -125,7 +157,11 @@ class ImageShards(TokenShards):
                     (self.image_size, self.image_size), Image.Resampling.BILINEAR
                 )
                 pixels = np.asarray(image, dtype=np.float32)
-        except (UnidentifiedImageError, OSError, ValueError) as error:
+        except DataError:
+            raise
+        except Image.DecompressionBombError as error:  # Pillow's own bound, past twice its MAX_IMAGE_PIXELS
+            raise DataError(f"{too_large}: {first_line(error)}{fix}") from None
+        except Exception as error:  # noqa: BLE001 - decoders raise what they like (SyntaxError, struct.error...)
             raise DataError(
                 f"{shard.uri}: member {member} is not an image Pillow can read: {first_line(error)}"
             ) from None
