@@ -272,10 +272,16 @@ class Report(ReportPart):
         """Parse and check a report body, every value once; ReportError names the first field that is wrong."""
         if len(raw) > MAX_REPORT_BYTES:
             raise ReportError(f"the report is larger than {MAX_REPORT_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "\0"
+        if "\0" in text:  # JSON never holds a raw NUL; UTF-16 and -32, which json.loads takes and the scan misreads, do
+            raise ReportError("the report is not UTF-8 JSON")
         if _nesting(raw) > MAX_REPORT_DEPTH:
             raise ReportError(f"the report nests deeper than {MAX_REPORT_DEPTH} levels")
         try:
-            body = json.loads(raw)
+            body = json.loads(text)
         except (ValueError, RecursionError) as error:
             raise ReportError(f"the report is not JSON: {str(error)[:200]}") from None
         if not isinstance(body, dict):

@@ -3,7 +3,7 @@ local`: progress with percent done and an estimated completion time, goodput, an
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Optional
 
 from .contract import parse_time, rfc3339
@@ -24,12 +24,23 @@ def with_estimates(previous: Optional[dict[str, Any]], progress: dict[str, Any])
         estimated["estimatedCompletionTime"] = progress.get("updatedAt")
     elif now and then and isinstance(before.get("step"), int) and step > before["step"] and now > then:
         rate = (step - before["step"]) / (now - then).total_seconds()
-        estimated["estimatedCompletionTime"] = rfc3339(now + timedelta(seconds=(total - step) / rate))
+        estimated["estimatedCompletionTime"] = _estimate(now, (total - step) / rate)
     elif step == before.get("step") and before.get("estimatedCompletionTime"):
         estimated["estimatedCompletionTime"] = before["estimatedCompletionTime"]
     elif before.get("estimatedCompletionTime"):
         estimated["estimatedCompletionTime"] = None  # a merge patch removes the stale one
     return estimated
+
+
+#: An estimate further away than this is no estimate (a report may say any totalSteps up to 2**63).
+MAX_ESTIMATE_SECONDS = 100 * 365 * 86400
+
+
+def _estimate(now: datetime, seconds_left: float) -> Optional[str]:
+    """When a run `seconds_left` from `now` completes; None past MAX_ESTIMATE_SECONDS (datetime ends at year 9999)."""
+    if not seconds_left <= MAX_ESTIMATE_SECONDS:
+        return None
+    return rfc3339(now + timedelta(seconds=seconds_left))
 
 
 def goodput(productive_seconds: float, wall_seconds: float) -> Optional[float]:

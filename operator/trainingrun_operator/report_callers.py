@@ -173,6 +173,11 @@ class TokenReviewer:
         self.deferred = 0  #: accepted tokens due for review answered from memory while the lane was full
 
     async def caller(self, token: str, source: str = "") -> Optional[Caller]:
+        if (
+            len(token) > MAX_TOKEN_BYTES or not token.isascii()
+        ):  # a JWT is ASCII; aiohttp hands other bytes as surrogates
+            self.refused_unreviewed += 1
+            return None
         key = hashlib.sha256(token.encode()).digest()
         now = self.clock()
         due: Optional[Caller] = None  #: an accepted token whose next review is due, within one more period

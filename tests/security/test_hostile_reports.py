@@ -8,14 +8,17 @@ pod the operator trusts to speak for the run.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given
+from hypothesis import strategies as st
 
-from trainingrun_api import contract, progress_report
+from trainingrun_api import contract, progress_report, run_figures
 from trainingrun_operator import naming, report_callers, reports
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
@@ -156,3 +159,66 @@ async def test_a_time_in_the_past_is_kept(endpoint):
     earlier = contract.rfc3339(NOW - timedelta(minutes=1))
     status, _ = await endpoint(report(progress=progress(updated_at=earlier)))
     assert status == 200 and endpoint.written[-1]["progress"]["updatedAt"] == earlier
+
+
+@pytest.mark.asyncio
+async def test_a_report_in_utf16_is_refused_before_its_nesting_could_hide(endpoint):
+    """json.loads reads UTF-16 by itself, but the nesting scan reads bytes: U+2022's 0x22 byte put the scan inside a
+    string, so on main a 901-deep report in UTF-16-LE was parsed (and accepted)."""
+    text = '{"namespace": "ns", "name": "demo", "uid": "run-uid", "attempt": 1, "note": "\u2022", "x": '
+    body = (text + "[" * 901 + "]" * 901 + "}").encode("utf-16-le")
+    assert progress_report._nesting(body) <= progress_report.MAX_REPORT_DEPTH  # the scan alone is fooled
+    status, message = await endpoint(body)
+    assert (status, message) == (400, "the report is not UTF-8 JSON")
+    assert endpoint.written == []
+
+
+@given(
+    before=st.integers(0, 2**63 - 2),
+    ahead=st.integers(1, 2**63 - 1),
+    total=st.integers(1, 2**63 - 1),
+    seconds=st.floats(1e-6, 1e9),
+)
+def test_no_progress_the_report_model_admits_crashes_the_estimates(before, ahead, total, seconds):
+    """On main totalSteps near 2**63 made the ETA raise OverflowError: a 500 per report."""
+    step = min(before + ahead, 2**63 - 1)
+    then = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
+    previous = {"step": before, "updatedAt": contract.rfc3339(then)}
+    now = contract.rfc3339(then + timedelta(seconds=seconds))
+    estimated = run_figures.with_estimates(previous, {"step": step, "totalSteps": total, "updatedAt": now})
+    eta = estimated.get("estimatedCompletionTime")
+    assert eta is None or contract.parse_time(eta) >= contract.parse_time(now)
+    assert 0 <= estimated["percent"] <= 100
+
+
+@pytest.mark.asyncio
+async def test_a_bearer_token_with_a_byte_that_is_not_utf8_is_a_401_without_a_traceback(caplog):
+    """aiohttp hands such a header over with surrogates; on main `TokenReviewer.caller` raised UnicodeEncodeError
+    before any rate limit: a 500 and a logged traceback per request, with no credentials at all."""
+
+    class NoApi:
+        async def request(self, *args, **kwargs):
+            raise AssertionError("a junk token must cost no TokenReview")
+
+    reviewer = report_callers.TokenReviewer(lambda: NoApi(), 60.0)
+
+    async def accept(key, fields, at_once=False):
+        raise AssertionError("nothing is accepted")
+
+    app = reports.ReportEndpoint(reviewer, view=view, accept=accept, clock=lambda: NOW).app()
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        body = json.dumps(report()).encode()
+        writer.write(
+            b"POST " + contract.REPORT_PATH.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ab\xffcd\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    finally:
+        await server.close()
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert reviewer.refused_unreviewed == 1
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
