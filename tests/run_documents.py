@@ -555,6 +555,30 @@ GAP_CASES = [
         None,
     ),
     (
+        "tracking-uri-query-token",
+        put("spec.trainer.loggers", [{"kind": "mlflow", "trackingUri": "https://mlflow:5000/?x=1&Token=s3cr3t"}]),
+        "spec.trainer.loggers[0].trackingUri: holds credentials",
+        "spec.trainer.loggers[0]",
+        None,
+    ),
+    (
+        "uri-query-signature",
+        put("spec.checkpoint.uri", "s3://bucket/x?X-Amz-Signature=s3cr3t"),
+        "spec.checkpoint.uri: holds credentials",
+        "spec.checkpoint",
+        None,
+    ),
+    (
+        "endpoint-fragment-token",
+        both(
+            put("spec.checkpoint.uri", "s3://bucket/x"),
+            put("spec.checkpoint.endpointUrl", "https://minio:9000/#access_token=s3cr3t"),
+        ),
+        "spec.checkpoint.endpointUrl: holds credentials",
+        "spec.checkpoint",
+        None,
+    ),
+    (
         "log-dir-credentials",
         put("spec.trainer.loggers", [{"kind": "tensorboard", "logDir": "s3://AKIAEXAMPLE:wJalrSECRET@bucket/tb"}]),
         "spec.trainer.loggers[0].logDir: holds credentials",

@@ -11,14 +11,22 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict, JsonValue
 
-#: user:password@ (or any userinfo) in a URI's authority.
-CREDENTIALS_IN_URI = r"^[A-Za-z][-+.A-Za-z0-9]*://[^/]*@"
+#: Words in a query or fragment parameter's name that make its value a credential (`?token=`, `#access_token=`,
+#: `X-Amz-Signature=`, `X-Goog-Credential=`, Azure's `sig=`, `?key=`, `?password=`...).
+CREDENTIAL_PARAMETER_WORDS = "token|secret|passw|signature|credential|key|sig|auth"
+#: A URI holding credentials: userinfo (user:password@) in its authority, or a parameter of its query or fragment
+#: named like a credential. One pattern for pydantic (Python's re) and the CRD's CEL rules (RE2): both read it alike.
+CREDENTIALS_IN_URI = (
+    r"^[A-Za-z][-+.A-Za-z0-9]*://([^/]*@|[^?#]*[?#]([^#]*[&;#])?(?i:[^=&;#]*(" + CREDENTIAL_PARAMETER_WORDS + r")"
+    r"[^=&;#]*)=)"
+)
 NO_CREDENTIALS = (
-    "holds credentials (user:password@ before the bucket or host): remove them; give storage "
-    "credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)"
+    "holds credentials (user:password@ before the bucket or host, or a token, key or signature in its query): remove "
+    "them; give storage credentials by reference in spec.secrets (s3Credentials or gcsKeyFile)"
 )
 TRACKER_CREDENTIALS = (
-    "holds credentials (user:password@ before the host): remove them; give a tracker's "
+    "holds credentials (user:password@ before the host, or a token, key or signature in its query): remove them; "
+    "give a tracker's "
     "credentials by reference in spec.secrets.env (MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, AWS_* for a "
     "logDir in a bucket)"
 )

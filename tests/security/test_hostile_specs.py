@@ -100,6 +100,31 @@ def with_(path: str, value) -> dict:
             ),
             "spec.trainer.data.dataset.initArgs.uris[0]",
         ),
+        # In the query or fragment: on main these passed validation and went to trackers as they were.
+        (
+            with_("spec.trainer.loggers", [{"kind": "mlflow", "trackingUri": f"https://mlflow:5000/?token={SECRET}"}]),
+            "spec.trainer.loggers[0].trackingUri",
+        ),
+        (
+            with_("spec.trainer.loggers", [{"kind": "tensorboard", "logDir": f"gs://b/tb#access_token={SECRET}"}]),
+            "spec.trainer.loggers[0].logDir",
+        ),
+        (with_("spec.checkpoint.uri", f"s3://bucket/x?X-Amz-Signature={SECRET}"), "spec.checkpoint.uri"),
+        (with_("spec.checkpoint.endpointUrl", f"https://minio:9000/?a=1&Key={SECRET}"), "spec.checkpoint.endpointUrl"),
+        (
+            with_("spec.checkpoint.resumeFrom", f"s3://bucket/x/step-00000010?sig={SECRET}"),
+            "spec.checkpoint.resumeFrom",
+        ),
+        (
+            with_(
+                "spec.trainer.model",
+                {
+                    "classPath": "trainingrun_trainer.models.CharTransformer",
+                    "initArgs": {"dim": 64, "vocab": f"https://host/vocab.txt?X-Goog-Credential={SECRET}"},
+                },
+            ),
+            "spec.trainer.model.initArgs.vocab",
+        ),
     ],
 )
 def test_credentials_in_any_uri_field_are_refused_and_never_repeated(tmp_path, capsys, body, field):
@@ -138,7 +163,10 @@ def test_trackers_never_get_a_secret_from_the_config():
                     "maxTokens": 5,
                 }
             },
-            "loggers": [{"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow"}],
+            "loggers": [
+                {"kind": "mlflow", "trackingUri": f"https://me:{SECRET}@mlflow"},
+                {"kind": "mlflow", "trackingUri": f"https://mlflow/?region=eu&token={SECRET}#sig={SECRET}"},
+            ],
         },
         "checkpoint": {"uri": "s3://bucket/x"},
     }
@@ -152,3 +180,7 @@ def test_trackers_never_get_a_secret_from_the_config():
     assert init_args["tokenizerPath"] == "t.json" and init_args["maxTokens"] == 5  # words, not substrings
     assert init_args["weights"] == "s3://<redacted>@bucket/w"
     assert sent["trainer"]["loggers"][0]["trackingUri"] == "https://<redacted>@mlflow"
+    # every query value, not only those named like a secret: the server decides which of them are
+    assert sent["trainer"]["loggers"][1]["trackingUri"] == (
+        "https://mlflow/?region=<redacted>&token=<redacted>#sig=<redacted>"
+    )

@@ -309,6 +309,30 @@ CEL_CASES = [
         "trackingUri holds credentials",
     ),
     (
+        "tracking-uri-query-token",
+        with_spec(trainer={"loggers": [{"kind": "mlflow", "trackingUri": "https://mlflow/?token=abc"}]}),
+        "spec.trainer.loggers[0]",
+        "trackingUri holds credentials",
+    ),
+    (
+        "uri-query-signature",
+        with_spec(checkpoint={"uri": "s3://bkt/p?X-Amz-Signature=abc"}),
+        "spec.checkpoint",
+        "checkpoint.uri holds credentials",
+    ),
+    (
+        "endpoint-fragment-token",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "endpointUrl": "https://minio/#access_token=abc"}),
+        "spec.checkpoint",
+        "checkpoint.endpointUrl holds credentials",
+    ),
+    (
+        "resume-from-query-key",
+        with_spec(checkpoint={"uri": "s3://bkt/p", "resumeFrom": "s3://bkt/p/step-00000010?Key=abc"}),
+        "spec.checkpoint",
+        "checkpoint.resumeFrom holds credentials",
+    ),
+    (
         "log-dir-credentials",
         with_spec(trainer={"loggers": [{"kind": "tensorboard", "logDir": "s3://KEY:SECRET@bkt/tb"}]}),
         "spec.trainer.loggers[0]",

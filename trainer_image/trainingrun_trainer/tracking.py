@@ -62,7 +62,17 @@ SECRET_WORDS = {
 SECRET_PAIRS = {("api", "key"), ("private", "key"), ("access", "key")}
 #: The user:password@ of a URI.
 USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+#: A URI's query and fragment (from the first ? or #), and each parameter's value in them.
+QUERY = re.compile(r"(?<=://)([^?#\s]*)([?#]\S*)")
+PARAMETER_VALUE = re.compile(r"(?<=[?&;#])([^=&;#\s]*)=[^&;#\s]*")
 REDACTED = "<redacted>"
+
+
+def _redacted_text(text: str) -> str:
+    """`text` with each URI's userinfo and every value of its query and fragment replaced (`?token=`, signed URLs'
+    `X-Amz-Signature=`): which parameters are secrets is the server's to say, so none is passed on."""
+    text = USERINFO.sub(REDACTED + "@", text)
+    return QUERY.sub(lambda found: found[1] + PARAMETER_VALUE.sub(rf"\1={REDACTED}", found[2]), text)
 
 
 def secret_key(key: Any) -> bool:
@@ -74,8 +84,8 @@ def secret_key(key: Any) -> bool:
 
 
 def redacted(config: Any) -> Any:
-    """The config as trackers get it: values of secret-looking keys replaced, and userinfo cut out of URIs (validation
-    refuses both in the fields it knows; this also covers a user's initArgs and older specs)."""
+    """The config as trackers get it: values of secret-looking keys replaced, and userinfo and query values cut out of URIs
+    (validation refuses both in the fields it knows; this also covers a user's initArgs and older specs)."""
     if isinstance(config, Mapping):
         return {
             key: REDACTED if secret_key(key) and value not in (None, "") else redacted(value)
@@ -84,7 +94,7 @@ def redacted(config: Any) -> Any:
     if isinstance(config, (list, tuple)):
         return [redacted(value) for value in config]
     if isinstance(config, str):
-        return USERINFO.sub(REDACTED + "@", config)
+        return _redacted_text(config)
     return config
 
 
