@@ -61,6 +61,14 @@ class OperatorMetrics:
             "Events logged but not posted, because too many were waiting to be posted.",
             registry=self.registry,
         )
+        self.report_connections_closed = Counter(
+            "trainingrun_operator_report_connections_closed",
+            "Connections to the report endpoint it refused or closed itself, by reason: over max_connections or "
+            "max_connections_per_address, a body slower than the minimum rate (slow_body), or no whole request "
+            "head before the idle timeout (no_request: idle and slow clients, or clients that gave up).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.ready = Gauge(
             "trainingrun_operator_ready",
             "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",

@@ -40,6 +40,7 @@ from trainingrun_api import contract, progress_report, run_figures
 from . import naming, run_status
 from .kube import ApiError
 from .report_callers import TOKEN_CACHE_SIZE, Caller, Lru, Refused, TokenReviewer
+from .report_connections import ConnectionGuard, GuardedSite, ReportLimits
 
 log = logging.getLogger("trainingrun.reports")
 
@@ -199,9 +200,13 @@ class ReportEndpoint:
         accept: Callable[..., Awaitable[None]],
         clock: Callable[[], datetime],
         acting: Callable[[], bool] = lambda: True,
+        limits: Optional[ReportLimits] = None,
+        on_closed: Callable[[str], None] = lambda reason: None,
     ):
         self.reviewer, self.view, self.accept, self.clock = reviewer, view, accept, clock
         self.acting = acting  #: False on a replica that stands by: its indexes are not kept current
+        self.limits = limits or ReportLimits()
+        self.on_closed = on_closed  #: told each connection the endpoint closed itself, by CLOSED_REASONS
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=progress_report.MAX_REPORT_BYTES)
@@ -212,8 +217,24 @@ class ReportEndpoint:
         try:
             await self._take(request)
         except Refused as refusal:
-            return web.json_response({"message": str(refusal)}, status=refusal.code)
+            response = web.json_response({"message": str(refusal)}, status=refusal.code)
+            if refusal.code == 408:
+                response.force_close()
+            return response
         return web.json_response({"message": "accepted"})
+
+    async def _body(self, request: web.Request) -> bytes:
+        seconds = self.limits.body_seconds(request.content_length)
+        try:
+            async with asyncio.timeout(seconds):
+                return await request.read()
+        except TimeoutError:
+            self.on_closed("slow_body")
+            raise Refused(
+                408,
+                f"the report's body did not arrive within {seconds:.0f} s (at least "
+                f"{self.limits.body_min_bytes_per_second:.0f} bytes a second)",
+            ) from None
 
     async def _take(self, request: web.Request) -> None:
         if not self.acting():
@@ -231,7 +252,7 @@ class ReportEndpoint:
         if caller is None:
             raise Refused(401, f"the token is not a pod's ServiceAccount token for audience {contract.REPORT_AUDIENCE}")
         try:
-            report = progress_report.Report.from_json(await request.read())
+            report = progress_report.Report.from_json(await self._body(request))
         except (progress_report.ReportError, web.HTTPRequestEntityTooLarge) as error:
             raise Refused(400, str(error)) from None
         if report.namespace != caller.namespace:
@@ -282,10 +303,16 @@ def server_ssl_context(tls_dir: str) -> ssl.SSLContext:
 
 
 async def serve(endpoint: ReportEndpoint, port: int, tls_dir: Optional[str]) -> None:
-    """Serve until cancelled; HTTPS with the certificate in tls_dir (plain HTTP only when it is None)."""
-    runner = web.AppRunner(endpoint.app(), access_log=None)
+    """Serve until cancelled; HTTPS with the certificate in tls_dir (plain HTTP only when it is None), within
+    `endpoint.limits`."""
+    limits = endpoint.limits
+    # aiohttp's keep-alive timer runs from a connection's opening and from each answer until a whole head came.
+    runner = web.AppRunner(
+        endpoint.app(), access_log=None, keepalive_timeout=limits.idle_timeout_seconds, lingering_time=2.0
+    )
     await runner.setup()
-    site = web.TCPSite(runner, "0.0.0.0", port, ssl_context=server_ssl_context(tls_dir) if tls_dir else None)
+    guard = ConnectionGuard(limits, endpoint.on_closed)
+    site = GuardedSite(runner, port, server_ssl_context(tls_dir) if tls_dir else None, guard)
     await site.start()
     log.info("report endpoint listening on port %d (%s)", port, "https" if tls_dir else "http")
     try:

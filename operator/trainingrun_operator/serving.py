@@ -242,6 +242,8 @@ async def serve_reports(state: OperatorState) -> None:
         accept=lambda key, fields, at_once=False: accept_report(state, writes, key, fields, at_once),
         clock=state.clock,
         acting=state.acting.is_set,
+        limits=settings.report_limits(),
+        on_closed=lambda reason: state.metrics.report_connections_closed.labels(reason).inc(),
     )
     https = settings.report_url.startswith("https://")
     await reports.serve(endpoint, settings.report_port, settings.report_tls_dir if https else None)

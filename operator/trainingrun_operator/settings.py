@@ -86,6 +86,14 @@ class Settings:
     pod_name: str = ""
     #: How long a TokenReview's answer about a report token is reused (TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS).
     report_token_cache_seconds: float = 60.0
+    #: The report endpoint's limits on connections (`report_limits`; report_connections.ReportLimits says what each
+    #: does, and its defaults are these): TRAININGRUN_REPORT_IDLE_TIMEOUT_SECONDS,
+    #: TRAININGRUN_REPORT_BODY_MIN_BYTES_PER_SECOND, TRAININGRUN_REPORT_MAX_CONNECTIONS,
+    #: TRAININGRUN_REPORT_MAX_CONNECTIONS_PER_ADDRESS.
+    report_idle_timeout_seconds: float = 10.0
+    report_body_min_bytes_per_second: float = 1024.0
+    report_max_connections: int = 512
+    report_max_connections_per_address: int = 32
     #: The operator's own API requests in flight at once; more wait, children of new attempts first, then
     #: status, then Events (TRAININGRUN_API_REQUESTS_IN_FLIGHT). Watches (informer.py) are not counted, lists are.
     api_requests_in_flight: int = 32
@@ -114,13 +122,20 @@ class Settings:
                 raise ValueError(f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number") from None
 
         for name, least in (
+            ("TRAININGRUN_REPORT_MAX_CONNECTIONS", 1),
+            ("TRAININGRUN_REPORT_MAX_CONNECTIONS_PER_ADDRESS", 1),
             ("TRAININGRUN_API_REQUESTS_IN_FLIGHT", 1),
             ("TRAININGRUN_RECONCILE_WORKERS", 1),
             ("TRAININGRUN_PEERING_LIFETIME_SECONDS", 2),  # renewed every second: 1 would expire between renewals
         ):
             if number(name, least) < least:
                 raise ValueError(f"{name}={env[name]!r} must be at least {least}")
-        for name in ("TRAININGRUN_RECONCILE_INTERVAL_SECONDS", "TRAININGRUN_RESYNC_SECONDS"):
+        for name in (
+            "TRAININGRUN_RECONCILE_INTERVAL_SECONDS",
+            "TRAININGRUN_RESYNC_SECONDS",
+            "TRAININGRUN_REPORT_IDLE_TIMEOUT_SECONDS",
+            "TRAININGRUN_REPORT_BODY_MIN_BYTES_PER_SECOND",
+        ):
             if number(name, 1.0, float) <= 0:
                 raise ValueError(f"{name}={env[name]!r} must be more than 0 seconds")
         report_url = env.get("TRAININGRUN_REPORT_URL", defaults.report_url)
@@ -176,9 +191,30 @@ class Settings:
             report_token_cache_seconds=number(
                 "TRAININGRUN_REPORT_TOKEN_CACHE_SECONDS", defaults.report_token_cache_seconds, float
             ),
+            report_idle_timeout_seconds=number(
+                "TRAININGRUN_REPORT_IDLE_TIMEOUT_SECONDS", defaults.report_idle_timeout_seconds, float
+            ),
+            report_body_min_bytes_per_second=number(
+                "TRAININGRUN_REPORT_BODY_MIN_BYTES_PER_SECOND", defaults.report_body_min_bytes_per_second, float
+            ),
+            report_max_connections=number("TRAININGRUN_REPORT_MAX_CONNECTIONS", defaults.report_max_connections),
+            report_max_connections_per_address=number(
+                "TRAININGRUN_REPORT_MAX_CONNECTIONS_PER_ADDRESS", defaults.report_max_connections_per_address
+            ),
             api_requests_in_flight=number("TRAININGRUN_API_REQUESTS_IN_FLIGHT", defaults.api_requests_in_flight),
             reconcile_workers=number("TRAININGRUN_RECONCILE_WORKERS", defaults.reconcile_workers),
             signing_key=signing_key(Path(tls_dir) / "tls.key"),
+        )
+
+    def report_limits(self) -> Any:
+        """The report endpoint's report_connections.ReportLimits from these settings."""
+        from .report_connections import ReportLimits
+
+        return ReportLimits(
+            idle_timeout_seconds=self.report_idle_timeout_seconds,
+            body_min_bytes_per_second=self.report_body_min_bytes_per_second,
+            max_connections=self.report_max_connections,
+            max_connections_per_address=self.report_max_connections_per_address,
         )
 
     @property

@@ -91,3 +91,24 @@ def test_cli_flags_override_the_environment(monkeypatch):
     assert seen["settings"].metrics_port == 0
     assert cli.main(["operator", "-A", "--standalone"]) == 0
     assert seen["settings"].namespaces == () and seen["settings"].peering == ""
+
+
+def test_the_report_endpoints_limits_come_from_the_environment_with_report_limits_defaults():
+    from trainingrun_operator.report_connections import ReportLimits
+
+    assert Settings().report_limits() == ReportLimits()
+    limits = Settings.from_env(
+        {
+            "TRAININGRUN_REPORT_IDLE_TIMEOUT_SECONDS": "3.5",
+            "TRAININGRUN_REPORT_BODY_MIN_BYTES_PER_SECOND": "100",
+            "TRAININGRUN_REPORT_MAX_CONNECTIONS": "7",
+            "TRAININGRUN_REPORT_MAX_CONNECTIONS_PER_ADDRESS": "2",
+        }
+    ).report_limits()
+    assert limits == ReportLimits(3.5, 100.0, 7, 2)
+    assert limits.body_seconds(1000) == 3.5 + 10.0
+    for name in ("TRAININGRUN_REPORT_MAX_CONNECTIONS", "TRAININGRUN_REPORT_MAX_CONNECTIONS_PER_ADDRESS"):
+        with pytest.raises(ValueError, match=f"{name}='0' must be at least 1"):
+            Settings.from_env({name: "0"})
+    with pytest.raises(ValueError, match="TRAININGRUN_REPORT_IDLE_TIMEOUT_SECONDS='0' must be more than 0"):
+        Settings.from_env({"TRAININGRUN_REPORT_IDLE_TIMEOUT_SECONDS": "0"})
