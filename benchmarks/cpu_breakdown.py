@@ -40,8 +40,6 @@ TIMED = [
     ("trainingrun_operator.reconcile", "decide", "reconcile.decide"),
     ("trainingrun_operator.handlers", "run_event", "handlers.run_event"),
     ("trainingrun_operator.handlers", "job_event", "handlers.job_event"),
-    ("trainingrun_operator.kube_http", "ChunkedDecoder.feed", "kube_http.ChunkedDecoder.feed"),
-    ("trainingrun_operator.kube_http", "Http._head", "kube_http.Http._head"),
     ("trainingrun_operator.handlers", "slim_run", "indexes.slim_run"),
     ("trainingrun_operator.handlers", "slim_job", "indexes.slim_job"),
     ("trainingrun_operator.handlers", "merged_status", "indexes.merged_status"),

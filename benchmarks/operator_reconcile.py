@@ -378,7 +378,7 @@ async def main_async(count: int, repeats: int) -> int:
 
 # The same floor against the real API server: watch TrainingRuns in one namespace, POST a minimal valid
 # PyTorchJob per ADDED event, with the admin's client certificate (kubeconfig's files given as arguments), through
-# the operator's own API client (kube.Kube over kube_http): what any controller must do per run, on the same stack.
+# the operator's own API client (kube.Kube over aiohttp's client): what any controller must do per run, on the same stack.
 REAL_FLOOR_WATCHER = """
 import asyncio, sys, time, kopf
 from trainingrun_operator.kube import ApiError, Kube, WatchGone

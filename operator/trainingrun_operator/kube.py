@@ -1,11 +1,13 @@
 """A small async Kubernetes API client for the operator's own calls (kopf keeps its own for logging in and peering).
 
-Only what the operator does: create, patch (merge or JSON), delete, list, watch and discover, over `kube_http`'s
-keep-alive connections. It connects with the same
+Only what the operator does: create, patch (merge or JSON), delete, list, watch and discover, over aiohttp's
+client (which kopf brings; keep-alive connections). It connects with the same
 credentials kopf logged in with (`kopf.ConnectionInfo`), retries throttling and server errors with
 backoff (honouring Retry-After), and raises `ApiError` with the status code for everything else,
 so callers can treat 409 on create as "already there" and 404 on delete as "already gone".
-Every error is counted by status code in the operator metrics.
+Every error is counted by status code in the operator metrics. Everything else that goes wrong between the operator
+and the server (no connection, a timeout, bytes that are not HTTP, an answer too long) is an OSError
+(`ApiUnreachable`, `AnswerTooLarge`), which every caller already treats as "the API server could not be reached".
 
 Requests go out at most `in_flight` at a time, the waiting ones by priority: what starts training (an
 attempt's children) before status, status before Events. In a burst of new runs the API server is the
@@ -20,9 +22,9 @@ import itertools
 from typing import Any, AsyncIterator, Callable, Optional
 from urllib.parse import urlencode
 
+import aiohttp
 import orjson
 
-from .kube_http import AnswerTooLarge, Http
 from .settings import Settings
 
 #: The most bytes of one page of a list the operator reads: objects others write (an Event's message has no limit but
@@ -30,6 +32,11 @@ from .settings import Settings
 MAX_PAGE_BYTES = 16 << 20
 #: The most bytes of any other answer: one object (etcd holds at most ~1.5 MiB) or a discovery document.
 MAX_ANSWER_BYTES = 16 << 20
+#: Seconds to open a connection (TCP and TLS handshake), and a whole request and its answer at most.
+CONNECT_TIMEOUT_SECONDS = 30.0
+REQUEST_TIMEOUT_SECONDS = 300.0
+#: Connections to the API server at once (the gate lets fewer requests through; watches have their own).
+CONNECTIONS_MAX = 64
 
 #: (apiVersion, kind) -> plural, for the kinds the operator writes or watches.
 PLURALS = {
@@ -91,6 +98,14 @@ class ApiError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
+class AnswerTooLarge(OSError):
+    """The server's answer was longer than its reader would hold."""
+
+
+class ApiUnreachable(OSError):
+    """The request got no answer the operator can read: no connection, a timeout, or bytes that are not HTTP."""
+
+
 class WatchGone(Exception):
     """A watch's resourceVersion is too old (410 Gone): list again."""
 
@@ -138,14 +153,27 @@ class Kube:
 
         headers = {
             "Accept": "application/json",
+            "Accept-Encoding": "identity",  # the API server gzips large answers when asked: CPU on both sides for nothing
             "User-Agent": f"trainingrun-operator/{__version__}",
             **info.as_http_headers(),
         }  # bearer token or basic auth
-        ssl_context = info.as_ssl_context() if self.server.startswith("https:") else None
-        self.http = Http(self.server, headers, ssl_context)  # kopf's: CA, client certificate, insecure
+        self._headers = headers
+        self._ssl = info.as_ssl_context() if self.server.startswith("https:") else False  # kopf's: CA, client cert
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """The connections' pool, made on first use (aiohttp wants a running loop)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=CONNECTIONS_MAX),
+                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS),
+            )
+        return self._session
 
     async def close(self) -> None:
-        self.http.close()
+        if self._session is not None:
+            await self._session.close()
 
     async def request(
         self,
@@ -165,28 +193,47 @@ class Kube:
         for attempt in range(self.retries + 1):
             await self.gate(priority)
             try:
-                response = await self.http.request(method, path, headers, data, max_bytes or MAX_ANSWER_BYTES)
-            except AnswerTooLarge as error:
-                raise AnswerTooLarge(f"{method} {path.split('?')[0]}: {error}") from None
+                status, reason, retry_after, raw = await self._exchange(
+                    method, path, headers, data, max_bytes or MAX_ANSWER_BYTES
+                )
             finally:
                 self.gate.release()
-            if response.status < 400:
-                return (_decoded(response.body) or {}) if answer else {}
-            self.on_error(response.status)
+            if status < 400:
+                return (_decoded(raw) or {}) if answer else {}
+            self.on_error(status)
             try:
-                payload = _decoded(response.body)
+                payload = _decoded(raw)
                 payload = payload if isinstance(payload, dict) else {}
             except ValueError:
                 payload = {}
-            if response.status in RETRIED_STATUSES and attempt < self.retries:
-                retry_after = response.headers.get("retry-after", "")
-                delay = float(retry_after) if retry_after.isdigit() else self.backoff_seconds * 2**attempt
+            if status in RETRIED_STATUSES and attempt < self.retries:
+                delay = (
+                    float(retry_after)
+                    if retry_after.isascii() and retry_after.isdigit() and len(retry_after) < 6
+                    else self.backoff_seconds * 2**attempt
+                )
                 await asyncio.sleep(min(delay, 10.0))  # outside the gate: a throttled call holds no place
                 continue
-            raise ApiError(
-                response.status, str(payload.get("reason") or response.reason), str(payload.get("message") or "")
-            )
+            raise ApiError(status, str(payload.get("reason") or reason), str(payload.get("message") or ""))
         raise AssertionError("unreachable")
+
+    async def _exchange(
+        self, method: str, path: str, headers: dict[str, str], data: Optional[bytes], max_bytes: int
+    ) -> tuple[int, str, str, bytes]:
+        """(status, reason, Retry-After, body) of one request; the body read only while it is at most `max_bytes`."""
+        where = f"{method} {path.split('?')[0][:200]}"
+        try:
+            async with self.session().request(method, self.server + path, data=data, headers=headers) as response:
+                pieces, size = [], 0
+                while piece := await response.content.read(1 << 20):
+                    size += len(piece)
+                    if size > max_bytes:
+                        response.close()  # never kept: the rest of the answer is still on its way
+                        raise AnswerTooLarge(f"{where}: the answer is longer than {max_bytes} bytes")
+                    pieces.append(piece)
+                return response.status, response.reason or "", response.headers.get("Retry-After", ""), b"".join(pieces)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            raise ApiUnreachable(f"{where}: {type(error).__name__}: {str(error)[:300]}") from error
 
     async def create(self, obj: dict[str, Any], priority: int = ACT) -> None:
         """POST with strict field validation: a field the server does not know is an error (400), never
@@ -278,30 +325,44 @@ class Kube:
         """The events of a watch request, as dicts, until the server ends it. Outside the gate: a watch stays open.
         `WatchGone` on 410 (the resourceVersion is too old: list again), ApiError on other refusals; a line longer than
         `max_line_bytes` is a ValueError."""
-        async with self.http.stream(path, {}, WATCH_READ_TIMEOUT_SECONDS) as (response, pieces):
-            if response.status == 410:
-                raise WatchGone(path.split("?")[0])
-            if response.status >= 400:
-                text = b"".join([piece async for piece in _at_most(pieces, 1000)]).decode("utf-8", "replace")
-                self.on_error(response.status)
-                raise ApiError(response.status, response.reason, text[:1000])
-            pending, start = bytearray(), 0
-            async for piece in pieces:
-                pending += piece
-                # Every whole line of what arrived, then one cut: cutting after each line moved the rest each time,
-                # and in a burst a piece holds hundreds of events.
-                while (end := pending.find(b"\n", start)) >= 0:
-                    line = pending[start:end]
-                    start = end + 1
-                    if line.strip():
-                        event = orjson.loads(line)
-                        if (event.get("object") or {}).get("code") == 410 and event.get("type") == "ERROR":
-                            raise WatchGone(path.split("?")[0])
-                        yield event
-                del pending[:start]
-                start = 0
-                if len(pending) > max_line_bytes:
-                    raise ValueError(f"GET {path.split('?')[0]}: a watch event longer than {max_line_bytes} bytes")
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=CONNECT_TIMEOUT_SECONDS, sock_read=WATCH_READ_TIMEOUT_SECONDS
+        )
+        try:
+            async with self.session().get(self.server + path, timeout=timeout) as response:
+                async for event in self._events(path, response, max_line_bytes):
+                    yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            raise ApiUnreachable(
+                f"GET {path.split('?')[0][:200]}: {type(error).__name__}: {str(error)[:300]}"
+            ) from error
+
+    async def _events(
+        self, path: str, response: aiohttp.ClientResponse, max_line_bytes: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        if response.status == 410:
+            raise WatchGone(path.split("?")[0])
+        if response.status >= 400:
+            text = (await response.content.read(1000)).decode("utf-8", "replace")
+            self.on_error(response.status)
+            raise ApiError(response.status, response.reason or "", text[:1000])
+        pending, start = bytearray(), 0
+        async for piece in response.content.iter_any():
+            pending += piece
+            # Every whole line of what arrived, then one cut: cutting after each line moved the rest each time,
+            # and in a burst a piece holds hundreds of events.
+            while (end := pending.find(b"\n", start)) >= 0:
+                line = pending[start:end]
+                start = end + 1
+                if line.strip():
+                    event = orjson.loads(line)
+                    if (event.get("object") or {}).get("code") == 410 and event.get("type") == "ERROR":
+                        raise WatchGone(path.split("?")[0])
+                    yield event
+            del pending[:start]
+            start = 0
+            if len(pending) > max_line_bytes:
+                raise ValueError(f"GET {path.split('?')[0]}: a watch event longer than {max_line_bytes} bytes")
 
     async def serves(self, api_version: str, plural: str) -> bool:
         """Whether the API server serves this resource (e.g. a CRD is installed)."""
@@ -312,12 +373,3 @@ class Kube:
                 return False
             raise
         return any(r.get("name") == plural for r in found.get("resources", []))
-
-
-async def _at_most(pieces: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[bytes]:
-    """The first `max_bytes` of `pieces` (a refusal's message)."""
-    async for piece in pieces:
-        yield piece[:max_bytes]
-        max_bytes -= len(piece)
-        if max_bytes <= 0:
-            return

@@ -152,3 +152,87 @@ async def test_other_error_events_pass_and_refusals_and_long_lines_end_the_watch
     events, ended = await watched(kmock, "long", max_line_bytes=4096)
     assert [e["type"] for e in events] == ["ADDED"]
     assert isinstance(ended, ValueError) and "longer than 4096 bytes" in str(ended)
+
+
+# ---------------------------------------------------------------------------------------- the wire (a scripted server)
+
+
+@pytest.mark.asyncio
+async def test_requests_reuse_one_connection_and_carry_the_credentials():
+    from scripted_api import Scripted, chunked, ok
+
+    chunked_answer = b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(b'{"a":', b"1}")
+    async with Scripted(ok(b'{"b": 2}'), chunked_answer, b"HTTP/1.1 204 No Content\r\n\r\n") as s:
+        assert await s.kube.request("GET", "/api/v1/pods") == {"b": 2}
+        assert await s.kube.request("POST", "/api/v1/pods", {"x": 1}) == {"a": 1}
+        assert await s.kube.request("DELETE", "/api/v1/pods/p") == {}
+    assert s.connections == 1
+    post = s.requests[1]
+    assert post.startswith(b"POST /prefix/api/v1/pods HTTP/1.1\r\n") and post.endswith(b'\r\n\r\n{"x":1}')
+    assert b"Authorization: Bearer t\r\n" in post and b"Content-Type: application/json\r\n" in post
+
+
+@pytest.mark.asyncio
+async def test_a_connection_the_server_closed_while_idle_is_replaced():
+    from scripted_api import Scripted, ok
+
+    async with Scripted((ok(b"1"), None), ok(b"2")) as s:
+        assert await s.kube.request("GET", "/a") == 1
+        assert await s.kube.request("GET", "/b") == 2
+    assert s.connections == 2 and len(s.requests) == 2
+
+
+@pytest.mark.asyncio
+async def test_an_answer_cut_off_in_its_body_is_unreachable_and_not_sent_again():
+    from scripted_api import Scripted, ok
+    from trainingrun_operator.kube import ApiUnreachable
+
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345"
+    async with Scripted((cut, None), ok(b"9")) as s:
+        with pytest.raises(ApiUnreachable):
+            await s.kube.request("POST", "/a", {})
+    assert len(s.requests) == 1
+
+
+@pytest.mark.asyncio
+async def test_answers_longer_than_their_bound_are_refused_and_the_next_answer_is_its_own():
+    from scripted_api import Scripted, ok
+    from trainingrun_operator.kube import AnswerTooLarge
+
+    long_headers = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * (70 << 10) + b"\r\nContent-Length: 0\r\n\r\n"
+    async with Scripted(ok(b"1" * 101), long_headers, ok(b"3")) as s:
+        with pytest.raises(AnswerTooLarge, match="GET /a: the answer is longer than 100 bytes"):
+            await s.kube.request("GET", "/a", max_bytes=100)
+        with pytest.raises(OSError, match="GET /b"):
+            await s.kube.request("GET", "/b")
+        assert await s.kube.request("GET", "/c") == 3
+    assert s.connections >= 2  # the cut-off answer's connection was closed, not read on
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    ],
+    ids=["ssh", "no-colon", "negative-length"],
+)
+async def test_bytes_that_are_not_http_are_an_oserror(answer):
+    from scripted_api import Scripted
+
+    async with Scripted(answer) as s:
+        with pytest.raises(OSError, match="GET /a"):
+            await s.kube.request("GET", "/a")
+
+
+@pytest.mark.asyncio
+async def test_throttled_requests_are_retried_after_retry_after_and_counted():
+    from scripted_api import Scripted, ok
+
+    throttled = b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 0\r\nContent-Length: 2\r\n\r\n{}"
+    errors = []
+    async with Scripted(throttled, throttled, ok(b"7"), on_error=errors.append) as s:
+        assert await s.kube.request("GET", "/a") == 7
+    assert errors == [429, 429] and len(s.requests) == 3
