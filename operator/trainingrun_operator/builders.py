@@ -224,10 +224,6 @@ def pytorch_job(
     if spec.queue_name:
         meta["labels"][naming.KUEUE_QUEUE_LABEL] = spec.queue_name
     meta["annotations"] = {naming.ANNOTATION_SPEC_DIGEST: naming.spec_digest(run)}
-    if settings.signing_key:
-        meta["annotations"][naming.ANNOTATION_SIGNATURE] = naming.job_signature(
-            settings.signing_key, str(run.metadata.uid), name
-        )
     if run.metadata.generation is not None:
         meta["annotations"][naming.ANNOTATION_GENERATION] = str(run.metadata.generation)
     if resume_from:

@@ -254,7 +254,9 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
             owned = [
                 j
                 for j in jobs.get(key, [])
-                if indexes.run_owns_job(j, run.metadata.uid, status, state.settings.signing_key, state.started)
+                if indexes.run_owns_job(
+                    j, run.metadata.uid, status, state.settings.signing_key, state.started, state.made_jobs
+                )
             ]
             observed = reconcile.Observed(
                 run=run,
@@ -314,7 +316,9 @@ def _decides_the_same_after(
     owned = {
         j["metadata"]["name"]
         for j in jobs
-        if indexes.run_owns_job(j, observed.run.metadata.uid, merged, state.settings.signing_key, state.started)
+        if indexes.run_owns_job(
+            j, observed.run.metadata.uid, merged, state.settings.signing_key, state.started, state.made_jobs
+        )
     }
     return owned == set(observed.jobs)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import hmac
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any, Container, Optional
 
 import orjson
 
@@ -108,20 +108,30 @@ def controller_uid(obj: dict[str, Any]) -> Optional[str]:
 
 
 def run_owns_job(
-    job: dict[str, Any], run_uid: Optional[str], status: dict[str, Any], signing_key: bytes, since: datetime
+    job: dict[str, Any],
+    run_uid: Optional[str],
+    status: dict[str, Any],
+    signing_key: bytes,
+    since: datetime,
+    made: Container[str] = (),
 ) -> bool:
-    """Whether a PyTorchJob is the run's own: controlled by the run, and signed by this operator
+    """Whether a PyTorchJob is the run's own: controlled by the run, and made by this process (its uid in `made`:
+    the signature follows the creation by one request) or signed by this operator for its uid
     (naming.job_signature), or the one its status (which only the operator writes) named as the current attempt's
     before this process started at `since` (made by an earlier operator: another key, or none). Anyone who may
-    create PyTorchJobs in the namespace can copy the run's uid into an owner reference; only the operator signs.
-    Without a signing key (tests), the owner reference decides."""
+    create PyTorchJobs in the namespace can copy the run's uid into an owner reference, and a signature from another
+    job; only the operator signs, and only that job's uid. Without a signing key (tests), the owner reference
+    decides."""
     if run_uid is None or controller_uid(job) != run_uid:
         return False
     if not signing_key:
         return True
     meta = job.get("metadata") or {}
+    job_uid = str(meta.get("uid") or "")
+    if job_uid and job_uid in made:
+        return True
     signature = str((meta.get("annotations") or {}).get(ANNOTATION_SIGNATURE) or "")
-    if hmac.compare_digest(signature, job_signature(signing_key, run_uid, str(meta.get("name")))):
+    if job_uid and hmac.compare_digest(signature, job_signature(signing_key, run_uid, str(meta.get("name")), job_uid)):
         return True
     created, started = parse_time(meta.get("creationTimestamp")), parse_time(status.get("attemptStartTime"))
     return (

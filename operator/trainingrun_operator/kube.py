@@ -235,12 +235,12 @@ class Kube:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
             raise ApiUnreachable(f"{where}: {type(error).__name__}: {str(error)[:300]}") from error
 
-    async def create(self, obj: dict[str, Any], priority: int = ACT) -> None:
+    async def create(self, obj: dict[str, Any], priority: int = ACT, answer: bool = False) -> dict[str, Any]:
         """POST with strict field validation: a field the server does not know is an error (400), never
-        silently dropped (the PyTorchJob CRD would prune it without a word)."""
+        silently dropped (the PyTorchJob CRD would prune it without a word). With `answer`, the object created."""
         meta = obj["metadata"]
         path = collection_path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
-        await self.request("POST", path + "?fieldValidation=Strict", obj, priority=priority, answer=False)
+        return await self.request("POST", path + "?fieldValidation=Strict", obj, priority=priority, answer=answer)
 
     async def patch(
         self,

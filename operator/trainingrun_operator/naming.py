@@ -42,9 +42,12 @@ def job_name(run_name: str, attempt: int) -> str:
     return f"{run_name}-a{attempt}"
 
 
-def job_signature(key: bytes, run_uid: str, name: str) -> str:
-    """HMAC of a run's job name with the operator's signing key (Settings.signing_key)."""
-    return hmac.new(key, f"{run_uid}/{name}".encode(), hashlib.sha256).hexdigest()[:32]
+def job_signature(key: bytes, run_uid: str, name: str, job_uid: str) -> str:
+    """HMAC of a run's job with the operator's signing key (Settings.signing_key), bound to the job's own uid, which
+    the API server gives it at creation: copied onto another job (one planted under the same name after the run's
+    was deleted), it is not that job's. Operators before this signed the run's uid and the name only (32 hex
+    digits): those signatures are never taken, a job they made counts as the run's only by its status."""
+    return "v2." + hmac.new(key, f"{run_uid}/{name}/{job_uid}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def _pod_spec(run: api.TrainingRun) -> dict[str, Any]:

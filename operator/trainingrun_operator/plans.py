@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Optional, TypeGuard
 
 from trainingrun_api import contract
 
 from . import api, builders, naming, reconcile, run_status, validation
 from . import kube as kube_module
-from .indexes import controller_uid, job_view, merged_status, slim_job
+from .indexes import controller_uid, job_view, merged_status, run_owns_job, slim_job
 from .kube import ApiError, Kube
 from .state import Key, OperatorState, Rejection
 
@@ -116,7 +118,8 @@ async def _create_children(
     left = state.reconciled.get(key)
     if left is not None:  # before the request: the watch may show the job before its answer comes
         left.jobs[job_name] = job_view(slim_job(job))
-    outcomes = await asyncio.gather(*(_ensure(kube, child) for child in ordered), return_exceptions=True)
+    signer = JobSigner(state.settings.signing_key, str(run.metadata.uid), state.made_jobs)
+    outcomes = await asyncio.gather(*(_ensure(kube, child, signer) for child in ordered), return_exceptions=True)
     if not isinstance(outcomes[0], BaseException):
         state.created_jobs.add((key[0], job_name))
     if outcomes[0] is True:  # the PyTorchJob is new, not adopted
@@ -210,45 +213,87 @@ class NotOwned(Exception):
         )
 
 
-async def _ensure(kube: Kube, child: dict[str, Any]) -> bool:
+@dataclass
+class JobSigner:
+    """Signs the PyTorchJobs the operator creates for one run (naming.job_signature: the job's uid, which only its
+    creation gives, so a signature is written right after) and remembers their uids in `made`
+    (OperatorState.made_jobs). Without a key (tests) nothing is signed."""
+
+    key: bytes
+    run_uid: str
+    made: set[str]
+
+    async def sign(self, kube: Kube, job: dict[str, Any]) -> None:
+        meta = job["metadata"]
+        if not self.key:
+            return
+        self.made.add(meta["uid"])
+        signature = naming.job_signature(self.key, self.run_uid, meta["name"], meta["uid"])
+        await kube.patch(
+            job["apiVersion"],
+            job["kind"],
+            meta["namespace"],
+            meta["name"],
+            [
+                {"op": "test", "path": "/metadata/uid", "value": meta["uid"]},
+                {
+                    "op": "add",
+                    "path": "/metadata/annotations/" + _pointer(naming.ANNOTATION_SIGNATURE),
+                    "value": signature,
+                },
+            ],
+            json_patch=True,
+        )
+
+    def signed(self, job: dict[str, Any]) -> bool:
+        """Whether an existing job is the run's own PyTorchJob (indexes.run_owns_job, less what only status tells)."""
+        return run_owns_job(job, self.run_uid, {}, self.key, datetime.min.replace(tzinfo=timezone.utc), self.made)
+
+
+def _pointer(name: str) -> str:
+    """`name` as one JSON pointer segment."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+async def _ensure(kube: Kube, child: dict[str, Any], signer: JobSigner) -> bool:
     """Create a child. If the name exists and this run controls that object, bring it up to date (a PyTorchJob
-    is never changed, and must bear this operator's signature); if anyone else does, or no one, raise NotOwned and
-    leave it untouched.
+    is never changed, and must be one this operator made: `signer`); if anyone else does, or no one, raise NotOwned
+    and leave it untouched.
 
     One JSON patch whose first operations test the controller reference: the server applies all of it or
     none (422), so an object that is not the run's is never written, not even between a read and a write,
     and the operator needs no read access to ConfigMaps."""
+    job = child["kind"] == "PyTorchJob"
     try:
-        await kube.create(child)
-        return True
+        created = await kube.create(child, answer=job)
     except ApiError as error:
         if error.status != 409:
             raise
+    else:
+        uid = (created.get("metadata") or {}).get("uid")
+        if job and uid:  # (kmock gives no uids)
+            await signer.sign(kube, {**child, "metadata": {**child["metadata"], "uid": uid}})
+        return True
     meta = child["metadata"]
+    if job:  # used as it is, never written: it must be one this operator made for this run
+        found = await kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+        if not signer.signed(found):
+            raise NotOwned(child)
+        return False
     operations: list[dict[str, Any]] = [
         {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": controller_uid(child)},
         {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True},
     ]
-    signature = (meta.get("annotations") or {}).get(naming.ANNOTATION_SIGNATURE)
-    if signature:  # a PyTorchJob is used as it is: it must be one this operator made (naming.job_signature)
-        operations.append(
-            {
-                "op": "test",
-                "path": "/metadata/annotations/" + naming.ANNOTATION_SIGNATURE.replace("~", "~0").replace("/", "~1"),
-                "value": signature,
-            }
-        )
-    if child["kind"] != "PyTorchJob":
-        operations.append({"op": "add", "path": "/metadata/labels", "value": meta.get("labels") or {}})
-        operations += [
-            {"op": "add", "path": f"/{key}", "value": value}
-            for key, value in child.items()
-            if key not in ("apiVersion", "kind", "metadata", "spec")
-        ]
-        # Field by field: a Service's spec also holds what the server allocated (clusterIP), which must stay.
-        operations += [
-            {"op": "add", "path": f"/spec/{key}", "value": value} for key, value in (child.get("spec") or {}).items()
-        ]
+    operations.append({"op": "add", "path": "/metadata/labels", "value": meta.get("labels") or {}})
+    operations += [
+        {"op": "add", "path": f"/{key}", "value": value}
+        for key, value in child.items()
+        if key not in ("apiVersion", "kind", "metadata", "spec")
+    ]
+    # Field by field: a Service's spec also holds what the server allocated (clusterIP), which must stay.
+    operations += [
+        {"op": "add", "path": f"/spec/{key}", "value": value} for key, value in (child.get("spec") or {}).items()
+    ]
     try:
         await kube.patch(
             child["apiVersion"], child["kind"], meta["namespace"], meta["name"], operations, json_patch=True

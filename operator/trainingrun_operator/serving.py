@@ -107,7 +107,7 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
             j
             for j in state.indexes["jobs"].get(key, [])
             if j["metadata"].get("name") == job_name
-            and run_owns_job(j, uid, status, state.settings.signing_key, state.started)
+            and run_owns_job(j, uid, status, state.settings.signing_key, state.started, state.made_jobs)
         ),
         None,
     )

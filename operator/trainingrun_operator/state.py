@@ -147,6 +147,9 @@ class OperatorState:
     rejections: dict[Key, Rejection] = field(default_factory=dict)
     #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
     created_jobs: set[tuple[str, str]] = field(default_factory=set)
+    #: uids of the PyTorchJobs this process created: a run's own from their creation on, before their signature
+    #: (naming.job_signature, which needs the uid the creation gave) shows in the watch (indexes.run_owns_job).
+    made_jobs: set[str] = field(default_factory=set)
     tasks: list[asyncio.Task] = field(default_factory=list)
     #: Every run as its last watch event showed it, slimmed (indexes.slim_run), kept by handlers.run_event.
     runs: dict[Key, dict[str, Any]] = field(default_factory=dict)

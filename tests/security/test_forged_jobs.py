@@ -23,9 +23,17 @@ RUN = validation.parse(
 )
 
 
-def job(attempt: int, key: bytes = KEY, created: datetime = STARTED + timedelta(seconds=5)) -> dict:
+def job(attempt: int, key: bytes = KEY, created: datetime = STARTED + timedelta(seconds=5), uid: str = "") -> dict:
+    """A slim PyTorchJob of the run as the API server holds it: uid and creation time given, signed for that uid
+    (as plans.JobSigner signs it after the creation) unless `key` is empty."""
     body = builders.pytorch_job(RUN, attempt, Settings(signing_key=key))
-    body["metadata"]["creationTimestamp"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
+    meta = body["metadata"]
+    meta["uid"] = uid or f"job-uid-{attempt}"
+    meta["creationTimestamp"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
+    if key:
+        meta["annotations"][naming.ANNOTATION_SIGNATURE] = naming.job_signature(
+            key, "run-uid", meta["name"], meta["uid"]
+        )
     return slim_job(body)
 
 
@@ -33,8 +41,8 @@ def status(attempt: int, started: datetime = STARTED - timedelta(minutes=5)) -> 
     return {"jobName": f"demo-a{attempt}", "attemptStartTime": started.strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def owns(body: dict, key: bytes = KEY, state: dict | None = None) -> bool:
-    return run_owns_job(body, "run-uid", state or status(1), key, STARTED)
+def owns(body: dict, key: bytes = KEY, state: dict | None = None, made=()) -> bool:
+    return run_owns_job(body, "run-uid", state or status(1), key, STARTED, made)
 
 
 def test_a_job_the_operator_signed_is_the_runs():
@@ -72,3 +80,33 @@ def test_another_runs_job_is_never_the_runs():
 
 def test_without_a_key_the_owner_reference_decides():
     assert run_owns_job(job(2, key=b""), "run-uid", {}, b"", STARTED)
+
+
+def test_a_signature_copied_onto_a_planted_job_of_the_same_name_is_not_enough():
+    """On main the signature bound the run's uid and the job's name only: copied from the run's job onto a job
+    planted under that name (once the run's was deleted), with another spec, it made the planted job the run's."""
+    mine = job(2, uid="the-runs-job")
+    planted = job(2, key=b"", uid="planted-job")
+    planted["metadata"]["annotations"][naming.ANNOTATION_SIGNATURE] = mine["metadata"]["annotations"][
+        naming.ANNOTATION_SIGNATURE
+    ]
+    assert owns(mine) and not owns(planted)
+
+
+def test_signatures_of_operators_before_the_uid_are_never_taken():
+    import hashlib
+    import hmac
+
+    legacy = job(2, key=b"")
+    legacy["metadata"]["annotations"][naming.ANNOTATION_SIGNATURE] = hmac.new(
+        KEY, b"run-uid/demo-a2", hashlib.sha256
+    ).hexdigest()[:32]
+    assert not owns(legacy)
+
+
+def test_a_job_this_process_made_is_the_runs_before_its_signature_shows():
+    unsigned = job(2, key=b"", uid="made-here")
+    assert owns(unsigned, made={"made-here"}) and not owns(unsigned, made={"other"})
+    planted = job(2, key=b"", uid="made-here")
+    planted["metadata"]["ownerReferences"][0]["uid"] = "another-run"
+    assert not owns(planted, made={"made-here"})  # the uid alone is not enough: the run must control it

@@ -185,6 +185,8 @@ GRANTED_FOR_REASONS = {
     ("", "services", "get"): "the report Service's uid, the slice's owner; tests/real_api/test_operator_ha_real.py",
     ("", "events", "list"): "Warning Events of an attempt Pending for 15 s or more (FailedCreate, FailedMount); "
     "tests/real_api/test_operator_real.py makes that call",
+    ("kubeflow.org", "pytorchjobs", "get"): "a PyTorchJob whose name is taken is read to check it is the run's own "
+    "(plans._ensure); tests/real_api/test_operator_real.py makes that call",
     ("", "namespaces", "get"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "list"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "watch"): "namespaced mode: kopf matches its namespaces",

@@ -34,7 +34,7 @@ app.kubernetes.io/component: operator
   verbs: [update]
 - apiGroups: [kubeflow.org]
   resources: [pytorchjobs]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]  # get: an existing job checked before it is used
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
