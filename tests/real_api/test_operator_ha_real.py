@@ -14,9 +14,9 @@ import subprocess
 import pytest
 import yaml
 from test_operator_real import HELM, JOBS, RealCluster, running_operator, training_run, wait_for
-from test_reports_real import certificate
 
 from conftest import REPO
+from tls_files import certificate
 from trainingrun_api import contract
 from trainingrun_operator import serving
 

@@ -157,3 +157,35 @@ async def test_a_pod_reporting_on_a_kept_connection_is_served_and_reconnects_aft
     reader, writer = await connect(port)
     writer.write(request(json.dumps(report(progress={"step": 3, "updatedAt": "2026-11-26T11:59:00Z"})).encode()))
     assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+
+
+async def test_over_tls_a_handshake_that_never_comes_is_closed_and_a_pod_is_served(tmp_path):
+    """The TLS handshake comes before aiohttp sees a connection: it is bounded by the idle timeout too (asyncio's
+    default waits 60 s for it)."""
+    import ssl
+
+    from tls_files import certificate
+
+    tls = certificate(tmp_path)
+    served = reports.ReportEndpoint(PodOfTheRun(), view=view, accept=_nothing, clock=lambda: NOW, limits=LIMITS)
+    port = free_port()
+    task = asyncio.create_task(reports.serve(served, port, str(tls)))
+    try:
+        context = ssl.create_default_context(cafile=str(tls / "ca.crt"))
+        for _ in range(500):  # until it listens
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+                break
+            except OSError:
+                await asyncio.sleep(0.01)
+        writer.write(request(json.dumps(report(progress={"step": 1, "updatedAt": "2026-11-26T11:59:00Z"})).encode()))
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        silent_reader, _ = await connect(port)  # TCP only: never a ClientHello
+        assert await closed_within(silent_reader) == b""
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _nothing(key, fields, at_once=False):
+    pass
