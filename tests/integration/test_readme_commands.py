@@ -65,6 +65,7 @@ def test_the_readme_marks_the_steps_ci_runs_and_ci_installs_nothing_itself():
 
 
 @pytest.mark.slow
+@pytest.mark.installs
 def test_the_test_tools_step_installs_every_tool_in_a_clean_clone(tmp_path):
     if not (REPO.parent / "shared" / "k8s").is_dir():
         pytest.skip("../shared/k8s (the Kubernetes binaries install-k8s.sh unpacks) is not beside this checkout")
