@@ -123,7 +123,8 @@ class CheckpointInterval(_StepsOrAuto):
         default="auto",
         description="Save every this many optimizer steps, or `auto` (the default): the interval that loses the least "
         "training time, sqrt(2 x the measured cost of a save x the run's mean time between failures) (Young/Daly), "
-        "within minSteps..maxSteps and never shorter than a commit. A failure is any restart of the training "
+        "within minSteps..maxSteps and never shorter than a commit, except that a maxSteps you set is kept even then "
+        "(the trainer then says once that checkpoints wait for commits, and counts the wait). A failure is any restart of the training "
         "processes (crash, preemption, pod loss); until one is seen, expectedSecondsBetweenFailures stands in for the "
         "mean time between them. The first save comes after minSteps, to measure its cost. Persisting behind, a save "
         "costs training almost nothing (it commits in node memory), so auto checkpoints often and losing a worker "
@@ -136,7 +137,10 @@ class CheckpointInterval(_StepsOrAuto):
         default=None, ge=1, description=f"With steps: auto, the shortest interval (default {AUTO_MIN_STEPS})."
     )
     max_steps: Optional[int] = Field(
-        default=None, ge=1, description=f"With steps: auto, the longest interval (default {AUTO_MAX_STEPS})."
+        default=None,
+        ge=1,
+        description=f"With steps: auto, the longest interval (default {AUTO_MAX_STEPS}); kept even when a commit takes "
+        "longer (the default gives way to a slow commit).",
     )
     expected_seconds_between_failures: Optional[int] = Field(
         default=None,

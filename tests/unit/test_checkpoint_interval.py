@@ -18,7 +18,12 @@ class Clock:
 def measured(cost_steps=(0.5, 0.2), usual=0.1, failures=0, clock=None, commit=None, **bounds):
     """An interval that saw 10 usual steps, then one save beside `cost_steps`, committed `commit` s after save()."""
     policy = AutoInterval(
-        bounds.get("min_steps", 5), bounds.get("max_steps", 10_000), 3600, failures=failures, clock=clock or Clock()
+        bounds.get("min_steps", 5),
+        bounds.get("max_steps", 10_000),
+        3600,
+        failures=failures,
+        clock=clock or Clock(),
+        max_steps_asked=bounds.get("asked", False),
     )
     for _ in range(10):
         policy.step(usual, beside_save=False)
@@ -70,12 +75,20 @@ def test_the_interval_stays_within_its_bounds():
     assert measured(cost_steps=(0.1,), min_steps=40).steps() == 40  # a free save: as often as allowed
 
 
-def test_the_interval_is_never_shorter_than_a_commit_not_even_under_max_steps():
+def test_the_interval_is_never_shorter_than_a_commit_not_even_under_the_default_max_steps():
     # a cheap save (cost 0.01 s: Young's rule says every 85 steps, 8.5 s) whose write takes 30 s to commit
     policy = measured(cost_steps=(0.11,), usual=0.1, commit=30.0, max_steps=100)
     assert policy.commit_seconds == 30.0
     assert policy.steps() == math.ceil(30.0 * COMMIT_MARGIN / 0.1) == 375  # 37.5 s: the commit fits in it
     assert measured(cost_steps=(0.11,), usual=0.1, commit=None, max_steps=100).steps() == 85  # no commit measured
+
+
+def test_a_max_steps_the_user_set_is_kept_even_when_a_commit_takes_longer():
+    """A bound the user asked for (checkpoint.interval.maxSteps): on main a slow commit stretched the interval past it
+    (36 steps under maxSteps 25 on a busy machine); the wait it costs is said and counted instead."""
+    assert measured(cost_steps=(0.11,), usual=0.1, commit=30.0, max_steps=100, asked=True).steps() == 100
+    assert measured(cost_steps=(0.11,), usual=0.1, commit=30.0, max_steps=1000, asked=True).steps() == 375
+    assert measured(cost_steps=(0.11,), usual=0.1, commit=1.0, max_steps=100, asked=True).steps() == 85
 
 
 def test_a_cost_carried_from_an_earlier_process_counts_until_this_one_measures_its_own():

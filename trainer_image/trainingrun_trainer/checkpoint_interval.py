@@ -20,7 +20,8 @@ and measures C. Rank 0 decides; `Run.agree` makes every rank save at the same st
 
 Whatever T comes out, the interval is never shorter than COMMIT_MARGIN commits (save() to committed, the median of
 the last saves): a save that comes before the one before it has committed waits for it, holding training back. This
-bound wins over `max_steps` too.
+bound wins over the default `max_steps`, not over one the user set (`max_steps_asked`): that is a bound they asked
+for, so it is kept, and the trainer says once that checkpoints wait for commits (session_intervals).
 
 `checkpoint.storageInterval.steps: auto` (persisting behind) is the same trade one tier down: how many steps apart a
 checkpoint committed in memory is also copied to storage. A copy costs the training loop the slowdown of the steps
@@ -163,9 +164,12 @@ class AutoInterval(SaveCosts):
         memory_auto: bool = True,
         storage_auto: bool = False,
         pod_losses: int = 0,
+        max_steps_asked: bool = False,
     ):
         super().__init__()
         self.min_steps, self.max_steps = min_steps, max_steps
+        #: Whether max_steps is the user's (checkpoint.interval.maxSteps), which even a slow commit does not stretch.
+        self.max_steps_asked = max_steps_asked
         self.prior_seconds_between_failures = prior_seconds_between_failures
         self.clock = clock
         #: Restarts of the training processes since the run started (this process's start included when it was one).
@@ -194,7 +198,10 @@ class AutoInterval(SaveCosts):
         seconds = math.sqrt(2 * cost * self.seconds_between_failures())
         chosen = max(self.min_steps, min(self.max_steps, round(seconds / step)))
         commit = self.commit_seconds
-        return max(chosen, math.ceil(commit * COMMIT_MARGIN / step)) if commit else chosen
+        if not commit:
+            return chosen
+        longer = max(chosen, math.ceil(commit * COMMIT_MARGIN / step))
+        return min(longer, self.max_steps) if self.max_steps_asked else longer
 
     def due(self, steps_since_save: int) -> bool:
         return steps_since_save >= self.steps()

@@ -40,6 +40,7 @@ class RunIntervals:
             memory_auto=interval.auto,
             storage_auto=storage_auto,
             pod_losses=self.context.attempt - 1,
+            max_steps_asked=interval.max_steps is not None,
         )
 
     def checkpoint_due(self, step: int) -> tuple[bool, bool]:
@@ -110,7 +111,8 @@ class RunIntervals:
         log.warning(
             "the checkpoint of step %d waited %.2f s for the one before it to commit: a commit takes %.2f s, "
             "longer than the interval (every %s), so checkpoints hold training back; make "
-            "spec.checkpoint.interval longer (steps: auto never chooses one shorter than a commit). "
+            "spec.checkpoint.interval longer (steps: auto chooses one shorter than a commit only to keep within the "
+            "maxSteps you set: raise it). "
             "Counted in trainingrun_checkpoint_wait_seconds_total; said once",
             step,
             seconds,
