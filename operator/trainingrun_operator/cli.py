@@ -280,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser(
         "render",
         help="print the Kubernetes objects a TrainingRun becomes",
-        description="Print, as multi-document YAML, the rendezvous Service, RBAC and PyTorchJob "
-        "the operator creates for one attempt of each TrainingRun in FILE.",
+        description="Print, as multi-document YAML, the objects the operator creates for one attempt of "
+        "each TrainingRun in FILE: the rendezvous Service (runs of more than one pod) and the PyTorchJob.",
     )
     p.add_argument("file", metavar="FILE", help="YAML file with one or more TrainingRuns")
     p.add_argument("--attempt", type=positive_int, default=1, help="attempt number (default 1)")
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="SIGKILL one worker when the run reaches STEP (repeatable)",
     )
     p.add_argument("--chaos-kill-every", type=float, metavar="SECONDS", help="SIGKILL a random worker every SECONDS")
-    p.add_argument("--metrics-port", type=positive_int, help="port of the trainer's metrics endpoint")
+    p.add_argument("--metrics-port", type=positive_int, help="serve the trainer's metrics on this port (default off)")
     p.add_argument("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)")
     p.add_argument("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)")
     p.set_defaults(func=cli_local.cmd_local)

@@ -108,3 +108,14 @@ def test_the_runs_checkpoint_uri_comes_from_the_config_file_alone(tmp_path, monk
     run = Run.from_env(handle_sigterm=False)
     assert run.store.uri == f"file://{tmp_path}/started"
     run.close()
+
+
+def test_the_log_line_of_a_step_shows_the_learning_rate_that_step_used(tmp_path):
+    """On main the line of step k showed the rate of step k+1 (the schedule had already moved)."""
+    import re
+
+    trainer = {**TINY, "maxSteps": 10, "optimizer": {"lr": 0.02}, "schedule": {"warmupSteps": 20}}
+    result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/ckpt")
+    assert result.returncode == exit_codes.OK, result.stderr[-3000:]
+    rates = dict(re.findall(r"step (\d+)/10 loss \S+ grad_norm \S+ lr (\S+)", result.stderr))
+    assert rates == {"5": "0.005", "10": "0.01"}  # warmup: step k (1-based) runs at 0.02 x k / 20

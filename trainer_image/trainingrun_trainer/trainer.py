@@ -277,6 +277,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             else:
                 self.metrics.nonfinite_step()
                 log.warning("skipped step %d: %s", self.step + 1, self.guard.last_reason)
+            learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step ran with, before the schedule moves
             self.scheduler.step()
             self.step += 1
             window_steps += 1
@@ -308,7 +309,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             self.metrics.step(
                 step=self.step,
                 loss=loss,
-                learning_rate=self.scheduler.get_last_lr()[0],
+                learning_rate=learning_rate,
                 grad_norm=grad_norm,
                 step_seconds=step_seconds,
                 data_wait_seconds=self.data_wait_seconds,
@@ -323,7 +324,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 self.step,
                 {
                     "train/loss": loss,
-                    "train/learning_rate": self.scheduler.get_last_lr()[0],
+                    "train/learning_rate": learning_rate,
                     "train/grad_norm": grad_norm,
                     "train/samples_per_second": self.samples_per_second,
                     "train/tokens_per_second": self.tokens_per_second,
@@ -359,7 +360,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                     cfg.max_steps,
                     loss,
                     grad_norm,
-                    self.scheduler.get_last_lr()[0],
+                    learning_rate,
                     self.samples_per_second,
                     (f" TFLOP/s {self.model_flops_per_second / 1e12:.3g}" if self.model_flops_per_second else "")
                     + (f" MFU {self.mfu:.1%}" if self.mfu is not None else ""),
