@@ -277,7 +277,9 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             else:
                 self.metrics.nonfinite_step()
                 log.warning("skipped step %d: %s", self.step + 1, self.guard.last_reason)
-            learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step ran with, before the schedule moves
+            # The rate this step ran with: before the schedule moves on, and from the optimizer (a rollback lowers it
+            # there; the scheduler's last rate is the one before that).
+            learning_rate = float(self.optimizer.param_groups[0]["lr"])
             self.scheduler.step()
             self.step += 1
             window_steps += 1
