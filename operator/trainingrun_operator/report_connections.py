@@ -9,7 +9,7 @@ import asyncio
 import collections
 import ssl
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 from aiohttp import web
 
@@ -19,8 +19,8 @@ from trainingrun_api import progress_report
 @dataclass(frozen=True)
 class ReportLimits:
     """What the report endpoint allows a connection, so that clients who are slow on purpose (or broken) cannot hold
-    its connections, file descriptors and event loop, which it shares with the operator's API calls. Every trainer
-    pod opens one connection and sends a report of at most MAX_REPORT_BYTES every few seconds."""
+    its connections, file descriptors and event loop, which it shares with the operator's API calls. Rank 0 of each
+    run sends a report of at most MAX_REPORT_BYTES every few seconds, each on a connection of its own (urllib)."""
 
     #: A connection must bring a whole request head within this many seconds of opening (the TLS handshake too) or
     #: of its last answer, or it is closed: idle kept connections, clients that send nothing, heads a byte a second.
@@ -60,8 +60,7 @@ class _Guard(asyncio.Protocol):
             self.refused = True
             self.guard.on_closed(refusal)
             body = b'{"message": "too many connections to the report endpoint; send the report again later"}'
-            assert isinstance(transport, asyncio.WriteTransport)
-            transport.write(
+            cast(asyncio.WriteTransport, transport).write(
                 b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
             )
@@ -74,8 +73,10 @@ class _Guard(asyncio.Protocol):
         if self.refused:
             return
         if self.head is not None:
-            self.head += data[:MAX_HEAD_SCAN]
-            if b"\r\n\r\n" in self.head or len(self.head) >= MAX_HEAD_SCAN:
+            seen = len(self.head)
+            self.head += data[: MAX_HEAD_SCAN - seen]
+            # Only the new bytes and the three before them: a head sent a byte at a time costs linear time.
+            if self.head.find(b"\r\n\r\n", max(0, seen - 3)) >= 0 or len(self.head) >= MAX_HEAD_SCAN:
                 self.head = None  # a whole head (or more than aiohttp would take, which it answers itself)
         self.inner.data_received(data)
 

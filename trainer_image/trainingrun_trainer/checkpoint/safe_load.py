@@ -132,9 +132,10 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         """BUILD only on an instance of an allowed dataclass, and only with its fields: pickle's BUILD on a class
         itself (`MetadataIndex`, state `(None, {"__hash__": None})`) would set attributes of DCP's classes for the
         whole process, so that a refused `.metadata` broke every later load and save."""
-        if len(self.stack) < 2:
+        stack: list[Any] = self.stack  # type: ignore[attr-defined]  # pickle._Unpickler's own, untyped
+        if len(stack) < 2:
             raise pickle.UnpicklingError("checkpoint metadata builds nothing: not a pickle DCP writes")
-        state, built = self.stack[-1], self.stack[-2]
+        state, built = stack[-1], stack[-2]
         fields = self.BUILT.get(type(built))
         if fields is None:
             raise pickle.UnpicklingError(
@@ -149,10 +150,10 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
                         f"checkpoint metadata sets attributes of a {type(built).__name__} other than its fields: "
                         "refusing to load it"
                     )
-        super().load_build()
+        super().load_build()  # type: ignore[misc]  # pickle._Unpickler's, untyped
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]
 
 
 def _enum_member(cls: Any, name: Any) -> Any:
