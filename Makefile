@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint e2e crd monitoring manifests clean
+.PHONY: setup demo test test-fast lint e2e crd monitoring manifests clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ demo: setup
 K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURDIR)/.tools/k8s))
 test: setup
 	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest
+
+# The unit and security tiers alone (no torchrun processes, servers or control plane): about 5 minutes on 2 cores.
+test-fast: setup
+	$(BIN)/pytest tests/unit tests/security
 
 # Lint and import order (ruff, everything) and types (mypy: strict for the shared package, checked for both sides);
 # the settings are in pyproject.toml, and .pre-commit-config.yaml runs the same before each commit.

@@ -639,6 +639,12 @@ def test_cli_helpers(store):
     assert table[0].split() == ["STEP", "VALID", "TIME", "SIZE", "MODEL", "URI", "/", "REASON"]
     assert table[1].split()[:2] == ["6", "NO"] and "(no manifest (partial save))" in table[1]
     assert table[2].split()[:2] == ["5", "yes"] and infos[1].model_digest[:12] in table[2]
+    valid = infos[1]
+    for heading, value in (("VALID", "yes"), ("TIME", valid.time), ("MODEL", valid.model_digest[:12])):
+        start = table[0].index(heading)  # each heading starts where its values start
+        assert table[2][start : start + len(value)] == value, (heading, table)
+    size = table[0].index("SIZE")
+    assert table[2][size] != " " and table[2][size - 1] == " ", table
     data = json.loads(to_json(infos))
     assert [d["step"] for d in data] == [6, 5]
     for d, info in zip(data, infos):

@@ -36,7 +36,9 @@ def format_table(infos: Iterable[CheckpointInfo]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:
-        cells = [cell.rjust(w) if i in (0, 3) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        # Left-justified but the step: a heading starts where its column's values start (a right-justified SIZE
+        # stood three characters right of its values).
+        cells = [cell.rjust(w) if i == 0 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells + [row[-1]]).rstrip())
     return "\n".join(lines)
 
