@@ -151,8 +151,9 @@ def cmd_local(args: argparse.Namespace) -> int:
         f"process(es), checkpoints in {run.spec.checkpoint.uri}{metrics}",
         flush=True,
     )
+    runner = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display)
     try:
-        summary = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display).execute()
+        summary = runner.execute()
     finally:
         display.close()
     for note in summary.chaos_notes:
@@ -160,10 +161,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     if summary.message:
         print(summary.message, file=sys.stderr if summary.outcome != "succeeded" else sys.stdout)
     in_place = f" and {summary.restarts_in_place} restart(s) in place" if summary.restarts_in_place else ""
-    print(
-        f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in "
-        f"{Path(options.runs_dir) / run.metadata.name}"
-    )
+    print(f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in {runner.run_dir}")
     print(summary.breakdown_line())
     if summary.startup_line():
         print(summary.startup_line())

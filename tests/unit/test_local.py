@@ -316,3 +316,22 @@ def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
         }
     finally:
         status.close()
+
+
+def test_a_run_with_another_checkpoint_uri_keeps_its_own_ledger_and_logs(tmp_path):
+    """On main a run with another --checkpoint-uri wrote runs/<name>/run.json and attempt-1.log over the first one's."""
+    from trainingrun_operator.local.ledger import run_directory
+
+    runs = tmp_path / "runs"
+    first = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions(runs_dir=str(runs)))
+    runner = local.LocalRunner(first, local.LocalOptions(runs_dir=str(runs)), {})
+    assert runner.run_dir == runs / "laptop"
+    runner.ledger.save()
+    options = local.LocalOptions(runs_dir=str(runs), checkpoint_uri=f"file://{tmp_path}/other")
+    elsewhere = local.LocalRunner(local.load_run(str(write_minimal(tmp_path)), options), options, {})
+    assert elsewhere.run_dir.parent == runs / "laptop" and elsewhere.run_dir.name.startswith("uri-")
+    elsewhere.ledger.save()
+    assert local.RunLedger.load(runs / "laptop", first.spec.checkpoint.uri).uid == first.metadata.uid  # kept
+    again = local.load_run(str(write_minimal(tmp_path)), options)
+    assert again.metadata.uid == elsewhere.ledger.uid  # a rerun there is that run again
+    assert run_directory(runs, "laptop", first.spec.checkpoint.uri) == runs / "laptop"

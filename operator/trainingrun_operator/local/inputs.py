@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import api, validation
-from .ledger import RunLedger
+from .ledger import RunLedger, run_directory
 
 DEFAULT_RUNS_DIR = "runs"
 
@@ -62,7 +62,9 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
             checkpoint["uri"] = uri
             if isinstance(document.get("metadata"), dict):
                 # Rerunning the command goes on with the same run (its goodput counts both invocations).
-                document["metadata"].setdefault("uid", RunLedger.load(Path(options.runs_dir) / name, str(uri)).uid)
+                document["metadata"].setdefault(
+                    "uid", RunLedger.load(run_directory(Path(options.runs_dir), name, str(uri)), str(uri)).uid
+                )
         # This machine is one node: a cluster file's several pods become one here, so a local file:// URI is fine.
         spec["replicas"] = {"min": 1}
         if options.max_steps is not None:

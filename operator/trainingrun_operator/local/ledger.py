@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+
+def run_directory(runs_dir: Path, name: str, checkpoint_uri: str) -> Path:
+    """Where a local run keeps its run.json and attempt logs: runs/<name>/ for the checkpoint URI that name first ran
+    with, runs/<name>/uri-<12 hex digits of the URI's sha256>/ for any other, so that a run with another
+    --checkpoint-uri (a new run) never overwrites the logs and ledger of the one before."""
+    base = runs_dir / name
+    try:
+        first = json.loads((base / "run.json").read_text(encoding="utf-8")).get("checkpointUri")
+    except (OSError, ValueError, AttributeError):
+        first = None
+    if first is None or first == checkpoint_uri:
+        return base
+    return base / f"uri-{hashlib.sha256(checkpoint_uri.encode()).hexdigest()[:12]}"
 
 
 @dataclass

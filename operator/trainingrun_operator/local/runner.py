@@ -21,7 +21,7 @@ from trainingrun_api.config import RunConfig, config_json
 
 from .. import api, pod_env, recovery
 from .inputs import LocalOptions
-from .ledger import RunLedger
+from .ledger import RunLedger, run_directory
 from .processes import LogFollower, _end_session, worker_pids
 from .status_server import StatusServer
 from .summary import Summary
@@ -84,7 +84,7 @@ class LocalRunner:
         self.secrets = secrets
         self.out = out
         self.display = display
-        self.run_dir = Path(options.runs_dir) / run.metadata.name
+        self.run_dir = run_directory(Path(options.runs_dir), run.metadata.name, self.spec.checkpoint.uri)
         self.attempts: list[Attempt] = []
         self.groups: list[WorkerGroup] = []  #: every start of the workers, for attempts and lost steps
         self.restarts = recovery.Restarts()  #: attempts lost so far, by cause, as status.restarts counts them
