@@ -246,9 +246,14 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 self.model.train()
         return results
 
+    def _paused_seconds(self) -> float:
+        """Seconds this process spent evaluating and checkpointing (blocked, waiting, or slowed by a background
+        save), which samples/s, TFLOP/s and MFU leave out."""
+        return self.clock.seconds["eval"] + self.clock.seconds["checkpoint"]
+
     def _loop(self, batches: Generator[dict[str, torch.Tensor], None, None]) -> int:
         cfg = self.cfg
-        window_start, window_steps = time.monotonic(), 0
+        window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
             self.data_wait_seconds = self.copy_wait_seconds = 0.0
@@ -348,7 +353,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             )
             if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
                 self.metrics.checkpoint_interval(self.session.interval_choice())
-                elapsed = time.monotonic() - window_start
+                # Training time only: evaluation and checkpoints in the window are not throughput.
+                elapsed = time.monotonic() - window_start - (self._paused_seconds() - window_paused)
                 self.samples_per_second = (
                     window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
                 )
@@ -367,7 +373,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                     (f" TFLOP/s {self.model_flops_per_second / 1e12:.3g}" if self.model_flops_per_second else "")
                     + (f" MFU {self.mfu:.1%}" if self.mfu is not None else ""),
                 )
-                window_start, window_steps = time.monotonic(), 0
+                window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
 
             if stop:
                 log.warning("SIGTERM: writing an emergency checkpoint at step %d", self.step)
