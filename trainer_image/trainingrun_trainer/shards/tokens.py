@@ -45,7 +45,10 @@ class TokenShards(Dataset):
         dtype: token width of headerless shards: uint16 (GPT-2's 50,257 tokens fit) or uint32.
         pattern: file names to read below a directory.
         vocab_size: when given, every window is checked to hold only tokens below it (a wrong dtype shows here).
-        num_samples: items per epoch (default: the split's tokens / (context_length + 1), about one pass).
+        num_samples: items per epoch (default: the split's tokens / (context_length + 1), about one pass). Item i is
+            always the same window (chosen at random from the seed and i, so windows may overlap and some tokens are
+            never in one): later epochs serve the same windows in a new order, not fresh ones. Give more items for
+            more distinct windows per epoch.
         eval_fraction: the last part of each shard's tokens that is the eval split, never trained on.
         seed: chooses the windows.
         split: "train" or "eval" (the trainer passes it).
