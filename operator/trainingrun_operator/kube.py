@@ -106,6 +106,10 @@ class ApiUnreachable(OSError):
     """The request got no answer the operator can read: no connection, a timeout, or bytes that are not HTTP."""
 
 
+def _unreachable(where: str, error: BaseException) -> ApiUnreachable:
+    return ApiUnreachable(f"{where}: {type(error).__name__}: {str(error)[:300]}")
+
+
 class WatchGone(Exception):
     """A watch's resourceVersion is too old (410 Gone): list again."""
 
@@ -233,7 +237,7 @@ class Kube:
                     pieces.append(piece)
                 return response.status, response.reason or "", response.headers.get("Retry-After", ""), b"".join(pieces)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
-            raise ApiUnreachable(f"{where}: {type(error).__name__}: {str(error)[:300]}") from error
+            raise _unreachable(where, error) from error
 
     async def create(self, obj: dict[str, Any], priority: int = ACT, answer: bool = False) -> dict[str, Any]:
         """POST with strict field validation: a field the server does not know is an error (400), never
@@ -333,9 +337,7 @@ class Kube:
                 async for event in self._events(path, response, max_line_bytes):
                     yield event
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            raise ApiUnreachable(
-                f"GET {path.split('?')[0][:200]}: {type(error).__name__}: {str(error)[:300]}"
-            ) from error
+            raise _unreachable(f"GET {path.split('?')[0][:200]}", error) from error
 
     async def _events(
         self, path: str, response: aiohttp.ClientResponse, max_line_bytes: int

@@ -13,11 +13,14 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainingrun_api import contract
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .report_connections import ReportLimits
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ class Settings:
             signing_key=signing_key(Path(tls_dir) / "tls.key"),
         )
 
-    def report_limits(self) -> Any:
+    def report_limits(self) -> "ReportLimits":
         """The report endpoint's report_connections.ReportLimits from these settings."""
         from .report_connections import ReportLimits
 
