@@ -24,6 +24,7 @@ import inspect
 import re
 from typing import Any, Callable, Iterable, cast
 
+from trainingrun_api import builtin_args
 from trainingrun_api.config import Component, TrainerConfig
 from trainingrun_api.model_base import ConfigError
 
@@ -35,6 +36,7 @@ __all__ = [
     "check",
     "check_builtin",
     "check_libraries",
+    "evaluated_dataset",
     "is_builtin",
     "named_classes",
     "resolve",
@@ -44,95 +46,10 @@ __all__ = [
 
 #: The public classes of the trainer's own modules and their constructor parameters (name: required), so a
 #: TrainingRun that names one is checked without importing torch (`trainingrun validate`, the operator's image).
-#: tests/unit/test_components.py keeps it equal to the code.
+#: Made from builtin_args, where their checks are; tests/unit/test_components.py keeps it equal to the code.
 BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
-    "trainingrun_trainer.models.SelfAttention": {"dim": True, "heads": True, "dropout": True, "causal": True},
-    "trainingrun_trainer.models.TransformerBlock": {"dim": True, "heads": True, "dropout": False, "causal": False},
-    "trainingrun_trainer.models.CharTransformer": {
-        "vocab_size": False,
-        "dim": False,
-        "layers": False,
-        "heads": False,
-        "context_length": False,
-        "dropout": False,
-    },
-    "trainingrun_trainer.models.MaskedAutoencoder": {
-        "image_size": False,
-        "patch_size": False,
-        "channels": False,
-        "dim": False,
-        "layers": False,
-        "heads": False,
-        "decoder_dim": False,
-        "decoder_layers": False,
-        "mask_ratio": False,
-    },
-    "trainingrun_trainer.data.SyntheticText": {
-        "num_samples": False,
-        "context_length": False,
-        "vocab_size": False,
-        "seed": False,
-        "split": False,
-    },
-    "trainingrun_trainer.data.SyntheticImages": {
-        "num_samples": False,
-        "image_size": False,
-        "channels": False,
-        "seed": False,
-        "split": False,
-    },
-    "trainingrun_trainer.shards.TokenShards": {
-        "uri": True,
-        "context_length": False,
-        "dtype": False,
-        "pattern": False,
-        "vocab_size": False,
-        "num_samples": False,
-        "eval_fraction": False,
-        "seed": False,
-        "split": False,
-        "cache_dir": False,
-        "block_bytes": False,
-        "endpoint_url": False,
-        "read_ahead": False,
-        "fetch_threads": False,
-    },
-    "trainingrun_trainer.shards.TextBytes": {
-        "uri": True,
-        "context_length": False,
-        "pattern": False,
-        "num_samples": False,
-        "eval_fraction": False,
-        "seed": False,
-        "split": False,
-        "cache_dir": False,
-        "block_bytes": False,
-        "endpoint_url": False,
-        "read_ahead": False,
-        "fetch_threads": False,
-    },
-    "trainingrun_trainer.shards.ImageShards": {
-        "uri": True,
-        "image_size": False,
-        "channels": False,
-        "pattern": False,
-        "eval_fraction": False,
-        "split": False,
-        "cache_dir": False,
-        "block_bytes": False,
-        "endpoint_url": False,
-        "read_ahead": False,
-        "fetch_threads": False,
-        "max_pixels": False,
-    },
-    "trainingrun_trainer.sampling.ResumableSampler": {
-        "dataset_len": True,
-        "rank": True,
-        "world_size": True,
-        "seed": False,
-        "shuffle": False,
-        "samples_per_step": False,
-    },
+    path: {name: arg.default is builtin_args.REQUIRED for name, arg in spec.args.items()}
+    for path, spec in builtin_args.CLASSES.items()
 }
 BUILTIN_PACKAGE = "trainingrun_trainer"
 
@@ -189,10 +106,26 @@ def resolve(class_path: str, field: str = "component") -> Callable[..., Any]:
 
 def named_classes(trainer: TrainerConfig) -> list[tuple[Component, str, dict[str, Any]]]:
     """The classes a trainer config names: each with its field path and the arguments the trainer adds."""
-    return [
+    named = [
         (trainer.model, "spec.trainer.model", {}),
         (trainer.data.dataset, "spec.trainer.data.dataset", {"split": "train"}),
     ]
+    if trainer.eval.dataset is not None:
+        named.append(evaluated_dataset(trainer))
+    return named
+
+
+def evaluated_dataset(trainer: TrainerConfig) -> tuple[Component, str, dict[str, Any]]:
+    """What evaluation reads, as named_classes' entries: `eval.dataset` where it is set, else the training dataset's
+    held-out split. An eval.dataset of the built-in shard datasets comes with evalFraction 1 unless it sets one:
+    all of its files are the eval split."""
+    evaluated = trainer.eval.dataset
+    if evaluated is None:
+        return trainer.data.dataset, "spec.trainer.data.dataset", {"split": "eval"}
+    holds_out = "eval_fraction" in BUILTIN_CLASSES.get(evaluated.class_path, {})
+    if holds_out and not any(snake_case(key) == "eval_fraction" for key in evaluated.init_args):
+        evaluated = evaluated.model_copy(update={"init_args": {**evaluated.init_args, "evalFraction": 1.0}})
+    return evaluated, "spec.trainer.eval.dataset", {"split": "eval"}
 
 
 #: What an optional feature (a logger kind, a built-in class) imports, and the pip extra of trainingrun-operator that
@@ -228,12 +161,16 @@ def check_libraries(trainer: TrainerConfig) -> None:
 
 
 def check(component: Component, field: str = "component", **extra_kwargs: Any) -> Callable[..., Any]:
-    """Everything `build()` checks, without constructing: import, then match arguments to the signature.
+    """Everything `build()` checks, without constructing: import, then match arguments to the signature, their
+    types to its annotations (a built-in class's to its checks in builtin_args). Every problem of the arguments is
+    in one ConfigError, a line each.
 
     `extra_kwargs` are the arguments the trainer itself adds (e.g. `split` for datasets); only their
     names matter here. Returns the class.
     """
-    target, _ = _prepare(component, field, extra_kwargs)
+    target, _, problems = _prepare(component, field, extra_kwargs)
+    if problems:
+        raise ConfigError("\n".join(problems))
     return target
 
 
@@ -261,9 +198,9 @@ def is_builtin(class_path: str) -> bool:
 
 
 def check_builtin(component: Component, field: str = "component", **extra_kwargs: Any) -> bool:
-    """`check()` for a class of the trainer's own package, from `BUILTIN_CLASSES` instead of importing it (no
-    torch needed). Returns False, having checked nothing, for a class from anywhere else: only the trainer's
-    image can import those."""
+    """`check()` for a class of the trainer's own package, from builtin_args instead of importing it (no torch
+    needed). Returns False, having checked nothing, for a class from anywhere else: only the trainer's image (or
+    `check()` where the class is installed) can check those."""
     if not is_builtin(component.class_path):
         return False
     module_name, _, class_name = component.class_path.rpartition(".")
@@ -278,9 +215,12 @@ def check_builtin(component: Component, field: str = "component", **extra_kwargs
         close = difflib.get_close_matches(class_name, list(classes), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"it has: {', '.join(sorted(classes))}"
         raise ConfigError(f"{where}: module '{module_name}' has no class '{class_name}'; {hint}")
-    signature = classes[class_name]
-    kwargs, written_as = _keyword_arguments(component, f"{field}.initArgs", extra_kwargs, class_name)
-    _check_signature(signature, class_name, kwargs, written_as, f"{field}.initArgs")
+    where = f"{field}.initArgs"
+    kwargs, written_as = _keyword_arguments(component, where, extra_kwargs, class_name)
+    problems = _signature_problems(classes[class_name], class_name, kwargs, written_as, where)
+    problems += _value_problems(component.class_path, None, kwargs, written_as, where)
+    if problems:
+        raise ConfigError("\n".join(problems))
     return True
 
 
@@ -293,7 +233,9 @@ def build(component: Component, field: str = "component", **extra_kwargs: Any) -
     TypeError raised by the constructor itself (e.g. `dim must be divisible by heads`) is re-raised
     as a ConfigError naming `<field>.initArgs`.
     """
-    target, kwargs = _prepare(component, field, extra_kwargs)
+    target, kwargs, problems = _prepare(component, field, extra_kwargs)
+    if problems:
+        raise ConfigError("\n".join(problems))
     try:
         return target(**kwargs)
     except (ValueError, TypeError) as err:
@@ -304,17 +246,79 @@ def build(component: Component, field: str = "component", **extra_kwargs: Any) -
 
 def _prepare(
     component: Component, field: str, extra_kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """Import the class and build its keyword arguments, checked against its signature."""
+) -> tuple[Callable[..., Any], dict[str, Any], list[str]]:
+    """Import the class and build its keyword arguments; and every problem of them against its signature."""
     target = resolve(component.class_path, field)
     where = f"{field}.initArgs"
     kwargs, written_as = _keyword_arguments(component, where, extra_kwargs, _display_name(target))
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
-        return target, kwargs  # some builtins have no signature; the constructor will complain itself
-    _check_signature(signature, _display_name(target), kwargs, written_as, where)
-    return target, kwargs
+        return target, kwargs, []  # some builtins have no signature; the constructor will complain itself
+    problems = _signature_problems(signature, _display_name(target), kwargs, written_as, where)
+    return target, kwargs, problems + _value_problems(component.class_path, target, kwargs, written_as, where)
+
+
+def _value_problems(
+    class_path: str,
+    target: Callable[..., Any] | None,
+    kwargs: dict[str, Any],
+    written_as: dict[str, str],
+    where: str,
+) -> list[str]:
+    """Arguments of the wrong type or out of bounds, each named as the user wrote it: a built-in class's from its
+    checks in builtin_args, anyone else's from the annotations of its signature (where it has them)."""
+    if class_path in builtin_args.CLASSES:
+        found = builtin_args.problems(class_path, kwargs)
+    elif target is not None:
+        found = _annotation_problems(target, kwargs)
+    else:
+        return []
+    name = class_path.rpartition(".")[2]
+    return [
+        f"{where}.{written_as.get(argument, argument)}: {message}" if argument else f"{where}: {name}(): {message}"
+        for argument, message in found
+    ]
+
+
+def _annotation_problems(target: Callable[..., Any], kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    """Values that do not fit their parameter's annotation (`layers: int` given "x"). YAML gives typed scalars, so
+    a number in quotes is refused rather than converted; a list may fill a tuple or sequence. An annotation that
+    cannot be resolved or checked (a forward reference, a tensor type) is skipped: the constructor checks it."""
+    import typing
+
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # the user's module: unresolvable names, anything
+        return []
+    found = []
+    for name, value in kwargs.items():
+        hint = hints.get(name)
+        if hint is None or hint is Any:
+            continue
+        try:
+            adapter = TypeAdapter(hint)
+        except Exception:  # a type pydantic cannot check (arbitrary classes)
+            continue
+        try:
+            adapter.validate_python(value, strict=True)
+        except ValidationError:
+            try:
+                if not isinstance(value, list):
+                    raise
+                adapter.validate_python(value)
+            except ValidationError:
+                found.append((name, f"must be {_type_name(hint)}, got {value!r}"))
+    return found
+
+
+def _type_name(hint: Any) -> str:
+    import typing
+
+    plain = typing.get_origin(hint) is None and getattr(hint, "__name__", None)
+    return plain or str(hint).replace("typing.", "")
 
 
 def _keyword_arguments(
@@ -336,29 +340,31 @@ def _keyword_arguments(
     return kwargs, written_as
 
 
-def _check_signature(
+def _signature_problems(
     signature: inspect.Signature, name: str, kwargs: dict[str, Any], written_as: dict[str, str], where: str
-) -> None:
-    """Fail before construction, so a bad argument never leaves a half-built object behind."""
+) -> list[str]:
+    """Every mismatch between the arguments and the signature, found before construction, so a bad argument never
+    leaves a half-built object behind."""
     params = signature.parameters.values()
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in params)
     by_keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     accepted = [p.name for p in by_keyword]
-
+    problems = []
     if not accepts_any:
+        shown = [camel_case(a) for a in accepted]
+        accepted_text = ", ".join(shown) if shown else "no arguments"
         for key in kwargs:
             if key in accepted:
                 continue
-            shown = [camel_case(a) for a in accepted]
-            accepted_text = ", ".join(shown) if shown else "no arguments"
             if key not in written_as:
-                raise ConfigError(
+                problems.append(
                     f"{where}: {name}() does not accept '{key}', which the trainer passes; "
                     f"add a '{key}' parameter to it (accepted: {accepted_text})"
                 )
+                continue
             close = difflib.get_close_matches(written_as[key], shown, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(
+            problems.append(
                 f"{where}: {name}() got an unexpected keyword argument '{written_as[key]}'; "
                 f"accepted: {accepted_text}{hint}"
             )
@@ -366,16 +372,17 @@ def _check_signature(
     missing = [p.name for p in by_keyword if p.default is p.empty and p.name not in kwargs]
     if missing:
         plural = "s" if len(missing) > 1 else ""
-        raise ConfigError(
+        problems.append(
             f"{where}: {name}() is missing required argument{plural} "
             f"{_quoted(camel_case(m) for m in missing)}; add {'them' if plural else 'it'} to initArgs"
         )
     positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
     if positional_only:
-        raise ConfigError(
+        problems.append(
             f"{where}: {name}() needs positional-only argument(s) {_quoted(positional_only)}, "
             "which a config cannot pass; give them defaults or make them keyword arguments"
         )
+    return problems
 
 
 def _public_classes(module: Any) -> list[str]:

@@ -192,10 +192,38 @@ class EmaConfig(ApiModel):
 
 
 class EvalConfig(ApiModel):
-    """Periodic evaluation on the held-out split."""
+    """Periodic evaluation: on the training dataset's held-out split, or on a dataset of its own."""
+
+    model_config = ConfigDict(
+        json_schema_extra=kubernetes_validations(
+            [
+                {
+                    "rule": "!has(self.dataset) || (has(self.intervalSteps) && self.intervalSteps > 0)",
+                    "message": "dataset is set but intervalSteps is 0, so nothing would evaluate on it: set "
+                    "intervalSteps (e.g. 100), or remove dataset",
+                }
+            ]
+        )
+    )
 
     interval_steps: int = Field(default=0, ge=0, description="Evaluate every this many steps; 0 turns evaluation off.")
     batches: int = Field(default=10, ge=1, le=100000, description="Batches per evaluation.")
+    dataset: Optional[Component] = Field(
+        default=None,
+        description="A dataset to evaluate on instead of data.dataset's held-out split (e.g. a validation file), "
+        "as classPath and initArgs; built with `split: eval` added to initArgs. The built-in shard datasets read "
+        "all of its files (evalFraction defaults to 1 here); set data.dataset's evalFraction to 0 to train on all "
+        "of the training files. Needs intervalSteps > 0.",
+    )
+
+    @model_validator(mode="after")
+    def _dataset_needs_an_interval(self) -> "EvalConfig":
+        if self.dataset is not None and self.interval_steps == 0:
+            raise ValueError(
+                "dataset is set but intervalSteps is 0, so nothing would evaluate on it: set intervalSteps "
+                "(e.g. 100), or remove dataset"
+            )
+        return self
 
 
 class HealthConfig(ApiModel):

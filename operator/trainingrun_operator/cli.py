@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from trainingrun_api import components
-
 from . import __version__, builders, cli_local, crd, validation
 from .settings import Settings
 
@@ -114,19 +112,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
         try:
-            runs = validation.load_runs(path)
+            runs = validation.load_runs(path, import_classes=True)
         except validation.InvalidTrainingRun as error:
             failed = True
             error.print_to_stderr(path)
             continue
         for run in runs:
             print(f"{path}: TrainingRun {run.metadata.namespace}/{run.metadata.name} is valid")
-            for component, field, _ in components.named_classes(run.spec.trainer):
-                if not components.is_builtin(component.class_path):
-                    print(
-                        f"  {field}.classPath {component.class_path} comes from your image: the trainer checks it "
-                        "and its initArgs when the run starts"
-                    )
+            for field, class_path in validation.unchecked_classes(run.spec.trainer, import_classes=True):
+                print(
+                    f"  {field}.classPath {class_path} is not importable here: the trainer checks it and its "
+                    "initArgs when the run starts"
+                )
     return 1 if failed else 0
 
 

@@ -240,8 +240,8 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
                     # the trainer's strings, which the CRD cannot see into; and with the operator's own trainer image,
                     # whose built-in classes it knows, a misspelt one is refused now, not after scheduling and an
                     # image pull (a user's image may differ).
-                    problems = validation.credential_problems(run) + (
-                        validation.component_problems(run) if run.spec.image is None else []
+                    problems = validation.credential_problems(run.spec.trainer) + (
+                        validation.component_problems(run.spec.trainer) if run.spec.image is None else []
                     )
                     if problems:
                         raise validation.InvalidTrainingRun(problems)

@@ -7,13 +7,15 @@ how to fix it. Pydantic finds the problems; problems.py words them.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import sys
 from typing import Any, Iterable
 
-import orjson
 import yaml
 from pydantic import ValidationError
+
+from trainingrun_api.config import TrainerConfig
 
 from . import api
 from .problems import Problem, problems_from
@@ -150,32 +152,69 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
     return problems
 
 
-def component_problems(run: api.TrainingRun) -> list[Problem]:
-    """The trainer's own classes named in `classPath`, and their `initArgs`, checked as the trainer would at start
-    (from the table of its classes: no torch here). A class from the user's image is checked when the run starts."""
+def component_problems(trainer: TrainerConfig, import_classes: bool = False) -> list[Problem]:
+    """The classes named in `classPath`, and every problem of their `initArgs`, checked as the trainer would at start:
+    the trainer's own from builtin_args (no torch here); with `import_classes`, any other class that is importable
+    here too (`trainingrun validate` on the user's machine; never the operator, which must not import what a spec
+    names). The rest are checked when the run starts (`unchecked_classes` lists them)."""
     from trainingrun_api import components
 
     problems = []
-    for component, field, extra in components.named_classes(run.spec.trainer):
+    for component, field, extra in components.named_classes(trainer):
         try:
-            components.check_builtin(component, field, **extra)
+            if not components.check_builtin(component, field, **extra) and import_classes:
+                if _importable(component.class_path):
+                    components.check(component, field, **extra)
         except components.ConfigError as error:
-            path, _, message = str(error).partition(": ")
-            problems.append(Problem(path, message))
+            for line in str(error).splitlines():
+                path, _, message = line.partition(": ")
+                problems.append(Problem(path, message))
     return problems
 
 
-def credential_problems(run: api.TrainingRun) -> list[Problem]:
+def _importable(class_path: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(class_path.rpartition(".")[0]) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def unchecked_classes(trainer: TrainerConfig, import_classes: bool = False) -> list[tuple[str, str]]:
+    """(field, classPath) of each named class whose initArgs `component_problems` could not check here."""
+    from trainingrun_api import components
+
+    return [
+        (field, component.class_path)
+        for component, field, _ in components.named_classes(trainer)
+        if not components.is_builtin(component.class_path)
+        and not (import_classes and _importable(component.class_path))
+    ]
+
+
+def _trainer_alone(document: Any) -> TrainerConfig | None:
+    """spec.trainer parsed by itself, so its classes are checked in the same pass as the problems elsewhere in the
+    document; None where it has problems of its own (those are already listed)."""
+    spec = document.get("spec") if isinstance(document, dict) else None
+    trainer = spec.get("trainer", {}) if isinstance(spec, dict) else None
+    try:
+        return TrainerConfig.from_wire(trainer)
+    except ValidationError:
+        return None
+
+
+def credential_problems(trainer: TrainerConfig) -> list[Problem]:
     """Strings of spec.trainer (initArgs of models, datasets and callbacks included, which the CRD's schema cannot see
     into) that hold credentials in a URI (user:password@): they would sit in its pods' annotations and go to trackers.
     The problem names the field, never the value."""
     from trainingrun_api.model_base import CREDENTIALS_IN_URI, TRACKER_CREDENTIALS
 
     found: list[Problem] = []
-    trainer = run.spec.trainer.to_wire()
-    if b"://" not in orjson.dumps(trainer):  # no URI at all (most runs): no walk, which built a path for every field
+    wire = trainer.to_wire()
+    if "://" not in json.dumps(wire):  # no URI at all (most runs): no walk, which built a path for every field
         return found
-    pending: list[tuple[str, Any]] = [("spec.trainer", trainer)]
+    pending: list[tuple[str, Any]] = [("spec.trainer", wire)]
     while pending:
         path, value = pending.pop()
         if isinstance(value, dict):
@@ -187,13 +226,21 @@ def credential_problems(run: api.TrainingRun) -> list[Problem]:
     return sorted(found, key=lambda problem: problem.path)
 
 
-def check(document: Any, builtin_classes: bool = True) -> api.TrainingRun:
+def check(document: Any, builtin_classes: bool = True, import_classes: bool = False) -> api.TrainingRun:
     """`parse`, then the trainer's classes and the rendered children's limits: everything `trainingrun validate`
-    checks. Without `builtin_classes`, what the API server can check too (it cannot know the trainer's classes)."""
-    run = parse(document)
-    problems = (component_problems(run) + credential_problems(run) if builtin_classes else []) + rendered_problems(
-        document, run
-    )
+    checks, every problem in one pass. Without `builtin_classes`, what the API server can check too (it cannot know
+    the trainer's classes); `import_classes`: see component_problems."""
+    try:
+        run = parse(document)
+    except InvalidTrainingRun as error:
+        trainer = _trainer_alone(document) if builtin_classes else None
+        if trainer is not None:
+            error.problems += component_problems(trainer, import_classes) + credential_problems(trainer)
+        raise
+    problems = []
+    if builtin_classes:
+        problems += component_problems(run.spec.trainer, import_classes) + credential_problems(run.spec.trainer)
+    problems += rendered_problems(document, run)
     if problems:
         raise InvalidTrainingRun(problems)
     return run
@@ -301,13 +348,13 @@ def load_file(path: str) -> list[Any]:
     return documents
 
 
-def load_runs(path: str) -> list[api.TrainingRun]:
+def load_runs(path: str, import_classes: bool = False) -> list[api.TrainingRun]:
     """Every TrainingRun in a file, or InvalidTrainingRun with the problems of all documents."""
     documents = load_file(path)
     runs, problems = [], []
     for index, document in enumerate(documents):
         try:
-            runs.append(check(document))
+            runs.append(check(document, import_classes=import_classes))
         except InvalidTrainingRun as error:
             prefix = f"document {index + 1}: " if len(documents) > 1 else ""
             problems += [Problem(prefix + p.path, p.message) for p in error.problems]

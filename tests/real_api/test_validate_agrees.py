@@ -231,7 +231,7 @@ def test_random_documents_get_the_same_verdict(kube_cluster_with_crds, namespace
             f"validate refuses ({error}) but the server accepts"
         )
         return
-    assert all(p.path.startswith("spec.trainer.") for p in validation.component_problems(run))
+    assert all(p.path.startswith("spec.trainer.") for p in validation.component_problems(run.spec.trainer))
     assert code == 201, f"validate accepts but the server refuses: {message}"
     run.metadata.namespace = namespace
     with_service_accounts(plane, run, namespace)

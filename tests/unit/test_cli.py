@@ -102,9 +102,56 @@ def test_validate_checks_the_trainers_own_classes_and_their_arguments(tmp_path, 
     )
     assert cli.main(["validate", write(tmp_path, user_class)]) == 0
     assert (
-        "spec.trainer.model.classPath mypkg.models.Net comes from your image: the trainer checks it and its "
+        "spec.trainer.model.classPath mypkg.models.Net is not importable here: the trainer checks it and its "
         "initArgs when the run starts"
     ) in capsys.readouterr().out
+
+
+EVERY_PROBLEM = """\
+apiVersion: trainingrun.dev/v1alpha1
+kind: TrainingRun
+metadata: {name: demo}
+spec:
+  checkpoint: {uri: "s3://bucket/demo"}
+  resources: {gpu: -1}
+  trainer:
+    model: {classPath: trainingrun_trainer.models.CharTransformer, initArgs: {dim: 256, layers: "x"}}
+    data: {dataset: {classPath: trainingrun_trainer.data.SyntheticText, initArgs: {contextLen: 8}}}
+"""
+
+
+def test_validate_reports_every_problem_in_one_pass(tmp_path, capsys):
+    """The initArgs' types and names are checked in the same pass as a problem elsewhere (spec.resources)."""
+    path = write(tmp_path, EVERY_PROBLEM)
+    assert cli.main(["validate", path]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.removeprefix(f"{path}: ").partition(":")[0] for line in lines] == [
+        "spec.resources.gpu",
+        "spec.trainer.model.initArgs.layers",
+        "spec.trainer.data.dataset.initArgs",
+    ], lines
+    assert "must be a positive integer, got 'x'" in lines[1]
+
+
+def test_validate_checks_an_importable_user_class_and_names_the_ones_it_could_not(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text("class Net:\n    def __init__(self, layers: int = 2):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wrong = MISSPELT_CLASSES.replace("trainingrun_trainer.models.CharTransfomer", "my_models.Net").replace(
+        "contextLen", "contextLength"
+    )
+    try:
+        path = write(
+            tmp_path,
+            wrong.replace(
+                "model: {classPath: my_models.Net}", 'model: {classPath: my_models.Net, initArgs: {layers: "x"}}'
+            ),
+        )
+        assert cli.main(["validate", path]) == 1
+        assert capsys.readouterr().err.strip() == f"{path}: spec.trainer.model.initArgs.layers: must be int, got 'x'"
+        assert cli.main(["validate", write(tmp_path, wrong)]) == 0
+        assert "not importable" not in capsys.readouterr().out
+    finally:
+        sys.modules.pop("my_models", None)
 
 
 def test_validate_needs_no_torch(tmp_path):

@@ -299,6 +299,106 @@ def test_the_table_of_builtin_classes_equals_the_code():
     assert components.BUILTIN_CLASSES == found
 
 
+def test_the_checked_arguments_have_the_codes_defaults():
+    import inspect
+
+    from trainingrun_api import builtin_args
+
+    for path, spec in builtin_args.CLASSES.items():
+        module, _, name = path.rpartition(".")
+        signature = inspect.signature(getattr(sys.modules[module], name))
+        defaults = {
+            p.name: builtin_args.REQUIRED if p.default is p.empty else p.default for p in signature.parameters.values()
+        }
+        assert {arg: value.default for arg, value in spec.args.items()} == defaults, path
+
+
+def _builtin_arguments():
+    from trainingrun_api import builtin_args
+
+    for path, spec in builtin_args.CLASSES.items():
+        for name, arg in spec.args.items():
+            if arg.accepts is not None:
+                yield pytest.param(path, name, id=f"{path.rpartition('.')[2]}.{name}")
+
+
+@pytest.mark.parametrize("class_path, argument", list(_builtin_arguments()))
+def test_each_builtin_constructor_refuses_what_validate_refuses(class_path, argument, tmp_path):
+    """A value no argument takes (a mapping): the constructor refuses it in builtin_args' words, so validate, which
+    checks the same table without torch, says what the trainer would."""
+    from trainingrun_api import builtin_args
+
+    spec = builtin_args.CLASSES[class_path]
+    arguments = {
+        name: next(v for v in (8, 0.0, True, str(tmp_path)) if arg.accepts is None or arg.accepts(v))
+        for name, arg in spec.args.items()
+        if arg.default is builtin_args.REQUIRED
+    }
+    arguments[argument] = {"not": "this"}
+    module, _, name = class_path.rpartition(".")
+    with pytest.raises(ValueError, match=rf"^{argument} must be .*, got \{{'not': 'this'\}}$"):
+        getattr(sys.modules[module], name)(**arguments)
+    assert builtin_args.problems(class_path, arguments) == [(argument, ANY_MESSAGE)]
+
+
+class _AnyMessage(str):
+    def __eq__(self, other):
+        return isinstance(other, str) and other.startswith("must be ")
+
+    __hash__ = str.__hash__
+
+
+ANY_MESSAGE = _AnyMessage()
+
+
+def test_every_problem_of_a_builtin_class_is_listed_at_once_naming_each_argument():
+    comp = component("trainingrun_trainer.models.CharTransformer", dim=256, layers="x", contextLength=0, dimm=3)
+    with pytest.raises(ConfigError) as caught:
+        components.check_builtin(comp, MODEL)
+    assert str(caught.value).splitlines() == [
+        f"{MODEL}.initArgs: CharTransformer() got an unexpected keyword argument 'dimm'; accepted: vocabSize, dim, "
+        "layers, heads, contextLength, dropout; did you mean 'dim'?",
+        f"{MODEL}.initArgs.layers: must be a positive integer, got 'x'",
+        f"{MODEL}.initArgs.contextLength: must be a positive integer, got 0",
+    ]
+    with pytest.raises(ConfigError) as imported:
+        check(comp, MODEL)
+    assert str(imported.value) == str(caught.value)
+    relation = component("trainingrun_trainer.models.CharTransformer", dim=100, heads=3)
+    with pytest.raises(
+        ConfigError, match=r"initArgs: CharTransformer\(\): dim \(100\) must be divisible by heads \(3\)"
+    ):
+        components.check_builtin(relation, MODEL)
+
+
+def test_a_user_class_is_checked_against_its_annotations(tmp_path, monkeypatch):
+    (tmp_path / "annotated_models.py").write_text(
+        textwrap.dedent(
+            """
+            from typing import Optional
+
+            class Net:
+                def __init__(self, layers: int = 2, name: str = "n", scale: Optional[float] = None,
+                             sizes: tuple[int, ...] = (1,), anything=None):
+                    pass
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        check(component("annotated_models.Net", layers=3, scale=2, sizes=[1, 2], anything="x"), MODEL)
+        with pytest.raises(ConfigError) as caught:
+            check(component("annotated_models.Net", layers="3", name=5, scale=True, sizes=["a"]), MODEL)
+    finally:
+        sys.modules.pop("annotated_models", None)
+    assert str(caught.value).splitlines() == [
+        f"{MODEL}.initArgs.layers: must be int, got '3'",
+        f"{MODEL}.initArgs.name: must be str, got 5",
+        f"{MODEL}.initArgs.scale: must be Optional[float], got True",
+        f"{MODEL}.initArgs.sizes: must be tuple[int, ...], got ['a']",
+    ]
+
+
 @pytest.mark.parametrize(
     "class_path, init_args, field, extra",
     [

@@ -162,6 +162,12 @@ CEL_CASES = [
         "prefetchFactor needs worker processes",
     ),
     (
+        "eval-dataset-without-interval",
+        with_spec(trainer={"eval": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText"}}}),
+        "spec.trainer.eval",
+        "dataset is set but intervalSteps is 0",
+    ),
+    (
         "tensorboard-without-log-dir",
         with_spec(trainer={"loggers": [{"kind": "tensorboard"}]}),
         "spec.trainer.loggers[0]",

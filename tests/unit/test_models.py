@@ -238,8 +238,8 @@ def test_fewer_visible_patches_mean_fewer_flops():
     [
         (dict(dim=30, heads=4), r"dim \(30\) must be divisible by heads \(4\)"),
         (dict(layers=0), r"layers must be a positive integer, got 0"),
-        (dict(vocab_size=1), r"vocab_size must be at least 2, got 1"),
-        (dict(dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
+        (dict(vocab_size=1), r"vocab_size must be an integer of at least 2, got 1"),
+        (dict(dropout=1.0), r"dropout must be a number in \[0, 1\), got 1.0"),
         (dict(context_length=-1), r"context_length must be a positive integer, got -1"),
     ],
 )
@@ -254,8 +254,8 @@ def test_char_transformer_bad_args(kwargs, message):
         (dict(image_size=30, patch_size=4), r"image_size \(30\) must be divisible by patch_size \(4\)"),
         (dict(dim=30, heads=4), r"dim \(30\) must be divisible by heads \(4\)"),
         (dict(decoder_dim=30, heads=4), r"decoder_dim \(30\) must be divisible by heads \(4\)"),
-        (dict(mask_ratio=0.0), r"mask_ratio must be between 0 and 1 \(exclusive\), got 0.0"),
-        (dict(mask_ratio=1.0), r"mask_ratio must be between 0 and 1 \(exclusive\), got 1.0"),
+        (dict(mask_ratio=0.0), r"mask_ratio must be a number between 0 and 1 \(exclusive\), got 0.0"),
+        (dict(mask_ratio=1.0), r"mask_ratio must be a number between 0 and 1 \(exclusive\), got 1.0"),
         (dict(image_size=4, patch_size=4), r"masking needs 2\+ patches"),
     ],
 )

@@ -442,3 +442,42 @@ def test_a_damaged_image_shard_is_named(tmp_path):
         data[0]
     with pytest.raises(DataError, match=r"sample 'b' has no image member \(it has txt\)"):
         ImageShards(f"file://{tmp_path}/wds", eval_fraction=0.5, split="eval", cache_dir=str(tmp_path / "cache-3"))[0]
+
+
+def test_an_eval_dataset_of_its_own_reads_all_of_its_files_and_the_training_files_can_be_all_training(tmp_path):
+    """eval.dataset: a user's validation file is all eval (evalFraction 1 unless set), and data.dataset's
+    evalFraction 0 trains on every token of the training files."""
+    from trainingrun_api import components
+    from trainingrun_api.config import TrainerConfig
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    write_shard(tmp_path / "train" / "a.bin", np.arange(0, 1700))
+    write_shard(tmp_path / "val" / "a.bin", np.arange(5000, 5170))
+    shard_args = {"cacheDir": str(tmp_path / "cache"), "blockBytes": 4096, "contextLength": 16}
+    trainer = TrainerConfig.from_wire(
+        {
+            "data": {"dataset": {"classPath": "trainingrun_trainer.shards.TokenShards",
+                                 "initArgs": {"uri": f"file://{tmp_path}/train", "evalFraction": 0, **shard_args}}},
+            "eval": {"intervalSteps": 5,
+                     "dataset": {"classPath": "trainingrun_trainer.shards.TokenShards",
+                                 "initArgs": {"uri": f"file://{tmp_path}/val", **shard_args}}},
+        }
+    )  # fmt: skip
+    assert [field for _, field, _ in components.named_classes(trainer)][-1] == "spec.trainer.eval.dataset"
+    evaluated, field, extra = components.evaluated_dataset(trainer)
+    held_out = components.build(evaluated, field, **extra)
+    starts = {int(held_out[i]["tokens"][0]) for i in range(len(held_out))}
+    assert len(held_out) == 170 // 17 and min(starts) >= 5000  # every window from the validation file
+    assert max(starts) >= 5170 - 17 - 16  # ... up to its end, not its last 5%
+    train = components.build(trainer.data.dataset, "spec.trainer.data.dataset", split="train")
+    assert len(train) == 1700 // 17  # no held-out part
+
+
+def test_an_eval_dataset_needs_an_evaluation_interval():
+    from pydantic import ValidationError
+
+    from trainingrun_api.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match="dataset is set but intervalSteps is 0"):
+        TrainerConfig.from_wire({"eval": {"dataset": {"classPath": "trainingrun_trainer.data.SyntheticText"}}})

@@ -119,3 +119,20 @@ def test_the_log_line_of_a_step_shows_the_learning_rate_that_step_used(tmp_path)
     assert result.returncode == exit_codes.OK, result.stderr[-3000:]
     rates = dict(re.findall(r"step (\d+)/10 loss \S+ grad_norm \S+ lr (\S+)", result.stderr))
     assert rates == {"5": "0.005", "10": "0.01"}  # warmup: step k (1-based) runs at 0.02 x k / 20
+
+
+def test_periodic_evaluation_on_a_dataset_of_its_own(tmp_path):
+    """eval.dataset is what evaluation reads: a seeded synthetic set of another seed evaluates, one whose class
+    is misspelt stops the trainer naming spec.trainer.eval.dataset before a step."""
+    evaluated = {
+        "classPath": "trainingrun_trainer.data.SyntheticText",
+        "initArgs": {"numSamples": 64, "contextLength": 16, "seed": 7},
+    }
+    trainer = {**TINY, "maxSteps": 10, "eval": {"intervalSteps": 5, "batches": 2, "dataset": evaluated}}
+    result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/ckpt")
+    assert result.returncode == exit_codes.OK, result.stderr[-3000:]
+    assert len([line for line in result.stderr.splitlines() if "eval step" in line]) == 2
+    evaluated["classPath"] = "trainingrun_trainer.data.SyntheticTxt"
+    result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/other")
+    assert result.returncode == exit_codes.CONFIG_ERROR
+    assert "spec.trainer.eval.dataset.classPath" in result.stderr and "Traceback" not in result.stderr

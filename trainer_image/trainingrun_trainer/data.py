@@ -15,9 +15,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from trainingrun_api import builtin_args
+
 __all__ = ["SPLITS", "SyntheticText", "SyntheticImages", "check_common", "checked_index", "split_id"]
 
-SPLITS = ("train", "eval")
+SPLITS = builtin_args.SPLITS
 
 # Each use of a seed gets its own nonzero tag in second place and a fixed number of words, so no
 # two uses draw the same stream: numpy's SeedSequence ignores trailing zeros ([s, 0] == [s, 0, 0]).
@@ -95,11 +97,11 @@ class SyntheticText(_SeededItems):
         seed: int = 0,
         split: str = "train",
     ):
+        builtin_args.require(
+            "trainingrun_trainer.data.SyntheticText", num_samples=num_samples, context_length=context_length,
+            vocab_size=vocab_size, seed=seed, split=split,
+        )  # fmt: skip
         super().__init__(num_samples, seed, split)
-        if not isinstance(context_length, int) or context_length < 1:
-            raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
-        if not isinstance(vocab_size, int) or vocab_size < 2:
-            raise ValueError(f"vocab_size must be an integer of at least 2, got {vocab_size!r}")
         self.context_length = context_length
         self.vocab_size = vocab_size
         rng = np.random.default_rng([seed, _SHARED_TAG])
@@ -148,11 +150,11 @@ class SyntheticImages(_SeededItems):
         seed: int = 0,
         split: str = "train",
     ):
+        builtin_args.require(
+            "trainingrun_trainer.data.SyntheticImages", num_samples=num_samples, image_size=image_size,
+            channels=channels, seed=seed, split=split,
+        )  # fmt: skip
         super().__init__(num_samples, seed, split)
-        if not isinstance(image_size, int) or image_size < 1:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        if not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"channels must be a positive integer, got {channels!r}")
         self.image_size = image_size
         self.channels = channels
         # Centred coordinates, so a ramp through the middle stays within +-0.71 at the corners.

@@ -35,17 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainingrun_api import builtin_args
+
 __all__ = ["CharTransformer", "MaskedAutoencoder", "TransformerBlock"]
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-def _require_positive(**values: int) -> None:
-    for name, value in values.items():
-        _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -75,6 +72,9 @@ class SelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, dropout: float, causal: bool):
         super().__init__()
+        builtin_args.require(
+            "trainingrun_trainer.models.SelfAttention", dim=dim, heads=heads, dropout=dropout, causal=causal
+        )
         self.heads = heads
         self.dropout = dropout
         self.causal = causal
@@ -95,6 +95,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False):
         super().__init__()
+        builtin_args.require(
+            "trainingrun_trainer.models.TransformerBlock", dim=dim, heads=heads, dropout=dropout, causal=causal
+        )
         self.attn_norm = nn.LayerNorm(dim)
         self.attn = SelfAttention(dim, heads, dropout, causal)
         self.mlp_norm = nn.LayerNorm(dim)
@@ -125,10 +128,10 @@ class CharTransformer(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        _require_positive(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, context_length=context_length)
-        _require(vocab_size >= 2, f"vocab_size must be at least 2, got {vocab_size}")
-        _require(dim % heads == 0, f"dim ({dim}) must be divisible by heads ({heads})")
-        _require(0.0 <= dropout < 1.0, f"dropout must be in [0, 1), got {dropout}")
+        builtin_args.require(
+            "trainingrun_trainer.models.CharTransformer", vocab_size=vocab_size, dim=dim, layers=layers, heads=heads,
+            context_length=context_length, dropout=dropout,
+        )  # fmt: skip
         self.vocab_size = vocab_size
         self.dim = dim
         self.context_length = context_length
@@ -188,17 +191,11 @@ class MaskedAutoencoder(nn.Module):
         mask_ratio: float = 0.75,
     ):
         super().__init__()
-        _require_positive(
-            image_size=image_size, patch_size=patch_size, channels=channels, dim=dim, layers=layers,
-            heads=heads, decoder_dim=decoder_dim, decoder_layers=decoder_layers,
+        builtin_args.require(
+            "trainingrun_trainer.models.MaskedAutoencoder", image_size=image_size, patch_size=patch_size,
+            channels=channels, dim=dim, layers=layers, heads=heads, decoder_dim=decoder_dim,
+            decoder_layers=decoder_layers, mask_ratio=mask_ratio,
         )  # fmt: skip
-        _require(
-            image_size % patch_size == 0,
-            f"image_size ({image_size}) must be divisible by patch_size ({patch_size})",
-        )
-        _require(dim % heads == 0, f"dim ({dim}) must be divisible by heads ({heads})")
-        _require(decoder_dim % heads == 0, f"decoder_dim ({decoder_dim}) must be divisible by heads ({heads})")
-        _require(0.0 < mask_ratio < 1.0, f"mask_ratio must be between 0 and 1 (exclusive), got {mask_ratio}")
         self.image_size = image_size
         self.patch_size = patch_size
         self.channels = channels
@@ -206,10 +203,6 @@ class MaskedAutoencoder(nn.Module):
         self.decoder_dim = decoder_dim
         self.encoder_layers = layers
         self.num_patches = (image_size // patch_size) ** 2
-        _require(
-            self.num_patches >= 2,
-            f"image_size ({image_size}) must be at least 2 x patch_size ({patch_size}): masking needs 2+ patches",
-        )
         # At least one patch visible and one hidden, whatever the ratio, so both halves have work.
         self.num_visible = min(max(1, round(self.num_patches * (1.0 - mask_ratio))), self.num_patches - 1)
         patch_dim = patch_size * patch_size * channels

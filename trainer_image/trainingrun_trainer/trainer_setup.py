@@ -102,7 +102,8 @@ class TrainerSetup:
             self.batch_order.begin()  # a cold cache's first fetches overlap the restore, not the first step
         self.eval_dataset = None
         if self.cfg.eval.interval_steps:
-            self.eval_dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="eval")
+            evaluated, field, extra = components.evaluated_dataset(self.cfg)
+            self.eval_dataset = components.build(evaluated, field, **extra)
 
     def _batches(self) -> Generator[dict[str, torch.Tensor], None, None]:
         """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""

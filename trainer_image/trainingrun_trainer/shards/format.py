@@ -9,9 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from trainingrun_api import builtin_args
+
 LLMC_HEADER_BYTES = 1024
 LLMC_MAGICS = {20240520: "uint16", 20240801: "uint32"}
-DTYPES = ("uint8", "uint16", "uint32")
+DTYPES = builtin_args.TOKEN_DTYPES
 LITTLE_ENDIAN = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
 #: Where blocks are cached when `cache_dir` is not given.
 CACHE_ENV = "TRAININGRUN_DATA_CACHE"

@@ -9,6 +9,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from trainingrun_api import builtin_args
+
 from ..data import checked_index
 from .format import DataError, Shard, first_line, tar_samples
 from .tokens import TokenShards
@@ -54,16 +56,12 @@ class ImageShards(TokenShards):
         fetch_threads: int = 16,
         max_pixels: Optional[int] = None,
     ):
-        if not isinstance(image_size, int) or image_size < 1:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        if max_pixels is not None and (type(max_pixels) is not int or max_pixels < image_size * image_size):
-            raise ValueError(
-                f"max_pixels must be an integer of at least image_size squared ({image_size * image_size}), got "
-                f"{max_pixels!r}"
-            )
+        builtin_args.require(
+            "trainingrun_trainer.shards.ImageShards", uri=uri, image_size=image_size, channels=channels,
+            pattern=pattern, eval_fraction=eval_fraction, split=split, cache_dir=cache_dir, block_bytes=block_bytes,
+            endpoint_url=endpoint_url, read_ahead=read_ahead, fetch_threads=fetch_threads, max_pixels=max_pixels,
+        )  # fmt: skip
         self.max_pixels = default_max_pixels(image_size) if max_pixels is None else max_pixels
-        if channels not in (1, 3):
-            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
         self.image_size, self.channels = image_size, channels
         super().__init__(
             uri,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from trainingrun_api import builtin_args
+
 from .tokens import TokenShards
 
 
@@ -27,6 +29,11 @@ class TextBytes(TokenShards):
         read_ahead: int = 512,
         fetch_threads: int = 16,
     ):
+        builtin_args.require(
+            "trainingrun_trainer.shards.TextBytes", uri=uri, context_length=context_length, pattern=pattern,
+            num_samples=num_samples, eval_fraction=eval_fraction, seed=seed, split=split, cache_dir=cache_dir,
+            block_bytes=block_bytes, endpoint_url=endpoint_url, read_ahead=read_ahead, fetch_threads=fetch_threads,
+        )  # fmt: skip
         super().__init__(
             uri,
             context_length=context_length,

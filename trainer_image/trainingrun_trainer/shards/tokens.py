@@ -17,13 +17,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from trainingrun_api import builtin_args
+
 from ..background import give_way_to_training
 from ..checkpoint.layout import StorageUnavailable
 from ..checkpoint.storage import _storage_options
 from ..data import check_common, checked_index, split_id
 from .format import (
     CACHE_ENV,
-    DTYPES,
     LITTLE_ENDIAN,
     LLMC_HEADER_BYTES,
     LLMC_MAGICS,
@@ -49,7 +50,9 @@ class TokenShards(Dataset):
             always the same window (chosen at random from the seed and i, so windows may overlap and some tokens are
             never in one): later epochs serve the same windows in a new order, not fresh ones. Give more items for
             more distinct windows per epoch.
-        eval_fraction: the last part of each shard's tokens that is the eval split, never trained on.
+        eval_fraction: the last part of each shard's tokens that is the eval split, never trained on: 0 holds none
+            out (for a run whose eval.dataset is its own), 1 makes all of it eval (what an eval.dataset gets unless
+            it sets one).
         seed: chooses the windows.
         split: "train" or "eval" (the trainer passes it).
         cache_dir: the block cache (default $TRAININGRUN_DATA_CACHE, else a directory in the system's temp dir).
@@ -82,22 +85,12 @@ class TokenShards(Dataset):
         read_ahead: int = 512,
         fetch_threads: int = 16,
     ):
-        if not isinstance(uri, str) or not uri:
-            raise ValueError("uri must name a directory or file of shards, e.g. gs://bucket/tokens/")
-        if not isinstance(context_length, int) or context_length < 1:
-            raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 2):
-            raise ValueError(f"vocab_size must be an integer of at least 2, got {vocab_size!r}")
-        if not isinstance(eval_fraction, (int, float)) or not 0 < eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction!r}")
-        if not isinstance(block_bytes, int) or block_bytes < 4096:
-            raise ValueError(f"block_bytes must be an integer of at least 4096, got {block_bytes!r}")
-        if not isinstance(read_ahead, int) or read_ahead < 0:
-            raise ValueError(f"read_ahead must be a whole number of items (0 turns it off), got {read_ahead!r}")
-        if not isinstance(fetch_threads, int) or fetch_threads < 1:
-            raise ValueError(f"fetch_threads must be a positive number of threads, got {fetch_threads!r}")
+        builtin_args.require(
+            "trainingrun_trainer.shards.TokenShards", uri=uri, context_length=context_length, dtype=dtype,
+            pattern=pattern, vocab_size=vocab_size, num_samples=num_samples, eval_fraction=eval_fraction, seed=seed,
+            split=split, cache_dir=cache_dir, block_bytes=block_bytes, endpoint_url=endpoint_url,
+            read_ahead=read_ahead, fetch_threads=fetch_threads,
+        )  # fmt: skip
         self.uri, self.context_length, self.dtype, self.pattern = uri.rstrip("/") or uri, context_length, dtype, pattern
         self.vocab_size, self.eval_fraction, self.seed, self.split = vocab_size, float(eval_fraction), seed, split
         self.block_bytes, self.read_ahead, self.fetch_threads = block_bytes, read_ahead, fetch_threads
