@@ -316,6 +316,16 @@ def test_rerunning_a_finished_run_says_so_with_its_final_figures(tmp_path):
     assert "demo had already finished: the checkpoint at step 20" in again.stdout
     assert result_of(again.stdout)["steps"] == "20"
     assert result_of(again.stdout)["final_loss"] == result_of(first.stdout)["final_loss"]
+    # Its time line is this invocation's (nothing trained, nothing saved again); the line after it gives goodput's
+    # terms over both invocations, and they make the result's goodput.
+    time_line = next(line for line in again.stdout.splitlines() if line.startswith("time (this invocation): "))
+    assert "productive 0.0 s (0.0%)" in time_line and "checkpoint 0.0 s" in time_line, time_line
+    terms = re.search(r"goodput ([\d.]+) over the whole run: productive ([\d.]+) s of ([\d.]+) s wall", again.stdout)
+    assert terms, again.stdout
+    goodput, productive, wall = map(float, terms.groups())
+    assert result_of(again.stdout)["goodput"] == terms.group(1)
+    assert abs(goodput - productive / wall) < 0.01
+    assert wall > float(result_of(first.stdout)["wall_seconds"]) + float(result_of(again.stdout)["wall_seconds"]) - 0.2
 
 
 @pytest.mark.slow

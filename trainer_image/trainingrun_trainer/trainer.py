@@ -74,6 +74,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         self.metrics: metrics.NullMetrics = metrics.NullMetrics()
         self.tracker: Any = tracking.NullTracker()
         self.tracked_checkpoint = 0  #: the newest committed step the trackers were told of
+        self.resumed_step = 0  #: the step this process resumed at
         self.last_loss: float | None = None
 
     @property
@@ -159,7 +160,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             extra = self.session.resume(self._state())
             if extra is not None:
                 self._apply_restored(extra)
-        self.clock.restored_productive_seconds = self.productive_seconds
+        self.clock.restored_productive_seconds, self.resumed_step = self.productive_seconds, self.step
         if extra is not None:
             # Where the run stands now, before the first new step (which may be a while, or never).
             self.session.report(
@@ -381,9 +382,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 return exit_codes.PREEMPTED
             if save_due and self.step < cfg.max_steps:
                 self._save(blocking=False)
-        self._save(blocking=True)
-        with self.clock.timing("checkpoint"):
-            committed = self.session.store.flush()  # persisting behind: until storage holds it
+        committed = self._final_commit()
         if committed is None or committed.step != self.step:
             # Exiting 0 would report success with the final weights lost; a retry redoes the steps
             # after the last good checkpoint and saves again (or, inside the pod, finds them in memory).

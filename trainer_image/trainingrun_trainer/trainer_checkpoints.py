@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .checkpoint import DigestOfEntry, model_digest
+from .checkpoint import CheckpointInfo, DigestOfEntry, model_digest
 from .optim import scale_learning_rate
 from .seeding import rng_state, seed_everything, set_rng_state
 from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank
@@ -98,6 +98,18 @@ class TrainerCheckpoints:
             self._beside_save = False
             slowdown = self.clock.recount(self.save_slowdown.save_finished(), "compute", "checkpoint")
             self.productive_seconds = max(0.0, self.productive_seconds - slowdown)
+
+    def _final_commit(self) -> Optional[CheckpointInfo]:
+        """The last step, in storage (persisting behind: once storage holds it), the same on every rank: saved, unless
+        this process trained nothing (a finished run started again) and storage holds that step already."""
+        if self.step == self.resumed_step:
+            with self.clock.timing("checkpoint"):
+                committed = self.session.store.flush()
+            if committed is not None and committed.step == self.step:
+                return committed
+        self._save(blocking=True)
+        with self.clock.timing("checkpoint"):
+            return self.session.store.flush()
 
     def _save(self, blocking: bool) -> None:
         with self.clock.timing("checkpoint"):

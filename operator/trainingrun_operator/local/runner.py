@@ -360,6 +360,8 @@ class LocalRunner:
             lost_steps=lost,
             goodput=run_figures.goodput(productive, total_wall) or 0.0,
             wall_seconds=wall,
+            run_wall_seconds=total_wall,
+            run_productive_seconds=productive,
             outcome=outcome,
             message=message,
             stop_signal=self.interrupted,

@@ -28,6 +28,9 @@ class Summary:
     samples_per_second: Optional[float] = None
     model_flops_per_second: Optional[float] = None
     mfu: Optional[float] = None
+    #: The run's wall time and productive seconds over every invocation of it (the ledger's): goodput's terms.
+    run_wall_seconds: float = 0.0
+    run_productive_seconds: float = 0.0
     #: The training processes' start-up by phase, summed over processes (progress_report.ProcessTime), first step included.
     startup: dict[str, float] = field(default_factory=dict)
 
@@ -39,13 +42,21 @@ class Summary:
         return 128 + self.stop_signal if self.outcome == "interrupted" and self.stop_signal else 1
 
     def breakdown_line(self) -> str:
-        """`time: wall 61.2 s = productive 40.1 s (65.5%) + lost 1.2 s + ...`, every part of the breakdown."""
+        """`time: wall 61.2 s = productive 40.1 s (65.5%) + lost 1.2 s + ...`, every part of the breakdown. When the
+        run had earlier invocations, the line is this one's and a second line gives goodput's terms over all of them,
+        so the result's goodput is never a figure the time line contradicts."""
         parts = " + ".join(
             f"{name.replace('_', ' ')} {seconds:.1f} s"
             + (f" ({seconds / self.wall_seconds:.1%})" if name == "productive" and self.wall_seconds > 0 else "")
             for name, seconds in self.breakdown.items()
         )
-        return f"time: wall {self.wall_seconds:.1f} s = {parts}"
+        if self.run_wall_seconds <= self.wall_seconds + 0.05:
+            return f"time: wall {self.wall_seconds:.1f} s = {parts}"
+        return (
+            f"time (this invocation): wall {self.wall_seconds:.1f} s = {parts}\n"
+            f"goodput {self.goodput:.3f} over the whole run: productive {self.run_productive_seconds:.1f} s of "
+            f"{self.run_wall_seconds:.1f} s wall, every invocation of it included"
+        )
 
     def interval_line(self) -> Optional[str]:
         """`checkpoint interval (auto): 120 steps = 12.0 s ...`, when the trainer chose it."""
