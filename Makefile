@@ -8,11 +8,17 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.installed
 
 # The images' pinned versions (images/*-constraints.txt) hold here too, so the tests run what the images ship.
+# pip's own lines are the progress: a fresh install fetches about 1 GB (torch) and takes a few minutes.
 $(VENV)/.installed: pyproject.toml images/operator-constraints.txt images/trainer-constraints.txt
+	@echo "setup 1/3: a virtual environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "setup 2/3: the newest pip"
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[operator,cli,trainer,tensorboard,mlflow,wandb,images,dev]" \
+	@echo "setup 3/3: the operator, the trainer and their tools as pinned in images/*-constraints.txt (about 1 GB" \
+		"with torch, a few minutes the first time)"
+	$(BIN)/pip install --progress-bar off -e ".[operator,cli,trainer,tensorboard,mlflow,wandb,images,dev]" \
 		-c images/operator-constraints.txt -c images/trainer-constraints.txt
+	@echo "setup done: $(VENV) holds everything; make demo and make test use it"
 	touch $@
 
 # The main job on this machine: the minimal example on CPU (2 processes, ~1 minute), one worker

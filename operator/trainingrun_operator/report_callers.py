@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
+
+import cachetools
 
 from trainingrun_api import contract
 
@@ -78,48 +79,22 @@ def claimed_pod(token: str, now: float) -> Optional[ClaimedPod]:
     return ClaimedPod(str(namespace), pod["name"], pod["uid"])
 
 
-class Lru:
-    """A dict of at most `size` entries that forgets the least recently used first."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.entries: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-
-    def get(self, key: Any) -> Any:
-        found = self.entries.get(key)
-        if found is not None:
-            self.entries.move_to_end(key)
-        return found
-
-    def put(self, key: Any, value: Any) -> None:
-        self.entries[key] = value
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-
-    def pop(self, key: Any) -> None:
-        self.entries.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
 class RateLimiter:
     """A token bucket per key (a claimed pod, a source address): `rate` per second, up to `burst` at once; at most
     `keys` remembered."""
 
     def __init__(self, rate: float, burst: float, keys: int = 10000, clock: Callable[[], float] = time.monotonic):
         self.rate, self.burst, self.clock = rate, burst, clock
-        self.buckets = Lru(keys)
+        self.buckets: cachetools.LRUCache[str, tuple[float, float]] = cachetools.LRUCache(keys)
 
     def allow(self, key: str) -> bool:
         now = self.clock()
         tokens, then = self.buckets.get(key) or (self.burst, now)
         tokens = min(self.burst, tokens + (now - then) * self.rate)
         if tokens < 1:
-            self.buckets.put(key, (tokens, now))
+            self.buckets[key] = (tokens, now)
             return False
-        self.buckets.put(key, (tokens - 1, now))
+        self.buckets[key] = (tokens - 1, now)
         return True
 
 
@@ -162,7 +137,13 @@ class TokenReviewer:
     ):
         self.kube, self.cache_seconds, self.clock, self.wall_clock = kube, cache_seconds, clock, wall_clock
         self.known_pod = known_pod
-        self.accepted, self.refused = Lru(TOKEN_CACHE_SIZE), Lru(TOKEN_CACHE_SIZE)
+        #: An accepted token: (when its next review is due, its caller), kept one period past that (`deferred`).
+        self.accepted: cachetools.TTLCache[bytes, tuple[float, Caller]] = cachetools.TTLCache(
+            TOKEN_CACHE_SIZE, ttl=2 * cache_seconds, timer=clock
+        )
+        self.refused: cachetools.TTLCache[bytes, bool] = cachetools.TTLCache(
+            TOKEN_CACHE_SIZE, ttl=REFUSED_TOKEN_SECONDS, timer=clock
+        )
         self.per_pod = RateLimiter(per_pod_rate, per_pod_burst, clock=clock)
         self.per_source = RateLimiter(per_source_rate, per_source_burst, clock=clock)
         self.lane = asyncio.Semaphore(reviews_in_flight)
@@ -181,20 +162,18 @@ class TokenReviewer:
         key = hashlib.sha256(token.encode()).digest()
         now = self.clock()
         due: Optional[Caller] = None  #: an accepted token whose next review is due, within one more period
-        for cache in (self.accepted, self.refused):
-            cached = cache.get(key)
-            if cached is not None:
-                if cached[0] > now:
-                    return cached[1]
-                if cache is self.accepted and now < cached[0] + self.cache_seconds:
-                    due = cached[1]
-                else:
-                    cache.pop(key)
+        accepted = self.accepted.get(key)
+        if accepted is not None:
+            review_due, due = accepted
+            if now < review_due:
+                return due
+        elif key in self.refused:
+            return None
         pod = claimed_pod(token, self.wall_clock())
         if pod is None:
             self.refused_unreviewed += 1
-            self.accepted.pop(key)
-            self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
+            self.accepted.pop(key, None)
+            self.refused[key] = True
             return None
         if not self.known_pod(pod):  # not remembered: the pod may be new, and the index sees it in a moment
             self.refused_unreviewed += 1
@@ -218,10 +197,10 @@ class TokenReviewer:
             if not entered:  # cancelled while waiting for the lane
                 self.waiting -= 1
         if caller is None:
-            self.accepted.pop(key)
-            self.refused.put(key, (now + REFUSED_TOKEN_SECONDS, None))
+            self.accepted.pop(key, None)
+            self.refused[key] = True
         else:
-            self.accepted.put(key, (now + self.cache_seconds, caller))
+            self.accepted[key] = (now + self.cache_seconds, caller)
         return caller
 
     async def _review(self, token: str) -> Optional[Caller]:

@@ -33,13 +33,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
+import cachetools
 from aiohttp import web
 
 from trainingrun_api import contract, progress_report, run_figures
 
 from . import naming, run_status
 from .kube import ApiError
-from .report_callers import TOKEN_CACHE_SIZE, Caller, Lru, Refused, TokenReviewer
+from .report_callers import TOKEN_CACHE_SIZE, Caller, Refused, TokenReviewer
 from .report_connections import ConnectionGuard, GuardedSite, ReportLimits
 
 log = logging.getLogger("trainingrun.reports")
@@ -148,8 +149,10 @@ class CoalescedWrites:
     ):
         self.write, self.seconds, self.clock = write, seconds, clock
         self.pending: dict[tuple[str, str], dict[str, Any]] = {}
-        self.last = Lru(TOKEN_CACHE_SIZE)  #: when each run was last written (runs that stopped reporting drop out)
-        self.went_ahead = Lru(TOKEN_CACHE_SIZE)  #: when each run's last `at_once` write went ahead of the wait
+        #: When each run was last written, and when its last `at_once` write went ahead of the wait; runs that
+        #: stopped reporting drop out, least recently used first.
+        self.last: cachetools.LRUCache[tuple[str, str], float] = cachetools.LRUCache(TOKEN_CACHE_SIZE)
+        self.went_ahead: cachetools.LRUCache[tuple[str, str], float] = cachetools.LRUCache(TOKEN_CACHE_SIZE)
         self.flushing: dict[tuple[str, str], asyncio.Task] = {}
 
     async def submit(self, key: tuple[str, str], fields: dict[str, Any], at_once: bool = False) -> None:
@@ -171,7 +174,7 @@ class CoalescedWrites:
         now, went = self.clock(), self.went_ahead.get(key)
         if went is not None and now - went < self.seconds:
             return False
-        self.went_ahead.put(key, now)
+        self.went_ahead[key] = now
         return True
 
     async def _flush(self, key: tuple[str, str], wait: float) -> None:
@@ -186,7 +189,7 @@ class CoalescedWrites:
             log.warning("writing the status of %s/%s from its reports failed: %s", *key, error)
 
     async def _write(self, key: tuple[str, str], fields: dict[str, Any]) -> None:
-        self.last.put(key, self.clock())
+        self.last[key] = self.clock()
         await self.write(key, fields)
 
 
