@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml images/operator-constraints.txt images/traine
 	@echo "setup done: $(VENV) holds everything; make demo and make test use it"
 	touch $@
 
-# The main job on this machine: the minimal example on CPU (2 processes, ~1 minute), one worker
+# The main job on this machine: the minimal example on CPU (2 processes, 1-2 minutes on 2 cores), one worker
 # SIGKILLed at step 260, recovery from the last checkpoint, and the goodput summary.
 DEMO_RUN := runs/minimal-cpu
 demo: setup

@@ -7,10 +7,8 @@ What is measured
     `--dim/--layers` scale it), single process, written to a local temp dir (file://, same
     disk for every side; `--dir` picks the disk). Per repeat (default 3; medians are reported):
 
-    * async save, as the trainer saves (trainer.py `Trainer._save`), once with the in-process writer (a thread,
-      checkpoint.writerProcess: false, the default) and once with `writer_process=True` (a separate process at a low
-      priority writes the files; the rows marked "[writer process]"): the state as DCP
-      Stateful entries
+    * async save, as the trainer saves (trainer.py `Trainer._save`; its checkpoint thread writes the files): the
+      state as DCP Stateful entries
       (`state.ModelState`, `state.OptimizerState`: the store calls their state_dict() while it stages)
       and the model digest as a function of the staged state (computed in the background), then
       `store.save(..., blocking=False, copy_in_background=("model", "optim", "ema"))`: the weights and AdamW
@@ -30,11 +28,10 @@ What is measured
       with a memory tier in /dev/shm; the tensors are staged straight into its files, `checkpoint.tier_staging`):
       the same async save, "save-to-commit" being the commit in memory, then `flush()` and "then persisted to storage"
       (`store.last_persist_seconds`: copying the files to storage); its CPU row counts both tiers (the checkpoint
-      thread, the persister thread, a writer process). `commit_vs_torch_save` in the result line is this commit /
+      thread and the persister thread). `commit_vs_torch_save` in the result line is this commit /
       torch.save (issue 37's target <= 0.5), `persist_vs_torch_save` the copy to storage after it,
       `background_cpu_ratio_persist_behind` the CPU of both tiers / torch.save's (target <= 1.5).
-    * the CPU seconds each save's background work used (the store's checkpoint thread and, with one, its writer
-      process, from /proc) against torch.save's (`background_cpu_ratio`): what the steps beside the write share
+    * the CPU seconds each save's background work used (the store's checkpoint thread, from /proc) against torch.save's (`background_cpu_ratio`): what the steps beside the write share
       their cores with. On the 2-core dev VM they lose part of it (the effective stall), the rest runs in time
       training leaves idle.
     * sync baselines: `torch.save` of the same state dict into a new file in the same directory,
@@ -67,7 +64,7 @@ Targets
     blocking_ratio = async_blocking_seconds / sync_torch_save_seconds <= 0.10, where async_blocking_seconds is
     the wall time of the `store.save(..., blocking=False)` call (in-process writer); trainer_blocking_ratio (the
     trainer's whole save path on the training thread / torch.save) <= 0.05 and effective_stall_ratio (effective
-    stall / torch.save) <= 0.5 (issue 19), both with the writer process; `_in_process` beside them. The denominator moves between runs on a shared VM, so each ratio is taken per repeat
+    stall / torch.save) <= 0.5 (issue 19). The denominator moves between runs on a shared VM, so each ratio is taken per repeat
     (against that repeat's torch.save) and reported as the median of the repeats (default 5), with the spread.
 
 Run by hand, never by the test suite:
@@ -255,16 +252,11 @@ def cpu_seconds(stat_path: str) -> float:
 
 
 def background_cpu_seconds(store) -> float:
-    """CPU seconds the store's background work has used: its checkpoint thread and, with one, its writer process."""
+    """CPU seconds the store's background work has used: its checkpoint and persister threads."""
     threads = list(getattr(store._executor, "_threads", ())) + list(getattr(store._persister, "_threads", ()))
-    total = sum(cpu_seconds(f"/proc/self/task/{thread.native_id}/stat") for thread in threads)
-    if store._writer is not None and store._writer.pid is not None:
-        total += cpu_seconds(f"/proc/{store._writer.pid}/stat")
-    return total
+    return sum(cpu_seconds(f"/proc/self/task/{thread.native_id}/stat") for thread in threads)
 
 
-#: Rows of the store whose files a writer process writes (checkpoint.writerProcess).
-WRITER_PROCESS = " [writer process]"
 #: Rows of the store that commits in the memory tier and persists behind (CheckpointStore(persist_behind=True)).
 PERSIST_BEHIND = " [persist behind]"
 
@@ -446,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"step {pending.step} was committed in memory but not persisted; see the log above")
             record("  then persisted to storage (store.last_persist_seconds)" + suffix, on.last_persist_seconds)
         record(
-            "  CPU seconds of the background work (thread + writer)" + suffix, background_cpu_seconds(on) - cpu_before
+            "  CPU seconds of the background work (checkpoint thread)" + suffix, background_cpu_seconds(on) - cpu_before
         )
         return committed
 
@@ -459,19 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="checkpoint-stall-", dir=args.dir) as tmp:
         root = Path(tmp)
         store = CheckpointStore((root / "store").resolve().as_uri(), keep=2)
-        process_store = CheckpointStore((root / "process-store").resolve().as_uri(), keep=2, writer_process=True)
-        if not process_store._writer.wait_ready(300):
-            raise SystemExit("the checkpoint writer process did not start")
         sync_store = CheckpointStore((root / "sync-store").resolve().as_uri(), keep=2)
-        # The memory tier in node memory, as in a pod; the writer as the trainer defaults it (a process with a GPU).
+        # The memory tier in node memory, as in a pod.
         tier = Path(
             tempfile.mkdtemp(prefix="checkpoint-stall-tier-", dir="/dev/shm" if os.path.isdir("/dev/shm") else root)
         )
         behind_store = CheckpointStore(
             (root / "behind-store").resolve().as_uri(), keep=2, memory_tier=str(tier), persist_behind=True
         )
-        if behind_store._writer is not None and not behind_store._writer.wait_ready(300):
-            raise SystemExit("the checkpoint writer process did not start")
         if args.writer_nice:
             # Experiment, not what the library does: lower the priority of the store's background
             # thread (Linux: a thread is a task with its own nice value).
@@ -483,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up, untimed: first use of the store, the allocator and fresh page-cache pages, as the trainer's first save
         # (persisting behind, the spare in memory that the persister prepares after it).
         warm = state_now()
-        for warming in (store, process_store, behind_store):
+        for warming in (store, behind_store):
             warming.save(
                 step_no,
                 {"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
@@ -504,7 +491,6 @@ def main(argv: list[str] | None = None) -> int:
 
             digest = model_digest(state_now()["model"])  # for the restore check: the weights at save() time
             info = async_save(store, "", extra, baseline)
-            async_save(process_store, WRITER_PROCESS, extra, baseline)
             async_save(behind_store, PERSIST_BEHIND, extra, baseline)
 
             # Synchronous baselines, same state, same disk: torch.save into new files that are kept,
@@ -583,7 +569,6 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         store.close()
-        process_store.close()
         sync_store.close()
         behind_store.close()
         shutil.rmtree(tier, ignore_errors=True)
@@ -630,12 +615,11 @@ def main(argv: list[str] | None = None) -> int:
         "  extra step time while the write ran (all steps)",
         "effective stall: save() + extra step time",
         "save-to-commit (store.last_save_seconds)",
-        "  CPU seconds of the background work (thread + writer)",
+        "  CPU seconds of the background work (checkpoint thread)",
     ]
     order = [
         "training step, no save in flight",
         *async_rows,
-        *(name + WRITER_PROCESS for name in async_rows),
         *(name + PERSIST_BEHIND for name in async_rows[:-1]),
         "  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND,
         async_rows[-1] + PERSIST_BEHIND,
@@ -654,7 +638,6 @@ def main(argv: list[str] | None = None) -> int:
     throughput_rows = {
         "async store.save() call (wall)",
         "save-to-commit (store.last_save_seconds)",
-        "save-to-commit (store.last_save_seconds)" + WRITER_PROCESS,
         "sync torch.save (new file, faster of 2)",
         "sync torch.save + fsync",
         "sync store.save(blocking=True)",
@@ -679,9 +662,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer_ratio, trainer_low, trainer_high = per_repeat("trainer save path: save() + that wait")
     stall_ratio, stall_low, stall_high = per_repeat("effective stall: save() + extra step time")
-    process_trainer = per_repeat("trainer save path: save() + that wait" + WRITER_PROCESS)
-    process_stall = per_repeat("effective stall: save() + extra step time" + WRITER_PROCESS)
-    trainer_blocking = med["trainer save path: save() + that wait" + WRITER_PROCESS]
+    trainer_blocking = med["trainer save path: save() + that wait"]
     restore = med["CheckpointStore.load (restore)"]
     step_base = med["training step, no save in flight"]
     step_during = med["training step during background write"]
@@ -709,37 +690,27 @@ def main(argv: list[str] | None = None) -> int:
     slow = med["  the slower of the 2"]
     print(f"  (against the slower torch.save of each repeat, {slow:.3f} s: {blocking / slow:.3f})")
     print(
-        f"per repeat, median (min-max) over {args.repeats}, with the writer process (checkpoint.writerProcess: "
-        f"true): trainer's save path on the training thread {process_trainer[0]:.3f} ({process_trainer[1]:.3f}-"
-        f"{process_trainer[2]:.3f}) x torch.save (target <= 0.05: {'met' if process_trainer[0] <= 0.05 else 'NOT met'}"
-        f"); effective stall {process_stall[0]:.3f} ({process_stall[1]:.3f}-{process_stall[2]:.3f}) x torch.save "
-        f"(target <= 0.5: {'met' if process_stall[0] <= 0.5 else 'NOT met'})"
-    )
-    print(
-        f"  with the in-process writer thread (writerProcess: false): trainer's save path {trainer_ratio:.3f} "
-        f"({trainer_low:.3f}-{trainer_high:.3f}); effective stall {stall_ratio:.3f} ({stall_low:.3f}-"
-        f"{stall_high:.3f}); the writer process stalls {stall_ratio / process_stall[0]:.1f}x less"
+        f"per repeat, median (min-max) over {args.repeats}: trainer's save path on the training thread "
+        f"{trainer_ratio:.3f} ({trainer_low:.3f}-{trainer_high:.3f}) x torch.save (target <= 0.05: "
+        f"{'met' if trainer_ratio <= 0.05 else 'NOT met'}); effective stall {stall_ratio:.3f} ({stall_low:.3f}-"
+        f"{stall_high:.3f}) x torch.save (target <= 0.5: {'met' if stall_ratio <= 0.5 else 'NOT met'})"
     )
     commit = per_repeat("save-to-commit (store.last_save_seconds)")
-    commit_process = per_repeat("save-to-commit (store.last_save_seconds)" + WRITER_PROCESS)
     commit_behind = per_repeat("save-to-commit (store.last_save_seconds)" + PERSIST_BEHIND)
     persist_behind = per_repeat("  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND)
-    behind_cpu = med["  CPU seconds of the background work (thread + writer)" + PERSIST_BEHIND]
+    behind_cpu = med["  CPU seconds of the background work (checkpoint thread)" + PERSIST_BEHIND]
     print(
-        f"commit_vs_torch_save = save() to committed / torch.save, per repeat: in-process writer {commit[0]:.3f} "
-        f"({commit[1]:.3f}-{commit[2]:.3f}), writer process {commit_process[0]:.3f} ({commit_process[1]:.3f}-"
-        f"{commit_process[2]:.3f}) (issue 37's target for the memory tier: <= 0.5)"
+        f"commit_vs_torch_save = save() to committed / torch.save, per repeat: committed to storage {commit[0]:.3f} "
+        f"({commit[1]:.3f}-{commit[2]:.3f}) (issue 37's target for the memory tier: <= 0.5)"
     )
     print(
-        f"  persisting behind (committed in the memory tier, {'writer process' if args.device == 'cuda' else 'in-process'}"
-        f" writer): {commit_behind[0]:.3f} ({commit_behind[1]:.3f}-{commit_behind[2]:.3f}) x torch.save (target <= 0.5: "
+        f"  persisting behind (committed in the memory tier): {commit_behind[0]:.3f} ({commit_behind[1]:.3f}-{commit_behind[2]:.3f}) x torch.save (target <= 0.5: "
         f"{'met' if commit_behind[0] <= 0.5 else 'NOT met'}); then persisted to storage in {persist_behind[0]:.3f} "
         f"({persist_behind[1]:.3f}-{persist_behind[2]:.3f}) x torch.save more; CPU of both tiers "
         f"{behind_cpu / med['  its CPU seconds']:.2f}x torch.save's (target <= 1.5)"
     )
     for suffix, label in (
-        ("", "in-process writer"),
-        (WRITER_PROCESS, "writer process"),
+        ("", "committed to storage"),
         (PERSIST_BEHIND, "persisting behind"),
     ):
         if phases.get(suffix):
@@ -747,14 +718,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"where save-to-commit went ({label}; medians, store.last_save_phases): "
                 + ", ".join(f"{phase} {statistics.median(values):.3f} s" for phase, values in phases[suffix].items())
             )
-    background_cpu = med["  CPU seconds of the background work (thread + writer)" + WRITER_PROCESS]
+    background_cpu = med["  CPU seconds of the background work (checkpoint thread)"]
     save_cpu = med["  its CPU seconds"]
     print(
-        f"CPU of one save's background work (writer process + checkpoint thread: staging, digest, serialising, "
-        f"hashing, writing) {background_cpu:.3f} s vs torch.save's {save_cpu:.3f} s = {background_cpu / save_cpu:.2f}x; "
-        f"(in-process: {med['  CPU seconds of the background work (thread + writer)'] / save_cpu:.2f}x): the steps "
-        f"beside the write lose {process_stall[0] / (background_cpu / save_cpu):.0%} of it to the effective stall, the "
-        f"rest runs in time training leaves idle"
+        f"CPU of one save's background work (the checkpoint thread: staging, digest, serialising, hashing, writing) "
+        f"{background_cpu:.3f} s vs torch.save's {save_cpu:.3f} s = {background_cpu / save_cpu:.2f}x: the steps beside "
+        f"the write lose {stall_ratio / (background_cpu / save_cpu):.0%} of it to the effective stall, the rest runs "
+        f"in time training leaves idle"
     )
     print(
         f"restore: CheckpointStore.load {restore:.3f} s vs torch.load {med['torch.load']:.3f} s "
@@ -830,12 +800,11 @@ def main(argv: list[str] | None = None) -> int:
         f"trainer_blocking_seconds={trainer_blocking:.4f} blocking_ratio_vs_slower_save={blocking / slow:.4f} "
         f"effective_stall_seconds={effective:.4f} "
         f"torch_load_seconds={med['torch.load']:.4f} memory_restore_speedup={memory_speedup:.2f} background_cpu_ratio={background_cpu / save_cpu:.2f} "
-        f"trainer_blocking_ratio={process_trainer[0]:.4f} effective_stall_ratio={process_stall[0]:.4f} "
-        f"trainer_blocking_ratio_in_process={trainer_ratio:.4f} effective_stall_ratio_in_process={stall_ratio:.4f} "
-        f"commit_vs_torch_save={commit_behind[0]:.4f} commit_vs_torch_save_in_process={commit[0]:.4f} "
+        f"trainer_blocking_ratio={trainer_ratio:.4f} effective_stall_ratio={stall_ratio:.4f} "
+        f"commit_vs_torch_save={commit_behind[0]:.4f} commit_vs_torch_save_to_storage={commit[0]:.4f} "
         f"persist_vs_torch_save={persist_behind[0]:.4f} background_cpu_ratio_persist_behind="
         f"{behind_cpu / med['  its CPU seconds']:.2f} "
-        f"commit_vs_torch_save_writer_process={commit_process[0]:.4f} memory_restore_vs_torch_load={memory_vs_load:.4f} "
+        f"memory_restore_vs_torch_load={memory_vs_load:.4f} "
         f"storage_restore_vs_fsspec={storage_vs_fsspec:.4f}{vs_fsspec_fields} "
         f"memory_restore_vs_copy_floor={from_memory / copy_floor:.4f} copy_floor_vs_torch_load="
         f"{copy_floor / med['torch.load']:.4f}"

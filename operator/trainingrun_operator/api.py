@@ -138,9 +138,8 @@ class Resources(ApiModel):
         default="1Gi",
         pattern=QUANTITY,
         max_length=64,
-        description="Size of the in-memory /dev/shm volume that DataLoader workers and NCCL use, where "
-        "checkpoint.writerProcess stages each rank's state and where checkpoint.memoryTier keeps the newest checkpoint "
-        "of the pod's ranks (each needs about one copy of the pod's ranks' state; without room, saves are written "
+        description="Size of the in-memory /dev/shm volume that DataLoader workers and NCCL use, and where "
+        "checkpoint.memoryTier keeps the newest checkpoint of the pod's ranks (each needs about one copy of the pod's ranks' state; without room, saves are written "
         "in-process and not kept in memory, with a warning).",
     )
 

@@ -119,6 +119,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         for run in runs:
             print(f"{path}: TrainingRun {run.metadata.namespace}/{run.metadata.name} is valid")
+            for deprecation in run.spec.checkpoint.deprecated_fields():
+                print(f"  {deprecation}")
             for field, class_path in validation.unchecked_classes(run.spec.trainer, import_classes=True):
                 print(
                     f"  {field}.classPath {class_path} is not importable here: the trainer checks it and its "

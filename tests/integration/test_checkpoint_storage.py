@@ -77,23 +77,6 @@ def test_round_trip(backend):
     assert checked.valid and checked.manifest_sha256 == info.manifest_sha256
 
 
-def test_a_writer_process_writes_to_the_bucket(backend):
-    """checkpoint.writerProcess: the writer process makes its own fsspec session from the store's options."""
-    server, uri = backend
-    model, opt = trained(0)
-    digest = model_digest(model.state_dict())
-    with CheckpointStore(uri, writer_process=True, **server.store_kwargs) as store:
-        assert store._writer.wait_ready(120)
-        store.save(7, app_state(model, opt), {"step": 7}, model_digest=digest)
-        assert store.wait() is not None
-    fresh_model, fresh_opt = trained(1)
-    state = app_state(fresh_model, fresh_opt)
-    with CheckpointStore(uri, **server.store_kwargs) as store:
-        assert store.load(store.latest_valid(), state) == {"step": 7}
-    set_state_dict(fresh_model, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    assert model_digest(fresh_model.state_dict()) == digest
-
-
 def test_the_runs_starts_are_counted_in_the_bucket_beside_its_checkpoints(backend):
     """`checkpoint.interval.steps: auto` counts failures as starts in <uri>/starts.json (read, then one PUT)."""
     server, uri = backend

@@ -161,19 +161,14 @@ def test_entries_copied_in_background_are_copied_while_save_has_returned(store, 
     and counts as blocking; entries not named are copied before save() returns."""
     model, opt = trained()
     at_save, counts_at_save = weights(model), {"seen": 3}
-    gate, real_stager = threading.Event(), store._stager
+    gate, stage = threading.Event(), store._stage
 
-    def gated_stager(shared):
-        stage = real_stager(shared)
+    def gated_stage(plain):
+        if "model" in plain:  # the background copy
+            assert gate.wait(30), "the copy of the entries named in copy_in_background blocked save()"
+        return stage(plain)
 
-        def staging(plain):
-            if "model" in plain:  # the background copy
-                assert gate.wait(30), "the copy of the entries named in copy_in_background blocked save()"
-            return stage(plain)
-
-        return staging
-
-    monkeypatch.setattr(store, "_stager", gated_stager)
+    monkeypatch.setattr(store, "_stage", gated_stage)
     counts = {"seen": 3}
     pending = store.save(4, {**app_state(model, opt), "counts": counts}, copy_in_background=("model", "optim"))
     counts["seen"] = 4  # not named: copied before save() returned
@@ -195,18 +190,19 @@ def test_entries_copied_in_background_are_copied_while_save_has_returned(store, 
 
 
 def test_a_failed_background_copy_is_raised_on_the_training_thread(store, monkeypatch):
-    real_stager = store._stager
+    stage = store._stage
 
-    def failing_stager(shared):
-        stage = real_stager(shared)
-        return lambda plain: (_ for _ in ()).throw(MemoryError("no room to copy")) if "model" in plain else stage(plain)
+    def failing_stage(plain):
+        if "model" in plain:
+            raise MemoryError("no room to copy")
+        return stage(plain)
 
-    monkeypatch.setattr(store, "_stager", failing_stager)
+    monkeypatch.setattr(store, "_stage", failing_stage)
     store.save(1, {"model": make_model().state_dict()}, copy_in_background=("model",))
     with pytest.raises(MemoryError, match="no room to copy"):
         store.wait_copied()
     assert store.wait_copied() == 0.0  # raised once; the store takes the next save
-    monkeypatch.setattr(store, "_stager", real_stager)
+    monkeypatch.setattr(store, "_stage", stage)
     with pytest.raises(MemoryError):
         store.wait()  # the failed save's handle says why
     assert store.save(2, {"model": make_model().state_dict()}).result().step == 2
@@ -214,10 +210,8 @@ def test_a_failed_background_copy_is_raised_on_the_training_thread(store, monkey
 
 def test_a_blocking_save_copies_everything_before_returning(store, monkeypatch):
     copied_on = []
-    real_stager = store._stager
-    monkeypatch.setattr(
-        store, "_stager", lambda shared: (copied_on.append(threading.current_thread()), real_stager(shared))[1]
-    )
+    stage = store._stage
+    monkeypatch.setattr(store, "_stage", lambda plain: (copied_on.append(threading.current_thread()), stage(plain))[1])
     store.save(1, {"model": make_model().state_dict()}, blocking=True, copy_in_background=("model",))
     assert copied_on == [threading.current_thread()]
     assert store.wait().valid

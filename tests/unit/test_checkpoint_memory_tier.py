@@ -355,7 +355,6 @@ def _two_rank_worker(
     uri: str,
     tiers: list[str],
     out_dir: str,
-    writer_process: bool = False,
     damage: bool = False,
     persist_behind: bool = False,
 ) -> None:
@@ -368,10 +367,7 @@ def _two_rank_worker(
         ddp = DDP(make_model(0))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         train_step(ddp, opt, seed=100 + rank)
-        with CheckpointStore(
-            uri, memory_tier=tiers[rank], writer_process=writer_process, persist_behind=persist_behind
-        ) as store:
-            assert not writer_process or store._writer.wait_ready(120)
+        with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=persist_behind) as store:
             store.save(5, app_state(ddp, opt), {"rank": rank})
             assert store.wait() is not None
             behind = store.persist_behind
@@ -405,20 +401,16 @@ def _two_rank_worker(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "nodes, sources, writer_process",
-    [(1, ["memory", "memory"], False), (2, ["storage", "memory and storage"], False), (1, ["memory", "memory"], True)],
-)
-def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources, writer_process):
+@pytest.mark.parametrize("nodes, sources", [(1, ["memory", "memory"]), (2, ["storage", "memory and storage"])])
+def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources):
     """One node: both ranks' files are in its memory. Two nodes: each node lacks the file the other's rank wrote
     (DCP spreads the replicated tensors over both), so rank 0 verifies every file in storage, keeping them in its
-    node's memory for its load; rank 1 reads its own file from its node's memory and the other from storage. With
-    writer processes (one per rank) writing the files and the copies, as with one node."""
+    node's memory for its load; rank 1 reads its own file from its node's memory and the other from storage."""
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
     uri = f"file://{tmp_path / 'ckpt'}"
     mp.spawn(
         _two_rank_worker,
-        args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path), writer_process),
+        args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path)),
         nprocs=2,
         join=True,
     )
@@ -438,7 +430,7 @@ def test_two_ranks_persisting_behind_on_one_node_and_committing_to_storage_on_tw
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
     mp.spawn(
         _two_rank_worker,
-        args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers, str(tmp_path), False, False, True),
+        args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers, str(tmp_path), False, True),
         nprocs=2,
         join=True,
     )
@@ -453,7 +445,7 @@ def test_a_damaged_file_found_as_two_ranks_load_is_read_again_from_storage_by_bo
     tiers = [str(tmp_path / "node" / "tier")] * 2
     mp.spawn(
         _two_rank_worker,
-        args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers, str(tmp_path), False, True),
+        args=(2, str(tmp_path / "pg-store"), f"file://{tmp_path / 'ckpt'}", tiers, str(tmp_path), True),
         nprocs=2,
         join=True,
     )

@@ -297,3 +297,13 @@ def test_the_operator_collects_garbage_rarely_and_never_looks_at_its_modules_aga
     young, frozen = map(int, done.stdout.split())
     assert young == cli.GC_YOUNG_THRESHOLD > 700  # Python's default is 700
     assert frozen > 10_000  # the modules, classes and functions imported so far
+
+
+def test_validate_says_a_removed_field_is_ignored_and_to_remove_it(tmp_path, capsys):
+    path = write(tmp_path, MISSPELT_CLASSES.replace("CharTransfomer", "CharTransformer").replace("contextLen", "contextLength")
+                 .replace('checkpoint: {uri: "s3://bucket/demo"}', 'checkpoint: {uri: "s3://bucket/demo", writerProcess: true}'))  # fmt: skip
+    assert cli.main(["validate", path]) == 0
+    assert (
+        "  spec.checkpoint.writerProcess is deprecated and ignored: the trainer's checkpoint thread writes every "
+        "checkpoint; remove the field"
+    ) in capsys.readouterr().out.splitlines()

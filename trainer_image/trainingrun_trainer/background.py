@@ -8,7 +8,6 @@ thread that slept is owed CPU, whenever the step's own compute threads fill the 
 VM that preemption was nearly all of the data wait: 1.7 ms a step (1.6% of step time) with the next batch already
 made; with the helpers at +5 it is 0.13% (benchmarks/data_loading.py, synthetic data), and steps are no slower.
 At +5 a helper still gets a third of a nice-0 thread's share when they compete, far more than reading ahead needs.
-The checkpoint writer process does the same at its own level (checkpoint.writer_process.WRITER_NICE).
 """
 
 from __future__ import annotations

@@ -99,6 +99,8 @@ class Run(RunIntervals, RunReports):
         self.context = context
         self.checkpoint = checkpoint
         self.config_hash = config_hash
+        for deprecation in checkpoint.deprecated_fields() if context.rank == 0 else []:
+            log.warning("%s", deprecation)
         storage = checkpoint.storage_interval
         self.store = CheckpointStore(
             checkpoint.uri,
@@ -106,7 +108,6 @@ class Run(RunIntervals, RunReports):
             keep_every=checkpoint.keep_every,
             endpoint_url=checkpoint.endpoint_url,
             memory_tier=self._memory_tier(),
-            writer_process=checkpoint.writer_process,
             run_uid=context.uid or None,
             persist_behind=checkpoint.persist_behind,
             # storageInterval.steps: auto starts by copying every one, and `_time_step` sets the choice.

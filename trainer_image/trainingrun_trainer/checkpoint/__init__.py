@@ -32,14 +32,13 @@ How a save is sequenced (same on every rank; collectives use a dedicated gloo gr
 
 1. ``save()`` (training thread) first finishes the previous save, then stages: DCP's
    ``StateDictStager`` copies every tensor of ``state`` into CPU buffers that every save reuses (a real copy,
-   also for CPU tensors; pinned with CUDA; shared memory for the writer process), and ``extra`` is serialized to
+   also for CPU tensors; pinned with CUDA), and ``extra`` is serialized to
    bytes (this rank's entry of the state). Then it returns; the training loop may change its tensors at once,
    except those of the entries named in ``copy_in_background``: the background thread copies them first, and
    the loop calls ``wait_copied()`` before it changes them (the trainer: before the next optimizer step).
 2. A single background thread (reused across saves, so fsspec/gcsfs sessions are reused) runs
    ``dcp.save``: rank 0 clears a stale directory of the same step while planning (before any
-   rank writes), every rank writes its data files (by its writer process, `writer_process`, when the
-   store has one; staged into reused shared-memory buffers then), rank 0 writes ``.metadata`` after DCP has
+   rank writes), every rank writes its data files, rank 0 writes ``.metadata`` after DCP has
    gathered every rank's write results. Sizes and xxh3_128 are computed while the bytes stream
    out, so nothing is read back.
 3. All ranks exchange (ok/error, file hashes).
@@ -88,8 +87,7 @@ Anything else fails the load with CheckpointLoadError (the trainer exits "checkp
 checkpoint invalid, and resume falls back to an older one. The digests in the manifest detect corruption, not
 tampering (which is why a fast digest does as well as sha256 did).
 
-The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer),
-`writer_process` (the same in a separate process), `manifest`
+The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer), `manifest`
 (inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store`
 (`CheckpointStore`), `listing` (the CLI's table).
 """

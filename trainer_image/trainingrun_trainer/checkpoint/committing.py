@@ -241,10 +241,8 @@ class Committing:
                 record,
                 on_global_plan=lambda: None,
                 sync_files=False,
-                process=self._writer if job.shared and staged is None else None,
                 segments=True,
                 staged=staged,
-                die_after_items=1 if job.step == self.writer_dies_at_step else None,
             )
         else:
             writer = _Writer(
@@ -254,8 +252,6 @@ class Committing:
                 sync_files=self._storage.local,
                 tier=self._tier,
                 tier_dir=tier_dir,
-                process=self._writer if job.shared else None,
-                die_after_items=1 if job.step == self.writer_dies_at_step else None,
                 **self._options,
             )
         if planner is not None:

@@ -1,6 +1,6 @@
 """DCP's fsspec FileSystem, wrapped so every file written is hashed on its way (its manifest entry: size and file
 digest, and for files written into the memory tier each segment's digest) and copied into the memory tier. Used by
-the writer in the training process (`writer`) and by the writer process (`writer_process`).
+the writer (`writer`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -21,7 +20,6 @@ from .layout import (
     _describe,
     logger,
 )
-from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
 from .save_planner import ReusingSavePlanner
 from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable, tensors_of
 
@@ -37,7 +35,6 @@ class _SaveJob:
     model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
     started: float
     expected_bytes: int  # about what this rank writes (for the memory tier's room)
-    shared: bool = False  # staged in shared memory, for the writer process
     logged: bool = False  # this rank already logged the failure
     later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
     marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
@@ -112,13 +109,10 @@ class Saving:
         # torch's get_state_dict walks every module and parameter, milliseconds per save, more the larger the model,
         # and nothing it reads changes before the optimizer step.
         deferred = (
-            [key for key in copy_in_background if key in state]
-            if not blocking and self._writer is None and self._defer_state_dicts
-            else []
+            [key for key in copy_in_background if key in state] if not blocking and self._defer_state_dicts else []
         )
         plain = _plain({key: value for key, value in state.items() if key not in deferred})
         expected_bytes = self.last_save_bytes or tensor_bytes(plain)
-        shared = self._room_to_share(plain)
         later = (
             {}
             if blocking
@@ -126,7 +120,7 @@ class Saving:
         )
         if later and self._defer_state_dicts is None:
             self._defer_state_dicts = plain_tensors(later)
-        staged = self._stager(shared)(plain)
+        staged = self._stage(plain)
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
         staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
@@ -137,7 +131,6 @@ class Saving:
             model_digest=model_digest,
             started=started,
             expected_bytes=expected_bytes,
-            shared=shared,
             later=later or None,
         )
         if not later:
@@ -152,8 +145,8 @@ class Saving:
         self._pending, self._copying = pending, job
         return pending
 
-    def _stager(self, shared: bool) -> Callable[[dict], dict]:
-        return (self._shared_stager if shared else self._private_stager).stage
+    def _stage(self, plain: dict) -> dict:
+        return self._state_stager.stage(plain)
 
     def wait_copied(self) -> float:
         """Wait until the save in flight has copied its ``copy_in_background`` entries; returns the seconds waited
@@ -171,37 +164,6 @@ class Saving:
         if error is not None:
             raise error
         return waited
-
-    def _room_to_share(self, plain: Mapping[str, Any]) -> bool:
-        """Whether this save can stage into shared memory for the writer process: /dev/shm must hold what the
-        buffers lack and keep its reserve, or copying into them would end the process with SIGBUS."""
-        if self._writer is None or not self._writer.ready():
-            return False
-        needed = max(0, tensor_bytes(plain) - self._shared_bytes)
-        if needed:
-            try:
-                usage = shutil.disk_usage(SHARED_MEMORY)
-            except OSError:
-                return False
-            if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
-                if not self._told_no_shared_room:
-                    logger.warning(
-                        "checkpoints are written in-process, not by the writer process: %s has %d MiB "
-                        "free and staging needs %d MiB more (raise resources.sharedMemory); told once",
-                        SHARED_MEMORY,
-                        usage.free >> 20,
-                        needed >> 20,
-                    )
-                    self._told_no_shared_room = True
-                return False
-            if not self._shared_bytes:
-                logger.info(
-                    "rank %d: checkpoint files are written by the writer process %d from now on",
-                    self.rank,
-                    self._writer.pid,
-                )
-            self._shared_bytes += needed
-        return True
 
     def wait(self) -> Optional[CheckpointInfo]:
         """Finish the save in flight, if any, and return the most recent save's outcome: the
@@ -253,7 +215,7 @@ class Saving:
                     staged.failed = True
                     staged.close()
             if staged is None or (staged.failed and planner is None):  # not stageable, or staged to commit to storage
-                job.state.update(self._stager(job.shared)(later))
+                job.state.update(self._stage(later))
         except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
             job.copied.set_exception(exc)
             if staged is not None:

@@ -38,7 +38,6 @@ from .rotation import Rotating
 from .saving import Saving, _SaveJob
 from .storage import _is_dir, _Storage, _storage_options
 from .tier_staging import release_locked_pages
-from .writer_process import WriterProcess
 
 #: Numbers the stores of this process: each keeps its own plans in DCP's process-wide plan cache.
 _STORES = itertools.count()
@@ -59,9 +58,6 @@ class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating)
         storage_options: extra keyword arguments for the fsspec filesystem (e.g. ``token``).
         memory_tier: a directory in node memory (/dev/shm) where the newest committed checkpoint's files of this
             node's ranks are also kept, for a restart inside the pod to load (see `memory_tier`); None: none.
-        writer_process: write this rank's files from a separate process (`writer_process`), staging into shared
-            memory buffers that every save reuses; a save that comes before the writer has started, or for which
-            /dev/shm lacks room, is written in-process.
         run_uid: the uid of the run whose checkpoints these are, recorded in each manifest: checkpoints another run
             wrote below the same uri (two runs naming one checkpoint.uri) are never resumed from, rotated or
             overwritten (`load` of one named explicitly still reads it). Checkpoints without one (older trainers) are
@@ -97,7 +93,6 @@ class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating)
         *,
         storage_options: Optional[Mapping] = None,
         memory_tier: Optional[str] = None,
-        writer_process: bool = False,
         run_uid: Optional[str] = None,
         persist_behind: bool = False,
         persist_every_steps: Optional[int] = None,
@@ -116,22 +111,12 @@ class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating)
         self._storage = _Storage(uri, self._options)
         self._tier = MemoryTier(memory_tier, origin=uri) if memory_tier else None
         self.memory_tier = memory_tier or None
-        self._writer = WriterProcess() if writer_process else None
-        if self._writer is not None:
-            self._writer.start()  # it imports torch while training starts
-        # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies), in shared
-        # memory when the writer process writes them: containers are rebuilt, other values deep-copied.
-        self._shared_stager = (
-            StateDictStager(share_memory=True, pin_memory=torch.cuda.is_available()) if writer_process else None
-        )
-        self._private_stager = StateDictStager(pin_memory=torch.cuda.is_available())
-        self._shared_bytes = 0  # held by the shared staging buffers
+        # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies):
+        # containers are rebuilt, other values deep-copied.
+        self._state_stager = StateDictStager(pin_memory=torch.cuda.is_available())
         self._defer_state_dicts: Optional[bool] = (
             None  # see save(); decided by the first save that copies in the background
         )
-        self._told_no_shared_room = False
-        #: Fault injection (tests): the writer process kills itself part way through the save of this step.
-        self.writer_dies_at_step: Optional[int] = None
 
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = None
@@ -216,8 +201,6 @@ class CheckpointStore(Saving, Committing, PersistingBehind, Restoring, Rotating)
         release_locked_pages()
         if self._persister is not None:
             self._persister.shutdown(wait=True)
-        if self._writer is not None:
-            self._writer.close()
         forget_save_plans(self._plans_key)
         self._closed = True
 

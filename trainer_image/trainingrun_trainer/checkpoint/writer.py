@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from torch.futures import Future as TorchFuture
 
@@ -13,14 +13,12 @@ from .layout import METADATA_NAME
 from .memory_tier import MemoryTier
 from .tensor_files import write_rank_file
 from .tier_staging import StagedFile
-from .writer_process import WriteRequest, WriterProcess
 
 
 class _Writer(FsspecWriter):
     """DCP's FsspecWriter writing format 3's data files (`tensor_files`), hashing every file written and, on the
     coordinator, removing a stale directory of the same step while planning (before any rank writes data). With a
-    `process`, this rank's data files are written by that writer process (`writer_process`); with a `staged` file
-    (`tier_staging`), this rank's data file is the one its state was staged into, completed in place."""
+    `staged` file (`tier_staging`), this rank's data file is the one its state was staged into, completed in place."""
 
     def __init__(
         self,
@@ -31,8 +29,6 @@ class _Writer(FsspecWriter):
         sync_files: bool,
         tier: Optional[MemoryTier] = None,
         tier_dir: Optional[str] = None,
-        process: Optional[WriterProcess] = None,
-        die_after_items: Optional[int] = None,
         segments: bool = False,
         staged: Optional[StagedFile] = None,
         **storage_options,
@@ -41,10 +37,6 @@ class _Writer(FsspecWriter):
         self.fs = HashingFileSystem(self.fs, record, tier, tier_dir, segments)  # type: ignore[assignment]  # wraps it
         self._on_global_plan = on_global_plan
         self._record, self._tier, self._tier_dir = record, tier, tier_dir
-        self._request: dict[str, Any] = dict(
-            uri=path, options=storage_options, sync_files=sync_files, die_after_items=die_after_items, segments=segments
-        )
-        self._process = process
         self._staged = staged
 
     def write_data(self, plan, planner) -> TorchFuture:
@@ -53,20 +45,11 @@ class _Writer(FsspecWriter):
             results, self._record[self._staged.name] = self._staged.complete(plan, planner.resolve_data)
             done.set_result(results)
             return done
-        if self._process is None:
-            done.set_result(
-                write_rank_file(
-                    self.fs.create_stream, self.fs.concat_path, self.path, plan, planner.resolve_data, self.sync_files
-                )
+        done.set_result(
+            write_rank_file(
+                self.fs.create_stream, self.fs.concat_path, self.path, plan, planner.resolve_data, self.sync_files
             )
-            return done
-        data = {item.index: planner.resolve_data(item) for item in plan.items}
-        tier_root = self._tier.root if self._tier is not None and self._tier_dir is not None else None
-        results, record = self._process.write(
-            WriteRequest(plan=plan, data=data, tier_root=tier_root, tier_dir=self._tier_dir, **self._request)
         )
-        self._record.update(record)
-        done.set_result(results)
         return done
 
     def write_metadata(self, data: bytes) -> None:
