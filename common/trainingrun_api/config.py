@@ -153,8 +153,7 @@ class OptimizerConfig(ApiModel):
     momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD momentum.")
     fused: Optional[bool] = Field(
         default=None,
-        description="AdamW's fused kernel (one kernel per step for all parameters). Unset: on with "
-        "GPUs (on an H100, fused AdamW with TF32 matmuls took the benchmark model from 35.9 to 31.7 ms a step), off "
+        description="AdamW's fused kernel (one kernel per step for all parameters). Unset: on with GPUs, off "
         "on CPUs. Results differ from the unfused AdamW in the last bits; a run resumes exactly either way.",
     )
 
@@ -275,9 +274,8 @@ class TrainerConfig(ApiModel):
     )
     compile: Optional[bool] = Field(
         default=None,
-        description="Wrap the model with torch.compile. Unset: on with GPUs (the benchmark model on an "
-        "H200: 25.8 -> 20.7 ms a step), where a model that fails to compile trains uncompiled with a warning; off on "
-        "CPUs. The first start of an attempt compiles (tens of seconds); a worker restarted in its pod finds the "
+        description="Wrap the model with torch.compile. Unset: on with GPUs, where a model that fails to compile "
+        "trains uncompiled with a warning; off on CPUs. The first start of an attempt compiles (tens of seconds); a worker restarted in its pod finds the "
         "cache in the pod's /tmp. true: compile also on CPUs, and a compile error ends the run.",
     )
     tf32: Optional[bool] = Field(
