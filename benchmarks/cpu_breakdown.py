@@ -47,7 +47,7 @@ TIMED = [
     ("trainingrun_operator.indexes", "view", "indexes.view"),
     ("trainingrun_operator.indexes", "jobs_view", "indexes.jobs_view"),
     ("trainingrun_operator.indexes", "run_owns_job", "indexes.run_owns_job"),
-    ("trainingrun_operator.kube", "PriorityGate.release", "kube.PriorityGate.release"),
+    ("trainingrun_operator.runtime.kube", "PriorityGate.release", "kube.PriorityGate.release"),
     ("logging", "StreamHandler.emit", "logging (a line written)"),
     ("prometheus_client.metrics", "Histogram.observe", "prometheus Histogram.observe"),
     ("orjson", "loads", "orjson.loads (answers, watch events)"),
@@ -115,7 +115,7 @@ def _time_orjson(totals: dict[str, list]) -> None:
     for module_name, name, label in TIMED:
         if module_name == "orjson":
             setattr(copy, name, _timed(getattr(orjson, name), totals.setdefault(label, [0, 0.0])))
-    for module_name in ("trainingrun_operator.kube", "trainingrun_operator.informer"):
+    for module_name in ("trainingrun_operator.runtime.kube", "trainingrun_operator.runtime.informer"):
         module = importlib.import_module(module_name)
         if getattr(module, "orjson", None) is orjson:
             module.orjson = copy  # type: ignore[attr-defined]
@@ -182,8 +182,8 @@ def baseline_costs(document: dict[str, Any], repeats: int = BASELINE_REPEATS) ->
     copies = [copy.deepcopy(document) for _ in range(2 * repeats)]
     calls: dict[str, Callable[[int], Any]] = {
         "validation.parse (pydantic)": lambda i: validation.parse(copies[i], from_server=True),
-        "validation.credential_problems": lambda i: validation.credential_problems(run),
-        "validation.component_problems": lambda i: validation.component_problems(run),
+        "validation.credential_problems": lambda i: validation.credential_problems(run.spec.trainer),
+        "validation.component_problems": lambda i: validation.component_problems(run.spec.trainer),
         "builders.children": lambda i: builders.children(run),
         "builders.event_object": lambda i: builders.event_object(document, note, now),
         "orjson.loads (answers, watch events)": lambda i: orjson.loads(event),

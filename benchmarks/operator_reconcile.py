@@ -381,7 +381,7 @@ async def main_async(count: int, repeats: int) -> int:
 # the operator's own API client (kube.Kube over aiohttp's client): what any controller must do per run, on the same stack.
 REAL_FLOOR_WATCHER = """
 import asyncio, sys, time, kopf
-from trainingrun_operator.kube import ApiError, Kube, WatchGone
+from trainingrun_operator.runtime.kube import ApiError, Kube, WatchGone
 url, namespace, ca, cert, key = sys.argv[1:6]
 runs = f"/apis/trainingrun.dev/v1alpha1/namespaces/{namespace}/trainingruns"
 def job(name):

@@ -7,7 +7,7 @@ import asyncio
 
 import kopf
 
-from trainingrun_operator.kube import Kube
+from trainingrun_operator.runtime.kube import Kube
 
 
 class Scripted:

@@ -1,22 +1,22 @@
 """The operator's triggers and reconcile workers: keep the runs (state.runs) and the jobs and pods of each
-(state.indexes) from the operator's own watches (informer.py), and reconcile on any change. kopf logs in, runs
-peering (leadership.py), the liveness endpoint, and calls the startup and cleanup handlers here.
+(state.indexes) from the operator's own watches (runtime/informer.py), and reconcile on any change. kopf logs in, runs
+peering (runtime/leadership.py), the liveness endpoint, and calls the startup and cleanup handlers here.
 
-Every trigger (a TrainingRun event, a PyTorchJob or pod event, a recheck: rechecks.py) queues the run's key;
+Every trigger (a TrainingRun event, a PyTorchJob or pod event, a recheck: runtime/rechecks.py) queues the run's key;
 a fixed number of workers take keys from the queue and run the same level-triggered `reconcile_run`: read
 the run and its children from the indexes (no API reads), let `reconcile.decide` choose, then
 create/patch/delete what the plan says and write status. A key already queued is not queued again: the
 worker reads the indexes when it starts, so it sees every change that queued it. The event functions only
 keep and queue, so watching is never held up by API calls.
 Handlers stay thin; decisions are in reconcile.py, objects in builders.py, carrying out a plan in plans.py, API
-calls in kube.py.
+calls in runtime/kube.py.
 
 Runs are reconciled one at a time per run (a lock each), and the status fields the operator owns
 are taken from its own last write until the watch delivers it, so two quick triggers can never
 charge one failure twice or start an attempt twice. Everything else survives a restart in status.
 
 What the indexes keep is in indexes.py, what the process keeps in memory in state.py, the HTTP servers (metrics,
-readiness, reports) in serving.py, which replica acts in leadership.py.
+readiness, reports) in serving.py, which replica acts in runtime/leadership.py.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from typing import Any, Callable, Optional
 
 import kopf
 
-from . import api, indexes, leadership, naming, plans, rechecks, reconcile, serving, validation
-from . import kube as kube_module
+from . import api, indexes, naming, plans, reconcile, serving, validation
 from .indexes import merged_status, run_document, slim_job, slim_pod, slim_run
-from .informer import Index, Informer
-from .kube import ApiError
+from .runtime import kube as kube_module
+from .runtime import leadership, rechecks
+from .runtime.informer import Index, Informer
+from .runtime.kube import ApiError
 from .state import Key, OperatorState, Reconciled
 
 log = logging.getLogger("trainingrun.operator")

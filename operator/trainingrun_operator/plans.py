@@ -15,9 +15,9 @@ from typing import Any, Optional, TypeGuard
 from trainingrun_api import contract
 
 from . import api, builders, naming, reconcile, run_status, validation
-from . import kube as kube_module
 from .indexes import controller_uid, job_view, merged_status, run_owns_job, slim_job
-from .kube import ApiError, Kube
+from .runtime import kube as kube_module
+from .runtime.kube import ApiError, Kube
 from .state import Key, OperatorState, Rejection
 
 log = logging.getLogger("trainingrun.operator")

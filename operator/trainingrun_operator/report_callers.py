@@ -17,7 +17,7 @@ import cachetools
 
 from trainingrun_api import contract
 
-from .kube import REVIEW, Kube
+from .runtime.kube import REVIEW, Kube
 
 log = logging.getLogger("trainingrun.reports")
 

@@ -39,9 +39,9 @@ from aiohttp import web
 from trainingrun_api import contract, progress_report, run_figures
 
 from . import naming, run_status
-from .kube import ApiError
 from .report_callers import TOKEN_CACHE_SIZE, Caller, Refused, TokenReviewer
 from .report_connections import ConnectionGuard, GuardedSite, ReportLimits
+from .runtime.kube import ApiError
 
 log = logging.getLogger("trainingrun.reports")
 

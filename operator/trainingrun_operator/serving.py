@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from . import api, report_callers, reports
 from .indexes import SPEC_JSON, merged_status, run_owns_job
-from .kube import STATUS, ApiError
+from .runtime.kube import STATUS, ApiError
 from .state import Key, OperatorState
 
 if TYPE_CHECKING:

@@ -14,9 +14,10 @@ from typing import Any, Awaitable, Callable, Optional
 
 import kopf
 
-from . import builders, leadership
-from .kube import Kube
+from . import builders
 from .metrics import OperatorMetrics
+from .runtime import leadership
+from .runtime.kube import Kube
 from .settings import Settings
 
 log = logging.getLogger("trainingrun.operator")

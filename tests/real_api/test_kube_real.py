@@ -4,7 +4,7 @@ import kopf
 import pytest
 import yaml
 
-from trainingrun_operator.kube import AnswerTooLarge, Kube
+from trainingrun_operator.runtime.kube import AnswerTooLarge, Kube
 
 
 def warning_event(

@@ -18,7 +18,7 @@ import pytest
 
 from trainingrun_api import contract
 from trainingrun_operator import report_callers, reports
-from trainingrun_operator.kube import REVIEW
+from trainingrun_operator.runtime.kube import REVIEW
 
 pytestmark = pytest.mark.asyncio
 GOOD = "good"

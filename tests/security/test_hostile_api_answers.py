@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from scripted_api import Scripted, ok
-from trainingrun_operator.kube import ApiError
+from trainingrun_operator.runtime.kube import ApiError
 
 pytestmark = pytest.mark.asyncio
 

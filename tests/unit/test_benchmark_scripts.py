@@ -31,7 +31,8 @@ import gc, sys, time
 sys.path.insert(0, {str(BENCHMARKS)!r})
 import cpu_breakdown
 cpu_breakdown.install({str(output)!r})
-from trainingrun_operator import kube, validation
+from trainingrun_operator import validation
+from trainingrun_operator.runtime import kube
 for _ in range(3):
     validation.parse({{"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {{"name": "a"}},
                        "spec": {{"checkpoint": {{"uri": "s3://bucket/a"}}}}}})

@@ -194,3 +194,47 @@ def test_no_source_file_is_longer_than_a_reader_can_hold():
         if (lines := len(path.read_text().splitlines())) > MAX_SOURCE_LINES
     }
     assert long == {}, f"split these along the seams their docstrings name: {long}"
+
+
+#: What a run is, which the operator's runtime (informer, API client, leadership, rechecks) must not depend on.
+DOMAIN = {"api", "api_env", "api_meta", "api_status", "builders", "reconcile", "validation"}
+
+
+def operator_modules_imported(path: Path) -> set[str]:
+    """The trainingrun_operator modules (below the package, dotted) a module of the operator imports, relative
+    imports resolved, `from .. import api` included."""
+    package = PACKAGES["trainingrun_operator"]
+    here = path.relative_to(package).with_suffix("").parts  # ("trainingrun_operator", "runtime", "kube")
+    found = set()
+    for node in ast.walk(syntax_tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(here[: len(here) - node.level])
+            elif (node.module or "").startswith("trainingrun_operator"):
+                base = []
+            else:
+                continue
+            module = base + ((node.module or "").split(".") if node.module else [])
+            for alias in node.names:
+                found.add(".".join(module[1:] + [alias.name]))  # a name may be a module or a symbol: both kept
+                found.add(".".join(module[1:]))
+        elif isinstance(node, ast.Import):
+            found |= {
+                a.name.removeprefix("trainingrun_operator.")
+                for a in node.names
+                if a.name.startswith("trainingrun_operator.")
+            }
+    return found
+
+
+def test_the_operators_runtime_does_not_import_what_a_run_is():
+    runtime = PACKAGES["trainingrun_operator"] / "trainingrun_operator" / "runtime"
+    modules = sorted(runtime.glob("*.py"))
+    assert {p.stem for p in modules} >= {"kube", "informer", "leadership", "rechecks"}
+    wrong = {
+        path.stem: sorted(name for name in operator_modules_imported(path) if name.split(".")[0] in DOMAIN)
+        for path in modules
+    }
+    assert {stem: names for stem, names in wrong.items() if names} == {}
+    # The rule sees what it is for: handlers (not runtime) imports reconcile.
+    assert "reconcile" in operator_modules_imported(runtime.parent / "handlers.py")

@@ -7,8 +7,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from trainingrun_operator.informer import Index, Informer
-from trainingrun_operator.kube import WatchGone
+from trainingrun_operator.runtime.informer import Index, Informer
+from trainingrun_operator.runtime.kube import WatchGone
 
 
 def obj(name, uid, version, **labels):

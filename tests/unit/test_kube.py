@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainingrun_operator.kube import collection_path, object_path
+from trainingrun_operator.runtime.kube import collection_path, object_path
 
 
 def test_paths():
@@ -23,7 +23,7 @@ async def test_the_gate_lets_waiters_in_by_priority_then_in_order():
     """Children of new attempts before status writes before Events, whatever order they asked in."""
     import asyncio
 
-    from trainingrun_operator.kube import ACT, EVENT, STATUS, PriorityGate
+    from trainingrun_operator.runtime.kube import ACT, EVENT, STATUS, PriorityGate
 
     gate = PriorityGate(1)
     await gate(ACT)  # the one place is taken
@@ -50,7 +50,7 @@ async def test_the_gate_lets_waiters_in_by_priority_then_in_order():
 async def test_a_cancelled_waiter_gives_its_place_back():
     import asyncio
 
-    from trainingrun_operator.kube import ACT, PriorityGate
+    from trainingrun_operator.runtime.kube import ACT, PriorityGate
 
     gate = PriorityGate(1)
     await gate(ACT)
@@ -68,7 +68,7 @@ async def test_a_cancelled_waiter_gives_its_place_back():
 async def test_a_list_answered_with_empty_pages_stops_after_a_bounded_number_of_requests():
     """The API may answer a page with no items and a continue token (a field selector applied after the page was
     read); a namespace full of Events must not cost a request per page without bound."""
-    from trainingrun_operator.kube import Kube
+    from trainingrun_operator.runtime.kube import Kube
 
     class EmptyPages(Kube):
         def __init__(self):
@@ -94,7 +94,7 @@ async def watched(kmock, namespace="ns", **kwargs):
     """The events of one watch of the pods in `namespace` through `Kube.watch` against kmock, and what ended it."""
     import kopf
 
-    from trainingrun_operator.kube import Kube
+    from trainingrun_operator.runtime.kube import Kube
 
     kube, events = Kube(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True)), []
     try:
@@ -114,7 +114,7 @@ def pod_event(type_, name):
 @pytest.mark.asyncio
 async def test_a_watch_answered_410_is_gone(kmock):
     """A resourceVersion older than the server keeps: the informer must list again, not back off and retry it."""
-    from trainingrun_operator.kube import WatchGone
+    from trainingrun_operator.runtime.kube import WatchGone
 
     kmock[f"get {pods()}"] << 410 << {"kind": "Status", "code": 410, "reason": "Expired"}
     events, ended = await watched(kmock)
@@ -124,7 +124,7 @@ async def test_a_watch_answered_410_is_gone(kmock):
 @pytest.mark.asyncio
 async def test_a_410_error_event_in_the_stream_is_gone_after_the_events_before_it(kmock):
     """The API server answers an expired watch 200 and then streams an ERROR event with code 410."""
-    from trainingrun_operator.kube import WatchGone
+    from trainingrun_operator.runtime.kube import WatchGone
 
     gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}}
     kmock[f"get {pods()}"] << (pod_event("ADDED", "a"), pod_event("MODIFIED", "a"), gone, pod_event("ADDED", "b"))
@@ -137,7 +137,7 @@ async def test_a_410_error_event_in_the_stream_is_gone_after_the_events_before_i
 async def test_other_error_events_pass_and_refusals_and_long_lines_end_the_watch(kmock):
     """An ERROR with another code is the informer's to raise (it backs off); a 403 is an ApiError; a line longer than
     the cap is refused before it is parsed, however the server splits it."""
-    from trainingrun_operator.kube import ApiError
+    from trainingrun_operator.runtime.kube import ApiError
 
     forbidden = {"type": "ERROR", "object": {"kind": "Status", "code": 500, "reason": "InternalError"}}
     kmock[f"get {pods('erring')}"] << (pod_event("ADDED", "a"), forbidden)
@@ -185,7 +185,7 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced():
 @pytest.mark.asyncio
 async def test_an_answer_cut_off_in_its_body_is_unreachable_and_not_sent_again():
     from scripted_api import Scripted, ok
-    from trainingrun_operator.kube import ApiUnreachable
+    from trainingrun_operator.runtime.kube import ApiUnreachable
 
     cut = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345"
     async with Scripted((cut, None), ok(b"9")) as s:
@@ -197,7 +197,7 @@ async def test_an_answer_cut_off_in_its_body_is_unreachable_and_not_sent_again()
 @pytest.mark.asyncio
 async def test_answers_longer_than_their_bound_are_refused_and_the_next_answer_is_its_own():
     from scripted_api import Scripted, ok
-    from trainingrun_operator.kube import AnswerTooLarge
+    from trainingrun_operator.runtime.kube import AnswerTooLarge
 
     long_headers = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * (70 << 10) + b"\r\nContent-Length: 0\r\n\r\n"
     async with Scripted(ok(b"1" * 101), long_headers, ok(b"3")) as s:

@@ -5,8 +5,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from trainingrun_operator import leadership
-from trainingrun_operator.kube import ApiError
+from trainingrun_operator.runtime import leadership
+from trainingrun_operator.runtime.kube import ApiError
 
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=timezone.utc)
 ME, PRIORITY = "operator-b/1/aa", leadership.start_priority(2_000_000_000)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from trainingrun_operator import rechecks
+from trainingrun_operator.runtime import rechecks
 from trainingrun_operator.settings import Settings
 from trainingrun_operator.state import OperatorState, Rechecks, WarningsRead
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import kubernetes_validate
 
 from trainingrun_operator import serving
-from trainingrun_operator.kube import ApiError
+from trainingrun_operator.runtime.kube import ApiError
 from trainingrun_operator.settings import Settings
 
 SETTINGS = Settings(report_service="ops/tr-report", report_port=8443, pod_ip="10.244.0.9", pod_name="tr-op-abc")

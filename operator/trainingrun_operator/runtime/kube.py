@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 import aiohttp
 import orjson
 
-from .settings import Settings
+from ..settings import Settings
 
 #: The most bytes of one page of a list the operator reads: objects others write (an Event's message has no limit but
 #: the object's, about 1.5 MiB) must not make it hold gigabytes; 500 ordinary Warning Events take about 0.5 MiB.
@@ -153,7 +153,7 @@ class Kube:
         self.gate = PriorityGate(in_flight)
         self.on_error = on_error
         self.retries, self.backoff_seconds = retries, backoff_seconds
-        from . import __version__
+        from .. import __version__
 
         headers = {
             "Accept": "application/json",

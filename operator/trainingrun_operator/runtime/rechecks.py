@@ -20,9 +20,10 @@ import logging
 import time
 from typing import Any, Optional
 
-from . import reconcile
+from trainingrun_api.contract import parse_time
+
+from ..state import Key, OperatorState, WarningsRead
 from .kube import ApiError
-from .state import Key, OperatorState, WarningsRead
 
 log = logging.getLogger("trainingrun.operator")
 
@@ -44,7 +45,7 @@ def fingerprint(warnings: list[dict[str, Any]]) -> int:
 async def pending_warnings(state: OperatorState, key: Key, status: dict[str, Any]) -> list[dict[str, Any]]:
     """Warning Events about the current attempt's job and pods, once it has been Pending for a while; until then,
     a due time for when it has."""
-    started = reconcile.parse_time(status.get("attemptStartTime"))
+    started = parse_time(status.get("attemptStartTime"))
     job_name = status.get("jobName")
     if status.get("phase") != "Pending" or not started or not job_name:
         state.rechecks.watch_warnings(key, None)
