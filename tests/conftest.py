@@ -19,10 +19,34 @@ EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
 PYTORCHJOB_CRD = REPO / kube_cluster.PYTORCHJOB_CRD
 
 
+def pytest_configure(config):
+    """This session's own folder in node memory for the trainers' checkpoint copies (contract.MEMORY_TIER_ROOT_ENV),
+    inherited by every process a test starts: a test cleaning up removes only its own session's copies, never those
+    of a session running beside it or of a user's `trainingrun local` run in /dev/shm."""
+    import tempfile
+
+    from trainingrun_api import contract
+
+    if os.environ.get(contract.MEMORY_TIER_ROOT_ENV) or hasattr(config, "workerinput"):
+        return  # chosen already (a session started by a test, or one named by the caller)
+    parent = contract.MEMORY_TIER_ROOT if os.path.isdir(contract.MEMORY_TIER_ROOT) else None
+    config._memory_tier_root = tempfile.mkdtemp(prefix="trainingrun-tests-", dir=parent)
+    os.environ[contract.MEMORY_TIER_ROOT_ENV] = config._memory_tier_root
+
+
+def pytest_unconfigure(config):
+    root = getattr(config, "_memory_tier_root", None)
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
+        from trainingrun_api import contract
+
+        os.environ.pop(contract.MEMORY_TIER_ROOT_ENV, None)
+
+
 @pytest.fixture(autouse=True)
 def node_memory_left_clean():
-    """Trainers a test kills leave their checkpoint copy in /dev/shm (in a pod, the pod's volume goes with it):
-    what a test's runs left there goes when it ends."""
+    """Trainers a test kills leave their checkpoint copy in node memory (in a pod, the pod's volume goes with it):
+    what a test's runs left in this session's folder goes when it ends."""
     from trainingrun_api import contract
 
     pattern = contract.memory_tier_dir("*", "*")

@@ -15,6 +15,7 @@ outage (no reports).
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import datetime, timezone
 from typing import Optional
@@ -56,13 +57,21 @@ GRID_INTENSITY = "GRID_INTENSITY_G_PER_KWH"
 #: Where the trainer keeps the newest committed checkpoint in node memory (checkpoint.memoryTier): the pod's
 #: memory-backed /dev/shm volume (resources.sharedMemory).
 MEMORY_TIER_ROOT = "/dev/shm"
+#: Another folder in node memory for it: the tests' own (each session one, so a test cleaning up never removes the
+#: copies of another session or of a user's `trainingrun local` run on the same machine).
+MEMORY_TIER_ROOT_ENV = "TRAININGRUN_MEMORY_TIER_ROOT"
 
 
-def memory_tier_dir(run: str, attempt: object, root: str = MEMORY_TIER_ROOT) -> str:
+def memory_tier_root() -> str:
+    """MEMORY_TIER_ROOT, or the folder TRAININGRUN_MEMORY_TIER_ROOT names."""
+    return os.environ.get(MEMORY_TIER_ROOT_ENV) or MEMORY_TIER_ROOT
+
+
+def memory_tier_dir(run: str, attempt: object, root: Optional[str] = None) -> str:
     """The memory tier of one attempt of a run (`run`: its uid). A restart inside the attempt finds it; a new attempt,
     which in a cluster is a new pod with an empty /dev/shm, does not (locally, `trainingrun local` removes it when the
     attempt ends). `attempt` "*" makes the glob of every attempt's."""
-    return f"{root}/trainingrun-{run}-attempt-{attempt}"
+    return f"{root or memory_tier_root()}/trainingrun-{run}-attempt-{attempt}"
 
 
 # ---------------------------------------------------------------- the report endpoint

@@ -6,6 +6,7 @@ import sys
 
 import yaml
 
+from environments import inherited
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_example(tmp_path, steps):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"checkpoint": {"uri": f"file://{tmp_path}/ckpt", "interval": {"steps": 10}}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
+    env = inherited("TRAININGRUN_", "PET_")
     env.update({"TRAININGRUN_CONFIG": str(config), "CUSTOM_LOOP_STEPS": str(steps), "OMP_NUM_THREADS": "1"})
     return subprocess.run(
         [

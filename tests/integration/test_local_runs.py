@@ -1,7 +1,6 @@
 """`trainingrun local`: the same TrainingRun on this machine, with supervision, fault injection and goodput."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from environments import inherited
 from process_tree import descendants
 from tiny_runs import tiny_trainer
 from trainingrun_trainer.checkpoint import CheckpointStore
@@ -54,7 +54,7 @@ def local(tmp_path, run_file, *flags, checkpoints="ckpt", env=None, **popen):
         str(tmp_path / ".env"),
         *flags,
     ]
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
+    full_env = inherited("TRAININGRUN_")
     full_env.update(env or {})
     if popen:
         return subprocess.Popen(

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 import yaml
 
+from environments import inherited
 from tiny_runs import tiny_trainer
 from trainingrun_operator import dashboards, series
 
@@ -77,7 +78,7 @@ def live_run(tmp_path):
         },
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(body))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
+    env = inherited("TRAININGRUN_")
     process = subprocess.Popen(
         [
             sys.executable,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from environments import inherited
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -32,7 +34,7 @@ def clean_clone(tmp_path: Path) -> Path:
 
 def user_env() -> dict[str, str]:
     """A user's shell: nothing of the contract or of a test run leaks in."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "KUBEBUILDER_", "PYTEST_"))}
+    return inherited("TRAININGRUN_", "KUBEBUILDER_", "PYTEST_")
 
 
 def run_steps(name: str, clone: Path) -> None:

@@ -35,6 +35,7 @@ from typing import Optional
 import pytest
 import yaml
 
+from environments import inherited
 from storage_servers import gcs_bucket, gcs_move_is_copy, gcs_server, s3_bucket, s3_server  # noqa: F401
 from tiny_runs import tiny_model
 from trainingrun_api import contract, exit_codes
@@ -249,12 +250,10 @@ class Run:
         self.config.write_text(yaml.safe_dump({"trainer": self.trainer, "checkpoint": self.checkpoint}))
 
     def environment(self) -> dict[str, str]:
-        keep = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("TRAININGRUN_", "PET_", "AWS_", "GOOGLE_", "STORAGE_EMULATOR", "FAULT_INJECTION"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        }
+        keep = inherited(
+            "TRAININGRUN_", "PET_", "AWS_", "GOOGLE_", "STORAGE_EMULATOR", "FAULT_INJECTION",
+            names=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"),
+        )  # fmt: skip
         path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
         keep.update(
             {

@@ -13,6 +13,7 @@ from typing import Optional
 import pytest
 import yaml
 
+from environments import inherited
 from process_tree import descendants
 from tiny_runs import tiny_trainer
 from trainingrun_api import contract
@@ -46,7 +47,7 @@ def torchrun(
     config = tmp_path / f"{name}.yaml"
     uri = f"file://{tmp_path}/{name}"
     config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": uri, "interval": {"steps": 10}}}))
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
+    environment = inherited("TRAININGRUN_", "PET_")
     environment.update(
         {
             "TRAININGRUN_CONFIG": str(config),

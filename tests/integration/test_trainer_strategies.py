@@ -1,12 +1,12 @@
 """The other run paths of the loop: FSDP2 sharding, activation checkpointing, torch.compile, bf16."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import yaml
 
+from environments import inherited
 from tiny_runs import tiny_trainer
 from trainingrun_trainer.checkpoint import CheckpointStore
 
@@ -20,7 +20,7 @@ def torchrun(tmp_path, name, trainer, nproc=2):
             {"trainer": trainer, "checkpoint": {"uri": f"file://{tmp_path}/{name}", "interval": {"steps": 10}}}
         )
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "PET_"))}
+    env = inherited("TRAININGRUN_", "PET_")
     env.update({"TRAININGRUN_CONFIG": str(config), "OMP_NUM_THREADS": "1"})
     return subprocess.run(
         [

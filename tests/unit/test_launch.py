@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from environments import inherited
 from tiny_runs import tiny_trainer
 from trainingrun_api import contract, exit_codes
 from trainingrun_trainer.launch import POD_KEEP_ALIVE, RestartBudget, container_exit_code, pod_rendezvous
@@ -69,7 +70,7 @@ def test_built_in_trainer_permanent_exit_is_not_retried_in_place(tmp_path):
     config = tmp_path / "config.yaml"
     trainer = tiny_trainer(model={"classPath": "trainingrun_trainer.models.NoSuchModel"})
     config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGRUN_")}
+    env = inherited("TRAININGRUN_")
     env.update({"TRAININGRUN_CONFIG": str(config), "OMP_NUM_THREADS": "1"})
     result = subprocess.run(
         [

@@ -427,3 +427,21 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
     finally:
         gate.set()
         run.close()
+
+
+def test_a_test_sessions_trainers_keep_their_copies_in_its_own_folder_in_node_memory(tmp_path):
+    """conftest.py gives the session its own folder (TRAININGRUN_MEMORY_TIER_ROOT): the clean-up after each test
+    removes what appeared there, never another session's or a user's `trainingrun local` copies in /dev/shm."""
+    import os
+
+    from trainingrun_api import contract
+
+    root = os.environ[contract.MEMORY_TIER_ROOT_ENV]
+    assert os.path.isdir(root) and os.path.realpath(root) != os.path.realpath(contract.MEMORY_TIER_ROOT)
+    assert contract.memory_tier_dir("*", "*").startswith(root + "/")
+    run = Run(rank_zero_context(uid="u"), CheckpointConfig.model_validate({"uri": f"file://{tmp_path}"}),
+              reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)  # fmt: skip
+    try:
+        assert run.store.memory_tier is not None and run.store.memory_tier.startswith(root + "/")
+    finally:
+        run.close()

@@ -6,6 +6,7 @@ import sys
 
 import yaml
 
+from environments import inherited
 from tiny_runs import tiny_trainer
 from trainingrun_api import exit_codes
 from trainingrun_trainer.checkpoint import CheckpointStore
@@ -18,7 +19,7 @@ def run_trainer(tmp_path, trainer, checkpoint_uri, extra_env=None):
     config.write_text(
         yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": checkpoint_uri, "interval": {"steps": 10}}})
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGRUN_", "RANK", "WORLD_SIZE"))}
+    env = inherited("TRAININGRUN_", "RANK", "WORLD_SIZE")
     env.update({"TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": "t", **(extra_env or {})})
     return subprocess.run(
         [sys.executable, "-m", "trainingrun_trainer"], env=env, capture_output=True, text=True, timeout=300

@@ -146,7 +146,7 @@ class Run(RunIntervals, RunReports):
 
     def _memory_tier(self) -> Optional[str]:
         """This attempt's memory tier directory (None: off, or no /dev/shm here); earlier attempts' are removed."""
-        if not self.checkpoint.memory_tier or not os.path.isdir(contract.MEMORY_TIER_ROOT):
+        if not self.checkpoint.memory_tier or not os.path.isdir(contract.memory_tier_root()):
             return None
         run = self.context.uid or self.context.name
         directory = contract.memory_tier_dir(run, self.context.attempt)

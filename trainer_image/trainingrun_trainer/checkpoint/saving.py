@@ -23,8 +23,6 @@ from .layout import (
 from .save_planner import ReusingSavePlanner
 from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable, tensors_of
 
-#: Where shared memory lives (torch's shared tensors, the memory tier).
-SHARED_MEMORY = "/dev/shm"
 
 
 @dataclass
