@@ -79,26 +79,24 @@ def _positive(default: int) -> Arg:
     return Arg(default, POSITIVE.accepts, POSITIVE.expected)
 
 
-def _storage_args(pattern: str) -> dict[str, Arg]:
-    """What the shard datasets share: where the shards are and how they are read."""
-    return {
-        "uri": Arg(
-            accepts=lambda v: isinstance(v, str) and bool(v),
-            expected="a directory or file of shards, e.g. gs://bucket/tokens/",
-        ),  # fmt: skip
-        "pattern": Arg(pattern, _text, "a glob of shard names"),
-        "cache_dir": Arg(None, _text, "a directory", optional=True),
-        "block_bytes": Arg(1 << 20, _integer(4096), "an integer of at least 4096"),
-        "endpoint_url": Arg(None, _text, "a URL", optional=True),
-        "read_ahead": Arg(512, _integer(0), "a whole number of items (0 turns it off)"),
-        "fetch_threads": Arg(16, _integer(1), "a positive number of threads"),
-    }
+#: Where a shard dataset's files are, and how they are read: the same for the three shard datasets.
+URI = Arg(accepts=lambda v: isinstance(v, str) and bool(v), expected="a directory or file of shards, e.g. "
+          "gs://bucket/tokens/")  # fmt: skip
+READING = {
+    "cache_dir": Arg(None, _text, "a directory", optional=True),
+    "block_bytes": Arg(1 << 20, _integer(4096), "an integer of at least 4096"),
+    "endpoint_url": Arg(None, _text, "a URL", optional=True),
+    "read_ahead": Arg(512, _integer(0), "a whole number of items (0 turns it off)"),
+    "fetch_threads": Arg(16, _integer(1), "a positive number of threads"),
+}
+NUM_SAMPLES = Arg(None, POSITIVE.accepts, POSITIVE.expected, optional=True)
+
+
+def _pattern(default: str) -> Arg:
+    return Arg(default, _text, "a glob of shard names")
 
 
 _DIVISIBLE_HEADS = (lambda a: a["dim"] % a["heads"] == 0, "dim ({dim}) must be divisible by heads ({heads})")
-_TOKENS = _storage_args("*.bin")
-_TEXT = _storage_args("*.txt")
-_IMAGES = _storage_args("*.tar")
 
 CLASSES: dict[str, ClassArgs] = {
     "trainingrun_trainer.models.SelfAttention": ClassArgs(
@@ -180,48 +178,39 @@ CLASSES: dict[str, ClassArgs] = {
     ),
     "trainingrun_trainer.shards.TokenShards": ClassArgs(
         {
-            "uri": _TOKENS["uri"],
+            "uri": URI,
             "context_length": _positive(64),
             "dtype": Arg("uint16", _one_of(*TOKEN_DTYPES), "one of " + ", ".join(TOKEN_DTYPES)),
-            "pattern": _TOKENS["pattern"],
+            "pattern": _pattern("*.bin"),
             "vocab_size": Arg(None, VOCAB.accepts, VOCAB.expected, optional=True),
-            "num_samples": Arg(None, POSITIVE.accepts, POSITIVE.expected, optional=True),
+            "num_samples": NUM_SAMPLES,
             "eval_fraction": EVAL_FRACTION,
             "seed": SEED,
             "split": SPLIT,
-            **{
-                name: _TOKENS[name]
-                for name in ("cache_dir", "block_bytes", "endpoint_url", "read_ahead", "fetch_threads")
-            },  # fmt: skip
+            **READING,
         }
     ),
     "trainingrun_trainer.shards.TextBytes": ClassArgs(
         {
-            "uri": _TEXT["uri"],
+            "uri": URI,
             "context_length": _positive(64),
-            "pattern": _TEXT["pattern"],
-            "num_samples": Arg(None, POSITIVE.accepts, POSITIVE.expected, optional=True),
+            "pattern": _pattern("*.txt"),
+            "num_samples": NUM_SAMPLES,
             "eval_fraction": EVAL_FRACTION,
             "seed": SEED,
             "split": SPLIT,
-            **{
-                name: _TEXT[name]
-                for name in ("cache_dir", "block_bytes", "endpoint_url", "read_ahead", "fetch_threads")
-            },  # fmt: skip
+            **READING,
         }
     ),
     "trainingrun_trainer.shards.ImageShards": ClassArgs(
         {
-            "uri": _IMAGES["uri"],
+            "uri": URI,
             "image_size": _positive(32),
             "channels": Arg(3, _one_of(1, 3), "1 (grayscale) or 3 (RGB)"),
-            "pattern": _IMAGES["pattern"],
+            "pattern": _pattern("*.tar"),
             "eval_fraction": EVAL_FRACTION,
             "split": SPLIT,
-            **{
-                name: _IMAGES[name]
-                for name in ("cache_dir", "block_bytes", "endpoint_url", "read_ahead", "fetch_threads")
-            },  # fmt: skip
+            **READING,
             "max_pixels": Arg(None, _integer(1), "an integer of at least image_size squared", optional=True),
         },
         [
