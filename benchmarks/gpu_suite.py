@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 MODEL = ["--dim", "1024", "--layers", "12", "--heads", "16"]
 QUICK_MODEL = ["--dim", "768", "--layers", "3", "--heads", "12"]
 #: Unit tests with cases that run only where CUDA is (staging GPU tensors into the memory tier, compile defaults).
-GPU_TESTS = ["tests/unit/test_checkpoint_tier_staging.py", "tests/unit/test_efficiency.py"]
+GPU_TESTS = ["tests/unit/trainer/checkpoint/test_checkpoint_tier_staging.py", "tests/unit/trainer/test_efficiency.py"]
 
 
 def run(script: str, args: list[str], timeout: float) -> dict[str, str]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Renders manifests/operator/ (plain YAML for `kubectl apply`, no Helm) from the chart's defaults, so the
-# two never disagree (tests/unit/test_chart.py re-renders and compares). Usage: scripts/render-manifests.sh [ROOT]
+# two never disagree (tests/unit/operator/test_chart.py re-renders and compares). Usage: scripts/render-manifests.sh [ROOT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${1:-.}

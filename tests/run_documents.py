@@ -1,5 +1,5 @@
 """TrainingRun documents that validate must accept or reject, shared by the offline tests
-(tests/unit/test_api.py, through crd_server) and the real API server (tests/real_api/test_validate_agrees.py).
+(tests/unit/operator/test_api.py, through crd_server) and the real API server (tests/real_api/test_validate_agrees.py).
 
 Each case changes one thing in a minimal valid run (`minimal_body` in conftest.py).
 """

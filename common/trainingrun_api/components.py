@@ -46,7 +46,7 @@ __all__ = [
 
 #: The public classes of the trainer's own modules and their constructor parameters (name: required), so a
 #: TrainingRun that names one is checked without importing torch (`trainingrun validate`, the operator's image).
-#: Made from builtin_args, where their checks are; tests/unit/test_components.py keeps it equal to the code.
+#: Made from builtin_args, where their checks are; tests/unit/api/test_components.py keeps it equal to the code.
 BUILTIN_CLASSES: dict[str, dict[str, bool]] = {
     path: {name: arg.default is builtin_args.REQUIRED for name, arg in spec.args.items()}
     for path, spec in builtin_args.CLASSES.items()

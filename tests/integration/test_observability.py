@@ -148,7 +148,7 @@ def test_prometheus_answers_every_dashboard_query(live_run, tmp_path):
         checked = 0
         for panel in dashboards.RUN_PANELS:
             if panel.title in dashboards.GPU_PANELS | dashboards.OPERATOR_PANELS:
-                continue  # no GPU here; no operator under `trainingrun local` (tests/unit/test_operator_metrics.py has its series)
+                continue  # no GPU here; no operator under `trainingrun local` (tests/unit/operator/test_operator_metrics.py has its series)
             for expr, _ in panel.targets:
                 concrete = expr.replace("$namespace", "default").replace("$run", RUN)
                 until(lambda concrete=concrete: query(concrete), f"series for panel {panel.title!r}: {concrete}")

@@ -11,7 +11,7 @@ VM an in-place restart with compile on trained again 1.1 s after the kill, again
 
 The forkserver dies on any error but an ImportError while it preloads, and every worker with it, so an error here
 is reported and swallowed: the workers then pay these costs themselves. Nothing here may start a thread, since the
-forkserver forks after it (tests/unit/test_launch.py checks).
+forkserver forks after it (tests/unit/trainer/test_launch.py checks).
 """
 
 import sys

@@ -1,6 +1,6 @@
 """Every private torch name the trainer uses, in this one module, each with the reason it is worth the risk.
 
-torch does not promise to keep these. tests/unit/test_torch_internals.py reaches every one of them, and
+torch does not promise to keep these. tests/unit/trainer/test_torch_internals.py reaches every one of them, and
 tests/unit/test_import_graph.py fails when any other module of the trainer uses a private torch name, so a torch
 release that moves one fails those tests, loudly, instead of a run mid-training. The trainer is tested on torch 2.13
 (CPU, the pinned version) and runs on the GPU machines' 2.11 (benchmarks/gpu_suite.py runs the unit tests there).

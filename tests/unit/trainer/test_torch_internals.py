@@ -46,7 +46,7 @@ def test_every_lazy_private_name_is_there():
     assert torch_internals.dynamo_config().suppress_errors in (True, False)
     wrapped = torch_internals.checkpoint_wrapper(torch.nn.Linear(2, 2))
     assert wrapped(torch.ones(1, 2)).shape == (1, 2)
-    # preload_compile's names (calling it takes seconds: tests/unit/test_launch.py does)
+    # preload_compile's names (calling it takes seconds: tests/unit/trainer/test_launch.py does)
     assert callable(importlib.import_module("torch._inductor.codecache").torch_key)
     assert callable(importlib.import_module("torch._inductor.cpu_vec_isa").valid_vec_isa_list)
     importlib.import_module("torch._inductor.compile_fx")

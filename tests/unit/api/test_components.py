@@ -468,7 +468,7 @@ def test_an_optional_feature_whose_library_is_missing_names_the_field_and_the_ex
 def test_every_optional_library_is_an_extra_of_the_project():
     import tomllib
 
-    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+    extras = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
     from trainingrun_api.components import OPTIONAL_LIBRARIES

@@ -14,7 +14,7 @@ from tiny_runs import tiny_trainer
 from trainingrun_api import contract, exit_codes
 from trainingrun_trainer.launch import POD_KEEP_ALIVE, RestartBudget, container_exit_code, pod_rendezvous
 
-WORKER = Path(__file__).resolve().parent.parent / "fixtures" / "exit_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "fixtures" / "exit_worker.py"
 
 
 def test_mapping():
