@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -194,13 +195,6 @@ def _on_the_cluster(args: argparse.Namespace, doing: str, action: Callable[[Any]
         return 1
 
 
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    """Which cluster and namespace, as kubectl takes them."""
-    parser.add_argument("-n", "--namespace", help="default: the kubeconfig context's namespace, else 'default'")
-    parser.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
-    parser.add_argument("--context", help="kubeconfig context (default: the current one)")
-
-
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -211,175 +205,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="trainingrun",
-        description="Fault-tolerant PyTorch training on Kubernetes from one TrainingRun resource.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = commands.add_parser(
-        "crd",
-        help="print the TrainingRun CustomResourceDefinition",
-        description="Print the TrainingRun CRD generated from the API model.",
-    )
-    p.add_argument(
-        "--write", metavar="REPO_ROOT", help="write it to manifests/crds/ and the chart's crds/ under REPO_ROOT instead"
-    )
-    p.set_defaults(func=cmd_crd)
-
-    p = commands.add_parser(
-        "operator",
-        help="run the operator (kopf) against the current cluster",
-        description="Run the TrainingRun operator: reconcile TrainingRuns into PyTorchJob attempts "
-        "with recovery, status and Events. Logs in with the pod's service account, "
-        "else the kubeconfig. Flags override the TRAININGRUN_* environment "
-        "(see settings.py).",
-    )
-    scope = p.add_mutually_exclusive_group()
-    scope.add_argument(
-        "-n",
-        "--namespace",
-        action="append",
-        metavar="NS",
-        help="watch only this namespace (repeatable; env TRAININGRUN_NAMESPACES=a,b)",
-    )
-    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster (the default)")
-    ha = p.add_mutually_exclusive_group()
-    ha.add_argument(
-        "--peering", metavar="NAME", help="kopf peering object: of several replicas, one acts (env TRAININGRUN_PEERING)"
-    )
-    ha.add_argument("--standalone", action="store_true", help="no peering: the only replica (the default)")
-    p.add_argument("--metrics-port", type=int, help="port of /metrics and /readyz (default 9090, 0 = off)")
-    p.add_argument("--health-port", type=int, help="port of kopf's liveness /healthz (default 8081, 0 = off)")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.set_defaults(func=cmd_operator)
-
-    p = commands.add_parser(
-        "monitoring",
-        help="list (or write) the alert rules, monitors and Grafana dashboards",
-        description="Generate manifests/monitoring/: the PrometheusRule (and the same rules as a "
-        "plain rules file), the trainers' PodMonitor, the operator's ServiceMonitor and "
-        "the TrainingRun and fleet dashboards (JSON, and as ConfigMaps labelled "
-        "grafana_dashboard=1), from operator/trainingrun_operator/monitoring.py.",
-    )
-    p.add_argument("--write", metavar="REPO_ROOT", help="write the files below this directory")
-    p.set_defaults(func=cmd_monitoring)
-
-    p = commands.add_parser(
-        "validate",
-        help="check TrainingRun files",
-        description="Check TrainingRun files. Exit 0 when all are valid; exit 1 with "
-        "one line per problem naming the field, what is wrong and the fix.",
-    )
-    p.add_argument("files", nargs="+", metavar="FILE", help="YAML file with one or more TrainingRuns")
-    p.set_defaults(func=cmd_validate)
-
-    p = commands.add_parser(
-        "render",
-        help="print the Kubernetes objects a TrainingRun becomes",
-        description="Print, as multi-document YAML, the objects the operator creates for one attempt of "
-        "each TrainingRun in FILE: the rendezvous Service (runs of more than one pod) and the PyTorchJob.",
-    )
-    p.add_argument("file", metavar="FILE", help="YAML file with one or more TrainingRuns")
-    p.add_argument("--attempt", type=positive_int, default=1, help="attempt number (default 1)")
-    p.add_argument("--resume-from", metavar="URI", help="checkpoint the attempt resumes from (TRAININGRUN_RESUME_FROM)")
-    p.set_defaults(func=cmd_render)
-
-    p = commands.add_parser(
-        "local",
-        help="run a TrainingRun on this machine, with recovery and fault injection",
-        description="Run the TrainingRun in FILE on this machine (CPU gloo, or local GPUs) with "
-        "the same trainer, environment and recovery as in a cluster. Secrets the "
-        "file references are read from same-named environment variables or a .env "
-        "file. Ends with a line `result: steps=... goodput=...`.",
-    )
-    p.add_argument("file", metavar="FILE", help="TrainingRun YAML (the same file you kubectl apply)")
-    p.add_argument("--nproc", type=positive_int, help="processes (default: spec.nprocPerNode)")
-    p.add_argument(
-        "--checkpoint-uri",
-        metavar="URI",
-        help="override spec.checkpoint.uri (default when the file has none: file://./runs/<name>/checkpoints)",
-    )
-    p.add_argument("--max-steps", type=positive_int, help="override spec.trainer.maxSteps")
-    p.add_argument(
-        "--chaos-kill-step",
-        type=positive_int,
-        action="append",
-        metavar="STEP",
-        help="SIGKILL one worker when the run reaches STEP (repeatable)",
-    )
-    p.add_argument("--chaos-kill-every", type=float, metavar="SECONDS", help="SIGKILL a random worker every SECONDS")
-    p.add_argument("--metrics-port", type=positive_int, help="serve the trainer's metrics on this port (default off)")
-    p.add_argument("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)")
-    p.add_argument("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)")
-    p.set_defaults(func=cli_local.cmd_local)
-
-    p = commands.add_parser(
-        "status",
-        help="where a run on the cluster stands",
-        description="Phase, attempt, step and loss with an estimate of the time left, goodput "
-        "and restarts, the newest checkpoint and every condition of one TrainingRun, "
-        "read with your kubeconfig.",
-    )
-    p.add_argument("run", metavar="RUN", help="the TrainingRun's name")
-    add_cluster_arguments(p)
-    p.set_defaults(func=cmd_status)
-
-    p = commands.add_parser(
-        "logs",
-        help="a run's trainer log, followed across pod restarts and attempts",
-        description="The trainer log of one Worker pod, of the current attempt (or "
-        "--attempt N). With -f it follows the pod's restarts and each next attempt "
-        "until the run ends; a line starting with '==>' marks each pod shown.",
-    )
-    p.add_argument("run", metavar="RUN", help="the TrainingRun's name")
-    p.add_argument("-f", "--follow", action="store_true", help="follow across restarts and attempts until the run ends")
-    p.add_argument(
-        "--pod",
-        type=int,
-        default=0,
-        metavar="INDEX",
-        help="Worker pod index (default 0). Ranks are assigned anew at each restart and can move between "
-        "pods; every log line names its rank",
-    )
-    p.add_argument("--attempt", type=positive_int, help="this attempt only (default: the current one, then the next)")
-    add_cluster_arguments(p)
-    p.set_defaults(func=cmd_logs)
-
-    p = commands.add_parser(
-        "checkpoints",
-        help="list the checkpoints under a URI",
-        description="List the checkpoints under a run's checkpoint URI, newest first, "
-        "verifying each against its manifest; invalid ones are marked with the reason.",
-    )
-    p.add_argument("uri", metavar="URI", help="gs://, s3:// or file:// URI of a run's checkpoints")
-    p.add_argument("--json", action="store_true", help="print a JSON list (step, valid, model_digest, uri, time, ...)")
-    p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
-    p.set_defaults(func=cli_local.cmd_checkpoints)
-
-    data = commands.add_parser("data", help="prepare training data in object storage").add_subparsers(
-        dest="data_command", required=True, metavar="COMMAND"
-    )
-    p = data.add_parser(
-        "prepare",
-        help="turn a folder of text files or images into shards and upload them",
-        description="Join the .txt files below SRC (in path order) into shards of about --shard-mb "
-        "for trainingrun_trainer.shards.TextBytes, or pack its images into WebDataset tar "
-        "shards for trainingrun_trainer.shards.ImageShards (--kind images), and upload "
-        "them to DEST (gs://, s3://, file:// or a path).",
-    )
-    p.add_argument("src", metavar="SRC", help="a local folder; every *.txt (or image) below it is read")
-    p.add_argument("dest", metavar="DEST", help="where the shards go, e.g. gs://bucket/datasets/mytext")
-    p.add_argument("--shard-mb", type=_shard_mb, default=64 << 20, help="shard size in MiB (default 64)")
-    p.add_argument("--kind", choices=("text", "images"), default="text", help="what SRC holds (default text)")
-    p.add_argument("--overwrite", action="store_true", help="replace shards DEST already holds")
-    p.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
-    p.set_defaults(func=cli_local.cmd_data_prepare)
-    return parser
-
-
 def _shard_mb(value: str) -> int:
     try:
         megabytes = float(value)
@@ -388,6 +213,232 @@ def _shard_mb(value: str) -> int:
     if megabytes <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return max(1, int(megabytes * (1 << 20)))
+
+
+#: One argument: its flags (or name) and add_argument's keywords.
+Argument = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def arg(*flags: str, **options: Any) -> Argument:
+    return flags, options
+
+
+#: Which cluster and namespace, as kubectl takes them.
+CLUSTER = (
+    arg("-n", "--namespace", help="default: the kubeconfig context's namespace, else 'default'"),
+    arg("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config"),
+    arg("--context", help="kubeconfig context (default: the current one)"),
+)
+ENDPOINT = arg("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: `trainingrun <path...>`, what `--help` says of it, what runs it, and its arguments."""
+
+    path: tuple[str, ...]
+    help: str
+    description: str
+    run: Callable[[argparse.Namespace], int]
+    arguments: tuple[Argument, ...] = ()
+    #: Groups of arguments of which at most one may be given.
+    exclusive: tuple[tuple[Argument, ...], ...] = ()
+
+
+COMMANDS = (
+    Command(
+        ("crd",),
+        "print the TrainingRun CustomResourceDefinition",
+        "Print the TrainingRun CRD generated from the API model.",
+        cmd_crd,
+        (
+            arg(
+                "--write",
+                metavar="REPO_ROOT",
+                help="write it to manifests/crds/ and the chart's crds/ under REPO_ROOT instead",
+            ),
+        ),
+    ),
+    Command(
+        ("operator",),
+        "run the operator (kopf) against the current cluster",
+        "Run the TrainingRun operator: reconcile TrainingRuns into PyTorchJob attempts with recovery, status and "
+        "Events. Logs in with the pod's service account, else the kubeconfig. Flags override the TRAININGRUN_* "
+        "environment (see settings.py).",
+        cmd_operator,
+        (
+            arg("--metrics-port", type=int, help="port of /metrics and /readyz (default 9090, 0 = off)"),
+            arg("--health-port", type=int, help="port of kopf's liveness /healthz (default 8081, 0 = off)"),
+            arg("-v", "--verbose", action="store_true", help="debug logging"),
+        ),
+        exclusive=(
+            (
+                arg(
+                    "-n",
+                    "--namespace",
+                    action="append",
+                    metavar="NS",
+                    help="watch only this namespace (repeatable; env TRAININGRUN_NAMESPACES=a,b)",
+                ),
+                arg("-A", "--all-namespaces", action="store_true", help="watch the whole cluster (the default)"),
+            ),
+            (
+                arg(
+                    "--peering",
+                    metavar="NAME",
+                    help="kopf peering object: of several replicas, one acts (env TRAININGRUN_PEERING)",
+                ),
+                arg("--standalone", action="store_true", help="no peering: the only replica (the default)"),
+            ),
+        ),  # fmt: skip
+    ),
+    Command(
+        ("monitoring",),
+        "list (or write) the alert rules, monitors and Grafana dashboards",
+        "Generate manifests/monitoring/: the PrometheusRule (and the same rules as a plain rules file), the "
+        "trainers' PodMonitor, the operator's ServiceMonitor and the TrainingRun and fleet dashboards (JSON, and as "
+        "ConfigMaps labelled grafana_dashboard=1), from operator/trainingrun_operator/monitoring.py.",
+        cmd_monitoring,
+        (arg("--write", metavar="REPO_ROOT", help="write the files below this directory"),),
+    ),
+    Command(
+        ("validate",),
+        "check TrainingRun files",
+        "Check TrainingRun files. Exit 0 when all are valid; exit 1 with one line per problem naming the field, what "
+        "is wrong and the fix.",
+        cmd_validate,
+        (arg("files", nargs="+", metavar="FILE", help="YAML file with one or more TrainingRuns"),),
+    ),
+    Command(
+        ("render",),
+        "print the Kubernetes objects a TrainingRun becomes",
+        "Print, as multi-document YAML, the objects the operator creates for one attempt of each TrainingRun in "
+        "FILE: the rendezvous Service (runs of more than one pod) and the PyTorchJob.",
+        cmd_render,
+        (
+            arg("file", metavar="FILE", help="YAML file with one or more TrainingRuns"),
+            arg("--attempt", type=positive_int, default=1, help="attempt number (default 1)"),
+            arg("--resume-from", metavar="URI", help="checkpoint the attempt resumes from (TRAININGRUN_RESUME_FROM)"),
+        ),
+    ),
+    Command(
+        ("local",),
+        "run a TrainingRun on this machine, with recovery and fault injection",
+        "Run the TrainingRun in FILE on this machine (CPU gloo, or local GPUs) with the same trainer, environment "
+        "and recovery as in a cluster. Secrets the file references are read from same-named environment variables "
+        "or a .env file. Ends with a line `result: steps=... goodput=...`.",
+        cli_local.cmd_local,
+        (
+            arg("file", metavar="FILE", help="TrainingRun YAML (the same file you kubectl apply)"),
+            arg("--nproc", type=positive_int, help="processes (default: spec.nprocPerNode)"),
+            arg(
+                "--checkpoint-uri",
+                metavar="URI",
+                help="override spec.checkpoint.uri (default when the file has none: file://./runs/<name>/checkpoints)",
+            ),
+            arg("--max-steps", type=positive_int, help="override spec.trainer.maxSteps"),
+            arg(
+                "--chaos-kill-step",
+                type=positive_int,
+                action="append",
+                metavar="STEP",
+                help="SIGKILL one worker when the run reaches STEP (repeatable)",
+            ),
+            arg("--chaos-kill-every", type=float, metavar="SECONDS", help="SIGKILL a random worker every SECONDS"),
+            arg("--metrics-port", type=positive_int, help="serve the trainer's metrics on this port (default off)"),
+            arg("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)"),
+            arg("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)"),
+        ),  # fmt: skip
+    ),
+    Command(
+        ("status",),
+        "where a run on the cluster stands",
+        "Phase, attempt, step and loss with an estimate of the time left, goodput and restarts, the newest "
+        "checkpoint and every condition of one TrainingRun, read with your kubeconfig.",
+        cmd_status,
+        (arg("run", metavar="RUN", help="the TrainingRun's name"), *CLUSTER),
+    ),
+    Command(
+        ("logs",),
+        "a run's trainer log, followed across pod restarts and attempts",
+        "The trainer log of one Worker pod, of the current attempt (or --attempt N). With -f it follows the pod's "
+        "restarts and each next attempt until the run ends; a line starting with '==>' marks each pod shown.",
+        cmd_logs,
+        (
+            arg("run", metavar="RUN", help="the TrainingRun's name"),
+            arg("-f", "--follow", action="store_true", help="follow across restarts and attempts until the run ends"),
+            arg(
+                "--pod",
+                type=int,
+                default=0,
+                metavar="INDEX",
+                help="Worker pod index (default 0). Ranks are assigned anew at each restart and can move between "
+                "pods; every log line names its rank",
+            ),
+            arg("--attempt", type=positive_int, help="this attempt only (default: the current one, then the next)"),
+            *CLUSTER,
+        ),  # fmt: skip
+    ),
+    Command(
+        ("checkpoints",),
+        "list the checkpoints under a URI",
+        "List the checkpoints under a run's checkpoint URI, newest first, verifying each against its manifest; "
+        "invalid ones are marked with the reason.",
+        cli_local.cmd_checkpoints,
+        (
+            arg("uri", metavar="URI", help="gs://, s3:// or file:// URI of a run's checkpoints"),
+            arg("--json", action="store_true", help="print a JSON list (step, valid, model_digest, uri, time, ...)"),
+            ENDPOINT,
+        ),
+    ),
+    Command(
+        ("data", "prepare"),
+        "turn a folder of text files or images into shards and upload them",
+        "Join the .txt files below SRC (in path order) into shards of about --shard-mb for "
+        "trainingrun_trainer.shards.TextBytes, or pack its images into WebDataset tar shards for "
+        "trainingrun_trainer.shards.ImageShards (--kind images), and upload them to DEST (gs://, s3://, file:// or "
+        "a path).",
+        cli_local.cmd_data_prepare,
+        (
+            arg("src", metavar="SRC", help="a local folder; every *.txt (or image) below it is read"),
+            arg("dest", metavar="DEST", help="where the shards go, e.g. gs://bucket/datasets/mytext"),
+            arg("--shard-mb", type=_shard_mb, default=64 << 20, help="shard size in MiB (default 64)"),
+            arg("--kind", choices=("text", "images"), default="text", help="what SRC holds (default text)"),
+            arg("--overwrite", action="store_true", help="replace shards DEST already holds"),
+            ENDPOINT,
+        ),
+    ),
+)
+#: What a group of commands (`trainingrun data ...`) says of itself.
+GROUPS = {"data": "prepare training data in object storage"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainingrun",
+        description="Fault-tolerant PyTorch training on Kubernetes from one TrainingRun resource.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, Any] = {}
+    for command in COMMANDS:
+        *group, name = command.path
+        subparsers = top
+        if group:
+            if group[0] not in groups:
+                groups[group[0]] = top.add_parser(group[0], help=GROUPS[group[0]]).add_subparsers(
+                    dest=f"{group[0]}_command", required=True, metavar="COMMAND"
+                )
+            subparsers = groups[group[0]]
+        p = subparsers.add_parser(name, help=command.help, description=command.description)
+        for flags, options in command.arguments:
+            p.add_argument(*flags, **options)
+        for exclusive in command.exclusive:
+            one_of = p.add_mutually_exclusive_group()
+            for flags, options in exclusive:
+                one_of.add_argument(*flags, **options)
+        p.set_defaults(func=command.run)
+    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -182,8 +182,9 @@ def test_both_sides_import_the_shared_package():
     assert "trainingrun_api" in imported_packages("trainingrun_trainer")
 
 
-#: The longest a source file may be: past it a module holds more than one concern (issue 39 split the last ones).
-MAX_SOURCE_LINES = 400
+#: A soft ceiling: a module holds one concept, and past this it likely holds more. It was a hard 400, which split
+#: single concepts into mixins across files (CheckpointStore's five parts): issue 62 makes them compose instead.
+MAX_SOURCE_LINES = 600
 
 
 def test_no_source_file_is_longer_than_a_reader_can_hold():
