@@ -24,7 +24,6 @@ from .save_planner import ReusingSavePlanner
 from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable, tensors_of
 
 
-
 @dataclass
 class _SaveJob:
     step: int
