@@ -35,7 +35,7 @@ K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURD
 test: setup
 	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest
 
-# The unit and security tiers alone (no torchrun processes, servers or control plane): about 5 minutes on 2 cores.
+# The unit and security tiers alone (no torchrun processes, servers or control plane): about 7 minutes on 2 cores.
 test-fast: setup
 	$(BIN)/pytest tests/unit tests/security
 
