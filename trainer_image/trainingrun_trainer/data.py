@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from trainingrun_api import builtin_args
 
-__all__ = ["SPLITS", "SyntheticText", "SyntheticImages", "check_common", "checked_index", "split_id"]
+__all__ = ["SPLITS", "SyntheticText", "SyntheticImages", "checked_index", "split_id"]
 
 SPLITS = builtin_args.SPLITS
 
@@ -32,13 +32,6 @@ def split_id(split: str) -> int:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
     return SPLITS.index(split)
-
-
-def check_common(num_samples: int, seed: int) -> None:
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
-    if not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
 
 
 def checked_index(index: int, length: int) -> int:
@@ -60,7 +53,6 @@ class _SeededItems(Dataset):
     pure_items = True
 
     def __init__(self, num_samples: int, seed: int, split: str):
-        check_common(num_samples, seed)
         self.num_samples = num_samples
         self.seed = seed
         self.split = split

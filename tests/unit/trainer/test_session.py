@@ -41,6 +41,12 @@ def run_in(root, resume_from=None, local_rank=0, committed_step_file=None) -> Ru
     )
 
 
+def run_with(config: CheckpointConfig, context: RunContext | None = None) -> Run:
+    """A Run of `config` for attempt 1's rank 0 (or `context`), reporting to nobody, SIGTERM left alone."""
+    context = context or rank_zero_context()
+    return Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
+
+
 def rank_zero_context(**overrides) -> RunContext:
     """Attempt 1's rank 0 of run demo, alone."""
     fields = dict(
@@ -205,8 +211,7 @@ def test_the_removed_writer_process_setting_is_accepted_and_said_to_be_ignored(t
     uri = f"file://{tmp_path}"
     config = CheckpointConfig.model_validate({"uri": uri, **({} if setting is None else {"writerProcess": setting})})
     with caplog.at_level("WARNING", logger="trainingrun.session"):
-        run = Run(rank_zero_context(uid="u"), config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)),
-                  handle_sigterm=False)  # fmt: skip
+        run = run_with(config)
     run.close()
     said = [r.getMessage() for r in caplog.records if "writerProcess" in r.getMessage()]
     assert said == ([] if setting is None else [config.deprecated_fields()[0]])
@@ -365,9 +370,7 @@ def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
     import pydantic
 
     uri = f"file://{tmp_path}"
-    context = rank_zero_context(uid="u")
-    config = CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}})
-    run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
+    run = run_with(CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}}))
     try:
         assert (run.store.persist_every_steps, run.store.persist_every_seconds) == (None, 600)
     finally:
@@ -390,7 +393,7 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
     config = CheckpointConfig.model_validate(
         {"uri": f"file://{tmp_path}/ckpt", "interval": {"steps": 5}, "storageInterval": {"steps": "auto"}}
     )
-    run = Run(context, config, reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)
+    run = run_with(config, context)
     gate = threading.Event()
     upload = run.store._storage.upload
     monkeypatch.setattr(run.store._storage, "upload", lambda *args: (gate.wait(30), upload(*args))[1])
@@ -439,8 +442,7 @@ def test_a_test_sessions_trainers_keep_their_copies_in_its_own_folder_in_node_me
     root = os.environ[contract.MEMORY_TIER_ROOT_ENV]
     assert os.path.isdir(root) and os.path.realpath(root) != os.path.realpath(contract.MEMORY_TIER_ROOT)
     assert contract.memory_tier_dir("*", "*").startswith(root + "/")
-    run = Run(rank_zero_context(uid="u"), CheckpointConfig.model_validate({"uri": f"file://{tmp_path}"}),
-              reporter=ProgressReporter(None, Report("ns", "demo", "u", 1)), handle_sigterm=False)  # fmt: skip
+    run = run_with(CheckpointConfig.model_validate({"uri": f"file://{tmp_path}"}))
     try:
         assert run.store.memory_tier is not None and run.store.memory_tier.startswith(root + "/")
     finally:

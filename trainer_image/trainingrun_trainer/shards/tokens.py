@@ -22,7 +22,7 @@ from trainingrun_api import builtin_args
 from ..background import give_way_to_training
 from ..checkpoint.layout import StorageUnavailable
 from ..checkpoint.storage import _storage_options
-from ..data import check_common, checked_index, split_id
+from ..data import checked_index, split_id
 from .format import (
     CACHE_ENV,
     LITTLE_ENDIAN,
@@ -109,7 +109,6 @@ class TokenShards(Dataset):
         if not self.windows:
             raise DataError(self._nothing_in_split())
         self.num_samples = self._samples_per_epoch() if num_samples is None else num_samples
-        check_common(self.num_samples, seed)
 
     def _nothing_in_split(self) -> str:
         largest = max((s.tokens for s in self.shards), default=0)
