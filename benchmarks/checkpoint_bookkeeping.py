@@ -94,9 +94,9 @@ def worker(rank: int, port: int, root: str, side: str, warmup: int, saves: int, 
     dist.broadcast_object_list(tier)
     store = CheckpointStore(f"file://{root}/ckpt", memory_tier=tier[0], persist_behind=True, run_uid="bench")
     if side == SIDES[0]:
-        store._planner = PlansEverySave  # torch's default
+        store.committer.planner = PlansEverySave  # torch's default
     elif side == SIDES[1]:
-        store._planner = lambda: PlansOnce(store._plans_key, store._planned)
+        store.committer.planner = lambda: PlansOnce(store.committer.plans_key, store.committer._planned)
 
     def save(step: int) -> None:
         store.save(
@@ -127,7 +127,7 @@ def worker(rank: int, port: int, root: str, side: str, warmup: int, saves: int, 
                 "cpu_ms": cpu * 1000 / saves,
                 "wall_ms": wall * 1000 / saves,
                 "threads": per_thread,
-                "bytes": store.last_save_bytes,  # this rank's files of the last save, in node memory
+                "bytes": store.metrics.last_save_bytes,  # this rank's files of the last save, in node memory
             }
         )
     )

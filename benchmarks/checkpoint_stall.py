@@ -22,12 +22,12 @@ What is measured
       the first one began (the overlap is real) and times them against steps with no save in flight
       ("effective stall" = save() blocking + the extra time of those steps: what the background
       write costs training when they share the CPU cores); then `store.wait()`. "save-to-commit" is
-      `store.last_save_seconds` (staging start to manifest written). The committed checkpoint must
+      `store.metrics.last_save_seconds` (staging start to manifest written). The committed checkpoint must
       restore to the weights at save() time, not the ones after the steps that overlapped it.
     * persisting behind, as the trainer saves by default (rows "[persist behind]"; `CheckpointStore(persist_behind=True)`
       with a memory tier in /dev/shm; the tensors are staged straight into its files, `checkpoint.tier_staging`):
       the same async save, "save-to-commit" being the commit in memory, then `flush()` and "then persisted to storage"
-      (`store.last_persist_seconds`: copying the files to storage); its CPU row counts both tiers (the checkpoint
+      (`store.metrics.last_persist_seconds`: copying the files to storage); its CPU row counts both tiers (the checkpoint
       thread and the persister thread). `commit_vs_torch_save` in the result line is this commit /
       torch.save (issue 37's target <= 0.5), `persist_vs_torch_save` the copy to storage after it,
       `background_cpu_ratio_persist_behind` the CPU of both tiers / torch.save's (target <= 1.5).
@@ -155,7 +155,7 @@ def measure_restores(
                     began = time.perf_counter()
                     with CheckpointStore(uri, memory_tier=tier_dir, **server.store_kwargs) as store:
                         store.load(store.latest_valid(), target)
-                        read = store.last_restore_source
+                        read = store.metrics.last_restore_source
                     seconds.setdefault(label, []).append(time.perf_counter() - began)
                     shutil.rmtree(new_pod, ignore_errors=True)
                     if read_from == "memory":
@@ -253,7 +253,7 @@ def cpu_seconds(stat_path: str) -> float:
 
 def background_cpu_seconds(store) -> float:
     """CPU seconds the store's background work has used: its checkpoint and persister threads."""
-    threads = list(getattr(store._executor, "_threads", ())) + list(getattr(store._persister, "_threads", ()))
+    threads = list(getattr(store.saver.executor, "_threads", ())) + list(getattr(store.persister._pool, "_threads", ()))
     return sum(cpu_seconds(f"/proc/self/task/{thread.native_id}/stat") for thread in threads)
 
 
@@ -430,19 +430,22 @@ def main(argv: list[str] | None = None) -> int:
         committed = on.wait()
         if committed is None:
             raise SystemExit(f"async save of step {pending.step} did not commit; see the log above")
-        record("save-to-commit (store.last_save_seconds)" + suffix, on.last_save_seconds)
-        for phase, seconds in on.last_save_phases.items():
+        record("save-to-commit (store.metrics.last_save_seconds)" + suffix, on.metrics.last_save_seconds)
+        for phase, seconds in on.metrics.last_save_phases.items():
             phases.setdefault(suffix, {}).setdefault(phase, []).append(seconds)
         if on.persist_behind:
             if on.flush() != committed:
                 raise SystemExit(f"step {pending.step} was committed in memory but not persisted; see the log above")
-            record("  then persisted to storage (store.last_persist_seconds)" + suffix, on.last_persist_seconds)
+            record(
+                "  then persisted to storage (store.metrics.last_persist_seconds)" + suffix,
+                on.metrics.last_persist_seconds,
+            )
         record(
             "  CPU seconds of the background work (checkpoint thread)" + suffix, background_cpu_seconds(on) - cpu_before
         )
         return committed
 
-    phases: dict[str, dict[str, list]] = {}  # suffix -> phase -> seconds, per repeat (store.last_save_phases)
+    phases: dict[str, dict[str, list]] = {}  # suffix -> phase -> seconds, per repeat (store.metrics.last_save_phases)
     overlap_counts = []  # training steps run while a background write was in flight
     foreign = []  # CPU cores other processes on the machine used during each repeat
     overlapped = []  # was the background write still running when the next step started / ended?
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             # thread (Linux: a thread is a task with its own nice value).
             import threading
 
-            store._executor.submit(
+            store.saver.executor.submit(
                 lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.writer_nice)
             ).result()
         # Warm-up, untimed: first use of the store, the allocator and fresh page-cache pages, as the trainer's first save
@@ -564,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  repeat {repeat + 1}: save() blocked {rows['async store.save() call (wall)'][-1]:.3f} s, torch.save "
                 f"{rows['sync torch.save (new file, faster of 2)'][-1]:.3f} s, commit after "
-                f"{store.last_save_seconds:.3f} s, restore {rows['CheckpointStore.load (restore)'][-1]:.3f} s; "
+                f"{store.metrics.last_save_seconds:.3f} s, restore {rows['CheckpointStore.load (restore)'][-1]:.3f} s; "
                 f"other processes used {foreign[-1]:.2f} cores",
                 flush=True,
             )
@@ -614,14 +617,14 @@ def main(argv: list[str] | None = None) -> int:
         "training step during background write",
         "  extra step time while the write ran (all steps)",
         "effective stall: save() + extra step time",
-        "save-to-commit (store.last_save_seconds)",
+        "save-to-commit (store.metrics.last_save_seconds)",
         "  CPU seconds of the background work (checkpoint thread)",
     ]
     order = [
         "training step, no save in flight",
         *async_rows,
         *(name + PERSIST_BEHIND for name in async_rows[:-1]),
-        "  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND,
+        "  then persisted to storage (store.metrics.last_persist_seconds)" + PERSIST_BEHIND,
         async_rows[-1] + PERSIST_BEHIND,
         "sync torch.save (new file, faster of 2)",
         "  its CPU seconds",
@@ -637,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     throughput_rows = {
         "async store.save() call (wall)",
-        "save-to-commit (store.last_save_seconds)",
+        "save-to-commit (store.metrics.last_save_seconds)",
         "sync torch.save (new file, faster of 2)",
         "sync torch.save + fsync",
         "sync store.save(blocking=True)",
@@ -695,9 +698,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{'met' if trainer_ratio <= 0.05 else 'NOT met'}); effective stall {stall_ratio:.3f} ({stall_low:.3f}-"
         f"{stall_high:.3f}) x torch.save (target <= 0.5: {'met' if stall_ratio <= 0.5 else 'NOT met'})"
     )
-    commit = per_repeat("save-to-commit (store.last_save_seconds)")
-    commit_behind = per_repeat("save-to-commit (store.last_save_seconds)" + PERSIST_BEHIND)
-    persist_behind = per_repeat("  then persisted to storage (store.last_persist_seconds)" + PERSIST_BEHIND)
+    commit = per_repeat("save-to-commit (store.metrics.last_save_seconds)")
+    commit_behind = per_repeat("save-to-commit (store.metrics.last_save_seconds)" + PERSIST_BEHIND)
+    persist_behind = per_repeat("  then persisted to storage (store.metrics.last_persist_seconds)" + PERSIST_BEHIND)
     behind_cpu = med["  CPU seconds of the background work (checkpoint thread)" + PERSIST_BEHIND]
     print(
         f"commit_vs_torch_save = save() to committed / torch.save, per repeat: committed to storage {commit[0]:.3f} "
@@ -715,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if phases.get(suffix):
             print(
-                f"where save-to-commit went ({label}; medians, store.last_save_phases): "
+                f"where save-to-commit went ({label}; medians, store.metrics.last_save_phases): "
                 + ", ".join(f"{phase} {statistics.median(values):.3f} s" for phase, values in phases[suffix].items())
             )
     background_cpu = med["  CPU seconds of the background work (checkpoint thread)"]
@@ -796,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"result: blocking_ratio={ratio:.4f} async_blocking_seconds={blocking:.4f} sync_save_seconds={sync_save:.4f} "
-        f"restore_seconds={restore:.4f} state_mb={state_mb:.1f} background_seconds={med['save-to-commit (store.last_save_seconds)']:.4f} "
+        f"restore_seconds={restore:.4f} state_mb={state_mb:.1f} background_seconds={med['save-to-commit (store.metrics.last_save_seconds)']:.4f} "
         f"trainer_blocking_seconds={trainer_blocking:.4f} blocking_ratio_vs_slower_save={blocking / slow:.4f} "
         f"effective_stall_seconds={effective:.4f} "
         f"torch_load_seconds={med['torch.load']:.4f} memory_restore_speedup={memory_speedup:.2f} background_cpu_ratio={background_cpu / save_cpu:.2f} "

@@ -410,7 +410,7 @@ def test_a_run_never_resumes_from_rotates_or_overwrites_another_runs_checkpoints
     assert ckpt.verify(str(bucket / ckpt.step_dir_name(10))).run_uid == "run-a"
     assert save_as(bucket, "run-b", 10, seed=2) is None  # a's step-10 is not cleared for b's save of that step
     assert ckpt.verify(str(bucket / ckpt.step_dir_name(10))).valid
-    skipped = CheckpointStore(f"file://{bucket}", run_uid="run-b")._find_latest_valid()
+    skipped = CheckpointStore(f"file://{bucket}", run_uid="run-b").latest_valid()
     assert skipped.step == 6
     assert CheckpointStore(f"file://{bucket}", run_uid="run-a").latest_valid().step == 10
 

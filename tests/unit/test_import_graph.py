@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {
@@ -183,8 +184,26 @@ def test_both_sides_import_the_shared_package():
 
 
 #: A soft ceiling: a module holds one concept, and past this it likely holds more. It was a hard 400, which split
-#: single concepts into mixins across files (CheckpointStore's five parts): issue 62 makes them compose instead.
+#: single concepts into mixins across files; CheckpointStore's parts now compose (`checkpoint/store.py`).
 MAX_SOURCE_LINES = 600
+
+#: The mixins left, which mypy cannot check for what they read of `self` (it is set by the class they make up): the
+#: parts of Trainer, to compose as CheckpointStore's and Run's parts do. This set may only shrink.
+MIXIN_MODULES_LEFT = {
+    "trainingrun_trainer.trainer_setup",
+    "trainingrun_trainer.trainer_checkpoints",
+}
+
+
+def test_no_new_module_is_exempt_from_checking_what_it_reads_of_self():
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    exempt = {
+        module
+        for override in config["tool"]["mypy"].get("overrides", [])
+        if "attr-defined" in override.get("disable_error_code", [])
+        for module in override["module"]
+    }
+    assert exempt <= MIXIN_MODULES_LEFT, f"compose these instead of exempting them: {exempt - MIXIN_MODULES_LEFT}"
 
 
 def test_no_source_file_is_longer_than_a_reader_can_hold():

@@ -260,21 +260,21 @@ class TrainerMetrics(NullMetrics):
         if waited_seconds > self._seen["waited"]:
             self._save_wait.inc(waited_seconds - self._seen["waited"])
             self._seen["waited"] = waited_seconds
-        if store.committed_saves > self._seen["committed"]:
-            self._seen["committed"] = store.committed_saves
-            self._save_seconds.observe(store.last_save_seconds)
-            self._saved_bytes.inc(store.last_save_bytes)
-        if store.failed_saves > self._seen["failed"]:
-            self._save_failures.inc(store.failed_saves - self._seen["failed"])
-            self._seen["failed"] = store.failed_saves
+        if store.metrics.committed_saves > self._seen["committed"]:
+            self._seen["committed"] = store.metrics.committed_saves
+            self._save_seconds.observe(store.metrics.last_save_seconds)
+            self._saved_bytes.inc(store.metrics.last_save_bytes)
+        if store.metrics.failed_saves > self._seen["failed"]:
+            self._save_failures.inc(store.metrics.failed_saves - self._seen["failed"])
+            self._seen["failed"] = store.metrics.failed_saves
         if store.rank == 0:  # 0 where saves commit to storage (several pods, persistBehind: false)
             self._persist_lag.set(store.persist_lag_steps)
-            if store.failed_persists > self._seen["persist_failed"]:
-                self._persist_failures.inc(store.failed_persists - self._seen["persist_failed"])
-                self._seen["persist_failed"] = store.failed_persists
-        if store.restores > self._seen["restores"]:
-            self._seen["restores"] = store.restores
-            self._restore_seconds.observe(store.last_restore_seconds)
+            if store.metrics.failed_persists > self._seen["persist_failed"]:
+                self._persist_failures.inc(store.metrics.failed_persists - self._seen["persist_failed"])
+                self._seen["persist_failed"] = store.metrics.failed_persists
+        if store.metrics.restores > self._seen["restores"]:
+            self._seen["restores"] = store.metrics.restores
+            self._restore_seconds.observe(store.metrics.last_restore_seconds)
 
     def checkpoint_interval(self, choice: Any) -> None:
         """The auto interval's choice (a progress_report.IntervalChoice; None: not auto): parts not yet measured stay absent."""

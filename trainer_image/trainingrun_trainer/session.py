@@ -40,14 +40,15 @@ from trainingrun_api.checkpoint_config import (
     CheckpointConfig,
 )
 from trainingrun_api.model_base import ConfigError
-from trainingrun_api.progress_report import Report
+from trainingrun_api.progress_report import IntervalChoice, Report
 
 from . import reporting
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable
 from .context import RunContext
 from .reporting import ProgressReporter
-from .session_intervals import RunIntervals
+from .session_intervals import IntervalPolicy
 from .session_reports import RunReports
+from .timekeeping import ProcessClock
 
 log = logging.getLogger("trainingrun.session")
 
@@ -81,8 +82,9 @@ def init_process_group(backend: str) -> None:
     )
 
 
-class Run(RunIntervals, RunReports):
-    """One attempt of a TrainingRun as seen from inside a training process."""
+class Run:
+    """One attempt of a TrainingRun as seen from inside a training process: its checkpoint store (`store`), when it
+    checkpoints (`intervals`, session_intervals.py) and what it reports (`reports`, session_reports.py)."""
 
     #: Exit with this after a SIGTERM save: the operator counts it as a preemption and retries.
     PREEMPTED_EXIT_CODE = exit_codes.PREEMPTED
@@ -122,25 +124,9 @@ class Run(RunIntervals, RunReports):
         self._pending: Optional[PendingSave] = None
         #: The newest checkpoint this process committed (persisting behind: in memory).
         self.last_committed: Optional[CheckpointInfo] = None
-        self._reported: Optional[CheckpointInfo] = None  # the newest in storage, as reported
-        self._reported_in_memory: Optional[CheckpointInfo] = (
-            None  # persisting behind: the newest in memory, as reported
-        )
-        self.reporter = reporter
+        self.reports = RunReports(reporter, self.store, context.committed_step_file)
         self.preempted = False
-        self._last_save = time.monotonic()
-        self._last_saved_step = 0
-        #: checkpoint.interval.steps: auto (rank 0 decides; `agree` makes every rank save with it).
-        self.auto_interval = self._auto_interval()
-        self._step_began: Optional[float] = None  # when the current step's agreement was asked for
-        self._beside_save = False  # a save was staged or written during the current step
-        self._beside_persist = False  # a copy to storage ran during the current step (storageInterval auto)
-        self._copies_seen = 0  # the store's copies to storage (done or failed) measured so far
-        self._told_storage_steps: Optional[int] = None
-        #: Seconds saves waited for the save before them to commit: an interval shorter than a commit holds training
-        #: back (trainingrun_checkpoint_wait_seconds_total).
-        self.checkpoint_wait_seconds = 0.0
-        self._told_waiting = False
+        self.intervals = IntervalPolicy(checkpoint, self.store, context)
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -155,23 +141,6 @@ class Run(RunIntervals, RunReports):
                 if earlier != directory:
                     shutil.rmtree(earlier, ignore_errors=True)
         return directory
-
-    def _count_start(self) -> None:
-        """Read and count this start in the run's starts.json, for the auto interval's failure rate."""
-        if self.auto_interval is None:
-            return
-        try:
-            started, before = self.store.record_start(self.context.uid or self.context.name)
-        except Exception as error:  # storage trouble shows up again, and is reported, in the resume that follows
-            log.warning(
-                "cannot count this start in %s (%s): the auto checkpoint interval counts %d failures",
-                self.store.uri,
-                type(error).__name__,
-                self.auto_interval.failures,
-            )
-            return
-        self.auto_interval.run_started = min(started, self.auto_interval.run_started)
-        self.auto_interval.failures = max(before, self.auto_interval.failures)
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Run":
@@ -190,7 +159,7 @@ class Run(RunIntervals, RunReports):
         checkpoint would throw away every one committed since. Falling below it is only logged.
         """
         if self.context.is_rank_zero:
-            self._count_start()
+            self.intervals.count_start(self.context.uid or self.context.name)
         try:
             newest = self.store.latest_valid()
         except Exception as error:  # each fsspec backend raises its own kinds (OSError, botocore's, google's)
@@ -200,7 +169,7 @@ class Run(RunIntervals, RunReports):
             ) from error
         if self.context.is_rank_zero:
             self._check_floor(newest)
-        self._reported = self.store.in_storage  # lastGoodCheckpoint: the checkpoints this process commits
+        self.reports.resumed()
         started_from = ""
         source: Union[CheckpointInfo, str, None] = newest  # or checkpoint.resumeFrom's step directory
         if source is None:
@@ -224,14 +193,11 @@ class Run(RunIntervals, RunReports):
                 "resumed from %s at step %d in %.2f s, reading %s%s",
                 uri,
                 step,
-                self.store.last_restore_seconds,
-                RESTORE_SOURCES[self.store.last_restore_source],
+                self.store.metrics.last_restore_seconds,
+                RESTORE_SOURCES[self.store.metrics.last_restore_source],
                 started_from,
             )
-        self._last_saved_step = step
-        cost = extra.pop(SAVE_COST_KEY, None)
-        if self.auto_interval is not None and isinstance(cost, float):
-            self.auto_interval.carry_cost(cost)
+        self.intervals.resumed(step, extra.pop(SAVE_COST_KEY, None))
         return extra
 
     def _elsewhere(self) -> Optional[str]:
@@ -280,16 +246,8 @@ class Run(RunIntervals, RunReports):
         if self._pending is not None and self._pending.done():
             self.report_committed()  # promptly, so the operator resumes from it after a crash
         elif self.store.persist_behind:
-            self._report_stored()  # the persister copied one to storage since
-        interval = self.checkpoint.interval
-        if self.auto_interval is not None:
-            self._time_step(save_finished)
-        if self.auto_interval is not None and self.auto_interval.memory_auto:
-            save = self.auto_interval.due(step - self._last_saved_step)
-        else:
-            save = isinstance(interval.steps, int) and step % interval.steps == 0
-        save = save or (interval.seconds is not None and time.monotonic() - self._last_save >= interval.seconds)
-        local = (self.preempted, save, *flags)
+            self.reports.stored()  # the persister copied one to storage since
+        local = (self.preempted, self.intervals.due(step, save_finished), *flags)
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return lambda: local
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -318,8 +276,8 @@ class Run(RunIntervals, RunReports):
         began = time.monotonic()
         self.report_committed()
         if writing:
-            self._waited_for_the_save_before(step, time.monotonic() - began)
-        cost = self.auto_interval.save_cost if self.auto_interval is not None else None
+            self.intervals.waited_for_the_save_before(step, time.monotonic() - began)
+        cost = self.intervals.save_cost
         if cost is not None:
             extra = {**(extra or {}), SAVE_COST_KEY: float(cost)}
         self._pending = self.store.save(
@@ -332,12 +290,71 @@ class Run(RunIntervals, RunReports):
             copy_in_background=copy_in_background,
         )
         if self.context.committed_step_file and self.context.local_rank == 0:  # one per node: its agent reads it
-            self._pending.when_done(self._tell_launcher)
+            self._pending.when_done(self.reports.tell_launcher)
         if blocking or not self.checkpoint.async_save:
             self.store.flush()  # a save that blocks returns once storage holds it, also persisting behind
-        self._last_save = time.monotonic()
-        self._last_saved_step = step
-        self._beside_save = True
+        self.intervals.saved(step)
+
+    def checkpoint_due(self, step: int) -> tuple[bool, bool]:
+        """(stop, save): whether to stop for preemption and whether a periodic save is due.
+
+        Collective under torch.distributed: every rank must call it at the same step, and all get
+        the same answer, so a SIGTERM that reaches one rank first still stops all of them together.
+        """
+        stop, save = self.agree(step)
+        return stop, save
+
+    def report_committed(self) -> Optional[CheckpointInfo]:
+        """Finish the save in flight (the next save waits for it anyway) and report the newest checkpoint in storage
+        as lastGoodCheckpoint (persisting behind, the one committed now may still be on its way there: it is
+        checkpointInMemory)."""
+        info = self.store.wait()
+        self._pending = None
+        if info is not None:
+            self.last_committed = info
+        self.reports.stored()
+        return info
+
+    def report(
+        self,
+        step: int,
+        *,
+        total_steps: Optional[int] = None,
+        loss: Optional[float] = None,
+        samples_per_second: Optional[float] = None,
+        productive_seconds: Optional[float] = None,
+        process_time: Optional[ProcessClock] = None,
+        model_flops_per_second: Optional[float] = None,
+        mfu: Optional[float] = None,
+    ) -> None:
+        """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
+        the reporter's pace)."""
+        if not self.reports.reporter.enabled:
+            return  # every step: ranks that do not report build nothing
+        self.reports.progress(
+            step,
+            total_steps=total_steps,
+            loss=loss,
+            samples_per_second=samples_per_second,
+            productive_seconds=productive_seconds,
+            process_time=process_time,
+            model_flops_per_second=model_flops_per_second,
+            mfu=mfu,
+            interval_choice=self.intervals.choice(),
+        )
+
+    @property
+    def reporter(self) -> ProgressReporter:
+        return self.reports.reporter
+
+    def interval_choice(self) -> Optional[IntervalChoice]:
+        """With checkpoint.interval.steps: auto, on rank 0: the interval now and what it is made of."""
+        return self.intervals.choice()
+
+    @property
+    def checkpoint_wait_seconds(self) -> float:
+        """Seconds saves waited for the save before them to commit (trainingrun_checkpoint_wait_seconds_total)."""
+        return self.intervals.wait_seconds
 
     @property
     def saving(self) -> bool:
@@ -349,8 +366,8 @@ class Run(RunIntervals, RunReports):
         node memory goes too."""
         self.report_committed()
         self.store.close()  # persisting behind: once storage holds the newest
-        self._report_stored()
-        self.reporter.close()
+        self.reports.stored()
+        self.reports.reporter.close()
         tier = self.store.memory_tier
         if finished and tier is not None:
             shutil.rmtree(tier, ignore_errors=True)

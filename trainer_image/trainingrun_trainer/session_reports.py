@@ -1,5 +1,5 @@
-"""What `Run` tells the operator and the launcher (session.py): progress reports from rank 0, and each committed
-checkpoint, in storage and in node memory."""
+"""`RunReports`: what `Run` (session.py) tells the operator and the launcher: progress reports from rank 0, and each
+committed checkpoint, in storage and in node memory."""
 
 from __future__ import annotations
 
@@ -8,35 +8,35 @@ import math
 import os
 from typing import Optional
 
-from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, Progress
+from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress
 
-from .checkpoint import CheckpointInfo, PendingSave, now_rfc3339
+from .checkpoint import CheckpointInfo, CheckpointStore, now_rfc3339
+from .reporting import ProgressReporter
 from .timekeeping import ProcessClock
 
 log = logging.getLogger("trainingrun.session")
 
 
 class RunReports:
-    """Part of `Run`: reports to the operator and the launcher."""
+    """Reports `store`'s newest checkpoints and the run's progress through `reporter`; `committed_step_file`: where
+    the launcher's agent reads the newest committed step ("" or None: nowhere)."""
 
-    _pending: Optional[PendingSave]
+    def __init__(self, reporter: ProgressReporter, store: CheckpointStore, committed_step_file: Optional[str]):
+        self.reporter = reporter
+        self._store = store
+        self._committed_step_file = committed_step_file
+        self._reported: Optional[CheckpointInfo] = None  # the newest in storage, as reported
+        self._reported_in_memory: Optional[CheckpointInfo] = None  # persisting behind: the newest in memory
 
-    def report_committed(self) -> Optional[CheckpointInfo]:
-        """Finish the save in flight (the next save waits for it anyway) and report the newest checkpoint in storage
-        as lastGoodCheckpoint (persisting behind, the one committed now may still be on its way there: it is
-        checkpointInMemory)."""
-        info = self.store.wait()
-        self._pending = None
-        if info is not None:
-            self.last_committed = info
-        self._report_stored()
-        return info
+    def resumed(self) -> None:
+        """The store found the run's checkpoints: lastGoodCheckpoint reports only those this process commits."""
+        self._reported = self._store.in_storage
 
-    def _report_stored(self) -> None:
+    def stored(self) -> None:
         """Tell the reporter the newest checkpoints in storage and (persisting behind) in memory, when they changed;
         cheap enough for every step."""
-        stored, in_memory = self.store.in_storage, self.store.in_memory
-        if self.store.persist_behind and in_memory is not None and in_memory is not self._reported_in_memory:
+        stored, in_memory = self._store.in_storage, self._store.in_memory
+        if self._store.persist_behind and in_memory is not None and in_memory is not self._reported_in_memory:
             self._reported_in_memory = in_memory
             self.reporter.committed_in_memory(
                 CheckpointInMemory.model_construct(step=in_memory.step, time=in_memory.time)
@@ -49,12 +49,12 @@ class RunReports:
                 )
             )
 
-    def _tell_launcher(self, info: Optional[CheckpointInfo]) -> None:
+    def tell_launcher(self, info: Optional[CheckpointInfo]) -> None:
         """Progress the launcher's agent can see, written the moment a save commits (on the thread that committed
         it, not at the next report: a worker killed a few steps later has made it): a group that committed a step
         gets its in-place restart budget back."""
-        path = self.context.committed_step_file
-        if info is None:
+        path = self._committed_step_file
+        if info is None or not path:
             return
         try:
             partial = f"{path}.partial"
@@ -64,22 +64,23 @@ class RunReports:
         except OSError as error:  # the budget then refills less often: never worth failing a step
             log.warning("could not record committed step %d for the launcher at %s: %s", info.step, path, error)
 
-    def report(
+    def progress(
         self,
         step: int,
         *,
-        total_steps: Optional[int] = None,
-        loss: Optional[float] = None,
-        samples_per_second: Optional[float] = None,
-        productive_seconds: Optional[float] = None,
-        process_time: Optional[ProcessClock] = None,
-        model_flops_per_second: Optional[float] = None,
-        mfu: Optional[float] = None,
+        total_steps: Optional[int],
+        loss: Optional[float],
+        samples_per_second: Optional[float],
+        productive_seconds: Optional[float],
+        process_time: Optional[ProcessClock],
+        model_flops_per_second: Optional[float],
+        mfu: Optional[float],
+        interval_choice: Optional[IntervalChoice],
     ) -> None:
-        """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
-        the reporter's pace)."""
+        """Report progress, and where this process's time went (never blocks, never raises; sent at the reporter's
+        pace; a reporter that is off builds nothing)."""
         if not self.reporter.enabled:
-            return  # every step: ranks that do not report build nothing
+            return
         self.reporter.progress(
             Progress.model_construct(  # unchecked: reporting never raises in the training loop
                 step=step,
@@ -92,5 +93,5 @@ class RunReports:
                 mfu=None if mfu is None else round(mfu, 4),
             ),
             process_time.snapshot() if process_time is not None else None,
-            self.interval_choice(),
+            interval_choice,
         )

@@ -154,7 +154,7 @@ def train(run: Run, clock: SteppingClock, first: int, last: int, *, step_seconds
 
 
 def on_the_clock(monkeypatch, clock) -> None:
-    """`Run` (session.py and its part session_intervals.py) reads time from `clock`."""
+    """`Run` (session.py and its IntervalPolicy, session_intervals.py) reads time from `clock`."""
     from trainingrun_trainer import session, session_intervals
 
     for module in (session, session_intervals):
@@ -302,8 +302,8 @@ def test_a_save_that_waits_for_the_one_before_it_is_said_once_and_counted(tmp_pa
     run = run_in(tmp_path)
     store = run.store
     gates: dict[int, threading.Event] = {}  # a save's write commits only once the next save has begun
-    write = store._run
-    monkeypatch.setattr(store, "_run", lambda job: (gates[job.step].wait(60), write(job))[1])
+    write = store.committer.run
+    monkeypatch.setattr(store.committer, "run", lambda job: (gates[job.step].wait(60), write(job))[1])
     report_committed = run.report_committed
 
     def next_save_begins():
@@ -324,7 +324,7 @@ def test_a_save_that_waits_for_the_one_before_it_is_said_once_and_counted(tmp_pa
     assert len(said) == 1 and "the checkpoint of step 2 waited" in said[0]
     assert "spec.checkpoint.interval" in said[0] and "trainingrun_checkpoint_wait_seconds_total" in said[0]
     assert run.checkpoint_wait_seconds > 0
-    assert store.committed_saves == 3
+    assert store.metrics.committed_saves == 3
 
 
 class RecordingReporter(ProgressReporter):
@@ -372,7 +372,7 @@ def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
     uri = f"file://{tmp_path}"
     run = run_with(CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}}))
     try:
-        assert (run.store.persist_every_steps, run.store.persist_every_seconds) == (None, 600)
+        assert (run.store.persister.every_steps, run.store.persister.every_seconds) == (None, 600)
     finally:
         run.close()
     with pytest.raises(pydantic.ValidationError, match="checkpoint.storageInterval.steps, .seconds or both"):
@@ -395,13 +395,13 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
     )
     run = run_with(config, context)
     gate = threading.Event()
-    upload = run.store._storage.upload
-    monkeypatch.setattr(run.store._storage, "upload", lambda *args: (gate.wait(30), upload(*args))[1])
+    upload = run.store.context.storage.upload
+    monkeypatch.setattr(run.store.context.storage, "upload", lambda *args: (gate.wait(30), upload(*args))[1])
     model = nn.Linear(2, 2)
     try:
-        chooser = run.auto_interval
+        chooser = run.intervals.auto
         assert chooser.storage_auto and not chooser.memory_auto
-        assert run.store.persist_every_steps is None  # every checkpoint, until a copy is measured
+        assert run.store.persister.every_steps is None  # every checkpoint, until a copy is measured
         for step in range(1, 6):  # usual steps of 0.1 s; the fixed interval saves at 5
             clock.now += 0.1
             assert run.agree(step)[1] == (step == 5)
@@ -418,7 +418,7 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
         cost = (0.2 + 0.2 + 0.0) * 4 / 3  # steps 7-9 alone, scaled to the four the copy ran beside
         young = round(math.sqrt(2 * cost * 3600) / 0.1)
         assert chooser.persist_cost == pytest.approx(cost)
-        assert run.store.persist_every_steps == young
+        assert run.store.persister.every_steps == young
         choice = run.interval_choice()
         assert (choice.storage_steps, choice.failures, choice.steps) == (young, 2, None)
         assert any(f"storage interval (auto): every {young} steps" in r.getMessage() for r in caplog.records)

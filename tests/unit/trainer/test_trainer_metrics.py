@@ -125,10 +125,12 @@ def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
 
 def test_the_persist_lag_is_what_memory_holds_beyond_storage_and_zero_where_saves_commit_to_storage(tmp_path):
     store = textwrap.dedent("""
+        from trainingrun_trainer.checkpoint.context import StoreMetrics
         class Store:  # what metrics reads of a CheckpointStore on rank 0
-            rank, committed_saves, failed_saves, restores = 0, 0, 0, 0
+            rank = 0
             def __init__(self, behind, lag, failed):
-                self.persist_behind, self.persist_lag_steps, self.failed_persists = behind, lag, failed
+                self.metrics = StoreMetrics(failed_persists=failed)
+                self.persist_behind, self.persist_lag_steps = behind, lag
     """)
     behind, to_storage = expositions_after(
         tmp_path, store + "m.checkpoints(Store(True, 20, 2))", "m.checkpoints(Store(False, 0, 2))"

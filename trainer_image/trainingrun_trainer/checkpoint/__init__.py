@@ -45,7 +45,7 @@ How a save is sequenced (same on every rank; collectives use a dedicated gloo gr
 4. Only if every rank succeeded, rank 0 writes ``manifest.json`` (file://: temp file, fsync,
    rename; object stores: one PUT, which is atomic) and broadcasts the outcome, so every rank's
    ``wait()`` returns the same :class:`CheckpointInfo` (or ``None``).
-5. Rank 0 rotates (:meth:`CheckpointStore.rotate`).
+5. Rank 0 rotates (`rotation.Rotation`).
 
 Persisting behind (``CheckpointStore(persist_behind=True)``, the trainer's default: ``checkpoint.persistBehind``), when
 every rank shares one node's memory tier: in step 2 every rank writes its files straight into the tier's step
@@ -54,7 +54,7 @@ xxh3_128 of each 4 MiB segment beside them), and in step 4 rank 0 writes the man
 committed in memory and ``wait()`` returns it. Rank 0's persister thread then copies those files to storage unchanged,
 and the same manifest bytes last (the commit in storage), and rotates storage. It copies the newest first: a memory
 checkpoint committed while an older one is being copied replaces any still waiting (counted in
-``superseded_persists``, logged); the tier keeps the newest and the one being copied, and the step before them as the
+``metrics.superseded_persists``, logged); the tier keeps the newest and the one being copied, and the step before them as the
 spare. ``flush()`` (and ``close()``) waits until storage holds the newest. A restart inside the pod resumes from the
 tier's newest memory checkpoint when storage holds none as new; one whose copy turns out damaged is dropped, so the
 next restart takes storage's newest. A save the tier lacks room for (on any rank) commits to storage as above.
@@ -66,7 +66,7 @@ any rank for any tensor: a rank that finds no room to stage after all fails that
 Several nodes: each node's tier holds only its ranks' files, so saves commit to storage (the tier keeps a copy).
 
 A storage error in steps 2-4 never raises into the training loop: each rank logs it once
-(logger ``trainingrun.checkpoint``), counts it in ``failed_saves``, no manifest is written, and
+(logger ``trainingrun.checkpoint``), counts it in ``metrics.failed_saves``, no manifest is written, and
 the next save starts from scratch. Errors while staging (a caller bug such as an unpicklable
 ``extra``) do raise.
 
@@ -88,8 +88,9 @@ checkpoint invalid, and resume falls back to an older one. The digests in the ma
 tampering (which is why a fast digest does as well as sha256 did).
 
 The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer), `manifest`
-(inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store`
-(`CheckpointStore`), `listing` (the CLI's table).
+(inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store` (`CheckpointStore`,
+composed of `saving.Saver`, `committing.Committer`, `persisting.Persister`, `restoring.Restorer` and
+`rotation.Rotation` over one `context.StoreContext`), `listing` (the CLI's table).
 """
 
 from __future__ import annotations

@@ -1,16 +1,23 @@
-"""The checkpoint thread: writing a staged state (DCP, every rank) and committing it with rank 0's manifest, in node
-memory or in storage (a part of `CheckpointStore`; steps 2-5 of the package's description)."""
+"""`Committer`, the checkpoint thread: staging what a save left to it, writing the staged state (DCP, every rank) and
+committing it with rank 0's manifest, in node memory or in storage (steps 2-5 of the package's description)."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
 import time
-from typing import Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 
+from ..torch_internals import StateDictStager, forget_save_plans
+from .context import StoreContext
 from .layout import (
     _SAVE_ERRORS,
     FILE_DIGEST,
@@ -22,35 +29,86 @@ from .layout import (
     logger,
     now_rfc3339,
 )
+from .memory_tier import MemoryTier
+from .persisting import Persister
+from .rotation import Rotation
 from .save_planner import ReusingSavePlanner
-from .saving import _SaveJob
 from .tier_files import SEGMENTS_KEY
-from .tier_staging import StagedFile
+from .tier_staging import StagedFile, data_file_name, stageable, tensors_of
 from .writer import _Writer
 
+#: Numbers the stores of this process: each keeps its own plans in DCP's process-wide plan cache.
+_STORES = itertools.count()
 
-class Committing:
-    """CheckpointStore's background save: `_run` writes and commits one `_SaveJob`. State lives in
-    `CheckpointStore.__init__`."""
 
-    def _run(self, job: _SaveJob) -> Optional[CheckpointInfo]:
+@dataclass
+class SaveJob:
+    step: int
+    state: Any
+    config_hash: str
+    model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
+    started: float
+    expected_bytes: int  # about what this rank writes (for the memory tier's room)
+    logged: bool = False  # this rank already logged the failure
+    later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
+    marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
+    copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
+
+
+def plain_state(state: Mapping[str, Any]) -> dict:
+    """`state` with Stateful objects replaced by their state_dict."""
+    return {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
+
+
+class Committer:
+    """Runs one `SaveJob` at a time (`run`, on every rank: the checkpoint thread unless the save blocks) to its commit
+    or its failure; never raises a storage error into training."""
+
+    def __init__(self, context: StoreContext, rotation: Rotation, persister: Persister):
+        self._context = context
+        self._rotation = rotation
+        self._persister = persister
+        # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies):
+        # containers are rebuilt, other values deep-copied.
+        self._state_stager = StateDictStager(pin_memory=torch.cuda.is_available())
+        self._digesting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-model-digest")
+        #: This store's key in DCP's process-wide plan cache (`planner`).
+        self.plans_key = f"trainingrun-checkpoint-store-{next(_STORES)}"
+        self._planned: dict[str, Any] = {}  # the layout of the state the last finished plan was made from
+        self._manifest_bytes = 0
+
+    def _tier(self) -> MemoryTier:
+        assert self._context.tier is not None  # a save in memory, or its copy there, needs one
+        return self._context.tier
+
+    def stage(self, plain: dict) -> dict:
+        """A copy of `plain` that training may not change: its tensors copied into the store's reused buffers."""
+        return self._state_stager.stage(plain)
+
+    def close(self) -> None:
+        self._digesting.shutdown(wait=True)
+        forget_save_plans(self.plans_key)
+
+    def run(self, job: SaveJob) -> Optional[CheckpointInfo]:
         """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
-        if not self.persist_behind:
+        if not self._context.persist_behind:
             self._take_later(job)
             self._stage_later(job, None)
             job.marks.append(("staging", time.perf_counter()))
-            return self._save(job, self._tier.begin(job.step, job.expected_bytes) if self._tier else None)
-        with self._persist_lock:  # the persister may be taking the next step to copy
-            keep = self._persist_steps()
-        tier_dir = self._tier.begin(job.step, job.expected_bytes, keep=keep)
-        planner = self._planner()
+            return self._save(
+                job, self._context.tier.begin(job.step, job.expected_bytes) if self._context.tier else None
+            )
+        tier = self._tier()
+        with self._persister.steps_held() as keep:  # the persister may be taking the next step to copy
+            tier_dir = tier.begin(job.step, job.expected_bytes, keep=keep)
+        planner = self.planner()
         self._take_later(job)
         try:
             # Agreed before staging: the memory tier when every rank has room there; DCP's planning skipped when every
             # rank's state keeps the layout of its last plan, and then each rank stages only what its plan writes.
-            in_memory, repeats = self._all(
+            in_memory, repeats = self._context.ranks.all(
                 tier_dir is not None, self._repeats(planner, {**job.state, **(job.later or {})})
             )
         except _SAVE_ERRORS as exc:
@@ -58,11 +116,11 @@ class Committing:
                 job.later = None
                 job.copied.set_result(None)  # nothing to copy: training goes on
             if tier_dir is not None:
-                self._tier.discard(job.step)
-            self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+                self._tier().discard(job.step)
+            self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
             return None
         if tier_dir is not None and not in_memory:
-            self._tier.discard(job.step)
+            self._tier().discard(job.step)
             tier_dir = None
         fast = in_memory and repeats
         staged = self._stage_later(job, tier_dir, planner if fast else None)
@@ -75,14 +133,14 @@ class Committing:
                 )
             if in_memory:
                 try:
-                    (in_memory,) = self._all(not (staged is not None and staged.failed))
+                    (in_memory,) = self._context.ranks.all(not (staged is not None and staged.failed))
                 except _SAVE_ERRORS as exc:
-                    self._tier.discard(job.step)  # what was staged there is no checkpoint: free its memory
-                    self._failed(job, f"rank {self.rank} lost contact with its peers: {_describe(exc)}")
+                    self._tier().discard(job.step)  # what was staged there is no checkpoint: free its memory
+                    self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
                     return None
                 if in_memory:
                     return self._save(job, tier_dir, in_memory=True, staged=staged)
-                self._tier.discard(job.step)  # a rank had no room after all: every rank's save goes to storage
+                self._tier().discard(job.step)  # a rank had no room after all: every rank's save goes to storage
             return self._save(job, None)
         finally:
             if staged is not None:
@@ -92,23 +150,80 @@ class Committing:
         """Whether this rank may write `state` by its last plan (`ReusingSavePlanner.repeats`); False when the planner
         cannot take it (dcp.save then plans it, and raises what is wrong with it on every rank)."""
         try:
-            return planner.repeats(state, is_coordinator=self.rank == 0)
+            return planner.repeats(state, is_coordinator=self._context.ranks.rank == 0)
         except _SAVE_ERRORS:
             return False
 
     def _fast_path_error(
-        self, job: _SaveJob, staged: Optional[StagedFile], planner: ReusingSavePlanner
+        self, job: SaveJob, staged: Optional[StagedFile], planner: ReusingSavePlanner
     ) -> Optional[str]:
         """Why this rank cannot write its staged state by its last plan (every rank agreed it would), or None."""
         if staged is not None and staged.failed:
-            return f"rank {self.rank} had no room in node memory to stage its state after all"
+            return f"rank {self._context.ranks.rank} had no room in node memory to stage its state after all"
         if not self._repeats(planner, job.state):
-            return f"rank {self.rank}'s staged state does not have the layout of its last plan"
+            return f"rank {self._context.ranks.rank}'s staged state does not have the layout of its last plan"
         return None
+
+    def _take_later(self, job: SaveJob) -> None:
+        """Take the state_dict() of what save() left to the background (`job.later`), raising to the training thread
+        (wait_copied) what that raises, as save() would have."""
+        try:
+            job.later = plain_state(job.later or {})
+        except BaseException as exc:
+            job.later = None
+            job.copied.set_exception(exc)
+            raise
+
+    def _stage_later(
+        self, job: SaveJob, tier_dir: Optional[str], planner: Optional[ReusingSavePlanner] = None
+    ) -> Optional[StagedFile]:
+        """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
+        may change them. Into this rank's data file in `tier_dir` when they are CPU or CUDA tensors (stage once,
+        `tier_staging`; returned), else by the stager. With `planner` (set up by its `repeats`), only the tensors this
+        rank's last plan writes go into the file, and rank 0 copies what its model digest reads besides."""
+        later, job.later = job.later, None
+        if not later:  # save() told the training thread
+            return None
+        staged: Optional[StagedFile] = None
+        try:
+            if tier_dir is not None and stageable(later):
+                staged = StagedFile(os.path.join(tier_dir, data_file_name(self._context.ranks.rank)))
+                try:
+                    if planner is None:
+                        job.state.update(staged.stage(later))
+                    else:
+                        job.state.update(staged.stage(later, planner.planned_tensors(), self._digest_reads(job, later)))
+                except OSError as exc:
+                    logger.warning(
+                        "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save %s",
+                        job.step,
+                        self._context.ranks.rank,
+                        tier_dir,
+                        _describe(exc),
+                        "fails" if planner is not None else "commits to storage",
+                    )
+                    staged.failed = True
+                    staged.close()
+            if staged is None or (staged.failed and planner is None):  # not stageable, or staged to commit to storage
+                job.state.update(self.stage(later))
+        except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
+            job.copied.set_exception(exc)
+            if staged is not None:
+                staged.close()
+            raise
+        job.copied.set_result(None)
+        return staged
+
+    def _digest_reads(self, job: SaveJob, later: dict) -> list:
+        """The tensors of `later` rank 0's model digest reads: those of its `entry` (`DigestOfEntry`), else all."""
+        if self._context.ranks.rank != 0 or not callable(job.model_digest):
+            return []
+        entry = getattr(job.model_digest, "entry", None)
+        return tensors_of(later if entry is None else later.get(entry, {}))
 
     def _save(
         self,
-        job: _SaveJob,
+        job: SaveJob,
         tier_dir: Optional[str],
         in_memory: bool = False,
         staged: Optional[StagedFile] = None,
@@ -119,14 +234,14 @@ class Committing:
         `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
         persisted. With `planner` (every rank's `repeats`), each rank writes by its last plan, without `dcp.save`.
         `error`: this rank cannot write its part (by its last plan); it joins the commit, which then fails."""
-        step_uri = self._step_uri(job.step)
+        step_uri = self._context.step_uri(job.step)
         record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
         results: Optional[list] = None  # this rank's DCP write results, for rank 0's metadata, when `planner`
         # From the staged copy, in the background, beside the write (both only read it), so training waits for
         # neither; rank 0 only writes the manifest, so only rank 0 computes it.
         digesting = (
             self._digesting.submit(job.model_digest, job.state)
-            if callable(job.model_digest) and self.rank == 0 and error is None
+            if callable(job.model_digest) and self._context.ranks.rank == 0 and error is None
             else None
         )
         writer: Optional[_Writer] = None
@@ -141,7 +256,7 @@ class Committing:
                 logger.error(
                     "checkpoint step %d: rank %d could not write %s: %s",
                     job.step,
-                    self.rank,
+                    self._context.ranks.rank,
                     tier_dir if in_memory else step_uri,
                     error,
                     exc_info=True,
@@ -156,8 +271,8 @@ class Committing:
         gathered: Optional[list] = None  # rank 0: every rank's write results, when every rank wrote by its last plan
         try:
             sent = planner.results_to_send(results) if planner is not None and results is not None else results
-            statuses = self._gather_to_first((error, record, sent))
-            if self.rank == 0:
+            statuses = self._context.ranks.gather_to_first((error, record, sent))
+            if self._context.ranks.rank == 0:
                 if planner is not None and not any(failed for failed, _, _ in statuses):
                     assert writer is not None  # rank 0 wrote its part
                     failed, gathered = self._finish_as_planned(
@@ -167,14 +282,14 @@ class Committing:
                 outcome = self._commit(
                     job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None
                 )
-            outcome = self._broadcast(outcome)
+            outcome = self._context.ranks.broadcast(outcome)
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             outcome = (None, _describe(exc), b"")
             if not job.logged:
                 logger.error(
                     "checkpoint step %d: rank %d lost contact with its peers: %s",
                     job.step,
-                    self.rank,
+                    self._context.ranks.rank,
                     outcome[1],
                     exc_info=True,
                 )
@@ -185,46 +300,43 @@ class Committing:
         elif planner is not None:
             planner.not_committed()
         if tier_dir is not None and info is not None and not in_memory:
-            self._tier.commit(job.step, manifest)
+            self._tier().commit(job.step, manifest)
         elif tier_dir is not None and info is None:
-            self._tier.discard(job.step)
+            self._tier().discard(job.step)
         if info is None:
             self._failed(job, commit_error)
             return None
 
-        self.last_save_seconds = time.perf_counter() - job.started
+        self._context.metrics.last_save_seconds = time.perf_counter() - job.started
         job.marks.append(("committing", time.perf_counter()))
-        self.last_save_phases = {
+        self._context.metrics.last_save_phases = {
             name: at - before for (name, at), (_, before) in zip(job.marks, [("started", job.started)] + job.marks)
         }
-        self.last_save_bytes = sum(entry["size"] for entry in record.values())
-        self.committed_saves += 1
+        self._context.metrics.last_save_bytes = sum(entry["size"] for entry in record.values())
+        self._context.metrics.committed_saves += 1
         if in_memory:
-            self.in_memory = info
-            self._trusted[step_uri] = info.manifest_sha256  # a load reads it from the tier, checked as it reads
+            self._context.in_memory = info
+            self._context.trust(info)  # a load reads it from the tier, checked as it reads
         else:
-            self.in_memory = self.in_storage = info
-        if self.rank == 0:
-            self.last_save_bytes += self._manifest_bytes
+            self._context.in_memory = self._context.in_storage = info
+        if self._context.ranks.rank == 0:
+            self._context.metrics.last_save_bytes += self._manifest_bytes
             logger.info(
                 "committed checkpoint step %d %s (%d bytes, %.2f s)",
                 job.step,
                 "in memory" if in_memory else f"to {info.uri}",
                 info.size_bytes,
-                self.last_save_seconds,
+                self._context.metrics.last_save_seconds,
             )
             if in_memory:
-                self._persist(info, manifest)
+                self._persister.queue(info, manifest)
             else:
-                try:
-                    self._rotate()
-                except Exception as exc:
-                    logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
+                self._rotation.rotate_logging_errors()
         return info
 
     def _write(
         self,
-        job: _SaveJob,
+        job: SaveJob,
         step_uri: str,
         record: dict,
         tier_dir: Optional[str],
@@ -248,22 +360,22 @@ class Committing:
             writer = _Writer(
                 step_uri,
                 record,
-                on_global_plan=lambda: self._clear_step_dir(step_uri, job.step),
-                sync_files=self._storage.local,
-                tier=self._tier,
+                on_global_plan=lambda: self._rotation.clear_step_dir(step_uri, job.step),
+                sync_files=self._context.storage.local,
+                tier=self._context.tier,
                 tier_dir=tier_dir,
-                **self._options,
+                **self._context.options,
             )
         if planner is not None:
-            results: Optional[list] = planner.write_as_planned(writer, self.rank)
+            results: Optional[list] = planner.write_as_planned(writer, self._context.ranks.rank)
         else:
             results = None
             dcp.save(
                 job.state,
                 storage_writer=writer,
-                planner=self._planner(),
-                process_group=self._pg,
-                no_dist=not self._distributed,
+                planner=self.planner(),
+                process_group=self._context.ranks.group,
+                no_dist=not self._context.ranks.distributed,
             )
         job.marks.append(("writing", time.perf_counter()))
         if tier_dir is not None and in_memory:
@@ -275,7 +387,7 @@ class Committing:
         written yet (its entry still holds its segments, which this takes)."""
         for name, entry in record.items():
             if SEGMENTS_KEY in entry:
-                self._tier.write_digests(
+                self._tier().write_digests(
                     tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST], entry.pop(SEGMENTS_KEY)
                 )
 
@@ -295,18 +407,18 @@ class Committing:
             return _describe(exc), None
         return None, results
 
-    def _planner(self) -> ReusingSavePlanner:
+    def planner(self) -> ReusingSavePlanner:
         """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""
-        return ReusingSavePlanner(self._plans_key, self._planned)
+        return ReusingSavePlanner(self.plans_key, self._planned)
 
-    def _failed(self, job: _SaveJob, error: Optional[str]) -> None:
-        self.failed_saves += 1
+    def _failed(self, job: SaveJob, error: Optional[str]) -> None:
+        self._context.metrics.failed_saves += 1
         if not job.logged:  # another rank failed: one record on this rank too
             logger.error("checkpoint step %d was not committed: %s", job.step, error)
         return None
 
     def _commit(
-        self, job: _SaveJob, step_uri: str, statuses: list, tier_dir: Optional[str] = None
+        self, job: SaveJob, step_uri: str, statuses: list, tier_dir: Optional[str] = None
     ) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
         """Rank 0: write the manifest if every rank succeeded, to storage or (`tier_dir`) into the memory tier.
         Returns (info, error, the manifest's bytes)."""
@@ -317,27 +429,29 @@ class Committing:
         files = {}
         for _, record in statuses:
             files.update(record)
+        committed_at = now_rfc3339()
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": job.step,
-            "time": now_rfc3339(),
-            "world_size": self.world_size,
+            "time": committed_at,
+            "world_size": self._context.ranks.world_size,
             "config_hash": job.config_hash,
             "model_digest": job.model_digest,
             "torch_version": torch.__version__,
             "files": [{"path": name, **entry} for name, entry in sorted(files.items())],
         }
-        if self.run_uid:
-            manifest["run_uid"] = self.run_uid
+        if self._context.run_uid:
+            manifest["run_uid"] = self._context.run_uid
         raw = (json.dumps(manifest, indent=1) + "\n").encode()
         try:
             if tier_dir is not None:
-                with self._persist_lock:  # older copies go, but not the one being persisted
-                    self._tier.commit(job.step, raw, keep=self._persist_steps())
-                if self._tier.off is not None:
-                    raise OSError(f"the memory tier is off: {self._tier.off}")
+                tier = self._tier()
+                with self._persister.steps_held() as keep:  # older copies go, but not the one being persisted
+                    tier.commit(job.step, raw, keep=keep)
+                if tier.off is not None:
+                    raise OSError(f"the memory tier is off: {tier.off}")
             else:
-                self._storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
+                self._context.storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)
@@ -346,18 +460,18 @@ class Committing:
         self._manifest_bytes = len(raw)
         manifest_sha = hashlib.sha256(raw).hexdigest()
         if tier_dir is None:
-            self._trusted[step_uri] = manifest_sha
+            self._context.trusted[step_uri] = manifest_sha
         info = CheckpointInfo(
             step=job.step,
             uri=step_uri,
-            time=manifest["time"],
+            time=committed_at,
             size_bytes=sum(entry["size"] for entry in files.values()) + len(raw),
             valid=True,
             reason=None,
             model_digest=job.model_digest or None,  # type: ignore[arg-type]  # a str by now: _save resolved it
-            world_size=self.world_size,
+            world_size=self._context.ranks.world_size,
             manifest_sha256=manifest_sha,
-            run_uid=self.run_uid,
+            run_uid=self._context.run_uid,
             files={name: entry["size"] for name, entry in files.items()},
         )
         return info, None, raw

@@ -1,15 +1,19 @@
-"""Persisting behind: rank 0 copies checkpoints committed in the memory tier to storage, newest first (a part of
-`CheckpointStore`; see "Persisting behind" in the package's description)."""
+"""`Persister`: persisting behind, rank 0 copies checkpoints committed in the memory tier to storage, newest first,
+on a thread of its own (see "Persisting behind" in the package's description)."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from concurrent.futures import Future
-from typing import Optional
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Callable, Optional
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
+from .context import StoreContext
 from .layout import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -17,79 +21,134 @@ from .layout import (
     _join,
     logger,
 )
+from .memory_tier import MemoryTier
+from .rotation import Rotation
 
 
-class PersistingBehind:
-    """CheckpointStore's copies to storage behind the memory tier: queueing (newest wins, the storage interval), the
-    persister's loop, and waiting for it (`flush`, `wait_persisted`). State lives in `CheckpointStore.__init__`."""
+class Persister:
+    """Queues memory checkpoints to be copied to storage (newest wins over one still waiting; the storage interval
+    holds back one that comes sooner), copies them on rank 0's persister thread, and waits for it. On the other ranks,
+    and when the store does not persist behind, it holds nothing and copies nothing."""
 
-    _persist_next: Optional[tuple[CheckpointInfo, bytes]]
-    _held_back: Optional[tuple[CheckpointInfo, bytes]]
-    _last_queued: Optional[tuple[int, float]]
-    in_memory: Optional[CheckpointInfo]
-    in_storage: Optional[CheckpointInfo]
-    _persisting: Optional[int]
-    _persist_loop: Optional[Future]
+    def __init__(
+        self,
+        context: StoreContext,
+        rotation: Rotation,
+        every_steps: Optional[int] = None,
+        every_seconds: Optional[float] = None,
+    ):
+        self._context = context
+        self._rotation = rotation
+        #: The storage interval: a memory checkpoint that comes sooner after the last one queued is held back (the
+        #: next supersedes it, or `flush` queues it). None and None: every memory checkpoint is copied.
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        #: The clock of `every_seconds`.
+        self.clock: Callable[[], float] = time.monotonic
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-persist")
+            if context.persist_behind and context.ranks.rank == 0
+            else None
+        )
+        self._lock = threading.Lock()
+        self._next: Optional[tuple[CheckpointInfo, bytes]] = None  # newest wins: the next to copy
+        self._copying: Optional[int] = None  # the step being copied
+        self._loop: Optional[Future] = None  # the persister's loop, while it runs
+        self._last_queued: Optional[tuple[int, float]] = None  # (step, `clock` time) of the last queued copy
+        self._held_back: Optional[tuple[CheckpointInfo, bytes]] = None  # newest in memory, before the interval
 
-    def _persist_steps(self) -> set[int]:
-        """The steps the persister holds in the memory tier: the one it copies and the one it copies next."""
-        steps = {self._persisting} if self._persisting is not None else set()
-        if self._persist_next is not None:
-            steps.add(self._persist_next[0].step)
-        return steps
+    @contextmanager
+    def steps_held(self) -> Iterator[set[int]]:
+        """The steps the persister holds in the memory tier (the one it copies and the one it copies next), fixed
+        while the block runs: the tier may drop any other step then."""
+        with self._lock:
+            steps = {self._copying} if self._copying is not None else set()
+            if self._next is not None:
+                steps.add(self._next[0].step)
+            yield steps
 
-    def _persist(self, info: CheckpointInfo, manifest: bytes, whenever: bool = False) -> None:
+    @property
+    def busy(self) -> bool:
+        """Rank 0's persister is copying to storage (or about to)."""
+        return self._loop is not None
+
+    def queue(self, info: CheckpointInfo, manifest: bytes, whenever: bool = False) -> None:
         """Queue a memory checkpoint to be copied to storage: newest wins over one still waiting. One that comes
-        before the storage interval is up (`persist_every_steps`/`_seconds`) is held back instead, unless `whenever`
-        (flush): the next memory checkpoint supersedes it, or flush() queues it."""
-        with self._persist_lock:
-            if not whenever and not self._persist_due(info.step):
+        before the storage interval is up is held back instead, unless `whenever` (flush)."""
+        assert self._pool is not None, "only rank 0 of a store that persists behind copies to storage"
+        tier = self._tier()
+        with self._lock:
+            if not whenever and not self._due(info.step):
                 self._held_back = (info, manifest)
                 return
             self._held_back = None
-            self._last_queued = (info.step, self._clock())
-            superseded, self._persist_next = self._persist_next, (info, manifest)
+            self._last_queued = (info.step, self.clock())
+            superseded, self._next = self._next, (info, manifest)
             if superseded is not None:
-                self.superseded_persists += 1
+                self._context.metrics.superseded_persists += 1
                 logger.info(
                     "checkpoint step %d is not persisted: step %d supersedes it (storage is slower than the "
                     "checkpoint interval)",
                     superseded[0].step,
                     info.step,
                 )
-                self._tier.discard(superseded[0].step)
-            if self._persist_loop is None:
-                self._persist_loop = self._persister.submit(self._persist_queued)
+                tier.discard(superseded[0].step)
+            if self._loop is None:
+                self._loop = self._pool.submit(self._copy_queued)
 
-    def _persist_due(self, step: int) -> bool:
-        if self._last_queued is None or (self.persist_every_steps is None and self.persist_every_seconds is None):
+    def queue_held_back(self) -> None:
+        """Queue the memory checkpoint the storage interval held back, if any (flush: storage gets the newest)."""
+        with self._lock:
+            held_back = self._held_back
+        if held_back is not None:
+            self.queue(*held_back, whenever=True)
+
+    def wait_idle(self) -> None:
+        """Wait until every copy queued so far is in storage or failed (a checkpoint held back stays held)."""
+        while True:
+            with self._lock:
+                loop = self._loop
+            if loop is None:
+                return
+            loop.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _due(self, step: int) -> bool:
+        if self._last_queued is None or (self.every_steps is None and self.every_seconds is None):
             return True
         queued_step, queued_at = self._last_queued
-        return (self.persist_every_steps is not None and step - queued_step >= self.persist_every_steps) or (
-            self.persist_every_seconds is not None and self._clock() - queued_at >= self.persist_every_seconds
+        return (self.every_steps is not None and step - queued_step >= self.every_steps) or (
+            self.every_seconds is not None and self.clock() - queued_at >= self.every_seconds
         )
 
-    def _persist_queued(self) -> None:
+    def _tier(self) -> MemoryTier:
+        assert self._context.tier is not None  # persisting behind needs one
+        return self._context.tier
+
+    def _copy_queued(self) -> None:
         while True:
-            with self._persist_lock:
-                item, self._persist_next = self._persist_next, None
+            with self._lock:
+                item, self._next = self._next, None
                 if item is None:
-                    self._persisting, self._persist_loop = None, None
+                    self._copying, self._loop = None, None
                     return
-                self._persisting = item[0].step
+                self._copying = item[0].step
             self._copy_to_storage(*item)
 
     def _copy_to_storage(self, info: CheckpointInfo, manifest: bytes) -> None:
         """Copy a memory checkpoint's files to storage, unchanged, then its manifest (the commit); rotate."""
+        context, tier, metrics = self._context, self._tier(), self._context.metrics
         began = time.perf_counter()
-        directory = self._tier.path(info.step)
+        directory = tier.path(info.step)
         try:
-            self._clear_step_dir(info.uri, info.step)
+            self._rotation.clear_step_dir(info.uri, info.step)
             for name in sorted(info.files or {}):
-                self._storage.upload(os.path.join(directory, name), _join(info.uri, name))
-            self._storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
+                context.storage.upload(os.path.join(directory, name), _join(info.uri, name))
+            context.storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
         except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
-            self.failed_persists += 1
+            metrics.failed_persists += 1
             logger.error(
                 "checkpoint step %d (committed in memory) could not be copied to %s: %s",
                 info.step,
@@ -98,56 +157,13 @@ class PersistingBehind:
                 exc_info=True,
             )
             return
-        self._trusted[info.uri] = info.manifest_sha256
-        self.in_storage = info
-        self.last_persist_seconds = time.perf_counter() - began
-        self.persists += 1
-        logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, self.last_persist_seconds)
-        with self._persist_lock:  # the memory tier keeps the newest memory checkpoint and what is queued
-            newest = self.in_memory.step if self.in_memory is not None else info.step
-            self._tier.remove_older(newest, keep=self._persist_steps() - {info.step})
-        self._tier.prepare_spare(
-            {name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX)}
-        )
-        try:
-            self._rotate()
-        except Exception as exc:
-            logger.error("checkpoint rotation below %s failed: %s", self.uri, exc, exc_info=True)
-
-    @property
-    def persisting(self) -> bool:
-        """Rank 0's persister is copying to storage (or about to)."""
-        return self._persist_loop is not None
-
-    @property
-    def persist_lag_steps(self) -> int:
-        """Steps the newest memory checkpoint is ahead of the newest in storage (0 when not persisting behind)."""
-        if self.in_memory is None:
-            return 0
-        return self.in_memory.step - (self.in_storage.step if self.in_storage is not None else 0)
-
-    def flush(self) -> Optional[CheckpointInfo]:
-        """Finish the save in flight, then wait until rank 0 has persisted the newest memory checkpoint (or failed to);
-        the newest checkpoint in storage, the same on every rank. Persisting behind under torch.distributed this is a
-        collective: call it on every rank."""
-        self.wait()
-        if not self.persist_behind:
-            return self.in_storage
-        with self._persist_lock:
-            held_back = self._held_back
-        if held_back is not None:
-            self._persist(*held_back, whenever=True)
-        self.wait_persisted()
-        if self._distributed:
-            self.in_storage = self._broadcast(self.in_storage)
-        return self.in_storage
-
-    def wait_persisted(self) -> None:
-        """Wait until this rank's persister (rank 0's) is idle: every copy queued so far is in storage or failed. Not a
-        collective, and a checkpoint held back by the storage interval stays held (`flush` copies it)."""
-        while True:
-            with self._persist_lock:
-                loop = self._persist_loop
-            if loop is None:
-                return
-            loop.result()
+        context.trust(info)
+        context.in_storage = info
+        metrics.last_persist_seconds = time.perf_counter() - began
+        metrics.persists += 1
+        logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, metrics.last_persist_seconds)
+        with self.steps_held() as held:  # the memory tier keeps the newest memory checkpoint and what is queued
+            newest = context.in_memory.step if context.in_memory is not None else info.step
+            tier.remove_older(newest, keep=held - {info.step})
+        tier.prepare_spare({name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX)})
+        self._rotation.rotate_logging_errors()

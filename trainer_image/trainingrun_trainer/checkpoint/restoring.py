@@ -1,5 +1,5 @@
-"""Reading checkpoints: listing, finding the newest valid one (from node memory when every rank holds it), and loading
-one, verified, into a state (a part of `CheckpointStore`)."""
+"""`Restorer`, the reading side of a store: listing, finding the newest valid checkpoint (from node memory when every
+rank holds it), and loading one, verified, into a state."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .context import StoreContext
 from .layout import (
     _LEGACY_EXTRA_FILE,
     _STEP_DIR,
@@ -30,31 +31,42 @@ from .storage import _Storage
 from .tier_files import LocalFirstFileSystem, TierMismatch
 
 
-class Restoring:
-    """CheckpointStore's reading side: `list`, `latest_valid`, `load`. State lives in `CheckpointStore.__init__`."""
+class Restorer:
+    """`list`, `latest_valid` and `load` of one store's checkpoints. `tier_of_rank0`: whether this rank shares rank 0's
+    memory tier (rank 0 keeps there what it verifies from storage)."""
 
-    in_memory: Optional[CheckpointInfo]
-    another_runs_newest: Optional[CheckpointInfo]
+    def __init__(self, context: StoreContext, tier_of_rank0: bool):
+        self._context = context
+        self._tier_of_rank0 = tier_of_rank0
+        self._read_from_storage: Optional[str] = None  # the checkpoint latest_valid() last read from storage
+        #: After latest_valid(): the newest step directory below uri that another run wrote, when it found none newer
+        #: of this run's (None: none).
+        self.another_runs_newest: Optional[CheckpointInfo] = None
 
     def list(self, verify: bool = True) -> list[CheckpointInfo]:
         """Every step directory below the store's uri, newest step first, valid or not. With
         ``verify`` (default) every file is re-hashed; without, only presence and sizes are checked.
         Works on any single rank (no collective)."""
-        return [_inspect(self._storage, uri, step, deep=verify) for step, uri in _step_dirs(self._storage, self.uri)]
+        return [
+            _inspect(self._context.storage, uri, step, deep=verify)
+            for step, uri in _step_dirs(self._context.storage, self._context.uri)
+        ]
 
     def _find_latest_valid(self, in_memory: Optional[CheckpointInfo] = None) -> Optional[CheckpointInfo]:
         """The newest valid checkpoint, re-hashing every file in storage (and keeping what it read in the memory
         tier, for the load that follows); `in_memory` is one every rank holds verified in its memory tier: its files
         in storage are only checked for presence and size."""
         if in_memory is not None:  # listed a moment ago, and every newer directory lacked a manifest or files
-            self._trusted[in_memory.uri] = in_memory.manifest_sha256
+            self._context.trust(in_memory)
             return in_memory
-        for step, uri in _step_dirs(self._storage, self.uri):
-            info = _inspect(self._storage, uri, step, deep=True, tier=self._tier, owner=self.run_uid)
+        for step, uri in _step_dirs(self._context.storage, self._context.uri):
+            info = _inspect(
+                self._context.storage, uri, step, deep=True, tier=self._context.tier, owner=self._context.run_uid
+            )
             if info.valid:
-                self._trusted[uri] = info.manifest_sha256
+                self._context.trust(info)
                 return info
-            if self._another_runs(info) and self.another_runs_newest is None:
+            if self._context.another_runs(info) and self.another_runs_newest is None:
                 self.another_runs_newest = info
             logger.warning("skipping checkpoint %s: %s", uri, info.reason)
         return None
@@ -68,74 +80,77 @@ class Restoring:
         Finishes the save in flight first. Under torch.distributed this is a collective: call it
         on every rank; rank 0 verifies and broadcasts the answer, so every rank resumes from the
         same checkpoint."""
-        self.wait()
         in_memory = self._held_in_memory()
         self.another_runs_newest = None
         result: Union[CheckpointInfo, Exception, None] = None
-        if not self._distributed:
+        if not self._context.ranks.distributed:
             result = self._find_latest_valid(in_memory)
         else:
-            if self.rank == 0:
+            if self._context.ranks.rank == 0:
                 try:
                     result = self._find_latest_valid(in_memory)
                 except Exception as exc:
                     result = exc
-            result, self.another_runs_newest = self._broadcast((result, self.another_runs_newest))
+            result, self.another_runs_newest = self._context.ranks.broadcast((result, self.another_runs_newest))
             if isinstance(result, Exception):
                 raise result
             if result is not None:
-                self._trusted[result.uri] = result.manifest_sha256  # verified by rank 0: no rank re-hashes it
+                self._context.trust(result)  # verified by rank 0: no rank re-hashes it
         self._read_from_storage = None
-        self.in_memory = result
+        self._context.in_memory = result
         if in_memory is None:  # else `_held_in_memory` found the newest in storage
-            self.in_storage = result
-        if self._tier is not None and in_memory is None:
+            self._context.in_storage = result
+        if self._context.tier is not None and in_memory is None:
             # Rank 0 read it from storage just now, keeping it in its node's memory tier: a load there reads storage,
             # even where the bytes come from that copy; and every rank checks the tier again.
             if result is not None and self._tier_of_rank0:
                 self._read_from_storage = result.uri
-            self._tier.forget()
+            self._context.tier.forget()
         return result
 
     def _held_in_memory(self) -> Optional[CheckpointInfo]:
         """The newest committed checkpoint (by its manifest, files not re-hashed) when every rank's memory tier holds
         all of its files (by `MemoryTier.files`); else None. Persisting behind, that is the tier's newest memory
         checkpoint when storage holds none as new. A collective under torch.distributed when the store has a tier."""
-        if self._tier is None:
+        if self._context.tier is None:
             return None
         newest: Any = None
-        if self.rank == 0:
-            likely = self._tier.newest_step()
+        if self._context.ranks.rank == 0:
+            likely = self._context.tier.newest_step()
             try:
                 newest = self._newest_committed(likely)
             except Exception as exc:  # storage unreachable: the resume that follows says so
-                logger.debug("listing %s for the memory tier failed: %s", self.uri, exc)
-            self.in_storage = newest
-            if self.persist_behind and likely is not None and (newest is None or newest.step < likely):
+                logger.debug("listing %s for the memory tier failed: %s", self._context.uri, exc)
+            self._context.in_storage = newest
+            if self._context.persist_behind and likely is not None and (newest is None or newest.step < likely):
                 newest = self._in_memory_only(likely) or newest
-        newest = self._broadcast(newest)
-        held = newest is not None and self._tier.holds_all(newest.step, newest.manifest_sha256)
-        return newest if self._all(held)[0] else None
+        newest = self._context.ranks.broadcast(newest)
+        held = newest is not None and self._context.tier.holds_all(newest.step, newest.manifest_sha256)
+        return newest if self._context.ranks.all(held)[0] else None
 
     def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
         """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
         when the tier is another store's (its `origin`: two runs sharing one tier's name, which a run's uid prevents)."""
-        origin = self._tier.origin_of_tier()
-        if origin is not None and origin != self.uri:
+        tier = self._context.tier
+        assert tier is not None  # only a store with a tier holds a checkpoint in memory
+        origin = tier.origin_of_tier()
+        if origin is not None and origin != self._context.uri:
             logger.warning(
                 "the memory tier %s holds checkpoints of %s, not of %s: ignoring its step %d",
-                self._tier.root,
+                tier.root,
                 origin,
-                self.uri,
+                self._context.uri,
                 step,
             )
             return None
-        directory = self._tier.path(step)
-        found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self.run_uid)
+        directory = tier.path(step)
+        found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self._context.run_uid)
         if not found.valid:
             logger.warning("the checkpoint of step %d kept in memory is not usable: %s", step, found.reason)
             return None
-        return dataclasses.replace(found, uri=self._step_uri(step), size_bytes=sum((found.files or {}).values()))
+        return dataclasses.replace(
+            found, uri=self._context.step_uri(step), size_bytes=sum((found.files or {}).values())
+        )
 
     def _newest_committed(self, likely: Optional[int]) -> Optional[CheckpointInfo]:
         """The newest checkpoint in storage with a manifest and all of its files (not re-hashed). Step `likely` (the
@@ -146,14 +161,19 @@ class Restoring:
                 None
                 if likely is None
                 else pool.submit(
-                    _inspect, self._storage, self._step_uri(likely), likely, deep=False, owner=self.run_uid
+                    _inspect,
+                    self._context.storage,
+                    self._context.step_uri(likely),
+                    likely,
+                    deep=False,
+                    owner=self._context.run_uid,
                 )
             )
-            for step, uri in _step_dirs(self._storage, self.uri):
+            for step, uri in _step_dirs(self._context.storage, self._context.uri):
                 info = (
                     early.result()
                     if early is not None and step == likely
-                    else _inspect(self._storage, uri, step, deep=False, owner=self.run_uid)
+                    else _inspect(self._context.storage, uri, step, deep=False, owner=self._context.run_uid)
                 )
                 if info.valid:
                     return info
@@ -171,7 +191,6 @@ class Restoring:
         memory tier are checked as they are read; a damaged one is read again from storage (OSError when storage
         does not verify either).
         """
-        self.wait()
         began = time.perf_counter()
         uri = info_or_uri.uri if isinstance(info_or_uri, CheckpointInfo) else str(info_or_uri).rstrip("/")
         match = _STEP_DIR.fullmatch(posixpath.basename(uri))
@@ -182,19 +201,20 @@ class Restoring:
             and info_or_uri.valid
             and info_or_uri.manifest_sha256
             and info_or_uri.files is not None
-            and self._trusted.get(uri) == info_or_uri.manifest_sha256
+            and self._context.trusted.get(uri) == info_or_uri.manifest_sha256
         ):
             info = info_or_uri  # this process wrote or verified this very manifest: no storage round trips again
         else:
-            info = _inspect(self._storage, uri, int(match.group(1)), deep=True, trusted=self._trusted)
+            info = _inspect(self._context.storage, uri, int(match.group(1)), deep=True, trusted=self._context.trusted)
         if not info.valid:
             raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
-        entry = EXTRA_ENTRY.format(rank=self.rank)
+        entry = EXTRA_ENTRY.format(rank=self._context.ranks.rank)
         if entry in state:
             raise ValueError(f"state key {entry!r} is reserved for this rank's extra state: rename it")
         legacy = info.format_version == 1
         reading = LocalFirstFileSystem(
-            self._tier.files(info.step, info.manifest_sha256) if self._tier else {}, self._storage.local
+            self._context.tier.files(info.step, info.manifest_sha256) if self._context.tier else {},
+            self._context.storage.local,
         )
         try:
             loading, planner = self._read(info, state, entry, legacy, reading)
@@ -204,7 +224,7 @@ class Restoring:
             mismatch = bool(reading.mismatched) or any(
                 isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()
             )
-            if self._all(not mismatch)[0]:  # no rank's copy in memory failed
+            if self._context.ranks.all(not mismatch)[0]:  # no rank's copy in memory failed
                 raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
             loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
         state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
@@ -213,11 +233,11 @@ class Restoring:
                 logger.info(
                     "%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing))
                 )
-            raw, source = self._legacy_extra(info), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self.rank))
+            raw, source = self._legacy_extra(info), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self._context.ranks.rank))
         else:
             raw, source = (None if entry in planner.missing else loading[entry]), f"{uri} ({entry})"
         if raw is None:
-            logger.warning("%s has no extra state for rank %d (saved by fewer ranks)", uri, self.rank)
+            logger.warning("%s has no extra state for rank %d (saved by fewer ranks)", uri, self._context.ranks.rank)
             extra: dict = {}
         else:
             try:
@@ -227,11 +247,11 @@ class Restoring:
                     f"cannot load {source}: it holds more than plain values "
                     f"(refusing to run code from storage): {exc}".splitlines()[0]
                 ) from None
-        self.last_restore_seconds = time.perf_counter() - began
-        self.last_restore_source = " and ".join(
+        self._context.metrics.last_restore_seconds = time.perf_counter() - began
+        self._context.metrics.last_restore_source = " and ".join(
             sorted(reading.sources if uri != self._read_from_storage else {"storage"})
         )
-        self.restores += 1
+        self._context.metrics.restores += 1
         return extra
 
     def _read(
@@ -242,9 +262,15 @@ class Restoring:
         loading = dict(state) if legacy else {**state, entry: b""}
         # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
         planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
-        reader = _PlainReader(info.uri, info.files, **self._options)
+        reader = _PlainReader(info.uri, info.files, **self._context.options)
         reading.inner, reader.fs = reader.fs, reading  # type: ignore[assignment]  # serves what DCP's reader calls
-        dcp.load(loading, storage_reader=reader, planner=planner, process_group=self._pg, no_dist=not self._distributed)
+        dcp.load(
+            loading,
+            storage_reader=reader,
+            planner=planner,
+            process_group=self._context.ranks.group,
+            no_dist=not self._context.ranks.distributed,
+        )
         return loading, planner
 
     def _read_again_from_storage(
@@ -265,31 +291,31 @@ class Restoring:
         bad = set(reading.mismatched)
         logger.warning(
             "rank %d: %s: reading it again, %s",
-            self.rank,
+            self._context.ranks.rank,
             _describe(failed),
             f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged",
         )
         checked: Any = None
-        if self.rank == 0:
+        if self._context.ranks.rank == 0:
             try:
-                checked = _inspect(self._storage, uri, info.step, deep=True, tier=self._tier)
+                checked = _inspect(self._context.storage, uri, info.step, deep=True, tier=self._context.tier)
             except Exception as exc:
                 checked = exc
-        checked = self._broadcast(checked)
+        checked = self._context.ranks.broadcast(checked)
         if isinstance(checked, Exception) or not checked.valid:
-            if self._tier is not None:  # damaged, and nowhere else: the restart must not find it again
-                self._tier.discard(info.step)
+            if self._context.tier is not None:  # damaged, and nowhere else: the restart must not find it again
+                self._context.tier.discard(info.step)
             why = _describe(checked) if isinstance(checked, Exception) else checked.reason
             raise OSError(
                 f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
                 f"valid ({why}); a restart resumes from the newest valid checkpoint"
             )
         kept = {}
-        if self._tier is not None:
-            self._tier.forget()
-            kept = self._tier.files(info.step, info.manifest_sha256)
+        if self._context.tier is not None:
+            self._context.tier.forget()
+            kept = self._context.tier.files(info.step, info.manifest_sha256)
         again = LocalFirstFileSystem(
-            {name: copy for name, copy in kept.items() if name not in bad}, self._storage.local
+            {name: copy for name, copy in kept.items() if name not in bad}, self._context.storage.local
         )
         try:
             loaded = self._read(checked, state, entry, legacy, again)
@@ -300,14 +326,11 @@ class Restoring:
 
     def _legacy_extra(self, info: CheckpointInfo) -> Optional[bytes]:
         """This rank's extra state in a format 1 checkpoint: a file of its own (when its manifest lists one)."""
-        name = _LEGACY_EXTRA_FILE.format(rank=self.rank)
+        name = _LEGACY_EXTRA_FILE.format(rank=self._context.ranks.rank)
         files = info.files or {}
         if name not in files:
             return None
         try:
-            return self._storage.read_bytes(_join(info.uri, name), limit=files[name])
+            return self._context.storage.read_bytes(_join(info.uri, name), limit=files[name])
         except FileNotFoundError:
             return None
-
-    def _another_runs(self, info: CheckpointInfo) -> bool:
-        return bool(self.run_uid and info.run_uid and info.run_uid != self.run_uid)

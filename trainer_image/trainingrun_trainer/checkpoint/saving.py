@@ -1,46 +1,19 @@
-"""Saving on the training thread: staging a state and handing it to the checkpoint thread, which stages what the
-training thread left to it (`copy_in_background`) (a part of `CheckpointStore`)."""
+"""`Saver`, the training thread's side of a save: staging a state and handing it to the checkpoint thread
+(`committing.Committer`), and waiting for it."""
 
 from __future__ import annotations
 
 import io
-import os
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
-from .layout import (
-    EXTRA_ENTRY,
-    CheckpointInfo,
-    PendingSave,
-    _describe,
-    logger,
-)
-from .save_planner import ReusingSavePlanner
-from .tier_staging import StagedFile, data_file_name, plain_tensors, stageable, tensors_of
-
-
-@dataclass
-class _SaveJob:
-    step: int
-    state: Any
-    config_hash: str
-    model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
-    started: float
-    expected_bytes: int  # about what this rank writes (for the memory tier's room)
-    logged: bool = False  # this rank already logged the failure
-    later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
-    marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
-    copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
-
-
-def _plain(state: Mapping[str, Any]) -> dict:
-    """`state` with Stateful objects replaced by their state_dict."""
-    return {key: (value.state_dict() if isinstance(value, Stateful) else value) for key, value in state.items()}
+from .committing import Committer, SaveJob, plain_state
+from .context import StoreContext
+from .layout import EXTRA_ENTRY, CheckpointInfo, PendingSave
+from .tier_staging import plain_tensors
 
 
 def tensor_bytes(tree: Any) -> int:
@@ -54,13 +27,21 @@ def tensor_bytes(tree: Any) -> int:
     return len(tree) if isinstance(tree, bytes) else 0
 
 
-class Saving:
-    """CheckpointStore's `save`, `wait_copied` and `wait`, and the checkpoint thread's staging of what a save left to
-    the background. State lives in `CheckpointStore.__init__`."""
+class Saver:
+    """`save`, `wait_copied` and `wait`: one save in flight at a time, run by `committer` on the checkpoint thread."""
 
-    _pending: Optional[PendingSave]
-    _copying: Optional[_SaveJob]
-    _defer_state_dicts: Optional[bool]
+    def __init__(self, context: StoreContext, committer: Committer):
+        self._context = context
+        self._committer = committer
+        #: The checkpoint thread: one, reused across saves, so fsspec's sessions are reused.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
+        self._pending: Optional[PendingSave] = None
+        self._copying: Optional[SaveJob] = None  # the save whose background copy the caller has not waited for
+        self._last_result: Optional[CheckpointInfo] = None
+        self._defer_state_dicts: Optional[bool] = None  # see save(); decided by the first save that copies later
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
 
     def save(
         self,
@@ -91,8 +72,6 @@ class Saving:
         The background thread copies them while training goes on, and after the first such save (which shows them
         to be plain, unsharded tensors) also takes their state_dict(): leave their structure unchanged too.
         """
-        if self._closed:
-            raise RuntimeError("the checkpoint store is closed")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         began = time.perf_counter()
@@ -108,8 +87,8 @@ class Saving:
         deferred = (
             [key for key in copy_in_background if key in state] if not blocking and self._defer_state_dicts else []
         )
-        plain = _plain({key: value for key, value in state.items() if key not in deferred})
-        expected_bytes = self.last_save_bytes or tensor_bytes(plain)
+        plain = plain_state({key: value for key, value in state.items() if key not in deferred})
+        expected_bytes = self._context.metrics.last_save_bytes or tensor_bytes(plain)
         later = (
             {}
             if blocking
@@ -117,11 +96,11 @@ class Saving:
         )
         if later and self._defer_state_dicts is None:
             self._defer_state_dicts = plain_tensors(later)
-        staged = self._stage(plain)
+        staged = self._committer.stage(plain)
         buffer = io.BytesIO()
         torch.save(dict(extra or {}), buffer)
-        staged[EXTRA_ENTRY.format(rank=self.rank)] = buffer.getvalue()
-        job = _SaveJob(
+        staged[EXTRA_ENTRY.format(rank=self._context.ranks.rank)] = buffer.getvalue()
+        job = SaveJob(
             step=step,
             state=staged,
             config_hash=config_hash,
@@ -134,16 +113,13 @@ class Saving:
             job.copied.set_result(None)
         if blocking:
             future: Future = Future()
-            future.set_result(self._run(job))
+            future.set_result(self._committer.run(job))
         else:
-            future = self._executor.submit(self._run, job)
-        self.last_blocking_seconds = time.perf_counter() - began
-        pending = PendingSave(step, future, self.last_blocking_seconds)
+            future = self.executor.submit(lambda: self._committer.run(job))
+        self._context.metrics.last_blocking_seconds = time.perf_counter() - began
+        pending = PendingSave(step, future, self._context.metrics.last_blocking_seconds)
         self._pending, self._copying = pending, job
         return pending
-
-    def _stage(self, plain: dict) -> dict:
-        return self._state_stager.stage(plain)
 
     def wait_copied(self) -> float:
         """Wait until the save in flight has copied its ``copy_in_background`` entries; returns the seconds waited
@@ -155,7 +131,7 @@ class Saving:
         began = time.perf_counter()
         error = job.copied.exception()
         waited = time.perf_counter() - began
-        self.last_blocking_seconds += waited
+        self._context.metrics.last_blocking_seconds += waited
         if self._pending is not None:  # the save whose copy this was: set together in save(), wait() keeps the order
             self._pending.blocking_seconds += waited
         if error is not None:
@@ -170,60 +146,3 @@ class Saving:
         if pending is not None:
             self._last_result = pending.result()
         return self._last_result
-
-    def _take_later(self, job: _SaveJob) -> None:
-        """Take the state_dict() of what save() left to the background (`job.later`), raising to the training thread
-        (wait_copied) what that raises, as save() would have."""
-        try:
-            job.later = _plain(job.later or {})
-        except BaseException as exc:
-            job.later = None
-            job.copied.set_exception(exc)
-            raise
-
-    def _stage_later(
-        self, job: _SaveJob, tier_dir: Optional[str], planner: Optional[ReusingSavePlanner] = None
-    ) -> Optional[StagedFile]:
-        """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
-        may change them. Into this rank's data file in `tier_dir` when they are CPU or CUDA tensors (stage once,
-        `tier_staging`; returned), else by the stager. With `planner` (set up by its `repeats`), only the tensors this
-        rank's last plan writes go into the file, and rank 0 copies what its model digest reads besides."""
-        later, job.later = job.later, None
-        if not later:  # save() told the training thread
-            return None
-        staged: Optional[StagedFile] = None
-        try:
-            if tier_dir is not None and stageable(later):
-                staged = StagedFile(os.path.join(tier_dir, data_file_name(self.rank)))
-                try:
-                    if planner is None:
-                        job.state.update(staged.stage(later))
-                    else:
-                        job.state.update(staged.stage(later, planner.planned_tensors(), self._digest_reads(job, later)))
-                except OSError as exc:
-                    logger.warning(
-                        "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save %s",
-                        job.step,
-                        self.rank,
-                        tier_dir,
-                        _describe(exc),
-                        "fails" if planner is not None else "commits to storage",
-                    )
-                    staged.failed = True
-                    staged.close()
-            if staged is None or (staged.failed and planner is None):  # not stageable, or staged to commit to storage
-                job.state.update(self._stage(later))
-        except BaseException as exc:  # the training thread raises it (wait_copied), as save() would have
-            job.copied.set_exception(exc)
-            if staged is not None:
-                staged.close()
-            raise
-        job.copied.set_result(None)
-        return staged
-
-    def _digest_reads(self, job: _SaveJob, later: dict) -> list:
-        """The tensors of `later` rank 0's model digest reads: those of its `entry` (`DigestOfEntry`), else all."""
-        if self.rank != 0 or not callable(job.model_digest):
-            return []
-        entry = getattr(job.model_digest, "entry", None)
-        return tensors_of(later if entry is None else later.get(entry, {}))

@@ -100,7 +100,7 @@ def test_round_trip_model_optimizer_and_extra(store, root):
     assert info == store.wait()
     assert info.valid and info.step == 10 and info.world_size == 1 and info.model_digest == digest
     assert info.uri == f"file://{root}/step-00000010"
-    assert store.last_save_seconds > 0 and store.last_save_bytes == info.size_bytes > 0
+    assert store.metrics.last_save_seconds > 0 and store.metrics.last_save_bytes == info.size_bytes > 0
 
     manifest = json.loads((step_dir(root, 10) / MANIFEST_NAME).read_text())
     on_disk = sorted(p.name for p in step_dir(root, 10).iterdir() if p.name != MANIFEST_NAME)
@@ -116,7 +116,7 @@ def test_round_trip_model_optimizer_and_extra(store, root):
     set_state_dict(fresh_model, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert_same(weights(fresh_model), weights(model))
     assert torch.equal(got_extra["rng"], extra["rng"]) and got_extra["sampler"] == extra["sampler"]
-    assert store.last_restore_seconds > 0
+    assert store.metrics.last_restore_seconds > 0
     # The optimizer state came back too: the next step is identical.
     train_step(model, opt, seed=7)
     train_step(fresh_model, fresh_opt, seed=7)
@@ -147,7 +147,7 @@ def test_async_save_stages_a_copy_before_returning(store, root, monkeypatch):
     release.set()
     info = store.wait()
     assert info.valid and pending.done()
-    assert store.last_blocking_seconds < store.last_save_seconds
+    assert store.metrics.last_blocking_seconds < store.metrics.last_save_seconds
 
     loaded = make_model(seed=9)
     state = {"model": loaded.state_dict()}
@@ -161,22 +161,22 @@ def test_entries_copied_in_background_are_copied_while_save_has_returned(store, 
     and counts as blocking; entries not named are copied before save() returns."""
     model, opt = trained()
     at_save, counts_at_save = weights(model), {"seen": 3}
-    gate, stage = threading.Event(), store._stage
+    gate, stage = threading.Event(), store.committer.stage
 
     def gated_stage(plain):
         if "model" in plain:  # the background copy
             assert gate.wait(30), "the copy of the entries named in copy_in_background blocked save()"
         return stage(plain)
 
-    monkeypatch.setattr(store, "_stage", gated_stage)
+    monkeypatch.setattr(store.committer, "stage", gated_stage)
     counts = {"seen": 3}
     pending = store.save(4, {**app_state(model, opt), "counts": counts}, copy_in_background=("model", "optim"))
     counts["seen"] = 4  # not named: copied before save() returned
-    blocked_in_save = store.last_blocking_seconds
+    blocked_in_save = store.metrics.last_blocking_seconds
     gate.set()
     waited = store.wait_copied()
-    assert waited >= 0 and store.last_blocking_seconds == pytest.approx(blocked_in_save + waited)
-    assert pending.blocking_seconds == store.last_blocking_seconds
+    assert waited >= 0 and store.metrics.last_blocking_seconds == pytest.approx(blocked_in_save + waited)
+    assert pending.blocking_seconds == store.metrics.last_blocking_seconds
     train_step(model, opt, seed=3)  # after wait_copied the weights may change
     info = store.wait()
     assert info.valid and store.wait_copied() == 0.0
@@ -190,19 +190,19 @@ def test_entries_copied_in_background_are_copied_while_save_has_returned(store, 
 
 
 def test_a_failed_background_copy_is_raised_on_the_training_thread(store, monkeypatch):
-    stage = store._stage
+    stage = store.committer.stage
 
     def failing_stage(plain):
         if "model" in plain:
             raise MemoryError("no room to copy")
         return stage(plain)
 
-    monkeypatch.setattr(store, "_stage", failing_stage)
+    monkeypatch.setattr(store.committer, "stage", failing_stage)
     store.save(1, {"model": make_model().state_dict()}, copy_in_background=("model",))
     with pytest.raises(MemoryError, match="no room to copy"):
         store.wait_copied()
     assert store.wait_copied() == 0.0  # raised once; the store takes the next save
-    monkeypatch.setattr(store, "_stage", stage)
+    monkeypatch.setattr(store.committer, "stage", stage)
     with pytest.raises(MemoryError):
         store.wait()  # the failed save's handle says why
     assert store.save(2, {"model": make_model().state_dict()}).result().step == 2
@@ -210,8 +210,10 @@ def test_a_failed_background_copy_is_raised_on_the_training_thread(store, monkey
 
 def test_a_blocking_save_copies_everything_before_returning(store, monkeypatch):
     copied_on = []
-    stage = store._stage
-    monkeypatch.setattr(store, "_stage", lambda plain: (copied_on.append(threading.current_thread()), stage(plain))[1])
+    stage = store.committer.stage
+    monkeypatch.setattr(
+        store.committer, "stage", lambda plain: (copied_on.append(threading.current_thread()), stage(plain))[1]
+    )
     store.save(1, {"model": make_model().state_dict()}, blocking=True, copy_in_background=("model",))
     assert copied_on == [threading.current_thread()]
     assert store.wait().valid
@@ -253,7 +255,7 @@ def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, 
     monkeypatch.setattr(_Storage, "write_bytes", crash_before_commit)
     caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
     assert store.save(3, {"model": model.state_dict()}).result() is None
-    assert store.failed_saves == 1
+    assert store.metrics.failed_saves == 1
     errors = [r for r in caplog.records if r.name == "trainingrun.checkpoint" and r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "killed before the commit" in errors[0].getMessage()
     monkeypatch.setattr(_Storage, "write_bytes", real_write)
@@ -411,7 +413,9 @@ def test_a_rank_the_checkpoint_did_not_have_gets_no_extra(store, caplog):
     """A world that grew: rank 1 loads a checkpoint saved by one rank. Its entry is missing; the rest loads."""
     model = make_model(1)
     store.save(1, {"model": model.state_dict()}, {"rank": 0}, blocking=True)
-    store.rank = 1  # as the store of rank 1 would be; the entry lookup is the same code with or without peers
+    store.context.ranks.rank = (
+        1  # as the store of rank 1 would be; the entry lookup is the same code with or without peers
+    )
     loaded = make_model(2)
     assert store.load(store.latest_valid(), {"model": loaded.state_dict()}) == {}
     assert_same(weights(loaded), weights(model))
@@ -604,7 +608,7 @@ def test_storage_failure_is_logged_counted_and_recovered(store, root, monkeypatc
     pending = store.save(2, {"model": model.state_dict()})  # no exception here...
     assert pending.result() is None  # ...nor here
     assert store.wait() is None
-    assert store.failed_saves == 1
+    assert store.metrics.failed_saves == 1
     errors = [r for r in caplog.records if r.name == "trainingrun.checkpoint" and r.levelno >= logging.ERROR]
     assert len(errors) == 1
     assert "rank 0: OSError: [Errno 28] No space left on device" in errors[0].getMessage()
@@ -612,11 +616,11 @@ def test_storage_failure_is_logged_counted_and_recovered(store, root, monkeypatc
 
     # A blocking save fails the same way: no exception.
     assert store.save(2, {"model": model.state_dict()}, blocking=True).result() is None
-    assert store.failed_saves == 2
+    assert store.metrics.failed_saves == 2
 
     monkeypatch.setattr(LocalFileOpener, "write", real_write)  # storage is back
     assert store.save(3, {"model": model.state_dict()}).result().valid
-    assert store.failed_saves == 2
+    assert store.metrics.failed_saves == 2
     assert store.latest_valid().step == 3
     # The commit of step 3 rotated out the failed step-2 directory: it can never be resumed from.
     assert [(i.step, i.valid) for i in store.list()] == [(3, True), (1, True)]
@@ -694,7 +698,7 @@ def _two_rank_worker(rank: int, world: int, init_file: str, uri: str, out_dir: s
             "world_size": latest.world_size,
             "extra_rank": extra["rank"],
             "loaded_digest": model_digest(fresh.module.state_dict()),
-            "failed": store.failed_saves,
+            "failed": store.metrics.failed_saves,
         }
         store.close()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

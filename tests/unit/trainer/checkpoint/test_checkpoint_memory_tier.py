@@ -63,7 +63,7 @@ def restored(storage: Path, memory: Path | None):
         info = store.latest_valid()
         extra = store.load(info, state)
         model.load_state_dict(state["model"])
-        return extra["step"], model_digest(model.state_dict()), store.last_restore_source
+        return extra["step"], model_digest(model.state_dict()), store.metrics.last_restore_source
 
 
 def data_files(directory: Path) -> list[Path]:
@@ -285,7 +285,7 @@ def test_the_manifest_lists_path_size_and_xxh3_128_only(storage, memory, with_ti
 def test_a_failed_save_keeps_nothing_of_its_step_and_the_committed_copy_stays(storage, memory, monkeypatch):
     model, digest = saved(storage, memory, steps=(5,))
     monkeypatch.setattr(
-        "trainingrun_trainer.checkpoint.store.CheckpointStore._commit",
+        "trainingrun_trainer.checkpoint.committing.Committer._commit",
         lambda self, job, uri, statuses: (None, "rank 0: refused", b""),
     )
     with CheckpointStore(storage.as_uri(), memory_tier=str(memory)) as store:
@@ -383,7 +383,7 @@ def _two_rank_worker(
         state = app_state(fresh, fresh_opt)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=persist_behind) as store:
             extra = store.load(store.latest_valid(), state)
-            source = store.last_restore_source
+            source = store.metrics.last_restore_source
         fresh.module.load_state_dict(state["model"])
         Path(out_dir, f"rank{rank}.json").write_text(
             json.dumps(

@@ -69,7 +69,7 @@ def test_a_save_commits_in_memory_first_and_reaches_storage_behind_it(bucket, me
         assert store.in_storage is None and store.persist_lag_steps == 5
         gate.release()
         assert store.flush() == info
-        assert store.persist_lag_steps == 0 and store.last_persist_seconds > 0
+        assert store.persist_lag_steps == 0 and store.metrics.last_persist_seconds > 0
     [found] = CheckpointStore(bucket.as_uri()).list(verify=True)  # every file re-hashed against the manifest
     assert found.valid and found.step == 5 and found.manifest_sha256 == info.manifest_sha256
     assert (step_dir(bucket, 5) / MANIFEST_NAME).read_bytes() == (step_dir(memory, 5) / MANIFEST_NAME).read_bytes()
@@ -89,7 +89,7 @@ def test_a_newer_memory_checkpoint_supersedes_one_waiting_for_storage(bucket, me
         assert steps_in(memory) == [1, 3]  # the one being copied and the newest; 2 was superseded
         gate.release()
         assert store.flush().step == 3
-        assert store.superseded_persists == 1 and store.failed_persists == 0
+        assert store.metrics.superseded_persists == 1 and store.metrics.failed_persists == 0
         digest = model_digest(model.state_dict())
     assert steps_in(bucket) == [1, 3]
     assert steps_in(memory) == [3]
@@ -110,7 +110,7 @@ def test_a_restart_resumes_from_memory_what_storage_never_got(bucket, memory, mo
         train_step(model, opt, seed=2)
         store.save(2, app_state(model, opt), {"step": 2})
         assert store.wait().step == 2
-        assert store.flush().step == 1 and store.failed_persists == 1
+        assert store.flush().step == 1 and store.metrics.failed_persists == 1
         digest = model_digest(model.state_dict())
     assert any("step 2 (committed in memory) could not be copied" in r.getMessage() for r in caplog.records)
     assert steps_in(bucket) == [1] and steps_in(memory) == [2]
@@ -121,7 +121,7 @@ def test_a_restart_resumes_from_memory_what_storage_never_got(bucket, memory, mo
         info = store.latest_valid()
         assert info.step == 2 and store.in_storage.step == 1 and store.persist_lag_steps == 1
         assert store.load(info, state) == {"step": 2}
-        assert store.last_restore_source == "memory"
+        assert store.metrics.last_restore_source == "memory"
     model.load_state_dict(state["model"])
     assert model_digest(model.state_dict()) == digest
 
@@ -205,10 +205,10 @@ def test_a_save_says_where_its_time_went(bucket, memory):
         )
         store.wait_copied()
         assert store.wait() is not None
-        phases = store.last_save_phases
+        phases = store.metrics.last_save_phases
     assert list(phases) == ["staging", "writing", "model digest", "committing"]
     assert all(seconds >= 0 for seconds in phases.values())
-    assert sum(phases.values()) == pytest.approx(store.last_save_seconds, abs=1e-3)
+    assert sum(phases.values()) == pytest.approx(store.metrics.last_save_seconds, abs=1e-3)
 
 
 def test_no_spare_is_prepared_where_it_would_take_the_reserve_of_dev_shm(bucket, memory, monkeypatch):
@@ -228,7 +228,7 @@ def test_no_spare_is_prepared_where_it_would_take_the_reserve_of_dev_shm(bucket,
         assert store.flush().step == 1
     assert not list((memory / tier_files.SPARE_DIR).glob("*"))
     free += 1  # room for the spare and the reserve (not the real disk's: a full disk would fail the test)
-    assert store._tier.prepare_spare({data.name: data.stat().st_size})
+    assert store.context.tier.prepare_spare({data.name: data.stat().st_size})
     assert (memory / tier_files.SPARE_DIR / data.name).stat().st_size == data.stat().st_size
 
 
@@ -246,7 +246,7 @@ def test_a_storage_interval_copies_every_nth_memory_checkpoint_and_flush_the_new
         assert steps_in(memory) == [8]  # the newest, held back; the older ones went as their successors committed
         assert store.flush().step == 8  # as SIGTERM and the end of the run do: the newest, whatever the interval
         digest = model_digest(model.state_dict())
-    assert steps_in(bucket) == [1, 4, 7, 8] and store.superseded_persists == 0
+    assert steps_in(bucket) == [1, 4, 7, 8] and store.metrics.superseded_persists == 0
     assert restored(bucket, None) == (8, digest, "storage")
 
 
@@ -256,7 +256,7 @@ def test_a_storage_interval_in_seconds_copies_the_first_memory_checkpoint_after_
     with CheckpointStore(
         bucket.as_uri(), keep=10, memory_tier=str(memory), persist_behind=True, persist_every_seconds=60
     ) as store:
-        store._clock = lambda: now[0]
+        store.persister.clock = lambda: now[0]
         for step, at in ((1, 0.0), (2, 30.0), (3, 59.0), (4, 61.0), (5, 100.0)):
             now[0] = at
             train_step(model, opt, seed=step)
@@ -296,6 +296,6 @@ def test_a_memory_file_gone_between_finding_and_loading_is_read_from_storage(buc
         for path in data_files(step_dir(memory, 1)):
             path.unlink()  # /dev/shm cleared by someone else after the tier was looked at
         assert store.load(info, state) == {"step": 1}
-        assert "storage" in store.last_restore_source
+        assert "storage" in store.metrics.last_restore_source
     fresh.load_state_dict(state["model"])
     assert model_digest(fresh.state_dict()) == digest

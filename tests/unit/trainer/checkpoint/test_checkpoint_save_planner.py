@@ -63,7 +63,7 @@ def test_an_unchanged_layout_is_planned_once_and_a_changed_one_again(tmp_path, p
         assert loaded(store, 3, {"model": {"w": torch.zeros(3)}})["model"]["w"].tolist() == [3.0] * 3
         assert loaded(store, 4, grown)["model"]["b"].tolist() == [1.0, 1.0]
         assert loaded(store, 5, reshaped)["model"]["w"].tolist() == [5.0] * 5
-        key = store._plans_key
+        key = store.committer.plans_key
     assert not any(key in getattr(SavePlanner, name) for name in ("_cached_save_plan", "_cached_metadata"))
 
 
@@ -130,7 +130,7 @@ def test_saves_of_an_unchanged_layout_to_memory_are_written_by_the_last_plan_and
     with behind(tmp_path) as restart:
         target = {"model": {"w": torch.zeros(3), "b": torch.zeros(2)}}
         assert restart.load(restart.latest_valid(), target) == {"step": 5}
-        assert restart.last_restore_source == "memory"
+        assert restart.metrics.last_restore_source == "memory"
     assert target["model"]["w"].tolist() == [5.0] * 3 and target["model"]["b"].tolist() == [5.0] * 2
     target = {"model": {"w": torch.zeros(3), "b": torch.zeros(2)}}
     assert storage.load(newest, target) == {"step": 5}  # a new pod
@@ -151,10 +151,10 @@ def test_metadata_that_cannot_be_written_fails_that_save_only(tmp_path, dcp_save
     with behind(tmp_path) as store, caplog.at_level(logging.ERROR, logger="trainingrun.checkpoint"):
         store.save(1, {"model": {"w": torch.ones(3)}}, blocking=True)
         store.save(2, {"model": {"w": torch.full((3,), 2.0)}}, blocking=True)
-        assert store.failed_saves == 1 and store.in_memory.step == 1
+        assert store.metrics.failed_saves == 1 and store.in_memory.step == 1
         assert "No space left on device" in caplog.text
         store.save(3, {"model": {"w": torch.full((3,), 3.0)}}, blocking=True)
-        assert store.failed_saves == 1 and store.in_memory.step == 3
+        assert store.metrics.failed_saves == 1 and store.in_memory.step == 3
         target = {"model": {"w": torch.zeros(3)}}
         store.load(store.latest_valid(), target)
     assert target["model"]["w"].tolist() == [3.0] * 3
@@ -242,7 +242,7 @@ def _repeating_worker(rank: int, init_file: str, uri: str, tier: str, out_dir: s
             state = app_state(fresh, fresh_opt)
             with CheckpointStore(uri, memory_tier=memory, persist_behind=True) as store:
                 extra = store.load(store.latest_valid(), state)
-                restored[store.last_restore_source] = [extra, model_digest(state["model"])]
+                restored[store.metrics.last_restore_source] = [extra, model_digest(state["model"])]
         Path(out_dir, f"rank{rank}.json").write_text(
             json.dumps({"saves": len(saves), "expected": expected, "restored": restored})
         )
@@ -298,7 +298,7 @@ def _staging_worker(rank: int, init_file: str, uri: str, tier: str, out_dir: str
             with CheckpointStore(uri, memory_tier=memory, persist_behind=True) as store:
                 extra = store.load(store.latest_valid(), state)
                 set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-                restored[store.last_restore_source] = [
+                restored[store.metrics.last_restore_source] = [
                     extra,
                     model_digest(fresh.state_dict()) == saved["digest"],
                     all(torch.equal(a, b) for a, b in zip(optimizer_moments(fresh_opt), saved["moments"])),

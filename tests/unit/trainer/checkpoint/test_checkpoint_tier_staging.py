@@ -174,7 +174,7 @@ def test_a_repeated_save_that_finds_no_room_to_stage_fails_alone_and_the_next_on
                 save_as_the_trainer_does(store, 2, model, opt)
                 store.wait_copied()
                 assert store.wait() is None
-        assert store.failed_saves == 1 and store.in_memory.step == 1
+        assert store.metrics.failed_saves == 1 and store.in_memory.step == 1
         train_step(model, opt, seed=3)
         digest = model_digest(model.state_dict())
         save_as_the_trainer_does(store, 3, model, opt)
@@ -238,7 +238,7 @@ def test_where_pages_cannot_be_locked_gpu_tensors_are_copied_through_pageable_me
     target = {"weights": {"w": torch.zeros(1000), "b": torch.zeros(3)}}
     with CheckpointStore(bucket.as_uri(), memory_tier=str(memory)) as reader:
         reader.load(reader.latest_valid(), target)
-        assert reader.last_restore_source == "memory"
+        assert reader.metrics.last_restore_source == "memory"
     assert torch.equal(target["weights"]["w"], torch.arange(1000.0)) and torch.equal(
         target["weights"]["b"], torch.ones(3)
     )
