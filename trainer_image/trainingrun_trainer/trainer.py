@@ -16,7 +16,7 @@ import math
 import os
 import signal
 import time
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,15 +27,17 @@ from trainingrun_api import exit_codes
 from trainingrun_api.config import RunConfig
 
 from . import metrics, tracking
+from .checkpoint import CheckpointInfo, DigestOfEntry, model_digest
 from .checkpoint_interval import SaveCosts
 from .context import RunContext
 from .health import Verdict
-from .seeding import seed_everything, use_deterministic_algorithms
+from .optim import scale_learning_rate
+from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
 from .session import Run
-from .state import TrainState
+from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank, TrainState
 from .timekeeping import ProcessClock
-from .trainer_checkpoints import TrainerCheckpoints
-from .trainer_setup import TrainerSetup
+from .trainer_setup import DataParts, ModelParts, build_data, build_model, init_device
+from .trainer_setup import batches as batches_of_run
 
 log = logging.getLogger("trainingrun.trainer")
 
@@ -48,11 +50,15 @@ def config_hash(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class Trainer(TrainerSetup, TrainerCheckpoints):
-    """One process's training run: setup and input (trainer_setup.py), checkpoint state, saves and rollbacks
-    (trainer_checkpoints.py), and here the loop."""
+class Trainer:
+    """One process's training run: what it trains and reads (`parts` and `data`, built by trainer_setup.py as it
+    starts), the loop, and what its checkpoints hold, saves and rollbacks."""
 
     session: Run  #: the platform's side of the run: checkpoints, resume, reports (session.py); set as training starts
+    parts: ModelParts  #: the model and what trains it; built as the run starts
+    data: DataParts  #: the data and the order it is read in; built as the run starts
+    distributed: bool
+    device: torch.device
 
     def __init__(self, config: RunConfig, context: RunContext, device_type: str):
         self.config = config
@@ -85,6 +91,151 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
     def step(self, value: int) -> None:
         self.progress.step = value
 
+    # ------------------------------------------------------------ checkpoints: state, saves, rollbacks
+
+    def _state(self) -> dict[str, Any]:
+        """Every component, as DCP Stateful entries: saved as they are now, loaded in place (state.py)."""
+        state: dict[str, Any] = {
+            "model": ModelState(self.parts.model),
+            "optim": OptimizerState(self.parts.model, self.parts.optimizer),
+            "scheduler": self.parts.scheduler,
+            "scaler": self.parts.scaler,
+            "sampler": self.data.sampler,
+            "guard": self.parts.guard,
+            "train": self.progress,
+        }
+        if self.parts.ema:
+            state["ema"] = self.parts.ema
+        return state
+
+    def _per_rank(self) -> dict[str, Any]:
+        return PerRank(
+            rng=rng_state(),
+            world_size=self.context.world_size,
+            loss=self.last_loss,
+            productive_seconds=self.productive_seconds,
+        ).as_extra()
+
+    def _apply_restored(self, extra: dict[str, Any]) -> None:
+        """After a checkpoint was loaded into `_state()`'s entries: this rank's own values from its `extra`."""
+        if self.distributed:
+            # A rank that the checkpoint's world did not have (the job grew) has no values of its own; it takes
+            # rank 0's (its RNG streams are reseeded below, as the world size changed).
+            box = [extra if self.context.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            extra = extra or box[0] or {}
+        if "scheduler" in extra:
+            self._apply_format_1(extra)
+        mine = PerRank.from_extra(extra)
+        # Work after this checkpoint is lost; only the time that produced this state still counts, and only
+        # when this run produced it: goodput is over this run's wall time, so a TrainingRun created again on
+        # an existing URI starts from zero (not from the earlier run's seconds).
+        same_run = self.progress.run_uid == self.context.uid
+        self.productive_seconds = mine.productive_seconds if same_run else 0.0
+        self.progress.run_uid = self.context.uid
+        self.last_loss = mine.loss
+        if mine.world_size == self.context.world_size:
+            set_rng_state(mine.rng)
+        else:
+            # Per-rank streams cannot be mapped to another world size; derive fresh, reproducible ones.
+            seed_everything(self.cfg.seed + self.step, self.context.rank)
+
+    def _apply_format_1(self, extra: dict[str, Any]) -> None:
+        """A checkpoint saved before the state dict held every component (format 1): what every rank shares
+        was in each rank's extra, and the store left those entries as they were."""
+        self.progress.load_state_dict({"step": extra["step"], "run_uid": extra.get("run_uid", self.context.uid)})
+        self.parts.scheduler.load_state_dict(extra["scheduler"])
+        self.parts.scaler.load_state_dict(extra["scaler"])
+        self.data.sampler.load_state_dict(extra["sampler"])
+        self.parts.guard.load_state_dict(extra.get("guard", {}))
+
+    def _account_step(self, started: float, kept: bool) -> float:
+        """A step's time: data wait and compute in the process's clock, compute also productive when `kept`
+        (rolled back steps are not). Returns the step's seconds."""
+        seconds = time.monotonic() - started
+        compute = max(0.0, seconds - self.data_wait_seconds - self.copy_wait_seconds)
+        self.clock.add("data_wait", self.data_wait_seconds)
+        self.clock.add("checkpoint", self.copy_wait_seconds)
+        self.clock.add("compute", compute)
+        if kept:
+            self.productive_seconds += compute
+            self._charge_save_slowdown(compute)
+        return seconds
+
+    def _charge_save_slowdown(self, compute: float) -> None:
+        """Once a background save is done, the compute time it took from the steps beside it (their time beyond a
+        usual step: the write competes for the CPU, memory bandwidth and the interpreter lock) is counted as
+        "checkpoint", not productive: otherwise frequent saves look free while the run takes longer."""
+        self.save_slowdown.step(compute, self._beside_save)
+        if self._beside_save and not self.session.saving:
+            self._beside_save = False
+            slowdown = self.clock.recount(self.save_slowdown.save_finished(), "compute", "checkpoint")
+            self.productive_seconds = max(0.0, self.productive_seconds - slowdown)
+
+    def _final_commit(self) -> Optional[CheckpointInfo]:
+        """The last step, in storage (persisting behind: once storage holds it), the same on every rank: saved, unless
+        this process trained nothing (a finished run started again) and storage holds that step already."""
+        if self.step == self.resumed_step:
+            with self.clock.timing("checkpoint"):
+                committed = self.session.store.flush()
+            if committed is not None and committed.step == self.step:
+                return committed
+        self._save(blocking=True)
+        with self.clock.timing("checkpoint"):
+            return self.session.store.flush()
+
+    def _save(self, blocking: bool) -> None:
+        with self.clock.timing("checkpoint"):
+            self._save_now(blocking)
+        self._beside_save = self._beside_save or self.session.saving
+
+    def _save_now(self, blocking: bool) -> None:
+        state = self._state()
+        if self.cfg.strategy == "fsdp2" and self.distributed:
+            state["model"] = state["model"].state_dict()
+            digest: Any = model_digest(state["model"])  # gathers full tensors: a collective, so here
+        else:
+            digest = DigestOfEntry("model")  # rank 0 computes it in the background
+        self.session.save(
+            self.step,
+            state,
+            self._per_rank(),
+            model_digest=digest,
+            blocking=blocking,
+            copy_in_background=CHANGED_BY_OPTIMIZER_STEP,
+        )
+
+    def _wait_for_checkpoint_copy(self) -> None:
+        """Before the weights change: wait until the save in flight has copied them (it copies in the background)."""
+        self.copy_wait_seconds += self.session.store.wait_copied()
+
+    def _track_commit(self) -> None:
+        committed = self.session.last_committed
+        if committed is not None and committed.step != self.tracked_checkpoint:
+            self.tracked_checkpoint = committed.step
+            self.tracker.metrics(self.step, {"checkpoint/committed_step": committed.step})
+
+    def _rollback(self) -> bool:
+        self.session.report_committed()
+        info = self.session.store.latest_valid()
+        if info is None:
+            log.error("non-finite steps and no checkpoint to roll back to: %s", self.parts.guard.abort_message())
+            return False
+        rollbacks = self.parts.guard.rollbacks
+        self._apply_restored(self.session.store.load(info, self._state()))
+        # The restored scheduler holds the LR scaled by the rollbacks made before that checkpoint
+        # was saved (its guard state counts them); apply the scale of the ones made since.
+        scaled_already = self.parts.guard.rollbacks
+        self.parts.guard.rollbacks = rollbacks  # the count survives the restore, or we would loop forever
+        scale_learning_rate(self.parts.scheduler, self.cfg.health.rollback_lr_scale ** (rollbacks - scaled_already))
+        log.warning(
+            "rolled back to step %d (%s); learning rate scaled by %s",
+            self.step,
+            self.parts.guard.last_reason,
+            self.cfg.health.rollback_lr_scale,
+        )
+        return True
+
     # ------------------------------------------------------------ the loop
 
     def _train_step(
@@ -98,9 +249,9 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         already global.
         """
         accumulation = self.cfg.grad_accumulation_steps
-        if self.copy_before_forward:
+        if self.parts.copy_before_forward:
             self._wait_for_checkpoint_copy()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.parts.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         agreement: Callable[[], tuple] = lambda: (False, False, False)  # noqa: E731 - replaced below
         for micro in range(accumulation):
@@ -108,11 +259,11 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             batch = next(batches)
             self.data_wait_seconds += time.perf_counter() - waited
             last = micro == accumulation - 1
-            sync = last or not isinstance(self.wrapped, nn.parallel.DistributedDataParallel)
+            sync = last or not isinstance(self.parts.wrapped, nn.parallel.DistributedDataParallel)
             # Gradients are all-reduced only on the last micro-batch of an accumulation.
-            with self.wrapped.no_sync() if not sync else contextlib.nullcontext():
-                with self.plan.autocast():
-                    loss = self.wrapped(batch) / accumulation
+            with self.parts.wrapped.no_sync() if not sync else contextlib.nullcontext():
+                with self.parts.plan.autocast():
+                    loss = self.parts.wrapped(batch) / accumulation
                 value = loss.detach()
                 queued = self.device_type == "cuda"
                 if queued:
@@ -121,17 +272,17 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                     value = value.to("cpu", non_blocking=True)
                     copied = torch.cuda.Event()
                     copied.record()
-                    self.scaler.scale(loss).backward()
+                    self.parts.scaler.scale(loss).backward()
                     copied.synchronize()
                 total += float(value)
                 if last:  # completes during the backward pass (on CPUs, started before it)
                     agreement = self.session.agree_async(self.step + 1, not math.isfinite(total))
                 if not queued:
-                    self.scaler.scale(loss).backward()
-        self.sampler.advance(self.global_batch * accumulation)
-        self.scaler.unscale_(self.optimizer)
+                    self.parts.scaler.scale(loss).backward()
+        self.data.sampler.advance(self.data.global_batch * accumulation)
+        self.parts.scaler.unscale_(self.parts.optimizer)
         clip = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parts.model.parameters(), clip))
         return total, grad_norm, agreement
 
     def run(self) -> int:
@@ -140,18 +291,18 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         self.clock.mark("imports")
         seed_everything(cfg.seed, self.context.rank)
         use_deterministic_algorithms(cfg.deterministic)
-        self._init_distributed()
+        self.distributed, self.device = init_device(self.context, cfg, self.device_type)
         self.metrics = metrics.for_rank(self.context, self.device_type)
         self.clock.mark("init")
-        self._build_model()
+        self.parts = build_model(cfg, self.context, self.device, self.device_type, self.distributed)
         self.clock.mark("model")
-        self._build_data()
+        self.data = build_data(cfg, self.context)
         self.clock.mark("data")
         try:
             return self._resume_and_train()
         finally:
-            if self.batch_order is not None:
-                self.batch_order.end_early_fetches()  # fetches begun for a first step that never came
+            if self.data.batch_order is not None:
+                self.data.batch_order.end_early_fetches()  # fetches begun for a first step that never came
 
     def _resume_and_train(self) -> int:
         cfg = self.cfg
@@ -178,7 +329,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 "run/restarts_in_place": float(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
             },
         )
-        batches = self._batches()
+        batches = batches_of_run(self.data, self.cfg, self.device, self.device_type)
         self.clock.ready()
         code = None
         try:
@@ -211,20 +362,20 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         depend on the world size more than rounding. RNG is forked so evaluation never changes
         the training stream: a resumed run and an uninterrupted one stay identical.
         """
-        assert self.eval_dataset is not None
+        assert self.data.eval_dataset is not None
         cfg = self.cfg
         per_rank = cfg.data.batch_size
         world, rank = self.context.world_size, self.context.rank
-        count = min(len(self.eval_dataset) // world, cfg.eval.batches * per_rank)
+        count = min(len(self.data.eval_dataset) // world, cfg.eval.batches * per_rank)
         indices = list(range(rank, count * world, world))
-        loader = DataLoader(torch.utils.data.Subset(self.eval_dataset, indices), batch_size=per_rank)
+        loader = DataLoader(torch.utils.data.Subset(self.data.eval_dataset, indices), batch_size=per_rank)
 
         def mean_loss() -> float:
             total = torch.zeros(2, dtype=torch.float64, device=self.device)
             for batch in loader:
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                with self.plan.autocast():
-                    total[0] += float(self.model(batch)) * len(next(iter(batch.values())))
+                with self.parts.plan.autocast():
+                    total[0] += float(self.parts.model(batch)) * len(next(iter(batch.values())))
                 total[1] += len(next(iter(batch.values())))
             if self.distributed:
                 dist.all_reduce(total)
@@ -232,19 +383,19 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
 
         results = {}
         with torch.random.fork_rng(devices=[self.device] if self.device_type == "cuda" else []):
-            self.model.eval()
+            self.parts.model.eval()
             try:
                 results["eval_loss"] = mean_loss()
-                if self.ema:
-                    live = {name: p.detach().clone() for name, p in self.model.named_parameters()}
-                    self.ema.copy_to(self.model)
+                if self.parts.ema:
+                    live = {name: p.detach().clone() for name, p in self.parts.model.named_parameters()}
+                    self.parts.ema.copy_to(self.parts.model)
                     try:
                         results["eval_loss_ema"] = mean_loss()
                     finally:
-                        for name, p in self.model.named_parameters():
+                        for name, p in self.parts.model.named_parameters():
                             p.copy_(live[name])
             finally:
-                self.model.train()
+                self.parts.model.train()
         return results
 
     def _paused_seconds(self) -> float:
@@ -261,13 +412,13 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             loss, grad_norm, agreement = self._train_step(batches)
             # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
             stop, save_due, loss_bad = agreement()
-            verdict = self.guard.observe(self.step + 1, not loss_bad, math.isfinite(grad_norm))
-            if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.plan.precision == "16-mixed"):
+            verdict = self.parts.guard.observe(self.step + 1, not loss_bad, math.isfinite(grad_norm))
+            if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.parts.plan.precision == "16-mixed"):
                 self._wait_for_checkpoint_copy()
-                self.scaler.step(self.optimizer)  # with fp16 the scaler itself skips inf steps
-                self.scaler.update()
-                if self.ema:
-                    self.ema.update(self.model)
+                self.parts.scaler.step(self.parts.optimizer)  # with fp16 the scaler itself skips inf steps
+                self.parts.scaler.update()
+                if self.parts.ema:
+                    self.parts.ema.update(self.parts.model)
             elif verdict is Verdict.ROLLBACK:
                 self.metrics.nonfinite_step()
                 self.metrics.rollback()
@@ -275,18 +426,18 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 if not self._rollback():
                     return exit_codes.DIVERGED
                 batches.close()
-                batches = self._batches()
+                batches = batches_of_run(self.data, self.cfg, self.device, self.device_type)
                 continue
             elif verdict is Verdict.ABORT:
-                log.error("%s", self.guard.abort_message())
+                log.error("%s", self.parts.guard.abort_message())
                 return exit_codes.DIVERGED
             else:
                 self.metrics.nonfinite_step()
-                log.warning("skipped step %d: %s", self.step + 1, self.guard.last_reason)
+                log.warning("skipped step %d: %s", self.step + 1, self.parts.guard.last_reason)
             # The rate this step ran with: before the schedule moves on, and from the optimizer (a rollback lowers it
             # there; the scheduler's last rate is the one before that).
-            learning_rate = float(self.optimizer.param_groups[0]["lr"])
-            self.scheduler.step()
+            learning_rate = float(self.parts.optimizer.param_groups[0]["lr"])
+            self.parts.scheduler.step()
             self.step += 1
             window_steps += 1
             step_seconds = self._account_step(step_started, kept=True)
@@ -357,12 +508,12 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                 # Training time only: evaluation and checkpoints in the window are not throughput.
                 elapsed = time.monotonic() - window_start - (self._paused_seconds() - window_paused)
                 self.samples_per_second = (
-                    window_steps * self.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
+                    window_steps * self.data.global_batch * cfg.grad_accumulation_steps / max(elapsed, 1e-9)
                 )
-                if self.tokens_per_sample:
-                    self.tokens_per_second = self.samples_per_second * self.tokens_per_sample
-                self.model_flops_per_second = self.efficiency.flops_per_second(self.samples_per_second)
-                self.mfu = self.efficiency.mfu(self.samples_per_second)
+                if self.parts.tokens_per_sample:
+                    self.tokens_per_second = self.samples_per_second * self.parts.tokens_per_sample
+                self.model_flops_per_second = self.parts.efficiency.flops_per_second(self.samples_per_second)
+                self.mfu = self.parts.efficiency.mfu(self.samples_per_second)
                 log.info(
                     "step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f%s",
                     self.step,

@@ -1,18 +1,23 @@
-"""The Trainer's setup (trainer.py): the process group and device, the model with its precision, wrapping, compiling,
-optimizer, schedule, EMA and health guard, and the data: datasets, the resumable sampler and the batches."""
+"""What the Trainer (trainer.py) builds before its first step, as builder functions (spec in, objects out): the
+device and process group (`init_device`), the model with its precision, wrapping, compiling, optimizer, schedule, EMA
+and health guard (`build_model`), and the data: datasets, the resumable sampler (`build_data`) and the batches
+(`batches`)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Generator
+from dataclasses import dataclass
+from typing import Any, Generator, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from trainingrun_api import components
+from trainingrun_api.config import TrainerConfig
 
 from . import efficiency
+from .context import RunContext
 from .ema import WeightEMA
 from .health import NonFiniteGuard
 from .loading import batches_of, in_background, start_worker, worker_processes
@@ -23,112 +28,158 @@ from .session import init_process_group
 from .state import changed_by_forward
 
 
-class TrainerSetup:
-    """Part of `Trainer`: what a run builds before its first step."""
+def init_device(context: RunContext, cfg: TrainerConfig, device_type: str) -> tuple[bool, torch.device]:
+    """(whether the run is distributed, this rank's device); joins the process group when it is."""
+    distributed = context.world_size > 1
+    if device_type == "cuda":
+        torch.cuda.set_device(context.local_rank)
+        device = torch.device("cuda", context.local_rank)
+        tf32 = cfg.tf32 is not False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    else:
+        device = torch.device("cpu")
+    if distributed:
+        init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return distributed, device
 
-    def _init_distributed(self) -> None:
-        self.distributed = self.context.world_size > 1
-        if self.device_type == "cuda":
-            torch.cuda.set_device(self.context.local_rank)
-            self.device = torch.device("cuda", self.context.local_rank)
-            tf32 = self.cfg.tf32 is not False
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-        else:
-            self.device = torch.device("cpu")
-        if self.distributed:
-            init_process_group("nccl" if self.device_type == "cuda" else "gloo")
 
-    def _build_model(self) -> None:
-        model = components.build(self.cfg.model, "spec.trainer.model")
-        self.plan = PrecisionPlan(self.cfg.precision, self.device_type)
-        model = self.plan.prepare(model).to(self.device)
-        if self.cfg.activation_checkpointing:
-            from .torch_internals import checkpoint_wrapper
+@dataclass
+class ModelParts:
+    """The model and what trains it."""
 
-            blocks: Any = model.blocks  # a ModuleList (torch types a module's attributes as Tensor | Module)
-            for i, block in enumerate(blocks):
-                blocks[i] = checkpoint_wrapper(block)
-        self.model = model  # the unwrapped module: what gets checkpointed and digested
-        self.copy_before_forward = changed_by_forward(model)
-        counts_tokens = getattr(model, "tokens_per_sample", None)
-        self.tokens_per_sample = int(counts_tokens()) if callable(counts_tokens) else 0
-        self.efficiency = efficiency.for_run(
-            model,
-            self.cfg.precision,
-            self.device,
-            self.context.world_size,
-            self.cfg.flops_per_sample,
-            self.cfg.peak_flops_per_second,
+    #: The unwrapped module: what gets checkpointed and digested.
+    model: nn.Module
+    #: DDP, FSDP2 or the model itself, maybe compiled: what a step calls.
+    wrapped: Any
+    plan: PrecisionPlan
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    ema: Optional[WeightEMA]
+    guard: NonFiniteGuard
+    #: The forward pass changes the model's state (e.g. batch-norm statistics): a save's background copy must be
+    #: done before it.
+    copy_before_forward: bool
+    #: Tokens in a sample, for models that count them (0: not counted).
+    tokens_per_sample: int
+    efficiency: efficiency.Efficiency
+
+
+def build_model(
+    cfg: TrainerConfig, context: RunContext, device: torch.device, device_type: str, distributed: bool
+) -> ModelParts:
+    model = components.build(cfg.model, "spec.trainer.model")
+    plan = PrecisionPlan(cfg.precision, device_type)
+    model = plan.prepare(model).to(device)
+    if cfg.activation_checkpointing:
+        from .torch_internals import checkpoint_wrapper
+
+        blocks: Any = model.blocks  # a ModuleList (torch types a module's attributes as Tensor | Module)
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+    counts_tokens = getattr(model, "tokens_per_sample", None)
+    wrapped: Any = model
+    if cfg.strategy == "fsdp2" and distributed:
+        from torch.distributed.fsdp import fully_shard
+
+        blocks_to_shard: Any = model.blocks
+        for block in blocks_to_shard:
+            fully_shard(block)
+        fully_shard(model)
+    elif distributed:
+        wrapped = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device_type == "cuda" else None
         )
-        if self.cfg.strategy == "fsdp2" and self.distributed:
-            from torch.distributed.fsdp import fully_shard
+    optimizer = build_optimizer(model, cfg.optimizer, device_type)
+    return ModelParts(
+        model=model,
+        wrapped=efficiency.compiled(wrapped, cfg.compile, device_type),
+        plan=plan,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.schedule, cfg.max_steps),
+        scaler=plan.grad_scaler(),
+        ema=WeightEMA(model, cfg.ema.decay) if cfg.ema.enabled else None,
+        guard=NonFiniteGuard(cfg.health),
+        copy_before_forward=changed_by_forward(model),
+        tokens_per_sample=int(counts_tokens()) if callable(counts_tokens) else 0,
+        efficiency=efficiency.for_run(
+            model, cfg.precision, device, context.world_size, cfg.flops_per_sample, cfg.peak_flops_per_second
+        ),
+    )
 
-            blocks_to_shard: Any = model.blocks
-            for block in blocks_to_shard:
-                fully_shard(block)
-            fully_shard(model)
-            self.wrapped: Any = model  # DDP, FSDP2 or the model itself, maybe compiled
-        elif self.distributed:
-            self.wrapped = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device_type == "cuda" else None
+
+@dataclass
+class DataParts:
+    """The run's data and the order it is read in."""
+
+    dataset: Any
+    sampler: ResumableSampler
+    #: Where DataLoader workers start from (None: no workers); a forkserver starts as it is built.
+    workers_start: Any
+    #: Samples one step of every rank takes from the sampler, per micro-batch.
+    global_batch: int
+    #: The read-ahead of a dataset in object storage (None: it reads nothing ahead).
+    batch_order: Any
+    #: The held-out data evaluation reads (None: no evaluation).
+    eval_dataset: Any
+
+
+def build_data(cfg: TrainerConfig, context: RunContext) -> DataParts:
+    data = cfg.data
+    dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="train")
+    # Before the read-ahead's threads start: a worker may be forked from this process.
+    workers_start = worker_processes(data.worker_start_method, dataset) if data.num_workers else None
+    sampler = ResumableSampler(
+        len(dataset),
+        rank=context.rank,
+        world_size=context.world_size,
+        seed=cfg.seed,
+        samples_per_step=data.batch_size * cfg.grad_accumulation_steps,
+    )
+    ahead = getattr(dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
+    batch_order = read_ahead(sampler, dataset.missing, ahead, dataset.fetch_threads) if ahead else None
+    if batch_order is not None:
+        batch_order.begin()  # a cold cache's first fetches overlap the restore, not the first step
+    eval_dataset = None
+    if cfg.eval.interval_steps:
+        evaluated, field, extra = components.evaluated_dataset(cfg)
+        eval_dataset = components.build(evaluated, field, **extra)
+    return DataParts(
+        dataset=dataset,
+        sampler=sampler,
+        workers_start=workers_start,
+        global_batch=data.batch_size * context.world_size,
+        batch_order=batch_order,
+        eval_dataset=eval_dataset,
+    )
+
+
+def batches(
+    parts: DataParts, cfg: TrainerConfig, device: torch.device, device_type: str
+) -> Generator[dict[str, torch.Tensor], None, None]:
+    """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
+    data = cfg.data
+    read_by_a_thread = data.num_workers == 0 and getattr(parts.dataset, "pure_items", False)
+    while True:
+        generator = torch.Generator().manual_seed(cfg.seed + parts.sampler.state_dict()["epoch"])
+        loader = DataLoader(
+            parts.dataset,
+            batch_size=data.batch_size,
+            sampler=parts.sampler if parts.batch_order is None else parts.batch_order,
+            num_workers=data.num_workers,
+            multiprocessing_context=parts.workers_start,
+            prefetch_factor=data.prefetch_factor,
+            pin_memory=data.pin_memory and device_type == "cuda",
+            worker_init_fn=start_worker(os.getpid()),
+            generator=generator,
+            drop_last=True,
+        )
+        produced = False
+        for batch in in_background(loader) if read_by_a_thread else batches_of(loader, data.worker_start_method):
+            produced = True
+            yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if not produced:
+            raise RuntimeError(
+                "the dataset yields no full batch: spec.trainer.data.batchSize x world size is larger "
+                "than the dataset; lower batchSize or use more samples"
             )
-        else:
-            self.wrapped = model
-        self.wrapped = efficiency.compiled(self.wrapped, self.cfg.compile, self.device_type)
-        self.optimizer = build_optimizer(model, self.cfg.optimizer, self.device_type)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.max_steps)
-        self.scaler = self.plan.grad_scaler()
-        self.ema = WeightEMA(model, self.cfg.ema.decay) if self.cfg.ema.enabled else None
-        self.guard = NonFiniteGuard(self.cfg.health)
-
-    def _build_data(self) -> None:
-        data = self.cfg.data
-        self.dataset = components.build(data.dataset, "spec.trainer.data.dataset", split="train")
-        #: Where DataLoader workers start from (None: no workers); a forkserver starts now (loading.worker_processes).
-        self.workers_start = worker_processes(data.worker_start_method, self.dataset) if data.num_workers else None
-        self.sampler = ResumableSampler(
-            len(self.dataset),
-            rank=self.context.rank,
-            world_size=self.context.world_size,
-            seed=self.cfg.seed,
-            samples_per_step=data.batch_size * self.cfg.grad_accumulation_steps,
-        )
-        self.global_batch = data.batch_size * self.context.world_size
-        ahead = getattr(self.dataset, "read_ahead", 0)  # datasets in object storage (shards.py) fetch ahead
-        self.batch_order = (
-            read_ahead(self.sampler, self.dataset.missing, ahead, self.dataset.fetch_threads) if ahead else None
-        )
-        if self.batch_order is not None:
-            self.batch_order.begin()  # a cold cache's first fetches overlap the restore, not the first step
-        self.eval_dataset = None
-        if self.cfg.eval.interval_steps:
-            evaluated, field, extra = components.evaluated_dataset(self.cfg)
-            self.eval_dataset = components.build(evaluated, field, **extra)
-
-    def _batches(self) -> Generator[dict[str, torch.Tensor], None, None]:
-        """Endless batches from the sampler's current position; rebuilt after a resume or rollback."""
-        data = self.cfg.data
-        read_by_a_thread = data.num_workers == 0 and getattr(self.dataset, "pure_items", False)
-        while True:
-            generator = torch.Generator().manual_seed(self.cfg.seed + self.sampler.state_dict()["epoch"])
-            loader = DataLoader(
-                self.dataset,
-                batch_size=data.batch_size,
-                sampler=self.sampler if self.batch_order is None else self.batch_order,
-                num_workers=data.num_workers,
-                multiprocessing_context=self.workers_start,
-                prefetch_factor=data.prefetch_factor,
-                pin_memory=data.pin_memory and self.device_type == "cuda",
-                worker_init_fn=start_worker(os.getpid()),
-                generator=generator,
-                drop_last=True,
-            )
-            produced = False
-            for batch in in_background(loader) if read_by_a_thread else batches_of(loader, data.worker_start_method):
-                produced = True
-                yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            if not produced:
-                raise RuntimeError(
-                    "the dataset yields no full batch: spec.trainer.data.batchSize x world size is larger "
-                    "than the dataset; lower batchSize or use more samples"
-                )

@@ -18,24 +18,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def run_in(root, resume_from=None, local_rank=0, committed_step_file=None) -> Run:
-    uri = f"file://{root}"
-    context = RunContext(
-        name="demo",
-        namespace="ns",
-        uid="u",
+    """A Run of attempt 2 checkpointing below `root` (keep 10)."""
+    context = rank_zero_context(
         attempt=2,
-        config_path="unused",
         resume_from=resume_from,
-        metrics_port=None,
         pod_name="demo-a2-worker-0",
         rank=local_rank,
         local_rank=local_rank,
-        world_size=1,
         committed_step_file=committed_step_file,
     )
     return Run(
         context,
-        CheckpointConfig(uri=uri, keep=10),
+        CheckpointConfig(uri=f"file://{root}", keep=10),
         reporter=ProgressReporter(None, Report("ns", "demo", "u", 2)),
         handle_sigterm=False,
     )

@@ -107,42 +107,44 @@ def _inspect(
     size = sum(int(e.get("size") or 0) for e in files.values())
     newest = max((_entry_time(e) for e in files.values()), default="")
 
-    def invalid(reason: str, manifest: Optional[dict] = None, manifest_sha: Optional[str] = None):
+    def found(reason: Optional[str], manifest: Optional[dict] = None, manifest_sha: Optional[str] = None):
+        """The directory as found: valid when there is no `reason` against it, then with the files it lists."""
         manifest = manifest or {}
         return CheckpointInfo(
             step=step,
             uri=uri,
             time=manifest.get("time") or newest,
             size_bytes=size,
-            valid=False,
+            valid=reason is None,
             reason=reason,
             model_digest=manifest.get("model_digest") or None,
             world_size=manifest.get("world_size"),
             manifest_sha256=manifest_sha,
             format_version=manifest.get("format_version"),
+            files={entry["path"]: entry["size"] for entry in manifest["files"]} if reason is None else None,
             run_uid=manifest.get("run_uid") or None,
         )
 
     if MANIFEST_NAME not in files or (raw is None and read_error is None):
-        return invalid("no manifest (partial save)")
+        return found("no manifest (partial save)")
     if read_error is not None or raw is None:
-        return invalid(f"manifest unreadable: {read_error}")
+        return found(f"manifest unreadable: {read_error}")
     manifest_sha = hashlib.sha256(raw).hexdigest()
     try:
         manifest = _parse_manifest(raw)
     except Exception as exc:  # unreadable JSON, wrong format version
-        return invalid(f"manifest unreadable: {exc}")
+        return found(f"manifest unreadable: {exc}")
     if manifest["step"] != step:
-        return invalid(f"manifest is for step {manifest['step']}", manifest, manifest_sha)
+        return found(f"manifest is for step {manifest['step']}", manifest, manifest_sha)
     if owner and manifest.get("run_uid") and manifest["run_uid"] != owner:
-        return invalid(f"written by another run (uid {manifest['run_uid']})", manifest, manifest_sha)
+        return found(f"written by another run (uid {manifest['run_uid']})", manifest, manifest_sha)
     for entry in manifest["files"]:
         name = entry["path"]
         if name not in files:
-            return invalid(f"missing file {name}", manifest, manifest_sha)
+            return found(f"missing file {name}", manifest, manifest_sha)
         listed = files[name].get("size")
         if listed is not None and int(listed) != entry["size"]:
-            return invalid(f"size mismatch in {name}", manifest, manifest_sha)
+            return found(f"size mismatch in {name}", manifest, manifest_sha)
     if deep and not (trusted and trusted.get(uri) == manifest_sha):
         kept = tier.begin(step, sum(entry["size"] for entry in manifest["files"])) if tier is not None else None
         reason: Optional[str] = "interrupted"
@@ -163,21 +165,8 @@ def _inspect(
             if kept is not None:
                 tier.commit(step, raw) if reason is None else tier.discard(step)
         if reason is not None:
-            return invalid(reason, manifest, manifest_sha)
-    return CheckpointInfo(
-        step=step,
-        uri=uri,
-        time=manifest.get("time") or newest,
-        size_bytes=size,
-        valid=True,
-        reason=None,
-        model_digest=manifest.get("model_digest") or None,
-        world_size=manifest.get("world_size"),
-        manifest_sha256=manifest_sha,
-        format_version=manifest["format_version"],
-        files={entry["path"]: entry["size"] for entry in manifest["files"]},
-        run_uid=manifest.get("run_uid") or None,
-    )
+            return found(reason, manifest, manifest_sha)
+    return found(None, manifest, manifest_sha)
 
 
 def _read_manifest(storage: _Storage, uri: str) -> tuple[Optional[bytes], Optional[Exception]]:
