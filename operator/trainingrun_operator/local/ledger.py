@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,13 @@ def run_directory(runs_dir: Path, name: str, checkpoint_uri: str) -> Path:
     return base / f"uri-{hashlib.sha256(checkpoint_uri.encode()).hexdigest()[:12]}"
 
 
+def _seconds(value: object) -> float:
+    """A wall time as saved: a finite, non-negative number, else 0 (a hand-edited file must not make goodput up)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return 0.0
+    return float(value)
+
+
 @dataclass
 class RunLedger:
     """What one local run keeps between invocations of `trainingrun local` (runs/<name>/run.json): its uid, so a
@@ -41,10 +49,14 @@ class RunLedger:
         path = run_dir / "run.json"
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
-            if saved.get("checkpointUri") == checkpoint_uri and isinstance(saved.get("uid"), str):
-                return cls(path, saved["uid"], checkpoint_uri, float(saved.get("wallSeconds") or 0.0))
-        except (OSError, ValueError, TypeError):
-            pass  # none yet, or unreadable: a new run
+        except (OSError, ValueError):
+            saved = None  # none yet, or unreadable: a new run
+        if (
+            isinstance(saved, dict)
+            and saved.get("checkpointUri") == checkpoint_uri
+            and isinstance(saved.get("uid"), str)
+        ):
+            return cls(path, saved["uid"], checkpoint_uri, _seconds(saved.get("wallSeconds")))
         return cls(path, uid or str(uuid.uuid4()), checkpoint_uri)
 
     def save(self) -> None:
