@@ -3,11 +3,13 @@ out filled in), the command-line options, and the secrets it references (environ
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from .. import api, validation
+from ..api_meta import MAX_RUN_NAME_LENGTH, RUN_NAME_PATTERN
 from .ledger import RunLedger, run_directory
 
 DEFAULT_RUNS_DIR = "runs"
@@ -60,8 +62,9 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
                 or f"file://{Path(options.runs_dir).resolve()}/{name}/checkpoints"
             )
             checkpoint["uri"] = uri
-            if isinstance(document.get("metadata"), dict):
-                # Rerunning the command goes on with the same run (its goodput counts both invocations).
+            if isinstance(document.get("metadata"), dict) and _plain_run_name(name):
+                # Rerunning the command goes on with the same run (its goodput counts both invocations). Only for a
+                # name validation takes: a folder below the runs directory is read, never one a name points at.
                 document["metadata"].setdefault(
                     "uid", RunLedger.load(run_directory(Path(options.runs_dir), name, str(uri)), str(uri)).uid
                 )
@@ -72,6 +75,10 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
             if isinstance(trainer, dict):
                 trainer["maxSteps"] = options.max_steps
     return validation.parse(document)
+
+
+def _plain_run_name(name: str) -> bool:
+    return len(name) <= MAX_RUN_NAME_LENGTH and re.fullmatch(RUN_NAME_PATTERN, name, re.ASCII) is not None
 
 
 def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
