@@ -30,9 +30,11 @@ BODY_BYTES_PER_SECOND = 1024.0
 MAX_CONNECTIONS = 16
 #: A Content-Length: ASCII digits only (int() would also take "-1", " 12", "1_000" and other scripts' digits).
 _LENGTH = re.compile(r"[0-9]{1,9}", re.ASCII)
+_BUSY_BODY = json.dumps({"message": "too many connections; send the report again"}).encode()
 _BUSY = (
     b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-    b'Content-Length: 58\r\n\r\n{"message": "too many connections; send the report again"}'
+    + f"Content-Length: {len(_BUSY_BODY)}\r\n\r\n".encode()
+    + _BUSY_BODY
 )
 
 

@@ -29,7 +29,6 @@ from .layout import (
     logger,
     now_rfc3339,
 )
-from .memory_tier import MemoryTier
 from .persisting import Persister
 from .rotation import Rotation
 from .save_planner import ReusingSavePlanner
@@ -77,10 +76,6 @@ class Committer:
         self._planned: dict[str, Any] = {}  # the layout of the state the last finished plan was made from
         self._manifest_bytes = 0
 
-    def _tier(self) -> MemoryTier:
-        assert self._context.tier is not None  # a save in memory, or its copy there, needs one
-        return self._context.tier
-
     def stage(self, plain: dict) -> dict:
         """A copy of `plain` that training may not change: its tensors copied into the store's reused buffers."""
         return self._state_stager.stage(plain)
@@ -100,7 +95,7 @@ class Committer:
             return self._save(
                 job, self._context.tier.begin(job.step, job.expected_bytes) if self._context.tier else None
             )
-        tier = self._tier()
+        tier = self._context.held_tier()
         with self._persister.steps_held() as keep:  # the persister may be taking the next step to copy
             tier_dir = tier.begin(job.step, job.expected_bytes, keep=keep)
         planner = self.planner()
@@ -116,11 +111,11 @@ class Committer:
                 job.later = None
                 job.copied.set_result(None)  # nothing to copy: training goes on
             if tier_dir is not None:
-                self._tier().discard(job.step)
+                self._context.held_tier().discard(job.step)
             self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
             return None
         if tier_dir is not None and not in_memory:
-            self._tier().discard(job.step)
+            self._context.held_tier().discard(job.step)
             tier_dir = None
         fast = in_memory and repeats
         staged = self._stage_later(job, tier_dir, planner if fast else None)
@@ -135,12 +130,16 @@ class Committer:
                 try:
                     (in_memory,) = self._context.ranks.all(not (staged is not None and staged.failed))
                 except _SAVE_ERRORS as exc:
-                    self._tier().discard(job.step)  # what was staged there is no checkpoint: free its memory
+                    self._context.held_tier().discard(
+                        job.step
+                    )  # what was staged there is no checkpoint: free its memory
                     self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
                     return None
                 if in_memory:
                     return self._save(job, tier_dir, in_memory=True, staged=staged)
-                self._tier().discard(job.step)  # a rank had no room after all: every rank's save goes to storage
+                self._context.held_tier().discard(
+                    job.step
+                )  # a rank had no room after all: every rank's save goes to storage
             return self._save(job, None)
         finally:
             if staged is not None:
@@ -300,9 +299,9 @@ class Committer:
         elif planner is not None:
             planner.not_committed()
         if tier_dir is not None and info is not None and not in_memory:
-            self._tier().commit(job.step, manifest)
+            self._context.held_tier().commit(job.step, manifest)
         elif tier_dir is not None and info is None:
-            self._tier().discard(job.step)
+            self._context.held_tier().discard(job.step)
         if info is None:
             self._failed(job, commit_error)
             return None
@@ -387,7 +386,7 @@ class Committer:
         written yet (its entry still holds its segments, which this takes)."""
         for name, entry in record.items():
             if SEGMENTS_KEY in entry:
-                self._tier().write_digests(
+                self._context.held_tier().write_digests(
                     tier_dir, name, entry["size"], FILE_DIGEST, entry[FILE_DIGEST], entry.pop(SEGMENTS_KEY)
                 )
 
@@ -445,7 +444,7 @@ class Committer:
         raw = (json.dumps(manifest, indent=1) + "\n").encode()
         try:
             if tier_dir is not None:
-                tier = self._tier()
+                tier = self._context.held_tier()
                 with self._persister.steps_held() as keep:  # older copies go, but not the one being persisted
                     tier.commit(job.step, raw, keep=keep)
                 if tier.off is not None:

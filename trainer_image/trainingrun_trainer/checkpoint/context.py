@@ -70,6 +70,12 @@ class StoreContext:
     in_memory: Optional[CheckpointInfo] = None
     in_storage: Optional[CheckpointInfo] = None
 
+    def held_tier(self) -> MemoryTier:
+        """The memory tier, where the caller's work needs one (a save in memory, persisting behind, a checkpoint held
+        in memory): a store without one never gets there."""
+        assert self.tier is not None
+        return self.tier
+
     def trust(self, info: CheckpointInfo) -> None:
         """Record `info` (committed or deep-verified by this process) as read without re-hashing its files."""
         if info.manifest_sha256:

@@ -21,7 +21,6 @@ from .layout import (
     _join,
     logger,
 )
-from .memory_tier import MemoryTier
 from .rotation import Rotation
 
 
@@ -75,7 +74,7 @@ class Persister:
         """Queue a memory checkpoint to be copied to storage: newest wins over one still waiting. One that comes
         before the storage interval is up is held back instead, unless `whenever` (flush)."""
         assert self._pool is not None, "only rank 0 of a store that persists behind copies to storage"
-        tier = self._tier()
+        tier = self._context.held_tier()
         with self._lock:
             if not whenever and not self._due(info.step):
                 self._held_back = (info, manifest)
@@ -123,10 +122,6 @@ class Persister:
             self.every_seconds is not None and self.clock() - queued_at >= self.every_seconds
         )
 
-    def _tier(self) -> MemoryTier:
-        assert self._context.tier is not None  # persisting behind needs one
-        return self._context.tier
-
     def _copy_queued(self) -> None:
         while True:
             with self._lock:
@@ -139,7 +134,7 @@ class Persister:
 
     def _copy_to_storage(self, info: CheckpointInfo, manifest: bytes) -> None:
         """Copy a memory checkpoint's files to storage, unchanged, then its manifest (the commit); rotate."""
-        context, tier, metrics = self._context, self._tier(), self._context.metrics
+        context, tier, metrics = self._context, self._context.held_tier(), self._context.metrics
         began = time.perf_counter()
         directory = tier.path(info.step)
         try:

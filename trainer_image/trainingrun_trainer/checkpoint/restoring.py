@@ -131,8 +131,7 @@ class Restorer:
     def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
         """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
         when the tier is another store's (its `origin`: two runs sharing one tier's name, which a run's uid prevents)."""
-        tier = self._context.tier
-        assert tier is not None  # only a store with a tier holds a checkpoint in memory
+        tier = self._context.held_tier()
         origin = tier.origin_of_tier()
         if origin is not None and origin != self._context.uri:
             logger.warning(
