@@ -158,29 +158,6 @@ def test_what_the_user_set_wins_and_outside_a_pod_nothing_changes():
         assert (args.rdzv_conf, args.local_addr) == ("", None)
 
 
-@pytest.mark.parametrize(
-    "argv, env, starts, omp",
-    [
-        (["--module", "trainingrun_trainer"], {"PET_NPROC_PER_NODE": "2"}, True, "1"),  # as torchrun would set it
-        (["--nproc-per-node=2", "--module", "trainingrun_trainer"], {"OMP_NUM_THREADS": "4"}, True, "4"),
-        (["--nproc_per_node", "1", "-m", "trainingrun_trainer"], {}, True, None),
-        (["--nproc-per-node=auto", "--module", "trainingrun_trainer"], {}, False, None),  # torch decides later
-        (["--module", "my_trainer"], {}, False, None),  # any other program: exactly torchrun
-        (["train.py", "--data", "trainingrun_trainer"], {}, False, None),
-    ],
-)
-def test_the_forkserver_starts_before_torch_only_for_the_builtin_trainer(monkeypatch, argv, env, starts, omp):
-    from multiprocessing import forkserver
-
-    from trainingrun_trainer import preloading
-
-    started = []
-    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
-    assert preloading.start_forkserver(argv, env) is starts
-    assert bool(started) is starts
-    assert env.get("OMP_NUM_THREADS") == omp
-
-
 class Spec:
     max_restarts = 3
 
@@ -204,74 +181,3 @@ def test_a_refilled_budget_keeps_the_restart_count_growing():
     assert remaining == 3 and spec.max_restarts - remaining == 2
     remaining -= 1  # the agent's own decrement for the restart it is about to do
     assert spec.max_restarts - remaining == 3
-
-
-@pytest.mark.parametrize(
-    "trainer, gpus, compiles",
-    [
-        ({"compile": True}, False, True),
-        ({"compile": False}, True, False),
-        ({}, True, True),  # the trainer's default: compile with GPUs
-        ({}, False, False),
-    ],
-)
-def test_the_forkserver_preloads_torch_compile_when_the_run_will_compile(
-    monkeypatch, tmp_path, trainer, gpus, compiles
-):
-    from trainingrun_trainer import preloading
-
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"uri": "file:///ckpt"}}))
-    monkeypatch.setattr(preloading, "node_has_gpus", lambda: gpus)
-    modules = preloading.preload({contract.CONFIG: str(config)})
-    assert set(preloading.PRELOAD) <= set(modules)
-    assert ("trainingrun_trainer.compile_preload" in modules) is compiles
-
-
-@pytest.mark.parametrize("content", [None, "trainer: [unclosed", "- a list", "trainer: 3"])
-def test_a_config_the_launcher_cannot_read_preloads_the_usual_modules(tmp_path, content):
-    from trainingrun_trainer import preloading
-
-    config = tmp_path / "config.yaml"
-    if content is not None:
-        config.write_text(content)
-    assert preloading.preload({contract.CONFIG: str(config)}) == preloading.PRELOAD
-
-
-PRELOADED = """
-import threading
-import trainingrun_trainer.compile_preload
-from torch._inductor import codecache, cpu_vec_isa
-try:
-    codecache.torch_key.set(b"")  # refused once the key is computed
-    torch_key_cached = 0
-except RuntimeError:
-    torch_key_cached = 1
-print(threading.active_count(), torch_key_cached, cpu_vec_isa.valid_vec_isa_list.cache_info().currsize)
-"""
-
-
-@pytest.mark.slow
-def test_the_compile_preload_leaves_its_costs_paid_and_no_thread_behind():
-    # A forked worker inherits what this process cached; a thread would not survive the fork (and may deadlock it).
-    done = subprocess.run([sys.executable, "-c", PRELOADED], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    threads, torch_key_cached, isa_probed = done.stdout.split()
-    assert (threads, torch_key_cached) == ("1", "1")
-    assert isa_probed == ("0" if Path("/dev/nvidia0").exists() else "1")
-
-
-def test_a_failing_compile_preload_is_reported_and_leaves_the_forkserver_running():
-    # The forkserver dies on any preload error but an ImportError; so would every worker it forks.
-    script = (
-        "from torch._inductor import codecache\n"
-        "def fails(): raise RuntimeError('no sources')\n"
-        "codecache.torch_key = fails\n"
-        "import trainingrun_trainer.compile_preload"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (
-        "preloading torch.compile failed (RuntimeError: no sources)" in done.stderr
-        and "each worker compiles without it" in done.stderr
-    )

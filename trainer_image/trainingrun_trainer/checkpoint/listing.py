@@ -44,6 +44,5 @@ def format_table(infos: Iterable[CheckpointInfo]) -> str:
 
 
 def to_json(infos: Iterable[CheckpointInfo]) -> str:
-    """A JSON array of checkpoints, one object per :class:`CheckpointInfo` with all its fields
-    (step, uri, time, size_bytes, valid, reason, model_digest, world_size, manifest_sha256)."""
+    """A JSON array of checkpoints, one object per :class:`CheckpointInfo` with all its fields."""
     return json.dumps([dataclasses.asdict(info) for info in infos], indent=2)
