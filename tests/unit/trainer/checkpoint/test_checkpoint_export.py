@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_checkpoint import app_state, flip_byte, step_dir, trained
+from checkpoint_states import app_state, flip_byte, step_dir, trained
 
 from trainingrun_trainer import checkpoint as ckpt
 from trainingrun_trainer.checkpoint import CheckpointStore, load_everything, load_plain, to_torch_save

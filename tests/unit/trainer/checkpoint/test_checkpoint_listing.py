@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
+from checkpoint_states import make_model
+
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, model_digest
 from trainingrun_trainer.checkpoint.layout import CheckpointInfo
 from trainingrun_trainer.checkpoint.listing import format_table, to_json
 
@@ -24,15 +28,29 @@ TORN = CheckpointInfo(
 )
 
 
-def test_the_table_lines_headings_up_with_values_and_gives_the_reason_for_an_invalid_one():
-    header, good, torn = format_table([GOOD, TORN]).splitlines()
-    assert header.split() == ["STEP", "VALID", "TIME", "SIZE", "MODEL", "URI", "/", "REASON"]
-    for heading in ("VALID", "TIME", "SIZE", "MODEL"):
-        column = header.index(heading)
-        assert good[column] != " " and good[column - 1] == " ", heading
-    assert good.split()[:6] == ["1200", "yes", "2026-12-01T10:00:00Z", "5.0", "GiB", "0123456789ab"]
-    assert torn.split()[:4] == ["7", "NO", "-", "512"]
-    assert torn.endswith("s3://b/run/step-00000007  (no manifest (partial save))")
+def test_cli_helpers(store):
+    model = make_model()
+    store.save(5, {"model": model.state_dict()}, model_digest=model_digest(model.state_dict()))
+    store.save(6, {"model": model.state_dict()})
+    store.wait()
+    os.remove(store.list()[0].uri[len("file://") :] + "/" + MANIFEST_NAME)
+    infos = store.list()
+    table = format_table(infos).splitlines()
+    assert table[0].split() == ["STEP", "VALID", "TIME", "SIZE", "MODEL", "URI", "/", "REASON"]
+    assert table[1].split()[:2] == ["6", "NO"] and "(no manifest (partial save))" in table[1]
+    assert table[2].split()[:2] == ["5", "yes"] and infos[1].model_digest[:12] in table[2]
+    valid = infos[1]
+    for heading, value in (("VALID", "yes"), ("TIME", valid.time), ("MODEL", valid.model_digest[:12])):
+        start = table[0].index(heading)  # each heading starts where its values start
+        assert table[2][start : start + len(value)] == value, (heading, table)
+    size = table[0].index("SIZE")
+    assert table[2][size] != " " and table[2][size - 1] == " ", table
+    data = json.loads(to_json(infos))
+    assert [d["step"] for d in data] == [6, 5]
+    for d, info in zip(data, infos):
+        assert CheckpointInfo(**d) == info
+        assert {"step", "valid", "model_digest", "uri", "time", "size_bytes", "reason"} <= d.keys()
+    assert data[1]["time"].endswith("Z") and data[1]["size_bytes"] > 0
 
 
 def test_sizes_are_human_from_bytes_to_tebibytes():

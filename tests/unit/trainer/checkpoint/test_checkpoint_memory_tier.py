@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import xxhash
+from checkpoint_states import app_state, flip_byte, make_model, step_dir, train_step, trained
 from fsspec.implementations.local import LocalFileOpener
-from test_checkpoint import app_state, flip_byte, make_model, step_dir, train_step, trained
 
 from trainingrun_trainer.checkpoint import (
     MANIFEST_NAME,

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_checkpoint import app_state, flip_byte, step_dir, train_step, trained
+from checkpoint_states import app_state, flip_byte, step_dir, train_step, trained
 from test_checkpoint_memory_tier import data_files, restored
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest, tier_files

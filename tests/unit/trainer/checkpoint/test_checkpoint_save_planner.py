@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_checkpoint import app_state, make_model, train_step
+from checkpoint_states import app_state, make_model, train_step
 from test_checkpoint_persist_behind import behind as persisting_behind
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner

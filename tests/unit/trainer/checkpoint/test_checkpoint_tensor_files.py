@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_checkpoint import (
+from checkpoint_states import (
     app_state,
     assert_same,
     make_model,

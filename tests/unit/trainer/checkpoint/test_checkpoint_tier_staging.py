@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import app_state, make_model, step_dir, train_step, trained
+from checkpoint_states import app_state, make_model, step_dir, train_step, trained
 from test_checkpoint_memory_tier import restored
 from test_checkpoint_persist_behind import behind, bucket, memory, steps_in  # noqa: F401 - fixtures
 

@@ -1,0 +1,70 @@
+"""What the checkpoint tests share: a small model, a training step, the state DCP saves, and the store below a
+tmp_path (its fixtures: conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from trainingrun_trainer import checkpoint as ckpt
+from trainingrun_trainer.checkpoint import MANIFEST_NAME
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    model(torch.randn(5, 8, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def trained(seed: int = 0):
+    model = make_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt)
+    return model, opt
+
+
+def app_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def weights(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / ckpt.step_dir_name(step)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) -> None:
+    """Someone who may write the bucket replaces a file and fixes the manifest to match."""
+    import xxhash
+
+    (directory / name).write_bytes(content)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == name:
+            entry["size"], entry["xxh3_128"] = len(content), xxhash.xxh3_128(content).hexdigest()
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
