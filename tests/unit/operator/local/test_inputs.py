@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from local_documents import BODY, write_minimal
 
-from trainingrun_operator import validation
+from trainingrun_operator import local, validation
 from trainingrun_operator.local import inputs
 from trainingrun_operator.local.inputs import (
     LocalOptions,
@@ -83,3 +84,75 @@ def test_secrets_come_from_the_environment_first_and_a_missing_one_is_named_by_w
     message = str(missing.value)
     assert "WANDB_API_KEY (secrets.env tracker/api-key)" in message and ".env" in message
     assert "from-environment" not in message and "file-secret" not in message
+
+
+def test_checkpoint_uri_defaults_under_runs_and_flags_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY)
+    run = local.load_run(str(path), local.LocalOptions(runs_dir=str(tmp_path / "runs")))
+    assert run.spec.checkpoint.uri == f"file://{tmp_path}/runs/laptop/checkpoints"
+    run = local.load_run(str(path), local.LocalOptions(checkpoint_uri="s3://bkt/p", max_steps=3))
+    assert run.spec.checkpoint.uri == "s3://bkt/p" and run.spec.trainer.max_steps == 3
+
+
+def test_a_cluster_file_of_several_pods_runs_locally_on_a_file_uri(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY.replace("spec:\n", "spec:\n  replicas: {min: 2, max: 4}\n  checkpoint: {uri: gs://bkt/p}\n"))
+    run = local.load_run(str(path), local.LocalOptions(checkpoint_uri=f"file://{tmp_path}/ckpt"))
+    assert run.spec.checkpoint.uri == f"file://{tmp_path}/ckpt" and run.spec.replicas.effective_max == 1
+
+
+def test_env_file_parsing(tmp_path):
+    env = tmp_path / ".env"
+    env.write_text("# comment\nexport A=1\nB = 'two words'\nC=\"x=y\"\n\n")
+    assert local.read_env_file(str(env)) == {"A": "1", "B": "two words", "C": "x=y"}
+    assert local.read_env_file(str(tmp_path / "absent")) == {}
+    env.write_text("TOKEN supersecret\n")
+    with pytest.raises(local.LocalRunError) as caught:
+        local.read_env_file(str(env))
+    assert ":1: expected KEY=VALUE" in str(caught.value) and "supersecret" not in str(caught.value)
+
+
+def test_secrets_come_from_environment_then_env_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY)
+    spec = local.load_run(str(path), local.LocalOptions()).spec
+    (tmp_path / ".env").write_text("WANDB_API_KEY=from-file\nGOOGLE_APPLICATION_CREDENTIALS=/k.json\n")
+    values = local.resolve_secrets(spec, {"WANDB_API_KEY": "from-env"}, str(tmp_path / ".env"))
+    assert values == {"WANDB_API_KEY": "from-env", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}
+    with pytest.raises(
+        local.LocalRunError,
+        match=r"missing secrets: WANDB_API_KEY \(secrets.env wandb/api-key\), "
+        r"GOOGLE_APPLICATION_CREDENTIALS",
+    ):
+        local.resolve_secrets(spec, {}, str(tmp_path / "none"))
+
+
+def test_a_rerun_is_the_same_run_and_a_new_checkpoint_uri_a_new_one(tmp_path):
+    options = local.LocalOptions(runs_dir=str(tmp_path / "runs"))
+    first = local.load_run(str(write_minimal(tmp_path)), options)
+    assert not (tmp_path / "runs").exists()  # loading starts nothing and writes nothing
+    local.RunLedger.load(tmp_path / "runs" / "laptop", first.spec.checkpoint.uri, uid=first.metadata.uid).save()
+    again = local.load_run(str(write_minimal(tmp_path)), options)
+    assert again.metadata.uid == first.metadata.uid
+    elsewhere = local.load_run(
+        str(write_minimal(tmp_path)),
+        local.LocalOptions(runs_dir=str(tmp_path / "runs"), checkpoint_uri=f"file://{tmp_path}/other"),
+    )
+    assert elsewhere.metadata.uid != first.metadata.uid
+
+
+def test_options_that_could_never_work_are_refused_before_anything_starts(tmp_path):
+    import socket
+
+    run = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions())
+    with pytest.raises(local.LocalOptionError, match=r"--chaos-kill-step 11 is past the run's last step \(10"):
+        local.check_options(run, local.LocalOptions(chaos_kill_steps=[5, 11]))
+    local.check_options(run, local.LocalOptions(chaos_kill_steps=[10]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(local.LocalOptionError, match=f"--metrics-port {port} is in use"):
+            local.check_options(run, local.LocalOptions(metrics_port=port))
+    local.check_options(run, local.LocalOptions(metrics_port=port))  # free again

@@ -11,9 +11,10 @@ import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
+from local_documents import BODY
 
 from trainingrun_api import progress_report
-from trainingrun_operator import validation
+from trainingrun_operator import local, validation
 from trainingrun_operator.local import status_server
 from trainingrun_operator.local.status_server import StatusServer
 
@@ -112,3 +113,63 @@ def test_connections_past_the_cap_are_refused_at_once_and_a_report_gets_in_once_
     assert server.wait_until_no_connection(timeout=30)
     assert post(server, report(step=9)) == (200, "ok")
     assert server.snapshot()["progress"]["step"] == 9
+
+
+def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
+    """Same protocol and checks as the operator's endpoint: the bearer token from the file, this run and
+    attempt only, checkpoints only under the run's URI; status holds only what was accepted."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from trainingrun_api.progress_report import CommittedCheckpoint, Progress, Report
+
+    path = tmp_path / "run.yaml"
+    path.write_text(BODY)
+    run = local.load_run(str(path), local.LocalOptions(runs_dir=str(tmp_path / "runs")))
+    status = local.StatusServer(run, tmp_path / "token")
+    status.new_attempt(2)
+    meta, uri = run.metadata, run.spec.checkpoint.uri
+
+    def post(report, token=None):
+        request = urllib.request.Request(
+            status.url,
+            data=report.to_json(),
+            method="POST",
+            headers={"Authorization": f"Bearer {token or status.token_file.read_text()}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, ""
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())["message"]
+
+    progress = Progress(5, "2026-11-24T00:00:00Z")
+    try:
+        assert post(Report(meta.namespace, meta.name, meta.uid, 2, progress=progress), token="guess")[0] == 401
+        assert post(Report(meta.namespace, meta.name, meta.uid, 1, progress=progress))[0] == 403
+        elsewhere = CommittedCheckpoint("s3://attacker/x/step-00000010", 10, "2026-11-24T00:00:00Z")
+        code, message = post(Report(meta.namespace, meta.name, meta.uid, 2, last_good_checkpoint=elsewhere))
+        assert code == 403 and "not the step-00000010 directory" in message
+        assert status.snapshot() == {}
+        good = CommittedCheckpoint(f"{uri}/step-00000010", 10, "2026-11-24T00:00:00Z")
+        assert (
+            post(Report(meta.namespace, meta.name, meta.uid, 2, progress=progress, last_good_checkpoint=good))[0] == 200
+        )
+        assert status.snapshot() == {
+            "progress": {"step": 5, "updatedAt": "2026-11-24T00:00:00Z"},
+            "lastGoodCheckpoint": {"uri": good.uri, "step": 10, "time": good.time},
+        }
+        # percent and the estimated completion time, as the operator adds them (the step rate between reports)
+        for step, at in ((10, "00:00:10"), (20, "00:00:20")):
+            report = Report(meta.namespace, meta.name, meta.uid, 2, progress=Progress(step, f"2026-11-24T{at}Z", 100))
+            assert post(report)[0] == 200
+        assert status.snapshot()["progress"] == {
+            "step": 20,
+            "updatedAt": "2026-11-24T00:00:20Z",
+            "totalSteps": 100,
+            "percent": 20.0,
+            "estimatedCompletionTime": "2026-11-24T00:01:40Z",
+        }
+    finally:
+        status.close()

@@ -1,0 +1,77 @@
+"""local.runner.LocalRunner: attempts and in-place restarts named apart, threads per process from the pod's CPUs, the shell and the file, and a run with another checkpoint URI in its own folder."""
+
+import os
+
+import pytest
+from local_documents import write_minimal
+
+from trainingrun_operator import local
+
+
+def runner_with_groups(tmp_path, *groups):
+    """A LocalRunner whose attempts and worker-group starts are `groups`: one attempt number per group start."""
+    run = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions(runs_dir=str(tmp_path / "runs")))
+    runner = local.LocalRunner(run, local.LocalOptions(runs_dir=str(tmp_path / "runs")), {})
+    runner.attempts = [local.Attempt(n) for n in sorted(set(groups))]
+    runner.groups = [local.WorkerGroup(n) for n in groups]
+    return runner
+
+
+def test_one_attempt_numbering_with_in_place_restarts_named_apart(tmp_path):
+    runner = runner_with_groups(tmp_path, 1, 1, 1, 2)
+    assert runner.attempt_count == 2 and runner.restarts_in_place == 2
+    assert runner.attempt_label() == "attempt 2"
+    runner.groups.append(local.WorkerGroup(2))
+    assert runner.attempt_label() == "attempt 2, restart 1 in place"
+
+
+@pytest.mark.parametrize(
+    "cpu,nproc,shell,user,expected",
+    [
+        ("500m", 2, None, None, "1"),  # the pod's share, as the PyTorchJob gets it
+        ("8", 1, None, None, "cores"),  # never more than this machine has
+        (None, 1, None, None, "cores"),
+        ("8", 1, "3", None, "3"),  # the shell's OMP_NUM_THREADS
+        ("8", 1, "3", "5", "5"),  # the file's env wins over both
+    ],
+)
+def test_threads_per_process(tmp_path, monkeypatch, cpu, nproc, shell, user, expected):
+    body = "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: laptop}\nspec:\n  trainer: {maxSteps: 10}\n"
+    if cpu:
+        body += f"  resources: {{cpu: '{cpu}'}}\n"
+    if user:
+        body += f"  env: [{{name: OMP_NUM_THREADS, value: '{user}'}}]\n"
+    path = tmp_path / "run.yaml"
+    path.write_text(body)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    if shell:
+        monkeypatch.setenv("OMP_NUM_THREADS", shell)
+    else:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    options = local.LocalOptions(nproc=nproc, runs_dir=str(tmp_path / "runs"))
+    runner = local.LocalRunner(local.load_run(str(path), options), options, secrets={})
+    status = local.StatusServer(runner.run, tmp_path / "token")
+    try:
+        env = runner._environment(1, status, tmp_path / "config.yaml")
+    finally:
+        status.close()
+    assert env["OMP_NUM_THREADS"] == (str(4 // nproc) if expected == "cores" else expected)
+
+
+def test_a_run_with_another_checkpoint_uri_keeps_its_own_ledger_and_logs(tmp_path):
+    """On main a run with another --checkpoint-uri wrote runs/<name>/run.json and attempt-1.log over the first one's."""
+    from trainingrun_operator.local.ledger import run_directory
+
+    runs = tmp_path / "runs"
+    first = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions(runs_dir=str(runs)))
+    runner = local.LocalRunner(first, local.LocalOptions(runs_dir=str(runs)), {})
+    assert runner.run_dir == runs / "laptop"
+    runner.ledger.save()
+    options = local.LocalOptions(runs_dir=str(runs), checkpoint_uri=f"file://{tmp_path}/other")
+    elsewhere = local.LocalRunner(local.load_run(str(write_minimal(tmp_path)), options), options, {})
+    assert elsewhere.run_dir.parent == runs / "laptop" and elsewhere.run_dir.name.startswith("uri-")
+    elsewhere.ledger.save()
+    assert local.RunLedger.load(runs / "laptop", first.spec.checkpoint.uri).uid == first.metadata.uid  # kept
+    again = local.load_run(str(write_minimal(tmp_path)), options)
+    assert again.metadata.uid == elsewhere.ledger.uid  # a rerun there is that run again
+    assert run_directory(runs, "laptop", first.spec.checkpoint.uri) == runs / "laptop"
