@@ -1,6 +1,6 @@
 """The built-in trainer on data in object storage: token shards and text on the GCS emulator and on moto's S3,
 a worker SIGKILLed mid-epoch, and the resumed run ends with the model of an uninterrupted run that read the same
-bytes from local files (tests/unit/trainer/test_shards.py covers the formats, the errors and the cache)."""
+bytes from local files (tests/unit/trainer/shards/ covers the formats, the errors and the cache)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,216 @@
+"""loading: DataLoader workers seeded apart and reproducibly, started from a forkserver (a lock a trainer thread holds is not held in them), ended with the trainer; batches made on a thread arrive in order and carry the dataset's error."""
+
+import os
+import random
+import select
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from trainingrun_api.model_base import ConfigError
+from trainingrun_trainer.background import helper_niceness
+from trainingrun_trainer.data import SyntheticText
+from trainingrun_trainer.loading import batches_of, in_background, seed_worker, worker_processes
+from trainingrun_trainer.sampling import ResumableSampler
+
+# ---------------------------------------------------------------- worker seeding
+
+
+def _draws():
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_seed_worker_seeds_every_rng_from_torch_initial_seed():
+    torch.manual_seed(1234)
+    seed_worker(0)
+    first = _draws()
+    torch.manual_seed(1234)
+    seed_worker(0)
+    assert _draws() == first
+    torch.manual_seed(99)
+    seed_worker(0)
+    assert _draws() != first
+
+
+class NumpyNoise(torch.utils.data.Dataset):
+    """An 'augmentation' from numpy's global RNG, as user datasets often do."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.tensor(np.random.rand())
+
+
+def test_dataloader_workers_differ_from_each_other_and_repeat_across_runs():
+    def run():
+        loader = DataLoader(
+            NumpyNoise(), batch_size=1, num_workers=2, worker_init_fn=seed_worker,
+            generator=torch.Generator().manual_seed(0), multiprocessing_context="fork",
+        )  # fmt: skip
+        return [float(x) for x in loader]
+
+    values = run()
+    assert values == run()
+    # Items 0 and 1 come from different workers; forked numpy state alone would make them equal.
+    assert values[0] != values[1]
+
+
+#: Stands for a lock of torch's thread pool that a trainer thread (checkpoint, read-ahead) may hold when workers start.
+HELD_BY_A_TRAINER_THREAD = threading.Lock()
+
+
+class NeedsTheLock(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        with HELD_BY_A_TRAINER_THREAD:
+            return torch.tensor(index)
+
+
+def test_workers_start_from_a_forkserver_so_a_lock_held_by_a_trainer_thread_is_not_held_in_them():
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with HELD_BY_A_TRAINER_THREAD:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        dataset = NeedsTheLock()
+        loader = DataLoader(
+            dataset, batch_size=2, num_workers=2, multiprocessing_context=worker_processes("forkserver", dataset),
+            timeout=60,  # a deadline: a worker stuck on the lock fails the test instead of hanging it
+        )  # fmt: skip
+        assert [batch.tolist() for batch in batches_of(loader, "forkserver")] == [[0, 1], [2, 3]]
+        # What the trainer did before: a forked worker inherits the lock as held, and nobody there releases it.
+        forked = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork", timeout=2)
+        with pytest.raises(RuntimeError, match="timed out"):
+            list(forked)
+    finally:
+        release.set()
+        holder.join()
+
+
+KILLED_WITH_WORKERS = """
+import os, signal
+from multiprocessing import forkserver
+from torch.utils.data import DataLoader
+from trainingrun_trainer.data import SyntheticText
+from trainingrun_trainer.loading import batches_of, start_worker, worker_processes
+
+dataset = SyntheticText(num_samples=64, context_length=8)
+loader = DataLoader(
+    dataset, batch_size=2, num_workers=2, multiprocessing_context=worker_processes("forkserver", dataset),
+    worker_init_fn=start_worker(os.getpid()),
+)
+batches = batches_of(loader, "forkserver")
+next(batches)
+print(forkserver._forkserver._forkserver_pid, *(worker.pid for worker in batches._workers), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_and_their_forkserver_end_when_the_trainer_is_killed():
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WITH_WORKERS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    # The forkserver and the workers hold the trainer's stdout and stderr: they are closed once all of them ended.
+    # Before, the workers outlived a killed trainer, kept their forkserver alive and this waited forever.
+    out, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == -9, err
+    forkserver_and_workers = [int(pid) for pid in out.split()]
+    assert len(forkserver_and_workers) == 3
+    assert [pid for pid in forkserver_and_workers if not ends_within(pid, 30)] == []
+
+
+def ends_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` has ended (a zombie included: an orphan's status is its new parent's to collect) or ends
+    within `seconds`. Closing its files is not the end yet: an exiting process closes them first."""
+    try:
+        process = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([process], [], [], seconds)[0])  # readable once it has ended
+    finally:
+        os.close(process)
+
+
+class HoldsALock(torch.utils.data.Dataset):
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return torch.tensor(index)
+
+
+def test_a_dataset_workers_cannot_be_sent_is_a_config_error_naming_the_way_out():
+    dataset = HoldsALock()
+    loader = DataLoader(dataset, num_workers=1, multiprocessing_context=worker_processes("forkserver", dataset))
+    with pytest.raises(ConfigError) as raised:
+        batches_of(loader, "forkserver")
+    message = str(raised.value)
+    assert message.startswith("spec.trainer.data.dataset: HoldsALock cannot be sent to worker processes")
+    assert "workerStartMethod: fork" in message and "lock" in message
+    forked = DataLoader(dataset, num_workers=1, multiprocessing_context=worker_processes("fork", dataset))
+    assert [int(batch) for batch in batches_of(forked, "fork")] == [0, 1]
+
+
+def test_in_background_yields_every_item_in_order_made_on_another_thread():
+    made_on, niceness = [], set()
+
+    def items():
+        for i in range(50):
+            made_on.append(threading.current_thread())
+            niceness.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            yield i
+
+    assert list(in_background(items(), depth=2)) == list(range(50))
+    assert set(made_on) and threading.current_thread() not in made_on
+    # The reading thread gives way to the training thread (background.give_way_to_training).
+    assert niceness == {helper_niceness()}
+
+
+def test_in_background_raises_the_datasets_error_where_the_item_was_wanted():
+    def items():
+        yield 1
+        raise ValueError("shard s3://b/x.bin: truncated at byte 12")
+
+    batches = in_background(items())
+    assert next(batches) == 1
+    with pytest.raises(ValueError, match="truncated at byte 12"):
+        next(batches)
+
+
+def test_closing_in_background_stops_its_thread():
+    before = {t for t in threading.enumerate() if t.name == "trainingrun-batches"}
+    batches = in_background(iter(range(10**9)), depth=2)
+    assert next(batches) == 0
+    batches.close()  # returns once the thread has finished the item in hand
+    assert not [t for t in threading.enumerate() if t.name == "trainingrun-batches" and t not in before]
+
+
+def test_the_loader_read_in_background_gives_the_same_batches():
+    dataset = SyntheticText(num_samples=256, context_length=8)
+    assert dataset.pure_items
+
+    def loader():
+        sampler = ResumableSampler(len(dataset), 0, 1, seed=3, samples_per_step=8)
+        return DataLoader(dataset, batch_size=8, sampler=sampler, generator=torch.Generator().manual_seed(0))
+
+    expected = [batch["tokens"] for batch in loader()]
+    got = [batch["tokens"] for batch in in_background(loader())]
+    assert len(got) == len(expected) == 32 and all(torch.equal(a, b) for a, b in zip(got, expected))
