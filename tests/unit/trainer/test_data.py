@@ -1,5 +1,5 @@
-"""Synthetic datasets (data.py) are pure functions of (seed, split, index), distinct per split and learnable. The sampler:
-test_sampling.py; the loaders: test_loading.py."""
+"""Synthetic datasets (data.py) are pure functions of (seed, split, index), distinct per split and learnable. The
+sampler: test_sampling.py; the loaders: test_loading.py."""
 
 import random
 

@@ -1,4 +1,5 @@
-"""loading: DataLoader workers seeded apart and reproducibly, started from a forkserver (a lock a trainer thread holds is not held in them), ended with the trainer; batches made on a thread arrive in order and carry the dataset's error."""
+"""loading: DataLoader workers seeded apart and reproducibly, started from a forkserver (a lock a trainer thread holds
+is not held in them), ended with the trainer; batches made on a thread arrive in order and carry the dataset's error."""
 
 import os
 import random

@@ -1,4 +1,5 @@
-"""sampling.ResumableSampler: each sample once per epoch across ranks, resumed at any world size (hypothesis over sequences of world sizes), with a DataLoader in the trainer's loop."""
+"""sampling.ResumableSampler: each sample once per epoch across ranks, resumed at any world size (hypothesis over
+sequences of world sizes), with a DataLoader in the trainer's loop."""
 
 import pytest
 import torch

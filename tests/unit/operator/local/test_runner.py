@@ -1,4 +1,5 @@
-"""local.runner.LocalRunner: attempts and in-place restarts named apart, threads per process from the pod's CPUs, the shell and the file, and a run with another checkpoint URI in its own folder."""
+"""local.runner.LocalRunner: attempts and in-place restarts named apart, threads per process from the pod's CPUs, the
+shell and the file, and a run with another checkpoint URI in its own folder."""
 
 import os
 

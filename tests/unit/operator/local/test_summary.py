@@ -1,4 +1,5 @@
-"""local.summary: the lines a finished local run prints (result, start-up phases adding up, throughput with model FLOP/s and MFU when reported)."""
+"""local.summary: the lines a finished local run prints (result, start-up phases adding up, throughput with model FLOP/s
+and MFU when reported)."""
 
 from trainingrun_operator import local
 
