@@ -1,4 +1,5 @@
-"""`trainingrun crd | validate | render`: exit codes, output, and messages a person can act on."""
+"""`trainingrun crd | validate | render | status | logs | operator`: exit codes, output, and messages a person can
+act on. The commands that run on the user's machine alone: test_cli_local.py."""
 
 import os
 import subprocess
@@ -227,36 +228,6 @@ def test_render_rejects_invalid_input_and_bad_attempt(tmp_path, capsys):
     assert result.returncode == 2 and "must be 1 or more" in result.stderr
 
 
-def test_checkpoints_lists_valid_and_invalid(tmp_path, capsys):
-    import json
-
-    import torch
-
-    from trainingrun_trainer.checkpoint import CheckpointStore
-
-    uri = f"file://{tmp_path}/ckpt"
-    store = CheckpointStore(uri, keep=5)
-    for step in (10, 20):
-        store.save(
-            step,
-            {"model": {"w": torch.full((4,), float(step))}},
-            {"step": step},
-            model_digest=f"d{step}",
-            blocking=True,
-        )
-    store.close()
-    (tmp_path / "ckpt" / "step-00000020" / "manifest.json").unlink()  # as if the save died before its commit
-    assert cli.main(["checkpoints", uri, "--json"]) == 0
-    listed = {c["step"]: c for c in json.loads(capsys.readouterr().out)}
-    assert listed[10]["valid"] is True and listed[10]["model_digest"] == "d10"
-    assert listed[20]["valid"] is False and "no manifest" in listed[20]["reason"]
-    assert cli.main(["checkpoints", uri]) == 0
-    table = capsys.readouterr().out
-    assert "STEP" in table and "no manifest (partial save)" in table
-    assert cli.main(["checkpoints", f"file://{tmp_path}/empty"]) == 0
-    assert "no checkpoints under" in capsys.readouterr().out
-
-
 def test_operator_without_credentials_says_why_and_exits_1(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
     env["HOME"] = str(tmp_path)  # no ~/.kube/config
@@ -269,22 +240,6 @@ def test_operator_without_credentials_says_why_and_exits_1(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("trainingrun operator: no Kubernetes credentials")
-
-
-def test_progress_bars_only_on_terminals_with_rich(monkeypatch):
-    import importlib.util
-    import io
-
-    from trainingrun_operator import cli_local
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    assert cli_local.progress_bars(Terminal()) and not cli_local.progress_bars(io.StringIO())
-    found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rich" else found(name, *a))
-    assert not cli_local.progress_bars(Terminal())  # without the cli extra: plain lines
 
 
 def test_the_operator_collects_garbage_rarely_and_never_looks_at_its_modules_again():
