@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from checkpoint_states import app_state, make_model, train_step
-from test_checkpoint_persist_behind import behind as persisting_behind
+from test_checkpoint_persisting import behind as persisting_behind
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -11,15 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from checkpoint_states import app_state, assert_same, flip_byte, make_model, step_dir, train_step, trained, weights
+from checkpoint_states import app_state, assert_same, make_model, step_dir, train_step, trained, weights
 from fsspec.implementations.local import LocalFileOpener
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, model_digest, verify
-from trainingrun_trainer.checkpoint.storage import _Storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -57,170 +54,11 @@ def test_round_trip_model_optimizer_and_extra(store, root):
     assert verify(info.uri).valid
 
 
-def test_manifest_is_written_last_and_a_dir_without_one_is_ignored(store, root, monkeypatch, caplog):
-    model = make_model()
-    store.save(1, {"model": model.state_dict()}, blocking=True)
-
-    seen_when_committing = []
-    real_write = _Storage.write_bytes
-
-    def spy(self, uri, data, atomic=False):
-        if uri.endswith(MANIFEST_NAME):
-            directory = Path(uri[len("file://") :]).parent
-            seen_when_committing.append(sorted(p.name for p in directory.iterdir()))
-        return real_write(self, uri, data, atomic)
-
-    monkeypatch.setattr(_Storage, "write_bytes", spy)
-    assert store.save(2, {"model": model.state_dict()}, blocking=True).result().valid
-    # Every other file was complete before the manifest was written.
-    assert seen_when_committing == [[".metadata", "__0_0.distcp"]]
-
-    # A process that dies before the commit leaves the data without a manifest.
-    def crash_before_commit(self, uri, data, atomic=False):
-        if uri.endswith(MANIFEST_NAME):
-            raise OSError("killed before the commit")
-        return real_write(self, uri, data, atomic)
-
-    monkeypatch.setattr(_Storage, "write_bytes", crash_before_commit)
-    caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
-    assert store.save(3, {"model": model.state_dict()}).result() is None
-    assert store.metrics.failed_saves == 1
-    errors = [r for r in caplog.records if r.name == "trainingrun.checkpoint" and r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and "killed before the commit" in errors[0].getMessage()
-    monkeypatch.setattr(_Storage, "write_bytes", real_write)
-
-    assert (step_dir(root, 3) / "__0_0.distcp").exists()
-    assert not (step_dir(root, 3) / MANIFEST_NAME).exists()
-    listed = {i.step: i for i in store.list()}
-    assert not listed[3].valid and listed[3].reason == "no manifest (partial save)"
-    assert listed[2].valid and listed[1].valid
-    assert store.latest_valid().step == 2
-    with pytest.raises(ValueError, match="no manifest"):
-        store.load(listed[3].uri, {"model": make_model().state_dict()})
-
-
-@pytest.mark.parametrize(
-    "damage, reason",
-    [
-        (lambda d: flip_byte(d / "__0_0.distcp"), "xxh3_128 mismatch in __0_0.distcp"),
-        (lambda d: flip_byte(d / ".metadata"), "xxh3_128 mismatch in .metadata"),
-        (
-            lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-10]),
-            "size mismatch in __0_0.distcp",
-        ),
-        (lambda d: (d / "__0_0.distcp").unlink(), "missing file __0_0.distcp"),
-        (lambda d: (d / MANIFEST_NAME).write_text("{not json"), "manifest unreadable"),
-    ],
-    ids=["flipped-byte", "flipped-metadata-byte", "truncated", "missing", "bad-manifest"],
-)
-def test_damaged_checkpoint_is_skipped_and_older_one_used(store, root, damage, reason):
-    old, new = make_model(1), make_model(2)
-    store.save(1, {"model": old.state_dict()})
-    store.save(2, {"model": new.state_dict()})
-    store.wait()
-    damage(step_dir(root, 2))
-
-    listed = store.list()
-    assert [(i.step, i.valid) for i in listed] == [(2, False), (1, True)]
-    assert listed[0].reason.startswith(reason)
-    assert verify(listed[0].uri).reason.startswith(reason)
-    latest = store.latest_valid()  # the same store wrote step 2: it is re-hashed all the same
-    assert latest.step == 1
-    loaded = make_model(3)
-    store.load(latest, {"model": loaded.state_dict()})
-    assert_same(weights(loaded), weights(old))
-
-
-def test_a_rank_the_checkpoint_did_not_have_gets_no_extra(store, caplog):
-    """A world that grew: rank 1 loads a checkpoint saved by one rank. Its entry is missing; the rest loads."""
-    model = make_model(1)
-    store.save(1, {"model": model.state_dict()}, {"rank": 0}, blocking=True)
-    store.context.ranks.rank = (
-        1  # as the store of rank 1 would be; the entry lookup is the same code with or without peers
-    )
-    loaded = make_model(2)
-    assert store.load(store.latest_valid(), {"model": loaded.state_dict()}) == {}
-    assert_same(weights(loaded), weights(model))
-    assert "no extra state for rank 1 (saved by fewer ranks)" in caplog.text
-
-
 def test_state_may_not_use_the_extra_entries_names(store):
     with pytest.raises(ValueError, match="reserved for each rank's extra state"):
         store.save(1, {"model": make_model().state_dict(), "extra-rank-0": 1})
     with pytest.raises(ValueError, match="reserved for this rank's extra state"):
         store.load(store.save(1, {"model": make_model().state_dict()}, blocking=True).result(), {"extra-rank-0": b""})
-
-
-def write_format_1(directory: Path, state: dict, extra: dict, step: int) -> None:
-    """A checkpoint as trainer images before format 2 wrote it: extra in a file of its own."""
-    import hashlib
-    import io
-
-    dcp.save(state, storage_writer=FsspecWriter(f"file://{directory}"), no_dist=True)
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    (directory / "extra-rank-0.pt").write_bytes(buffer.getvalue())
-    files = [
-        {"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-        for p in sorted(directory.iterdir())
-    ]
-    (directory / MANIFEST_NAME).write_text(
-        json.dumps(
-            {
-                "format_version": 1,
-                "step": step,
-                "time": "2026-11-20T00:00:00Z",
-                "world_size": 1,
-                "config_hash": "",
-                "model_digest": "",
-                "torch_version": torch.__version__,
-                "files": files,
-            }
-        )
-    )
-
-
-def test_a_format_1_checkpoint_still_loads(store, root):
-    """Checkpoints written before an upgrade resume: DCP holds the model, extra comes from its own file, and
-    entries the old format kept in extra are left as they were."""
-    model = make_model(1)
-    write_format_1(step_dir(root, 4), {"model": model.state_dict()}, {"step": 4, "sampler": {"epoch": 1}}, step=4)
-    info = store.latest_valid()
-    assert info.step == 4 and info.valid and info.format_version == 1
-    loaded, kept = make_model(2), {"epoch": 0}
-    extra = store.load(info, {"model": loaded.state_dict(), "sampler": kept})
-    assert extra == {"step": 4, "sampler": {"epoch": 1}} and kept == {"epoch": 0}
-    assert_same(weights(loaded), weights(model))
-    # a format the reader does not know is not a checkpoint it can resume from
-    manifest = json.loads((step_dir(root, 4) / MANIFEST_NAME).read_text())
-    (step_dir(root, 4) / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 5}))
-    assert "format_version 5, expected one of 1, 2, 3, 4" in store.list()[0].reason
-
-
-def as_format_3(directory: Path) -> None:
-    """Rewrite a checkpoint's manifest as trainer images before format 4 wrote it: the same files, each with a sha256."""
-    import hashlib
-
-    manifest = json.loads((directory / MANIFEST_NAME).read_text())
-    for entry in manifest["files"]:
-        del entry["xxh3_128"]
-        entry["sha256"] = hashlib.sha256((directory / entry["path"]).read_bytes()).hexdigest()
-    (directory / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 3}))
-
-
-def test_a_format_3_checkpoint_with_sha256_digests_is_verified_by_them_and_loads(store, root):
-    model = make_model(1)
-    store.save(4, {"model": model.state_dict()}, {"step": 4})
-    assert store.wait() is not None
-    as_format_3(step_dir(root, 4))
-    fresh = CheckpointStore(str(root))
-    info = fresh.latest_valid()
-    assert info.step == 4 and info.valid and info.format_version == 3
-    loaded = make_model(2)
-    assert fresh.load(info, {"model": loaded.state_dict()}) == {"step": 4}
-    assert_same(weights(loaded), weights(model))
-    flip_byte(step_dir(root, 4) / "__0_0.distcp")
-    assert CheckpointStore(str(root)).list()[0].reason == "sha256 mismatch in __0_0.distcp"
 
 
 @pytest.mark.filterwarnings("error:Detected an existing checkpoint")

@@ -1,4 +1,5 @@
-"""tier_files.VerifiedTierFile: a tier file reads its bytes and checks every segment a read touches, whole; a damaged segment or a file cut short fails the read."""
+"""tier_files.VerifiedTierFile: a tier file reads its bytes and checks every segment a read touches, whole; a damaged
+segment or a file cut short fails the read."""
 
 from __future__ import annotations
 

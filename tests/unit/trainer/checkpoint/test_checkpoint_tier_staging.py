@@ -16,7 +16,7 @@ import pytest
 import torch
 from checkpoint_states import app_state, make_model, step_dir, train_step, trained
 from test_checkpoint_memory_tier import restored
-from test_checkpoint_persist_behind import behind, bucket, memory, steps_in  # noqa: F401 - fixtures
+from test_checkpoint_persisting import behind, bucket, memory, steps_in  # noqa: F401 - fixtures
 
 from trainingrun_trainer.checkpoint import CheckpointStore, model_digest, tier_staging
 
