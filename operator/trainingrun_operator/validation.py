@@ -10,7 +10,7 @@ import functools
 import json
 import re
 import sys
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import yaml
 from pydantic import ValidationError
@@ -298,14 +298,27 @@ _StrictLoader.add_implicit_resolver(
 MAX_EXPANDED_NODES = 100_000
 
 
-def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
-    if id(node) not in memo:
-        memo[id(node)] = 1  # a recursive alias counts once instead of looping
-        if isinstance(node, yaml.SequenceNode):
-            memo[id(node)] = 1 + sum(_expanded_size(child, memo) for child in node.value)
-        elif isinstance(node, yaml.MappingNode):
-            memo[id(node)] = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    return memo[id(node)]
+class _RecursiveAlias(Exception):
+    def __init__(self, node: yaml.Node):
+        self.node = node
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, Optional[int]]) -> int:
+    """Nodes below `node` once aliases are expanded; _RecursiveAlias for a node that holds itself (`&a [*a]`), which
+    PyYAML builds as a list inside itself, and every walk over the document would then recurse without end."""
+    if id(node) in memo:
+        size = memo[id(node)]
+        if size is None:  # still being counted: this node is inside itself
+            raise _RecursiveAlias(node)
+        return size
+    memo[id(node)] = None
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    memo[id(node)] = size
+    return size
 
 
 def _load_all(stream: Any) -> Iterable[Any]:
@@ -314,7 +327,16 @@ def _load_all(stream: Any) -> Iterable[Any]:
         while loader.check_node():
             node = loader.get_node()
             assert node is not None  # check_node said one follows
-            size = _expanded_size(node, {})
+            try:
+                size = _expanded_size(node, {})
+            except _RecursiveAlias as recursive:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    "this value holds itself through an alias (*name inside the &name it names): write the values "
+                    "out instead",
+                    recursive.node.start_mark,
+                ) from None
             if size > MAX_EXPANDED_NODES:
                 raise yaml.constructor.ConstructorError(
                     None,

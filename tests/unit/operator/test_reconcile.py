@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainingrun_api import progress_report
-from trainingrun_operator import api, api_status, builders, children, naming, reconcile, run_status, validation
+from trainingrun_operator import api, api_status, builders, naming, reconcile, run_status, validation
 from trainingrun_operator.indexes import merged_status
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
@@ -67,43 +67,6 @@ def running_status(attempt=1, **extra):
         "checkpointUri": "s3://bkt/demo",
         **extra,
     }
-
-
-# ---------------------------------------------------------------- classification
-
-
-@pytest.mark.parametrize(
-    "pod_status,metadata,cause",
-    [
-        (
-            {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]},
-            {},
-            "preemption",
-        ),
-        ({"reason": "Evicted", "message": "The node was low on resource: memory."}, {}, "preemption"),
-        (ended(143), {}, "preemption"),
-        (ended(137, "Error"), {"deletionTimestamp": "2026-11-21T11:59:59Z"}, "preemption"),
-        (ended(137, "OOMKilled"), {}, "failure"),
-        (ended(138), {}, "failure"),
-        (ended(2, message="spec.trainer.model: no such class"), {}, "permanent"),
-        (ended(3, key="lastState"), {}, "permanent"),
-    ],
-)
-def test_failure_causes(pod_status, metadata, cause):
-    failure = children.classify_failure(job(1, "Failed"), [pod(1, pod_status, **metadata)])
-    assert failure.cause == cause and failure.from_pods
-
-
-def test_permanent_failure_carries_the_termination_message():
-    failure = children.classify_failure(job(1, "Failed"), [pod(1, ended(2, message="bad classPath\n"))])
-    assert failure.detail == "pod demo-a1-worker-0 exited with 2: bad classPath" and failure.exit_code == 2
-
-
-def test_failure_without_pods_says_so():
-    failed = job(1, "Failed")
-    failed["status"]["conditions"][0]["message"] = "PyTorchJob demo-a1 is failed because 1 Worker replica(s) failed."
-    failure = children.classify_failure(failed, [])
-    assert failure.cause == "failure" and not failure.from_pods and "1 Worker replica(s) failed" in failure.detail
 
 
 def test_goodput_is_a_function_of_status():
