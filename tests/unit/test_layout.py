@@ -1,5 +1,6 @@
-"""tests/unit mirrors the packages: a test of a module sits in the folder of its package, and only the checks of the
-repository as a whole (its import graph, README and docs, images, benchmark scripts, this layout) sit at the top."""
+"""tests/unit mirrors the packages: a test of a module sits in the folder of its package and is named after it, and
+only the checks of the repository as a whole (its import graph, README and docs, images, benchmark scripts, this
+layout) sit at the top."""
 
 from pathlib import Path
 
@@ -28,3 +29,36 @@ def test_every_test_folder_is_a_folder_of_its_package():
         top, *rest = folder.relative_to(UNIT).parts
         assert top in PACKAGE_FOLDERS, folder
         assert (repo / PACKAGE_FOLDERS[top] / Path(*rest)).is_dir(), f"{folder} mirrors no package folder"
+
+
+#: Modules whose behaviour only a whole program shows, and the test that runs them. Test file names are unique across
+#: tests/ (pytest imports them by name), so a module may be named with its folder or package in front:
+#: checkpoint/storage.py by test_checkpoint_storage_hashing.py, the operator's metrics.py by test_operator_metrics.py.
+TESTED_ELSEWHERE = {
+    "operator/trainingrun_operator/handlers.py": "tests/real_api/test_operator_real.py",  # kopf's handlers, running
+    "operator/trainingrun_operator/plans.py": "tests/real_api/test_operator_real.py",  # API calls: a real server
+    "trainer_image/trainingrun_trainer/checkpoint/context.py": "tests/unit/trainer/checkpoint/test_checkpoint_store.py",
+    "trainer_image/trainingrun_trainer/checkpoint/layout.py": "tests/unit/trainer/checkpoint/test_checkpoint_store.py",
+    "trainer_image/trainingrun_trainer/checkpoint/writer.py": "tests/unit/trainer/checkpoint/test_checkpoint_saving.py",
+}
+
+
+def test_every_module_has_a_test_named_after_it():
+    repo = UNIT.parents[1]
+    untested = []
+    for top, package in PACKAGE_FOLDERS.items():
+        for module in sorted((repo / package).rglob("*.py")):
+            if module.name in ("__init__.py", "__main__.py"):
+                continue
+            folder = module.parent.relative_to(repo / package)
+            tests = {p.name for p in (UNIT / top / folder).glob("test_*.py")}
+            prefixes = {f"test_{module.stem}"} | {f"test_{part}_{module.stem}" for part in (top, *folder.parts)}
+            named = any(
+                name.removesuffix(".py") == prefix or name.startswith(prefix + "_")
+                for name in tests
+                for prefix in prefixes
+            )
+            path = str(module.relative_to(repo))
+            if not named and not (path in TESTED_ELSEWHERE and (repo / TESTED_ELSEWHERE[path]).is_file()):
+                untested.append(path)
+    assert untested == [], "give each its test_<module>.py in the mirrored folder (or a line in TESTED_ELSEWHERE)"
