@@ -116,6 +116,16 @@ RUN_PANELS = [
         ),
     ),
     Panel(
+        "Checkpoint restores: bytes read by source",
+        (
+            (
+                f"sum by (source) (increase(trainingrun_checkpoint_restore_bytes_total{RUN}[1h]))",
+                "{{source}}",
+            ),
+        ),
+        unit="bytes",
+    ),
+    Panel(
         "Checkpoint interval (steps: auto)",
         (
             (f"max(trainingrun_checkpoint_interval_steps{RUN})", "interval (steps)"),

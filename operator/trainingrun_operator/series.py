@@ -27,6 +27,7 @@ TRAINER_SERIES = {
     "trainingrun_checkpoint_save_seconds",
     "trainingrun_checkpoint_restore_seconds",
     "trainingrun_checkpoint_saved_bytes_total",
+    "trainingrun_checkpoint_restore_bytes_total",
     "trainingrun_checkpoint_failures_total",
     "trainingrun_checkpoint_wait_seconds_total",
     "trainingrun_checkpoint_persist_lag_steps",

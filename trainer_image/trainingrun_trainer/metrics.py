@@ -16,6 +16,7 @@ Series (labels run, namespace, rank; GPU series add gpu; base units; counters en
     trainingrun_startup_seconds{phase}                 this process's start-up to its first step, by phase
     trainingrun_checkpoint_save_seconds, trainingrun_checkpoint_restore_seconds   histograms
     trainingrun_checkpoint_saved_bytes_total, trainingrun_checkpoint_failures_total
+    trainingrun_checkpoint_restore_bytes_total{source}  bytes restores read: own_memory (this node's) or storage
     trainingrun_checkpoint_wait_seconds_total          saves waiting for the one before them (interval < a commit)
     trainingrun_checkpoint_persist_lag_steps           steps the newest checkpoint in memory is ahead of storage's
     trainingrun_checkpoint_persist_failures_total      memory checkpoints that could not be copied to storage
@@ -39,6 +40,10 @@ from typing import Any, Optional
 from trainingrun_api import contract, run_figures
 
 from .gpu_metrics import GpuPoller, nvml_available
+
+#: The sources of trainingrun_checkpoint_restore_bytes_total: checkpoint.tier_files' OWN_MEMORY and STORAGE (named here
+#: as well: the launcher imports this module, and the checkpoint package imports torch).
+RESTORE_SOURCES = ("own_memory", "storage")
 
 log = logging.getLogger("trainingrun.metrics")
 
@@ -155,6 +160,12 @@ class TrainerMetrics(NullMetrics):
             "trainingrun_checkpoint_restore_seconds", "Time to load a checkpoint.", CHECKPOINT_BUCKETS
         )
         self._saved_bytes = counter("trainingrun_checkpoint_saved_bytes", "Bytes this rank wrote to checkpoints.")
+        restore_bytes = Counter(
+            "trainingrun_checkpoint_restore_bytes",
+            "Bytes this rank's restores read, by where they came from: own_memory (its node's memory) or storage.",
+            [*names, "source"],
+        )
+        self._restore_bytes = {source: restore_bytes.labels(**labels, source=source) for source in RESTORE_SOURCES}
         self._save_failures = counter("trainingrun_checkpoint_failures", "Checkpoints that were not committed.")
         self._save_wait = counter(
             "trainingrun_checkpoint_wait_seconds",
@@ -209,6 +220,7 @@ class TrainerMetrics(NullMetrics):
             self._saved_bytes,
             self._save_wait,
             self._persist_failures,
+            *self._restore_bytes.values(),
         ):
             child.inc(0)  # present from the start, so alerts see 0 rather than nothing
         self._started = time.monotonic()
@@ -275,6 +287,11 @@ class TrainerMetrics(NullMetrics):
         if store.metrics.restores > self._seen["restores"]:
             self._seen["restores"] = store.metrics.restores
             self._restore_seconds.observe(store.metrics.last_restore_seconds)
+            for source, read in store.metrics.restore_bytes.items():
+                counted = self._seen.setdefault(f"restore bytes {source}", 0)
+                if source in self._restore_bytes and read > counted:
+                    self._restore_bytes[source].inc(read - counted)
+                    self._seen[f"restore bytes {source}"] = read
 
     def checkpoint_interval(self, choice: Any) -> None:
         """The auto interval's choice (a progress_report.IntervalChoice; None: not auto): parts not yet measured stay absent."""

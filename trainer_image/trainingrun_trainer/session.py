@@ -57,6 +57,17 @@ SAVE_COST_KEY = "trainingrun.saveCostSeconds"
 RESTORE_SOURCES = {"memory": "node memory", "storage": "storage", "memory and storage": "node memory and storage"}
 
 
+def restore_bytes_words(read: dict[str, int]) -> str:
+    """ "5.2 MB from own memory, 0 B from storage": where a restore's bytes came from (`StoreMetrics.last_restore_bytes`)."""
+    return ", ".join(
+        f"{_megabytes(read.get(source, 0))} from {source.replace('_', ' ')}" for source in ("own_memory", "storage")
+    )
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n} B"
+
+
 def init_process_group(backend: str) -> None:
     """`dist.init_process_group(backend)` that survives torchrun restarting the worker group in place.
 
@@ -188,15 +199,19 @@ class Run:
             extra = self.store.load(source, state)
         except OSError as error:
             raise StorageUnavailable(f"cannot read the checkpoint {uri}: {error}") from error
+        read = restore_bytes_words(self.store.metrics.last_restore_bytes)
         if self.context.is_rank_zero:
             log.info(
-                "resumed from %s at step %d in %.2f s, reading %s%s",
+                "resumed from %s at step %d in %.2f s, reading %s (%s)%s",
                 uri,
                 step,
                 self.store.metrics.last_restore_seconds,
                 RESTORE_SOURCES[self.store.metrics.last_restore_source],
+                read,
                 started_from,
             )
+        else:  # each rank reads its own part, from its own node's memory or from storage
+            log.info("rank %d restored step %d reading %s", self.context.rank, step, read)
         self.intervals.resumed(step, extra.pop(SAVE_COST_KEY, None))
         return extra
 

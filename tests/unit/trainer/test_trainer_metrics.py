@@ -197,3 +197,23 @@ def test_the_startup_series_has_every_phase_once_the_first_step_ran(tmp_path):
         ("first_step", 1.5),
     ):
         assert f'trainingrun_startup_seconds{{namespace="default",phase="{phase}",rank="0",run="r"}} {seconds}' in after
+
+
+def test_restore_bytes_are_counted_by_source_from_the_stores_totals(tmp_path):
+    store = textwrap.dedent("""
+        from trainingrun_trainer.checkpoint import tier_files
+        from trainingrun_trainer.checkpoint.context import StoreMetrics
+        from trainingrun_trainer.metrics import RESTORE_SOURCES
+        assert RESTORE_SOURCES == (tier_files.OWN_MEMORY, tier_files.STORAGE)
+        class Store:  # what metrics reads of a CheckpointStore after its restores
+            rank, persist_lag_steps = 1, 0
+            def __init__(self, restores, own_memory, storage):
+                self.metrics = StoreMetrics(restores=restores, restore_bytes={"own_memory": own_memory, "storage": storage})
+    """)
+    none, first, second = expositions_after(
+        tmp_path, store, "m.checkpoints(Store(1, 5000, 0))", "m.checkpoints(Store(2, 5000, 700))"
+    )
+    series = 'trainingrun_checkpoint_restore_bytes_total{namespace="default",rank="0",run="r",source="%s"} %s'
+    assert series % ("own_memory", "0.0") in none and series % ("storage", "0.0") in none  # present from the start
+    assert series % ("own_memory", "5000.0") in first and series % ("storage", "0.0") in first
+    assert series % ("own_memory", "5000.0") in second and series % ("storage", "700.0") in second

@@ -38,6 +38,10 @@ class StoreMetrics:
     last_restore_seconds: float = 0.0
     #: Where the last ``load()`` read its files: "memory", "storage" or "memory and storage".
     last_restore_source: str = ""
+    #: Bytes the last ``load()`` read, by where they came from (`tier_files.OWN_MEMORY`, `tier_files.STORAGE`).
+    last_restore_bytes: dict[str, int] = field(default_factory=dict)
+    #: The same, over every ``load()`` of this process (trainingrun_checkpoint_restore_bytes_total{source}).
+    restore_bytes: dict[str, int] = field(default_factory=dict)
     #: Persisting behind (rank 0): copies to storage that succeeded, that failed, and memory checkpoints a newer one
     #: replaced before they were copied; and how long the last copy took.
     persists: int = 0

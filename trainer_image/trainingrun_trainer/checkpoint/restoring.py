@@ -28,7 +28,7 @@ from .layout import (
 from .manifest import _inspect, _step_dirs
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage
-from .tier_files import LocalFirstFileSystem, TierMismatch
+from .tier_files import OWN_MEMORY, STORAGE, LocalFirstFileSystem, TierMismatch
 
 
 class Restorer:
@@ -250,7 +250,13 @@ class Restorer:
         self._context.metrics.last_restore_source = " and ".join(
             sorted(reading.sources if uri != self._read_from_storage else {"storage"})
         )
-        self._context.metrics.restores += 1
+        metrics = self._context.metrics
+        metrics.last_restore_bytes = dict(reading.read_bytes)
+        if uri == self._read_from_storage:  # rank 0's node downloaded it for this load: its bytes came from storage
+            metrics.last_restore_bytes = {OWN_MEMORY: 0, STORAGE: sum(reading.read_bytes.values())}
+        for source, read in metrics.last_restore_bytes.items():
+            metrics.restore_bytes[source] = metrics.restore_bytes.get(source, 0) + read
+        metrics.restores += 1
         return extra
 
     def _read(
@@ -321,6 +327,8 @@ class Restorer:
         except CheckpointException as exc:
             raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
         reading.sources |= again.sources
+        for source, read in again.read_bytes.items():
+            reading.read_bytes[source] += read
         return loaded
 
     def _legacy_extra(self, info: CheckpointInfo) -> Optional[bytes]:

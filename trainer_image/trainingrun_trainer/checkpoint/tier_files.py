@@ -8,6 +8,7 @@ import io
 import json
 import mmap
 import os
+import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -200,16 +201,50 @@ class VerifiedTierFile(io.RawIOBase):
             done += read
 
 
+#: Where a restore's bytes came from (`LocalFirstFileSystem.read_bytes`, `trainingrun_checkpoint_restore_bytes_total`):
+#: this node's memory tier, or storage.
+OWN_MEMORY, STORAGE = "own_memory", "storage"
+
+
+class _CountedStream:
+    """A stream whose bytes read are added up (`count`); everything else is the stream's own."""
+
+    def __init__(self, stream: Any, count: Any):
+        self._stream, self._count = stream, count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def read(self, *args: Any) -> bytes:
+        data = self._stream.read(*args)
+        self._count(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        done = self._stream.readinto(buffer)
+        self._count(done or 0)
+        return done
+
+
 class LocalFirstFileSystem:
-    """Wraps DCP's reader FileSystem (`inner`): the files in `local` ({name: `TierFile`}) are read from the memory tier, checked
-    as they are read; `sources` says where the files read came from ("memory", "storage"), `mismatched` names the
-    tier files that failed their check."""
+    """Wraps DCP's reader FileSystem (`inner`): the files in `local` ({name: `TierFile`}) are read from the memory tier,
+    checked as they are read; `sources` says where the files read came from ("memory", "storage"), `read_bytes` how many
+    bytes came from each (OWN_MEMORY, STORAGE), `mismatched` names the tier files that failed their check."""
 
     def __init__(self, local: dict[str, TierFile], storage_is_local: bool = False):
         self.inner: Any = None  #: the reader's own FileSystem (the reader sets it)
         self._local, self._storage_is_local = local, storage_is_local
         self.sources: set[str] = set()
+        self.read_bytes: dict[str, int] = {OWN_MEMORY: 0, STORAGE: 0}
+        self._counting = threading.Lock()  # a large local file is read by several threads (tensor_files.READ_THREADS)
         self.mismatched: set[str] = set()
+
+    def _counter(self, source: str) -> Any:
+        def count(n: int) -> None:
+            with self._counting:
+                self.read_bytes[source] += n
+
+        return count
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -225,12 +260,12 @@ class LocalFirstFileSystem:
         if local is None or mode != "rb":
             self.sources.add("storage")
             with self.inner.create_stream(path, mode) as stream:
-                yield stream
+                yield _CountedStream(stream, self._counter(STORAGE)) if mode == "rb" else stream
             return
         self.sources.add("memory")
         try:
             with VerifiedTierFile(local) as stream:
-                yield stream
+                yield _CountedStream(stream, self._counter(OWN_MEMORY))
                 stream.finish()
         except TierMismatch:
             self.mismatched.add(name)

@@ -1,17 +1,18 @@
 """What the checkpoint tests share: a small model, a training step, the state DCP saves, and the store below a
-tmp_path (its fixtures: conftest.py)."""
+tmp_path (fixtures `root` and `store`, which a test module imports)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainingrun_trainer import checkpoint as ckpt
-from trainingrun_trainer.checkpoint import MANIFEST_NAME
+from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -68,3 +69,14 @@ def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) ->
         if entry["path"] == name:
             entry["size"], entry["xxh3_128"] = len(content), xxhash.xxh3_128(content).hexdigest()
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def store(root):
+    with CheckpointStore(f"file://{root}", keep=10) as s:
+        yield s

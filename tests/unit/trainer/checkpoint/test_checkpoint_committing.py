@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from checkpoint_states import make_model, step_dir
+from checkpoint_states import make_model, root, step_dir, store  # noqa: F401 - fixtures
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME
 from trainingrun_trainer.checkpoint.storage import _Storage

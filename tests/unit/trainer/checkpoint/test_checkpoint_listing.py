@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 
-from checkpoint_states import make_model
+from checkpoint_states import make_model, root, store  # noqa: F401 - fixtures
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, model_digest
 from trainingrun_trainer.checkpoint.layout import CheckpointInfo

@@ -385,13 +385,14 @@ def _two_rank_worker(
         state = app_state(fresh, fresh_opt)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=persist_behind) as store:
             extra = store.load(store.latest_valid(), state)
-            source = store.metrics.last_restore_source
+            source, read = store.metrics.last_restore_source, store.metrics.last_restore_bytes
         fresh.module.load_state_dict(state["model"])
         Path(out_dir, f"rank{rank}.json").write_text(
             json.dumps(
                 {
                     "rank": extra["rank"],
                     "source": source,
+                    "bytes": read,
                     "digest": model_digest(fresh.module.state_dict()),
                     "behind": behind,
                     "expected": model_digest(ddp.module.state_dict()),
@@ -419,6 +420,9 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["source"] for r in results] == sources
     assert [r["rank"] for r in results] == [0, 1]
+    # The bytes by where they came from, as trainingrun_checkpoint_restore_bytes_total exports them.
+    by_source = [(r["bytes"]["own_memory"] > 0, r["bytes"]["storage"] > 0) for r in results]
+    assert by_source == ([(True, False), (True, False)] if nodes == 1 else [(False, True), (True, True)])
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
 
 
@@ -510,3 +514,23 @@ def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_on
     monkeypatch.setattr(_Storage, "read_bytes", waiting(real_read))
     assert restored(storage, memory) == (5, digest, "memory")
     assert passed and not together.broken
+
+
+def restored_bytes(storage: Path, memory: Path | None) -> dict:
+    """A restarted process's restore: the bytes it read by source (`StoreMetrics.last_restore_bytes`)."""
+    model, opt = trained(seed=98)
+    state = app_state(model, opt)
+    with CheckpointStore(storage.as_uri(), memory_tier=str(memory) if memory else None) as store:
+        store.load(store.latest_valid(), state)
+        assert store.metrics.restore_bytes == store.metrics.last_restore_bytes  # one restore: the totals are it
+        return store.metrics.last_restore_bytes
+
+
+def test_a_restore_counts_its_bytes_by_where_they_came_from(storage, memory):
+    model, _ = saved(storage, memory)
+    tensors = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    from_memory = restored_bytes(storage, memory)
+    assert from_memory[tier_files.STORAGE] == 0 and from_memory[tier_files.OWN_MEMORY] > 2 * tensors  # + AdamW's
+    new_pod = restored_bytes(storage, memory.parent / "a-new-pod")  # downloaded into its memory, then read: storage's
+    assert new_pod == {tier_files.OWN_MEMORY: 0, tier_files.STORAGE: from_memory[tier_files.OWN_MEMORY]}
+    assert restored_bytes(storage, None) == new_pod

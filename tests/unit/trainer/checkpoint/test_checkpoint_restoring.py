@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_states import assert_same, flip_byte, make_model, step_dir, weights
+from checkpoint_states import assert_same, flip_byte, make_model, root, step_dir, store, weights  # noqa: F401 - fixtures
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, verify

@@ -4,7 +4,12 @@ rather than at every save."""
 from __future__ import annotations
 
 import pytest
-from checkpoint_states import flip_byte, make_model, step_dir
+from checkpoint_states import (
+    flip_byte,
+    make_model,
+    root,  # noqa: F401 - fixtures
+    step_dir,
+)
 
 from trainingrun_trainer.checkpoint import CheckpointStore
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_states import app_state, make_model, rewrite_with_a_valid_manifest, step_dir, trained
+from checkpoint_states import app_state, make_model, rewrite_with_a_valid_manifest, root, step_dir, store, trained  # noqa: F401 - fixtures
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from trainingrun_trainer import checkpoint as ckpt

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_states import app_state, assert_same, make_model, train_step, trained, weights
+from checkpoint_states import app_state, assert_same, make_model, root, store, train_step, trained, weights  # noqa: F401 - fixtures
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoint_states import app_state, assert_same, make_model, step_dir, train_step, trained, weights
+from checkpoint_states import app_state, assert_same, make_model, root, step_dir, store, train_step, trained, weights  # noqa: F401 - fixtures
 from fsspec.implementations.local import LocalFileOpener
 from torch.distributed.checkpoint.state_dict import set_state_dict
 

@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_states import (
+from checkpoint_states import (  # noqa: F401 - fixtures
     app_state,
     assert_same,
     make_model,
     rewrite_with_a_valid_manifest,
+    root,
     step_dir,
+    store,
     trained,
     weights,
 )
