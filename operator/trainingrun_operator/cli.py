@@ -332,6 +332,13 @@ COMMANDS = (
             arg("file", metavar="FILE", help="TrainingRun YAML (the same file you kubectl apply)"),
             arg("--nproc", type=positive_int, help="processes (default: spec.nprocPerNode)"),
             arg(
+                "--nodes",
+                type=positive_int,
+                default=1,
+                help="simulate this many nodes (pods): one launcher each with its own node memory, c10d rendezvous "
+                "on 127.0.0.1 (default 1)",
+            ),
+            arg(
                 "--checkpoint-uri",
                 metavar="URI",
                 help="override spec.checkpoint.uri (default when the file has none: file://./runs/<name>/checkpoints)",

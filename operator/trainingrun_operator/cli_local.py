@@ -123,6 +123,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 
     options = local.LocalOptions(
         nproc=args.nproc,
+        nodes=args.nodes,
         checkpoint_uri=args.checkpoint_uri,
         max_steps=args.max_steps,
         chaos_kill_steps=args.chaos_kill_step or [],

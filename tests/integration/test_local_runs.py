@@ -349,3 +349,33 @@ def test_a_taken_metrics_port_is_one_line_and_exit_2_before_anything_starts(tmp_
         "--metrics-port out (the run then serves no metrics)"
     ]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_two_simulated_nodes_train_recover_and_end_as_one_node_does(tmp_path, monkeypatch):
+    """`--nodes 2`: a launcher per node as in a PyTorchJob's pods (c10d rendezvous on 127.0.0.1, each node its own
+    memory folder and log). A worker killed at step 15 restarts both nodes' groups in place, and the model at the end
+    is bitwise the one-node run's of the same world size. What multi-node runs do today shows here as on pods: every
+    checkpoint commits to storage, and a restarted rank on node 1 reads the part node 0's rank wrote from storage."""
+    memory_root = tmp_path / "node-memory"
+    memory_root.mkdir()
+    env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
+    run_file = write_run(tmp_path, training_run(maxSteps=30, logIntervalSteps=5))
+    reference = local(tmp_path, run_file, "--nodes", "2", "--nproc", "1", checkpoints="reference", env=env)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    two = local(
+        tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-kill-step", "15", checkpoints="two", env=env
+    )
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    result = result_of(two.stdout)
+    assert (result["attempts"], result["restarts_in_place"], result["steps"]) == ("1", "1", "30")
+    assert final_digest(tmp_path, "two", 30) == final_digest(tmp_path, "reference", 30)
+    # This run's folder (another checkpoint URI is another run's folder: runs/demo/uri-...).
+    (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/two/step-" in p.read_text()]
+    log = (logs / "attempt-1.log").read_text() + (logs / "attempt-1-node-1.log").read_text()
+    assert re.findall(r"committed checkpoint step (\d+) to file://", log) == ["10", "20", "30"]
+    # The rank that is not rank 0 read its own file from its node's memory, and the other rank's from storage.
+    restored = re.search(r"rank 1 restored step 10 reading (\S+ \S+) from own memory, (\S+ \S+) from storage", log)
+    assert restored is not None and "0 B" not in restored.groups(), log[-3000:]
+    assert "resumed from" in log and "reading storage" in log  # rank 0 verified it in storage
+    assert list(memory_root.iterdir()) == []  # each node's memory went with its pod

@@ -13,6 +13,8 @@ from ..api_meta import MAX_RUN_NAME_LENGTH, RUN_NAME_PATTERN
 from .ledger import RunLedger, run_directory
 
 DEFAULT_RUNS_DIR = "runs"
+#: The most nodes `--nodes` simulates: each is a launcher and its workers on this machine's cores.
+MAX_LOCAL_NODES = 8
 
 
 class LocalRunError(Exception):
@@ -26,6 +28,9 @@ class LocalOptionError(LocalRunError):
 @dataclass
 class LocalOptions:
     nproc: Optional[int] = None  #: processes (default: spec.nprocPerNode)
+    #: Simulated nodes: one launcher each, as in pods of a cluster, with a folder of its own as its node memory and
+    #: c10d rendezvous on 127.0.0.1 (1: one launcher, --standalone).
+    nodes: int = 1
     checkpoint_uri: Optional[str] = None  #: default: file://./runs/<name>/checkpoints
     max_steps: Optional[int] = None  #: override spec.trainer.maxSteps
     chaos_kill_steps: list[int] = field(default_factory=list)  #: SIGKILL a worker when the run reaches each
@@ -89,6 +94,15 @@ def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
         raise LocalOptionError(
             f"--chaos-kill-step {late[0]} is past the run's last step ({last}, "
             f"spec.trainer.maxSteps or --max-steps): it would never fire; pick a step up to {last}"
+        )
+    if not 1 <= options.nodes <= MAX_LOCAL_NODES:
+        raise LocalOptionError(
+            f"--nodes {options.nodes}: a local run simulates 1 to {MAX_LOCAL_NODES} nodes on this machine; pick one"
+        )
+    if options.nodes > 1 and options.metrics_port:
+        raise LocalOptionError(
+            "--metrics-port serves one launcher's metrics, and --nodes starts several on this machine: leave out one "
+            "of them"
         )
     if options.metrics_port and not port_is_free(options.metrics_port):
         raise LocalOptionError(

@@ -63,6 +63,39 @@ class Attempt:
         return "\n".join(dict.fromkeys(said))  # each once, in order
 
 
+#: Seconds the other nodes' launchers get to end after one node's has (torchrun's agents notice a lost peer within
+#: launch.POD_KEEP_ALIVE, a few seconds); then they are stopped.
+NODE_GRACE_SECONDS = 30.0
+
+
+@dataclass
+class Launcher:
+    """One node's launcher process (one pod of the PyTorchJob in a cluster), its workers in its process group."""
+
+    node: int
+    process: subprocess.Popen
+    log: LogFollower
+
+    @classmethod
+    def start(cls, node: int, command: list[str], env: dict[str, str], log_path: Path) -> "Launcher":
+        with open(log_path, "w", encoding="utf-8") as log:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(node, process, LogFollower(log_path))
+
+    def close(self) -> None:
+        """Its processes gone, the launcher's included (reaped)."""
+        _end_session(self.process)
+        self.process.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 #: Signals that stop a local run as a pod deletion would (emergency checkpoint, workers gone), by how they are named.
 STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
@@ -89,7 +122,7 @@ class LocalRunner:
         self.groups: list[WorkerGroup] = []  #: every start of the workers, for attempts and lost steps
         self.restarts = recovery.Restarts()  #: attempts lost so far, by cause, as status.restarts counts them
         self.interrupted: Optional[int] = None  #: the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
-        self.current: Optional[subprocess.Popen] = None
+        self.launchers: list[Launcher] = []  #: the current attempt's, one per node
         self._kill_steps = sorted(set(options.chaos_kill_steps))
         self._chaos = random.Random(options.chaos_seed)
         self.random_kills = 0  #: by --chaos-kill-every
@@ -118,6 +151,7 @@ class LocalRunner:
 
     def _environment(self, attempt: int, status: StatusServer, config_path: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith((contract.PREFIX, "PET_"))}
+        env[contract.MEMORY_TIER_ROOT_ENV] = contract.memory_tier_root()  # this machine's node memory (or the tests')
         env.update({e.name: e.value for e in self.spec.env})
         env.update(self.secrets)
         users = {e.name for e in self.spec.env} | set(self.secrets)
@@ -159,9 +193,7 @@ class LocalRunner:
         return path
 
     def _kill_a_worker(self, reason: str) -> None:
-        if self.current is None:
-            return
-        workers = worker_pids(self.current.pid)
+        workers = [pid for launcher in self.launchers for pid in worker_pids(launcher.process.pid)]
         if workers:
             victim = self._chaos.choice(workers)
             print(f"chaos: SIGKILL worker pid {victim} ({reason})", file=self.out, flush=True)
@@ -171,14 +203,29 @@ class LocalRunner:
             except ProcessLookupError:
                 pass
 
-    def _supervise(self, process: subprocess.Popen, attempt: Attempt, log_path: Path, status: StatusServer) -> int:
-        log = LogFollower(log_path)
+    def _supervise(self, launchers: list["Launcher"], attempt: Attempt, status: StatusServer) -> int:
+        """Until every launcher of the attempt has exited: the first non-zero exit code, else 0. Once one node's
+        launcher has ended, the others get `NODE_GRACE_SECONDS` to end too (a lost node's peers give up on its
+        rendezvous), then their workers are stopped as a deleted pod's would be."""
         every = self.options.chaos_kill_every
         next_random_kill = time.monotonic() + every if every else None
+        first_ended: Optional[float] = None
         while True:
-            code = process.poll()
-            for line in log.new_lines():
-                self._on_log_line(line, attempt, status)
+            codes = [launcher.process.poll() for launcher in launchers]
+            for launcher in launchers:
+                for line in launcher.log.new_lines():
+                    self._on_log_line(line, attempt, status)
+            ended = [code for code in codes if code is not None]
+            code: Optional[int] = None
+            if len(ended) == len(codes):
+                code = next((c for c in ended if c != 0), 0)
+            elif ended and first_ended is None:
+                first_ended = time.monotonic()
+            elif first_ended is not None and time.monotonic() - first_ended > NODE_GRACE_SECONDS:
+                for launcher, running in zip(launchers, codes):
+                    if running is None:
+                        launcher.process.send_signal(signal.SIGTERM)
+                first_ended = float("inf")  # told once; their exits end the attempt
             group = self.groups[-1] if self.groups and self.groups[-1].attempt == attempt.number else None
             if group and status.report_count() > group.reports_before:  # not a dead group's last report
                 step = int(status.snapshot().get("progress", {}).get("step") or 0)
@@ -186,8 +233,9 @@ class LocalRunner:
             if self.display:
                 self.display(self, status.snapshot())
             if code is not None:
-                for line in log.new_lines():
-                    self._on_log_line(line, attempt, status)
+                for launcher in launchers:
+                    for line in launcher.log.new_lines():
+                        self._on_log_line(line, attempt, status)
                 return code
             if every and next_random_kill and time.monotonic() >= next_random_kill:
                 self._kill_a_worker(f"--chaos-kill-every {every:g}s")
@@ -237,9 +285,11 @@ class LocalRunner:
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         # Like a pod deletion: the agent forwards SIGTERM, workers checkpoint and exit 143.
         self.interrupted = signum
-        if self.current and self.current.poll() is None:
+        running = [launcher for launcher in self.launchers if launcher.process.poll() is None]
+        if running:
             print(f"{STOP_SIGNALS[signum]}: stopping workers after an emergency checkpoint", file=self.out, flush=True)
-            self.current.send_signal(signal.SIGTERM)
+        for launcher in running:
+            launcher.process.send_signal(signal.SIGTERM)
 
     def _interrupted_message(self) -> str:
         return f"stopped by {STOP_SIGNALS.get(self.interrupted or 0, 'a signal')}; rerun the same command to resume"
@@ -261,32 +311,18 @@ class LocalRunner:
                 attempt = Attempt(number, log_path=log_path)
                 self.attempts.append(attempt)
                 status.new_attempt(number)
-                command = [
-                    sys.executable,
-                    "-m",
-                    "trainingrun_trainer.launch",
-                    "--standalone",
-                    f"--nproc-per-node={self.nproc}",
-                    f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}",
-                    "--module",
-                    "trainingrun_trainer",
-                ]
                 env = self._environment(number, status, config_path)
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
                     env[contract.CHAOS_KILL_AT_STEP] = ",".join(map(str, self._kill_steps))
-                with open(log_path, "w", encoding="utf-8") as log:
-                    self.current = subprocess.Popen(
-                        command,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                    attempt.code = self._supervise(self.current, attempt, log_path, status)
-                _end_session(self.current)
-                self.current = None
-                self._free_node_memory()  # the attempt's pod is gone: so is what it kept in /dev/shm
+                self.launchers = self._start_launchers(number, env, log_path)
+                try:
+                    attempt.code = self._supervise(self.launchers, attempt, status)
+                finally:
+                    for launcher in self.launchers:
+                        launcher.close()
+                self.launchers = []
+                self._free_node_memory()  # the attempt's pods are gone: so is what they kept in /dev/shm
                 kind = exit_codes.classify(attempt.code, stopping=bool(self.interrupted))
                 if kind == exit_codes.SUCCEEDED:
                     break
@@ -319,17 +355,69 @@ class LocalRunner:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            if self.current:  # an exception while it ran: its whole process group goes, the launcher included
-                _end_session(self.current)
-                self.current.wait()
+            if self.launchers:  # an exception while they ran: their whole process groups go, launchers included
+                for launcher in self.launchers:
+                    launcher.close()
+                self.launchers = []
                 self._free_node_memory()
             final, processes = status.snapshot(), status.process_times()
             status.close()
         return self._summary(final, time.monotonic() - started, outcome, message, processes)
 
     def _free_node_memory(self) -> None:
-        for kept in glob.glob(contract.memory_tier_dir(self.run.metadata.uid or self.run.metadata.name, "*")):
+        run = self.run.metadata.uid or self.run.metadata.name
+        for kept in glob.glob(contract.memory_tier_dir(run, "*")):
             shutil.rmtree(kept, ignore_errors=True)
+        for node in range(self.options.nodes if self.options.nodes > 1 else 0):
+            shutil.rmtree(self._node_memory(node), ignore_errors=True)
+
+    def _node_memory(self, node: int) -> str:
+        """The folder a simulated node keeps as its node memory (a pod's /dev/shm), below this machine's."""
+        return os.path.join(
+            contract.memory_tier_root(), f"trainingrun-{self.run.metadata.uid or self.run.metadata.name}-node-{node}"
+        )
+
+    def _start_launchers(self, attempt: int, env: dict[str, str], log_path: Path) -> list["Launcher"]:
+        """The attempt's launchers: one (--standalone), or one per simulated node as in a PyTorchJob's pods (c10d
+        rendezvous hosted by node 0 on 127.0.0.1, each node's own memory folder and log: attempt-N.log for node 0,
+        attempt-N-node-I.log for the others)."""
+        command = [
+            sys.executable,
+            "-m",
+            "trainingrun_trainer.launch",
+            f"--nproc-per-node={self.nproc}",
+            f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}",
+            "--module",
+            "trainingrun_trainer",
+        ]
+        nodes = self.options.nodes
+        if nodes == 1:
+            return [Launcher.start(0, [*command[:3], "--standalone", *command[3:]], env, log_path)]
+        port = _free_port()
+        job = f"{self.run.metadata.name}-a{attempt}"
+        launchers = []
+        for node in range(nodes):
+            memory = self._node_memory(node)
+            os.makedirs(memory, exist_ok=True)
+            node_env = {
+                **env,
+                contract.MEMORY_TIER_ROOT_ENV: memory,
+                # As the operator's pods have them: launch.pod_rendezvous makes worker 0 host the store.
+                contract.POD_NAME: f"{job}-worker-{node}",
+                contract.POD_IP: "127.0.0.1",
+                contract.RENDEZVOUS_HOST_POD: f"{job}-worker-0",
+            }
+            rendezvous = [
+                f"--nnodes={nodes}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id={self.run.metadata.uid or self.run.metadata.name}-a{attempt}",
+            ]
+            if node:  # 127.0.0.1 is every node's own address here: only node 0 may take the store's port
+                rendezvous.append("--rdzv-conf=is_host=false")
+            path = log_path if node == 0 else log_path.with_name(f"{log_path.stem}-node-{node}.log")
+            launchers.append(Launcher.start(node, [*command[:3], *rendezvous, *command[3:]], node_env, path))
+        return launchers
 
     def _summary(
         self, status: dict, wall: float, outcome: str, message: str, processes: list[progress_report.ProcessTime]

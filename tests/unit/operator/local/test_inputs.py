@@ -156,3 +156,12 @@ def test_options_that_could_never_work_are_refused_before_anything_starts(tmp_pa
         with pytest.raises(local.LocalOptionError, match=f"--metrics-port {port} is in use"):
             local.check_options(run, local.LocalOptions(metrics_port=port))
     local.check_options(run, local.LocalOptions(metrics_port=port))  # free again
+
+
+def test_nodes_beyond_what_a_machine_simulates_or_beside_a_metrics_port_are_refused(tmp_path):
+    run = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions())
+    local.check_options(run, local.LocalOptions(nodes=2))
+    with pytest.raises(local.LocalOptionError, match=r"--nodes 9: a local run simulates 1 to 8 nodes"):
+        local.check_options(run, local.LocalOptions(nodes=9))
+    with pytest.raises(local.LocalOptionError, match="--metrics-port serves one launcher's metrics"):
+        local.check_options(run, local.LocalOptions(nodes=2, metrics_port=9464))

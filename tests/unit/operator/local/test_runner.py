@@ -76,3 +76,42 @@ def test_a_run_with_another_checkpoint_uri_keeps_its_own_ledger_and_logs(tmp_pat
     again = local.load_run(str(write_minimal(tmp_path)), options)
     assert again.metadata.uid == elsewhere.ledger.uid  # a rerun there is that run again
     assert run_directory(runs, "laptop", first.spec.checkpoint.uri) == runs / "laptop"
+
+
+def test_each_simulated_node_is_a_launcher_as_a_pod_is(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(
+        local.runner.Launcher,
+        "start",
+        classmethod(lambda cls, node, command, env, log: started.append((node, command, env, log))),
+    )
+    monkeypatch.setenv("TRAININGRUN_MEMORY_TIER_ROOT", str(tmp_path / "shm"))
+    options = local.LocalOptions(runs_dir=str(tmp_path / "runs"), nodes=3)
+    runner = local.LocalRunner(local.load_run(str(write_minimal(tmp_path)), options), options, {})
+    runner._start_launchers(2, {"KEPT": "1"}, tmp_path / "attempt-2.log")
+    assert [node for node, *_ in started] == [0, 1, 2]
+    assert [log.name for *_, log in started] == ["attempt-2.log", "attempt-2-node-1.log", "attempt-2-node-2.log"]
+    endpoints = {next(a for a in command if a.startswith("--rdzv-endpoint=")) for _, command, _, _ in started}
+    assert len(endpoints) == 1 and endpoints.pop().startswith("--rdzv-endpoint=127.0.0.1:")  # one rendezvous
+    for node, command, env, _ in started:
+        assert "--nnodes=3" in command and "--standalone" not in command
+        assert ("--rdzv-conf=is_host=false" in command) == (node > 0)  # only node 0 takes the store's port
+        assert env["TRAININGRUN_POD_NAME"] == f"laptop-a2-worker-{node}" and env["KEPT"] == "1"
+        assert env["TRAININGRUN_RENDEZVOUS_HOST_POD"] == "laptop-a2-worker-0"
+        memory = env["TRAININGRUN_MEMORY_TIER_ROOT"]
+        assert memory.startswith(str(tmp_path / "shm")) and memory.endswith(f"-node-{node}")
+    assert len({env["TRAININGRUN_MEMORY_TIER_ROOT"] for _, _, env, _ in started}) == 3  # a node memory each
+    runner._free_node_memory()
+    assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_one_node_is_one_standalone_launcher(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(
+        local.runner.Launcher, "start", classmethod(lambda cls, node, command, env, log: started.append(command))
+    )
+    options = local.LocalOptions(runs_dir=str(tmp_path / "runs"))
+    runner = local.LocalRunner(local.load_run(str(write_minimal(tmp_path)), options), options, {})
+    runner._start_launchers(1, {}, tmp_path / "attempt-1.log")
+    ((command),) = started
+    assert "--standalone" in command and not any(a.startswith("--rdzv") for a in command)
