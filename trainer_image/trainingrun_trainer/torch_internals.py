@@ -24,6 +24,10 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 # (checkpoint/safe_load.py) also calls its private `_get_metadata_path` (READER_METHODS).
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+# DCP's flattening of a nested state dict, by which its write items are named: a node's copy of another pod's data
+# file finds each tensor by that name (checkpoint/mirroring.py).
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
 # Copies a state dict into reused pinned host buffers: a GPU save's staging (0.040 s for 1.8 GB on an H200, against
 # 1.52 s for torch.save).
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
@@ -82,6 +86,7 @@ __all__ = [
     "StorageInfo",
     "checkpoint_wrapper",
     "dynamo_config",
+    "flatten_state_dict",
     "foreach_lerp_",
     "forget_save_plans",
     "load_state_dict_into",

@@ -29,6 +29,7 @@ from .layout import (
     logger,
     now_rfc3339,
 )
+from .mirroring import NodeMirror
 from .persisting import Persister
 from .rotation import Rotation
 from .save_planner import ReusingSavePlanner
@@ -67,6 +68,8 @@ class Committer:
         self._context = context
         self._rotation = rotation
         self._persister = persister
+        #: With several pods, each pod's copy of the other pods' files (`mirroring`).
+        self._mirror = NodeMirror(context)
         # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies):
         # containers are rebuilt, other values deep-copied.
         self._state_stager = StateDictStager(pin_memory=torch.cuda.is_available())
@@ -261,6 +264,13 @@ class Committer:
                     exc_info=True,
                 )
                 job.logged = True
+        if self._mirror.active and not in_memory:
+            try:
+                self._mirror.exchange(
+                    job.step, job.state, record, writer.results if writer else [], tier_dir if error is None else None
+                )
+            except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
+                error = error or f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}"
         if callable(job.model_digest):
             job.model_digest = digesting.result() if digesting is not None and error is None else ""
         job.state = None  # drop the staged copy

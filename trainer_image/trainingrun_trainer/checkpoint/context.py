@@ -66,6 +66,8 @@ class StoreContext:
     ranks: RankGroup
     #: Saves commit in the memory tier and rank 0 persists them behind (every rank shares one tier).
     persist_behind: bool
+    #: Each rank's node (its host and memory tier), in rank order; [] without a memory tier.
+    nodes: list[str] = field(default_factory=list)
     metrics: StoreMetrics = field(default_factory=StoreMetrics)
     #: uri -> manifest sha256 of the checkpoints this process committed or deep-verified (read without re-hashing).
     trusted: dict[str, str] = field(default_factory=dict)

@@ -98,6 +98,7 @@ class CheckpointStore:
             tier=tier,
             ranks=ranks,
             persist_behind=self.persist_behind,
+            nodes=nodes,
         )
         self.rotation = Rotation(self.context, keep, keep_every)
         self.persister = Persister(self.context, self.rotation, persist_every_steps, persist_every_seconds)

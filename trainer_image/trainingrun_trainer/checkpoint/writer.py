@@ -38,6 +38,8 @@ class _Writer(FsspecWriter):
         self._on_global_plan = on_global_plan
         self._record, self._tier, self._tier_dir = record, tier, tier_dir
         self._staged = staged
+        #: This rank's write results, once it wrote its data file (where each of its items lies in it).
+        self.results: list = []
 
     def write_data(self, plan, planner) -> TorchFuture:
         done: TorchFuture = TorchFuture()
@@ -45,11 +47,10 @@ class _Writer(FsspecWriter):
             results, self._record[self._staged.name] = self._staged.complete(plan, planner.resolve_data)
             done.set_result(results)
             return done
-        done.set_result(
-            write_rank_file(
-                self.fs.create_stream, self.fs.concat_path, self.path, plan, planner.resolve_data, self.sync_files
-            )
+        self.results = write_rank_file(
+            self.fs.create_stream, self.fs.concat_path, self.path, plan, planner.resolve_data, self.sync_files
         )
+        done.set_result(self.results)
         return done
 
     def write_metadata(self, data: bytes) -> None:

@@ -350,6 +350,17 @@ def test_a_copy_that_fails_mid_write_drops_only_the_copy(storage, memory, monkey
     assert restored(storage, memory) == (5, digest, "storage")
 
 
+class _Unwrapped(torch.nn.Module):
+    """A model under `module`, as DDP holds it, that no collective keeps equal to the other ranks'."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
 def _two_rank_worker(
     rank: int,
     world: int,
@@ -359,14 +370,25 @@ def _two_rank_worker(
     out_dir: str,
     damage: bool = False,
     persist_behind: bool = False,
+    replicas_differ: bool = False,
+    room: bool = True,
 ) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     memory_tier.RESERVE_SHARE = 0.0  # as the `memory` fixture does, in this process
+    if not room:  # the pods' memory has room for their own ranks' files (tier.begin), not for the other pod's
+        from trainingrun_trainer.checkpoint import mirroring
+
+        mirroring.RESERVE_BYTES = 1 << 60
     torch.set_num_threads(1)
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainingrun.checkpoint").addHandler(handler)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        ddp = DDP(make_model(0))
+        # Replicas that are not bitwise equal: the same names, each rank's own values (no DDP to make them equal).
+        ddp = DDP(make_model(0)) if not replicas_differ else _Unwrapped(make_model(rank))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         train_step(ddp, opt, seed=100 + rank)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=persist_behind) as store:
@@ -380,13 +402,13 @@ def _two_rank_worker(
                 flip_byte(max(data_files(step_dir(Path(tiers[0]), 5)), key=lambda p: p.stat().st_size))
             dist.barrier()
         # The worker group restarted in place: new processes, the same node memory.
-        fresh = DDP(make_model(1))
+        fresh = DDP(make_model(1)) if not replicas_differ else _Unwrapped(make_model(1))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         state = app_state(fresh, fresh_opt)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=persist_behind) as store:
             extra = store.load(store.latest_valid(), state)
             source, read = store.metrics.last_restore_source, store.metrics.last_restore_bytes
-        fresh.module.load_state_dict(state["model"])
+        (fresh.module if isinstance(fresh, DDP) else fresh).load_state_dict(state["model"])
         Path(out_dir, f"rank{rank}.json").write_text(
             json.dumps(
                 {
@@ -395,6 +417,9 @@ def _two_rank_worker(
                     "bytes": read,
                     "digest": model_digest(fresh.module.state_dict()),
                     "behind": behind,
+                    "warned": warned,
+                    "kept": sorted(p.name for p in data_files(step_dir(Path(tiers[rank]), 5))),
+                    "stored": sorted(p.name for p in data_files(step_dir(Path(uri.removeprefix("file://")), 5))),
                     "expected": model_digest(ddp.module.state_dict()),
                 }
             )
@@ -404,11 +429,13 @@ def _two_rank_worker(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, sources", [(1, ["memory", "memory"]), (2, ["storage", "memory and storage"])])
-def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources):
-    """One node: both ranks' files are in its memory. Two nodes: each node lacks the file the other's rank wrote
-    (DCP spreads the replicated tensors over both), so rank 0 verifies every file in storage, keeping them in its
-    node's memory for its load; rank 1 reads its own file from its node's memory and the other from storage."""
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes):
+    """One node: both ranks' files are in its memory. Two nodes: DCP spreads the replicated tensors over both ranks'
+    files, and each node's lowest rank also writes the file the other node's rank wrote, from its own replica
+    (`mirroring`): each node's memory holds the whole checkpoint, and a restart on either reads nothing from
+    storage."""
+    sources = ["memory", "memory"]
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
     uri = f"file://{tmp_path / 'ckpt'}"
     mp.spawn(
@@ -422,17 +449,40 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes, sources):
     assert [r["rank"] for r in results] == [0, 1]
     # The bytes by where they came from, as trainingrun_checkpoint_restore_bytes_total exports them.
     by_source = [(r["bytes"]["own_memory"] > 0, r["bytes"]["storage"] > 0) for r in results]
-    assert by_source == ([(True, False), (True, False)] if nodes == 1 else [(False, True), (True, True)])
+    assert by_source == [(True, False), (True, False)]
+    assert results[0]["kept"] == results[1]["kept"] == results[0]["stored"]  # every file in each node's memory
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "nodes, sources, behind", [(1, ["memory", "memory"], True), (2, ["storage", "memory and storage"], False)]
-)
+@pytest.mark.parametrize("replicas_differ, room", [(True, True), (False, False)], ids=["replicas differ", "no room"])
+def test_a_copy_of_the_other_pods_file_that_differs_or_finds_no_room_is_left_out(tmp_path, replicas_differ, room):
+    """A node's copy of a file is kept only when it is the file its writer wrote, byte for byte (by its xxh3_128):
+    replicas that are not equal give other bytes, and the copy is left out; so is every copy when the pod's memory
+    lacks room for them. A restart then reads those files from storage, and loads what was committed."""
+    tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(2)]
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(
+        _two_rank_worker,
+        args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path), False, False, replicas_differ, room),
+        nprocs=2,
+        join=True,
+    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # Node 1 kept its own rank's file only (node 0's rank 0 keeps what it verified in storage for the restart).
+    assert results[1]["kept"] != results[1]["stored"] and results[1]["kept"], results[1]
+    assert all(result["bytes"]["storage"] > 0 for result in results)
+    said = "its bytes differ from the file the other pod wrote" if replicas_differ else "not enough for the"
+    assert [any(said in w for w in result["warned"]) for result in results] == [True, True], results
+    if not replicas_differ:
+        assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, sources, behind", [(1, ["memory", "memory"], True), (2, ["memory", "memory"], False)])
 def test_two_ranks_persisting_behind_on_one_node_and_committing_to_storage_on_two(tmp_path, nodes, sources, behind):
     """Persisting behind needs every rank's files in one node's tier (rank 0 copies them all); with two nodes the
-    store commits to storage as before."""
+    store commits to storage as before (each node keeping every file in memory for its restarts)."""
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
     mp.spawn(
         _two_rank_worker,

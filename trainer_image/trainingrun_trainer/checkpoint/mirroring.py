@@ -1,0 +1,188 @@
+"""`NodeMirror`: with several pods, each pod's memory tier also holds the data files the other pods' ranks wrote, so a
+restart inside any pod reads no byte of the checkpoint from storage.
+
+DCP writes each replicated tensor (a DDP model, its optimizer state) from one rank and spreads them over every rank's
+file, so a pod's memory held only its own ranks' files and a restart read the rest from storage. But every pod
+already holds every replicated tensor: the lowest rank of each pod writes each file of another pod's rank again,
+into its own node's tier, from its own staged copy (no network for the tensors). Only the items it does not hold
+come over the run's process group: each file's byte items (the optimizer's plain values, the writing rank's extra
+state: a few KiB) and rank 0's `.metadata`. A file is kept only when its xxh3_128 is the one its writer recorded for
+the manifest, so the copy is the committed file byte for byte, and a restart checks it as it reads as any other
+tier file; a copy that differs (a replica that is not bitwise equal) or that finds no room is left out, with a
+warning, and a restart reads that file from storage.
+
+One collective a save (every rank's items gathered), after the write, on the checkpoint thread.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import xxhash
+
+from ..torch_internals import flatten_state_dict
+from .context import StoreContext
+from .layout import FILE_DIGEST, METADATA_NAME, _describe, logger
+from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
+from .tensor_files import _byte_view
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One item of a rank's data file: where it lies, and its bytes when the other pods cannot hold it."""
+
+    fqn: str
+    offset: int
+    length: int
+    data: Optional[bytes]  #: a byte item's bytes; None for a tensor, which every pod holds
+
+
+@dataclass(frozen=True)
+class _WrittenFile:
+    """A data file a rank wrote, as the other pods' mirrors need it."""
+
+    node: str
+    name: str
+    size: int
+    digest: str
+    items: tuple[_Item, ...]
+    whole: Optional[bytes] = None  #: the file itself (rank 0's `.metadata`)
+
+
+class NodeMirror:
+    """Gathers where every rank's items lie, then has the lowest rank of each pod write the other pods' files into its
+    node's memory tier (`exchange`). Active only with a memory tier on several nodes."""
+
+    def __init__(self, context: StoreContext):
+        self._context = context
+        nodes = context.nodes
+        self.active = context.tier is not None and len(set(nodes)) > 1 and not context.persist_behind
+        rank = context.ranks.rank
+        #: Whether this rank writes its pod's copies (the lowest rank of its node).
+        self.writes = self.active and nodes.index(nodes[rank]) == rank
+        self._told: set[str] = set()
+
+    def exchange(self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]) -> None:
+        """Every rank, after writing `step` (its files' manifest entries in `record`, its write `results`; `tier_dir`:
+        this node's copy, None when it keeps none): gather every rank's files, and on the lowest rank of each node
+        write the other nodes' files into `tier_dir` from `state`, this rank's staged copy. Collective errors are
+        raised (the save fails with them); anything else only leaves a copy out."""
+        if not self.active:
+            return
+        sent = self._files_of(record, results, tier_dir)
+        gathered = self._context.ranks.gather(sent)
+        if not self.writes or tier_dir is None:
+            return
+        node = self._context.nodes[self._context.ranks.rank]
+        wanted = [f for files in gathered if files for f in files if f.node != node]
+        if not wanted:
+            return
+        usage = shutil.disk_usage(self._context.held_tier().root)
+        needed = sum(f.size for f in wanted)
+        if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+            self._tell(
+                "room",
+                f"checkpoint step {step}: this pod's memory has {usage.free >> 20} MiB free, not enough for the "
+                f"{needed >> 20} MiB the other pods' ranks wrote: a restart here reads them from storage (raise "
+                "resources.sharedMemory)",
+            )
+            return
+        tensors = {fqn: value for fqn, value in flatten_state_dict(state)[0].items() if isinstance(value, torch.Tensor)}
+        for written in wanted:
+            self._write(step, written, tensors, tier_dir)
+
+    def _files_of(self, record: dict, results: list, tier_dir: Optional[str]) -> Optional[list[_WrittenFile]]:
+        """What this rank wrote, for the other pods: None when its node keeps no copy to read byte items from."""
+        if tier_dir is None:
+            return None
+        node = self._context.nodes[self._context.ranks.rank]
+        by_file: dict[str, list] = {}
+        for result in results:
+            by_file.setdefault(result.storage_data.relative_path, []).append(result)
+        files = []
+        try:
+            for name, entry in record.items():
+                path = os.path.join(tier_dir, name)
+                if name == METADATA_NAME:
+                    with open(path, "rb") as f:
+                        whole = f.read()
+                    files.append(_WrittenFile(node, name, entry["size"], entry[FILE_DIGEST], (), whole))
+                    continue
+                items = []
+                with open(path, "rb") as f:
+                    for result in sorted(by_file.get(name, []), key=lambda r: r.storage_data.offset):
+                        info = result.storage_data
+                        data = None
+                        if not info.transform_descriptors:  # a byte item (tensors are raw, `tensor_files`)
+                            f.seek(info.offset)
+                            data = f.read(info.length)
+                        items.append(_Item(result.index.fqn, info.offset, info.length, data))
+                files.append(_WrittenFile(node, name, entry["size"], entry[FILE_DIGEST], tuple(items)))
+        except OSError as exc:  # this node's copy of its own file is gone: the others read it from storage
+            logger.warning("checkpoint: rank %d cannot read its copy in memory (%s)", self._context.ranks.rank, exc)
+            return None
+        return files
+
+    def _write(self, step: int, written: _WrittenFile, tensors: dict, tier_dir: str) -> None:
+        tier = self._context.held_tier()
+        copy = tier.copy(tier_dir, written.name)
+        digest = xxhash.xxh3_128()
+        why: Optional[str] = None
+        try:
+            chunks = [written.whole] if written.whole is not None else self._chunks(written, tensors)
+            done = 0
+            for chunk in chunks:
+                if isinstance(chunk, str):
+                    why = chunk
+                    break
+                copy.write(chunk)
+                digest.update(chunk)
+                done += memoryview(chunk).nbytes
+            if why is None and done != written.size:
+                why = f"{done} bytes, not {written.size}"
+            if why is None and digest.hexdigest() != written.digest:
+                why = "its bytes differ from the file the other pod wrote (a replica that is not bitwise equal?)"
+        except Exception as exc:  # never fail a save for a copy
+            why = _describe(exc)
+        if why is None:
+            copy.close(FILE_DIGEST, written.digest)
+            return
+        copy.abandon()
+        self._tell(
+            written.name,
+            f"checkpoint step {step}: this pod keeps no copy of {written.name} in memory ({why}): a restart here "
+            "reads it from storage",
+        )
+
+    @staticmethod
+    def _chunks(written: _WrittenFile, tensors: dict) -> Any:
+        """The file's bytes, item by item in file order, from this rank's tensors and the byte items sent; a str (why
+        not) where it cannot be built."""
+        at = 0
+        for item in written.items:
+            if item.offset != at:
+                yield f"a gap at byte {at}"
+                return
+            if item.data is not None:
+                yield item.data
+            else:
+                tensor = tensors.get(item.fqn)
+                if tensor is None or tensor.device.type != "cpu":
+                    yield f"this pod holds no {item.fqn}"
+                    return
+                view = _byte_view(tensor.contiguous())
+                if view.nbytes != item.length:
+                    yield f"{item.fqn} has {view.nbytes} bytes here, {item.length} there"
+                    return
+                yield view
+            at += item.length
+
+    def _tell(self, key: str, message: str) -> None:
+        """Warn once per kind of trouble, as the tier tells of its room."""
+        if key not in self._told:
+            self._told.add(key)
+            logger.warning("%s; told once", message)
