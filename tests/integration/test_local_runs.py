@@ -352,31 +352,36 @@ def test_a_taken_metrics_port_is_one_line_and_exit_2_before_anything_starts(tmp_
 
 
 @pytest.mark.slow
-def test_two_simulated_nodes_recover_exactly_reading_nothing_from_storage(tmp_path, monkeypatch):
+def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothing_from_storage(tmp_path):
     """`--nodes 2`: a launcher per node as in a PyTorchJob's pods (c10d rendezvous on 127.0.0.1, each node its own
-    memory folder and log). A worker killed at step 15 restarts both nodes' groups in place, and the model at the end
-    is bitwise the one of the same run without the kill. Every checkpoint commits to storage, and each node's memory
-    also holds the files the other node's rank wrote (`checkpoint/mirroring.py`): the restart reads nothing from
-    storage, on either node."""
+    memory folder and log). Each node's memory holds every file of a checkpoint (its lowest rank writes the other
+    node's files too, `checkpoint/mirroring.py`), so checkpoints commit in memory across both nodes and rank 0 copies
+    one in two to storage (storageInterval 20). A worker killed at step 25 restarts both nodes' groups in place from
+    step 20, which only memory holds, reading nothing from storage on either node; the model at the end is bitwise
+    the one of the same run without the kill."""
     memory_root = tmp_path / "node-memory"
     memory_root.mkdir()
     env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
-    run_file = write_run(tmp_path, training_run(maxSteps=30, logIntervalSteps=5))
+    body = training_run(maxSteps=40, logIntervalSteps=5)
+    body["spec"]["checkpoint"]["storageInterval"] = {"steps": 2 * INTERVAL}
+    run_file = write_run(tmp_path, body)
     reference = local(tmp_path, run_file, "--nodes", "2", "--nproc", "1", checkpoints="reference", env=env)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     two = local(
-        tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-kill-step", "15", checkpoints="two", env=env
+        tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-kill-step", "25", checkpoints="two", env=env
     )
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     result = result_of(two.stdout)
-    assert (result["attempts"], result["restarts_in_place"], result["steps"]) == ("1", "1", "30")
-    assert final_digest(tmp_path, "two", 30) == final_digest(tmp_path, "reference", 30)
+    assert (result["attempts"], result["restarts_in_place"], result["steps"]) == ("1", "1", "40")
+    assert final_digest(tmp_path, "two", 40) == final_digest(tmp_path, "reference", 40)
     # This run's folder (another checkpoint URI is another run's folder: runs/demo/uri-...).
     (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/two/step-" in p.read_text()]
     log = (logs / "attempt-1.log").read_text() + (logs / "attempt-1-node-1.log").read_text()
-    assert re.findall(r"committed checkpoint step (\d+) to file://", log) == ["10", "20", "30"]
-    restored = re.search(r"rank 1 restored step 10 reading (\S+ \S+) from own memory, (\S+ \S+) from storage", log)
+    assert re.findall(r"committed checkpoint step (\d+) in memory", log) == ["10", "20", "30", "40"]
+    # Step 20 never reached storage: the restart resumed from memory alone (the end of the run waits for storage).
+    assert re.findall(r"persisted checkpoint step (\d+) to file://", log) == ["10", "30", "40"]
+    restored = re.search(r"rank 1 restored step 20 reading (\S+ \S+) from own memory, (\S+ \S+) from storage", log)
     assert restored is not None and restored.groups()[1] == "0 B" and restored.groups()[0] != "0 B", log[-3000:]
-    resumed = r"resumed from \S+ at step 10 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from"
+    resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from"
     assert re.search(resumed, log), log[-3000:]
     assert list(memory_root.iterdir()) == []  # each node's memory went with its pod

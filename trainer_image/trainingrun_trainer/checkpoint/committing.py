@@ -106,8 +106,11 @@ class Committer:
         try:
             # Agreed before staging: the memory tier when every rank has room there; DCP's planning skipped when every
             # rank's state keeps the layout of its last plan, and then each rank stages only what its plan writes.
+            # With several nodes each node's lowest rank copies the other nodes' files from its own staged copy of
+            # the whole state (`mirroring`): no rank stages only what its plan writes.
             in_memory, repeats = self._context.ranks.all(
-                tier_dir is not None, self._repeats(planner, {**job.state, **(job.later or {})})
+                tier_dir is not None,
+                not self._mirror.active and self._repeats(planner, {**job.state, **(job.later or {})}),
             )
         except _SAVE_ERRORS as exc:
             if job.later:
@@ -121,7 +124,9 @@ class Committer:
             self._context.held_tier().discard(job.step)
             tier_dir = None
         fast = in_memory and repeats
-        staged = self._stage_later(job, tier_dir, planner if fast else None)
+        # Several nodes: each file written whole by DCP's writer (no staged file, whose layout only its rank knows),
+        # so the other nodes' lowest ranks can write it again byte for byte (`mirroring`).
+        staged = self._stage_later(job, None if self._mirror.active else tier_dir, planner if fast else None)
         job.marks.append(("staging", time.perf_counter()))
         try:
             if fast:
@@ -264,13 +269,16 @@ class Committer:
                     exc_info=True,
                 )
                 job.logged = True
-        if self._mirror.active and not in_memory:
+        if self._mirror.active:
             try:
-                self._mirror.exchange(
+                every_node_holds_all = self._mirror.exchange(
                     job.step, job.state, record, writer.results if writer else [], tier_dir if error is None else None
                 )
             except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
                 error = error or f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}"
+            else:
+                if in_memory and not every_node_holds_all:  # a restart there could not load it: no commit in memory
+                    error = error or self._stop_persisting_behind(job.step)
         if callable(job.model_digest):
             job.model_digest = digesting.result() if digesting is not None and error is None else ""
         job.state = None  # drop the staged copy
@@ -310,6 +318,8 @@ class Committer:
             planner.not_committed()
         if tier_dir is not None and info is not None and not in_memory:
             self._context.held_tier().commit(job.step, manifest)
+        elif in_memory and info is not None and self._mirror.writes and self._context.ranks.rank != 0:
+            self._context.held_tier().commit(job.step, manifest)  # this node's copy, as rank 0 committed its node's
         elif tier_dir is not None and info is None:
             self._context.held_tier().discard(job.step)
         if info is None:
@@ -342,6 +352,21 @@ class Committer:
             else:
                 self._rotation.rotate_logging_errors()
         return info
+
+    def _stop_persisting_behind(self, step: int) -> str:
+        """Every rank, when a node could not keep every file of `step` in its memory (no room, a replica that is not
+        bitwise equal): this save fails, and the saves from now on commit to storage (each node's copies kept where
+        they can be). Rank 0 first lets its persister copy what memory committed before. The error."""
+        if self._context.ranks.rank == 0:
+            self._persister.queue_held_back()
+            self._persister.wait_idle()
+        self._context.persist_behind = False
+        logger.warning(
+            "checkpoint step %d: not every pod could keep every file of it in memory (see the warnings above): "
+            "checkpoints commit to storage from now on",
+            step,
+        )
+        return "a pod could not keep every file of the checkpoint in memory"
 
     def _write(
         self,

@@ -60,27 +60,33 @@ class NodeMirror:
     def __init__(self, context: StoreContext):
         self._context = context
         nodes = context.nodes
-        self.active = context.tier is not None and len(set(nodes)) > 1 and not context.persist_behind
+        self.active = context.tier is not None and len(set(nodes)) > 1
         rank = context.ranks.rank
         #: Whether this rank writes its pod's copies (the lowest rank of its node).
         self.writes = self.active and nodes.index(nodes[rank]) == rank
         self._told: set[str] = set()
 
-    def exchange(self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]) -> None:
+    def exchange(self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]) -> bool:
         """Every rank, after writing `step` (its files' manifest entries in `record`, its write `results`; `tier_dir`:
         this node's copy, None when it keeps none): gather every rank's files, and on the lowest rank of each node
-        write the other nodes' files into `tier_dir` from `state`, this rank's staged copy. Collective errors are
-        raised (the save fails with them); anything else only leaves a copy out."""
+        write the other nodes' files into `tier_dir` from `state`, this rank's staged copy. Whether every node now
+        holds every file (a second collective). Collective errors are raised (the save fails with them); anything
+        else only leaves a copy out."""
         if not self.active:
-            return
+            return True
         sent = self._files_of(record, results, tier_dir)
         gathered = self._context.ranks.gather(sent)
-        if not self.writes or tier_dir is None:
-            return
+        kept = self._write_wanted(step, state, gathered, tier_dir) if self.writes else True
+        return self._context.ranks.all(kept and sent is not None)[0]
+
+    def _write_wanted(self, step: int, state: Any, gathered: list, tier_dir: Optional[str]) -> bool:
+        """This node's copies of the other nodes' files; whether it holds them all now."""
+        if tier_dir is None or any(files is None for files in gathered):
+            return False
         node = self._context.nodes[self._context.ranks.rank]
-        wanted = [f for files in gathered if files for f in files if f.node != node]
+        wanted = [f for files in gathered for f in files if f.node != node]
         if not wanted:
-            return
+            return True
         usage = shutil.disk_usage(self._context.held_tier().root)
         needed = sum(f.size for f in wanted)
         if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
@@ -90,10 +96,9 @@ class NodeMirror:
                 f"{needed >> 20} MiB the other pods' ranks wrote: a restart here reads them from storage (raise "
                 "resources.sharedMemory)",
             )
-            return
+            return False
         tensors = {fqn: value for fqn, value in flatten_state_dict(state)[0].items() if isinstance(value, torch.Tensor)}
-        for written in wanted:
-            self._write(step, written, tensors, tier_dir)
+        return all([self._write(step, written, tensors, tier_dir) for written in wanted])
 
     def _files_of(self, record: dict, results: list, tier_dir: Optional[str]) -> Optional[list[_WrittenFile]]:
         """What this rank wrote, for the other pods: None when its node keeps no copy to read byte items from."""
@@ -127,7 +132,7 @@ class NodeMirror:
             return None
         return files
 
-    def _write(self, step: int, written: _WrittenFile, tensors: dict, tier_dir: str) -> None:
+    def _write(self, step: int, written: _WrittenFile, tensors: dict, tier_dir: str) -> bool:
         tier = self._context.held_tier()
         copy = tier.copy(tier_dir, written.name)
         digest = xxhash.xxh3_128()
@@ -150,13 +155,14 @@ class NodeMirror:
             why = _describe(exc)
         if why is None:
             copy.close(FILE_DIGEST, written.digest)
-            return
+            return copy.file is None and os.path.exists(os.path.join(tier_dir, written.name))
         copy.abandon()
         self._tell(
             written.name,
             f"checkpoint step {step}: this pod keeps no copy of {written.name} in memory ({why}): a restart here "
             "reads it from storage",
         )
+        return False
 
     @staticmethod
     def _chunks(written: _WrittenFile, tensors: dict) -> Any:

@@ -42,8 +42,9 @@ class CheckpointStore:
             wrote below the same uri (two runs naming one checkpoint.uri) are never resumed from, rotated or
             overwritten (`load` of one named explicitly still reads it). Checkpoints without one (older trainers) are
             taken as this run's. None: every checkpoint is.
-        persist_behind: with a memory tier that every rank shares (one node), a save commits once every rank's files
-            are in the tier (`wait()` returns then), and rank 0 copies the committed files to storage behind it, on a
+        persist_behind: with a memory tier on every rank, a save commits once every node's tier holds every file of it
+            (`wait()` returns then; with several nodes each node's lowest rank also writes the files of the other
+            nodes' ranks, `mirroring`), and rank 0 copies the committed files to storage behind it, on a
             thread of its own, newest first: a memory checkpoint made while an older one is still being copied
             supersedes any waiting to be copied (see "Persisting behind" in the package's description). Otherwise,
             and for a save the tier lacks room for, a save commits when storage holds it.
@@ -86,9 +87,10 @@ class CheckpointStore:
         tier = MemoryTier(memory_tier, origin=uri) if memory_tier else None
         ranks = RankGroup(process_group)
         nodes = ranks.gather(f"{socket.gethostname()}:{os.path.realpath(tier.root)}") if tier else []
-        #: Whether saves commit in the memory tier and rank 0 persists them behind (every rank shares one tier).
-        self.persist_behind = persist_behind and bool(nodes) and len(set(nodes)) == 1
-        if self.persist_behind and tier is not None:
+        # Whether saves commit in the memory tiers and rank 0 persists them behind: every rank has one, and with
+        # several nodes each node's tier holds every file (`mirroring`), so rank 0's holds all it copies.
+        behind = persist_behind and bool(nodes)
+        if behind and tier is not None:
             tier.recycle = True
         self.context = StoreContext(
             uri=uri,
@@ -97,7 +99,7 @@ class CheckpointStore:
             options=options,
             tier=tier,
             ranks=ranks,
-            persist_behind=self.persist_behind,
+            persist_behind=behind,
             nodes=nodes,
         )
         self.rotation = Rotation(self.context, keep, keep_every)
@@ -107,6 +109,12 @@ class CheckpointStore:
         # Whether rank 0, which verifies a checkpoint read from storage and keeps it in its tier, shares this one.
         self.restorer = Restorer(self.context, tier_of_rank0=bool(nodes) and nodes[0] == nodes[ranks.rank])
         self._closed = False
+
+    @property
+    def persist_behind(self) -> bool:
+        """Whether saves commit in the memory tiers and rank 0 persists them behind (off from the first save whose
+        copies the nodes could not all keep, `committing`)."""
+        return self.context.persist_behind
 
     @property
     def rank(self) -> int:

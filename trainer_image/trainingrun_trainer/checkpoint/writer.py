@@ -44,8 +44,8 @@ class _Writer(FsspecWriter):
     def write_data(self, plan, planner) -> TorchFuture:
         done: TorchFuture = TorchFuture()
         if self._staged is not None:
-            results, self._record[self._staged.name] = self._staged.complete(plan, planner.resolve_data)
-            done.set_result(results)
+            self.results, self._record[self._staged.name] = self._staged.complete(plan, planner.resolve_data)
+            done.set_result(self.results)
             return done
         self.results = write_rank_file(
             self.fs.create_stream, self.fs.concat_path, self.path, plan, planner.resolve_data, self.sync_files

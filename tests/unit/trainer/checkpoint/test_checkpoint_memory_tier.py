@@ -455,34 +455,12 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicas_differ, room", [(True, True), (False, False)], ids=["replicas differ", "no room"])
-def test_a_copy_of_the_other_pods_file_that_differs_or_finds_no_room_is_left_out(tmp_path, replicas_differ, room):
-    """A node's copy of a file is kept only when it is the file its writer wrote, byte for byte (by its xxh3_128):
-    replicas that are not equal give other bytes, and the copy is left out; so is every copy when the pod's memory
-    lacks room for them. A restart then reads those files from storage, and loads what was committed."""
-    tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(2)]
-    uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(
-        _two_rank_worker,
-        args=(2, str(tmp_path / "pg-store"), uri, tiers, str(tmp_path), False, False, replicas_differ, room),
-        nprocs=2,
-        join=True,
-    )
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    # Node 1 kept its own rank's file only (node 0's rank 0 keeps what it verified in storage for the restart).
-    assert results[1]["kept"] != results[1]["stored"] and results[1]["kept"], results[1]
-    assert all(result["bytes"]["storage"] > 0 for result in results)
-    said = "its bytes differ from the file the other pod wrote" if replicas_differ else "not enough for the"
-    assert [any(said in w for w in result["warned"]) for result in results] == [True, True], results
-    if not replicas_differ:
-        assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("nodes, sources, behind", [(1, ["memory", "memory"], True), (2, ["memory", "memory"], False)])
-def test_two_ranks_persisting_behind_on_one_node_and_committing_to_storage_on_two(tmp_path, nodes, sources, behind):
-    """Persisting behind needs every rank's files in one node's tier (rank 0 copies them all); with two nodes the
-    store commits to storage as before (each node keeping every file in memory for its restarts)."""
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_two_ranks_persist_behind_on_one_node_and_on_two(tmp_path, nodes):
+    """Persisting behind needs every file in rank 0's node's tier (rank 0 copies them all): on one node every rank's
+    are there, on two each node's lowest rank writes the other node's too (`mirroring`), and the save commits in
+    memory once every node holds every file."""
+    sources, behind = ["memory", "memory"], True
     tiers = [str(tmp_path / f"node-{rank * nodes // 2}" / "tier") for rank in range(2)]
     mp.spawn(
         _two_rank_worker,
