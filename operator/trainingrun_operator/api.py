@@ -139,8 +139,10 @@ class Resources(ApiModel):
         pattern=QUANTITY,
         max_length=64,
         description="Size of the in-memory /dev/shm volume that DataLoader workers and NCCL use, and where "
-        "checkpoint.memoryTier keeps the newest checkpoint of the pod's ranks (each needs about one copy of the pod's ranks' state; without room, saves are written "
-        "in-process and not kept in memory, with a warning).",
+        "checkpoint.memoryTier keeps the newest checkpoint: about one copy of the run's replicated state (model and "
+        "optimizer) and of its ranks' own, up to three while persisting behind, plus 10% for DataLoader workers and "
+        "NCCL. With several pods each pod holds every file of the checkpoint; a pod without room falls back to "
+        "storage, with a warning.",
     )
 
 

@@ -91,6 +91,7 @@ class Committer:
         """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
+        self._mirror.decline_shards({**job.state, **(job.later or {})})
         if not self._context.persist_behind:
             self._take_later(job)
             self._stage_later(job, None)

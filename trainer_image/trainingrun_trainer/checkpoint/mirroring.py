@@ -29,6 +29,7 @@ from .context import StoreContext
 from .layout import FILE_DIGEST, METADATA_NAME, _describe, logger
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
 from .tensor_files import _byte_view
+from .tier_staging import tensors_of
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,20 @@ class NodeMirror:
         #: Whether this rank writes its pod's copies (the lowest rank of its node).
         self.writes = self.active and nodes.index(nodes[rank]) == rank
         self._told: set[str] = set()
+
+    def decline_shards(self, state: Any) -> bool:
+        """Every rank, before a save of `state`: a sharded state (FSDP2's DTensors) has no replica on another pod to
+        write its files from, so copying stops (said once) and so does committing in memory, whose commit needs every
+        pod to hold every file: saves commit to storage. Whether it stopped."""
+        if not self.active or not any(hasattr(tensor, "placements") for tensor in tensors_of(state)):
+            return False
+        self.active = self.writes = False
+        self._context.persist_behind = False
+        logger.info(
+            "a sharded state has no replica on the other pods to copy its files from: each pod keeps its "
+            "own ranks' files in memory and checkpoints commit to storage"
+        )
+        return True
 
     def exchange(self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]) -> bool:
         """Every rank, after writing `step` (its files' manifest entries in `record`, its write `results`; `tier_dir`:

@@ -104,3 +104,38 @@ def test_a_file_is_built_item_by_item_in_file_order_from_the_nodes_tensors_and_t
 )
 def test_a_file_this_node_cannot_build_says_why(items, tensors, why):
     assert chunks(items, tensors)[-1] == why
+
+
+class _Sharded(torch.Tensor):
+    """Stands in for a DTensor (FSDP2's): what `decline_shards` looks for is its placements."""
+
+    placements = ("Shard(0)",)
+
+
+def test_a_sharded_state_stops_copying_and_committing_in_memory(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
+    context = SimpleNamespace(
+        tier=object(), nodes=["pod-a", "pod-b"], ranks=SimpleNamespace(rank=0), persist_behind=True
+    )
+    mirror = mirroring.NodeMirror(context)
+    assert mirror.active and mirror.writes
+    assert not mirror.decline_shards({"model": {"w": torch.zeros(2)}})  # replicated: copied
+    assert context.persist_behind
+    sharded = torch.zeros(2).as_subclass(_Sharded)
+    assert mirror.decline_shards({"model": {"w": sharded}})
+    assert not mirror.active and not context.persist_behind
+    assert "a sharded state has no replica on the other pods" in caplog.text
+    assert not mirror.decline_shards({"model": {"w": sharded}})  # said once
+
+
+def test_one_node_copies_nothing():
+    from types import SimpleNamespace
+
+    context = SimpleNamespace(
+        tier=object(), nodes=["pod-a", "pod-a"], ranks=SimpleNamespace(rank=1), persist_behind=True
+    )
+    mirror = mirroring.NodeMirror(context)
+    assert not mirror.active and not mirror.writes
