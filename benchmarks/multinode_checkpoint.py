@@ -1,0 +1,146 @@
+"""Checkpoints of two pods against one: the commit in node memory and an in-place restart's restore, with the ranks
+on one node (one memory tier) or on two (a tier each: each node's lowest rank also writes the other node's files,
+`checkpoint/mirroring.py`, and the commit waits until both nodes hold every file).
+
+What is measured
+    Two processes on gloo (torch.multiprocessing, 127.0.0.1), each with a DDP model of plain linear layers and its
+    AdamW state (`--mib`, default 258 MiB: a third parameters, two thirds AdamW's moments) and a `CheckpointStore`
+    persisting behind (memory tiers in /dev/shm, storage file:// in a temp dir, a storage interval of 1,000 steps so
+    that no copy to storage runs beside the timed saves). After `--warmup` saves, `--saves` saves are timed on rank 0:
+    its `last_save_seconds` (from `save()` to the commit in memory, what `wait()` returns after); then a new store in
+    the same processes (an in-place restart: the same node memory) restores the newest checkpoint, timed with its bytes
+    by source (own memory, storage). Each side runs `--repeats` times, alternating; medians are printed.
+
+    The two "nodes" share this machine's cores and memory bandwidth: the mirror's extra write competes with the other
+    rank here, as it would not on two machines, so the ratio is an upper bound.
+
+Run by hand, never by the test suite:
+    .venv/bin/python benchmarks/multinode_checkpoint.py          # ~3 minutes on the 2-core VM
+The last line is `result: commit_s_one_node=<x> commit_s_two_nodes=<x> ratio=<x> restore_s_one_node=<x>
+restore_s_two_nodes=<x> storage_bytes_read_two_nodes=<x>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+SIDES = ("one node", "two nodes")
+
+
+def worker(rank: int, port: int, root: str, side: str, mib: int, warmup: int, saves: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainingrun_trainer.checkpoint import CheckpointStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        width = 1024
+        layers = max(1, (mib << 20) // (3 * 4 * width * width))
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, width)).sum().backward()
+        optimizer.step()  # AdamW's moments exist
+
+        def state() -> dict:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            return {"model": model_state, "optim": optim_state}
+
+        node = rank if side == "two nodes" else 0
+        tier = os.path.join(root, f"node-{node}", "tier")
+        uri = f"file://{root}/storage"
+        committed = []
+        with CheckpointStore(uri, memory_tier=tier, persist_behind=True, persist_every_steps=1000) as store:
+            for step in range(1, warmup + saves + 1):
+                store.save(step, state(), {"rank": rank}, copy_in_background=("model", "optim"))
+                assert store.wait() is not None, "a save did not commit"
+                if step > warmup:
+                    committed.append(store.metrics.last_save_seconds)
+                    phases = store.metrics.last_save_phases
+            behind = store.persist_behind
+        with CheckpointStore(uri, memory_tier=tier, persist_behind=True) as store:  # an in-place restart
+            restoring = state()
+            store.load(store.latest_valid(), restoring)
+            restore_seconds, read = store.metrics.last_restore_seconds, store.metrics.last_restore_bytes
+        if rank == 0:
+            Path(root, "result.json").write_text(
+                json.dumps(
+                    {
+                        "commit": statistics.median(committed),
+                        "restore": restore_seconds,
+                        "storage_read": read.get("storage", 0),
+                        "behind": behind,
+                        "phases": {name: round(seconds, 3) for name, seconds in phases.items()},
+                    }
+                )
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=258, help="model and AdamW state per rank, MiB (default 258)")
+    parser.add_argument("--saves", type=int, default=4, help="timed saves per run (default 4)")
+    parser.add_argument("--warmup", type=int, default=2, help="saves before timing (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating (default 3)")
+    args = parser.parse_args(argv)
+
+    import torch.multiprocessing as mp
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for _ in range(args.repeats):
+        for side in SIDES:
+            root = tempfile.mkdtemp(prefix="trainingrun-multinode-", dir=shm)
+            try:
+                mp.spawn(
+                    worker,
+                    args=(free_port(), root, side, args.mib, args.warmup, args.saves),
+                    nprocs=2,
+                    join=True,
+                )
+                runs[side].append(json.loads(Path(root, "result.json").read_text()))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            last = runs[side][-1]
+            print(
+                f"{side:>9}: commit {last['commit']:.3f} s, restore {last['restore']:.3f} s, "
+                f"{last['storage_read']} bytes read from storage, committing in memory: {last['behind']}; the last save "
+                f"by phase {last['phases']}",
+                flush=True,
+            )
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[side])
+
+    one, two = median("one node", "commit"), median("two nodes", "commit")
+    print(
+        f"result: commit_s_one_node={one:.3f} commit_s_two_nodes={two:.3f} ratio={two / one:.2f} "
+        f"restore_s_one_node={median('one node', 'restore'):.3f} restore_s_two_nodes={median('two nodes', 'restore'):.3f} "
+        f"storage_bytes_read_two_nodes={int(median('two nodes', 'storage_read'))}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("common", "trainer_image")]
+    sys.exit(main())
