@@ -16,6 +16,8 @@ What is measured
 
 Run by hand, never by the test suite:
     .venv/bin/python benchmarks/multinode_checkpoint.py          # ~3 minutes on the 2-core VM
+On a GPU machine, the same from CUDA (staging off the device on both "nodes"), in one device call as gpu_suite.py's
+docstring sets it up: `... python3 benchmarks/multinode_checkpoint.py --device cuda --mib 1800` (not yet run).
 The last line is `result: commit_s_one_node=<x> commit_s_two_nodes=<x> ratio=<x> restore_s_one_node=<x>
 restore_s_two_nodes=<x> storage_bytes_read_two_nodes=<x>`.
 """
@@ -35,7 +37,7 @@ from pathlib import Path
 SIDES = ("one node", "two nodes")
 
 
-def worker(rank: int, port: int, root: str, side: str, mib: int, warmup: int, saves: int) -> None:
+def worker(rank: int, port: int, root: str, side: str, mib: int, warmup: int, saves: int, device: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -49,9 +51,10 @@ def worker(rank: int, port: int, root: str, side: str, mib: int, warmup: int, sa
         width = 1024
         layers = max(1, (mib << 20) // (3 * 4 * width * width))
         torch.manual_seed(0)
-        model = DDP(torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]))
+        layers_on = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
+        model = DDP(layers_on)  # gloo: both "nodes" may share one GPU
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model(torch.randn(2, width)).sum().backward()
+        model(torch.randn(2, width, device=device)).sum().backward()
         optimizer.step()  # AdamW's moments exist
 
         def state() -> dict:
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=4, help="timed saves per run (default 4)")
     parser.add_argument("--warmup", type=int, default=2, help="saves before timing (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating (default 3)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the model trains: cpu, or cuda (both ranks on GPU 0, gloo; default cpu)"
+    )
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 mp.spawn(
                     worker,
-                    args=(free_port(), root, side, args.mib, args.warmup, args.saves),
+                    args=(free_port(), root, side, args.mib, args.warmup, args.saves, args.device),
                     nprocs=2,
                     join=True,
                 )
