@@ -71,6 +71,27 @@ def rewrite_with_a_valid_manifest(directory: Path, name: str, content: bytes) ->
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
+def write_sha256_manifest(directory: Path, format_version: int, step: int) -> None:
+    """The manifest a trainer before format 3 wrote for every file of `directory`: sha256 digests."""
+    import hashlib
+
+    files = [
+        {"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(directory.iterdir())
+    ]
+    manifest = {
+        "format_version": format_version,
+        "step": step,
+        "time": "2026-11-20T00:00:00Z",
+        "world_size": 1,
+        "config_hash": "",
+        "model_digest": "",
+        "torch_version": torch.__version__,
+        "files": files,
+    }
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
 @pytest.fixture
 def root(tmp_path) -> Path:
     return tmp_path / "ckpt"

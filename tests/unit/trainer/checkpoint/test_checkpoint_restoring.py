@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from checkpoint_states import assert_same, flip_byte, make_model, root, step_dir, store, weights  # noqa: F401 - fixtures
+from checkpoint_states import assert_same, flip_byte, make_model, root, step_dir, store, weights, write_sha256_manifest  # noqa: F401 - fixtures
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, verify
@@ -62,31 +62,13 @@ def test_a_rank_the_checkpoint_did_not_have_gets_no_extra(store, caplog):
 
 def write_format_1(directory: Path, state: dict, extra: dict, step: int) -> None:
     """A checkpoint as trainer images before format 2 wrote it: extra in a file of its own."""
-    import hashlib
     import io
 
     dcp.save(state, storage_writer=FsspecWriter(f"file://{directory}"), no_dist=True)
     buffer = io.BytesIO()
     torch.save(extra, buffer)
     (directory / "extra-rank-0.pt").write_bytes(buffer.getvalue())
-    files = [
-        {"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-        for p in sorted(directory.iterdir())
-    ]
-    (directory / MANIFEST_NAME).write_text(
-        json.dumps(
-            {
-                "format_version": 1,
-                "step": step,
-                "time": "2026-11-20T00:00:00Z",
-                "world_size": 1,
-                "config_hash": "",
-                "model_digest": "",
-                "torch_version": torch.__version__,
-                "files": files,
-            }
-        )
-    )
+    write_sha256_manifest(directory, 1, step)
 
 
 def test_a_format_1_checkpoint_still_loads(store, root):

@@ -21,6 +21,7 @@ from checkpoint_states import (  # noqa: F401 - fixtures
     store,
     trained,
     weights,
+    write_sha256_manifest,
 )
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -102,7 +103,6 @@ def test_a_data_file_cut_short_fails_the_load_and_says_where(store, root):
 
 def test_a_format_2_checkpoint_still_loads(store, root):
     """As trainer images before format 3 wrote it: DCP's torch.save archive per tensor, extra as the rank's entry."""
-    import hashlib
 
     model = make_model(1)
     directory = step_dir(root, 4)
@@ -113,24 +113,7 @@ def test_a_format_2_checkpoint_still_loads(store, root):
         storage_writer=FsspecWriter(f"file://{directory}"),
         no_dist=True,
     )
-    files = [
-        {"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-        for p in sorted(directory.iterdir())
-    ]
-    (directory / MANIFEST_NAME).write_text(
-        json.dumps(
-            {
-                "format_version": 2,
-                "step": 4,
-                "time": "2026-11-20T00:00:00Z",
-                "world_size": 1,
-                "config_hash": "",
-                "model_digest": "",
-                "torch_version": torch.__version__,
-                "files": files,
-            }
-        )
-    )
+    write_sha256_manifest(directory, 2, 4)
     info = store.latest_valid()
     assert info.step == 4 and info.format_version == 2
     loaded = make_model(2)
