@@ -44,6 +44,8 @@ from trainingrun_api.progress_report import IntervalChoice, Report
 
 from . import reporting
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable
+from .checkpoint.listing import human_bytes
+from .checkpoint.tier_files import OWN_MEMORY, STORAGE
 from .context import RunContext
 from .reporting import ProgressReporter
 from .session_intervals import IntervalPolicy
@@ -58,14 +60,10 @@ RESTORE_SOURCES = {"memory": "node memory", "storage": "storage", "memory and st
 
 
 def restore_bytes_words(read: dict[str, int]) -> str:
-    """ "5.2 MB from own memory, 0 B from storage": where a restore's bytes came from (`StoreMetrics.last_restore_bytes`)."""
+    """ "5.2 MiB from own memory, 0 B from storage": where a restore's bytes came from (`StoreMetrics.last_restore_bytes`)."""
     return ", ".join(
-        f"{_megabytes(read.get(source, 0))} from {source.replace('_', ' ')}" for source in ("own_memory", "storage")
+        f"{human_bytes(read.get(source, 0))} from {source.replace('_', ' ')}" for source in (OWN_MEMORY, STORAGE)
     )
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n} B"
 
 
 def init_process_group(backend: str) -> None:

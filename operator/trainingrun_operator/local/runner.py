@@ -146,6 +146,11 @@ class LocalRunner:
         return f"{label}, restart {in_place} in place" if in_place > 0 else label
 
     @property
+    def run_key(self) -> str:
+        """What names the run's node memory and rendezvous: its uid (its name where it has none)."""
+        return self.run.metadata.uid or self.run.metadata.name
+
+    @property
     def nproc(self) -> int:
         return self.options.nproc or self.spec.nproc_per_node
 
@@ -365,17 +370,14 @@ class LocalRunner:
         return self._summary(final, time.monotonic() - started, outcome, message, processes)
 
     def _free_node_memory(self) -> None:
-        run = self.run.metadata.uid or self.run.metadata.name
-        for kept in glob.glob(contract.memory_tier_dir(run, "*")):
+        for kept in glob.glob(contract.memory_tier_dir(self.run_key, "*")):
             shutil.rmtree(kept, ignore_errors=True)
         for node in range(self.options.nodes if self.options.nodes > 1 else 0):
             shutil.rmtree(self._node_memory(node), ignore_errors=True)
 
     def _node_memory(self, node: int) -> str:
         """The folder a simulated node keeps as its node memory (a pod's /dev/shm), below this machine's."""
-        return os.path.join(
-            contract.memory_tier_root(), f"trainingrun-{self.run.metadata.uid or self.run.metadata.name}-node-{node}"
-        )
+        return os.path.join(contract.memory_tier_root(), f"trainingrun-{self.run_key}-node-{node}")
 
     def _start_launchers(self, attempt: int, env: dict[str, str], log_path: Path) -> list["Launcher"]:
         """The attempt's launchers: one (--standalone), or one per simulated node as in a PyTorchJob's pods (c10d
@@ -411,7 +413,7 @@ class LocalRunner:
                 f"--nnodes={nodes}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id={self.run.metadata.uid or self.run.metadata.name}-a{attempt}",
+                f"--rdzv-id={self.run_key}-a{attempt}",
             ]
             if node:  # 127.0.0.1 is every node's own address here: only node 0 may take the store's port
                 rendezvous.append("--rdzv-conf=is_host=false")

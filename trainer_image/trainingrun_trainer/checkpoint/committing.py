@@ -139,16 +139,14 @@ class Committer:
                 try:
                     (in_memory,) = self._context.ranks.all(not (staged is not None and staged.failed))
                 except _SAVE_ERRORS as exc:
-                    self._context.held_tier().discard(
-                        job.step
-                    )  # what was staged there is no checkpoint: free its memory
+                    # What was staged there is no checkpoint: free its memory.
+                    self._context.held_tier().discard(job.step)
                     self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
                     return None
                 if in_memory:
                     return self._save(job, tier_dir, in_memory=True, staged=staged)
-                self._context.held_tier().discard(
-                    job.step
-                )  # a rank had no room after all: every rank's save goes to storage
+                # A rank had no room after all: every rank's save goes to storage.
+                self._context.held_tier().discard(job.step)
             return self._save(job, None)
         finally:
             if staged is not None:

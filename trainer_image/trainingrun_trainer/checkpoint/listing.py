@@ -9,7 +9,8 @@ from typing import Iterable
 from .layout import CheckpointInfo
 
 
-def _human_bytes(size: int) -> str:
+def human_bytes(size: int) -> str:
+    """`size` bytes as people read them: 512 B, 2.0 KiB, 5.4 MiB..."""
     value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
@@ -28,7 +29,7 @@ def format_table(infos: Iterable[CheckpointInfo]) -> str:
                 str(info.step),
                 "yes" if info.valid else "NO",
                 info.time or "-",
-                _human_bytes(info.size_bytes),
+                human_bytes(info.size_bytes),
                 (info.model_digest or "-")[:12],
                 info.uri if info.valid else f"{info.uri}  ({info.reason})",
             )

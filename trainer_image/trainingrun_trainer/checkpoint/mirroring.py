@@ -170,7 +170,7 @@ class NodeMirror:
             why = _describe(exc)
         if why is None:
             copy.close(FILE_DIGEST, written.digest)
-            return copy.file is None and os.path.exists(os.path.join(tier_dir, written.name))
+            return os.path.exists(os.path.join(tier_dir, written.name))  # gone where the tier could not keep it
         copy.abandon()
         self._tell(
             written.name,
