@@ -47,6 +47,9 @@ REPORT_CA_FILE = "TRAININGRUN_REPORT_CA_FILE"
 REPORT_INTERVAL_SECONDS = "TRAININGRUN_REPORT_INTERVAL_SECONDS"
 #: `trainingrun local` fault injection: one step per worker group at which a worker kills itself.
 CHAOS_KILL_AT_STEP = "TRAININGRUN_CHAOS_KILL_AT_STEP"
+#: `trainingrun local --chaos-lose-node`: the step after which the node given it is lost as a node failure loses a pod
+#: (its local rank 0 stops and says so; `trainingrun local` then SIGKILLs every process of it and starts a replacement).
+CHAOS_LOSE_NODE_AT_STEP = "TRAININGRUN_CHAOS_LOSE_NODE_AT_STEP"
 #: Set by the launcher for its workers: the file where local rank 0 writes the newest committed step, so the agent
 #: can tell a worker group that made progress before it failed from one that crash-loops (launch.RestartBudget).
 COMMITTED_STEP_FILE = "TRAININGRUN_COMMITTED_STEP_FILE"

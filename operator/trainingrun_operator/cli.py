@@ -352,6 +352,13 @@ COMMANDS = (
                 help="SIGKILL one worker when the run reaches STEP (repeatable)",
             ),
             arg("--chaos-kill-every", type=float, metavar="SECONDS", help="SIGKILL a random worker every SECONDS"),
+            arg(
+                "--chaos-lose-node",
+                type=positive_int,
+                metavar="STEP",
+                help="with --nodes: after STEP, SIGKILL every process of the last node, empty its node memory and "
+                "start a replacement (a node failure)",
+            ),
             arg("--metrics-port", type=positive_int, help="serve the trainer's metrics on this port (default off)"),
             arg("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)"),
             arg("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)"),

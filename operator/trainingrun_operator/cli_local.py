@@ -128,6 +128,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         chaos_kill_steps=args.chaos_kill_step or [],
         chaos_kill_every=args.chaos_kill_every,
+        chaos_lose_node_step=args.chaos_lose_node,
         metrics_port=args.metrics_port,
         env_file=args.env_file,
         runs_dir=args.runs_dir,

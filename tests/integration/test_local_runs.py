@@ -380,8 +380,47 @@ def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothin
     assert re.findall(r"committed checkpoint step (\d+) in memory", log) == ["10", "20", "30", "40"]
     # Step 20 never reached storage: the restart resumed from memory alone (the end of the run waits for storage).
     assert re.findall(r"persisted checkpoint step (\d+) to file://", log) == ["10", "30", "40"]
-    restored = re.search(r"rank 1 restored step 20 reading (\S+ \S+) from own memory, (\S+ \S+) from storage", log)
+    restored = re.search(
+        r"rank 1 restored step 20 reading (\S+ \S+) from own memory, 0 B from peer, (\S+ \S+) from storage", log
+    )
     assert restored is not None and restored.groups()[1] == "0 B" and restored.groups()[0] != "0 B", log[-3000:]
     resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from"
     assert re.search(resumed, log), log[-3000:]
     assert list(memory_root.iterdir()) == []  # each node's memory went with its pod
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_the_steps_since_the_last_commit(
+    tmp_path,
+):
+    """`--chaos-lose-node 25`: after step 25 every process of node 1 is SIGKILLed at once and its node memory emptied,
+    as a node failure loses a pod (no SIGTERM, no emergency checkpoint); a replacement launcher rejoins, as Kubeflow
+    recreates the pod. Node 0's group restarts in place and the replacement, whose memory is empty, receives step 20
+    (which only memory held: storage every 20 copied 10 and not yet 20) from node 0's memory (`checkpoint/peers.py`):
+    no byte from storage on either node, 5 steps lost, and the model at the end is bitwise the uninterrupted run's."""
+    memory_root = tmp_path / "node-memory"
+    memory_root.mkdir()
+    env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
+    body = training_run(maxSteps=40, logIntervalSteps=5)
+    body["spec"]["checkpoint"]["storageInterval"] = {"steps": 2 * INTERVAL}
+    run_file = write_run(tmp_path, body)
+    reference = local(tmp_path, run_file, "--nodes", "2", "--nproc", "1", checkpoints="reference", env=env)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    lost = local(
+        tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-lose-node", "25", checkpoints="lost", env=env
+    )
+    assert lost.returncode == 0, lost.stdout[-3000:] + lost.stderr[-3000:]
+    assert "chaos: node 1 lost at step 25" in lost.stdout, lost.stdout[-3000:]
+    result = result_of(lost.stdout)
+    assert (result["attempts"], result["steps"], result["lost_steps"]) == ("1", "40", "5"), lost.stdout[-3000:]
+    assert final_digest(tmp_path, "lost", 40) == final_digest(tmp_path, "reference", 40)
+    (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/lost/step-" in p.read_text()]
+    replacement = (logs / "attempt-1-node-1-replacement-1.log").read_text()
+    log = (logs / "attempt-1.log").read_text() + replacement
+    assert re.findall(r"persisted checkpoint step (\d+) to file://", log) == ["10", "30", "40"]
+    assert re.search(r"checkpoint step 20: copied \S+ \S+ from rank 0's memory in", replacement), replacement[-3000:]
+    restored = re.search(r"rank 1 restored step 20 reading 0 B from own memory, (\S+ \S+) from peer, 0 B from", log)
+    assert restored is not None and restored.group(1) != "0 B", log[-3000:]
+    resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from peer, 0 B from"
+    assert re.search(resumed, log), log[-3000:]
+    assert list(memory_root.iterdir()) == []

@@ -47,6 +47,9 @@ class RunContext:
     #: place N times (TORCHELASTIC_RESTART_COUNT) takes the N-th, so a resumed group does not
     #: kill itself again at a step its predecessor already died at.
     chaos_kill_at_step: Optional[int] = None
+    #: TRAININGRUN_CHAOS_LOSE_NODE_AT_STEP (`trainingrun local --chaos-lose-node`, on one node): after this step the
+    #: node's local rank 0 stops itself and says so, and `trainingrun local` kills the node (the first group only).
+    chaos_lose_node_at_step: Optional[int] = None
     #: TORCHELASTIC_RESTART_COUNT: times torchrun restarted this worker group in place within the attempt.
     restart_count: int = 0
     #: TRAININGRUN_COMMITTED_STEP_FILE (set by the launcher): where local rank 0 writes each committed step.
@@ -97,6 +100,11 @@ class RunContext:
             world_size=integer("WORLD_SIZE", 1) or 1,
             chaos_kill_at_step=chaos_step(
                 env.get(contract.CHAOS_KILL_AT_STEP, ""), integer("TORCHELASTIC_RESTART_COUNT", 0) or 0
+            ),
+            chaos_lose_node_at_step=(
+                integer(contract.CHAOS_LOSE_NODE_AT_STEP, None)
+                if (integer("TORCHELASTIC_RESTART_COUNT", 0) or 0) == 0
+                else None
             ),
             restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0) or 0,
             committed_step_file=env.get(contract.COMMITTED_STEP_FILE) or None,

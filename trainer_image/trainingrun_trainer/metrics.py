@@ -41,9 +41,9 @@ from trainingrun_api import contract, run_figures
 
 from .gpu_metrics import GpuPoller, nvml_available
 
-#: The sources of trainingrun_checkpoint_restore_bytes_total: checkpoint.tier_files' OWN_MEMORY and STORAGE (named here
-#: as well: the launcher imports this module, and the checkpoint package imports torch).
-RESTORE_SOURCES = ("own_memory", "storage")
+#: The sources of trainingrun_checkpoint_restore_bytes_total: checkpoint.tier_files' OWN_MEMORY, PEER and STORAGE (named
+#: here as well: the launcher imports this module, and the checkpoint package imports torch).
+RESTORE_SOURCES = ("own_memory", "peer", "storage")
 
 log = logging.getLogger("trainingrun.metrics")
 

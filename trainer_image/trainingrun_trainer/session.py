@@ -45,7 +45,7 @@ from trainingrun_api.progress_report import IntervalChoice, Report
 from . import reporting
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable
 from .checkpoint.listing import human_bytes
-from .checkpoint.tier_files import OWN_MEMORY, STORAGE
+from .checkpoint.tier_files import OWN_MEMORY, PEER, STORAGE
 from .context import RunContext
 from .reporting import ProgressReporter
 from .session_intervals import IntervalPolicy
@@ -56,13 +56,20 @@ log = logging.getLogger("trainingrun.session")
 
 #: The key of rank 0's extra state under which the auto interval carries a save's cost to the next process.
 SAVE_COST_KEY = "trainingrun.saveCostSeconds"
-RESTORE_SOURCES = {"memory": "node memory", "storage": "storage", "memory and storage": "node memory and storage"}
+#: How a log line names each of `StoreMetrics.last_restore_source`'s parts.
+RESTORE_SOURCES = {"memory": "node memory", "peer": "a peer's memory", "storage": "storage"}
+
+
+def restore_source_words(source: str) -> str:
+    """ "node memory and storage": the places `StoreMetrics.last_restore_source` ("memory and storage") names."""
+    return " and ".join(RESTORE_SOURCES.get(part, part) for part in source.split(" and "))
 
 
 def restore_bytes_words(read: dict[str, int]) -> str:
-    """ "5.2 MiB from own memory, 0 B from storage": where a restore's bytes came from (`StoreMetrics.last_restore_bytes`)."""
+    """ "5.2 MiB from own memory, 0 B from peer, 0 B from storage": where a restore's bytes came from
+    (`StoreMetrics.last_restore_bytes`)."""
     return ", ".join(
-        f"{human_bytes(read.get(source, 0))} from {source.replace('_', ' ')}" for source in (OWN_MEMORY, STORAGE)
+        f"{human_bytes(read.get(source, 0))} from {source.replace('_', ' ')}" for source in (OWN_MEMORY, PEER, STORAGE)
     )
 
 
@@ -204,7 +211,7 @@ class Run:
                 uri,
                 step,
                 self.store.metrics.last_restore_seconds,
-                RESTORE_SOURCES[self.store.metrics.last_restore_source],
+                restore_source_words(self.store.metrics.last_restore_source),
                 read,
                 started_from,
             )

@@ -454,6 +454,13 @@ class Trainer:
                 log.warning("chaos: SIGKILL worker rank %d at step %d", self.context.rank, self.step)
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.step == self.context.chaos_lose_node_at_step and self.context.local_rank == 0:
+                # Stopped, not dead, until `trainingrun local` kills every process of the node: its peers lose it
+                # as a node failure loses a pod, not one worker first.
+                self.session.store.wait()
+                log.warning("chaos: node lost at step %d (%s)", self.step, self.context.pod_name)
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGSTOP)
 
             if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
                 with self.clock.timing("eval"):

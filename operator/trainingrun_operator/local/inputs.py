@@ -35,6 +35,9 @@ class LocalOptions:
     max_steps: Optional[int] = None  #: override spec.trainer.maxSteps
     chaos_kill_steps: list[int] = field(default_factory=list)  #: SIGKILL a worker when the run reaches each
     chaos_kill_every: Optional[float] = None  #: SIGKILL a random worker every N seconds
+    #: With several nodes: lose the last node after this step as a node failure loses a pod (every process of it
+    #: SIGKILLed, its node memory gone), and start a replacement, as Kubeflow recreates a lost pod.
+    chaos_lose_node_step: Optional[int] = None
     metrics_port: Optional[int] = None  #: TRAININGRUN_METRICS_PORT for the trainer
     env_file: str = ".env"  #: where secrets come from when not in the environment
     runs_dir: str = DEFAULT_RUNS_DIR
@@ -94,6 +97,16 @@ def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
         raise LocalOptionError(
             f"--chaos-kill-step {late[0]} is past the run's last step ({last}, "
             f"spec.trainer.maxSteps or --max-steps): it would never fire; pick a step up to {last}"
+        )
+    if options.chaos_lose_node_step is not None and options.chaos_lose_node_step > last:
+        raise LocalOptionError(
+            f"--chaos-lose-node {options.chaos_lose_node_step} is past the run's last step ({last}, "
+            f"spec.trainer.maxSteps or --max-steps): it would never fire; pick a step up to {last}"
+        )
+    if options.chaos_lose_node_step is not None and options.nodes < 2:
+        raise LocalOptionError(
+            "--chaos-lose-node loses one of several simulated nodes: add --nodes 2 (or more), or use --chaos-kill-step "
+            "to kill a worker of one"
         )
     if not 1 <= options.nodes <= MAX_LOCAL_NODES:
         raise LocalOptionError(

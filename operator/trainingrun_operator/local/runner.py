@@ -29,6 +29,8 @@ from .summary import Summary
 #: Rank 0 says one of these when a worker group starts training (each attempt, each in-place restart).
 GROUP_STARTED = re.compile(r"(?:resumed from (\S+) at step (\d+)|no checkpoint to resume from)")
 CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
+#: A node's local rank 0 says so, stopped, after the step `--chaos-lose-node` names (`contract.CHAOS_LOSE_NODE_AT_STEP`).
+NODE_LOST = re.compile(r"chaos: node lost at step (\d+)")
 
 
 @dataclass
@@ -75,12 +77,14 @@ class Launcher:
     node: int
     process: subprocess.Popen
     log: LogFollower
+    command: list[str]
+    env: dict[str, str]
 
     @classmethod
     def start(cls, node: int, command: list[str], env: dict[str, str], log_path: Path) -> "Launcher":
         with open(log_path, "w", encoding="utf-8") as log:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return cls(node, process, LogFollower(log_path))
+        return cls(node, process, LogFollower(log_path), command, env)
 
     def close(self) -> None:
         """Its processes gone, the launcher's included (reaped)."""
@@ -126,6 +130,7 @@ class LocalRunner:
         self._kill_steps = sorted(set(options.chaos_kill_steps))
         self._chaos = random.Random(options.chaos_seed)
         self.random_kills = 0  #: by --chaos-kill-every
+        self.node_replacements = 0  #: nodes lost and replaced by --chaos-lose-node
         self.backoff_seconds = 0.0  #: waited out between attempts in this invocation
         self.ledger = RunLedger.load(self.run_dir, self.spec.checkpoint.uri, uid=run.metadata.uid)
 
@@ -216,10 +221,14 @@ class LocalRunner:
         next_random_kill = time.monotonic() + every if every else None
         first_ended: Optional[float] = None
         while True:
-            codes = [launcher.process.poll() for launcher in launchers]
-            for launcher in launchers:
+            for index, launcher in enumerate(launchers):
                 for line in launcher.log.new_lines():
                     self._on_log_line(line, attempt, status)
+                    lost = NODE_LOST.search(line)
+                    if lost:
+                        launchers[index] = self._replace_node(launcher, int(lost.group(1)))
+                        break
+            codes = [launcher.process.poll() for launcher in launchers]
             ended = [code for code in codes if code is not None]
             code: Optional[int] = None
             if len(ended) == len(codes):
@@ -246,6 +255,28 @@ class LocalRunner:
                 self._kill_a_worker(f"--chaos-kill-every {every:g}s")
                 next_random_kill = time.monotonic() + every
             status.wait_for_change(0.25)
+
+    def _replace_node(self, launcher: Launcher, step: int) -> Launcher:
+        """`--chaos-lose-node`: every process of the node SIGKILLed at once (no SIGTERM, no emergency checkpoint) and
+        its node memory gone, as when a node fails; then a new launcher for it, as Kubeflow recreates the pod, which
+        rejoins the rendezvous with an empty node memory."""
+        print(
+            f"chaos: node {launcher.node} lost at step {step}: every process SIGKILLed, its node memory gone; "
+            "starting a replacement (--chaos-lose-node)",
+            file=self.out,
+            flush=True,
+        )
+        self.node_replacements += 1
+        if self.groups:
+            self.groups[-1].last_step = max(self.groups[-1].last_step, step)
+        launcher.close()
+        memory = launcher.env[contract.MEMORY_TIER_ROOT_ENV]
+        shutil.rmtree(memory, ignore_errors=True)
+        os.makedirs(memory, exist_ok=True)
+        env = {key: value for key, value in launcher.env.items() if key != contract.CHAOS_LOSE_NODE_AT_STEP}
+        log_path = Path(launcher.log.path)
+        replacement = log_path.with_name(f"{log_path.stem}-replacement-{self.node_replacements}.log")
+        return Launcher.start(launcher.node, launcher.command, env, replacement)
 
     def _on_log_line(self, line: str, attempt: Attempt, status: StatusServer) -> None:
         started = GROUP_STARTED.search(line)
@@ -417,6 +448,8 @@ class LocalRunner:
             ]
             if node:  # 127.0.0.1 is every node's own address here: only node 0 may take the store's port
                 rendezvous.append("--rdzv-conf=is_host=false")
+            if node == nodes - 1 and attempt == 1 and self.options.chaos_lose_node_step is not None:
+                node_env[contract.CHAOS_LOSE_NODE_AT_STEP] = str(self.options.chaos_lose_node_step)
             path = log_path if node == 0 else log_path.with_name(f"{log_path.stem}-node-{node}.log")
             launchers.append(Launcher.start(node, [*command[:3], *rendezvous, *command[3:]], node_env, path))
         return launchers
@@ -474,6 +507,11 @@ class LocalRunner:
             f"chaos: --chaos-kill-step {step} never fired (the workers never computed step {step} in this invocation)"
             for step in self._kill_steps
         ]
+        if self.options.chaos_lose_node_step is not None and not self.node_replacements:
+            notes.append(
+                f"chaos: --chaos-lose-node {self.options.chaos_lose_node_step} never fired (the first worker group "
+                "never computed that step)"
+            )
         if self.options.chaos_kill_every and not self.random_kills:
             notes.append(
                 f"chaos: --chaos-kill-every {self.options.chaos_kill_every:g} never fired: the run ended "

@@ -441,3 +441,13 @@ def test_a_test_sessions_trainers_keep_their_copies_in_its_own_folder_in_node_me
         assert run.store.memory_tier is not None and run.store.memory_tier.startswith(root + "/")
     finally:
         run.close()
+
+
+def test_a_restore_says_where_its_bytes_came_from_in_words():
+    from trainingrun_trainer.session import restore_bytes_words, restore_source_words
+
+    assert restore_source_words("peer") == "a peer's memory"
+    assert restore_source_words("memory and storage") == "node memory and storage"
+    assert restore_source_words("peer and storage") == "a peer's memory and storage"
+    words = restore_bytes_words({"own_memory": 0, "peer": 5 << 20, "storage": 0})
+    assert words == "0 B from own memory, 5.0 MiB from peer, 0 B from storage"

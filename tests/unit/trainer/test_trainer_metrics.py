@@ -204,7 +204,7 @@ def test_restore_bytes_are_counted_by_source_from_the_stores_totals(tmp_path):
         from trainingrun_trainer.checkpoint import tier_files
         from trainingrun_trainer.checkpoint.context import StoreMetrics
         from trainingrun_trainer.metrics import RESTORE_SOURCES
-        assert RESTORE_SOURCES == (tier_files.OWN_MEMORY, tier_files.STORAGE)
+        assert RESTORE_SOURCES == (tier_files.OWN_MEMORY, tier_files.PEER, tier_files.STORAGE)
         class Store:  # what metrics reads of a CheckpointStore after its restores
             rank, persist_lag_steps = 1, 0
             def __init__(self, restores, own_memory, storage):

@@ -26,9 +26,10 @@ from .layout import (
     logger,
 )
 from .manifest import _inspect, _step_dirs
+from .peers import PeerCopies
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage
-from .tier_files import OWN_MEMORY, STORAGE, LocalFirstFileSystem, TierMismatch
+from .tier_files import OWN_MEMORY, PEER, STORAGE, LocalFirstFileSystem, TierMismatch
 
 
 class Restorer:
@@ -39,6 +40,8 @@ class Restorer:
         self._context = context
         self._tier_of_rank0 = tier_of_rank0
         self._read_from_storage: Optional[str] = None  # the checkpoint latest_valid() last read from storage
+        self._peers = PeerCopies(context)
+        self._from_peer: Optional[str] = None  # the checkpoint this pod's memory last received from another pod's
         #: After latest_valid(): the newest step directory below uri that another run wrote, when it found none newer
         #: of this run's (None: none).
         self.another_runs_newest: Optional[CheckpointInfo] = None
@@ -114,6 +117,8 @@ class Restorer:
         checkpoint when storage holds none as new. A collective under torch.distributed when the store has a tier."""
         if self._context.tier is None:
             return None
+        received = self._peers.share_newest()
+        self._from_peer = None if received is None else self._context.step_uri(received)
         newest: Any = None
         if self._context.ranks.rank == 0:
             likely = self._context.tier.newest_step()
@@ -246,18 +251,25 @@ class Restorer:
                     f"cannot load {source}: it holds more than plain values "
                     f"(refusing to run code from storage): {exc}".splitlines()[0]
                 ) from None
-        self._context.metrics.last_restore_seconds = time.perf_counter() - began
-        self._context.metrics.last_restore_source = " and ".join(
-            sorted(reading.sources if uri != self._read_from_storage else {"storage"})
-        )
-        metrics = self._context.metrics
-        metrics.last_restore_bytes = dict(reading.read_bytes)
-        if uri == self._read_from_storage:  # rank 0's node downloaded it for this load: its bytes came from storage
-            metrics.last_restore_bytes = {OWN_MEMORY: 0, STORAGE: sum(reading.read_bytes.values())}
-        for source, read in metrics.last_restore_bytes.items():
-            metrics.restore_bytes[source] = metrics.restore_bytes.get(source, 0) + read
-        metrics.restores += 1
+        self._count_restore(uri, reading, time.perf_counter() - began)
         return extra
+
+    def _count_restore(self, uri: str, reading: LocalFirstFileSystem, seconds: float) -> None:
+        """The load's figures: where its bytes came from, as the files were read (`reading`), but that this pod's
+        memory received them just before, from storage (rank 0's verifying download) or from another pod's memory."""
+        metrics = self._context.metrics
+        metrics.last_restore_seconds = seconds
+        sources, read = set(reading.sources), dict(reading.read_bytes)
+        if uri == self._read_from_storage:
+            sources, read = {"storage"}, {OWN_MEMORY: 0, PEER: 0, STORAGE: sum(read.values())}
+        elif uri == self._from_peer and "memory" in sources:
+            sources = (sources - {"memory"}) | {"peer"}
+            read = {OWN_MEMORY: 0, PEER: read[OWN_MEMORY] + read[PEER], STORAGE: read[STORAGE]}
+        metrics.last_restore_source = " and ".join(sorted(sources))
+        metrics.last_restore_bytes = read
+        for source, count in read.items():
+            metrics.restore_bytes[source] = metrics.restore_bytes.get(source, 0) + count
+        metrics.restores += 1
 
     def _read(
         self, info: CheckpointInfo, state: dict, entry: str, legacy: bool, reading: LocalFirstFileSystem

@@ -202,8 +202,8 @@ class VerifiedTierFile(io.RawIOBase):
 
 
 #: Where a restore's bytes came from (`LocalFirstFileSystem.read_bytes`, `trainingrun_checkpoint_restore_bytes_total`):
-#: this node's memory tier, or storage.
-OWN_MEMORY, STORAGE = "own_memory", "storage"
+#: this node's memory tier, another pod's memory (which this node's received just before, `peers`), or storage.
+OWN_MEMORY, PEER, STORAGE = "own_memory", "peer", "storage"
 
 
 class _CountedStream:
@@ -229,13 +229,13 @@ class _CountedStream:
 class LocalFirstFileSystem:
     """Wraps DCP's reader FileSystem (`inner`): the files in `local` ({name: `TierFile`}) are read from the memory tier,
     checked as they are read; `sources` says where the files read came from ("memory", "storage"), `read_bytes` how many
-    bytes came from each (OWN_MEMORY, STORAGE), `mismatched` names the tier files that failed their check."""
+    bytes came from each (OWN_MEMORY, STORAGE; PEER is `restoring`'s), `mismatched` names the tier files that failed their check."""
 
     def __init__(self, local: dict[str, TierFile], storage_is_local: bool = False):
         self.inner: Any = None  #: the reader's own FileSystem (the reader sets it)
         self._local, self._storage_is_local = local, storage_is_local
         self.sources: set[str] = set()
-        self.read_bytes: dict[str, int] = {OWN_MEMORY: 0, STORAGE: 0}
+        self.read_bytes: dict[str, int] = {OWN_MEMORY: 0, PEER: 0, STORAGE: 0}
         self._counting = threading.Lock()  # a large local file is read by several threads (tensor_files.READ_THREADS)
         self.mismatched: set[str] = set()
 

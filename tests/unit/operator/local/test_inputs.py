@@ -149,6 +149,11 @@ def test_options_that_could_never_work_are_refused_before_anything_starts(tmp_pa
     with pytest.raises(local.LocalOptionError, match=r"--chaos-kill-step 11 is past the run's last step \(10"):
         local.check_options(run, local.LocalOptions(chaos_kill_steps=[5, 11]))
     local.check_options(run, local.LocalOptions(chaos_kill_steps=[10]))
+    with pytest.raises(local.LocalOptionError, match=r"--chaos-lose-node loses one of several .* add --nodes 2"):
+        local.check_options(run, local.LocalOptions(chaos_lose_node_step=5))
+    with pytest.raises(local.LocalOptionError, match=r"--chaos-lose-node 11 is past the run's last step \(10"):
+        local.check_options(run, local.LocalOptions(chaos_lose_node_step=11, nodes=2))
+    local.check_options(run, local.LocalOptions(chaos_lose_node_step=10, nodes=2))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -115,3 +115,22 @@ def test_one_node_is_one_standalone_launcher(tmp_path, monkeypatch):
     runner._start_launchers(1, {}, tmp_path / "attempt-1.log")
     ((command),) = started
     assert "--standalone" in command and not any(a.startswith("--rdzv") for a in command)
+
+
+def test_only_the_last_node_of_the_first_attempt_is_told_to_be_lost(tmp_path, monkeypatch):
+    """--chaos-lose-node: node 0 hosts the rendezvous store (losing it is another failure: its store goes too), and a
+    later attempt, or the replacement itself, is never lost again."""
+    started = []
+    monkeypatch.setattr(
+        local.runner.Launcher,
+        "start",
+        classmethod(lambda cls, node, command, env, log: started.append((node, env))),
+    )
+    monkeypatch.setenv("TRAININGRUN_MEMORY_TIER_ROOT", str(tmp_path / "shm"))
+    options = local.LocalOptions(runs_dir=str(tmp_path / "runs"), nodes=3, chaos_lose_node_step=7)
+    runner = local.LocalRunner(local.load_run(str(write_minimal(tmp_path)), options), options, {})
+    for attempt in (1, 2):
+        runner._start_launchers(attempt, {}, tmp_path / f"attempt-{attempt}.log")
+    told = [(node, env.get("TRAININGRUN_CHAOS_LOSE_NODE_AT_STEP")) for node, env in started]
+    assert told == [(0, None), (1, None), (2, "7"), (0, None), (1, None), (2, None)]
+    runner._free_node_memory()

@@ -560,5 +560,9 @@ def test_a_restore_counts_its_bytes_by_where_they_came_from(storage, memory):
     from_memory = restored_bytes(storage, memory)
     assert from_memory[tier_files.STORAGE] == 0 and from_memory[tier_files.OWN_MEMORY] > 2 * tensors  # + AdamW's
     new_pod = restored_bytes(storage, memory.parent / "a-new-pod")  # downloaded into its memory, then read: storage's
-    assert new_pod == {tier_files.OWN_MEMORY: 0, tier_files.STORAGE: from_memory[tier_files.OWN_MEMORY]}
+    assert new_pod == {
+        tier_files.OWN_MEMORY: 0,
+        tier_files.PEER: 0,
+        tier_files.STORAGE: from_memory[tier_files.OWN_MEMORY],
+    }
     assert restored_bytes(storage, None) == new_pod
