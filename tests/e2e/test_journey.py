@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -217,6 +218,120 @@ def lose_a_pod(
         f"{loss}: resumed from {resumed} (committed {committed_before} before the loss); "
         f"succeeded {time.monotonic() - deleted_at:.1f} s after it"
     )
+
+
+def pod_processes(pod: str) -> list[int]:
+    """The node's processes of one pod's containers (they all carry its name in their environment, the downward API's
+    TRAININGRUN_POD_NAME): the launcher, its forkserver and the workers."""
+    marker = f"TRAININGRUN_POD_NAME={pod}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def lose_without_warning(cluster: Cluster, namespace: str, pod: str) -> None:
+    """As a node failure loses a pod: every process of it stopped at once (no SIGTERM, so no emergency checkpoint),
+    the pod force-deleted (so Kubeflow recreates it: a new pod, its /dev/shm empty, not a container restarted in the
+    same pod), then every process SIGKILLed. Stopped first, the processes neither handle the SIGTERM the kubelet
+    sends for the deletion nor exit before the pod is gone."""
+    processes = pod_processes(pod)
+    assert processes, f"no process of {pod} on the node"
+    for pid in processes:
+        os.kill(pid, signal.SIGSTOP)
+    code, answer = cluster.plane.request(
+        "DELETE",
+        f"/api/v1/namespaces/{namespace}/pods/{pod}",
+        {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
+    )
+    assert code == 200, answer
+    for pid in processes:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memory(installed, reference_digest):
+    """Checkpoints in memory every 5 steps, to storage every 100: status shows memory ahead of storage. Every process
+    of worker-1 stopped and SIGKILLed and the pod force-deleted (a node failure: no SIGTERM, no emergency save): the
+    survivor restarts in place from its memory, the replacement pod, whose memory is empty, receives the newest
+    checkpoint from the survivor's (`checkpoint/peers.py`): nothing from storage, and the run loses only the steps
+    since the last commit in memory (at most two intervals: a save in flight when the pod died cannot commit), not
+    since the last copy to storage (up to 100). The model at the end is the uninterrupted run's."""
+    cluster, name = installed, "journey"
+    with cluster.namespace("kill-worker-1") as namespace:
+        bucket = cluster.s3.new_bucket()
+        explain = lambda: cluster.diagnose(namespace)  # noqa: E731
+        document = run_file(bucket, name, cluster.s3.endpoint_url)
+        document["spec"]["checkpoint"]["interval"] = {"steps": 5}
+        document["spec"]["checkpoint"]["storageInterval"] = {"steps": 100}
+        path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
+        path.write_text(yaml.safe_dump(document))
+        cluster.kubectl(
+            "-n",
+            namespace,
+            "create",
+            "secret",
+            "generic",
+            "s3-trainer",
+            "--from-literal=AWS_ACCESS_KEY_ID=testing",
+            "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
+        )
+        cluster.kubectl("-n", namespace, "apply", "-f", str(path))
+
+        def memory_ahead() -> dict[str, Any]:
+            status = cluster.run(namespace, name).get("status") or {}
+            in_memory, in_storage = status.get("checkpointInMemory") or {}, status.get("lastGoodCheckpoint") or {}
+            ahead = in_memory.get("step", 0) > in_storage.get("step", 0) > 0
+            return status if ahead and step_of({"status": status}) < 2000 else {}
+
+        status = cluster.wait("memory ahead of storage in status", memory_ahead, explain=explain)
+        pod = f"{status['jobName']}-worker-1"
+        lose_without_warning(cluster, namespace, pod)
+        killed_at = time.time()
+
+        def finished() -> dict[str, Any]:
+            run = cluster.run(namespace, name)
+            return run if (run.get("status") or {}).get("phase") in ("Succeeded", "Failed") else {}
+
+        done = cluster.wait("Succeeded", finished, explain=explain)
+        assert done["status"]["phase"] == "Succeeded", explain()
+        assert done["status"]["attempt"] == 1, done["status"]
+        logs = {
+            p: cluster.kubectl("-n", namespace, "logs", p, check=False).stdout
+            for p in cluster.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout.split()
+        }
+        everything = "\n".join(logs.values())
+        gone = [int(s) for s in re.findall(r"a peer worker is gone after step (\d+)", everything)]
+        resumed = [int(s) for s in re.findall(r"resumed from s3://\S+ at step (\d+)", everything)]
+        assert gone and resumed, f"no restart after the pod was lost:\n{everything[-3000:]}\n{explain()}"
+        lost = gone[0] - resumed[0]
+        assert 0 <= lost <= 2 * 5, (gone, resumed)
+        copied = re.search(r"checkpoint step (\d+): copied \S+ \S+ from rank \d's memory in", everything)
+        assert copied and int(copied.group(1)) == resumed[0], everything[-3000:]
+        from_peer = re.search(
+            r"restored step \d+ reading 0 B from own memory, (\S+ \S+) from peer, 0 B from storage", everything
+        )
+        assert from_peer and from_peer.group(1) != "0 B", everything[-3000:]
+        when = re.search(r"^(\S+ \S+) \S+ INFO trainingrun.session: resumed from", everything, re.M)
+        store = CheckpointStore(f"s3://{bucket}/runs/{name}", **cluster.s3.store_kwargs)
+        final = {i.step: i for i in store.list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
+        assert final.valid and final.model_digest == reference_digest
+        print(
+            f"kill-worker-1: lost {lost} steps (gone after step {gone[0]}, resumed from {resumed[0]}, which storage "
+            f"had not: {status['lastGoodCheckpoint']['step']} there when killed); "
+            + (
+                f"resumed at {when.group(1)} (killed at {time.strftime('%H:%M:%S', time.localtime(killed_at))})"
+                if when
+                else ""
+            )
+        )
 
 
 def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, tmp_path):

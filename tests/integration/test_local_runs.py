@@ -418,6 +418,7 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
     replacement = (logs / "attempt-1-node-1-replacement-1.log").read_text()
     log = (logs / "attempt-1.log").read_text() + replacement
     assert re.findall(r"persisted checkpoint step (\d+) to file://", log) == ["10", "30", "40"]
+    assert "a peer worker is gone after step 25 " in log, log[-3000:]  # what the restart then throws away: 21-25
     assert re.search(r"checkpoint step 20: copied \S+ \S+ from rank 0's memory in", replacement), replacement[-3000:]
     restored = re.search(r"rank 1 restored step 20 reading 0 B from own memory, (\S+ \S+) from peer, 0 B from", log)
     assert restored is not None and restored.group(1) != "0 B", log[-3000:]

@@ -64,8 +64,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .shards import DataError
     from .trainer import Trainer
 
+    trainer: Optional[Trainer] = None
     try:
-        code = Trainer(config, context, device_type).run()
+        trainer = Trainer(config, context, device_type)
+        code = trainer.run()
     except (ConfigError, DataError) as error:  # what the dataset found when built or read: fix the data or spec
         log.error("%s", error)
         print(f"trainingrun-trainer: {error}", file=sys.stderr)
@@ -89,8 +91,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not peer_failure(error):
             raise
         # Not this worker's fault: retrying can help, so it must not read as a permanent exit 1.
+        # The step says what the restart will throw away: the steps after the checkpoint it resumes from.
         log.error(
-            "a peer worker is gone (%s); exiting %d so the attempt is retried",
+            "a peer worker is gone%s (%s); exiting %d so the attempt is retried",
+            f" after step {trainer.step}" if trainer is not None else "",
             str(error).splitlines()[0][:200],
             exit_codes.RETRYABLE,
         )
