@@ -240,15 +240,31 @@ class CommittedCheckpoint(ReportPart):
 
 
 class CheckpointInMemory(ReportPart):
-    """Persisting behind: the newest checkpoint committed in the pod's memory, which storage may not hold yet (a
-    restart of the workers inside the pod resumes from it; a new pod from lastGoodCheckpoint)."""
+    """Persisting behind: the newest checkpoint committed in the pods' memory, which storage may not hold yet (a
+    restart of the workers inside a pod resumes from it, and with several pods a replacement pod from a surviving
+    pod's memory; a new attempt from lastGoodCheckpoint)."""
 
     step: Count = Field(description="Step the checkpoint holds.")
     time: Time = Field(description="When it was committed in memory (RFC 3339).")
 
 
+#: The most pods a report names as short of memory (a 64-pod run names all of its pods; more are cut).
+MAX_PODS_NAMED = 64
+
+
+class MemoryShort(ReportPart):
+    """The pods whose memory had no room for the last checkpoint (its files, or with several pods the other pods'
+    files too): restarts there read it from storage; none, once a checkpoint fits again."""
+
+    pods: list[Text] = Field(
+        max_length=MAX_PODS_NAMED,
+        description="Pods whose /dev/shm lacked room for the checkpoint at `step` (empty: every pod holds it).",
+    )
+    step: Count = Field(description="The step of the checkpoint that found them short (or that fit again).")
+
+
 #: The parts of a report that become status fields, by wire name.
-STATUS_PARTS = ("progress", "lastGoodCheckpoint", "checkpointInMemory", "checkpointInterval")
+STATUS_PARTS = ("progress", "lastGoodCheckpoint", "checkpointInMemory", "checkpointInterval", "checkpointMemoryShort")
 
 
 class Report(ReportPart):
@@ -263,6 +279,7 @@ class Report(ReportPart):
     process_time: Optional[ProcessTime] = None
     checkpoint_interval: Optional[IntervalChoice] = None
     checkpoint_in_memory: Optional[CheckpointInMemory] = None
+    checkpoint_memory_short: Optional[MemoryShort] = None
 
     def to_json(self) -> bytes:
         return self.model_dump_json(by_alias=True, exclude_none=True).encode()

@@ -51,6 +51,7 @@ DERIVED_PROGRESS_FIELDS = ("percent", "estimatedCompletionTime")
 
 CheckpointRef = status_part(progress_report.CommittedCheckpoint, "CheckpointRef")
 CheckpointInMemoryRef = status_part(progress_report.CheckpointInMemory, "CheckpointInMemoryRef")
+MemoryShortRef = status_part(progress_report.MemoryShort, "MemoryShortRef")
 
 
 class Restarts(ApiModel):
@@ -137,9 +138,16 @@ class TrainingRunStatus(ApiModel):
     )
     checkpoint_in_memory: Optional[CheckpointInMemoryRef] = Field(  # type: ignore[valid-type]  # generated (status_part)
         default=None,
-        description="With checkpoint.persistBehind: the newest checkpoint committed in the pod's memory "
-        "(ahead of lastGoodCheckpoint until storage holds it; a restart of the workers inside the pod resumes from it, "
-        "a new pod from lastGoodCheckpoint). Cleared when an attempt starts: a new pod's memory is empty.",
+        description="With checkpoint.persistBehind: the newest checkpoint committed in the pods' memory "
+        "(ahead of lastGoodCheckpoint until storage holds it; a restart of the workers inside a pod resumes from it, "
+        "and with several pods a replacement for a lost pod from a surviving pod's memory; a new attempt from "
+        "lastGoodCheckpoint). Cleared when an attempt starts: new pods' memory is empty.",
+    )
+    checkpoint_memory_short: Optional[MemoryShortRef] = Field(  # type: ignore[valid-type]  # generated (status_part)
+        default=None,
+        description="The pods whose memory (/dev/shm, resources.sharedMemory) had no room for the last checkpoint: "
+        "restarts there read it from storage, and with several pods checkpoints commit to storage (condition "
+        "CheckpointMemoryShort). Cleared when an attempt starts.",
     )
     last_report_time: Optional[str] = Field(
         default=None,

@@ -40,6 +40,7 @@ OPERATOR_FIELDS = (
     "progress",
     "lastGoodCheckpoint",
     "checkpointInMemory",
+    "checkpointMemoryShort",
     "lastReportTime",
 )
 

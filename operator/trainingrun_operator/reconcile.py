@@ -37,7 +37,7 @@ from .children import (
     pods_of,
     restarting,
 )
-from .run_status import TERMINAL, Conditions, goodput, spec_conditions
+from .run_status import TERMINAL, Conditions, goodput, memory_conditions, spec_conditions
 
 #: How long a failed PyTorchJob whose pods show no reason yet is given for the pod watch to catch up
 #: (the job and pod watches are separate streams); after that it is classified as a failure.
@@ -111,6 +111,7 @@ def decide(o: Observed) -> Plan:
     job_name = status.get("jobName") or naming.job_name(o.run.metadata.name, attempt)
     job = o.jobs.get(job_name)
     plan.events += spec_conditions(o.run, o.status, job, plan.checkpoint_uri, conditions)
+    plan.events += memory_conditions(o.status, conditions)
 
     if spec.suspend:
         if phase != "Suspended":
@@ -266,6 +267,7 @@ def _start(
         attemptStartTime=rfc3339(o.now),
         nextAttemptTime=None,
         checkpointInMemory=None,
+        checkpointMemoryShort=None,
     )
     if conditions.is_true("SpecChangePending"):
         conditions.set("SpecChangePending", False, "Applied", f"attempt {number} runs the current spec")

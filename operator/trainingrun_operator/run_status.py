@@ -133,3 +133,22 @@ def spec_conditions(
         if conditions.set("SpecChangePending", True, "AppliesOnNextAttempt", message):
             notes.append(Note("Normal", "SpecChangePending", message))
     return notes
+
+
+def memory_conditions(status: dict[str, Any], conditions: Conditions) -> list[Note]:
+    """CheckpointMemoryShort from what rank 0 last reported (status.checkpointMemoryShort): true, with a Warning Event,
+    while some pods' memory has no room for the checkpoint, naming them and the fix; false once every pod holds one."""
+    short = status.get("checkpointMemoryShort") or {}
+    pods, step = short.get("pods") or [], short.get("step")
+    if pods:
+        message = (
+            f"checkpoint step {step} did not fit in the memory (/dev/shm) of {', '.join(pods)}: restarts there read it "
+            "from storage, and with several pods checkpoints commit to storage, at its pace; raise "
+            "spec.resources.sharedMemory (about one copy of the model and optimizer state per pod, plus 10%)"
+        )
+        if conditions.set("CheckpointMemoryShort", True, "SharedMemoryTooSmall", message):
+            return [Note("Warning", "CheckpointMemoryShort", message)]
+    elif conditions.is_true("CheckpointMemoryShort"):
+        fits = f"checkpoint step {step} fits" if step is not None else "a new attempt's checkpoints are kept"
+        conditions.set("CheckpointMemoryShort", False, "Fits", f"{fits} in every pod's memory")
+    return []

@@ -28,6 +28,7 @@ from trainingrun_api.progress_report import (
     CheckpointInMemory,
     CommittedCheckpoint,
     IntervalChoice,
+    MemoryShort,
     ProcessTime,
     Progress,
     Report,
@@ -78,6 +79,7 @@ class ProgressReporter:
         self._progress: Optional[Progress] = None
         self._checkpoint: Optional[CommittedCheckpoint] = None
         self._in_memory: Optional[CheckpointInMemory] = None
+        self._memory_short: Optional[MemoryShort] = None
         self._process_time: Optional[ProcessTime] = None
         self._interval: Optional[IntervalChoice] = None
         self._first_step: Optional[int] = None  #: the step of this process's first progress
@@ -116,6 +118,12 @@ class ProgressReporter:
             self._checkpoint = checkpoint
         if news:
             self._news.set()
+
+    def memory_short(self, short: MemoryShort) -> None:
+        """The pods whose memory lacked room for the last checkpoint (or none again): sent soon, as news."""
+        with self._lock:
+            self._memory_short = short
+        self._news.set()
 
     def committed_in_memory(self, checkpoint: CheckpointInMemory) -> None:
         """Persisting behind, the newest checkpoint in memory: sent with the next report, not sooner (a checkpoint
@@ -156,6 +164,7 @@ class ProgressReporter:
                 process_time=self._process_time,
                 checkpoint_interval=self._interval,
                 checkpoint_in_memory=self._in_memory,
+                checkpoint_memory_short=self._memory_short,
             )
 
     def _send(self, report: Report) -> None:

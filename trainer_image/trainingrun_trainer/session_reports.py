@@ -8,7 +8,14 @@ import math
 import os
 from typing import Optional
 
-from trainingrun_api.progress_report import CheckpointInMemory, CommittedCheckpoint, IntervalChoice, Progress
+from trainingrun_api.progress_report import (
+    MAX_PODS_NAMED,
+    CheckpointInMemory,
+    CommittedCheckpoint,
+    IntervalChoice,
+    MemoryShort,
+    Progress,
+)
 
 from .checkpoint import CheckpointInfo, CheckpointStore, now_rfc3339
 from .reporting import ProgressReporter
@@ -27,6 +34,7 @@ class RunReports:
         self._committed_step_file = committed_step_file
         self._reported: Optional[CheckpointInfo] = None  # the newest in storage, as reported
         self._reported_in_memory: Optional[CheckpointInfo] = None  # persisting behind: the newest in memory
+        self._reported_short: Optional[list[str]] = None  # the pods last reported short of memory
 
     def resumed(self) -> None:
         """The store found the run's checkpoints: lastGoodCheckpoint reports only those this process commits."""
@@ -41,6 +49,10 @@ class RunReports:
             self.reporter.committed_in_memory(
                 CheckpointInMemory.model_construct(step=in_memory.step, time=in_memory.time)
             )
+        short = self._store.memory_short
+        if short is not None and short[1] != self._reported_short:
+            self._reported_short = short[1]
+            self.reporter.memory_short(MemoryShort.model_construct(pods=short[1][:MAX_PODS_NAMED], step=short[0]))
         if stored is not None and stored is not self._reported and stored != self._reported:
             self._reported = stored
             self.reporter.committed(

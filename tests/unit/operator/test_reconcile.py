@@ -164,6 +164,21 @@ def test_recovering_waits_until_the_next_attempt_time():
     assert plan.status["checkpointInMemory"] is None  # the new attempt's pod starts with empty memory
 
 
+def test_pods_short_of_memory_are_named_in_a_condition_with_the_fix_until_a_checkpoint_fits_again():
+    short = running_status(checkpointMemoryShort={"pods": ["demo-a1-worker-1"], "step": 40})
+    plan = reconcile.decide(observe(status=short, jobs=[job(1, "Running")]))
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "CheckpointMemoryShort")
+    assert condition["status"] == "True" and condition["reason"] == "SharedMemoryTooSmall"
+    assert "demo-a1-worker-1" in condition["message"] and "spec.resources.sharedMemory" in condition["message"]
+    assert [e.reason for e in plan.events if e.type == "Warning"] == ["CheckpointMemoryShort"]
+    fits = running_status(checkpointMemoryShort={"pods": [], "step": 50}, conditions=plan.status["conditions"])
+    plan = reconcile.decide(observe(status=fits, jobs=[job(1, "Running")]))
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "CheckpointMemoryShort")
+    assert condition["status"] == "False" and "step 50 fits" in condition["message"]
+    never = reconcile.decide(observe(status=running_status(), jobs=[job(1, "Running")]))
+    assert not any(c["type"] == "CheckpointMemoryShort" for c in never.status.get("conditions", []))
+
+
 def test_old_attempts_are_deleted_and_the_last_failed_one_kept():
     status = running_status(3, phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z")
     plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed"), job(2, "Failed"), job(3, "Failed")]))

@@ -1,6 +1,7 @@
 """The operator's report endpoint, in process (the real-API tier tests it with real tokens and pods)."""
 
 import asyncio
+import json
 from datetime import datetime, timezone
 
 import pytest
@@ -66,6 +67,21 @@ def test_the_newest_checkpoint_in_memory_is_read_into_status_beside_the_one_in_s
     assert fields["lastGoodCheckpoint"]["step"] == 30
     reports.no_later_than_now(fields, datetime(2026, 11, 25, 0, 0, 5, tzinfo=timezone.utc))
     assert fields["checkpointInMemory"]["time"] == "2026-11-25T00:00:05Z"  # a pod's clock ahead of the operator's
+
+
+def test_the_pods_short_of_memory_are_read_into_status_and_a_report_naming_too_many_or_odd_names_is_refused():
+    from trainingrun_api.progress_report import MAX_PODS_NAMED, MemoryShort, Report, ReportError
+
+    report = Report("ns", "demo", "u", 1, checkpoint_memory_short=MemoryShort(["demo-a1-worker-1"], 40))
+    fields = Report.from_json(report.to_json()).status_fields()
+    assert fields["checkpointMemoryShort"] == {"pods": ["demo-a1-worker-1"], "step": 40}
+    fitting = Report.from_json(Report("ns", "demo", "u", 1, checkpoint_memory_short=MemoryShort([], 50)).to_json())
+    assert fitting.status_fields()["checkpointMemoryShort"] == {"pods": [], "step": 50}  # fits again
+    head = '{"namespace": "ns", "name": "demo", "uid": "u", "attempt": 1, "checkpointMemoryShort": '
+    too_many = json.dumps({"pods": [f"p{i}" for i in range(MAX_PODS_NAMED + 1)], "step": 1})
+    for body in (too_many, '{"pods": ["w\\u00e9"], "step": 1}', '{"pods": "w", "step": 1}'):
+        with pytest.raises(ReportError, match="checkpointMemoryShort.pods"):
+            Report.from_json((head + body + "}").encode())
 
 
 def test_the_status_parts_are_generated_from_the_report_parts():

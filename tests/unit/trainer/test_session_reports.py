@@ -38,6 +38,9 @@ class Recorded(ProgressReporter):
     def committed_in_memory(self, checkpoint):
         self.calls.append(("in memory", checkpoint))
 
+    def memory_short(self, short):
+        self.calls.append(("memory short", short))
+
 
 def saved(store: CheckpointStore, step: int) -> None:
     store.save(step, {"model": nn.Linear(2, 2).state_dict()}, blocking=True)
@@ -123,3 +126,18 @@ def test_progress_leaves_out_a_loss_that_is_not_finite_and_is_built_only_for_a_r
     assert nan_step.loss is None and good.loss == 2.5
     assert good.productive_seconds == 1.235 and good.mfu == 0.1235 and good.step == 5
     assert silent._progress is None
+
+
+def test_the_pods_short_of_memory_are_reported_when_they_change_and_once_they_fit_again(tmp_path, monkeypatch):
+    """status.checkpointMemoryShort (condition CheckpointMemoryShort): nothing while no pod was ever short; the pods
+    when a save finds them short, not again for each save that finds the same; none once a checkpoint fits."""
+    reporter = Recorded()
+    with CheckpointStore(f"file://{tmp_path}/ckpt", memory_tier=str(tmp_path / "tier")) as store:
+        reports = RunReports(reporter, store, None)
+        monkeypatch.setattr(store.context.held_tier(), "begin", lambda *a, **k: None)
+        for step, short in ((3, False), (6, True), (9, True), (12, False)):
+            store.context.held_tier().short_of_room = short
+            saved(store, step)
+            reports.stored()
+    told = [(c.step, c.pods) for kind, c in reporter.calls if kind == "memory short"]
+    assert told == [(6, [store.context.pods[0]]), (12, [])]

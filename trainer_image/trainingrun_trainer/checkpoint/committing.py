@@ -287,14 +287,17 @@ class Committer:
         gathered: Optional[list] = None  # rank 0: every rank's write results, when every rank wrote by its last plan
         try:
             sent = planner.results_to_send(results) if planner is not None and results is not None else results
-            statuses = self._context.ranks.gather_to_first((error, record, sent))
+            tier = self._context.tier
+            short = tier is not None and (tier.short_of_room or self._mirror.short_of_room)
+            statuses = self._context.ranks.gather_to_first((error, record, sent, short))
             if self._context.ranks.rank == 0:
-                if planner is not None and not any(failed for failed, _, _ in statuses):
+                self._note_pods_short(job.step, [status[3] for status in statuses])
+                if planner is not None and not any(status[0] for status in statuses):
                     assert writer is not None  # rank 0 wrote its part
                     failed, gathered = self._finish_as_planned(
-                        planner, writer, record, [done for _, _, done in statuses], tier_dir
+                        planner, writer, record, [status[2] for status in statuses], tier_dir
                     )
-                    statuses[0] = (failed, record, None)  # rank 0's record, the metadata's entry added
+                    statuses[0] = (failed, record, None, short)  # rank 0's record, the metadata's entry added
                 outcome = self._commit(
                     job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None
                 )
@@ -351,6 +354,15 @@ class Committer:
             else:
                 self._rotation.rotate_logging_errors()
         return info
+
+    def _note_pods_short(self, step: int, short: list[bool]) -> None:
+        """Rank 0: the pods whose memory had no room for `step` (by each rank's flag), for status; kept while none
+        was ever short."""
+        if not self._context.pods:
+            return
+        pods = sorted({self._context.pods[rank] for rank, flag in enumerate(short) if flag})
+        if pods or self._context.memory_short is not None:
+            self._context.memory_short = (step, pods)
 
     def _stop_persisting_behind(self, step: int) -> str:
         """Every rank, when a node could not keep every file of `step` in its memory (no room, a replica that is not

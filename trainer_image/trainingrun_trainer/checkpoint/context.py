@@ -68,6 +68,8 @@ class StoreContext:
     persist_behind: bool
     #: Each rank's node (its host and memory tier), in rank order; [] without a memory tier.
     nodes: list[str] = field(default_factory=list)
+    #: Each rank's pod name, in rank order; [] without a memory tier.
+    pods: list[str] = field(default_factory=list)
     metrics: StoreMetrics = field(default_factory=StoreMetrics)
     #: uri -> manifest sha256 of the checkpoints this process committed or deep-verified (read without re-hashing).
     trusted: dict[str, str] = field(default_factory=dict)
@@ -75,6 +77,9 @@ class StoreContext:
     #: newest it knows storage holds.
     in_memory: Optional[CheckpointInfo] = None
     in_storage: Optional[CheckpointInfo] = None
+    #: Rank 0: (step, the pods, by name, whose memory had no room for it) of the last save, once one was short
+    #: (None until then): status.checkpointMemoryShort.
+    memory_short: Optional[tuple[int, list[str]]] = None
 
     def held_tier(self) -> MemoryTier:
         """The memory tier, where the caller's work needs one (a save in memory, persisting behind, a checkpoint held

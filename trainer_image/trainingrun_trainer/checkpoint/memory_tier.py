@@ -73,6 +73,8 @@ class MemoryTier:
         #: Keep the newest step no longer needed as the spare whose files the next save overwrites (`SPARE_DIR`).
         self.recycle = recycle
         self.off: Optional[str] = None  #: why writing is off for this process (None: on)
+        #: Whether the last `begin` found no room for its step (the pod named in status.checkpointMemoryShort).
+        self.short_of_room = False
         self._told_no_room = False
         #: manifest sha256 -> ({file name: TierFile} of the files usable for it, files the manifest lists)
         self._usable: dict[str, tuple[dict[str, TierFile], int]] = {}
@@ -101,7 +103,8 @@ class MemoryTier:
             self.turn_off(f"{type(error).__name__}: {error}")
             return None
         reserve = max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE))
-        if usage.free + self._spare_bytes() < expected_bytes + reserve:
+        self.short_of_room = usage.free + self._spare_bytes() < expected_bytes + reserve
+        if self.short_of_room:
             self._remove_steps(lambda other: other < step and other not in keep)  # older than what comes: no use
             if not self._told_no_room:
                 logger.warning(

@@ -66,6 +66,8 @@ class NodeMirror:
         #: Whether this rank writes its pod's copies (the lowest rank of its node).
         self.writes = self.active and nodes.index(nodes[rank]) == rank
         self._told: set[str] = set()
+        #: Whether this pod's memory had no room for the other pods' files at the last exchange.
+        self.short_of_room = False
 
     def decline_shards(self, state: Any) -> bool:
         """Every rank, before a save of `state`: a sharded state (FSDP2's DTensors) has no replica on another pod to
@@ -89,6 +91,7 @@ class NodeMirror:
         else only leaves a copy out."""
         if not self.active:
             return True
+        self.short_of_room = False
         sent = self._files_of(record, results, tier_dir)
         gathered = self._context.ranks.gather(sent)
         kept = self._write_wanted(step, state, gathered, tier_dir) if self.writes else True
@@ -105,6 +108,7 @@ class NodeMirror:
         usage = shutil.disk_usage(self._context.held_tier().root)
         needed = sum(f.size for f in wanted)
         if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+            self.short_of_room = True
             self._tell(
                 "room",
                 f"checkpoint step {step}: this pod's memory has {usage.free >> 20} MiB free, not enough for the "

@@ -10,6 +10,8 @@ import socket
 import time
 from typing import Any, Callable, Collection, Mapping, Optional, Union
 
+from trainingrun_api import contract
+
 from .committing import Committer
 from .context import StoreContext, StoreMetrics
 from .layout import STARTS_NAME, CheckpointInfo, PendingSave, _join, logger
@@ -86,7 +88,10 @@ class CheckpointStore:
         options = _storage_options(uri, endpoint_url, storage_options)
         tier = MemoryTier(memory_tier, origin=uri) if memory_tier else None
         ranks = RankGroup(process_group)
-        nodes = ranks.gather(f"{socket.gethostname()}:{os.path.realpath(tier.root)}") if tier else []
+        # Each rank's node (host and tier) and pod (the downward API's name, else the host's: one in a cluster).
+        pod = os.environ.get(contract.POD_NAME) or socket.gethostname()
+        placed = ranks.gather((f"{socket.gethostname()}:{os.path.realpath(tier.root)}", pod)) if tier else []
+        nodes = [node for node, _ in placed]
         # Whether saves commit in the memory tiers and rank 0 persists them behind: every rank has one, and with
         # several nodes each node's tier holds every file (`mirroring`), so rank 0's holds all it copies.
         behind = persist_behind and bool(nodes)
@@ -101,6 +106,7 @@ class CheckpointStore:
             ranks=ranks,
             persist_behind=behind,
             nodes=nodes,
+            pods=[pod for _, pod in placed],
         )
         self.rotation = Rotation(self.context, keep, keep_every)
         self.persister = Persister(self.context, self.rotation, persist_every_steps, persist_every_seconds)
@@ -135,6 +141,12 @@ class CheckpointStore:
     @property
     def in_storage(self) -> Optional[CheckpointInfo]:
         return self.context.in_storage
+
+    @property
+    def memory_short(self) -> Optional[tuple[int, list[str]]]:
+        """Rank 0: (step, pods) of the last save, the pods (by name) whose memory had no room for it; None while
+        no pod ever lacked room."""
+        return self.context.memory_short
 
     @property
     def persisting(self) -> bool:

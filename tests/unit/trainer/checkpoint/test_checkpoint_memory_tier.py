@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import threading
 from collections import namedtuple
 from pathlib import Path
@@ -385,6 +386,7 @@ def _two_rank_worker(
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("trainingrun.checkpoint").addHandler(handler)
+    os.environ["TRAININGRUN_POD_NAME"] = f"pod-{rank}"  # as the downward API names each pod
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         # Replicas that are not bitwise equal: the same names, each rank's own values (no DDP to make them equal).
@@ -394,7 +396,7 @@ def _two_rank_worker(
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=persist_behind) as store:
             store.save(5, app_state(ddp, opt), {"rank": rank})
             assert store.wait() is not None
-            behind = store.persist_behind
+            behind, short = store.persist_behind, store.memory_short
         # closed: persisted (every rank's files, by rank 0 when they share a node)
         assert [info.step for info in CheckpointStore(uri).list(verify=True) if info.valid] == [5]
         if damage:  # the largest file of the node's copy, whichever rank's share it is in
@@ -417,6 +419,7 @@ def _two_rank_worker(
                     "bytes": read,
                     "digest": model_digest(fresh.module.state_dict()),
                     "behind": behind,
+                    "short": short,
                     "warned": warned,
                     "kept": sorted(p.name for p in data_files(step_dir(Path(tiers[rank]), 5))),
                     "stored": sorted(p.name for p in data_files(step_dir(Path(uri.removeprefix("file://")), 5))),
@@ -451,6 +454,7 @@ def test_two_ranks_restore_from_their_nodes_memory(tmp_path, nodes):
     by_source = [(r["bytes"]["own_memory"] > 0, r["bytes"]["storage"] > 0) for r in results]
     assert by_source == [(True, False), (True, False)]
     assert results[0]["kept"] == results[1]["kept"] == results[0]["stored"]  # every file in each node's memory
+    assert [r["short"] for r in results] == [None, None]  # no pod ever lacked room: nothing for status to say
     assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
 
 

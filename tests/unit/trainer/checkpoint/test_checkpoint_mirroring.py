@@ -39,6 +39,8 @@ def test_a_copy_of_the_other_pods_file_that_differs_or_finds_no_room_is_left_out
     assert [any(said in w for w in result["warned"]) for result in results] == [True, True], results
     if not replicas_differ:
         assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
+    # For status.checkpointMemoryShort (condition CheckpointMemoryShort), on rank 0: the pods that lacked room.
+    assert results[0]["short"] == (None if replicas_differ else [5, ["pod-0", "pod-1"]])
 
 
 def _behind_without_room_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str) -> None:
