@@ -327,7 +327,7 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
             f"kill-worker-1: lost {lost} steps (gone after step {gone[0]}, resumed from {resumed[0]}, which storage "
             f"had not: {status['lastGoodCheckpoint']['step']} there when killed); "
             + (
-                f"resumed at {when.group(1)} (killed at {time.strftime('%H:%M:%S', time.localtime(killed_at))})"
+                f"resumed at {when.group(1)} (killed at {time.strftime('%H:%M:%S', time.localtime(killed_at))},{int(killed_at % 1 * 1000):03d})"
                 if when
                 else ""
             )

@@ -29,6 +29,7 @@ from .context import StoreContext
 from .layout import FILE_DIGEST, METADATA_NAME, _describe, logger
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
 from .tensor_files import _byte_view
+from .tier_files import RecycledFile, SegmentHasher, remove_file
 from .tier_staging import tensors_of
 
 
@@ -152,30 +153,36 @@ class NodeMirror:
         return files
 
     def _write(self, step: int, written: _WrittenFile, tensors: dict, tier_dir: str) -> bool:
-        tier = self._context.held_tier()
-        copy = tier.copy(tier_dir, written.name)
-        digest = xxhash.xxh3_128()
+        """One file of another pod's rank into `tier_dir`, into the pages of the spare's file of its name when there
+        is one (`RecycledFile`, as this pod's own files are written: a new /dev/shm file costs a page fault per 4
+        KiB), hashed as it is written; its digests file last, so a copy cut short is never used."""
+        path = os.path.join(tier_dir, written.name)
+        digest, segments = xxhash.xxh3_128(), SegmentHasher()
         why: Optional[str] = None
         try:
             chunks = [written.whole] if written.whole is not None else self._chunks(written, tensors)
             done = 0
-            for chunk in chunks:
-                if isinstance(chunk, str):
-                    why = chunk
-                    break
-                copy.write(chunk)
-                digest.update(chunk)
-                done += memoryview(chunk).nbytes
+            with RecycledFile(path) as out:
+                for chunk in chunks:
+                    if isinstance(chunk, str):
+                        why = chunk
+                        break
+                    out.write(chunk)
+                    digest.update(chunk)
+                    segments.update(chunk)
+                    done += memoryview(chunk).nbytes
             if why is None and done != written.size:
                 why = f"{done} bytes, not {written.size}"
             if why is None and digest.hexdigest() != written.digest:
                 why = "its bytes differ from the file the other pod wrote (a replica that is not bitwise equal?)"
+            if why is None:
+                self._context.held_tier().write_digests(
+                    tier_dir, written.name, written.size, FILE_DIGEST, written.digest, segments.finish()
+                )
+                return True
         except Exception as exc:  # never fail a save for a copy
             why = _describe(exc)
-        if why is None:
-            copy.close(FILE_DIGEST, written.digest)
-            return os.path.exists(os.path.join(tier_dir, written.name))  # gone where the tier could not keep it
-        copy.abandon()
+        remove_file(path)
         self._tell(
             written.name,
             f"checkpoint step {step}: this pod keeps no copy of {written.name} in memory ({why}): a restart here "
