@@ -23,12 +23,14 @@ from .layout import (
     FILE_DIGEST,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    METADATA_NAME,
     CheckpointInfo,
     _describe,
     _join,
     logger,
     now_rfc3339,
 )
+from .manifest import MAX_MANIFEST_BYTES
 from .mirroring import NodeMirror
 from .persisting import Persister
 from .rotation import Rotation
@@ -110,8 +112,7 @@ class Committer:
             # With several nodes each node's lowest rank copies the other nodes' files from its own staged copy of
             # the whole state (`mirroring`): no rank stages only what its plan writes.
             in_memory, repeats = self._context.ranks.all(
-                tier_dir is not None,
-                not self._mirror.active and self._repeats(planner, {**job.state, **(job.later or {})}),
+                tier_dir is not None, self._repeats(planner, {**job.state, **(job.later or {})})
             )
         except _SAVE_ERRORS as exc:
             if job.later:
@@ -126,8 +127,10 @@ class Committer:
             tier_dir = None
         fast = in_memory and repeats
         # Several nodes: each file written whole by DCP's writer (no staged file, whose layout only its rank knows),
-        # so the other nodes' lowest ranks can write it again byte for byte (`mirroring`).
-        staged = self._stage_later(job, None if self._mirror.active else tier_dir, planner if fast else None)
+        # from the whole state, so the other nodes' lowest ranks can write it again byte for byte (`mirroring`).
+        staged = self._stage_later(
+            job, None if self._mirror.active else tier_dir, planner if fast and not self._mirror.active else None
+        )
         job.marks.append(("staging", time.perf_counter()))
         try:
             if fast:
@@ -283,7 +286,7 @@ class Committer:
         job.state = None  # drop the staged copy
         job.marks.append(("model digest", time.perf_counter()))
 
-        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes]] = None
+        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes, Optional[bytes]]] = None
         gathered: Optional[list] = None  # rank 0: every rank's write results, when every rank wrote by its last plan
         try:
             sent = planner.results_to_send(results) if planner is not None and results is not None else results
@@ -298,12 +301,13 @@ class Committer:
                         planner, writer, record, [status[2] for status in statuses], tier_dir
                     )
                     statuses[0] = (failed, record, None, short)  # rank 0's record, the metadata's entry added
-                outcome = self._commit(
-                    job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None
+                outcome = (
+                    *self._commit(job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None),
+                    self._metadata_for_mirrors(tier_dir if in_memory and planner is not None else None),
                 )
             outcome = self._context.ranks.broadcast(outcome)
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
-            outcome = (None, _describe(exc), b"")
+            outcome = (None, _describe(exc), b"", None)
             if not job.logged:
                 logger.error(
                     "checkpoint step %d: rank %d lost contact with its peers: %s",
@@ -313,7 +317,7 @@ class Committer:
                     exc_info=True,
                 )
                 job.logged = True
-        info, commit_error, manifest = outcome
+        info, commit_error, manifest, metadata = outcome
         if planner is not None and info is not None and results is not None:
             planner.committed(job.step, results, gathered)
         elif planner is not None:
@@ -321,6 +325,8 @@ class Committer:
         if tier_dir is not None and info is not None and not in_memory:
             self._context.held_tier().commit(job.step, manifest)
         elif in_memory and info is not None and self._mirror.writes and self._context.ranks.rank != 0:
+            if metadata is not None and tier_dir is not None:  # rank 0 wrote it by the last plan, after the exchange
+                self._mirror.write_metadata(job.step, metadata, manifest, tier_dir)
             self._context.held_tier().commit(job.step, manifest)  # this node's copy, as rank 0 committed its node's
         elif tier_dir is not None and info is None:
             self._context.held_tier().discard(job.step)
@@ -354,6 +360,18 @@ class Committer:
             else:
                 self._rotation.rotate_logging_errors()
         return info
+
+    def _metadata_for_mirrors(self, tier_dir: Optional[str]) -> Optional[bytes]:
+        """Rank 0, with several nodes, of a save in memory by the last plan: the metadata it wrote (after the exchange
+        of the files, `_finish_as_planned`), for the other nodes' lowest ranks; None otherwise, or when unreadable
+        (those nodes then lack it, and a restart there receives it from this node, `peers`)."""
+        if tier_dir is None or not self._mirror.active:
+            return None
+        try:
+            with open(os.path.join(tier_dir, METADATA_NAME), "rb") as f:
+                return f.read(MAX_MANIFEST_BYTES)
+        except OSError:
+            return None
 
     def _note_pods_short(self, step: int, short: list[bool]) -> None:
         """Rank 0: the pods whose memory had no room for `step` (by each rank's flag), for status; kept while none

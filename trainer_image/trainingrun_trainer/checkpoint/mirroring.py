@@ -16,6 +16,7 @@ One collective a save (every rank's items gathered), after the write, on the che
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -97,6 +98,18 @@ class NodeMirror:
         gathered = self._context.ranks.gather(sent)
         kept = self._write_wanted(step, state, gathered, tier_dir) if self.writes else True
         return self._context.ranks.all(kept and sent is not None)[0]
+
+    def write_metadata(self, step: int, metadata: bytes, manifest: bytes, tier_dir: str) -> bool:
+        """The lowest rank of a node but rank 0's, once `step` committed: rank 0's `.metadata`, which a save by the
+        last plan writes after the exchange (`committing`), kept when it is the manifest's. Whether it was."""
+        try:
+            listed = {entry["path"]: entry for entry in json.loads(manifest)["files"]}
+            entry = listed[METADATA_NAME]
+        except (ValueError, KeyError, TypeError):
+            return False
+        node = self._context.nodes[self._context.ranks.rank]
+        whole = _WrittenFile(node, METADATA_NAME, entry["size"], entry[FILE_DIGEST], (), metadata)
+        return self._write(step, whole, {}, tier_dir)
 
     def _write_wanted(self, step: int, state: Any, gathered: list, tier_dir: Optional[str]) -> bool:
         """This node's copies of the other nodes' files; whether it holds them all now."""
