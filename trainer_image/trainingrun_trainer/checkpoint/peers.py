@@ -26,9 +26,10 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from .listing import human_bytes
 from .manifest import MAX_MANIFEST_BYTES, _parse_manifest
 from .tier_files import SegmentHasher, mapped, remove_file
 
+_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 #: Bytes sent at a time (one buffer of this size on each side of a copy).
 CHUNK_BYTES = 16 << 20
 
@@ -58,21 +60,30 @@ class Offer:
     manifest_bytes: int
 
 
-def plan_copies(offers: list[Optional[Offer]], leads: list[int]) -> tuple[Optional[Offer], list[tuple[int, int]]]:
+def plan_copies(offers: list[Any], leads: list[int]) -> tuple[Optional[Offer], list[tuple[int, int]]]:
     """From every rank's offer (None but on each pod's lowest rank, `leads`): the checkpoint to restore from memory (the
     newest offered; for one step offered with two manifests, the lowest rank's) and the copies to make, (from, to) by
     rank: each pod that does not hold it receives it from one that does, the receivers spread over the holders."""
-    offered = [
-        (offer, rank)
-        for rank, offer in enumerate(offers)
-        if rank in leads and offer is not None and 0 < offer.manifest_bytes <= MAX_MANIFEST_BYTES
-    ]
+    offered = [(offer, rank) for rank, offer in enumerate(offers) if rank in leads and _plausible(offer)]
     if not offered:
         return None, []
     best = max(offered, key=lambda found: (found[0].step, -found[1]))[0]
-    holders = [rank for rank in leads if offers[rank] == best]
+    holders = [rank for rank in leads if _plausible(offers[rank]) and offers[rank] == best]
     lacking = [rank for rank in leads if offers[rank] != best]
     return best, [(holders[i % len(holders)], rank) for i, rank in enumerate(lacking)]
+
+
+def _plausible(offer: object) -> TypeGuard[Offer]:
+    """An offer as `PeerCopies._offer` makes them: a step, a sha256's 64 hex digits, a manifest size it may read."""
+    return (
+        type(offer) is Offer
+        and type(offer.step) is int
+        and offer.step >= 0
+        and type(offer.manifest_sha256) is str
+        and _SHA256.fullmatch(offer.manifest_sha256) is not None
+        and type(offer.manifest_bytes) is int
+        and 0 < offer.manifest_bytes <= MAX_MANIFEST_BYTES
+    )
 
 
 class PeerCopies:

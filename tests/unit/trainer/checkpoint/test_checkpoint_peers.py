@@ -37,6 +37,9 @@ def offer(step: int, sha: str = "a" * 64, size: int = 100) -> Offer:
         ([offer(5), None, offer(5, "b" * 64)], [0, 1, 2], offer(5), [(0, 1), (0, 2)]),  # one step, two manifests
         ([offer(5, size=0), offer(4)], [0, 1], offer(4), [(1, 0)]),  # an impossible offer is none
         ([offer(5), offer(6)], [0], offer(5), []),  # only a pod's lowest rank offers
+        ([offer(5, "Z" * 64), offer(4)], [0, 1], offer(4), [(1, 0)]),  # not a sha256
+        ([("step", 9), offer(4)], [0, 1], offer(4), [(1, 0)]),  # not an offer at all
+        ([offer(5, size=1 << 40), None], [0, 1], None, []),  # a manifest no reader would take
     ],
 )
 def test_each_pod_without_the_newest_offered_receives_it_from_one_that_holds_it(offers, leads, best, copies):
