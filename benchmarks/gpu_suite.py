@@ -39,7 +39,9 @@ On the GPU machine (torch 2.11 there, no registry, no pydantic): carry the wheel
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
   PYTHONPATH=/tmp/site:$PWD/common:$PWD/trainer_image:$PWD/operator PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py
 
-About 8 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, restart_in_place ~60 s
+`--multinode` runs, instead of the four, multinode_checkpoint.py --device cuda --mib 1800 (issue 63: two "pods" on one GPU, each staging
+from CUDA into its own memory tier and writing the other's files, against one pod; `multinode_commit_ratio`,
+`multinode_storage_bytes_read` for the in-place restore; not yet run on a GPU). About 8 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, restart_in_place ~60 s
 (estimated: not yet run on a GPU), gpu_defaults 100 s): give the device call 580 s. `--quick` (a smaller model, 2 repeats) checks the script itself, also on CPU (`--device cpu`).
 """
 
@@ -96,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="checkpoint_stall's repeats (default 3)")
     parser.add_argument("--no-tests", action="store_true", help="skip the unit tests that need a GPU")
     parser.add_argument("--overhead-repeats", type=int, default=1, help="trainer_overhead's repeats (default 1)")
+    parser.add_argument(
+        "--multinode",
+        action="store_true",
+        help="instead of the suite: multinode_checkpoint.py from the device, two pods' commit in memory against one "
+        "pod's (issue 63; a device call of its own, about 3 minutes)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -124,56 +132,78 @@ def main(argv: list[str] | None = None) -> int:
             == 0
             else "failed"
         )
-    model = QUICK_MODEL if args.quick else MODEL
-    repeats = "2" if args.quick else str(args.repeats)
-    stall = run(
-        "checkpoint_stall.py",
-        [
-            "--device",
-            args.device,
-            *model,
-            "--repeats",
-            repeats,
-            "--restore-from",
-            "file",
-            "--restore-repeats",
-            "2" if args.quick else "3",
-            "--dir",
-            "/tmp",
-        ],
-        args.timeout,
-    )
-    overhead = run(
-        "trainer_overhead.py",
-        [
-            "--device",
-            args.device,
-            "--nproc",
-            "1",
-            *model,
-            "--context",
-            "64" if args.quick else "256",
-            "--batch-size",
-            "4" if args.quick else "32",
-            "--precision",
-            "bf16-mixed" if args.device == "cuda" else "32-true",
-            "--checkpoint-every",
-            "10",
-            "--steps",
-            "60" if args.quick else "160",
-            "--no-metrics",
-            "--no-reporting",
-            "--repeats",
-            "2" if args.quick else str(args.overhead_repeats),
-            *(["--compile"] if args.device == "cuda" else []),
-        ],
-        args.timeout,
-    )  # the trainer's GPU default, both sides
-    restart = run("restart_in_place.py", ["--modes", "compile"], args.timeout)  # a worker killed mid-run, compile on
-    defaults = run(
-        "gpu_defaults.py",
-        ["--device", args.device, "--variants", "fused,compile,recompile,graphs", *(["--quick"] if args.quick else [])],
-        args.timeout,
+    stall: dict[str, str] = {}
+    overhead: dict[str, str] = {}
+    restart: dict[str, str] = {}
+    defaults: dict[str, str] = {}
+    if not args.multinode:
+        model = QUICK_MODEL if args.quick else MODEL
+        repeats = "2" if args.quick else str(args.repeats)
+        stall = run(
+            "checkpoint_stall.py",
+            [
+                "--device",
+                args.device,
+                *model,
+                "--repeats",
+                repeats,
+                "--restore-from",
+                "file",
+                "--restore-repeats",
+                "2" if args.quick else "3",
+                "--dir",
+                "/tmp",
+            ],
+            args.timeout,
+        )
+        overhead = run(
+            "trainer_overhead.py",
+            [
+                "--device",
+                args.device,
+                "--nproc",
+                "1",
+                *model,
+                "--context",
+                "64" if args.quick else "256",
+                "--batch-size",
+                "4" if args.quick else "32",
+                "--precision",
+                "bf16-mixed" if args.device == "cuda" else "32-true",
+                "--checkpoint-every",
+                "10",
+                "--steps",
+                "60" if args.quick else "160",
+                "--no-metrics",
+                "--no-reporting",
+                "--repeats",
+                "2" if args.quick else str(args.overhead_repeats),
+                *(["--compile"] if args.device == "cuda" else []),
+            ],
+            args.timeout,
+        )  # the trainer's GPU default, both sides
+        restart = run(
+            "restart_in_place.py", ["--modes", "compile"], args.timeout
+        )  # a worker killed mid-run, compile on
+        defaults = run(
+            "gpu_defaults.py",
+            [
+                "--device",
+                args.device,
+                "--variants",
+                "fused,compile,recompile,graphs",
+                *(["--quick"] if args.quick else []),
+            ],
+            args.timeout,
+        )
+    multinode = (
+        run(
+            "multinode_checkpoint.py",
+            ["--device", args.device, "--mib", "64" if args.quick else "1800", "--repeats", "2", "--saves", "3"],
+            args.timeout,
+        )
+        if args.multinode
+        else {}
     )
     ckpt_vs_trainer = "nan"
     if overhead.get("ckpt_overhead_ratio") and overhead.get("overhead_ratio"):
@@ -201,12 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         "compile_s": defaults.get("compile_s", "nan"),
         "restart_to_training_s": restart.get("restart_to_training_s", "nan"),
         "recompile_startup_s": defaults.get("recompile_startup_s", "nan"),
+        "multinode_commit_ratio": multinode.get("ratio", "nan"),
+        "multinode_storage_bytes_read": multinode.get("storage_bytes_read_two_nodes", "nan"),
         "gpu_tests": tests,
         "device": device.replace(" ", "_"),
         "torch": torch.__version__,
     }
     print("result: " + " ".join(f"{key}={value}" for key, value in fields.items()), flush=True)
-    return 0 if stall and overhead else 1
+    return 0 if (multinode if args.multinode else stall and overhead) else 1
 
 
 if __name__ == "__main__":
