@@ -116,16 +116,7 @@ def one_loss(
     cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agent_log_level: str = ""
 ) -> dict[str, float]:
     namespace = cluster.plane.create_namespace(f"bench-{uuid.uuid4().hex[:6]}")
-    cluster.kubectl(
-        "-n",
-        namespace,
-        "create",
-        "secret",
-        "generic",
-        "s3-trainer",
-        "--from-literal=AWS_ACCESS_KEY_ID=testing",
-        "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
-    )
+    cluster.create_s3_secret(namespace)
     document = kube_journey.run_file(cluster.s3.new_bucket(), "bench", cluster.s3.endpoint_url)
     document["spec"]["trainer"]["logIntervalSteps"] = 1
     if agent_log_level:  # torch's elastic agent logs its rendezvous rounds and worker starts at INFO

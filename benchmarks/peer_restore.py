@@ -28,12 +28,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from multinode_checkpoint import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WAYS = ("from peer", "from storage")
@@ -99,12 +100,6 @@ def worker(rank: int, port: int, root: str, uri: str, store_kwargs: dict, mib: i
         Path(root, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "bytes": sources}))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,6 +143,35 @@ class Cluster:
                 raise AssertionError(f"no {what} within {deadline_s:.0f} s\n{explain()}")
             time.sleep(0.5)  # polling the API, not a guess at how long it takes
 
+    def create_s3_secret(self, namespace: str) -> None:
+        """The Secret the run file names (spec.secrets.s3Credentials), with moto's dummy credentials."""
+        self.kubectl(
+            "-n",
+            namespace,
+            "create",
+            "secret",
+            "generic",
+            "s3-trainer",
+            "--from-literal=AWS_ACCESS_KEY_ID=testing",
+            "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
+        )
+
+    def wait_finished(self, namespace: str, name: str, explain: Callable[[], str]) -> dict[str, Any]:
+        """The run once Succeeded or Failed."""
+
+        def finished() -> dict[str, Any]:
+            run = self.run(namespace, name)
+            return run if (run.get("status") or {}).get("phase") in ("Succeeded", "Failed") else {}
+
+        return self.wait("Succeeded", finished, explain=explain)
+
+    def pod_logs(self, namespace: str) -> dict[str, str]:
+        """{pod: its log} of every pod in the namespace."""
+        return {
+            pod: self.kubectl("-n", namespace, "logs", pod, check=False).stdout
+            for pod in self.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout.split()
+        }
+
     def diagnose(self, namespace: str) -> str:
         parts = [
             self.kubectl("-n", namespace, "get", "trainingruns,pytorchjobs,pods", "-o", "wide", check=False).stdout,

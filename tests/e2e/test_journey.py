@@ -82,6 +82,13 @@ def reference_digest(tmp_path_factory) -> str:
     return final.model_digest
 
 
+def final_model_digest(cluster: Cluster, bucket: str, name: str) -> Optional[str]:
+    """The model digest of the run's checkpoint at its last step (None where that one is not valid)."""
+    store = CheckpointStore(f"s3://{bucket}/runs/{name}", **cluster.s3.store_kwargs)
+    final = {i.step: i for i in store.list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
+    return final.model_digest if final.valid else None
+
+
 def step_of(run: dict[str, Any]) -> int:
     return ((run.get("status") or {}).get("progress") or {}).get("step") or 0
 
@@ -137,16 +144,7 @@ def lose_a_pod(
             "condition SecretMissing", lambda: condition(cluster.run(namespace, name), "SecretMissing"), explain=explain
         )
         assert "s3-trainer" in missing_secret["message"], missing_secret
-    cluster.kubectl(
-        "-n",
-        namespace,
-        "create",
-        "secret",
-        "generic",
-        "s3-trainer",
-        "--from-literal=AWS_ACCESS_KEY_ID=testing",
-        "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
-    )
+    cluster.create_s3_secret(namespace)
 
     # `kubectl get tr` shows it Running with the step moving.
     cluster.wait(
@@ -173,12 +171,7 @@ def lose_a_pod(
     pod = f"{job}-worker-{index}"
     lose(cluster, namespace, pod)
     deleted_at = time.monotonic()
-
-    def finished() -> dict[str, Any]:
-        run = cluster.run(namespace, name)
-        return run if (run.get("status") or {}).get("phase") in ("Succeeded", "Failed") else {}
-
-    done = cluster.wait("Succeeded", finished, explain=explain)
+    done = cluster.wait_finished(namespace, name, explain)
     assert done["status"]["phase"] == "Succeeded", explain()
     # Kubeflow replaced pods within the attempt: the run counts it and says so.
     assert done["status"]["restarts"]["inPlace"] >= 1 and done["status"]["attempt"] == 1, done["status"]
@@ -193,10 +186,7 @@ def lose_a_pod(
         "name",
     ).stdout
     assert events.strip(), explain()
-    logs = "\n".join(
-        cluster.kubectl("-n", namespace, "logs", p, check=False).stdout
-        for p in cluster.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout.split()
-    )
+    logs = "\n".join(cluster.pod_logs(namespace).values())
     resumed = [int(s) for s in re.findall(r"resumed from s3://\S+ at step (\d+)", logs)]
     assert resumed, f"no resume after the pod was lost:\n{explain()}"
     # Lost work: at most what was trained since the last checkpoint before the loss.
@@ -211,9 +201,7 @@ def lose_a_pod(
     assert re.search(
         r"rank[01] INFO trainingrun.trainer: step 3000/3000", followed.stdout
     ) and followed.stdout.endswith("==> run Succeeded in attempt 1 <==\n"), followed.stdout[-500:]
-    store = CheckpointStore(f"s3://{bucket}/runs/{name}", **cluster.s3.store_kwargs)
-    final = {i.step: i for i in store.list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
-    assert final.valid and final.model_digest == reference_digest
+    assert final_model_digest(cluster, bucket, name) == reference_digest
     print(
         f"{loss}: resumed from {resumed} (committed {committed_before} before the loss); "
         f"succeeded {time.monotonic() - deleted_at:.1f} s after it"
@@ -273,16 +261,7 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
         document["spec"]["checkpoint"]["storageInterval"] = {"steps": 100}
         path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
         path.write_text(yaml.safe_dump(document))
-        cluster.kubectl(
-            "-n",
-            namespace,
-            "create",
-            "secret",
-            "generic",
-            "s3-trainer",
-            "--from-literal=AWS_ACCESS_KEY_ID=testing",
-            "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
-        )
+        cluster.create_s3_secret(namespace)
         cluster.kubectl("-n", namespace, "apply", "-f", str(path))
 
         def memory_ahead() -> dict[str, Any]:
@@ -295,19 +274,10 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
         pod = f"{status['jobName']}-worker-1"
         lose_without_warning(cluster, namespace, pod)
         killed_at = time.time()
-
-        def finished() -> dict[str, Any]:
-            run = cluster.run(namespace, name)
-            return run if (run.get("status") or {}).get("phase") in ("Succeeded", "Failed") else {}
-
-        done = cluster.wait("Succeeded", finished, explain=explain)
+        done = cluster.wait_finished(namespace, name, explain)
         assert done["status"]["phase"] == "Succeeded", explain()
         assert done["status"]["attempt"] == 1, done["status"]
-        logs = {
-            p: cluster.kubectl("-n", namespace, "logs", p, check=False).stdout
-            for p in cluster.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout.split()
-        }
-        everything = "\n".join(logs.values())
+        everything = "\n".join(cluster.pod_logs(namespace).values())
         gone = [int(s) for s in re.findall(r"a peer worker is gone after step (\d+)", everything)]
         resumed = [int(s) for s in re.findall(r"resumed from s3://\S+ at step (\d+)", everything)]
         assert gone and resumed, f"no restart after the pod was lost:\n{everything[-3000:]}\n{explain()}"
@@ -320,9 +290,7 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
         )
         assert from_peer and from_peer.group(1) != "0 B", everything[-3000:]
         when = re.search(r"^(\S+ \S+) \S+ INFO trainingrun.session: resumed from", everything, re.M)
-        store = CheckpointStore(f"s3://{bucket}/runs/{name}", **cluster.s3.store_kwargs)
-        final = {i.step: i for i in store.list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
-        assert final.valid and final.model_digest == reference_digest
+        assert final_model_digest(cluster, bucket, name) == reference_digest
         print(
             f"kill-worker-1: lost {lost} steps (gone after step {gone[0]}, resumed from {resumed[0]}, which storage "
             f"had not: {status['lastGoodCheckpoint']['step']} there when killed); "
@@ -344,16 +312,7 @@ def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, t
 
 
 def scrape_a_running_run(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
-    cluster.kubectl(
-        "-n",
-        namespace,
-        "create",
-        "secret",
-        "generic",
-        "s3-trainer",
-        "--from-literal=AWS_ACCESS_KEY_ID=testing",
-        "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
-    )
+    cluster.create_s3_secret(namespace)
     document = run_file(cluster.s3.new_bucket(), "watched", cluster.s3.endpoint_url)
     document["spec"]["trainer"]["maxSteps"] = 1_000_000  # trains until deleted
     path = Path(cluster.plane.workdir) / f"{namespace}.yaml"

@@ -351,14 +351,9 @@ def test_a_taken_metrics_port_is_one_line_and_exit_2_before_anything_starts(tmp_
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow
-def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothing_from_storage(tmp_path):
-    """`--nodes 2`: a launcher per node as in a PyTorchJob's pods (c10d rendezvous on 127.0.0.1, each node its own
-    memory folder and log). Each node's memory holds every file of a checkpoint (its lowest rank writes the other
-    node's files too, `checkpoint/mirroring.py`), so checkpoints commit in memory across both nodes and rank 0 copies
-    one in two to storage (storageInterval 20). A worker killed at step 25 restarts both nodes' groups in place from
-    step 20, which only memory holds, reading nothing from storage on either node; the model at the end is bitwise
-    the one of the same run without the kill."""
+def two_nodes_and_their_reference(tmp_path):
+    """A 40-step run for two simulated nodes, checkpoints in memory every 10 steps and to storage every 20, run once
+    uninterrupted into checkpoints "reference": (its file, the environment, the folder of the nodes' memory)."""
     memory_root = tmp_path / "node-memory"
     memory_root.mkdir()
     env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
@@ -367,6 +362,18 @@ def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothin
     run_file = write_run(tmp_path, body)
     reference = local(tmp_path, run_file, "--nodes", "2", "--nproc", "1", checkpoints="reference", env=env)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    return run_file, env, memory_root
+
+
+@pytest.mark.slow
+def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothing_from_storage(tmp_path):
+    """`--nodes 2`: a launcher per node as in a PyTorchJob's pods (c10d rendezvous on 127.0.0.1, each node its own
+    memory folder and log). Each node's memory holds every file of a checkpoint (its lowest rank writes the other
+    node's files too, `checkpoint/mirroring.py`), so checkpoints commit in memory across both nodes and rank 0 copies
+    one in two to storage (storageInterval 20). A worker killed at step 25 restarts both nodes' groups in place from
+    step 20, which only memory holds, reading nothing from storage on either node; the model at the end is bitwise
+    the one of the same run without the kill."""
+    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path)
     two = local(
         tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-kill-step", "25", checkpoints="two", env=env
     )
@@ -398,14 +405,7 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
     recreates the pod. Node 0's group restarts in place and the replacement, whose memory is empty, receives step 20
     (which only memory held: storage every 20 copied 10 and not yet 20) from node 0's memory (`checkpoint/peers.py`):
     no byte from storage on either node, 5 steps lost, and the model at the end is bitwise the uninterrupted run's."""
-    memory_root = tmp_path / "node-memory"
-    memory_root.mkdir()
-    env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
-    body = training_run(maxSteps=40, logIntervalSteps=5)
-    body["spec"]["checkpoint"]["storageInterval"] = {"steps": 2 * INTERVAL}
-    run_file = write_run(tmp_path, body)
-    reference = local(tmp_path, run_file, "--nodes", "2", "--nproc", "1", checkpoints="reference", env=env)
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path)
     lost = local(
         tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-lose-node", "25", checkpoints="lost", env=env
     )
