@@ -171,7 +171,10 @@ class PeerCopies:
                 view = memoryview(buffers[slot])[:n]
                 got = 0
                 while fd >= 0 and got < n:
-                    read = os.preadv(fd, [view[got:]], offset + got)
+                    try:
+                        read = os.preadv(fd, [view[got:]], offset + got)
+                    except OSError:  # unreadable now: the receiver finds zeros, and drops the file
+                        read = 0
                     if not read:
                         break
                     got += read
