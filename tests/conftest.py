@@ -32,6 +32,13 @@ def pytest_configure(config):
     parent = contract.MEMORY_TIER_ROOT if os.path.isdir(contract.MEMORY_TIER_ROOT) else None
     config._memory_tier_root = tempfile.mkdtemp(prefix="trainingrun-tests-", dir=parent)
     os.environ[contract.MEMORY_TIER_ROOT_ENV] = config._memory_tier_root
+    # The processes the tests start (torchrun's agents, their workers, servers) make temporary folders of their own
+    # (torchelastic_*, pymp-*) and leave them where a test kills them: in this session's folder, removed at its end,
+    # so a test run leaves nothing behind in /tmp. pytest's own tmp_path stays where pytest keeps it (this process
+    # read the temporary directory before: tempfile caches it).
+    tempfile.gettempdir()
+    config._temp_root = tempfile.mkdtemp(prefix="trainingrun-tests-tmp-")
+    os.environ["TMPDIR"] = config._temp_root
 
 
 def pytest_unconfigure(config):
@@ -41,6 +48,10 @@ def pytest_unconfigure(config):
         from trainingrun_api import contract
 
         os.environ.pop(contract.MEMORY_TIER_ROOT_ENV, None)
+    temp = getattr(config, "_temp_root", None)
+    if temp:
+        shutil.rmtree(temp, ignore_errors=True)
+        os.environ.pop("TMPDIR", None)
 
 
 @pytest.fixture(autouse=True)

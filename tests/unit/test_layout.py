@@ -1,7 +1,10 @@
 """tests/unit mirrors the packages: a test of a module sits in the folder of its package and is named after it, and
 only the checks of the repository as a whole (its import graph, README and docs, images, benchmark scripts, this
-layout) sit at the top."""
+layout, and the test session's own folders) sit at the top."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 UNIT = Path(__file__).resolve().parent
@@ -62,3 +65,17 @@ def test_every_module_has_a_test_named_after_it():
             if not named and not (path in TESTED_ELSEWHERE and (repo / TESTED_ELSEWHERE[path]).is_file()):
                 untested.append(path)
     assert untested == [], "give each its test_<module>.py in the mirrored folder (or a line in TESTED_ELSEWHERE)"
+
+
+def test_the_processes_a_test_starts_keep_their_temporary_folders_in_the_sessions_own():
+    """tests/conftest.py: what torchrun's agents and their workers leave in the temporary directory when a test kills
+    them (torchelastic_*, pymp-*) lands in this session's folder, which goes when the session ends: `make test`
+    leaves nothing in /tmp."""
+    made = subprocess.run(
+        [sys.executable, "-c", "import tempfile; print(tempfile.mkdtemp(prefix='torchelastic_'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(made).parent.name.startswith("trainingrun-tests-tmp-"), made
+    assert Path(made).parent == Path(os.environ["TMPDIR"])
