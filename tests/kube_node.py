@@ -338,7 +338,10 @@ class Node(ProcessGroup):
 
     def import_image(self, archive: Path, name: str) -> None:
         """Load an OCI archive (podman save --format oci-archive) into the node under `name`."""
-        self.ctr("images", "rm", name, check=False)  # containerd's store outlives the node: an older build
+        # containerd's store outlives the node: an older build goes first, and synchronously: removed with the garbage
+        # collection that follows in the background, the blobs the import found present (the same layer, built again)
+        # went from under it ("content digest ... not found", seen in a clean-clone CI run).
+        self.ctr("images", "rm", "--sync", name, check=False)
         imported = self.ctr("images", "import", "--index-name", name, str(archive), check=False)
         assert imported.returncode == 0, f"ctr images import {archive}: {imported.stderr}"
         listed = self.ctr("images", "ls", "-q").stdout.split()
