@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, TypeGuard
@@ -35,12 +34,11 @@ import torch
 import torch.distributed as dist
 
 from .context import StoreContext
-from .layout import MANIFEST_NAME, _describe, file_digest_name, file_hasher, logger
+from .layout import FILE_DIGEST_HEX, MANIFEST_NAME, _describe, file_digest_name, file_hasher, logger
 from .listing import human_bytes
 from .manifest import MAX_MANIFEST_BYTES, _parse_manifest
 from .tier_files import SegmentHasher, mapped, remove_file
 
-_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 #: Bytes sent at a time (one buffer of this size on each side of a copy).
 CHUNK_BYTES = 16 << 20
 
@@ -68,7 +66,7 @@ def plan_copies(offers: list[Any], leads: list[int]) -> tuple[Optional[Offer], l
     if not offered:
         return None, []
     best = max(offered, key=lambda found: (found[0].step, -found[1]))[0]
-    holders = [rank for rank in leads if _plausible(offers[rank]) and offers[rank] == best]
+    holders = [rank for rank in leads if offers[rank] == best]
     lacking = [rank for rank in leads if offers[rank] != best]
     return best, [(holders[i % len(holders)], rank) for i, rank in enumerate(lacking)]
 
@@ -80,7 +78,7 @@ def _plausible(offer: object) -> TypeGuard[Offer]:
         and type(offer.step) is int
         and offer.step >= 0
         and type(offer.manifest_sha256) is str
-        and _SHA256.fullmatch(offer.manifest_sha256) is not None
+        and FILE_DIGEST_HEX["sha256"].fullmatch(offer.manifest_sha256) is not None
         and type(offer.manifest_bytes) is int
         and 0 < offer.manifest_bytes <= MAX_MANIFEST_BYTES
     )
@@ -188,8 +186,8 @@ class PeerCopies:
             if fd >= 0:
                 os.close(fd)
 
-    def _receive(self, offer: Offer, source: int) -> bool:
-        """Whether this pod now holds the checkpoint `offer`, received from rank `source`."""
+    def _receive(self, offer: Offer, source: int) -> None:
+        """The checkpoint `offer` from rank `source` into this pod's tier, committed there when every file matched."""
         began = time.perf_counter()
         tier = self._context.held_tier()
         raw = torch.empty(offer.manifest_bytes, dtype=torch.uint8)
@@ -216,7 +214,7 @@ class PeerCopies:
             logger.warning(
                 "checkpoint step %d: not copied from rank %d's memory (%s): reading storage", offer.step, source, why
             )
-            return False
+            return
         largest = max((entry["size"] for entry in files), default=0)
         spill = torch.empty(min(CHUNK_BYTES, largest) or 1, dtype=torch.uint8)
         bad = [entry["path"] for entry in files if not self._receive_file(directory, entry, digest_name, spill, source)]
@@ -230,7 +228,7 @@ class PeerCopies:
                 source,
                 ", ".join(bad[:3]),
             )
-            return False
+            return
         tier.commit(offer.step, manifest_bytes)
         total = sum(entry["size"] for entry in files)
         logger.info(
@@ -240,7 +238,6 @@ class PeerCopies:
             source,
             time.perf_counter() - began,
         )
-        return tier.off is None
 
     def _receive_file(self, directory: str, entry: dict, digest_name: str, spill: torch.Tensor, source: int) -> bool:
         """One file into the tier, received straight into its pages (allocated at once, as `MemoryTier.prepare_spare`
