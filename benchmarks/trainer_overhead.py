@@ -154,7 +154,7 @@ def bare_worker(spec_path: str) -> int:
         lr=PEAK_LR,
         betas=BETAS,
         eps=EPS,
-        fused=cuda or None,
+        fused=True,  # the trainer's default (optimizer.fused), GPUs and CPUs
     )
     steps, warmup = spec["steps"], spec["lr_warmup"]
 
@@ -343,6 +343,7 @@ def trainer_config(args: argparse.Namespace, checkpoint_uri: str, checkpoint_eve
                 "beta2": BETAS[1],
                 "eps": EPS,
                 "noDecayForBiasAndNorm": True,
+                "fused": True,  # the default now; said, so a --baseline checkout of older code runs the same kernel
             },
             "schedule": {"name": "cosine", "warmupSteps": args.lr_warmup, "minLrRatio": MIN_LR_RATIO},
             "maxSteps": args.steps,
@@ -456,6 +457,9 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
                     contract.REPORT_INTERVAL_SECONDS: str(args.report_interval),
                 }
             )
+        if kind == "trainer-baseline":  # the same trainer from another checkout (`--baseline`)
+            tree = Path(args.baseline).resolve()
+            env["PYTHONPATH"] = os.pathsep.join(str(tree / part) for part in ("trainer_image", "common"))
         command = launcher + ["-m", "trainingrun_trainer"]
     began = time.perf_counter()
     log_path = rundir / "output.log"
@@ -622,6 +626,12 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", metavar="DIR", help="write configs and logs of every run below DIR (default: temp dir, deleted)"
     )
     parser.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="also run the trainer from another checkout of this repository (e.g. `git worktree add /tmp/before "
+        "HEAD~3`), imported from its trainer_image/ and common/, to print its host cost beside this one's",
+    )
+    parser.add_argument(
         "--host-cost",
         action="store_true",
         help="the host-cost row (issue 64): a model so small its step computes in about a millisecond (dim 32, "
@@ -648,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(("trainer-metrics", "trainer + metrics"))
     if not args.no_reporting:
         sides.append(("trainer-reporting", "trainer + reporting"))
+    if args.baseline:
+        sides.append(("trainer-baseline", "trainer (--baseline checkout)"))
     if args.paired_only:
         sides = [paired]
     results: dict[str, list[dict]] = {kind: [] for kind, _ in sides}
@@ -774,6 +786,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(bare {1000 * bare / timed:.3f} ms/step; issue 64's target <= 0.2 ms with --host-cost)"
     )
     extra += f" host_ms_per_step={host_ms:.4f}"
+    if "trainer-baseline" in results:
+        before_ms = statistics.median(
+            1000 * (t["seconds"] - b["seconds"]) / timed for t, b in zip(results["trainer-baseline"], results["bare"])
+        )
+        print(
+            f"host_ms_per_step of the --baseline checkout ({args.baseline}), paired the same way = {before_ms:.3f} ms; "
+            f"this checkout {host_ms:.3f} ms: {before_ms - host_ms:+.3f} ms a step saved"
+        )
+        extra += f" baseline_host_ms_per_step={before_ms:.4f}"
     cpu_ratio = cpu["trainer"] / cpu["bare"]
     quiet_ratio = quiet["trainer"] / quiet["bare"]
     print(f"quiet-window ms/step, trainer / bare = {quiet_ratio:.3f} (timed only where the machine was otherwise idle)")

@@ -125,9 +125,10 @@ class DataConfig(ApiModel):
         description="Batches each worker loads ahead (PyTorch's default 2); needs numWorkers > 0.",
     )
     pin_memory: bool = Field(
-        default=False,
-        description="Batches in page-locked host memory, so the copy to the GPU overlaps compute "
-        "(CUDA only; ignored on CPU).",
+        default=True,
+        description="Batches in page-locked host memory, copied to the GPU a batch ahead on a stream of their own, "
+        "so the copy overlaps the step before (CUDA only; ignored on CPU). false: each batch is copied by the step "
+        "that uses it, from pageable memory, which waits on the host for the copy.",
     )
 
     @model_validator(mode="after")
@@ -153,8 +154,10 @@ class OptimizerConfig(ApiModel):
     momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD momentum.")
     fused: Optional[bool] = Field(
         default=None,
-        description="AdamW's fused kernel (one kernel per step for all parameters). Unset: on with GPUs, off "
-        "on CPUs. Results differ from the unfused AdamW in the last bits; a run resumes exactly either way.",
+        description="The optimizer's fused kernel (one kernel per step for all parameters, AdamW or SGD, GPUs and "
+        "CPUs). Unset: on. It also skips a step with non-finite gradients in the kernel, so the host never waits "
+        "for the GPU inside a step; false waits once a step for that. Results differ from the unfused optimizer in "
+        "the last bits; a run resumes exactly either way.",
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -24,10 +26,17 @@ class WeightEMA:
         }
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, skipped: Optional[torch.Tensor] = None) -> None:
+        """After an optimizer step; `skipped`: a device flag, nonzero when the optimizer skipped that step in its
+        kernel (`optim.step_unless`), which leaves the shadow as it was (a weight of 0) without the host reading it."""
         params = [p for name, p in model.named_parameters() if name in self.shadow]
         shadows = [self.shadow[name] for name, p in model.named_parameters() if name in self.shadow]
-        foreach_lerp_(shadows, [p.detach().to(torch.float32) for p in params], 1.0 - self.decay)
+        weights = [p.detach().to(torch.float32) for p in params]
+        if skipped is None:
+            foreach_lerp_(shadows, weights, 1.0 - self.decay)
+        elif shadows:
+            weight = (1.0 - self.decay) * (1.0 - skipped.to(shadows[0].device, torch.float32))
+            foreach_lerp_(shadows, weights, [weight] * len(shadows))
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

@@ -22,7 +22,15 @@ from trainingrun_api.components import ConfigError
 
 from .background import give_way_to_training
 
-__all__ = ["batches_of", "exit_with", "in_background", "seed_worker", "start_worker", "worker_processes"]
+__all__ = [
+    "ahead_on_device",
+    "batches_of",
+    "exit_with",
+    "in_background",
+    "seed_worker",
+    "start_worker",
+    "worker_processes",
+]
 
 
 T = TypeVar("T")
@@ -82,6 +90,40 @@ def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
         # It finishes the item in hand: let it, so it is not inside the dataset when the process exits (a bound, in
         # case a read hangs on storage).
         producer.join(STOP_SECONDS)
+
+
+def ahead_on_device(batches: Iterable[dict[str, torch.Tensor]], device: torch.device) -> Iterator[dict]:
+    """The batches on `device`. On a GPU each batch's copy is queued on a stream of its own a batch ahead (from
+    pinned memory it runs while the step before computes), and the step's stream waits for that copy alone, on the
+    device: the host never does. Each tensor is marked used by the step's stream, so the allocator does not hand its
+    memory to the next copy before the step is done with it."""
+    if device.type != "cuda":
+        for batch in batches:
+            yield {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+        return
+    copies, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def start(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+        with torch.cuda.stream(copies):
+            moved = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+            copied = torch.cuda.Event()
+            copied.record(copies)
+        return moved, copied
+
+    def use(moved: dict[str, torch.Tensor], copied: torch.cuda.Event) -> dict[str, torch.Tensor]:
+        compute.wait_event(copied)
+        for tensor in moved.values():
+            tensor.record_stream(compute)
+        return moved
+
+    ahead = None
+    for batch in batches:
+        started = start(batch)
+        if ahead is not None:
+            yield use(*ahead)
+        ahead = started
+    if ahead is not None:
+        yield use(*ahead)
 
 
 def seed_worker(worker_id: int) -> None:

@@ -7,6 +7,7 @@ gets exactly the LR an uninterrupted run would: the scheduler state is only its 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,20 +41,43 @@ def parameter_groups(model: nn.Module, weight_decay: float, exclude_bias_and_nor
     ]
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig, device_type: str = "cpu") -> torch.optim.Optimizer:
-    """The optimizer of `config` over `model`'s parameter groups; AdamW fused where `config.fused` says, or unset, on
-    `device_type` cuda."""
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer of `config` over `model`'s parameter groups, fused unless `config.fused` is false: a fused
+    optimizer skips a step whose gradients are not finite in its kernel (`skip_on_device`), so the host never waits
+    for the device to decide."""
     groups = parameter_groups(model, config.weight_decay, config.no_decay_for_bias_and_norm)
+    fused = {"fused": True} if config.fused is not False else {}
     if config.name == "adamw":
-        fused = config.fused if config.fused is not None else device_type == "cuda"
-        return torch.optim.AdamW(
-            groups,
-            lr=config.lr,
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-            **({"fused": True} if fused else {}),
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **fused)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **fused)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step()` can be told to skip by a device tensor (`found_inf`, as GradScaler tells fused kernels) now.
+
+    Fused SGD with momentum cannot before its first step: it makes its momentum buffers uninitialised and then
+    trusts them, so a skipped first step would leave garbage in them."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if isinstance(optimizer, torch.optim.SGD):
+        return all(
+            group["momentum"] == 0 or optimizer.state.get(p, {}).get("momentum_buffer") is not None
+            for group in optimizer.param_groups
+            for p in group["params"]
         )
-    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+    return True
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """`optimizer.step()`, skipped in the kernel where `found_inf` (a float tensor on the parameters' device) is
+    nonzero: the parameters, moments and step counts stay as they were. Only where `skips_on_device`."""
+    # The attributes GradScaler sets for the same kernels (torch.amp.GradScaler.step), which mypy does not know of.
+    told: Any = optimizer
+    told.grad_scale, told.found_inf = None, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del told.grad_scale, told.found_inf
 
 
 def lr_factor(step: int, schedule: ScheduleConfig, max_steps: int) -> float:

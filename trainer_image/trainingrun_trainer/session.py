@@ -32,6 +32,7 @@ import signal
 import time
 from typing import Any, Callable, Collection, Mapping, Optional, Union
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -143,6 +144,11 @@ class Run:
         self.reports = RunReports(reporter, self.store, context.committed_step_file)
         self.preempted = False
         self.intervals = IntervalPolicy(checkpoint, self.store, context)
+        #: Where `agree` reduces its host flags: with NCCL, a gloo group of its own, as reading an NCCL result on the
+        #: host waits for every kernel queued before it (the step's backward pass); None: the default group.
+        self._agreement_group: Any = None
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            self._agreement_group = dist.new_group(backend="gloo")
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -270,13 +276,14 @@ class Run:
         local = (self.preempted, self.intervals.due(step, save_finished), *flags)
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return lambda: local
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        tensor = torch.tensor([float(f) for f in local], device=device)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        agreed = numpy.array(local, dtype=numpy.uint8)
+        work = dist.all_reduce(
+            torch.from_numpy(agreed), op=dist.ReduceOp.MAX, group=self._agreement_group, async_op=True
+        )
 
         def result() -> tuple[bool, ...]:
             work.wait()
-            return tuple(bool(v) for v in tensor.tolist())
+            return tuple(bool(v) for v in agreed)  # host memory: no tensor call, so nothing that could wait on a GPU
 
         return result
 

@@ -31,10 +31,11 @@ from .checkpoint import CheckpointInfo, DigestOfEntry, model_digest
 from .checkpoint_interval import SaveCosts
 from .context import RunContext
 from .health import Verdict
-from .optim import scale_learning_rate
+from .optim import scale_learning_rate, skips_on_device, step_unless
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
 from .session import Run
 from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank, TrainState
+from .step_values import LateValues, StepValues, non_finite_flags
 from .timekeeping import ProcessClock
 from .trainer_setup import DataParts, ModelParts, build_data, build_model, init_device
 from .trainer_setup import batches as batches_of_run
@@ -82,6 +83,8 @@ class Trainer:
         self.tracked_checkpoint = 0  #: the newest committed step the trackers were told of
         self.resumed_step = 0  #: the step this process resumed at
         self.last_loss: float | None = None
+        #: The newest step whose values reached the host (a step late: `step_values`).
+        self.last_values: Optional[StepValues] = None
 
     @property
     def step(self) -> int:
@@ -240,20 +243,20 @@ class Trainer:
 
     def _train_step(
         self, batches: Generator[dict[str, torch.Tensor], None, None]
-    ) -> tuple[float, float, Callable[[], tuple]]:
-        """Forward/backward over the accumulation, clip; returns (loss, grad norm, agreement).
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple]]:
+        """Forward/backward over the accumulation, clip; returns (loss, grad norm, agreement), the loss and the norm
+        on the device: nothing here waits for it (`step_values`).
 
-        The per-step agreement between ranks (stop? save? was the loss non-finite anywhere?) is
-        started right after the last forward pass (on GPUs: once its loss reached the host, the backward pass queued)
-        and completes during the backward pass, so it costs no extra round trip. The gradient norm needs none: it is
+        The per-step agreement between ranks (stop? save?) is started right after the last forward pass and
+        completes during the backward pass, so it costs no extra round trip. The gradient norm needs none: it is
         already global.
         """
         accumulation = self.cfg.grad_accumulation_steps
         if self.parts.copy_before_forward:
             self._wait_for_checkpoint_copy()
         self.parts.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        agreement: Callable[[], tuple] = lambda: (False, False, False)  # noqa: E731 - replaced below
+        total: Optional[torch.Tensor] = None
+        agreement: Callable[[], tuple] = lambda: (False, False)  # noqa: E731 - replaced below
         for micro in range(accumulation):
             waited = time.perf_counter()
             batch = next(batches)
@@ -264,26 +267,71 @@ class Trainer:
             with self.parts.wrapped.no_sync() if not sync else contextlib.nullcontext():
                 with self.parts.plan.autocast():
                     loss = self.parts.wrapped(batch) / accumulation
-                value = loss.detach()
-                queued = self.device_type == "cuda"
-                if queued:
-                    # The loss comes to the host behind the forward pass alone, and the backward pass is queued
-                    # before the host waits for it: waiting first would idle the GPU while the host queues it.
-                    value = value.to("cpu", non_blocking=True)
-                    copied = torch.cuda.Event()
-                    copied.record()
-                    self.parts.scaler.scale(loss).backward()
-                    copied.synchronize()
-                total += float(value)
-                if last:  # completes during the backward pass (on CPUs, started before it)
-                    agreement = self.session.agree_async(self.step + 1, not math.isfinite(total))
-                if not queued:
-                    self.parts.scaler.scale(loss).backward()
+                value = loss.detach().float()
+                total = value if total is None else total + value
+                if last:  # completes during the backward pass
+                    agreement = self.session.agree_async(self.step + 1)
+                self.parts.scaler.scale(loss).backward()
+        assert total is not None  # grad_accumulation_steps >= 1
         self.data.sampler.advance(self.data.global_batch * accumulation)
         self.parts.scaler.unscale_(self.parts.optimizer)
         clip = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parts.model.parameters(), clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parts.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of the norm's shards
+            grad_norm = grad_norm.full_tensor()
         return total, grad_norm, agreement
+
+    def _update(self, flags: torch.Tensor) -> float:
+        """The optimizer step (and the EMA's) unless `flags` (`step_values.non_finite_flags`) say the loss or the
+        gradients were not finite on some rank; the rate it ran with. Decided on the device where the optimizer can
+        be told by a tensor (fused, the default), so the host does not wait for the backward pass here."""
+        parts = self.parts
+        self._wait_for_checkpoint_copy()
+        found_inf = flags.amax()
+        skipped: Optional[torch.Tensor] = None  # for the EMA: None when the host knows the step was taken
+        if parts.plan.precision == "16-mixed":
+            parts.scaler.step(parts.optimizer)  # the scaler skips non-finite gradients itself (in the fused kernel)
+            parts.scaler.update()  # and the EMA follows every scaler step, as it always has
+        elif skips_on_device(parts.optimizer):
+            step_unless(parts.optimizer, found_inf)
+            skipped = found_inf
+        elif not found_inf.item():  # an optimizer a device flag cannot skip (fused: false): one wait a step
+            parts.optimizer.step()
+        else:
+            return float(parts.optimizer.param_groups[0]["lr"])
+        if parts.ema:
+            parts.ema.update(parts.model, skipped)
+        # The rate this step ran with: before the schedule moves on, and from the optimizer (a rollback lowers it
+        # there; the scheduler's last rate is the one before that).
+        return float(parts.optimizer.param_groups[0]["lr"])
+
+    def _observe(self, ready: list[StepValues]) -> Verdict:
+        """The non-finite policy's verdict on the steps whose values reached the host (`LateValues`), in order; the
+        first ROLLBACK or ABORT ends it (the steps after it are discarded with it). Their losses become the run's."""
+        for values in ready:
+            verdict = self.parts.guard.observe(values.step, values.loss_finite, values.grad_finite)
+            if verdict is Verdict.ROLLBACK:
+                self.metrics.nonfinite_step()
+                self.metrics.rollback()
+            if verdict in (Verdict.ROLLBACK, Verdict.ABORT):
+                return verdict
+            if verdict is Verdict.SKIP and self.parts.plan.precision != "16-mixed":  # fp16: the scaler's business
+                self.metrics.nonfinite_step()
+                log.warning("skipped step %d: %s", values.step, self.parts.guard.last_reason)
+            self.last_loss, self.last_values = values.loss, values
+            self.tracker.metrics(
+                values.step,
+                {
+                    "train/loss": values.loss,
+                    "train/learning_rate": values.learning_rate,
+                    "train/grad_norm": values.grad_norm,
+                    "train/samples_per_second": self.samples_per_second,
+                    "train/tokens_per_second": self.tokens_per_second,
+                    "train/model_flops_per_second": self.model_flops_per_second,
+                    "train/mfu": self.mfu,
+                },
+            )
+        return Verdict.OK
 
     def run(self) -> int:
         cfg = self.cfg
@@ -406,41 +454,36 @@ class Trainer:
     def _loop(self, batches: Generator[dict[str, torch.Tensor], None, None]) -> int:
         cfg = self.cfg
         window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
+        late = LateValues(self.device)
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
             self.data_wait_seconds = self.copy_wait_seconds = 0.0
             loss, grad_norm, agreement = self._train_step(batches)
             # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
-            stop, save_due, loss_bad = agreement()
-            verdict = self.parts.guard.observe(self.step + 1, not loss_bad, math.isfinite(grad_norm))
-            if verdict is Verdict.OK or (verdict is Verdict.SKIP and self.parts.plan.precision == "16-mixed"):
-                self._wait_for_checkpoint_copy()
-                self.parts.scaler.step(self.parts.optimizer)  # with fp16 the scaler itself skips inf steps
-                self.parts.scaler.update()
-                if self.parts.ema:
-                    self.parts.ema.update(self.parts.model)
-            elif verdict is Verdict.ROLLBACK:
-                self.metrics.nonfinite_step()
-                self.metrics.rollback()
-                self._account_step(step_started, kept=False)
+            flags = non_finite_flags(loss, grad_norm)
+            stop, save_due = agreement()
+            learning_rate = self._update(flags)
+            self.parts.scheduler.step()
+            self.step += 1
+            late.put(self.step, learning_rate, loss, grad_norm, flags)
+            window_steps += 1
+            step_seconds = self._account_step(step_started, kept=True)
+            logs = self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps
+            evaluates = bool(cfg.eval.interval_steps) and self.step % cfg.eval.interval_steps == 0
+            # The host learns of a non-finite step a step late, except where it waits for every step's values
+            # anyway: before a checkpoint holds the guard's counts, an evaluation, a log line.
+            boundary = stop or save_due or logs or evaluates or self.step == cfg.max_steps
+            verdict = self._observe(late.drain() if boundary else late.ready())
+            if verdict is Verdict.ROLLBACK:
+                late.clear()
                 if not self._rollback():
                     return exit_codes.DIVERGED
                 batches.close()
                 batches = batches_of_run(self.data, self.cfg, self.device, self.device_type)
                 continue
-            elif verdict is Verdict.ABORT:
+            if verdict is Verdict.ABORT:
                 log.error("%s", self.parts.guard.abort_message())
                 return exit_codes.DIVERGED
-            else:
-                self.metrics.nonfinite_step()
-                log.warning("skipped step %d: %s", self.step + 1, self.parts.guard.last_reason)
-            # The rate this step ran with: before the schedule moves on, and from the optimizer (a rollback lowers it
-            # there; the scheduler's last rate is the one before that).
-            learning_rate = float(self.parts.optimizer.param_groups[0]["lr"])
-            self.parts.scheduler.step()
-            self.step += 1
-            window_steps += 1
-            step_seconds = self._account_step(step_started, kept=True)
             if not self.clock.first_step:
                 log.info(self.clock.first_step_done(step_seconds))
                 self.metrics.startup(self.clock)
@@ -462,7 +505,7 @@ class Trainer:
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-            if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
+            if evaluates:
                 with self.clock.timing("eval"):
                     results = self._evaluate()
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
@@ -471,12 +514,12 @@ class Trainer:
                     self.step, {f"eval/{name.removeprefix('eval_')}": value for name, value in results.items()}
                 )
 
-            self.last_loss = loss
+            newest = self.last_values
             self.metrics.step(
                 step=self.step,
-                loss=loss,
+                loss=newest.loss if newest else math.nan,
                 learning_rate=learning_rate,
-                grad_norm=grad_norm,
+                grad_norm=newest.grad_norm if newest else math.nan,
                 step_seconds=step_seconds,
                 data_wait_seconds=self.data_wait_seconds,
                 productive_seconds=self.productive_seconds,
@@ -486,31 +529,19 @@ class Trainer:
                 mfu=self.mfu,
             )
             self.metrics.checkpoints(self.session.store, self.session.checkpoint_wait_seconds)
-            self.tracker.metrics(
-                self.step,
-                {
-                    "train/loss": loss,
-                    "train/learning_rate": learning_rate,
-                    "train/grad_norm": grad_norm,
-                    "train/samples_per_second": self.samples_per_second,
-                    "train/tokens_per_second": self.tokens_per_second,
-                    "train/model_flops_per_second": self.model_flops_per_second,
-                    "train/mfu": self.mfu,
-                },
-            )
             self._track_commit()
             # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
             self.session.report(
                 self.step,
                 total_steps=cfg.max_steps,
-                loss=loss,
+                loss=self.last_loss,
                 samples_per_second=self.samples_per_second,
                 productive_seconds=self.productive_seconds,
                 process_time=self.clock,
                 model_flops_per_second=self.model_flops_per_second,
                 mfu=self.mfu,
             )
-            if self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps:
+            if logs and newest is not None:
                 self.metrics.checkpoint_interval(self.session.interval_choice())
                 # Training time only: evaluation and checkpoints in the window are not throughput.
                 elapsed = time.monotonic() - window_start - (self._paused_seconds() - window_paused)
@@ -525,8 +556,8 @@ class Trainer:
                     "step %d/%d loss %.4f grad_norm %.3f lr %.3g samples/s %.1f%s",
                     self.step,
                     cfg.max_steps,
-                    loss,
-                    grad_norm,
+                    newest.loss,
+                    newest.grad_norm,
                     learning_rate,
                     self.samples_per_second,
                     (f" TFLOP/s {self.model_flops_per_second / 1e12:.3g}" if self.model_flops_per_second else "")

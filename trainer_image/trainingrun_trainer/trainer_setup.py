@@ -20,7 +20,7 @@ from . import efficiency
 from .context import RunContext
 from .ema import WeightEMA
 from .health import NonFiniteGuard
-from .loading import batches_of, in_background, start_worker, worker_processes
+from .loading import ahead_on_device, batches_of, in_background, start_worker, worker_processes
 from .optim import build_optimizer, build_scheduler
 from .precision import PrecisionPlan
 from .sampling import ResumableSampler, read_ahead
@@ -90,7 +90,7 @@ def build_model(
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device_type == "cuda" else None
         )
-    optimizer = build_optimizer(model, cfg.optimizer, device_type)
+    optimizer = build_optimizer(model, cfg.optimizer)
     return ModelParts(
         model=model,
         wrapped=efficiency.compiled(wrapped, cfg.compile, device_type),
@@ -175,9 +175,10 @@ def batches(
             drop_last=True,
         )
         produced = False
-        for batch in in_background(loader) if read_by_a_thread else batches_of(loader, data.worker_start_method):
+        read = in_background(loader) if read_by_a_thread else batches_of(loader, data.worker_start_method)
+        for batch in ahead_on_device(read, device):
             produced = True
-            yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            yield batch
         if not produced:
             raise RuntimeError(
                 "the dataset yields no full batch: spec.trainer.data.batchSize x world size is larger "

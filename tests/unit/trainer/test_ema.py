@@ -59,3 +59,18 @@ def test_state_round_trips_and_a_state_of_another_model_is_refused():
     assert all(torch.equal(other.shadow[name], saved[name]) for name in saved)
     with pytest.raises(KeyError, match="another model"):
         other.load_state_dict({"0.weight": saved["0.weight"]})
+
+
+def test_a_step_the_optimizer_skipped_leaves_the_shadow_as_it_was_and_one_it_took_follows_the_formula():
+    model = small_model()
+    told, untold = WeightEMA(model, decay=0.9), WeightEMA(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = {name: t.clone() for name, t in told.shadow.items()}
+    told.update(model, skipped=torch.tensor(1.0))
+    assert all(torch.equal(before[name], told.shadow[name]) for name in before)
+    told.update(model, skipped=torch.tensor(0.0))
+    untold.update(model)
+    assert all(torch.equal(untold.shadow[name], told.shadow[name]) for name in before)  # bitwise the scalar weight's
+    assert not torch.equal(before["0.weight"], told.shadow["0.weight"])

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from trainingrun_api.model_base import ConfigError
 from trainingrun_trainer.background import helper_niceness
 from trainingrun_trainer.data import SyntheticText
-from trainingrun_trainer.loading import batches_of, in_background, seed_worker, worker_processes
+from trainingrun_trainer.loading import ahead_on_device, batches_of, in_background, seed_worker, worker_processes
 from trainingrun_trainer.sampling import ResumableSampler
 
 # ---------------------------------------------------------------- worker seeding
@@ -215,3 +215,33 @@ def test_the_loader_read_in_background_gives_the_same_batches():
     expected = [batch["tokens"] for batch in loader()]
     got = [batch["tokens"] for batch in in_background(loader())]
     assert len(got) == len(expected) == 32 and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (gpu_suite.py runs it)"),
+        ),
+    ],
+)
+def test_batches_reach_the_device_in_order_and_intact_each_one_ahead(device):
+    torch.manual_seed(0)
+    source = [{"x": torch.randn(64, 256).pin_memory() if device == "cuda" else torch.randn(64, 256)} for _ in range(5)]
+    taken: list[int] = []
+
+    def read():
+        for index, batch in enumerate(source):
+            taken.append(index)
+            yield batch
+
+    moved = ahead_on_device(read(), torch.device(device))
+    first = next(moved)
+    # On a GPU the next batch's copy is already queued when the first is handed over; on a CPU nothing is read ahead.
+    assert taken == ([0, 1] if device == "cuda" else [0])
+    received = [first, *moved]
+    assert [b["x"].device.type for b in received] == [device] * 5
+    # The step's stream reads each copy after it finished (the wait is on the device): all bytes arrive.
+    assert all(torch.equal(b["x"].cpu(), s["x"]) for b, s in zip(received, source))

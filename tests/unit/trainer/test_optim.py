@@ -1,5 +1,6 @@
 """Weight-decay groups and LR schedules."""
 
+import copy
 import math
 
 import pytest
@@ -7,7 +8,14 @@ import torch
 from torch import nn
 
 from trainingrun_api.config import OptimizerConfig, ScheduleConfig
-from trainingrun_trainer.optim import build_optimizer, build_scheduler, lr_factor, scale_learning_rate
+from trainingrun_trainer.optim import (
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    scale_learning_rate,
+    skips_on_device,
+    step_unless,
+)
 
 
 class Tiny(nn.Module):
@@ -105,9 +113,42 @@ def test_scale_learning_rate_lowers_the_schedule_for_good():
     assert sched.get_last_lr() == [0.5, 0.5]
 
 
-def test_adamw_is_fused_on_gpus_unless_the_spec_says_and_not_on_cpus():
+def test_optimizers_are_fused_unless_the_spec_says_not():
     model = nn.Linear(4, 4)
-    assert not build_optimizer(model, OptimizerConfig()).defaults.get("fused")
-    assert build_optimizer(model, OptimizerConfig(), device_type="cuda").defaults["fused"]
-    assert not build_optimizer(model, OptimizerConfig(fused=False), device_type="cuda").defaults.get("fused")
-    assert build_optimizer(model, OptimizerConfig(fused=True)).defaults["fused"]  # fused AdamW runs on CPUs too
+    assert build_optimizer(model, OptimizerConfig()).defaults["fused"]  # fused kernels run on CPUs too
+    assert build_optimizer(model, OptimizerConfig(name="sgd")).defaults["fused"]
+    assert not build_optimizer(model, OptimizerConfig(fused=False)).defaults.get("fused")
+    assert not build_optimizer(model, OptimizerConfig(name="sgd", fused=False)).defaults.get("fused")
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_device_flag_skips_the_fused_step_leaving_parameters_and_moments_as_they_were(name):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = build_optimizer(model, OptimizerConfig(name=name, lr=0.1))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # SGD's momentum buffers exist from here on
+    assert skips_on_device(optimizer)
+    before = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    step_unless(optimizer, torch.tensor(1.0))
+    after = (model.state_dict(), optimizer.state_dict())
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    for key, state in before[1]["state"].items():
+        for field, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after[1]["state"][key][field])), field
+    assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
+    step_unless(optimizer, torch.tensor(0.0))
+    assert not torch.equal(before[0]["weight"], model.weight)
+
+
+def test_only_an_optimizer_a_device_flag_can_skip_is_told_by_one():
+    model = nn.Linear(4, 4)
+    assert not skips_on_device(build_optimizer(model, OptimizerConfig(fused=False)))
+    # Fused SGD with momentum makes uninitialised momentum buffers on its first step and trusts them after: a skipped
+    # first step would leave garbage in them, so that one step is decided on the host.
+    sgd = build_optimizer(model, OptimizerConfig(name="sgd"))
+    assert not skips_on_device(sgd)
+    assert skips_on_device(build_optimizer(model, OptimizerConfig(name="sgd", momentum=0.0)))
+    model(torch.randn(2, 4)).sum().backward()
+    sgd.step()
+    assert skips_on_device(sgd)

@@ -1,12 +1,23 @@
-"""Trainer._charge_save_slowdown: the time a background save adds to the steps beside it is "checkpoint" time."""
+"""Trainer: the time a background save adds to the steps beside it is "checkpoint" time; a step between log lines
+never waits for the device (issue 64)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+import yaml
 
+from tiny_runs import tiny_trainer
 from trainingrun_trainer.checkpoint_interval import SaveCosts
 from trainingrun_trainer.timekeeping import ProcessClock
 from trainingrun_trainer.trainer import Trainer
+
+TESTS = Path(__file__).resolve().parents[2]
 
 
 def accounting():
@@ -48,3 +59,56 @@ def test_without_a_save_nothing_is_charged():
     for compute in (0.1, 0.3, 0.1, 0.2):
         step(trainer, compute)
     assert trainer.clock.seconds["checkpoint"] == 0 and trainer.productive_seconds == pytest.approx(0.7)
+
+
+def count_calls_that_wait(tmp_path, device="cpu", **trainer) -> dict[int, int]:
+    """Calls that would make the host wait for a GPU, by the step the trainer was at (tests/sync_counting.py), in a
+    process of its own."""
+    config = {
+        "trainer": tiny_trainer(samples=2048, maxSteps=30, logIntervalSteps=10, seed=1, **trainer),
+        "checkpoint": {"uri": (tmp_path / "ckpt").as_uri(), "interval": {"steps": 1000}},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "sync_counting.py"), str(tmp_path / "config.yaml"), device],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {int(step): calls for step, calls in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def between_log_lines(by_step: dict[int, int]) -> dict[int, int]:
+    """Steps 2-28 but those at and just before a log line (every 10): what a step itself does."""
+    return {step: by_step.get(step, 0) for step in range(2, 29) if step % 10 not in (0, 9)}
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        {},
+        {"gradAccumulationSteps": 2, "gradClipNorm": 1.0, "ema": {"enabled": True, "decay": 0.99}},
+        {"optimizer": {"name": "sgd", "momentum": 0.9}},
+    ],
+    ids=["defaults", "accumulation-clipping-ema", "sgd-momentum"],
+)
+def test_a_step_between_log_lines_never_waits_for_the_device(tmp_path, trainer):
+    by_step = count_calls_that_wait(tmp_path, **trainer)
+    assert between_log_lines(by_step) == dict.fromkeys(between_log_lines(by_step), 0), by_step
+    assert sum(by_step.values()) > 0  # the log lines read the values they print: the counter counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_suite.py runs it)")
+def test_a_step_on_a_gpu_never_waits_for_it_by_cudas_own_account(tmp_path):
+    """bf16 autocast on the GPU, CUDA's sync debug mode counting every synchronisation the step makes."""
+    by_step = count_calls_that_wait(tmp_path, "cuda", precision="bf16-mixed", gradClipNorm=1.0)
+    assert between_log_lines(by_step) == dict.fromkeys(between_log_lines(by_step), 0), by_step
+
+
+def test_an_optimizer_a_device_flag_cannot_skip_waits_once_a_step(tmp_path):
+    """fused: false (the documented cost): the host reads the non-finite flag before each optimizer step."""
+    steps = between_log_lines(count_calls_that_wait(tmp_path, optimizer={"fused": False}))
+    assert min(steps.values()) >= 1, steps
