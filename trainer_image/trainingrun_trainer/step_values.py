@@ -37,14 +37,21 @@ class StepValues:
     grad_finite: bool
 
 
-def non_finite_flags(loss: torch.Tensor, grad_norm: torch.Tensor, group: Optional[object] = None) -> torch.Tensor:
-    """[loss not finite, grad norm not finite] as floats on the loss's device, agreed by every rank (the largest: a
-    non-finite loss on one rank skips the step on all of them, or the replicas drift). One tiny all_reduce when
-    distributed: queued behind the step on a GPU (NCCL), finished on the host for gloo, neither waits for a device."""
-    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm.to(loss.device))]).to(torch.float32)
+def step_tensor(loss: torch.Tensor, grad_norm: torch.Tensor, group: Optional[object] = None) -> torch.Tensor:
+    """[loss, grad norm, loss not finite, grad norm not finite] as float32 on the loss's device, the flags agreed by
+    every rank (the largest: a non-finite loss on one rank skips the step on all of them, or the replicas drift). One
+    tiny all_reduce when distributed: queued behind the step on a GPU (NCCL), done on the host for gloo; neither waits
+    for a device. Few operations, as each costs the host a few microseconds to queue."""
+    values = torch.stack([loss.float(), grad_norm.to(loss.device, torch.float32)])
+    flags = values.isfinite().logical_not_().float()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:  # type: ignore[arg-type]
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
-    return flags
+    return torch.cat([values, flags])
+
+
+def found_inf(step: torch.Tensor) -> torch.Tensor:
+    """A `step_tensor`'s verdict as the fused optimizers take it: 1.0 when either value was not finite anywhere."""
+    return step[2:].amax()
 
 
 class LateValues:
@@ -57,10 +64,8 @@ class LateValues:
             collections.deque()
         )
 
-    def put(
-        self, step: int, learning_rate: float, loss: torch.Tensor, grad_norm: torch.Tensor, flags: torch.Tensor
-    ) -> None:
-        values = torch.cat([loss.reshape(1).float(), grad_norm.reshape(1).float().to(loss.device), flags])
+    def put(self, step: int, learning_rate: float, values: torch.Tensor) -> None:
+        """Step `step`'s `step_tensor` (and the rate it ran with, a host value carried along)."""
         if not self._on_gpu:  # a CPU's tensors are ready as soon as they exist
             self._pending.append((step, learning_rate, values, None))
             return

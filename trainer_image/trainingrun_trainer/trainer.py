@@ -35,7 +35,7 @@ from .optim import scale_learning_rate, skips_on_device, step_unless
 from .seeding import rng_state, seed_everything, set_rng_state, use_deterministic_algorithms
 from .session import Run
 from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank, TrainState
-from .step_values import LateValues, StepValues, non_finite_flags
+from .step_values import LateValues, StepValues, found_inf, step_tensor
 from .timekeeping import ProcessClock
 from .trainer_setup import DataParts, ModelParts, build_data, build_model, init_device
 from .trainer_setup import batches as batches_of_run
@@ -281,21 +281,20 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         return total, grad_norm, agreement
 
-    def _update(self, flags: torch.Tensor) -> float:
-        """The optimizer step (and the EMA's) unless `flags` (`step_values.non_finite_flags`) say the loss or the
+    def _update(self, not_finite: torch.Tensor) -> float:
+        """The optimizer step (and the EMA's) unless `not_finite` (`step_values.found_inf`) says the loss or the
         gradients were not finite on some rank; the rate it ran with. Decided on the device where the optimizer can
         be told by a tensor (fused, the default), so the host does not wait for the backward pass here."""
         parts = self.parts
         self._wait_for_checkpoint_copy()
-        found_inf = flags.amax()
         skipped: Optional[torch.Tensor] = None  # for the EMA: None when the host knows the step was taken
         if parts.plan.precision == "16-mixed":
             parts.scaler.step(parts.optimizer)  # the scaler skips non-finite gradients itself (in the fused kernel)
             parts.scaler.update()  # and the EMA follows every scaler step, as it always has
         elif skips_on_device(parts.optimizer):
-            step_unless(parts.optimizer, found_inf)
-            skipped = found_inf
-        elif not found_inf.item():  # an optimizer a device flag cannot skip (fused: false): one wait a step
+            step_unless(parts.optimizer, not_finite)
+            skipped = not_finite
+        elif not not_finite.item():  # an optimizer a device flag cannot skip (fused: false): one wait a step
             parts.optimizer.step()
         else:
             return float(parts.optimizer.param_groups[0]["lr"])
@@ -460,12 +459,12 @@ class Trainer:
             self.data_wait_seconds = self.copy_wait_seconds = 0.0
             loss, grad_norm, agreement = self._train_step(batches)
             # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
-            flags = non_finite_flags(loss, grad_norm)
+            values = step_tensor(loss, grad_norm)
             stop, save_due = agreement()
-            learning_rate = self._update(flags)
+            learning_rate = self._update(found_inf(values))
             self.parts.scheduler.step()
             self.step += 1
-            late.put(self.step, learning_rate, loss, grad_norm, flags)
+            late.put(self.step, learning_rate, values)
             window_steps += 1
             step_seconds = self._account_step(step_started, kept=True)
             logs = self.step % cfg.log_interval_steps == 0 or self.step == cfg.max_steps
