@@ -775,21 +775,23 @@ def main(argv: list[str] | None = None) -> int:
             f"quiet windows {quiet[kind] / quiet['trainer']:.3f} x"
         )
         extra += f" {feature}_overhead_ratio={feature_ratio:.4f}"
+
     # The host's own cost per step: each round's trainer run against that round's bare run (the same minutes of the
     # machine), in ms a step; with the --host-cost model the step's compute is about a millisecond, so this is the
     # trainer's Python and synchronisation beyond the bare loop (issue 64: <= 0.2 ms).
-    host_ms = statistics.median(
-        1000 * (t["seconds"] - b["seconds"]) / timed for t, b in zip(results["trainer"], results["bare"])
-    )
+    def paired_ms(side: str) -> float:
+        return statistics.median(
+            1000 * (t["seconds"] - b["seconds"]) / timed for t, b in zip(results[side], results["bare"])
+        )
+
+    host_ms = paired_ms("trainer")
     print(
         f"host_ms_per_step = trainer - bare per step, paired by round, median of {args.repeats} = {host_ms:.3f} ms "
         f"(bare {1000 * bare / timed:.3f} ms/step; issue 64's target <= 0.2 ms with --host-cost)"
     )
     extra += f" host_ms_per_step={host_ms:.4f}"
     if "trainer-baseline" in results:
-        before_ms = statistics.median(
-            1000 * (t["seconds"] - b["seconds"]) / timed for t, b in zip(results["trainer-baseline"], results["bare"])
-        )
+        before_ms = paired_ms("trainer-baseline")
         print(
             f"host_ms_per_step of the --baseline checkout ({args.baseline}), paired the same way = {before_ms:.3f} ms; "
             f"this checkout {host_ms:.3f} ms: {before_ms - host_ms:+.3f} ms a step saved"
