@@ -52,12 +52,13 @@ def losses(stderr):
 @pytest.mark.parametrize(
     "options",
     [
-        {"strategy": "fsdp2"},
+        # FSDP2's EMA: the shadow of each rank's shards follows the optimizer's device flag (`ema.update(skipped=)`).
+        {"strategy": "fsdp2", "ema": {"enabled": True}},
         {"strategy": "fsdp2", "activationCheckpointing": True, "precision": "bf16-mixed"},
         {"activationCheckpointing": True, "ema": {"enabled": True}},
         {"precision": "bf16-true"},
     ],
-    ids=["fsdp2", "fsdp2-actckpt-bf16mixed", "ddp-actckpt-ema", "bf16-true"],
+    ids=["fsdp2-ema", "fsdp2-actckpt-bf16mixed", "ddp-actckpt-ema", "bf16-true"],
 )
 def test_run_paths_train_checkpoint_and_resume(tmp_path, options):
     trainer = {**TINY, **options}

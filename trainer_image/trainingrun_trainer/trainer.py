@@ -42,6 +42,9 @@ from .trainer_setup import batches as batches_of_run
 
 log = logging.getLogger("trainingrun.trainer")
 
+#: The most seconds between two progress reports the loop builds (half the reporter's interval when that is shorter).
+REPORT_PACE_SECONDS = 1.0
+
 
 def config_hash(config: RunConfig) -> str:
     """Identifies the training recipe; the checkpoint URI is left out so a run can move buckets, the loggers
@@ -454,6 +457,7 @@ class Trainer:
         cfg = self.cfg
         window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
         late = LateValues(self.device)
+        reported_at, report_pace = -math.inf, min(REPORT_PACE_SECONDS, self.session.reporter.interval / 2)
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
             self.data_wait_seconds = self.copy_wait_seconds = 0.0
@@ -529,17 +533,20 @@ class Trainer:
             )
             self.metrics.checkpoints(self.session.store, self.session.checkpoint_wait_seconds)
             self._track_commit()
-            # Every step goes to the reporter, which only keeps the newest and sends at its own pace.
-            self.session.report(
-                self.step,
-                total_steps=cfg.max_steps,
-                loss=self.last_loss,
-                samples_per_second=self.samples_per_second,
-                productive_seconds=self.productive_seconds,
-                process_time=self.clock,
-                model_flops_per_second=self.model_flops_per_second,
-                mfu=self.mfu,
-            )
+            # The reporter keeps only the newest and sends at its own pace: a report is built at about that pace
+            # (and at each log line), not every step.
+            if logs or step_started - reported_at >= report_pace:
+                reported_at = step_started
+                self.session.report(
+                    self.step,
+                    total_steps=cfg.max_steps,
+                    loss=self.last_loss,
+                    samples_per_second=self.samples_per_second,
+                    productive_seconds=self.productive_seconds,
+                    process_time=self.clock,
+                    model_flops_per_second=self.model_flops_per_second,
+                    mfu=self.mfu,
+                )
             if logs and newest is not None:
                 self.metrics.checkpoint_interval(self.session.interval_choice())
                 # Training time only: evaluation and checkpoints in the window are not throughput.
