@@ -15,6 +15,7 @@ how to get them, except under TRAININGRUN_CI, where it must run.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -223,6 +224,17 @@ def pod_processes(pod: str) -> list[int]:
     return found
 
 
+def logged_since(since: float, pattern: str, logs: str) -> list[int]:
+    """The number each line of `logs` matching `pattern` holds, for lines logged at `since` (time.time()) or later, by
+    the trainer's timestamps (UTC, as the pods and this machine keep time), in the order of their times."""
+    found = []
+    for match in re.finditer(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?" + pattern, logs, re.M):
+        at = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=datetime.timezone.utc)
+        if at.timestamp() >= since:
+            found.append((at, int(match.group(2))))
+    return [number for _, number in sorted(found)]
+
+
 def lose_without_warning(cluster: Cluster, namespace: str, pod: str) -> None:
     """As a node failure loses a pod: every process of it stopped at once (no SIGTERM, so no emergency checkpoint),
     the pod force-deleted (so Kubeflow recreates it: a new pod, its /dev/shm empty, not a container restarted in the
@@ -272,14 +284,16 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
 
         status = cluster.wait("memory ahead of storage in status", memory_ahead, explain=explain)
         pod = f"{status['jobName']}-worker-1"
+        stopped_at = time.time()
         lose_without_warning(cluster, namespace, pod)
         killed_at = time.time()
         done = cluster.wait_finished(namespace, name, explain)
         assert done["status"]["phase"] == "Succeeded", explain()
         assert done["status"]["attempt"] == 1, done["status"]
         everything = "\n".join(cluster.pod_logs(namespace).values())
-        gone = [int(s) for s in re.findall(r"a peer worker is gone after step (\d+)", everything)]
-        resumed = [int(s) for s in re.findall(r"resumed from s3://\S+ at step (\d+)", everything)]
+        # Only what the pods logged after the pod was stopped: a restart before it (any worker's) is not this one.
+        gone = logged_since(stopped_at, r"a peer worker is gone after step (\d+)", everything)
+        resumed = logged_since(stopped_at, r"resumed from s3://\S+ at step (\d+)", everything)
         assert gone and resumed, f"no restart after the pod was lost:\n{everything[-3000:]}\n{explain()}"
         lost = gone[0] - resumed[0]
         # What a failure needs to be understood: every warning and every line about the restart, from both pods.
