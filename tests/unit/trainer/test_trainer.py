@@ -98,7 +98,7 @@ def between_log_lines(by_step: dict[int, int]) -> dict[int, int]:
 def test_a_step_between_log_lines_never_waits_for_the_device(tmp_path, trainer):
     by_step = count_calls_that_wait(tmp_path, **trainer)
     assert between_log_lines(by_step) == dict.fromkeys(between_log_lines(by_step), 0), by_step
-    assert sum(by_step.values()) > 0  # the log lines read the values they print: the counter counts
+    assert by_step.get(0, 0) > 0  # the counter is installed: the DataLoader reads its seed with .item() as it starts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_suite.py runs it)")
