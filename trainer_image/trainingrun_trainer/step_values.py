@@ -37,15 +37,15 @@ class StepValues:
     grad_finite: bool
 
 
-def step_tensor(loss: torch.Tensor, grad_norm: torch.Tensor, group: Optional[object] = None) -> torch.Tensor:
+def step_tensor(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
     """[loss, grad norm, loss not finite, grad norm not finite] as float32 on the loss's device, the flags agreed by
     every rank (the largest: a non-finite loss on one rank skips the step on all of them, or the replicas drift). One
     tiny all_reduce when distributed: queued behind the step on a GPU (NCCL), done on the host for gloo; neither waits
     for a device. Few operations, as each costs the host a few microseconds to queue."""
     values = torch.stack([loss.float(), grad_norm.to(loss.device, torch.float32)])
     flags = values.isfinite().logical_not_().float()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:  # type: ignore[arg-type]
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return torch.cat([values, flags])
 
 
@@ -78,22 +78,19 @@ class LateValues:
     def ready(self) -> list[StepValues]:
         """The steps whose values reached the host; waits only for the oldest when `MAX_IN_FLIGHT` are pending (the
         GPU that far behind, the host queues nothing new until it catches up: the copy costs it nothing)."""
+        return self._take(wait_for_all=False)
+
+    def drain(self) -> list[StepValues]:
+        """Every pending step's values, waiting for their copies: at checkpoints, evaluations and the end."""
+        return self._take(wait_for_all=True)
+
+    def _take(self, wait_for_all: bool) -> list[StepValues]:
         done = []
         while self._pending:
             copied = self._pending[0][-1]
             if copied is not None and not copied.query():
-                if len(self._pending) < MAX_IN_FLIGHT:
+                if not wait_for_all and len(self._pending) < MAX_IN_FLIGHT:
                     break
-                copied.synchronize()
-            done.append(_values(*self._pending.popleft()))
-        return done
-
-    def drain(self) -> list[StepValues]:
-        """Every pending step's values, waiting for their copies: at checkpoints, evaluations and the end."""
-        done = []
-        while self._pending:
-            copied = self._pending[0][-1]
-            if copied is not None:
                 copied.synchronize()
             done.append(_values(*self._pending.popleft()))
         return done

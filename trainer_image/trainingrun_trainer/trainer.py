@@ -88,6 +88,7 @@ class Trainer:
         self.last_loss: float | None = None
         #: The newest step whose values reached the host (a step late: `step_values`).
         self.last_values: Optional[StepValues] = None
+        self._skips_on_device = False  #: the optimizer skips a non-finite step by a device flag (`optim.step_unless`)
 
     @property
     def step(self) -> int:
@@ -291,21 +292,37 @@ class Trainer:
         parts = self.parts
         self._wait_for_checkpoint_copy()
         skipped: Optional[torch.Tensor] = None  # for the EMA: None when the host knows the step was taken
+        taken = True
+        # Once an optimizer can be told by a device flag it stays so (SGD's momentum buffers, once made, are kept).
+        self._skips_on_device = self._skips_on_device or skips_on_device(parts.optimizer)
         if parts.plan.precision == "16-mixed":
             parts.scaler.step(parts.optimizer)  # the scaler skips non-finite gradients itself (in the fused kernel)
             parts.scaler.update()  # and the EMA follows every scaler step, as it always has
-        elif skips_on_device(parts.optimizer):
+        elif self._skips_on_device:
             step_unless(parts.optimizer, not_finite)
             skipped = not_finite
-        elif not not_finite.item():  # an optimizer a device flag cannot skip (fused: false): one wait a step
-            parts.optimizer.step()
-        else:
-            return float(parts.optimizer.param_groups[0]["lr"])
-        if parts.ema:
+        else:  # an optimizer a device flag cannot skip (fused: false): one wait a step
+            taken = not not_finite.item()
+            if taken:
+                parts.optimizer.step()
+        if parts.ema and taken:
             parts.ema.update(parts.model, skipped)
         # The rate this step ran with: before the schedule moves on, and from the optimizer (a rollback lowers it
         # there; the scheduler's last rate is the one before that).
         return float(parts.optimizer.param_groups[0]["lr"])
+
+    def _report_progress(self) -> None:
+        """Where the run stands, to the reporter (which keeps the newest and sends it at its pace)."""
+        self.session.report(
+            self.step,
+            total_steps=self.cfg.max_steps,
+            loss=self.last_loss,
+            samples_per_second=self.samples_per_second,
+            productive_seconds=self.productive_seconds,
+            process_time=self.clock,
+            model_flops_per_second=self.model_flops_per_second,
+            mfu=self.mfu,
+        )
 
     def _observe(self, ready: list[StepValues]) -> Verdict:
         """The non-finite policy's verdict on the steps whose values reached the host (`LateValues`), in order; the
@@ -388,17 +405,7 @@ class Trainer:
             batches.close()  # stops the thread that reads ahead (loading.in_background), if any
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
-        # The last word on this process's time: the final save included.
-        self.session.report(
-            self.step,
-            total_steps=self.cfg.max_steps,
-            loss=self.last_loss,
-            samples_per_second=self.samples_per_second,
-            productive_seconds=self.productive_seconds,
-            process_time=self.clock,
-            model_flops_per_second=self.model_flops_per_second,
-            mfu=self.mfu,
-        )
+        self._report_progress()  # the last word on this process's time: the final save included
         self.session.close(finished=code == exit_codes.OK)
         if self.distributed:
             dist.destroy_process_group()
@@ -475,7 +482,7 @@ class Trainer:
             evaluates = bool(cfg.eval.interval_steps) and self.step % cfg.eval.interval_steps == 0
             # The host learns of a non-finite step a step late, except where it waits for every step's values
             # anyway: before a checkpoint holds the guard's counts, an evaluation, a log line.
-            boundary = stop or save_due or logs or evaluates or self.step == cfg.max_steps
+            boundary = stop or save_due or logs or evaluates
             verdict = self._observe(late.drain() if boundary else late.ready())
             if verdict is Verdict.ROLLBACK:
                 late.clear()
@@ -537,16 +544,7 @@ class Trainer:
             # (and at each log line), not every step.
             if logs or step_started - reported_at >= report_pace:
                 reported_at = step_started
-                self.session.report(
-                    self.step,
-                    total_steps=cfg.max_steps,
-                    loss=self.last_loss,
-                    samples_per_second=self.samples_per_second,
-                    productive_seconds=self.productive_seconds,
-                    process_time=self.clock,
-                    model_flops_per_second=self.model_flops_per_second,
-                    mfu=self.mfu,
-                )
+                self._report_progress()
             if logs and newest is not None:
                 self.metrics.checkpoint_interval(self.session.interval_choice())
                 # Training time only: evaluation and checkpoints in the window are not throughput.
