@@ -63,7 +63,11 @@ to the tier skips ``dcp.save`` (`save_planner`) and each rank stages into its fi
 writes: DCP's plan writes each replicated tensor from one rank, so the tier (and storage) holds one copy of a DDP
 model and its moments, not one per rank. Such a save cannot fall back to storage, where DCP plans afresh and may ask
 any rank for any tensor: a rank that finds no room to stage after all fails that save alone (the next one commits).
-Several nodes: each node's tier holds only its ranks' files, so saves commit to storage (the tier keeps a copy).
+Several nodes: each node's lowest rank also writes the other nodes' ranks' files into its tier (`mirroring`: from its
+own replica for DDP; for a sharded state, received from the pod that wrote them, in a ring), so every node holds every
+file, the save commits in memory once each has them (the gathered statuses), and a replacement pod receives them from
+a survivor (`peers`). A sharded state on more than two pods leaves each node with its own and its neighbour's files:
+those saves commit to storage.
 
 A storage error in steps 2-4 never raises into the training loop: each rank logs it once
 (logger ``trainingrun.checkpoint``), counts it in ``metrics.failed_saves``, no manifest is written, and
@@ -90,7 +94,8 @@ tampering (which is why a fast digest does as well as sha256 did).
 The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer), `manifest`
 (inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store` (`CheckpointStore`,
 composed of `saving.Saver`, `committing.Committer`, `persisting.Persister`, `restoring.Restorer` and
-`rotation.Rotation` over one `context.StoreContext`), `listing` (the CLI's table).
+`rotation.Rotation` over one `context.StoreContext`), `mirroring` and `peers` (several nodes; `transfer` moves their
+files), `listing` (the CLI's table).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Committer:
         """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
-        self._mirror.decline_shards({**job.state, **(job.later or {})})
+        self._mirror.check_state({**job.state, **(job.later or {})})
         if not self._context.persist_behind:
             self._take_later(job)
             self._stage_later(job, None)
@@ -110,7 +110,8 @@ class Committer:
             # Agreed before staging: the memory tier when every rank has room there; DCP's planning skipped when every
             # rank's state keeps the layout of its last plan, and then each rank stages only what its plan writes.
             # With several nodes each node's lowest rank copies the other nodes' files from its own staged copy of
-            # the whole state (`mirroring`): no rank stages only what its plan writes.
+            # the whole state (`mirroring`): no rank stages only what its plan writes (but for a sharded state, whose
+            # copies come over the network).
             in_memory, repeats = self._context.ranks.all(
                 tier_dir is not None, self._repeats(planner, {**job.state, **(job.later or {})})
             )
@@ -128,9 +129,8 @@ class Committer:
         fast = in_memory and repeats
         # Several nodes: each file written whole by DCP's writer (no staged file, whose layout only its rank knows),
         # from the whole state, so the other nodes' lowest ranks can write it again byte for byte (`mirroring`).
-        staged = self._stage_later(
-            job, None if self._mirror.active else tier_dir, planner if fast and not self._mirror.active else None
-        )
+        rebuilds = self._mirror.rebuilds
+        staged = self._stage_later(job, None if rebuilds else tier_dir, planner if fast and not rebuilds else None)
         job.marks.append(("staging", time.perf_counter()))
         try:
             if fast:

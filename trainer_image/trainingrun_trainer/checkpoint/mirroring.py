@@ -1,5 +1,6 @@
 """`NodeMirror`: with several pods, each pod's memory tier also holds the data files the other pods' ranks wrote, so a
-restart inside any pod reads no byte of the checkpoint from storage.
+restart inside any pod reads no byte of the checkpoint from storage, and a lost pod's replacement receives them from
+a survivor (`peers`).
 
 DCP writes each replicated tensor (a DDP model, its optimizer state) from one rank and spreads them over every rank's
 file, so a pod's memory held only its own ranks' files and a restart read the rest from storage. But every pod
@@ -11,7 +12,14 @@ the manifest, so the copy is the committed file byte for byte, and a restart che
 tier file; a copy that differs (a replica that is not bitwise equal) or that finds no room is left out, with a
 warning, and a restart reads that file from storage.
 
-One collective a save (every rank's items gathered), after the write, on the checkpoint thread.
+A sharded state (FSDP2's DTensors) has no replica to write from: each pod's lead sends the files its own ranks wrote
+to the next pod's lead, in a ring (`transfer.FileTransfer`, the same digests decide what is kept), and receives the
+previous pod's. With two pods that is every file on every pod, as with DDP, so checkpoints commit in memory; with
+more, each pod holds its own ranks' files and its neighbour's, no pod holds them all, and saves commit to storage
+(`check_state`).
+
+One collective a save (every rank's items gathered), after the write, on the checkpoint thread; for a sharded state
+also the ring's two transfers a pod.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
 from .tensor_files import _byte_view
 from .tier_files import RecycledFile, SegmentHasher, remove_file
 from .tier_staging import tensors_of
+from .transfer import FileTransfer
 
 
 @dataclass(frozen=True)
@@ -65,25 +74,38 @@ class NodeMirror:
         nodes = context.nodes
         self.active = context.tier is not None and len(set(nodes)) > 1
         rank = context.ranks.rank
-        #: Whether this rank writes its pod's copies (the lowest rank of its node).
-        self.writes = self.active and nodes.index(nodes[rank]) == rank
+        #: Each pod's lowest rank, in rank order: the one that writes its pod's copies (and sends in the ring).
+        self.leads = [lead for lead, node in enumerate(nodes) if nodes.index(node) == lead]
+        #: Whether this rank writes its pod's copies.
+        self.writes = self.active and rank in self.leads
+        #: Whether the state is sharded (FSDP2's DTensors), from the first save (`check_state`); None before.
+        self.sharded: Optional[bool] = None
         self._told: set[str] = set()
         #: Whether this pod's memory had no room for the other pods' files at the last exchange.
         self.short_of_room = False
 
-    def decline_shards(self, state: Any) -> bool:
-        """Every rank, before a save of `state`: a sharded state (FSDP2's DTensors) has no replica on another pod to
-        write its files from, so copying stops (said once) and so does committing in memory, whose commit needs every
-        pod to hold every file: saves commit to storage. Whether it stopped."""
-        if not self.active or not any(hasattr(tensor, "placements") for tensor in tensors_of(state)):
-            return False
-        self.active = self.writes = False
-        self._context.persist_behind = False
-        logger.info(
-            "a sharded state has no replica on the other pods to copy its files from: each pod keeps its "
-            "own ranks' files in memory and checkpoints commit to storage"
-        )
-        return True
+    def check_state(self, state: Any) -> None:
+        """Every rank, before each save of `state`: at the first, whether it is sharded (FSDP2's DTensors: copies
+        come from the pod that wrote them, in a ring). On more than two pods a ring leaves no pod holding every file,
+        which committing in memory needs (rank 0's pod persists every file): saves then commit to storage (said
+        once), each pod keeping its own ranks' files and its neighbour's in memory."""
+        if not self.active or self.sharded is not None:
+            return
+        self.sharded = any(hasattr(tensor, "placements") for tensor in tensors_of(state))
+        pods = len(self.leads)
+        if self.sharded and pods > 2 and self._context.persist_behind:
+            self._context.persist_behind = False
+            logger.info(
+                "a sharded state on %d pods: each pod keeps its own ranks' files and its neighbour's in memory, no pod "
+                "holds every file, and checkpoints commit to storage (in memory with two pods)",
+                pods,
+            )
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether this save's copies are rebuilt from each pod's own replica, which needs the whole state staged
+        (not a sharded state's: its files come over the network)."""
+        return self.active and not self.sharded
 
     def exchange(self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]) -> bool:
         """Every rank, after writing `step` (its files' manifest entries in `record`, its write `results`; `tier_dir`:
@@ -112,26 +134,79 @@ class NodeMirror:
         return self._write(step, whole, {}, tier_dir)
 
     def _write_wanted(self, step: int, state: Any, gathered: list, tier_dir: Optional[str]) -> bool:
-        """This node's copies of the other nodes' files; whether it holds them all now."""
+        """This node's copies of the other nodes' files (a sharded state's: its neighbour's, in the ring); whether it
+        holds them all now. Every lead sees the same `gathered`, so either every lead takes part in the ring or none."""
         if tier_dir is None or any(files is None for files in gathered):
             return False
-        node = self._context.nodes[self._context.ranks.rank]
-        wanted = [f for files in gathered for f in files if f.node != node]
+        nodes = self._context.nodes
+        node = nodes[self._context.ranks.rank]
+        before = self.leads[(self.leads.index(self._context.ranks.rank) - 1) % len(self.leads)]
+        wanted = [
+            f
+            for files in gathered
+            for f in files
+            if f.node != node and (not self.sharded or f.whole is not None or f.node == nodes[before])
+        ]
+        room = self._room_for(step, wanted)
+        kept = self._ring(gathered, tier_dir, room) if self.sharded else True
+        if not room:
+            return False
+        tensors = {fqn: value for fqn, value in flatten_state_dict(state)[0].items() if isinstance(value, torch.Tensor)}
+        rebuilt = [f for f in wanted if not self.sharded or f.whole is not None]
+        return all([self._write(step, written, tensors, tier_dir) for written in rebuilt]) and kept
+
+    def _room_for(self, step: int, wanted: list[_WrittenFile]) -> bool:
+        """Whether this pod's memory has room for `wanted` beside its reserve (said once when not)."""
         if not wanted:
             return True
         usage = shutil.disk_usage(self._context.held_tier().root)
         needed = sum(f.size for f in wanted)
-        if usage.free < needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
-            self.short_of_room = True
-            self._tell(
-                "room",
-                f"checkpoint step {step}: this pod's memory has {usage.free >> 20} MiB free, not enough for the "
-                f"{needed >> 20} MiB the other pods' ranks wrote: a restart here reads them from storage (raise "
-                "resources.sharedMemory)",
-            )
-            return False
-        tensors = {fqn: value for fqn, value in flatten_state_dict(state)[0].items() if isinstance(value, torch.Tensor)}
-        return all([self._write(step, written, tensors, tier_dir) for written in wanted])
+        if usage.free >= needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+            return True
+        self.short_of_room = True
+        self._tell(
+            "room",
+            f"checkpoint step {step}: this pod's memory has {usage.free >> 20} MiB free, not enough for the "
+            f"{needed >> 20} MiB the other pods' ranks wrote: a restart here reads them from storage (raise "
+            "resources.sharedMemory)",
+        )
+        return False
+
+    def _ring(self, gathered: list, tier_dir: str, room: bool) -> bool:
+        """A sharded state's lead: send this pod's ranks' data files to the next pod's lead and receive the previous
+        pod's (when `room`) into `tier_dir`; whether every file received was kept. Each receiver first says whether it
+        takes them, so a sender never sends into a pod without room. Even leads send first, odd ones receive first:
+        every send meets its receive, on any number of pods (an odd ring's last even lead waits for the first to
+        finish sending)."""
+        rank, nodes = self._context.ranks.rank, self._context.nodes
+        at = self.leads.index(rank)
+        after, before = self.leads[(at + 1) % len(self.leads)], self.leads[(at - 1) % len(self.leads)]
+        transfer = FileTransfer(self._context.ranks.group, self._context.held_tier())
+        mine = [f for files in gathered for f in files if f.node == nodes[rank] and f.whole is None]
+        theirs = [f for files in gathered for f in files if f.node == nodes[before] and f.whole is None]
+        kept = True
+
+        def send() -> None:
+            if transfer.get_flag(after):
+                transfer.send_files([(os.path.join(tier_dir, f.name), f.size) for f in mine], after)
+
+        def receive() -> None:
+            nonlocal kept
+            transfer.put_flag(room, before)
+            if not room:
+                return
+            entries = [{"path": f.name, "size": f.size, FILE_DIGEST: f.digest} for f in theirs]
+            for name in transfer.receive_files(tier_dir, entries, FILE_DIGEST, before):
+                kept = False
+                self._tell(
+                    name,
+                    f"this pod keeps no copy of {name} in memory (the copy rank {before}'s pod sent does not match "
+                    "the file its rank wrote): a restart here reads it from storage",
+                )
+
+        for part in (send, receive) if at % 2 == 0 else (receive, send):
+            part()
+        return kept
 
     def _files_of(self, record: dict, results: list, tier_dir: Optional[str]) -> Optional[list[_WrittenFile]]:
         """What this rank wrote, for the other pods: None when its node keeps no copy to read byte items from."""
@@ -150,7 +225,10 @@ class NodeMirror:
                         whole = f.read()
                     files.append(_WrittenFile(node, name, entry["size"], entry[FILE_DIGEST], (), whole))
                     continue
-                items = []
+                items: list[_Item] = []
+                if self.sharded:  # sent whole, from this file (`_ring`)
+                    files.append(_WrittenFile(node, name, entry["size"], entry[FILE_DIGEST], ()))
+                    continue
                 with open(path, "rb") as f:
                     for result in sorted(by_file.get(name, []), key=lambda r: r.storage_data.offset):
                         info = result.storage_data

@@ -6,7 +6,7 @@ empty /dev/shm; with several pods every pod's memory holds every file of each co
 surviving pod holds everything the replacement needs. Before a restore every pod's lowest rank offers the newest
 checkpoint its memory holds whole (its step and the sha256 of its manifest, one `all_gather_object` of a few bytes a
 rank); each pod without that very checkpoint receives it from a pod that has it (the pods that lack it spread over the
-pods that hold it), over gloo point to point, `CHUNK_BYTES` at a time:
+pods that hold it), over gloo point to point (`transfer.FileTransfer`):
 
 1. the manifest, checked against the sha256 offered and parsed as storage's would be (plain file names, sizes);
 2. a yes or no from the receiver (room for it in memory, a manifest that checks), so neither side waits on the other;
@@ -17,36 +17,25 @@ pods that hold it), over gloo point to point, `CHUNK_BYTES` at a time:
 The receiver then marks the step committed in its memory tier, exactly as a pod that wrote it, and the restore goes on
 as an in-place restart does: every pod loads from its own memory, the bytes received counted as from a `peer`. The
 copy happens before storage is listed: a pod's newest is the newest committed but for a save no pod had room to keep,
-where the restore then reads storage's newer one instead. A sharded (FSDP2) state is never offered: no pod holds every
-file of it (`mirroring.NodeMirror.decline_shards`).
+where the restore then reads storage's newer one instead. A sharded (FSDP2) state on two pods is offered as any other
+(each pod holds both pods' files, `mirroring`); on more pods none is: no pod holds every file of it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, TypeGuard
+from typing import Any, Optional, TypeGuard
 
 import torch
-import torch.distributed as dist
 
 from .context import StoreContext
-from .layout import FILE_DIGEST_HEX, MANIFEST_NAME, _describe, file_digest_name, file_hasher, logger
+from .layout import FILE_DIGEST_HEX, MANIFEST_NAME, _describe, file_digest_name, logger
 from .listing import human_bytes
 from .manifest import MAX_MANIFEST_BYTES, _parse_manifest
-from .tier_files import SegmentHasher, mapped, remove_file
-
-#: Bytes sent at a time (one buffer of this size on each side of a copy).
-CHUNK_BYTES = 16 << 20
-
-
-def _chunks(size: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
-    """(offset, length) of each piece of a file of `size` bytes sent at a time."""
-    for offset in range(0, size, chunk_bytes):
-        yield offset, min(chunk_bytes, size - offset)
+from .transfer import FileTransfer
 
 
 @dataclass(frozen=True)
@@ -142,56 +131,20 @@ class PeerCopies:
         except OSError:
             raw = b""
         raw = raw.ljust(offer.manifest_bytes, b"\0")  # always what was offered: the receiver checks it
-        self._put(torch.frombuffer(bytearray(raw), dtype=torch.uint8), target)
-        answer = torch.zeros(1, dtype=torch.int64)
-        self._get(answer, target)
-        if not answer.item():
+        transfer = self._transfer()
+        transfer.put(torch.frombuffer(bytearray(raw), dtype=torch.uint8), target)
+        if not transfer.get_flag(target):
             return
         files = _parse_manifest(raw)["files"]  # the receiver parsed these very bytes
-        # Two buffers: one is read into while the other is on its way.
-        largest = max((f["size"] for f in files), default=0)
-        buffers = [bytearray(min(CHUNK_BYTES, largest) or 1) for _ in range(2)]
-        for entry in files:
-            self._send_file(os.path.join(directory, entry["path"]), entry["size"], buffers, target)
-
-    def _send_file(self, path: str, size: int, buffers: list[bytearray], target: int) -> None:
-        """Exactly `size` bytes, whatever the file holds (zeros for what it lacks: the receiver's digest tells)."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            fd = -1
-        in_flight: list[Any] = [None, None]
-        try:
-            for index, (offset, n) in enumerate(_chunks(size, len(buffers[0]))):
-                slot = index % 2
-                if in_flight[slot] is not None:
-                    in_flight[slot].wait()
-                view = memoryview(buffers[slot])[:n]
-                got = 0
-                while fd >= 0 and got < n:
-                    try:
-                        read = os.preadv(fd, [view[got:]], offset + got)
-                    except OSError:  # unreadable now: the receiver finds zeros, and drops the file
-                        read = 0
-                    if not read:
-                        break
-                    got += read
-                view[got:] = bytes(n - got)
-                chunk = torch.frombuffer(buffers[slot], dtype=torch.uint8)[:n]
-                in_flight[slot] = dist.isend(chunk, group=self._context.ranks.group, group_dst=target)
-        finally:
-            for sending in in_flight:
-                if sending is not None:
-                    sending.wait()
-            if fd >= 0:
-                os.close(fd)
+        transfer.send_files([(os.path.join(directory, entry["path"]), entry["size"]) for entry in files], target)
 
     def _receive(self, offer: Offer, source: int) -> None:
         """The checkpoint `offer` from rank `source` into this pod's tier, committed there when every file matched."""
         began = time.perf_counter()
         tier = self._context.held_tier()
+        transfer = self._transfer()
         raw = torch.empty(offer.manifest_bytes, dtype=torch.uint8)
-        self._get(raw, source)
+        transfer.get(raw, source)
         manifest_bytes = raw.numpy().tobytes()
         why: Optional[str] = None
         files: list = []
@@ -209,15 +162,13 @@ class PeerCopies:
             directory = tier.begin(offer.step, sum(entry["size"] for entry in files))
             if directory is None:
                 why = tier.off or "this pod's memory has no room for it"
-        self._put(torch.tensor([int(why is None)], dtype=torch.int64), source)
+        transfer.put_flag(why is None, source)
         if why is not None or directory is None:
             logger.warning(
                 "checkpoint step %d: not copied from rank %d's memory (%s): reading storage", offer.step, source, why
             )
             return
-        largest = max((entry["size"] for entry in files), default=0)
-        spill = torch.empty(min(CHUNK_BYTES, largest) or 1, dtype=torch.uint8)
-        bad = [entry["path"] for entry in files if not self._receive_file(directory, entry, digest_name, spill, source)]
+        bad = transfer.receive_files(directory, files, digest_name, source)
         if bad:
             tier.discard(offer.step)
             logger.warning(
@@ -239,69 +190,5 @@ class PeerCopies:
             time.perf_counter() - began,
         )
 
-    def _receive_file(self, directory: str, entry: dict, digest_name: str, spill: torch.Tensor, source: int) -> bool:
-        """One file into the tier, received straight into its pages (allocated at once, as `MemoryTier.prepare_spare`
-        does: one page fault per 4 KiB cost a 258 MB write 0.1-0.4 s more on the 2-core VM), the next chunk on its way
-        while one is hashed. Every chunk is received even when the file cannot be kept (into `spill`): the sender sends
-        them all."""
-        tier = self._context.held_tier()
-        path = os.path.join(directory, entry["path"])
-        size = entry["size"]
-        hasher, segments = file_hasher(digest_name), SegmentHasher()
-        into: Optional[mmap.mmap] = None
-        fd = -1
-        try:
-            fd = os.open(path + ".partial", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            if size:
-                os.posix_fallocate(fd, 0, size)
-                into = mapped(fd, size)
-        except OSError as error:
-            tier.turn_off(f"{type(error).__name__}: {error}")
-        if into is not None:
-            pages = torch.frombuffer(into, dtype=torch.uint8)
-            chunks = list(_chunks(size, len(spill)))
-            receiving = [self._get_later(pages[o : o + n], source) for o, n in chunks[:1]]
-            for index, (offset, n) in enumerate(chunks):
-                if index + 1 < len(chunks):
-                    o, m = chunks[index + 1]
-                    receiving.append(self._get_later(pages[o : o + m], source))
-                receiving[index].wait()
-                with memoryview(into)[offset : offset + n] as view:
-                    hasher.update(view)
-                    segments.update(view)
-            del pages, receiving
-        else:
-            for _, n in _chunks(size, len(spill)):
-                self._get(spill[:n], source)
-        ready = fd >= 0 and (into is not None or not size)
-        kept = ready and tier.off is None and hasher.hexdigest() == entry[digest_name]
-        try:
-            if into is not None:
-                into.close()
-            if kept:
-                written = os.fstat(fd)
-                os.replace(path + ".partial", path)
-                tier.write_digests(directory, entry["path"], size, digest_name, entry[digest_name], segments.finish())
-                tier.vouch(path, written)
-        except OSError as error:
-            kept = False
-            tier.turn_off(f"{type(error).__name__}: {error}")
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            if not kept:
-                remove_file(path + ".partial")
-                remove_file(path)
-        return kept
-
-    def _put(self, tensor: torch.Tensor, target: int) -> None:
-        dist.send(tensor, group=self._context.ranks.group, group_dst=target)
-
-    def _get_later(self, tensor: torch.Tensor, source: int) -> Any:
-        """The receive of `tensor` from `source` started; its `wait()` ends it."""
-        receiving = dist.irecv(tensor, group=self._context.ranks.group, group_src=source)
-        assert receiving is not None  # None only on a rank outside the group
-        return receiving
-
-    def _get(self, tensor: torch.Tensor, source: int) -> None:
-        dist.recv(tensor, group=self._context.ranks.group, group_src=source)
+    def _transfer(self) -> FileTransfer:
+        return FileTransfer(self._context.ranks.group, self._context.held_tier())

@@ -20,6 +20,26 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
+def wrapped(seed: int, sharded: bool) -> torch.nn.Module:
+    """The test model as DDP, or sharded by FSDP2 over every rank (each rank's file then holds its own shards)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model(seed)
+    if not sharded:
+        return DDP(model)
+    fully_shard(model)
+    return model
+
+
+def local_digest(model: torch.nn.Module) -> str:
+    """This rank's part of the model (its shards, or the whole replica)."""
+    from trainingrun_trainer.checkpoint import model_digest
+
+    plain = model.module if hasattr(model, "module") else model
+    return model_digest({k: v.to_local() if hasattr(v, "to_local") else v for k, v in plain.state_dict().items()})
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int = 1) -> None:
     gen = torch.Generator().manual_seed(seed)
     model(torch.randn(5, 8, generator=gen)).pow(2).mean().backward()

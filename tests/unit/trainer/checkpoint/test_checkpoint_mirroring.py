@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoint_states import app_state, make_model, train_step
+from checkpoint_states import app_state, step_dir, train_step, wrapped
 from test_checkpoint_memory_tier import _two_rank_worker
 
 from trainingrun_trainer.checkpoint import CheckpointStore, memory_tier, mirroring
@@ -43,9 +43,9 @@ def test_a_copy_of_the_other_pods_file_that_differs_or_finds_no_room_is_left_out
     assert results[0]["short"] == (None if replicas_differ else [5, ["pod-0", "pod-1"]])
 
 
-def _behind_without_room_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def _behind_without_room_worker(
+    rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str, sharded: bool
+) -> None:
     from trainingrun_trainer.checkpoint import mirroring
 
     memory_tier.RESERVE_SHARE = 0.0
@@ -53,7 +53,7 @@ def _behind_without_room_worker(rank: int, init_file: str, uri: str, tiers: list
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        ddp = DDP(make_model(0))
+        ddp = wrapped(0, sharded)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=True) as store:
             behind = [store.persist_behind]
@@ -70,12 +70,19 @@ def _behind_without_room_worker(rank: int, init_file: str, uri: str, tiers: list
 
 
 @pytest.mark.slow
-def test_a_node_that_cannot_hold_every_file_turns_persisting_behind_off_and_saves_go_to_storage(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["DDP", "FSDP2"])
+def test_a_node_that_cannot_hold_every_file_turns_persisting_behind_off_and_saves_go_to_storage(tmp_path, sharded):
     """A checkpoint a restart on some node could not load from its memory is not committed there: that save fails,
-    and from then on saves commit to storage (each node keeping the copies it can)."""
+    and from then on saves commit to storage (each node keeping the copies it can). FSDP2: each pod tells the one
+    sending it shards that it has no room, so neither waits for the other."""
     tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(2)]
     uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(_behind_without_room_worker, args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(
+        _behind_without_room_worker,
+        args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path), sharded),
+        nprocs=2,
+        join=True,
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert result["behind"] == [True, False, False]
@@ -109,28 +116,63 @@ def test_a_file_this_node_cannot_build_says_why(items, tensors, why):
 
 
 class _Sharded(torch.Tensor):
-    """Stands in for a DTensor (FSDP2's): what `decline_shards` looks for is its placements."""
+    """Stands in for a DTensor (FSDP2's): what `check_state` looks for is its placements."""
 
     placements = ("Shard(0)",)
 
 
-def test_a_sharded_state_stops_copying_and_committing_in_memory(caplog):
+@pytest.mark.parametrize("pods, behind", [(2, True), (3, False)])
+def test_a_sharded_state_is_copied_in_a_ring_and_commits_in_memory_only_on_two_pods(caplog, pods, behind):
     import logging
     from types import SimpleNamespace
 
     caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
     context = SimpleNamespace(
-        tier=object(), nodes=["pod-a", "pod-b"], ranks=SimpleNamespace(rank=0), persist_behind=True
+        tier=object(), nodes=[f"pod-{n}" for n in range(pods)], ranks=SimpleNamespace(rank=0), persist_behind=True
     )
+    replicated = mirroring.NodeMirror(context)
+    replicated.check_state({"model": {"w": torch.zeros(2)}})
+    assert replicated.rebuilds and context.persist_behind  # DDP: each pod rebuilds the others' files
     mirror = mirroring.NodeMirror(context)
-    assert mirror.active and mirror.writes
-    assert not mirror.decline_shards({"model": {"w": torch.zeros(2)}})  # replicated: copied
-    assert context.persist_behind
-    sharded = torch.zeros(2).as_subclass(_Sharded)
-    assert mirror.decline_shards({"model": {"w": sharded}})
-    assert not mirror.active and not context.persist_behind
-    assert "a sharded state has no replica on the other pods" in caplog.text
-    assert not mirror.decline_shards({"model": {"w": sharded}})  # said once
+    mirror.check_state({"model": {"w": torch.zeros(2).as_subclass(_Sharded)}})
+    assert mirror.active and mirror.writes and mirror.sharded and not mirror.rebuilds
+    assert context.persist_behind == behind
+    assert ("no pod holds every file, and checkpoints commit to storage" in caplog.text) == (not behind)
+
+
+def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str) -> None:
+    memory_tier.RESERVE_SHARE = 0.0
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(tiers))
+    try:
+        model = wrapped(0, sharded=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt, seed=3)
+        with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=True) as store:
+            store.save(5, app_state(model, opt), {"rank": rank})
+            info = store.wait()
+            held = sorted(p.name for p in step_dir(Path(tiers[rank]), 5).iterdir() if not p.name.endswith(".xxh3"))
+            result = {"committed": None if info is None else info.uri, "behind": store.persist_behind, "held": held}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_on_three_pods_each_keeps_its_own_shards_and_its_neighbours_and_saves_commit_to_storage(tmp_path):
+    """Three nodes of one rank each, FSDP2: every pod's memory holds its rank's file, the previous pod's (sent in the
+    ring, an odd one: the ordering that lets every send meet its receive) and the metadata, never the next pod's; no
+    pod holds every file, so the save commits to storage."""
+    tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(3)]
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(_ring_worker, args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path)), nprocs=3, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["committed"] for r in results] == [f"{uri}/step-00000005"] * 3
+    assert [r["behind"] for r in results] == [False] * 3
+    for rank, result in enumerate(results):
+        previous = (rank - 1) % 3
+        assert result["held"] == sorted([".metadata", "manifest.json", f"__{rank}_0.distcp", f"__{previous}_0.distcp"])
+    assert [info.step for info in CheckpointStore(uri).list() if info.valid] == [5]
 
 
 def test_one_node_copies_nothing():

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoint_states import app_state, flip_byte, make_model, step_dir, train_step
+from checkpoint_states import app_state, flip_byte, local_digest, step_dir, train_step, wrapped
+from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from trainingrun_trainer.checkpoint import CheckpointStore, memory_tier, model_digest
+from trainingrun_trainer.checkpoint import CheckpointStore, memory_tier
 from trainingrun_trainer.checkpoint.peers import Offer, plan_copies
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -47,13 +48,19 @@ def test_each_pod_without_the_newest_offered_receives_it_from_one_that_holds_it(
 
 
 def _replacement_worker(
-    rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str, lost: int, memory_only: bool, damage: bool
+    rank: int,
+    init_file: str,
+    uri: str,
+    tiers: list[str],
+    out_dir: str,
+    lost: int,
+    memory_only: bool,
+    damage: bool,
+    sharded: bool,
 ) -> None:
     """Two ranks on two nodes commit step 5 in memory; then node `lost` is replaced (its memory empty), with storage
     not holding the step (`memory_only`: as one not yet persisted behind) or a damaged copy on the survivor; a new
-    worker group restores."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    worker group restores. `sharded`: FSDP2 instead of DDP."""
     memory_tier.RESERVE_SHARE = 0.0
     torch.set_num_threads(1)
     said: list[str] = []
@@ -63,12 +70,13 @@ def _replacement_worker(
     logging.getLogger("trainingrun.checkpoint").setLevel(logging.INFO)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        ddp = DDP(make_model(0))
+        ddp = wrapped(0, sharded)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         train_step(ddp, opt, seed=100)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=True) as store:
             store.save(5, app_state(ddp, opt), {"rank": rank})
             assert store.wait() is not None
+            assert store.persist_behind  # committed in memory, every file on both nodes
         dist.barrier()
         survivor = 1 - lost
         if rank == lost:
@@ -78,13 +86,14 @@ def _replacement_worker(
         if rank == 0 and memory_only:
             shutil.rmtree(step_dir(Path(uri.removeprefix("file://")), 5))
         dist.barrier()
-        fresh = DDP(make_model(1))
-        state = app_state(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+        fresh = wrapped(1, sharded)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        state = app_state(fresh, fresh_opt)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=True) as store:
             found = store.latest_valid()
             extra = store.load(found, state) if found is not None else None
             metrics = store.metrics
-        fresh.module.load_state_dict(state["model"])
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         Path(out_dir, f"rank{rank}.json").write_text(
             json.dumps(
                 {
@@ -92,8 +101,8 @@ def _replacement_worker(
                     "rank": extra["rank"] if extra else None,
                     "source": metrics.last_restore_source,
                     "bytes": metrics.last_restore_bytes,
-                    "digest": model_digest(fresh.module.state_dict()),
-                    "expected": model_digest(ddp.module.state_dict()),
+                    "digest": local_digest(fresh),
+                    "expected": local_digest(ddp),
                     "said": said,
                 }
             )
@@ -102,7 +111,9 @@ def _replacement_worker(
         dist.destroy_process_group()
 
 
-def replaced(tmp_path: Path, lost: int, memory_only: bool = False, damage: bool = False) -> list[dict]:
+def replaced(
+    tmp_path: Path, lost: int, memory_only: bool = False, damage: bool = False, sharded: bool = False
+) -> list[dict]:
     tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(2)]
     mp.spawn(
         _replacement_worker,
@@ -114,6 +125,7 @@ def replaced(tmp_path: Path, lost: int, memory_only: bool = False, damage: bool 
             lost,
             memory_only,
             damage,
+            sharded,
         ),
         nprocs=2,
         join=True,
@@ -122,11 +134,17 @@ def replaced(tmp_path: Path, lost: int, memory_only: bool = False, damage: bool 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lost", [1, 0], ids=["another pod lost", "rank 0's pod lost"])
-def test_a_replacement_pod_restores_from_the_survivors_memory_reading_nothing_from_storage(tmp_path, lost):
+@pytest.mark.parametrize(
+    "lost, sharded",
+    [(1, False), (0, False), (1, True), (0, True)],
+    ids=["another pod lost", "rank 0's pod lost", "FSDP2, another pod lost", "FSDP2, rank 0's pod lost"],
+)
+def test_a_replacement_pod_restores_from_the_survivors_memory_reading_nothing_from_storage(tmp_path, lost, sharded):
     """The step only memory held (storage lacks it, as one not yet persisted behind): the replacement receives every
-    file from the surviving pod, and both restore it, no byte from storage; the survivor from its own memory."""
-    results = replaced(tmp_path, lost, memory_only=True)
+    file from the surviving pod, and both restore it, no byte from storage; the survivor from its own memory. With
+    FSDP2 the survivor holds the lost pod's shards because the lost pod sent them after the save (`mirroring`'s
+    ring): each rank gets back its own shards, bitwise."""
+    results = replaced(tmp_path, lost, memory_only=True, sharded=sharded)
     assert [r["step"] for r in results] == [5, 5]
     assert [r["rank"] for r in results] == [0, 1]
     survivor = 1 - lost
@@ -135,7 +153,8 @@ def test_a_replacement_pod_restores_from_the_survivors_memory_reading_nothing_fr
     assert results[survivor]["bytes"]["own_memory"] > 0 and results[survivor]["bytes"]["peer"] == 0
     assert [r["bytes"]["storage"] for r in results] == [0, 0]
     assert any(f"from rank {survivor}'s memory in" in said for said in results[lost]["said"]), results[lost]["said"]
-    assert results[0]["digest"] == results[1]["digest"] == results[0]["expected"]
+    assert [r["digest"] for r in results] == [r["expected"] for r in results]
+    assert (results[0]["expected"] != results[1]["expected"]) == sharded  # a shard each, or one replica
 
 
 @pytest.mark.slow
