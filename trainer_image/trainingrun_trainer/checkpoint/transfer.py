@@ -23,6 +23,10 @@ from .tier_files import SegmentHasher, mapped, remove_file
 
 #: Bytes sent at a time (one buffer of this size on each side of a copy, two on the sender's).
 CHUNK_BYTES = 16 << 20
+#: The tags of what the side with the files sends (manifests, files) and of what the receiving side answers: a pod
+#: that sends its files to a neighbour while it receives another's (`mirroring`'s ring; on two pods the same one) sends
+#: both kinds to one peer from two threads, and gloo matches messages by peer and tag alone.
+DATA_TAG, ANSWER_TAG = 0, 1
 
 
 def chunks(size: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
@@ -40,23 +44,24 @@ class FileTransfer:
 
     # ------------------------------------------------------------------ small messages
 
-    def put(self, tensor: torch.Tensor, target: int) -> None:
-        dist.send(tensor, group=self._group, group_dst=target)
+    def put(self, tensor: torch.Tensor, target: int, tag: int = DATA_TAG) -> None:
+        dist.send(tensor, group=self._group, group_dst=target, tag=tag)
 
-    def get(self, tensor: torch.Tensor, source: int) -> None:
-        dist.recv(tensor, group=self._group, group_src=source)
+    def get(self, tensor: torch.Tensor, source: int, tag: int = DATA_TAG) -> None:
+        dist.recv(tensor, group=self._group, group_src=source, tag=tag)
 
     def put_flag(self, flag: bool, target: int) -> None:
-        self.put(torch.tensor([int(flag)], dtype=torch.int64), target)
+        """The receiving side's answer: whether it takes the files."""
+        self.put(torch.tensor([int(flag)], dtype=torch.int64), target, ANSWER_TAG)
 
     def get_flag(self, source: int) -> bool:
         answer = torch.zeros(1, dtype=torch.int64)
-        self.get(answer, source)
+        self.get(answer, source, ANSWER_TAG)
         return bool(answer.item())
 
     def _get_later(self, tensor: torch.Tensor, source: int) -> Any:
         """The receive of `tensor` from `source` started; its `wait()` ends it."""
-        receiving = dist.irecv(tensor, group=self._group, group_src=source)
+        receiving = dist.irecv(tensor, group=self._group, group_src=source, tag=DATA_TAG)
         assert receiving is not None  # None only on a rank outside the group
         return receiving
 
@@ -93,7 +98,7 @@ class FileTransfer:
                     got += read
                 view[got:] = bytes(n - got)
                 chunk = torch.frombuffer(buffers[slot], dtype=torch.uint8)[:n]
-                in_flight[slot] = dist.isend(chunk, group=self._group, group_dst=target)
+                in_flight[slot] = dist.isend(chunk, group=self._group, group_dst=target, tag=DATA_TAG)
         finally:
             for sending in in_flight:
                 if sending is not None:
