@@ -86,6 +86,7 @@ def worker(
                     committed.append(store.metrics.last_save_seconds)
                     phases = store.metrics.last_save_phases
             behind = store.persist_behind
+            staged_copies = store.committer.mirror.staged_copies_kept
         with CheckpointStore(uri, memory_tier=tier, persist_behind=True) as store:  # an in-place restart
             restoring = state()
             store.load(store.latest_valid(), restoring)
@@ -98,6 +99,7 @@ def worker(
                         "restore": restore_seconds,
                         "storage_read": read.get("storage", 0),
                         "behind": behind,
+                        "staged_copies": staged_copies,
                         "phases": {name: round(seconds, 3) for name, seconds in phases.items()},
                     }
                 )
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             last = runs[side][-1]
             print(
                 f"{side:>9}: commit {last['commit']:.3f} s, restore {last['restore']:.3f} s, "
-                f"{last['storage_read']} bytes read from storage, committing in memory: {last['behind']}; the last save "
+                f"{last['storage_read']} bytes read from storage, committing in memory: {last['behind']}, copies staged "
+                f"in place: {last['staged_copies']}; the last save "
                 f"by phase {last['phases']}",
                 flush=True,
             )

@@ -71,7 +71,7 @@ class Committer:
         self._rotation = rotation
         self._persister = persister
         #: With several pods, each pod's copy of the other pods' files (`mirroring`).
-        self._mirror = NodeMirror(context)
+        self.mirror = NodeMirror(context)
         # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies):
         # containers are rebuilt, other values deep-copied.
         self._state_stager = StateDictStager(pin_memory=torch.cuda.is_available())
@@ -93,7 +93,7 @@ class Committer:
         """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
-        self._mirror.check_state({**job.state, **(job.later or {})})
+        self.mirror.check_state({**job.state, **(job.later or {})})
         if not self._context.persist_behind:
             self._take_later(job)
             self._stage_later(job, None)
@@ -127,10 +127,14 @@ class Committer:
             self._context.held_tier().discard(job.step)
             tier_dir = None
         fast = in_memory and repeats
-        # Several nodes: each file written whole by DCP's writer (no staged file, whose layout only its rank knows),
-        # from the whole state, so the other nodes' lowest ranks can write it again byte for byte (`mirroring`).
-        rebuilds = self._mirror.rebuilds
-        staged = self._stage_later(job, None if rebuilds else tier_dir, planner if fast and not rebuilds else None)
+        # Several nodes (DDP): each node's lowest rank writes the other nodes' files again from its own replica
+        # (`mirroring`). Saving by the last plan it stages them straight into its copies, where their ranks stage them
+        # (`stage_copies`), once it knows they lie so; until then it keeps a copy of the rest of the state beside its
+        # own file. A save DCP plans is staged whole by the stager, and every file written whole by DCP's writer.
+        once = not self.mirror.rebuilds or fast
+        copies = fast and tier_dir is not None and self.mirror.can_stage_copies(job.later or {})
+        whole = fast and self.mirror.rebuilds and self.mirror.writes and not copies
+        staged = self._stage_later(job, tier_dir if once else None, planner if fast else None, copies, whole)
         job.marks.append(("staging", time.perf_counter()))
         try:
             if fast:
@@ -154,6 +158,7 @@ class Committer:
         finally:
             if staged is not None:
                 staged.close()
+            self.mirror.drop_staged()
 
     def _repeats(self, planner: ReusingSavePlanner, state: dict) -> bool:
         """Whether this rank may write `state` by its last plan (`ReusingSavePlanner.repeats`); False when the planner
@@ -184,24 +189,44 @@ class Committer:
             raise
 
     def _stage_later(
-        self, job: SaveJob, tier_dir: Optional[str], planner: Optional[ReusingSavePlanner] = None
+        self,
+        job: SaveJob,
+        tier_dir: Optional[str],
+        planner: Optional[ReusingSavePlanner] = None,
+        copies: bool = False,
+        whole: bool = False,
     ) -> Optional[StagedFile]:
         """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
         may change them. Into this rank's data file in `tier_dir` when they are CPU or CUDA tensors (stage once,
         `tier_staging`; returned), else by the stager. With `planner` (set up by its `repeats`), only the tensors this
-        rank's last plan writes go into the file, and rank 0 copies what its model digest reads besides."""
+        rank's last plan writes go into the file, and rank 0 copies what its model digest reads besides (`whole`:
+        every other tensor). `copies`: also into this node's copies of the other nodes' files
+        (`mirroring.NodeMirror.stage_copies`)."""
         later, job.later = job.later, None
         if not later:  # save() told the training thread
             return None
         staged: Optional[StagedFile] = None
         try:
+            if copies and tier_dir is not None:
+                try:
+                    self.mirror.stage_copies(later, tier_dir)
+                except OSError as exc:  # the exchange finds them missing, says so, and the save commits to storage
+                    logger.warning(
+                        "checkpoint step %d: rank %d cannot stage the other pods' files in %s (%s)",
+                        job.step,
+                        self._context.ranks.rank,
+                        tier_dir,
+                        _describe(exc),
+                    )
+                    self.mirror.drop_staged()
             if tier_dir is not None and stageable(later):
                 staged = StagedFile(os.path.join(tier_dir, data_file_name(self._context.ranks.rank)))
                 try:
                     if planner is None:
                         job.state.update(staged.stage(later))
                     else:
-                        job.state.update(staged.stage(later, planner.planned_tensors(), self._digest_reads(job, later)))
+                        beside = tensors_of(later) if whole else self._digest_reads(job, later)
+                        job.state.update(staged.stage(later, planner.planned_tensors(), beside))
                 except OSError as exc:
                     logger.warning(
                         "checkpoint step %d: rank %d cannot stage its state in %s (%s): this save %s",
@@ -271,9 +296,9 @@ class Committer:
                     exc_info=True,
                 )
                 job.logged = True
-        if self._mirror.active:
+        if self.mirror.active:
             try:
-                every_node_holds_all = self._mirror.exchange(
+                every_node_holds_all = self.mirror.exchange(
                     job.step, job.state, record, writer.results if writer else [], tier_dir if error is None else None
                 )
             except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
@@ -291,7 +316,7 @@ class Committer:
         try:
             sent = planner.results_to_send(results) if planner is not None and results is not None else results
             tier = self._context.tier
-            short = tier is not None and (tier.short_of_room or self._mirror.short_of_room)
+            short = tier is not None and (tier.short_of_room or self.mirror.short_of_room)
             statuses = self._context.ranks.gather_to_first((error, record, sent, short))
             if self._context.ranks.rank == 0:
                 self._note_pods_short(job.step, [status[3] for status in statuses])
@@ -324,9 +349,9 @@ class Committer:
             planner.not_committed()
         if tier_dir is not None and info is not None and not in_memory:
             self._context.held_tier().commit(job.step, manifest)
-        elif in_memory and info is not None and self._mirror.writes and self._context.ranks.rank != 0:
+        elif in_memory and info is not None and self.mirror.writes and self._context.ranks.rank != 0:
             if metadata is not None and tier_dir is not None:  # rank 0 wrote it by the last plan, after the exchange
-                self._mirror.write_metadata(job.step, metadata, manifest, tier_dir)
+                self.mirror.write_metadata(job.step, metadata, manifest, tier_dir)
             self._context.held_tier().commit(job.step, manifest)  # this node's copy, as rank 0 committed its node's
         elif tier_dir is not None and info is None:
             self._context.held_tier().discard(job.step)
@@ -365,7 +390,7 @@ class Committer:
         """Rank 0, with several nodes, of a save in memory by the last plan: the metadata it wrote (after the exchange
         of the files, `_finish_as_planned`), for the other nodes' lowest ranks; None otherwise, or when unreadable
         (those nodes then lack it, and a restart there receives it from this node, `peers`)."""
-        if tier_dir is None or not self._mirror.active:
+        if tier_dir is None or not self.mirror.active:
             return None
         try:
             with open(os.path.join(tier_dir, METADATA_NAME), "rb") as f:

@@ -39,8 +39,8 @@ from .context import StoreContext
 from .layout import FILE_DIGEST, METADATA_NAME, _describe, logger
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
 from .tensor_files import _byte_view
-from .tier_files import RecycledFile, SegmentHasher, remove_file
-from .tier_staging import tensors_of
+from .tier_files import SEGMENTS_KEY, RecycledFile, SegmentHasher, remove_file
+from .tier_staging import ALIGN, StagedFile, plain_tensors, staged_at, staging_layout, tensors_of
 from .transfer import FileTransfer
 
 
@@ -84,6 +84,13 @@ class NodeMirror:
         self._told: set[str] = set()
         #: Whether this pod's memory had no room for the other pods' files at the last exchange.
         self.short_of_room = False
+        #: The lead: the items of each other pod's data file at the last exchange, by file name (`stage_copies`).
+        self._layouts: dict[str, tuple[_Item, ...]] = {}
+        #: The lead: this save's copies of the other pods' files, their tensors staged (`stage_copies`), each with
+        #: the items it was staged by.
+        self._staged: dict[str, tuple[StagedFile, tuple[_Item, ...]]] = {}
+        #: The lead: copies kept that were staged where their ranks stage them (for the figures and tests).
+        self.staged_copies_kept = 0
 
     def check_state(self, state: Any) -> None:
         """Every rank, before each save of `state`: at the first, whether it is sharded (FSDP2's DTensors: copies
@@ -107,6 +114,46 @@ class NodeMirror:
         """Whether this save's copies are rebuilt from each pod's own replica, which needs the whole state staged
         (not a sharded state's: its files come over the network)."""
         return self.active and not self.sharded
+
+    def can_stage_copies(self, state: Any) -> bool:
+        """The lead, before a save by the last plan of `state` (CPU tensors): whether it may stage the other pods'
+        files straight into its copies of them (`stage_copies`): at the last exchange each of them lay as their
+        ranks' `StagedFile` lays out the tensors `state` holds (not so after a save DCP's writer wrote whole, the
+        first of a plan), the byte items after them."""
+        if not (self.writes and self.rebuilds and self._layouts and plain_tensors(state, "cpu")):
+            return False
+        flat = flatten_state_dict(state)[0]
+        for items in self._layouts.values():
+            if not all(isinstance(flat.get(item.fqn), torch.Tensor) for item in items if item.data is None):
+                return False
+            tensors = [(item, flat[item.fqn]) for item in items if item.data is None]
+            offsets, end, _ = staging_layout(state, [tensor for _, tensor in tensors])
+            if any(staged_at(tensor, offsets) != item.offset for item, tensor in tensors):
+                return False
+            at = end
+            for item in sorted((item for item in items if item.data is not None), key=lambda item: item.offset):
+                if item.offset != at:
+                    return False
+                at += item.length
+        return True
+
+    def stage_copies(self, state: Any, tier_dir: str) -> None:
+        """The lead, on a save by the last plan, when `can_stage_copies`: stage each other pod's data file into this
+        pod's copy of it, from this rank's replica, as that file's rank stages it (the tensors its plan writes, where
+        its `StagedFile` puts them, the padding zeroed), so the exchange only appends the byte items it receives and
+        hashes (stage once on several pods too: the copy costs no second pass over the state). Raises OSError (no
+        room)."""
+        flat = flatten_state_dict(state)[0]
+        for name, items in self._layouts.items():
+            staged = StagedFile(os.path.join(tier_dir, name))
+            self._staged[name] = (staged, items)
+            staged.stage(state, [flat[item.fqn] for item in items if item.data is None])
+
+    def drop_staged(self) -> None:
+        """The save is over: let go of its staged copies."""
+        for staged, _ in self._staged.values():
+            staged.close()
+        self._staged = {}
 
     def exchange(self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]) -> bool:
         """Every rank, after writing `step` (its files' manifest entries in `record`, its write `results`; `tier_dir`:
@@ -148,13 +195,46 @@ class NodeMirror:
             for f in files
             if f.node != node and (not self.sharded or f.whole is not None or f.node == nodes[before])
         ]
-        room = self._room_for(step, wanted)
+        room = self._room_for(step, [f for f in wanted if f.name not in self._staged])  # staged ones hold theirs
         kept = self._ring(gathered, tier_dir, room) if self.sharded else True
         if not room:
             return False
+        if self.rebuilds:
+            self._layouts = {f.name: f.items for f in wanted if f.whole is None}
         tensors = {fqn: value for fqn, value in flatten_state_dict(state)[0].items() if isinstance(value, torch.Tensor)}
         rebuilt = [f for f in wanted if not self.sharded or f.whole is not None]
-        return all([self._write(step, written, tensors, tier_dir) for written in rebuilt]) and kept
+        return all([self._copy(step, written, tensors, tier_dir) for written in rebuilt]) and kept
+
+    def _copy(self, step: int, written: _WrittenFile, tensors: dict, tier_dir: str) -> bool:
+        """This pod's copy of `written`: its staged copy completed (`stage_copies`), else written from `tensors`."""
+        if written.name not in self._staged:
+            return self._write(step, written, tensors, tier_dir)
+        why = self._complete_staged(written, tier_dir)
+        if why is None:
+            self.staged_copies_kept += 1
+            return True
+        self._left_out(step, written.name, os.path.join(tier_dir, written.name), why)
+        return False
+
+    def _complete_staged(self, written: _WrittenFile, tier_dir: str) -> Optional[str]:
+        """This pod's staged copy of `written` (`stage_copies`), completed with the byte items it was sent: None when
+        it is now that file byte for byte (its digests file written), else why not."""
+        staged, staged_by = self._staged.pop(written.name)
+        try:
+            tensors_at = [(item.fqn, item.offset, item.length) for item in written.items if item.data is None]
+            if tensors_at != [(item.fqn, item.offset, item.length) for item in staged_by if item.data is None]:
+                return "its tensors lie elsewhere than at the last save"
+            entry = staged.complete_copy([(item.offset, item.data) for item in written.items if item.data is not None])
+            if entry["size"] != written.size or entry[FILE_DIGEST] != written.digest:
+                return "its bytes differ from the file the other pod wrote (a replica that is not bitwise equal?)"
+            self._context.held_tier().write_digests(
+                tier_dir, written.name, written.size, FILE_DIGEST, written.digest, entry[SEGMENTS_KEY]
+            )
+            return None
+        except (OSError, ValueError) as exc:
+            return _describe(exc)
+        finally:
+            staged.close()
 
     def _room_for(self, step: int, wanted: list[_WrittenFile]) -> bool:
         """Whether this pod's memory has room for `wanted` beside its reserve (said once when not)."""
@@ -276,20 +356,26 @@ class NodeMirror:
                 return True
         except Exception as exc:  # never fail a save for a copy
             why = _describe(exc)
+        self._left_out(step, written.name, path, why)
+        return False
+
+    def _left_out(self, step: int, name: str, path: str, why: Optional[str]) -> None:
         remove_file(path)
         self._tell(
-            written.name,
-            f"checkpoint step {step}: this pod keeps no copy of {written.name} in memory ({why}): a restart here "
-            "reads it from storage",
+            name,
+            f"checkpoint step {step}: this pod keeps no copy of {name} in memory ({why}): a restart here reads it "
+            "from storage",
         )
-        return False
 
     @staticmethod
     def _chunks(written: _WrittenFile, tensors: dict) -> Any:
-        """The file's bytes, item by item in file order, from this rank's tensors and the byte items sent; a str (why
-        not) where it cannot be built."""
+        """The file's bytes, item by item in file order, from this rank's tensors and the byte items sent (zeros
+        between them where a staged file aligns them); a str (why not) where it cannot be built."""
         at = 0
         for item in written.items:
+            if at < item.offset < at + ALIGN:  # a staged file's alignment padding, which it zeroes
+                yield bytes(item.offset - at)
+                at = item.offset
             if item.offset != at:
                 yield f"a gap at byte {at}"
                 return

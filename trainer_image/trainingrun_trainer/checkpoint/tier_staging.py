@@ -96,6 +96,27 @@ def _key(tensor: torch.Tensor) -> tuple:
     return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
 
 
+def staging_layout(
+    tree: Any, planned: Optional[Iterable[torch.Tensor]] = None
+) -> tuple[dict[tuple, int], int, list[tuple[int, tuple]]]:
+    """Where `StagedFile.stage` puts the tensors of `tree` (only those `planned`, when given): their offsets by
+    `_key`, largest first, each at a multiple of `ALIGN`; the end of the last; and every tensor's (bytes, key)."""
+    chosen = None if planned is None else {_key(tensor) for tensor in planned}
+    offsets: dict[tuple, int] = {}
+    end = 0
+    sizes = [(tensor.numel() * tensor.element_size(), _key(tensor)) for tensor in tensors_of(tree)]
+    for nbytes, key in sorted(sizes, key=lambda size_key: -size_key[0]):  # largest first
+        if key not in offsets and (chosen is None or key in chosen):
+            offsets[key] = end
+            end = _aligned(end + nbytes)
+    return offsets, end, sizes
+
+
+def staged_at(tensor: torch.Tensor, offsets: dict[tuple, int]) -> Optional[int]:
+    """Where `staging_layout`'s `offsets` put `tensor` (None: nowhere)."""
+    return offsets.get(_key(tensor))
+
+
 class StagedFile:
     """The data file `path` of one rank in the memory tier, staged into through a shared mapping."""
 
@@ -107,6 +128,7 @@ class StagedFile:
         self._bytes: Optional[torch.Tensor] = None  # uint8 over the mapping
         self._views: dict[tuple, torch.Tensor] = {}
         self.staged_bytes = 0  # the file's bytes that stage() wrote
+        self._offsets: dict[tuple, int] = {}  # where stage() put each tensor (by `_key`)
         self.size = 0
         self.pinned = False  #: whether stage() locked the file's pages for copies from a GPU
 
@@ -120,15 +142,8 @@ class StagedFile:
         `planned`: only these tensors of `tree` go into the file (what this rank's save plan writes); of the others,
         those in `also_copied` are copied into this process's memory (what rank 0's model digest reads) and the rest
         stand in as tensors on the meta device, with their dtype and shape but no data (reading one raises)."""
-        chosen = None if planned is None else {_key(tensor) for tensor in planned}
         outside = {_key(tensor) for tensor in also_copied}
-        offsets: dict[tuple, int] = {}
-        end = 0
-        sizes = [(tensor.numel() * tensor.element_size(), _key(tensor)) for tensor in tensors_of(tree)]
-        for nbytes, key in sorted(sizes, key=lambda size_key: -size_key[0]):  # largest first
-            if key not in offsets and (chosen is None or key in chosen):
-                offsets[key] = end
-                end = _aligned(end + nbytes)
+        offsets, end, sizes = staging_layout(tree, planned)
         spare = os.path.join(os.path.dirname(os.path.dirname(self.path)), SPARE_DIR, self.name)
         try:
             os.replace(spare, self.path)  # another save's file, of about the size this one will be: its pages are there
@@ -148,11 +163,28 @@ class StagedFile:
             self._bytes, self.pinned = _LOCKED.mapping(self._fd, end)
         elif end:
             self._bytes = _mapping(self._fd, end)
+        self._offsets = offsets
         try:
-            return self._stage(tree, offsets, outside)
+            staged = self._stage(tree, offsets, outside)
+            self._zero_padding(sizes)
+            return staged
         finally:
             for device in devices:  # the copies ran on each device's current stream, after what was queued there
                 torch.cuda.current_stream(device).synchronize()
+
+    def _zero_padding(self, sizes: list[tuple[int, tuple]]) -> None:
+        """Zeros between the staged tensors: a recycled file's pages hold another save's bytes there, and another pod
+        that stages the same tensors into its copy of this file (`mirroring`) must write the same bytes."""
+        if self._bytes is None:
+            return
+        ends = sorted(
+            (self._offsets[key], self._offsets[key] + nbytes) for nbytes, key in set(sizes) if key in self._offsets
+        )
+        at = 0
+        for start, end in ends + [(self.staged_bytes, self.staged_bytes)]:
+            if start > at:
+                self._bytes[at:start].zero_()
+            at = max(at, end)
 
     def _stage(self, tree: Any, offsets: dict[tuple, int], outside: set[tuple]) -> Any:
         if isinstance(tree, torch.Tensor):
@@ -222,14 +254,29 @@ class StagedFile:
                     storage_data=StorageInfo(self.name, offset, nbytes, transform_descriptors=descriptors),
                 )
             )
-        tail = b"".join(appended)  # byte items and what was not staged: small
+        return results, self._finish(b"".join(appended))  # byte items and what was not staged: small
+
+    def complete_copy(self, byte_items: list[tuple[int, bytes]]) -> dict:
+        """This file is a copy of another rank's, its tensors staged where that rank's plan put them (`mirroring`):
+        append that rank's byte items, (offset, bytes) as its `complete` wrote them, and hash the file; its manifest
+        entry as `complete` gives it. ValueError when they do not follow the staged tensors one after another."""
+        at = self.staged_bytes
+        for offset, data in sorted(byte_items):
+            if offset != at:
+                raise ValueError(f"a byte item at {offset}, not {at}: the other rank's file has another layout")
+            at += len(data)
+        self.size = at
+        return self._finish(b"".join(data for _, data in sorted(byte_items)))
+
+    def _finish(self, tail: bytes) -> dict:
+        """Write `tail` after the staged tensors and hash the file: its manifest entry less its path."""
         position = self.staged_bytes
         view = memoryview(tail)
         while view.nbytes:
             written = os.pwrite(self._fd, view, position)
             view, position = view[written:], position + written
         file_digest, segments = self._digests(tail)
-        return results, {"size": self.size, FILE_DIGEST: file_digest, SEGMENTS_KEY: segments}
+        return {"size": self.size, FILE_DIGEST: file_digest, SEGMENTS_KEY: segments}
 
     def _digests(self, tail: bytes) -> tuple[str, list[str]]:
         """The file's digest and its segments' (`SegmentHasher`'s), from memory: the file digest on this thread, the

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoint_states import app_state, step_dir, train_step, wrapped
+from checkpoint_states import app_state, local_digest, step_dir, train_step, wrapped
 from test_checkpoint_memory_tier import _two_rank_worker
 
 from trainingrun_trainer.checkpoint import CheckpointStore, memory_tier, mirroring
@@ -103,10 +103,18 @@ def test_a_file_is_built_item_by_item_in_file_order_from_the_nodes_tensors_and_t
     assert b"".join(bytes(c) for c in built) == b"abc" + weight.numpy().tobytes()
 
 
+def test_a_staged_files_alignment_padding_is_built_as_the_zeros_it_holds():
+    weight = torch.arange(4, dtype=torch.float32)
+    built = chunks(
+        [mirroring._Item("model.w", 0, 16, None), mirroring._Item("optim.lr", 64, 3, b"abc")], {"model.w": weight}
+    )
+    assert b"".join(bytes(c) for c in built) == weight.numpy().tobytes() + bytes(48) + b"abc"
+
+
 @pytest.mark.parametrize(
     "items, tensors, why",
     [
-        ([mirroring._Item("model.w", 4, 16, None)], {"model.w": torch.zeros(4)}, "a gap at byte 0"),
+        ([mirroring._Item("model.w", 64, 16, None)], {"model.w": torch.zeros(4)}, "a gap at byte 0"),
         ([mirroring._Item("model.w", 0, 16, None)], {}, "this pod holds no model.w"),
         ([mirroring._Item("model.w", 0, 16, None)], {"model.w": torch.zeros(2)}, "model.w has 8 bytes here, 16 there"),
     ],
@@ -183,3 +191,59 @@ def test_one_node_copies_nothing():
     )
     mirror = mirroring.NodeMirror(context)
     assert not mirror.active and not mirror.writes
+
+
+def _saves_by_the_last_plan_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str) -> None:
+    memory_tier.RESERVE_SHARE = 0.0
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    tier = tiers[rank // 2]  # ranks 0 and 1 on node 0, 2 and 3 on node 1
+    try:
+        model = wrapped(0, sharded=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        committed = []
+        with CheckpointStore(uri, memory_tier=tier, persist_behind=True, persist_every_steps=1000) as store:
+            for step in range(1, 5):
+                train_step(model, opt, seed=step)
+                store.save(step, app_state(model, opt), {"rank": rank}, copy_in_background=("model", "optim"))
+                info = store.wait()
+                committed.append(info is not None and store.persist_behind)
+            staged = store.committer.mirror.staged_copies_kept
+        fresh = wrapped(1, sharded=False)
+        state = app_state(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+        with CheckpointStore(uri, memory_tier=tier, persist_behind=True) as store:  # restarted in place
+            found = store.latest_valid()
+            store.load(found, state)
+            read = store.metrics.last_restore_bytes
+        fresh.module.load_state_dict(state["model"])
+        result = {
+            "committed": committed,
+            "staged": staged,
+            "step": found.step,
+            "read": read,
+            "digest": local_digest(fresh),
+            "expected": local_digest(model),
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_saves_by_the_last_plan_stage_the_other_pods_files_straight_into_the_copies(tmp_path):
+    """Two nodes of two ranks, DDP. From the third save (the first is planned by DCP and written whole, the second
+    lays each rank's file out as its staged file), each node's lowest rank stages the other node's two files where
+    their ranks stage them, and only appends the byte items it is sent and hashes: every save commits in memory, and
+    a restart in place restores the last from each node's own memory, no byte from storage, bitwise."""
+    tiers = [str(tmp_path / f"node-{node}" / "tier") for node in range(2)]
+    uri = f"file://{tmp_path / 'ckpt'}"
+    mp.spawn(
+        _saves_by_the_last_plan_worker, args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path)), nprocs=4, join=True
+    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["committed"] for r in results] == [[True] * 4] * 4
+    assert [r["staged"] for r in results] == [4, 0, 4, 0]  # saves 3 and 4, the other node's two files each
+    assert [r["step"] for r in results] == [4] * 4
+    assert [r["read"]["storage"] for r in results] == [0] * 4
+    assert all(r["read"]["own_memory"] > 0 for r in results)
+    assert [r["digest"] for r in results] == [results[0]["expected"]] * 4

@@ -19,6 +19,7 @@ from test_checkpoint_memory_tier import restored
 from test_checkpoint_persisting import behind, bucket, memory, steps_in  # noqa: F401 - fixtures
 
 from trainingrun_trainer.checkpoint import CheckpointStore, model_digest, tier_staging
+from trainingrun_trainer.checkpoint.tier_files import SPARE_DIR
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
@@ -130,6 +131,27 @@ def test_a_rank_stages_into_its_file_only_the_tensors_its_plan_writes(tmp_path, 
         placeholder = staged["optim"]["elsewhere"]
         assert placeholder.device.type == "meta" and placeholder.shape == (500,) and placeholder.dtype == torch.float32
         assert staged["optim"]["lr"] == 0.1
+    finally:
+        staged_file.close()
+
+
+def test_the_padding_between_staged_tensors_is_zeros_even_in_a_recycled_file(tmp_path):
+    """Another pod stages the same tensors into its copy of this file (`mirroring`): the bytes between them must be
+    the same there, whatever the recycled pages held before."""
+    tier = tmp_path / "tier"
+    (tier / SPARE_DIR).mkdir(parents=True)
+    name = tier_staging.data_file_name(0)
+    (tier / SPARE_DIR / name).write_bytes(b"\xff" * 4096)  # another save's bytes
+    (tier / "step-00000001").mkdir()
+    odd, small = torch.ones(5, dtype=torch.float32), torch.ones(3, dtype=torch.int16)  # 20 and 6 bytes
+    staged_file = tier_staging.StagedFile(str(tier / "step-00000001" / name))
+    try:
+        staged_file.stage({"a": odd, "b": small})
+        offsets, end, _ = tier_staging.staging_layout({"a": odd, "b": small})
+        assert staged_file.size == end == 2 * tier_staging.ALIGN
+        content = (tier / "step-00000001" / name).read_bytes()
+        assert content[20:64] == bytes(44) and content[64 + 6 :] == bytes(end - 70)
+        assert content[:20] == odd.numpy().tobytes() and content[64:70] == small.numpy().tobytes()
     finally:
         staged_file.close()
 
