@@ -268,13 +268,8 @@ class Run:
 
     def agree_async(self, step: int, *flags: bool) -> Callable[[], tuple[bool, ...]]:
         """Start `agree` without waiting; call the result to get the answer (e.g. after backward)."""
-        save_finished = self._pending is None or self._pending.done()
-        if self._pending is not None and self._pending.done():
-            self.report_committed()  # promptly, so the operator resumes from it after a crash
-        elif self.store.persist_behind:
-            self.reports.stored()  # the persister copied one to storage since
-        local = (self.preempted, self.intervals.due(step, save_finished), *flags)
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        local = self._stop_and_save(step, *flags)
+        if not self._distributed():
             return lambda: local
         agreed = numpy.array(local, dtype=numpy.uint8)
         work = dist.all_reduce(
@@ -286,6 +281,35 @@ class Run:
             return tuple(bool(v) for v in agreed)  # host memory: no tensor call, so nothing that could wait on a GPU
 
         return result
+
+    def rides_with_host_flags(self, device: torch.device) -> bool:
+        """Whether `agree_with` can carry a step's flags from `device` in the agreement's own collective: CPU
+        training over the default (gloo) group, where the flags live in host memory and a second collective would cost
+        the step a round trip (about 0.9 ms between two processes on the 2-core VM)."""
+        return device.type == "cpu" and self._agreement_group is None and self._distributed()
+
+    def agree_with(self, step: int, flags: torch.Tensor) -> tuple[bool, bool]:
+        """(stop, save) as `agree` gives them, and `flags` (a CPU float tensor, changed in place) made the largest over
+        every rank, in one collective (`rides_with_host_flags`)."""
+        stop, save = self._stop_and_save(step)
+        agreed = torch.cat([torch.tensor([float(stop), float(save)]), flags])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        flags.copy_(agreed[2:])
+        stop_save = agreed[:2].numpy()  # host memory (`rides_with_host_flags`): reading it waits for nothing
+        return bool(stop_save[0]), bool(stop_save[1])
+
+    def _stop_and_save(self, step: int, *flags: bool) -> tuple[bool, ...]:
+        """This rank's (stop, save, *flags) before they are agreed; reports a save that finished since."""
+        save_finished = self._pending is None or self._pending.done()
+        if self._pending is not None and self._pending.done():
+            self.report_committed()  # promptly, so the operator resumes from it after a crash
+        elif self.store.persist_behind:
+            self.reports.stored()  # the persister copied one to storage since
+        return (self.preempted, self.intervals.due(step, save_finished), *flags)
+
+    @staticmethod
+    def _distributed() -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def save(
         self,

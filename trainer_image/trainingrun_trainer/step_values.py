@@ -37,14 +37,15 @@ class StepValues:
     grad_finite: bool
 
 
-def step_tensor(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+def step_tensor(loss: torch.Tensor, grad_norm: torch.Tensor, agree: bool = True) -> torch.Tensor:
     """[loss, grad norm, loss not finite, grad norm not finite] as float32 on the loss's device, the flags agreed by
     every rank (the largest: a non-finite loss on one rank skips the step on all of them, or the replicas drift). One
     tiny all_reduce when distributed: queued behind the step on a GPU (NCCL), done on the host for gloo; neither waits
-    for a device. Few operations, as each costs the host a few microseconds to queue."""
+    for a device. `agree=False`: the caller agrees them (in the agreement's own collective, `Session.agree_with`).
+    Few operations, as each costs the host a few microseconds to queue."""
     values = torch.stack([loss.float(), grad_norm.to(loss.device, torch.float32)])
     flags = values.isfinite().logical_not_().float()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if agree and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return torch.cat([values, flags])
 

@@ -246,14 +246,14 @@ class Trainer:
     # ------------------------------------------------------------ the loop
 
     def _train_step(
-        self, batches: Generator[dict[str, torch.Tensor], None, None]
+        self, batches: Generator[dict[str, torch.Tensor], None, None], agree_early: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple]]:
         """Forward/backward over the accumulation, clip; returns (loss, grad norm, agreement), the loss and the norm
         on the device: nothing here waits for it (`step_values`).
 
         The per-step agreement between ranks (stop? save?) is started right after the last forward pass and
-        completes during the backward pass, so it costs no extra round trip. The gradient norm needs none: it is
-        already global.
+        completes during the backward pass, so it costs no extra round trip (`agree_early`; else the caller agrees
+        after the step, with the step's flags). The gradient norm needs none: it is already global.
         """
         accumulation = self.cfg.grad_accumulation_steps
         if self.parts.copy_before_forward:
@@ -273,14 +273,14 @@ class Trainer:
                     loss = self.parts.wrapped(batch) / accumulation
                 value = loss.detach().float()
                 total = value if total is None else total + value
-                if last:  # completes during the backward pass
+                if last and agree_early:  # completes during the backward pass
                     agreement = self.session.agree_async(self.step + 1)
                 self.parts.scaler.scale(loss).backward()
         assert total is not None  # grad_accumulation_steps >= 1
         self.data.sampler.advance(self.data.global_batch * accumulation)
         self.parts.scaler.unscale_(self.parts.optimizer)
         clip = self.cfg.grad_clip_norm if self.cfg.grad_clip_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parts.model.parameters(), clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parts.parameters, clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of the norm's shards
             grad_norm = grad_norm.full_tensor()
         return total, grad_norm, agreement
@@ -464,14 +464,18 @@ class Trainer:
         cfg = self.cfg
         window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
         late = LateValues(self.device)
+        flags_ride = self.session.rides_with_host_flags(self.device)
         reported_at, report_pace = -math.inf, min(REPORT_PACE_SECONDS, self.session.reporter.interval / 2)
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
             self.data_wait_seconds = self.copy_wait_seconds = 0.0
-            loss, grad_norm, agreement = self._train_step(batches)
+            loss, grad_norm, agreement = self._train_step(batches, agree_early=not flags_ride)
             # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
-            values = step_tensor(loss, grad_norm)
-            stop, save_due = agreement()
+            values = step_tensor(loss, grad_norm, agree=not flags_ride)
+            if flags_ride:  # one collective a step for both
+                stop, save_due = self.session.agree_with(self.step + 1, values[2:])
+            else:
+                stop, save_due = agreement()
             learning_rate = self._update(found_inf(values))
             self.parts.scheduler.step()
             self.step += 1

