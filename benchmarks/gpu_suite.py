@@ -41,7 +41,9 @@ On the GPU machine (torch 2.11 there, no registry, no pydantic): carry the wheel
 
 `--multinode` runs, instead of the four, multinode_checkpoint.py --device cuda --mib 1800 (issue 63: two "pods" on one GPU, each staging
 from CUDA into its own memory tier and writing the other's files, against one pod; `multinode_commit_ratio`,
-`multinode_storage_bytes_read` for the in-place restore; not yet run on a GPU). About 8 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, restart_in_place ~60 s
+`multinode_storage_bytes_read` for the in-place restore; not yet run on a GPU). `--large` runs, instead of the four,
+trainer_overhead.py for a ~1B-parameter model (dim 2048, 20 layers, context 1024, batch 8, bf16, compiled): issue 64's
+second config, `large_mfu` (goal 45%) and `large_overhead_ratio` (trainer / bare compiled loop; not yet run). About 8 minutes on one H200 (tests 15 s, checkpoint_stall 110 s, trainer_overhead 175 s, restart_in_place ~60 s
 (estimated: not yet run on a GPU), gpu_defaults 100 s): give the device call 580 s. `--quick` (a smaller model, 2 repeats) checks the script itself, also on CPU (`--device cpu`).
 """
 
@@ -59,6 +61,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODEL = ["--dim", "1024", "--layers", "12", "--heads", "16"]
 QUICK_MODEL = ["--dim", "768", "--layers", "3", "--heads", "12"]
+#: Issue 64's second config: about 1B parameters (12 x 2048^2 x 20 = 1.01 B), context 1024 (`--large`).
+LARGE_MODEL = ["--dim", "2048", "--layers", "20", "--heads", "16", "--context", "1024", "--batch-size", "8"]
 #: Unit tests with cases that run only where CUDA is (staging GPU tensors into the memory tier, compile defaults).
 GPU_TESTS = [
     "tests/unit/trainer/checkpoint/test_checkpoint_tier_staging.py",
@@ -109,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of the suite: multinode_checkpoint.py from the device, two pods' commit in memory against one "
         "pod's (issue 63; a device call of its own, about 3 minutes)",
     )
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="instead of the suite: the trainer against the bare loop for a ~1B-parameter model, context 1024, bf16, "
+        "compiled (issue 64's MFU goal 45%%; a device call of its own, about 5 minutes, not yet run)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -141,7 +151,31 @@ def main(argv: list[str] | None = None) -> int:
     overhead: dict[str, str] = {}
     restart: dict[str, str] = {}
     defaults: dict[str, str] = {}
-    if not args.multinode:
+    large: dict[str, str] = {}
+    if args.large:
+        large = run(
+            "trainer_overhead.py",
+            [
+                "--device",
+                args.device,
+                "--nproc",
+                "1",
+                *(QUICK_MODEL + ["--context", "64", "--batch-size", "4"] if args.quick else LARGE_MODEL),
+                "--precision",
+                "bf16-mixed" if args.device == "cuda" else "32-true",
+                "--checkpoint-every",
+                "0",
+                "--steps",
+                "40" if args.quick else "60",
+                "--no-metrics",
+                "--no-reporting",
+                "--repeats",
+                "1",
+                *(["--compile"] if args.device == "cuda" else []),
+            ],
+            args.timeout,
+        )
+    if not args.multinode and not args.large:
         model = QUICK_MODEL if args.quick else MODEL
         repeats = "2" if args.quick else str(args.repeats)
         stall = run(
@@ -238,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         "recompile_startup_s": defaults.get("recompile_startup_s", "nan"),
         "multinode_commit_ratio": multinode.get("ratio", "nan"),
         "multinode_storage_bytes_read": multinode.get("storage_bytes_read_two_nodes", "nan"),
+        "large_mfu": large.get("mfu", "nan"),
+        "large_overhead_ratio": large.get("overhead_ratio", "nan"),
         "gpu_tests": tests,
         "device": device.replace(" ", "_"),
         "torch": torch.__version__,
     }
     print("result: " + " ".join(f"{key}={value}" for key, value in fields.items()), flush=True)
-    return 0 if (multinode if args.multinode else stall and overhead) else 1
+    return 0 if (multinode if args.multinode else large if args.large else stall and overhead) else 1
 
 
 if __name__ == "__main__":
