@@ -282,21 +282,12 @@ class Run:
 
         return result
 
-    def rides_with_host_flags(self, device: torch.device) -> bool:
-        """Whether `agree_with` can carry a step's flags from `device` in the agreement's own collective: CPU
-        training over the default (gloo) group, where the flags live in host memory and a second collective would cost
-        the step a round trip (about 0.9 ms between two processes on the 2-core VM)."""
+    def agrees_on_host(self, device: torch.device) -> bool:
+        """Whether a step trained on `device` can have its loss's verdict agreed in `agree_async` itself: CPU
+        training over the default (gloo) group, where the loss is in host memory as soon as it is computed, so a
+        second collective after the step (about 0.9 ms between two processes on the 2-core VM, and one the step
+        waits for) is not needed."""
         return device.type == "cpu" and self._agreement_group is None and self._distributed()
-
-    def agree_with(self, step: int, flags: torch.Tensor) -> tuple[bool, bool]:
-        """(stop, save) as `agree` gives them, and `flags` (a CPU float tensor, changed in place) made the largest over
-        every rank, in one collective (`rides_with_host_flags`)."""
-        stop, save = self._stop_and_save(step)
-        agreed = torch.cat([torch.tensor([float(stop), float(save)]), flags])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        flags.copy_(agreed[2:])
-        stop_save = agreed[:2].numpy()  # host memory (`rides_with_host_flags`): reading it waits for nothing
-        return bool(stop_save[0]), bool(stop_save[1])
 
     def _stop_and_save(self, step: int, *flags: bool) -> tuple[bool, ...]:
         """This rank's (stop, save, *flags) before they are agreed; reports a save that finished since."""

@@ -41,7 +41,7 @@ def step_tensor(loss: torch.Tensor, grad_norm: torch.Tensor, agree: bool = True)
     """[loss, grad norm, loss not finite, grad norm not finite] as float32 on the loss's device, the flags agreed by
     every rank (the largest: a non-finite loss on one rank skips the step on all of them, or the replicas drift). One
     tiny all_reduce when distributed: queued behind the step on a GPU (NCCL), done on the host for gloo; neither waits
-    for a device. `agree=False`: the caller agrees them (in the agreement's own collective, `Session.agree_with`).
+    for a device. `agree=False`: the caller agrees them (CPU training: the loss in `Run.agree_async` itself, the norm being global).
     Few operations, as each costs the host a few microseconds to queue."""
     values = torch.stack([loss.float(), grad_norm.to(loss.device, torch.float32)])
     flags = values.isfinite().logical_not_().float()

@@ -18,6 +18,7 @@ import signal
 import time
 from typing import Any, Callable, Generator, Optional
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -246,14 +247,15 @@ class Trainer:
     # ------------------------------------------------------------ the loop
 
     def _train_step(
-        self, batches: Generator[dict[str, torch.Tensor], None, None], agree_early: bool = True
+        self, batches: Generator[dict[str, torch.Tensor], None, None], loss_agreed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple]]:
         """Forward/backward over the accumulation, clip; returns (loss, grad norm, agreement), the loss and the norm
         on the device: nothing here waits for it (`step_values`).
 
         The per-step agreement between ranks (stop? save?) is started right after the last forward pass and
-        completes during the backward pass, so it costs no extra round trip (`agree_early`; else the caller agrees
-        after the step, with the step's flags). The gradient norm needs none: it is already global.
+        completes during the backward pass, so it costs no extra round trip; `loss_agreed` (`Run.agrees_on_host`:
+        the loss is in host memory) adds whether the step's loss is not finite to it. The gradient norm needs none:
+        it is already global.
         """
         accumulation = self.cfg.grad_accumulation_steps
         if self.parts.copy_before_forward:
@@ -273,8 +275,10 @@ class Trainer:
                     loss = self.parts.wrapped(batch) / accumulation
                 value = loss.detach().float()
                 total = value if total is None else total + value
-                if last and agree_early:  # completes during the backward pass
-                    agreement = self.session.agree_async(self.step + 1)
+                if last:  # completes during the backward pass
+                    # numpy: host memory here (`loss_agreed` only on CPUs), nothing that could wait on a device
+                    loss_flag = (not numpy.isfinite(total.numpy()),) if loss_agreed else ()
+                    agreement = self.session.agree_async(self.step + 1, *loss_flag)
                 self.parts.scaler.scale(loss).backward()
         assert total is not None  # grad_accumulation_steps >= 1
         self.data.sampler.advance(self.data.global_batch * accumulation)
@@ -464,16 +468,17 @@ class Trainer:
         cfg = self.cfg
         window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
         late = LateValues(self.device)
-        flags_ride = self.session.rides_with_host_flags(self.device)
+        on_host = self.session.agrees_on_host(self.device)
         reported_at, report_pace = -math.inf, min(REPORT_PACE_SECONDS, self.session.reporter.interval / 2)
         while self.step < cfg.max_steps:
             step_started = time.monotonic()
             self.data_wait_seconds = self.copy_wait_seconds = 0.0
-            loss, grad_norm, agreement = self._train_step(batches, agree_early=not flags_ride)
+            loss, grad_norm, agreement = self._train_step(batches, loss_agreed=on_host)
             # A NaN loss on one rank must skip or roll back every rank, or the replicas drift.
-            values = step_tensor(loss, grad_norm, agree=not flags_ride)
-            if flags_ride:  # one collective a step for both
-                stop, save_due = self.session.agree_with(self.step + 1, values[2:])
+            values = step_tensor(loss, grad_norm, agree=not on_host)
+            if on_host:  # the norm is the same on every rank (of gradients DDP or FSDP2 reduced): the loss's agreed
+                stop, save_due, loss_not_finite = agreement()
+                values[2] = float(loss_not_finite)
             else:
                 stop, save_due = agreement()
             learning_rate = self._update(found_inf(values))
