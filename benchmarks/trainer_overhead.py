@@ -196,6 +196,7 @@ def bare_worker(spec_path: str) -> int:
             if step >= steps:
                 break
         epoch += 1
+    dist.barrier()  # a rank that tore gloo down while its peer still sent aborted the run ("terminate called")
     dist.destroy_process_group()
     return 0
 
