@@ -97,6 +97,29 @@ def run(script: str, args: list[str], timeout: float) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+)", results[-1]))
 
 
+def overhead_args(device: str, model: list[str], checkpoint_every: int, steps: int, repeats: int) -> list[str]:
+    """trainer_overhead.py's arguments for one process of `model`: bf16 and compiled on a GPU (the trainer's
+    defaults there, both sides), metrics and reporting rows left out."""
+    return [
+        "--device",
+        device,
+        "--nproc",
+        "1",
+        *model,
+        "--precision",
+        "bf16-mixed" if device == "cuda" else "32-true",
+        "--checkpoint-every",
+        str(checkpoint_every),
+        "--steps",
+        str(steps),
+        "--no-metrics",
+        "--no-reporting",
+        "--repeats",
+        str(repeats),
+        *(["--compile"] if device == "cuda" else []),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -155,24 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.large:
         large = run(
             "trainer_overhead.py",
-            [
-                "--device",
+            overhead_args(
                 args.device,
-                "--nproc",
-                "1",
-                *(QUICK_MODEL + ["--context", "64", "--batch-size", "4"] if args.quick else LARGE_MODEL),
-                "--precision",
-                "bf16-mixed" if args.device == "cuda" else "32-true",
-                "--checkpoint-every",
-                "0",
-                "--steps",
-                "40" if args.quick else "60",
-                "--no-metrics",
-                "--no-reporting",
-                "--repeats",
-                "1",
-                *(["--compile"] if args.device == "cuda" else []),
-            ],
+                QUICK_MODEL + ["--context", "64", "--batch-size", "4"] if args.quick else LARGE_MODEL,
+                checkpoint_every=0,
+                steps=40 if args.quick else 60,
+                repeats=1,
+            ),
             args.timeout,
         )
     if not args.multinode and not args.large:
@@ -197,28 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         overhead = run(
             "trainer_overhead.py",
-            [
-                "--device",
+            overhead_args(
                 args.device,
-                "--nproc",
-                "1",
-                *model,
-                "--context",
-                "64" if args.quick else "256",
-                "--batch-size",
-                "4" if args.quick else "32",
-                "--precision",
-                "bf16-mixed" if args.device == "cuda" else "32-true",
-                "--checkpoint-every",
-                "10",
-                "--steps",
-                "60" if args.quick else "160",
-                "--no-metrics",
-                "--no-reporting",
-                "--repeats",
-                "2" if args.quick else str(args.overhead_repeats),
-                *(["--compile"] if args.device == "cuda" else []),
-            ],
+                model + ["--context", "64" if args.quick else "256", "--batch-size", "4" if args.quick else "32"],
+                checkpoint_every=10,
+                steps=60 if args.quick else 160,
+                repeats=2 if args.quick else args.overhead_repeats,
+            ),
             args.timeout,
         )  # the trainer's GPU default, both sides
         restart = run(

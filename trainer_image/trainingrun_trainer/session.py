@@ -268,7 +268,12 @@ class Run:
 
     def agree_async(self, step: int, *flags: bool) -> Callable[[], tuple[bool, ...]]:
         """Start `agree` without waiting; call the result to get the answer (e.g. after backward)."""
-        local = self._stop_and_save(step, *flags)
+        save_finished = self._pending is None or self._pending.done()
+        if self._pending is not None and self._pending.done():
+            self.report_committed()  # promptly, so the operator resumes from it after a crash
+        elif self.store.persist_behind:
+            self.reports.stored()  # the persister copied one to storage since
+        local = (self.preempted, self.intervals.due(step, save_finished), *flags)
         if not self._distributed():
             return lambda: local
         agreed = numpy.array(local, dtype=numpy.uint8)
@@ -288,15 +293,6 @@ class Run:
         second collective after the step (about 0.9 ms between two processes on the 2-core VM, and one the step
         waits for) is not needed."""
         return device.type == "cpu" and self._agreement_group is None and self._distributed()
-
-    def _stop_and_save(self, step: int, *flags: bool) -> tuple[bool, ...]:
-        """This rank's (stop, save, *flags) before they are agreed; reports a save that finished since."""
-        save_finished = self._pending is None or self._pending.done()
-        if self._pending is not None and self._pending.done():
-            self.report_committed()  # promptly, so the operator resumes from it after a crash
-        elif self.store.persist_behind:
-            self.reports.stored()  # the persister copied one to storage since
-        return (self.preempted, self.intervals.due(step, save_finished), *flags)
 
     @staticmethod
     def _distributed() -> bool:

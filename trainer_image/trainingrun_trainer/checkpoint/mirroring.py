@@ -188,7 +188,7 @@ class NodeMirror:
             return False
         nodes = self._context.nodes
         node = nodes[self._context.ranks.rank]
-        before = self.leads[(self.leads.index(self._context.ranks.rank) - 1) % len(self.leads)]
+        _, before = self._neighbours()
         wanted = [
             f
             for files in gathered
@@ -260,8 +260,7 @@ class NodeMirror:
         whether every file received was kept. Each receiver first says whether it takes them, so a sender never sends
         into a pod without room."""
         rank, nodes = self._context.ranks.rank, self._context.nodes
-        at = self.leads.index(rank)
-        after, before = self.leads[(at + 1) % len(self.leads)], self.leads[(at - 1) % len(self.leads)]
+        after, before = self._neighbours()
         transfer = FileTransfer(self._context.ranks.group, self._context.held_tier())
         mine = [f for files in gathered for f in files if f.node == nodes[rank] and f.whole is None]
         theirs = [f for files in gathered for f in files if f.node == nodes[before] and f.whole is None]
@@ -290,6 +289,11 @@ class NodeMirror:
             receive()
             sending.result()
         return kept
+
+    def _neighbours(self) -> tuple[int, int]:
+        """A lead's next and previous pod's leads in the ring (rank order, wrapping round)."""
+        at = self.leads.index(self._context.ranks.rank)
+        return self.leads[(at + 1) % len(self.leads)], self.leads[(at - 1) % len(self.leads)]
 
     def _files_of(self, record: dict, results: list, tier_dir: Optional[str]) -> Optional[list[_WrittenFile]]:
         """What this rank wrote, for the other pods: None when its node keeps no copy to read byte items from."""
