@@ -289,12 +289,14 @@ class CheckpointConfig(ApiModel):
     )
     persist_behind: bool = Field(
         default=True,
-        description="With memoryTier and every worker in one pod: a checkpoint commits once every worker's files are in "
-        "the pod's memory, and rank 0 copies them to checkpoint.uri behind it, at storage's pace, newest first (a "
-        "checkpoint made while an older one is still being copied replaces any waiting to be). Training never waits "
-        "for storage, and a restart of the workers inside the pod resumes from the newest checkpoint in memory; a new "
-        "pod resumes from the newest in storage, and SIGTERM and the end of the run wait until storage holds the last "
-        "one. false, or several pods, or no room in /dev/shm: a checkpoint commits when storage holds it.",
+        description="With memoryTier: a checkpoint commits once every pod's memory holds every file of it (each pod "
+        "also keeps the other pods' files), and rank 0 copies them to checkpoint.uri behind it, at storage's pace, "
+        "newest first (a checkpoint made while an older one is still being copied replaces any waiting to be). "
+        "Training never waits for storage; the update of the step after a save waits for its commit, so a lost pod "
+        "costs at most checkpoint.interval steps. A restart of the workers in any pod resumes from the newest "
+        "checkpoint in memory, a replacement pod receives it from a surviving pod's memory, and SIGTERM and the end "
+        "of the run wait until storage holds the last one. false, no room in /dev/shm, or a sharded (FSDP2) state on "
+        "more than two pods: a checkpoint commits when storage holds it.",
     )
     writer_process: Optional[bool] = Field(
         default=None,

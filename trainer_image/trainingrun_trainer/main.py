@@ -123,7 +123,9 @@ def peer_failure(error: BaseException) -> bool:
     """Whether a collective failed because another worker died (killed, OOM, preempted)."""
     import torch.distributed as dist
 
-    if isinstance(error, dist.DistError):
+    from .checkpoint import PeersLost
+
+    if isinstance(error, (dist.DistError, PeersLost)):
         return True
     message = str(error)
     return isinstance(error, RuntimeError) and any(

@@ -62,9 +62,11 @@ def test_periodic_evaluation_on_the_held_out_split(tmp_path):
 def test_a_dead_peer_is_retryable_not_a_bug():
     import torch.distributed as dist
 
+    from trainingrun_trainer.checkpoint import PeersLost
     from trainingrun_trainer.main import peer_failure
 
     assert peer_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    assert peer_failure(PeersLost("checkpoint step 5 could not commit: ..."))  # the commit's collective failed first
     assert peer_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert not peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not peer_failure(ValueError("Connection reset by peer"))

@@ -112,3 +112,62 @@ def test_an_optimizer_a_device_flag_cannot_skip_waits_once_a_step(tmp_path):
     """fused: false (the documented cost): the host reads the non-finite flag before each optimizer step."""
     steps = between_log_lines(count_calls_that_wait(tmp_path, optimizer={"fused": False}))
     assert min(steps.values()) >= 1, steps
+
+
+SAVES_IN_FLIGHT_AT_EACH_UPDATE = """
+import json, sys, time
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from trainingrun_trainer.checkpoint.committing import Committer
+from trainingrun_trainer.context import RunContext
+from trainingrun_trainer.trainer import Trainer
+
+commit = Committer._commit
+def slow_commit(self, *args, **kwargs):  # a commit slower than a step: 0.3 s against the tiny model's few ms
+    time.sleep(0.3)
+    return commit(self, *args, **kwargs)
+Committer._commit = slow_commit
+torch.set_num_threads(1)
+context = RunContext.from_env()
+trainer = Trainer(context.load_config(), context, "cpu")
+seen = {}
+register_optimizer_step_pre_hook(  # every optimizer's, as the trainer builds its own in run()
+    lambda *_: seen.__setitem__(trainer.progress.step + 1, trainer.session.saving)
+)
+trainer.run()
+print(json.dumps({"saving": seen, "persist_behind": trainer.session.store.persist_behind}))
+"""
+
+
+def test_the_update_after_a_save_that_commits_in_memory_waits_for_its_commit(tmp_path):
+    """A pod lost at any moment costs at most `checkpoint.interval` steps: the update of the step after a save
+    (committing in memory) runs only once that save committed, though the commit takes longer than the step."""
+    config = {
+        "trainer": tiny_trainer(samples=2048, maxSteps=12, logIntervalSteps=100, seed=1),
+        "checkpoint": {
+            "uri": (tmp_path / "ckpt").as_uri(),
+            "interval": {"steps": 5},
+            "storageInterval": {"steps": 100},
+        },
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "shm").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", SAVES_IN_FLIGHT_AT_EACH_UPDATE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "TRAININGRUN_CONFIG": str(tmp_path / "config.yaml"),
+            "TRAININGRUN_NAME": "gate",
+            "TRAININGRUN_MEMORY_TIER_ROOT": str(tmp_path / "shm"),
+        },
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["persist_behind"], result
+    saving = {int(step): flag for step, flag in result["saving"].items()}
+    assert sorted(saving) == list(range(1, 13))
+    assert [step for step, flag in saving.items() if flag] == [], saving  # steps 6 and 11 waited

@@ -55,6 +55,7 @@ class SaveJob:
     later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
     marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
     copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
+    lost_contact: Optional[BaseException] = None  # the collective that failed when a peer was gone (`wait_committed`)
 
 
 def plain_state(state: Mapping[str, Any]) -> dict:
@@ -121,7 +122,7 @@ class Committer:
                 job.copied.set_result(None)  # nothing to copy: training goes on
             if tier_dir is not None:
                 self._context.held_tier().discard(job.step)
-            self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
+            self._lost_contact(job, exc)
             return None
         if tier_dir is not None and not in_memory:
             self._context.held_tier().discard(job.step)
@@ -148,7 +149,7 @@ class Committer:
                 except _SAVE_ERRORS as exc:
                     # What was staged there is no checkpoint: free its memory.
                     self._context.held_tier().discard(job.step)
-                    self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
+                    self._lost_contact(job, exc)
                     return None
                 if in_memory:
                     return self._save(job, tier_dir, in_memory=True, staged=staged)
@@ -302,6 +303,7 @@ class Committer:
                     job.step, job.state, record, writer.results if writer else [], tier_dir if error is None else None
                 )
             except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
+                job.lost_contact = exc
                 error = error or f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}"
             else:
                 if in_memory and not every_node_holds_all:  # a restart there could not load it: no commit in memory
@@ -332,6 +334,7 @@ class Committer:
                 )
             outcome = self._context.ranks.broadcast(outcome)
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
+            job.lost_contact = exc
             outcome = (None, _describe(exc), b"", None)
             if not job.logged:
                 logger.error(
@@ -498,6 +501,11 @@ class Committer:
     def planner(self) -> ReusingSavePlanner:
         """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""
         return ReusingSavePlanner(self.plans_key, self._planned)
+
+    def _lost_contact(self, job: SaveJob, exc: BaseException) -> None:
+        """A collective of `job` failed: a peer is gone (or timed out); the save fails."""
+        job.lost_contact = exc
+        self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
 
     def _failed(self, job: SaveJob, error: Optional[str]) -> None:
         self._context.metrics.failed_saves += 1

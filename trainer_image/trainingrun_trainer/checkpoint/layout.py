@@ -89,6 +89,11 @@ class StorageUnavailable(Exception):
     """The checkpoint storage could not be read (unreachable, refused, timed out): a later attempt may succeed."""
 
 
+class PeersLost(RuntimeError):
+    """A save could not commit because a collective with the other ranks failed: a peer worker is gone (killed,
+    its node lost) or timed out. Training cannot go on with it either; a restart resumes from the newest commit."""
+
+
 @dataclass
 class CheckpointInfo:
     """One checkpoint directory as found in storage.

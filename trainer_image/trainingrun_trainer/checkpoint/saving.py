@@ -12,7 +12,7 @@ import torch
 
 from .committing import Committer, SaveJob, plain_state
 from .context import StoreContext
-from .layout import EXTRA_ENTRY, CheckpointInfo, PendingSave
+from .layout import EXTRA_ENTRY, CheckpointInfo, PeersLost, PendingSave, _describe
 from .tier_staging import plain_tensors
 
 
@@ -37,6 +37,7 @@ class Saver:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-checkpoint")
         self._pending: Optional[PendingSave] = None
         self._copying: Optional[SaveJob] = None  # the save whose background copy the caller has not waited for
+        self._committing: Optional[SaveJob] = None  # the save in flight (`wait_committed`)
         self._last_result: Optional[CheckpointInfo] = None
         self._defer_state_dicts: Optional[bool] = None  # see save(); decided by the first save that copies later
 
@@ -118,7 +119,7 @@ class Saver:
             future = self.executor.submit(lambda: self._committer.run(job))
         self._context.metrics.last_blocking_seconds = time.perf_counter() - began
         pending = PendingSave(step, future, self._context.metrics.last_blocking_seconds)
-        self._pending, self._copying = pending, job
+        self._pending, self._copying, self._committing = pending, job, job
         return pending
 
     def wait_copied(self) -> float:
@@ -136,6 +137,23 @@ class Saver:
             self._pending.blocking_seconds += waited
         if error is not None:
             raise error
+        return waited
+
+    def wait_committed(self) -> float:
+        """Wait until the save in flight, if any, committed or failed; returns the seconds waited (counted as
+        `wait_copied`'s are). Raises `PeersLost` when it failed because a collective with the other ranks did (a
+        peer is gone): a step taken now would be thrown away by the restart, which resumes from the commit before."""
+        job, self._committing = self._committing, None
+        if job is None:
+            return 0.0
+        began = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - began
+        self._context.metrics.last_blocking_seconds += waited
+        if job.lost_contact is not None:
+            raise PeersLost(
+                f"checkpoint step {job.step} could not commit: {_describe(job.lost_contact)}"
+            ) from job.lost_contact
         return waited
 
     def wait(self) -> Optional[CheckpointInfo]:

@@ -196,6 +196,10 @@ class CheckpointStore:
         """`saving.Saver.wait_copied`."""
         return self.saver.wait_copied()
 
+    def wait_committed(self) -> float:
+        """`saving.Saver.wait_committed`."""
+        return self.saver.wait_committed()
+
     def wait(self) -> Optional[CheckpointInfo]:
         """`saving.Saver.wait`: the most recent save's outcome, once it is done."""
         return self.saver.wait()

@@ -117,3 +117,50 @@ def test_a_later_save_finishes_the_previous_one(store):
     assert first.done()
     assert second.result().step == 2
     assert [i.step for i in store.list()] == [2, 1]
+
+
+def _peer_gone_worker(rank: int, init_file: str, uri: str, tiers: list, out_dir: str) -> None:
+    import json
+    import os
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from trainingrun_trainer.checkpoint import CheckpointStore, PeersLost
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    model = make_model()
+    with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=True) as store:
+        if rank == 1:  # gone without a word, as a pod on a failed node: its sockets close with it
+            os._exit(0)
+        store.save(5, {"model": model.state_dict()}, {"rank": rank})
+        try:
+            store.wait_committed()
+            outcome = "committed"
+        except PeersLost as error:
+            outcome = f"{type(error).__name__}: {error} / {type(error.__cause__).__name__}"
+        Path(out_dir, "rank0.json").write_text(json.dumps({"outcome": outcome, "failed": store.metrics.failed_saves}))
+        os._exit(0)  # the process group cannot be torn down without its peer
+
+
+def test_waiting_for_a_commit_a_peer_left_raises_peers_lost(tmp_path):
+    """A save whose collectives fail because the other rank is gone: `wait_committed` raises `PeersLost` (main
+    retries the attempt, as for any collective a dead peer broke), with the collective's error as its cause."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(2)]
+    mp.spawn(
+        _peer_gone_worker,
+        args=(str(tmp_path / "pg"), f"file://{tmp_path / 'ckpt'}", tiers, str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["outcome"].startswith("PeersLost: checkpoint step 5 could not commit:"), result
+    assert result["failed"] == 1
