@@ -16,7 +16,9 @@ What is measured
     by source (own memory, storage). Each side runs `--repeats` times, alternating; medians are printed.
 
     The two "nodes" share this machine's cores and memory bandwidth: the mirror's extra write competes with the other
-    rank here, as it would not on two machines, so the ratio is an upper bound.
+    rank here, as it would not on two machines, so the ratio is an upper bound. `--pin` puts each rank (its threads
+    too) on a core of its own on both sides, so the nodes' work runs side by side as on two machines (the memory
+    bandwidth is still shared; the one-node side's hashing threads lose the other core).
 
 Run by hand, never by the test suite:
     .venv/bin/python benchmarks/multinode_checkpoint.py          # ~3 minutes on the 2-core VM
@@ -42,8 +44,19 @@ SIDES = ("one node", "two nodes")
 
 
 def worker(
-    rank: int, port: int, root: str, side: str, mib: int, warmup: int, saves: int, device: str, strategy: str
+    rank: int,
+    port: int,
+    root: str,
+    side: str,
+    mib: int,
+    warmup: int,
+    saves: int,
+    device: str,
+    strategy: str,
+    pin: bool = False,
 ) -> None:
+    if pin:  # each rank, its threads included, on a core of its own: two machines' worth of cores, one each
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -126,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="cpu", help="where the model trains: cpu, or cuda (both ranks on GPU 0, gloo; default cpu)"
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="each rank on a core of its own (both sides), so the two nodes' work runs side by side as on two "
+        "machines instead of sharing every core (on the 2-core VM: one core a node)",
+    )
     args = parser.parse_args(argv)
     if args.strategy == "fsdp2" and args.device != "cpu":
         parser.error("--strategy fsdp2 runs on --device cpu only (the ranks talk gloo)")
@@ -140,7 +159,17 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 mp.spawn(
                     worker,
-                    args=(free_port(), root, side, args.mib, args.warmup, args.saves, args.device, args.strategy),
+                    args=(
+                        free_port(),
+                        root,
+                        side,
+                        args.mib,
+                        args.warmup,
+                        args.saves,
+                        args.device,
+                        args.strategy,
+                        args.pin,
+                    ),
                     nprocs=2,
                     join=True,
                 )
