@@ -54,6 +54,7 @@ def main() -> int:
         loss = nn.functional.mse_loss(ddp(x), x @ target)
         optimizer.zero_grad()
         loss.backward()
+        run.wait_for_commit()  # after a save: a lost pod then costs at most one checkpoint interval
         optimizer.step()
         step += 1
         run.report(step, total_steps=TOTAL_STEPS, loss=loss.item())

@@ -7,7 +7,9 @@ status reporting as the built-in trainer by using this class (see examples/custo
     extra = run.resume(state)                          # newest verified checkpoint, loaded in place
     step = extra["step"] if extra else 0
     while step < total:
-        ...one optimizer step...
+        ...forward, backward...
+        run.wait_for_commit()                          # the save before, committed: a lost pod costs <= one interval
+        ...the optimizer step...
         step += 1
         run.report(step, total_steps=total, loss=loss)  # rank 0 -> the operator -> status.progress
         stop, save = run.checkpoint_due(step)           # agreed by all ranks
@@ -332,6 +334,15 @@ class Run:
         if blocking or not self.checkpoint.async_save:
             self.store.flush()  # a save that blocks returns once storage holds it, also persisting behind
         self.intervals.saved(step)
+
+    def wait_for_commit(self) -> float:
+        """Call before the optimizer step after a save: when saves commit in memory, wait for its commit (it ran
+        beside this step's forward and backward passes), so that whenever a pod is lost the newest commit is at most
+        `checkpoint.interval` steps behind the last step taken (a save in flight cannot commit without the lost pod,
+        and steps taken beside it would be thrown away too). Raises `PeersLost` when the commit failed because a peer
+        is gone, before the step is taken: let it end the process (the attempt's workers restart). Saves that commit
+        to storage are not waited for: storage's pace would hold training back. The seconds waited."""
+        return self.store.wait_committed() if self.store.persist_behind else 0.0
 
     def checkpoint_due(self, step: int) -> tuple[bool, bool]:
         """(stop, save): whether to stop for preemption and whether a periodic save is due.

@@ -217,16 +217,6 @@ class Trainer:
         """Before the weights change: wait until the save in flight has copied them (it copies in the background)."""
         self.copy_wait_seconds += self.session.store.wait_copied()
 
-    def _wait_for_commit_in_memory(self) -> None:
-        """Before the update after a save that commits in memory: wait for its commit (it ran beside this step's
-        forward and backward passes), so that whenever a pod is lost the newest commit is at most
-        `checkpoint.interval` steps behind the last step done; a save in flight could not commit without the lost
-        pod, and steps taken beside it would be thrown away too. Raises `PeersLost` when the commit failed because a
-        peer is gone, before this step is taken. Saves that commit to storage are not waited for: storage's pace
-        would hold training back."""
-        if self.session.store.persist_behind:
-            self.copy_wait_seconds += self.session.store.wait_committed()
-
     def _track_commit(self) -> None:
         committed = self.session.last_committed
         if committed is not None and committed.step != self.tracked_checkpoint:
@@ -305,7 +295,7 @@ class Trainer:
         be told by a tensor (fused, the default), so the host does not wait for the backward pass here."""
         parts = self.parts
         self._wait_for_checkpoint_copy()
-        self._wait_for_commit_in_memory()
+        self.copy_wait_seconds += self.session.wait_for_commit()  # a lost pod then costs at most one interval
         skipped: Optional[torch.Tensor] = None  # for the EMA: None when the host knows the step was taken
         taken = True
         # Once an optimizer can be told by a device flag it stays so (SGD's momentum buffers, once made, are kept).
