@@ -72,6 +72,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -409,6 +410,33 @@ class ReportSink:
         self.server.server_close()
 
 
+def simulated_nodes(
+    launcher: list[str], command: list[str], env: dict[str, str], rundir: Path, nodes: int
+) -> list[tuple[list[str], dict[str, str]]]:
+    """(command, environment) of each launcher: one (`--standalone`), or with `--nodes N` one per simulated node as
+    `trainingrun local --nodes` starts them (c10d rendezvous hosted by node 0 on 127.0.0.1; each node its own memory
+    folder, the pod's /dev/shm, in a folder of /dev/shm where there is one, and its own pod name)."""
+    if nodes == 1:
+        return [(command, env)]
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    from trainingrun_api import contract
+
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else rundir
+    launches = []
+    for node in range(nodes):
+        memory = Path(tempfile.mkdtemp(prefix=f"trainer-overhead-node-{node}-", dir=shm))
+        (rundir / f"node-{node}-memory").symlink_to(memory)  # removed with the run (`run_side`)
+        rendezvous = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        rendezvous += [f"--rdzv-id={rundir.name}"] + (["--rdzv-conf=is_host=false"] if node else [])
+        node_env = {**env, contract.MEMORY_TIER_ROOT_ENV: str(memory), contract.POD_NAME: f"bench-worker-{node}"}
+        launches.append(([*launcher[:3], *rendezvous, *launcher[4:], *command[len(launcher) :]], node_env))
+    return launches
+
+
 def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) -> dict:
     """One torchrun launch; returns {'seconds', 'wall', 'steps'} of the timed window."""
     import yaml
@@ -464,16 +492,29 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
         command = launcher + ["-m", "trainingrun_trainer"]
     began = time.perf_counter()
     log_path = rundir / "output.log"
+    launches = simulated_nodes(launcher, command, env, rundir, args.nodes)
+    others: list[subprocess.Popen] = []
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(command, env=env, cwd=rundir, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            launches[0][0], env=launches[0][1], cwd=rundir, stdout=log_file, stderr=subprocess.STDOUT, text=True
+        )
+        for node, (node_command, node_env) in enumerate(launches[1:], start=1):
+            with open(rundir / f"output-node-{node}.log", "w") as node_log:
+                others.append(
+                    subprocess.Popen(
+                        node_command, env=node_env, cwd=rundir, stdout=node_log, stderr=subprocess.STDOUT, text=True
+                    )
+                )
         monitor = CpuMonitor(proc.pid, period=0.25)
         monitor.start()
         scraper = Scraper(rundir / "metrics") if kind == "trainer-metrics" else None
         try:
             returncode = proc.wait(timeout=args.timeout)
+            returncode = returncode or max((other.wait(timeout=args.timeout) for other in others), default=0)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            for launched in (proc, *others):
+                launched.kill()
+                launched.wait()
             raise SystemExit(
                 f"{kind} run {run_id} took longer than --timeout {args.timeout:.0f} s; log {log_path}"
             ) from None
@@ -483,6 +524,13 @@ def run_side(kind: str, args: argparse.Namespace, workdir: Path, run_id: str) ->
                 scraper.stop()
             if kind == "trainer-reporting":
                 sink.stop()
+            for other in others:
+                if other.poll() is None:
+                    other.kill()
+                    other.wait()
+            for memory in rundir.glob("node-*-memory"):  # each simulated node's memory went with its pod
+                shutil.rmtree(memory.resolve(), ignore_errors=True)
+                memory.unlink()
     wall = time.perf_counter() - began
     output = log_path.read_text()
     if scraper and "trainingrun_step" not in scraper.last:
@@ -565,6 +613,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=["cpu", "cuda"],
         default="cpu",
         help="cpu (gloo) or cuda (nccl, one GPU per process) (default cpu)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="simulated nodes per side, each a launcher of --nproc processes with a memory folder of its own, as "
+        "`trainingrun local --nodes` (default 1: one standalone launcher); compare --paired-only --nodes 2 --nproc 1 "
+        "with --nproc 2 for issue 63's two-pod step-rate cost",
     )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (default 1)")
     parser.add_argument("--dim", type=int, default=128, help="model width (default 128)")

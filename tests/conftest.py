@@ -5,6 +5,7 @@ import glob
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def pytest_configure(config):
     # so a test run leaves nothing behind in /tmp. pytest's own tmp_path stays where pytest keeps it (this process
     # read the temporary directory before: tempfile caches it).
     tempfile.gettempdir()
+    config._started_at = time.time()
     config._temp_root = tempfile.mkdtemp(prefix="trainingrun-tests-tmp-")
     os.environ["TMPDIR"] = config._temp_root
 
@@ -48,6 +50,11 @@ def pytest_unconfigure(config):
         from trainingrun_api import contract
 
         os.environ.pop(contract.MEMORY_TIER_ROOT_ENV, None)
+    started = getattr(config, "_started_at", None)
+    if started is not None:  # what the processes the tests SIGKILLed (resource trackers among them) left in /dev/shm
+        from trainingrun_operator.local.processes import remove_orphaned_semaphores
+
+        remove_orphaned_semaphores(made_before=time.time(), made_after=started)
     temp = getattr(config, "_temp_root", None)
     if temp:
         shutil.rmtree(temp, ignore_errors=True)

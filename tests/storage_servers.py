@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -91,10 +91,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(argv: list[str], port: int, name: str, host: str = "127.0.0.1") -> tuple[subprocess.Popen, Any]:
-    """Start a server and poll its port until it accepts a connection, within a deadline."""
+def _start(
+    argv: list[str], port: int, name: str, host: str = "127.0.0.1", env: Optional[dict[str, str]] = None
+) -> tuple[subprocess.Popen, Any]:
+    """Start a server (`env` added to this process's environment) and poll its port until it accepts a connection,
+    within a deadline."""
     log = tempfile.TemporaryFile(prefix=f"{name}-")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+    )
     deadline = time.monotonic() + STARTUP_DEADLINE_S
     while True:
         if process.poll() is not None:

@@ -32,6 +32,8 @@ def mlflow_server() -> Iterator[str]:
             ],
             port,
             "mlflow-server",
+            # Its job runner (not used here) keeps its queue in a folder of /dev/shm it never removes.
+            env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )
         try:
             yield f"http://127.0.0.1:{port}"

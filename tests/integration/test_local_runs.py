@@ -14,6 +14,7 @@ import yaml
 from environments import inherited
 from process_tree import descendants
 from tiny_runs import tiny_trainer
+from trainingrun_operator.local.processes import remove_orphaned_semaphores
 from trainingrun_trainer.checkpoint import CheckpointStore
 
 INTERVAL = 10
@@ -408,6 +409,7 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
     no byte from storage on either node, 5 steps lost, and the model at the end is bitwise the uninterrupted run's.
     With FSDP2 node 0 holds node 1's shards because node 1 sent them after each save (`checkpoint/mirroring.py`)."""
     run_file, env, memory_root = two_nodes_and_their_reference(tmp_path, strategy)
+    began = time.time() - 1
     lost = local(
         tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-lose-node", "25", checkpoints="lost", env=env
     )
@@ -427,3 +429,5 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
     resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from peer, 0 B from"
     assert re.search(resumed, log), log[-3000:]
     assert list(memory_root.iterdir()) == []
+    # Nor in this machine's /dev/shm: the lost node's semaphores, which its killed resource tracker did not unlink.
+    assert remove_orphaned_semaphores(made_before=time.time(), made_after=began) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -45,6 +46,22 @@ class LogFollower:
         return [line.decode("utf-8", "replace") for line in lines]
 
 
+def wait_for_group_to_end(group: int, timeout: float = 5.0) -> bool:
+    """Wait (up to `timeout` seconds) until no process of process group `group` is left, reaped or not; whether none
+    is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # a process of another user took the number: not ours
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _end_session(launcher: subprocess.Popen) -> None:
     """Kill what is left of an attempt's processes once its launcher has exited: they share its process group
     (start_new_session), and the forkserver or a worker would otherwise outlive `trainingrun local`."""
@@ -52,3 +69,57 @@ def _end_session(launcher: subprocess.Popen) -> None:
         os.killpg(launcher.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+#: Where Linux keeps POSIX named semaphores (sem_open): multiprocessing's are "sem.mp-<random>".
+SEMAPHORE_DIR = "/dev/shm"
+
+
+def remove_orphaned_semaphores(made_before: float, made_after: float = 0.0) -> list[str]:
+    """Remove this user's multiprocessing semaphores (`SEMAPHORE_DIR`/sem.mp-*) last changed between `made_after` and
+    `made_before` (time.time()) that no live process maps; the names removed. Processes of the spawn and forkserver
+    start methods (the data loader's workers, torch.multiprocessing) leave their unlinking to a resource tracker, and a
+    node lost at once (--chaos-lose-node: the tracker SIGKILLed with the rest) leaves them in this machine's /dev/shm,
+    where a pod's went with the pod. A semaphore that some process maps is in use and is kept."""
+    try:
+        candidates = [
+            entry
+            for entry in os.scandir(SEMAPHORE_DIR)
+            if entry.name.startswith("sem.mp-") and entry.is_file(follow_symlinks=False)
+        ]
+    except OSError:
+        return []
+    uid = os.getuid()
+    candidates = [
+        entry
+        for entry in candidates
+        if entry.stat(follow_symlinks=False).st_uid == uid
+        and made_after <= entry.stat(follow_symlinks=False).st_mtime < made_before
+    ]
+    if not candidates:
+        return []
+    # sem_open maps a file it made under a temporary name and then links to the semaphore's: the maps name that
+    # (deleted); the inode is the semaphore's.
+    mapped: set[tuple[str, int]] = set()
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        try:
+            maps = (process / "maps").read_text()
+        except OSError:  # gone meanwhile, or another user's (which cannot map this user's 0600 semaphores)
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(SEMAPHORE_DIR + "/"):
+                mapped.add((fields[3], int(fields[4])))
+    removed = []
+    for entry in candidates:
+        status = entry.stat(follow_symlinks=False)
+        device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}"
+        if (device, status.st_ino) not in mapped:
+            try:
+                os.remove(entry.path)
+            except OSError:
+                continue
+            removed.append(entry.name)
+    return removed

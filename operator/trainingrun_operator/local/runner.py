@@ -22,7 +22,7 @@ from trainingrun_api.config import RunConfig, config_json
 from .. import api, pod_env, recovery
 from .inputs import LocalOptions
 from .ledger import RunLedger, run_directory
-from .processes import LogFollower, _end_session, worker_pids
+from .processes import LogFollower, _end_session, remove_orphaned_semaphores, wait_for_group_to_end, worker_pids
 from .status_server import StatusServer
 from .summary import Summary
 
@@ -120,6 +120,7 @@ class LocalRunner:
         self.options = options
         self.secrets = secrets
         self.out = out
+        self.started_at = time.time()
         self.display = display
         self.run_dir = run_directory(Path(options.runs_dir), run.metadata.name, self.spec.checkpoint.uri)
         self.attempts: list[Attempt] = []
@@ -270,6 +271,8 @@ class LocalRunner:
         if self.groups:
             self.groups[-1].last_step = max(self.groups[-1].last_step, step)
         launcher.close()
+        wait_for_group_to_end(launcher.process.pid)  # its semaphores are unmapped once its processes are gone
+        remove_orphaned_semaphores(made_before=time.time(), made_after=self.started_at)
         memory = launcher.env[contract.MEMORY_TIER_ROOT_ENV]
         shutil.rmtree(memory, ignore_errors=True)
         os.makedirs(memory, exist_ok=True)
@@ -332,6 +335,7 @@ class LocalRunner:
 
     def execute(self) -> Summary:
         started = time.monotonic()
+        self.started_at = time.time()  # what this run's lost nodes left in /dev/shm is newer (`_replace_node`)
         config_path = self._write_config()
         status = StatusServer(self.run, self.run_dir / "report-token")
         previous = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}

@@ -13,3 +13,37 @@ def test_log_follower_returns_each_complete_line_once(tmp_path):
         f.write("o\nthree\n")
     assert follower.new_lines() == ["two", "three"]
     assert follower.new_lines() == []
+
+
+def test_orphaned_semaphores_are_removed_and_those_in_use_or_out_of_the_window_kept():
+    """What a SIGKILLed resource tracker leaves: a named semaphore no process maps. One this process holds open is in
+    use; one made before the window (another run's) is not this run's to remove."""
+    import _multiprocessing
+    import os
+    import time
+    import uuid
+
+    from trainingrun_operator.local import processes
+
+    began = time.time() - 1  # /dev/shm's clock may lag time.time() by a tick
+    tag = uuid.uuid4().hex[:8]
+
+    def semaphore(name: str):
+        return _multiprocessing.SemLock(1, 1, 1, f"/mp-{tag}-{name}", False)  # named and not unlinked, as spawn's
+
+    def path(name: str) -> str:
+        return os.path.join(processes.SEMAPHORE_DIR, f"sem.mp-{tag}-{name}")
+
+    orphan, in_use, older = semaphore("orphan"), semaphore("in-use"), semaphore("older")
+    del orphan, older  # closed: unmapped, as by a process that is gone
+    os.utime(path("older"), (began - 60, began - 60))
+    try:
+        removed = processes.remove_orphaned_semaphores(made_before=time.time() + 1, made_after=began)
+        assert f"sem.mp-{tag}-orphan" in removed
+        assert not os.path.exists(path("orphan"))
+        assert os.path.exists(path("in-use")) and os.path.exists(path("older"))
+        assert in_use.acquire(False)  # still a working semaphore
+    finally:
+        for name in ("orphan", "in-use", "older"):
+            if os.path.exists(path(name)):
+                os.remove(path(name))
