@@ -19,7 +19,7 @@ What is measured
     batches) over `trainingrun_step_duration_seconds` (whole steps), summed over every step, the first included
     (the DataLoader starts its workers then, and that is part of reading). steps/s = steps / summed step seconds
     (process start, model build and the final checkpoint are outside steps). DataLoader workers: `--workers`
-    (default: the trainer's default, 0: the built-in datasets are then read by a thread two batches ahead) and
+    (default: the trainer's default, 0: batches are then read on the training thread) and
     `--prefetch`.
 
 Target

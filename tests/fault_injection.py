@@ -97,10 +97,6 @@ class NaNCharTransformer(CharTransformer):
 class FaultyText(SyntheticText):
     """SyntheticText that records the training indices it serves and pauses at chosen items."""
 
-    # Reading pauses the step that reads a chosen item: read on the training thread, as a dataset of the user's
-    # that does not declare pure items is, so the pause holds exactly that step.
-    pure_items = False
-
     def __init__(
         self,
         num_samples: int = 4096,

@@ -106,8 +106,7 @@ class DataConfig(ApiModel):
         ge=0,
         le=64,
         description="DataLoader worker processes per rank; each is seeded. 0: batches are "
-        "made in the training process, by a thread two batches ahead for the built-in datasets (and any whose class "
-        "sets pure_items = True: items that depend on their index alone), else on the training thread. With heavy "
+        "made on the training thread, between steps (on a GPU while the steps queued before compute). With heavy "
         "decoding or augmentation, 2-4 keep up with a GPU (watch trainingrun_data_wait_seconds).",
     )
     worker_start_method: Literal["forkserver", "spawn", "fork"] = Field(

@@ -48,10 +48,6 @@ def checked_index(index: int, length: int) -> int:
 class _SeededItems(Dataset):
     """Map-style dataset of `num_samples` items, item i built from its own seeded numpy Generator."""
 
-    #: Each item is a function of its index alone (no global RNG, nothing read changes state): with numWorkers 0 the
-    #: trainer reads it from a background thread (`in_background`) without changing what any step sees.
-    pure_items = True
-
     def __init__(self, num_samples: int, seed: int, split: str):
         self.num_samples = num_samples
         self.seed = seed

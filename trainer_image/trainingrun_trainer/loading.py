@@ -1,5 +1,5 @@
-"""Getting batches to the training thread: read by a thread of its own when the dataset allows (`in_background`), or
-by DataLoader workers started from a forkserver (`worker_processes`), each seeded and ending with the trainer."""
+"""Getting batches to the training thread: read on it (numWorkers 0), or by DataLoader workers started from a
+forkserver (`worker_processes`), each seeded and ending with the trainer; on a GPU copied a batch ahead."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import functools
 import multiprocessing
 import multiprocessing.context
 import os
-import queue
 import random
 import select
 import threading
 from multiprocessing import forkserver
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -20,76 +19,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainingrun_api.components import ConfigError
 
-from .background import give_way_to_training
-
 __all__ = [
     "ahead_on_device",
     "batches_of",
     "exit_with",
-    "in_background",
     "seed_worker",
     "start_worker",
     "worker_processes",
 ]
-
-
-T = TypeVar("T")
-
-
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-_END = object()
-
-
-#: How long closing `in_background` waits for its thread to finish the item in hand.
-STOP_SECONDS = 60.0
-
-
-def in_background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
-    """What `items` yields, in order, made by a thread of its own up to `depth` items ahead: with numWorkers 0 the
-    next batches are read while the step computes (its tensor operations release the interpreter lock). Errors
-    are raised here, where the item was wanted; closing the iterator stops the thread. The thread gives way to the
-    training thread (`background.give_way_to_training`), so taking an item does not cost the taker its CPU.
-
-    Only for datasets whose items do not draw from the global RNGs (`pure_items`): a thread would interleave those
-    draws with the training step's and change both."""
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        give_way_to_training()
-        try:
-            for item in items:
-                ready.put(item)
-                if stop.is_set():
-                    return
-            ready.put(_END)
-        except BaseException as exc:  # noqa: BLE001 - raised on the training thread
-            ready.put(_Failed(exc))
-
-    producer = threading.Thread(target=produce, name="trainingrun-batches", daemon=True)
-    producer.start()
-    try:
-        while True:
-            item = ready.get()
-            if item is _END:
-                return
-            if isinstance(item, _Failed):
-                raise item.error
-            yield item
-    finally:
-        stop.set()
-        while True:  # make room, so a producer blocked on a full queue sees `stop`
-            try:
-                ready.get_nowait()
-            except queue.Empty:
-                break
-        # It finishes the item in hand: let it, so it is not inside the dataset when the process exits (a bound, in
-        # case a read hangs on storage).
-        producer.join(STOP_SECONDS)
 
 
 def ahead_on_device(batches: Iterable[dict[str, torch.Tensor]], device: torch.device) -> Iterator[dict]:

@@ -407,7 +407,7 @@ class Trainer:
         try:
             code = self._loop(batches)
         finally:
-            batches.close()  # stops the thread that reads ahead (loading.in_background), if any
+            batches.close()  # ends the DataLoader's workers, if any
             self.metrics.close()
             self.tracker.close(finished=code == exit_codes.OK)
         self._report_progress()  # the last word on this process's time: the final save included

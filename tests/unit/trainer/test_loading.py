@@ -14,10 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainingrun_api.model_base import ConfigError
-from trainingrun_trainer.background import helper_niceness
-from trainingrun_trainer.data import SyntheticText
-from trainingrun_trainer.loading import ahead_on_device, batches_of, in_background, seed_worker, worker_processes
-from trainingrun_trainer.sampling import ResumableSampler
+from trainingrun_trainer.loading import ahead_on_device, batches_of, seed_worker, worker_processes
 
 # ---------------------------------------------------------------- worker seeding
 
@@ -168,53 +165,6 @@ def test_a_dataset_workers_cannot_be_sent_is_a_config_error_naming_the_way_out()
     assert "workerStartMethod: fork" in message and "lock" in message
     forked = DataLoader(dataset, num_workers=1, multiprocessing_context=worker_processes("fork", dataset))
     assert [int(batch) for batch in batches_of(forked, "fork")] == [0, 1]
-
-
-def test_in_background_yields_every_item_in_order_made_on_another_thread():
-    made_on, niceness = [], set()
-
-    def items():
-        for i in range(50):
-            made_on.append(threading.current_thread())
-            niceness.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            yield i
-
-    assert list(in_background(items(), depth=2)) == list(range(50))
-    assert set(made_on) and threading.current_thread() not in made_on
-    # The reading thread gives way to the training thread (background.give_way_to_training).
-    assert niceness == {helper_niceness()}
-
-
-def test_in_background_raises_the_datasets_error_where_the_item_was_wanted():
-    def items():
-        yield 1
-        raise ValueError("shard s3://b/x.bin: truncated at byte 12")
-
-    batches = in_background(items())
-    assert next(batches) == 1
-    with pytest.raises(ValueError, match="truncated at byte 12"):
-        next(batches)
-
-
-def test_closing_in_background_stops_its_thread():
-    before = {t for t in threading.enumerate() if t.name == "trainingrun-batches"}
-    batches = in_background(iter(range(10**9)), depth=2)
-    assert next(batches) == 0
-    batches.close()  # returns once the thread has finished the item in hand
-    assert not [t for t in threading.enumerate() if t.name == "trainingrun-batches" and t not in before]
-
-
-def test_the_loader_read_in_background_gives_the_same_batches():
-    dataset = SyntheticText(num_samples=256, context_length=8)
-    assert dataset.pure_items
-
-    def loader():
-        sampler = ResumableSampler(len(dataset), 0, 1, seed=3, samples_per_step=8)
-        return DataLoader(dataset, batch_size=8, sampler=sampler, generator=torch.Generator().manual_seed(0))
-
-    expected = [batch["tokens"] for batch in loader()]
-    got = [batch["tokens"] for batch in in_background(loader())]
-    assert len(got) == len(expected) == 32 and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 @pytest.mark.parametrize(

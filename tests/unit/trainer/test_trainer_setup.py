@@ -70,3 +70,26 @@ def test_batches_come_from_the_samplers_position_and_a_dataset_too_small_says_wh
     )
     with pytest.raises(ValueError, match="smaller than one global step.*use a larger dataset or a smaller batch"):
         trainer_setup.build_data(tiny, rank_zero_context())
+
+
+def test_with_no_workers_items_are_read_on_the_training_thread_when_a_batch_is_wanted(monkeypatch):
+    """No thread reads ahead (it took the interpreter lock from the step as often as it saved a wait): the items of a
+    batch are read on the thread that asks for it, and no sooner."""
+    import threading
+
+    cfg = config(data={"batchSize": 2})
+    data = trainer_setup.build_data(cfg, rank_zero_context())
+    read_on: list[threading.Thread] = []
+    original = type(data.dataset).__getitem__
+
+    def getitem(self, index):
+        read_on.append(threading.current_thread())
+        return original(self, index)
+
+    monkeypatch.setattr(type(data.dataset), "__getitem__", getitem)
+    batches = trainer_setup.batches(data, cfg, torch.device("cpu"), "cpu")
+    next(batches)
+    assert read_on == [threading.current_thread()] * 2  # one batch's items, read here
+    next(batches)
+    assert len(read_on) == 4 and set(read_on) == {threading.current_thread()}
+    batches.close()

@@ -66,8 +66,6 @@ class TokenShards(Dataset):
             (32 shards through a 30 ms link: 1.13 s one after another, 0.17 s with 16).
     """
 
-    pure_items = True  #: an item is a function of its index alone (loading.in_background may read it)
-
     def __init__(
         self,
         uri: str,
