@@ -418,20 +418,17 @@ def simulated_nodes(
     folder, the pod's /dev/shm, in a folder of /dev/shm where there is one, and its own pod name)."""
     if nodes == 1:
         return [(command, env)]
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     from trainingrun_api import contract
+    from trainingrun_operator.local.runner import _free_port, node_rendezvous
+
+    port = _free_port()
 
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else rundir
     launches = []
     for node in range(nodes):
         memory = Path(tempfile.mkdtemp(prefix=f"trainer-overhead-node-{node}-", dir=shm))
         (rundir / f"node-{node}-memory").symlink_to(memory)  # removed with the run (`run_side`)
-        rendezvous = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
-        rendezvous += [f"--rdzv-id={rundir.name}"] + (["--rdzv-conf=is_host=false"] if node else [])
+        rendezvous = node_rendezvous(nodes, node, port, rundir.name)
         node_env = {**env, contract.MEMORY_TIER_ROOT_ENV: str(memory), contract.POD_NAME: f"bench-worker-{node}"}
         launches.append(([*launcher[:3], *rendezvous, *launcher[4:], *command[len(launcher) :]], node_env))
     return launches

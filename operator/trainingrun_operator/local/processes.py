@@ -82,8 +82,8 @@ def remove_orphaned_semaphores(made_before: float, made_after: float = 0.0) -> l
     node lost at once (--chaos-lose-node: the tracker SIGKILLed with the rest) leaves them in this machine's /dev/shm,
     where a pod's went with the pod. A semaphore that some process maps is in use and is kept."""
     try:
-        candidates = [
-            entry
+        named = [
+            (entry, entry.stat(follow_symlinks=False))
             for entry in os.scandir(SEMAPHORE_DIR)
             if entry.name.startswith("sem.mp-") and entry.is_file(follow_symlinks=False)
         ]
@@ -91,10 +91,9 @@ def remove_orphaned_semaphores(made_before: float, made_after: float = 0.0) -> l
         return []
     uid = os.getuid()
     candidates = [
-        entry
-        for entry in candidates
-        if entry.stat(follow_symlinks=False).st_uid == uid
-        and made_after <= entry.stat(follow_symlinks=False).st_mtime < made_before
+        (entry, status)
+        for entry, status in named
+        if status.st_uid == uid and made_after <= status.st_mtime < made_before
     ]
     if not candidates:
         return []
@@ -113,8 +112,7 @@ def remove_orphaned_semaphores(made_before: float, made_after: float = 0.0) -> l
             if len(fields) == 6 and fields[5].startswith(SEMAPHORE_DIR + "/"):
                 mapped.add((fields[3], int(fields[4])))
     removed = []
-    for entry in candidates:
-        status = entry.stat(follow_symlinks=False)
+    for entry, status in candidates:
         device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}"
         if (device, status.st_ino) not in mapped:
             try:

@@ -92,6 +92,16 @@ class Launcher:
         self.process.wait()
 
 
+def node_rendezvous(nodes: int, node: int, port: int, rendezvous_id: str) -> list[str]:
+    """torchrun's rendezvous arguments for simulated node `node` of `nodes` on this machine: c10d on 127.0.0.1:`port`,
+    hosted by node 0."""
+    rendezvous = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    rendezvous.append(f"--rdzv-id={rendezvous_id}")
+    if node:  # 127.0.0.1 is every node's own address here: only node 0 may take the store's port
+        rendezvous.append("--rdzv-conf=is_host=false")
+    return rendezvous
+
+
 def _free_port() -> int:
     import socket
 
@@ -120,7 +130,7 @@ class LocalRunner:
         self.options = options
         self.secrets = secrets
         self.out = out
-        self.started_at = time.time()
+        self.started_at = time.time()  # what this run's lost nodes leave in /dev/shm is newer (`_replace_node`)
         self.display = display
         self.run_dir = run_directory(Path(options.runs_dir), run.metadata.name, self.spec.checkpoint.uri)
         self.attempts: list[Attempt] = []
@@ -335,7 +345,6 @@ class LocalRunner:
 
     def execute(self) -> Summary:
         started = time.monotonic()
-        self.started_at = time.time()  # what this run's lost nodes left in /dev/shm is newer (`_replace_node`)
         config_path = self._write_config()
         status = StatusServer(self.run, self.run_dir / "report-token")
         previous = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}
@@ -444,14 +453,7 @@ class LocalRunner:
                 contract.POD_IP: "127.0.0.1",
                 contract.RENDEZVOUS_HOST_POD: f"{job}-worker-0",
             }
-            rendezvous = [
-                f"--nnodes={nodes}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id={self.run_key}-a{attempt}",
-            ]
-            if node:  # 127.0.0.1 is every node's own address here: only node 0 may take the store's port
-                rendezvous.append("--rdzv-conf=is_host=false")
+            rendezvous = node_rendezvous(nodes, node, port, f"{self.run_key}-a{attempt}")
             if node == nodes - 1 and attempt == 1 and self.options.chaos_lose_node_step is not None:
                 node_env[contract.CHAOS_LOSE_NODE_AT_STEP] = str(self.options.chaos_lose_node_step)
             path = log_path if node == 0 else log_path.with_name(f"{log_path.stem}-node-{node}.log")
