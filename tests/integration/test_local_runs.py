@@ -352,16 +352,17 @@ def test_a_taken_metrics_port_is_one_line_and_exit_2_before_anything_starts(tmp_
     assert not (tmp_path / "runs").exists()
 
 
-def two_nodes_and_their_reference(tmp_path, strategy="ddp"):
-    """A 40-step run for two simulated nodes, checkpoints in memory every 10 steps and to storage every 20, run once
-    uninterrupted into checkpoints "reference": (its file, the environment, the folder of the nodes' memory)."""
+def two_nodes_and_their_reference(tmp_path, strategy="ddp", nodes=2):
+    """A 40-step run for two (`nodes`) simulated nodes, checkpoints in memory every 10 steps and to storage every 20,
+    run once uninterrupted into checkpoints "reference": (its file, the environment, the folder of the nodes'
+    memory)."""
     memory_root = tmp_path / "node-memory"
     memory_root.mkdir()
     env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
     body = training_run(maxSteps=40, logIntervalSteps=5, strategy=strategy)
     body["spec"]["checkpoint"]["storageInterval"] = {"steps": 2 * INTERVAL}
     run_file = write_run(tmp_path, body)
-    reference = local(tmp_path, run_file, "--nodes", "2", "--nproc", "1", checkpoints="reference", env=env)
+    reference = local(tmp_path, run_file, "--nodes", str(nodes), "--nproc", "1", checkpoints="reference", env=env)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     return run_file, env, memory_root
 
@@ -431,3 +432,33 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
     assert list(memory_root.iterdir()) == []
     # Nor in this machine's /dev/shm: the lost node's semaphores, which its killed resource tracker did not unlink.
     assert remove_orphaned_semaphores(made_before=time.time(), made_after=began) == []
+
+
+@pytest.mark.slow
+def test_three_simulated_nodes_of_a_sharded_state_restart_in_place_reading_only_their_own_memory(tmp_path):
+    """FSDP2 on `--nodes 3`: no pod holds every file (each keeps its own rank's shards, its neighbour's, the metadata
+    and the replicated items, `checkpoint/mirroring.py`), so checkpoints commit to storage. A worker killed at step 25
+    restarts every node's group in place from step 20, and every rank, rank 0 included, reads all of it from its own
+    pod's memory: nothing from storage, not even to verify it. The model at the end is bitwise the uninterrupted run's."""
+    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path, "fsdp2", nodes=3)
+    three = local(
+        tmp_path, run_file, "--nodes", "3", "--nproc", "1", "--chaos-kill-step", "25", checkpoints="three", env=env
+    )
+    assert three.returncode == 0, three.stdout[-3000:] + three.stderr[-3000:]
+    result = result_of(three.stdout)
+    assert (result["attempts"], result["restarts_in_place"], result["steps"]) == ("1", "1", "40")
+    assert final_digest(tmp_path, "three", 40) == final_digest(tmp_path, "reference", 40)
+    (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/three/step-" in p.read_text()]
+    log = "".join(
+        (logs / name).read_text() for name in ("attempt-1.log", "attempt-1-node-1.log", "attempt-1-node-2.log")
+    )
+    assert re.findall(r"committed checkpoint step (\d+) to file://", log) == ["10", "20", "30", "40"]
+    for rank in (1, 2):
+        restored = re.search(
+            rf"rank {rank} restored step 20 reading (\S+ \S+) from own memory, 0 B from peer, (\S+ \S+) from storage",
+            log,
+        )
+        assert restored is not None and restored.groups()[1] == "0 B" and restored.groups()[0] != "0 B", log[-3000:]
+    resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from peer, 0 B from"
+    assert re.search(resumed, log), log[-3000:]
+    assert list(memory_root.iterdir()) == []

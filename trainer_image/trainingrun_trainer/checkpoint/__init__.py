@@ -6,6 +6,7 @@ Layout of one checkpoint, ``<uri>/step-<step, 8 digits>/``::
     __<rank>_<n>.distcp    DCP data files, written by every rank (replicated tensors are
                            de-duplicated by DCP's planner, so a DDP model is written once);
                            each rank's ``extra`` dict is its entry ``extra-rank-<r>`` there
+    __0_replicated.distcp  a sharded state on more than two pods: rank 0's replicated items (`mirroring`)
     manifest.json          the commit marker, written LAST by rank 0
 
 Beside the step directories, ``<uri>/starts.json`` counts the run's process starts (written by rank 0 at each start
@@ -67,7 +68,8 @@ Several nodes: each node's lowest rank also writes the other nodes' ranks' files
 own replica for DDP; for a sharded state, received from the pod that wrote them, in a ring), so every node holds every
 file, the save commits in memory once each has them (the gathered statuses), and a replacement pod receives them from
 a survivor (`peers`). A sharded state on more than two pods leaves each node with its own and its neighbour's files:
-those saves commit to storage.
+those saves commit to storage. Rank 0 then writes the replicated items apart, ``__0_replicated.distcp``, which every
+node keeps, so a restart in place reads only its own node's memory (`restoring.files_a_rank_reads`).
 
 A storage error in steps 2-4 never raises into the training loop: each rank logs it once
 (logger ``trainingrun.checkpoint``), counts it in ``metrics.failed_saves``, no manifest is written, and

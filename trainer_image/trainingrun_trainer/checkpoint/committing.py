@@ -20,6 +20,7 @@ from ..torch_internals import StateDictStager, forget_save_plans
 from .context import StoreContext
 from .layout import (
     _SAVE_ERRORS,
+    EXTRA_ENTRY,
     FILE_DIGEST,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -446,6 +447,7 @@ class Committer:
                 sync_files=False,
                 segments=True,
                 staged=staged,
+                replicated_apart_from=self._replicated_apart_from(),
             )
         else:
             writer = _Writer(
@@ -455,6 +457,7 @@ class Committer:
                 sync_files=self._context.storage.local,
                 tier=self._context.tier,
                 tier_dir=tier_dir,
+                replicated_apart_from=self._replicated_apart_from(),
                 **self._context.options,
             )
         if planner is not None:
@@ -472,6 +475,10 @@ class Committer:
         if tier_dir is not None and in_memory:
             self._write_digests(tier_dir, record)
         return writer, results
+
+    def _replicated_apart_from(self) -> Optional[str]:
+        """This rank's own entry, when its replicated items go into a file of their own (`mirroring`); else None."""
+        return EXTRA_ENTRY.format(rank=self._context.ranks.rank) if self.mirror.keeps_replicated_apart else None
 
     def _write_digests(self, tier_dir: str, record: dict[str, dict]) -> None:
         """The digests file of each file of `record` written straight into the memory tier whose digests file is not
@@ -499,8 +506,10 @@ class Committer:
         return None, results
 
     def planner(self) -> ReusingSavePlanner:
-        """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`)."""
-        return ReusingSavePlanner(self.plans_key, self._planned)
+        """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`). A
+        sharded state on several pods has rank 0 write every replicated item, into a file of its own that every pod
+        keeps (`mirroring`)."""
+        return ReusingSavePlanner(self.plans_key, self._planned, replicated_to_rank0=self.mirror.keeps_replicated_apart)
 
     def _lost_contact(self, job: SaveJob, exc: BaseException) -> None:
         """A collective of `job` failed: a peer is gone (or timed out); the save fails."""

@@ -16,7 +16,9 @@ A sharded state (FSDP2's DTensors) has no replica to write from: each pod's lead
 to the next pod's lead, in a ring (`transfer.FileTransfer`, the same digests decide what is kept), and receives the
 previous pod's. With two pods that is every file on every pod, as with DDP, so checkpoints commit in memory; with
 more, each pod holds its own ranks' files and its neighbour's, no pod holds them all, and saves commit to storage
-(`check_state`).
+(`check_state`). Each rank of such a run also reads items that every rank holds alike (the optimizer's step counts
+and settings), which DCP spreads over every rank's file: rank 0 writes them all, into a small file of their own that
+every pod keeps (`keeps_replicated_apart`), so a restart in place reads only its own pod's memory (`restoring`).
 
 One collective a save (every rank's items gathered), after the write, on the checkpoint thread; for a sharded state
 also the ring's two transfers a pod.
@@ -38,10 +40,14 @@ from ..torch_internals import flatten_state_dict
 from .context import StoreContext
 from .layout import FILE_DIGEST, METADATA_NAME, _describe, logger
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
-from .tensor_files import _byte_view
+from .tensor_files import REPLICATED_SUFFIX, _byte_view
 from .tier_files import SEGMENTS_KEY, RecycledFile, SegmentHasher, remove_file
 from .tier_staging import ALIGN, StagedFile, plain_tensors, staged_at, staging_layout, tensors_of
 from .transfer import FileTransfer
+
+#: The largest file of replicated items every pod keeps (`NodeMirror.keeps_replicated_apart`; sent to every rank with
+#: the gathered file lists): a larger one (a state that is mostly not sharded) goes round the ring as the others do.
+MAX_REPLICATED_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -104,10 +110,18 @@ class NodeMirror:
         if self.sharded and pods > 2 and self._context.persist_behind:
             self._context.persist_behind = False
             logger.info(
-                "a sharded state on %d pods: each pod keeps its own ranks' files and its neighbour's in memory, no pod "
-                "holds every file, and checkpoints commit to storage (in memory with two pods)",
+                "a sharded state on %d pods: each pod keeps its own ranks' files, its neighbour's and the replicated "
+                "items in memory (a restart in place reads them there), no pod holds every file, and checkpoints "
+                "commit to storage (in memory with two pods)",
                 pods,
             )
+
+    @property
+    def keeps_replicated_apart(self) -> bool:
+        """Whether this store's saves put the items every rank holds alike into a file of rank 0's that every pod
+        keeps: a sharded state on more than two pods, where a pod holds only its own ranks' files and its
+        neighbour's, and each rank reads them besides its own shards (DCP spreads them over every rank's file)."""
+        return self.active and bool(self.sharded) and len(self.leads) > 2
 
     @property
     def rebuilds(self) -> bool:
@@ -307,9 +321,11 @@ class NodeMirror:
         try:
             for name, entry in record.items():
                 path = os.path.join(tier_dir, name)
-                if name == METADATA_NAME:
+                if name == METADATA_NAME or (
+                    self.sharded and name.endswith(REPLICATED_SUFFIX) and entry["size"] <= MAX_REPLICATED_BYTES
+                ):  # every pod keeps it (`keeps_replicated_apart`)
                     with open(path, "rb") as f:
-                        whole = f.read()
+                        whole = f.read(entry["size"] + 1)
                     files.append(_WrittenFile(node, name, entry["size"], entry[FILE_DIGEST], (), whole))
                     continue
                 items: list[_Item] = []

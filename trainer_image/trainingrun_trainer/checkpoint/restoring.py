@@ -8,7 +8,7 @@ import pickle
 import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Union
+from typing import Any, Collection, Optional, Union
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -18,6 +18,7 @@ from .layout import (
     _LEGACY_EXTRA_FILE,
     _STEP_DIR,
     EXTRA_ENTRY,
+    METADATA_NAME,
     CheckpointInfo,
     CheckpointLoadError,
     _cause,
@@ -29,7 +30,18 @@ from .manifest import _inspect, _step_dirs
 from .peers import PeerCopies
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage
+from .tensor_files import REPLICATED_SUFFIX
 from .tier_files import OWN_MEMORY, PEER, STORAGE, LocalFirstFileSystem, TierMismatch
+
+
+def files_a_rank_reads(files: Collection[str], saved_by: Optional[int], world_size: int, rank: int) -> set[str]:
+    """The files of a checkpoint (`files`, written by `saved_by` ranks) that `rank` of `world_size` reads to restore it:
+    all of them, but that a sharded state saved by as many ranks with its replicated items apart (`mirroring`) is read
+    from each rank's own files (``__<rank>_*``), the replicated items and the metadata."""
+    if saved_by != world_size or not any(name.endswith(REPLICATED_SUFFIX) for name in files):
+        return set(files)
+    own = f"__{rank}_"
+    return {name for name in files if name == METADATA_NAME or name.endswith(REPLICATED_SUFFIX) or name.startswith(own)}
 
 
 class Restorer:
@@ -42,6 +54,9 @@ class Restorer:
         self._read_from_storage: Optional[str] = None  # the checkpoint latest_valid() last read from storage
         self._peers = PeerCopies(context)
         self._from_peer: Optional[str] = None  # the checkpoint this pod's memory last received from another pod's
+        # The checkpoint latest_valid() found in every pod's memory, its files in storage only listed: a load of it
+        # reads no file from storage unverified (`LocalFirstFileSystem.storage_verified`).
+        self._held_in_memories: Optional[str] = None
         #: After latest_valid(): the newest step directory below uri that another run wrote, when it found none newer
         #: of this run's (None: none).
         self.another_runs_newest: Optional[CheckpointInfo] = None
@@ -130,8 +145,20 @@ class Restorer:
             if self._context.persist_behind and likely is not None and (newest is None or newest.step < likely):
                 newest = self._in_memory_only(likely) or newest
         newest = self._context.ranks.broadcast(newest)
-        held = newest is not None and self._context.tier.holds_all(newest.step, newest.manifest_sha256)
-        return newest if self._context.ranks.all(held)[0] else None
+        held = newest is not None and self._holds_what_this_rank_reads(newest)
+        found = newest if self._context.ranks.all(held)[0] else None
+        self._held_in_memories = None if found is None else found.uri
+        return found
+
+    def _holds_what_this_rank_reads(self, info: CheckpointInfo) -> bool:
+        """Whether this rank's memory tier holds every file of `info` it reads to restore it (`files_a_rank_reads`)."""
+        tier = self._context.held_tier()
+        if info.files is None:
+            return tier.holds_all(info.step, info.manifest_sha256)
+        found = tier.files(info.step, info.manifest_sha256)
+        ranks = self._context.ranks
+        needed = files_a_rank_reads(info.files, info.world_size, ranks.world_size, ranks.rank)
+        return bool(found) and needed <= found.keys()
 
     def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
         """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
@@ -219,6 +246,7 @@ class Restorer:
         reading = LocalFirstFileSystem(
             self._context.tier.files(info.step, info.manifest_sha256) if self._context.tier else {},
             self._context.storage.local,
+            storage_verified=uri != self._held_in_memories,
         )
         try:
             loading, planner = self._read(info, state, entry, legacy, reading)

@@ -111,10 +111,11 @@ class ReusingSavePlanner(DefaultSavePlanner):
     coordinator the checkpoint metadata it was merged into ("metadata"), and the bytes of each plain value written
     ("bytes": {name: (value, bytes)}), and of the last save committed by the last plan, the write results this rank
     sent ("sent": (step, results)), on the coordinator those of every rank ("gathered": {rank: (step, results)}) and
-    the metadata's pickled bytes ("metadata bytes": (storage data, bytes))."""
+    the metadata's pickled bytes ("metadata bytes": (storage data, bytes)). `replicated_to_rank0`: every item that
+    several ranks hold alike is written by rank 0 (DCP spreads them over the ranks by size otherwise)."""
 
-    def __init__(self, key: str, finished: dict[str, Any]):
-        super().__init__(enable_plan_caching=True)
+    def __init__(self, key: str, finished: dict[str, Any], replicated_to_rank0: bool = False):
+        super().__init__(enable_plan_caching=True, dedup_save_to_lowest_rank=replicated_to_rank0)
         set_plan_cache_key(self, key)
         self._finished = finished
         self._layout: Optional[tuple[Hashable, ...]] = None

@@ -7,7 +7,9 @@ already. Each item's storage info names `RAW_TENSOR` as its transform, so DCP's 
 that name ("Unknown extension") instead of misreading it; `read_data` reads both kinds (formats 1 and 2 hold torch.save
 items). Reading puts a whole stored chunk straight into the destination tensor when it can (no intermediate copy).
 
-One file per rank (``__<rank>_0.distcp``, as DCP names it), byte items first, then tensors, largest first.
+One file per rank (``__<rank>_0.distcp``, as DCP names it), byte items first, then tensors, largest first; a sharded
+state on several pods also has rank 0's replicated items in a small file of their own (`REPLICATED_SUFFIX`), which
+every pod keeps (`mirroring`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
@@ -34,16 +36,46 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
 
 
+#: How a rank's file of replicated items ends (`write_rank_file`: ``__<rank>_replicated.distcp``).
+REPLICATED_SUFFIX = f"_replicated{DEFAULT_SUFFIX}"
+
+
 def write_rank_file(
-    create_stream: Callable, concat_path: Callable, root: Any, plan: SavePlan, resolve: Callable[[Any], Any], sync: bool
+    create_stream: Callable,
+    concat_path: Callable,
+    root: Any,
+    plan: SavePlan,
+    resolve: Callable[[Any], Any],
+    sync: bool,
+    apart: Optional[Callable[[WriteItem], bool]] = None,
 ) -> list[WriteResult]:
-    """Write this rank's items of `plan` into one file below `root`; DCP's write results for them."""
-    name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-    byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
-    tensor_items = sorted(
-        (item for item in plan.items if item.type != WriteItemType.BYTE_IO),
-        key=_largest_first,
-    )
+    """Write this rank's items of `plan` into one file below `root`, but those `apart` picks, which go into a second
+    file (``__<rank>_replicated.distcp``, written only when it picks any); DCP's write results for them."""
+    prefix = plan.storage_data.prefix
+    kept: list[WriteItem] = []
+    kept_apart: list[WriteItem] = []
+    for item in plan.items:
+        (kept_apart if apart is not None and apart(item) else kept).append(item)
+    results = _write_items(create_stream, concat_path, root, f"{prefix}0{DEFAULT_SUFFIX}", kept, resolve, sync)
+    if kept_apart:
+        results += _write_items(
+            create_stream, concat_path, root, f"{prefix[:-1]}{REPLICATED_SUFFIX}", kept_apart, resolve, sync
+        )
+    return results
+
+
+def _write_items(
+    create_stream: Callable,
+    concat_path: Callable,
+    root: Any,
+    name: str,
+    items: list[WriteItem],
+    resolve: Callable[[Any], Any],
+    sync: bool,
+) -> list[WriteResult]:
+    """Write `items` into the file `name` below `root`: byte items first, then tensors, largest first."""
+    byte_items = [item for item in items if item.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted((item for item in items if item.type != WriteItemType.BYTE_IO), key=_largest_first)
     results = []
     with create_stream(concat_path(root, name), "wb") as stream:
         for item in byte_items + tensor_items:

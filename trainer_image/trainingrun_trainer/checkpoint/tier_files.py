@@ -229,11 +229,15 @@ class _CountedStream:
 class LocalFirstFileSystem:
     """Wraps DCP's reader FileSystem (`inner`): the files in `local` ({name: `TierFile`}) are read from the memory tier,
     checked as they are read; `sources` says where the files read came from ("memory", "storage"), `read_bytes` how many
-    bytes came from each (OWN_MEMORY, STORAGE; PEER is `restoring`'s), `mismatched` names the tier files that failed their check."""
+    bytes came from each (OWN_MEMORY, STORAGE; PEER is `restoring`'s), `mismatched` names the tier files that failed their
+    check. Without `storage_verified` (a checkpoint the pods' memory holds, whose files in storage were only listed) a
+    file the tier lacks is not read from storage either: it fails as a damaged one does (TierMismatch), so that it is
+    read again once storage is verified."""
 
-    def __init__(self, local: dict[str, TierFile], storage_is_local: bool = False):
+    def __init__(self, local: dict[str, TierFile], storage_is_local: bool = False, storage_verified: bool = True):
         self.inner: Any = None  #: the reader's own FileSystem (the reader sets it)
         self._local, self._storage_is_local = local, storage_is_local
+        self._storage_verified = storage_verified
         self.sources: set[str] = set()
         self.read_bytes: dict[str, int] = {OWN_MEMORY: 0, PEER: 0, STORAGE: 0}
         self._counting = threading.Lock()  # a large local file is read by several threads (tensor_files.READ_THREADS)
@@ -257,6 +261,9 @@ class LocalFirstFileSystem:
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         name = os.path.basename(os.fspath(path))
         local = self._local.get(name)
+        if local is None and mode == "rb" and not self._storage_verified:
+            self.mismatched.add(name)
+            raise TierMismatch(f"{name} is not in this pod's memory, and its copy in storage is not verified yet")
         if local is None or mode != "rb":
             self.sources.add("storage")
             with self.inner.create_stream(path, mode) as stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.futures import Future as TorchFuture
 
 from ..torch_internals import FsspecWriter
@@ -18,7 +19,9 @@ from .tier_staging import StagedFile
 class _Writer(FsspecWriter):
     """DCP's FsspecWriter writing format 3's data files (`tensor_files`), hashing every file written and, on the
     coordinator, removing a stale directory of the same step while planning (before any rank writes data). With a
-    `staged` file (`tier_staging`), this rank's data file is the one its state was staged into, completed in place."""
+    `staged` file (`tier_staging`), this rank's data file is the one its state was staged into, completed in place.
+    With `replicated_apart_from` (this rank's own entry), the items of a sharded state that are not shards, but for that
+    entry, go into a file of their own (`tensor_files.write_rank_file`)."""
 
     def __init__(
         self,
@@ -31,6 +34,7 @@ class _Writer(FsspecWriter):
         tier_dir: Optional[str] = None,
         segments: bool = False,
         staged: Optional[StagedFile] = None,
+        replicated_apart_from: Optional[str] = None,
         **storage_options,
     ):
         super().__init__(path, sync_files=sync_files, overwrite=True, **storage_options)
@@ -38,6 +42,7 @@ class _Writer(FsspecWriter):
         self._on_global_plan = on_global_plan
         self._record, self._tier, self._tier_dir = record, tier, tier_dir
         self._staged = staged
+        self._apart_from = replicated_apart_from
         #: This rank's write results, once it wrote its data file (where each of its items lies in it).
         self.results: list = []
 
@@ -48,10 +53,21 @@ class _Writer(FsspecWriter):
             done.set_result(self.results)
             return done
         self.results = write_rank_file(
-            self.fs.create_stream, self.fs.concat_path, self.path, plan, planner.resolve_data, self.sync_files
+            self.fs.create_stream,
+            self.fs.concat_path,
+            self.path,
+            plan,
+            planner.resolve_data,
+            self.sync_files,
+            apart=None if self._apart_from is None else self._replicated,
         )
         done.set_result(self.results)
         return done
+
+    def _replicated(self, item: WriteItem) -> bool:
+        """Whether `item` is one of a sharded state's that every rank holds alike (not a shard, nor this rank's own
+        entry `replicated_apart_from`)."""
+        return item.type != WriteItemType.SHARD and item.index.fqn != self._apart_from
 
     def write_metadata(self, data: bytes) -> None:
         """Write DCP's metadata file from its pickled bytes, as DCP's `finish` does after pickling it (to a temporary

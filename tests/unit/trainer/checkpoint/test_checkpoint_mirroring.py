@@ -1,6 +1,7 @@
 """mirroring.NodeMirror: with several nodes each node's lowest rank writes the other nodes' files into its memory from
 its own replica; a copy is kept only when it is its writer's file byte for byte, and a node that cannot hold every file
-turns committing in memory off."""
+turns committing in memory off. A sharded state on three pods keeps each pod's own files, its neighbour's and the
+replicated items there, which a restart in place reads (`restoring`)."""
 
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ def test_a_sharded_state_is_copied_in_a_ring_and_commits_in_memory_only_on_two_p
     assert ("no pod holds every file, and checkpoints commit to storage" in caplog.text) == (not behind)
 
 
-def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str) -> None:
+def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str, lacking: bool) -> None:
     memory_tier.RESERVE_SHARE = 0.0
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(tiers))
@@ -156,31 +157,62 @@ def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir:
         model = wrapped(0, sharded=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         train_step(model, opt, seed=3)
+        saved = local_digest(model)
         with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=True) as store:
             store.save(5, app_state(model, opt), {"rank": rank})
             info = store.wait()
             held = sorted(p.name for p in step_dir(Path(tiers[rank]), 5).iterdir() if not p.name.endswith(".xxh3"))
             result = {"committed": None if info is None else info.uri, "behind": store.persist_behind, "held": held}
+        dist.barrier()
+        if lacking and rank == 1:  # this pod's copy of its own rank's shards is gone
+            (step_dir(Path(tiers[rank]), 5) / "__1_0.distcp").unlink()
+        dist.barrier()
+        # Restarted in place: every pod's memory is as the save left it.
+        model = wrapped(1, sharded=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt, seed=4)
+        with CheckpointStore(uri, memory_tier=tiers[rank], persist_behind=True) as store:
+            info = store.latest_valid()
+            extra = store.load(info, app_state(model, opt))
+            result.update(
+                restored=info.step,
+                extra=extra,
+                same=local_digest(model) == saved,
+                read=store.metrics.last_restore_bytes,
+            )
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_on_three_pods_each_keeps_its_own_shards_and_its_neighbours_and_saves_commit_to_storage(tmp_path):
+@pytest.mark.parametrize("lacking", [False, True], ids=["in place", "a pod lacks its own file"])
+def test_on_three_pods_each_keeps_its_own_shards_its_neighbours_and_the_replicated_items_and_restores_from_them(
+    tmp_path, lacking
+):
     """Three nodes of one rank each, FSDP2: every pod's memory holds its rank's file, the previous pod's (sent in the
-    ring, an odd one: the ordering that lets every send meet its receive) and the metadata, never the next pod's; no
-    pod holds every file, so the save commits to storage."""
+    ring, an odd one: the ordering that lets every send meet its receive), the metadata and rank 0's replicated items
+    (which DCP would have spread over every rank's file), never the next pod's own file; no pod holds every file, so
+    the save commits to storage. A restart in place then reads every byte from its own pod's memory, on every rank,
+    rank 0 included: nothing is downloaded to verify it. When a pod lacks a file it reads, rank 0 verifies storage and
+    that pod reads the file from there; each rank gets back its own shards bitwise either way."""
     tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(3)]
     uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(_ring_worker, args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path)), nprocs=3, join=True)
+    mp.spawn(_ring_worker, args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path), lacking), nprocs=3, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["committed"] for r in results] == [f"{uri}/step-00000005"] * 3
     assert [r["behind"] for r in results] == [False] * 3
     for rank, result in enumerate(results):
         previous = (rank - 1) % 3
-        assert result["held"] == sorted([".metadata", "manifest.json", f"__{rank}_0.distcp", f"__{previous}_0.distcp"])
+        own = {".metadata", "manifest.json", "__0_replicated.distcp", f"__{rank}_0.distcp"}
+        assert result["held"] == sorted(own | {f"__{previous}_0.distcp"})
     assert [info.step for info in CheckpointStore(uri).list() if info.valid] == [5]
+    assert [(r["restored"], r["extra"], r["same"]) for r in results] == [(5, {"rank": rank}, True) for rank in range(3)]
+    from_storage = [r["read"]["storage"] for r in results]
+    if not lacking:
+        assert from_storage == [0, 0, 0] and all(r["read"]["own_memory"] > 0 for r in results)
+    else:  # rank 0 downloads what its pod lacks to verify it; rank 1 reads its own file from storage
+        assert from_storage[0] > 0 and from_storage[1] > 0
 
 
 def test_one_node_copies_nothing():

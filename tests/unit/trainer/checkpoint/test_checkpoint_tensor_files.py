@@ -119,3 +119,73 @@ def test_a_format_2_checkpoint_still_loads(store, root):
     loaded = make_model(2)
     assert store.load(info, {"model": loaded.state_dict()}) == {"step": 4}
     assert_same(weights(loaded), weights(model))
+
+
+def _plan(items: dict, prefix: str = "__0_"):
+    """A final save plan of `items` ({fqn: bytes or tensor}) as DCP hands a rank's to its writer, and its resolver."""
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix as Prefix
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    write_items, values = [], {}
+    for fqn, value in items.items():
+        index = MetadataIndex(fqn)
+        if isinstance(value, bytes):
+            write_items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+        else:
+            kind = WriteItemType.SHARD if fqn.startswith("shard") else WriteItemType.TENSOR
+            chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=value.shape)
+            data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=value.dtype), size=value.shape)
+            write_items.append(WriteItem(index=index, type=kind, tensor_data=data))
+        values[fqn] = io.BytesIO(value) if isinstance(value, bytes) else value
+    return SavePlan(write_items, storage_data=Prefix(prefix)), lambda item: values[item.index.fqn]
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_a_ranks_replicated_items_may_go_into_a_file_of_their_own(tmp_path, apart):
+    """A sharded state on several pods: every item but the shards and the rank's own entry goes into
+    ``__<rank>_replicated.distcp`` (which every pod keeps); without `apart` one file holds them all, as before."""
+    from trainingrun_trainer.checkpoint.tensor_files import write_rank_file
+
+    items = {
+        "shard.w": torch.arange(6, dtype=torch.float32),
+        "optim.step": torch.tensor(3.0),
+        "optim.lr": b"lr-bytes",
+        "extra-rank-0": b"own",
+    }
+    plan, resolve = _plan(items)
+    pick = (lambda item: item.type.name != "SHARD" and item.index.fqn != "extra-rank-0") if apart else None
+    results = write_rank_file(
+        lambda path, mode: open(path, mode), lambda a, b: f"{a}/{b}", str(tmp_path), plan, resolve, False, apart=pick
+    )
+    where = {result.index.fqn: result.storage_data.relative_path for result in results}
+    replicated = "__0_replicated.distcp" if apart else "__0_0.distcp"
+    assert where == {
+        "shard.w": "__0_0.distcp",
+        "extra-rank-0": "__0_0.distcp",
+        "optim.step": replicated,
+        "optim.lr": replicated,
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"__0_0.distcp", replicated})
+    for result in results:  # each item lies where its result says
+        with open(tmp_path / result.storage_data.relative_path, "rb") as f:
+            f.seek(result.storage_data.offset)
+            data = f.read(result.storage_data.length)
+        value = items[result.index.fqn]
+        assert data == (value if isinstance(value, bytes) else value.numpy().tobytes())
+
+
+def test_no_file_of_replicated_items_is_written_for_a_rank_that_has_none(tmp_path):
+    from trainingrun_trainer.checkpoint.tensor_files import write_rank_file
+
+    plan, resolve = _plan({"shard.w": torch.ones(2), "extra-rank-1": b"own"}, prefix="__1_")
+    write_rank_file(
+        lambda path, mode: open(path, mode),
+        lambda a, b: f"{a}/{b}",
+        str(tmp_path),
+        plan,
+        resolve,
+        False,
+        apart=lambda item: item.type.name != "SHARD" and item.index.fqn != "extra-rank-1",
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["__1_0.distcp"]

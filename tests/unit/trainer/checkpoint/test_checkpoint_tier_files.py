@@ -80,3 +80,35 @@ def test_a_tier_file_cut_short_fails_the_read(tmp_path, small_segments):
         pytest.raises(tier_files.TierMismatch, match="ends at 50 bytes"),
     ):
         read_at(stream, 40, 30)
+
+
+class _Storage:
+    """DCP's reader FileSystem, as LocalFirstFileSystem wraps it: streams of the files below a folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def create_stream(self, path, mode):
+        return open(self.root / Path(path).name, mode)
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_a_file_the_tier_lacks_is_read_from_storage_only_once_storage_is_verified(tmp_path, small_segments, verified):
+    """A checkpoint the pods' memory holds has its files in storage only listed: reading one this pod lacks would take
+    bytes nothing checked, so it fails as a damaged copy does (and is read again once rank 0 verified storage)."""
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "storage" / "__2_0.distcp").write_bytes(b"theirs")
+    held = tier_file(tmp_path / "__1_0.distcp", b"mine")
+    reading = tier_files.LocalFirstFileSystem({"__1_0.distcp": held}, storage_verified=verified)
+    reading.inner = _Storage(tmp_path / "storage")
+    with reading.create_stream("step/__1_0.distcp", "rb") as stream:
+        assert stream.read() == b"mine"
+    if verified:
+        with reading.create_stream("step/__2_0.distcp", "rb") as stream:
+            assert stream.read() == b"theirs"
+        assert reading.sources == {"memory", "storage"} and not reading.mismatched
+    else:
+        with pytest.raises(tier_files.TierMismatch, match="__2_0.distcp is not in this pod's memory"):
+            with reading.create_stream("step/__2_0.distcp", "rb"):
+                pass
+        assert reading.mismatched == {"__2_0.distcp"} and reading.sources == {"memory"}
