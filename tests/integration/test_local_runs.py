@@ -462,3 +462,30 @@ def test_three_simulated_nodes_of_a_sharded_state_restart_in_place_reading_only_
     resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from peer, 0 B from"
     assert re.search(resumed, log), log[-3000:]
     assert list(memory_root.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_lost_node_of_three_with_a_sharded_state_receives_its_shards_from_the_next_nodes_memory(tmp_path):
+    """FSDP2 on `--nodes 3`, the last node (2) lost after step 25 (SIGKILL, memory emptied): the node after it in the
+    ring, node 0, holds node 2's shards (sent after each save), the metadata and the replicated items, so the
+    replacement receives what its rank reads from rank 0's memory (`checkpoint/peers.py`) and no rank reads storage;
+    5 steps lost, and the model at the end is bitwise the uninterrupted run's."""
+    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path, "fsdp2", nodes=3)
+    lost = local(
+        tmp_path, run_file, "--nodes", "3", "--nproc", "1", "--chaos-lose-node", "25", checkpoints="lost", env=env
+    )
+    assert lost.returncode == 0, lost.stdout[-3000:] + lost.stderr[-3000:]
+    result = result_of(lost.stdout)
+    assert (result["attempts"], result["steps"], result["lost_steps"]) == ("1", "40", "5"), lost.stdout[-3000:]
+    assert final_digest(tmp_path, "lost", 40) == final_digest(tmp_path, "reference", 40)
+    (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/lost/step-" in p.read_text()]
+    replacement = (logs / "attempt-1-node-2-replacement-1.log").read_text()
+    log = (logs / "attempt-1.log").read_text() + (logs / "attempt-1-node-1.log").read_text() + replacement
+    copied = r"checkpoint step 20: copied \S+ \S+ from rank 0's memory in \S+ s \(this pod's memory lacked 3 of its 5"
+    assert re.search(copied, replacement), replacement[-3000:]
+    restored = re.search(r"rank 2 restored step 20 reading 0 B from own memory, (\S+ \S+) from peer, 0 B from", log)
+    assert restored is not None and restored.group(1) != "0 B", log[-3000:]
+    assert re.search(r"rank 1 restored step 20 reading \S+ \S+ from own memory, 0 B from peer, 0 B from", log)
+    resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from peer, 0 B from"
+    assert re.search(resumed, log), log[-3000:]  # rank 0
+    assert list(memory_root.iterdir()) == []

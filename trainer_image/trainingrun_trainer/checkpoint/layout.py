@@ -8,7 +8,7 @@ import re
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
@@ -48,6 +48,9 @@ def file_hasher(name: str) -> Any:
 MANIFEST_NAME = "manifest.json"
 #: DCP's metadata file, written by rank 0.
 METADATA_NAME = ".metadata"
+#: How a rank's file of replicated items ends (``__<rank>_replicated.distcp``: a sharded state on more than two pods,
+#: `tensor_files.write_rank_file`, `mirroring`).
+REPLICATED_SUFFIX = "_replicated.distcp"
 #: Beside the step directories: how often the run's training processes started (`CheckpointStore.record_start`).
 STARTS_NAME = "starts.json"
 #: A step directory's name. Matched whole (`fullmatch`) and ASCII only: `\\d` alone also takes other scripts' digits,
@@ -164,6 +167,16 @@ def now_rfc3339() -> str:
 def step_dir_name(step: int) -> str:
     """Directory name of a step's checkpoint: ``step-00000100``."""
     return f"step-{step:08d}"
+
+
+def files_a_rank_reads(files: Collection[str], saved_by: Optional[int], world_size: int, rank: int) -> set[str]:
+    """The files of a checkpoint (`files`, written by `saved_by` ranks) that `rank` of `world_size` reads to restore it:
+    all of them, but that a sharded state saved by as many ranks with its replicated items apart (`mirroring`) is read
+    from each rank's own files (``__<rank>_*``), the replicated items and the metadata."""
+    if saved_by != world_size or not any(name.endswith(REPLICATED_SUFFIX) for name in files):
+        return set(files)
+    own = f"__{rank}_"
+    return {name for name in files if name == METADATA_NAME or name.endswith(REPLICATED_SUFFIX) or name.startswith(own)}
 
 
 def is_plain_name(name: object) -> bool:

@@ -38,9 +38,9 @@ import xxhash
 
 from ..torch_internals import flatten_state_dict
 from .context import StoreContext
-from .layout import FILE_DIGEST, METADATA_NAME, _describe, logger
+from .layout import FILE_DIGEST, METADATA_NAME, REPLICATED_SUFFIX, _describe, logger
 from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
-from .tensor_files import REPLICATED_SUFFIX, _byte_view
+from .tensor_files import _byte_view
 from .tier_files import SEGMENTS_KEY, RecycledFile, SegmentHasher, remove_file
 from .tier_staging import ALIGN, StagedFile, plain_tensors, staged_at, staging_layout, tensors_of
 from .transfer import FileTransfer

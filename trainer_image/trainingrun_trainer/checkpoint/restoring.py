@@ -8,7 +8,7 @@ import pickle
 import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Collection, Optional, Union
+from typing import Any, Optional, Union
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -18,30 +18,19 @@ from .layout import (
     _LEGACY_EXTRA_FILE,
     _STEP_DIR,
     EXTRA_ENTRY,
-    METADATA_NAME,
     CheckpointInfo,
     CheckpointLoadError,
     _cause,
     _describe,
     _join,
+    files_a_rank_reads,
     logger,
 )
 from .manifest import _inspect, _step_dirs
 from .peers import PeerCopies
 from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage
-from .tensor_files import REPLICATED_SUFFIX
 from .tier_files import OWN_MEMORY, PEER, STORAGE, LocalFirstFileSystem, TierMismatch
-
-
-def files_a_rank_reads(files: Collection[str], saved_by: Optional[int], world_size: int, rank: int) -> set[str]:
-    """The files of a checkpoint (`files`, written by `saved_by` ranks) that `rank` of `world_size` reads to restore it:
-    all of them, but that a sharded state saved by as many ranks with its replicated items apart (`mirroring`) is read
-    from each rank's own files (``__<rank>_*``), the replicated items and the metadata."""
-    if saved_by != world_size or not any(name.endswith(REPLICATED_SUFFIX) for name in files):
-        return set(files)
-    own = f"__{rank}_"
-    return {name for name in files if name == METADATA_NAME or name.endswith(REPLICATED_SUFFIX) or name.startswith(own)}
 
 
 class Restorer:

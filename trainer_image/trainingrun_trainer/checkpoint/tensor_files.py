@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePla
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..torch_internals import StorageInfo, narrow_tensor_by_index
+from .layout import REPLICATED_SUFFIX
 
 #: The transform descriptor of a raw tensor item in DCP's metadata (name/version, as DCP's extensions write them).
 RAW_TENSOR = "trainingrun-raw-tensor/1"
@@ -34,10 +35,6 @@ RAW_TENSOR = "trainingrun-raw-tensor/1"
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
-
-
-#: How a rank's file of replicated items ends (`write_rank_file`: ``__<rank>_replicated.distcp``).
-REPLICATED_SUFFIX = f"_replicated{DEFAULT_SUFFIX}"
 
 
 def write_rank_file(

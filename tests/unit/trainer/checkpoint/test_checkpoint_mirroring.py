@@ -194,8 +194,8 @@ def test_on_three_pods_each_keeps_its_own_shards_its_neighbours_and_the_replicat
     ring, an odd one: the ordering that lets every send meet its receive), the metadata and rank 0's replicated items
     (which DCP would have spread over every rank's file), never the next pod's own file; no pod holds every file, so
     the save commits to storage. A restart in place then reads every byte from its own pod's memory, on every rank,
-    rank 0 included: nothing is downloaded to verify it. When a pod lacks a file it reads, rank 0 verifies storage and
-    that pod reads the file from there; each rank gets back its own shards bitwise either way."""
+    rank 0 included: nothing is downloaded to verify it. A pod that lacks its own file receives it from the next pod,
+    which holds it through the ring; each rank gets back its own shards bitwise either way."""
     tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(3)]
     uri = f"file://{tmp_path / 'ckpt'}"
     mp.spawn(_ring_worker, args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path), lacking), nprocs=3, join=True)
@@ -208,11 +208,11 @@ def test_on_three_pods_each_keeps_its_own_shards_its_neighbours_and_the_replicat
         assert result["held"] == sorted(own | {f"__{previous}_0.distcp"})
     assert [info.step for info in CheckpointStore(uri).list() if info.valid] == [5]
     assert [(r["restored"], r["extra"], r["same"]) for r in results] == [(5, {"rank": rank}, True) for rank in range(3)]
-    from_storage = [r["read"]["storage"] for r in results]
+    assert [r["read"]["storage"] for r in results] == [0, 0, 0]
     if not lacking:
-        assert from_storage == [0, 0, 0] and all(r["read"]["own_memory"] > 0 for r in results)
-    else:  # rank 0 downloads what its pod lacks to verify it; rank 1 reads its own file from storage
-        assert from_storage[0] > 0 and from_storage[1] > 0
+        assert all(r["read"]["own_memory"] > 0 for r in results)
+    else:  # pod 2 holds pod 1's file too (the ring): pod 1 receives it from there (`peers`)
+        assert results[1]["read"]["peer"] > 0 and results[2]["read"]["peer"] == 0
 
 
 def test_one_node_copies_nothing():

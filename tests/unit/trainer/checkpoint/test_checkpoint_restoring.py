@@ -112,28 +112,3 @@ def test_a_format_3_checkpoint_with_sha256_digests_is_verified_by_them_and_loads
     assert_same(weights(loaded), weights(model))
     flip_byte(step_dir(root, 4) / "__0_0.distcp")
     assert CheckpointStore(str(root)).list()[0].reason == "sha256 mismatch in __0_0.distcp"
-
-
-@pytest.mark.parametrize(
-    "saved_by, rank, reads",
-    [
-        (3, 1, {".metadata", "__1_0.distcp", "__0_replicated.distcp"}),  # its own shards and what every rank holds
-        (3, 0, {".metadata", "__0_0.distcp", "__0_replicated.distcp"}),
-        (2, 1, "all"),  # saved by another world size: resharded, from any file
-    ],
-)
-def test_a_rank_of_a_sharded_state_saved_by_as_many_ranks_reads_its_own_files_and_the_replicated_items(
-    saved_by, rank, reads
-):
-    from trainingrun_trainer.checkpoint.restoring import files_a_rank_reads
-
-    files = [".metadata", "__0_0.distcp", "__0_replicated.distcp", "__1_0.distcp", "__2_0.distcp"]
-    assert files_a_rank_reads(files, saved_by, 3, rank) == (set(files) if reads == "all" else reads)
-
-
-def test_a_checkpoint_without_its_replicated_items_apart_is_read_whole():
-    """DDP, or a sharded state on one or two pods: DCP spreads the replicated items over every rank's file."""
-    from trainingrun_trainer.checkpoint.restoring import files_a_rank_reads
-
-    files = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
-    assert files_a_rank_reads(files, 3, 3, 1) == set(files)
