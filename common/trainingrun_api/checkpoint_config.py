@@ -289,14 +289,16 @@ class CheckpointConfig(ApiModel):
     )
     persist_behind: bool = Field(
         default=True,
-        description="With memoryTier: a checkpoint commits once every pod's memory holds every file of it (each pod "
-        "also keeps the other pods' files), and rank 0 copies them to checkpoint.uri behind it, at storage's pace, "
-        "newest first (a checkpoint made while an older one is still being copied replaces any waiting to be). "
+        description="With memoryTier: a checkpoint commits once every pod's memory holds what its ranks read (each "
+        "pod also keeps the other pods' files; a sharded (FSDP2) state on more than two pods its neighbour's), and "
+        "rank 0 copies them to checkpoint.uri behind it, at storage's pace, newest first (a checkpoint made while an "
+        "older one is still being copied replaces any waiting to be; a sharded state on more than two pods: each pod "
+        "copies its own ranks' files and rank 0 commits once all are there). "
         "Training never waits for storage; the update of the step after a save waits for its commit, so a lost pod "
         "costs at most checkpoint.interval steps. A restart of the workers in any pod resumes from the newest "
         "checkpoint in memory, a replacement pod receives it from a surviving pod's memory, and SIGTERM and the end "
-        "of the run wait until storage holds the last one. false, no room in /dev/shm, or a sharded (FSDP2) state on "
-        "more than two pods: a checkpoint commits when storage holds it.",
+        "of the run wait until storage holds the last one. false, or no room in /dev/shm: a checkpoint commits when "
+        "storage holds it.",
     )
     writer_process: Optional[bool] = Field(
         default=None,

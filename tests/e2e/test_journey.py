@@ -257,15 +257,17 @@ def lose_without_warning(cluster: Cluster, namespace: str, pod: str) -> None:
             pass
 
 
-def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memory(installed, reference_digest):
+@pytest.mark.parametrize("worker", [0, 1], ids=["kill-worker-0", "kill-worker-1"])
+def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memory(installed, reference_digest, worker):
     """Checkpoints in memory every 5 steps, to storage every 100: status shows memory ahead of storage. Every process
-    of worker-1 stopped and SIGKILLed and the pod force-deleted (a node failure: no SIGTERM, no emergency save): the
-    survivor restarts in place from its memory, the replacement pod, whose memory is empty, receives the newest
-    checkpoint from the survivor's (`checkpoint/peers.py`): nothing from storage, and the run loses only the steps
-    since the last commit in memory (at most one interval: the update after a save waits for its commit), not
-    since the last copy to storage (up to 100). The model at the end is the uninterrupted run's."""
+    of either pod stopped and SIGKILLed and the pod force-deleted (a node failure: no SIGTERM, no emergency save;
+    worker-0 also hosts the rendezvous store and rank 0, which persists): the survivor restarts in place from its
+    memory, the replacement pod, whose memory is empty, receives the newest checkpoint from the survivor's
+    (`checkpoint/peers.py`): nothing from storage, and the run loses only the steps since the last commit in memory
+    (at most one interval: the update after a save waits for its commit), not since the last copy to storage (up to
+    100). The model at the end is the uninterrupted run's."""
     cluster, name = installed, "journey"
-    with cluster.namespace("kill-worker-1") as namespace:
+    with cluster.namespace(f"kill-worker-{worker}") as namespace:
         bucket = cluster.s3.new_bucket()
         explain = lambda: cluster.diagnose(namespace)  # noqa: E731
         document = run_file(bucket, name, cluster.s3.endpoint_url)
@@ -283,7 +285,7 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
             return status if ahead and step_of({"status": status}) < 2000 else {}
 
         status = cluster.wait("memory ahead of storage in status", memory_ahead, explain=explain)
-        pod = f"{status['jobName']}-worker-1"
+        pod = f"{status['jobName']}-worker-{worker}"
         stopped_at = time.time()
         lose_without_warning(cluster, namespace, pod)
         killed_at = time.time()
@@ -312,7 +314,7 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
         when = re.search(r"^(\S+ \S+) \S+ INFO trainingrun.session: resumed from", everything, re.M)
         assert final_model_digest(cluster, bucket, name) == reference_digest
         print(
-            f"kill-worker-1: lost {lost} steps (gone after step {gone[0]}, resumed from {resumed[0]}, which storage "
+            f"kill-worker-{worker}: lost {lost} steps (gone after step {gone[0]}, resumed from {resumed[0]}, which storage "
             f"had not: {status['lastGoodCheckpoint']['step']} there when killed); "
             + (
                 f"resumed at {when.group(1)} (killed at {time.strftime('%H:%M:%S', time.localtime(killed_at))},{int(killed_at % 1 * 1000):03d})"

@@ -437,9 +437,11 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
 @pytest.mark.slow
 def test_three_simulated_nodes_of_a_sharded_state_restart_in_place_reading_only_their_own_memory(tmp_path):
     """FSDP2 on `--nodes 3`: no pod holds every file (each keeps its own rank's shards, its neighbour's, the metadata
-    and the replicated items, `checkpoint/mirroring.py`), so checkpoints commit to storage. A worker killed at step 25
-    restarts every node's group in place from step 20, and every rank, rank 0 included, reads all of it from its own
-    pod's memory: nothing from storage, not even to verify it. The model at the end is bitwise the uninterrupted run's."""
+    and the replicated items, `checkpoint/mirroring.py`); checkpoints commit in memory all the same, and each pod
+    copies its own rank's files to storage, rank 0 the manifest once all are there (`checkpoint/persisting.py`). A
+    worker killed at step 25 restarts every node's group in place from step 20, which only memory holds, and every
+    rank, rank 0 included, reads all of it from its own pod's memory: nothing from storage, not even to verify it. The
+    model at the end is bitwise the uninterrupted run's."""
     run_file, env, memory_root = two_nodes_and_their_reference(tmp_path, "fsdp2", nodes=3)
     three = local(
         tmp_path, run_file, "--nodes", "3", "--nproc", "1", "--chaos-kill-step", "25", checkpoints="three", env=env
@@ -452,7 +454,20 @@ def test_three_simulated_nodes_of_a_sharded_state_restart_in_place_reading_only_
     log = "".join(
         (logs / name).read_text() for name in ("attempt-1.log", "attempt-1-node-1.log", "attempt-1-node-2.log")
     )
-    assert re.findall(r"committed checkpoint step (\d+) to file://", log) == ["10", "20", "30", "40"]
+    assert re.findall(r"committed checkpoint step (\d+) in memory", log) == ["10", "20", "30", "40"]
+    # Storage every 20: 10 (when its parts were there by the commit of 20, before the kill), 30 and 40 (the end waits).
+    persisted = re.findall(r"persisted checkpoint step (\d+) to file://", log)
+    assert persisted in (["10", "30", "40"], ["30", "40"]), log[-3000:]
+    for node in (1, 2):  # each node copied its own rank's file of every persisted checkpoint
+        parts = re.findall(
+            r"copied this pod's part of checkpoint step (\d+) to \S+ \(1 files",
+            (logs / f"attempt-1-node-{node}.log").read_text(),
+        )
+        assert set(persisted) <= set(parts), parts
+    assert (
+        "20" not in persisted
+        and [i.step for i in CheckpointStore(f"file://{tmp_path}/three").list() if i.valid][0] == 40
+    )
     for rank in (1, 2):
         restored = re.search(
             rf"rank {rank} restored step 20 reading (\S+ \S+) from own memory, 0 B from peer, (\S+ \S+) from storage",

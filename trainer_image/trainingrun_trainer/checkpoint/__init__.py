@@ -68,8 +68,10 @@ Several nodes: each node's lowest rank also writes the other nodes' ranks' files
 own replica for DDP; for a sharded state, received from the pod that wrote them, in a ring), so every node holds every
 file, the save commits in memory once each has them (the gathered statuses), and a replacement pod receives them from
 a survivor (`peers`). A sharded state on more than two pods leaves each node with its own and its neighbour's files:
-those saves commit to storage. Rank 0 then writes the replicated items apart, ``__0_replicated.distcp``, which every
-node keeps, so a restart in place reads only its own node's memory (`restoring.files_a_rank_reads`).
+those saves commit in memory all the same, and persisting is spread over the pods (`persisting`: each pod's lead
+copies its own ranks' files, rank 0 writes the manifest once every part is there). Rank 0 writes the replicated
+items apart, ``__0_replicated.distcp``, which every node keeps, so a restart in place reads only its own node's
+memory (`restoring.files_a_rank_reads`).
 
 A storage error in steps 2-4 never raises into the training loop: each rank logs it once
 (logger ``trainingrun.checkpoint``), counts it in ``metrics.failed_saves``, no manifest is written, and

@@ -96,6 +96,8 @@ class Committer:
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
         self.mirror.check_state({**job.state, **(job.later or {})})
+        if self.mirror.keeps_replicated_apart and self._context.persist_behind and not self._persister.spread:
+            self._persister.spread_over_pods(self.mirror.leads)  # no pod holds every file to copy
         if not self._context.persist_behind:
             self._take_later(job)
             self._stage_later(job, None)
@@ -314,13 +316,15 @@ class Committer:
         job.state = None  # drop the staged copy
         job.marks.append(("model digest", time.perf_counter()))
 
-        outcome: Optional[tuple[Optional[CheckpointInfo], Optional[str], bytes, Optional[bytes]]] = None
+        outcome: Optional[
+            tuple[Optional[CheckpointInfo], Optional[str], bytes, Optional[bytes], Optional[CheckpointInfo]]
+        ] = None
         gathered: Optional[list] = None  # rank 0: every rank's write results, when every rank wrote by its last plan
         try:
             sent = planner.results_to_send(results) if planner is not None and results is not None else results
             tier = self._context.tier
             short = tier is not None and (tier.short_of_room or self.mirror.short_of_room)
-            statuses = self._context.ranks.gather_to_first((error, record, sent, short))
+            statuses = self._context.ranks.gather_to_first((error, record, sent, short, self._persister.part_done))
             if self._context.ranks.rank == 0:
                 self._note_pods_short(job.step, [status[3] for status in statuses])
                 if planner is not None and not any(status[0] for status in statuses):
@@ -328,15 +332,21 @@ class Committer:
                     failed, gathered = self._finish_as_planned(
                         planner, writer, record, [status[2] for status in statuses], tier_dir
                     )
-                    statuses[0] = (failed, record, None, short)  # rank 0's record, the metadata's entry added
+                    statuses[0] = (failed, record, None, short, statuses[0][4])  # the metadata's entry added
+                committed = self._commit(
+                    job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None
+                )
                 outcome = (
-                    *self._commit(job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None),
+                    *committed,
                     self._metadata_for_mirrors(tier_dir if in_memory and planner is not None else None),
+                    self._persister.plan_parts(committed[0], committed[2], [status[4] for status in statuses])
+                    if in_memory and committed[0] is not None and self._persister.spread
+                    else None,
                 )
             outcome = self._context.ranks.broadcast(outcome)
         except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             job.lost_contact = exc
-            outcome = (None, _describe(exc), b"", None)
+            outcome = (None, _describe(exc), b"", None, None)
             if not job.logged:
                 logger.error(
                     "checkpoint step %d: rank %d lost contact with its peers: %s",
@@ -346,7 +356,7 @@ class Committer:
                     exc_info=True,
                 )
                 job.logged = True
-        info, commit_error, manifest, metadata = outcome
+        info, commit_error, manifest, metadata, copy_part = outcome
         if planner is not None and info is not None and results is not None:
             planner.committed(job.step, results, gathered)
         elif planner is not None:
@@ -356,7 +366,8 @@ class Committer:
         elif in_memory and info is not None and self.mirror.writes and self._context.ranks.rank != 0:
             if metadata is not None and tier_dir is not None:  # rank 0 wrote it by the last plan, after the exchange
                 self.mirror.write_metadata(job.step, metadata, manifest, tier_dir)
-            self._context.held_tier().commit(job.step, manifest)  # this node's copy, as rank 0 committed its node's
+            with self._persister.steps_held() as keep:  # this node's copy, as rank 0 committed its node's
+                self._context.held_tier().commit(job.step, manifest, keep=keep)
         elif tier_dir is not None and info is None:
             self._context.held_tier().discard(job.step)
         if info is None:
@@ -384,10 +395,12 @@ class Committer:
                 info.size_bytes,
                 self._context.metrics.last_save_seconds,
             )
-            if in_memory:
+            if in_memory and not self._persister.spread:
                 self._persister.queue(info, manifest)
-            else:
+            elif not in_memory:
                 self._rotation.rotate_logging_errors()
+        if copy_part is not None and self.mirror.writes:  # spread over the pods: this pod's lead copies its part
+            self._persister.copy_part(copy_part)
         return info
 
     def _metadata_for_mirrors(self, tier_dir: Optional[str]) -> Optional[bytes]:
@@ -415,7 +428,9 @@ class Committer:
         """Every rank, when a node could not keep every file of `step` in its memory (no room, a replica that is not
         bitwise equal): this save fails, and the saves from now on commit to storage (each node's copies kept where
         they can be). Rank 0 first lets its persister copy what memory committed before. The error."""
-        if self._context.ranks.rank == 0:
+        if self._persister.spread:
+            self._persister.settle_parts(flushing=True)
+        elif self._context.ranks.rank == 0:
             self._persister.queue_held_back()
             self._persister.wait_idle()
         self._context.persist_behind = False

@@ -58,6 +58,8 @@ STARTS_NAME = "starts.json"
 _STEP_DIR = re.compile(r"step-([0-9]{1,19})", re.ASCII)
 #: A file a manifest may list: a plain name inside its step directory (no separator, no "." or "..").
 _PLAIN_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,255}", re.ASCII)
+#: A DCP data file's name, by the rank that wrote it (``__<rank>_<n>.distcp``, ``__<rank>_replicated.distcp``).
+_WRITTEN_BY = re.compile(r"__([0-9]{1,9})_[A-Za-z0-9_.-]*", re.ASCII)
 #: A rank's ``extra`` in DCP's state dict (format 2): one value, the bytes of torch.save, so that DCP needs
 #: nothing of its structure to load it and only that rank loads it.
 EXTRA_ENTRY = "extra-rank-{rank}"
@@ -177,6 +179,13 @@ def files_a_rank_reads(files: Collection[str], saved_by: Optional[int], world_si
         return set(files)
     own = f"__{rank}_"
     return {name for name in files if name == METADATA_NAME or name.endswith(REPLICATED_SUFFIX) or name.startswith(own)}
+
+
+def writing_rank(name: str) -> int:
+    """The rank that wrote the checkpoint file `name` (``__<rank>_*``); 0, the coordinator's, for the metadata and any
+    other name."""
+    match = _WRITTEN_BY.fullmatch(name)
+    return int(match.group(1)) if match else 0
 
 
 def is_plain_name(name: object) -> bool:

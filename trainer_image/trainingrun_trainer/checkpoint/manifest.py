@@ -87,13 +87,15 @@ def _inspect(
     trusted: Optional[Mapping[str, str]] = None,
     tier: Any = None,
     owner: Optional[str] = None,
+    partial: bool = False,
 ) -> CheckpointInfo:
     """Check one step directory. Shallow: manifest readable, every file present with its size.
     Deep: also re-hash every file, unless ``trusted`` maps this uri to this very manifest's sha256
     (this process wrote or verified it; used by rotation only). With a memory ``tier`` (`MemoryTier`), a deep check
     also keeps what it read there, committed when every file matched: the load that follows reads it from memory
     instead of downloading it again. With `owner` (a run's uid), a checkpoint another run wrote is not valid (and its
-    files are not read)."""
+    files are not read). `partial` (shallow only): a pod's memory copy, which may hold only the files its ranks read
+    (a sharded state on more than two pods): a file it lacks is no reason against it, one of another size is."""
     if storage.local:
         listing, (raw, read_error) = storage.listing(uri), _read_manifest(storage, uri)
     else:
@@ -141,6 +143,8 @@ def _inspect(
     for entry in manifest["files"]:
         name = entry["path"]
         if name not in files:
+            if partial and not deep:
+                continue
             return found(f"missing file {name}", manifest, manifest_sha)
         listed = files[name].get("size")
         if listed is not None and int(listed) != entry["size"]:

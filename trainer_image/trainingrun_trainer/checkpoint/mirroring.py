@@ -14,9 +14,9 @@ warning, and a restart reads that file from storage.
 
 A sharded state (FSDP2's DTensors) has no replica to write from: each pod's lead sends the files its own ranks wrote
 to the next pod's lead, in a ring (`transfer.FileTransfer`, the same digests decide what is kept), and receives the
-previous pod's. With two pods that is every file on every pod, as with DDP, so checkpoints commit in memory; with
-more, each pod holds its own ranks' files and its neighbour's, no pod holds them all, and saves commit to storage
-(`check_state`). Each rank of such a run also reads items that every rank holds alike (the optimizer's step counts
+previous pod's. With two pods that is every file on every pod, as with DDP; with more, each pod holds its own ranks'
+files and its neighbour's, no pod holds them all, and each pod's lead copies its own ranks' files to storage
+(`persisting`, spread over the pods). Either way checkpoints commit in memory. Each rank of such a run also reads items that every rank holds alike (the optimizer's step counts
 and settings), which DCP spreads over every rank's file: rank 0 writes them all, into a small file of their own that
 every pod keeps (`keeps_replicated_apart`), so a restart in place reads only its own pod's memory (`restoring`).
 
@@ -100,20 +100,17 @@ class NodeMirror:
 
     def check_state(self, state: Any) -> None:
         """Every rank, before each save of `state`: at the first, whether it is sharded (FSDP2's DTensors: copies
-        come from the pod that wrote them, in a ring). On more than two pods a ring leaves no pod holding every file,
-        which committing in memory needs (rank 0's pod persists every file): saves then commit to storage (said
-        once), each pod keeping its own ranks' files and its neighbour's in memory."""
+        come from the pod that wrote them, in a ring). On more than two pods a ring leaves no pod holding every file:
+        each pod keeps its own ranks' files, its neighbour's and the replicated items, and persisting behind is spread
+        over the pods (`persisting`, said once)."""
         if not self.active or self.sharded is not None:
             return
         self.sharded = any(hasattr(tensor, "placements") for tensor in tensors_of(state))
-        pods = len(self.leads)
-        if self.sharded and pods > 2 and self._context.persist_behind:
-            self._context.persist_behind = False
+        if self.keeps_replicated_apart and self._context.persist_behind:
             logger.info(
                 "a sharded state on %d pods: each pod keeps its own ranks' files, its neighbour's and the replicated "
-                "items in memory (a restart in place reads them there), no pod holds every file, and checkpoints "
-                "commit to storage (in memory with two pods)",
-                pods,
+                "items in memory, checkpoints commit there, and each pod copies its own ranks' files to storage",
+                len(self.leads),
             )
 
     @property

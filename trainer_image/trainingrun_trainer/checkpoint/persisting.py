@@ -1,5 +1,14 @@
 """`Persister`: persisting behind, rank 0 copies checkpoints committed in the memory tier to storage, newest first,
-on a thread of its own (see "Persisting behind" in the package's description)."""
+on a thread of its own (see "Persisting behind" in the package's description).
+
+Where no pod holds every file (a sharded state on more than two pods, `mirroring`) the copy is spread over the pods
+(`spread_over_pods`): each pod's lead copies the files its own pod's ranks wrote (rank 0's pod also the metadata and
+the replicated items), and rank 0 writes the manifest, the commit in storage, once every pod's part is there. Rank 0
+decides at each commit in memory which checkpoint the pods copy (`plan_parts`), one at a time, and the commit's
+broadcast tells every lead: so every pod copies the same checkpoints, and a newer one supersedes the others alike.
+Each lead says which part it finished in the next commit's gathered statuses, so storage commits one memory interval
+after its slowest part is there, with no collective or polling of its own; `settle_parts` (flush, every rank) waits
+for them at once."""
 
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ from .layout import (
     _describe,
     _join,
     logger,
+    writing_rank,
 )
 from .rotation import Rotation
 
@@ -54,6 +64,107 @@ class Persister:
         self._loop: Optional[Future] = None  # the persister's loop, while it runs
         self._last_queued: Optional[tuple[int, float]] = None  # (step, `clock` time) of the last queued copy
         self._held_back: Optional[tuple[CheckpointInfo, bytes]] = None  # newest in memory, before the interval
+        #: Spread over the pods (`spread_over_pods`): whether a file of a checkpoint is this pod's to copy. None: rank 0
+        #: copies every file and the manifest.
+        self._part_of: Optional[Callable[[str], bool]] = None
+        #: A pod's lead, spread over the pods: (step, whether it reached storage) of the last part it copied; each
+        #: commit's gathered statuses carry it to rank 0.
+        self.part_done: Optional[tuple[int, bool]] = None
+        #: Rank 0, spread over the pods: the checkpoint whose parts the pods' leads copy, its manifest, and when it
+        #: was planned (`clock`).
+        self._planned: Optional[tuple[CheckpointInfo, bytes, float]] = None
+        self._leads: list[int] = []  # each pod's lead, spread over the pods
+        self._superseding = False  # rank 0, spread: the one held back was due, and waits for the pods' copies
+
+    @property
+    def spread(self) -> bool:
+        """Whether each pod's lead copies its own pod's part of every checkpoint (`spread_over_pods`)."""
+        return self._part_of is not None
+
+    def spread_over_pods(self, leads: list[int]) -> None:
+        """Every rank, when no pod holds every file of a checkpoint (`mirroring`; `leads`: each pod's lowest rank):
+        from now on each pod's lead copies the files its own pod's ranks wrote, and rank 0 writes the manifest once
+        every part is in storage (`plan_parts`)."""
+        context = self._context
+        nodes, rank = context.nodes, context.ranks.rank
+        self._part_of = lambda name: writing_rank(name) < len(nodes) and nodes[writing_rank(name)] == nodes[rank]
+        self._leads = list(leads)
+        if rank in leads and self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainingrun-persist")
+
+    def plan_parts(
+        self, info: Optional[CheckpointInfo], manifest: bytes, parts: list, whenever: bool = False
+    ) -> Optional[CheckpointInfo]:
+        """Rank 0, spread over the pods, at a commit in memory of `info` (None: at a flush), with each rank's
+        `part_done` (`parts`, in rank order; a lead's, None for the others): commit in storage the checkpoint planned
+        before once every lead copied its part (its manifest written on rank 0's persister thread), then plan `info`
+        when no other is being copied and the storage interval is up (`whenever`: the one held back, at a flush). The
+        checkpoint every lead is now to copy its part of (the commit's broadcast tells them), or None."""
+        assert self._pool is not None and self._part_of is not None, "rank 0 plans the parts, spread over the pods"
+        if self._planned is not None:
+            planned, planned_manifest, since = self._planned
+            done = [parts[lead] for lead in self._leads]
+            if all(part is not None and part[0] == planned.step for part in done):
+                self._planned = None
+                if all(part[1] for part in done):
+                    self._pool.submit(self._commit_in_storage, planned, planned_manifest, since)
+                else:
+                    self._context.metrics.failed_persists += 1
+                    logger.error(
+                        "checkpoint step %d (committed in memory) is not in storage: a pod could not copy its part "
+                        "(see that pod's log)",
+                        planned.step,
+                    )
+        if info is None:
+            if not whenever or self._held_back is None or self._planned is not None:
+                return None
+            info, manifest = self._held_back
+        with self._lock:
+            if self._superseding and self._held_back is not None and self._held_back[0].step < info.step:
+                self._context.metrics.superseded_persists += 1
+                logger.info(
+                    "checkpoint step %d is not persisted: step %d supersedes it (storage is slower than the "
+                    "checkpoint interval)",
+                    self._held_back[0].step,
+                    info.step,
+                )
+            self._superseding = False
+            if not whenever and not self._due(info.step):
+                self._held_back = (info, manifest)
+                return None
+            if self._planned is not None:  # the pods still copy an older one: the next due supersedes this one
+                self._held_back, self._superseding = (info, manifest), True
+                return None
+            self._held_back = None
+            self._last_queued = (info.step, self.clock())
+            self._planned = (info, manifest, self.clock())
+        return info
+
+    def copy_part(self, info: CheckpointInfo) -> None:
+        """A pod's lead, spread over the pods: copy this pod's part of `info` to storage, on the persister thread."""
+        assert self._pool is not None and self._part_of is not None, "a pod's lead copies its part"
+        with self._lock:
+            self._next = (info, b"")
+            if self._loop is None:
+                self._loop = self._pool.submit(self._copy_queued)
+
+    def settle_parts(self, flushing: bool) -> None:
+        """Every rank, spread over the pods (a collective): wait until every lead copied the part it was copying, and
+        commit it in storage (rank 0); `flushing`: then do the same for the newest memory checkpoint the storage
+        interval held back, so that storage holds the newest."""
+        ranks = self._context.ranks
+        for _ in range(2 if flushing else 1):
+            self.wait_idle()
+            parts = ranks.gather_to_first(self.part_done)
+            planned = self.plan_parts(None, b"", parts, whenever=flushing) if ranks.rank == 0 else None
+            planned = ranks.broadcast(planned)
+            if planned is None:
+                break
+            if self._pool is not None:
+                self.copy_part(planned)
+        self.wait_idle()
+        if ranks.rank == 0 and self._pool is not None:
+            self._pool.submit(lambda: None).result()  # the manifest written by then, if every part was there
 
     @contextmanager
     def steps_held(self) -> Iterator[set[int]]:
@@ -73,7 +184,7 @@ class Persister:
     def queue(self, info: CheckpointInfo, manifest: bytes, whenever: bool = False) -> None:
         """Queue a memory checkpoint to be copied to storage: newest wins over one still waiting. One that comes
         before the storage interval is up is held back instead, unless `whenever` (flush)."""
-        assert self._pool is not None, "only rank 0 of a store that persists behind copies to storage"
+        assert self._pool is not None and self._part_of is None, "rank 0 of a store that persists behind copies all"
         tier = self._context.held_tier()
         with self._lock:
             if not whenever and not self._due(info.step):
@@ -133,17 +244,26 @@ class Persister:
             self._copy_to_storage(*item)
 
     def _copy_to_storage(self, info: CheckpointInfo, manifest: bytes) -> None:
-        """Copy a memory checkpoint's files to storage, unchanged, then its manifest (the commit); rotate."""
+        """Copy a memory checkpoint's files to storage, unchanged, then its manifest (the commit); rotate. Spread over
+        the pods: only this pod's part, with no manifest (rank 0 writes it once every part is there, `plan_parts`)."""
         context, tier, metrics = self._context, self._context.held_tier(), self._context.metrics
         began = time.perf_counter()
         directory = tier.path(info.step)
+        part_of = self._part_of
+        names = [name for name in sorted(info.files or {}) if part_of is None or part_of(name)]
         try:
-            self._rotation.clear_step_dir(info.uri, info.step)
-            for name in sorted(info.files or {}):
+            if part_of is None:
+                self._rotation.clear_step_dir(info.uri, info.step)
+            else:  # the other pods' leads copy their parts into the same directory meanwhile
+                self._rotation.drop_manifest(info.uri, info.step)
+            for name in names:
                 context.storage.upload(os.path.join(directory, name), _join(info.uri, name))
-            context.storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
+            if part_of is None:
+                context.storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
         except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
-            metrics.failed_persists += 1
+            if part_of is None:
+                metrics.failed_persists += 1
+            self.part_done = (info.step, False)
             logger.error(
                 "checkpoint step %d (committed in memory) could not be copied to %s: %s",
                 info.step,
@@ -152,13 +272,50 @@ class Persister:
                 exc_info=True,
             )
             return
-        context.trust(info)
-        context.in_storage = info
-        metrics.last_persist_seconds = time.perf_counter() - began
-        metrics.persists += 1
-        logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, metrics.last_persist_seconds)
+        if part_of is None:
+            self._persisted(info, began)
+        else:
+            self.part_done = (info.step, True)
+            logger.info(
+                "copied this pod's part of checkpoint step %d to %s (%d files, %.2f s)",
+                info.step,
+                info.uri,
+                len(names),
+                time.perf_counter() - began,
+            )
         with self.steps_held() as held:  # the memory tier keeps the newest memory checkpoint and what is queued
             newest = context.in_memory.step if context.in_memory is not None else info.step
             tier.remove_older(newest, keep=held - {info.step})
-        tier.prepare_spare({name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX)})
+        here = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+        tier.prepare_spare(
+            {name: size for name, size in (info.files or {}).items() if name.endswith(DEFAULT_SUFFIX) and name in here}
+        )
+        if part_of is None:
+            self._rotation.rotate_logging_errors()
+
+    def _commit_in_storage(self, info: CheckpointInfo, manifest: bytes, since: float) -> None:
+        """Rank 0's persister thread, spread over the pods, once every pod's part of `info` is in storage: its
+        manifest, the commit; rotate."""
+        try:
+            self._context.storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
+        except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
+            self._context.metrics.failed_persists += 1
+            logger.error(
+                "checkpoint step %d: every pod copied its part to %s, but the manifest could not be written: %s",
+                info.step,
+                info.uri,
+                _describe(exc),
+                exc_info=True,
+            )
+            return
+        self._persisted(info, since, self.clock)
         self._rotation.rotate_logging_errors()
+
+    def _persisted(self, info: CheckpointInfo, began: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        """`info` is committed in storage (its copy began at `began` on `clock`)."""
+        metrics = self._context.metrics
+        self._context.trust(info)
+        self._context.in_storage = info
+        metrics.last_persist_seconds = clock() - began
+        metrics.persists += 1
+        logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, metrics.last_persist_seconds)

@@ -164,7 +164,11 @@ class Restorer:
             )
             return None
         directory = tier.path(step)
-        found = _inspect(_Storage(directory, {}), directory, step, deep=False, owner=self._context.run_uid)
+        # Every rank then checks that its pod's memory holds what it reads (`_holds_what_this_rank_reads`): on more
+        # than two pods of a sharded state no pod's holds every file.
+        found = _inspect(
+            _Storage(directory, {}), directory, step, deep=False, owner=self._context.run_uid, partial=True
+        )
         if not found.valid:
             logger.warning("the checkpoint of step %d kept in memory is not usable: %s", step, found.reason)
             return None

@@ -104,9 +104,21 @@ class Rotation:
         the directory is never a committed checkpoint with new data). Raises FileExistsError for a checkpoint of
         another run."""
         context = self._context
+        listing = self.drop_manifest(step_uri, step)
+        for name, entry in listing.items():
+            if name == MANIFEST_NAME:
+                continue
+            if _is_dir(entry):
+                context.storage.rm_tree(_join(step_uri, name))
+            else:  # a file, or a link: the link goes, never what it points at
+                context.storage.rm_file(_join(step_uri, name))
+
+    def drop_manifest(self, step_uri: str, step: int) -> dict:
+        """Uncommit what an earlier save of `step` left in its directory (its manifest deleted), before files of a new
+        save of it go there; its files stay (a pod copying its part of a checkpoint leaves the other pods' parts).
+        The directory's listing. Raises FileExistsError for a checkpoint of another run."""
+        context = self._context
         listing = context.storage.listing(step_uri)
-        if not listing:
-            return
         if MANIFEST_NAME in listing and context.run_uid:
             found = _inspect(context.storage, step_uri, step, deep=False)
             if context.another_runs(found):
@@ -118,13 +130,7 @@ class Rotation:
             logger.warning("overwriting the committed checkpoint %s", step_uri)
             context.storage.rm_file(_join(step_uri, MANIFEST_NAME))
             self._forget(step_uri)
-        for name, entry in listing.items():
-            if name == MANIFEST_NAME:
-                continue
-            if _is_dir(entry):
-                context.storage.rm_tree(_join(step_uri, name))
-            else:  # a file, or a link: the link goes, never what it points at
-                context.storage.rm_file(_join(step_uri, name))
+        return listing
 
     def _forget(self, uri: str) -> None:
         self._context.trusted.pop(uri, None)

@@ -211,7 +211,9 @@ class CheckpointStore:
         self.wait()
         if not self.persist_behind:
             return self.in_storage
-        if self.rank == 0:
+        if self.persister.spread:
+            self.persister.settle_parts(flushing=True)
+        elif self.rank == 0:
             self.persister.queue_held_back()
         self.persister.wait_idle()
         self.context.in_storage = self.context.ranks.broadcast(self.in_storage)

@@ -27,3 +27,14 @@ def test_a_checkpoint_without_its_replicated_items_apart_is_read_whole():
     """DDP, or a sharded state on one or two pods: DCP spreads the replicated items over every rank's file."""
     files = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     assert files_a_rank_reads(files, 3, 3, 1) == set(files)
+
+
+def test_each_file_names_the_rank_that_wrote_it_and_the_rest_are_rank_0s():
+    from trainingrun_trainer.checkpoint.layout import writing_rank
+
+    assert [writing_rank(n) for n in ("__3_0.distcp", "__12_replicated.distcp", ".metadata", "__x_0.distcp")] == [
+        3,
+        12,
+        0,
+        0,
+    ]

@@ -69,3 +69,22 @@ def test_anything_else_names_what_is_wrong(raw, reason):
 def test_a_manifest_past_the_size_cap_is_not_parsed():
     with pytest.raises(ValueError, match="larger than 64 MiB"):
         _parse_manifest(b" " * (MAX_MANIFEST_BYTES + 1))
+
+
+def test_a_pods_partial_copy_is_valid_shallow_but_a_file_of_another_size_or_a_deep_check_is_not(tmp_path):
+    """`_inspect(partial=True)`: a pod's memory copy of a sharded state on more than two pods lacks the files its ranks
+    do not read; every file it does hold still has its listed size, and a deep check needs them all."""
+    from trainingrun_trainer.checkpoint.manifest import _inspect
+    from trainingrun_trainer.checkpoint.storage import _Storage
+
+    directory = tmp_path / "step-00000010"
+    directory.mkdir()
+    (directory / "manifest.json").write_bytes(manifest())
+    (directory / ".metadata").write_bytes(b"m" * 10)  # __0_0.distcp is not held here
+    storage = _Storage(str(directory), {})
+    assert _inspect(storage, str(directory), 10, deep=False).reason == "missing file __0_0.distcp"
+    held = _inspect(storage, str(directory), 10, deep=False, partial=True)
+    assert held.valid and held.files == {".metadata": 10, "__0_0.distcp": 0}
+    assert not _inspect(storage, str(directory), 10, deep=True, partial=True).valid
+    (directory / ".metadata").write_bytes(b"m" * 9)
+    assert _inspect(storage, str(directory), 10, deep=False, partial=True).reason == "size mismatch in .metadata"

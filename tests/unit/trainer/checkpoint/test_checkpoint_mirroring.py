@@ -1,7 +1,8 @@
 """mirroring.NodeMirror: with several nodes each node's lowest rank writes the other nodes' files into its memory from
 its own replica; a copy is kept only when it is its writer's file byte for byte, and a node that cannot hold every file
 turns committing in memory off. A sharded state on three pods keeps each pod's own files, its neighbour's and the
-replicated items there, which a restart in place reads (`restoring`)."""
+replicated items there, which a restart in place reads (`restoring`); it commits in memory, and each pod copies its
+own ranks' files to storage (`persisting`, spread over the pods)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from checkpoint_states import app_state, local_digest, step_dir, train_step, wra
 from test_checkpoint_memory_tier import _two_rank_worker
 
 from trainingrun_trainer.checkpoint import CheckpointStore, memory_tier, mirroring
+from trainingrun_trainer.checkpoint import storage as storage_module
 
 
 @pytest.mark.slow
@@ -130,8 +132,8 @@ class _Sharded(torch.Tensor):
     placements = ("Shard(0)",)
 
 
-@pytest.mark.parametrize("pods, behind", [(2, True), (3, False)])
-def test_a_sharded_state_is_copied_in_a_ring_and_commits_in_memory_only_on_two_pods(caplog, pods, behind):
+@pytest.mark.parametrize("pods", [2, 3])
+def test_a_sharded_state_is_copied_in_a_ring_and_keeps_its_replicated_items_apart_on_more_than_two_pods(caplog, pods):
     import logging
     from types import SimpleNamespace
 
@@ -145,13 +147,22 @@ def test_a_sharded_state_is_copied_in_a_ring_and_commits_in_memory_only_on_two_p
     mirror = mirroring.NodeMirror(context)
     mirror.check_state({"model": {"w": torch.zeros(2).as_subclass(_Sharded)}})
     assert mirror.active and mirror.writes and mirror.sharded and not mirror.rebuilds
-    assert context.persist_behind == behind
-    assert ("no pod holds every file, and checkpoints commit to storage" in caplog.text) == (not behind)
+    assert context.persist_behind  # committing in memory stays on: on three pods persisting is spread over them
+    assert mirror.keeps_replicated_apart == (pods > 2)
+    assert ("each pod copies its own ranks' files to storage" in caplog.text) == (pods > 2)
 
 
 def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir: str, lacking: bool) -> None:
     memory_tier.RESERVE_SHARE = 0.0
     torch.set_num_threads(1)
+    uploaded: list[str] = []  # the files this pod's lead copied to storage
+    upload = storage_module._Storage.upload
+
+    def recording(storage, path: str, uri: str) -> None:
+        uploaded.append(uri.rsplit("/", 1)[1])
+        upload(storage, path, uri)
+
+    storage_module._Storage.upload = recording  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(tiers))
     try:
         model = wrapped(0, sharded=True)
@@ -163,6 +174,8 @@ def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir:
             info = store.wait()
             held = sorted(p.name for p in step_dir(Path(tiers[rank]), 5).iterdir() if not p.name.endswith(".xxh3"))
             result = {"committed": None if info is None else info.uri, "behind": store.persist_behind, "held": held}
+            result["in_storage"] = getattr(store.flush(), "step", None)
+        result["uploaded"] = sorted(uploaded)
         dist.barrier()
         if lacking and rank == 1:  # this pod's copy of its own rank's shards is gone
             (step_dir(Path(tiers[rank]), 5) / "__1_0.distcp").unlink()
@@ -192,8 +205,9 @@ def test_on_three_pods_each_keeps_its_own_shards_its_neighbours_and_the_replicat
 ):
     """Three nodes of one rank each, FSDP2: every pod's memory holds its rank's file, the previous pod's (sent in the
     ring, an odd one: the ordering that lets every send meet its receive), the metadata and rank 0's replicated items
-    (which DCP would have spread over every rank's file), never the next pod's own file; no pod holds every file, so
-    the save commits to storage. A restart in place then reads every byte from its own pod's memory, on every rank,
+    (which DCP would have spread over every rank's file), never the next pod's own file. No pod holds every file: the
+    save commits in memory, and each pod copies only the files its own rank wrote to storage (rank 0 also the metadata
+    and the replicated items), rank 0 writing the manifest once every part is there. A restart in place then reads every byte from its own pod's memory, on every rank,
     rank 0 included: nothing is downloaded to verify it. A pod that lacks its own file receives it from the next pod,
     which holds it through the ring; each rank gets back its own shards bitwise either way."""
     tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(3)]
@@ -201,11 +215,17 @@ def test_on_three_pods_each_keeps_its_own_shards_its_neighbours_and_the_replicat
     mp.spawn(_ring_worker, args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path), lacking), nprocs=3, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["committed"] for r in results] == [f"{uri}/step-00000005"] * 3
-    assert [r["behind"] for r in results] == [False] * 3
+    assert [r["behind"] for r in results] == [True] * 3
+    assert [r["in_storage"] for r in results] == [5] * 3  # the flush at the end waits for every part and the manifest
     for rank, result in enumerate(results):
         previous = (rank - 1) % 3
         own = {".metadata", "manifest.json", "__0_replicated.distcp", f"__{rank}_0.distcp"}
         assert result["held"] == sorted(own | {f"__{previous}_0.distcp"})
+    assert [r["uploaded"] for r in results] == [
+        [".metadata", "__0_0.distcp", "__0_replicated.distcp"],
+        ["__1_0.distcp"],
+        ["__2_0.distcp"],
+    ]
     assert [info.step for info in CheckpointStore(uri).list() if info.valid] == [5]
     assert [(r["restored"], r["extra"], r["same"]) for r in results] == [(5, {"rank": rank}, True) for rank in range(3)]
     assert [r["read"]["storage"] for r in results] == [0, 0, 0]

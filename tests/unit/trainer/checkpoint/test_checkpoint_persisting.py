@@ -299,3 +299,94 @@ def test_a_memory_file_gone_between_finding_and_loading_is_read_from_storage(buc
         assert "storage" in store.metrics.last_restore_source
     fresh.load_state_dict(state["model"])
     assert model_digest(fresh.state_dict()) == digest
+
+
+class _RecordingStorage:
+    """The storage of `_spread_persister`: the manifests written, by step directory."""
+
+    def __init__(self):
+        self.manifests: dict[str, bytes] = {}
+
+    def write_bytes(self, uri: str, data: bytes, atomic: bool = False) -> None:
+        self.manifests[uri.rsplit("/", 1)[0]] = data
+
+
+def _spread_persister(every_steps=None):
+    """Rank 0's Persister of a run on three pods of one rank each, spread over them (no tier, no processes: the
+    planning alone)."""
+    from types import SimpleNamespace
+
+    from trainingrun_trainer.checkpoint.context import StoreMetrics
+    from trainingrun_trainer.checkpoint.persisting import Persister
+
+    storage = _RecordingStorage()
+    context = SimpleNamespace(
+        persist_behind=True,
+        ranks=SimpleNamespace(rank=0),
+        nodes=["pod-0", "pod-1", "pod-2"],
+        metrics=StoreMetrics(),
+        storage=storage,
+        trust=lambda info: None,
+        in_storage=None,
+    )
+    rotation = SimpleNamespace(rotate_logging_errors=lambda: None)
+    persister = Persister(context, rotation, every_steps=every_steps)
+    persister.spread_over_pods([0, 1, 2])
+    return persister, context, storage
+
+
+def _checkpoint(step: int):
+    from trainingrun_trainer.checkpoint import CheckpointInfo
+
+    return CheckpointInfo(
+        step=step, uri=f"file:///ckpt/step-{step:08d}", time="", size_bytes=0, valid=True, reason=None
+    )
+
+
+def _settled(persister) -> None:
+    persister._pool.submit(lambda: None).result()  # what plan_parts handed to the persister thread is done
+
+
+def test_spread_over_pods_each_pod_copies_its_own_ranks_files():
+    persister, _, _ = _spread_persister()
+    names = [".metadata", "__0_0.distcp", "__0_replicated.distcp", "__1_0.distcp", "__2_0.distcp", "__2_1.distcp"]
+    assert [name for name in names if persister._part_of(name)] == names[:3]  # rank 0's pod: the metadata too
+    persister._context.ranks.rank = 2
+    persister.spread_over_pods([0, 1, 2])
+    assert [name for name in names if persister._part_of(name)] == ["__2_0.distcp", "__2_1.distcp"]
+
+
+def test_spread_over_pods_storage_commits_once_every_pod_copied_its_part_and_a_newer_checkpoint_waits(caplog):
+    """Rank 0 plans one checkpoint at a time; its manifest goes to storage at the first commit that finds every pod's
+    part there; a checkpoint due while the pods still copy is held back and the next due supersedes it; a part that
+    failed leaves the checkpoint out of storage, counted."""
+    caplog.set_level(logging.INFO, logger="trainingrun.checkpoint")
+    persister, context, storage = _spread_persister()
+    assert persister.plan_parts(_checkpoint(10), b"m10", [None, None, None]).step == 10
+    # Pod 1 still copies step 10: nothing is committed in storage, and step 15 waits.
+    assert persister.plan_parts(_checkpoint(15), b"m15", [(10, True), None, (10, True)]) is None
+    _settled(persister)
+    assert storage.manifests == {}
+    # Every part of 10 is there: its manifest; 15 is superseded by 20, which the pods copy next.
+    assert persister.plan_parts(_checkpoint(20), b"m20", [(10, True)] * 3).step == 20
+    _settled(persister)
+    assert storage.manifests == {"file:///ckpt/step-00000010": b"m10"}
+    assert context.in_storage.step == 10 and context.metrics.persists == 1
+    assert context.metrics.superseded_persists == 1 and "step 15 is not persisted: step 20 supersedes it" in caplog.text
+    # Pod 2 could not copy its part of 20: no manifest, a failed persist, and 25 is copied next.
+    assert persister.plan_parts(_checkpoint(25), b"m25", [(20, True), (20, True), (20, False)]).step == 25
+    _settled(persister)
+    assert list(storage.manifests) == ["file:///ckpt/step-00000010"] and context.metrics.failed_persists == 1
+    assert "step 20 (committed in memory) is not in storage: a pod could not copy its part" in caplog.text
+
+
+def test_spread_over_pods_the_storage_interval_holds_back_and_a_flush_plans_the_one_held_back():
+    persister, context, storage = _spread_persister(every_steps=10)
+    assert persister.plan_parts(_checkpoint(10), b"m10", [None] * 3).step == 10
+    assert persister.plan_parts(_checkpoint(15), b"m15", [(10, True)] * 3) is None  # before the interval
+    assert persister.plan_parts(None, b"", [(10, True)] * 3) is None  # not flushing: nothing new planned
+    assert persister.plan_parts(None, b"", [(10, True)] * 3, whenever=True).step == 15  # flushing
+    assert persister.plan_parts(None, b"", [(15, True)] * 3, whenever=True) is None  # nothing left to plan
+    _settled(persister)
+    assert sorted(storage.manifests.values()) == [b"m10", b"m15"] and context.in_storage.step == 15
+    assert context.metrics.superseded_persists == 0
