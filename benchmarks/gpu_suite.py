@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "restart_to_training_s": restart.get("restart_to_training_s", "nan"),
         "recompile_startup_s": defaults.get("recompile_startup_s", "nan"),
         "multinode_commit_ratio": multinode.get("ratio", "nan"),
-        "multinode_storage_bytes_read": multinode.get("storage_bytes_read_two_nodes", "nan"),
+        "multinode_storage_bytes_read": multinode.get("storage_bytes_read_nodes", "nan"),
         "large_mfu": large.get("mfu", "nan"),
         "large_overhead_ratio": large.get("overhead_ratio", "nan"),
         "gpu_tests": tests,

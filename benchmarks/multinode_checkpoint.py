@@ -4,7 +4,9 @@ on one node (one memory tier) or on two (a tier each: each node's lowest rank al
 
 `--strategy fsdp2` shards the same state over the two ranks (FSDP2, CPU only: gloo): on two nodes each node's lead then
 receives the other node's shards over the process group after each save (the ring), instead of rebuilding them from
-its own replica.
+its own replica. `--nodes 3` (or more) runs as many ranks, one a node on the several-node side: with fsdp2 no node then
+holds every file, and persisting is spread over the nodes (`checkpoint/persisting.py`); the line says whether saves
+committed in memory.
 
 What is measured
     Two processes on gloo (torch.multiprocessing, 127.0.0.1), each with a DDP model of plain linear layers and its
@@ -24,8 +26,8 @@ Run by hand, never by the test suite:
     .venv/bin/python benchmarks/multinode_checkpoint.py          # ~3 minutes on the 2-core VM
 On a GPU machine, the same from CUDA (staging off the device on both "nodes"), in one device call as gpu_suite.py's
 docstring sets it up: `... python3 benchmarks/multinode_checkpoint.py --device cuda --mib 1800` (not yet run).
-The last line is `result: strategy=<ddp|fsdp2> commit_s_one_node=<x> commit_s_two_nodes=<x> ratio=<x> restore_s_one_node=<x>
-restore_s_two_nodes=<x> storage_bytes_read_two_nodes=<x>`.
+The last line is `result: strategy=<ddp|fsdp2> nodes=<n> commit_s_one_node=<x> commit_s_nodes=<x> ratio=<x>
+restore_s_one_node=<x> restore_s_nodes=<x> storage_bytes_read_nodes=<x> committed_in_memory=<True|False>`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SIDES = ("one node", "two nodes")
+SIDES = ("one node", "several nodes")
 
 
 def worker(
@@ -54,6 +56,7 @@ def worker(
     device: str,
     strategy: str,
     pin: bool = False,
+    nodes: int = 2,
 ) -> None:
     if pin:  # each rank, its threads included, on a core of its own: two machines' worth of cores, one each
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
@@ -65,7 +68,7 @@ def worker(
     from trainingrun_trainer.checkpoint import CheckpointStore
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nodes)
     try:
         width = 1024
         layers = max(1, (mib << 20) // (3 * 4 * width * width))
@@ -87,7 +90,7 @@ def worker(
             model_state, optim_state = get_state_dict(model, optimizer)
             return {"model": model_state, "optim": optim_state}
 
-        node = rank if side == "two nodes" else 0
+        node = rank if side == "several nodes" else 0
         tier = os.path.join(root, f"node-{node}", "tier")
         uri = f"file://{root}/storage"
         committed = []
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mib", type=int, default=258, help="model and AdamW state (per rank with DDP, over both with fsdp2), MiB"
     )
     parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="replicated or sharded (CPU)")
+    parser.add_argument("--nodes", type=int, default=2, help="ranks, one a node on the several-node side (default 2)")
     parser.add_argument("--saves", type=int, default=4, help="timed saves per run (default 4)")
     parser.add_argument("--warmup", type=int, default=2, help="saves before timing (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating (default 3)")
@@ -169,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                         args.device,
                         args.strategy,
                         args.pin,
+                        args.nodes,
                     ),
-                    nprocs=2,
+                    nprocs=args.nodes,
                     join=True,
                 )
                 runs[side].append(json.loads(Path(root, "result.json").read_text()))
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(root, ignore_errors=True)
             last = runs[side][-1]
             print(
-                f"{side:>9}: commit {last['commit']:.3f} s, restore {last['restore']:.3f} s, "
+                f"{side:>13}: commit {last['commit']:.3f} s, restore {last['restore']:.3f} s, "
                 f"{last['storage_read']} bytes read from storage, committing in memory: {last['behind']}, copies staged "
                 f"in place: {last['staged_copies']}; the last save "
                 f"by phase {last['phases']}",
@@ -188,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     def median(side: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[side])
 
-    one, two = median("one node", "commit"), median("two nodes", "commit")
+    one, several = median("one node", "commit"), median("several nodes", "commit")
     print(
-        f"result: strategy={args.strategy} commit_s_one_node={one:.3f} commit_s_two_nodes={two:.3f} ratio={two / one:.2f} "
-        f"restore_s_one_node={median('one node', 'restore'):.3f} restore_s_two_nodes={median('two nodes', 'restore'):.3f} "
-        f"storage_bytes_read_two_nodes={int(median('two nodes', 'storage_read'))}"
+        f"result: strategy={args.strategy} nodes={args.nodes} commit_s_one_node={one:.3f} "
+        f"commit_s_nodes={several:.3f} ratio={several / one:.2f} "
+        f"restore_s_one_node={median('one node', 'restore'):.3f} restore_s_nodes={median('several nodes', 'restore'):.3f} "
+        f"storage_bytes_read_nodes={int(median('several nodes', 'storage_read'))} "
+        f"committed_in_memory={all(run['behind'] for run in runs['several nodes'])}"
     )
     return 0
 
