@@ -136,6 +136,18 @@ class Restorer:
         newest = self._context.ranks.broadcast(newest)
         held = newest is not None and self._holds_what_this_rank_reads(newest)
         found = newest if self._context.ranks.all(held)[0] else None
+        stored = self._context.in_storage  # rank 0's only: the others do not know what storage holds
+        if (
+            self._context.ranks.rank == 0
+            and found is None
+            and newest is not None
+            and (stored is None or stored.step < newest.step)
+        ):
+            logger.warning(
+                "checkpoint step %d, which only memory holds, is not in every pod's memory as its ranks read it (a pod "
+                "lacks files and no surviving pod could give them): resuming from storage's newest instead",
+                newest.step,
+            )
         self._held_in_memories = None if found is None else found.uri
         return found
 

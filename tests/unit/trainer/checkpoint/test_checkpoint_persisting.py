@@ -390,3 +390,31 @@ def test_spread_over_pods_the_storage_interval_holds_back_and_a_flush_plans_the_
     _settled(persister)
     assert sorted(storage.manifests.values()) == [b"m10", b"m15"] and context.in_storage.step == 15
     assert context.metrics.superseded_persists == 0
+
+
+def test_a_memory_checkpoint_that_lacks_a_file_its_rank_reads_is_passed_over_for_storages_saying_why(
+    bucket, memory, monkeypatch, caplog
+):
+    """A pod's memory copy may hold only what its ranks read (a sharded state on more than two pods), so a copy that
+    lacks a file is looked at; a rank that reads the missing file finds it not held, and the restart takes storage's
+    newest, rank 0 saying that the newer one only memory held was passed over."""
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.flush().step == 1
+
+        def unreachable(storage, path, uri):
+            raise OSError("storage unreachable")
+
+        monkeypatch.setattr(storage_module._Storage, "upload", unreachable)
+        store.save(2, app_state(model, opt), {"step": 2})
+        assert store.wait().step == 2
+        store.flush()
+    monkeypatch.undo()
+    (step_dir(memory, 2) / "__0_0.distcp").unlink()  # what the only rank reads
+    caplog.clear()
+    with behind(bucket, memory) as store:
+        assert store.latest_valid().step == 1
+    assert (
+        "checkpoint step 2, which only memory holds, is not in every pod's memory as its ranks read it" in caplog.text
+    )
