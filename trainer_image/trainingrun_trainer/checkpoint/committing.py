@@ -427,12 +427,8 @@ class Committer:
     def _stop_persisting_behind(self, step: int) -> str:
         """Every rank, when a node could not keep every file of `step` in its memory (no room, a replica that is not
         bitwise equal): this save fails, and the saves from now on commit to storage (each node's copies kept where
-        they can be). Rank 0 first lets its persister copy what memory committed before. The error."""
-        if self._persister.spread:
-            self._persister.settle_parts(flushing=True)
-        elif self._context.ranks.rank == 0:
-            self._persister.queue_held_back()
-            self._persister.wait_idle()
+        they can be). Storage first gets what memory committed before (`Persister.persist_newest`). The error."""
+        self._persister.persist_newest()
         self._context.persist_behind = False
         logger.warning(
             "checkpoint step %d: not every pod could keep every file of it in memory (see the warnings above): "

@@ -73,6 +73,8 @@ class Persister:
         #: Rank 0, spread over the pods: the checkpoint whose parts the pods' leads copy, its manifest, and when it
         #: was planned (`clock`).
         self._planned: Optional[tuple[CheckpointInfo, bytes, float]] = None
+        #: Rank 0, spread over the pods: the manifest's write, once every part was there (`wait_idle` waits for it).
+        self._storage_commit: Optional[Future] = None
         self._leads: list[int] = []  # each pod's lead, spread over the pods
         self._superseding = False  # rank 0, spread: the one held back was due, and waits for the pods' copies
 
@@ -107,7 +109,7 @@ class Persister:
             if all(part is not None and part[0] == planned.step for part in done):
                 self._planned = None
                 if all(part[1] for part in done):
-                    self._pool.submit(self._commit_in_storage, planned, planned_manifest, since)
+                    self._storage_commit = self._pool.submit(self._commit_in_storage, planned, planned_manifest, since)
                 else:
                     self._context.metrics.failed_persists += 1
                     logger.error(
@@ -163,8 +165,16 @@ class Persister:
             if self._pool is not None:
                 self.copy_part(planned)
         self.wait_idle()
-        if ranks.rank == 0 and self._pool is not None:
-            self._pool.submit(lambda: None).result()  # the manifest written by then, if every part was there
+
+    def persist_newest(self) -> None:
+        """Every rank, persisting behind (a collective when spread over the pods): storage gets the newest memory
+        checkpoint, the one the storage interval held back included; returns once it is there or failed."""
+        if self.spread:
+            self.settle_parts(flushing=True)
+            return
+        if self._context.ranks.rank == 0:
+            self.queue_held_back()
+        self.wait_idle()
 
     @contextmanager
     def steps_held(self) -> Iterator[set[int]]:
@@ -213,13 +223,16 @@ class Persister:
             self.queue(*held_back, whenever=True)
 
     def wait_idle(self) -> None:
-        """Wait until every copy queued so far is in storage or failed (a checkpoint held back stays held)."""
+        """Wait until every copy queued so far is in storage or failed (a checkpoint held back stays held), and rank 0's
+        manifest of the last one whose parts every pod copied is written."""
         while True:
             with self._lock:
                 loop = self._loop
             if loop is None:
-                return
+                break
             loop.result()
+        if self._storage_commit is not None:
+            self._storage_commit.result()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -211,11 +211,7 @@ class CheckpointStore:
         self.wait()
         if not self.persist_behind:
             return self.in_storage
-        if self.persister.spread:
-            self.persister.settle_parts(flushing=True)
-        elif self.rank == 0:
-            self.persister.queue_held_back()
-        self.persister.wait_idle()
+        self.persister.persist_newest()
         self.context.in_storage = self.context.ranks.broadcast(self.in_storage)
         return self.in_storage
 

@@ -38,6 +38,15 @@ def steps_in(root: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / MANIFEST_NAME).exists())
 
 
+def storage_unreachable(monkeypatch) -> None:
+    """Every copy to storage fails from now on (until `monkeypatch.undo()`)."""
+
+    def unreachable(storage, path, uri):
+        raise OSError("storage unreachable")
+
+    monkeypatch.setattr(storage_module._Storage, "upload", unreachable)
+
+
 class GatedUploads:
     """Holds the persister inside its first upload until `release`; `entered` is set once it is there."""
 
@@ -102,11 +111,7 @@ def test_a_restart_resumes_from_memory_what_storage_never_got(bucket, memory, mo
     with behind(bucket, memory) as store:
         store.save(1, app_state(model, opt), {"step": 1})
         assert store.flush().step == 1
-
-        def unreachable(storage, path, uri):
-            raise OSError("storage unreachable")
-
-        monkeypatch.setattr(storage_module._Storage, "upload", unreachable)
+        storage_unreachable(monkeypatch)
         train_step(model, opt, seed=2)
         store.save(2, app_state(model, opt), {"step": 2})
         assert store.wait().step == 2
@@ -344,7 +349,7 @@ def _checkpoint(step: int):
 
 
 def _settled(persister) -> None:
-    persister._pool.submit(lambda: None).result()  # what plan_parts handed to the persister thread is done
+    persister.wait_idle()  # the manifest plan_parts handed to the persister thread is written
 
 
 def test_spread_over_pods_each_pod_copies_its_own_ranks_files():
@@ -402,11 +407,7 @@ def test_a_memory_checkpoint_that_lacks_a_file_its_rank_reads_is_passed_over_for
     with behind(bucket, memory) as store:
         store.save(1, app_state(model, opt), {"step": 1})
         assert store.flush().step == 1
-
-        def unreachable(storage, path, uri):
-            raise OSError("storage unreachable")
-
-        monkeypatch.setattr(storage_module._Storage, "upload", unreachable)
+        storage_unreachable(monkeypatch)
         store.save(2, app_state(model, opt), {"step": 2})
         assert store.wait().step == 2
         store.flush()
