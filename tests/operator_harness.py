@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import inspect
 import logging
 import time
 from datetime import datetime, timezone
@@ -80,11 +81,13 @@ def write_kubeconfig(path: Path, server: str, token: str) -> Path:
 
 async def eventually(check: Callable[[], Any], timeout: float = 15.0, what: Any = "") -> Any:
     """Wait until check() returns something truthy (polling the API state), or fail saying what
-    (`what` may be a callable, for a description of the state at the time of failure)."""
+    (`what` may be a callable, for a description of the state at the time of failure). `check` may be async."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             result = check()
+            if inspect.isawaitable(result):
+                result = await result
         except (KeyError, TypeError, IndexError, StopIteration):
             result = None
         if result:

@@ -489,8 +489,25 @@ GAP_CASES = [
         None,
     ),
     (
-        "config-map-over-1mib",
+        "init-args-over-64kib",
         put("spec.trainer", {"model": {"classPath": "a.B", "initArgs": {"vocab": "x" * (1024 * 1024)}}}),
+        "spec.trainer.model.initArgs: is 1048588 bytes as JSON, more than 65536; pass a file the class reads",
+        None,
+        None,
+    ),
+    (
+        "config-annotation-over-256kib",
+        both(
+            put("spec.podAnnotations", {"example.com/notes": "x" * 90_000}),
+            put(
+                "spec.trainer",
+                {
+                    "model": {"classPath": "a.B", "initArgs": {"vocab": "x" * 60_000}},
+                    "data": {"dataset": {"classPath": "a.C", "initArgs": {"vocab": "x" * 60_000}}},
+                    "eval": {"intervalSteps": 10, "dataset": {"classPath": "a.C", "initArgs": {"vocab": "x" * 60_000}}},
+                },
+            ),
+        ),
         "spec.trainer: renders to a",
         None,
         None,

@@ -17,6 +17,7 @@ import orjson
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import nesting
 from .checkpoint_config import CheckpointConfig
 from .logger_config import LoggerConfig
 from .model_base import (
@@ -32,6 +33,26 @@ Strategy = Literal["ddp", "fsdp2"]
 
 PYTHON_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
+#: Limits of a free-form field (`initArgs`): the API server stores any nesting its JSON decoder takes, and every reader
+#: after it (pydantic, JSON writers, the pods' annotations of at most 256 KiB) has a smaller limit. The CRD checks the
+#: keys (maxProperties); depth and size are checked here, by `trainingrun validate` and by the operator.
+FREE_FORM_MAX_DEPTH = 16
+FREE_FORM_MAX_BYTES = 64 << 10
+FREE_FORM_MAX_KEYS = 256
+
+
+def free_form_problem(value: Any) -> Optional[str]:
+    """What is wrong with a free-form value's size, or None (the value itself at level 1)."""
+    if nesting.deeper_than(value, FREE_FORM_MAX_DEPTH) is not None:
+        return f"nests deeper than {FREE_FORM_MAX_DEPTH} levels; flatten it, or pass a file the class reads"
+    try:
+        size = len(orjson.dumps(value))
+    except (TypeError, ValueError):
+        return None  # not JSON (a YAML date, a set): the field's own type check says so
+    if size > FREE_FORM_MAX_BYTES:
+        return f"is {size} bytes as JSON, more than {FREE_FORM_MAX_BYTES}; pass a file the class reads"
+    return None
+
 
 class Component(ApiModel):
     """A Python class built from config: `classPath` names it, `initArgs` are its keyword arguments."""
@@ -44,7 +65,10 @@ class Component(ApiModel):
     )
     init_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword arguments passed to the class's constructor.",
+        description="Keyword arguments passed to the class's constructor: free-form, at most "
+        f"{FREE_FORM_MAX_KEYS} keys, nested at most {FREE_FORM_MAX_DEPTH} levels and {FREE_FORM_MAX_BYTES // 1024} KiB "
+        "as JSON (large settings belong in a file the class reads).",
+        json_schema_extra={"maxProperties": FREE_FORM_MAX_KEYS},
     )
 
     @field_validator("class_path", mode="before")
@@ -52,6 +76,15 @@ class Component(ApiModel):
     def _dotted_path(cls, value: Any) -> Any:
         if isinstance(value, str) and not re.fullmatch(PYTHON_PATH_PATTERN, value, re.ASCII):
             raise ValueError(f"'{value}' is not a dotted Python path; write it as package.module.ClassName")
+        return value
+
+    @field_validator("init_args", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        # Before anything else reads it: pydantic and every JSON writer recurse once per level.
+        problem = free_form_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @field_validator("init_args")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.alias_generators import to_camel
 
 from .contract import checkpoint_step, parse_time
+from .nesting import text_depth
 
 #: Bodies larger than this are refused unread.
 MAX_REPORT_BYTES = 64 * 1024
@@ -295,7 +296,7 @@ class Report(ReportPart):
             text = "\0"
         if "\0" in text:  # JSON never holds a raw NUL; UTF-16 and -32, which json.loads takes and the scan misreads, do
             raise ReportError("the report is not UTF-8 JSON")
-        if _nesting(raw) > MAX_REPORT_DEPTH:
+        if text_depth(raw, stop_above=MAX_REPORT_DEPTH) > MAX_REPORT_DEPTH:
             raise ReportError(f"the report nests deeper than {MAX_REPORT_DEPTH} levels")
         try:
             body = json.loads(text)
@@ -344,26 +345,3 @@ def _first_problem(error: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------- checks of single fields
-
-
-def _nesting(raw: bytes) -> int:
-    """How deep a JSON text's arrays and objects nest (brackets inside strings not counted), without parsing it: the
-    parser recurses once per level."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest

@@ -31,6 +31,7 @@ import kopf
 
 from . import api, indexes, naming, plans, reconcile, serving, validation
 from .indexes import merged_status, run_document, slim_job, slim_pod, slim_run
+from .problems import Problem
 from .runtime import kube as kube_module
 from .runtime import leadership, rechecks
 from .runtime.informer import Index, Informer
@@ -113,6 +114,14 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         state.logged_in.set()
         return info
 
+    @kopf.on.probe(registry=registry, id="watches")
+    async def watching(**_: Any) -> str:
+        # kopf's /healthz answers 500 when a probe fails for good: Kubernetes then restarts a blind operator.
+        blind = state.blind_watches()
+        if blind:
+            raise kopf.PermanentError("; ".join(blind))
+        return f"{len(state.watches)} watching"
+
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
         for task in state.tasks:
@@ -194,8 +203,10 @@ async def _inform(state: OperatorState) -> None:
                 kube_module.collection_path(api_version, kind, namespace),
                 functools.partial(handler, state),
                 labels,
+                on_skipped=functools.partial(_skipped, state, kind),
             )
             informers.append(asyncio.create_task(informer.run(listed[-1]), name=f"trainingrun-watch-{kind}"))
+            state.watches.append((informer, informers[-1]))
     try:
         await asyncio.gather(*(d.wait() for d in listed))
         state.informed.set()
@@ -204,6 +215,26 @@ async def _inform(state: OperatorState) -> None:
         for task in informers:
             task.cancel()
         await asyncio.gather(*informers, return_exceptions=True)
+
+
+def _skipped(state: OperatorState, kind: str, body: dict[str, Any], error: Exception) -> None:
+    """An object the operator could not read (the informer logged it and goes on): counted; a run is kept as refused,
+    so it gets the SpecRejected condition that says so, and is never run as it was before."""
+    state.metrics.objects_skipped.labels(kind).inc()
+    meta = body.get("metadata") or {}
+    if kind != api.KIND or not isinstance(meta.get("name"), str) or not isinstance(meta.get("namespace"), str):
+        return
+    key = (meta["namespace"], meta["name"])
+    kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation") if isinstance(meta.get(k), (str, int))}
+    state.runs[key] = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": kept,
+        indexes.SPEC_JSON: f"{indexes.PROBLEM_PREFIX}the operator could not read this run ({type(error).__name__}); "
+        "see its log",
+        "status": (state.runs.get(key) or {}).get("status") or {},
+    }
+    state.enqueue(key)
 
 
 async def _reconcile_worker(state: OperatorState) -> None:
@@ -235,6 +266,8 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
         try:
             status = merged_status(body.get("status") or {}, state.written.get(key, {}))
             try:
+                if problem := indexes.spec_problem(body):
+                    raise validation.InvalidTrainingRun([Problem("", problem)])
                 run = validation.parse(run_document(body), from_server=True)
                 if status.get("observedGeneration") != run.metadata.generation:
                     # Once per spec generation (a generation the operator has acted on passed these): credentials in

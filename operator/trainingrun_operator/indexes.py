@@ -14,6 +14,7 @@ from typing import Any, Container, Optional
 
 import orjson
 
+from trainingrun_api import config, nesting
 from trainingrun_api.contract import parse_time
 
 from .naming import ANNOTATION_SIGNATURE, job_signature
@@ -53,7 +54,8 @@ def slim_run(body: Any, before: Optional[dict[str, Any]] = None) -> dict[str, An
     ):
         spec_json = before[SPEC_JSON]
     else:
-        spec_json = orjson.dumps(body.get("spec") or {}).decode()
+        problem = spec_too_deep(body.get("spec") or {})
+        spec_json = PROBLEM_PREFIX + problem if problem else orjson.dumps(body.get("spec") or {}).decode()
     return {
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
@@ -64,6 +66,34 @@ def slim_run(body: Any, before: Optional[dict[str, Any]] = None) -> dict[str, An
 
 
 SPEC_JSON = "specJson"
+#: A spec the operator does not keep is kept as this prefix and what is wrong with it (never JSON, which starts with {).
+PROBLEM_PREFIX = "!"
+#: The deepest spec the operator reads: the typed fields nest at most 6 levels, free-form ones (`initArgs`) at most
+#: FREE_FORM_MAX_DEPTH below them; past it the operator does not keep the spec (JSON writers stop at 254 levels).
+MAX_SPEC_DEPTH = 32
+
+
+def spec_too_deep(spec: Any) -> Optional[str]:
+    """What is wrong with a spec nested past MAX_SPEC_DEPTH, naming the free-form field it is in; else None."""
+    path = nesting.deeper_than(spec, MAX_SPEC_DEPTH)
+    if path is None:
+        return None
+    free_form = next((i + 1 for i, part in enumerate(path) if part == "initArgs"), None)
+    if free_form is None:
+        return f"spec.{nesting.dotted(path)}: nests deeper than {MAX_SPEC_DEPTH} levels; flatten it"
+    return f"spec.{nesting.dotted(path[:free_form])}: {config.free_form_problem(path_value(spec, path[:free_form]))}"
+
+
+def path_value(value: Any, path: nesting.Path) -> Any:
+    for part in path:
+        value = value[part]
+    return value
+
+
+def spec_problem(slim: dict[str, Any]) -> Optional[str]:
+    """Why the operator did not keep this run's spec (slim_run), or None."""
+    text = slim[SPEC_JSON]
+    return text[len(PROBLEM_PREFIX) :] if text.startswith(PROBLEM_PREFIX) else None
 
 
 def view(slim: dict[str, Any], status: dict[str, Any]) -> int:

@@ -9,6 +9,7 @@ tests independent of each other.
     trainingrun_operator_reconcile_duration_seconds          one reconcile, decision and API calls
     trainingrun_operator_api_errors_total{code}              failed Kubernetes API calls by HTTP status
     trainingrun_operator_events_dropped_total                Events logged but not posted: too many were waiting
+    trainingrun_operator_objects_skipped_total{kind}         watch events of objects the operator could not read
     trainingrun_operator_ready                               1 when the PyTorchJob CRD is served
     trainingrun_operator_acting                              1 when this replica acts (0: another one does)
     trainingrun_operator_run_time_seconds{namespace,run,part} a run's wall time by part (status.timeBreakdown)
@@ -59,6 +60,13 @@ class OperatorMetrics:
         self.events_dropped = Counter(
             "trainingrun_operator_events_dropped",
             "Events logged but not posted, because too many were waiting to be posted.",
+            registry=self.registry,
+        )
+        self.objects_skipped = Counter(
+            "trainingrun_operator_objects_skipped",
+            "Watch events the operator skipped because it could not read their object (logged with its "
+            "namespace and name; a run also gets the SpecRejected condition), by kind.",
+            ["kind"],
             registry=self.registry,
         )
         self.report_connections_closed = Counter(

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import api, report_callers, reports
-from .indexes import SPEC_JSON, merged_status, run_owns_job
+from .indexes import SPEC_JSON, merged_status, run_owns_job, spec_problem
 from .runtime.kube import STATUS, ApiError
 from .state import Key, OperatorState
 
@@ -102,6 +102,8 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
     uid, job_name = body["metadata"].get("uid"), status.get("jobName")
     if status.get("phase") not in ("Pending", "Running") or not job_name or not status.get("checkpointUri"):
         return None
+    if spec_problem(body):
+        return None  # a spec the operator did not keep (indexes.slim_run): the run is stopped, its reports refused
     job = next(
         (
             j

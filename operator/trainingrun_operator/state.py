@@ -17,6 +17,7 @@ import kopf
 from . import builders
 from .metrics import OperatorMetrics
 from .runtime import leadership
+from .runtime.informer import BLIND_AFTER_SECONDS, Informer
 from .runtime.kube import Kube
 from .settings import Settings
 
@@ -165,6 +166,19 @@ class OperatorState:
     stop: Optional[asyncio.Future] = None
     #: Set once runs, jobs and pods were each listed (handlers._inform): reconciles wait for it.
     informed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Each informer and the task running it (handlers._inform), for the liveness probe (`blind_watches`).
+    watches: list[tuple[Informer, asyncio.Task]] = field(default_factory=list)
+
+    def blind_watches(self) -> list[str]:
+        """What makes this operator blind: a watch task that ended, or one the server has not answered for
+        informer.BLIND_AFTER_SECONDS (it keeps failing to list or watch). Empty while it sees."""
+        blind = []
+        for informer, task in self.watches:
+            if task.done():
+                blind.append(f"the watch of {informer.path} ended")
+            elif informer.blind_for() > BLIND_AFTER_SECONDS:
+                blind.append(f"no answer to the watch of {informer.path} for {informer.blind_for():.0f} s")
+        return blind
 
     @property
     def api_server(self) -> str:

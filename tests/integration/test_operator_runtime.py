@@ -351,3 +351,20 @@ async def test_liveness_endpoint(kmock):
     async with operator(kmock, settings(health_port=port)):
         status, _ = await get(f"http://127.0.0.1:{port}/healthz")
     assert status == 200
+
+
+async def test_liveness_fails_once_a_watch_has_ended(kmock):
+    """On main a dead watch (its task ended by one object's exception) left /healthz green: a blind operator was never
+    restarted. kopf keeps a healthy answer for 10 s, so the red one comes within that."""
+    declare_resources(kmock)
+    port = free_port()
+    async with operator(kmock, settings(health_port=port)) as state:
+        await eventually(lambda: state.watches)
+        status, text = await get(f"http://127.0.0.1:{port}/healthz")
+        assert status == 200 and "watching" in text
+        state.watches[-1][1].cancel()
+
+        async def red():
+            return (await get(f"http://127.0.0.1:{port}/healthz"))[0] == 500
+
+        await eventually(red, timeout=20, what="/healthz to answer 500")

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainingrun_api import contract, progress_report, run_figures
+from trainingrun_api import contract, nesting, progress_report, run_figures
 from trainingrun_operator import naming, report_callers, reports
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
@@ -89,7 +89,7 @@ async def test_json_nested_thousands_deep_is_a_400_that_says_so(endpoint):
 
 
 def test_brackets_inside_strings_are_not_nesting():
-    assert progress_report._nesting(b'{"a": "[[[[[[[[\\"{{{{", "b": [1]}') == 2
+    assert nesting.text_depth(b'{"a": "[[[[[[[[\\"{{{{", "b": [1]}') == 2
 
 
 @pytest.mark.parametrize(
@@ -167,7 +167,7 @@ async def test_a_report_in_utf16_is_refused_before_its_nesting_could_hide(endpoi
     string, so on main a 901-deep report in UTF-16-LE was parsed (and accepted)."""
     text = '{"namespace": "ns", "name": "demo", "uid": "run-uid", "attempt": 1, "note": "\u2022", "x": '
     body = (text + "[" * 901 + "]" * 901 + "}").encode("utf-16-le")
-    assert progress_report._nesting(body) <= progress_report.MAX_REPORT_DEPTH  # the scan alone is fooled
+    assert nesting.text_depth(body) <= progress_report.MAX_REPORT_DEPTH  # the scan alone is fooled
     status, message = await endpoint(body)
     assert (status, message) == (400, "the report is not UTF-8 JSON")
     assert endpoint.written == []

@@ -10,12 +10,18 @@ endpoint.
 
 Standing by (another replica acts), the informers keep watching, so a replica that takes over knows every run at
 once; only the reconcile workers wait (`OperatorState.acting`).
+
+One object never stops a watch: an event whose handling raises is logged with the object's namespace and name, told to
+`on_skipped` (a metric, and a condition on a run) and skipped; a watch that fails for any other reason lists and
+watches again after a backoff. `blind_for` says how long an informer has had no answer from the server, which the
+liveness probe reads: a watch that cannot list for longer than two watch periods is an operator that sees nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable, Optional
 from urllib.parse import urlencode
 
@@ -33,6 +39,9 @@ MAX_LIST_PAGE_BYTES = LIST_PAGE * (3 << 20)
 WATCH_SECONDS = 300
 #: Backoff after a failed list or watch (a missing CRD, RBAC, the server unreachable), doubling up to the second.
 BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 0.5, 30.0
+#: An informer that has had no list, watch event or watch end for this long is blind (a healthy one hears from the
+#: server at least once a watch period: its bookmarks, its events, or the watch's end after WATCH_SECONDS).
+BLIND_AFTER_SECONDS = 2 * WATCH_SECONDS + 60
 
 
 class Index(dict):
@@ -63,10 +72,19 @@ class Informer:
         path: str,
         on_event: Callable[[str, dict[str, Any]], None],
         label_selector: str = "",
+        on_skipped: Callable[[dict[str, Any], Exception], None] = lambda obj, error: None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.client, self.path, self.on_event, self.label_selector = client, path, on_event, label_selector
+        self.on_skipped, self.clock = on_skipped, clock
         #: uid -> what a DELETED told after a relist needs of an object (its name, namespace, uid and labels)
         self.known: dict[str, dict[str, Any]] = {}
+        #: clock() of the last answer from the server: a list told, a watch event (bookmarks too), a watch's end
+        self.heard_at = clock()
+
+    def blind_for(self) -> float:
+        """Seconds since the server last answered this informer."""
+        return self.clock() - self.heard_at
 
     async def run(self, listed: asyncio.Event) -> None:
         backoff = BACKOFF_SECONDS
@@ -79,19 +97,35 @@ class Informer:
                     backoff = BACKOFF_SECONDS
             except WatchGone:
                 log.info("watching %s: the resourceVersion is too old, listing again", self.path)
-            except (ApiError, OSError, ValueError) as error:  # OSError: the connection; ValueError: a bad line
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - whatever it was, watching again is the way on
                 log.warning("watching %s failed, trying again in %.1f s: %s", self.path, backoff, error)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
 
     def _tell(self, type_: str, obj: dict[str, Any]) -> None:
+        """Tell one event; an event whose handling raises is skipped, said and counted: it must not end the watch of
+        every other object."""
         meta = obj.get("metadata") or {}
         uid = meta.get("uid")
-        if type_ == "DELETED":
-            self.known.pop(str(uid), None)
-        elif uid:
-            self.known[uid] = {"metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "labels")}}
-        self.on_event(type_, obj)
+        try:
+            if type_ == "DELETED":
+                self.known.pop(str(uid), None)
+            elif uid:
+                self.known[uid] = {"metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "labels")}}
+            self.on_event(type_, obj)
+        except Exception as error:  # noqa: BLE001 - one object's fault, whatever it is
+            log.warning(
+                "watching %s: skipped %s of %s/%s: %s: %s",
+                self.path,
+                type_,
+                str(meta.get("namespace"))[:253],
+                str(meta.get("name"))[:253],
+                type(error).__name__,
+                str(error)[:300],
+            )
+            self.on_skipped(obj, error)
 
     def _query(self, **params: str) -> str:
         selector = {"labelSelector": self.label_selector} if self.label_selector else {}
@@ -107,6 +141,7 @@ class Informer:
                 uid = (item.get("metadata") or {}).get("uid")
                 self._tell("MODIFIED" if uid in self.known else "ADDED", item)
                 seen.add(uid)
+            self.heard_at = self.clock()
             token = (page.get("metadata") or {}).get("continue") or ""
             if not token:
                 for uid in [uid for uid in self.known if uid not in seen]:
@@ -122,7 +157,9 @@ class Informer:
             type_, obj = event.get("type"), event.get("object") or {}
             if type_ == "ERROR":
                 raise ApiError(int(obj.get("code") or 500), str(obj.get("reason") or ""), str(obj.get("message") or ""))
+            self.heard_at = self.clock()
             version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
             if type_ in ("ADDED", "MODIFIED", "DELETED"):
                 self._tell(type_, obj)
+        self.heard_at = self.clock()
         return version

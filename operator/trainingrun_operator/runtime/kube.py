@@ -19,13 +19,18 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 from typing import Any, AsyncIterator, Callable, Optional
 from urllib.parse import urlencode
 
 import aiohttp
 import orjson
 
+from trainingrun_api import nesting
+
 from ..settings import Settings
+
+log = logging.getLogger("trainingrun.operator")
 
 #: The most bytes of one page of a list the operator reads: objects others write (an Event's message has no limit but
 #: the object's, about 1.5 MiB) must not make it hold gigabytes; 500 ordinary Warning Events take about 0.5 MiB.
@@ -120,10 +125,27 @@ MAX_WATCH_LINE_BYTES = 16 << 20
 WATCH_READ_TIMEOUT_SECONDS = 600
 
 
-def _decoded(raw: bytes) -> Any:
+#: How deep an answer's JSON is kept: arrays and objects deeper than this (orjson refuses past 1024, and writes at most
+#: 254) are cut to CUT_MARKER. The API server stores whatever nesting its own decoder takes in free-form fields (a
+#: run's `initArgs`), and one such object made every list page holding it unreadable, for ever.
+MAX_DECODED_DEPTH = 128
+CUT_MARKER = b'"<cut: nested too deep>"'
+
+
+def _decoded(raw: bytes | bytearray) -> Any:
     """An answer's JSON (orjson: a third of the standard library's CPU, a depth limit, and a ValueError for whatever
-    it refuses); an empty answer is an empty dict."""
-    return orjson.loads(raw) if raw.strip() else {}
+    it refuses); an empty answer is an empty dict. Past orjson's depth limit, the JSON with what nests deeper than
+    MAX_DECODED_DEPTH cut (whoever reads an object checks its depth: indexes.slim_run)."""
+    if not raw.strip():
+        return {}
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        if "depth" not in str(error) and "recursion" not in str(error):
+            raise
+    cut, cuts = nesting.cut_deeper_than(raw, MAX_DECODED_DEPTH, CUT_MARKER)
+    log.warning("an answer of %d bytes nests deeper than JSON is read here: %d values cut", len(raw), cuts)
+    return orjson.loads(cut)
 
 
 def collection_path(api_version: str, kind: str, namespace: Optional[str]) -> str:
@@ -357,7 +379,7 @@ class Kube:
                 line = pending[start:end]
                 start = end + 1
                 if line.strip():
-                    event = orjson.loads(line)
+                    event = _decoded(line)
                     if (event.get("object") or {}).get("code") == 410 and event.get("type") == "ERROR":
                         raise WatchGone(path.split("?")[0])
                     yield event
