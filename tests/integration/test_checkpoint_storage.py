@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -132,21 +133,44 @@ def test_an_upload_gcs_received_damaged_fails_by_its_crc32c(gcs_server, gcs_buck
     storage = _Storage(uri, _storage_options(uri, gcs_server.endpoint_url, None))
     local = tmp_path / "data"
     local.write_bytes(bytes(range(256)) * 4096)
-    storage.upload(str(local), uri)  # arrives as sent: passes
+    digest = ("xxh3_128", xxhash.xxh3_128(local.read_bytes()).hexdigest())
+    storage.upload(str(local), uri, *digest)  # arrives as sent: passes
     assert storage.read_bytes(uri) == local.read_bytes()
 
-    put_file = storage.fs.put_file  # fsspec sets the sync methods on each instance
+    open_file = storage.fs.open  # fsspec sets the sync methods on each instance
 
-    def damaged_in_transit(path, target, **kwargs):
-        flipped = tmp_path / "flipped"
-        data = bytearray(local.read_bytes())
-        data[1234] ^= 1
-        flipped.write_bytes(bytes(data))
-        return put_file(str(flipped), target, **kwargs)
+    def damaged_in_transit(path, mode="rb", **kwargs):
+        opened = open_file(path, mode, **kwargs)
+        if "w" in mode:
+            write = opened.write
+            opened.write = lambda data: write(bytes(data[:1234]) + bytes([data[1234] ^ 1]) + bytes(data[1235:]))
+        return opened
 
-    monkeypatch.setattr(storage.fs, "put_file", damaged_in_transit)
+    monkeypatch.setattr(storage.fs, "open", damaged_in_transit)
     with pytest.raises(OSError, match="CRC32C .* damaged in transit"):
-        storage.upload(str(local), uri)
+        storage.upload(str(local), uri, *digest)
+
+
+@pytest.mark.parametrize("server", ["gcs", "s3", "file"])
+def test_an_upload_whose_source_is_not_the_manifests_bytes_is_refused_and_removed(server, request, tmp_path):
+    """Issue 77 item 2: the copy to storage hashes what it sends against the manifest's digest, so a memory copy that
+    changed under it (another save writing into its pages) is never committed with the old manifest."""
+    from trainingrun_trainer.checkpoint.storage import _Storage, _storage_options
+
+    if server == "file":
+        uri, options = (tmp_path / "bucket" / "step-00000001" / "__0_0.distcp").as_uri(), {}
+    else:
+        running, bucket = request.getfixturevalue(f"{server}_server"), request.getfixturevalue(f"{server}_bucket")
+        uri = f"{bucket}/runs/demo/step-00000001/__0_0.distcp"
+        options = _storage_options(uri, running.endpoint_url, running.store_kwargs.get("storage_options"))
+    storage = _Storage(uri, options)
+    local = tmp_path / "data"
+    local.write_bytes(bytes(range(256)) * 4096)
+    committed = xxhash.xxh3_128(local.read_bytes()).hexdigest()
+    local.write_bytes(bytes(range(255, -1, -1)) * 4096)  # the next save's bytes in the same pages
+    with pytest.raises(OSError, match="the memory copy changed while it was copied; not committed"):
+        storage.upload(str(local), uri, "xxh3_128", committed)
+    assert not storage.fs.exists(storage._path(uri))
 
 
 def test_s3_uploads_carry_a_checksum_the_server_verified(s3_server, s3_bucket, tmp_path):
@@ -160,7 +184,7 @@ def test_s3_uploads_carry_a_checksum_the_server_verified(s3_server, s3_bucket, t
     storage = _Storage(uri, _storage_options(uri, s3_server.endpoint_url, s3_server.store_kwargs["storage_options"]))
     local = tmp_path / "data"
     local.write_bytes(bytes(range(256)) * 4096)
-    storage.upload(str(local), uri)
+    storage.upload(str(local), uri, "xxh3_128", xxhash.xxh3_128(local.read_bytes()).hexdigest())
     client = boto3.client(
         "s3",
         endpoint_url=s3_server.endpoint_url,

@@ -72,6 +72,11 @@ class MemoryTier:
         self._origin_written = False
         #: Keep the newest step no longer needed as the spare whose files the next save overwrites (`SPARE_DIR`).
         self.recycle = recycle
+        #: Whether this process decides what the node's memory removes or recycles: the node's
+        #: lead only (its lowest rank, which alone persists behind and so alone knows which steps are still being
+        #: copied to storage). Another rank that removed by what it holds retired the step its lead was copying, and
+        #: its next save wrote into those pages.
+        self.retires = True
         self.off: Optional[str] = None  #: why writing is off for this process (None: on)
         #: Whether the last `begin` found no room for its step (the pod named in status.checkpointMemoryShort).
         self.short_of_room = False
@@ -84,8 +89,8 @@ class MemoryTier:
     # ------------------------------------------------------------ writing (background thread)
 
     def begin(self, step: int, expected_bytes: int, keep: Collection[int] = ()) -> Optional[str]:
-        """The directory this node's ranks write `step` into, or None when the tier is off or lacks room (then older
-        steps go, except those in `keep`: one being persisted)."""
+        """The directory this node's ranks write `step` into, or None when the tier is off or lacks room: then older
+        steps go, except those in `keep` (one being persisted), when this process `retires` (the node's lead)."""
         if self.off is not None:
             return None
         directory = self.path(step)
@@ -174,6 +179,8 @@ class MemoryTier:
 
     def _remove_steps(self, which: Callable[[int], bool]) -> None:
         # Never the step a rank of this node may be writing: a slower rank still commits the step before.
+        if not self.retires:
+            return
         doomed = sorted(
             (int(match.group(1)), name)
             for name in os.listdir(self.root)

@@ -12,6 +12,8 @@ for them at once."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
@@ -28,9 +30,11 @@ from .layout import (
     CheckpointInfo,
     _describe,
     _join,
+    file_digest_name,
     logger,
     writing_rank,
 )
+from .manifest import MAX_MANIFEST_BYTES
 from .rotation import Rotation
 
 
@@ -265,12 +269,13 @@ class Persister:
         part_of = self._part_of
         names = [name for name in sorted(info.files or {}) if part_of is None or part_of(name)]
         try:
+            digests = _file_digests(info, manifest, directory)
             if part_of is None:
                 self._rotation.clear_step_dir(info.uri, info.step)
             else:  # the other pods' leads copy their parts into the same directory meanwhile
                 self._rotation.drop_manifest(info.uri, info.step)
             for name in names:
-                context.storage.upload(os.path.join(directory, name), _join(info.uri, name))
+                context.storage.upload(os.path.join(directory, name), _join(info.uri, name), *digests[name])
             if part_of is None:
                 context.storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
         except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
@@ -332,3 +337,17 @@ class Persister:
         metrics.last_persist_seconds = clock() - began
         metrics.persists += 1
         logger.info("persisted checkpoint step %d to %s (%.2f s)", info.step, info.uri, metrics.last_persist_seconds)
+
+
+def _file_digests(info: CheckpointInfo, manifest: bytes, directory: str) -> dict[str, tuple[str, str]]:
+    """{file name: (digest name, digest)} by the committed manifest of `info`: rank 0's own bytes, or (a pod's lead,
+    spread over the pods) the memory tier's copy of it once its sha256 is the committed one's. The copy to storage
+    checks each file against these as it streams (`_Storage.upload`)."""
+    if not manifest:
+        with open(os.path.join(directory, MANIFEST_NAME), "rb") as file:
+            manifest = file.read(MAX_MANIFEST_BYTES + 1)
+        if hashlib.sha256(manifest).hexdigest() != info.manifest_sha256:
+            raise OSError(f"the memory copy of checkpoint step {info.step}'s manifest is not the one committed")
+    parsed = json.loads(manifest)
+    name = file_digest_name(parsed["format_version"])
+    return {entry["path"]: (name, entry[name]) for entry in parsed["files"]}

@@ -56,6 +56,16 @@ def _entry_time(entry: Mapping) -> str:
     return ""
 
 
+def _crc32c() -> Any:
+    """A CRC32C checksum (google-crc32c), or None where it is not installed (the manifest's digests still guard every
+    read)."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return None
+    return google_crc32c.Checksum()
+
+
 class _Storage:
     """The few fsspec operations the store needs, on URIs below one base URI."""
 
@@ -169,36 +179,43 @@ class _Storage:
         if atomic:
             os.replace(target, path)
 
-    def upload(self, path: str, uri: str) -> None:
-        """Copy the local file `path` to `uri` as it is (file://: then fsync it)."""
+    def upload(self, path: str, uri: str, digest_name: str, digest: str) -> None:
+        """Copy the local file `path` to `uri` (file://: then fsync it), hashing the bytes as they go: when they are not
+        the ones the manifest's `digest` names (the memory copy changed while it was read), what was written is removed
+        and OSError raised, so no manifest is ever written over them."""
         target = self._path(uri)
-        if not self.local:
-            self.fs.put_file(path, target)
-            if self.gcs:
-                self._check_crc32c(path, uri, target)
-            return
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        # sendfile on Linux: page to page in the kernel, no buffer between (a 256 MB file from /dev/shm to the
-        # 2-core VM's disk: 0.09-0.18 CPU seconds, against 0.13-0.85 through a 16 MiB buffer).
-        shutil.copyfile(path, target)
-        written = os.open(target, os.O_RDONLY)
-        try:
-            os.fsync(written)
-        finally:
-            os.close(written)
+        hasher, checksum = file_hasher(digest_name), _crc32c() if self.gcs else None
+        buffer = bytearray(_HASH_CHUNK)
+        if self.local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(path, "rb") as source, open(target, "wb") if self.local else self.fs.open(target, "wb") as out:
+            while read := source.readinto(buffer):
+                chunk = memoryview(buffer)[:read]
+                hasher.update(chunk)
+                if checksum is not None:
+                    checksum.update(bytes(chunk))
+                out.write(chunk)
+            if self.local:
+                out.flush()
+                os.fsync(out.fileno())
+        sent = hasher.hexdigest()
+        if sent != digest:
+            try:
+                self.rm_file(uri)
+            except OSError:
+                pass  # no manifest lists it: the step's next copy clears it
+            raise OSError(
+                f"{uri}: the bytes copied have {digest_name} {sent}, the manifest says {digest[:64]}: the memory copy "
+                "changed while it was copied; not committed"
+            )
+        if checksum is not None:
+            self._check_crc32c(uri, target, checksum)
 
-    def _check_crc32c(self, path: str, uri: str, target: str) -> None:
-        """Raise OSError unless GCS holds, by its own CRC32C of what it received, the bytes of `path`. gcsfs checks
-        uploads only with crcmod, whose pure-Python fallback runs at a few MB/s; google-crc32c runs at memory speed.
-        (S3 needs no such check: botocore sends a CRC32 with every upload, which the server verifies.)"""
-        try:
-            import google_crc32c
-        except ImportError:  # not installed with this gcsfs: the manifest's digests still guard every read
-            return
-        checksum = google_crc32c.Checksum()
-        with open(path, "rb") as file:
-            while chunk := file.read(_HASH_CHUNK):
-                checksum.update(chunk)
+    def _check_crc32c(self, uri: str, target: str, checksum: Any) -> None:
+        """Raise OSError unless GCS holds, by its own CRC32C of what it received, the bytes sent (`checksum`, computed
+        as they went). gcsfs checks uploads only with crcmod, whose pure-Python fallback runs at a few MB/s;
+        google-crc32c runs at memory speed. (S3 needs no such check: botocore sends a CRC32 with every upload, which
+        the server verifies.)"""
         sent = base64.b64encode(checksum.digest()).decode("ascii")
         self.fs.invalidate_cache(target)
         stored = self.fs.info(target).get("crc32c")

@@ -92,6 +92,8 @@ class CheckpointStore:
         pod = os.environ.get(contract.POD_NAME) or socket.gethostname()
         placed = ranks.gather((f"{socket.gethostname()}:{os.path.realpath(tier.root)}", pod)) if tier else []
         nodes = [node for node, _ in placed]
+        if tier is not None:  # the node's lowest rank alone removes and recycles what the node's memory holds
+            tier.retires = nodes.index(nodes[ranks.rank]) == ranks.rank
         # Whether saves commit in the memory tiers and rank 0 persists them behind: every rank has one, and with
         # several nodes each node's tier holds every file (`mirroring`), so rank 0's holds all it copies.
         behind = persist_behind and bool(nodes)

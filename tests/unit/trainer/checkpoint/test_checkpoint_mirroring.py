@@ -158,9 +158,9 @@ def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir:
     uploaded: list[str] = []  # the files this pod's lead copied to storage
     upload = storage_module._Storage.upload
 
-    def recording(storage, path: str, uri: str) -> None:
+    def recording(storage, path: str, uri: str, *digest: str) -> None:
         uploaded.append(uri.rsplit("/", 1)[1])
-        upload(storage, path, uri)
+        upload(storage, path, uri, *digest)
 
     storage_module._Storage.upload = recording  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(tiers))

@@ -41,7 +41,7 @@ def steps_in(root: Path) -> list[int]:
 def storage_unreachable(monkeypatch) -> None:
     """Every copy to storage fails from now on (until `monkeypatch.undo()`)."""
 
-    def unreachable(storage, path, uri):
+    def unreachable(storage, path, uri, *digest):
         raise OSError("storage unreachable")
 
     monkeypatch.setattr(storage_module._Storage, "upload", unreachable)
@@ -54,10 +54,10 @@ class GatedUploads:
         self.entered, self.released = threading.Event(), threading.Event()
         upload = storage_module._Storage.upload
 
-        def gated(storage, path, uri):
+        def gated(storage, path, uri, *digest):
             self.entered.set()
             assert self.released.wait(60), "the test never released the upload"
-            upload(storage, path, uri)
+            upload(storage, path, uri, *digest)
 
         monkeypatch.setattr(storage_module._Storage, "upload", gated)
 
@@ -419,3 +419,88 @@ def test_a_memory_checkpoint_that_lacks_a_file_its_rank_reads_is_passed_over_for
     assert (
         "checkpoint step 2, which only memory holds, is not in every pod's memory as its ranks read it" in caplog.text
     )
+
+
+def _two_ranks_on_one_node_worker(rank: int, init_file: str, uri: str, tier: str, out_dir: str, entered, release):
+    import json
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from checkpoint_states import local_digest, wrapped
+
+    memory_tier.RESERVE_SHARE = 0.0
+    torch.set_num_threads(1)
+    full = [False]  # /dev/shm as a save finds it: without a byte free while set
+    disk_usage = shutil.disk_usage
+    memory_tier.shutil.disk_usage = lambda path: disk_usage(path)._replace(free=0) if full[0] else disk_usage(path)
+    upload = storage_module._Storage.upload
+
+    def held_in_the_first_copy(storage, path, target, *digest):
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(60), "the test never released the copy"
+        upload(storage, path, target, *digest)
+
+    if rank == 0:
+        storage_module._Storage.upload = held_in_the_first_copy  # type: ignore[method-assign]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = wrapped(0, sharded=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt, seed=3)
+        committed = local_digest(model)
+        with CheckpointStore(uri, memory_tier=tier, persist_behind=True) as store:
+            store.save(1, app_state(model, opt))
+            result = {"first": store.wait().step, "retires": store.context.tier.retires}
+            if rank == 0:
+                assert entered.wait(60), "rank 0 never began copying step 1 to storage"
+            dist.barrier()  # rank 0's persister is inside its copy of step 1: now /dev/shm is full
+            full[0] = True
+            train_step(model, opt, seed=4)
+            store.save(2, app_state(model, opt))
+            result["second"] = store.wait().step  # no room: committed to storage directly
+            full[0] = False
+            train_step(model, opt, seed=5)
+            store.save(3, app_state(model, opt))  # room again: into the memory of a step no longer needed
+            result["third"] = store.wait().step
+            dist.barrier()
+            release.set()
+            store.flush()
+        dist.barrier()
+        in_storage = {info.step: info for info in CheckpointStore(uri).list() if info.valid}
+        result["in_storage"] = sorted(in_storage)
+        if 1 in in_storage:
+            fresh = wrapped(1, sharded=False)
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            CheckpointStore(uri).load(in_storage[1], app_state(fresh, fresh_opt))
+            result["same"] = local_digest(fresh) == committed
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_with_two_ranks_on_a_node_and_dev_shm_full_the_step_being_copied_reaches_storage_as_committed(tmp_path):
+    """Issue 77 item 2. Rank 0 (the node's lead) copies step 1 to storage while /dev/shm is full for step 2. On main
+    rank 1's `begin`, which held nothing, retired step 1 into the spare, step 3 was saved into its pages, and the copy
+    of step 1 failed or read step 3's bytes under step 1's manifest. Only the lead retires now, by what it still copies,
+    and the copy checks each file against the manifest as it streams."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    entered, release = context.Event(), context.Event()
+    tier, uri = str(tmp_path / "shm" / "tier"), f"file://{tmp_path / 'bucket'}"
+    mp.spawn(
+        _two_ranks_on_one_node_worker,
+        args=(str(tmp_path / "pg"), uri, tier, str(tmp_path), entered, release),
+        nprocs=2,
+        join=True,
+    )
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["retires"] for r in results] == [True, False]
+    assert [(r["first"], r["second"], r["third"]) for r in results] == [(1, 2, 3)] * 2
+    assert results[0]["in_storage"] == [1, 2, 3]
+    assert [r["same"] for r in results] == [True, True]  # storage's step 1 is bitwise the state committed at step 1
