@@ -67,7 +67,7 @@ def node_memory_left_clean():
     what a test's runs left in this session's folder goes when it ends."""
     from trainingrun_api import contract
 
-    pattern = contract.memory_tier_dir("*", "*")
+    pattern = f"{contract.memory_tier_root()}/trainingrun-*-attempt-*"
     before = set(glob.glob(pattern))
     yield
     for left in set(glob.glob(pattern)) - before:

@@ -15,6 +15,7 @@ outage (no reports).
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 from datetime import datetime, timezone
@@ -70,11 +71,25 @@ def memory_tier_root() -> str:
     return os.environ.get(MEMORY_TIER_ROOT_ENV) or MEMORY_TIER_ROOT
 
 
+#: What may name a run in node memory's folders: its uid (a UUID, as the API server sets it) or its name. A uid from a
+#: user's file with '/' or '..' named, and removed, a folder outside the memory root.
+RUN_KEY_PATTERN = r"[0-9A-Za-z][-0-9A-Za-z]{0,62}"
+
+
 def memory_tier_dir(run: str, attempt: object, root: Optional[str] = None) -> str:
     """The memory tier of one attempt of a run (`run`: its uid). A restart inside the attempt finds it; a new attempt,
     which in a cluster is a new pod with an empty /dev/shm, does not (locally, `trainingrun local` removes it when the
-    attempt ends). `attempt` "*" makes the glob of every attempt's."""
+    attempt ends). ValueError for a `run` that is not RUN_KEY_PATTERN."""
+    if not re.fullmatch(RUN_KEY_PATTERN, run, re.ASCII):
+        raise ValueError(
+            f"{run[:80]!r} cannot name a run's node memory: a uid or name is at most 63 letters, digits and '-'"
+        )
     return f"{root or memory_tier_root()}/trainingrun-{run}-attempt-{attempt}"
+
+
+def memory_tier_dirs(run: str, root: Optional[str] = None) -> str:
+    """The glob of every attempt's memory tier of `run`, what comes from input escaped."""
+    return glob.escape(memory_tier_dir(run, "", root)) + "*"
 
 
 # ---------------------------------------------------------------- the report endpoint

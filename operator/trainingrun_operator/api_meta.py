@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from trainingrun_api import contract
+
 from .scheduling import Annotations, Labels
 
 # Children are named <run>-a<attempt> (PyTorchJob) and Kubeflow names pods and Services
@@ -41,6 +43,17 @@ class ObjectMeta(BaseModel):
     owner_references: Optional[list[dict[str, Any]]] = Field(default=None, alias="ownerReferences")
     managed_fields: Optional[list[dict[str, Any]]] = Field(default=None, alias="managedFields")
     self_link: Optional[str] = Field(default=None, alias="selfLink")
+
+    @field_validator("uid")
+    @classmethod
+    def _uid(cls, value: Optional[str]) -> Optional[str]:
+        # The API server sets a UUID; a file's may be anything, and locally it names node memory's folders.
+        if value is not None and not re.fullmatch(contract.RUN_KEY_PATTERN, value, re.ASCII):
+            raise ValueError(
+                f"{value[:80]!r} cannot be a uid: use a UUID (or at most 63 letters, digits and '-'), or leave it out "
+                "(trainingrun local makes one)"
+            )
+        return value
 
     @field_validator("namespace")
     @classmethod

@@ -75,6 +75,11 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         if args.kind == "text"
         else "trainingrun_trainer.shards.ImageShards, initArgs {uri: %s, imageSize: 32}"
     ) % args.dest
+    if done.skipped_links:
+        print(
+            f"trainingrun data prepare: skipped {done.skipped_links} link(s) below {args.src} to files outside it",
+            file=sys.stderr,
+        )
     print(
         f"{done.files} files, {done.bytes} bytes -> {len(done.shards)} shards under {args.dest}; train on them with "
         f"classPath {use}"

@@ -483,3 +483,40 @@ def test_build_on_an_instance_sets_only_its_fields(state):
     )
     with pytest.raises(pickle.UnpicklingError, match="other than its fields"):
         unpickle(raw)
+
+
+def finishes(call, *args):
+    """What `call(*args)` returned, run on a thread the test does not wait on for ever: on main a named pipe made it
+    wait for a writer that never comes."""
+    import threading
+
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(call(*args)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, f"{call.__qualname__} still waits: it opened something that is not a regular file"
+    return done[0]
+
+
+@pytest.mark.parametrize("planted", [MANIFEST_NAME, "data"])
+def test_a_named_pipe_in_a_step_directory_is_an_invalid_step_not_a_hang(bucket, planted, caplog, capsys):
+    """Issue 77 item 3: only regular files are read. A FIFO as the manifest (listing, resume, rotation, `trainingrun
+    checkpoints`) or as a listed data file (a deep check) makes the step invalid, said once, and never blocks."""
+    from trainingrun_operator import cli
+
+    saved(bucket, step=1)
+    planted_in = saved(bucket, step=2, seed=1)
+    if planted == MANIFEST_NAME:
+        (planted_in / MANIFEST_NAME).unlink()
+        os.mkfifo(planted_in / MANIFEST_NAME)
+    else:
+        data = next(p for p in planted_in.iterdir() if p.name.endswith(".distcp"))
+        data.unlink()
+        os.mkfifo(data)
+    store = CheckpointStore(f"file://{bucket}")
+    listed = finishes(store.list)
+    assert [(info.step, info.valid) for info in listed] == [(2, False), (1, True)]
+    assert not finishes(ckpt.verify, str(planted_in)).valid  # a deep check of the step, every file hashed
+    assert finishes(store.latest_valid).step == 1
+    code = finishes(cli.main, ["checkpoints", f"file://{bucket}"])
+    assert code == 0 and "step-00000002" in capsys.readouterr().out

@@ -142,3 +142,28 @@ def test_every_decoder_error_is_a_data_error_naming_shard_and_member(tmp_path, c
     data = shards_with(tmp_path, {"broken.png": content})
     with pytest.raises(DataError, match=r"shard-00000\.tar: member broken\.png"):
         data[0]
+
+
+@pytest.mark.parametrize("kind, name", [("text", "notes.txt"), ("images", "cat.png")])
+def test_data_prepare_packs_no_file_a_link_leads_to_outside_src(tmp_path, capsys, kind, name):
+    """Issue 77 item 7: on main a link below SRC named like data (here to a credentials file) had its target packed
+    into the shards `trainingrun data prepare` uploads. Links out of SRC are skipped and counted; a link to a file
+    inside SRC is still read."""
+    from trainingrun_operator import cli
+
+    secret = tmp_path / "credentials"
+    secret.write_bytes(b"aws_secret_access_key = wJalrXUtnFEMIK7MDENGbPxRfiCYSECRET\n")
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    own = src / ("a.txt" if kind == "text" else "a.png")
+    own.write_bytes(b"kept sample bytes\n")
+    (src / name).symlink_to(secret)
+    (src / "sub" / ("b.txt" if kind == "text" else "b.png")).symlink_to(own)  # inside SRC: read
+    (src / "outside").symlink_to(tmp_path, target_is_directory=True)  # a linked folder: never walked
+    dest = tmp_path / "shards"
+    assert cli.main(["data", "prepare", str(src), f"file://{dest}", "--kind", kind]) == 0
+    output = capsys.readouterr()
+    packed = b"".join(p.read_bytes() for p in sorted(dest.iterdir()))
+    assert b"wJalrXUtnFEMIK7MDENGbPxRfiCYSECRET" not in packed
+    assert packed.count(b"kept sample bytes") == 2
+    assert "skipped 1 link(s)" in output.err and "2 files" in output.out

@@ -184,3 +184,48 @@ def test_trackers_never_get_a_secret_from_the_config():
     assert sent["trainer"]["loggers"][1]["trackingUri"] == (
         "https://mlflow/?region=<redacted>&token=<redacted>#sig=<redacted>"
     )
+
+
+@pytest.mark.parametrize("uid", ["../../victim", "a/b", "x*", "..", "uid\u0661"])
+def test_a_uid_that_could_name_a_path_or_a_glob_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch, uid):
+    """Issue 77 item 6: `trainingrun local` used metadata.uid from the file in node memory's folder names, a glob and
+    their removal: on main a uid with '/' and '..' removed a folder outside the memory root."""
+    from trainingrun_api import contract
+
+    root = tmp_path / "shm"
+    victim = tmp_path / "victim-attempt-1"
+    (root).mkdir()
+    victim.mkdir()
+    monkeypatch.setenv(contract.MEMORY_TIER_ROOT_ENV, str(root))
+    body = copy.deepcopy(MINIMAL)
+    body["metadata"]["uid"] = uid
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(body, allow_unicode=True))
+    for command in (["validate", str(path)], ["local", str(path), "--runs-dir", str(tmp_path / "runs")]):
+        assert cli.main(command) == 1
+        output = capsys.readouterr()
+        assert "metadata.uid" in output.out + output.err and "cannot be a uid" in output.out + output.err
+    assert victim.is_dir()
+    with pytest.raises(ValueError, match="cannot name a run's node memory"):
+        contract.memory_tier_dir(uid, 1)
+
+
+def test_a_uid_in_a_tampered_run_ledger_is_ignored(tmp_path):
+    """runs/<name>/run.json is a file too: a uid there that could name a path is replaced by a fresh one."""
+    import json
+
+    from trainingrun_operator.local.ledger import RunLedger
+
+    (tmp_path / "run.json").write_text(json.dumps({"uid": "../../x", "checkpointUri": "file:///c"}))
+    assert RunLedger.load(tmp_path, "file:///c").uid != "../../x"
+
+
+def test_the_glob_of_a_runs_memory_folders_matches_its_own_only(tmp_path):
+    from trainingrun_api import contract
+
+    root = tmp_path / "sh[m]"
+    (root / "trainingrun-a-attempt-1").mkdir(parents=True)
+    (root / "trainingrun-ab-attempt-1").mkdir()
+    import glob
+
+    assert glob.glob(contract.memory_tier_dirs("a", str(root))) == [str(root / "trainingrun-a-attempt-1")]

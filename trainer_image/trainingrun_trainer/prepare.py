@@ -12,6 +12,7 @@ typo; with `overwrite`, shards beyond the new count are removed.
 
 from __future__ import annotations
 
+import os
 import posixpath
 import tempfile
 from dataclasses import dataclass
@@ -34,16 +35,30 @@ class Prepared:
     shards: list[str]  #: URIs written, in order
     files: int  #: source files read
     bytes: int  #: bytes of the source files (and, for text, the separators)
+    skipped_links: int = 0  #: links below SRC to files outside it, not read
 
 
-def source_files(source: Path, kind: str) -> list[Path]:
+def source_files(source: Path, kind: str) -> tuple[list[Path], int]:
+    """The files of `kind` below SRC, in path order, and how many links below it were skipped because they lead out
+    of it: a link named like data (`notes.txt` to a credentials file) would have put its target into shards that are
+    then uploaded. Links to directories are not followed; links to files inside SRC are read."""
     if not source.is_dir():
         raise PrepareError(f"SRC {source} is not a directory: name a local folder of {kind} files")
     wanted = (".txt",) if kind == "text" else IMAGE_EXTENSIONS
-    files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in wanted)
+    inside = source.resolve()
+    files, skipped = [], 0
+    for folder, _, names in os.walk(source):  # never into a linked directory
+        for name in names:
+            path = Path(folder) / name
+            if path.suffix.lower() not in wanted:
+                continue
+            if path.is_symlink() and not path.resolve().is_relative_to(inside):
+                skipped += 1
+            elif path.is_file():
+                files.append(path)
     if not files:
         raise PrepareError(f"SRC {source} has no {' or '.join(wanted)} files (searched below it): nothing to prepare")
-    return files
+    return sorted(files), skipped
 
 
 class _Destination:
@@ -90,12 +105,12 @@ def prepare(
         raise PrepareError(f"--kind must be text or images, got {kind!r}")
     if shard_bytes < 1:
         raise PrepareError(f"--shard-mb must be positive, got a shard size of {shard_bytes} bytes")
-    files = source_files(source, kind)
+    files, skipped_links = source_files(source, kind)
     target = _Destination(destination, "txt" if kind == "text" else "tar", overwrite, endpoint_url)
     with tempfile.TemporaryDirectory(prefix="trainingrun-prepare-") as scratch:
         write = _text_shards if kind == "text" else _image_shards
         total = write(files, Path(scratch) / "shard", shard_bytes, target.upload, progress)
-    return Prepared(target.finish(), len(files), total)
+    return Prepared(target.finish(), len(files), total, skipped_links)
 
 
 def _text_shards(

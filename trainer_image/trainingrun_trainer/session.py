@@ -161,7 +161,7 @@ class Run:
         run = self.context.uid or self.context.name
         directory = contract.memory_tier_dir(run, self.context.attempt)
         if self.context.local_rank == 0:  # once per node
-            for earlier in glob.glob(contract.memory_tier_dir(run, "*")):
+            for earlier in glob.glob(contract.memory_tier_dirs(run)):
                 if earlier != directory:
                     shutil.rmtree(earlier, ignore_errors=True)
         return directory

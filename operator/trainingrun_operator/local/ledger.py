@@ -5,10 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from trainingrun_api import contract
 
 
 def run_directory(runs_dir: Path, name: str, checkpoint_uri: str) -> Path:
@@ -55,6 +58,7 @@ class RunLedger:
             isinstance(saved, dict)
             and saved.get("checkpointUri") == checkpoint_uri
             and isinstance(saved.get("uid"), str)
+            and re.fullmatch(contract.RUN_KEY_PATTERN, saved["uid"], re.ASCII)  # it names node memory's folders
         ):
             return cls(path, saved["uid"], checkpoint_uri, _seconds(saved.get("wallSeconds")))
         return cls(path, uid or str(uuid.uuid4()), checkpoint_uri)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Collection, Optional
 
 
 def child_pids(pid: int) -> list[int]:
@@ -75,12 +76,40 @@ def _end_session(launcher: subprocess.Popen) -> None:
 SEMAPHORE_DIR = "/dev/shm"
 
 
-def remove_orphaned_semaphores(made_before: float, made_after: float = 0.0) -> list[str]:
+Mapping = tuple[str, int]  #: (device as /proc/<pid>/maps writes it, inode) of a mapped file
+
+
+def semaphores_mapped(process_group: Optional[int] = None) -> set[Mapping]:
+    """The named semaphores (`SEMAPHORE_DIR`) mapped by the processes of `process_group`, or by every process this
+    user can see (None). sem_open maps a file it made under a temporary name and then links to the semaphore's: the
+    maps name that (deleted); the inode is the semaphore's."""
+    mapped: set[Mapping] = set()
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        try:
+            if process_group is not None and os.getpgid(int(process.name)) != process_group:
+                continue
+            maps = (process / "maps").read_text()
+        except OSError:  # gone meanwhile, or another user's (which cannot map this user's 0600 semaphores)
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(SEMAPHORE_DIR + "/"):
+                mapped.add((fields[3], int(fields[4])))
+    return mapped
+
+
+def remove_orphaned_semaphores(
+    made_before: float, made_after: float = 0.0, only: Optional[Collection[Mapping]] = None
+) -> list[str]:
     """Remove this user's multiprocessing semaphores (`SEMAPHORE_DIR`/sem.mp-*) last changed between `made_after` and
     `made_before` (time.time()) that no live process maps; the names removed. Processes of the spawn and forkserver
     start methods (the data loader's workers, torch.multiprocessing) leave their unlinking to a resource tracker, and a
     node lost at once (--chaos-lose-node: the tracker SIGKILLed with the rest) leaves them in this machine's /dev/shm,
-    where a pod's went with the pod. A semaphore that some process maps is in use and is kept."""
+    where a pod's went with the pod. A semaphore that some process maps is in use and is kept. `only`: just those the
+    lost processes mapped (`semaphores_mapped`, before they were killed): a process in another PID namespace that
+    shares /dev/shm maps its semaphores where this one cannot see, and its live ones looked orphaned."""
     try:
         named = [
             (entry, entry.stat(follow_symlinks=False))
@@ -91,30 +120,18 @@ def remove_orphaned_semaphores(made_before: float, made_after: float = 0.0) -> l
         return []
     uid = os.getuid()
     candidates = [
-        (entry, status)
+        (entry, status, (f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}", status.st_ino))
         for entry, status in named
         if status.st_uid == uid and made_after <= status.st_mtime < made_before
     ]
+    if only is not None:
+        candidates = [candidate for candidate in candidates if candidate[2] in only]
     if not candidates:
         return []
-    # sem_open maps a file it made under a temporary name and then links to the semaphore's: the maps name that
-    # (deleted); the inode is the semaphore's.
-    mapped: set[tuple[str, int]] = set()
-    for process in Path("/proc").iterdir():
-        if not process.name.isdigit():
-            continue
-        try:
-            maps = (process / "maps").read_text()
-        except OSError:  # gone meanwhile, or another user's (which cannot map this user's 0600 semaphores)
-            continue
-        for line in maps.splitlines():
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(SEMAPHORE_DIR + "/"):
-                mapped.add((fields[3], int(fields[4])))
+    mapped = semaphores_mapped()
     removed = []
-    for entry, status in candidates:
-        device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}"
-        if (device, status.st_ino) not in mapped:
+    for entry, _, identity in candidates:
+        if identity not in mapped:
             try:
                 os.remove(entry.path)
             except OSError:

@@ -22,7 +22,14 @@ from trainingrun_api.config import RunConfig, config_json
 from .. import api, pod_env, recovery
 from .inputs import LocalOptions
 from .ledger import RunLedger, run_directory
-from .processes import LogFollower, _end_session, remove_orphaned_semaphores, wait_for_group_to_end, worker_pids
+from .processes import (
+    LogFollower,
+    _end_session,
+    remove_orphaned_semaphores,
+    semaphores_mapped,
+    wait_for_group_to_end,
+    worker_pids,
+)
 from .status_server import StatusServer
 from .summary import Summary
 
@@ -280,9 +287,10 @@ class LocalRunner:
         self.node_replacements += 1
         if self.groups:
             self.groups[-1].last_step = max(self.groups[-1].last_step, step)
+        lost_semaphores = semaphores_mapped(launcher.process.pid)  # its process group's, before they are gone
         launcher.close()
         wait_for_group_to_end(launcher.process.pid)  # its semaphores are unmapped once its processes are gone
-        remove_orphaned_semaphores(made_before=time.time(), made_after=self.started_at)
+        remove_orphaned_semaphores(made_before=time.time(), made_after=self.started_at, only=lost_semaphores)
         memory = launcher.env[contract.MEMORY_TIER_ROOT_ENV]
         shutil.rmtree(memory, ignore_errors=True)
         os.makedirs(memory, exist_ok=True)
@@ -414,7 +422,7 @@ class LocalRunner:
         return self._summary(final, time.monotonic() - started, outcome, message, processes)
 
     def _free_node_memory(self) -> None:
-        for kept in glob.glob(contract.memory_tier_dir(self.run_key, "*")):
+        for kept in glob.glob(contract.memory_tier_dirs(self.run_key)):
             shutil.rmtree(kept, ignore_errors=True)
         for node in range(self.options.nodes if self.options.nodes > 1 else 0):
             shutil.rmtree(self._node_memory(node), ignore_errors=True)

@@ -119,8 +119,11 @@ class StatusServer:
                 length = int(declared)
                 if self.path != contract.REPORT_PATH:
                     return self._answer(404, "no such endpoint")
+                # As bytes: http.server reads a header as Latin-1, and compare_digest refuses non-ASCII text with a
+                # TypeError (a traceback and no answer).
                 if not hmac.compare_digest(
-                    self.headers.get("Authorization", ""), f"Bearer {server.token_file.read_text()}"
+                    self.headers.get("Authorization", "").encode("latin-1", "replace"),
+                    f"Bearer {server.token_file.read_text()}".encode("latin-1", "replace"),
                 ):
                     return self._answer(401, "a bearer token is required")
                 if length > progress_report.MAX_REPORT_BYTES:

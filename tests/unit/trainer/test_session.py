@@ -435,7 +435,7 @@ def test_a_test_sessions_trainers_keep_their_copies_in_its_own_folder_in_node_me
 
     root = os.environ[contract.MEMORY_TIER_ROOT_ENV]
     assert os.path.isdir(root) and os.path.realpath(root) != os.path.realpath(contract.MEMORY_TIER_ROOT)
-    assert contract.memory_tier_dir("*", "*").startswith(root + "/")
+    assert contract.memory_tier_dir("uid", 1).startswith(root + "/")
     run = run_with(CheckpointConfig.model_validate({"uri": f"file://{tmp_path}"}))
     try:
         assert run.store.memory_tier is not None and run.store.memory_tier.startswith(root + "/")

@@ -85,6 +85,34 @@ class MemoryTier:
         self._usable: dict[str, tuple[dict[str, TierFile], int]] = {}
         #: path -> (inode, size, mtime, ctime) of the files this process wrote from bytes checked as they were read
         self._vouched: dict[str, tuple[int, int, int, int]] = {}
+        self._swept = False
+
+    def _sweep_once(self) -> None:
+        """At this process's first use of the tier, the node's lead removes what an earlier process of the node left
+        half made (a spare being prepared when it was killed: `<spare>.<id>.partial`), and a spare it will not use
+        (one not recycling): each in-place restart after such a kill leaked a checkpoint's worth of pod memory."""
+        if self._swept or not self.retires:
+            return
+        self._swept = True
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        leftovers = [n for n in names if n.startswith(SPARE_DIR + ".") and n.endswith(".partial")]
+        if not self.recycle and SPARE_DIR in names:
+            leftovers.append(SPARE_DIR)
+        removed = 0
+        for name in leftovers:
+            path = os.path.join(self.root, name)
+            removed += _tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+        if leftovers:
+            logger.info(
+                "removed %d leftover(s) of an earlier process from %s (%d MiB of node memory)",
+                len(leftovers),
+                self.root,
+                removed >> 20,
+            )
 
     # ------------------------------------------------------------ writing (background thread)
 
@@ -93,6 +121,7 @@ class MemoryTier:
         steps go, except those in `keep` (one being persisted), when this process `retires` (the node's lead)."""
         if self.off is not None:
             return None
+        self._sweep_once()
         directory = self.path(step)
         try:
             os.makedirs(directory, exist_ok=True)
@@ -228,11 +257,7 @@ class MemoryTier:
             return False
 
     def _spare_bytes(self) -> int:
-        try:
-            with os.scandir(os.path.join(self.root, SPARE_DIR)) as entries:
-                return sum(entry.stat().st_size for entry in entries if entry.is_file())
-        except OSError:
-            return 0
+        return _tree_bytes(os.path.join(self.root, SPARE_DIR))
 
     def discard(self, step: int) -> None:
         """`step` was not committed: its copy goes."""
@@ -267,6 +292,7 @@ class MemoryTier:
 
     def newest_step(self) -> Optional[int]:
         """The newest step this tier holds a committed copy of (by its copy of the manifest), or None."""
+        self._sweep_once()
         try:
             names = os.listdir(self.root)
         except OSError:
@@ -332,6 +358,15 @@ class MemoryTier:
             else:
                 found[entry["path"]] = kept
         return found, len(listed)
+
+
+def _tree_bytes(path: str) -> int:
+    """The bytes of the files directly in the folder `path` (a spare holds no folders)."""
+    try:
+        with os.scandir(path) as entries:
+            return sum(entry.stat(follow_symlinks=False).st_size for entry in entries if entry.is_file())
+    except OSError:
+        return 0
 
 
 def _identity(path: str) -> tuple[int, int, int, int]:

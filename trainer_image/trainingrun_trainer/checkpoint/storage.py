@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import base64
+import errno
 import os
 import posixpath
 import shutil
+import stat
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from itertools import islice
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, BinaryIO, Iterator, Mapping, Optional
 
 from fsspec.core import url_to_fs
 
@@ -56,6 +58,20 @@ def _entry_time(entry: Mapping) -> str:
     return ""
 
 
+def _open_regular(path: str) -> BinaryIO:
+    """A local file opened for reading, if it is a regular file (OSError otherwise): a named pipe in a checkpoint
+    folder blocked every read of it for ever, and a device never ends. Opened without blocking, then checked."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _crc32c() -> Any:
     """A CRC32C checksum (google-crc32c), or None where it is not installed (the manifest's digests still guard every
     read)."""
@@ -99,6 +115,9 @@ class _Storage:
 
     def read_bytes(self, uri: str, limit: Optional[int] = None) -> bytes:
         """The file's bytes; with `limit`, at most that many (a caller that refuses longer files reads limit + 1)."""
+        if self.local:
+            with _open_regular(self._path(uri)) as file:
+                return file.read() if limit is None else file.read(limit)
         if limit is None:
             return self.fs.cat_file(self._path(uri))
         return self.fs.cat_file(self._path(uri), start=0, end=limit)
@@ -130,7 +149,8 @@ class _Storage:
         return read, digest.hexdigest()
 
     def _stream(self, uri: str) -> Iterator[bytes]:
-        with self.fs.open(self._path(uri), "rb", block_size=_HASH_CHUNK) as f:
+        path = self._path(uri)
+        with _open_regular(path) if self.local else self.fs.open(path, "rb", block_size=_HASH_CHUNK) as f:
             while chunk := f.read(_HASH_CHUNK):
                 yield chunk
 

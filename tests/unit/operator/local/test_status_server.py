@@ -173,3 +173,21 @@ def test_the_local_report_endpoint_checks_what_the_operator_checks(tmp_path):
         }
     finally:
         status.close()
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer \xff\xfe", "Bearer tök€n".encode(), b"\xc3\xa9"])
+def test_a_non_ascii_authorization_header_is_a_401_not_a_traceback(server, authorization, capsys):
+    """Issue 77 item 5: on main compare_digest got non-ASCII text and raised TypeError: a traceback and no answer."""
+    body = report()
+    head = (
+        b"POST "
+        + urlsplit(server.url).path.encode()
+        + b" HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nAuthorization: "
+        + authorization
+        + b"\r\n\r\n"
+    )
+    assert status_line(raw_request(server, head + body)).split()[1] == b"401"
+    assert "Traceback" not in capsys.readouterr().err
+    assert server.report_count() == 0

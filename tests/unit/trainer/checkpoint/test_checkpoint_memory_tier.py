@@ -27,6 +27,7 @@ from trainingrun_trainer.checkpoint import (
     model_digest,
     tier_files,
 )
+from trainingrun_trainer.checkpoint import storage as storage_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -185,6 +186,14 @@ def test_a_new_pods_restore_downloads_each_file_once_and_keeps_it_for_the_next_r
         real_open(self, path, mode, *args, **kwargs)
 
     monkeypatch.setattr(LocalFileOpener, "__init__", counting)
+    open_regular = storage_module._open_regular  # how the store itself reads a local file
+
+    def counted(path):
+        if str(path).endswith(".distcp"):
+            opened.append(Path(path).name)
+        return open_regular(path)
+
+    monkeypatch.setattr(storage_module, "_open_regular", counted)
     assert restored(storage, memory) == (5, digest, "storage")  # a new pod: its memory was empty
     assert sorted(opened) == sorted(p.name for p in data_files(step_dir(storage, 5)) if p.suffix == ".distcp")
     opened.clear()
@@ -570,3 +579,38 @@ def test_a_restore_counts_its_bytes_by_where_they_came_from(storage, memory):
         tier_files.STORAGE: from_memory[tier_files.OWN_MEMORY],
     }
     assert restored_bytes(storage, None) == new_pod
+
+
+def test_what_a_process_killed_while_preparing_the_spare_left_is_removed_at_the_next_ones_first_use(
+    storage, memory, caplog
+):
+    """Issue 77 item 4: a process SIGKILLed inside `prepare_spare` (here by its own fallocate, once the half-made spare
+    holds a file) leaves `.spare.<id>.partial` at full size; on main every in-place restart after such a kill leaked
+    it for good. The next process's first use of the tier removes it and says how much."""
+    import subprocess
+    import sys
+
+    saved(storage, memory)
+    code = f"""
+import os, signal
+from trainingrun_trainer.checkpoint import memory_tier
+real = os.posix_fallocate
+def killed_after(fd, offset, size):
+    real(fd, offset, size)
+    os.kill(os.getpid(), signal.SIGKILL)
+os.posix_fallocate = killed_after
+memory_tier.RESERVE_SHARE = 0.0
+tier = memory_tier.MemoryTier({str(memory)!r}, recycle=True)
+tier.prepare_spare({{"__0_0.distcp": 3 << 20, "__1_0.distcp": 3 << 20}})
+"""
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    left = [p for p in memory.iterdir() if p.name.endswith(".partial")]
+    assert len(left) == 1 and sum(f.stat().st_size for f in left[0].iterdir()) == 3 << 20
+    with caplog.at_level(logging.INFO, logger="trainingrun.checkpoint"):
+        restored(storage, memory)  # the restart: its restore is the tier's first use
+    assert not [p for p in memory.iterdir() if p.name.endswith(".partial")]
+    assert any(
+        "removed 1 leftover(s) of an earlier process" in r.getMessage() and "(3 MiB" in r.getMessage()
+        for r in caplog.records
+    )
