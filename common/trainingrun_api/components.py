@@ -311,6 +311,10 @@ def _annotation_problems(target: Callable[..., Any], kwargs: dict[str, Any]) -> 
                 adapter.validate_python(value)
             except ValidationError:
                 found.append((name, f"must be {_type_name(hint)}, got {value!r}"))
+            except Exception:  # noqa: BLE001 - as below
+                continue
+        except Exception:  # noqa: BLE001 - a type pydantic builds only when used (a config class whose annotations
+            continue  # name what its module never defines: PydanticUserError): the constructor checks it
     return found
 
 

@@ -367,7 +367,8 @@ def config_json(config: RunConfig) -> str:
 
 def load_config(path: str) -> RunConfig:
     """The trainer config at `path`: JSON when it ends in .json (what the operator writes), else YAML (a file of
-    one's own, for a custom loop or a torchrun of one's own)."""
+    one's own, for a custom loop or a torchrun of one's own). A TrainingRun file works too: its `spec.trainer` and
+    `spec.checkpoint` are the config (the rest of the spec is the cluster's, and is not read here)."""
     as_json = path.endswith(".json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -377,6 +378,8 @@ def load_config(path: str) -> RunConfig:
     except (ValueError, yaml.YAMLError) as error:
         kind = "JSON" if as_json else "YAML"
         raise ConfigError(f"the trainer config {path} is not valid {kind}: {str(error)[:300]}") from None
+    if isinstance(data, dict) and data.get("kind") == "TrainingRun" and isinstance(data.get("spec"), dict):
+        data = {key: data["spec"][key] for key in ("trainer", "checkpoint") if data["spec"].get(key) is not None}
     try:
         config: RunConfig = RunConfig.from_wire(data or {})
         return config

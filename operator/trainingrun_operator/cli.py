@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,8 @@ def cmd_monitoring(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
+    if os.getcwd() not in sys.path:  # a class of the user's own module, as `trainingrun local` (python -m) imports it
+        sys.path.insert(0, os.getcwd())
     for path in args.files:
         try:
             runs = validation.load_runs(path, import_classes=True)

@@ -153,9 +153,11 @@ def cmd_local(args: argparse.Namespace) -> int:
         return 1
     display = local.RichDisplay(sys.stdout) if progress_bars(sys.stdout) else local.PlainDisplay(sys.stdout)
     metrics = f"; metrics on http://127.0.0.1:{options.metrics_port}/metrics" if options.metrics_port else ""
+    nproc = options.nproc or run.spec.nproc_per_node
+    where = f"{options.nodes} simulated nodes of {nproc}" if options.nodes > 1 else f"{nproc}"
     print(
-        f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {options.nproc or run.spec.nproc_per_node} "
-        f"process(es), checkpoints in {run.spec.checkpoint.uri}{metrics}",
+        f"running {run.metadata.name}: {run.spec.trainer.max_steps} steps on {where} process(es), checkpoints in "
+        f"{run.spec.checkpoint.uri}{metrics}",
         flush=True,
     )
     runner = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display)

@@ -74,10 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exit_codes.CONFIG_ERROR
     except CheckpointLoadError as error:
         log.error("%s", error)
-        print(
-            f"trainingrun-trainer: {error}; move that checkpoint directory aside to resume from an older one",
-            file=sys.stderr,
-        )
+        print(f"trainingrun-trainer: {error}; {_load_error_fix(str(error))}", file=sys.stderr)
         return exit_codes.CHECKPOINT_REFUSED
     except StorageUnavailable as error:
         # A storage outage at start must not end the run: the attempt is retried after the backoff.
@@ -131,3 +128,14 @@ def peer_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(
         sign in message for sign in ("Connection reset by peer", "Connection closed by peer", "gloo/transport")
     )
+
+
+def _load_error_fix(error: str) -> str:
+    """What to do about a checkpoint that cannot be loaded. Moving it aside helps a damaged one, not one saved from
+    another model: every older checkpoint of the run has the same shapes."""
+    if "size mismatch" in error.lower() or "shape" in error.lower():
+        return (
+            "the model changed since the run's checkpoints were saved, and older ones have the same shapes: start a "
+            "new run on another checkpoint.uri (trainingrun local: --checkpoint-uri, or delete runs/<name>)"
+        )
+    return "move that checkpoint directory aside to resume from an older one"

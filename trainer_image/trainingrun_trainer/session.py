@@ -168,7 +168,9 @@ class Run:
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Run":
-        """Build from TRAININGRUN_* variables and the `checkpoint` section of TRAININGRUN_CONFIG."""
+        """Build from TRAININGRUN_* variables and the `checkpoint` section of TRAININGRUN_CONFIG. In a script that
+        configured no logging, the run's own lines (what it resumed, where from, each commit) are shown on stderr."""
+        _show_logs_unless_configured()
         context = RunContext.from_env()
         return cls(context, context.load_config().checkpoint, **kwargs)
 
@@ -424,3 +426,17 @@ class Run:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM received: will checkpoint and stop after the current step")
         self.preempted = True
+
+
+def _show_logs_unless_configured() -> None:
+    """Python shows only warnings of a process that configured no logging: a script that only prints would never see
+    where its resume read from. Then the `trainingrun` loggers get a handler of their own, at INFO; a script that
+    configured logging (a root handler) decides itself."""
+    ours = logging.getLogger("trainingrun")
+    if logging.getLogger().handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)

@@ -62,6 +62,9 @@ def load_run(path: str, options: LocalOptions) -> api.TrainingRun:
     if isinstance(document, dict) and isinstance(document.get("spec"), dict):
         spec = document["spec"]
         name = str((document.get("metadata") or {}).get("name", "run"))
+        for section in ("checkpoint", "trainer"):  # `checkpoint:` with nothing under it is YAML's null: no section
+            if section in spec and spec[section] is None:
+                spec[section] = {}
         checkpoint = spec.setdefault("checkpoint", {})
         if isinstance(checkpoint, dict):
             uri = (

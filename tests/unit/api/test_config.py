@@ -70,3 +70,17 @@ def test_a_config_file_that_is_not_json_names_the_file(tmp_path):
     path.write_text("trainer: {}\n")
     with pytest.raises(ConfigError, match=r"config.json is not valid JSON"):
         load_config(str(path))
+
+
+def test_a_trainingrun_file_is_a_trainer_config_too(tmp_path):
+    """Issue 78 item 6: on main TRAININGRUN_CONFIG pointing at the TrainingRun file a user already has was refused
+    (`apiVersion ... Extra inputs are not permitted`): its spec.trainer and spec.checkpoint are the config."""
+    from trainingrun_api.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: mine}\n"
+        "spec:\n  replicas: {min: 2}\n  checkpoint: {uri: 's3://bucket/mine'}\n  trainer: {maxSteps: 7}\n"
+    )
+    config = load_config(str(path))
+    assert config.checkpoint.uri == "s3://bucket/mine" and config.trainer.max_steps == 7

@@ -262,3 +262,37 @@ def test_validate_says_a_removed_field_is_ignored_and_to_remove_it(tmp_path, cap
         "  spec.checkpoint.writerProcess is deprecated and ignored: the trainer's checkpoint thread writes every "
         "checkpoint; remove the field"
     ) in capsys.readouterr().out.splitlines()
+
+
+def test_validate_imports_the_users_module_from_the_working_folder_and_survives_its_annotations(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 78 items 5 and 11: a class of the user's own module is checked as `trainingrun local` would import it
+    (from the working folder, with no PYTHONPATH), and a config class whose annotations pydantic can only build when
+    used (as `GPT2LMHeadModel(config)`'s) is left to the constructor: on main a PydanticUserError traceback."""
+    (tmp_path / "cfg_models.py").write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass\n\n"
+        "@dataclass\n"
+        "class Cfg:\n"
+        "    n_layer: int\n"
+        "    inner: Undefined  # noqa: F821\n\n"
+        "class Net:\n"
+        "    def __init__(self, config: Cfg, layers: int = 2):\n"
+        "        self.config = config\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    body = (
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: demo}\n"
+        "spec:\n  checkpoint: {uri: 's3://bucket/demo'}\n  trainer:\n"
+        "    model: {classPath: cfg_models.Net, initArgs: {config: {n_layer: 2, inner: 1}, layers: LAYERS}}\n"
+    )
+    try:
+        assert cli.main(["validate", write(tmp_path, body.replace("LAYERS", "3"))]) == 0
+        out = capsys.readouterr().out
+        assert "is valid" in out and "not importable" not in out
+        assert cli.main(["validate", write(tmp_path, body.replace("LAYERS", "'x'"))]) == 1
+        assert "spec.trainer.model.initArgs.layers: must be int, got 'x'" in capsys.readouterr().err
+    finally:
+        sys.modules.pop("cfg_models", None)

@@ -66,3 +66,23 @@ def test_byte_progress_prints_a_line_per_tenth_off_terminals():
         "400/1000 bytes (40%)",
         "1000/1000 bytes (100%)",
     ]
+
+
+def test_the_header_counts_simulated_nodes(tmp_path, capsys, monkeypatch):
+    """Issue 78 item 6: on main `--nodes 2` said `on 1 process(es)`. The runner is stopped right after the header."""
+    import pytest
+
+    from trainingrun_operator import local
+
+    class Stopped(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stopped
+
+    monkeypatch.setattr(local, "LocalRunner", stop)
+    path = tmp_path / "run.yaml"
+    path.write_text("apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: nodes}\nspec: {}\n")
+    with pytest.raises(Stopped):
+        cli.main(["local", str(path), "--nodes", "2", "--runs-dir", str(tmp_path / "runs")])
+    assert "steps on 2 simulated nodes of 1 process(es)" in capsys.readouterr().out

@@ -139,3 +139,15 @@ def test_periodic_evaluation_on_a_dataset_of_its_own(tmp_path):
     result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/other")
     assert result.returncode == exit_codes.CONFIG_ERROR
     assert "spec.trainer.eval.dataset.classPath" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_checkpoint_of_another_model_is_not_advised_to_be_moved_aside():
+    """Issue 78 item 11: after a model change every older checkpoint has the same shapes, so moving the newest aside
+    (the advice on main) cannot help; a damaged one still gets it."""
+    from trainingrun_trainer.main import _load_error_fix
+
+    changed = (
+        "cannot load file:///c/step-1: rank 0: ValueError: Size mismatch between saved torch.Size([4, 4]) and current"
+    )
+    assert "another checkpoint.uri" in _load_error_fix(changed) and "aside" not in _load_error_fix(changed)
+    assert "aside" in _load_error_fix("cannot load s3://b/step-2: it holds more than plain values")

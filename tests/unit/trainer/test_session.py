@@ -451,3 +451,29 @@ def test_a_restore_says_where_its_bytes_came_from_in_words():
     assert restore_source_words("peer and storage") == "a peer's memory and storage"
     words = restore_bytes_words({"own_memory": 0, "peer": 5 << 20, "storage": 0})
     assert words == "0 B from own memory, 5.0 MiB from peer, 0 B from storage"
+
+
+def test_a_script_that_configured_no_logging_sees_the_runs_lines(tmp_path):
+    """Issue 78 item 6: on main Run.from_env's info lines (what a resume read, and from where) were invisible in a
+    script that only prints: Python shows only warnings then. A script of its own, run as a user would."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: mine}\n"
+        f"spec:\n  checkpoint: {{uri: 'file://{tmp_path}/ckpt', memoryTier: false}}\n"
+    )
+    script = (
+        "import torch\n"
+        "from trainingrun_trainer import Run\n"
+        "run = Run.from_env(handle_sigterm=False)\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "print('resumed', run.resume({'model': model.state_dict()}))\n"
+    )
+    env = {**os.environ, "TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": "mine"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed None" in done.stdout
+    assert " INFO trainingrun" in done.stderr, done.stderr[-2000:]

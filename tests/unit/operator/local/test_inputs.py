@@ -170,3 +170,19 @@ def test_nodes_beyond_what_a_machine_simulates_or_beside_a_metrics_port_are_refu
         local.check_options(run, local.LocalOptions(nodes=9))
     with pytest.raises(local.LocalOptionError, match="--metrics-port serves one launcher's metrics"):
         local.check_options(run, local.LocalOptions(nodes=2, metrics_port=9464))
+
+
+@pytest.mark.parametrize("written_as", ["checkpoint:\n", "checkpoint: {}\n", ""], ids=["empty key", "{}", "none"])
+def test_an_empty_checkpoint_section_is_the_same_as_none(tmp_path, written_as):
+    """Issue 78 item 8: on main `checkpoint:` with nothing under it (YAML's null) validated, and the local run then
+    wrote to the pod default /tmp/trainingrun/checkpoints, machine-wide, where the next run under another name
+    resumed it."""
+    text = (
+        "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: empty}\nspec:\n"
+        + "".join("  " + line + "\n" for line in written_as.splitlines())
+        + "  trainer:\n"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    run = load_run(str(path), LocalOptions(runs_dir=str(tmp_path / "runs")))
+    assert run.spec.checkpoint.uri == f"file://{tmp_path / 'runs'}/empty/checkpoints"
