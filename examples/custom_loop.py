@@ -1,8 +1,9 @@
 """A training script with its own loop that still gets the platform's checkpoints, resume,
 preemption handling and status reporting, through `trainingrun_trainer.Run`.
 
-Run it in a TrainingRun by setting `spec.command: [torchrun, --module, ...]` or
-`spec.args` to this script in your own image; locally:
+Run it in a TrainingRun by setting `spec.command: [python, -m, trainingrun_trainer.launch, custom_loop.py]`
+in your own image; `trainingrun local FILE` runs that same command here (with `--chaos-kill-step`, which acts
+in `run.report`). Or by hand:
 
     TRAININGRUN_CONFIG=run.yaml torchrun --standalone --nproc-per-node 2 examples/custom_loop.py
 

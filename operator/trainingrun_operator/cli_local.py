@@ -160,6 +160,13 @@ def cmd_local(args: argparse.Namespace) -> int:
         f"{run.spec.checkpoint.uri}{metrics}",
         flush=True,
     )
+    own = local.own_command(run.spec)
+    if own is not None:
+        print(
+            f"your command (spec.command and spec.args), as a pod runs it: {' '.join(own)} (here `python` is this "
+            "Python and `torchrun` its torch.distributed.run; torchrun's settings come as PET_* variables)",
+            flush=True,
+        )
     runner = local.LocalRunner(run, options, secrets, out=sys.stdout, display=display)
     try:
         summary = runner.execute()

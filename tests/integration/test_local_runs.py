@@ -504,3 +504,59 @@ def test_a_lost_node_of_three_with_a_sharded_state_receives_its_shards_from_the_
     resumed = r"resumed from \S+ at step 20 in [0-9.]+ s, reading node memory \(\S+ \S+ from own memory, 0 B from peer, 0 B from"
     assert re.search(resumed, log), log[-3000:]  # rank 0
     assert list(memory_root.iterdir()) == []
+
+
+def own_loop_run(steps=40):
+    """A TrainingRun whose pods run a loop of the user's own (examples/custom_loop.py) under our launcher."""
+    return {
+        "apiVersion": "trainingrun.dev/v1alpha1",
+        "kind": "TrainingRun",
+        "metadata": {"name": "own-loop"},
+        "spec": {
+            "command": [
+                "python",
+                "-m",
+                "trainingrun_trainer.launch",
+                str(Path(__file__).parents[2] / "examples" / "custom_loop.py"),
+            ],
+            "env": [{"name": "CUSTOM_LOOP_STEPS", "value": str(steps)}, {"name": "OMP_NUM_THREADS", "value": "1"}],
+            "checkpoint": {"uri": "file:///unused", "interval": {"steps": INTERVAL}},
+            "trainer": {"maxSteps": steps},
+            "nprocPerNode": 2,
+            "recovery": {"backoffSeconds": 0},
+        },
+    }
+
+
+def final_digest(uri):
+    newest = max((info for info in CheckpointStore(uri).list() if info.valid), key=lambda info: info.step)
+    return newest.step, newest.model_digest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault",
+    [("--chaos-kill-step", "25"), ("--nodes", "2", "--nproc", "1", "--chaos-lose-node", "25")],
+    ids=["kill", "lost node"],
+)
+def test_local_runs_the_specs_own_command_and_its_chaos_and_resumes_bitwise(tmp_path, fault):
+    """Issue 78 item 1: on main `trainingrun local` ignored spec.command and trained the built-in model, and the
+    chaos options worked only inside the built-in trainer. Now the command the pods would run runs here, with the
+    pod's environment (TRAININGRUN_CONFIG, torchrun's settings as PET_*), and a kill at a step is driven through
+    `Run.report`: the killed run ends with the uninterrupted run's model, bitwise."""
+    run_file = write_run(tmp_path, own_loop_run())
+    whole = local(
+        tmp_path,
+        run_file,
+        "--nproc",
+        "2" if "--nodes" not in fault else "1",
+        *(["--nodes", "2"] if "--nodes" in fault else []),
+        checkpoints="whole",
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:] + whole.stdout[-3000:]
+    assert "your command (spec.command and spec.args)" in whole.stdout and "custom_loop.py" in whole.stdout
+    assert "done: step 40" in (tmp_path / "runs" / "own-loop" / "attempt-1.log").read_text()
+    faulted = local(tmp_path, run_file, *fault, checkpoints="faulted")
+    assert faulted.returncode == 0, faulted.stderr[-3000:] + faulted.stdout[-3000:]
+    assert "chaos:" in faulted.stdout and result_of(faulted.stdout)["restarts_in_place"] == "1"
+    assert final_digest(f"file://{tmp_path}/faulted") == final_digest(f"file://{tmp_path}/whole")

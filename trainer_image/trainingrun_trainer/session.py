@@ -366,6 +366,26 @@ class Run:
         self.reports.stored()
         return info
 
+    def inject_chaos(self, step: int) -> None:
+        """`trainingrun local`'s faults at the end of `step` (nothing unless its chaos options asked): one worker
+        SIGKILLs itself (--chaos-kill-step), or the node's local rank 0 stops itself until every process of the node
+        is killed (--chaos-lose-node: its peers lose it as a node failure loses a pod). The built-in trainer calls it
+        after each step; a loop of its own gets it through `report`."""
+        context = self.context
+        kill = step == context.chaos_kill_at_step and context.rank == step % context.world_size
+        lose = step == context.chaos_lose_node_at_step and context.local_rank == 0
+        if not (kill or lose):
+            return
+        # Earlier checkpoints are made durable first, so the injected crash loses exactly the steps since the last
+        # checkpoint, whatever the machine's load.
+        self.store.wait()
+        if kill:
+            log.warning("chaos: SIGKILL worker rank %d at step %d", context.rank, step)
+        else:
+            log.warning("chaos: node lost at step %d (%s)", step, context.pod_name)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL if kill else signal.SIGSTOP)
+
     def report(
         self,
         step: int,
@@ -379,7 +399,8 @@ class Run:
         mfu: Optional[float] = None,
     ) -> None:
         """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
-        the reporter's pace)."""
+        the reporter's pace). Every rank: `trainingrun local`'s chaos options act here for a loop of its own."""
+        self.inject_chaos(step)
         if not self.reports.reporter.enabled:
             return  # every step: ranks that do not report build nothing
         self.reports.progress(

@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from typing import Any, Callable, Generator, Optional
 
@@ -507,23 +506,7 @@ class Trainer:
             if not self.clock.first_step:
                 log.info(self.clock.first_step_done(step_seconds))
                 self.metrics.startup(self.clock)
-            if (
-                self.step == self.context.chaos_kill_at_step
-                and self.context.rank == self.step % self.context.world_size
-            ):
-                # Earlier checkpoints are made durable first, so the injected crash loses exactly
-                # the steps since the last checkpoint, whatever the machine's load.
-                self.session.store.wait()
-                log.warning("chaos: SIGKILL worker rank %d at step %d", self.context.rank, self.step)
-                logging.shutdown()
-                os.kill(os.getpid(), signal.SIGKILL)
-            if self.step == self.context.chaos_lose_node_at_step and self.context.local_rank == 0:
-                # Stopped, not dead, until `trainingrun local` kills every process of the node: its peers lose it
-                # as a node failure loses a pod, not one worker first.
-                self.session.store.wait()
-                log.warning("chaos: node lost at step %d (%s)", self.step, self.context.pod_name)
-                logging.shutdown()
-                os.kill(os.getpid(), signal.SIGSTOP)
+            self.session.inject_chaos(self.step)
 
             if evaluates:
                 with self.clock.timing("eval"):

@@ -27,7 +27,7 @@ from .inputs import (
 )
 from .ledger import RunLedger
 from .processes import LogFollower, child_pids, worker_pids
-from .runner import STOP_SIGNALS, Attempt, LocalRunner, WorkerGroup
+from .runner import STOP_SIGNALS, Attempt, LocalRunner, WorkerGroup, own_command
 from .status_server import StatusServer
 from .summary import Summary
 
@@ -39,6 +39,7 @@ __all__ = [
     "LocalOptions",
     "LocalRunError",
     "LocalRunner",
+    "own_command",
     "LogFollower",
     "PlainDisplay",
     "RichDisplay",

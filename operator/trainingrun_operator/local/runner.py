@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, TextIO
 from trainingrun_api import contract, exit_codes, progress_report, run_figures
 from trainingrun_api.config import RunConfig, config_json
 
-from .. import api, pod_env, recovery
+from .. import api, builders, pod_env, recovery
 from .inputs import LocalOptions
 from .ledger import RunLedger, run_directory
 from .processes import (
@@ -97,6 +97,27 @@ class Launcher:
         """Its processes gone, the launcher's included (reaped)."""
         _end_session(self.process)
         self.process.wait()
+
+
+def own_command(spec: api.TrainingRunSpec) -> Optional[list[str]]:
+    """The spec's own `command` and `args` (None: the built-in trainer), as this machine runs them: `python` is this
+    Python and `torchrun` its torch.distributed.run, where a pod runs its image's."""
+    if spec.command is None and spec.args is None:
+        return None
+    command = [*(spec.command or builders.DEFAULT_COMMAND), *(spec.args or [])]
+    if command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    if command[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    return command
+
+
+def _as_pet_variables(options: list[str]) -> dict[str, str]:
+    """torchrun's `--name=value` options as the PET_NAME variables it reads when an option is not given."""
+    names = {
+        option.split("=", 1)[0].lstrip("-").replace("-", "_").upper(): option.split("=", 1)[1] for option in options
+    }
+    return {f"PET_{name}": value for name, value in names.items()}
 
 
 def node_rendezvous(nodes: int, node: int, port: int, rendezvous_id: str) -> list[str]:
@@ -435,6 +456,7 @@ class LocalRunner:
         """The attempt's launchers: one (--standalone), or one per simulated node as in a PyTorchJob's pods (c10d
         rendezvous hosted by node 0 on 127.0.0.1, each node's own memory folder and log: attempt-N.log for node 0,
         attempt-N-node-I.log for the others)."""
+        own = own_command(self.spec)
         command = [
             sys.executable,
             "-m",
@@ -444,8 +466,16 @@ class LocalRunner:
             "--module",
             "trainingrun_trainer",
         ]
+        if own is not None:  # torchrun's settings as a pod gets them: PET_* variables, which torchrun reads
+            env = {
+                **env,
+                "PET_NPROC_PER_NODE": str(self.nproc),
+                "PET_MAX_RESTARTS": str(self.spec.recovery.max_restarts_per_attempt),
+            }
         nodes = self.options.nodes
         if nodes == 1:
+            if own is not None:
+                return [Launcher.start(0, own, {**env, "PET_STANDALONE": "1"}, log_path)]
             return [Launcher.start(0, [*command[:3], "--standalone", *command[3:]], env, log_path)]
         port = _free_port()
         job = f"{self.run.metadata.name}-a{attempt}"
@@ -465,7 +495,11 @@ class LocalRunner:
             if node == nodes - 1 and attempt == 1 and self.options.chaos_lose_node_step is not None:
                 node_env[contract.CHAOS_LOSE_NODE_AT_STEP] = str(self.options.chaos_lose_node_step)
             path = log_path if node == 0 else log_path.with_name(f"{log_path.stem}-node-{node}.log")
-            launchers.append(Launcher.start(node, [*command[:3], *rendezvous, *command[3:]], node_env, path))
+            if own is not None:
+                node_env.update(_as_pet_variables(rendezvous))
+                launchers.append(Launcher.start(node, own, node_env, path))
+            else:
+                launchers.append(Launcher.start(node, [*command[:3], *rendezvous, *command[3:]], node_env, path))
         return launchers
 
     def _summary(
