@@ -18,7 +18,6 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import trainingrun_trainer
 from trainingrun_trainer.seeding import rng_state, seed_everything, set_rng_state
@@ -40,12 +39,11 @@ def main() -> int:
     target = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
 
     run = trainingrun_trainer.Run.from_env()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    extra = run.resume(state)  # loads in place, or None on a fresh start
+    # The model and optimizer themselves: Run converts them (the optimizer's state in full, even before its first
+    # step) and loads them back; a resume that would leave anything of the checkpoint unread raises, never half loads.
+    extra = run.resume({"model": model, "optim": optimizer})  # None on a fresh start
     step = 0
     if extra is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         step = extra["step"]
         set_rng_state(extra["rng"])
 
@@ -62,22 +60,18 @@ def main() -> int:
 
         stop, save = run.checkpoint_due(step)
         if stop or (save and step < TOTAL_STEPS):  # the last step is saved below, once
-            model_state, optim_state = get_state_dict(model, optimizer)
-            run.save(
-                step, {"model": model_state, "optim": optim_state}, {"step": step, "rng": rng_state()}, blocking=stop
-            )
+            run.save(step, {"model": model, "optim": optimizer}, {"step": step, "rng": rng_state()}, blocking=stop)
         if stop:
             run.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
             return run.PREEMPTED_EXIT_CODE
 
-    model_state, optim_state = get_state_dict(model, optimizer)
     run.save(
         step,
-        {"model": model_state, "optim": optim_state},
+        {"model": model, "optim": optimizer},
         {"step": step, "rng": rng_state()},
-        model_digest=trainingrun_trainer.model_digest(model_state),
+        model_digest=trainingrun_trainer.model_digest(model.state_dict()),
         blocking=True,
     )
     run.close()

@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import time
 from typing import Any, Callable, Collection, Mapping, Optional, Union
 
@@ -50,6 +51,7 @@ from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUna
 from .checkpoint.listing import human_bytes
 from .checkpoint.tier_files import OWN_MEMORY, PEER, STORAGE
 from .context import RunContext
+from .own_state import OwnState
 from .reporting import ProgressReporter
 from .session_intervals import IntervalPolicy
 from .session_reports import RunReports
@@ -171,6 +173,7 @@ class Run:
         """Build from TRAININGRUN_* variables and the `checkpoint` section of TRAININGRUN_CONFIG. In a script that
         configured no logging, the run's own lines (what it resumed, where from, each commit) are shown on stderr."""
         _show_logs_unless_configured()
+        _config_errors_exit_permanently()
         context = RunContext.from_env()
         return cls(context, context.load_config().checkpoint, **kwargs)
 
@@ -179,6 +182,9 @@ class Run:
     def resume(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
         """Load the newest checkpoint under the run's URI whose every file matches its manifest into
         `state` in place; returns this rank's `extra` from it, or None when there is nothing to resume.
+        `state` may hold the model and its optimizer themselves (`own_state`: converted, and loaded back into
+        them); a state that would leave any of the checkpoint's entries unread, or asks for entries it lacks, raises
+        `StateMismatch` (a ConfigError) saying how, never a silent partial resume.
 
         TRAININGRUN_RESUME_FROM (the operator's last reported checkpoint) is a floor, never a pin: a
         worker group restarted within the attempt keeps the attempt's environment, and loading that
@@ -210,10 +216,12 @@ class Run:
             if isinstance(source, CheckpointInfo)
             else (source, int(source.rpartition("/step-")[2]))
         )
+        own = OwnState(state)
         try:
-            extra = self.store.load(source, state)
+            extra = self.store.load(source, own.plain, strict=True)
         except OSError as error:
             raise StorageUnavailable(f"cannot read the checkpoint {uri}: {error}") from error
+        own.apply(state)
         read = restore_bytes_words(self.store.metrics.last_restore_bytes)
         if self.context.is_rank_zero:
             log.info(
@@ -324,7 +332,7 @@ class Run:
             extra = {**(extra or {}), SAVE_COST_KEY: float(cost)}
         self._pending = self.store.save(
             step,
-            state,
+            OwnState(state).plain,
             extra,
             config_hash=self.config_hash,
             model_digest=model_digest,
@@ -461,3 +469,24 @@ def _show_logs_unless_configured() -> None:
     ours.addHandler(handler)
     if ours.level == logging.NOTSET:
         ours.setLevel(logging.INFO)
+
+
+def _config_errors_exit_permanently() -> None:
+    """A ConfigError a script lets escape (a resume into a state that does not match the checkpoint, a setting that
+    cannot work) ends the process with one line and exit_codes.CONFIG_ERROR, a permanent failure: the launcher does
+    not restart the worker group for it again and again, as it would for a traceback's exit 1."""
+    if getattr(sys.excepthook, "trainingrun", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if not issubclass(kind, ConfigError):
+            previous(kind, error, traceback)
+            return
+        log.error("%s", error)
+        logging.shutdown()
+        print(f"trainingrun: {error}", file=sys.stderr, flush=True)
+        os._exit(exit_codes.CONFIG_ERROR)
+
+    hook.trainingrun = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -130,7 +130,7 @@ from .layout import (  # noqa: E402
 )
 from .listing import format_table, to_json  # noqa: E402
 from .manifest import verify  # noqa: E402
-from .safe_load import load_plain  # noqa: E402
+from .safe_load import StateMismatch, load_plain  # noqa: E402
 from .store import CheckpointStore  # noqa: E402
 
 __all__ = [
@@ -139,6 +139,7 @@ __all__ = [
     "CheckpointStore",
     "PendingSave",
     "PeersLost",
+    "StateMismatch",
     "StorageUnavailable",
     "FORMAT_VERSION",
     "MANIFEST_NAME",

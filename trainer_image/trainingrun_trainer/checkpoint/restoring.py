@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import posixpath
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
@@ -28,7 +29,7 @@ from .layout import (
 )
 from .manifest import _inspect, _step_dirs
 from .peers import PeerCopies
-from .safe_load import _PlainLoadPlanner, _PlainReader, load_plain
+from .safe_load import StateMismatch, _PlainLoadPlanner, _PlainReader, load_plain
 from .storage import _Storage
 from .tier_files import OWN_MEMORY, PEER, STORAGE, LocalFirstFileSystem, TierMismatch
 
@@ -215,11 +216,13 @@ class Restorer:
                     return info
         return None
 
-    def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict) -> dict:
+    def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict, strict: bool = False) -> dict:
         """Load a checkpoint into ``state`` in place (DCP: tensors are copied into the tensors
         already in ``state``, resharding as needed; Stateful objects get ``load_state_dict``) and
         return this rank's ``extra`` dict ({} with a warning when the checkpoint was written by
-        fewer ranks). Under torch.distributed, call on every rank.
+        fewer ranks). Under torch.distributed, call on every rank. A state that asks for entries the
+        checkpoint lacks raises `StateMismatch` saying how they differ; with `strict`, so does one that
+        leaves entries of the checkpoint unread (an optimizer's empty state before its first step).
 
         Every file is re-hashed against the manifest first, and a ValueError raised if it is not a
         committed checkpoint, unless this process wrote or verified this very manifest (a
@@ -262,8 +265,18 @@ class Restorer:
                 isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()
             )
             if self._context.ranks.all(not mismatch)[0]:  # no rank's copy in memory failed
+                differs = next((c for c in map(_cause, exc.failures.values()) if isinstance(c, StateMismatch)), None)
+                if differs is not None:
+                    raise StateMismatch(f"cannot load {uri}: {differs}") from None
                 raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
             loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
+        if strict and planner.unread:
+            raise StateMismatch(
+                f"cannot load {uri} whole: the state passed leaves {len(planner.unread)} of its entries unread "
+                f"({', '.join(planner.unread[:3])}{', ...' if len(planner.unread) > 3 else ''}): pass everything the "
+                "save had; an optimizer's state_dict() is empty before its first step, so pass the optimizer itself "
+                "(Run.resume makes its state in full)"
+            )
         state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
         if legacy:
             if planner.missing:
@@ -311,7 +324,10 @@ class Restorer:
         come from the memory tier; it records where it read): (what was loaded, the planner)."""
         loading = dict(state) if legacy else {**state, entry: b""}
         # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
-        planner = _PlainLoadPlanner(optional=set(state) if legacy else {entry})
+        other_ranks = re.compile(EXTRA_ENTRY.format(rank=r"\d+"))  # each rank reads only its own extra state
+        planner = _PlainLoadPlanner(
+            optional=set(state) if legacy else {entry}, ignored=lambda fqn: other_ranks.fullmatch(fqn) is not None
+        )
         reader = _PlainReader(info.uri, info.files, **self._context.options)
         reading.inner, reader.fs = reader.fs, reading  # type: ignore[assignment]  # serves what DCP's reader calls
         dcp.load(

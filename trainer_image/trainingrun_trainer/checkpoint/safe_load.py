@@ -8,10 +8,12 @@ import enum
 import io
 import pickle
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from trainingrun_api.model_base import ConfigError
 
 from ..torch_internals import FsspecReader, StorageInfo, serialization_get_layout, set_element
 from .layout import METADATA_NAME, is_plain_name
@@ -306,15 +308,43 @@ class _PlainReader(FsspecReader):
         return metadata
 
 
+class StateMismatch(ConfigError):
+    """The state a load was given and the checkpoint's entries do not match: one line that says how. A configuration
+    error (the same on every try), never retried."""
+
+
+#: An optimizer state entry keyed by parameter index (`optimizer.state_dict()`): `optim.state.0.exp_avg`.
+_BY_INDEX = re.compile(r"(^|\.)state\.\d+\.[^.]+$")
+#: One keyed by parameter name (torch.distributed.checkpoint.state_dict's get_state_dict): `optim.state.0.weight.step`
+#: (an nn.Sequential's first layer), `optim.state.fc.weight.exp_avg`.
+_BY_NAME = re.compile(r"(^|\.)state\.(?!\d+\.[^.]+$)[^.]+\..+$")
+
+
+def _forms_hint(lacking: list[str], saved: list[str]) -> str:
+    """Why entries may be lacking: the optimizer's state saved keyed one way and asked for keyed the other."""
+    for asked, held, how in ((_BY_INDEX, _BY_NAME, "index"), (_BY_NAME, _BY_INDEX, "name")):
+        if any(asked.search(fqn) for fqn in lacking) and any(held.search(fqn) for fqn in saved):
+            other = "name" if how == "index" else "index"
+            return (
+                f": the optimizer state was saved keyed by parameter {other} and is read keyed by parameter {how} "
+                "(optimizer.state_dict() keys by index, get_state_dict by name): pass the model and optimizer "
+                "themselves to Run.save and Run.resume, which convert, or read in the form it was saved in"
+            )
+    return ": the state passed is not the one that was saved (another model, or entries renamed)"
+
+
 class _PlainLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, loading non-tensor values (optimizer hyperparameters...) as plain values only.
 
     Top-level entries named in `optional` that the checkpoint lacks are left out of the load (and listed in
     `missing`) instead of failing it: a rank's own entry, which a checkpoint saved by fewer ranks has not."""
 
-    def __init__(self, optional: Iterable[str] = ()) -> None:
+    def __init__(self, optional: Iterable[str] = (), ignored: Callable[[str], bool] = lambda fqn: False) -> None:
         super().__init__()
         self.optional, self.missing = set(optional), set[str]()
+        #: The checkpoint's entries the state did not ask for (but those `ignored`: other ranks' own), sorted.
+        self.unread: list[str] = []
+        self._ignored = ignored
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -322,14 +352,18 @@ class _PlainLoadPlanner(DefaultLoadPlanner):
             return
         # Left out of the plan only (the flattened copy): dcp.load hands back every key it was given.
         entry_of = getattr(self, "mappings", {})
-        absent = [
-            fqn
-            for fqn in self.state_dict
-            if fqn not in metadata.state_dict_metadata and entry_of.get(fqn, (fqn,))[0] in self.optional
-        ]
+        saved = metadata.state_dict_metadata
+        absent = [fqn for fqn in self.state_dict if fqn not in saved and entry_of.get(fqn, (fqn,))[0] in self.optional]
         for fqn in absent:
             del self.state_dict[fqn]
         self.missing = {entry_of.get(fqn, (fqn,))[0] for fqn in absent}
+        lacking = sorted(fqn for fqn in self.state_dict if fqn not in saved)
+        if lacking:  # DCP would fail on the first with "Missing key in checkpoint state_dict"
+            raise StateMismatch(
+                f"the checkpoint lacks {len(lacking)} entries the state asks for ({', '.join(lacking[:3])}"
+                f"{', ...' if len(lacking) > 3 else ''}){_forms_hint(lacking, list(saved))}"
+            )
+        self.unread = sorted(fqn for fqn in saved if fqn not in self.state_dict and not self._ignored(fqn))
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         loaded = load_plain(value.getvalue())

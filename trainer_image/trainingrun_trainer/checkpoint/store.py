@@ -239,10 +239,10 @@ class CheckpointStore:
         self.wait()
         return self.restorer.latest_valid()
 
-    def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict) -> dict:
+    def load(self, info_or_uri: Union[CheckpointInfo, str], state: dict, strict: bool = False) -> dict:
         """`restoring.Restorer.load`, once the save in flight is done. A collective under torch.distributed."""
         self.wait()
-        return self.restorer.load(info_or_uri, state)
+        return self.restorer.load(info_or_uri, state, strict)
 
     # ------------------------------------------------------------------ closing
 
