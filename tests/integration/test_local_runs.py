@@ -560,3 +560,62 @@ def test_local_runs_the_specs_own_command_and_its_chaos_and_resumes_bitwise(tmp_
     assert faulted.returncode == 0, faulted.stderr[-3000:] + faulted.stdout[-3000:]
     assert "chaos:" in faulted.stdout and result_of(faulted.stdout)["restarts_in_place"] == "1"
     assert final_digest(f"file://{tmp_path}/faulted") == final_digest(f"file://{tmp_path}/whole")
+
+
+CONTRACT_MISTAKES = '''
+import torch
+from torch import nn
+
+
+class Output(dict):
+    """What a Hugging Face model returns: a dict whose keys are attributes too."""
+
+    __getattr__ = dict.get
+
+
+class Tiny(nn.Module):
+    def __init__(self, mistake: str = "", vocab_size: int = 256):
+        super().__init__()
+        self.mistake = mistake
+        self.embed = nn.Embedding(vocab_size, 16)
+        self.head = nn.Linear(16, vocab_size)
+
+    def forward(self, batch):
+        tokens = batch["tokens"]
+        logits = self.head(self.embed(tokens[:, :-1]))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if self.mistake == "output":
+            return Output(loss=loss, logits=logits)
+        if self.mistake == "logits":
+            return logits
+        if self.mistake == "bug":
+            return loss + batch["labels"]
+        return loss
+'''
+
+
+@pytest.mark.parametrize(
+    "mistake, settings, said",
+    [
+        ("output", {}, "Tiny.forward returned a Output, not the loss: return `.loss` of it"),
+        ("logits", {}, "Tiny.forward returned a tensor of shape [4, 32, 256] (logits?), not the loss"),
+        ("", {"activationCheckpointing": True}, "Tiny has no `blocks`, which spec.trainer.activationCheckpointing"),
+        ("bug", {}, "Tiny.forward raised KeyError on the first batch (tokens: [4, 33] int64): 'labels'"),
+    ],
+    ids=["model output", "logits", "no blocks", "bug in forward"],
+)
+def test_a_model_that_breaks_the_contract_is_named_at_once_in_one_line_and_not_retried(
+    tmp_path, mistake, settings, said
+):
+    """Issue 78 item 3: on main each ended as `the trainer exited with 1` on the console after three in-place restarts
+    (15-35 s), the cause only in the attempt's log."""
+    (tmp_path / "contract_models.py").write_text(CONTRACT_MISTAKES)
+    body = training_run(maxSteps=20, **settings)
+    body["spec"]["trainer"]["model"] = {"classPath": "contract_models.Tiny", "initArgs": {"mistake": mistake}}
+    body["spec"]["trainer"]["data"]["dataset"]["initArgs"]["contextLength"] = 32
+    body["spec"]["trainer"]["data"]["batchSize"] = 4
+    done = local(tmp_path, write_run(tmp_path, body), "--nproc", "1", env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert said in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+    result = result_of(done.stdout)
+    assert (result["attempts"], result["restarts_in_place"]) == ("1", "0")

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from trainingrun_api import exit_codes
 from trainingrun_api.config import RunConfig
 
-from . import metrics, tracking
+from . import metrics, model_contract, tracking
 from .checkpoint import CheckpointInfo, DigestOfEntry, model_digest
 from .checkpoint_interval import SaveCosts
 from .context import RunContext
@@ -114,6 +114,16 @@ class Trainer:
         if self.parts.ema:
             state["ema"] = self.parts.ema
         return state
+
+    def _first_forward(self, batch: Any) -> torch.Tensor:
+        """This process's first forward, with the model's contract checked (model_contract): a model that returns
+        something else than the loss, or whose forward has a bug, is named at once as a configuration error."""
+        try:
+            output = self.parts.wrapped(batch)
+        except model_contract.CODE_ERRORS as error:
+            raise model_contract.forward_failed(error, self.parts.model, batch) from error
+        model_contract.check_loss(output, self.parts.model)
+        return output
 
     def _per_rank(self) -> dict[str, Any]:
         return PerRank(
@@ -271,7 +281,8 @@ class Trainer:
             # Gradients are all-reduced only on the last micro-batch of an accumulation.
             with self.parts.wrapped.no_sync() if not sync else contextlib.nullcontext():
                 with self.parts.plan.autocast():
-                    loss = self.parts.wrapped(batch) / accumulation
+                    first = self.step == self.resumed_step and micro == 0
+                    loss = (self._first_forward(batch) if first else self.parts.wrapped(batch)) / accumulation
                 value = loss.detach().float()
                 total = value if total is None else total + value
                 if last:  # completes during the backward pass

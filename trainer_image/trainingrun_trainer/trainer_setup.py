@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from trainingrun_api import components
 from trainingrun_api.config import TrainerConfig
 
-from . import efficiency
+from . import efficiency, model_contract
 from .context import RunContext
 from .ema import WeightEMA
 from .health import NonFiniteGuard
@@ -76,7 +76,7 @@ def build_model(
     if cfg.activation_checkpointing:
         from .torch_internals import checkpoint_wrapper
 
-        blocks: Any = model.blocks  # a ModuleList (torch types a module's attributes as Tensor | Module)
+        blocks = model_contract.check_blocks(model, "spec.trainer.activationCheckpointing")
         for i, block in enumerate(blocks):
             blocks[i] = checkpoint_wrapper(block)
     counts_tokens = getattr(model, "tokens_per_sample", None)
@@ -84,8 +84,7 @@ def build_model(
     if cfg.strategy == "fsdp2" and distributed:
         from torch.distributed.fsdp import fully_shard
 
-        blocks_to_shard: Any = model.blocks
-        for block in blocks_to_shard:
+        for block in model_contract.check_blocks(model, "spec.trainer.strategy fsdp2"):
             fully_shard(block)
         fully_shard(model)
     elif distributed:

@@ -67,9 +67,17 @@ class Attempt:
         said = [
             line
             for line in lines
-            if line.startswith(("trainingrun-trainer:", "trainingrun launch: cannot")) or " ERROR trainingrun" in line
+            if line.startswith(("trainingrun-trainer:", "trainingrun:", "trainingrun launch: cannot"))
+            or " ERROR trainingrun" in line
         ]
-        return "\n".join(dict.fromkeys(said))  # each once, in order
+        if said:
+            return "\n".join(dict.fromkeys(said))  # each once, in order
+        # Nothing of ours said why (a script of one's own raised): the end of the first traceback, where it did.
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("Traceback (most recent")), None)
+        if start is None:
+            return ""
+        end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), start)
+        return f"the trainer failed, {self.log_path.name} says:\n" + "\n".join(lines[max(start, end - 4) : end + 1])
 
 
 #: Seconds the other nodes' launchers get to end after one node's has (torchrun's agents notice a lost peer within
