@@ -16,6 +16,7 @@ outage (no reports).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 from datetime import datetime, timezone
@@ -85,6 +86,12 @@ def memory_tier_dir(run: str, attempt: object, root: Optional[str] = None) -> st
             f"{run[:80]!r} cannot name a run's node memory: a uid or name is at most 63 letters, digits and '-'"
         )
     return f"{root or memory_tier_root()}/trainingrun-{run}-attempt-{attempt}"
+
+
+def memory_tier_key(run: str, checkpoint_uri: str) -> str:
+    """What names a run's node memory: its uid (or name) and its checkpoint URI, so two runs of one name (scripts of
+    one's own, whose TRAININGRUN_NAME defaults to the same) never share it."""
+    return f"{run}-{hashlib.sha256(checkpoint_uri.encode()).hexdigest()[:8]}"
 
 
 def memory_tier_dirs(run: str, root: Optional[str] = None) -> str:

@@ -160,7 +160,7 @@ class Run:
         """This attempt's memory tier directory (None: off, or no /dev/shm here); earlier attempts' are removed."""
         if not self.checkpoint.memory_tier or not os.path.isdir(contract.memory_tier_root()):
             return None
-        run = self.context.uid or self.context.name
+        run = contract.memory_tier_key(self.context.uid or self.context.name, self.checkpoint.uri)
         directory = contract.memory_tier_dir(run, self.context.attempt)
         if self.context.local_rank == 0:  # once per node
             for earlier in glob.glob(contract.memory_tier_dirs(run)):

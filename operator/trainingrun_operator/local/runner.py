@@ -451,7 +451,9 @@ class LocalRunner:
         return self._summary(final, time.monotonic() - started, outcome, message, processes)
 
     def _free_node_memory(self) -> None:
-        for kept in glob.glob(contract.memory_tier_dirs(self.run_key)):
+        for kept in glob.glob(
+            contract.memory_tier_dirs(contract.memory_tier_key(self.run_key, self.spec.checkpoint.uri))
+        ):
             shutil.rmtree(kept, ignore_errors=True)
         for node in range(self.options.nodes if self.options.nodes > 1 else 0):
             shutil.rmtree(self._node_memory(node), ignore_errors=True)

@@ -53,3 +53,14 @@ def test_the_memory_tier_folder_is_per_run_and_attempt_below_the_root(monkeypatc
     monkeypatch.setenv(contract.MEMORY_TIER_ROOT_ENV, "/tmp/tests-shm")
     assert contract.memory_tier_dir("uid-1", "*") == "/tmp/tests-shm/trainingrun-uid-1-attempt-*"
     assert contract.memory_tier_dir("uid-1", 1, root="/mnt") == "/mnt/trainingrun-uid-1-attempt-1"
+
+
+def test_node_memory_is_named_by_the_run_and_its_checkpoint_uri():
+    """Issue 78 item 4: scripts of one's own all default to TRAININGRUN_NAME `local`: on main they shared
+    /dev/shm/trainingrun-local-attempt-1, and one resumed another's checkpoint."""
+    import re
+
+    first, second = contract.memory_tier_key("local", "file:///a"), contract.memory_tier_key("local", "file:///b")
+    assert first != second and first == contract.memory_tier_key("local", "file:///a")
+    uid = "3f1c2a9e-0000-4000-8000-000000000001"
+    assert re.fullmatch(contract.RUN_KEY_PATTERN, contract.memory_tier_key(uid, "s3://bucket/run"))

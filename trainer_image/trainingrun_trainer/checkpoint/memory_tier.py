@@ -86,14 +86,28 @@ class MemoryTier:
         #: path -> (inode, size, mtime, ctime) of the files this process wrote from bytes checked as they were read
         self._vouched: dict[str, tuple[int, int, int, int]] = {}
         self._swept = False
+        #: Whether another user owns the tier's folder: nothing in it is read (`_sweep_once`).
+        self.foreign = False
 
     def _sweep_once(self) -> None:
-        """At this process's first use of the tier, the node's lead removes what an earlier process of the node left
-        half made (a spare being prepared when it was killed: `<spare>.<id>.partial`), and a spare it will not use
-        (one not recycling): each in-place restart after such a kill leaked a checkpoint's worth of pod memory."""
-        if self._swept or not self.retires:
+        """At this process's first use of the tier: a tier another user owns is never used (/dev/shm is the
+        machine's: one user's run must not read or remove another's). Then the node's lead removes what an earlier
+        process of the node left half made (a spare being prepared when it was killed: `<spare>.<id>.partial`), and a
+        spare it will not use (one not recycling): each in-place restart after such a kill leaked a checkpoint's worth
+        of pod memory."""
+        if self._swept:
             return
         self._swept = True
+        try:
+            owner = os.stat(self.root, follow_symlinks=False).st_uid
+        except OSError:
+            owner = os.getuid()  # not made yet: this process makes it, its own
+        if owner != os.getuid():
+            self.foreign = True
+            self.turn_off(f"{self.root} belongs to another user (uid {owner})")
+            return
+        if not self.retires:
+            return
         try:
             names = os.listdir(self.root)
         except OSError:
@@ -119,11 +133,12 @@ class MemoryTier:
     def begin(self, step: int, expected_bytes: int, keep: Collection[int] = ()) -> Optional[str]:
         """The directory this node's ranks write `step` into, or None when the tier is off or lacks room: then older
         steps go, except those in `keep` (one being persisted), when this process `retires` (the node's lead)."""
+        self._sweep_once()
         if self.off is not None:
             return None
-        self._sweep_once()
         directory = self.path(step)
         try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)  # this user's only
             os.makedirs(directory, exist_ok=True)
             if self.origin is not None and not self._origin_written:
                 write_atomically(os.path.join(self.root, ORIGIN_NAME), self.origin.encode())
@@ -276,7 +291,8 @@ class MemoryTier:
         """{file name: `TierFile`} of the checkpoint whose manifest has `manifest_sha256`, for the files this node holds
         with the manifest's size and file digest ({} when its copy of the manifest is another). Reads no file's content:
         that is checked as it loads."""
-        if not manifest_sha256:
+        self._sweep_once()
+        if not manifest_sha256 or self.foreign:
             return {}
         if manifest_sha256 not in self._usable:
             self._usable = {manifest_sha256: self._find(step, manifest_sha256)}
@@ -293,6 +309,8 @@ class MemoryTier:
     def newest_step(self) -> Optional[int]:
         """The newest step this tier holds a committed copy of (by its copy of the manifest), or None."""
         self._sweep_once()
+        if self.foreign:
+            return None
         try:
             names = os.listdir(self.root)
         except OSError:

@@ -172,7 +172,7 @@ class PeerCopies:
         tier = self._context.held_tier()
         step = tier.newest_step()
         origin = tier.origin_of_tier()
-        if step is None or (origin is not None and origin != self._context.uri):
+        if step is None or origin != tier.origin:
             return None
         try:
             with open(os.path.join(tier.path(step), MANIFEST_NAME), "rb") as f:

@@ -164,14 +164,16 @@ class Restorer:
 
     def _in_memory_only(self, step: int) -> Optional[CheckpointInfo]:
         """The tier's checkpoint of `step`, committed in memory and not (yet) in storage, by its manifest there; None
-        when the tier is another store's (its `origin`: two runs sharing one tier's name, which a run's uid prevents)."""
+        when the tier is another store's, or was made before the storage it belongs to was deleted or replaced (its
+        `origin`: the storage URI and the token storage holds, `storage_identity`)."""
         tier = self._context.held_tier()
         origin = tier.origin_of_tier()
-        if origin is not None and origin != self._context.uri:
+        if origin != tier.origin:
             logger.warning(
-                "the memory tier %s holds checkpoints of %s, not of %s: ignoring its step %d",
+                "the memory tier %s holds checkpoints of %s, not of %s as it is now (another run's, or made before "
+                "that storage was deleted or replaced): ignoring its step %d",
                 tier.root,
-                origin,
+                (origin or "an unknown store").split("#")[0],
                 self._context.uri,
                 step,
             )

@@ -6,8 +6,10 @@ import base64
 import errno
 import os
 import posixpath
+import re
 import shutil
 import stat
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -279,3 +281,30 @@ def _is_dir(entry: Mapping) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+#: Below a run's checkpoint URI: a random token that names this storage for as long as it exists. A checkpoint kept
+#: in node memory is trusted only under the token it was made under (`MemoryTier.origin`): after the folder is deleted
+#: or replaced, memory from before is never resumed, while memory ahead of storage in a live run still is.
+STORAGE_ID_NAME = "trainingrun-storage-id"
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def storage_identity(storage: _Storage, uri: str) -> Optional[str]:
+    """The token of the storage at `uri`, made and written there when it has none (or an unreadable one); None when
+    storage cannot be read or written (then nothing in memory can be trusted to be its)."""
+    target = posixpath.join(uri.rstrip("/"), STORAGE_ID_NAME)
+    try:
+        try:
+            held = storage.read_bytes(target, limit=64).decode("ascii", "replace").strip()
+        except FileNotFoundError:
+            held = ""
+        if _TOKEN.fullmatch(held):
+            return held
+        token = uuid.uuid4().hex
+        if storage.local:
+            os.makedirs(os.path.dirname(storage._path(target)), exist_ok=True)
+        storage.write_bytes(target, token.encode(), atomic=True)
+        return token
+    except Exception:  # noqa: BLE001 - each fsspec backend raises its own kinds: unreachable either way
+        return None

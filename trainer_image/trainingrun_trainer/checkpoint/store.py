@@ -21,7 +21,7 @@ from .ranks import RankGroup
 from .restoring import Restorer
 from .rotation import Rotation
 from .saving import Saver
-from .storage import _Storage, _storage_options
+from .storage import _Storage, _storage_options, storage_identity
 from .tier_staging import release_locked_pages
 
 
@@ -88,6 +88,14 @@ class CheckpointStore:
         options = _storage_options(uri, endpoint_url, storage_options)
         tier = MemoryTier(memory_tier, origin=uri) if memory_tier else None
         ranks = RankGroup(process_group)
+        storage = _Storage(uri, options)
+        if tier is not None:  # the same on every rank: rank 0's read of storage's token (`storage_identity`)
+            token = ranks.broadcast(storage_identity(storage, uri) if ranks.rank == 0 else None)
+            if token is None:
+                logger.warning("node memory is not used: %s cannot be read or written to name it", uri)
+                tier = None
+            else:
+                tier.origin = f"{uri}#{token}"
         # Each rank's node (host and tier) and pod (the downward API's name, else the host's: one in a cluster).
         pod = os.environ.get(contract.POD_NAME) or socket.gethostname()
         placed = ranks.gather((f"{socket.gethostname()}:{os.path.realpath(tier.root)}", pod)) if tier else []
@@ -102,7 +110,7 @@ class CheckpointStore:
         self.context = StoreContext(
             uri=uri,
             run_uid=run_uid or None,
-            storage=_Storage(uri, options),
+            storage=storage,
             options=options,
             tier=tier,
             ranks=ranks,

@@ -528,7 +528,7 @@ def test_a_large_file_is_read_by_several_threads(storage, memory, monkeypatch, f
 def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_once(storage, memory, monkeypatch):
     """On an object store each request is a round trip: the base listing, the listing of the step the tier holds and
     its manifest go out together, so a restart from memory waits for one round trip, not three."""
-    from trainingrun_trainer.checkpoint.storage import _Storage
+    from trainingrun_trainer.checkpoint.storage import STORAGE_ID_NAME, _Storage
 
     _, digest = saved(storage, memory)
     real_init = _Storage.__init__
@@ -543,7 +543,8 @@ def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_on
 
     def waiting(real):
         def call(self, uri, **options):
-            if not passed and not together.broken:
+            # The store's own name of its storage is read once, as the store starts, before any restart begins.
+            if not passed and not together.broken and not uri.endswith(STORAGE_ID_NAME):
                 if together.wait() == 0:
                     passed.append(True)
             return real(self, uri, **options)

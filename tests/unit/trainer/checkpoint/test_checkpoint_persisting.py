@@ -504,3 +504,44 @@ def test_with_two_ranks_on_a_node_and_dev_shm_full_the_step_being_copied_reaches
     assert [(r["first"], r["second"], r["third"]) for r in results] == [(1, 2, 3)] * 2
     assert results[0]["in_storage"] == [1, 2, 3]
     assert [r["same"] for r in results] == [True, True]  # storage's step 1 is bitwise the state committed at step 1
+
+
+@pytest.mark.parametrize("replaced", ["deleted", "replaced by another run's"])
+def test_memory_from_before_the_storage_was_deleted_or_replaced_is_not_resumed(bucket, memory, caplog, replaced):
+    """Issue 78 item 4: on main a rerun resumed a step node memory held although the user had deleted the checkpoint
+    folder (the memory folder was named by run name and attempt only). A memory copy names the storage it belongs
+    to by the token storage holds (`storage_identity`): a new folder has a new one. Memory ahead of the same storage
+    is still resumed (test_a_restart_resumes_from_memory_what_storage_never_got)."""
+    import shutil
+
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.wait().step == 1
+    assert steps_in(memory) == [1]
+    shutil.rmtree(bucket)
+    if replaced != "deleted":
+        with CheckpointStore(bucket.as_uri()) as other:  # another script's checkpoint, older than the memory's
+            other.save(0, app_state(*trained(seed=5)), {"step": 0}, blocking=True)
+    with behind(bucket, memory) as store:  # the same script started again, on the same node
+        newest = store.latest_valid()
+        assert (newest.step if newest else None) == (None if replaced == "deleted" else 0)
+    assert any("made before that storage was deleted or replaced" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tier_folder_of_another_user_is_never_read(bucket, memory):
+    """/dev/shm is the machine's: a folder of the run's name that another user made is not this run's memory."""
+    import os
+
+    model, opt = trained()
+    with behind(bucket, memory) as store:
+        store.save(1, app_state(model, opt), {"step": 1})
+        assert store.wait().step == 1
+    try:
+        os.chown(memory, 65534, 65534)
+    except PermissionError:
+        pytest.skip("changing a folder's owner needs root: this test runs as root in CI")
+    with behind(bucket, memory) as store:
+        info = store.latest_valid()
+        store.load(info, app_state(*trained(seed=5)))
+        assert store.metrics.last_restore_source == "storage" and store.context.tier.foreign
