@@ -3,15 +3,12 @@ the checkpoint holds or says, in one line, what does not match (issue 78 item 2)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from test_session import run_with
 from torch import nn
 
+from environments import run_script
 from trainingrun_api.checkpoint_config import CheckpointConfig
 from trainingrun_trainer.checkpoint import StateMismatch
 from trainingrun_trainer.own_state import OwnState
@@ -111,10 +108,9 @@ def test_a_script_that_lets_the_mismatch_escape_exits_as_a_configuration_error_i
         "    run.resume({'model': model.state_dict(), 'optim': opt.state_dict()})\n"
         "run.close()\n"
     )
-    env = {**os.environ, "TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": "mine"}
-    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    first = run_script(script, config)
     assert first.returncode == 0, first.stderr[-2000:]
-    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    second = run_script(script, config)
     assert second.returncode == 2, second.stderr[-2000:]
     assert "Traceback" not in second.stderr
     assert "trainingrun: cannot load" in second.stderr and "keyed by parameter" in second.stderr

@@ -456,9 +456,7 @@ def test_a_restore_says_where_its_bytes_came_from_in_words():
 def test_a_script_that_configured_no_logging_sees_the_runs_lines(tmp_path):
     """Issue 78 item 6: on main Run.from_env's info lines (what a resume read, and from where) were invisible in a
     script that only prints: Python shows only warnings then. A script of its own, run as a user would."""
-    import os
-    import subprocess
-    import sys
+    from environments import run_script
 
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -472,8 +470,7 @@ def test_a_script_that_configured_no_logging_sees_the_runs_lines(tmp_path):
         "model = torch.nn.Linear(2, 2)\n"
         "print('resumed', run.resume({'model': model.state_dict()}))\n"
     )
-    env = {**os.environ, "TRAININGRUN_CONFIG": str(config), "TRAININGRUN_NAME": "mine"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = run_script(script, config)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resumed None" in done.stdout
     assert " INFO trainingrun" in done.stderr, done.stderr[-2000:]

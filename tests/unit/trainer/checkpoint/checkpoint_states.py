@@ -121,3 +121,11 @@ def root(tmp_path) -> Path:
 def store(root):
     with CheckpointStore(f"file://{root}", keep=10) as s:
         yield s
+
+
+def spawned(worker, nprocs: int, out_dir, *args) -> list[dict]:
+    """Run `worker(rank, *args)` on `nprocs` spawned ranks; each rank's `rank<N>.json` in `out_dir`, in rank order."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=args, nprocs=nprocs, join=True)
+    return [json.loads((Path(out_dir) / f"rank{rank}.json").read_text()) for rank in range(nprocs)]

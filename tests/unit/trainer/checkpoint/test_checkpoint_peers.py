@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoint_states import app_state, flip_byte, local_digest, step_dir, train_step, wrapped
+from checkpoint_states import app_state, flip_byte, local_digest, spawned, step_dir, train_step, wrapped
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from trainingrun_trainer.checkpoint import CheckpointStore, memory_tier
@@ -268,13 +268,7 @@ def test_on_three_pods_a_lost_pod_receives_its_shards_from_the_next_pod_else_rea
     (verified by rank 0). Each rank gets back its own shards bitwise in every case."""
     tiers = [str(tmp_path / f"node-{rank}" / "tier") for rank in range(3)]
     uri = f"file://{tmp_path / 'ckpt'}"
-    mp.spawn(
-        _three_pods_worker,
-        args=(str(tmp_path / "pg"), uri, tiers, str(tmp_path), lost, damage),
-        nprocs=3,
-        join=True,
-    )
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    results = spawned(_three_pods_worker, 3, tmp_path, str(tmp_path / "pg"), uri, tiers, str(tmp_path), lost, damage)
     assert [(r["rank"], r["same"]) for r in results] == [(0, True), (1, True), (2, True)]
     storage = [r["bytes"]["storage"] for r in results]
     if lost == [1, 2]:

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from checkpoint_states import app_state, flip_byte, step_dir, train_step, trained
+from checkpoint_states import app_state, flip_byte, spawned, step_dir, train_step, trained
 from test_checkpoint_memory_tier import data_files, restored
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, CheckpointStore, memory_tier, model_digest, tier_files
@@ -486,20 +486,15 @@ def test_with_two_ranks_on_a_node_and_dev_shm_full_the_step_being_copied_reaches
     rank 1's `begin`, which held nothing, retired step 1 into the spare, step 3 was saved into its pages, and the copy
     of step 1 failed or read step 3's bytes under step 1's manifest. Only the lead retires now, by what it still copies,
     and the copy checks each file against the manifest as it streams."""
-    import json
 
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     entered, release = context.Event(), context.Event()
     tier, uri = str(tmp_path / "shm" / "tier"), f"file://{tmp_path / 'bucket'}"
-    mp.spawn(
-        _two_ranks_on_one_node_worker,
-        args=(str(tmp_path / "pg"), uri, tier, str(tmp_path), entered, release),
-        nprocs=2,
-        join=True,
+    results = spawned(
+        _two_ranks_on_one_node_worker, 2, tmp_path, str(tmp_path / "pg"), uri, tier, str(tmp_path), entered, release
     )
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [r["retires"] for r in results] == [True, False]
     assert [(r["first"], r["second"], r["third"]) for r in results] == [(1, 2, 3)] * 2
     assert results[0]["in_storage"] == [1, 2, 3]
