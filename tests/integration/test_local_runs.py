@@ -559,6 +559,7 @@ def test_local_runs_the_specs_own_command_and_its_chaos_and_resumes_bitwise(tmp_
     faulted = local(tmp_path, run_file, *fault, checkpoints="faulted")
     assert faulted.returncode == 0, faulted.stderr[-3000:] + faulted.stdout[-3000:]
     assert "chaos:" in faulted.stdout and result_of(faulted.stdout)["restarts_in_place"] == "1"
+    assert "resumed from step 20 (" in faulted.stdout and "), reading node memory" in faulted.stdout  # item 10
     assert final_digest(f"file://{tmp_path}/faulted") == final_digest(f"file://{tmp_path}/whole")
 
 

@@ -34,7 +34,9 @@ from .status_server import StatusServer
 from .summary import Summary
 
 #: Rank 0 says one of these when a worker group starts training (each attempt, each in-place restart).
-GROUP_STARTED = re.compile(r"(?:resumed from (\S+) at step (\d+)|no checkpoint to resume from)")
+GROUP_STARTED = re.compile(
+    r"(?:resumed from (\S+) at step (\d+)(?: in [\d.]+ s, reading ([a-z ]+) \()?|no checkpoint to resume from)"
+)
 CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
 #: A node's local rank 0 says so, stopped, after the step `--chaos-lose-node` names (`contract.CHAOS_LOSE_NODE_AT_STEP`).
 NODE_LOST = re.compile(r"chaos: node lost at step (\d+)")
@@ -351,7 +353,10 @@ class LocalRunner:
                     flush=True,
                 )
             if source:
-                print(f"{self.attempt_label()}: resumed from step {resumed} ({source})", file=self.out, flush=True)
+                read = f", reading {started.group(3)}" if started.group(3) else ""  # own memory, a peer's, storage
+                print(
+                    f"{self.attempt_label()}: resumed from step {resumed} ({source}){read}", file=self.out, flush=True
+                )
             else:
                 print(
                     f"{self.attempt_label()}: no checkpoint to resume from, starting at step 0",
