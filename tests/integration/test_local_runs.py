@@ -528,11 +528,6 @@ def own_loop_run(steps=40):
     }
 
 
-def final_digest(uri):
-    newest = max((info for info in CheckpointStore(uri).list() if info.valid), key=lambda info: info.step)
-    return newest.step, newest.model_digest
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "fault",
@@ -560,7 +555,7 @@ def test_local_runs_the_specs_own_command_and_its_chaos_and_resumes_bitwise(tmp_
     assert faulted.returncode == 0, faulted.stderr[-3000:] + faulted.stdout[-3000:]
     assert "chaos:" in faulted.stdout and result_of(faulted.stdout)["restarts_in_place"] == "1"
     assert "resumed from step 20 (" in faulted.stdout and "), reading node memory" in faulted.stdout  # item 10
-    assert final_digest(f"file://{tmp_path}/faulted") == final_digest(f"file://{tmp_path}/whole")
+    assert final_digest(tmp_path, "faulted", 40) == final_digest(tmp_path, "whole", 40)
 
 
 CONTRACT_MISTAKES = '''
