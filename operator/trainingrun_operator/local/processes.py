@@ -63,13 +63,40 @@ def wait_for_group_to_end(group: int, timeout: float = 5.0) -> bool:
         time.sleep(0.05)
 
 
-def _end_session(launcher: subprocess.Popen) -> None:
+def _end_session(launcher: subprocess.Popen, tag: str = "") -> None:
     """Kill what is left of an attempt's processes once its launcher has exited: they share its process group
-    (start_new_session), and the forkserver or a worker would otherwise outlive `trainingrun local`."""
+    (start_new_session), and the forkserver or a worker would otherwise outlive `trainingrun local`. With `tag`, also
+    every process carrying it (`tagged`): torchrun starts the workers of a script of one's own in sessions of their
+    own, outside the launcher's group, and a lost node's stopped worker outlived it and held its peers up."""
     try:
         os.killpg(launcher.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in tagged(tag) if tag else []:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+#: The variable every process of one local node inherits (`Launcher.start`), by which its processes are found
+#: wherever they are in the process tree.
+PROCESS_TAG = "TRAININGRUN_LOCAL_PROCESS_TAG"
+
+
+def tagged(tag: str) -> list[int]:
+    """This user's processes whose environment carries PROCESS_TAG=`tag`."""
+    marker = f"{PROCESS_TAG}={tag}".encode() + b"\0"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes() + b"\0":
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
 
 
 #: Where Linux keeps POSIX named semaphores (sem_open): multiprocessing's are "sem.mp-<random>".
@@ -79,16 +106,16 @@ SEMAPHORE_DIR = "/dev/shm"
 Mapping = tuple[str, int]  #: (device as /proc/<pid>/maps writes it, inode) of a mapped file
 
 
-def semaphores_mapped(process_group: Optional[int] = None) -> set[Mapping]:
-    """The named semaphores (`SEMAPHORE_DIR`) mapped by the processes of `process_group`, or by every process this
-    user can see (None). sem_open maps a file it made under a temporary name and then links to the semaphore's: the
-    maps name that (deleted); the inode is the semaphore's."""
+def semaphores_mapped(pids: Optional[Collection[int]] = None) -> set[Mapping]:
+    """The named semaphores (`SEMAPHORE_DIR`) mapped by the processes `pids`, or by every process this user can see
+    (None). sem_open maps a file it made under a temporary name and then links to the semaphore's: the maps name that
+    (deleted); the inode is the semaphore's."""
     mapped: set[Mapping] = set()
     for process in Path("/proc").iterdir():
         if not process.name.isdigit():
             continue
         try:
-            if process_group is not None and os.getpgid(int(process.name)) != process_group:
+            if pids is not None and int(process.name) not in pids:
                 continue
             maps = (process / "maps").read_text()
         except OSError:  # gone meanwhile, or another user's (which cannot map this user's 0600 semaphores)

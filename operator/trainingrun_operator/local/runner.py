@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
@@ -23,10 +24,12 @@ from .. import api, builders, pod_env, recovery
 from .inputs import LocalOptions
 from .ledger import RunLedger, run_directory
 from .processes import (
+    PROCESS_TAG,
     LogFollower,
     _end_session,
     remove_orphaned_semaphores,
     semaphores_mapped,
+    tagged,
     wait_for_group_to_end,
     worker_pids,
 )
@@ -99,13 +102,18 @@ class Launcher:
 
     @classmethod
     def start(cls, node: int, command: list[str], env: dict[str, str], log_path: Path) -> "Launcher":
+        env = {**env, PROCESS_TAG: uuid.uuid4().hex}  # found by it wherever torchrun puts them (`tagged`)
         with open(log_path, "w", encoding="utf-8") as log:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(node, process, LogFollower(log_path), command, env)
 
+    def processes(self) -> list[int]:
+        """Every process of this node still alive, wherever it is in the process tree."""
+        return tagged(self.env[PROCESS_TAG])
+
     def close(self) -> None:
         """Its processes gone, the launcher's included (reaped)."""
-        _end_session(self.process)
+        _end_session(self.process, self.env[PROCESS_TAG])
         self.process.wait()
 
 
@@ -318,9 +326,13 @@ class LocalRunner:
         self.node_replacements += 1
         if self.groups:
             self.groups[-1].last_step = max(self.groups[-1].last_step, step)
-        lost_semaphores = semaphores_mapped(launcher.process.pid)  # its process group's, before they are gone
+        lost_semaphores = semaphores_mapped(launcher.processes())  # before they are gone
         launcher.close()
         wait_for_group_to_end(launcher.process.pid)  # its semaphores are unmapped once its processes are gone
+        for _ in range(100):  # and those torchrun started in sessions of their own (a script of one's own)
+            if not launcher.processes():
+                break
+            time.sleep(0.05)
         remove_orphaned_semaphores(made_before=time.time(), made_after=self.started_at, only=lost_semaphores)
         memory = launcher.env[contract.MEMORY_TIER_ROOT_ENV]
         shutil.rmtree(memory, ignore_errors=True)

@@ -82,7 +82,7 @@ def test_after_a_lost_node_only_the_semaphores_its_processes_mapped_are_removed(
     del foreign  # unmapped here: as another namespace's live semaphore looks from this one
     try:
         assert node.stdout.readline() == b"ready\n"
-        recorded = processes.semaphores_mapped(node.pid)
+        recorded = processes.semaphores_mapped([node.pid])
         assert len(recorded) == 1
         os.killpg(node.pid, signal.SIGKILL)  # the node lost: its resource tracker would have gone with it
         node.wait()
