@@ -225,15 +225,8 @@ def _skipped(state: OperatorState, kind: str, body: dict[str, Any], error: Excep
     if kind != api.KIND or not isinstance(meta.get("name"), str) or not isinstance(meta.get("namespace"), str):
         return
     key = (meta["namespace"], meta["name"])
-    kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation") if isinstance(meta.get(k), (str, int))}
-    state.runs[key] = {
-        "apiVersion": api.API_VERSION,
-        "kind": api.KIND,
-        "metadata": kept,
-        indexes.SPEC_JSON: f"{indexes.PROBLEM_PREFIX}the operator could not read this run ({type(error).__name__}); "
-        "see its log",
-        "status": (state.runs.get(key) or {}).get("status") or {},
-    }
+    problem = f"the operator could not read this run ({type(error).__name__}); see its log"
+    state.runs[key] = indexes.refused_run(meta, problem, (state.runs.get(key) or {}).get("status") or {})
     state.enqueue(key)
 
 

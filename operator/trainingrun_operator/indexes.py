@@ -17,6 +17,7 @@ import orjson
 from trainingrun_api import config, nesting
 from trainingrun_api.contract import parse_time
 
+from .api import API_VERSION, KIND
 from .naming import ANNOTATION_SIGNATURE, job_signature
 
 
@@ -88,6 +89,19 @@ def path_value(value: Any, path: nesting.Path) -> Any:
     for part in path:
         value = value[part]
     return value
+
+
+def refused_run(meta: dict[str, Any], problem: str, status: dict[str, Any]) -> dict[str, Any]:
+    """A run as kept when the operator could not read it (`handlers._skipped`): its plain metadata only, and a spec
+    that is `problem` (spec_problem), so that it is refused saying so and never run as it was."""
+    kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation") if isinstance(meta.get(k), (str, int))}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": kept,
+        SPEC_JSON: PROBLEM_PREFIX + problem,
+        "status": status,
+    }
 
 
 def spec_problem(slim: dict[str, Any]) -> Optional[str]:

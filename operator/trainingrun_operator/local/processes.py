@@ -47,32 +47,26 @@ class LogFollower:
         return [line.decode("utf-8", "replace") for line in lines]
 
 
-def wait_for_group_to_end(group: int, timeout: float = 5.0) -> bool:
-    """Wait (up to `timeout` seconds) until no process of process group `group` is left, reaped or not; whether none
-    is."""
+def wait_for_tagged_to_end(tag: str, timeout: float = 5.0) -> bool:
+    """Wait (up to `timeout` seconds) until no process carrying `tag` (`tagged`) is left; whether none is."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # a process of another user took the number: not ours
-            return True
+    while tagged(tag):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+    return True
 
 
-def _end_session(launcher: subprocess.Popen, tag: str = "") -> None:
+def _end_session(launcher: subprocess.Popen, tag: str) -> None:
     """Kill what is left of an attempt's processes once its launcher has exited: they share its process group
-    (start_new_session), and the forkserver or a worker would otherwise outlive `trainingrun local`. With `tag`, also
-    every process carrying it (`tagged`): torchrun starts the workers of a script of one's own in sessions of their
+    (start_new_session), and the forkserver or a worker would otherwise outlive `trainingrun local`; and every
+    process carrying `tag` (`tagged`): torchrun starts the workers of a script of one's own in sessions of their
     own, outside the launcher's group, and a lost node's stopped worker outlived it and held its peers up."""
     try:
         os.killpg(launcher.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for pid in tagged(tag) if tag else []:
+    for pid in tagged(tag):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -30,7 +30,7 @@ from .processes import (
     remove_orphaned_semaphores,
     semaphores_mapped,
     tagged,
-    wait_for_group_to_end,
+    wait_for_tagged_to_end,
     worker_pids,
 )
 from .status_server import StatusServer
@@ -131,11 +131,10 @@ def own_command(spec: api.TrainingRunSpec) -> Optional[list[str]]:
 
 
 def _as_pet_variables(options: list[str]) -> dict[str, str]:
-    """torchrun's `--name=value` options as the PET_NAME variables it reads when an option is not given."""
-    names = {
-        option.split("=", 1)[0].lstrip("-").replace("-", "_").upper(): option.split("=", 1)[1] for option in options
-    }
-    return {f"PET_{name}": value for name, value in names.items()}
+    """torchrun's `--name=value` options (and `--flag`s) as the PET_NAME variables it reads when an option is not
+    given."""
+    pairs = (option.lstrip("-").partition("=") for option in options)
+    return {f"PET_{name.replace('-', '_').upper()}": value if equals else "1" for name, equals, value in pairs}
 
 
 def node_rendezvous(nodes: int, node: int, port: int, rendezvous_id: str) -> list[str]:
@@ -328,11 +327,7 @@ class LocalRunner:
             self.groups[-1].last_step = max(self.groups[-1].last_step, step)
         lost_semaphores = semaphores_mapped(launcher.processes())  # before they are gone
         launcher.close()
-        wait_for_group_to_end(launcher.process.pid)  # its semaphores are unmapped once its processes are gone
-        for _ in range(100):  # and those torchrun started in sessions of their own (a script of one's own)
-            if not launcher.processes():
-                break
-            time.sleep(0.05)
+        wait_for_tagged_to_end(launcher.env[PROCESS_TAG])  # its semaphores are unmapped once its processes are gone
         remove_orphaned_semaphores(made_before=time.time(), made_after=self.started_at, only=lost_semaphores)
         memory = launcher.env[contract.MEMORY_TIER_ROOT_ENV]
         shutil.rmtree(memory, ignore_errors=True)
@@ -483,27 +478,20 @@ class LocalRunner:
         """The attempt's launchers: one (--standalone), or one per simulated node as in a PyTorchJob's pods (c10d
         rendezvous hosted by node 0 on 127.0.0.1, each node's own memory folder and log: attempt-N.log for node 0,
         attempt-N-node-I.log for the others)."""
+        torchrun = [f"--nproc-per-node={self.nproc}", f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}"]
         own = own_command(self.spec)
-        command = [
-            sys.executable,
-            "-m",
-            "trainingrun_trainer.launch",
-            f"--nproc-per-node={self.nproc}",
-            f"--max-restarts={self.spec.recovery.max_restarts_per_attempt}",
-            "--module",
-            "trainingrun_trainer",
-        ]
-        if own is not None:  # torchrun's settings as a pod gets them: PET_* variables, which torchrun reads
-            env = {
-                **env,
-                "PET_NPROC_PER_NODE": str(self.nproc),
-                "PET_MAX_RESTARTS": str(self.spec.recovery.max_restarts_per_attempt),
-            }
+
+        def start(node: int, options: list[str], node_env: dict[str, str], path: Path) -> Launcher:
+            """The built-in trainer under our launcher with torchrun's `options`; or the spec's own command, given
+            them as a pod is, as PET_* variables (which torchrun reads)."""
+            if own is not None:
+                return Launcher.start(node, own, {**node_env, **_as_pet_variables(options)}, path)
+            command = [sys.executable, "-m", "trainingrun_trainer.launch", *options, "--module", "trainingrun_trainer"]
+            return Launcher.start(node, command, node_env, path)
+
         nodes = self.options.nodes
         if nodes == 1:
-            if own is not None:
-                return [Launcher.start(0, own, {**env, "PET_STANDALONE": "1"}, log_path)]
-            return [Launcher.start(0, [*command[:3], "--standalone", *command[3:]], env, log_path)]
+            return [start(0, ["--standalone", *torchrun], env, log_path)]
         port = _free_port()
         job = f"{self.run.metadata.name}-a{attempt}"
         launchers = []
@@ -522,11 +510,7 @@ class LocalRunner:
             if node == nodes - 1 and attempt == 1 and self.options.chaos_lose_node_step is not None:
                 node_env[contract.CHAOS_LOSE_NODE_AT_STEP] = str(self.options.chaos_lose_node_step)
             path = log_path if node == 0 else log_path.with_name(f"{log_path.stem}-node-{node}.log")
-            if own is not None:
-                node_env.update(_as_pet_variables(rendezvous))
-                launchers.append(Launcher.start(node, own, node_env, path))
-            else:
-                launchers.append(Launcher.start(node, [*command[:3], *rendezvous, *command[3:]], node_env, path))
+            launchers.append(start(node, [*rendezvous, *torchrun], node_env, path))
         return launchers
 
     def _summary(

@@ -86,10 +86,10 @@ class MemoryTier:
         #: path -> (inode, size, mtime, ctime) of the files this process wrote from bytes checked as they were read
         self._vouched: dict[str, tuple[int, int, int, int]] = {}
         self._swept = False
-        #: Whether another user owns the tier's folder: nothing in it is read (`_sweep_once`).
+        #: Whether another user owns the tier's folder: nothing in it is read (`_first_use`).
         self.foreign = False
 
-    def _sweep_once(self) -> None:
+    def _first_use(self) -> None:
         """At this process's first use of the tier: a tier another user owns is never used (/dev/shm is the
         machine's: one user's run must not read or remove another's). Then the node's lead removes what an earlier
         process of the node left half made (a spare being prepared when it was killed: `<spare>.<id>.partial`), and a
@@ -133,7 +133,7 @@ class MemoryTier:
     def begin(self, step: int, expected_bytes: int, keep: Collection[int] = ()) -> Optional[str]:
         """The directory this node's ranks write `step` into, or None when the tier is off or lacks room: then older
         steps go, except those in `keep` (one being persisted), when this process `retires` (the node's lead)."""
-        self._sweep_once()
+        self._first_use()
         if self.off is not None:
             return None
         directory = self.path(step)
@@ -291,7 +291,7 @@ class MemoryTier:
         """{file name: `TierFile`} of the checkpoint whose manifest has `manifest_sha256`, for the files this node holds
         with the manifest's size and file digest ({} when its copy of the manifest is another). Reads no file's content:
         that is checked as it loads."""
-        self._sweep_once()
+        self._first_use()
         if not manifest_sha256 or self.foreign:
             return {}
         if manifest_sha256 not in self._usable:
@@ -308,7 +308,7 @@ class MemoryTier:
 
     def newest_step(self) -> Optional[int]:
         """The newest step this tier holds a committed copy of (by its copy of the manifest), or None."""
-        self._sweep_once()
+        self._first_use()
         if self.foreign:
             return None
         try:

@@ -29,9 +29,12 @@ from .layout import (
 )
 from .manifest import _inspect, _step_dirs
 from .peers import PeerCopies
-from .safe_load import StateMismatch, _PlainLoadPlanner, _PlainReader, load_plain
+from .safe_load import StateMismatch, _PlainLoadPlanner, _PlainReader, listed, load_plain
 from .storage import _Storage
 from .tier_files import OWN_MEMORY, PEER, STORAGE, LocalFirstFileSystem, TierMismatch
+
+#: Every rank's extra state entry: each rank reads only its own (a strict load does not miss the others').
+_EXTRA_ENTRIES = re.compile(EXTRA_ENTRY.format(rank=r"\d+"))
 
 
 class Restorer:
@@ -275,9 +278,8 @@ class Restorer:
         if strict and planner.unread:
             raise StateMismatch(
                 f"cannot load {uri} whole: the state passed leaves {len(planner.unread)} of its entries unread "
-                f"({', '.join(planner.unread[:3])}{', ...' if len(planner.unread) > 3 else ''}): pass everything the "
-                "save had; an optimizer's state_dict() is empty before its first step, so pass the optimizer itself "
-                "(Run.resume makes its state in full)"
+                f"{listed(planner.unread)}: pass everything the save had; an optimizer's state_dict() is empty before "
+                "its first step, so pass the optimizer itself (Run.resume makes its state in full)"
             )
         state.update({key: loading[key] for key in state})  # as dcp.load(state) would: Stateful -> its dict
         if legacy:
@@ -326,9 +328,8 @@ class Restorer:
         come from the memory tier; it records where it read): (what was loaded, the planner)."""
         loading = dict(state) if legacy else {**state, entry: b""}
         # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
-        other_ranks = re.compile(EXTRA_ENTRY.format(rank=r"\d+"))  # each rank reads only its own extra state
         planner = _PlainLoadPlanner(
-            optional=set(state) if legacy else {entry}, ignored=lambda fqn: other_ranks.fullmatch(fqn) is not None
+            optional=set(state) if legacy else {entry}, ignored=lambda fqn: _EXTRA_ENTRIES.fullmatch(fqn) is not None
         )
         reader = _PlainReader(info.uri, info.files, **self._context.options)
         reading.inner, reader.fs = reader.fs, reading  # type: ignore[assignment]  # serves what DCP's reader calls

@@ -320,6 +320,11 @@ _BY_INDEX = re.compile(r"(^|\.)state\.\d+\.[^.]+$")
 _BY_NAME = re.compile(r"(^|\.)state\.(?!\d+\.[^.]+$)[^.]+\..+$")
 
 
+def listed(names: list[str], most: int = 3) -> str:
+    """`(a, b, c, ...)`: the first `most` of some entries."""
+    return f"({', '.join(names[:most])}{', ...' if len(names) > most else ''})"
+
+
 def _forms_hint(lacking: list[str], saved: list[str]) -> str:
     """Why entries may be lacking: the optimizer's state saved keyed one way and asked for keyed the other."""
     for asked, held, how in ((_BY_INDEX, _BY_NAME, "index"), (_BY_NAME, _BY_INDEX, "name")):
@@ -360,8 +365,7 @@ class _PlainLoadPlanner(DefaultLoadPlanner):
         lacking = sorted(fqn for fqn in self.state_dict if fqn not in saved)
         if lacking:  # DCP would fail on the first with "Missing key in checkpoint state_dict"
             raise StateMismatch(
-                f"the checkpoint lacks {len(lacking)} entries the state asks for ({', '.join(lacking[:3])}"
-                f"{', ...' if len(lacking) > 3 else ''}){_forms_hint(lacking, list(saved))}"
+                f"the checkpoint lacks {len(lacking)} entries the state asks for {listed(lacking)}{_forms_hint(lacking, list(saved))}"
             )
         self.unread = sorted(fqn for fqn in saved if fqn not in self.state_dict and not self._ignored(fqn))
 

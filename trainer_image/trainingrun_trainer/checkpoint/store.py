@@ -86,7 +86,7 @@ class CheckpointStore:
         self.uri = uri
         self.memory_tier = memory_tier or None
         options = _storage_options(uri, endpoint_url, storage_options)
-        tier = MemoryTier(memory_tier, origin=uri) if memory_tier else None
+        tier = MemoryTier(memory_tier) if memory_tier else None
         ranks = RankGroup(process_group)
         storage = _Storage(uri, options)
         if tier is not None:  # the same on every rank: rank 0's read of storage's token (`storage_identity`)
