@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml images/operator-constraints.txt images/traine
 	$(BIN)/pip install --quiet --upgrade pip
 	@echo "setup 3/3: the operator, the trainer and their tools as pinned in images/*-constraints.txt (about 1 GB" \
 		"with torch, a few minutes the first time)"
-	$(BIN)/pip install --progress-bar off -e ".[operator,cli,trainer,tensorboard,mlflow,wandb,images,dev]" \
+	$(BIN)/pip install --progress-bar off -e ".[operator,cli,trainer,tensorboard,mlflow,wandb,images,huggingface,dev]" \
 		-c images/operator-constraints.txt -c images/trainer-constraints.txt
 	@echo "setup done: $(VENV) holds everything; make demo and make test use it"
 	touch $@
@@ -32,12 +32,15 @@ demo: setup
 # The real-API tier (tests/real_api/) runs when KUBEBUILDER_ASSETS names the Kubernetes binaries; by default
 # those scripts/install-k8s.sh unpacked into .tools/k8s (it skips, saying how, when there are none).
 K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURDIR)/.tools/k8s))
+# pytest's own temporary folders (tmp_path, kept for the last session to look at) in the clone's .pytest-tmp/, not /tmp:
+# `make test` changes nothing outside the clone (.ci/run checks with scripts/leftovers.py).
+PYTEST_TEMP := --basetemp=$(CURDIR)/.pytest-tmp
 test: setup
-	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest
+	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest $(PYTEST_TEMP)
 
 # The unit and security tiers alone (no torchrun processes, servers or control plane): about 7 minutes on 2 cores.
 test-fast: setup
-	$(BIN)/pytest tests/unit tests/security
+	$(BIN)/pytest $(PYTEST_TEMP) tests/unit tests/security
 
 # Lint and import order (ruff, everything) and types (mypy: strict for the shared package, checked for both sides);
 # the settings are in pyproject.toml, and .pre-commit-config.yaml runs the same before each commit.

@@ -36,11 +36,14 @@ def pytest_configure(config):
     # The processes the tests start (torchrun's agents, their workers, servers) make temporary folders of their own
     # (torchelastic_*, pymp-*) and leave them where a test kills them: in this session's folder, removed at its end,
     # so a test run leaves nothing behind in /tmp. pytest's own tmp_path stays where pytest keeps it (this process
-    # read the temporary directory before: tempfile caches it).
+    # read the temporary directory before: tempfile caches it): `make test` puts it in the clone's .pytest-tmp/.
     tempfile.gettempdir()
     config._started_at = time.time()
     config._temp_root = tempfile.mkdtemp(prefix="trainingrun-tests-tmp-")
     os.environ["TMPDIR"] = config._temp_root
+    # W&B writes its debug logs and settings under the home folder unless told otherwise (~/.cache/wandb).
+    for variable in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        os.environ.setdefault(variable, os.path.join(config._temp_root, variable.lower()))
 
 
 def pytest_unconfigure(config):

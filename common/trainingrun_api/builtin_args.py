@@ -9,6 +9,7 @@ to its class's signature (names and defaults).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -157,6 +158,21 @@ CLASSES: dict[str, ClassArgs] = {
                 "image_size ({image_size}) must be at least 2 x patch_size ({patch_size}): masking needs 2+ patches",
             ),
         ],  # fmt: skip
+    ),
+    "trainingrun_trainer.models.HuggingFaceCausalLM": ClassArgs(
+        {
+            "config_class": Arg(
+                accepts=lambda v: (
+                    isinstance(v, str)
+                    and re.fullmatch(r"(transformers\.)?[A-Za-z_][A-Za-z0-9_]*", v, re.ASCII) is not None
+                ),
+                expected="a configuration class of transformers, e.g. transformers.GPT2Config",
+            ),
+            "config": Arg(
+                None, lambda v: isinstance(v, dict), "a mapping of the config class's arguments", optional=True
+            ),
+            "context_length": _positive(64),
+        }
     ),
     "trainingrun_trainer.data.SyntheticText": ClassArgs(
         {

@@ -136,7 +136,10 @@ OPTIONAL_LIBRARIES = {
     "mlflow": ("mlflow", "mlflow"),
     "wandb": ("wandb", "wandb"),
     "trainingrun_trainer.shards.ImageShards": ("PIL", "images"),
+    "trainingrun_trainer.models.HuggingFaceCausalLM": ("transformers", "huggingface"),
 }
+#: The extras Dockerfile.trainer installs.
+STOCK_IMAGE_EXTRAS = ("tensorboard", "mlflow", "wandb", "images")
 
 
 def check_libraries(trainer: TrainerConfig) -> None:
@@ -153,8 +156,12 @@ def check_libraries(trainer: TrainerConfig) -> None:
             if importlib.util.find_spec(module) is None:
                 problems.append(
                     f"{field}: {what} needs the {module} package, which this trainer image lacks; build "
-                    f"the image with pip install 'trainingrun-operator[trainer,{extra}]' (the stock image "
-                    "has it)"
+                    f"the image with pip install 'trainingrun-operator[trainer,{extra}]' ("
+                    + (
+                        "the stock image has it)"
+                        if extra in STOCK_IMAGE_EXTRAS
+                        else "FROM the stock image, which lacks it)"
+                    )
                 )
     if problems:
         raise ConfigError("\n".join(problems))

@@ -125,6 +125,10 @@ class Progress(ReportPart):
         description="Model FLOPs utilisation: modelFlopsPerSecond over every GPU's dense peak at the run's "
         "precision (0..1); absent on CPUs and GPUs the trainer's peak table lacks (spec.trainer.peakFlopsPerSecond).",
     )
+    eval_loss: Optional[Finite] = Field(
+        default=None, description="Mean loss on the held-out split at the last evaluation (spec.trainer.eval)."
+    )
+    eval_step: Optional[Count] = Field(default=None, description="The step of that evaluation.")
 
 
 class ProcessTime(ReportPart):
@@ -160,6 +164,11 @@ class ProcessTime(ReportPart):
     )
     first_step_seconds: Seconds = Field(
         default=0.0, description="The first step (torch.compile compiling, CUDA warming up); part of computeSeconds."
+    )
+    trained_samples: Seconds = Field(
+        default=0.0,
+        description="Samples its steps trained over all ranks, kept or lost: over computeSeconds and "
+        "dataWaitSeconds, the average throughput.",
     )
 
     #: Start-up to the first step, part by part (they add up to it): `startup_seconds`' phases, restore, the first step.

@@ -179,11 +179,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     in_place = f" and {summary.restarts_in_place} restart(s) in place" if summary.restarts_in_place else ""
     print(f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in {runner.run_dir}")
     print(summary.breakdown_line())
-    if summary.startup_line():
-        print(summary.startup_line())
-    if summary.interval_line():
-        print(summary.interval_line())
-    if summary.throughput_line():
-        print(summary.throughput_line())
+    for line in (summary.startup_line(), summary.interval_line(), summary.throughput_line(), summary.eval_line()):
+        if line:
+            print(line)
     print(summary.result_line(), flush=True)
     return summary.exit_code

@@ -15,9 +15,9 @@ A model named by `spec.trainer.model.classPath` is an `nn.Module` with:
   dicts of tensors). Call through `forward` only (not a helper method): under FSDP2 the
   parameters are gathered by forward hooks.
 - `blocks: nn.ModuleList`: the repeated layers. The trainer applies activation checkpointing and
-  FSDP2 `fully_shard` to each element, and may replace an element in place with a wrapper, so
-  `forward` must reach the blocks through `self.blocks[i]` (iterating the list is fine), and
-  each block must take and return one tensor.
+  FSDP2 `fully_shard` to each element, and may replace an element in place with a wrapper that
+  passes the block's arguments on, so `forward` must reach the blocks through `self.blocks[i]`
+  (iterating the list is fine).
 - `tokens_per_sample() -> int`: what one sample counts for throughput (tokens/s): predicted
   tokens for text, patches for images.
 - `flops_per_sample() -> int`: approximate forward+backward FLOPs of one sample, for MFU. The
@@ -31,13 +31,15 @@ resumed run continue exactly.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainingrun_api import builtin_args
 
-__all__ = ["CharTransformer", "MaskedAutoencoder", "TransformerBlock"]
+__all__ = ["CharTransformer", "HuggingFaceCausalLM", "MaskedAutoencoder", "TransformerBlock"]
 
 
 def _require(condition: bool, message: str) -> None:
@@ -288,3 +290,92 @@ class MaskedAutoencoder(nn.Module):
             + _attention_flops(len(encoder_blocks), self.dim, visible)
             + _attention_flops(len(decoder_blocks), self.decoder_dim, everything)
         )
+
+
+class HuggingFaceCausalLM(nn.Module):
+    """A Hugging Face causal language model (what transformers' `AutoModelForCausalLM` builds for a config: GPT-2,
+    Llama, Qwen, Mistral...) from random weights, under the model contract: the adapter most users otherwise write.
+
+    `config_class`: its configuration class in transformers (`transformers.GPT2Config`, or `LlamaConfig`), and
+    nothing outside that package; `config`: that class's arguments (`n_layer`, `hidden_size`, `vocab_size`...);
+    `context_length`: the tokens a sample predicts, for tokens/s and model FLOPs (the dataset's own context length).
+    batch: `{"tokens": LongTensor[B, T + 1]}` with T <= context_length, as the built-in text datasets give it: the
+    model reads the first T tokens and the loss is the mean next-token cross entropy over the last T, in float32.
+    `blocks` is the model's own list of decoder layers (found by its `_no_split_modules`), not a copy, so activation
+    checkpointing and FSDP2 wrap the layers the model calls. Needs the `huggingface` extra (transformers).
+    """
+
+    def __init__(self, config_class: str, config: Optional[dict[str, Any]] = None, context_length: int = 64):
+        super().__init__()
+        builtin_args.require(
+            "trainingrun_trainer.models.HuggingFaceCausalLM", config_class=config_class, config=config,
+            context_length=context_length,
+        )  # fmt: skip
+        import transformers
+
+        name = config_class.removeprefix("transformers.")
+        found = getattr(transformers, name, None) if name.isidentifier() else None
+        _require(
+            isinstance(found, type) and issubclass(found, transformers.PretrainedConfig),
+            f"configClass {config_class!r} is not a configuration class of transformers "
+            f"{transformers.__version__}: name one such as transformers.GPT2Config or transformers.LlamaConfig",
+        )
+        assert isinstance(found, type)
+        self.config = found(**(config or {}))
+        try:
+            self.model = transformers.AutoModelForCausalLM.from_config(self.config)
+        except ValueError as error:  # a config transformers maps to no causal LM (e.g. BertConfig)
+            raise ValueError(f"configClass {config_class!r}: {error}") from None
+        self.context_length = context_length
+        self._blocks_path = _decoder_layers(self.model)
+        _require(
+            self._blocks_path is not None,
+            f"configClass {config_class!r}: {type(self.model).__name__} has no list of decoder layers this adapter "
+            "can find (its _no_split_modules); write a wrapper that sets `blocks` (docs/training.md)",
+        )
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The model's decoder layers, the list it calls them from (registered once, under the model's own name)."""
+        assert self._blocks_path is not None
+        layers = self.model.get_submodule(self._blocks_path)
+        assert isinstance(layers, nn.ModuleList)
+        return layers
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        tokens = batch["tokens"]
+        _require(
+            tokens.dim() == 2 and 2 <= tokens.size(1) <= self.context_length + 1,
+            f"tokens must be [batch, length] with 2 <= length <= context_length + 1 = "
+            f"{self.context_length + 1}, got shape {tuple(tokens.shape)}",
+        )
+        logits = self.model(input_ids=tokens[:, :-1], use_cache=False).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+    def tokens_per_sample(self) -> int:
+        return self.context_length
+
+    def flops_per_sample(self) -> int:
+        """6 x the matmul weights x tokens, plus attention: every 2-D weight but the embeddings' (transformers' GPT-2
+        has Conv1D layers, not nn.Linear), and the output head once when it is the token embedding, tied."""
+        embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
+        matmul = sum(p.numel() for p in self.model.parameters() if p.dim() == 2 and id(p) not in embeddings)
+        head = self.model.get_output_embeddings()
+        if head is not None and id(head.weight) in embeddings:
+            matmul += head.weight.numel()
+        hidden = int(getattr(self.config, "hidden_size", 0) or getattr(self.config, "n_embd", 0))
+        return 6 * matmul * self.context_length + _attention_flops(len(self.blocks), hidden, self.context_length)
+
+
+def _decoder_layers(model: nn.Module) -> Optional[str]:
+    """The dotted name of the ModuleList holding `model`'s decoder layers: the longest list whose elements are all of
+    the classes the model names in `_no_split_modules` (GPT2Block, LlamaDecoderLayer...)."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) > 0
+        and all(type(layer).__name__ in layer_classes for layer in module)
+    ]
+    return max(lists, key=lambda named: len(named[1]))[0] if lists else None

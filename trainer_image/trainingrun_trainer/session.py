@@ -405,9 +405,11 @@ class Run:
         process_time: Optional[ProcessClock] = None,
         model_flops_per_second: Optional[float] = None,
         mfu: Optional[float] = None,
+        evaluation: Optional[tuple[int, float]] = None,
     ) -> None:
         """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
-        the reporter's pace). Every rank: `trainingrun local`'s chaos options act here for a loop of its own."""
+        the reporter's pace); `evaluation`: (step, mean held-out loss) of the last evaluation, for status and the
+        local summary. Every rank: `trainingrun local`'s chaos options act here for a loop of its own."""
         self.inject_chaos(step)
         if not self.reports.reporter.enabled:
             return  # every step: ranks that do not report build nothing
@@ -421,6 +423,7 @@ class Run:
             model_flops_per_second=model_flops_per_second,
             mfu=mfu,
             interval_choice=self.intervals.choice(),
+            evaluation=evaluation,
         )
 
     @property

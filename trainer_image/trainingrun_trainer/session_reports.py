@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from trainingrun_api.progress_report import (
     MAX_PODS_NAMED,
@@ -88,6 +88,7 @@ class RunReports:
         model_flops_per_second: Optional[float],
         mfu: Optional[float],
         interval_choice: Optional[IntervalChoice],
+        evaluation: Optional[tuple[int, float]] = None,
     ) -> None:
         """Report progress, and where this process's time went (never blocks, never raises; sent at the reporter's
         pace; a reporter that is off builds nothing)."""
@@ -103,7 +104,15 @@ class RunReports:
                 productive_seconds=None if productive_seconds is None else round(productive_seconds, 3),
                 model_flops_per_second=model_flops_per_second,
                 mfu=None if mfu is None else round(mfu, 4),
+                **_evaluation(evaluation),
             ),
             process_time.snapshot() if process_time is not None else None,
             interval_choice,
         )
+
+
+def _evaluation(evaluation: Optional[tuple[int, float]]) -> dict[str, Any]:
+    """Progress's eval_step and eval_loss from (step, loss), when the loss is a finite number."""
+    if evaluation is None or not isinstance(evaluation[1], (int, float)) or not math.isfinite(evaluation[1]):
+        return {}
+    return {"eval_step": int(evaluation[0]), "eval_loss": float(evaluation[1])}

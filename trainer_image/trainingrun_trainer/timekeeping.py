@@ -48,6 +48,7 @@ class ProcessClock:
         self.restored_productive_seconds = 0.0
         self.startup_phases = dict.fromkeys(STARTUP_PHASES, 0.0)
         self.first_step = 0.0  #: seconds of the first step (compile, warm-up), 0 until it ran
+        self.trained_samples = 0  #: by its steps over all ranks, kept or lost
         self._marked = self.started
 
     def mark(self, phase: str) -> None:
@@ -103,6 +104,7 @@ class ProcessClock:
             data_wait_seconds=round(s["data_wait"], 3),
             compute_seconds=round(s["compute"], 3),
             eval_seconds=round(s["eval"], 3),
+            trained_samples=float(self.trained_samples),
             restored_productive_seconds=round(self.restored_productive_seconds, 3),
             **startup,
             first_step_seconds=round(self.first_step, 3),

@@ -86,6 +86,7 @@ class Trainer:
         self.tracked_checkpoint = 0  #: the newest committed step the trackers were told of
         self.resumed_step = 0  #: the step this process resumed at
         self.last_loss: float | None = None
+        self.last_evaluation: tuple[int, float] | None = None  #: (step, eval loss) of the last evaluation
         #: The newest step whose values reached the host (a step late: `step_values`).
         self.last_values: Optional[StepValues] = None
         self._skips_on_device = False  #: the optimizer skips a non-finite step by a device flag (`optim.step_unless`)
@@ -174,6 +175,7 @@ class Trainer:
         self.clock.add("data_wait", self.data_wait_seconds)
         self.clock.add("checkpoint", self.copy_wait_seconds)
         self.clock.add("compute", compute)
+        self.clock.trained_samples += self.data.global_batch * self.cfg.grad_accumulation_steps
         if kept:
             self.productive_seconds += compute
             self._charge_save_slowdown(compute)
@@ -337,6 +339,7 @@ class Trainer:
             process_time=self.clock,
             model_flops_per_second=self.model_flops_per_second,
             mfu=self.mfu,
+            evaluation=self.last_evaluation,
         )
 
     def _observe(self, ready: list[StepValues]) -> Verdict:
@@ -517,6 +520,8 @@ class Trainer:
             if not self.clock.first_step:
                 log.info(self.clock.first_step_done(step_seconds))
                 self.metrics.startup(self.clock)
+                if not logs:  # its one-off cost (compiling, warming up) left out of samples/s: 20x lower with it
+                    window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
             self.session.inject_chaos(self.step)
 
             if evaluates:
@@ -524,6 +529,7 @@ class Trainer:
                     results = self._evaluate()
                 log.info("eval step %d %s", self.step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
                 self.metrics.evaluation(self.step, results)
+                self.last_evaluation = (self.step, results["eval_loss"])
                 self.tracker.metrics(
                     self.step, {f"eval/{name.removeprefix('eval_')}": value for name, value in results.items()}
                 )

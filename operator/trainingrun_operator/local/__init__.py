@@ -26,8 +26,8 @@ from .inputs import (
     secret_variables,
 )
 from .ledger import RunLedger
-from .processes import LogFollower, child_pids, worker_pids
-from .runner import STOP_SIGNALS, Attempt, LocalRunner, WorkerGroup, own_command
+from .processes import LogFollower, child_pids, own_command, worker_pids
+from .runner import STOP_SIGNALS, Attempt, LocalRunner, WorkerGroup
 from .status_server import StatusServer
 from .summary import Summary
 

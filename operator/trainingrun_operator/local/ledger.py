@@ -38,13 +38,16 @@ def _seconds(value: object) -> float:
 @dataclass
 class RunLedger:
     """What one local run keeps between invocations of `trainingrun local` (runs/<name>/run.json): its uid, so a
-    rerun resumes as the same run, and the wall time spent so far, for goodput over every invocation. The cluster
+    rerun resumes as the same run, and the wall and productive time so far, for goodput over every invocation. The cluster
     has both in the TrainingRun itself (metadata.uid, status.startTime). A new checkpoint URI is a new run."""
 
     path: Path
     uid: str
     checkpoint_uri: str
     wall_seconds: float = 0.0  #: of the earlier invocations
+    #: The run's productive seconds at the end of the last invocation (progress.productiveSeconds): goodput's
+    #: numerator when an invocation's processes report none.
+    productive_seconds: float = 0.0
 
     @classmethod
     def load(cls, run_dir: Path, checkpoint_uri: str, uid: Optional[str] = None) -> "RunLedger":
@@ -60,14 +63,25 @@ class RunLedger:
             and isinstance(saved.get("uid"), str)
             and re.fullmatch(contract.RUN_KEY_PATTERN, saved["uid"], re.ASCII)  # it names node memory's folders
         ):
-            return cls(path, saved["uid"], checkpoint_uri, _seconds(saved.get("wallSeconds")))
+            return cls(
+                path,
+                saved["uid"],
+                checkpoint_uri,
+                _seconds(saved.get("wallSeconds")),
+                _seconds(saved.get("productiveSeconds")),
+            )
         return cls(path, uid or str(uuid.uuid4()), checkpoint_uri)
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(
             json.dumps(
-                {"uid": self.uid, "checkpointUri": self.checkpoint_uri, "wallSeconds": round(self.wall_seconds, 3)}
+                {
+                    "uid": self.uid,
+                    "checkpointUri": self.checkpoint_uri,
+                    "wallSeconds": round(self.wall_seconds, 3),
+                    "productiveSeconds": round(self.productive_seconds, 3),
+                }
             ),
             encoding="utf-8",
         )

@@ -1,13 +1,21 @@
-"""The processes of a local attempt, found through /proc, and the log lines they write."""
+"""The processes of a local attempt: how each simulated node's launcher is started (its command, torchrun's settings,
+its rendezvous) and ended, found through /proc and by its tag, and the log lines they write."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import sys
+import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Optional
+
+from .. import api, builders
 
 
 def child_pids(pid: int) -> list[int]:
@@ -159,3 +167,79 @@ def remove_orphaned_semaphores(
                 continue
             removed.append(entry.name)
     return removed
+
+
+@dataclass
+class Launcher:
+    """One node's launcher process (one pod of the PyTorchJob in a cluster), its workers in its process group."""
+
+    node: int
+    process: subprocess.Popen
+    log: LogFollower
+    command: list[str]
+    env: dict[str, str]
+
+    @classmethod
+    def start(cls, node: int, command: list[str], env: dict[str, str], log_path: Path) -> "Launcher":
+        env = {**env, PROCESS_TAG: uuid.uuid4().hex}  # found by it wherever torchrun puts them (`tagged`)
+        with open(log_path, "w", encoding="utf-8") as log:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(node, process, LogFollower(log_path), command, env)
+
+    def processes(self) -> list[int]:
+        """Every process of this node still alive, wherever it is in the process tree."""
+        return tagged(self.env[PROCESS_TAG])
+
+    def close(self) -> None:
+        """Its processes gone, the launcher's included (reaped)."""
+        _end_session(self.process, self.env[PROCESS_TAG])
+        self.process.wait()
+
+
+def own_command(spec: api.TrainingRunSpec) -> Optional[list[str]]:
+    """The spec's own `command` and `args` (None: the built-in trainer), as this machine runs them: `python` is this
+    Python and `torchrun` its torch.distributed.run, where a pod runs its image's."""
+    if spec.command is None and spec.args is None:
+        return None
+    command = [*(spec.command or builders.DEFAULT_COMMAND), *(spec.args or [])]
+    if command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    if command[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    return command
+
+
+def as_pet_variables(options: list[str]) -> dict[str, str]:
+    """torchrun's `--name=value` options (and `--flag`s) as the PET_NAME variables it reads when an option is not
+    given."""
+    pairs = (option.lstrip("-").partition("=") for option in options)
+    return {f"PET_{name.replace('-', '_').upper()}": value if equals else "1" for name, equals, value in pairs}
+
+
+def node_rendezvous(nodes: int, node: int, port: int, rendezvous_id: str) -> list[str]:
+    """torchrun's rendezvous arguments for simulated node `node` of `nodes` on this machine: c10d on 127.0.0.1:`port`,
+    hosted by node 0."""
+    rendezvous = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    rendezvous.append(f"--rdzv-id={rendezvous_id}")
+    if node:  # 127.0.0.1 is every node's own address here: only node 0 may take the store's port
+        rendezvous.append("--rdzv-conf=is_host=false")
+    return rendezvous
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def inductor_cache() -> str:
+    """torch's default TORCHINDUCTOR_CACHE_DIR (torch._inductor.runtime.cache_dir_utils), without importing torch."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))

@@ -9,10 +9,9 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
+import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
@@ -20,16 +19,19 @@ from typing import Any, Callable, Optional, TextIO
 from trainingrun_api import contract, exit_codes, progress_report, run_figures
 from trainingrun_api.config import RunConfig, config_json
 
-from .. import api, builders, pod_env, recovery
+from .. import api, pod_env, recovery
 from .inputs import LocalOptions
 from .ledger import RunLedger, run_directory
 from .processes import (
     PROCESS_TAG,
-    LogFollower,
-    _end_session,
+    Launcher,
+    as_pet_variables,
+    free_port,
+    inductor_cache,
+    node_rendezvous,
+    own_command,
     remove_orphaned_semaphores,
     semaphores_mapped,
-    tagged,
     wait_for_tagged_to_end,
     worker_pids,
 )
@@ -90,71 +92,6 @@ class Attempt:
 NODE_GRACE_SECONDS = 30.0
 
 
-@dataclass
-class Launcher:
-    """One node's launcher process (one pod of the PyTorchJob in a cluster), its workers in its process group."""
-
-    node: int
-    process: subprocess.Popen
-    log: LogFollower
-    command: list[str]
-    env: dict[str, str]
-
-    @classmethod
-    def start(cls, node: int, command: list[str], env: dict[str, str], log_path: Path) -> "Launcher":
-        env = {**env, PROCESS_TAG: uuid.uuid4().hex}  # found by it wherever torchrun puts them (`tagged`)
-        with open(log_path, "w", encoding="utf-8") as log:
-            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return cls(node, process, LogFollower(log_path), command, env)
-
-    def processes(self) -> list[int]:
-        """Every process of this node still alive, wherever it is in the process tree."""
-        return tagged(self.env[PROCESS_TAG])
-
-    def close(self) -> None:
-        """Its processes gone, the launcher's included (reaped)."""
-        _end_session(self.process, self.env[PROCESS_TAG])
-        self.process.wait()
-
-
-def own_command(spec: api.TrainingRunSpec) -> Optional[list[str]]:
-    """The spec's own `command` and `args` (None: the built-in trainer), as this machine runs them: `python` is this
-    Python and `torchrun` its torch.distributed.run, where a pod runs its image's."""
-    if spec.command is None and spec.args is None:
-        return None
-    command = [*(spec.command or builders.DEFAULT_COMMAND), *(spec.args or [])]
-    if command[0] in ("python", "python3"):
-        return [sys.executable, *command[1:]]
-    if command[0] == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", *command[1:]]
-    return command
-
-
-def _as_pet_variables(options: list[str]) -> dict[str, str]:
-    """torchrun's `--name=value` options (and `--flag`s) as the PET_NAME variables it reads when an option is not
-    given."""
-    pairs = (option.lstrip("-").partition("=") for option in options)
-    return {f"PET_{name.replace('-', '_').upper()}": value if equals else "1" for name, equals, value in pairs}
-
-
-def node_rendezvous(nodes: int, node: int, port: int, rendezvous_id: str) -> list[str]:
-    """torchrun's rendezvous arguments for simulated node `node` of `nodes` on this machine: c10d on 127.0.0.1:`port`,
-    hosted by node 0."""
-    rendezvous = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
-    rendezvous.append(f"--rdzv-id={rendezvous_id}")
-    if node:  # 127.0.0.1 is every node's own address here: only node 0 may take the store's port
-        rendezvous.append("--rdzv-conf=is_host=false")
-    return rendezvous
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 #: Signals that stop a local run as a pod deletion would (emergency checkpoint, workers gone), by how they are named.
 STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
@@ -183,6 +120,9 @@ class LocalRunner:
         self.restarts = recovery.Restarts()  #: attempts lost so far, by cause, as status.restarts counts them
         self.interrupted: Optional[int] = None  #: the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
         self.launchers: list[Launcher] = []  #: the current attempt's, one per node
+        #: This invocation's temporary folder, the processes' TMPDIR (torchrun's, the launcher's, metrics): removed
+        #: when it ends, so a run leaves nothing in /tmp, its killed processes' folders included.
+        self.scratch: Optional[str] = None
         self._kill_steps = sorted(set(options.chaos_kill_steps))
         self._chaos = random.Random(options.chaos_seed)
         self.random_kills = 0  #: by --chaos-kill-every
@@ -241,6 +181,11 @@ class LocalRunner:
         env.pop(contract.METRICS_PORT, None)
         if self.options.metrics_port:
             env[contract.METRICS_PORT] = str(self.options.metrics_port)
+        if self.scratch and "TMPDIR" not in users:
+            env["TMPDIR"] = self.scratch
+            # torch.compile's cache stays where torch keeps it by default (below the temporary folder), warm for
+            # the next run, not in the folder this invocation removes.
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache())
         if "OMP_NUM_THREADS" in os.environ and "OMP_NUM_THREADS" not in users:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]  # the shell's choice
         elif "OMP_NUM_THREADS" not in users:
@@ -395,6 +340,7 @@ class LocalRunner:
     def execute(self) -> Summary:
         started = time.monotonic()
         config_path = self._write_config()
+        self.scratch = tempfile.mkdtemp(prefix=f"trainingrun-local-{self.run.metadata.name}-")
         status = StatusServer(self.run, self.run_dir / "report-token")
         previous = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}
         outcome, message = "succeeded", ""
@@ -460,6 +406,7 @@ class LocalRunner:
                 self._free_node_memory()
             final, processes = status.snapshot(), status.process_times()
             status.close()
+            shutil.rmtree(self.scratch, ignore_errors=True)
         return self._summary(final, time.monotonic() - started, outcome, message, processes)
 
     def _free_node_memory(self) -> None:
@@ -485,14 +432,14 @@ class LocalRunner:
             """The built-in trainer under our launcher with torchrun's `options`; or the spec's own command, given
             them as a pod is, as PET_* variables (which torchrun reads)."""
             if own is not None:
-                return Launcher.start(node, own, {**node_env, **_as_pet_variables(options)}, path)
+                return Launcher.start(node, own, {**node_env, **as_pet_variables(options)}, path)
             command = [sys.executable, "-m", "trainingrun_trainer.launch", *options, "--module", "trainingrun_trainer"]
             return Launcher.start(node, command, node_env, path)
 
         nodes = self.options.nodes
         if nodes == 1:
             return [start(0, ["--standalone", *torchrun], env, log_path)]
-        port = _free_port()
+        port = free_port()
         job = f"{self.run.metadata.name}-a{attempt}"
         launchers = []
         for node in range(nodes):
@@ -519,11 +466,15 @@ class LocalRunner:
         """The run's figures, goodput over every invocation; adds this invocation's wall time to the run's ledger."""
         progress = status.get("progress", {})
         lost = sum(max(0, a.last_step - b.resumed_step) for a, b in zip(self.groups, self.groups[1:]))
-        productive = float(progress.get("productiveSeconds") or 0.0)
         steps = int(progress.get("step") or (self.groups[-1].resumed_step if self.groups else 0))
         if self.groups and not self.groups[0].resumed:
-            self.ledger.wall_seconds = 0.0  # no checkpoint to resume: the run started over, its time with it
+            # No checkpoint to resume: the run started over, its time with it.
+            self.ledger.wall_seconds = self.ledger.productive_seconds = 0.0
+        reported = progress.get("productiveSeconds")
+        # An invocation whose processes never reported (one that failed early) kept the productive time before it.
+        productive = float(reported) if reported is not None else self.ledger.productive_seconds
         self.ledger.wall_seconds += wall
+        self.ledger.productive_seconds = productive
         self.ledger.save()
         total_wall = self.ledger.wall_seconds
         first = self.groups[0] if self.groups else None
@@ -559,6 +510,10 @@ class LocalRunner:
             }
             if processes
             else {},
+            process_starts=len(processes),
+            average_samples_per_second=_average_throughput(processes),
+            eval_loss=progress.get("evalLoss"),
+            eval_step=progress.get("evalStep"),
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:
@@ -577,3 +532,10 @@ class LocalRunner:
                 f"after {wall:.1f} s; use a shorter interval or more --max-steps"
             )
         return notes
+
+
+def _average_throughput(processes: list[progress_report.ProcessTime]) -> Optional[float]:
+    """Samples/s over every reported step's compute and data wait (None where no process counted its samples)."""
+    samples = sum(p.trained_samples for p in processes)
+    seconds = sum(p.compute_seconds + p.data_wait_seconds for p in processes)
+    return samples / seconds if samples > 0 and seconds > 0 else None

@@ -33,6 +33,11 @@ class Summary:
     run_productive_seconds: float = 0.0
     #: The training processes' start-up by phase, summed over processes (progress_report.ProcessTime), first step included.
     startup: dict[str, float] = field(default_factory=dict)
+    process_starts: int = 0  #: training processes (rank 0's) that reported in this invocation
+    #: Samples over the steps' compute and data wait, every process of this invocation (None: none reported).
+    average_samples_per_second: Optional[float] = None
+    eval_loss: Optional[float] = None  #: at the last evaluation rank 0 reported (spec.trainer.eval)
+    eval_step: Optional[int] = None
 
     @property
     def exit_code(self) -> int:
@@ -46,7 +51,7 @@ class Summary:
         run had earlier invocations, the line is this one's and a second line gives goodput's terms over all of them,
         so the result's goodput is never a figure the time line contradicts."""
         parts = " + ".join(
-            f"{name.replace('_', ' ')} {seconds:.1f} s"
+            f"{_term(name)} {seconds:.1f} s"
             + (f" ({seconds / self.wall_seconds:.1%})" if name == "productive" and self.wall_seconds > 0 else "")
             for name, seconds in self.breakdown.items()
         )
@@ -84,20 +89,48 @@ class Summary:
         return "\n".join(parts) or None
 
     def startup_line(self) -> Optional[str]:
-        """`start-up: imports 4.1 s + init 0.3 s + ... + first step 1.2 s = 7.0 s to the first steps`: the processes'
-        start-up (the time: line's startup, less launching) with restore and first step, summed over processes."""
+        """`start-up 13.4 s = outside the training processes 12.4 s + imports 0.1 s + ... (2 process starts); then
+        restore 0.1 s and first steps 0.6 s`: the time line's start-up term, part by part (the time no training
+        process was running, then the processes' own phases, summed over them), and what each process did next
+        before training at speed, which the time line counts as restore and productive."""
         if not self.startup:
             return None
-        parts = " + ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" for name, seconds in self.startup.items())
-        return f"start-up: {parts} = {sum(self.startup.values()):.1f} s to the first steps of the training processes"
+        phases = {name: seconds for name, seconds in self.startup.items() if name not in ("restore", "first_step")}
+        total = self.breakdown.get("startup", sum(phases.values()))
+        inside = " + ".join(f"{_term(name)} {seconds:.1f} s" for name, seconds in phases.items())
+        return (
+            f"start-up {total:.1f} s = outside the training processes {max(0.0, total - sum(phases.values())):.1f} s "
+            f"(launching, rendezvous, ending) + {inside} ({self.process_starts} process start"
+            f"{'s' * (self.process_starts != 1)}); then restore {self.startup.get('restore', 0.0):.1f} s and first "
+            f"steps {self.startup.get('first_step', 0.0):.1f} s, in the time line's restore and productive"
+        )
 
     def throughput_line(self) -> Optional[str]:
-        """`throughput: 320.0 samples/s, 1.23 TFLOP/s, MFU 41.2%` as last reported; MFU `-` without a known GPU peak."""
-        if self.samples_per_second is None:
+        """`throughput: 447.1 samples/s on average, 0.076 TFLOP/s, MFU - (no GPU peak); last reading 524.2 samples/s`:
+        the average over every step's compute and data wait in this invocation (the last reading, one logging
+        window, says little about a run that sped up or slowed down); the last reading alone where the processes
+        did not count their samples (a loop of one's own that reports samples/s itself)."""
+        last = self.samples_per_second
+        average = self.average_samples_per_second
+        if last is None and average is None:
             return None
-        flops = f", {self.model_flops_per_second / 1e12:.3g} TFLOP/s" if self.model_flops_per_second else ""
-        mfu = f", MFU {self.mfu:.1%}" if self.mfu is not None else (", MFU - (no GPU peak)" if flops else "")
-        return f"throughput: {self.samples_per_second:.1f} samples/s{flops}{mfu}"
+        rate = average if average is not None else last
+        assert rate is not None
+        # Model FLOPs and MFU scale with samples/s: the last reading's, at the average.
+        scale = rate / last if last else None
+        flops = self.model_flops_per_second * scale if self.model_flops_per_second and scale else None
+        mfu = self.mfu * scale if self.mfu is not None and scale else None
+        figures = f"{rate:.1f} samples/s" + (f", {flops / 1e12:.3g} TFLOP/s" if flops else "")
+        figures += f", MFU {mfu:.1%}" if mfu is not None else (", MFU - (no GPU peak)" if flops else "")
+        if average is None:
+            return f"throughput: {figures} (the last reading)"
+        return f"throughput: {figures} on average" + (f"; last reading {last:.1f} samples/s" if last else "")
+
+    def eval_line(self) -> Optional[str]:
+        """`eval loss: 2.3145 at step 120`, the last evaluation's mean loss on the held-out split, when there was one."""
+        if self.eval_loss is None:
+            return None
+        return f"eval loss: {self.eval_loss:.4f} at step {self.eval_step} (the held-out split's mean)"
 
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
@@ -105,3 +138,8 @@ class Summary:
             f"result: steps={self.steps} final_loss={loss} attempts={self.attempts} "
             f"restarts_in_place={self.restarts_in_place} lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}"
         )
+
+
+def _term(name: str) -> str:
+    """A breakdown or start-up part as the lines print it: `data_wait` is `data wait`, `startup` is `start-up`."""
+    return "start-up" if name == "startup" else name.replace("_", " ")

@@ -1,11 +1,13 @@
 """The shipped models follow the model contract, learn the shipped synthetic data, and are
 deterministic under a seed (which exact resume relies on)."""
 
+import importlib.util
+
 import pytest
 import torch
 
 from trainingrun_trainer.data import SyntheticImages, SyntheticText
-from trainingrun_trainer.models import CharTransformer, MaskedAutoencoder, TransformerBlock
+from trainingrun_trainer.models import CharTransformer, HuggingFaceCausalLM, MaskedAutoencoder, TransformerBlock
 
 TINY_TEXT = dict(vocab_size=32, dim=32, layers=1, heads=2, context_length=16)
 TINY_MAE = dict(image_size=16, patch_size=4, channels=3, dim=32, layers=1, heads=2, decoder_dim=32, decoder_layers=1)
@@ -30,9 +32,28 @@ def image_batch(batch_size=4, image_size=16, channels=3, seed=0):
     return {"images": torch.rand(batch_size, channels, image_size, image_size, generator=generator) * 2 - 1}
 
 
+TINY_GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 32, "n_positions": 16}
+TINY_LLAMA = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "vocab_size": 32, "max_position_embeddings": 16}  # fmt: skip
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed (the huggingface extra)"
+)
+
 CASES = [
     pytest.param(lambda: CharTransformer(**TINY_TEXT), text_batch, id="char-transformer"),
     pytest.param(lambda: MaskedAutoencoder(**TINY_MAE), image_batch, id="masked-autoencoder"),
+    pytest.param(
+        lambda: HuggingFaceCausalLM("transformers.GPT2Config", TINY_GPT2, context_length=16),
+        text_batch,
+        id="huggingface-gpt2",
+        marks=NEEDS_TRANSFORMERS,
+    ),
+    pytest.param(
+        lambda: HuggingFaceCausalLM("LlamaConfig", TINY_LLAMA, context_length=16),
+        text_batch,
+        id="huggingface-llama",
+        marks=NEEDS_TRANSFORMERS,
+    ),
 ]
 
 
@@ -116,9 +137,9 @@ def test_blocks_can_be_replaced_by_wrappers(make_model, make_batch):
             super().__init__()
             self.block = block
 
-        def forward(self, x):
+        def forward(self, *args, **kwargs):
             Counting.calls += 1
-            return self.block(x)
+            return self.block(*args, **kwargs)
 
     torch.manual_seed(0)
     model = make_model()
@@ -301,3 +322,29 @@ def test_flops_per_sample_is_what_torch_counts_for_a_forward_and_backward_pass(m
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(batch).backward()
     assert model.flops_per_sample() == pytest.approx(counter.get_total_flops() / samples, rel=0.01)
+
+
+@NEEDS_TRANSFORMERS
+def test_the_huggingface_adapter_uses_the_models_own_layers_and_counts_conv1d_flops():
+    torch.manual_seed(0)
+    model = HuggingFaceCausalLM("transformers.GPT2Config", TINY_GPT2, context_length=16)
+    assert model.blocks is model.model.transformer.h  # the list the model calls, not a copy
+    assert not any(name.startswith("blocks.") for name in model.state_dict())  # registered once
+    # GPT-2's layers are Conv1D, not nn.Linear: 2 layers x (4 x 32 x 32 attention + 8 x 32 x 32 MLP), and the
+    # output head, tied to the token embedding (32 x 32), once.
+    matmul = 2 * (4 + 8) * 32 * 32 + 32 * 32
+    assert model.flops_per_sample() >= 6 * matmul * 16
+
+
+@NEEDS_TRANSFORMERS
+@pytest.mark.parametrize(
+    "config_class,message",
+    [
+        ("transformers.AutoModel", "is not a configuration class of transformers"),
+        ("NoSuchConfig", "is not a configuration class of transformers"),
+        ("os.system", "config_class must be a configuration class of transformers"),
+    ],
+)
+def test_the_huggingface_adapter_refuses_what_is_not_a_transformers_config(config_class, message):
+    with pytest.raises(ValueError, match=message):
+        HuggingFaceCausalLM(config_class, {}, context_length=16)

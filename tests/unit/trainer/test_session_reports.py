@@ -106,7 +106,9 @@ def test_the_launcher_reads_the_newest_committed_step_from_a_file_written_whole(
     assert "could not record committed step 7" in caplog.text
 
 
-def test_progress_leaves_out_a_loss_that_is_not_finite_and_is_built_only_for_a_reporter_that_sends(tmp_path):
+def test_progress_leaves_out_losses_that_are_not_finite_carries_the_last_evaluation_and_is_built_only_for_a_reporter_that_sends(
+    tmp_path,
+):
     reporter = Recorded()
     figures = dict(
         total_steps=10,
@@ -118,12 +120,13 @@ def test_progress_leaves_out_a_loss_that_is_not_finite_and_is_built_only_for_a_r
         interval_choice=None,
     )
     with CheckpointStore(f"file://{tmp_path}/ckpt") as store:
-        RunReports(reporter, store, None).progress(4, loss=math.nan, **figures)
-        RunReports(reporter, store, None).progress(5, loss=2.5, **figures)
+        RunReports(reporter, store, None).progress(4, loss=math.nan, evaluation=(4, math.inf), **figures)
+        RunReports(reporter, store, None).progress(5, loss=2.5, evaluation=(4, 2.75), **figures)
         silent = ProgressReporter(None, Report("ns", "demo", "u", 1))
         RunReports(silent, store, None).progress(6, loss=2.0, **figures)  # off: nothing built, nothing kept
     (_, nan_step), (_, good) = reporter.calls
     assert nan_step.loss is None and good.loss == 2.5
+    assert nan_step.eval_loss is None and (good.eval_step, good.eval_loss) == (4, 2.75)  # the last evaluation
     assert good.productive_seconds == 1.235 and good.mfu == 0.1235 and good.step == 5
     assert silent._progress is None
 

@@ -52,3 +52,14 @@ def test_a_run_json_that_is_not_one_of_ours_is_a_new_run_not_a_crash(tmp_path, w
         tmp_path / "demo",
         tmp_path / "demo" / ledger.path.parent.name,
     )
+
+
+def test_a_rerun_keeps_the_productive_time_too_and_a_bad_one_is_zero(tmp_path):
+    first = RunLedger.load(tmp_path / "demo", "file:///ckpt/demo")
+    first.productive_seconds = 7.25
+    first.save()
+    assert RunLedger.load(tmp_path / "demo", "file:///ckpt/demo").productive_seconds == 7.25
+    (tmp_path / "demo" / "run.json").write_text(
+        json.dumps({"uid": first.uid, "checkpointUri": "file:///ckpt/demo", "productiveSeconds": "lots"})
+    )
+    assert RunLedger.load(tmp_path / "demo", "file:///ckpt/demo").productive_seconds == 0.0

@@ -81,7 +81,7 @@ def test_a_run_with_another_checkpoint_uri_keeps_its_own_ledger_and_logs(tmp_pat
 def test_each_simulated_node_is_a_launcher_as_a_pod_is(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr(
-        local.runner.Launcher,
+        local.processes.Launcher,
         "start",
         classmethod(lambda cls, node, command, env, log: started.append((node, command, env, log))),
     )
@@ -108,7 +108,7 @@ def test_each_simulated_node_is_a_launcher_as_a_pod_is(tmp_path, monkeypatch):
 def test_one_node_is_one_standalone_launcher(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr(
-        local.runner.Launcher, "start", classmethod(lambda cls, node, command, env, log: started.append(command))
+        local.processes.Launcher, "start", classmethod(lambda cls, node, command, env, log: started.append(command))
     )
     options = local.LocalOptions(runs_dir=str(tmp_path / "runs"))
     runner = local.LocalRunner(local.load_run(str(write_minimal(tmp_path)), options), options, {})
@@ -122,7 +122,7 @@ def test_only_the_last_node_of_the_first_attempt_is_told_to_be_lost(tmp_path, mo
     later attempt, or the replacement itself, is never lost again."""
     started = []
     monkeypatch.setattr(
-        local.runner.Launcher,
+        local.processes.Launcher,
         "start",
         classmethod(lambda cls, node, command, env, log: started.append((node, env))),
     )
@@ -134,3 +134,58 @@ def test_only_the_last_node_of_the_first_attempt_is_told_to_be_lost(tmp_path, mo
     told = [(node, env.get("TRAININGRUN_CHAOS_LOSE_NODE_AT_STEP")) for node, env in started]
     assert told == [(0, None), (1, None), (2, "7"), (0, None), (1, None), (2, None)]
     runner._free_node_memory()
+
+
+def test_goodput_keeps_the_earlier_productive_time_when_an_invocation_reports_none(tmp_path):
+    """On main an invocation that failed before its processes reported set the whole run's goodput to 0: the
+    productive time the run had kept (in its checkpoints) was forgotten, its wall time was not."""
+    first = runner_with_groups(tmp_path, 1)
+    first.groups[0].resumed = False
+    done = first._summary({"progress": {"step": 50, "productiveSeconds": 20.0}}, 40.0, "interrupted", "", [])
+    assert done.goodput == pytest.approx(0.5)
+    failed = runner_with_groups(tmp_path, 1)
+    failed.groups[0].resumed, failed.groups[0].resumed_step = True, 50
+    early = failed._summary({}, 10.0, "failed", "", [])
+    assert (early.run_wall_seconds, early.run_productive_seconds) == (50.0, 20.0)
+    assert early.goodput == pytest.approx(0.4)
+    anew = runner_with_groups(tmp_path, 1)  # nothing to resume: the run started over, its time with it
+    anew.groups[0].resumed = False
+    assert anew._summary({}, 10.0, "failed", "", []).goodput == 0.0
+
+
+def test_the_summary_averages_throughput_over_every_process_and_reads_the_last_evaluation(tmp_path):
+    from trainingrun_api.progress_report import ProcessTime
+
+    runner = runner_with_groups(tmp_path, 1, 1)
+    processes = [
+        ProcessTime.model_construct(**{**dict.fromkeys(ProcessTime.model_fields, 0.0), "process": "a", **figures})
+        for figures in (
+            {"compute_seconds": 8.0, "data_wait_seconds": 2.0, "trained_samples": 400.0},  # 40 samples/s
+            {"compute_seconds": 4.0, "data_wait_seconds": 0.0, "trained_samples": 800.0},  # 200 samples/s
+        )
+    ]
+    progress = {"step": 60, "samplesPerSecond": 200.0, "evalLoss": 2.5, "evalStep": 50}
+    summary = runner._summary({"progress": progress}, 20.0, "succeeded", "", processes)
+    assert summary.average_samples_per_second == pytest.approx(1200 / 14)  # not the last reading, 200
+    assert (summary.eval_loss, summary.eval_step, summary.process_starts) == (2.5, 50, 2)
+
+
+@pytest.mark.parametrize("users_own", [False, True])
+def test_the_processes_temporary_folder_is_the_invocations_own_unless_the_file_sets_one(tmp_path, users_own):
+    body = "apiVersion: trainingrun.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: laptop}\nspec:\n  trainer: {maxSteps: 10}\n"
+    if users_own:
+        body += "  env: [{name: TMPDIR, value: /scratch}]\n"
+    path = tmp_path / "run.yaml"
+    path.write_text(body)
+    options = local.LocalOptions(runs_dir=str(tmp_path / "runs"))
+    runner = local.LocalRunner(local.load_run(str(path), options), options, secrets={})
+    runner.scratch = str(tmp_path / "invocation")
+    status = local.StatusServer(runner.run, tmp_path / "token")
+    try:
+        env = runner._environment(1, status, tmp_path / "config.yaml")
+    finally:
+        status.close()
+    assert env["TMPDIR"] == ("/scratch" if users_own else runner.scratch)
+    if not users_own:  # torch.compile's cache stays warm between runs, where torch keeps it by default
+        assert os.path.basename(env["TORCHINDUCTOR_CACHE_DIR"]).startswith("torchinductor_")
+        assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(runner.scratch)

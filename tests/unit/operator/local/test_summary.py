@@ -1,5 +1,5 @@
-"""local.summary: the lines a finished local run prints (result, start-up phases adding up, throughput with model FLOP/s
-and MFU when reported)."""
+"""local.summary: the lines a finished local run prints (result, the start-up term broken down, the average throughput
+with model FLOP/s and MFU when reported, the last evaluation)."""
 
 from trainingrun_operator import local
 
@@ -28,18 +28,41 @@ def test_result_line_format():
     )
 
 
-def test_the_startup_line_adds_up_the_phases():
-    phases = {"imports": 2.0, "init": 0.25, "model": 0.5, "data": 0.25, "prepare": 0.5, "restore": 0.25}
-    assert summary(startup={**phases, "first_step": 1.0}).startup_line() == (
-        "start-up: imports 2.0 s + init 0.2 s + model 0.5 s + data 0.2 s + prepare 0.5 s "
-        "+ restore 0.2 s + first step 1.0 s = 4.8 s to the first steps of the training "
-        "processes"
+def test_the_startup_line_breaks_down_the_time_lines_start_up_term():
+    phases = {"imports": 2.0, "init": 0.25, "model": 0.5, "data": 0.25, "prepare": 0.5}
+    figures = summary(
+        startup={**phases, "restore": 0.25, "first_step": 1.0},
+        breakdown={"productive": 4.0, "startup": 5.5, "restore": 0.25},
+        process_starts=2,
+    )
+    # The time line and the start-up line name the same term the same way, with the same figure.
+    assert "+ start-up 5.5 s +" in figures.breakdown_line()
+    assert figures.startup_line() == (
+        "start-up 5.5 s = outside the training processes 2.0 s (launching, rendezvous, ending) + imports 2.0 s "
+        "+ init 0.2 s + model 0.5 s + data 0.2 s + prepare 0.5 s (2 process starts); then restore 0.2 s and first "
+        "steps 1.0 s, in the time line's restore and productive"
     )
 
 
-def test_the_throughput_line_shows_model_flops_and_mfu_when_reported():
+def test_the_throughput_line_gives_the_average_and_the_last_reading():
     assert summary().throughput_line() is None  # nothing reported
-    cpu = summary(samples_per_second=320.0, model_flops_per_second=2.5e9)
-    assert cpu.throughput_line() == "throughput: 320.0 samples/s, 0.0025 TFLOP/s, MFU - (no GPU peak)"
-    gpu = summary(samples_per_second=320.0, model_flops_per_second=4.2e14, mfu=0.4123)
-    assert gpu.throughput_line() == "throughput: 320.0 samples/s, 420 TFLOP/s, MFU 41.2%"
+    # Model FLOPs and MFU follow samples/s: at the average, half the last reading's here.
+    cpu = summary(samples_per_second=320.0, model_flops_per_second=2.5e9, average_samples_per_second=160.0)
+    assert cpu.throughput_line() == (
+        "throughput: 160.0 samples/s, 0.00125 TFLOP/s, MFU - (no GPU peak) on average; last reading 320.0 samples/s"
+    )
+    gpu = summary(samples_per_second=320.0, model_flops_per_second=4.2e14, mfu=0.4123, average_samples_per_second=320.0)
+    assert (
+        gpu.throughput_line()
+        == "throughput: 320.0 samples/s, 420 TFLOP/s, MFU 41.2% on average; last reading 320.0 samples/s"
+    )
+    # A loop of one's own reports samples/s and counts no samples: its last reading, said to be one.
+    own = summary(samples_per_second=320.0)
+    assert own.throughput_line() == "throughput: 320.0 samples/s (the last reading)"
+
+
+def test_the_eval_line_gives_the_last_evaluation():
+    assert summary().eval_line() is None
+    assert summary(eval_loss=2.31449, eval_step=120).eval_line() == (
+        "eval loss: 2.3145 at step 120 (the held-out split's mean)"
+    )
