@@ -467,11 +467,20 @@ def _show_logs_unless_configured() -> None:
     ours = logging.getLogger("trainingrun")
     if logging.getLogger().handlers or ours.handlers:
         return
-    handler = logging.StreamHandler()
+    handler = _UntilLoggingIsConfigured()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     ours.addHandler(handler)
     if ours.level == logging.NOTSET:
         ours.setLevel(logging.INFO)
+
+
+class _UntilLoggingIsConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """Shows the run's lines on stderr while the root logger has no handler; once the script configures its logging
+    (`logging.basicConfig` after `Run.from_env`), the root's handlers show them, each line once."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
 
 
 def _config_errors_exit_permanently() -> None:

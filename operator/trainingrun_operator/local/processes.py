@@ -33,8 +33,24 @@ def child_pids(pid: int) -> list[int]:
 
 
 def worker_pids(agent_pid: int) -> list[int]:
-    """The training processes of an attempt: the launcher forks them from its forkserver, a child of the agent."""
-    return [worker for child in child_pids(agent_pid) for worker in child_pids(child)]
+    """The training processes of a node's launcher (torchrun's agent): the children of its forkserver (our launcher
+    forks its workers there) and its other children but multiprocessing's resource tracker (torchrun itself, running
+    a command of the user's, spawns them), never a data loader's worker, which is a worker's child."""
+    workers = []
+    for child in child_pids(agent_pid):
+        started_as = _command_line(child)
+        if b"multiprocessing.forkserver" in started_as:
+            workers += child_pids(child)
+        elif b"multiprocessing.resource_tracker" not in started_as:
+            workers.append(child)
+    return workers
+
+
+def _command_line(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 class LogFollower:

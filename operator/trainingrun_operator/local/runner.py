@@ -340,7 +340,8 @@ class LocalRunner:
     def execute(self) -> Summary:
         started = time.monotonic()
         config_path = self._write_config()
-        self.scratch = tempfile.mkdtemp(prefix=f"trainingrun-local-{self.run.metadata.name}-")
+        # Short: the processes' Unix sockets live below it (pymp-*/listener-*), and their paths stop at 107 bytes.
+        self.scratch = tempfile.mkdtemp(prefix="trainingrun-")
         status = StatusServer(self.run, self.run_dir / "report-token")
         previous = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}
         outcome, message = "succeeded", ""

@@ -474,3 +474,12 @@ def test_a_script_that_configured_no_logging_sees_the_runs_lines(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resumed None" in done.stdout
     assert " INFO trainingrun" in done.stderr, done.stderr[-2000:]
+    # A script that configures its logging after Run.from_env sees each line once, in its own format.
+    configured = script.replace(
+        "model = torch",
+        "import logging\nlogging.basicConfig(level=logging.INFO, format='mine %(message)s')\nmodel = torch",
+    )
+    done = run_script(configured, config)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "no checkpoint to resume from" in line]
+    assert len(lines) == 1 and lines[0].startswith("mine "), done.stderr[-2000:]

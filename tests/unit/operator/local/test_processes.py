@@ -94,3 +94,49 @@ def test_after_a_lost_node_only_the_semaphores_its_processes_mapped_are_removed(
             path = os.path.join(processes.SEMAPHORE_DIR, name)
             if os.path.exists(path):
                 os.remove(path)
+
+
+def _sleeper_with_children(marker: str, children: int) -> str:
+    """A script whose command line carries `marker` (as multiprocessing's helpers' do): it starts `children` sleeping
+    children, prints their pids and sleeps."""
+    return (
+        f"# {marker}\nimport subprocess, sys, time\n"
+        f"kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range({children})]\n"
+        "print(' '.join(str(k.pid) for k in kids), flush=True)\ntime.sleep(60)\n"
+    )
+
+
+def test_the_workers_are_the_forkservers_children_and_the_agents_other_children_but_its_helpers():
+    """--chaos-kill-every's victims. On main only the agent's grandchildren counted: under torchrun running a
+    command of the user's (its workers are its own children) there were none, and nothing was ever killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    kinds = [
+        ("from multiprocessing.forkserver import main", 2),  # our launcher: the workers are forked here
+        ("from multiprocessing.resource_tracker import main", 0),  # a helper, never a victim
+        ("from multiprocessing.spawn import spawn_main", 1),  # torchrun's own worker, and its data loader's child
+    ]
+    agent_script = "import subprocess, sys, time\nprocs = []\n"
+    for marker, children in kinds:
+        child = _sleeper_with_children(marker, children)
+        agent_script += (
+            f"procs.append(subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True))\n"
+        )
+    agent_script += (
+        "print(';'.join(f'{p.pid}:{p.stdout.readline().strip()}' for p in procs), flush=True)\ntime.sleep(60)\n"
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-c", agent_script], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        started = [part.partition(":") for part in agent.stdout.readline().strip().split(";")]
+        (_, _, forked), (tracker, _, _), (spawned, _, loader) = started
+        workers = sorted(local.worker_pids(agent.pid))
+        assert workers == sorted([*map(int, forked.split()), int(spawned)])
+        assert int(tracker) not in workers and int(loader) not in workers
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
