@@ -18,6 +18,7 @@ import kube_cluster  # noqa: E402  (needs tests/ on sys.path)
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
 PYTORCHJOB_CRD = REPO / kube_cluster.PYTORCHJOB_CRD
+JOBSET_CRD = REPO / kube_cluster.JOBSET_CRD
 
 
 def pytest_configure(config):
@@ -98,6 +99,12 @@ def minimal_body() -> dict:
 @pytest.fixture(scope="session")
 def pytorchjob_schema() -> dict:
     crd = yaml.safe_load(PYTORCHJOB_CRD.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="session")
+def jobset_schema() -> dict:
+    crd = yaml.safe_load(JOBSET_CRD.read_text())
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 

@@ -48,6 +48,7 @@ def missing_binaries(assets: Optional[str]) -> list[str]:
 
 #: Kubeflow Training Operator v1.9.0's PyTorchJob CRD, relative to the repository.
 PYTORCHJOB_CRD = Path("tests/fixtures/kubeflow.org_pytorchjobs.v1.9.0.yaml")
+JOBSET_CRD = Path("tests/fixtures/jobset.x-k8s.io_jobsets.v0.9.1.yaml")
 
 
 def started_for_benchmark(workdir: Path) -> "ControlPlane":
@@ -432,12 +433,19 @@ class ControlPlane(ProcessGroup):
         }
 
     def install_crds(self) -> "ControlPlane":
-        """The project's CRDs (kopf's peering ones included) and Kubeflow's PyTorchJob CRD, as a user would install them
-        (`kubectl apply --server-side`), once served."""
+        """The project's CRDs (kopf's peering ones included), Kubeflow's PyTorchJob CRD and JobSet's, as a user would
+        install them (`kubectl apply --server-side`), once served."""
         repo = Path(__file__).resolve().parent.parent
         crds = repo / "manifests" / "crds"
-        self.kubectl("apply", "--server-side", "-f", str(crds), "-f", str(repo / PYTORCHJOB_CRD))
-        for name in ("trainingruns.trainingrun.dev", "pytorchjobs.kubeflow.org", "kopfpeerings.kopf.dev"):
+        self.kubectl(
+            "apply", "--server-side", "-f", str(crds), "-f", str(repo / PYTORCHJOB_CRD), "-f", str(repo / JOBSET_CRD)
+        )
+        for name in (
+            "trainingruns.trainingrun.dev",
+            "pytorchjobs.kubeflow.org",
+            "jobsets.jobset.x-k8s.io",
+            "kopfpeerings.kopf.dev",
+        ):
             self.wait_established(name)
         return self
 
@@ -491,6 +499,8 @@ PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobsets",
+    ("batch/v1", "Job"): "jobs",
     ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
 }
 

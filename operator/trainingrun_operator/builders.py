@@ -40,13 +40,16 @@ def config_annotations(run: api.TrainingRun, settings: Settings = Settings()) ->
     return annotations
 
 
-def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
+def rendezvous_service(
+    run: api.TrainingRun, attempt: int, worker_index_label: str = naming.KUBEFLOW_REPLICA_INDEX_LABEL
+) -> dict[str, Any]:
     """A stable address for the rendezvous store of a multi-pod run: a ClusterIP Service selecting worker 0 of
     the current attempt (`elasticPolicy.rdzvHost`). Kubeflow's default host is worker 0's own DNS name, which
     disappears with the pod: a survivor that looks it up before the replacement exists gets "no such name", and
     cluster DNS caches that answer (5 s with CoreDNS), longer than the replacement takes to start. The Service's
     name resolves for the whole run; until the replacement has an address, connections are refused at once.
-    Not-ready pods are published: the store listens before any readiness would be known."""
+    Not-ready pods are published: the store listens before any readiness would be known. `worker_index_label`: the
+    pod label holding the worker's index (Kubeflow's replica index; a JobSet's Indexed Job's completion index)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -57,7 +60,7 @@ def rendezvous_service(run: api.TrainingRun, attempt: int) -> dict[str, Any]:
             "selector": {
                 naming.LABEL_RUN: run.metadata.name,
                 naming.LABEL_ATTEMPT: str(attempt),
-                naming.KUBEFLOW_REPLICA_INDEX_LABEL: "0",
+                worker_index_label: "0",
             },
             "ports": [
                 {
@@ -151,14 +154,27 @@ def tolerations(spec: api.TrainingRunSpec) -> list[dict[str, Any]]:
     return result
 
 
-def pod_template(run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]) -> dict[str, Any]:
+def pod_template(
+    run: api.TrainingRun,
+    attempt: int,
+    settings: Settings,
+    resume_from: Optional[str],
+    host_pod: Optional[str] = None,
+    torchrun_env: Optional[dict[str, str]] = None,
+) -> dict[str, Any]:
+    """A trainer pod of the attempt, as every backend runs it. `host_pod`: the pod hosting the rendezvous store (by
+    name or hostname; default Kubeflow's worker 0); `torchrun_env`: torchrun's settings as PET_* variables, where the
+    backend does not set them itself (Kubeflow does)."""
     spec = run.spec
     volumes, mounts = volumes_and_mounts(run, settings)
+    env = pod_env.trainer_env(run, attempt, settings, resume_from, host_pod)
+    # Validation refuses PET_* names in spec.env (torchrun's are the operator's), so none is given twice.
+    env[:0] = [{"name": name, "value": value} for name, value in (torchrun_env or {}).items()]
     container: dict[str, Any] = {
         "name": naming.CONTAINER_NAME,
         "image": spec.image or settings.default_trainer_image,
         "command": list(spec.command or DEFAULT_COMMAND),
-        "env": pod_env.trainer_env(run, attempt, settings, resume_from),
+        "env": env,
         "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,

@@ -102,13 +102,14 @@ def report_interval_seconds(stall_timeout_seconds: int) -> float:
 
 
 def trainer_env(
-    run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str]
+    run: api.TrainingRun, attempt: int, settings: Settings, resume_from: Optional[str], host_pod: Optional[str] = None
 ) -> list[dict[str, Any]]:
     """The contract as container env; secrets appear only as secretKeyRef. A variable the user sets in
     env or secrets.env that the operator also sets as a default (HOME, PYTHONUNBUFFERED,
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE, OMP_NUM_THREADS, TORCHINDUCTOR_CACHE_DIR,
     TRITON_CACHE_DIR) is the user's: the default is left out, never listed twice (the
-    PyTorchJob CRD refuses a name given twice). Names the contract needs are refused by validation."""
+    PyTorchJob CRD refuses a name given twice). Names the contract needs are refused by validation. `host_pod`: the
+    name or hostname of the pod that hosts the rendezvous store (default: Kubeflow's name of worker 0)."""
     spec = run.spec
     users = {e.name for e in spec.env} | {e.name for e in spec.secrets.env}
     env: list[dict[str, Any]] = [
@@ -119,7 +120,12 @@ def trainer_env(
         {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": contract.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         *(
-            [{"name": contract.RENDEZVOUS_HOST_POD, "value": rendezvous_host_pod(run.metadata.name, attempt)}]
+            [
+                {
+                    "name": contract.RENDEZVOUS_HOST_POD,
+                    "value": host_pod or rendezvous_host_pod(run.metadata.name, attempt),
+                }
+            ]
             if has_rendezvous_service(spec)
             else []
         ),

@@ -5,7 +5,8 @@ documents go to kube-apiserver v1.36 as a create with `dryRun=All` and `fieldVal
 `kubectl apply` does, without storing anything), with the generated CRD and Kubeflow's v1.9 PyTorchJob CRD
 installed. For every document validate accepts, everything the builders render (ConfigMap, ServiceAccount,
 Role, RoleBinding, PyTorchJob, and a Pod made from the Worker template, where Kubernetes checks labels,
-tolerations, affinity, env, volumes and resources) is accepted too.
+tolerations, affinity, env, volumes and resources) is accepted too, and so is every JobSet (JobSet's v0.9.1 CRD:
+its schema and CEL rules; its webhooks are not registered in this tier) with its rendezvous Service and a Pod of it.
 """
 
 import copy
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kube_cluster import collection, refusal
 from run_documents import CASES, GAP_CASES, VALID_CASES, documents
-from trainingrun_operator import builders, scheduling, validation
+from trainingrun_operator import builders, jobset, scheduling, validation
 
 DRY_RUN = "?dryRun=All&fieldValidation=Strict"
 
@@ -55,7 +56,10 @@ def server_body(body, namespace):
 
 
 def pod_from(job, namespace):
-    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    if job["kind"] == "JobSet":
+        template = job["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    else:
+        template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -64,13 +68,22 @@ def pod_from(job, namespace):
     }
 
 
-def children_refusals(plane, run, namespace):
+#: Each backend's children of an attempt.
+BACKENDS = {"PyTorchJob": builders.children, "JobSet": jobset.children}
+
+
+def children_refusals(plane, run, namespace, backend="PyTorchJob"):
     """Every rendered child of attempt 2 (with a resume point) that the API server refuses, with its message.
     The run's pods name a ServiceAccount: admission needs it to exist, as it would once the operator made it."""
-    objects = builders.children(run, attempt=2, resume_from=run.spec.checkpoint.uri + "/step-00000100")
+    objects = BACKENDS[backend](run, attempt=2, resume_from=run.spec.checkpoint.uri + "/step-00000100")
     job = objects[-1]
+    made = [pod_from(job, namespace)]
+    if job["kind"] == "JobSet":  # the Job its controller makes of the replicated job: Kubernetes' own Job checks
+        replicated = job["spec"]["replicatedJobs"][0]
+        made.append({"apiVersion": "batch/v1", "kind": "Job", **copy.deepcopy(replicated["template"])})
+        made[-1]["metadata"] = {**made[-1]["metadata"], "name": f"{job['metadata']['name']}-{replicated['name']}-0"}
     refused = []
-    for obj in objects + [pod_from(job, namespace)]:
+    for obj in objects + made:
         obj = copy.deepcopy(obj)
         obj["metadata"]["namespace"] = namespace
         obj["metadata"].pop("ownerReferences", None)  # the run does not exist (dry run): no owner to point at
@@ -200,8 +213,11 @@ def test_a_config_too_big_for_its_pods_annotations_is_refused_as_the_server_woul
     validation.check(minimal_body)  # without the notes it fits
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("change", [c[1] for c in VALID_CASES], ids=[c[0] for c in VALID_CASES])
-def test_valid_documents_and_their_children_are_accepted(kube_cluster_with_crds, namespace, minimal_body, change):
+def test_valid_documents_and_their_children_are_accepted(
+    kube_cluster_with_crds, namespace, minimal_body, change, backend
+):
     plane = kube_cluster_with_crds
     change(minimal_body)
     run = validation.check(minimal_body)
@@ -209,7 +225,7 @@ def test_valid_documents_and_their_children_are_accepted(kube_cluster_with_crds,
     assert code == 201, message
     run.metadata.namespace = namespace
     with_service_accounts(plane, run, namespace)
-    assert children_refusals(plane, run, namespace) == []
+    assert children_refusals(plane, run, namespace, backend) == []
 
 
 def test_a_users_value_for_an_operator_default_wins_without_a_duplicate(minimal_body):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -217,7 +218,8 @@ def pod_rendezvous(args: Any, env: Any = os.environ) -> None:
         args.local_addr = env[contract.POD_IP]
     conf = dict(POD_KEEP_ALIVE)
     host_pod = env.get(contract.RENDEZVOUS_HOST_POD)
-    if host_pod and host_pod == env[contract.POD_NAME]:
+    # By name (a PyTorchJob's pods) or by hostname (a JobSet's: the Job controller adds a random suffix to the name)
+    if host_pod and host_pod in (env[contract.POD_NAME], socket.gethostname()):
         port = args.rdzv_endpoint.rpartition(":")[2] or str(contract.RENDEZVOUS_PORT)
         args.rdzv_endpoint = f"localhost:{port}"
         conf["is_host"] = "true"

@@ -221,6 +221,15 @@ def test_render_prints_children_as_yaml(capsys):
     assert "no metadata.uid" in captured.err  # the placeholder is announced, not hidden
 
 
+def test_render_prints_the_jobset_backends_children(capsys):
+    example = next(p for p in EXAMPLES if p.name == "gpu-gcs.yaml")
+    assert cli.main(["render", str(example), "--attempt", "3", "--backend", "JobSet"]) == 0
+    documents = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert [d["kind"] for d in documents] == ["Service", "JobSet"]
+    assert documents[0]["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
+    assert documents[-1]["metadata"]["name"] == "charlm-gpu-a3"
+
+
 def test_render_rejects_invalid_input_and_bad_attempt(tmp_path, capsys):
     assert cli.main(["render", write(tmp_path, BAD)]) == 1
     assert "did you mean 'replicas'" in capsys.readouterr().err

@@ -134,6 +134,21 @@ def test_the_rendezvous_host_pod_hosts_the_store_on_its_own_port():
     assert args.local_addr == "10.244.0.7"
 
 
+def test_a_jobset_pod_hosts_the_store_when_its_hostname_is_the_host_pods(monkeypatch):
+    """A JobSet's pod is named by its Job with a random suffix; its hostname is the stable one the operator names."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "demo-a1-worker-0-0")
+    env = {**POD_ENV, contract.RENDEZVOUS_HOST_POD: "demo-a1-worker-0-0"}
+    args = agent_args("--rdzv-endpoint=demo-rendezvous:23456")
+    pod_rendezvous(args, {**env, contract.POD_NAME: "demo-a1-worker-0-0-x7k2p"})
+    assert args.rdzv_endpoint == "localhost:23456" and conf(args)["is_host"] == "true"
+    monkeypatch.setattr(socket, "gethostname", lambda: "demo-a1-worker-0-1")
+    peer = agent_args("--rdzv-endpoint=demo-rendezvous:23456")
+    pod_rendezvous(peer, {**env, contract.POD_NAME: "demo-a1-worker-0-1-q9d4m"})
+    assert peer.rdzv_endpoint == "demo-rendezvous:23456" and "is_host" not in conf(peer)
+
+
 def test_other_pods_keep_the_service_endpoint_and_give_peers_their_ip():
     args = agent_args("--rdzv-endpoint=demo-rendezvous:23456")
     pod_rendezvous(args, {**POD_ENV, contract.POD_NAME: "demo-a1-worker-1"})
