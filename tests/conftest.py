@@ -137,6 +137,25 @@ def kube_cluster_with_crds(kube_cluster_session) -> "kube_cluster.ControlPlane":
     return kube_cluster_session.install_crds()
 
 
+@pytest.fixture(scope="session")
+def jobset_controller(kube_cluster_with_crds, tmp_path_factory):
+    """The real JobSet controller v0.9.1 and its webhooks beside the session's control plane (tests/jobset_controller.py):
+    from then on every JobSet created, dry runs included, and every pod of one is admitted by its webhooks."""
+    import jobset_controller as controller
+
+    binary = Path(os.environ.get(kube_cluster.ASSETS_ENV, "")) / controller.BINARY
+    if not binary.is_file():
+        message = f"real-API tier: missing {controller.BINARY}; {kube_cluster.HOW_TO_GET}"
+        if os.environ.get("TRAININGRUN_CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    running = controller.started(kube_cluster_with_crds, tmp_path_factory.mktemp("jobset-controller"))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
 @pytest.fixture
 def kube_namespace(kube_cluster_session, request) -> str:
     """A fresh namespace per test (deleted afterwards without waiting)."""

@@ -76,6 +76,49 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def sign_certificate(folder: Path, name: str, subject: str, usage: str, sans: str = "") -> None:
+    """`<name>.crt` and `<name>.key` in `folder`, signed by its CA (`ca.crt`, `ca.key`) for `usage` (serverAuth,
+    clientAuth) with the subject alternative names `sans`."""
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        subject,
+        cwd=folder,
+    )
+    ext = [
+        "basicConstraints=CA:FALSE",
+        "keyUsage=critical,digitalSignature,keyEncipherment",
+        f"extendedKeyUsage={usage}",
+    ] + ([f"subjectAltName={sans}"] if sans else [])
+    (folder / f"{name}.ext").write_text("\n".join(ext) + "\n")
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.crt",
+        "-days",
+        "30",
+        "-extfile",
+        f"{name}.ext",
+        cwd=folder,
+    )
+
+
 def make_pki(folder: Path, node: Optional[tuple[str, str]] = None) -> None:
     """A CA, the API server's serving certificate, client certificates for the admin (system:masters)
     and the controller manager, and the ServiceAccount token key pair; with `node` (its name and
@@ -100,44 +143,7 @@ def make_pki(folder: Path, node: Optional[tuple[str, str]] = None) -> None:
     )
 
     def sign(name: str, subject: str, usage: str, sans: str = "") -> None:
-        _openssl(
-            "req",
-            "-new",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            subject,
-            cwd=folder,
-        )
-        ext = [
-            "basicConstraints=CA:FALSE",
-            "keyUsage=critical,digitalSignature,keyEncipherment",
-            f"extendedKeyUsage={usage}",
-        ] + ([f"subjectAltName={sans}"] if sans else [])
-        (folder / f"{name}.ext").write_text("\n".join(ext) + "\n")
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.crt",
-            "-days",
-            "30",
-            "-extfile",
-            f"{name}.ext",
-            cwd=folder,
-        )
+        sign_certificate(folder, name, subject, usage, sans)
 
     node_ip = f",IP:{node[1]}" if node else ""
     sign(

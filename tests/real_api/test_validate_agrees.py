@@ -6,7 +6,8 @@ documents go to kube-apiserver v1.36 as a create with `dryRun=All` and `fieldVal
 installed. For every document validate accepts, everything the builders render (ConfigMap, ServiceAccount,
 Role, RoleBinding, PyTorchJob, and a Pod made from the Worker template, where Kubernetes checks labels,
 tolerations, affinity, env, volumes and resources) is accepted too, and so is every JobSet (JobSet's v0.9.1 CRD:
-its schema and CEL rules; its webhooks are not registered in this tier) with its rendezvous Service and a Pod of it.
+its schema and CEL rules, and the real controller's webhooks) with its rendezvous Service, a Pod of it and the Job
+JobSet's controller would make of it.
 """
 
 import copy
@@ -216,9 +217,11 @@ def test_a_config_too_big_for_its_pods_annotations_is_refused_as_the_server_woul
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("change", [c[1] for c in VALID_CASES], ids=[c[0] for c in VALID_CASES])
 def test_valid_documents_and_their_children_are_accepted(
-    kube_cluster_with_crds, namespace, minimal_body, change, backend
+    kube_cluster_with_crds, namespace, minimal_body, change, backend, request
 ):
     plane = kube_cluster_with_crds
+    if backend == "JobSet":
+        request.getfixturevalue("jobset_controller")  # its webhooks admit the JobSet and its pods
     change(minimal_body)
     run = validation.check(minimal_body)
     code, message = dry_run(plane, server_body(minimal_body, namespace), namespace)
