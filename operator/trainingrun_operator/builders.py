@@ -225,6 +225,25 @@ def pod_template(
     return {"metadata": template_metadata, "spec": pod_spec}
 
 
+def attempt_metadata(run: api.TrainingRun, attempt: int, resume_from: Optional[str]) -> dict[str, Any]:
+    """The metadata of an attempt's job, whatever its kind: its name (`naming.job_name`), labels (Kueue's queue
+    among them), owner, and what the operator reads back from it (the spec digest and generation it was made from,
+    the checkpoint it resumes from)."""
+    if attempt < 1:
+        raise ValueError(f"attempt must be 1 or more, got {attempt}")
+    meta = naming.metadata(
+        run, naming.job_name(run.metadata.name, attempt), "trainer", **{naming.LABEL_ATTEMPT: str(attempt)}
+    )
+    if run.spec.queue_name:
+        meta["labels"][naming.KUEUE_QUEUE_LABEL] = run.spec.queue_name
+    meta["annotations"] = {naming.ANNOTATION_SPEC_DIGEST: naming.spec_digest(run)}
+    if run.metadata.generation is not None:
+        meta["annotations"][naming.ANNOTATION_GENERATION] = str(run.metadata.generation)
+    if resume_from:
+        meta["annotations"][naming.ANNOTATION_RESUME_FROM] = resume_from
+    return meta
+
+
 def pytorch_job(
     run: api.TrainingRun,
     attempt: int,
@@ -232,18 +251,8 @@ def pytorch_job(
     resume_from: Optional[str] = None,
 ) -> dict[str, Any]:
     """The kubeflow.org/v1 PyTorchJob of one attempt: elastic workers only, rendezvous over c10d."""
-    if attempt < 1:
-        raise ValueError(f"attempt must be 1 or more, got {attempt}")
     spec = run.spec
-    name = naming.job_name(run.metadata.name, attempt)
-    meta = naming.metadata(run, name, "trainer", **{naming.LABEL_ATTEMPT: str(attempt)})
-    if spec.queue_name:
-        meta["labels"][naming.KUEUE_QUEUE_LABEL] = spec.queue_name
-    meta["annotations"] = {naming.ANNOTATION_SPEC_DIGEST: naming.spec_digest(run)}
-    if run.metadata.generation is not None:
-        meta["annotations"][naming.ANNOTATION_GENERATION] = str(run.metadata.generation)
-    if resume_from:
-        meta["annotations"][naming.ANNOTATION_RESUME_FROM] = resume_from
+    meta = attempt_metadata(run, attempt, resume_from)
     run_policy: dict[str, Any] = {
         # Pods stay after the job ends so their logs can be read; deleting the job removes them.
         "cleanPodPolicy": "None",
@@ -256,8 +265,7 @@ def pytorch_job(
         "minReplicas": spec.replicas.min,
         "maxReplicas": spec.replicas.effective_max,
         "rdzvBackend": "c10d",
-        # Unique per run and attempt: a new attempt never joins a stale rendezvous.
-        "rdzvId": f"{run.metadata.uid or run.metadata.name}-a{attempt}",
+        "rdzvId": naming.rendezvous_id(run, attempt),
         "maxRestarts": spec.recovery.max_restarts_per_attempt,
     }
     if naming.has_rendezvous_service(spec):

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from trainingrun_api import contract
 
 from . import api, naming
-from .builders import as_started, pod_template, rendezvous_service
+from .builders import as_started, attempt_metadata, pod_template, rendezvous_service
 from .settings import Settings
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -57,8 +57,7 @@ def torchrun_env(run: api.TrainingRun, attempt: int) -> dict[str, str]:
         "PET_NNODES": f"{spec.replicas.min}:{spec.replicas.effective_max}",
         "PET_RDZV_BACKEND": "c10d",
         "PET_RDZV_ENDPOINT": f"{naming.rendezvous_service_name(run.metadata.name)}:{contract.RENDEZVOUS_PORT}",
-        # Unique per run and attempt: a new attempt never joins a stale rendezvous.
-        "PET_RDZV_ID": f"{run.metadata.uid or run.metadata.name}-a{attempt}",
+        "PET_RDZV_ID": naming.rendezvous_id(run, attempt),
     }
 
 
@@ -69,18 +68,8 @@ def jobset(
     resume_from: Optional[str] = None,
 ) -> dict[str, Any]:
     """The JobSet of one attempt, named, labelled and annotated as the PyTorchJob would be (`naming.job_name`)."""
-    if attempt < 1:
-        raise ValueError(f"attempt must be 1 or more, got {attempt}")
     spec = run.spec
-    name = naming.job_name(run.metadata.name, attempt)
-    meta = naming.metadata(run, name, "trainer", **{naming.LABEL_ATTEMPT: str(attempt)})
-    if spec.queue_name:
-        meta["labels"][naming.KUEUE_QUEUE_LABEL] = spec.queue_name
-    meta["annotations"] = {naming.ANNOTATION_SPEC_DIGEST: naming.spec_digest(run)}
-    if run.metadata.generation is not None:
-        meta["annotations"][naming.ANNOTATION_GENERATION] = str(run.metadata.generation)
-    if resume_from:
-        meta["annotations"][naming.ANNOTATION_RESUME_FROM] = resume_from
+    meta = attempt_metadata(run, attempt, resume_from)
     pods = spec.replicas.effective_max
     template = pod_template(
         run,

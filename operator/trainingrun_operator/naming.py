@@ -68,6 +68,11 @@ def legacy_spec_hash(run: api.TrainingRun) -> str:
     return hashlib.sha256(json.dumps(_pod_spec(run), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def rendezvous_id(run: api.TrainingRun, attempt: int) -> str:
+    """torchrun's rendezvous id of an attempt: unique per run and attempt, so a new attempt never joins a stale one."""
+    return f"{run.metadata.uid or run.metadata.name}-a{attempt}"
+
+
 def rendezvous_service_name(run_name: str) -> str:
     return f"{run_name}-rendezvous"
 

@@ -47,6 +47,17 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _checked_tokens(batch: dict[str, Tensor], context_length: int) -> Tensor:
+    """The batch's `tokens`, [batch, T + 1] with T <= `context_length`: position t predicts t + 1."""
+    tokens = batch["tokens"]
+    _require(
+        tokens.dim() == 2 and 2 <= tokens.size(1) <= context_length + 1,
+        f"tokens must be [batch, length] with 2 <= length <= context_length + 1 = "
+        f"{context_length + 1}, got shape {tuple(tokens.shape)}",
+    )
+    return tokens
+
+
 def _init_weights(module: nn.Module) -> None:
     """GPT-2 style init: small normal weights, zero biases; uses the global torch RNG."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -146,12 +157,7 @@ class CharTransformer(nn.Module):
         self.apply(_init_weights)
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
-        tokens = batch["tokens"]
-        _require(
-            tokens.dim() == 2 and 2 <= tokens.size(1) <= self.context_length + 1,
-            f"tokens must be [batch, length] with 2 <= length <= context_length + 1 = "
-            f"{self.context_length + 1}, got shape {tuple(tokens.shape)}",
-        )
+        tokens = _checked_tokens(batch, self.context_length)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.size(1), device=tokens.device)
         x = self.embedding_dropout(self.token_embedding(inputs) + self.position_embedding(positions))
@@ -343,12 +349,7 @@ class HuggingFaceCausalLM(nn.Module):
         return layers
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
-        tokens = batch["tokens"]
-        _require(
-            tokens.dim() == 2 and 2 <= tokens.size(1) <= self.context_length + 1,
-            f"tokens must be [batch, length] with 2 <= length <= context_length + 1 = "
-            f"{self.context_length + 1}, got shape {tuple(tokens.shape)}",
-        )
+        tokens = _checked_tokens(batch, self.context_length)
         logits = self.model(input_ids=tokens[:, :-1], use_cache=False).logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 

@@ -1,0 +1,3 @@
+class Net:
+    def __init__(self, layers: int = 2):
+        pass
