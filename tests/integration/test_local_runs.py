@@ -107,7 +107,7 @@ def test_two_kills_three_attempts_same_model_bounded_loss(tmp_path):
     ), reference.stdout[-2000:]
     # The time line's start-up term, part by part: the same figure, and its parts add up (each rounded to 0.1 s).
     [startup] = re.findall(
-        r"^start-up ([0-9.]+) s = (.*) \(1 process start\); then restore", reference.stdout, re.MULTILINE
+        r"^start-up ([0-9.]+) s = (.*) \(rank 0's, 1 worker group start\); then restore", reference.stdout, re.MULTILINE
     )
     phases = dict(
         re.findall(r"([a-z][a-z ]*?) ([0-9.]+) s", startup[1].replace(" (launching, rendezvous, ending)", ""))

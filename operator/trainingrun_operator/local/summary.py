@@ -33,7 +33,7 @@ class Summary:
     run_productive_seconds: float = 0.0
     #: The training processes' start-up by phase, summed over processes (progress_report.ProcessTime), first step included.
     startup: dict[str, float] = field(default_factory=dict)
-    process_starts: int = 0  #: training processes (rank 0's) that reported in this invocation
+    process_starts: int = 0  #: worker groups started in this invocation whose rank 0 reported (one process each)
     #: Samples over the steps' compute and data wait, every process of this invocation (None: none reported).
     average_samples_per_second: Optional[float] = None
     eval_loss: Optional[float] = None  #: at the last evaluation rank 0 reported (spec.trainer.eval)
@@ -89,7 +89,7 @@ class Summary:
         return "\n".join(parts) or None
 
     def startup_line(self) -> Optional[str]:
-        """`start-up 13.4 s = outside the training processes 12.4 s + imports 0.1 s + ... (2 process starts); then
+        """`start-up 13.4 s = outside the training processes 12.4 s + imports 0.1 s + ... (rank 0's, 2 worker group starts); then
         restore 0.1 s and first steps 0.6 s`: the time line's start-up term, part by part (the time no training
         process was running, then the processes' own phases, summed over them), and what each process did next
         before training at speed, which the time line counts as restore and productive."""
@@ -100,7 +100,7 @@ class Summary:
         inside = " + ".join(f"{_term(name)} {seconds:.1f} s" for name, seconds in phases.items())
         return (
             f"start-up {total:.1f} s = outside the training processes {max(0.0, total - sum(phases.values())):.1f} s "
-            f"(launching, rendezvous, ending) + {inside} ({self.process_starts} process start"
+            f"(launching, rendezvous, ending) + {inside} (rank 0's, {self.process_starts} worker group start"
             f"{'s' * (self.process_starts != 1)}); then restore {self.startup.get('restore', 0.0):.1f} s and first "
             f"steps {self.startup.get('first_step', 0.0):.1f} s, in the time line's restore and productive"
         )

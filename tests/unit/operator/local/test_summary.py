@@ -39,7 +39,7 @@ def test_the_startup_line_breaks_down_the_time_lines_start_up_term():
     assert "+ start-up 5.5 s +" in figures.breakdown_line()
     assert figures.startup_line() == (
         "start-up 5.5 s = outside the training processes 2.0 s (launching, rendezvous, ending) + imports 2.0 s "
-        "+ init 0.2 s + model 0.5 s + data 0.2 s + prepare 0.5 s (2 process starts); then restore 0.2 s and first "
+        "+ init 0.2 s + model 0.5 s + data 0.2 s + prepare 0.5 s (rank 0's, 2 worker group starts); then restore 0.2 s and first "
         "steps 1.0 s, in the time line's restore and productive"
     )
 
