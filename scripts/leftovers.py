@@ -41,12 +41,13 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     listing = Path(argv[2])
+    now = entries()
     if argv[1] == "snapshot":
-        listing.write_text(json.dumps(entries()), encoding="utf-8")
-        print(f"leftovers: {len(entries())} entries before, in {', '.join(map(str, WATCHED))}")
+        listing.write_text(json.dumps(now), encoding="utf-8")
+        print(f"leftovers: {len(now)} entries before, in {', '.join(map(str, WATCHED))}")
         return 0
     before = set(json.loads(listing.read_text(encoding="utf-8")))
-    new = [entry for entry in entries() if entry not in before]
+    new = [entry for entry in now if entry not in before]
     for entry in new:
         print(f"leftovers: new since the snapshot: {entry}", file=sys.stderr)
     if new:

@@ -115,7 +115,7 @@ def _webhooks(url: str, ca: bytes) -> list[dict]:
 
     def hook(kind: str, verb: str, group: str, version: str, resource: str, operations: list[str]) -> dict:
         path_group = group.replace(".", "-")
-        hook = {
+        webhook = {
             "name": f"{verb[0]}{kind}.kb.io",
             "admissionReviewVersions": ["v1"],
             "clientConfig": {"url": f"{url}/{verb}-{path_group}-{version}-{kind}", "caBundle": bundle},
@@ -126,10 +126,10 @@ def _webhooks(url: str, ca: bytes) -> list[dict]:
             ],
         }
         if kind == "pod":
-            hook["objectSelector"] = {
+            webhook["objectSelector"] = {
                 "matchExpressions": [{"key": "jobset.sigs.k8s.io/jobset-name", "operator": "Exists"}]
             }
-        return hook
+        return webhook
 
     return [
         {

@@ -340,11 +340,12 @@ class LocalRunner:
     def execute(self) -> Summary:
         started = time.monotonic()
         config_path = self._write_config()
-        # Short: the processes' Unix sockets live below it (pymp-*/listener-*), and their paths stop at 107 bytes.
-        self.scratch = tempfile.mkdtemp(prefix="trainingrun-")
         status = StatusServer(self.run, self.run_dir / "report-token")
         previous = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}
         outcome, message = "succeeded", ""
+        # Made last before the try whose end removes it (a status server that could not start left it behind).
+        # Short: the processes' Unix sockets live below it (pymp-*/listener-*), and their paths stop at 107 bytes.
+        self.scratch = tempfile.mkdtemp(prefix="trainingrun-")
         try:
             number = 0
             while True:
