@@ -35,7 +35,7 @@ TIMED = [
     ("trainingrun_operator.validation", "parse", "validation.parse (pydantic)"),
     ("trainingrun_operator.validation", "credential_problems", "validation.credential_problems"),
     ("trainingrun_operator.validation", "component_problems", "validation.component_problems"),
-    ("trainingrun_operator.builders", "children", "builders.children"),
+    ("trainingrun_operator.pytorchjob", "children", "pytorchjob.children"),
     ("trainingrun_operator.builders", "event_object", "builders.event_object"),
     ("trainingrun_operator.reconcile", "decide", "reconcile.decide"),
     ("trainingrun_operator.handlers", "run_event", "handlers.run_event"),
@@ -170,12 +170,12 @@ def baseline_costs(document: dict[str, Any], repeats: int = BASELINE_REPEATS) ->
 
     import orjson
 
-    from trainingrun_operator import builders, validation
+    from trainingrun_operator import builders, pytorchjob, validation
 
     document = copy.deepcopy(document)
     document["metadata"].update(uid="0000", generation=1, resourceVersion="1")
     run = validation.parse(copy.deepcopy(document), from_server=True)
-    job = builders.children(run)[-1]
+    job = pytorchjob.children(run)[-1]
     event = orjson.dumps({"type": "ADDED", "object": job})
     note = builders.Note("Normal", "AttemptStarted", "attempt 1 started")
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -184,7 +184,7 @@ def baseline_costs(document: dict[str, Any], repeats: int = BASELINE_REPEATS) ->
         "validation.parse (pydantic)": lambda i: validation.parse(copies[i], from_server=True),
         "validation.credential_problems": lambda i: validation.credential_problems(run.spec.trainer),
         "validation.component_problems": lambda i: validation.component_problems(run.spec.trainer),
-        "builders.children": lambda i: builders.children(run),
+        "pytorchjob.children": lambda i: pytorchjob.children(run),
         "builders.event_object": lambda i: builders.event_object(document, note, now),
         "orjson.loads (answers, watch events)": lambda i: orjson.loads(event),
         "orjson.dumps": lambda i: orjson.dumps(job),

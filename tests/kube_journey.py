@@ -1,8 +1,9 @@
 """The end-to-end tier's cluster (tests/e2e/, benchmarks/cluster_recovery.py): a real control plane and
 node (tests/kube_cluster.py, tests/kube_node.py), the images of scripts/e2e-images.sh imported into the
 node, the real Kubeflow Training Operator v1.9.0 with its webhook (its standalone manifests from
-../shared/k8s), our chart installed with `helm install` as the README says, and moto's S3 server on the
-node's address for checkpoints.
+../shared/k8s) or, for the JobSet backend, the real JobSet controller v0.9.1 with its webhooks and no Kubeflow
+(its upstream manifests from ../shared/k8s), our chart installed with `helm install` as the README says, and moto's
+S3 server on the node's address for checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ KUBEFLOW_MANIFEST = Path(
     os.environ.get(
         "TRAININGRUN_KUBEFLOW_MANIFEST",
         REPO.parent / "shared" / "k8s" / "recipe" / "tests" / "training-operator-standalone.yaml",
+    )
+)
+JOBSET_MANIFEST = Path(
+    os.environ.get(
+        "TRAININGRUN_JOBSET_MANIFEST",
+        REPO.parent / "shared" / "k8s" / "recipe" / "jobset" / "jobset-v0.9.1-in-cluster.yaml",
     )
 )
 HELM = Path(os.environ.get("HELM", REPO / ".tools" / "bin" / "helm"))
@@ -90,6 +97,8 @@ def missing() -> list[str]:
         gaps.append(f"image archives in {IMAGES} (bash scripts/build-images.sh && bash scripts/e2e-images.sh)")
     if not KUBEFLOW_MANIFEST.exists():
         gaps.append(f"Kubeflow's standalone manifests at {KUBEFLOW_MANIFEST}")
+    if not JOBSET_MANIFEST.exists():
+        gaps.append(f"JobSet's manifests at {JOBSET_MANIFEST}")
     if not shutil.which("prometheus"):
         gaps.append("prometheus (Debian's 'prometheus' package)")
     if not os.access(HELM, os.X_OK):
@@ -100,8 +109,25 @@ def missing() -> list[str]:
 class Cluster:
     """The cluster as the tests use it: the control plane, the node, and the S3 server for checkpoints."""
 
-    def __init__(self, plane: kube_cluster.ControlPlane, node: kube_node.Node, s3: StorageServer):
-        self.plane, self.node, self.s3 = plane, node, s3
+    def __init__(
+        self, plane: kube_cluster.ControlPlane, node: kube_node.Node, s3: StorageServer, backend: str = "PyTorchJob"
+    ):
+        self.plane, self.node, self.s3, self.backend = plane, node, s3, backend
+
+    @property
+    def jobs(self) -> str:
+        """The kind of the attempts' jobs, as kubectl names it."""
+        return "pytorchjobs" if self.backend == "PyTorchJob" else "jobsets,jobs"
+
+    def worker_pod(self, namespace: str, name: str, attempt: int, index: int) -> str:
+        """The name of worker `index`'s pod of an attempt: Kubeflow's `<job>-worker-<index>`, or a JobSet's, which
+        its Job names with a random suffix (found by its labels)."""
+        if self.backend == "PyTorchJob":
+            return f"{name}-a{attempt}-worker-{index}"
+        selector = f"trainingrun.dev/run={name},trainingrun.dev/attempt={attempt},batch.kubernetes.io/job-completion-index={index}"
+        found = self.kubectl("-n", namespace, "get", "pods", "-l", selector, "-o", "name").stdout.split()
+        assert len(found) == 1, found
+        return found[0].removeprefix("pod/")
 
     def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
         return self.plane.kubectl(*args, **kwargs)
@@ -174,7 +200,7 @@ class Cluster:
 
     def diagnose(self, namespace: str) -> str:
         parts = [
-            self.kubectl("-n", namespace, "get", "trainingruns,pytorchjobs,pods", "-o", "wide", check=False).stdout,
+            self.kubectl("-n", namespace, "get", f"trainingruns,{self.jobs},pods", "-o", "wide", check=False).stdout,
             self.kubectl("-n", namespace, "get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-3000:],
             self.kubectl(
                 "-n",
@@ -216,6 +242,42 @@ def install_kubeflow(plane: kube_cluster.ControlPlane) -> None:
         time.sleep(0.5)  # polling the webhook
 
 
+def install_jobset(plane: kube_cluster.ControlPlane) -> None:
+    """JobSet's upstream manifests (its controller making its own webhook certificates), its CPU request lowered for
+    the 2-CPU node, and wait until its webhook answers."""
+    manifest = JOBSET_MANIFEST.read_text().replace("cpu: 500m", "cpu: 100m")
+    plane.kubectl("apply", "--server-side", "-f", "-", input=manifest)
+    plane.kubectl("-n", "jobset-system", "rollout", "status", "deploy/jobset-controller-manager", "--timeout=180s")
+    probe = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "probe", "namespace": "default"},
+        "spec": {
+            "replicatedJobs": [
+                {
+                    "name": "w",
+                    "template": {
+                        "spec": {
+                            "template": {
+                                "spec": {
+                                    "restartPolicy": "Never",
+                                    "containers": [{"name": "c", "image": "localhost/k8s-test/pause:3.10"}],
+                                }
+                            }
+                        }
+                    },
+                }
+            ]
+        },
+    }
+    deadline = time.monotonic() + 120
+    while (
+        plane.request("POST", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets?dryRun=All", probe)[0] != 201
+    ):
+        assert time.monotonic() < deadline, "JobSet's webhook never answered"
+        time.sleep(0.5)  # polling the webhook
+
+
 def helm(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [str(HELM), f"--kubeconfig={kubeconfig}", *args], capture_output=True, text=True, timeout=600
@@ -225,8 +287,9 @@ def helm(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def started(workdir: Path) -> Iterator[Cluster]:
-    """The cluster with Kubeflow running and the S3 server up (the chart not yet installed)."""
+def started(workdir: Path, backend: str = "PyTorchJob") -> Iterator[Cluster]:
+    """The cluster with Kubeflow (backend PyTorchJob) or JobSet and no Kubeflow (backend JobSet) running and the S3
+    server up (the chart not yet installed)."""
     plane = kube_cluster.ControlPlane(
         Path(os.environ[kube_cluster.ASSETS_ENV]), workdir / "plane", node=(kube_node.NODE_NAME, kube_node.NODE_IP)
     )
@@ -237,9 +300,9 @@ def started(workdir: Path) -> Iterator[Cluster]:
         for line in (IMAGES / "images.txt").read_text().splitlines():
             name, archive = line.split()
             node.import_image(IMAGES / archive, name)
-        install_kubeflow(plane)
+        install_kubeflow(plane) if backend == "PyTorchJob" else install_jobset(plane)
         with moto_s3(kube_node.NODE_IP) as s3:
-            yield Cluster(plane, node, s3)
+            yield Cluster(plane, node, s3, backend)
     finally:
         node.stop()
         plane.stop()

@@ -44,6 +44,9 @@ SINGULAR = "trainingrun"
 SHORT_NAMES = ["tr"]
 
 MAX_REPLICAS = 10000
+#: What an attempt becomes (backends.py): a Kubeflow PyTorchJob, or a JobSet where Kubeflow's v1 operator is not installed.
+Backend = Literal["PyTorchJob", "JobSet"]
+BACKENDS: tuple[str, ...] = ("PyTorchJob", "JobSet")
 MAX_ATTEMPT_BUDGET = 1000
 
 QUANTITY = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
@@ -246,6 +249,11 @@ class TrainingRunSpec(ApiModel):
             "(self.replicas.min == 1 && (!has(self.replicas.max) || self.replicas.max == 1))",
             FILE_URI_ONE_POD,
         ),
+        (
+            "has(self.backend) == has(oldSelf.backend) && (!has(self.backend) || self.backend == oldSelf.backend)",
+            "spec.backend cannot change after the run is created (its attempts' objects are of that kind): "
+            "create a new TrainingRun to use another backend",
+        ),
     )
 
     image: Optional[str] = Field(
@@ -292,11 +300,17 @@ class TrainingRunSpec(ApiModel):
     active_deadline_seconds: Optional[int] = Field(
         default=None, ge=1, description="Fail an attempt that runs longer than this."
     )
+    backend: Optional[Backend] = Field(
+        default=None,
+        description="What each attempt becomes: a Kubeflow PyTorchJob or a JobSet (jobset.x-k8s.io). Empty: the "
+        "operator's default (its chart value `backend`). Cannot change once the run exists.",
+    )
     queue_name: Optional[str] = Field(
         default=None,
         pattern=LABEL_VALUE,
         max_length=63,
-        description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label of the PyTorchJob.",
+        description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label of each attempt's PyTorchJob or "
+        "JobSet.",
     )
     node_selector: NodeSelectorLabels = Field(
         default_factory=dict,

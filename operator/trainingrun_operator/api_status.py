@@ -62,11 +62,17 @@ class Restarts(ApiModel):
     total: int = Field(default=0, description="failures + preemptions.")
     in_place: int = Field(
         default=0,
-        description="Times the Kubeflow Training Operator restarted pods within an attempt (a pod deleted, evicted or "
-        "exited retryably); they rejoin and resume from the last checkpoint, no new attempt is charged.",
+        description="Times pods were replaced within an attempt (a pod deleted, evicted or exited retryably) by "
+        "Kubeflow's operator or, with a JobSet, the Job controller; they rejoin and resume from the last checkpoint, "
+        "no new attempt is charged.",
     )
     last_in_place_time: Optional[str] = Field(
         default=None, description="When the PyTorchJob last reported Restarting (RFC 3339): the last restart counted."
+    )
+    attempt_pods_failed: Optional[int] = Field(
+        default=None,
+        description="JobSet backend: the current attempt's failed (and replaced) pods as its Job counts them, all "
+        "already counted in inPlace.",
     )
     backoff_seconds: float = Field(default=0.0, description="Seconds of backoff before the attempts after the first.")
 
@@ -122,7 +128,10 @@ class TrainingRunStatus(ApiModel):
         default=None, description="Pending, Running, Recovering, Suspended, Succeeded or Failed."
     )
     attempt: Optional[int] = Field(default=None, description="Current attempt number, from 1.")
-    job_name: Optional[str] = Field(default=None, description="PyTorchJob of the current attempt.")
+    job_name: Optional[str] = Field(default=None, description="PyTorchJob or JobSet of the current attempt.")
+    backend: Optional[str] = Field(
+        default=None, description="What the run's attempts are (PyTorchJob or JobSet), decided at its first attempt."
+    )
     start_time: Optional[str] = Field(default=None, description="When the first attempt started (RFC 3339).")
     attempt_start_time: Optional[str] = Field(default=None, description="When the current attempt started (RFC 3339).")
     next_attempt_time: Optional[str] = Field(

@@ -244,52 +244,6 @@ def attempt_metadata(run: api.TrainingRun, attempt: int, resume_from: Optional[s
     return meta
 
 
-def pytorch_job(
-    run: api.TrainingRun,
-    attempt: int,
-    settings: Settings = Settings(),
-    resume_from: Optional[str] = None,
-) -> dict[str, Any]:
-    """The kubeflow.org/v1 PyTorchJob of one attempt: elastic workers only, rendezvous over c10d."""
-    spec = run.spec
-    meta = attempt_metadata(run, attempt, resume_from)
-    run_policy: dict[str, Any] = {
-        # Pods stay after the job ends so their logs can be read; deleting the job removes them.
-        "cleanPodPolicy": "None",
-        "backoffLimit": spec.recovery.max_restarts_per_attempt,
-        "suspend": spec.suspend,
-    }
-    if spec.active_deadline_seconds:
-        run_policy["activeDeadlineSeconds"] = spec.active_deadline_seconds
-    elastic_policy: dict[str, Any] = {
-        "minReplicas": spec.replicas.min,
-        "maxReplicas": spec.replicas.effective_max,
-        "rdzvBackend": "c10d",
-        "rdzvId": naming.rendezvous_id(run, attempt),
-        "maxRestarts": spec.recovery.max_restarts_per_attempt,
-    }
-    if naming.has_rendezvous_service(spec):
-        elastic_policy["rdzvHost"] = naming.rendezvous_service_name(run.metadata.name)
-        elastic_policy["rdzvPort"] = contract.RENDEZVOUS_PORT
-    return {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": meta,
-        "spec": {
-            "nprocPerNode": str(spec.nproc_per_node),
-            "elasticPolicy": elastic_policy,
-            "runPolicy": run_policy,
-            "pytorchReplicaSpecs": {
-                "Worker": {
-                    "replicas": spec.replicas.effective_max,
-                    "restartPolicy": "ExitCode",
-                    "template": pod_template(run, attempt, settings, resume_from),
-                }
-            },
-        },
-    }
-
-
 def as_started(run: api.TrainingRun, checkpoint_uri: Optional[str]) -> api.TrainingRun:
     """The run as its attempts are built: with the checkpoint URI the operator decided they use (the one the run
     started with, `reconcile.decide`), whatever spec.checkpoint.uri says now."""
@@ -298,21 +252,6 @@ def as_started(run: api.TrainingRun, checkpoint_uri: Optional[str]) -> api.Train
     changed = run.model_copy(deep=True)
     changed.spec.checkpoint.uri = checkpoint_uri
     return changed
-
-
-def children(
-    run: api.TrainingRun,
-    attempt: int = 1,
-    settings: Settings = Settings(),
-    resume_from: Optional[str] = None,
-    checkpoint_uri: Optional[str] = None,
-) -> list[dict[str, Any]]:
-    """Everything one attempt of a run needs: its rendezvous Service (multi-pod runs) and its PyTorchJob, last (its
-    pods carry the config: config_annotations). `checkpoint_uri` (default: the spec's) reaches the pods through the
-    config file alone."""
-    run = as_started(run, checkpoint_uri)
-    support = [rendezvous_service(run, attempt)] if naming.has_rendezvous_service(run.spec) else []
-    return [*support, pytorch_job(run, attempt, settings, resume_from)]
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""What a run's children say, read from the PyTorchJob and pod dicts the indexes hold: the job's state, which pods
+"""What a run's children say, whatever their backend, read from the job and pod dicts the indexes hold: which pods
 belong to an attempt, why an attempt failed (preemption, a permanent verdict or a retryable failure), and what keeps
-its pods from running (unschedulable, not created, a missing Secret or volume). Pure: no API calls, no clock."""
+its pods from running (unschedulable, not created, a missing Secret or volume). A job's own state is its backend's
+(pytorchjob.py, jobset.py). Pure: no API calls, no clock."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from typing import Any, Optional
 
 from trainingrun_api import contract, exit_codes
 
-from . import naming
+from . import naming, pytorchjob
 
-KUBEFLOW_JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 #: Pod-level reasons that mean the node or the scheduler took the pod away, not the training code.
 DISRUPTION_POD_REASONS = {"Evicted", "Preempting", "Terminated", "NodeShutdown", "Shutdown", "NodeLost"}
 
@@ -26,28 +26,6 @@ class Failure:
     from_pods: bool = True  #: False when no pod said why (they may be gone, or not seen yet)
 
 
-def job_state(job: dict[str, Any]) -> Optional[str]:
-    """Succeeded, Failed, Suspended, Running, Restarting or Created, from the Kubeflow job conditions."""
-    true = {c.get("type") for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"}
-    for state in ("Succeeded", "Failed", "Suspended", "Running", "Restarting", "Created"):
-        if state in true:
-            return state
-    return None
-
-
-def restarting(job: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The PyTorchJob's Restarting condition while it is true: Kubeflow sets it (and drops Running) each time it
-    replaces a pod of the job, and drops it when the job runs again."""
-    return next(
-        (
-            c
-            for c in (job.get("status") or {}).get("conditions") or []
-            if c.get("type") == "Restarting" and c.get("status") == "True"
-        ),
-        None,
-    )
-
-
 def attempt_of(obj: dict[str, Any]) -> Optional[int]:
     value = ((obj.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_ATTEMPT)
     return int(value) if value and value.isdigit() else None
@@ -56,7 +34,7 @@ def attempt_of(obj: dict[str, Any]) -> Optional[int]:
 def pods_of(pods: list[dict[str, Any]], job_name: str, attempt: int) -> list[dict[str, Any]]:
     def belongs(pod: dict[str, Any]) -> bool:
         labels = (pod.get("metadata") or {}).get("labels") or {}
-        return labels.get(KUBEFLOW_JOB_NAME_LABEL) == job_name or attempt_of(pod) == attempt
+        return labels.get(pytorchjob.JOB_NAME_LABEL) == job_name or attempt_of(pod) == attempt
 
     return [p for p in pods if belongs(p)]
 
@@ -87,7 +65,7 @@ def _disruption(pod: dict[str, Any]) -> Optional[str]:
 
 
 def classify_failure(job: dict[str, Any], pods: list[dict[str, Any]]) -> Failure:
-    """Why an attempt's PyTorchJob failed: preemption, a permanent error, or a (retryable) failure.
+    """Why an attempt's job failed: preemption, a permanent error, or a (retryable) failure.
 
     A disrupted pod (DisruptionTarget condition, eviction, node shutdown) or the launcher's exit 143
     (emergency checkpoint after SIGTERM) is a preemption; 137 is one too when the pod was being
@@ -129,7 +107,9 @@ def classify_failure(job: dict[str, Any], pods: list[dict[str, Any]]) -> Failure
         None,
     )
     return Failure(
-        "failure", f"PyTorchJob {job['metadata']['name']} failed: {job_message or 'no reason given'}", from_pods=False
+        "failure",
+        f"{job.get('kind') or pytorchjob.KIND} {job['metadata']['name']} failed: {job_message or 'no reason given'}",
+        from_pods=False,
     )
 
 
@@ -164,17 +144,35 @@ def missing_secret(pods: list[dict[str, Any]], secret_names: list[str]) -> Optio
 
 #: Why an attempt's pods do not run, by condition type: (reason, message). Reported while the run is Pending
 #: or Running (a replacement pod within the attempt).
-BLOCKED_CONDITIONS = ("PodsNotCreated", "Unschedulable", "VolumeMountFailed")
-FAILED_CREATE_REASONS = ("FailedCreate", "FailedCreatePod")  # what Kubeflow's pod control records on the job
+BLOCKED_CONDITIONS = ("PodsNotCreated", "Unschedulable", "VolumeMountFailed", "ImagePullFailed")
+#: The kubelet's reasons for a container waiting because its image cannot be had.
+IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+#: What Kubeflow's pod control records on a PyTorchJob, and the Job controller on a JobSet's Job, when a pod cannot be
+#: created.
+FAILED_CREATE_REASONS = ("FailedCreate", "FailedCreatePod")
 
 
 def blocked_pods(
-    job_name: str, pods: list[dict[str, Any]], warnings: list[dict[str, Any]]
+    job: dict[str, Any], pods: list[dict[str, Any]], warnings: list[dict[str, Any]]
 ) -> dict[str, tuple[str, str]]:
     """What keeps an attempt's pods from running, from the scheduler's pod conditions and the Warning Events
-    of Kubeflow (on the job) and the kubelet (on the pods). A missing Secret volume is `missing_secret_volume`'s."""
+    of Kubeflow (on the PyTorchJob), the Job controller (on a JobSet's Job, `<jobset>-worker-0`) and the kubelet (on
+    the pods). A missing Secret volume is `missing_secret_volume`'s."""
+    job_name, kind = job["metadata"]["name"], job.get("kind") or pytorchjob.KIND
     found: dict[str, tuple[str, str]] = {}
     for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (status.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in IMAGE_PULL_REASONS:
+                said = f"{waiting['reason']}: {waiting.get('message') or 'the image cannot be pulled'}"
+                found.setdefault(
+                    "ImagePullFailed",
+                    (
+                        waiting["reason"],
+                        f"pod {pod['metadata']['name']}: {said} (check spec.image or the chart's trainer.image, and "
+                        "spec.imagePullSecrets for a private registry)",
+                    ),
+                )
         for condition in (pod.get("status") or {}).get("conditions") or []:
             if (
                 condition.get("type") == "PodScheduled"
@@ -191,8 +189,10 @@ def blocked_pods(
             event.get("reason"),
             event.get("message"),
         )
-        if about == job_name and reason in FAILED_CREATE_REASONS:
-            found.setdefault("PodsNotCreated", ("FailedCreate", f"PyTorchJob {job_name}: {message}"))
+        if reason in FAILED_CREATE_REASONS and isinstance(about, str) and about == job_name:
+            found.setdefault("PodsNotCreated", ("FailedCreate", f"{kind} {job_name}: {message}"))
+        elif reason in FAILED_CREATE_REASONS and isinstance(about, str) and about.startswith(job_name + "-"):
+            found.setdefault("PodsNotCreated", ("FailedCreate", f"Job {about} of {kind} {job_name}: {message}"))
         elif reason == "FailedMount" and not _about_secret(message):
             found.setdefault("VolumeMountFailed", ("FailedMount", f"pod {about}: {message}"))
     return found

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import __version__, builders, cli_local, crd, jobset, validation
+from . import __version__, backends, cli_local, crd, validation
 from .settings import Settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -150,8 +150,8 @@ def cmd_render(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"uid": PLACEHOLDER_UID})})
-        render = jobset.children if args.backend == "JobSet" else builders.children
-        documents += render(run, args.attempt, settings, args.resume_from)
+        backend = backends.BACKENDS[run.spec.backend or args.backend or "PyTorchJob"]
+        documents += backend.children(run, args.attempt, settings, args.resume_from)
     sys.stdout.write("".join("---\n" + crd.to_yaml(d) for d in documents))
     return 0
 
@@ -317,12 +317,16 @@ COMMANDS = (
         ("render",),
         "print the Kubernetes objects a TrainingRun becomes",
         "Print, as multi-document YAML, the objects the operator creates for one attempt of each TrainingRun in "
-        "FILE: the rendezvous Service (runs of more than one pod) and the PyTorchJob, or with --backend JobSet the "
-        "JobSet (the JobSet backend's builder; the operator does not run JobSets yet: issue 79).",
+        "FILE: the rendezvous Service (runs of more than one pod) and the PyTorchJob or JobSet (spec.backend, else "
+        "--backend; an operator's default may differ: its setting TRAININGRUN_BACKEND).",
         cmd_render,
         (
             arg("file", metavar="FILE", help="YAML file with one or more TrainingRuns"),
-            arg("--backend", choices=("PyTorchJob", "JobSet"), default="PyTorchJob", help="what an attempt becomes"),
+            arg(
+                "--backend",
+                choices=("PyTorchJob", "JobSet"),
+                help="what an attempt becomes when the run has no spec.backend (default PyTorchJob)",
+            ),
             arg("--attempt", type=positive_int, default=1, help="attempt number (default 1)"),
             arg("--resume-from", metavar="URI", help="checkpoint the attempt resumes from (TRAININGRUN_RESUME_FROM)"),
         ),

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, TextIO
 
 from trainingrun_api import contract
 
-from . import api, api_status, naming, validation
+from . import api, api_status, jobset, naming, validation
 
 #: What to install when the `kubernetes` client is missing (the operator's image leaves it out on purpose).
 CLIENT_MISSING = (
@@ -76,6 +76,16 @@ class KubeSource:
                 return (f"{found.metadata.uid}/{status.restart_count}", state) if state else None
         return None
 
+    def worker_pod(self, attempt: int, index: int) -> Optional[str]:
+        """The newest pod of worker `index` of the run's attempt, by its labels: a JobSet's pods are named by the Job
+        controller, `<jobset>-worker-0-<index>-<random>`, and a replaced one gets a new name."""
+        selector = (
+            f"{naming.LABEL_RUN}={self.name},{naming.LABEL_ATTEMPT}={attempt},{jobset.COMPLETION_INDEX_LABEL}={index}"
+        )
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        pods.sort(key=lambda p: (p.metadata.deletion_timestamp is None, p.metadata.creation_timestamp))
+        return pods[-1].metadata.name if pods else None
+
     def lines(self, pod: str, follow: bool) -> Iterable[str]:
         """The container's log; followed, it ends when the container does."""
         from kubernetes import watch
@@ -93,6 +103,7 @@ class KubeSource:
 
 class LogSource(Protocol):
     def run(self) -> dict: ...
+    def worker_pod(self, attempt: int, index: int) -> Optional[str]: ...
     def container(self, pod: str) -> Optional[tuple[str, str]]: ...
     def lines(self, pod: str, follow: bool) -> Iterable[str]: ...
 
@@ -135,7 +146,7 @@ def follow_logs(
         current = status.get("attempt")
         if shown_attempt is None or (follow and attempt is None and current and current > shown_attempt):
             shown_attempt = current
-        pod = naming.worker_pod(name, shown_attempt, pod_index) if shown_attempt else None
+        pod = _worker_pod(source, status, name, shown_attempt, pod_index) if shown_attempt else None
         container = source.container(pod) if pod else None
         if pod and container and (shown is None or container[0] != shown[0]):
             print(f"==> attempt {shown_attempt}, pod {pod} <==", file=out, flush=True)
@@ -168,13 +179,21 @@ def follow_logs(
         body = source.run()
 
 
+def _worker_pod(source: LogSource, status: dict[str, Any], name: str, attempt: int, index: int) -> Optional[str]:
+    """Worker `index`'s pod in `attempt`: Kubeflow names it (`<job>-worker-<index>`); a JobSet's is looked up."""
+    if status.get("backend") == jobset.KIND:
+        return source.worker_pod(attempt, index)
+    return naming.worker_pod(name, attempt, index)
+
+
 def status_lines(body: dict[str, Any], now: Optional[datetime] = None) -> list[str]:
     """What `trainingrun status` prints: phase and attempt, progress with the operator's estimate of the time left,
     goodput and restarts, the newest checkpoint, and every condition."""
     meta, status = body.get("metadata") or {}, api_status.TrainingRunStatus.model_validate(body.get("status") or {})
     head = f"TrainingRun {meta.get('namespace')}/{meta.get('name')}: {status.phase or 'Pending (not seen by the operator yet)'}"
     if status.attempt:
-        head += f", attempt {status.attempt}" + (f" (PyTorchJob {status.job_name})" if status.job_name else "")
+        kind = status.backend or "PyTorchJob"
+        head += f", attempt {status.attempt}" + (f" ({kind} {status.job_name})" if status.job_name else "")
     lines = [head]
     progress = status.progress
     if progress and progress.step is not None:

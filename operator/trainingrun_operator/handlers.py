@@ -2,7 +2,7 @@
 (state.indexes) from the operator's own watches (runtime/informer.py), and reconcile on any change. kopf logs in, runs
 peering (runtime/leadership.py), the liveness endpoint, and calls the startup and cleanup handlers here.
 
-Every trigger (a TrainingRun event, a PyTorchJob or pod event, a recheck: runtime/rechecks.py) queues the run's key;
+Every trigger (a TrainingRun event, an event of a job (PyTorchJob or JobSet), its parts or its pods, a recheck: runtime/rechecks.py) queues the run's key;
 a fixed number of workers take keys from the queue and run the same level-triggered `reconcile_run`: read
 the run and its children from the indexes (no API reads), let `reconcile.decide` choose, then
 create/patch/delete what the plan says and write status. A key already queued is not queued again: the
@@ -29,8 +29,9 @@ from typing import Any, Callable, Optional
 
 import kopf
 
-from . import api, indexes, naming, plans, reconcile, serving, validation
-from .indexes import merged_status, run_document, slim_job, slim_pod, slim_run
+from . import api, backends, indexes, naming, plans, reconcile, serving, validation
+from .backends import Backend
+from .indexes import merged_status, run_document, slim_job, slim_part, slim_pod, slim_run
 from .problems import Problem
 from .runtime import kube as kube_module
 from .runtime import leadership, rechecks
@@ -97,6 +98,11 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
                 "will show no steps or checkpoints; the Helm chart sets it"
             )
 
+    @kopf.on.startup(registry=registry, id="tasks-say-why-they-end")
+    async def say_why_tasks_end(**_: Any) -> None:
+        for task in state.tasks:
+            task.add_done_callback(_log_crash)
+
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
         try:
@@ -131,6 +137,13 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
             await state.kube.close()
 
 
+def _log_crash(task: asyncio.Task) -> None:
+    """A task of the operator that ended with an error (a bug): logged, else it ends without a word; the liveness
+    probe says so for the watches (state.blind_watches)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s stopped: %r", task.get_name(), task.exception(), exc_info=task.exception())
+
+
 def run_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
     """A run's watch event: keep it (state.runs), and queue it unless it shows only what its last reconcile wrote."""
     meta = body.get("metadata") or {}
@@ -150,20 +163,30 @@ def run_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
         state.enqueue(key)
 
 
-def job_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
-    """A PyTorchJob's watch event: keep it, and queue its run unless its jobs are as its last reconcile left them (e.g.
-    the one it created, as it sent it)."""
+def job_event(state: OperatorState, type: str, body: dict[str, Any], *, backend: Backend) -> None:
+    """A job's watch event (a PyTorchJob, a JobSet): keep it, and queue its run unless its jobs are as its last
+    reconcile left them (e.g. the one it created, as it sent it)."""
     meta = body.get("metadata") or {}
     namespace, name = str(meta.get("namespace")), str(meta.get("name"))
     key = _labelled_run(meta)
     assert state.indexes is not None
-    jobs = state.indexes["jobs"]
-    jobs.put(key, name, None if type == "DELETED" else slim_job(body))
+    jobs = state.indexes[backend.kind]
+    jobs.put(key, name, None if type == "DELETED" else slim_job(body, backend))
     if type == "DELETED":
         state.created_jobs.discard((namespace, name))
     left = state.reconciled.get(key)
     if left is None or left.jobs != indexes.jobs_view(jobs.get(key, [])):
         state.enqueue(key)
+
+
+def part_event(state: OperatorState, type: str, body: dict[str, Any], *, backend: Backend) -> None:
+    """The watch event of a part of a job (a JobSet's Job): keep it, and queue its run."""
+    assert state.indexes is not None and backend.part is not None
+    meta = body.get("metadata") or {}
+    key = _labelled_run(meta)
+    slim_status = backend.part[2]
+    state.indexes["parts"].put(key, str(meta.get("name")), None if type == "DELETED" else slim_part(body, slim_status))
+    state.enqueue(key)
 
 
 def pod_event(state: OperatorState, type: str, body: dict[str, Any]) -> None:
@@ -181,18 +204,23 @@ def _labelled_run(meta: dict[str, Any]) -> Key:
 
 
 async def _inform(state: OperatorState) -> None:
-    """List and watch runs, jobs and pods (informer.py): in every watched namespace, or cluster-wide. The reconcile
-    workers wait until every kind was listed once, so a restarted operator never reconciles a run before its jobs
-    are known (it would create them again)."""
+    """Choose the backends (backends.choose), then list and watch runs, the jobs of each backend used (and their
+    parts) and pods (informer.py): in every watched namespace, or cluster-wide. The reconcile workers wait until
+    every kind was listed once, so a restarted operator never reconciles a run before its jobs are known (it would
+    create them again)."""
     await state.logged_in.wait()
-    state.indexes = {"jobs": Index(), "pods": Index()}
+    state.backends = await _choose_backends(state)
+    state.backends_chosen.set()
+    state.indexes = {"pods": Index(), "parts": Index(), **{b.kind: Index() for b in state.backends.usable}}
     selector = naming.LABEL_RUN
     namespaces: list[Optional[str]] = list(state.settings.namespaces) or [None]
-    kinds: list[tuple[str, str, str, Callable[[OperatorState, str, dict[str, Any]], None]]] = [
-        (api.API_VERSION, api.KIND, "", run_event),
-        ("kubeflow.org/v1", "PyTorchJob", selector, job_event),
-        ("v1", "Pod", selector, pod_event),
-    ]
+    Handler = Callable[[OperatorState, str, dict[str, Any]], None]
+    kinds: list[tuple[str, str, str, Handler]] = [(api.API_VERSION, api.KIND, "", run_event)]
+    for backend in state.backends.usable:
+        kinds.append((backend.api_version, backend.kind, selector, functools.partial(job_event, backend=backend)))
+        if backend.part is not None:
+            kinds.append((backend.part[0], backend.part[1], selector, functools.partial(part_event, backend=backend)))
+    kinds.append(("v1", "Pod", selector, pod_event))
     listed: list[asyncio.Event] = []
     informers: list[asyncio.Task] = []
     for api_version, kind, labels, handler in kinds:
@@ -230,6 +258,29 @@ def _skipped(state: OperatorState, kind: str, body: dict[str, Any], error: Excep
     state.enqueue(key)
 
 
+async def _choose_backends(state: OperatorState) -> backends.Choice:
+    """The backends this operator runs (backends.choose): with `auto`, those whose CRD the API server serves now
+    (discovery, which needs no RBAC), asked until it answers."""
+    if state.settings.backend != "auto":
+        return backends.choose(state.settings, ())
+    while True:
+        try:
+            served = [
+                b.kind for b in backends.BACKENDS.values() if await state.client().serves(b.api_version, b.plural)
+            ]
+        except (ApiError, OSError, asyncio.TimeoutError) as error:
+            log.warning("could not ask the API server which backends it serves, asking again in 5 s: %s", error)
+            await asyncio.sleep(5)
+            continue
+        choice = backends.choose(state.settings, served)
+        log.info(
+            "backend auto: runs without spec.backend become %ss; runs may use %s (served at start)",
+            choice.default.kind,
+            ", ".join(b.kind for b in choice.usable),
+        )
+        return choice
+
+
 async def _reconcile_worker(state: OperatorState) -> None:
     """Reconcile queued runs one after another, for ever. A failure is logged; the resync queues the run again."""
     await state.informed.wait()
@@ -240,7 +291,7 @@ async def _reconcile_worker(state: OperatorState) -> None:
         assert state.indexes is not None  # keys are queued by events and the resync, after the indexes are kept
         retry_in = state.settings.reconcile_interval_seconds
         try:
-            await reconcile_run(state, key, jobs=state.indexes["jobs"], pods=state.indexes["pods"])
+            await reconcile_run(state, key)
         except (ApiError, OSError, asyncio.TimeoutError) as error:
             log.warning("%s/%s: reconcile failed, retrying in %ss: %s", key[0], key[1], retry_in, error)
             state.rechecks.at(key, time.monotonic() + retry_in)
@@ -249,7 +300,8 @@ async def _reconcile_worker(state: OperatorState) -> None:
             state.rechecks.at(key, time.monotonic() + retry_in)
 
 
-async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: Index) -> None:
+async def reconcile_run(state: OperatorState, key: Key) -> None:
+    assert state.indexes is not None
     async with state.locks[key]:
         state.reconciled.pop(key, None)  # set again below by a reconcile that carries out its whole plan
         body = state.runs.get(key)
@@ -262,6 +314,9 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
                 if problem := indexes.spec_problem(body):
                     raise validation.InvalidTrainingRun([Problem("", problem)])
                 run = validation.parse(run_document(body), from_server=True)
+                backend = state.backends.of(run.spec.backend, status)
+                if problem := state.backends.problem(backend):
+                    raise validation.InvalidTrainingRun([Problem("", problem)])
                 if status.get("observedGeneration") != run.metadata.generation:
                     # Once per spec generation (a generation the operator has acted on passed these): credentials in
                     # the trainer's strings, which the CRD cannot see into; and with the operator's own trainer image,
@@ -275,9 +330,10 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
             except validation.InvalidTrainingRun as error:
                 await plans.reject(state, key, body, status, error)
                 return
-            # Only this run's own jobs: anyone may label a PyTorchJob with the run's name, or give it an owner reference
+            # Only this run's own jobs: anyone may label a job with the run's name, or give it an owner reference
             # to the run; only the operator signs it. A job under the name of the current attempt that is not the
             # run's is then missing here: creating it finds the name taken (NameConflict), and it is never used.
+            jobs, pods = state.indexes[backend.kind], state.indexes["pods"]
             owned = [
                 j
                 for j in jobs.get(key, [])
@@ -292,6 +348,8 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
                 pods=list(pods.get(key, [])),
                 now=state.clock(),
                 keep_failed_attempts=state.settings.keep_failed_attempts,
+                backend=backend,
+                parts=current_parts(state.indexes["parts"].get(key, []), owned, status.get("jobName")),
                 warnings=await rechecks.pending_warnings(state, key, status),
             )
             plan = reconcile.decide(observed)
@@ -322,6 +380,13 @@ async def reconcile_run(state: OperatorState, key: Key, *, jobs: Index, pods: In
             state.metrics.time_breakdowns[key] = merged.get("timeBreakdown") or {}
         finally:
             state.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+
+def current_parts(parts: Any, owned: list[dict[str, Any]], job_name: Optional[str]) -> list[dict[str, Any]]:
+    """The parts (a JobSet's Jobs) the current attempt's job controls: by its uid, which only that job has."""
+    job = next((j for j in owned if j["metadata"]["name"] == job_name), None)
+    uid = (job or {}).get("metadata", {}).get("uid")
+    return [p for p in parts if uid and indexes.controller_uid(p) == uid]
 
 
 def _decides_the_same_after(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import hmac
 from datetime import datetime
-from typing import Any, Container, Optional
+from typing import TYPE_CHECKING, Any, Callable, Container, Optional
 
 import orjson
 
@@ -19,6 +19,9 @@ from trainingrun_api.contract import parse_time
 
 from .api import API_VERSION, KIND
 from .naming import ANNOTATION_SIGNATURE, job_signature
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 
 def merged_status(observed: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
@@ -159,11 +162,11 @@ def run_owns_job(
     since: datetime,
     made: Container[str] = (),
 ) -> bool:
-    """Whether a PyTorchJob is the run's own: controlled by the run, and made by this process (its uid in `made`:
-    the signature follows the creation by one request) or signed by this operator for its uid
+    """Whether an attempt's job (a PyTorchJob or JobSet) is the run's own: controlled by the run, and made by this
+    process (its uid in `made`: the signature follows the creation by one request) or signed by this operator for its uid
     (naming.job_signature), or the one its status (which only the operator writes) named as the current attempt's
     before this process started at `since` (made by an earlier operator: another key, or none). Anyone who may
-    create PyTorchJobs in the namespace can copy the run's uid into an owner reference, and a signature from another
+    create such jobs in the namespace can copy the run's uid into an owner reference, and a signature from another
     job; only the operator signs, and only that job's uid. Without a signing key (tests), the owner reference
     decides."""
     if run_uid is None or controller_uid(job) != run_uid:
@@ -187,9 +190,11 @@ def run_owns_job(
     )
 
 
-def slim_job(body: Any) -> dict[str, Any]:
+def slim_job(body: Any, backend: "Backend") -> dict[str, Any]:
+    """What the operator keeps of an attempt's job: its metadata here, its spec and status as its backend says."""
     meta = body.get("metadata", {})
     return {
+        "kind": backend.kind,
         "metadata": {
             **{
                 k: copy.deepcopy(meta.get(k))
@@ -197,8 +202,20 @@ def slim_job(body: Any) -> dict[str, Any]:
             },
             "ownerReferences": [{"uid": controller_uid(body), "controller": True}],
         },
-        "spec": {"runPolicy": {"suspend": ((body.get("spec") or {}).get("runPolicy") or {}).get("suspend")}},
-        "status": {"conditions": copy.deepcopy((body.get("status") or {}).get("conditions") or [])},
+        **copy.deepcopy(backend.slim(body)),
+    }
+
+
+def slim_part(body: Any, slim_status: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """What the operator keeps of an object between a job and its pods (a JobSet's Job): who controls it, and what
+    its backend reads of its status."""
+    meta = body.get("metadata", {})
+    return {
+        "metadata": {
+            **{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels")},
+            "ownerReferences": [{"uid": controller_uid(body), "controller": True}],
+        },
+        **copy.deepcopy(slim_status(body)),
     }
 
 
@@ -209,5 +226,7 @@ def slim_pod(body: Any) -> dict[str, Any]:
             **{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "deletionTimestamp")},
             "ownerReferences": [{"uid": controller_uid(body), "controller": True}],
         },
-        "status": {k: copy.deepcopy(status.get(k)) for k in ("reason", "message", "conditions", "containerStatuses")},
+        "status": {
+            k: copy.deepcopy(status.get(k)) for k in ("phase", "reason", "message", "conditions", "containerStatuses")
+        },
     }

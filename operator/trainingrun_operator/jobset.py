@@ -28,6 +28,12 @@ from .settings import Settings
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 KIND = "JobSet"
+PLURAL = "jobsets"
+INSTALL = (
+    "install JobSet v0.9 or later (kubectl apply --server-side -f "
+    "https://github.com/kubernetes-sigs/jobset/releases/download/v0.9.1/manifests.yaml), or Kubeflow Trainer v2, "
+    "which installs it"
+)
 #: The one replicated Job of an attempt.
 REPLICATED_JOB = "worker"
 #: The label the Job controller gives each pod of an Indexed Job: its index (worker 0 hosts the rendezvous).
@@ -102,6 +108,7 @@ def jobset(
     }
     if spec.active_deadline_seconds:
         job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    job_labels = {k: v for k, v in meta["labels"].items() if k != naming.KUEUE_QUEUE_LABEL}
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -116,7 +123,8 @@ def jobset(
                     "name": REPLICATED_JOB,
                     "replicas": 1,
                     # Pods stay after the Job ends so their logs can be read; deleting the JobSet removes them.
-                    "template": {"metadata": {"labels": dict(meta["labels"])}, "spec": job_spec},
+                    # The run's labels but Kueue's: Kueue admits the JobSet as one workload, never its Job alone.
+                    "template": {"metadata": {"labels": job_labels}, "spec": job_spec},
                 }
             ],
         },
@@ -137,3 +145,83 @@ def children(
         [rendezvous_service(run, attempt, COMPLETION_INDEX_LABEL)] if naming.has_rendezvous_service(run.spec) else []
     )
     return [*support, jobset(run, attempt, settings, resume_from)]
+
+
+# ---------------------------------------------------------------- reading its state
+
+#: The label the Job controller gives each Job's pods, and JobSet its Jobs: the JobSet's name.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
+def state(job: dict[str, Any], pods: list[dict[str, Any]]) -> Optional[str]:
+    """Succeeded, Failed, Suspended, Running or Created, as Kubeflow's conditions say them for a PyTorchJob: from the
+    JobSet's conditions (Completed, Failed, Suspended), else Running once a pod of it runs (`pods`: the attempt's) or
+    its Job is ready. JobSet has no Running condition, and none while a pod is replaced (Kubeflow's Restarting)."""
+    status = job.get("status") or {}
+    true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
+    for condition, said in (("Completed", "Succeeded"), ("Failed", "Failed"), ("Suspended", "Suspended")):
+        if condition in true:
+            return said
+    running = any(
+        (p.get("status") or {}).get("phase") == "Running" and not (p.get("metadata") or {}).get("deletionTimestamp")
+        for p in pods
+    )
+    ready = any((r.get("ready") or 0) > 0 for r in status.get("replicatedJobsStatus") or [] if isinstance(r, dict))
+    return "Running" if running or ready else "Created"
+
+
+def pods_replaced(
+    job: dict[str, Any], parts: list[dict[str, Any]], restarts: dict[str, Any]
+) -> Optional[tuple[int, dict[str, Any], str]]:
+    """Pods the attempt's Job replaced since `restarts` (status) last counted: (how many more, the status fields that
+    record them, what happened), or None. The Job counts its failed pods (status.failed; those it ignores, evicted
+    or preempted, are not among them), and status keeps how many of the current attempt's were counted."""
+    failed = sum(int((p.get("status") or {}).get("failed") or 0) for p in parts)
+    counted = int(restarts.get("attemptPodsFailed") or 0)
+    if failed <= counted or any(_ending(p) for p in parts):
+        return None  # nothing new, or the Job is failing: its last pods are not replaced, the attempt ends
+    names = ", ".join(sorted(str((p.get("metadata") or {}).get("name")) for p in parts))
+    more = failed - counted
+    return more, {"attemptPodsFailed": failed}, f"{more} pod(s) of Job {names} failed or were lost and were replaced."
+
+
+#: A Job's conditions once it is failing: it stops its pods (counted as failed too) and replaces none.
+JOB_ENDING_CONDITIONS = ("FailureTarget", "Failed")
+
+
+def _ending(part: dict[str, Any]) -> bool:
+    conditions = (part.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in JOB_ENDING_CONDITIONS and c.get("status") == "True" for c in conditions)
+
+
+def suspend_patch() -> dict[str, Any]:
+    return {"spec": {"suspend": True}}
+
+
+def slim(body: dict[str, Any]) -> dict[str, Any]:
+    """What the operator keeps of a JobSet's spec and status (indexes.slim_job)."""
+    status = body.get("status") or {}
+    return {
+        "spec": {"suspend": (body.get("spec") or {}).get("suspend")},
+        "status": {
+            "conditions": status.get("conditions") or [],
+            "replicatedJobsStatus": [
+                {k: r.get(k) for k in ("name", "ready", "active", "succeeded", "failed", "suspended")}
+                for r in status.get("replicatedJobsStatus") or []
+                if isinstance(r, dict)
+            ][:8],
+        },
+    }
+
+
+def slim_part(body: dict[str, Any]) -> dict[str, Any]:
+    """What the operator keeps of the status of one of a JobSet's Jobs (batch/v1): its pods' counts."""
+    status = body.get("status") or {}
+    conditions = [
+        {"type": c.get("type"), "status": c.get("status")}
+        for c in status.get("conditions") or []
+        if isinstance(c, dict) and c.get("type") in JOB_ENDING_CONDITIONS
+    ]
+    return {
+        "status": {**{k: status.get(k) for k in ("active", "ready", "failed", "succeeded")}, "conditions": conditions}
+    }

@@ -15,6 +15,7 @@ from typing import Any, Optional, TypeGuard
 from trainingrun_api import contract
 
 from . import api, builders, naming, reconcile, run_status, validation
+from .backends import JOB_KINDS
 from .indexes import controller_uid, job_view, merged_status, run_owns_job, slim_job
 from .runtime import kube as kube_module
 from .runtime.kube import ApiError, Kube
@@ -63,15 +64,16 @@ async def carry_out(
         if not (plan.attempt_cause == "recreate" and (namespace, job_name) in state.created_jobs):
             if not await _create_children(state, key, body, plan, run, plan.start_attempt, job_name):
                 return False
+    backend = plan.backend
     if plan.suspend_job:
         if (left := state.reconciled.get(key)) is not None:
             left.jobs.pop(plan.suspend_job, None)
-        await kube.patch(
-            "kubeflow.org/v1", "PyTorchJob", namespace, plan.suspend_job, {"spec": {"runPolicy": {"suspend": True}}}
-        )
+        await kube.patch(backend.api_version, backend.kind, namespace, plan.suspend_job, backend.suspend_patch())
     for job_name in plan.delete_jobs:
         try:  # exactly the job this run owns: the name may belong to someone else's object by now
-            await kube.delete("kubeflow.org/v1", "PyTorchJob", namespace, job_name, uid=(job_uids or {}).get(job_name))
+            await kube.delete(
+                backend.api_version, backend.kind, namespace, job_name, uid=(job_uids or {}).get(job_name)
+            )
         except ApiError as error:
             if error.status != 409:
                 raise
@@ -110,7 +112,7 @@ async def _create_children(
     if held and held.generation == generation and time.monotonic() < held.retry_at:
         state.rechecks.at(key, held.retry_at)
         return False  # the server refused this spec's children: wait for the backoff or a spec change
-    *support, job = builders.children(run, attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
+    *support, job = plan.backend.children(run, attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
     # All at once: in a burst of runs, sending the ConfigMap first put every job behind every run's other
     # create (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates pods only after it has seen
     # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is
@@ -118,12 +120,12 @@ async def _create_children(
     ordered = [job, *support]
     left = state.reconciled.get(key)
     if left is not None:  # before the request: the watch may show the job before its answer comes
-        left.jobs[job_name] = job_view(slim_job(job))
+        left.jobs[job_name] = job_view(slim_job(job, plan.backend))
     signer = JobSigner(state.settings.signing_key, str(run.metadata.uid), state.made_jobs)
     outcomes = await asyncio.gather(*(_ensure(kube, child, signer) for child in ordered), return_exceptions=True)
     if not isinstance(outcomes[0], BaseException):
         state.created_jobs.add((key[0], job_name))
-    if outcomes[0] is True:  # the PyTorchJob is new, not adopted
+    if outcomes[0] is True:  # the job is new, not adopted
         state.metrics.attempts.labels(plan.attempt_cause or "initial").inc()
     conflicts = [(child, outcome) for child, outcome in zip(ordered, outcomes) if isinstance(outcome, NotOwned)]
     refused = [(child, outcome) for child, outcome in zip(ordered, outcomes) if _is_refusal(outcome)]
@@ -216,7 +218,7 @@ class NotOwned(Exception):
 
 @dataclass
 class JobSigner:
-    """Signs the PyTorchJobs the operator creates for one run (naming.job_signature: the job's uid, which only its
+    """Signs the jobs (PyTorchJobs, JobSets) the operator creates for one run (naming.job_signature: the job's uid, which only its
     creation gives, so a signature is written right after) and remembers their uids in `made`
     (OperatorState.made_jobs). Without a key (tests) nothing is signed."""
 
@@ -247,7 +249,7 @@ class JobSigner:
         )
 
     def signed(self, job: dict[str, Any]) -> bool:
-        """Whether an existing job is the run's own PyTorchJob (indexes.run_owns_job, less what only status tells)."""
+        """Whether an existing job is the run's own (indexes.run_owns_job, less what only status tells)."""
         return run_owns_job(job, self.run_uid, {}, self.key, datetime.min.replace(tzinfo=timezone.utc), self.made)
 
 
@@ -257,14 +259,14 @@ def _pointer(name: str) -> str:
 
 
 async def _ensure(kube: Kube, child: dict[str, Any], signer: JobSigner) -> bool:
-    """Create a child. If the name exists and this run controls that object, bring it up to date (a PyTorchJob
+    """Create a child. If the name exists and this run controls that object, bring it up to date (a job
     is never changed, and must be one this operator made: `signer`); if anyone else does, or no one, raise NotOwned
     and leave it untouched.
 
     One JSON patch whose first operations test the controller reference: the server applies all of it or
     none (422), so an object that is not the run's is never written, not even between a read and a write,
     and the operator needs no read access to ConfigMaps."""
-    job = child["kind"] == "PyTorchJob"
+    job = child["kind"] in JOB_KINDS
     try:
         created = await kube.create(child, answer=job)
     except ApiError as error:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from trainingrun_api import contract
 
 from . import api, naming, recovery
+from .backends import PYTORCHJOB, Backend
 from .builders import Note
 from .children import (
     BLOCKED_CONDITIONS,
@@ -31,15 +32,13 @@ from .children import (
     blocked_pods,
     classify_failure,
     failed_since,
-    job_state,
     missing_secret,
     missing_secret_volume,
     pods_of,
-    restarting,
 )
 from .run_status import TERMINAL, Conditions, goodput, memory_conditions, spec_conditions
 
-#: How long a failed PyTorchJob whose pods show no reason yet is given for the pod watch to catch up
+#: How long a failed job whose pods show no reason yet is given for the pod watch to catch up
 #: (the job and pod watches are separate streams); after that it is classified as a failure.
 FAILURE_EVIDENCE_GRACE = timedelta(seconds=30)
 
@@ -50,13 +49,16 @@ class Observed:
 
     run: api.TrainingRun
     status: dict[str, Any]  #: wire form (camelCase)
-    jobs: dict[str, dict[str, Any]]  #: this run's PyTorchJobs by name
+    jobs: dict[str, dict[str, Any]]  #: this run's jobs (PyTorchJobs or JobSets) by name
     pods: list[dict[str, Any]]  #: this run's pods, every attempt
     now: datetime
-    keep_failed_attempts: int = 1  #: failed attempts whose PyTorchJob (and pods, for logs) stay until the run ends
+    keep_failed_attempts: int = 1  #: failed attempts whose job (and pods, for logs) stay until the run ends
+    backend: Backend = PYTORCHJOB  #: what the run's attempts are (backends.Choice.of)
+    #: The objects between the current attempt's job and its pods (a JobSet's Jobs), controlled by that job.
+    parts: list[dict[str, Any]] = field(default_factory=list)
     #: Warning Events about the current attempt's job and pods (reason, message, involvedObject), read only while
     #: an attempt has been Pending for a while: they are how pods that are never created, never scheduled or
-    #: never started show (Kubeflow's FailedCreate, the kubelet's FailedMount).
+    #: never started show (Kubeflow's or the Job controller's FailedCreate, the kubelet's FailedMount).
     warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -71,6 +73,7 @@ class Plan:
     events: list[Note] = field(default_factory=list)
     restart_cause: Optional[str] = None  #: failure, preemption or stall, when an attempt ended here (metrics)
     attempt_cause: Optional[str] = None  #: initial, recovery, resume or recreate, when an attempt starts (metrics)
+    backend: Backend = PYTORCHJOB  #: what the attempt's objects are (Observed.backend)
     #: When this decision changes with the clock alone (a backoff ends, a stall timeout): reconcile then (rechecks.py);
     #: now when the next step is due at once. None: only an event changes it. Never a time already acted on.
     recheck_at: Optional[datetime] = None
@@ -89,7 +92,7 @@ rfc3339, parse_time = contract.rfc3339, contract.parse_time  # the one pair of t
 
 
 def decide(o: Observed) -> Plan:
-    plan = Plan()
+    plan = Plan(backend=o.backend)
     status, spec = o.status, o.run.spec
     phase, attempt = status.get("phase"), int(status.get("attempt") or 0)
     now = rfc3339(o.now)
@@ -103,19 +106,20 @@ def decide(o: Observed) -> Plan:
 
     if phase is None:
         _start(plan, o, 1, "initial", conditions, resume_from=None)
-        plan.status.update(startTime=now, checkpointUri=spec.checkpoint.uri)
+        plan.status.update(startTime=now, checkpointUri=spec.checkpoint.uri, backend=o.backend.kind)
         if spec.suspend:
             plan.status["phase"] = "Suspended"
         return _finish(plan, o, conditions)
 
     job_name = status.get("jobName") or naming.job_name(o.run.metadata.name, attempt)
     job = o.jobs.get(job_name)
+    pods = pods_of(o.pods, job_name, attempt)
     plan.events += spec_conditions(o.run, o.status, job, plan.checkpoint_uri, conditions)
     plan.events += memory_conditions(o.status, conditions)
 
     if spec.suspend:
         if phase != "Suspended":
-            if job is not None and job_state(job) not in TERMINAL:
+            if job is not None and o.backend.state(job, pods) not in TERMINAL:
                 plan.suspend_job = job_name
             plan.status["phase"] = "Suspended"
             plan.events.append(
@@ -149,7 +153,6 @@ def decide(o: Observed) -> Plan:
         plan.start_attempt, plan.resume_from, plan.attempt_cause = attempt, _last_good(status), "recreate"
         return _finish(plan, o, conditions)
 
-    pods = pods_of(o.pods, job_name, attempt)
     secret = missing_secret(pods, spec.secrets.secret_names()) or (
         missing_secret_volume(o.warnings) if phase == "Pending" else None
     )
@@ -167,9 +170,9 @@ def decide(o: Observed) -> Plan:
         conditions.set("SecretMissing", False, "SecretsFound", "all referenced Secrets and keys exist")
         plan.events.append(Note("Normal", "SecretsFound", "the missing Secret is there now; the pods are starting"))
 
-    state = job_state(job)
+    state = o.backend.state(job, pods)
     # Also while Running: a pod replaced within the attempt (deleted, evicted, its node gone) can find no node.
-    blocked = blocked_pods(job_name, pods, o.warnings) if state not in TERMINAL else {}
+    blocked = blocked_pods(job, pods, o.warnings) if state not in TERMINAL else {}
     for type_ in BLOCKED_CONDITIONS:
         if type_ in blocked:
             reason, message = blocked[type_]
@@ -200,7 +203,7 @@ def decide(o: Observed) -> Plan:
         _count_in_place_restart(plan, o, attempt, job)
         if state == "Running" and phase == "Pending":
             plan.status["phase"] = "Running"
-            plan.events.append(Note("Normal", "Running", f"attempt {attempt} is running (PyTorchJob {job_name})"))
+            plan.events.append(Note("Normal", "Running", f"attempt {attempt} is running ({o.backend.names(job_name)})"))
         if (plan.status.get("phase") or phase) == "Running" and not blocked:
             # Waiting for a node is not a stall: a new attempt would wait for the same node, charged as a failure.
             _check_stall(plan, o, attempt, job_name, conditions)
@@ -250,7 +253,7 @@ def _last_good(status: dict[str, Any]) -> Optional[str]:
 
 
 def _old_jobs(o: Observed, keep_after: int, keep: int) -> list[str]:
-    """This run's PyTorchJobs of attempts up to `keep_after`, except the newest `keep` of them."""
+    """This run's jobs of attempts up to `keep_after`, except the newest `keep` of them."""
     old = sorted((attempt_of(j) or 0, name) for name, j in o.jobs.items() if (attempt_of(j) or 0) <= keep_after)
     return [name for _, name in old[: max(0, len(old) - keep)]]
 
@@ -269,10 +272,12 @@ def _start(
         checkpointInMemory=None,
         checkpointMemoryShort=None,
     )
+    if _restarts(o.status).get("attemptPodsFailed") is not None:  # counted for the attempt that ended
+        plan.status["restarts"] = {**_restarts(o.status), "attemptPodsFailed": None}
     if conditions.is_true("SpecChangePending"):
         conditions.set("SpecChangePending", False, "Applied", f"attempt {number} runs the current spec")
     where = f"resuming from {resume_from}" if resume_from else "from the start"
-    plan.events.append(Note("Normal", "AttemptStarted", f"attempt {number} started (PyTorchJob {name}), {where}"))
+    plan.events.append(Note("Normal", "AttemptStarted", f"attempt {number} started ({o.backend.names(name)}), {where}"))
     plan.delete_jobs += _old_jobs(o, keep_after=number - 1, keep=o.keep_failed_attempts)
 
 
@@ -317,23 +322,24 @@ def _restarts(status: dict[str, Any]) -> dict[str, Any]:
 
 
 def _count_in_place_restart(plan: Plan, o: Observed, attempt: int, job: dict[str, Any]) -> None:
-    """A Restarting condition not counted yet (its transition time is the key): one more in-place restart."""
-    condition = restarting(job)
+    """Pods replaced within the attempt that status has not counted yet (the backend says which): counted as in-place
+    restarts, with an Event."""
     restarts = _restarts(o.status)
-    since = condition.get("lastTransitionTime") if condition else None
-    if not condition or not since or since == restarts.get("lastInPlaceTime"):
+    replaced = o.backend.pods_replaced(job, o.parts, restarts)
+    if replaced is None:
         return
-    restarts["inPlace"] = int(restarts.get("inPlace") or 0) + 1
-    restarts["lastInPlaceTime"] = since
+    more, marks, said = replaced
+    restarts["inPlace"] = int(restarts.get("inPlace") or 0) + more
+    restarts.update(marks)
     plan.status["restarts"] = restarts
     plan.events.append(
         Note(
             "Warning",
             "PodsRestarted",
-            f"attempt {attempt}: {condition.get('message') or 'pods restarted'} "
+            f"attempt {attempt}: {said} "
             f"Its pods rejoin and resume from the last checkpoint (in-place restart "
-            f"{restarts['inPlace']} of this run; Kubeflow allows {o.run.spec.recovery.max_restarts_per_attempt} "
-            "per attempt, spec.recovery.maxRestartsPerAttempt).",
+            f"{restarts['inPlace']} of this run; {o.backend.replacer} allows "
+            f"{o.run.spec.recovery.max_restarts_per_attempt} per attempt, spec.recovery.maxRestartsPerAttempt).",
         )
     )
 

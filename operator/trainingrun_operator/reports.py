@@ -9,8 +9,8 @@ The operator alone writes a run's status; a pod only tells it what it saw, and w
    of an active run, is refused without a TokenReview; new tokens are rate-limited per claimed pod and per
    source address, and reviews have a small lane of their own at the lowest API priority (`TokenReviewer`).
 2. May it: the pod must be a pod of the run's current attempt, as the operator sees it (its pod index:
-   same name and uid, the attempt's label, controlled by the attempt's PyTorchJob, which the run
-   controls), in the run's namespace. A pod of another run (sharing a ServiceAccount or not), of an
+   same name and uid, the attempt's label, controlled by the attempt's PyTorchJob, or by a Job of its JobSet, which
+   the run controls), in the run's namespace. A pod of another run (sharing a ServiceAccount or not), of an
    earlier attempt, or any other token is refused (401/403) and status stays as it is.
 3. What it says: the report is parsed field by field (progress_report.Report) and must be about this run and
    attempt; a checkpoint must be a step directory under the URI the run started with (status.checkpointUri,
@@ -68,25 +68,28 @@ class RunView:
     checkpoint_uri: str
     status: dict[str, Any]
     pods: list[dict[str, Any]]  #: slim pods of the run (index)
-    job_uid: Optional[str]  #: uid of the current attempt's PyTorchJob, when the run controls it
+    #: uids of what may control the current attempt's pods: its PyTorchJob, or its JobSet's Jobs, when the run controls
+    #: that job (none otherwise)
+    pod_controllers: frozenset[str]
     stall_timeout_seconds: int = 0  #: spec.recovery.stallTimeoutSeconds (0: off)
+    job_kind: str = "PyTorchJob"  #: for messages
 
 
 def check_pod(caller: Caller, run: RunView) -> None:
-    """Refused unless the caller is a pod of the run's current attempt, controlled by that attempt's job."""
+    """Refused unless the caller is a pod of the run's current attempt, controlled by that attempt's job (or its part)."""
     for pod in run.pods:
         meta = pod.get("metadata") or {}
         if meta.get("name") != caller.pod_name:
             continue
         owner = next((r.get("uid") for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
         attempt = (meta.get("labels") or {}).get(naming.LABEL_ATTEMPT)
-        if meta.get("uid") == caller.pod_uid and attempt == str(run.attempt) and run.job_uid and owner == run.job_uid:
+        if meta.get("uid") == caller.pod_uid and attempt == str(run.attempt) and owner in run.pod_controllers:
             return
         break
     raise Refused(
         403,
         f"pod {caller.namespace}/{caller.pod_name} is not a pod of attempt {run.attempt} "
-        f"(PyTorchJob {run.job_name}) of this run",
+        f"({run.job_kind} {run.job_name}) of this run",
     )
 
 

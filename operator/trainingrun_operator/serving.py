@@ -12,39 +12,39 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import api, report_callers, reports
-from .indexes import SPEC_JSON, merged_status, run_owns_job, spec_problem
+from .indexes import SPEC_JSON, controller_uid, merged_status, run_owns_job, spec_problem
 from .runtime.kube import STATUS, ApiError
 from .state import Key, OperatorState
 
 if TYPE_CHECKING:
+    from .backends import Backend
     from .settings import Settings
 
 log = logging.getLogger("trainingrun.operator")
 
 
-CRD_MISSING = (
-    "the PyTorchJob CRD (kubeflow.org/v1) is not served: install the Kubeflow Training Operator v1.9 "
-    '(kubectl apply --server-side -k "github.com/kubeflow/training-operator.git/manifests/overlays/'
-    'standalone?ref=v1.9.0"); until then TrainingRuns wait and /readyz answers 503'
-)
+def crd_missing(backend: "Backend") -> str:
+    return (
+        f"the {backend.kind} CRD ({backend.api_version}) is not served: {backend.install}; until then TrainingRuns "
+        "wait and /readyz answers 503"
+    )
 
 
 async def watch_crd(state: OperatorState) -> None:
-    """Readiness: whether the PyTorchJob CRD is served, checked at start and then periodically. Each change
-    of the answer (served, not served, API unreachable) is logged once, saying what to do."""
+    """Readiness: whether the CRD of the operator's default backend is served (backends.Choice), checked at start and
+    then periodically. Each change of the answer (served, not served, API unreachable) is logged once, saying what
+    to do."""
     await state.logged_in.wait()
+    await state.backends_chosen.wait()
     said: Optional[str] = None
     while True:
-        served = False
+        served, backend = False, state.backends.default
+        named = f"the {backend.kind} CRD ({backend.api_version})"
         try:
-            served = await state.client().serves("kubeflow.org/v1", "pytorchjobs")
-            answer, line = (
-                ("served", "the PyTorchJob CRD (kubeflow.org/v1) is served: ready")
-                if served
-                else ("missing", CRD_MISSING)
-            )
+            served = await state.client().serves(backend.api_version, backend.plural)
+            answer, line = ("served", f"{named} is served: ready") if served else ("missing", crd_missing(backend))
         except ApiError as error:
-            answer, line = "refused", f"the Kubernetes API answered the PyTorchJob CRD check with {error}; not ready"
+            answer, line = "refused", f"the Kubernetes API answered the check of {named} with {error}; not ready"
         except (OSError, asyncio.TimeoutError) as error:
             answer, line = (
                 "unreachable",
@@ -75,7 +75,7 @@ async def serve_metrics(state: OperatorState) -> None:
     async def ready(request: web.Request) -> web.Response:
         if state.ready:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text=CRD_MISSING + "\n")
+        return web.Response(status=503, text=crd_missing(state.backends.default) + "\n")
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -104,14 +104,26 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
         return None
     if spec_problem(body):
         return None  # a spec the operator did not keep (indexes.slim_run): the run is stopped, its reports refused
+    backend = state.backends.of(json.loads(body[SPEC_JSON]).get("backend"), status)
     job = next(
         (
             j
-            for j in state.indexes["jobs"].get(key, [])
+            for j in (state.indexes.get(backend.kind) or {}).get(key, [])
             if j["metadata"].get("name") == job_name
             and run_owns_job(j, uid, status, state.settings.signing_key, state.started, state.made_jobs)
         ),
         None,
+    )
+    # Pods are controlled by the job (Kubeflow's), or by a part the job controls (a JobSet's Job).
+    job_uid = job["metadata"].get("uid") if job else None
+    controllers = (
+        frozenset(
+            p["metadata"]["uid"]
+            for p in state.indexes["parts"].get(key, [])
+            if job_uid and controller_uid(p) == job_uid
+        )
+        if backend.part
+        else frozenset({job_uid} if job_uid else ())
     )
     recovery = json.loads(body[SPEC_JSON]).get("recovery") or {}
     return reports.RunView(
@@ -121,8 +133,9 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
         checkpoint_uri=status["checkpointUri"],
         status=status,
         pods=list(state.indexes["pods"].get(key, [])),
-        job_uid=job["metadata"].get("uid") if job else None,
+        pod_controllers=controllers,
         stall_timeout_seconds=int(recovery.get("stallTimeoutSeconds", DEFAULT_STALL_TIMEOUT)),
+        job_kind=backend.kind,
     )
 
 

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from .report_connections import ReportLimits
 
 
+#: TRAININGRUN_BACKEND's words: a backend's kind (api.BACKENDS), or auto.
+BACKEND_CHOICES = ("auto", "PyTorchJob", "JobSet")
+
+
 @dataclass(frozen=True)
 class Settings:
     """How the operator renders children and runs. Field by field (environment variable in brackets):"""
@@ -35,6 +39,11 @@ class Settings:
     config_dir: str = "/etc/trainingrun"
     #: Where a GCS key-file Secret is mounted.
     gcs_key_dir: str = "/var/run/secrets/trainingrun/gcs"
+    #: What a run's attempts become when its spec.backend is empty (TRAININGRUN_BACKEND): PyTorchJob, JobSet, or
+    #: auto: PyTorchJob when its CRD (Kubeflow's training operator) is served at start, else JobSet. It also
+    #: limits what runs may ask for: PyTorchJob or JobSet allows only that backend (the chart grants the operator
+    #: only its verbs); auto allows each one served at start (backends.py).
+    backend: str = "auto"
     #: Namespaces to watch, comma-separated; empty means the whole cluster (TRAININGRUN_NAMESPACES).
     namespaces: tuple[str, ...] = ()
     #: kopf peering object shared by the replicas, of which one acts; empty runs standalone
@@ -141,6 +150,11 @@ class Settings:
         ):
             if number(name, 1.0, float) <= 0:
                 raise ValueError(f"{name}={env[name]!r} must be more than 0 seconds")
+        backend = env.get("TRAININGRUN_BACKEND", "") or defaults.backend
+        if backend not in BACKEND_CHOICES:
+            raise ValueError(
+                f"TRAININGRUN_BACKEND={backend!r} must be one of {', '.join(BACKEND_CHOICES)} (the chart value backend)"
+            )
         report_url = env.get("TRAININGRUN_REPORT_URL", defaults.report_url)
         tls_dir = env.get("TRAININGRUN_REPORT_TLS_DIR", defaults.report_tls_dir)
         ca_path = Path(tls_dir) / "ca.crt"
@@ -167,6 +181,7 @@ class Settings:
         return cls(
             default_trainer_image=env.get("TRAININGRUN_TRAINER_IMAGE", defaults.default_trainer_image),
             trainer_uid=number("TRAININGRUN_TRAINER_UID", defaults.trainer_uid),
+            backend=backend,
             namespaces=tuple(n.strip() for n in env.get("TRAININGRUN_NAMESPACES", "").split(",") if n.strip()),
             peering=env.get("TRAININGRUN_PEERING", defaults.peering),
             peering_lifetime_seconds=number("TRAININGRUN_PEERING_LIFETIME_SECONDS", defaults.peering_lifetime_seconds),

@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import kopf
 
-from . import builders
+from . import backends, builders
 from .metrics import OperatorMetrics
 from .runtime import leadership
 from .runtime.informer import BLIND_AFTER_SECONDS, Informer
@@ -58,7 +58,7 @@ class Rechecks:
 
     _due: dict[Key, float] = field(default_factory=dict)
     _heap: list[tuple[float, Key]] = field(default_factory=list)
-    #: namespace -> {run: its current attempt's PyTorchJob}: attempts Pending long enough to have their warnings read
+    #: namespace -> {run: its current attempt's job}: attempts Pending long enough to have their warnings read
     watching_warnings: dict[str, dict[Key, str]] = field(default_factory=lambda: collections.defaultdict(dict))
     #: run -> the warnings about its job its last reconcile saw (a fingerprint)
     warnings_seen: dict[Key, int] = field(default_factory=dict)
@@ -103,7 +103,7 @@ class Reconciled:
     (reconcile.decide is idempotent on its own plan)."""
 
     run: int  #: the run as it read it, status merged with its own writes (indexes.view)
-    #: Each of the run's jobs as it left them (indexes.job_view), the PyTorchJob it created as it sent it. A job it
+    #: Each of the run's jobs as it left them (indexes.job_view), the job it created as it sent it. A job it
     #: deleted or suspended is left out: its events are reconciled.
     jobs: dict[str, int]
 
@@ -147,9 +147,9 @@ class OperatorState:
     warnings_locks: dict[str, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
     #: Runs whose children the API server refused, until when they wait (see _children_refused).
     rejections: dict[Key, Rejection] = field(default_factory=dict)
-    #: PyTorchJobs created by this process that the watch may not have shown yet: not created twice.
+    #: Jobs created by this process that the watch may not have shown yet: not created twice.
     created_jobs: set[tuple[str, str]] = field(default_factory=set)
-    #: uids of the PyTorchJobs this process created: a run's own from their creation on, before their signature
+    #: uids of the jobs this process created: a run's own from their creation on, before their signature
     #: (naming.job_signature, which needs the uid the creation gave) shows in the watch (indexes.run_owns_job).
     made_jobs: set[str] = field(default_factory=set)
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -157,8 +157,13 @@ class OperatorState:
     runs: dict[Key, dict[str, Any]] = field(default_factory=dict)
     #: What each run's last reconcile saw and left: a watch event showing just that is not queued.
     reconciled: dict[Key, Reconciled] = field(default_factory=dict)
-    #: The jobs and pods of each run (informer.Index), kept by handlers.job_event and pod_event.
+    #: The jobs of each backend (by kind), their parts ("parts") and pods ("pods") of each run (informer.Index), kept by
+    #: handlers.job_event, part_event and pod_event.
     indexes: Optional[dict[str, Any]] = None
+    #: Which backends this operator runs (backends.choose), decided at start from the settings and the CRDs served.
+    backends: backends.Choice = field(default_factory=lambda: backends.choose(Settings(backend="PyTorchJob"), ()))
+    #: Set once `backends` is chosen (handlers._inform).
+    backends_chosen: asyncio.Event = field(default_factory=asyncio.Event)
     #: When this process started: jobs its status named before then are the run's even unsigned (run_owns_job).
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     #: Why the operator gave up (e.g. no credentials); the CLI exits 1 with it.

@@ -105,7 +105,7 @@ def without_pruned_nulls(value: Any, schema: dict[str, Any]) -> Any:
 
 
 #: What the API server and etcd take: a pod's annotations, where it carries its trainer config, are at most
-#: scheduling.MAX_ANNOTATIONS_BYTES; etcd refuses a write over 1.5 MiB, and a run's PyTorchJob and the run itself are
+#: scheduling.MAX_ANNOTATIONS_BYTES; etcd refuses a write over 1.5 MiB, and a run's job and the run itself are
 #: kept under 1 MiB so they fit with room for status and managedFields.
 MAX_OBJECT_BYTES = 1024 * 1024
 
@@ -114,7 +114,8 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
     """Problems that show only once the children are rendered: sizes the API server or etcd refuse."""
     import json
 
-    from . import builders, naming, scheduling
+    from . import backends, builders, naming, scheduling
+    from .settings import Settings
 
     problems = []
     size = len(json.dumps(document, separators=(",", ":")))
@@ -127,8 +128,7 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
                 "or storage",
             )
         )
-    job = builders.pytorch_job(run, 1)
-    annotations = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["annotations"]
+    annotations = builders.pod_template(run, 1, Settings(), None)["metadata"]["annotations"]
     size = scheduling.annotations_bytes(annotations)
     if size > scheduling.MAX_ANNOTATIONS_BYTES:
         config = len(annotations[naming.ANNOTATION_CONFIG].encode())
@@ -140,15 +140,19 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
                 f"{scheduling.MAX_ANNOTATIONS_BYTES}: move large initArgs into the image or storage",
             )
         )
-    size = len(json.dumps(job, separators=(",", ":")))
-    if size > MAX_OBJECT_BYTES:
-        problems.append(
-            Problem(
-                "spec.env",
-                f"the PyTorchJob would be {size} bytes; Kubernetes keeps objects under "
-                f"{MAX_OBJECT_BYTES} bytes: shorten env values (or mount a ConfigMap)",
+    # Each backend the run may become (its spec.backend, else the operator's default, unknown here).
+    for backend in [backends.BACKENDS[run.spec.backend]] if run.spec.backend else backends.BACKENDS.values():
+        job = backend.children(run, 1)[-1]
+        size = len(json.dumps(job, separators=(",", ":")))
+        if size > MAX_OBJECT_BYTES:
+            problems.append(
+                Problem(
+                    "spec.env",
+                    f"the {backend.kind} would be {size} bytes; Kubernetes keeps objects under "
+                    f"{MAX_OBJECT_BYTES} bytes: shorten env values (or mount a ConfigMap)",
+                )
             )
-        )
+            break
     return problems
 
 

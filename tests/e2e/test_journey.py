@@ -61,28 +61,6 @@ def installed(cluster: Cluster) -> Iterator[Cluster]:
     yield cluster
 
 
-@pytest.fixture(scope="module")
-def reference_digest(tmp_path_factory) -> str:
-    """The model digest of the same file run uninterrupted with `trainingrun local` (2 processes)."""
-    folder = tmp_path_factory.mktemp("local")
-    document = run_file("unused", "journey")
-    del document["spec"]["secrets"]
-    path = folder / "trainingrun.yaml"
-    path.write_text(yaml.safe_dump(document))
-    uri = f"file://{folder}/checkpoints"
-    local = subprocess.run(
-        [str(Path(sys.executable).parent / "trainingrun"), "local", str(path), "--nproc", "2", "--checkpoint-uri", uri],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=folder,
-    )
-    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
-    final = {i.step: i for i in CheckpointStore(uri).list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
-    assert final.valid
-    return final.model_digest
-
-
 def final_model_digest(cluster: Cluster, bucket: str, name: str) -> Optional[str]:
     """The model digest of the run's checkpoint at its last step (None where that one is not valid)."""
     store = CheckpointStore(f"s3://{bucket}/runs/{name}", **cluster.s3.store_kwargs)
@@ -162,19 +140,21 @@ def lose_a_pod(
     terminal = [sys.executable, "-m", "trainingrun_operator.cli"]
     where = ["-n", namespace, "--kubeconfig", str(cluster.plane.admin_kubeconfig)]
     once = subprocess.run([*terminal, "logs", name, "--pod", "1", *where], capture_output=True, text=True, timeout=60)
-    assert once.returncode == 0 and once.stdout.startswith(f"==> attempt 1, pod {name}-a1-worker-1 <==\n"), once
+    worker_1 = cluster.worker_pod(namespace, name, 1, 1)
+    assert once.returncode == 0 and once.stdout.startswith(f"==> attempt 1, pod {worker_1} <==\n"), once
     assert "INFO trainingrun.trainer: step" in once.stdout and "==> run" not in once.stdout, once.stdout[-500:]
     assert step_of(cluster.run(namespace, name)) < RUN_FILE["spec"]["trainer"]["maxSteps"]  # still training
 
     before = cluster.run(namespace, name)["status"]
     committed_before = before["lastGoodCheckpoint"]["step"]
     job = before["jobName"]
-    pod = f"{job}-worker-{index}"
+    assert before.get("backend", "PyTorchJob") == cluster.backend, before
+    pod = cluster.worker_pod(namespace, name, before["attempt"], index)
     lose(cluster, namespace, pod)
     deleted_at = time.monotonic()
     done = cluster.wait_finished(namespace, name, explain)
     assert done["status"]["phase"] == "Succeeded", explain()
-    # Kubeflow replaced pods within the attempt: the run counts it and says so.
+    # Kubeflow (or the JobSet's Job) replaced pods within the attempt: the run counts it and says so.
     assert done["status"]["restarts"]["inPlace"] >= 1 and done["status"]["attempt"] == 1, done["status"]
     events = cluster.kubectl(
         "-n",
@@ -197,7 +177,8 @@ def lose_a_pod(
     assert status.stdout.startswith(f"TrainingRun {namespace}/{name}: Succeeded, attempt 1"), status
     followed = subprocess.run([*terminal, "logs", name, "-f", *where], capture_output=True, text=True, timeout=60)
     assert followed.returncode == 0, followed.stderr
-    assert followed.stdout.startswith(f"==> attempt 1, pod {job}-worker-0 <==\n"), followed.stdout[:500]
+    # (Kubeflow names worker 0's pod `<job>-worker-0`; a JobSet's Job adds a random suffix to `<job>-worker-0-0`)
+    assert re.match(rf"==> attempt 1, pod {job}-worker-0(-0-[a-z0-9]+)? <==\n", followed.stdout), followed.stdout[:500]
     # (ranks are assigned anew at each rendezvous: the replaced worker-0 may hold rank 1 now)
     assert re.search(
         r"rank[01] INFO trainingrun.trainer: step 3000/3000", followed.stdout
@@ -266,7 +247,11 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
     (`checkpoint/peers.py`): nothing from storage, and the run loses only the steps since the last commit in memory
     (at most one interval: the update after a save waits for its commit), not since the last copy to storage (up to
     100). The model at the end is the uninterrupted run's."""
-    cluster, name = installed, "journey"
+    lose_without_warning_and_restore_from_a_peer(installed, worker, reference_digest)
+
+
+def lose_without_warning_and_restore_from_a_peer(cluster: Cluster, worker: int, reference_digest: str) -> None:
+    name = "journey"
     with cluster.namespace(f"kill-worker-{worker}") as namespace:
         bucket = cluster.s3.new_bucket()
         explain = lambda: cluster.diagnose(namespace)  # noqa: E731
@@ -285,7 +270,7 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
             return status if ahead and step_of({"status": status}) < 2000 else {}
 
         status = cluster.wait("memory ahead of storage in status", memory_ahead, explain=explain)
-        pod = f"{status['jobName']}-worker-{worker}"
+        pod = cluster.worker_pod(namespace, name, status["attempt"], worker)
         stopped_at = time.time()
         lose_without_warning(cluster, namespace, pod)
         killed_at = time.time()

@@ -6,7 +6,8 @@ keeps (indexes.slim_job) would make every created job's first event look changed
 
 import json
 
-from trainingrun_operator import builders, validation
+from trainingrun_operator import pytorchjob, validation
+from trainingrun_operator.backends import PYTORCHJOB
 from trainingrun_operator.indexes import job_view, slim_job
 from trainingrun_operator.settings import Settings
 
@@ -20,13 +21,13 @@ def test_the_server_shows_the_created_job_with_the_view_it_was_sent_with(kube_cl
         "spec": {"checkpoint": {"uri": "s3://bucket/demo"}, "replicas": {"min": 1, "max": 2}},
     }
     created = json.loads(plane.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(run)).stdout)
-    sent = builders.pytorch_job(validation.parse(created, from_server=True), 1, Settings(signing_key=b"k" * 32))
+    sent = pytorchjob.pytorch_job(validation.parse(created, from_server=True), 1, Settings(signing_key=b"k" * 32))
     shown = json.loads(plane.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(sent)).stdout)
     assert shown["metadata"]["uid"] and shown["metadata"]["creationTimestamp"]  # what the server assigned
-    assert job_view(slim_job(shown)) == job_view(slim_job(sent))
+    assert job_view(slim_job(shown, PYTORCHJOB)) == job_view(slim_job(sent, PYTORCHJOB))
     shown = json.loads(
         plane.kubectl(
             "-n", namespace, "label", "-o", "json", "pytorchjobs.kubeflow.org", sent["metadata"]["name"], "team=a"
         ).stdout
     )
-    assert job_view(slim_job(shown)) != job_view(slim_job(sent))
+    assert job_view(slim_job(shown, PYTORCHJOB)) != job_view(slim_job(sent, PYTORCHJOB))

@@ -8,6 +8,8 @@ No kubelet runs in this tier, so the pods stay Pending: what they do once runnin
 import json
 import time
 
+from test_operator_real import JOBS, RUNS, RealCluster, operator_kubeconfig, running_operator, training_run  # noqa: F401
+
 from trainingrun_api import contract
 from trainingrun_operator import jobset, naming, validation
 
@@ -87,3 +89,93 @@ def test_a_jobset_attempts_pods_have_the_hostnames_and_labels_the_rendezvous_nee
         lambda: not any(items(plane, kube_namespace, kind, run_label) for kind in ("jobsets.jobset.x-k8s.io", "jobs", "pods", "services")),
         what="the garbage collector to remove the run's JobSet, Job, pods and Services",
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------- the operator running a JobSet attempt
+
+JOBSETS = "jobsets.jobset.x-k8s.io"
+
+
+def pods_of(cluster, attempt):
+    found = items(cluster.plane, cluster.namespace, "pods", f"{naming.LABEL_RUN}=demo,{naming.LABEL_ATTEMPT}={attempt}")
+    return sorted((p for p in found if not p["metadata"].get("deletionTimestamp")), key=lambda p: p["metadata"]["name"])
+
+
+def pod_phase(cluster, pod, phase, exit_code=None):
+    """The kubelet's word on a pod (no kubelet runs in this tier): its phase, and its trainer's exit code."""
+    status = {"phase": phase}
+    if exit_code is not None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        terminated = {"exitCode": exit_code, "reason": "Error", "startedAt": now, "finishedAt": now}
+        status["containerStatuses"] = [
+            {"name": naming.CONTAINER_NAME, "image": "trainer", "imageID": "", "ready": False, "restartCount": 0,
+             "state": {"terminated": terminated}}
+        ]  # fmt: skip
+    cluster.patch_status("pod", pod["metadata"]["name"], status)
+
+
+def test_the_operator_runs_an_attempt_as_a_jobset_with_the_charts_identity(
+    kube_cluster_with_crds, jobset_controller, kube_namespace, operator_kubeconfig, tmp_path
+):
+    """spec.backend JobSet, on a real API server with the real JobSet, Job and garbage collector controllers and
+    the operator as the chart installs it (its RBAC): the attempt is a JobSet the run owns; a pod that fails
+    retryably is replaced by the Job and counted in place; the Job failing again ends the attempt (JobSet's own
+    restarts off) and the operator starts the next one from the last checkpoint; pods succeeding end the run."""
+    cluster = RealCluster(kube_cluster_with_crds, kube_namespace)
+    plane = cluster.plane
+    operator = running_operator(operator_kubeconfig, tmp_path)
+    next(operator)
+    try:
+        body = json.loads(training_run(kube_namespace, replicas={"min": 2, "max": 2}, backend="JobSet"))
+        body["spec"]["recovery"]["maxRestartsPerAttempt"] = 1
+        plane.kubectl("create", "-f", "-", input=json.dumps(body))
+        run = cluster.get(RUNS, "demo")
+        attempt = wait_for(lambda: cluster.get(JOBSETS, "demo-a1"), what="attempt 1's JobSet")
+        assert attempt["metadata"]["ownerReferences"][0]["uid"] == run["metadata"]["uid"]
+        assert naming.ANNOTATION_SIGNATURE in attempt["metadata"]["annotations"]  # signed, as a PyTorchJob is
+        status = wait_for(lambda: cluster.status().get("jobName") and cluster.status())
+        assert (status["backend"], status["phase"]) == ("JobSet", "Pending")
+        assert cluster.get(JOBS, "demo-a1") is None
+
+        pods = wait_for(lambda: len(found := pods_of(cluster, 1)) == 2 and found, what="the Job's 2 pods")
+        for pod in pods:  # what the report endpoint's NetworkPolicy selects them by (the chart)
+            assert {"jobset.sigs.k8s.io/jobset-name", "batch.kubernetes.io/job-completion-index"} <= set(
+                pod["metadata"]["labels"]
+            )
+            pod_phase(cluster, pod, "Running")
+        wait_for(lambda: cluster.status().get("phase") == "Running", what="phase Running")
+        checkpoint = {"uri": "s3://bucket/demo/step-00000300", "step": 300, "time": "2026-12-06T00:00:00Z"}
+        cluster.patch_status(RUNS, "demo", {"lastGoodCheckpoint": checkpoint})
+
+        pod_phase(cluster, pods[1], "Failed", exit_code=134)  # SIGABRT: retryable, the Job replaces the pod
+        restarts = wait_for(
+            lambda: (cluster.status().get("restarts") or {}).get("inPlace") == 1 and cluster.status()["restarts"],
+            what="the replaced pod counted in place",
+        )
+        assert restarts["attemptPodsFailed"] == 1 and restarts["total"] == 0
+        wait_for(lambda: cluster.events("PodsRestarted"), what="the PodsRestarted Event")
+        assert cluster.status()["attempt"] == 1
+
+        replacement = wait_for(
+            lambda: next((p for p in pods_of(cluster, 1) if p["metadata"]["name"] not in {q["metadata"]["name"] for q in pods}), None),
+            what="the Job's replacement pod",
+        )  # fmt: skip
+        pod_phase(cluster, replacement, "Failed", exit_code=134)  # past maxRestartsPerAttempt: the Job fails
+        attempt_2 = wait_for(lambda: cluster.get(JOBSETS, "demo-a2"), timeout=60, what="attempt 2's JobSet")
+        failed = cluster.get(JOBSETS, "demo-a1")
+        assert (failed["status"].get("restarts") or 0) == 0  # JobSet restarted nothing itself
+        env = {
+            e["name"]: e.get("value")
+            for e in attempt_2["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+        }  # fmt: skip
+        assert env["TRAININGRUN_RESUME_FROM"] == checkpoint["uri"]
+        status = wait_for(lambda: cluster.status().get("attempt") == 2 and cluster.status())
+        assert status["restarts"]["failures"] == 1 and "attemptPodsFailed" not in status["restarts"]
+        assert status["restarts"]["inPlace"] == 1  # the failing Job's last pods were not replaced: none counted
+
+        pods = wait_for(lambda: len(found := pods_of(cluster, 2)) == 2 and found, what="attempt 2's pods")
+        for pod in pods:
+            pod_phase(cluster, pod, "Succeeded", exit_code=0)
+        wait_for(lambda: cluster.status().get("phase") == "Succeeded", timeout=60, what="the run to succeed")
+    finally:
+        operator.close()

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from trainingrun_operator import builders, naming, validation
+from trainingrun_operator import naming, pytorchjob, validation
 
 RUNS = "trainingruns.trainingrun.dev"
 JOBS = "pytorchjobs.kubeflow.org"
@@ -416,7 +416,7 @@ def test_a_job_planted_with_an_owner_reference_to_the_run_is_never_used(cluster,
     signature = wait_for(lambda: signature_of(cluster.get(JOBS, "demo-a1")), what="attempt 1's signed PyTorchJob")
     run = cluster.get(RUNS, "demo")
     assert signature.startswith("v2.")  # bound to the job's uid (naming.job_signature)
-    planted = builders.pytorch_job(validation.parse(json.loads(training_run(ns))), 2)
+    planted = pytorchjob.pytorch_job(validation.parse(json.loads(training_run(ns))), 2)
     planted["metadata"]["namespace"] = ns
     planted["metadata"]["ownerReferences"] = [
         {
@@ -454,7 +454,7 @@ def test_objects_with_the_childrens_names_that_the_run_does_not_own_are_left_alo
     plane, ns = cluster.plane, cluster.namespace
     labels = {naming.LABEL_RUN: "demo"}
     multi_pod = {"replicas": {"min": 2, "max": 2}}  # a run with a rendezvous Service
-    job = builders.pytorch_job(validation.parse(json.loads(training_run(ns, **multi_pod))), 1)
+    job = pytorchjob.pytorch_job(validation.parse(json.loads(training_run(ns, **multi_pod))), 1)
     del job["metadata"]["ownerReferences"]
     foreign = [
         {

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kube_cluster import collection, refusal
 from run_documents import CASES, GAP_CASES, VALID_CASES, documents
-from trainingrun_operator import builders, jobset, scheduling, validation
+from trainingrun_operator import jobset, pytorchjob, scheduling, validation
 
 DRY_RUN = "?dryRun=All&fieldValidation=Strict"
 
@@ -70,7 +70,7 @@ def pod_from(job, namespace):
 
 
 #: Each backend's children of an attempt.
-BACKENDS = {"PyTorchJob": builders.children, "JobSet": jobset.children}
+BACKENDS = {"PyTorchJob": pytorchjob.children, "JobSet": jobset.children}
 
 
 def children_refusals(plane, run, namespace, backend="PyTorchJob"):
@@ -233,7 +233,7 @@ def test_valid_documents_and_their_children_are_accepted(
 
 def test_a_users_value_for_an_operator_default_wins_without_a_duplicate(minimal_body):
     minimal_body["spec"]["env"] = [{"name": "PYTHONUNBUFFERED", "value": "0"}, {"name": "HOME", "value": "/data"}]
-    job = builders.pytorch_job(validation.check(minimal_body), 1)
+    job = pytorchjob.pytorch_job(validation.check(minimal_body), 1)
     env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
     names = [e["name"] for e in env]
     assert len(names) == len(set(names))
@@ -263,3 +263,35 @@ def test_random_documents_get_the_same_verdict(kube_cluster_with_crds, namespace
     run.metadata.namespace = namespace
     with_service_accounts(plane, run, namespace)
     assert children_refusals(plane, run, namespace) == []
+
+
+@pytest.mark.parametrize(
+    "before,after",
+    [("PyTorchJob", "JobSet"), (None, "JobSet"), ("JobSet", None)],
+    ids=["changed", "added", "removed"],
+)
+def test_spec_backend_cannot_change_once_the_run_exists(kube_cluster_with_crds, namespace, minimal_body, before, after):
+    """The CRD's transition rule (the emulator in tests/crd_server.py skips those): a run's attempts are all of one
+    kind, so spec.backend is set at creation or never; other spec changes still go through."""
+    plane = kube_cluster_with_crds
+    body = server_body(minimal_body, namespace)
+    body["metadata"]["name"] = f"backend-{before or 'none'}-{after or 'none'}".lower()
+    if before:
+        body["spec"]["backend"] = before
+    path = collection(body, namespace)
+    code, answer = plane.request("POST", path, body)
+    assert code == 201, answer
+    changed = copy.deepcopy(answer)
+    changed["spec"].pop("backend", None)
+    if after:
+        changed["spec"]["backend"] = after
+    code, answer = plane.request("PUT", f"{path}/{body['metadata']['name']}", changed)
+    assert code == 422, answer
+    assert "spec.backend cannot change after the run is created" in refusal(answer)
+    kept = copy.deepcopy(changed)
+    kept["spec"].pop("backend", None)
+    if before:
+        kept["spec"]["backend"] = before
+    kept["spec"]["suspend"] = True
+    code, answer = plane.request("PUT", f"{path}/{body['metadata']['name']}", kept)
+    assert code == 200, answer

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from trainingrun_operator import builders, naming, validation
+from trainingrun_operator import naming, pytorchjob, validation
+from trainingrun_operator.backends import PYTORCHJOB
 from trainingrun_operator.indexes import run_owns_job, slim_job
 from trainingrun_operator.settings import Settings
 
@@ -26,7 +27,7 @@ RUN = validation.parse(
 def job(attempt: int, key: bytes = KEY, created: datetime = STARTED + timedelta(seconds=5), uid: str = "") -> dict:
     """A slim PyTorchJob of the run as the API server holds it: uid and creation time given, signed for that uid
     (as plans.JobSigner signs it after the creation) unless `key` is empty."""
-    body = builders.pytorch_job(RUN, attempt, Settings(signing_key=key))
+    body = pytorchjob.pytorch_job(RUN, attempt, Settings(signing_key=key))
     meta = body["metadata"]
     meta["uid"] = uid or f"job-uid-{attempt}"
     meta["creationTimestamp"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -34,7 +35,7 @@ def job(attempt: int, key: bytes = KEY, created: datetime = STARTED + timedelta(
         meta["annotations"][naming.ANNOTATION_SIGNATURE] = naming.job_signature(
             key, "run-uid", meta["name"], meta["uid"]
         )
-    return slim_job(body)
+    return slim_job(body, PYTORCHJOB)
 
 
 def status(attempt: int, started: datetime = STARTED - timedelta(minutes=5)) -> dict:

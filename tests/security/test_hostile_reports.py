@@ -46,7 +46,7 @@ def view(namespace, name):
         checkpoint_uri=RUN_URI,
         status={},
         pods=[pod],
-        job_uid="job-uid",
+        pod_controllers=frozenset({"job-uid"}),
         stall_timeout_seconds=600,
     )
 

@@ -32,9 +32,19 @@ app.kubernetes.io/component: operator
 - apiGroups: [trainingrun.dev]
   resources: [trainingruns/finalizers]
   verbs: [update]
+{{- if ne .Values.backend "JobSet" }}
 - apiGroups: [kubeflow.org]
   resources: [pytorchjobs]
   verbs: [get, list, watch, create, patch, delete]  # get: an existing job checked before it is used
+{{- end }}
+{{- if ne .Values.backend "PyTorchJob" }}
+- apiGroups: [jobset.x-k8s.io]
+  resources: [jobsets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [list, watch]  # a JobSet's Jobs: which pods are its own, and how many it replaced
+{{- end }}
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
@@ -72,4 +82,15 @@ https://{{ include "trainingrun.reportService" . }}.{{ .Release.Namespace }}.svc
 {{- end -}}
 {{- define "trainingrun.reportTlsSecret" -}}
 {{- .Values.report.tlsSecret | default (printf "%s-report-tls" (include "trainingrun.fullname" .)) -}}
+{{- end -}}
+
+{{/* The labels each backend's controller gives a trainer pod (beside the run's own): one list per backend the
+operator may use, for the report endpoint's NetworkPolicy. */}}
+{{- define "trainingrun.trainerPodLabels" -}}
+{{- if ne .Values.backend "JobSet" }}
+- [training.kubeflow.org/job-name, training.kubeflow.org/replica-type]
+{{- end }}
+{{- if ne .Values.backend "PyTorchJob" }}
+- [jobset.sigs.k8s.io/jobset-name, batch.kubernetes.io/job-completion-index]
+{{- end }}
 {{- end -}}

@@ -54,6 +54,8 @@ PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjobs",
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobsets",
+    ("batch/v1", "Job"): "jobs",
     ("trainingrun.dev/v1alpha1", "TrainingRun"): "trainingruns",
 }
 RETRIED_STATUSES = (429, 500, 502, 503, 504)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import EXAMPLES
 from trainingrun_api import contract
-from trainingrun_operator import builders, naming, validation
+from trainingrun_operator import builders, naming, pytorchjob, validation
 from trainingrun_operator.api_meta import MAX_RUN_NAME_LENGTH
 from trainingrun_operator.settings import Settings
 
@@ -56,14 +56,14 @@ def test_examples_render_children_that_real_schemas_accept(example, pytorchjob_s
     assert runs
     for run in runs:
         run = run.model_copy(update={"metadata": run.metadata.model_copy(update={"uid": "u-1"})})
-        objects = builders.children(run, attempt=2, resume_from="s3://bkt/ckpt/step-100")
+        objects = pytorchjob.children(run, attempt=2, resume_from="s3://bkt/ckpt/step-100")
         assert pytorchjob_problems(job_of(objects), pytorchjob_schema) == []
         assert_valid_builtins(objects)
 
 
 def test_schema_check_catches_a_broken_job(pytorchjob_schema, minimal_body):
     """The checks above must be able to fail."""
-    job = job_of(builders.children(run_from(minimal_body)))
+    job = job_of(pytorchjob.children(run_from(minimal_body)))
     broken = copy.deepcopy(job)
     broken["spec"]["elasticPolicy"]["minReplicas"] = "two"
     broken["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
@@ -80,7 +80,7 @@ def test_schema_check_catches_a_broken_job(pytorchjob_schema, minimal_body):
 def test_elastic_job_shape(minimal_body):
     minimal_body["spec"].update({"replicas": {"min": 2, "max": 4}, "nprocPerNode": 2, "resources": {"gpu": 2}})
     run = run_from(minimal_body)
-    job = builders.pytorch_job(run, attempt=3, resume_from="s3://bucket/runs/demo/step-00000500")
+    job = pytorchjob.pytorch_job(run, attempt=3, resume_from="s3://bucket/runs/demo/step-00000500")
     assert job["metadata"]["name"] == "demo-a3"
     assert job["metadata"]["namespace"] == "team-a"
     elastic = job["spec"]["elasticPolicy"]
@@ -120,18 +120,18 @@ def test_elastic_job_shape(minimal_body):
 
 def test_attempts_get_distinct_names_and_rendezvous(minimal_body):
     run = run_from(minimal_body)
-    first, second = builders.pytorch_job(run, 1), builders.pytorch_job(run, 2)
+    first, second = pytorchjob.pytorch_job(run, 1), pytorchjob.pytorch_job(run, 2)
     assert first["metadata"]["name"] != second["metadata"]["name"]
     assert first["spec"]["elasticPolicy"]["rdzvId"] != second["spec"]["elasticPolicy"]["rdzvId"]
-    assert builders.pytorch_job(run, 1) == first  # deterministic: a restarted operator renders the same
+    assert pytorchjob.pytorch_job(run, 1) == first  # deterministic: a restarted operator renders the same
     with pytest.raises(ValueError, match="attempt must be 1 or more"):
-        builders.pytorch_job(run, 0)
+        pytorchjob.pytorch_job(run, 0)
 
 
 def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_current_attempt(minimal_body):
     minimal_body["spec"]["replicas"] = {"min": 1, "max": 3}
     run = run_from(minimal_body)
-    service, job = builders.children(run, attempt=2)
+    service, job = pytorchjob.children(run, attempt=2)
     assert [service["kind"], job["kind"]] == ["Service", "PyTorchJob"]
     assert job["spec"]["elasticPolicy"]["rdzvHost"] == service["metadata"]["name"] == "demo-rendezvous"
     assert job["spec"]["elasticPolicy"]["rdzvPort"] == service["spec"]["ports"][0]["port"] == contract.RENDEZVOUS_PORT
@@ -145,7 +145,7 @@ def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_curre
     assert (
         not service["spec"]["selector"].items() <= {**worker_labels, naming.KUBEFLOW_REPLICA_INDEX_LABEL: "1"}.items()
     )
-    assert builders.children(run, attempt=3)[0]["spec"]["selector"][naming.LABEL_ATTEMPT] == "3"
+    assert pytorchjob.children(run, attempt=3)[0]["spec"]["selector"][naming.LABEL_ATTEMPT] == "3"
     env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
     assert env[contract.RENDEZVOUS_HOST_POD]["value"] == "demo-a2-worker-0"
     assert env[contract.POD_IP]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -155,8 +155,8 @@ def test_multi_pod_runs_reach_the_rendezvous_host_through_a_service_of_the_curre
 def test_single_pod_runs_have_no_rendezvous_service(minimal_body):
     minimal_body["spec"]["replicas"] = {"min": 1, "max": 1}
     run = run_from(minimal_body)
-    assert [o["kind"] for o in builders.children(run)] == ["PyTorchJob"]
-    job = builders.pytorch_job(run, 1)
+    assert [o["kind"] for o in pytorchjob.children(run)] == ["PyTorchJob"]
+    job = pytorchjob.pytorch_job(run, 1)
     assert "rdzvHost" not in job["spec"]["elasticPolicy"]  # Kubeflow's default: the pod's own name
     env = {e["name"] for e in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]}
     assert contract.RENDEZVOUS_HOST_POD not in env and contract.POD_IP in env
@@ -184,7 +184,7 @@ def test_run_policy_and_scheduling(minimal_body):
             "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
         }
     )
-    job = builders.pytorch_job(run_from(minimal_body), 1)
+    job = pytorchjob.pytorch_job(run_from(minimal_body), 1)
     assert job["spec"]["runPolicy"]["suspend"] is True
     assert job["spec"]["runPolicy"]["activeDeadlineSeconds"] == 7200
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-queue"
@@ -206,7 +206,7 @@ def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
     audience, verified against the CA its annotation carries."""
     run = run_from(minimal_body)
     settings = Settings(report_url="https://op.ops.svc:8443/v1/reports", report_ca="-----BEGIN CERTIFICATE-----\n")
-    objects = builders.children(run, 1, settings)
+    objects = pytorchjob.children(run, 1, settings)
     assert [o["kind"] for o in objects] == ["PyTorchJob"]
     pod = objects[0]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
@@ -222,7 +222,7 @@ def test_pods_get_no_api_token_only_a_report_token_bound_to_them(minimal_body):
     assert env[contract.REPORT_CA_FILE] == f"{settings.config_dir}/{contract.REPORT_CA_KEY}"
     assert pod_files(objects[0])[env[contract.REPORT_CA_FILE]] == settings.report_ca
     # without a report endpoint: no token at all
-    bare = builders.pytorch_job(run, 1, Settings())["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    bare = pytorchjob.pytorch_job(run, 1, Settings())["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert (
         not any(v["name"] == "report-token" for v in bare["volumes"]) and bare["automountServiceAccountToken"] is False
     )
@@ -236,7 +236,7 @@ def test_reports_reach_status_more_often_than_a_short_stall_timeout_looks(minima
 
     minimal_body["spec"]["recovery"] = {"stallTimeoutSeconds": stall_timeout}
     settings = Settings(report_url="https://op.ops.svc:8443/v1/reports")
-    container = builders.pytorch_job(run_from(minimal_body), 1, settings)["spec"]["pytorchReplicaSpecs"]["Worker"][
+    container = pytorchjob.pytorch_job(run_from(minimal_body), 1, settings)["spec"]["pytorchReplicaSpecs"]["Worker"][
         "template"
     ]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -248,8 +248,8 @@ def test_reports_reach_status_more_often_than_a_short_stall_timeout_looks(minima
 def test_own_service_account_is_used_as_it_is(minimal_body):
     minimal_body["spec"]["serviceAccountName"] = "workload-identity-sa"
     run = run_from(minimal_body)
-    assert "ServiceAccount" not in [o["kind"] for o in builders.children(run)]
-    pod = builders.pytorch_job(run, 1)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert "ServiceAccount" not in [o["kind"] for o in pytorchjob.children(run)]
+    pod = pytorchjob.pytorch_job(run, 1)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["serviceAccountName"] == "workload-identity-sa"
 
 
@@ -270,8 +270,8 @@ def test_pods_read_the_trainer_config_with_defaults_from_their_annotations(minim
     minimal_body["spec"]["trainer"] = {"maxSteps": 77, "optimizer": {"lr": 0.001}}
     minimal_body["spec"]["podAnnotations"] = {naming.ANNOTATION_CONFIG: "{}", "team": "vision"}  # the operator's wins
     run = run_from(minimal_body)
-    assert [c["kind"] for c in builders.children(run)] == ["PyTorchJob"]  # no ConfigMap: one write per attempt
-    job = builders.pytorch_job(run, 1, Settings(report_url="https://operator:8443/v1/reports", report_ca="PEM"))
+    assert [c["kind"] for c in pytorchjob.children(run)] == ["PyTorchJob"]  # no ConfigMap: one write per attempt
+    job = pytorchjob.pytorch_job(run, 1, Settings(report_url="https://operator:8443/v1/reports", report_ca="PEM"))
     files = pod_files(job)
     env = {
         e["name"]: e.get("value")
@@ -290,7 +290,7 @@ def test_pods_read_the_trainer_config_with_defaults_from_their_annotations(minim
 
 
 def test_children_are_all_owned_and_labelled(minimal_body):
-    for obj in builders.children(run_from(minimal_body)):
+    for obj in pytorchjob.children(run_from(minimal_body)):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "3f1c2a9e-0000-4000-8000-000000000001"
         assert obj["metadata"]["labels"]["trainingrun.dev/run"] == "demo"
         assert obj["metadata"]["name"].startswith("demo-")
@@ -303,9 +303,9 @@ def test_longest_allowed_name_fits_every_generated_name(minimal_body):
     minimal_body["spec"]["replicas"] = {"min": 1, "max": 10000}
     run = run_from(minimal_body)
     worst_attempt = 1 + 2 * 1000  # every failure and preemption budget spent
-    job = builders.pytorch_job(run, worst_attempt)
+    job = pytorchjob.pytorch_job(run, worst_attempt)
     assert len(f"{job['metadata']['name']}-worker-{10000 - 1}") <= 63
-    for obj in builders.children(run):
+    for obj in pytorchjob.children(run):
         assert len(obj["metadata"]["name"]) <= 63
 
 
@@ -323,7 +323,7 @@ def test_no_secret_value_can_reach_a_rendered_object(minimal_body):
         "gcsKeyFile": {"secretName": "gcs", "key": "key.json"},
         "env": [{"name": "WANDB_API_KEY", "secretName": "wandb", "key": "api-key"}],
     }
-    objects = builders.children(run_from(minimal_body))
+    objects = pytorchjob.children(run_from(minimal_body))
     text = json.dumps(objects)
     job = job_of(objects)
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
@@ -356,11 +356,11 @@ def test_settings_default_image_and_override(minimal_body, monkeypatch):
     def image(job):
         return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
 
-    assert image(builders.pytorch_job(run, 1)) == Settings().default_trainer_image
+    assert image(pytorchjob.pytorch_job(run, 1)) == Settings().default_trainer_image
     settings = Settings.from_env({"TRAININGRUN_TRAINER_IMAGE": "registry.local/trainer:dev"})
-    assert image(builders.pytorch_job(run, 1, settings)) == "registry.local/trainer:dev"
+    assert image(pytorchjob.pytorch_job(run, 1, settings)) == "registry.local/trainer:dev"
     minimal_body["spec"]["image"] = "mine:1"
-    assert image(builders.pytorch_job(run_from(minimal_body), 1, settings)) == "mine:1"
+    assert image(pytorchjob.pytorch_job(run_from(minimal_body), 1, settings)) == "mine:1"
 
 
 @pytest.mark.parametrize(
@@ -372,7 +372,7 @@ def test_each_process_gets_its_share_of_the_cpu_request_as_threads(minimal_body,
     minimal_body["spec"]["nprocPerNode"] = nproc
     if cpu:
         minimal_body["spec"]["resources"] = {"cpu": cpu}
-    container = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
+    container = job_of(pytorchjob.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
         "template"
     ]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -382,7 +382,7 @@ def test_each_process_gets_its_share_of_the_cpu_request_as_threads(minimal_body,
 
 def test_the_users_thread_count_wins_without_a_duplicate(minimal_body):
     minimal_body["spec"].update(resources={"cpu": "8"}, env=[{"name": "OMP_NUM_THREADS", "value": "3"}])
-    container = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
+    container = job_of(pytorchjob.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"][
         "template"
     ]["spec"]["containers"][0]
     assert [e.get("value") for e in container["env"] if e["name"] == "OMP_NUM_THREADS"] == ["3"]
@@ -391,7 +391,7 @@ def test_the_users_thread_count_wins_without_a_duplicate(minimal_body):
 def test_an_image_pull_secret_named_twice_is_listed_once(minimal_body):
     """The PyTorchJob CRD refuses a duplicate (the real API server's 422, found by the random documents)."""
     minimal_body["spec"]["imagePullSecrets"] = ["wandb", "regcred", "wandb"]
-    pod = job_of(builders.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"][
+    pod = job_of(pytorchjob.children(run_from(minimal_body), 1))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"][
         "spec"
     ]
     assert pod["imagePullSecrets"] == [{"name": "wandb"}, {"name": "regcred"}]
@@ -403,7 +403,7 @@ def test_the_checkpoint_uri_reaches_the_pod_through_the_config_file_alone(minima
     started = run.spec.checkpoint.uri
     edited = run.model_copy(deep=True)
     edited.spec.checkpoint.uri = "s3://elsewhere/later"
-    (job,) = builders.children(edited, 2, checkpoint_uri=started)
+    (job,) = pytorchjob.children(edited, 2, checkpoint_uri=started)
     assert json.loads(pod_files(job)["/etc/trainingrun/config.json"])["checkpoint"]["uri"] == started
     env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if "s3://" in str(e.get("value")) or "CHECKPOINT_URI" in e["name"]]

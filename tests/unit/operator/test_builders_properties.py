@@ -11,7 +11,7 @@ from test_builders import K8S_VERSION, pytorchjob_problems
 
 from crd_server import admit
 from run_documents import documents
-from trainingrun_operator import builders, crd, validation
+from trainingrun_operator import crd, pytorchjob, validation
 
 CRD = crd.crd()
 
@@ -27,7 +27,7 @@ def test_any_document_renders_valid_children_or_fails_validation(pytorchjob_sche
         assert crd_errors, f"validate rejects but the CRD admits: {error}"
         return
     assert crd_errors == [], "the CRD rejects a document that validate accepts"
-    objects = builders.children(run, attempt)
+    objects = pytorchjob.children(run, attempt)
     job = next(o for o in objects if o["kind"] == "PyTorchJob")
     assert pytorchjob_problems(job, pytorchjob_schema) == []
     for obj in objects:

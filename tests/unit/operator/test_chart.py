@@ -187,6 +187,17 @@ GRANTED_FOR_REASONS = {
     "tests/real_api/test_operator_real.py makes that call",
     ("kubeflow.org", "pytorchjobs", "get"): "a PyTorchJob whose name is taken is read to check it is the run's own "
     "(plans._ensure); tests/real_api/test_operator_real.py makes that call",
+    **{
+        ("jobset.x-k8s.io", "jobsets", verb): "the JobSet backend (spec.backend JobSet, or backend JobSet or auto "
+        "where only JobSet is served); tests/real_api/test_jobset_real.py runs a JobSet lifecycle with the chart's "
+        "identity"
+        for verb in ("get", "list", "watch", "create", "patch", "delete")
+    },
+    **{
+        ("batch", "jobs", verb): "the JobSet backend reads its Jobs (which pods are its own, how many it replaced); "
+        "tests/real_api/test_jobset_real.py"
+        for verb in ("list", "watch")
+    },
     ("", "namespaces", "get"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "list"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "watch"): "namespaced mode: kopf matches its namespaces",
@@ -301,3 +312,30 @@ def test_the_report_certificate_is_ecdsa_and_a_trainer_verifies_it_for_the_servi
         tls.sendall(b"hello")
     thread.join(timeout=30)
     assert served == [b"hello"]
+
+
+KUBEFLOW_POD_LABELS = {"training.kubeflow.org/job-name", "training.kubeflow.org/replica-type"}
+JOBSET_POD_LABELS = {"jobset.sigs.k8s.io/jobset-name", "batch.kubernetes.io/job-completion-index"}
+
+
+@pytest.mark.parametrize(
+    "backend,groups,pod_labels",
+    [
+        ("PyTorchJob", {"kubeflow.org"}, [KUBEFLOW_POD_LABELS]),
+        ("JobSet", {"jobset.x-k8s.io", "batch"}, [JOBSET_POD_LABELS]),
+        ("auto", {"kubeflow.org", "jobset.x-k8s.io", "batch"}, [KUBEFLOW_POD_LABELS, JOBSET_POD_LABELS]),
+    ],
+)
+def test_the_backend_value_grants_its_verbs_only_and_lets_its_pods_report(backend, groups, pod_labels):
+    """A chart installed for one backend grants nothing of the other (least privilege); the report endpoint's
+    NetworkPolicy lets in the pods each allowed backend makes, by the labels its controller gives them."""
+    documents = render(None, f"backend={backend}", "networkPolicy.enabled=true")
+    workload_groups = {g for g, *_ in granted(documents)} & {"kubeflow.org", "jobset.x-k8s.io", "batch"}
+    assert workload_groups == groups
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TRAININGRUN_BACKEND"] == backend
+    policy = next(d for d in documents if d["kind"] == "NetworkPolicy")
+    peers = [p for rule in policy["spec"]["ingress"] for p in rule["from"] if "podSelector" in p]
+    selected = [{e["key"] for e in p["podSelector"]["matchExpressions"]} - {"trainingrun.dev/run"} for p in peers]
+    assert selected == pod_labels

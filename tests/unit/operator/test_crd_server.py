@@ -408,10 +408,14 @@ def test_cel_rule_fires(crd, body, path, message):
 
 
 def test_every_cel_rule_of_the_crd_has_a_violating_case(schema):
-    """A rule added to the CRD without a case above would be untested; this names it."""
+    """A rule added to the CRD without a case above would be untested; this names it. Transition rules (oldSelf) run
+    only on update, which this emulator does not check: the real API server's tier has a case for each
+    (test_validate_agrees.py, test_spec_backend_cannot_change_once_the_run_exists)."""
     covered = {message for *_, message in CEL_CASES}
     missing = [
-        (p, r["message"]) for p, _, r in rules_of(schema) if not any(r["message"].startswith(m) for m in covered)
+        (p, r["message"])
+        for p, _, r in rules_of(schema)
+        if "oldSelf" not in r["rule"] and not any(r["message"].startswith(m) for m in covered)
     ]
     assert missing == []
 

@@ -93,6 +93,11 @@ class ScriptedCluster:
         found = self.moments[self.now]["pods"].get(pod)
         return found[:2] if found else None
 
+    def worker_pod(self, attempt, index):
+        """A JobSet's pods are found by their labels: here, the newest named for the attempt and index."""
+        prefix = f"demo-a{attempt}-worker-0-{index}-"
+        return max((p for p in self.moments[self.now]["pods"] if p.startswith(prefix)), default=None)
+
     def lines(self, pod, follow):
         yield from self.moments[self.now]["pods"][pod][2]
         if follow:  # the stream ends when the container does
@@ -165,3 +170,38 @@ def test_logs_of_one_attempt_of_a_restarted_pod(minimal_body):
         follow.follow_logs(cluster, pod_index=2, out=out)
     with pytest.raises(follow.NothingToShow, match="pod demo-a3-worker-0 has not started yet; add -f"):
         follow.follow_logs(ScriptedCluster(minimal_body, [moment("Pending", 3)]), out=out)
+
+
+def test_logs_follow_a_jobset_worker_across_its_replacement_pod(minimal_body):
+    """A JobSet's Job replaces a lost pod with a new name (`<jobset>-worker-0-<index>-<random>`): the log goes on
+    with the replacement, found by its labels, and `trainingrun status` names the JobSet."""
+    import io
+
+    first, replacement = "demo-a1-worker-0-1-aaaaa", "demo-a1-worker-0-1-bbbbb"
+
+    def jobset_moment(phase, **pods):
+        return {"status": {"phase": phase, "attempt": 1, "backend": "JobSet", "jobName": "demo-a1"}, "pods": pods}
+
+    two_pods = {**minimal_body, "spec": {**minimal_body["spec"], "replicas": {"min": 2}}}
+    cluster = ScriptedCluster(
+        two_pods,
+        [
+            jobset_moment("Running", **{first: ("u1/0", "running", ["step 1"])}),
+            jobset_moment("Running", **{first: ("u1/0", "terminated", ["step 1"])}),
+            jobset_moment("Running", **{replacement: ("u2/0", "running", ["resumed from step 1", "step 2"])}),
+            jobset_moment("Succeeded", **{replacement: ("u2/0", "terminated", ["resumed from step 1", "step 2"])}),
+        ],
+    )
+    out = io.StringIO()
+    assert follow.follow_logs(cluster, pod_index=1, follow=True, out=out, wait=cluster.wait) == 0
+    assert out.getvalue().splitlines() == [
+        f"==> attempt 1, pod {first} <==",
+        "step 1",
+        f"==> {first} ended; waiting for it to restart or for the next attempt <==",
+        f"==> attempt 1, pod {replacement} <==",
+        "resumed from step 1",
+        "step 2",
+        "==> run Succeeded in attempt 1 <==",
+    ]
+    head = follow.status_lines({**two_pods, "status": cluster.moments[0]["status"]})[0]
+    assert head == "TrainingRun team-a/demo: Running, attempt 1 (JobSet demo-a1)"

@@ -2,7 +2,8 @@
 
 import copy
 
-from trainingrun_operator import builders, naming, validation
+from trainingrun_operator import naming, pytorchjob, validation
+from trainingrun_operator.backends import PYTORCHJOB
 from trainingrun_operator.indexes import SPEC_JSON, forget_shown, job_view, merged_status, slim_job, slim_run, view
 from trainingrun_operator.settings import Settings
 
@@ -77,11 +78,11 @@ def test_the_job_a_reconcile_sent_matches_the_watchs_first_event_of_it_and_nothi
     run = validation.parse(
         {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", **{k: RUN[k] for k in ("metadata", "spec")}}
     )
-    sent = builders.pytorch_job(run, 1, Settings(signing_key=b"k" * 32))
-    left = job_view(slim_job(sent))
-    assert job_view(slim_job(as_the_server_shows(sent))) == left
+    sent = pytorchjob.pytorch_job(run, 1, Settings(signing_key=b"k" * 32))
+    left = job_view(slim_job(sent, PYTORCHJOB))
+    assert job_view(slim_job(as_the_server_shows(sent), PYTORCHJOB)) == left
     created = {"conditions": [{"type": "Created", "status": "True", "lastTransitionTime": "2026-11-28T14:00:01Z"}]}
-    assert job_view(slim_job(as_the_server_shows(sent, **created))) != left  # Kubeflow saw it
+    assert job_view(slim_job(as_the_server_shows(sent, **created), PYTORCHJOB)) != left  # Kubeflow saw it
     changed = [
         as_the_server_shows(sent, **created),
         {**as_the_server_shows(sent), "spec": {**sent["spec"], "runPolicy": {"suspend": True}}},
@@ -92,4 +93,19 @@ def test_the_job_a_reconcile_sent_matches_the_watchs_first_event_of_it_and_nothi
         changed.append(edited)
     signed = as_the_server_shows(sent)  # plans.JobSigner's patch after the creation: ownership may have changed
     signed["metadata"]["annotations"] = {**sent["metadata"]["annotations"], naming.ANNOTATION_SIGNATURE: "v2.0"}
-    assert [job_view(slim_job(job)) == left for job in [*changed, signed]] == [False] * 6
+    assert [job_view(slim_job(job, PYTORCHJOB)) == left for job in [*changed, signed]] == [False] * 6
+
+
+def test_a_pod_is_kept_with_its_phase_which_decisions_read():
+    """reconcile reads a pod's phase (a JobSet attempt runs once a pod does; a resume waits only for pods still
+    stopping): the index kept none, so a suspended run's finished pods held its resume for their grace period."""
+    from test_reconcile import observe, pod, run_of, suspended_status
+
+    from trainingrun_operator import reconcile
+    from trainingrun_operator.indexes import slim_pod
+
+    finished = slim_pod(pod(1, {"phase": "Succeeded", "containerStatuses": []}))
+    assert finished["status"]["phase"] == "Succeeded"
+    suspended = suspended_status()
+    plan = reconcile.decide(observe(run_of(), suspended, [], [finished]))
+    assert plan.start_attempt == 2

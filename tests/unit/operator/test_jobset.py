@@ -9,7 +9,7 @@ import pytest
 
 from conftest import EXAMPLES
 from trainingrun_api import contract, exit_codes
-from trainingrun_operator import builders, jobset, naming, validation
+from trainingrun_operator import builders, jobset, naming, pytorchjob, validation
 
 K8S_VERSION = "1.30.0"
 
@@ -92,6 +92,75 @@ def test_queue_suspend_and_signing_annotations_as_on_a_pytorchjob(minimal_body):
     body["spec"]["suspend"] = True
     run = validation.parse(body)
     attempt = jobset.jobset(run, attempt=2, resume_from="s3://bucket/runs/demo/step-00000100")
-    job = builders.pytorch_job(run, attempt=2, resume_from="s3://bucket/runs/demo/step-00000100")
+    job = pytorchjob.pytorch_job(run, attempt=2, resume_from="s3://bucket/runs/demo/step-00000100")
     assert attempt["metadata"] == job["metadata"]  # name, labels (Kueue's queue), owner, annotations
     assert attempt["spec"]["suspend"] is True
+    # Kueue admits the JobSet as one workload: its Job carries the run's labels but the queue's.
+    job_labels = attempt["spec"]["replicatedJobs"][0]["template"]["metadata"]["labels"]
+    assert naming.KUEUE_QUEUE_LABEL not in job_labels and job_labels[naming.LABEL_RUN] == run.metadata.name
+
+
+# ---------------------------------------------------------------- reading its state
+
+
+def with_status(**status):
+    return {"kind": "JobSet", "metadata": {"name": "demo-a1"}, "status": status}
+
+
+def condition(type_, status="True"):
+    return {"type": type_, "status": status, "lastTransitionTime": "2026-12-06T10:00:00Z"}
+
+
+def running_pod(**metadata):
+    return {"metadata": {"name": "demo-a1-worker-0-0-x", **metadata}, "status": {"phase": "Running"}}
+
+
+@pytest.mark.parametrize(
+    "status,pods,state",
+    [
+        ({"conditions": [condition("Completed")]}, [], "Succeeded"),
+        ({"conditions": [condition("Failed")]}, [running_pod()], "Failed"),
+        ({"conditions": [condition("Suspended")]}, [], "Suspended"),
+        ({"conditions": [condition("Suspended", "False")]}, [running_pod()], "Running"),
+        ({"replicatedJobsStatus": [{"name": "worker", "ready": 1}]}, [], "Running"),
+        ({"replicatedJobsStatus": [{"name": "worker", "ready": 0, "active": 1}]}, [], "Created"),
+        ({}, [running_pod(deletionTimestamp="2026-12-06T10:00:00Z")], "Created"),  # a pod going away runs no more
+        ({}, [], "Created"),
+    ],
+)
+def test_a_jobsets_state_reads_as_kubeflows_words(status, pods, state):
+    """reconcile reads every backend's state in Kubeflow's words; JobSet says Completed, and has no Running."""
+    assert jobset.state(with_status(**status), pods) == state
+
+
+def job_part(failed):
+    return {"metadata": {"name": "demo-a1-worker-0"}, "status": {"failed": failed}}
+
+
+def test_pods_replaced_are_the_jobs_failed_pods_not_counted_yet():
+    assert jobset.pods_replaced(with_status(), [job_part(0)], {}) is None
+    more, marks, said = jobset.pods_replaced(with_status(), [job_part(2)], {"attemptPodsFailed": 1})
+    assert (more, marks) == (1, {"attemptPodsFailed": 2}) and "Job demo-a1-worker-0" in said
+    assert jobset.pods_replaced(with_status(), [job_part(2)], {"attemptPodsFailed": 2}) is None
+    assert jobset.pods_replaced(with_status(), [], {}) is None  # the Job not seen yet
+    # A failing Job stops its last pods (counted failed too) and replaces none: the attempt ends, nothing in place.
+    failing = {"metadata": {"name": "demo-a1-worker-0"}, "status": {"failed": 3, "active": 1, "conditions": []}}
+    failing["status"]["conditions"] = [{"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded"}]
+    kept = jobset.slim_part(failing)
+    assert kept["status"]["conditions"] == [{"type": "FailureTarget", "status": "True"}]
+    assert jobset.pods_replaced(with_status(), [kept], {"attemptPodsFailed": 1}) is None
+
+
+def test_the_operator_keeps_what_it_reads_of_a_jobset_and_no_more(minimal_body):
+    attempt = jobset.jobset(validation.parse(minimal_body), 1)
+    attempt["status"] = {
+        "conditions": [condition("Completed")],
+        "replicatedJobsStatus": [{"name": "worker", "ready": 1, "active": 1, "succeeded": 0, "failed": 0}],
+        "restarts": 0,
+        "terminalState": "Completed",
+    }
+    kept = jobset.slim(attempt)
+    assert kept["spec"] == {"suspend": False}
+    assert jobset.state({**kept, "metadata": attempt["metadata"]}, []) == "Succeeded"
+    assert kept["status"]["replicatedJobsStatus"][0]["ready"] == 1 and "terminalState" not in kept["status"]
+    assert jobset.suspend_patch() == {"spec": {"suspend": True}}

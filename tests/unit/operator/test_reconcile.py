@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainingrun_api import progress_report
-from trainingrun_operator import api, api_status, builders, naming, reconcile, run_status, validation
+from trainingrun_operator import api, api_status, naming, pytorchjob, reconcile, run_status, validation
 from trainingrun_operator.indexes import merged_status
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
@@ -23,7 +23,7 @@ def run_of(**spec):
 
 
 def job(attempt, *conditions, run=None, since=NOW):
-    built = builders.pytorch_job(run or run_of(), attempt)
+    built = pytorchjob.pytorch_job(run or run_of(), attempt)
     built["status"] = {
         "conditions": [
             {"type": c, "status": "True", "lastTransitionTime": reconcile.rfc3339(since)} for c in conditions
@@ -103,7 +103,7 @@ def test_a_run_created_suspended_creates_a_suspended_job():
     run = run_of(suspend=True)
     plan = reconcile.decide(observe(run))
     assert plan.status["phase"] == "Suspended" and plan.start_attempt == 1
-    assert builders.pytorch_job(run, 1)["spec"]["runPolicy"]["suspend"] is True
+    assert pytorchjob.pytorch_job(run, 1)["spec"]["runPolicy"]["suspend"] is True
 
 
 def test_failed_job_without_the_pods_story_waits_then_counts_as_a_failure():
@@ -383,6 +383,29 @@ def pending_status(attempt=1):
             "VolumeMountFailed",
             "nfs: access denied",
         ),
+        (
+            [
+                pod(
+                    1,
+                    {
+                        "containerStatuses": [
+                            {
+                                "name": "pytorch",
+                                "state": {
+                                    "waiting": {
+                                        "reason": "ImagePullBackOff",
+                                        "message": 'Back-off pulling image "registry.example/trainer:typo"',
+                                    }
+                                },
+                            }
+                        ]
+                    },
+                )
+            ],
+            [],
+            "ImagePullFailed",
+            'ImagePullBackOff: Back-off pulling image "registry.example/trainer:typo" (check spec.image',
+        ),
     ],
 )
 def test_a_pending_attempt_says_why_its_pods_do_not_run(pods, warnings, type_, words):
@@ -652,3 +675,93 @@ def test_a_decision_only_events_change_sets_no_recheck():
     pending = {**running_status(), "phase": "Pending"}
     assert reconcile.decide(observe(status=pending, jobs=[job(1)])).recheck_at is None
     assert reconcile.decide(observe(status=running_status(3, phase="Succeeded"))).recheck_at is None
+
+
+# ---------------------------------------------------------------- the JobSet backend
+
+
+def jobset_job(attempt, *conditions, run=None, since=NOW, ready=0):
+    from trainingrun_operator import jobset
+
+    built = jobset.jobset(run or run_of(), attempt)
+    built["metadata"]["uid"] = f"js-{attempt}"
+    built["status"] = {
+        "conditions": [
+            {"type": c, "status": "True", "lastTransitionTime": reconcile.rfc3339(since)} for c in conditions
+        ],
+        "replicatedJobsStatus": [{"name": "worker", "ready": ready}],
+    }
+    return built
+
+
+def observe_jobset(status=None, jobs=(), pods=(), parts=(), run=None):
+    from trainingrun_operator import backends
+
+    observed = observe(run, status, jobs, pods)
+    observed.backend, observed.parts = backends.JOBSET, list(parts)
+    return observed
+
+
+def test_a_jobset_run_records_its_backend_and_says_so():
+    plan = reconcile.decide(observe_jobset())
+    assert plan.start_attempt == 1 and plan.status["backend"] == "JobSet" and plan.backend.kind == "JobSet"
+    assert [n.message for n in plan.events] == ["attempt 1 started (JobSet demo-a1), from the start"]
+
+
+def test_a_jobset_attempt_runs_and_completes():
+    pending = {**running_status(), "phase": "Pending", "backend": "JobSet"}
+    started = reconcile.decide(observe_jobset(pending, [jobset_job(1)], [pod(1, {"phase": "Running"})]))
+    assert started.status["phase"] == "Running"
+    assert [n.message for n in started.events] == ["attempt 1 is running (JobSet demo-a1)"]
+    done = reconcile.decide(observe_jobset({**pending, "phase": "Running"}, [jobset_job(1, "Completed")]))
+    assert done.status["phase"] == "Succeeded"
+
+
+def test_a_failed_jobset_is_classified_from_its_pods_and_retried_by_the_operator():
+    status = {**running_status(), "backend": "JobSet"}
+    killed = pod(1, ended(137, "OOMKilled"))
+    plan = reconcile.decide(observe_jobset(status, [jobset_job(1, "Failed")], [killed]))
+    assert plan.status["phase"] == "Recovering" and plan.status["restarts"]["failures"] == 1
+    assert (
+        plan.restart_cause == "failure"
+        and "pod demo-a1-worker-0 exited with 137 (OOMKilled)" in plan.events[-1].message
+    )
+    permanent = reconcile.decide(observe_jobset(status, [jobset_job(1, "Failed")], [pod(1, ended(2))]))
+    assert permanent.status["phase"] == "Failed"
+
+
+def test_pods_a_jobsets_job_replaced_are_counted_in_place_and_the_count_starts_again_with_the_next_attempt():
+    status = {**running_status(), "backend": "JobSet"}
+    part = {"metadata": {"name": "demo-a1-worker-0"}, "status": {"failed": 1}}
+    first = reconcile.decide(observe_jobset(status, [jobset_job(1, ready=1)], parts=[part]))
+    assert first.status["restarts"]["inPlace"] == 1 and first.status["restarts"]["attemptPodsFailed"] == 1
+    assert [n.reason for n in first.events] == ["PodsRestarted"] and "its Job allows 3 per attempt" in first.events[
+        0
+    ].message
+    status = merged_status(status, first.status)
+    assert "restarts" not in reconcile.decide(observe_jobset(status, [jobset_job(1, ready=1)], parts=[part])).status
+    recovering = {**status, "phase": "Recovering", "nextAttemptTime": reconcile.rfc3339(NOW)}
+    next_attempt = reconcile.decide(observe_jobset(recovering, [jobset_job(1, "Failed")]))
+    assert next_attempt.start_attempt == 2
+    assert next_attempt.status["restarts"]["attemptPodsFailed"] is None  # removed: the new Job counts from 0
+    assert next_attempt.status["restarts"]["inPlace"] == 1  # the run's count stays
+
+
+def test_a_jobset_is_suspended_with_its_own_field():
+    status = {**running_status(), "backend": "JobSet"}
+    plan = reconcile.decide(observe_jobset(status, [jobset_job(1, ready=1)], run=run_of(suspend=True)))
+    assert plan.suspend_job == "demo-a1" and plan.backend.suspend_patch() == {"spec": {"suspend": True}}
+
+
+def test_a_jobsets_pods_not_created_are_said_from_its_jobs_events():
+    """The Job controller records FailedCreate on the JobSet's Job (`<jobset>-worker-0`), not on the JobSet."""
+    observed = observe_jobset(pending_status(), [jobset_job(1)])
+    observed.warnings = [
+        {
+            "reason": "FailedCreate",
+            "message": 'Error creating: pods "demo-a1-worker-0-0-x" is forbidden: exceeded quota',
+            "involvedObject": {"kind": "Job", "name": "demo-a1-worker-0"},
+        }
+    ]
+    condition = next(c for c in reconcile.decide(observed).status["conditions"] if c["type"] == "PodsNotCreated")
+    assert condition["message"].startswith("Job demo-a1-worker-0 of JobSet demo-a1: Error creating")

@@ -181,7 +181,7 @@ def run_view(status):
             "ownerReferences": [{"controller": True, "uid": "job-uid"}],
         }
     }
-    return reports.RunView("u", 1, "demo-a1", "s3://b/demo", status, [pod], "job-uid")
+    return reports.RunView("u", 1, "demo-a1", "s3://b/demo", status, [pod], frozenset({"job-uid"}))
 
 
 def test_a_new_step_alone_waits_for_the_heartbeat_and_news_goes_at_once():

@@ -99,3 +99,54 @@ def test_a_missing_service_is_said_once_and_tried_again(caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "ops/tr-report" in errors[0] and "install or upgrade it again" in errors[0]
     assert any("reports reach this replica" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- which pods may report (run_view)
+
+
+def test_a_jobset_attempts_pods_may_report_through_the_job_its_jobset_controls_and_no_other(minimal_body):
+    """A JobSet's pods are controlled by its Job, not by the JobSet: the report endpoint accepts a pod controlled by a
+    Job the attempt's JobSet controls (by uid), and refuses one whose Job anyone else made, labels and all."""
+    import json
+
+    import pytest
+
+    from trainingrun_operator import backends, reports
+    from trainingrun_operator.indexes import slim_job, slim_part, slim_pod, slim_run
+    from trainingrun_operator.report_callers import Caller, Refused
+    from trainingrun_operator.runtime.informer import Index
+    from trainingrun_operator.state import OperatorState
+
+    run_uid = minimal_body["metadata"]["uid"]
+    body = {**minimal_body, "spec": {**minimal_body["spec"], "backend": "JobSet"}}
+    status = {"phase": "Running", "attempt": 1, "jobName": "demo-a1", "checkpointUri": "s3://bucket/runs/demo",
+              "backend": "JobSet"}  # fmt: skip
+    state = OperatorState(settings=Settings())
+    state.backends = backends.choose(Settings(), ("PyTorchJob", "JobSet"))
+    key = ("team-a", "demo")
+    state.runs[key] = slim_run({**json.loads(json.dumps(body)), "status": status})
+    state.indexes = {"pods": Index(), "parts": Index(), "PyTorchJob": Index(), "JobSet": Index()}
+
+    def owned(name, uid, owner):
+        return {"metadata": {"name": name, "uid": uid, "ownerReferences": [{"uid": owner, "controller": True}]}}
+
+    state.indexes["JobSet"].put(key, "demo-a1", slim_job(owned("demo-a1", "js-uid", run_uid), backends.JOBSET))
+    state.indexes["parts"].put(
+        key, "demo-a1-worker-0", slim_part(owned("demo-a1-worker-0", "job-uid", "js-uid"), backends.JOBSET.part[2])
+    )
+    state.indexes["parts"].put(
+        key, "planted", slim_part(owned("planted", "planted-uid", "someone"), backends.JOBSET.part[2])
+    )
+    for name, uid, controller in (
+        ("demo-a1-worker-0-0-abcde", "p0", "job-uid"),
+        ("demo-a1-worker-0-1-fghij", "p1", "planted-uid"),
+    ):
+        pod = owned(name, uid, controller)
+        pod["metadata"]["labels"] = {"trainingrun.dev/attempt": "1"}
+        state.indexes["pods"].put(key, name, slim_pod(pod))  # fmt: skip
+
+    view = serving.run_view(state, *key)
+    assert view.pod_controllers == frozenset({"job-uid"}) and view.job_kind == "JobSet"
+    reports.check_pod(Caller("team-a", "default", "demo-a1-worker-0-0-abcde", "p0"), view)
+    with pytest.raises(Refused, match=r"not a pod of attempt 1 \(JobSet demo-a1\)"):
+        reports.check_pod(Caller("team-a", "default", "demo-a1-worker-0-1-fghij", "p1"), view)
