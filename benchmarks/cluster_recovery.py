@@ -20,8 +20,15 @@ status.processTime names the new process (its first step's report) with that ste
 Targets: deletion -> training again <= 10 s on this machine (issue 14); lost steps <= one checkpoint
 interval; status shows training within 2 s of the first step (issue 36).
 
+`--loss kill` loses the pod without warning instead (every process SIGSTOPped, the pod force-deleted, then
+SIGKILLed: tests/kube_journey.lose_without_warning), with checkpoints in memory every 5 steps. `--backends
+PyTorchJob,JobSet` runs on a cluster with both Kubeflow and JobSet installed, the runs naming their backend in turn
+(alternating, `--repeat` each), and prints each backend's medians side by side with their ratio (issue 79: JobSet
+no slower than PyTorchJob).
+
 Needs root, the node's packages and the image archives (as `make e2e`):
-    KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/cluster_recovery.py [--pod 0|1] [--repeat 1]
+    KUBEBUILDER_ASSETS=.tools/k8s python benchmarks/cluster_recovery.py [--pod 0|1] [--repeat 1] [--loss delete|kill]
+        [--backends PyTorchJob[,JobSet]]
 """
 
 from __future__ import annotations
@@ -112,13 +119,28 @@ class StatusSampler:
         return next((process for t, _, process in reversed(self.samples) if t <= when), None)
 
 
+def index_pod(cluster: Cluster, namespace: str, attempt: int, index: int) -> Optional[dict[str, Any]]:
+    """Worker `index`'s newest pod of the attempt (Kubeflow's or a JobSet's Job's), by its labels."""
+    found = cluster.worker_pods(namespace, "bench", attempt, index)
+    return found[-1] if found else None
+
+
 def one_loss(
-    cluster: Cluster, index: int, logs_dir: Optional[Path] = None, agent_log_level: str = ""
+    cluster: Cluster,
+    index: int,
+    logs_dir: Optional[Path] = None,
+    agent_log_level: str = "",
+    backend: str = "PyTorchJob",
+    loss: str = "delete",
 ) -> dict[str, float]:
     namespace = cluster.plane.create_namespace(f"bench-{uuid.uuid4().hex[:6]}")
     cluster.create_s3_secret(namespace)
     document = kube_journey.run_file(cluster.s3.new_bucket(), "bench", cluster.s3.endpoint_url)
     document["spec"]["trainer"]["logIntervalSteps"] = 1
+    document["spec"]["backend"] = backend
+    if loss == "kill":  # the newest checkpoint in the pods' memory: a replacement restores it from its peer
+        document["spec"]["checkpoint"]["interval"] = {"steps": 5}
+        document["spec"]["checkpoint"]["storageInterval"] = {"steps": CHECKPOINT_STEPS}
     if agent_log_level:  # torch's elastic agent logs its rendezvous rounds and worker starts at INFO
         document["spec"].setdefault("env", []).append({"name": "LOGLEVEL", "value": agent_log_level})
     path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
@@ -136,9 +158,10 @@ def one_loss(
         "a second report", lambda: (run()["status"].get("progress") or {}).get("updatedAt") != reported, explain=explain
     )
     status = run()["status"]
-    job, attempt = status["jobName"], status["attempt"]
-    victim = f"{job}-worker-{index}"
-    survivor = f"{job}-worker-{1 - index}"
+    attempt = status["attempt"]
+    assert status["backend"] == backend, status
+    victim = cluster.worker_pod(namespace, "bench", attempt, index)
+    survivor = cluster.worker_pod(namespace, "bench", attempt, 1 - index)
     old_uid = pods(cluster, namespace)[victim]["metadata"]["uid"]
     # Follow both pods' logs to their end: a pod Kubeflow replaces takes its log with it.
     followers = [
@@ -159,16 +182,18 @@ def one_loss(
     ]
 
     deleted = time.time()
-    cluster.kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
+    if loss == "kill":
+        kube_journey.lose_without_warning(cluster, namespace, victim)
+    else:
+        cluster.kubectl("-n", namespace, "delete", "pod", victim, "--wait=false")
     replaced = started = None
     deadline = time.monotonic() + kube_journey.DEADLINE_S
     while started is None:
         now = time.time()
         now_status = run().get("status") or {}
         new_job = now_status.get("attempt", attempt) != attempt
-        if new_job:  # our operator started the next attempt: its pod replaces the lost one
-            victim = f"{now_status['jobName']}-worker-{index}"
-        pod = pods(cluster, namespace).get(victim)
+        # the lost pod's replacement: in the attempt (Kubeflow's or the Job's), or in our operator's next one
+        pod = index_pod(cluster, namespace, now_status.get("attempt", attempt), index)
         replacement = pod is not None and pod["metadata"]["uid"] != old_uid
         if replaced is None and (replacement or new_job):
             replaced = now
@@ -233,6 +258,12 @@ def one_loss(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pod", type=int, choices=(0, 1), default=0, help="worker deleted (0 hosts the rendezvous)")
+    parser.add_argument("--loss", choices=("delete", "kill"), default="delete", help="how the pod is lost")
+    parser.add_argument(
+        "--backends",
+        default="PyTorchJob",
+        help="comma-separated: PyTorchJob, JobSet or both (alternating runs, side by side)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs, each losing one pod; medians printed")
     parser.add_argument("--logs", type=Path, help="keep each run's pod logs and timestamps in this folder")
     parser.add_argument(
@@ -243,20 +274,39 @@ def main() -> None:
     args = parser.parse_args()
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or set(backends) - {"PyTorchJob", "JobSet"}:
+        sys.exit("cluster_recovery: --backends takes PyTorchJob, JobSet or both, comma-separated")
     gaps = kube_journey.missing()
     if gaps:
         sys.exit("cluster_recovery: missing " + "; ".join(gaps))
+    by_backend: dict[str, list[dict[str, float]]] = {b: [] for b in backends}
     with (
         tempfile.TemporaryDirectory(prefix="cluster-recovery-") as workdir,
-        kube_journey.started(Path(workdir)) as cluster,
+        kube_journey.started(Path(workdir), backends[0] if len(backends) == 1 else "both") as cluster,
     ):
         kube_journey.install_chart(cluster)
-        results = [one_loss(cluster, args.pod, args.logs, args.agent_log_level) for _ in range(args.repeat)]
+        for _ in range(args.repeat):
+            for backend in backends:  # alternating: a slow spell of the machine falls on both
+                by_backend[backend].append(
+                    one_loss(cluster, args.pod, args.logs, args.agent_log_level, backend, args.loss)
+                )
+    results = by_backend[backends[0]]
     keys = list(results[0])
-    print(f"worker-{args.pod} deleted, {len(results)} run(s); median [each]")
-    for key in keys:
-        values = [r[key] for r in results]
-        print(f"  {key:24s} {statistics.median(values):8.2f}   {' '.join(f'{v:.2f}' for v in values)}")
+    verb = "deleted" if args.loss == "delete" else "lost without warning"
+    for backend, runs in by_backend.items():
+        print(f"{backend}: worker-{args.pod} {verb}, {len(runs)} run(s); median [each]")
+        for key in keys:
+            values = [r[key] for r in runs]
+            print(f"  {key:24s} {statistics.median(values):8.2f}   {' '.join(f'{v:.2f}' for v in values)}")
+    if len(backends) == 2:
+        first, second = ({k: statistics.median(r[k] for r in by_backend[b]) for k in keys} for b in backends)
+        print(
+            f"side by side (medians): {'':18s} {backends[0]:>10s} {backends[1]:>10s}  ratio {backends[1]}/{backends[0]}"
+        )
+        for key in keys:
+            ratio = f"{second[key] / first[key]:.2f}" if first[key] else "-"
+            print(f"  {key:24s} {first[key]:18.2f} {second[key]:10.2f}  {ratio}")
     median = {key: statistics.median(r[key] for r in results) for key in keys}
     lag = max(median["first_step_to_status_s"], median["resumed_step_to_status_s"])
     print(

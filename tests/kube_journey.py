@@ -12,6 +12,7 @@ import contextlib
 import copy
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -116,18 +117,30 @@ class Cluster:
 
     @property
     def jobs(self) -> str:
-        """The kind of the attempts' jobs, as kubectl names it."""
-        return "pytorchjobs" if self.backend == "PyTorchJob" else "jobsets,jobs"
+        """The kinds of the attempts' jobs, as kubectl names them."""
+        return {"PyTorchJob": "pytorchjobs", "JobSet": "jobsets,jobs"}.get(self.backend, "pytorchjobs,jobsets,jobs")
+
+    def worker_pods(self, namespace: str, name: str, attempt: int, index: int) -> list[dict[str, Any]]:
+        """Worker `index`'s pods of an attempt, oldest first, by their labels (either backend's index label): Kubeflow
+        names the pod `<job>-worker-<index>`, a JobSet's Job `<job>-worker-0-<index>-<random>`, a new name for a
+        replacement."""
+        found = []
+        for index_label in ("training.kubeflow.org/replica-index", "batch.kubernetes.io/job-completion-index"):
+            selector = f"trainingrun.dev/run={name},trainingrun.dev/attempt={attempt},{index_label}={index}"
+            code, answer = self.plane.request(
+                "GET", f"/api/v1/namespaces/{namespace}/pods?" + urllib.parse.urlencode({"labelSelector": selector})
+            )
+            assert code == 200, answer
+            found += answer["items"]
+        return sorted(found, key=lambda p: p["metadata"]["creationTimestamp"])
 
     def worker_pod(self, namespace: str, name: str, attempt: int, index: int) -> str:
-        """The name of worker `index`'s pod of an attempt: Kubeflow's `<job>-worker-<index>`, or a JobSet's, which
-        its Job names with a random suffix (found by its labels)."""
-        if self.backend == "PyTorchJob":
-            return f"{name}-a{attempt}-worker-{index}"
-        selector = f"trainingrun.dev/run={name},trainingrun.dev/attempt={attempt},batch.kubernetes.io/job-completion-index={index}"
-        found = self.kubectl("-n", namespace, "get", "pods", "-l", selector, "-o", "name").stdout.split()
-        assert len(found) == 1, found
-        return found[0].removeprefix("pod/")
+        """The name of worker `index`'s pod of an attempt now (not one being deleted)."""
+        pods = [
+            p for p in self.worker_pods(namespace, name, attempt, index) if not p["metadata"].get("deletionTimestamp")
+        ]
+        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+        return pods[0]["metadata"]["name"]
 
     def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
         return self.plane.kubectl(*args, **kwargs)
@@ -288,8 +301,8 @@ def helm(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess:
 
 @contextlib.contextmanager
 def started(workdir: Path, backend: str = "PyTorchJob") -> Iterator[Cluster]:
-    """The cluster with Kubeflow (backend PyTorchJob) or JobSet and no Kubeflow (backend JobSet) running and the S3
-    server up (the chart not yet installed)."""
+    """The cluster with Kubeflow (backend PyTorchJob), JobSet and no Kubeflow (backend JobSet) or both (backend both:
+    runs name theirs, for side-by-side figures) running and the S3 server up (the chart not yet installed)."""
     plane = kube_cluster.ControlPlane(
         Path(os.environ[kube_cluster.ASSETS_ENV]), workdir / "plane", node=(kube_node.NODE_NAME, kube_node.NODE_IP)
     )
@@ -300,12 +313,52 @@ def started(workdir: Path, backend: str = "PyTorchJob") -> Iterator[Cluster]:
         for line in (IMAGES / "images.txt").read_text().splitlines():
             name, archive = line.split()
             node.import_image(IMAGES / archive, name)
-        install_kubeflow(plane) if backend == "PyTorchJob" else install_jobset(plane)
+        if backend in ("PyTorchJob", "both"):
+            install_kubeflow(plane)
+        if backend in ("JobSet", "both"):
+            install_jobset(plane)
         with moto_s3(kube_node.NODE_IP) as s3:
             yield Cluster(plane, node, s3, backend)
     finally:
         node.stop()
         plane.stop()
+
+
+def pod_processes(pod: str) -> list[int]:
+    """The node's processes of one pod's containers (they all carry its name in their environment, the downward API's
+    TRAININGRUN_POD_NAME): the launcher, its forkserver and the workers."""
+    marker = f"TRAININGRUN_POD_NAME={pod}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def lose_without_warning(cluster: Cluster, namespace: str, pod: str) -> None:
+    """As a node failure loses a pod: every process of it stopped at once (no SIGTERM, so no emergency checkpoint),
+    the pod force-deleted (so its controller makes it again: a new pod, its /dev/shm empty, not a container restarted
+    in the same pod), then every process SIGKILLed. Stopped first, the processes neither handle the SIGTERM the
+    kubelet sends for the deletion nor exit before the pod is gone."""
+    processes = pod_processes(pod)
+    assert processes, f"no process of {pod} on the node"
+    for pid in processes:
+        os.kill(pid, signal.SIGSTOP)
+    code, answer = cluster.plane.request(
+        "DELETE",
+        f"/api/v1/namespaces/{namespace}/pods/{pod}",
+        {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
+    )
+    assert code == 200, answer
+    for pid in processes:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def install_chart(cluster: Cluster) -> None:

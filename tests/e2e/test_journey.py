@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ import yaml
 import kube_cluster
 import kube_journey
 import kube_node
-from kube_journey import CHART, OPERATOR_NAMESPACE, RUN_FILE, Cluster, run_file
+from kube_journey import CHART, OPERATOR_NAMESPACE, RUN_FILE, Cluster, lose_without_warning, run_file
 from trainingrun_operator import dashboards
 from trainingrun_trainer.checkpoint import CheckpointStore
 
@@ -190,21 +189,6 @@ def lose_a_pod(
     )
 
 
-def pod_processes(pod: str) -> list[int]:
-    """The node's processes of one pod's containers (they all carry its name in their environment, the downward API's
-    TRAININGRUN_POD_NAME): the launcher, its forkserver and the workers."""
-    marker = f"TRAININGRUN_POD_NAME={pod}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def logged_since(since: float, pattern: str, logs: str) -> list[int]:
     """The number each line of `logs` matching `pattern` holds, for lines logged at `since` (time.time()) or later, by
     the trainer's timestamps (UTC, as the pods and this machine keep time), in the order of their times."""
@@ -214,28 +198,6 @@ def logged_since(since: float, pattern: str, logs: str) -> list[int]:
         if at.timestamp() >= since:
             found.append((at, int(match.group(2))))
     return [number for _, number in sorted(found)]
-
-
-def lose_without_warning(cluster: Cluster, namespace: str, pod: str) -> None:
-    """As a node failure loses a pod: every process of it stopped at once (no SIGTERM, so no emergency checkpoint),
-    the pod force-deleted (so Kubeflow recreates it: a new pod, its /dev/shm empty, not a container restarted in the
-    same pod), then every process SIGKILLed. Stopped first, the processes neither handle the SIGTERM the kubelet
-    sends for the deletion nor exit before the pod is gone."""
-    processes = pod_processes(pod)
-    assert processes, f"no process of {pod} on the node"
-    for pid in processes:
-        os.kill(pid, signal.SIGSTOP)
-    code, answer = cluster.plane.request(
-        "DELETE",
-        f"/api/v1/namespaces/{namespace}/pods/{pod}",
-        {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
-    )
-    assert code == 200, answer
-    for pid in processes:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.parametrize("worker", [0, 1], ids=["kill-worker-0", "kill-worker-1"])
