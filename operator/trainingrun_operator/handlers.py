@@ -268,8 +268,8 @@ async def _choose_backends(state: OperatorState) -> backends.Choice:
             served = [
                 b.kind for b in backends.BACKENDS.values() if await state.client().serves(b.api_version, b.plural)
             ]
-        except (ApiError, OSError, asyncio.TimeoutError) as error:
-            log.warning("could not ask the API server which backends it serves, asking again in 5 s: %s", error)
+        except (ApiError, OSError, asyncio.TimeoutError) as error:  # readiness says so (serving.watch_crd)
+            log.debug("could not ask the API server which backends it serves, asking again in 5 s: %s", error)
             await asyncio.sleep(5)
             continue
         choice = backends.choose(state.settings, served)

@@ -10,7 +10,7 @@ tests independent of each other.
     trainingrun_operator_api_errors_total{code}              failed Kubernetes API calls by HTTP status
     trainingrun_operator_events_dropped_total                Events logged but not posted: too many were waiting
     trainingrun_operator_objects_skipped_total{kind}         watch events of objects the operator could not read
-    trainingrun_operator_ready                               1 when the PyTorchJob CRD is served
+    trainingrun_operator_ready                               1 when the CRD of the default backend is served
     trainingrun_operator_acting                              1 when this replica acts (0: another one does)
     trainingrun_operator_run_time_seconds{namespace,run,part} a run's wall time by part (status.timeBreakdown)
 """
@@ -79,7 +79,7 @@ class OperatorMetrics:
         )
         self.ready = Gauge(
             "trainingrun_operator_ready",
-            "1 when the PyTorchJob CRD (kubeflow.org/v1) is served.",
+            "1 when the CRD of the operator's default backend (PyTorchJob or JobSet) is served.",
             registry=self.registry,
         )
         self.acting = Gauge(

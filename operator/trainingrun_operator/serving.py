@@ -23,26 +23,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainingrun.operator")
 
 
-def crd_missing(backend: "Backend") -> str:
+def crd_missing(backend: "Backend", auto: bool = False) -> str:
+    """What to install, and (backend auto, nothing served at start) the other way: JobSet, then a restart."""
+    from .backends import JOBSET
+
+    other = (
+        f" (or, without Kubeflow, {JOBSET.install}, then restart the operator: with backend auto it runs JobSets "
+        "when only those are served)"
+        if auto and backend is not JOBSET
+        else ""
+    )
     return (
-        f"the {backend.kind} CRD ({backend.api_version}) is not served: {backend.install}; until then TrainingRuns "
-        "wait and /readyz answers 503"
+        f"the {backend.kind} CRD ({backend.api_version}) is not served: {backend.install}{other}; until then "
+        "TrainingRuns wait and /readyz answers 503"
     )
 
 
 async def watch_crd(state: OperatorState) -> None:
-    """Readiness: whether the CRD of the operator's default backend is served (backends.Choice), checked at start and
-    then periodically. Each change of the answer (served, not served, API unreachable) is logged once, saying what
-    to do."""
+    """Readiness: whether the CRD of the operator's default backend is served (backends.Choice; before the operator
+    has chosen, with backend auto, whether any backend's is), checked at start and then periodically. Each change of
+    the answer (served, not served, API unreachable) is logged once, saying what to do."""
+    from .backends import BACKENDS
+
     await state.logged_in.wait()
-    await state.backends_chosen.wait()
     said: Optional[str] = None
+    auto = state.settings.backend == "auto"
     while True:
         served, backend = False, state.backends.default
-        named = f"the {backend.kind} CRD ({backend.api_version})"
+        candidates = [backend] if state.backends_chosen.is_set() or not auto else list(BACKENDS.values())
+        named = " or ".join(f"the {b.kind} CRD ({b.api_version})" for b in candidates)
         try:
-            served = await state.client().serves(backend.api_version, backend.plural)
-            answer, line = ("served", f"{named} is served: ready") if served else ("missing", crd_missing(backend))
+            for candidate in candidates:
+                if await state.client().serves(candidate.api_version, candidate.plural):
+                    served, named = True, f"the {candidate.kind} CRD ({candidate.api_version})"
+                    break
+            answer, line = (
+                ("served", f"{named} is served: ready") if served else ("missing", crd_missing(backend, auto))
+            )
         except ApiError as error:
             answer, line = "refused", f"the Kubernetes API answered the check of {named} with {error}; not ready"
         except (OSError, asyncio.TimeoutError) as error:
@@ -75,7 +92,8 @@ async def serve_metrics(state: OperatorState) -> None:
     async def ready(request: web.Request) -> web.Response:
         if state.ready:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text=crd_missing(state.backends.default) + "\n")
+        text = crd_missing(state.backends.default, state.settings.backend == "auto")
+        return web.Response(status=503, text=text + "\n")
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

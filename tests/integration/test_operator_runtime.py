@@ -186,6 +186,7 @@ async def test_readiness_reports_a_missing_pytorchjob_crd(kmock, caplog):
         status, body = await get(f"http://127.0.0.1:{port}/readyz")
         metrics = (await get(f"http://127.0.0.1:{port}/metrics"))[1]
     assert "is not served: install the Kubeflow Training Operator" in message[0] and len(message) == 1
+    assert "or, without Kubeflow, install JobSet v0.9" in message[0]  # backend auto: either will do
     assert status == 503 and "kubeflow.org/v1" in body
     assert "trainingrun_operator_ready 0.0" in metrics
 
