@@ -49,31 +49,28 @@ class Backend:
         return f"{self.kind} {job_name}"
 
 
-PYTORCHJOB = Backend(
-    kind=pytorchjob.KIND,
-    api_version=pytorchjob.API_VERSION,
-    plural=pytorchjob.PLURAL,
-    install=pytorchjob.INSTALL,
-    replacer="Kubeflow",
-    children=pytorchjob.children,
-    state=pytorchjob.state,
-    pods_replaced=pytorchjob.pods_replaced,
-    suspend_patch=pytorchjob.suspend_patch,
-    slim=pytorchjob.slim,
-)
-JOBSET = Backend(
-    kind=jobset.KIND,
-    api_version=jobset.API_VERSION,
-    plural=jobset.PLURAL,
-    install=jobset.INSTALL,
-    replacer="its Job",
-    children=jobset.children,
-    state=jobset.state,
-    pods_replaced=jobset.pods_replaced,
-    suspend_patch=jobset.suspend_patch,
-    slim=jobset.slim,
-    part=("batch/v1", "Job", jobset.slim_part),
-)
+def _of(
+    module: Any, replacer: str, part: Optional[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]]]] = None
+) -> Backend:
+    """A backend from its module, which defines what every backend module does: KIND, API_VERSION, PLURAL, INSTALL,
+    children, state, pods_replaced, suspend_patch and slim."""
+    return Backend(
+        kind=module.KIND,
+        api_version=module.API_VERSION,
+        plural=module.PLURAL,
+        install=module.INSTALL,
+        replacer=replacer,
+        children=module.children,
+        state=module.state,
+        pods_replaced=module.pods_replaced,
+        suspend_patch=module.suspend_patch,
+        slim=module.slim,
+        part=part,
+    )
+
+
+PYTORCHJOB = _of(pytorchjob, replacer="Kubeflow")
+JOBSET = _of(jobset, replacer="its Job", part=("batch/v1", "Job", jobset.slim_part))
 #: By kind, in the order `auto` prefers them.
 BACKENDS: dict[str, Backend] = {b.kind: b for b in (PYTORCHJOB, JOBSET)}
 assert tuple(BACKENDS) == api.BACKENDS

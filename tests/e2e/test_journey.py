@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -33,7 +32,6 @@ import yaml
 
 import kube_cluster
 import kube_journey
-import kube_node
 from kube_journey import CHART, OPERATOR_NAMESPACE, RUN_FILE, Cluster, lose_without_warning, run_file
 from trainingrun_operator import dashboards
 from trainingrun_trainer.checkpoint import CheckpointStore
@@ -43,12 +41,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    gaps = kube_journey.missing()
-    if gaps:
-        message = "end-to-end tier: missing " + "; ".join(gaps) + f"; {kube_node.HOW_TO_GET}"
-        if os.environ.get("TRAININGRUN_CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    kube_journey.require_the_cluster_tier()
     with kube_journey.started(tmp_path_factory.mktemp("e2e")) as started:
         yield started
 

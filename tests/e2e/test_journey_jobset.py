@@ -11,14 +11,12 @@ Needs what test_journey.py needs; it skips saying how to get it, except under TR
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import pytest
 from test_journey import delete_pod, lose_a_pod, lose_without_warning_and_restore_from_a_peer
 
 import kube_journey
-import kube_node
 from kube_journey import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -26,12 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Iterator[Cluster]:
-    gaps = kube_journey.missing()
-    if gaps:
-        message = "end-to-end tier: missing " + "; ".join(gaps) + f"; {kube_node.HOW_TO_GET}"
-        if os.environ.get("TRAININGRUN_CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    kube_journey.require_the_cluster_tier()
     with kube_journey.started(tmp_path_factory.mktemp("e2e-jobset"), backend="JobSet") as cluster:
         served = cluster.plane.request("GET", "/apis/kubeflow.org/v1")[0]
         assert served == 404, "this journey is for a cluster without Kubeflow"
