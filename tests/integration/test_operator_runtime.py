@@ -1,5 +1,6 @@
 """The operator process: API errors survived, readiness and metrics, namespaces, peering, no secret leaks."""
 
+import asyncio
 import logging
 import os
 import shutil
@@ -208,7 +209,15 @@ async def test_an_unreachable_api_is_named_as_such_and_not_ready(tmp_path):
         await eventually(
             lambda: "cannot reach the Kubernetes API" in log_path.read_text(), 30, lambda: log_path.read_text()[-2000:]
         )
-        status, body = await get(f"http://127.0.0.1:{port}/readyz")
+        # The line may come before the metrics server listens (both start at once): ask until it answers.
+        for _ in range(100):
+            try:
+                status, body = await get(f"http://127.0.0.1:{port}/readyz")
+                break
+            except OSError:
+                await asyncio.sleep(0.1)  # polling the server
+        else:
+            raise AssertionError("the metrics server never answered /readyz")
     finally:
         process.terminate()
         process.wait(30)
