@@ -291,8 +291,7 @@ def main() -> None:
                 by_backend[backend].append(
                     one_loss(cluster, args.pod, args.logs, args.agent_log_level, backend, args.loss)
                 )
-    results = by_backend[backends[0]]
-    keys = list(results[0])
+    keys = list(by_backend[backends[0]][0])
     verb = "deleted" if args.loss == "delete" else "lost without warning"
     for backend, runs in by_backend.items():
         print(f"{backend}: worker-{args.pod} {verb}, {len(runs)} run(s); median [each]")
@@ -307,20 +306,22 @@ def main() -> None:
         for key in keys:
             ratio = f"{second[key] / first[key]:.2f}" if first[key] else "-"
             print(f"  {key:24s} {first[key]:18.2f} {second[key]:10.2f}  {ratio}")
-    median = {key: statistics.median(r[key] for r in results) for key in keys}
-    lag = max(median["first_step_to_status_s"], median["resumed_step_to_status_s"])
-    print(
-        f"target deletion_to_training_s <= 10: {'met' if median['deletion_to_training_s'] <= 10 else 'NOT met'}; "
-        f"lost_steps <= {CHECKPOINT_STEPS}: {'met' if median['lost_steps'] <= CHECKPOINT_STEPS else 'NOT met'}; "
-        f"status within 2 s of a first step: {'met' if lag <= 2 else 'NOT met'}"
-    )
-    print(
-        f"result: apply_to_first_step_s={median['apply_to_first_step_s']:.1f} "
-        f"deletion_to_training_s={median['deletion_to_training_s']:.1f} lost_steps={median['lost_steps']:.0f} "
-        f"first_step_to_status_s={median['first_step_to_status_s']:.1f} "
-        f"resumed_step_to_status_s={median['resumed_step_to_status_s']:.1f} "
-        f"checkpoint_interval_steps={CHECKPOINT_STEPS}"
-    )
+    for backend, runs in by_backend.items():
+        median = {key: statistics.median(r[key] for r in runs) for key in keys}
+        lag = max(median["first_step_to_status_s"], median["resumed_step_to_status_s"])
+        print(
+            f"{backend}: target deletion_to_training_s <= 10: "
+            f"{'met' if median['deletion_to_training_s'] <= 10 else 'NOT met'}; "
+            f"lost_steps <= {CHECKPOINT_STEPS}: {'met' if median['lost_steps'] <= CHECKPOINT_STEPS else 'NOT met'}; "
+            f"status within 2 s of a first step: {'met' if lag <= 2 else 'NOT met'}"
+        )
+        print(
+            f"result: backend={backend} loss={args.loss} apply_to_first_step_s={median['apply_to_first_step_s']:.1f} "
+            f"deletion_to_training_s={median['deletion_to_training_s']:.1f} lost_steps={median['lost_steps']:.0f} "
+            f"first_step_to_status_s={median['first_step_to_status_s']:.1f} "
+            f"resumed_step_to_status_s={median['resumed_step_to_status_s']:.1f} "
+            f"checkpoint_interval_steps={CHECKPOINT_STEPS}"
+        )
 
 
 if __name__ == "__main__":
