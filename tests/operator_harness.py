@@ -30,6 +30,8 @@ from trainingrun_operator.state import OperatorState
 
 RUNS = "trainingrun.dev/v1alpha1/trainingruns"
 JOBS = "kubeflow.org/v1/pytorchjobs"
+JOBSETS = "jobset.x-k8s.io/v1alpha2/jobsets"
+BATCH_JOBS = "batch/v1/jobs"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 NAMESPACE = "team-a"
@@ -44,12 +46,16 @@ TEST_SETTINGS = Settings(
 )
 
 
-def declare_resources(kmock: Any, pytorchjobs: bool = True) -> None:
-    """Every resource kopf and the operator touch (without v1/namespaces kopf starts no watchers)."""
+def declare_resources(kmock: Any, pytorchjobs: bool = True, jobsets: bool = False) -> None:
+    """Every resource kopf and the operator touch (without v1/namespaces kopf starts no watchers); JobSets and their
+    batch Jobs with `jobsets`."""
     info = kmock_lib.ResourceInfo
     kmock.resources[RUNS] = info(kind="TrainingRun", namespaced=True, verbs=VERBS, subresources={"status"})
     if pytorchjobs:
         kmock.resources[JOBS] = info(kind="PyTorchJob", namespaced=True, verbs=VERBS, subresources={"status"})
+    if jobsets:
+        kmock.resources[JOBSETS] = info(kind="JobSet", namespaced=True, verbs=VERBS, subresources={"status"})
+        kmock.resources[BATCH_JOBS] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
     kmock.resources[PODS] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
     kmock.resources[EVENTS] = info(kind="Event", namespaced=True, verbs=VERBS)

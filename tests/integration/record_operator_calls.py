@@ -3,7 +3,8 @@
     python tests/integration/record_operator_calls.py OUT.yaml
 
 Runs the real operator against kmock, plays Kubeflow and the kubelet (create, fail, recover, suspend,
-resume, succeed, delete), and writes the sorted list of (apiGroup, resource[/subresource], verb) of
+resume, succeed, delete), then the JobSet controller for a run with spec.backend JobSet (create, suspend, resume,
+succeed, delete), and writes the sorted list of (apiGroup, resource[/subresource], verb) of
 every request that came from the operator (kopf's or its own client, told apart by User-Agent).
 """
 
@@ -19,6 +20,7 @@ import kmock as kmock_lib  # noqa: E402
 from kmock._internal import parsing  # noqa: E402
 
 from operator_harness import (  # noqa: E402
+    JOBSETS,
     RUNS,
     Cluster,
     declare_resources,
@@ -43,7 +45,7 @@ def verb_of(request) -> str:
 
 async def record(out: Path) -> None:
     async with kmock_lib.KubernetesEmulator() as kmock, kmock_lib.Server(kmock):
-        declare_resources(kmock)
+        declare_resources(kmock, jobsets=True)
         cluster = Cluster(kmock)
         async with operator(kmock):
             # two pods: a rendezvous Service, created at attempt 1 and brought up to date at each later one
@@ -64,6 +66,7 @@ async def record(out: Path) -> None:
             await eventually(lambda: cluster.job_names() == ["demo-a3"])
             await cluster.delete(RUNS, "demo")
             await eventually(lambda: cluster.obj(RUNS, "demo") is None)
+            await jobset_lifecycle(cluster)
         calls = set()
         for request in list(kmock):
             agent = request.headers.get("User-Agent", "")
@@ -75,6 +78,32 @@ async def record(out: Path) -> None:
             resource = path.plural + (f"/{path.subresource}" if path.subresource else "")
             calls.add((path.group or "", resource, verb_of(request)))
     out.write_text(yaml.safe_dump(sorted(list(c) for c in calls)))
+
+
+async def jobset_lifecycle(cluster: Cluster) -> None:
+    """A run on the JobSet backend, the JobSet controller played through the JobSet's status."""
+
+    async def jobset_condition(name: str, type_: str) -> None:
+        condition = {
+            "type": type_,
+            "status": "True",
+            "reason": type_,
+            "message": "",
+            "lastTransitionTime": "2026-12-06T00:00:00Z",
+        }
+        await cluster.patch(JOBSETS, name, {"status": {"conditions": [condition]}}, subresource="status")
+
+    await cluster.create_run(training_run("js", "0000-js", backend="JobSet"))
+    await eventually(lambda: cluster.obj(JOBSETS, "js-a1"))
+    await cluster.patch(RUNS, "js", {"spec": {"suspend": True}})
+    await eventually(lambda: (cluster.obj(JOBSETS, "js-a1") or {}).get("spec", {}).get("suspend") is True)
+    await cluster.patch(RUNS, "js", {"spec": {"suspend": False}})
+    await eventually(lambda: cluster.obj(JOBSETS, "js-a2"))
+    await eventually(lambda: cluster.obj(JOBSETS, "js-a1") is None)
+    await jobset_condition("js-a2", "Completed")
+    await eventually(lambda: cluster.status("js").get("phase") == "Succeeded")
+    await cluster.delete(RUNS, "js")
+    await eventually(lambda: cluster.obj(RUNS, "js") is None)
 
 
 if __name__ == "__main__":

@@ -187,17 +187,8 @@ GRANTED_FOR_REASONS = {
     "tests/real_api/test_operator_real.py makes that call",
     ("kubeflow.org", "pytorchjobs", "get"): "a PyTorchJob whose name is taken is read to check it is the run's own "
     "(plans._ensure); tests/real_api/test_operator_real.py makes that call",
-    **{
-        ("jobset.x-k8s.io", "jobsets", verb): "the JobSet backend (spec.backend JobSet, or backend JobSet or auto "
-        "where only JobSet is served); tests/real_api/test_jobset_real.py runs a JobSet lifecycle with the chart's "
-        "identity"
-        for verb in ("get", "list", "watch", "create", "patch", "delete")
-    },
-    **{
-        ("batch", "jobs", verb): "the JobSet backend reads its Jobs (which pods are its own, how many it replaced); "
-        "tests/real_api/test_jobset_real.py"
-        for verb in ("list", "watch")
-    },
+    ("jobset.x-k8s.io", "jobsets", "get"): "a JobSet whose name is taken is read to check it is the run's own "
+    "(plans._ensure), as for a PyTorchJob",
     ("", "namespaces", "get"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "list"): "namespaced mode: kopf matches its namespaces",
     ("", "namespaces", "watch"): "namespaced mode: kopf matches its namespaces",
