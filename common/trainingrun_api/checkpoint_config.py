@@ -303,7 +303,7 @@ class CheckpointConfig(ApiModel):
     writer_process: Optional[bool] = Field(
         default=None,
         description="Deprecated and ignored: the trainer's checkpoint thread writes every checkpoint (the separate "
-        "writer process this turned on measured slower on every machine tried, and is gone). Remove the field; "
+        "writer process this turned on was slower, and is gone). Remove the field; "
         "`trainingrun validate` and the trainer's log say so while it is set.",
     )
     resume_from: Optional[str] = Field(

@@ -170,3 +170,22 @@ def test_the_default_check_catches_an_empty_object_default():
     assert any(e.startswith("spec.recovery:") and "no such member in mapping: 'backoffSeconds'" in e for e in errors), (
         errors
     )
+
+
+#: Words of the lab, not of the user's cluster: figures and the machines they came from live in docs/performance.md.
+LAB_WORDS = re.compile(r"\b(2-core|2 cores|VM|benchmarks?|moto|emulator|loopback|this machine|machine tried)\b", re.I)
+
+
+def test_kubectl_explain_shows_users_no_lab_words():
+    def descriptions(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("description"), str):
+                yield node["description"]
+            for value in node.values():
+                yield from descriptions(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from descriptions(value)
+
+    found = [d for d in descriptions(yaml.safe_load(crd.crd_yaml())) if LAB_WORDS.search(d)]
+    assert found == []
