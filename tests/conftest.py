@@ -156,6 +156,14 @@ def jobset_controller(kube_cluster_with_crds, tmp_path_factory):
         running.stop()
 
 
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory) -> str:
+    """The end-to-end tier's reference model digest (kube_journey.reference_digest), computed once for both journeys."""
+    import kube_journey
+
+    return kube_journey.reference_digest(tmp_path_factory.mktemp("local"))
+
+
 @pytest.fixture
 def kube_namespace(kube_cluster_session, request) -> str:
     """A fresh namespace per test (deleted afterwards without waiting)."""

@@ -439,3 +439,28 @@ def scrape_config(pod_monitor: dict[str, Any], targets_file: Path, interval: str
         "honor_labels": endpoint.get("honorLabels", False),
         "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "1s"}],
     }
+
+
+def reference_digest(folder: Path) -> str:
+    """The model digest of the journey's file run uninterrupted with `trainingrun local` (2 processes) in `folder`:
+    what every run of the end-to-end tier must end with, however its pods were lost."""
+    import sys
+
+    from trainingrun_trainer.checkpoint import CheckpointStore
+
+    document = run_file("unused", "journey")
+    del document["spec"]["secrets"]
+    path = folder / "trainingrun.yaml"
+    path.write_text(yaml.safe_dump(document))
+    uri = f"file://{folder}/checkpoints"
+    local = subprocess.run(
+        [str(Path(sys.executable).parent / "trainingrun"), "local", str(path), "--nproc", "2", "--checkpoint-uri", uri],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=folder,
+    )
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    final = {i.step: i for i in CheckpointStore(uri).list()}[RUN_FILE["spec"]["trainer"]["maxSteps"]]
+    assert final.valid
+    return final.model_digest
