@@ -341,14 +341,16 @@ class Node(ProcessGroup):
         # containerd's store outlives the node: an older build goes first, and synchronously: removed with the garbage
         # collection that follows in the background, the blobs the import found present (the same layer, built again)
         # went from under it ("content digest ... not found", seen in a clean-clone CI run).
-        # A node started after another on this host can still lose a blob that way (its containerd collects garbage
-        # left by the last one while the import runs; seen importing the same archive into the second node of a CI
-        # run): a new import writes what went missing, so an import that lost a blob is tried again, at most twice.
+        # A node started after another on this host can still miss a blob its store lists (seen importing the same
+        # archive into the second node of a CI run, after the first had taken it): the blob's record is removed, so
+        # that the next import writes it from the archive, and the import is tried again, at most twice.
         for _ in range(3):
             self.ctr("images", "rm", "--sync", name, check=False)
             imported = self.ctr("images", "import", "--index-name", name, str(archive), check=False)
-            if imported.returncode == 0 or "not found" not in imported.stderr:
+            missing = re.search(r"content digest (sha256:[0-9a-f]{64}): not found", imported.stderr)
+            if imported.returncode == 0 or not missing:
                 break
+            self.ctr("content", "rm", missing.group(1), check=False)
         assert imported.returncode == 0, f"ctr images import {archive}: {imported.stderr}"
         listed = self.ctr("images", "ls", "-q").stdout.split()
         assert name in listed, f"{archive} imported, but containerd has no image {name}: {listed}"
