@@ -344,14 +344,20 @@ class Node(ProcessGroup):
         # A node started after another on this host can still miss a blob its store lists (seen importing the same
         # archive into the second node of a CI run, after the first had taken it): the blob's record is removed, so
         # that the next import writes it from the archive, and the import is tried again, at most twice.
+        said = []
         for _ in range(3):
             self.ctr("images", "rm", "--sync", name, check=False)
             imported = self.ctr("images", "import", "--index-name", name, str(archive), check=False)
+            said.append(imported.stderr.strip())
             missing = re.search(r"content digest (sha256:[0-9a-f]{64}): not found", imported.stderr)
             if imported.returncode == 0 or not missing:
                 break
             self.ctr("content", "rm", missing.group(1), check=False)
-        assert imported.returncode == 0, f"ctr images import {archive}: {imported.stderr}"
+            # the CRI's references by image id (`sha256:<config>`) pin an older build's records too
+            stale = [ref for ref in self.ctr("images", "ls", "-q").stdout.split() if ref.startswith("sha256:")]
+            if stale:
+                self.ctr("images", "rm", "--sync", *stale, check=False)
+        assert imported.returncode == 0, f"ctr images import {archive}: {' / '.join(said)}"
         listed = self.ctr("images", "ls", "-q").stdout.split()
         assert name in listed, f"{archive} imported, but containerd has no image {name}: {listed}"
 
