@@ -13,7 +13,7 @@ two cannot drift apart).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,7 +46,7 @@ SHORT_NAMES = ["tr"]
 MAX_REPLICAS = 10000
 #: What an attempt becomes (backends.py): a Kubeflow PyTorchJob, or a JobSet where Kubeflow's v1 operator is not installed.
 Backend = Literal["PyTorchJob", "JobSet"]
-BACKENDS: tuple[str, ...] = ("PyTorchJob", "JobSet")
+BACKENDS: tuple[str, ...] = get_args(Backend)
 MAX_ATTEMPT_BUDGET = 1000
 
 QUANTITY = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"

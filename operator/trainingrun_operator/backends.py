@@ -17,6 +17,8 @@ from .settings import Settings
 
 #: (how many more pods were replaced, the status.restarts fields that record them, what happened), or None.
 Replaced = Optional[tuple[int, dict[str, Any], str]]
+#: The objects between a job and its pods: (apiVersion, kind, what the operator keeps of one's status).
+Part = tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,14 @@ class Backend:
     slim: Callable[[dict[str, Any]], dict[str, Any]]
     #: The objects between the job and its pods (a JobSet's batch Jobs), which the operator also watches: their kind
     #: and what it keeps of their status; None when the job controls its pods itself.
-    part: Optional[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]]]] = None
+    part: Optional[Part] = None
 
     def names(self, job_name: str) -> str:
         """How messages name an attempt's job: `PyTorchJob demo-a1`."""
         return f"{self.kind} {job_name}"
 
 
-def _of(
-    module: Any, replacer: str, part: Optional[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]]]] = None
-) -> Backend:
+def _of(module: Any, replacer: str, part: Optional[Part] = None) -> Backend:
     """A backend from its module, which defines what every backend module does: KIND, API_VERSION, PLURAL, INSTALL,
     children, state, pods_replaced, suspend_patch and slim."""
     return Backend(

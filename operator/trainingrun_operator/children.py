@@ -189,10 +189,10 @@ def blocked_pods(
             event.get("reason"),
             event.get("message"),
         )
-        if reason in FAILED_CREATE_REASONS and isinstance(about, str) and about == job_name:
-            found.setdefault("PodsNotCreated", ("FailedCreate", f"{kind} {job_name}: {message}"))
-        elif reason in FAILED_CREATE_REASONS and isinstance(about, str) and about.startswith(job_name + "-"):
-            found.setdefault("PodsNotCreated", ("FailedCreate", f"Job {about} of {kind} {job_name}: {message}"))
+        # on the job itself, or on what it made and named after it (a JobSet's Job `<jobset>-worker-0`)
+        if reason in FAILED_CREATE_REASONS and isinstance(about, str) and f"{about}-".startswith(f"{job_name}-"):
+            where = f"{kind} {job_name}" if about == job_name else f"Job {about} of {kind} {job_name}"
+            found.setdefault("PodsNotCreated", ("FailedCreate", f"{where}: {message}"))
         elif reason == "FailedMount" and not _about_secret(message):
             found.setdefault("VolumeMountFailed", ("FailedMount", f"pod {about}: {message}"))
     return found

@@ -324,7 +324,7 @@ COMMANDS = (
             arg("file", metavar="FILE", help="YAML file with one or more TrainingRuns"),
             arg(
                 "--backend",
-                choices=("PyTorchJob", "JobSet"),
+                choices=tuple(backends.BACKENDS),
                 help="what an attempt becomes when the run has no spec.backend (default PyTorchJob)",
             ),
             arg("--attempt", type=positive_int, default=1, help="attempt number (default 1)"),

@@ -149,9 +149,6 @@ def children(
 
 # ---------------------------------------------------------------- reading its state
 
-#: The label the Job controller gives each Job's pods, and JobSet its Jobs: the JobSet's name.
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-
 
 def state(job: dict[str, Any], pods: list[dict[str, Any]]) -> Optional[str]:
     """Succeeded, Failed, Suspended, Running or Created, as Kubeflow's conditions say them for a PyTorchJob: from the

@@ -122,7 +122,8 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
         return None
     if spec_problem(body):
         return None  # a spec the operator did not keep (indexes.slim_run): the run is stopped, its reports refused
-    backend = state.backends.of(json.loads(body[SPEC_JSON]).get("backend"), status)
+    spec = json.loads(body[SPEC_JSON])  # read once per report: the backend and the stall timeout
+    backend = state.backends.of(spec.get("backend"), status)
     job = next(
         (
             j
@@ -143,7 +144,7 @@ def run_view(state: OperatorState, namespace: str, name: str) -> Optional[report
         if backend.part
         else frozenset({job_uid} if job_uid else ())
     )
-    recovery = json.loads(body[SPEC_JSON]).get("recovery") or {}
+    recovery = spec.get("recovery") or {}
     return reports.RunView(
         uid=uid,
         attempt=int(status.get("attempt") or 0),

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from trainingrun_api import contract
 
-from . import __version__
+from . import __version__, api
 
 if TYPE_CHECKING:
     from .report_connections import ReportLimits
 
 
 #: TRAININGRUN_BACKEND's words: a backend's kind (api.BACKENDS), or auto.
-BACKEND_CHOICES = ("auto", "PyTorchJob", "JobSet")
+BACKEND_CHOICES = ("auto", *api.BACKENDS)
 
 
 @dataclass(frozen=True)
