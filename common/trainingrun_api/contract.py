@@ -52,6 +52,17 @@ CHAOS_KILL_AT_STEP = "TRAININGRUN_CHAOS_KILL_AT_STEP"
 #: `trainingrun local --chaos-lose-node`: the step after which the node given it is lost as a node failure loses a pod
 #: (its local rank 0 stops and says so; `trainingrun local` then SIGKILLs every process of it and starts a replacement).
 CHAOS_LOSE_NODE_AT_STEP = "TRAININGRUN_CHAOS_LOSE_NODE_AT_STEP"
+#: `trainingrun local --chaos-hang KIND:STEP[:RANK]`: after STEP one rank (the last by default) hangs, the first
+#: worker group only: `stop` (SIGSTOP: it cannot answer), `block` (blocks for ever before the next collective),
+#: `data` (its data loader blocks for ever at the next batch).
+CHAOS_HANG = "TRAININGRUN_CHAOS_HANG"
+#: spec.recovery.hangTimeoutSeconds: `auto`, or seconds without progress that are a hang (0: off).
+HANG_TIMEOUT_SECONDS = "TRAININGRUN_HANG_TIMEOUT_SECONDS"
+#: Set by the launcher for its workers when the rendezvous has a fixed endpoint (pods, `--nodes`): host:port of the
+#: rendezvous store, which the host pod's agent serves, so the hang watch's exchange outlives any worker (hangs.py).
+HANG_STORE = "TRAININGRUN_HANG_STORE"
+#: The node the pod runs on (downward API spec.nodeName), to name it in a hang's diagnosis.
+NODE_NAME = "TRAININGRUN_NODE_NAME"
 #: Set by the launcher for its workers: the file where local rank 0 writes the newest committed step, so the agent
 #: can tell a worker group that made progress before it failed from one that crash-loops (launch.RestartBudget).
 COMMITTED_STEP_FILE = "TRAININGRUN_COMMITTED_STEP_FILE"

@@ -11,6 +11,9 @@ CHECKPOINT_REFUSED = 4
 PREEMPTED = 128 + 15
 #: A failure that may pass (storage down at start, rendezvous lost): retry.
 RETRYABLE = 128 + 10
+#: The run made no progress for spec.recovery.hangTimeoutSeconds and the rank that found it said who held it up
+#: (`hang diagnosis:` in the log): the worker group restarts in place, charged as a failure.
+HUNG = 128 + 14
 
 
 #: What an exit code means to recovery (`classify`).

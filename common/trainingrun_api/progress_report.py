@@ -273,8 +273,37 @@ class MemoryShort(ReportPart):
     step: Count = Field(description="The step of the checkpoint that found them short (or that fit again).")
 
 
+#: The most characters of a hang's one-line diagnosis; the trainer cuts a longer one.
+MAX_DIAGNOSIS_LENGTH = 1000
+
+
+class Hang(ReportPart):
+    """The last hang a rank of the run diagnosed (the trainer's hangs.py): no step progress for
+    spec.recovery.hangTimeoutSeconds, and what held the run up. Sent by the rank that diagnosed it, which may be
+    any rank."""
+
+    step: Count = Field(description="The last step completed before the hang.")
+    time: Time = Field(description="When it was diagnosed (RFC 3339).")
+    diagnosis: Annotated[str, _text(MAX_DIAGNOSIS_LENGTH)] = Field(
+        description="The collective that did not complete and the ranks that held it up, with their pods, nodes and "
+        "where they were (or that they did not answer). The whole diagnosis is in the pod's log (`hang diagnosis:`)."
+    )
+    ranks: list[Count] = Field(
+        default_factory=list,
+        max_length=MAX_PODS_NAMED,
+        description="The ranks named as holding it up (none: every rank waited, the transport hangs).",
+    )
+
+
 #: The parts of a report that become status fields, by wire name.
-STATUS_PARTS = ("progress", "lastGoodCheckpoint", "checkpointInMemory", "checkpointInterval", "checkpointMemoryShort")
+STATUS_PARTS = (
+    "progress",
+    "lastGoodCheckpoint",
+    "checkpointInMemory",
+    "checkpointInterval",
+    "checkpointMemoryShort",
+    "lastHang",
+)
 
 
 class Report(ReportPart):
@@ -290,6 +319,7 @@ class Report(ReportPart):
     checkpoint_interval: Optional[IntervalChoice] = None
     checkpoint_in_memory: Optional[CheckpointInMemory] = None
     checkpoint_memory_short: Optional[MemoryShort] = None
+    last_hang: Optional[Hang] = None
 
     def to_json(self) -> bytes:
         return self.model_dump_json(by_alias=True, exclude_none=True).encode()

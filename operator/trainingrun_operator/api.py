@@ -13,7 +13,7 @@ two cannot drift apart).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, get_args
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -181,6 +181,15 @@ class Recovery(ApiModel):
         le=7 * 86400,
         description="Restart an attempt whose progress has not moved for this long; 0 turns it off.",
     )
+    hang_timeout_seconds: Union[Annotated[int, Field(ge=0, le=7 * 86400)], Literal["auto"]] = Field(
+        default="auto",
+        description="A hang: training makes no step progress on some rank for this many seconds, outside saves, "
+        "restores, evaluations and each process's first steps. `auto` (the default): 10 times the typical step "
+        "time, at least 30 s. Every rank then says what it is doing (its collectives in flight and its stack), the "
+        "rank that found it names the collective and the ranks that held it up in its log (`hang diagnosis:`), and "
+        "the worker group restarts in place from the newest checkpoint, charged as a failure. 0 turns it off; "
+        "stallTimeoutSeconds stays the outer guard (a whole pod frozen).",
+    )
     max_restarts_per_attempt: int = Field(
         default=3,
         ge=0,
@@ -189,6 +198,15 @@ class Recovery(ApiModel):
         "(elasticPolicy.maxRestarts); a group that committed a checkpoint since the last restart gets them "
         "all back, so only a crash loop ends the attempt.",
     )
+
+    @field_validator("hang_timeout_seconds", mode="before")
+    @classmethod
+    def _seconds_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 7 * 86400):
+            return value
+        raise ValueError(
+            f"{value!r} is neither 'auto' nor whole seconds from 0 to a week; write e.g. 120, auto, or 0 (off)"
+        )
 
     @model_validator(mode="after")
     def _backoff_ordered(self) -> "Recovery":

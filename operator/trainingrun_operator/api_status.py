@@ -52,6 +52,7 @@ DERIVED_PROGRESS_FIELDS = ("percent", "estimatedCompletionTime")
 CheckpointRef = status_part(progress_report.CommittedCheckpoint, "CheckpointRef")
 CheckpointInMemoryRef = status_part(progress_report.CheckpointInMemory, "CheckpointInMemoryRef")
 MemoryShortRef = status_part(progress_report.MemoryShort, "MemoryShortRef")
+HangRef = status_part(progress_report.Hang, "HangRef")
 
 
 class Restarts(ApiModel):
@@ -157,6 +158,12 @@ class TrainingRunStatus(ApiModel):
         description="The pods whose memory (/dev/shm, resources.sharedMemory) had no room for the last checkpoint: "
         "restarts there read it from storage, and with several pods checkpoints commit to storage (condition "
         "CheckpointMemoryShort). Cleared when an attempt starts.",
+    )
+    last_hang: Optional[HangRef] = Field(  # type: ignore[valid-type]  # generated (status_part)
+        default=None,
+        description="The last hang a rank diagnosed: no step progress for recovery.hangTimeoutSeconds, the "
+        "collective that did not complete and the ranks that held it up (condition Hung while the run has not "
+        "trained past it; `kubectl logs` shows the whole diagnosis as `hang diagnosis:` lines).",
     )
     last_report_time: Optional[str] = Field(
         default=None,

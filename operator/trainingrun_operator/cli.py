@@ -369,6 +369,12 @@ COMMANDS = (
                 help="with --nodes: after STEP, SIGKILL every process of the last node, empty its node memory and "
                 "start a replacement (a node failure)",
             ),
+            arg(
+                "--chaos-hang",
+                metavar="KIND:STEP[:RANK]",
+                help="after STEP one rank (default: the last) hangs: stop (SIGSTOP), block (for ever, before the next "
+                "collective) or data (its data loader blocks); spec.recovery.hangTimeoutSeconds finds it",
+            ),
             arg("--metrics-port", type=positive_int, help="serve the trainer's metrics on this port (default off)"),
             arg("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)"),
             arg("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)"),

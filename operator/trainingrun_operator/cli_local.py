@@ -134,6 +134,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         chaos_kill_steps=args.chaos_kill_step or [],
         chaos_kill_every=args.chaos_kill_every,
         chaos_lose_node_step=args.chaos_lose_node,
+        chaos_hang=args.chaos_hang,
         metrics_port=args.metrics_port,
         env_file=args.env_file,
         runs_dir=args.runs_dir,
@@ -179,7 +180,13 @@ def cmd_local(args: argparse.Namespace) -> int:
     in_place = f" and {summary.restarts_in_place} restart(s) in place" if summary.restarts_in_place else ""
     print(f"{summary.outcome} after {summary.attempts} attempt(s){in_place}; logs in {runner.run_dir}")
     print(summary.breakdown_line())
-    for line in (summary.startup_line(), summary.interval_line(), summary.throughput_line(), summary.eval_line()):
+    for line in (
+        summary.startup_line(),
+        summary.interval_line(),
+        summary.throughput_line(),
+        summary.eval_line(),
+        *summary.hang_lines(),
+    ):
         if line:
             print(line)
     print(summary.result_line(), flush=True)

@@ -45,6 +45,12 @@ class OperatorMetrics:
             ["namespace", "run", "cause"],
             registry=self.registry,
         )
+        self.hangs = Counter(
+            "trainingrun_operator_hangs",
+            "Hangs a rank of the run diagnosed (condition Hung turned true), by run.",
+            ["namespace", "run"],
+            registry=self.registry,
+        )
         self.reconcile_seconds = Histogram(
             "trainingrun_operator_reconcile_duration_seconds",
             "Time to reconcile one TrainingRun.",
@@ -97,6 +103,10 @@ class OperatorMetrics:
                 self.restarts.remove(namespace, run, cause)
             except KeyError:
                 pass
+        try:
+            self.hangs.remove(namespace, run)
+        except KeyError:
+            pass
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,6 +42,7 @@ OPERATOR_FIELDS = (
     "lastGoodCheckpoint",
     "checkpointInMemory",
     "checkpointMemoryShort",
+    "lastHang",
     "lastReportTime",
 )
 
@@ -92,6 +93,8 @@ async def carry_out(
         written.update({k: v for k, v in plan.status.items() if k in OPERATOR_FIELDS})
         if plan.restart_cause:
             state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
+        if any(note.reason == "Hung" for note in plan.events):  # a new hang turned the condition true
+            state.metrics.hangs.labels(namespace, name).inc()
     for note in plan.events:
         state.queue_event(body, note)
     return True

@@ -77,6 +77,7 @@ def contract_env(
         contract.UID: run.metadata.uid or "",
         contract.ATTEMPT: str(attempt),
         contract.CONFIG: config_path,
+        contract.HANG_TIMEOUT_SECONDS: str(spec.recovery.hang_timeout_seconds),
         "PYTHONUNBUFFERED": "1",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
         **RENDEZVOUS_ENV,
@@ -119,6 +120,7 @@ def trainer_env(
     env += [
         {"name": contract.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": contract.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": contract.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         *(
             [
                 {

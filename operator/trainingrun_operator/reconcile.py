@@ -36,7 +36,7 @@ from .children import (
     missing_secret_volume,
     pods_of,
 )
-from .run_status import TERMINAL, Conditions, goodput, memory_conditions, spec_conditions
+from .run_status import TERMINAL, Conditions, goodput, hang_conditions, memory_conditions, spec_conditions
 
 #: How long a failed job whose pods show no reason yet is given for the pod watch to catch up
 #: (the job and pod watches are separate streams); after that it is classified as a failure.
@@ -116,6 +116,7 @@ def decide(o: Observed) -> Plan:
     pods = pods_of(o.pods, job_name, attempt)
     plan.events += spec_conditions(o.run, o.status, job, plan.checkpoint_uri, conditions)
     plan.events += memory_conditions(o.status, conditions)
+    plan.events += hang_conditions(o.status, conditions)
 
     if spec.suspend:
         if phase != "Suspended":

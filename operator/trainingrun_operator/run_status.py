@@ -135,6 +135,22 @@ def spec_conditions(
     return notes
 
 
+def hang_conditions(status: dict[str, Any], conditions: Conditions) -> list[Note]:
+    """Hung from the last hang a rank diagnosed (status.lastHang): true, with a Warning Event naming the collective
+    and the ranks that held the run up, until the run trains past the step it hung after; then false."""
+    hang = status.get("lastHang") or {}
+    if not hang:
+        return []
+    step = (status.get("progress") or {}).get("step")
+    if step is None or step <= hang.get("step", 0):
+        message = f"{hang.get('diagnosis', 'a hang')} (diagnosed {hang.get('time', '')}; the worker group restarts)"
+        if conditions.set("Hung", True, "NoProgress", message):
+            return [Note("Warning", "Hung", message)]
+    elif conditions.is_true("Hung"):
+        conditions.set("Hung", False, "TrainingAgain", f"trained past the hang after step {hang.get('step')}")
+    return []
+
+
 def memory_conditions(status: dict[str, Any], conditions: Conditions) -> list[Note]:
     """CheckpointMemoryShort from what rank 0 last reported (status.checkpointMemoryShort): true, with a Warning Event,
     while some pods' memory has no room for the checkpoint, naming them and the fix; false once every pod holds one."""

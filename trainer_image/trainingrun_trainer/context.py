@@ -28,6 +28,51 @@ def chaos_step(steps: str, restart_count: int) -> Optional[int]:
     return planned[restart_count] if restart_count < len(planned) else None
 
 
+def hang_timeout(raw: str) -> Optional[float]:
+    """TRAININGRUN_HANG_TIMEOUT_SECONDS: None for `auto` (or unset), else seconds (0: off)."""
+    if raw.strip() in ("", "auto"):
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 7 * 86400:
+        raise ContextError(
+            f"{contract.HANG_TIMEOUT_SECONDS}={raw!r} is neither 'auto' nor seconds from 0 to a week "
+            "(spec.recovery.hangTimeoutSeconds)"
+        )
+    return seconds
+
+
+#: What `--chaos-hang` can make a rank do (contract.CHAOS_HANG).
+CHAOS_HANG_KINDS = ("stop", "block", "data")
+
+
+@dataclass(frozen=True)
+class ChaosHang:
+    """`trainingrun local --chaos-hang KIND:STEP[:RANK]`: after `step`, `rank` hangs as `kind` says."""
+
+    kind: str
+    step: int
+    rank: Optional[int] = None  #: None: the last rank
+
+    @classmethod
+    def parse(cls, raw: str) -> "ChaosHang":
+        parts = raw.split(":")
+        try:
+            kind, step, rank = parts[0], int(parts[1]), (int(parts[2]) if len(parts) > 2 else None)
+        except (IndexError, ValueError):
+            kind, step, rank = "", -1, None
+        if kind not in CHAOS_HANG_KINDS or step < 1 or len(parts) > 3 or (rank is not None and rank < 0):
+            raise ContextError(
+                f"{contract.CHAOS_HANG}={raw!r} is not KIND:STEP[:RANK] with KIND one of {', '.join(CHAOS_HANG_KINDS)}"
+            )
+        return cls(kind, step, rank)
+
+    def fires(self, step: int, rank: int, world_size: int) -> bool:
+        return step == self.step and rank == (self.rank if self.rank is not None else world_size - 1)
+
+
 @dataclass(frozen=True)
 class RunContext:
     name: str  #: TRAININGRUN_NAME
@@ -54,6 +99,12 @@ class RunContext:
     restart_count: int = 0
     #: TRAININGRUN_COMMITTED_STEP_FILE (set by the launcher): where local rank 0 writes each committed step.
     committed_step_file: Optional[str] = None
+    #: TRAININGRUN_HANG_TIMEOUT_SECONDS (spec.recovery.hangTimeoutSeconds): None for auto, 0 for off (hangs.py).
+    hang_timeout_seconds: Optional[float] = None
+    #: TRAININGRUN_CHAOS_HANG (`trainingrun local --chaos-hang`), the first worker group only.
+    chaos_hang: Optional[ChaosHang] = None
+    #: TRAININGRUN_NODE_NAME (downward API spec.nodeName), "" where unknown.
+    node_name: str = ""
 
     @property
     def is_rank_zero(self) -> bool:
@@ -108,4 +159,11 @@ class RunContext:
             ),
             restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0) or 0,
             committed_step_file=env.get(contract.COMMITTED_STEP_FILE) or None,
+            hang_timeout_seconds=hang_timeout(env.get(contract.HANG_TIMEOUT_SECONDS, "")),
+            chaos_hang=(
+                ChaosHang.parse(env[contract.CHAOS_HANG])
+                if env.get(contract.CHAOS_HANG) and not (integer("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+                else None
+            ),
+            node_name=env.get(contract.NODE_NAME, ""),
         )

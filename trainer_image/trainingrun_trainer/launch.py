@@ -245,6 +245,8 @@ def _launch(args: Any) -> None:
     _plain_torch_log_format()
     if args.standalone:  # as torchrun does it
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "c10d" and args.rdzv_endpoint.rpartition(":")[2].isdigit():
+        os.environ[contract.HANG_STORE] = args.rdzv_endpoint  # the workers' environment is the agent's
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload())  # if main did not start it

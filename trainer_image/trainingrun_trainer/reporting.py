@@ -189,28 +189,42 @@ class ProgressReporter:
             self._failing = True
 
     def _post(self, report: Report) -> None:
-        """POST once; a 503 (a standby operator replica, or authentication unavailable for a moment) is sent
-        again at once on a new connection, which the operator's Service may route to the replica that acts."""
         assert self.endpoint is not None
-        context = (
-            ssl.create_default_context(cafile=self.endpoint.ca_file)
-            if self.endpoint.url.startswith("https://")
-            else None
+        post(self.endpoint, report, self.timeout)
+
+
+def post(endpoint: ReportEndpoint, report: Report, timeout: float) -> None:
+    """POST once; a 503 (a standby operator replica, or authentication unavailable for a moment) is sent again at
+    once on a new connection, which the operator's Service may route to the replica that acts."""
+    context = ssl.create_default_context(cafile=endpoint.ca_file) if endpoint.url.startswith("https://") else None
+    for attempt in range(SENDS_ON_503):
+        request = urllib.request.Request(
+            endpoint.url,
+            data=report.to_json(),
+            method="POST",
+            headers={"Authorization": f"Bearer {endpoint.token()}", "Content-Type": "application/json"},
         )
-        for attempt in range(SENDS_ON_503):
-            request = urllib.request.Request(
-                self.endpoint.url,
-                data=report.to_json(),
-                method="POST",
-                headers={"Authorization": f"Bearer {self.endpoint.token()}", "Content-Type": "application/json"},
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout, context=context) as response:
-                    response.read()
-                return
-            except urllib.error.HTTPError as error:
-                if error.code != 503 or attempt == SENDS_ON_503 - 1:
-                    raise
+        try:
+            with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
+                response.read()
+            return
+        except urllib.error.HTTPError as error:
+            if error.code != 503 or attempt == SENDS_ON_503 - 1:
+                raise
+
+
+def send_now(report: Report, timeout: float = 5.0, env: Optional[Mapping[str, str]] = None) -> bool:
+    """One report from any rank, sent before this returns (a hang's diagnosis, just before the process exits);
+    False when there is no endpoint or it could not be sent (logged without the token)."""
+    endpoint = ReportEndpoint.from_env(env)
+    if endpoint is None:
+        return False
+    try:
+        post(endpoint, report, timeout)
+        return True
+    except Exception as error:  # noqa: BLE001 - the caller exits next whatever happens here
+        log.warning("cannot report to %s (%s)", endpoint.url, getattr(error, "reason", None) or type(error).__name__)
+        return False
 
 
 #: News (a first step, a committed checkpoint) goes before the interval is up, but never sooner than this after the

@@ -33,24 +33,25 @@ import shutil
 import signal
 import sys
 import time
+from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 import numpy
 import torch
 import torch.distributed as dist
 
-from trainingrun_api import contract, exit_codes
+from trainingrun_api import contract, exit_codes, progress_report
 from trainingrun_api.checkpoint_config import (
     CheckpointConfig,
 )
 from trainingrun_api.model_base import ConfigError
 from trainingrun_api.progress_report import IntervalChoice, Report
 
-from . import reporting
+from . import chaos, hangs, reporting
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable
 from .checkpoint.listing import human_bytes
 from .checkpoint.tier_files import OWN_MEMORY, PEER, STORAGE
-from .context import RunContext
+from .context import RunContext, hang_timeout
 from .own_state import OwnState
 from .reporting import ProgressReporter
 from .session_intervals import IntervalPolicy
@@ -84,18 +85,17 @@ def init_process_group(backend: str) -> None:
     torchrun hands every restarted group the agent's store with no per-restart key prefix (it
     assumes a fresh store per round, which the c10d rendezvous does not give), so a restarted
     group can read the dead group's gloo/NCCL addresses and fail with "Connection refused" or
-    hang. Prefixing the store with TORCHELASTIC_RESTART_COUNT keeps each group's keys its own.
+    hang. Prefixing the store with TORCHELASTIC_RESTART_COUNT keeps each group's keys its own. torch's flight
+    recorder is on (hangs.py reads it when a rank hangs), and the collective timeout is above the hang watch's.
     """
-    import os
-    from datetime import timedelta
-
     if dist.is_initialized():
         return
     env = os.environ
+    hangs.enable_flight_recorder()
+    timeout = hangs.collective_timeout(hang_timeout(env.get(contract.HANG_TIMEOUT_SECONDS, "")))
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
-    timeout = timedelta(minutes=10)
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(f"trainingrun/restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(
@@ -155,6 +155,8 @@ class Run:
             self._agreement_group = dist.new_group(backend="gloo")
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        #: Finds a rank that makes no progress, says who held the run up, and restarts the worker group (hangs.py).
+        self.hang_watch = hangs.for_process(context, on_hang=self._report_hang)
 
     def _memory_tier(self) -> Optional[str]:
         """This attempt's memory tier directory (None: off, or no /dev/shm here); earlier attempts' are removed."""
@@ -192,6 +194,10 @@ class Run:
         """
         if self.context.is_rank_zero:
             self.intervals.count_start(self.context.uid or self.context.name)
+        with self.hang_watch.watch.pausing("restore"):
+            return self._resume(state)
+
+    def _resume(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
         try:
             newest = self.store.latest_valid()
         except Exception as error:  # each fsspec backend raises its own kinds (OSError, botocore's, google's)
@@ -322,28 +328,29 @@ class Run:
     ) -> None:
         """Checkpoint (async unless blocking or `checkpoint.asyncSave` is off: then it returns once storage holds it,
         or the save failed); never raises for storage errors. `copy_in_background`: see `CheckpointStore.save`."""
-        writing = self._pending is not None and not self._pending.done()
-        began = time.monotonic()
-        self.report_committed()
-        if writing:
-            self.intervals.waited_for_the_save_before(step, time.monotonic() - began)
-        cost = self.intervals.save_cost
-        if cost is not None:
-            extra = {**(extra or {}), SAVE_COST_KEY: float(cost)}
-        self._pending = self.store.save(
-            step,
-            OwnState(state).plain,
-            extra,
-            config_hash=self.config_hash,
-            model_digest=model_digest,
-            blocking=blocking or not self.checkpoint.async_save,
-            copy_in_background=copy_in_background,
-        )
-        if self.context.committed_step_file and self.context.local_rank == 0:  # one per node: its agent reads it
-            self._pending.when_done(self.reports.tell_launcher)
-        if blocking or not self.checkpoint.async_save:
-            self.store.flush()  # a save that blocks returns once storage holds it, also persisting behind
-        self.intervals.saved(step)
+        with self.hang_watch.watch.pausing("checkpoint"):  # a long save is not a hang
+            writing = self._pending is not None and not self._pending.done()
+            began = time.monotonic()
+            self.report_committed()
+            if writing:
+                self.intervals.waited_for_the_save_before(step, time.monotonic() - began)
+            cost = self.intervals.save_cost
+            if cost is not None:
+                extra = {**(extra or {}), SAVE_COST_KEY: float(cost)}
+            self._pending = self.store.save(
+                step,
+                OwnState(state).plain,
+                extra,
+                config_hash=self.config_hash,
+                model_digest=model_digest,
+                blocking=blocking or not self.checkpoint.async_save,
+                copy_in_background=copy_in_background,
+            )
+            if self.context.committed_step_file and self.context.local_rank == 0:  # one per node: its agent reads it
+                self._pending.when_done(self.reports.tell_launcher)
+            if blocking or not self.checkpoint.async_save:
+                self.store.flush()  # a save that blocks returns once storage holds it, also persisting behind
+            self.intervals.saved(step)
 
     def wait_for_commit(self) -> float:
         """Call before the optimizer step after a save: when saves commit in memory, wait for its commit (it ran
@@ -374,25 +381,11 @@ class Run:
         self.reports.stored()
         return info
 
-    def inject_chaos(self, step: int) -> None:
-        """`trainingrun local`'s faults at the end of `step` (nothing unless its chaos options asked): one worker
-        SIGKILLs itself (--chaos-kill-step), or the node's local rank 0 stops itself until every process of the node
-        is killed (--chaos-lose-node: its peers lose it as a node failure loses a pod). The built-in trainer calls it
-        after each step; a loop of its own gets it through `report`."""
-        context = self.context
-        kill = step == context.chaos_kill_at_step and context.rank == step % context.world_size
-        lose = step == context.chaos_lose_node_at_step and context.local_rank == 0
-        if not (kill or lose):
-            return
-        # Earlier checkpoints are made durable first, so the injected crash loses exactly the steps since the last
-        # checkpoint, whatever the machine's load.
-        self.store.wait()
-        if kill:
-            log.warning("chaos: SIGKILL worker rank %d at step %d", context.rank, step)
-        else:
-            log.warning("chaos: node lost at step %d (%s)", step, context.pod_name)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL if kill else signal.SIGSTOP)
+    def step_done(self, step: int) -> None:
+        """`step` is done: progress for the hang watch (hangs.py), and `trainingrun local`'s faults at its end
+        (chaos.py). The built-in trainer calls it after each step; a loop of its own gets it through `report`."""
+        self.hang_watch.watch.progress(step)
+        chaos.after_step(self.context, step, self.store.wait)
 
     def report(
         self,
@@ -409,8 +402,11 @@ class Run:
     ) -> None:
         """Report progress, and where this process's time went (rank 0 only; never blocks, never raises; sent at
         the reporter's pace); `evaluation`: (step, mean held-out loss) of the last evaluation, for status and the
-        local summary. Every rank: `trainingrun local`'s chaos options act here for a loop of its own."""
-        self.inject_chaos(step)
+        local summary. Every rank: the hang watch's progress and `trainingrun local`'s chaos options, for a loop of
+        its own (`step_done`)."""
+        if process_time is not None:
+            self.hang_watch.watch.clock = process_time  # its long phases are not hangs
+        self.step_done(step)
         if not self.reports.reporter.enabled:
             return  # every step: ranks that do not report build nothing
         self.reports.progress(
@@ -447,6 +443,7 @@ class Run:
     def close(self, finished: bool = False) -> None:
         """Finish the last save, report it, and flush the reporter; `finished`: the run is done, so its copy in
         node memory goes too."""
+        self.hang_watch.stop()
         self.report_committed()
         self.store.close()  # persisting behind: once storage holds the newest
         self.reports.stored()
@@ -454,6 +451,26 @@ class Run:
         tier = self.store.memory_tier
         if finished and tier is not None:
             shutil.rmtree(tier, ignore_errors=True)
+
+    def _report_hang(self, diagnosis: hangs.Diagnosis) -> None:
+        """The hang's diagnosis to the operator (status.lastHang, condition Hung), from whichever rank made it."""
+        summary = diagnosis.summary
+        limit = progress_report.MAX_DIAGNOSIS_LENGTH
+        identity = self.reports.reporter.identity
+        reporting.send_now(
+            Report.model_construct(
+                namespace=identity.namespace,
+                name=identity.name,
+                uid=identity.uid,
+                attempt=identity.attempt,
+                last_hang=progress_report.Hang.model_construct(
+                    step=max(0, self.hang_watch.watch.step),
+                    time=contract.rfc3339(datetime.now(timezone.utc)),
+                    diagnosis=summary if len(summary) <= limit else summary[: limit - 3] + "...",
+                    ranks=list(diagnosis.waited_for[: progress_report.MAX_PODS_NAMED]),
+                ),
+            )
+        )
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM received: will checkpoint and stop after the current step")

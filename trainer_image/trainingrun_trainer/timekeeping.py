@@ -22,12 +22,23 @@ KINDS = ("startup", "restore", "checkpoint", "data_wait", "compute", "eval")
 STARTUP_PHASES = ("imports", "init", "model", "data", "prepare")
 
 
+def start_ticks(pid: int | str = "self") -> int:
+    """When a process started, in clock ticks since boot (Linux's /proc; the pair (pid, start) names one process, as
+    a pid is reused); 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def process_started() -> float:
     """time.monotonic() at which this process started (Linux: from /proc, so imports count); elsewhere, when this
     module was imported."""
+    ticks = start_ticks()
     try:
-        with open("/proc/self/stat") as stat:
-            ticks = int(stat.read().rpartition(")")[2].split()[19])
+        if not ticks:
+            raise OSError("no start time")
         with open("/proc/uptime") as uptime:
             since_boot = float(uptime.read().split()[0])
     except (OSError, ValueError, IndexError):
@@ -50,6 +61,8 @@ class ProcessClock:
         self.first_step = 0.0  #: seconds of the first step (compile, warm-up), 0 until it ran
         self.trained_samples = 0  #: by its steps over all ranks, kept or lost
         self._marked = self.started
+        self.phase = ""  #: the kind `timing` is timing now ("" when none): the hang watch's long phases
+        self.phase_ended = -float("inf")  #: when the last `timing` ended (this clock's time)
 
     def mark(self, phase: str) -> None:
         """`phase` of start-up (`STARTUP_PHASES`) ends now: it took the time since the previous mark (the first: since
@@ -64,10 +77,16 @@ class ProcessClock:
     @contextmanager
     def timing(self, kind: str) -> Iterator[None]:
         began = self._now()
+        outermost = not self.phase
+        if outermost:
+            self.phase = kind
         try:
             yield
         finally:
-            self.add(kind, self._now() - began)
+            ended = self._now()
+            self.add(kind, ended - began)
+            if outermost:
+                self.phase, self.phase_ended = "", ended
 
     def recount(self, seconds: float, counted_as: str, really: str) -> float:
         """Time first counted as `counted_as` and since known to be `really` (at most what `counted_as` holds):

@@ -87,6 +87,7 @@ __all__ = [
     "checkpoint_wrapper",
     "dynamo_config",
     "flatten_state_dict",
+    "flight_recorder_json",
     "foreach_lerp_",
     "forget_save_plans",
     "load_state_dict_into",
@@ -110,6 +111,15 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module)
+
+
+def flight_recorder_json() -> Any:
+    """torch's flight recorder in this process as JSON (str or bytes): every process group's newest collective
+    enqueued and completed, and its entries in flight (hangs.py names the collective a hang waits in from it). torch
+    exports no public reader; its own analyzer reads these dumps. Raises where the recorder is off or absent."""
+    from torch._C import _distributed_c10d as c10d
+
+    return c10d._dump_fr_trace_json(True, True)  # type: ignore[attr-defined]
 
 
 def preload_compile(probe_cpu: bool) -> None:

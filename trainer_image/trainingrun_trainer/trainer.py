@@ -522,7 +522,7 @@ class Trainer:
                 self.metrics.startup(self.clock)
                 if not logs:  # its one-off cost (compiling, warming up) left out of samples/s: 20x lower with it
                     window_start, window_steps, window_paused = time.monotonic(), 0, self._paused_seconds()
-            self.session.inject_chaos(self.step)
+            self.session.step_done(self.step)
 
             if evaluates:
                 with self.clock.timing("eval"):

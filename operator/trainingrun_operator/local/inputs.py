@@ -38,6 +38,8 @@ class LocalOptions:
     #: With several nodes: lose the last node after this step as a node failure loses a pod (every process of it
     #: SIGKILLed, its node memory gone), and start a replacement, as Kubeflow recreates a lost pod.
     chaos_lose_node_step: Optional[int] = None
+    #: KIND:STEP[:RANK]: after STEP, RANK (default the last) hangs (contract.CHAOS_HANG), the first worker group only.
+    chaos_hang: Optional[str] = None
     metrics_port: Optional[int] = None  #: TRAININGRUN_METRICS_PORT for the trainer
     env_file: str = ".env"  #: where secrets come from when not in the environment
     runs_dir: str = DEFAULT_RUNS_DIR
@@ -106,6 +108,9 @@ def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
             f"--chaos-lose-node {options.chaos_lose_node_step} is past the run's last step ({last}, "
             f"spec.trainer.maxSteps or --max-steps): it would never fire; pick a step up to {last}"
         )
+    if options.chaos_hang is not None:
+        processes = (options.nproc or run.spec.nproc_per_node) * options.nodes
+        check_chaos_hang(options.chaos_hang, last, run.spec.recovery.hang_timeout_seconds, processes)
     if options.chaos_lose_node_step is not None and options.nodes < 2:
         raise LocalOptionError(
             "--chaos-lose-node loses one of several simulated nodes: add --nodes 2 (or more), or use --chaos-kill-step "
@@ -124,6 +129,39 @@ def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
         raise LocalOptionError(
             f"--metrics-port {options.metrics_port} is in use on this machine: pick a free port, "
             "or leave --metrics-port out (the run then serves no metrics)"
+        )
+
+
+#: What `--chaos-hang` can make a rank do (the trainer's context.CHAOS_HANG_KINDS).
+CHAOS_HANG_KINDS = ("stop", "block", "data")
+
+
+def check_chaos_hang(raw: str, last_step: int, hang_timeout: object, processes: int) -> None:
+    parts = raw.split(":")
+    kind, step, rank = parts[0], parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else "0"
+    if kind not in CHAOS_HANG_KINDS or len(parts) > 3 or not step.isdigit() or not rank.isdigit() or int(step) < 1:
+        raise LocalOptionError(
+            f"--chaos-hang {raw}: write KIND:STEP or KIND:STEP:RANK with KIND one of {', '.join(CHAOS_HANG_KINDS)}, "
+            "e.g. --chaos-hang stop:40"
+        )
+    if int(step) > last_step:
+        raise LocalOptionError(
+            f"--chaos-hang {raw}: step {step} is past the run's last step ({last_step}, spec.trainer.maxSteps or "
+            f"--max-steps): it would never fire; pick a step up to {last_step}"
+        )
+    if int(rank) >= processes and len(parts) > 2:
+        raise LocalOptionError(
+            f"--chaos-hang {raw}: the run has ranks 0 to {processes - 1}; pick one of them, or leave RANK out (the last)"
+        )
+    if kind == "stop" and processes < 2:
+        raise LocalOptionError(
+            f"--chaos-hang {raw}: a stopped rank is found by the ranks still running, and this run has one process; "
+            "add --nproc 2, or use block or data (the rank's own watch finds those)"
+        )
+    if hang_timeout == 0:
+        raise LocalOptionError(
+            f"--chaos-hang {raw}: spec.recovery.hangTimeoutSeconds is 0 (off), so the hang would never be found; "
+            "remove it or set it to auto"
         )
 
 

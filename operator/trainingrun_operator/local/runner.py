@@ -45,6 +45,8 @@ GROUP_STARTED = re.compile(
 CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
 #: A node's local rank 0 says so, stopped, after the step `--chaos-lose-node` names (`contract.CHAOS_LOSE_NODE_AT_STEP`).
 NODE_LOST = re.compile(r"chaos: node lost at step (\d+)")
+#: The rank that diagnosed a hang says so (hangs.py); the detail lines that follow start with two more spaces.
+HANG_DIAGNOSIS = re.compile(r"hang diagnosis: (\S.*)$")
 
 
 @dataclass
@@ -127,6 +129,7 @@ class LocalRunner:
         self._chaos = random.Random(options.chaos_seed)
         self.random_kills = 0  #: by --chaos-kill-every
         self.node_replacements = 0  #: nodes lost and replaced by --chaos-lose-node
+        self.hangs: list[str] = []  #: each hang's one-line diagnosis
         self.backoff_seconds = 0.0  #: waited out between attempts in this invocation
         self.ledger = RunLedger.load(self.run_dir, self.spec.checkpoint.uri, uid=run.metadata.uid)
 
@@ -316,6 +319,11 @@ class LocalRunner:
                     flush=True,
                 )
             return
+        hang = HANG_DIAGNOSIS.search(line)
+        if hang:
+            self.hangs.append(hang.group(1))
+            print(f"{self.attempt_label()}: {hang.group(1)}", file=self.out, flush=True)
+            return
         killed = CHAOS_KILLED.search(line)
         if killed:
             rank, step = int(killed.group(1)), int(killed.group(2))
@@ -358,6 +366,8 @@ class LocalRunner:
                 self.attempts.append(attempt)
                 status.new_attempt(number)
                 env = self._environment(number, status, config_path)
+                if self.options.chaos_hang and number == 1:
+                    env[contract.CHAOS_HANG] = self.options.chaos_hang
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
                     env[contract.CHAOS_KILL_AT_STEP] = ",".join(map(str, self._kill_steps))
@@ -516,6 +526,7 @@ class LocalRunner:
             average_samples_per_second=_average_throughput(processes),
             eval_loss=progress.get("evalLoss"),
             eval_step=progress.get("evalStep"),
+            hangs=self.hangs,
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:

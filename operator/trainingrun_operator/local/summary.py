@@ -38,6 +38,8 @@ class Summary:
     average_samples_per_second: Optional[float] = None
     eval_loss: Optional[float] = None  #: at the last evaluation rank 0 reported (spec.trainer.eval)
     eval_step: Optional[int] = None
+    #: Each hang's one-line diagnosis (`hang diagnosis:` in the trainer's log), in order.
+    hangs: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -132,11 +134,16 @@ class Summary:
             return None
         return f"eval loss: {self.eval_loss:.4f} at step {self.eval_step} (the held-out split's mean)"
 
+    def hang_lines(self) -> list[str]:
+        """`hang 1 of 1: hang after step 40: ...; all_reduce #123 ... waited for rank 1 (...)`, one per hang."""
+        return [f"hang {number} of {len(self.hangs)}: {words}" for number, words in enumerate(self.hangs, 1)]
+
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
         return (
             f"result: steps={self.steps} final_loss={loss} attempts={self.attempts} "
             f"restarts_in_place={self.restarts_in_place} lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}"
+            + (f" hangs={len(self.hangs)}" if self.hangs else "")
         )
 
 

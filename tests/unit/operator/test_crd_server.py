@@ -120,6 +120,18 @@ CEL_CASES = [
         "must be a whole number from 1 or one of 'auto'",
     ),
     (
+        "hang-timeout-a-word",
+        with_spec(recovery={"hangTimeoutSeconds": "soon"}),
+        "spec.recovery.hangTimeoutSeconds",
+        "must be a whole number from 0 or one of 'auto'",
+    ),
+    (
+        "hang-timeout-negative",
+        with_spec(recovery={"hangTimeoutSeconds": -1}),
+        "spec.recovery.hangTimeoutSeconds",
+        "must be a whole number from 0 or one of 'auto'",
+    ),
+    (
         "interval-bounds-without-auto",
         with_spec(checkpoint={"uri": "s3://bkt/p", "interval": {"steps": 100, "maxSteps": 9}}),
         "spec.checkpoint.interval",

@@ -179,6 +179,32 @@ def test_pods_short_of_memory_are_named_in_a_condition_with_the_fix_until_a_chec
     assert not any(c["type"] == "CheckpointMemoryShort" for c in never.status.get("conditions", []))
 
 
+def test_a_diagnosed_hang_is_a_condition_and_one_event_until_the_run_trains_past_it():
+    hang = {
+        "step": 40,
+        "time": "2026-11-21T12:00:00Z",
+        "diagnosis": "hang after step 40: no progress for 31 s; all_reduce #125 of process group 0 waited for rank 1",
+        "ranks": [1],
+    }
+    hung = running_status(lastHang=hang, progress={"step": 40, "updatedAt": "2026-11-21T11:59:29Z"})
+    plan = reconcile.decide(observe(status=hung, jobs=[job(1, "Running")]))
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "Hung")
+    assert condition["status"] == "True" and condition["reason"] == "NoProgress"
+    assert "waited for rank 1" in condition["message"] and "2026-11-21T12:00:00Z" in condition["message"]
+    assert [e.reason for e in plan.events if e.type == "Warning"] == ["Hung"]
+    again = running_status(lastHang=hang, progress={"step": 30}, conditions=plan.status["conditions"])
+    plan = reconcile.decide(observe(status=again, jobs=[job(1, "Running")]))  # resumed below it: still hung, no Event
+    assert [e.reason for e in plan.events if e.type == "Warning"] == []
+    past = running_status(
+        lastHang=hang, progress={"step": 41}, conditions=plan.status.get("conditions") or again["conditions"]
+    )
+    plan = reconcile.decide(observe(status=past, jobs=[job(1, "Running")]))
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "Hung")
+    assert condition["status"] == "False" and condition["reason"] == "TrainingAgain"
+    never = reconcile.decide(observe(status=running_status(), jobs=[job(1, "Running")]))
+    assert not any(c["type"] == "Hung" for c in never.status.get("conditions", []))
+
+
 def test_old_attempts_are_deleted_and_the_last_failed_one_kept():
     status = running_status(3, phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z")
     plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed"), job(2, "Failed"), job(3, "Failed")]))

@@ -11,6 +11,7 @@ import pytest
 
 from trainingrun_api import contract, progress_report
 from trainingrun_api.progress_report import CommittedCheckpoint, Progress, Report
+from trainingrun_trainer import reporting
 from trainingrun_trainer.reporting import ProgressReporter, ReportEndpoint, from_env
 
 TOKEN = "projected-token-must-not-leak"
@@ -360,3 +361,31 @@ def test_a_503_is_sent_again_at_once_on_a_new_connection(refusals, sent):
     server.shutdown()
     assert len(connections) == min(refusals + 1, SENDS_ON_503) == len(set(connections))
     assert (reporter.sent, reporter.failures) == (sent, 1 - sent)
+
+
+def test_a_hang_is_sent_at_once_from_any_rank_and_goes_into_status(endpoint, tmp_path):
+    url, received, wait_until = endpoint
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    hang = progress_report.Hang(
+        step=40, time="2026-11-24T00:00:00Z", diagnosis="hang after step 40: ... waited for rank 1", ranks=[1]
+    )
+    report = Report("team-a", "demo", "uid-1", 2, last_hang=hang)
+    env = {contract.REPORT_URL: url, contract.REPORT_TOKEN_FILE: str(token)}
+    assert reporting.send_now(report, env=env)  # sent before it returns: the process exits next
+    assert received[-1][2].last_hang == hang
+    assert Report.from_json(report.to_json()).status_fields() == {"lastHang": hang.to_wire()}
+    assert not reporting.send_now(report, env={})  # no endpoint: nothing to send to
+
+
+@pytest.mark.parametrize("diagnosis", ["x" * (progress_report.MAX_DIAGNOSIS_LENGTH + 1), "rank 1 at caf\u00e9.py", ""])
+def test_a_hang_diagnosis_that_is_too_long_or_not_ascii_is_refused(diagnosis):
+    body = {
+        "namespace": "ns",
+        "name": "demo",
+        "uid": "u",
+        "attempt": 1,
+        "lastHang": {"step": 1, "time": "2026-11-24T00:00:00Z", "diagnosis": diagnosis},
+    }
+    with pytest.raises(progress_report.ReportError, match=r"lastHang\.diagnosis"):
+        Report.from_json(json.dumps(body).encode())

@@ -50,3 +50,4 @@ def test_every_lazy_private_name_is_there():
     assert callable(importlib.import_module("torch._inductor.codecache").torch_key)
     assert callable(importlib.import_module("torch._inductor.cpu_vec_isa").valid_vec_isa_list)
     importlib.import_module("torch._inductor.compile_fx")
+    assert callable(importlib.import_module("torch._C._distributed_c10d")._dump_fr_trace_json)  # flight_recorder_json

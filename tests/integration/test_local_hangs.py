@@ -1,0 +1,57 @@
+"""Hangs under `trainingrun local`: a rank stopped, blocked before a collective, or whose data loader blocks is found
+by the hang watch (hangs.py) in real torchrun processes over gloo, named in the diagnosis with where it was, and the
+worker group restarts in place and finishes the run from its last checkpoint."""
+
+import re
+
+import pytest
+from test_local_runs import INTERVAL, local, result_of, training_run, write_run
+
+pytestmark = pytest.mark.slow
+
+#: Short, so the tests are quick; `auto` (at least 30 s) is the detector's unit tests' business.
+HANG_TIMEOUT = 8
+HANG_AFTER = 25
+
+
+@pytest.mark.parametrize(
+    "kind, rank, blamed",
+    [
+        ("stop", 1, r"waited for rank 1 \(pod [^)]+\), which did not answer"),
+        ("data", 1, r"waited for rank 1 \(pod [^)]+\), at trainingrun_trainer/chaos\.py:\d+ in block_forever < "
+         r"trainingrun_trainer/chaos\.py:\d+ in data_gate"),
+        ("block", 0, r"waited for rank 0 \(pod [^)]+\), at trainingrun_trainer/chaos\.py:\d+ in block_forever < "
+         r"trainingrun_trainer/chaos\.py:\d+ in after_step"),
+    ],
+)  # fmt: skip
+def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, blamed):
+    body = training_run()
+    body["spec"]["recovery"]["hangTimeoutSeconds"] = HANG_TIMEOUT
+    done = local(tmp_path, write_run(tmp_path, body), "--chaos-hang", f"{kind}:{HANG_AFTER}:{rank}")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = result_of(done.stdout)
+    assert result["steps"] == "60" and result["hangs"] == "1" and result["restarts_in_place"] == "1"
+    hang = [line for line in done.stdout.splitlines() if line.startswith("hang 1 of 1: ")]
+    assert hang, done.stdout
+    assert f"hang after step {HANG_AFTER}: no progress for" in hang[0]
+    assert re.search(r"all_reduce #\d+ of process group 0", hang[0]), hang[0]
+    assert re.search(blamed, hang[0]), hang[0]
+    log = (tmp_path / "runs" / "demo" / "attempt-1.log").read_text()
+    last_commit = HANG_AFTER - HANG_AFTER % INTERVAL  # the restarted group resumes from the newest commit before it
+    assert re.search(
+        rf"resumed from \S+/step-0*{last_commit} at step {last_commit} in [\d.]+ s, reading node memory", log
+    )
+    if kind == "stop":  # the stopped rank is killed by its pod-mate, not left to torchrun's 30 s
+        assert f"rank {rank} (pid " in log and "killing it so that the worker group restarts now" in log
+
+
+def test_a_chaos_hang_that_cannot_work_is_refused_before_anything_starts(tmp_path):
+    body = training_run()
+    body["spec"]["nprocPerNode"] = 1
+    done = local(tmp_path, write_run(tmp_path, body), "--chaos-hang", "stop:10")
+
+    assert done.returncode == 2
+    assert "a stopped rank is found by the ranks still running" in done.stderr and "--nproc 2" in done.stderr
+    done = local(tmp_path, write_run(tmp_path, training_run()), "--chaos-hang", "freeze:10")
+    assert done.returncode == 2 and "KIND one of stop, block, data" in done.stderr

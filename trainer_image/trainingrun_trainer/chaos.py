@@ -1,0 +1,62 @@
+"""`trainingrun local`'s faults, injected by the training processes themselves at a precise step (the options set
+contract variables that RunContext reads): a worker that SIGKILLs itself, a node that stops, and the hangs that
+hangs.py finds (a rank stopped, blocked before a collective, or whose data loader blocks)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any, Callable
+
+from .context import RunContext
+
+log = logging.getLogger("trainingrun.session")
+
+#: Set by `--chaos-hang data:STEP`: the next batch this process reads never comes (`data_gate`).
+_DATA_BLOCKED = threading.Event()
+
+
+def block_forever() -> None:
+    """What a hung rank does: waits for what never happens (the wait can only end with the process)."""
+    threading.Event().wait()
+
+
+def data_gate() -> None:
+    """The data path's check before each batch: blocks for ever once `--chaos-hang data` fired in this process."""
+    if _DATA_BLOCKED.is_set():
+        log.warning("chaos: the data loader blocks")
+        block_forever()
+
+
+def after_step(context: RunContext, step: int, make_durable: Callable[[], Any]) -> None:
+    """The faults asked for at the end of `step` (nothing unless a chaos option asked): one worker SIGKILLs itself
+    (--chaos-kill-step), the node's local rank 0 stops itself until every process of the node is killed
+    (--chaos-lose-node: its peers lose it as a node failure loses a pod), or one rank hangs (--chaos-hang).
+    `make_durable`: waits until earlier checkpoints are durable, so that a crash loses exactly the steps since the
+    last one, whatever the machine's load."""
+    kill = step == context.chaos_kill_at_step and context.rank == step % context.world_size
+    lose = step == context.chaos_lose_node_at_step and context.local_rank == 0
+    hang = context.chaos_hang is not None and context.chaos_hang.fires(step, context.rank, context.world_size)
+    if not (kill or lose or hang):
+        return
+    make_durable()
+    if hang:
+        kind = context.chaos_hang.kind if context.chaos_hang else ""
+        log.warning("chaos: rank %d hangs after step %d (%s)", context.rank, step, kind)
+        if kind == "data":
+            _DATA_BLOCKED.set()
+        elif kind == "block":
+            block_forever()
+        else:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if kill:
+        log.warning("chaos: SIGKILL worker rank %d at step %d", context.rank, step)
+    else:
+        log.warning("chaos: node lost at step %d (%s)", step, context.pod_name)
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL if kill else signal.SIGSTOP)
