@@ -352,6 +352,23 @@ def pod_processes(pod: str) -> list[int]:
     return found
 
 
+def training_processes(pod: str) -> list[int]:
+    """The training processes of a pod: the children of the launcher's forkserver (which forks them, so their command
+    line is the forkserver's: what tells them apart is their parent)."""
+    processes = set(pod_processes(pod))
+
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rpartition(")")[2].split()[1])
+
+    def forkserver(pid: int) -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"forkserver" in cmdline.read()
+
+    servers = {pid for pid in processes if forkserver(pid) and not forkserver(parent(pid))}  # the launcher's child
+    return sorted(pid for pid in processes if parent(pid) in servers)
+
+
 def lose_without_warning(cluster: Cluster, namespace: str, pod: str) -> None:
     """As a node failure loses a pod: every process of it stopped at once (no SIGTERM, so no emergency checkpoint),
     the pod force-deleted (so its controller makes it again: a new pod, its /dev/shm empty, not a container restarted

@@ -172,7 +172,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return _on_the_cluster(
         args,
         "read the logs of",
-        lambda source: follow.follow_logs(source, pod_index=args.pod, attempt=args.attempt, follow=args.follow),
+        lambda source: (
+            follow.last_hang(source)
+            if args.hang
+            else follow.follow_logs(source, pod_index=args.pod, attempt=args.attempt, follow=args.follow)
+        ),
     )
 
 
@@ -406,6 +410,11 @@ COMMANDS = (
                 "pods; every log line names its rank",
             ),
             arg("--attempt", type=positive_int, help="this attempt only (default: the current one, then the next)"),
+            arg(
+                "--hang",
+                action="store_true",
+                help="print the whole diagnosis of the run's last hang (status.lastHang) from the pod that logged it",
+            ),
             *CLUSTER,
         ),  # fmt: skip
     ),

@@ -179,6 +179,44 @@ def follow_logs(
         body = source.run()
 
 
+#: How the trainer starts each line of a hang's diagnosis (hangs.py): the summary, then its details indented.
+HANG_DIAGNOSIS = "hang diagnosis: "
+
+
+def last_hang(source: LogSource, out: Optional[TextIO] = None) -> int:
+    """Print the whole diagnosis of the run's last hang (status.lastHang): the `hang diagnosis:` lines of the pod
+    of the current attempt that logged the newest one; status's one line where no pod's log still has them."""
+    import sys
+
+    out = out or sys.stdout
+    body = source.run()
+    name = str((body.get("metadata") or {}).get("name") or "")
+    status = body.get("status") or {}
+    hang = status.get("lastHang")
+    if not hang:
+        raise NothingToShow(f"{name} has had no hang (status.lastHang is empty)")
+    newest: tuple[str, str, list[str]] = ("", "", [])  # (its summary line, pod, its lines)
+    attempt = int(status.get("attempt") or 0)
+    for index in range(_spec(body).replicas.effective_max if attempt else 0):
+        pod = _worker_pod(source, status, name, attempt, index)
+        if not pod or not source.container(pod):
+            continue
+        lines = [line for line in source.lines(pod, False) if HANG_DIAGNOSIS in line]
+        starts = [i for i, line in enumerate(lines) if HANG_DIAGNOSIS + "hang" in line]
+        if starts and lines[starts[-1]] > newest[0]:  # lines start with their time: the later sorts last
+            block = lines[starts[-1] :]
+            ends = next((i for i, line in enumerate(block[1:], 1) if HANG_DIAGNOSIS + "hang" in line), len(block))
+            newest = (lines[starts[-1]], pod, block[:ends])
+    print(f"==> the last hang: after step {hang.get('step')}, diagnosed {hang.get('time')} <==", file=out)
+    if not newest[2]:
+        print(f"{hang.get('diagnosis')}\n(no pod of attempt {attempt} still logs the details)", file=out)
+        return 0
+    print(f"==> pod {newest[1]} <==", file=out)
+    for line in newest[2]:
+        print(line.split(HANG_DIAGNOSIS, 1)[1], file=out)
+    return 0
+
+
 def _worker_pod(source: LogSource, status: dict[str, Any], name: str, attempt: int, index: int) -> Optional[str]:
     """Worker `index`'s pod in `attempt`: Kubeflow names it (`<job>-worker-<index>`); a JobSet's is looked up."""
     if status.get("backend") == jobset.KIND:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -262,6 +264,52 @@ def lose_without_warning_and_restore_from_a_peer(cluster: Cluster, worker: int, 
                 else ""
             )
         )
+
+
+def test_a_stopped_training_process_is_named_in_status_and_the_run_goes_on(installed, reference_digest):
+    """Worker-1's training process stopped (SIGSTOP; its pod and its launcher run on: a hang, not a crash): the
+    hang watch of rank 0 asks rank 1, which does not answer; condition Hung names rank 1 and its pod, with a Warning
+    Event, status.lastHang holds the diagnosis, the worker group restarts in place, and the run succeeds in its
+    first attempt with the uninterrupted run's model."""
+    name = "journey"
+    with installed.namespace("hang-worker-1") as namespace:
+        bucket = installed.s3.new_bucket()
+        explain = lambda: installed.diagnose(namespace)  # noqa: E731
+        document = run_file(bucket, name, installed.s3.endpoint_url)
+        document["spec"]["checkpoint"]["interval"] = {"steps": 5}
+        document["spec"]["recovery"]["hangTimeoutSeconds"] = 20
+        path = Path(installed.plane.workdir) / f"{namespace}.yaml"
+        path.write_text(yaml.safe_dump(document))
+        installed.create_s3_secret(namespace)
+        installed.kubectl("-n", namespace, "apply", "-f", str(path))
+
+        def training() -> dict[str, Any]:
+            status = installed.run(namespace, name).get("status") or {}
+            return status if 20 <= step_of({"status": status}) < 2000 else {}
+
+        status = installed.wait("training past its first steps", training, explain=explain)
+        pod = installed.worker_pod(namespace, name, status["attempt"], 1)
+        workers = kube_journey.training_processes(pod)
+        assert len(workers) == 1, f"{pod}'s training processes: {workers}"
+        os.kill(workers[0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+
+        def hung() -> Optional[dict[str, Any]]:
+            found = condition(installed.run(namespace, name), "Hung")
+            return found if found and found["status"] == "True" else None
+
+        said = installed.wait("condition Hung", hung, explain=explain)
+        named_after = time.monotonic() - stopped_at
+        assert f"rank 1 (pod {pod}" in said["message"] and "did not answer" in said["message"], said
+        assert re.search(r"all_reduce #\d+ of process group 0", said["message"]), said
+        assert installed.run(namespace, name)["status"]["lastHang"]["ranks"] == [1]
+        events = installed.kubectl("-n", namespace, "get", "events", "--field-selector", "reason=Hung").stdout
+        assert "did not answer" in events, events
+        done = installed.wait_finished(namespace, name, explain)
+        assert done["status"]["phase"] == "Succeeded" and done["status"]["attempt"] == 1, explain()
+        assert condition(done, "Hung")["status"] == "False"
+        assert final_model_digest(installed, bucket, name) == reference_digest
+        print(f"hang-worker-1: condition Hung {named_after:.1f} s after the stop: {said['message']}")
 
 
 def test_prometheus_scrapes_trainer_pods_and_the_dashboard_has_data(installed, tmp_path):

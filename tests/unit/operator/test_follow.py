@@ -205,3 +205,35 @@ def test_logs_follow_a_jobset_worker_across_its_replacement_pod(minimal_body):
     ]
     head = follow.status_lines({**two_pods, "status": cluster.moments[0]["status"]})[0]
     assert head == "TrainingRun team-a/demo: Running, attempt 1 (JobSet demo-a1)"
+
+
+def test_logs_hang_prints_the_newest_diagnosis_from_the_pod_that_logged_it(minimal_body):
+    import io
+
+    import pytest
+
+    hang = {"step": 40, "time": "2026-11-24T18:31:02Z", "diagnosis": "hang after step 40: ... waited for rank 1"}
+    earlier = "2026-11-24 18:20:00,000 rank0 ERROR trainingrun.hangs: hang diagnosis: hang after step 9: old"
+    newest = [
+        "2026-11-24 18:31:02,000 rank1 ERROR trainingrun.hangs: hang diagnosis: hang after step 40: waited for rank 0",
+        "2026-11-24 18:31:02,001 rank1 ERROR trainingrun.hangs: hang diagnosis:   rank 0 (pod p0): did not answer",
+    ]
+    pods = {
+        "demo-a1-worker-0": ("u0", "running", [earlier, "step 41"]),
+        "demo-a1-worker-1": ("u1", "running", ["step 40", *newest, "step 41"]),
+    }
+    cluster = ScriptedCluster(minimal_body, [{"status": {"attempt": 1, "lastHang": hang}, "pods": pods}])
+    cluster.worker_pod = lambda attempt, index: f"demo-a{attempt}-worker-{index}"  # a PyTorchJob's names
+    out = io.StringIO()
+    body = {**minimal_body, "spec": {**minimal_body["spec"], "replicas": {"min": 2, "max": 2}}}
+    cluster.body = body
+    assert follow.last_hang(cluster, out=out) == 0
+    assert out.getvalue().splitlines() == [
+        "==> the last hang: after step 40, diagnosed 2026-11-24T18:31:02Z <==",
+        "==> pod demo-a1-worker-1 <==",
+        "hang after step 40: waited for rank 0",
+        "  rank 0 (pod p0): did not answer",
+    ]
+    cluster.moments[0]["status"] = {"attempt": 1}
+    with pytest.raises(follow.NothingToShow, match="has had no hang"):
+        follow.last_hang(cluster, out=io.StringIO())
