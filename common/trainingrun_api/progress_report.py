@@ -170,6 +170,9 @@ class ProcessTime(ReportPart):
         description="Samples its steps trained over all ranks, kept or lost: over computeSeconds and "
         "dataWaitSeconds, the average throughput.",
     )
+    hang_seconds: Seconds = Field(
+        default=0.0, description="No progress before a hang was found and diagnosed (the trainer's hangs.py)."
+    )
 
     #: Start-up to the first step, part by part (they add up to it): `startup_seconds`' phases, restore, the first step.
     STARTUP_PARTS: ClassVar[tuple[str, ...]] = ("imports", "init", "model", "data", "prepare", "restore", "first_step")

@@ -53,7 +53,7 @@ def goodput(productive_seconds: float, wall_seconds: float) -> Optional[float]:
 
 
 #: The goodput breakdown's parts, in the order they are shown; they add up to wall time.
-BREAKDOWN = ("productive", "lost", "startup", "restore", "checkpoint", "data_wait", "eval", "backoff", "other")
+BREAKDOWN = ("productive", "lost", "startup", "restore", "checkpoint", "data_wait", "eval", "hang", "backoff", "other")
 
 
 def time_breakdown(
@@ -66,7 +66,8 @@ def time_breakdown(
     rollback threw away; startup: starting (and ending) processes, imports, rendezvous, model and data, and all time
     no training process reported (launchers, a killed process after its last report); restore, checkpoint (the
     training thread blocked, and the time a background save added to the steps beside it), data_wait, eval: as the
-    processes measured them; other: what remains (logging, metrics, reporting between steps)."""
+    processes measured them; hang: from a hung process's last step to the diagnosis (the restart after it is
+    startup); other: what remains (logging, metrics, reporting between steps)."""
 
     def total(field: str) -> float:
         return float(sum(getattr(process, field) for process in processes))
@@ -82,6 +83,7 @@ def time_breakdown(
         "checkpoint": total("checkpoint_seconds"),
         "data_wait": total("data_wait_seconds"),
         "eval": total("eval_seconds"),
+        "hang": total("hang_seconds"),
         "backoff": backoff_seconds,
     }
     parts["other"] = wall_seconds - sum(parts.values())

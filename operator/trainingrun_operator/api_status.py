@@ -104,6 +104,9 @@ class TimeBreakdown(ApiModel):
     checkpoint_seconds: float = Field(default=0.0, description="Training blocked by saves.")
     data_wait_seconds: float = Field(default=0.0, description="Steps waiting for input.")
     eval_seconds: float = Field(default=0.0, description="Evaluations.")
+    hang_seconds: float = Field(
+        default=0.0, description="Hangs: from the last step before one to its diagnosis (spec.recovery)."
+    )
     backoff_seconds: float = Field(default=0.0, description="Waiting out backoffs between attempts.")
     other_seconds: float = Field(default=0.0, description="The rest: logging, metrics and reporting between steps.")
 

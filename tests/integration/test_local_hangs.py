@@ -5,7 +5,7 @@ worker group restarts in place and finishes the run from its last checkpoint."""
 import re
 
 import pytest
-from test_local_runs import INTERVAL, local, result_of, training_run, write_run
+from test_local_runs import INTERVAL, breakdown_of, local, result_of, training_run, write_run
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,8 @@ def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, blamed):
     assert done.returncode == 0, done.stdout + done.stderr
     result = result_of(done.stdout)
     assert result["steps"] == "60" and result["hangs"] == "1" and result["restarts_in_place"] == "1"
+    # rank 0 (alive in every case here) reported its time to the diagnosis as hang, not as start-up
+    assert breakdown_of(done.stdout)["hang"] >= HANG_TIMEOUT, done.stdout
     hang = [line for line in done.stdout.splitlines() if line.startswith("hang 1 of 1: ")]
     assert hang, done.stdout
     assert f"hang after step {HANG_AFTER}: no progress for" in hang[0]

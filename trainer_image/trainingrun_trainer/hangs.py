@@ -136,6 +136,10 @@ class StepWatch:
         waited = self._now() - self._since()
         return waited if waited >= limit else None
 
+    def waited(self) -> float:
+        """Seconds since the last progress (or the end of a long phase after it)."""
+        return max(0.0, self._now() - self._since())
+
     def rearm(self) -> None:
         """Wait a whole limit again (a peer was in a long phase)."""
         self._resumed_at = self._now()
@@ -214,11 +218,13 @@ class HangWatch:
         node: str,
         store: Any = None,
         on_hang: Optional[Callable[[Diagnosis], None]] = None,
+        on_exit: Optional[Callable[[], None]] = None,
         exit: Callable[[int], None] = os._exit,
     ):
         self.watch, self.rank, self.world_size, self.pod, self.node = watch, rank, world_size, pod, node
         self.store = store
         self.on_hang = on_hang
+        self.on_exit = on_exit  #: the process's last word before it exits (its time, counted as hang)
         self._exit = exit
         self.round = 0  #: questions asked in this worker group so far
         self.diagnosis: Optional[Diagnosis] = None
@@ -376,6 +382,14 @@ class HangWatch:
                 self.on_hang(diagnosis)
             except Exception as error:  # the exit matters more than the report
                 log.warning("could not report the hang: %s", error)
+        clock = self.watch.clock
+        if clock is not None:
+            clock.add("hang", self.watch.waited())
+        if self.on_exit is not None:
+            try:
+                self.on_exit()
+            except Exception as error:  # the exit matters more
+                log.warning("could not report this process's time: %s", error)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
@@ -407,7 +421,11 @@ def shared_store() -> Any:
     return dist.PrefixStore(f"trainingrun/hangs/{group}", store)
 
 
-def for_process(context: Any, on_hang: Optional[Callable[[Diagnosis], None]] = None) -> HangWatch:
+def for_process(
+    context: Any,
+    on_hang: Optional[Callable[[Diagnosis], None]] = None,
+    on_exit: Optional[Callable[[], None]] = None,
+) -> HangWatch:
     """This process's watch (context: a RunContext), started under torchrun unless the timeout is 0; elsewhere (a
     script run as it is, a test) it only keeps the watch's figures."""
     watch = StepWatch(context.hang_timeout_seconds)
@@ -428,6 +446,7 @@ def for_process(context: Any, on_hang: Optional[Callable[[Diagnosis], None]] = N
         node=context.node_name,
         store=store,
         on_hang=on_hang,
+        on_exit=on_exit,
     )
     if running:
         hang_watch.start()

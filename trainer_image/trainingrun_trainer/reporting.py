@@ -112,6 +112,12 @@ class ProgressReporter:
         if news:
             self._news.set()
 
+    def process_time(self, process_time: ProcessTime) -> None:
+        """Where this process's time went, newer than its last progress's (a hung process's last word): news."""
+        with self._lock:
+            self._process_time = process_time
+        self._news.set()
+
     def committed(self, checkpoint: CommittedCheckpoint) -> None:
         with self._lock:
             news = self._checkpoint is None or self._checkpoint.step != checkpoint.step

@@ -156,7 +156,7 @@ class Run:
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         #: Finds a rank that makes no progress, says who held the run up, and restarts the worker group (hangs.py).
-        self.hang_watch = hangs.for_process(context, on_hang=self._report_hang)
+        self.hang_watch = hangs.for_process(context, on_hang=self._report_hang, on_exit=self._last_report)
 
     def _memory_tier(self) -> Optional[str]:
         """This attempt's memory tier directory (None: off, or no /dev/shm here); earlier attempts' are removed."""
@@ -471,6 +471,13 @@ class Run:
                 ),
             )
         )
+
+    def _last_report(self) -> None:
+        """Before a hung process exits: its time, the hang included, in one last report (rank 0's reporter)."""
+        clock = self.hang_watch.watch.clock
+        if clock is not None and self.reports.reporter.enabled:
+            self.reports.reporter.process_time(clock.snapshot())
+            self.reports.reporter.close(flush_timeout=3.0)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM received: will checkpoint and stop after the current step")

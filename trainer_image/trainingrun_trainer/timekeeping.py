@@ -14,7 +14,7 @@ from trainingrun_api.progress_report import ProcessTime
 _IMPORTED = time.monotonic()
 
 #: The kinds of time a process adds up.
-KINDS = ("startup", "restore", "checkpoint", "data_wait", "compute", "eval")
+KINDS = ("startup", "restore", "checkpoint", "data_wait", "compute", "eval", "hang")
 #: The parts of "startup", in order (`ProcessClock.mark`): interpreter start and imports; seeding, CUDA and the
 #: process group; building the model and optimizer (and wrapping it for torch.compile); building the data; and the
 #: rest before training (the checkpoint store, the trackers). Restoring is a kind of its own; the first step, where
@@ -123,6 +123,7 @@ class ProcessClock:
             data_wait_seconds=round(s["data_wait"], 3),
             compute_seconds=round(s["compute"], 3),
             eval_seconds=round(s["eval"], 3),
+            hang_seconds=round(s["hang"], 3),
             trained_samples=float(self.trained_samples),
             restored_productive_seconds=round(self.restored_productive_seconds, 3),
             **startup,

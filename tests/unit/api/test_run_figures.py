@@ -71,3 +71,10 @@ def test_the_breakdown_adds_up_to_the_wall_time_and_splits_kept_from_lost_comput
     assert math.isclose(sum(parts.values()), 100.0)
     assert parts["productive"] == 50.0 and parts["lost"] == 10.0  # 60 s of compute, 50 kept
     assert parts["startup"] == 15 + (100 - 4 - 90)
+
+
+def test_a_hung_process_s_wait_is_the_breakdowns_hang_not_startup():
+    hung = ProcessTime(process="a", alive_seconds=70, startup_seconds=5, compute_seconds=30, hang_seconds=35)
+    parts = time_breakdown(80.0, [hung], productive_seconds=30.0)
+    assert parts["hang"] == 35 and parts["startup"] == 5 + (80 - 70)
+    assert math.isclose(sum(parts.values()), 80.0) and parts["other"] == 0
