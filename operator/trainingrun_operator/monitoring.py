@@ -71,6 +71,16 @@ ALERTS = [
         "loses the steps since the last checkpoint.",
     ),
     Alert(
+        "TrainingRunHung",
+        "sum by (namespace, run) (increase(trainingrun_operator_hangs_total[1h])) > 0",
+        "0m",
+        "warning",
+        "TrainingRun {{ $labels.namespace }}/{{ $labels.run }} hung in the last hour",
+        "A rank made no step progress for spec.recovery.hangTimeoutSeconds; the workers restarted in place. "
+        "`kubectl describe trainingrun` (condition Hung) and `trainingrun logs RUN --hang` name the collective and "
+        "the ranks, pods and nodes that held it up: a node named again and again may be faulty.",
+    ),
+    Alert(
         "TrainingRunGPUIdle",
         "avg by (namespace, run) (trainingrun_gpu_utilization_ratio) < 0.1",
         "15m",
