@@ -15,19 +15,26 @@ HANG_AFTER = 25
 
 
 @pytest.mark.parametrize(
-    "kind, rank, blamed",
+    "kind, rank, nodes, blamed",
     [
-        ("stop", 1, r"waited for rank 1 \(pod [^)]+\), which did not answer"),
-        ("data", 1, r"waited for rank 1 \(pod [^)]+\), at trainingrun_trainer/chaos\.py:\d+ in block_forever < "
+        ("stop", 1, 1, r"waited for rank 1 \(pod [^)]+\), which did not answer"),
+        ("data", 1, 1, r"waited for rank 1 \(pod [^)]+\), at trainingrun_trainer/chaos\.py:\d+ in block_forever < "
          r"trainingrun_trainer/chaos\.py:\d+ in data_gate"),
-        ("block", 0, r"waited for rank 0 \(pod [^)]+\), at trainingrun_trainer/chaos\.py:\d+ in block_forever < "
+        ("block", 0, 1, r"waited for rank 0 \(pod [^)]+\), at trainingrun_trainer/chaos\.py:\d+ in block_forever < "
          r"trainingrun_trainer/chaos\.py:\d+ in after_step"),
+        # On another node (pod): nobody there to kill it, and that node's agent restarts its group without counting
+        # a restart; its new group must not hang again.
+        ("stop", 1, 2, r"waited for rank 1 \(pod demo-a1-worker-1\), which did not answer"),
     ],
+    ids=["stop", "data", "block", "stop-on-another-node"],
 )  # fmt: skip
-def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, blamed):
+def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, nodes, blamed):
     body = training_run()
     body["spec"]["recovery"]["hangTimeoutSeconds"] = HANG_TIMEOUT
-    done = local(tmp_path, write_run(tmp_path, body), "--chaos-hang", f"{kind}:{HANG_AFTER}:{rank}")
+    if nodes > 1:
+        body["spec"]["nprocPerNode"] = 1
+    flags = ("--chaos-hang", f"{kind}:{HANG_AFTER}:{rank}", "--nodes", str(nodes))
+    done = local(tmp_path, write_run(tmp_path, body), *flags)
 
     assert done.returncode == 0, done.stdout + done.stderr
     result = result_of(done.stdout)
@@ -44,7 +51,7 @@ def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, blamed):
     assert re.search(
         rf"resumed from \S+/step-0*{last_commit} at step {last_commit} in [\d.]+ s, reading node memory", log
     )
-    if kind == "stop":  # the stopped rank is killed by its pod-mate, not left to torchrun's 30 s
+    if kind == "stop" and nodes == 1:  # the stopped rank is killed by its pod-mate, not left to torchrun's 30 s
         assert f"rank {rank} (pid " in log and "killing it so that the worker group restarts now" in log
 
 

@@ -10,6 +10,8 @@ import signal
 import threading
 from typing import Any, Callable
 
+from trainingrun_api import contract
+
 from .context import RunContext
 
 log = logging.getLogger("trainingrun.session")
@@ -30,6 +32,22 @@ def data_gate() -> None:
         block_forever()
 
 
+HANG_FIRED = contract.CHAOS_HANG_FIRED_FILE
+
+
+def _first_hang(context: RunContext) -> bool:
+    """Whether no worker group of this invocation hung by `--chaos-hang` yet (this call marks it so): a group
+    restarted because a peer's failed does not count as restarted on its node (TORCHELASTIC_RESTART_COUNT 0), and
+    would hang again at the same step."""
+    try:
+        os.close(os.open(os.path.join(os.path.dirname(context.config_path), HANG_FIRED), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    except OSError:  # no place for the mark: the restart count alone decides (context.chaos_hang)
+        return True
+    return True
+
+
 def after_step(context: RunContext, step: int, make_durable: Callable[[], Any]) -> None:
     """The faults asked for at the end of `step` (nothing unless a chaos option asked): one worker SIGKILLs itself
     (--chaos-kill-step), the node's local rank 0 stops itself until every process of the node is killed
@@ -39,6 +57,8 @@ def after_step(context: RunContext, step: int, make_durable: Callable[[], Any]) 
     kill = step == context.chaos_kill_at_step and context.rank == step % context.world_size
     lose = step == context.chaos_lose_node_at_step and context.local_rank == 0
     hang = context.chaos_hang is not None and context.chaos_hang.fires(step, context.rank, context.world_size)
+    if hang and not _first_hang(context):
+        hang = False
     if not (kill or lose or hang):
         return
     make_durable()

@@ -4,7 +4,8 @@ rank was doing then (hang_analysis.py names who held the run up).
 How long is too long (`StepWatch`): spec.recovery.hangTimeoutSeconds, or with `auto` (the default)
 max(FLOOR_SECONDS, STEP_FACTOR x the typical time between steps) over the last TYPICAL_WINDOW steps. Phases known to
 be long do not count and restart the wait when they end: restoring, saving a checkpoint, evaluating (the process
-clock's phases, timekeeping.py, and `pausing` for a loop of one's own). Nor do the first WARMUP_STEPS steps of a
+clock's phases, timekeeping.py, and `pausing` for a loop of one's own), unless the rank has waited in a collective
+for longer than the limit there (a save waiting for a peer that hung). Nor do the first WARMUP_STEPS steps of a
 process (compiling, warming up, data start-up): the operator's stallTimeoutSeconds is the guard there, and for a
 whole pod frozen, which no thread of it can report.
 
@@ -30,10 +31,11 @@ import sysconfig
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 from trainingrun_api import contract, exit_codes
 
@@ -78,9 +80,17 @@ class StepWatch:
     """Whether this rank's training has gone without progress for too long. `timeout`: seconds, None for auto,
     0 for off."""
 
-    def __init__(self, timeout: Optional[float], now: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        timeout: Optional[float],
+        now: Callable[[], float] = time.monotonic,
+        collective_age: Callable[[], float] = lambda: 0.0,
+    ):
         self.timeout = timeout
         self._now = now
+        #: Seconds the oldest collective in flight has waited (`oldest_collective_seconds`): a long phase stuck in one
+        #: waits for a peer, not for its own work, and is no excuse.
+        self._collective_age = collective_age
         self.step = -1  #: the newest step completed
         self.steps_seen = 0  #: steps completed by this process
         self.last_progress = now()
@@ -109,11 +119,15 @@ class StepWatch:
             self._resumed_at = self._now()
 
     def phase(self) -> str:
-        """The long phase this rank is in now ("" when none)."""
-        if self._pauses:
-            return self._pauses[-1]
-        current = getattr(self.clock, "phase", "")
-        return current if current in LONG_PHASES else ""
+        """The long phase this rank is in now, doing its own work ("" when none, or when it has waited in a
+        collective for longer than the limit: then it waits for a peer, which may be hung)."""
+        current = self._pauses[-1] if self._pauses else getattr(self.clock, "phase", "")
+        if current not in LONG_PHASES and not self._pauses:
+            return ""
+        limit = self.limit()
+        if limit is not None and self._now() - self._since() >= limit and self._collective_age() >= limit:
+            return ""
+        return current
 
     def _since(self) -> float:
         """When the wait began: the last progress, or the end of a long phase after it."""
@@ -175,15 +189,37 @@ def thread_frames(thread_id: Optional[int] = None) -> tuple[str, ...]:
     return tuple(frames[-MAX_FRAMES:])
 
 
-def flight_recorder() -> tuple[dict[str, GroupState], tuple[Collective, ...], bool]:
-    """(each process group's newest enqueued and completed collective, the collectives in flight, whether a flight
-    recorder answered) from torch's flight recorder in this process."""
+def _recorder() -> Optional[dict[str, Any]]:
+    """torch's flight recorder's dump in this process; None where there is none (an older torch, the recorder off)."""
     try:
         from .torch_internals import flight_recorder_json
 
         data = json.loads(flight_recorder_json())
-    except Exception as error:  # an older torch, no recorder, a recorder that cannot dump: the stack still helps
+    except Exception as error:  # a recorder that cannot dump: the stack still helps
         log.debug("no flight recorder dump: %s", error)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _in_flight(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        e for e in data.get("entries") or [] if isinstance(e, dict) and not e.get("retired") and not e.get("is_p2p")
+    ]
+
+
+def oldest_collective_seconds() -> float:
+    """Seconds the oldest collective in flight in this process has waited (0: none, or no recorder)."""
+    data = _recorder()
+    created = [int(e.get("time_created_ns") or 0) for e in _in_flight(data)] if data else []
+    created = [ns for ns in created if ns > 0]
+    return max(0.0, (time.time_ns() - min(created)) / 1e9) if created else 0.0
+
+
+def flight_recorder() -> tuple[dict[str, GroupState], tuple[Collective, ...], bool]:
+    """(each process group's newest enqueued and completed collective, the collectives in flight, whether a flight
+    recorder answered) from torch's flight recorder in this process."""
+    data = _recorder()
+    if data is None:
         return {}, (), False
     groups = {
         str(pg): GroupState(
@@ -198,8 +234,7 @@ def flight_recorder() -> tuple[dict[str, GroupState], tuple[Collective, ...], bo
             str(entry.get("profiling_name", "")),
             str(entry.get("input_sizes", "")),
         )
-        for entry in data.get("entries") or []
-        if not entry.get("retired") and not entry.get("is_p2p")
+        for entry in _in_flight(data)
     )[-32:]
     return groups, in_flight, bool(groups)
 
@@ -276,7 +311,7 @@ class HangWatch:
             self.store.set(f"verdict/{self.round}", verdict)
             if not busy:
                 self._end_silent_pod_mates(silent)
-                return self._conclude(dumps, overdue or 0.0)
+                return self._conclude(dumps, overdue or 0.0, answered=list(dumps))
         else:
             verdict = self._verdict()
         if verdict.startswith("busy"):
@@ -287,8 +322,9 @@ class HangWatch:
             self.round += 1
             self.watch.rearm()
             return "busy"
+        named = {int(word) for word in verdict.partition(":")[2].split(",") if word.isdigit()}
         self._end_silent_pod_mates(verdict.partition(":")[2])
-        return self._exit_hung(None)
+        return self._exit_hung(None, answered=[r for r in range(self.world_size) if r not in named])
 
     def _dump(self) -> RankDump:
         groups, in_flight, recorder = flight_recorder()
@@ -361,15 +397,18 @@ class HangWatch:
             time.sleep(0.2)  # polling the store for the asking rank's word
         return "hang"
 
-    def _conclude(self, dumps: dict[int, RankDump], waited: float) -> str:
+    def _conclude(self, dumps: dict[int, RankDump], waited: float, answered: Collection[int] = ()) -> str:
         places = {rank: (pod, node) for rank, (pod, node, _, _) in self._identities().items()}
         self.diagnosis = diagnose(self.world_size, dumps, places, waited)
         log.error("hang diagnosis: %s", self.diagnosis.summary)
         for line in self.diagnosis.details:
             log.error("hang diagnosis:   %s", line)
-        return self._exit_hung(self.diagnosis)
+        return self._exit_hung(self.diagnosis, answered=answered)
 
-    def _exit_hung(self, diagnosis: Optional[Diagnosis]) -> str:
+    def _exit_hung(self, diagnosis: Optional[Diagnosis], answered: Collection[int] = ()) -> str:
+        """Report, then exit HUNG once every rank that `answered` has made its last report too (or EXCHANGE_SECONDS
+        passed): the first exit breaks the others' collectives, and their training threads would end them before
+        their watch reported."""
         if diagnosis is None:
             frames = thread_frames()
             log.error(
@@ -390,6 +429,15 @@ class HangWatch:
                 self.on_exit()
             except Exception as error:  # the exit matters more
                 log.warning("could not report this process's time: %s", error)
+        try:
+            if answered and self.store is not None:
+                self.store.set(f"done/{self.round}/{self.rank}", "1")
+            keys = [f"done/{self.round}/{rank}" for rank in answered if rank != self.rank]
+            deadline = time.monotonic() + EXCHANGE_SECONDS
+            while keys and self.store is not None and time.monotonic() < deadline and not self.store.check(keys):
+                time.sleep(0.1)  # polling the store for the other ranks' last reports
+        except Exception as error:  # a store gone: exit all the same
+            log.warning("the hang watch's store does not answer (%s)", error)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
@@ -402,11 +450,26 @@ class HangWatch:
 STORE_TIMEOUT_SECONDS = 10
 
 
-def shared_store() -> Any:
+def group_key(process_group: Any = None) -> Optional[str]:
+    """A key the ranks of this worker group share and no other group has: rank 0's random one, broadcast over the
+    process group once (collective: every rank calls it, as every rank builds its `Run`). Not the restart count,
+    which differs between pods (an agent restarted because a peer failed counts nothing), nor the store's port alone,
+    which a later round may get again. `process_group`: a gloo group to broadcast over (with NCCL, the host's);
+    None without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=process_group)
+    return str(box[0])
+
+
+def shared_store(group: str) -> Any:
     """A store every rank of this worker group reaches outside the process group (a connection of its own: the
     group's may be what hangs): the rendezvous store its host pod's agent serves (contract.HANG_STORE), which a
     frozen worker cannot take down; else the workers' own (MASTER_ADDR: torchrun's agent's, or rank 0's process's).
-    Keys are this group's: MASTER_ADDR:MASTER_PORT is new with each rendezvous round. None outside torchrun."""
+    Keys below `group` (`group_key`). None outside torchrun."""
     env = os.environ
     if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return None
@@ -417,7 +480,6 @@ def shared_store() -> Any:
         host, port = env["MASTER_ADDR"], env["MASTER_PORT"]
     timeout = timedelta(seconds=STORE_TIMEOUT_SECONDS)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    group = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return dist.PrefixStore(f"trainingrun/hangs/{group}", store)
 
 
@@ -425,15 +487,17 @@ def for_process(
     context: Any,
     on_hang: Optional[Callable[[Diagnosis], None]] = None,
     on_exit: Optional[Callable[[], None]] = None,
+    process_group: Any = None,
 ) -> HangWatch:
     """This process's watch (context: a RunContext), started under torchrun unless the timeout is 0; elsewhere (a
     script run as it is, a test) it only keeps the watch's figures."""
-    watch = StepWatch(context.hang_timeout_seconds)
+    watch = StepWatch(context.hang_timeout_seconds, collective_age=oldest_collective_seconds)
     running = bool(os.environ.get("TORCHELASTIC_RUN_ID")) and context.hang_timeout_seconds != 0
     store = None
-    if running and context.world_size > 1:
+    group = group_key(process_group) if running else None
+    if group is not None:
         try:
-            store = shared_store()
+            store = shared_store(group)
         except Exception as error:  # no store: each rank still finds and diagnoses a hang by itself
             log.warning(
                 "the hang watch has no store to ask the other ranks through (%s); each rank answers alone", error

@@ -156,7 +156,9 @@ class Run:
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         #: Finds a rank that makes no progress, says who held the run up, and restarts the worker group (hangs.py).
-        self.hang_watch = hangs.for_process(context, on_hang=self._report_hang, on_exit=self._last_report)
+        self.hang_watch = hangs.for_process(
+            context, on_hang=self._report_hang, on_exit=self._last_report, process_group=self._agreement_group
+        )
 
     def _memory_tier(self) -> Optional[str]:
         """This attempt's memory tier directory (None: off, or no /dev/shm here); earlier attempts' are removed."""

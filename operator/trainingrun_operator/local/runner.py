@@ -202,6 +202,7 @@ class LocalRunner:
     def _write_config(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / contract.CONFIG_FILE_NAME
+        (self.run_dir / contract.CHAOS_HANG_FIRED_FILE).unlink(missing_ok=True)  # --chaos-hang: once per invocation
         config = RunConfig(trainer=self.spec.trainer, checkpoint=self.spec.checkpoint)
         path.write_text(config_json(config), encoding="utf-8")
         return path

@@ -9,10 +9,10 @@ from trainingrun_trainer import chaos
 from trainingrun_trainer.context import ChaosHang, RunContext
 
 
-def context(**changes) -> RunContext:
+def context(tmp_path, **changes) -> RunContext:
     base = RunContext(
-        name="r", namespace="n", uid="u", attempt=1, config_path="c", resume_from=None, metrics_port=None,
-        pod_name="p", rank=1, local_rank=1, world_size=2,
+        name="r", namespace="n", uid="u", attempt=1, config_path=str(tmp_path / "config.json"), resume_from=None,
+        metrics_port=None, pod_name="p", rank=1, local_rank=1, world_size=2,
     )  # fmt: skip
     return dataclasses.replace(base, **changes)
 
@@ -23,18 +23,28 @@ def unblocked():
     chaos._DATA_BLOCKED.clear()
 
 
-def test_nothing_fires_at_other_steps_or_on_other_ranks(unblocked):
+def test_nothing_fires_at_other_steps_or_on_other_ranks(unblocked, tmp_path):
     durable = []
     hang = ChaosHang("data", 5)  # the last rank by default
-    chaos.after_step(context(chaos_hang=hang), 4, lambda: durable.append(4))
-    chaos.after_step(context(chaos_hang=hang, rank=0, local_rank=0), 5, lambda: durable.append(5))
+    chaos.after_step(context(tmp_path, chaos_hang=hang), 4, lambda: durable.append(4))
+    chaos.after_step(context(tmp_path, chaos_hang=hang, rank=0, local_rank=0), 5, lambda: durable.append(5))
     assert durable == [] and not chaos._DATA_BLOCKED.is_set()
 
 
-def test_a_data_hang_blocks_the_next_batch_after_earlier_checkpoints_are_durable(unblocked):
+def test_a_data_hang_blocks_the_next_batch_after_earlier_checkpoints_are_durable(unblocked, tmp_path):
     durable = []
-    chaos.after_step(context(chaos_hang=ChaosHang("data", 5)), 5, lambda: durable.append(5))
+    chaos.after_step(context(tmp_path, chaos_hang=ChaosHang("data", 5)), 5, lambda: durable.append(5))
     assert durable == [5] and chaos._DATA_BLOCKED.is_set()  # data_gate now blocks for ever
+
+
+def test_a_hang_is_injected_once_per_invocation_even_in_a_group_restarted_without_counting(unblocked, tmp_path):
+    durable = []
+    chaos.after_step(context(tmp_path, chaos_hang=ChaosHang("data", 5)), 5, lambda: durable.append(1))
+    chaos._DATA_BLOCKED.clear()
+    # the next group on the node of the hung rank: TORCHELASTIC_RESTART_COUNT still 0, so its context has the hang
+    chaos.after_step(context(tmp_path, chaos_hang=ChaosHang("data", 5)), 5, lambda: durable.append(2))
+    assert durable == [1] and not chaos._DATA_BLOCKED.is_set()
+    assert (tmp_path / chaos.HANG_FIRED).exists()  # `trainingrun local` removes it when it starts again
 
 
 def test_a_chaos_hang_is_parsed_or_refused_by_name():

@@ -73,6 +73,17 @@ def test_a_long_phase_is_not_a_hang_and_the_wait_starts_after_it():
     assert watch.overdue() == pytest.approx(FLOOR_SECONDS)
 
 
+def test_a_long_phase_stuck_in_a_collective_is_no_excuse():
+    time, waiting_in_collective = FakeTime(), [0.0]
+    watch = StepWatch(None, now=time, collective_age=lambda: waiting_in_collective[0])
+    stepped(watch, time, 5, 0.1)
+    with watch.pausing("checkpoint"):
+        time.now += 500
+        assert watch.overdue() is None  # writing to slow storage: its own work, however long
+        waiting_in_collective[0] = FLOOR_SECONDS  # the save waits in a collective for a peer that stopped
+        assert watch.phase() == "" and watch.overdue() == pytest.approx(500)
+
+
 def test_the_process_clocks_phases_count_as_long_phases():
     time = FakeTime()
     watch = StepWatch(None, now=time)
