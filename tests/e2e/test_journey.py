@@ -207,18 +207,26 @@ def test_a_pod_lost_without_warning_is_replaced_and_restores_from_its_peers_memo
     lose_without_warning_and_restore_from_a_peer(installed, worker, reference_digest)
 
 
+def apply_run(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> str:
+    """The journey's run file named `name`, its spec's sections updated from `spec`, applied in `namespace` with the
+    Secret it names; the bucket it checkpoints to."""
+    bucket = cluster.s3.new_bucket()
+    document = run_file(bucket, name, cluster.s3.endpoint_url)
+    for section, fields in spec.items():
+        document["spec"][section].update(fields)
+    path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    cluster.create_s3_secret(namespace)
+    cluster.kubectl("-n", namespace, "apply", "-f", str(path))
+    return bucket
+
+
 def lose_without_warning_and_restore_from_a_peer(cluster: Cluster, worker: int, reference_digest: str) -> None:
     name = "journey"
     with cluster.namespace(f"kill-worker-{worker}") as namespace:
-        bucket = cluster.s3.new_bucket()
         explain = lambda: cluster.diagnose(namespace)  # noqa: E731
-        document = run_file(bucket, name, cluster.s3.endpoint_url)
-        document["spec"]["checkpoint"]["interval"] = {"steps": 5}
-        document["spec"]["checkpoint"]["storageInterval"] = {"steps": 100}
-        path = Path(cluster.plane.workdir) / f"{namespace}.yaml"
-        path.write_text(yaml.safe_dump(document))
-        cluster.create_s3_secret(namespace)
-        cluster.kubectl("-n", namespace, "apply", "-f", str(path))
+        checkpoints = {"interval": {"steps": 5}, "storageInterval": {"steps": 100}}
+        bucket = apply_run(cluster, namespace, name, {"checkpoint": checkpoints})
 
         def memory_ahead() -> dict[str, Any]:
             status = cluster.run(namespace, name).get("status") or {}
@@ -273,15 +281,9 @@ def test_a_stopped_training_process_is_named_in_status_and_the_run_goes_on(insta
     first attempt with the uninterrupted run's model."""
     name = "journey"
     with installed.namespace("hang-worker-1") as namespace:
-        bucket = installed.s3.new_bucket()
         explain = lambda: installed.diagnose(namespace)  # noqa: E731
-        document = run_file(bucket, name, installed.s3.endpoint_url)
-        document["spec"]["checkpoint"]["interval"] = {"steps": 5}
-        document["spec"]["recovery"]["hangTimeoutSeconds"] = 20
-        path = Path(installed.plane.workdir) / f"{namespace}.yaml"
-        path.write_text(yaml.safe_dump(document))
-        installed.create_s3_secret(namespace)
-        installed.kubectl("-n", namespace, "apply", "-f", str(path))
+        changes = {"checkpoint": {"interval": {"steps": 5}}, "recovery": {"hangTimeoutSeconds": 20}}
+        bucket = apply_run(installed, namespace, name, changes)
 
         def training() -> dict[str, Any]:
             status = installed.run(namespace, name).get("status") or {}
