@@ -54,6 +54,7 @@ OPERATOR_SERIES = {
     "trainingrun_operator_runs",
     "trainingrun_operator_attempts_total",
     "trainingrun_operator_restarts_total",
+    "trainingrun_operator_hangs_total",
     "trainingrun_operator_reconcile_duration_seconds",
     "trainingrun_operator_api_errors_total",
     "trainingrun_operator_ready",
