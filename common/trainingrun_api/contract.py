@@ -56,6 +56,8 @@ CHAOS_LOSE_NODE_AT_STEP = "TRAININGRUN_CHAOS_LOSE_NODE_AT_STEP"
 #: worker group only: `stop` (SIGSTOP: it cannot answer), `block` (blocks for ever before the next collective),
 #: `data` (its data loader blocks for ever at the next batch).
 CHAOS_HANG = "TRAININGRUN_CHAOS_HANG"
+#: What `--chaos-hang` can make a rank do.
+CHAOS_HANG_KINDS = ("stop", "block", "data")
 #: Beside the run's config: `--chaos-hang` fired in this invocation (a group restarted because a peer failed counts
 #: no restart on its node, and would hang again); `trainingrun local` removes it when it starts.
 CHAOS_HANG_FIRED_FILE = "chaos-hang-fired"

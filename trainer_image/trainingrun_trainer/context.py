@@ -44,8 +44,7 @@ def hang_timeout(raw: str) -> Optional[float]:
     return seconds
 
 
-#: What `--chaos-hang` can make a rank do (contract.CHAOS_HANG).
-CHAOS_HANG_KINDS = ("stop", "block", "data")
+CHAOS_HANG_KINDS = contract.CHAOS_HANG_KINDS
 
 
 @dataclass(frozen=True)

@@ -306,8 +306,8 @@ class HangWatch:
         if asking:
             dumps = self._gather()
             busy = sorted((r, d.phase) for r, d in dumps.items() if d.phase)
-            silent = ",".join(str(rank) for rank in range(self.world_size) if rank not in dumps)
-            verdict = f"busy:{busy[0][0]}:{busy[0][1]}" if busy else f"hang:{silent}"
+            silent = {rank for rank in range(self.world_size) if rank not in dumps}
+            verdict = f"busy:{busy[0][0]}:{busy[0][1]}" if busy else "hang:" + ",".join(map(str, sorted(silent)))
             self.store.set(f"verdict/{self.round}", verdict)
             if not busy:
                 self._end_silent_pod_mates(silent)
@@ -322,9 +322,9 @@ class HangWatch:
             self.round += 1
             self.watch.rearm()
             return "busy"
-        named = {int(word) for word in verdict.partition(":")[2].split(",") if word.isdigit()}
-        self._end_silent_pod_mates(verdict.partition(":")[2])
-        return self._exit_hung(None, answered=[r for r in range(self.world_size) if r not in named])
+        silent = {int(word) for word in verdict.partition(":")[2].split(",") if word.isdigit()}
+        self._end_silent_pod_mates(silent)
+        return self._exit_hung(None, answered=[r for r in range(self.world_size) if r not in silent])
 
     def _dump(self) -> RankDump:
         groups, in_flight, recorder = flight_recorder()
@@ -372,12 +372,12 @@ class HangWatch:
                     continue
         return known
 
-    def _end_silent_pod_mates(self, silent: str) -> None:
+    def _end_silent_pod_mates(self, silent: Collection[int]) -> None:
         """SIGKILL the ranks of this pod that did not answer (a stopped or frozen process ignores the SIGTERM
         torchrun's agent stops a group with, and the agent waits 30 s before it kills): the group restarts at once.
         Only the process the rank named when it started (same pid and start time), never one that took its pid."""
         identities = self._identities()
-        for rank in (int(word) for word in silent.split(",") if word.isdigit()):
+        for rank in silent:
             pod, node, pid, started = identities.get(rank, ("", "", 0, 0))
             if (pod, node) != (self.pod, self.node) or pid <= 1 or not started or start_ticks(pid) != started:
                 continue

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from trainingrun_api import contract
+
 from .. import api, validation
 from ..api_meta import MAX_RUN_NAME_LENGTH, RUN_NAME_PATTERN
 from .ledger import RunLedger, run_directory
@@ -132,8 +134,7 @@ def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
         )
 
 
-#: What `--chaos-hang` can make a rank do (the trainer's context.CHAOS_HANG_KINDS).
-CHAOS_HANG_KINDS = ("stop", "block", "data")
+CHAOS_HANG_KINDS = contract.CHAOS_HANG_KINDS
 
 
 def check_chaos_hang(raw: str, last_step: int, hang_timeout: object, processes: int) -> None:
