@@ -63,6 +63,11 @@ CHAOS_HANG_KINDS = ("stop", "block", "data")
 CHAOS_HANG_FIRED_FILE = "chaos-hang-fired"
 #: spec.recovery.hangTimeoutSeconds: `auto`, or seconds without progress that are a hang (0: off).
 HANG_TIMEOUT_SECONDS = "TRAININGRUN_HANG_TIMEOUT_SECONDS"
+#: spec.recovery.slowRankFactor: a rank this many times slower than the others is named a straggler (0: off).
+SLOW_RANK_FACTOR = "TRAININGRUN_SLOW_RANK_FACTOR"
+#: `trainingrun local --chaos-slow-rank FACTOR[:RANK]`: RANK (the last by default) takes FACTOR times as long on each
+#: step's part before its first collective, in the first worker group.
+CHAOS_SLOW_RANK = "TRAININGRUN_CHAOS_SLOW_RANK"
 #: Set by the launcher for its workers when the rendezvous has a fixed endpoint (pods, `--nodes`): host:port of the
 #: rendezvous store, which the host pod's agent serves, so the hang watch's exchange outlives any worker (hangs.py).
 HANG_STORE = "TRAININGRUN_HANG_STORE"

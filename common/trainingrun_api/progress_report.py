@@ -76,6 +76,7 @@ Count = Annotated[int, _checked(lambda v: _is_integer(v, 0), "must be a whole nu
 Positive = Annotated[int, _checked(lambda v: _is_integer(v, 1), "must be a whole number from 1")]
 Seconds = Annotated[float, _checked(lambda v: _is_number(v, 0), "must be a finite number >= 0")]
 Finite = Annotated[float, _checked(lambda v: _is_number(v, None), "must be a finite number")]
+Ratio = Annotated[float, _checked(lambda v: _is_number(v, 0), "must be a finite number >= 0")]
 Time = Annotated[
     str,
     _checked(
@@ -298,6 +299,34 @@ class Hang(ReportPart):
     )
 
 
+class SlowRank(ReportPart):
+    """A straggler (the trainer's stragglers.py): a rank whose own part of each step (its data wait and forward
+    passes, before the step's first collective) took spec.recovery.slowRankFactor times the other ranks' median or
+    more, for 30 s in a row, while every other rank waited for it. Rank 0 sends it when it names a rank, and again
+    without `rank` once none is slow any more."""
+
+    rank: Optional[Count] = Field(default=None, description="The slow rank (absent: no rank is slow now).")
+    pod: Optional[Text] = Field(default=None, description="Its pod, as the rank said at start (absent: unknown).")
+    node: Optional[Text] = Field(default=None, description="Its node (absent: unknown).")
+    ratio: Ratio = Field(description="The slowest rank's time over the other ranks' median (1: every rank alike).")
+    seconds: Seconds = Field(description="The slowest rank's time a step (its median over the last steps).")
+    median_seconds: Seconds = Field(description="The other ranks' median time a step.")
+    factor: Ratio = Field(description="spec.recovery.slowRankFactor.")
+    step: Count = Field(description="The step at which the rank was named (or none was any more).")
+
+    def words(self) -> str:
+        """ "rank 1 (pod p, node n) takes 2.0x the other ranks' time before each step's collectives (0.41 s vs
+        0.2 s, since step 120)", or that no rank is slow."""
+        if self.rank is None:
+            return f"no rank is {self.factor:g}x slower than the others any more (since step {self.step})"
+        where = ", ".join(f"{kind} {name}" for kind, name in (("pod", self.pod), ("node", self.node)) if name)
+        return (
+            f"rank {self.rank}{f' ({where})' if where else ''} takes {self.ratio:.3g}x the other ranks' time before "
+            f"each step's collectives ({self.seconds:.3g} s vs {self.median_seconds:.3g} s, since step {self.step}); "
+            "every rank waits for it"
+        )
+
+
 #: The parts of a report that become status fields, by wire name.
 STATUS_PARTS = (
     "progress",
@@ -306,6 +335,7 @@ STATUS_PARTS = (
     "checkpointInterval",
     "checkpointMemoryShort",
     "lastHang",
+    "slowRank",
 )
 
 
@@ -323,6 +353,7 @@ class Report(ReportPart):
     checkpoint_in_memory: Optional[CheckpointInMemory] = None
     checkpoint_memory_short: Optional[MemoryShort] = None
     last_hang: Optional[Hang] = None
+    slow_rank: Optional[SlowRank] = None
 
     def to_json(self) -> bytes:
         return self.model_dump_json(by_alias=True, exclude_none=True).encode()

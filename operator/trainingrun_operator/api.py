@@ -156,7 +156,11 @@ class Recovery(ApiModel):
         (
             "self.backoffSeconds <= self.maxBackoffSeconds",
             "recovery.backoffSeconds must be <= recovery.maxBackoffSeconds",
-        )
+        ),
+        (
+            "!has(self.slowRankFactor) || self.slowRankFactor == 0.0 || self.slowRankFactor >= 1.1",
+            "recovery.slowRankFactor must be 0 (off) or from 1.1 to 100; write e.g. 1.5",
+        ),
     )
 
     max_failures: int = Field(
@@ -190,6 +194,15 @@ class Recovery(ApiModel):
         "the worker group restarts in place from the newest checkpoint, charged as a failure. 0 turns it off; "
         "stallTimeoutSeconds stays the outer guard (a whole pod frozen).",
     )
+    slow_rank_factor: float = Field(
+        default=1.5,
+        ge=0,
+        le=100,
+        description="A straggler: a rank whose own part of each step (its data wait and forward passes, before the "
+        "step's first collective) takes this many times the other ranks' median, for 30 s in a row, while the others "
+        "wait for it. It is named in status.slowRank and the condition SlowRank (its rank, pod and node, and how much "
+        "slower), with a Warning Event; the run goes on. 0 turns it off; otherwise from 1.1 to 100.",
+    )
     max_restarts_per_attempt: int = Field(
         default=3,
         ge=0,
@@ -207,6 +220,14 @@ class Recovery(ApiModel):
         raise ValueError(
             f"{value!r} is neither 'auto' nor whole seconds from 0 to a week; write e.g. 120, auto, or 0 (off)"
         )
+
+    @field_validator("slow_rank_factor", mode="before")
+    @classmethod
+    def _factor_or_off(cls, value: Any) -> Any:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and (value == 0 or 1.1 <= value <= 100):
+            return value
+        raise ValueError(f"{value!r} is neither 0 (off) nor a factor from 1.1 to 100; write e.g. 1.5, 3, or 0")
 
     @model_validator(mode="after")
     def _backoff_ordered(self) -> "Recovery":

@@ -53,6 +53,7 @@ CheckpointRef = status_part(progress_report.CommittedCheckpoint, "CheckpointRef"
 CheckpointInMemoryRef = status_part(progress_report.CheckpointInMemory, "CheckpointInMemoryRef")
 MemoryShortRef = status_part(progress_report.MemoryShort, "MemoryShortRef")
 HangRef = status_part(progress_report.Hang, "HangRef")
+SlowRankRef = status_part(progress_report.SlowRank, "SlowRankRef")
 
 
 class Restarts(ApiModel):
@@ -167,6 +168,12 @@ class TrainingRunStatus(ApiModel):
         description="The last hang a rank diagnosed: no step progress for recovery.hangTimeoutSeconds, the "
         "collective that did not complete and the ranks that held it up (condition Hung while the run has not "
         "trained past it; `kubectl logs` shows the whole diagnosis as `hang diagnosis:` lines).",
+    )
+    slow_rank: Optional[SlowRankRef] = Field(  # type: ignore[valid-type]  # generated (status_part)
+        default=None,
+        description="A straggler rank 0 named: a rank whose part of each step before its first collective took "
+        "recovery.slowRankFactor times the other ranks' or more, for 30 s in a row (condition SlowRank; `rank` "
+        "absent: none is now). Cleared when an attempt starts.",
     )
     last_report_time: Optional[str] = Field(
         default=None,

@@ -379,6 +379,12 @@ COMMANDS = (
                 help="after STEP one rank (default: the last) hangs: stop (SIGSTOP), block (for ever, before the next "
                 "collective) or data (its data loader blocks); spec.recovery.hangTimeoutSeconds finds it",
             ),
+            arg(
+                "--chaos-slow-rank",
+                metavar="FACTOR[:RANK]",
+                help="one rank (default: the last) takes FACTOR times as long on each step's part before its first "
+                "collective, in the first worker group; spec.recovery.slowRankFactor names it",
+            ),
             arg("--metrics-port", type=positive_int, help="serve the trainer's metrics on this port (default off)"),
             arg("--env-file", default=".env", help="file with secret values, KEY=VALUE lines (default .env)"),
             arg("--runs-dir", default="runs", help="where configs, logs and default checkpoints go (default runs/)"),

@@ -135,6 +135,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         chaos_kill_every=args.chaos_kill_every,
         chaos_lose_node_step=args.chaos_lose_node,
         chaos_hang=args.chaos_hang,
+        chaos_slow_rank=args.chaos_slow_rank,
         metrics_port=args.metrics_port,
         env_file=args.env_file,
         runs_dir=args.runs_dir,
@@ -186,6 +187,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         summary.throughput_line(),
         summary.eval_line(),
         *summary.hang_lines(),
+        *summary.slow_rank_lines(),
     ):
         if line:
             print(line)

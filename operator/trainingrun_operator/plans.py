@@ -43,6 +43,7 @@ OPERATOR_FIELDS = (
     "checkpointInMemory",
     "checkpointMemoryShort",
     "lastHang",
+    "slowRank",
     "lastReportTime",
 )
 

@@ -78,6 +78,7 @@ def contract_env(
         contract.ATTEMPT: str(attempt),
         contract.CONFIG: config_path,
         contract.HANG_TIMEOUT_SECONDS: str(spec.recovery.hang_timeout_seconds),
+        contract.SLOW_RANK_FACTOR: f"{spec.recovery.slow_rank_factor:g}",
         "PYTHONUNBUFFERED": "1",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS),
         **RENDEZVOUS_ENV,

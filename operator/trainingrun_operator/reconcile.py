@@ -36,7 +36,15 @@ from .children import (
     missing_secret_volume,
     pods_of,
 )
-from .run_status import TERMINAL, Conditions, goodput, hang_conditions, memory_conditions, spec_conditions
+from .run_status import (
+    TERMINAL,
+    Conditions,
+    goodput,
+    hang_conditions,
+    memory_conditions,
+    slow_rank_conditions,
+    spec_conditions,
+)
 
 #: How long a failed job whose pods show no reason yet is given for the pod watch to catch up
 #: (the job and pod watches are separate streams); after that it is classified as a failure.
@@ -117,6 +125,7 @@ def decide(o: Observed) -> Plan:
     plan.events += spec_conditions(o.run, o.status, job, plan.checkpoint_uri, conditions)
     plan.events += memory_conditions(o.status, conditions)
     plan.events += hang_conditions(o.status, conditions)
+    plan.events += slow_rank_conditions(o.status, conditions)
 
     if spec.suspend:
         if phase != "Suspended":
@@ -272,6 +281,7 @@ def _start(
         nextAttemptTime=None,
         checkpointInMemory=None,
         checkpointMemoryShort=None,
+        slowRank=None,
     )
     if _restarts(o.status).get("attemptPodsFailed") is not None:  # counted for the attempt that ended
         plan.status["restarts"] = {**_restarts(o.status), "attemptPodsFailed": None}

@@ -7,6 +7,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Optional
 
+from pydantic import ValidationError
+
 from trainingrun_api import contract, progress_report, run_figures
 
 from . import api, api_status, builders, naming
@@ -148,6 +150,24 @@ def hang_conditions(status: dict[str, Any], conditions: Conditions) -> list[Note
             return [Note("Warning", "Hung", message)]
     elif conditions.is_true("Hung"):
         conditions.set("Hung", False, "TrainingAgain", f"trained past the hang after step {hang.get('step')}")
+    return []
+
+
+def slow_rank_conditions(status: dict[str, Any], conditions: Conditions) -> list[Note]:
+    """SlowRank from the straggler rank 0 last named (status.slowRank): true, with a Warning Event naming the rank, its
+    pod and node and how much slower it is, while one is named; false once rank 0 says none is."""
+    slow = status.get("slowRank") or {}
+    if not slow:
+        return []
+    try:
+        words = progress_report.SlowRank.model_validate(slow, by_alias=True).words()
+    except ValidationError:  # status is written by this operator only; a hand edit is not worth a crash
+        words = "a rank is slower than the others"
+    if slow.get("rank") is not None:
+        if conditions.set("SlowRank", True, "SlowerThanOthers", words):
+            return [Note("Warning", "SlowRank", words)]
+    elif conditions.is_true("SlowRank"):
+        conditions.set("SlowRank", False, "NoneSlow", words)
     return []
 
 

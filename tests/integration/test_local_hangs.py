@@ -1,8 +1,10 @@
 """Hangs under `trainingrun local`: a rank stopped, blocked before a collective, or whose data loader blocks is found
 by the hang watch (hangs.py) in real torchrun processes over gloo, named in the diagnosis with where it was, and the
-worker group restarts in place and finishes the run from its last checkpoint."""
+worker group restarts in place and finishes the run from its last checkpoint. A straggler (stragglers.py) is named
+while the run goes on."""
 
 import re
+import signal
 
 import pytest
 from test_local_runs import INTERVAL, breakdown_of, local, result_of, training_run, write_run
@@ -65,3 +67,38 @@ def test_a_chaos_hang_that_cannot_work_is_refused_before_anything_starts(tmp_pat
     assert "a stopped rank is found by the ranks still running" in done.stderr and "--nproc 2" in done.stderr
     done = local(tmp_path, write_run(tmp_path, training_run()), "--chaos-hang", "freeze:10")
     assert done.returncode == 2 and "KIND one of stop, block, data" in done.stderr
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_slow_rank_is_named_with_how_much_slower_and_the_run_goes_on(tmp_path, rank):
+    process = local(
+        tmp_path,
+        write_run(tmp_path, training_run(maxSteps=1000000, logIntervalSteps=50)),
+        "--chaos-slow-rank",
+        f"3:{rank}",
+        start_new_session=True,
+    )
+    named = ""
+    for line in process.stdout:  # named within a minute or so: SUSTAIN_SECONDS past the factor, then said
+        if ": slow rank " in line:
+            named = line
+            break
+    process.send_signal(signal.SIGINT)  # then Ctrl-C: it checkpoints and stops
+    stdout, stderr = process.communicate(timeout=120)
+    assert named, stdout + stderr[-3000:]
+    found = re.search(r"slow rank (\d+) \(pod [^)]+\) takes ([\d.]+)x the other ranks' time", named)
+    assert found and int(found.group(1)) == rank, named
+    assert 2.0 <= float(found.group(2)) <= 4.5, named  # the injected 3x of the part before the step's collective
+    assert process.returncode == 130 and "slow rank 1 of 1: rank" in stdout and " slow_ranks=1" in stdout
+    assert "hangs=" not in result_line(stdout)  # slow is not hung: the run went on all along
+
+
+def result_line(stdout):
+    return [text for text in stdout.splitlines() if text.startswith("result: ")][-1]
+
+
+def test_a_chaos_slow_rank_that_cannot_work_is_refused_before_anything_starts(tmp_path):
+    body = training_run()
+    body["spec"]["recovery"]["slowRankFactor"] = 0
+    done = local(tmp_path, write_run(tmp_path, body), "--chaos-slow-rank", "3")
+    assert done.returncode == 2 and "slowRankFactor is 0 (off)" in done.stderr

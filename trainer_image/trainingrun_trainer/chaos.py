@@ -1,6 +1,7 @@
 """`trainingrun local`'s faults, injected by the training processes themselves at a precise step (the options set
 contract variables that RunContext reads): a worker that SIGKILLs itself, a node that stops, and the hangs that
-hangs.py finds (a rank stopped, blocked before a collective, or whose data loader blocks)."""
+hangs.py finds (a rank stopped, blocked before a collective, or whose data loader blocks), and a straggler
+(stragglers.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 from trainingrun_api import contract
@@ -30,6 +32,18 @@ def data_gate() -> None:
     if _DATA_BLOCKED.is_set():
         log.warning("chaos: the data loader blocks")
         block_forever()
+
+
+def slow_down(context: RunContext, own_seconds: float) -> float:
+    """`--chaos-slow-rank FACTOR[:RANK]`: on that rank, before the step's first collective, wait (FACTOR - 1) x the
+    time the step took so far, so its part takes FACTOR times as long and every other rank waits for it. The
+    seconds waited (0 elsewhere)."""
+    slow = context.chaos_slow_rank
+    if slow is None or slow[1] != context.rank:
+        return 0.0
+    extra = (slow[0] - 1.0) * max(0.0, own_seconds)
+    time.sleep(extra)  # the fault itself: a slower rank
+    return extra
 
 
 HANG_FIRED = contract.CHAOS_HANG_FIRED_FILE

@@ -45,6 +45,39 @@ def hang_timeout(raw: str) -> Optional[float]:
 
 
 CHAOS_HANG_KINDS = contract.CHAOS_HANG_KINDS
+#: spec.recovery.slowRankFactor's default, and its bounds besides 0 (off).
+DEFAULT_SLOW_RANK_FACTOR = 1.5
+SLOW_RANK_FACTORS = (1.1, 100.0)
+
+
+def slow_rank_factor(raw: str) -> float:
+    """TRAININGRUN_SLOW_RANK_FACTOR: the factor (unset: the default; 0: off)."""
+    if not raw.strip():
+        return DEFAULT_SLOW_RANK_FACTOR
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = -1.0
+    low, high = SLOW_RANK_FACTORS
+    if not (factor == 0 or low <= factor <= high):
+        raise ContextError(
+            f"{contract.SLOW_RANK_FACTOR}={raw!r} is neither 0 (off) nor a factor from {low} to {high:g} "
+            "(spec.recovery.slowRankFactor)"
+        )
+    return factor
+
+
+def chaos_slow_rank(raw: str, world_size: int) -> Optional[tuple[float, int]]:
+    """TRAININGRUN_CHAOS_SLOW_RANK FACTOR[:RANK] (`trainingrun local --chaos-slow-rank`): (factor, rank), the last
+    rank by default."""
+    factor, _, rank = raw.partition(":")
+    try:
+        parsed = (float(factor), int(rank) if rank else world_size - 1)
+    except ValueError:
+        raise ContextError(f"{contract.CHAOS_SLOW_RANK}={raw!r} is not FACTOR or FACTOR:RANK") from None
+    if not (1 <= parsed[0] <= 1000 and 0 <= parsed[1]):
+        raise ContextError(f"{contract.CHAOS_SLOW_RANK}={raw!r}: FACTOR from 1 to 1000, RANK from 0")
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -104,6 +137,10 @@ class RunContext:
     chaos_hang: Optional[ChaosHang] = None
     #: TRAININGRUN_NODE_NAME (downward API spec.nodeName), "" where unknown.
     node_name: str = ""
+    #: TRAININGRUN_SLOW_RANK_FACTOR (spec.recovery.slowRankFactor): 0 for off (stragglers.py).
+    slow_rank_factor: float = DEFAULT_SLOW_RANK_FACTOR
+    #: TRAININGRUN_CHAOS_SLOW_RANK (`trainingrun local --chaos-slow-rank`): (factor, rank), the first worker group only.
+    chaos_slow_rank: Optional[tuple[float, int]] = None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -165,4 +202,10 @@ class RunContext:
                 else None
             ),
             node_name=env.get(contract.NODE_NAME, ""),
+            slow_rank_factor=slow_rank_factor(env.get(contract.SLOW_RANK_FACTOR, "")),
+            chaos_slow_rank=(
+                chaos_slow_rank(env[contract.CHAOS_SLOW_RANK], integer("WORLD_SIZE", 1) or 1)
+                if env.get(contract.CHAOS_SLOW_RANK) and not (integer("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+                else None
+            ),
         )

@@ -359,10 +359,18 @@ class HangWatch:
                 dumps[rank] = dump
         return dumps
 
-    def _identities(self) -> dict[int, tuple[str, str, int, int]]:
+    def identity(self, rank: int) -> tuple[str, str]:
+        """(pod, node) of `rank` as it said when it started; ("", "") where unknown (no store, or it has not said)."""
+        try:
+            known = self._identities((rank,)).get(rank)
+        except Exception:  # the store went: the rank alone names it
+            known = None
+        return (known[0], known[1]) if known is not None else ("", "")
+
+    def _identities(self, ranks: Optional[Collection[int]] = None) -> dict[int, tuple[str, str, int, int]]:
         """rank -> (pod, node, pid, start time) as each rank said when it started."""
         known: dict[int, tuple[str, str, int, int]] = {}
-        for rank in range(self.world_size):
+        for rank in range(self.world_size) if ranks is None else ranks:
             key = f"identity/{rank}"
             if self.store is not None and self.store.check([key]):
                 try:

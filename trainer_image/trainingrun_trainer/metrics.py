@@ -71,6 +71,9 @@ class NullMetrics:
     def nonfinite_step(self) -> None:
         pass
 
+    def spread(self, own_seconds: Optional[float], spread: Any) -> None:
+        pass
+
     def rollback(self) -> None:
         pass
 
@@ -181,6 +184,21 @@ class TrainerMetrics(NullMetrics):
             "Checkpoints committed in node memory that could not be copied to storage.",
         )
         self._nonfinite = counter("trainingrun_nonfinite_steps", "Steps with a non-finite loss or gradient.")
+        # Stragglers (stragglers.py): absent until measured; the ratio and the slowest rank on rank 0 only.
+        self._own_seconds = Gauge(
+            "trainingrun_rank_compute_seconds",
+            "This rank's part of its last step before the step's first collective (data wait and forward passes): "
+            "a straggler's is longer than the other ranks'.",
+            names,
+            multiprocess_mode="livemostrecent",
+        )
+        self._slowest = {
+            name: Gauge(f"trainingrun_{name}", doc, names, multiprocess_mode="livemostrecent")
+            for name, doc in (
+                ("slowest_rank_ratio", "The slowest rank's compute time over the other ranks' median (rank 0)."),
+                ("slowest_rank", "The rank with the longest compute time over the last steps (rank 0)."),
+            )
+        }
         self._rollbacks = counter("trainingrun_rollbacks", "Rollbacks to the last good checkpoint.")
         # Series without a value until the first evaluation: absent, never a made-up 0 loss.
         self._eval = {
@@ -306,6 +324,14 @@ class TrainerMetrics(NullMetrics):
         ):
             if value is not None:
                 self._interval[name].labels(**self._labels).set(value)
+
+    def spread(self, own_seconds: Optional[float], spread: Any) -> None:
+        """This rank's pre-collective time; on rank 0 also how the slowest rank compares (a stragglers.Spread)."""
+        if own_seconds is not None:
+            self._own_seconds.labels(**self._labels).set(own_seconds)
+        if spread is not None:
+            self._slowest["slowest_rank_ratio"].labels(**self._labels).set(spread.ratio)
+            self._slowest["slowest_rank"].labels(**self._labels).set(spread.slowest_rank)
 
     def nonfinite_step(self) -> None:
         self._nonfinite.inc()

@@ -32,6 +32,7 @@ from trainingrun_api.progress_report import (
     ProcessTime,
     Progress,
     Report,
+    SlowRank,
 )
 
 log = logging.getLogger("trainingrun.reporting")
@@ -80,6 +81,7 @@ class ProgressReporter:
         self._checkpoint: Optional[CommittedCheckpoint] = None
         self._in_memory: Optional[CheckpointInMemory] = None
         self._memory_short: Optional[MemoryShort] = None
+        self._slow_rank: Optional[SlowRank] = None
         self._process_time: Optional[ProcessTime] = None
         self._interval: Optional[IntervalChoice] = None
         self._first_step: Optional[int] = None  #: the step of this process's first progress
@@ -131,6 +133,12 @@ class ProgressReporter:
             self._memory_short = short
         self._news.set()
 
+    def slow_rank(self, slow: SlowRank) -> None:
+        """A straggler named (or none any more, `rank` absent): sent soon, as news."""
+        with self._lock:
+            self._slow_rank = slow
+        self._news.set()
+
     def committed_in_memory(self, checkpoint: CheckpointInMemory) -> None:
         """Persisting behind, the newest checkpoint in memory: sent with the next report, not sooner (a checkpoint
         every few steps must not mean a report every few steps)."""
@@ -171,6 +179,7 @@ class ProgressReporter:
                 checkpoint_interval=self._interval,
                 checkpoint_in_memory=self._in_memory,
                 checkpoint_memory_short=self._memory_short,
+                slow_rank=self._slow_rank,
             )
 
     def _send(self, report: Report) -> None:

@@ -47,7 +47,7 @@ from trainingrun_api.checkpoint_config import (
 from trainingrun_api.model_base import ConfigError
 from trainingrun_api.progress_report import IntervalChoice, Report
 
-from . import chaos, hangs, reporting
+from . import chaos, hangs, reporting, stragglers
 from .checkpoint import CheckpointInfo, CheckpointStore, PendingSave, StorageUnavailable
 from .checkpoint.listing import human_bytes
 from .checkpoint.tier_files import OWN_MEMORY, PEER, STORAGE
@@ -155,6 +155,10 @@ class Run:
             self._agreement_group = dist.new_group(backend="gloo")
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        #: Rank 0: compares the ranks' times before each step's first collective, and names a straggler.
+        self.stragglers: Optional[stragglers.StragglerWatch] = None
+        if context.is_rank_zero and context.slow_rank_factor and 1 < context.world_size <= stragglers.MAX_TIMED_RANKS:
+            self.stragglers = stragglers.StragglerWatch(context.world_size, context.slow_rank_factor)
         #: Finds a rank that makes no progress, says who held the run up, and restarts the worker group (hangs.py).
         self.hang_watch = hangs.for_process(
             context, on_hang=self._report_hang, on_exit=self._last_report, process_group=self._agreement_group
@@ -278,15 +282,19 @@ class Run:
                 source.uri if source else "the start",
             )
 
-    def agree(self, step: int, *flags: bool) -> tuple[bool, ...]:
+    def agree(self, step: int, *flags: bool, own_seconds: Optional[float] = None) -> tuple[bool, ...]:
         """(stop, save, *flags), each True on every rank when it is True on any, in ONE collective.
 
         A training loop that needs other per-step agreements (the built-in trainer's non-finite
         check) passes them here, so a step pays for one small all-reduce, not one per question.
+        `own_seconds`: this rank's time on the step before it (stragglers.py: its data wait and forward passes, no
+        collective inside), carried in the same all-reduce so that rank 0 can name a straggler; None: not measured.
         """
-        return self.agree_async(step, *flags)()
+        return self.agree_async(step, *flags, own_seconds=own_seconds)()
 
-    def agree_async(self, step: int, *flags: bool) -> Callable[[], tuple[bool, ...]]:
+    def agree_async(
+        self, step: int, *flags: bool, own_seconds: Optional[float] = None
+    ) -> Callable[[], tuple[bool, ...]]:
         """Start `agree` without waiting; call the result to get the answer (e.g. after backward)."""
         save_finished = self._pending is None or self._pending.done()
         if self._pending is not None and self._pending.done():
@@ -296,16 +304,65 @@ class Run:
         local = (self.preempted, self.intervals.due(step, save_finished), *flags)
         if not self._distributed():
             return lambda: local
-        agreed = numpy.array(local, dtype=numpy.uint8)
+        if own_seconds is not None:
+            own_seconds += chaos.slow_down(self.context, own_seconds)  # `trainingrun local --chaos-slow-rank`
+        slots = (
+            stragglers.agreement_slots(own_seconds, self.context.rank, self.context.world_size)
+            if self.context.slow_rank_factor
+            else []
+        )
+        # float32 holds the flags (0/1) and the times: one all-reduce (MAX) answers both.
+        agreed = numpy.array([*local, *slots], dtype=numpy.float32)
         work = dist.all_reduce(
             torch.from_numpy(agreed), op=dist.ReduceOp.MAX, group=self._agreement_group, async_op=True
         )
 
         def result() -> tuple[bool, ...]:
-            work.wait()
-            return tuple(bool(v) for v in agreed)  # host memory: no tensor call, so nothing that could wait on a GPU
+            work.wait()  # host memory: no tensor call, so nothing that could wait on a GPU
+            if slots and self.stragglers is not None:
+                self._observe_spread(step, stragglers.read_slots(agreed[len(local) :].tolist()))
+            return tuple(bool(v) for v in agreed[: len(local)])
 
         return result
+
+    def _observe_spread(self, step: int, times: list[Optional[float]]) -> None:
+        """Rank 0: the ranks' times of one step; a straggler named (or no longer) is logged and reported."""
+        assert self.stragglers is not None
+        was = self.stragglers.named
+        if not self.stragglers.observe(step, times):
+            return
+        part = self.slow_rank_report(step)
+        if part is not None and self.stragglers.named is not None:
+            log.warning("slow rank: %s", part.words())
+        elif part is not None and was is not None:
+            log.info("slow rank: %s", part.words())
+        if part is not None:
+            self.reports.reporter.slow_rank(part)
+
+    def step_spread(self) -> Optional[stragglers.Spread]:
+        """Rank 0: how the slowest rank's pre-collective time compares with the others' now (None elsewhere)."""
+        return self.stragglers.spread if self.stragglers is not None else None
+
+    def slow_rank_report(self, step: int) -> Optional[progress_report.SlowRank]:
+        """Rank 0: the straggler named now (or, with `rank` absent, that none is) as the operator's status.slowRank
+        takes it, with its pod and node as the rank said at start (hangs.py); None before the ranks compare."""
+        watch = self.stragglers
+        spread = None if watch is None else (watch.named or watch.spread)
+        if watch is None or spread is None:
+            return None
+        named = watch.named is not None
+        pod, node = self.hang_watch.identity(spread.slowest_rank) if named else ("", "")
+
+        return progress_report.SlowRank.model_construct(
+            rank=spread.slowest_rank if named else None,
+            pod=pod or None,
+            node=node or None,
+            ratio=round(spread.ratio, 3),
+            seconds=round(spread.slowest_seconds, 6),
+            median_seconds=round(spread.median_seconds, 6),
+            factor=watch.factor,
+            step=watch.named_step,
+        )
 
     def agrees_on_host(self, device: torch.device) -> bool:
         """Whether a step trained on `device` can have its loss's verdict agreed in `agree_async` itself: CPU

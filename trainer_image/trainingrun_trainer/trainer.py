@@ -9,8 +9,6 @@ computes the same steps an uninterrupted run would, and in deterministic mode th
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
@@ -26,7 +24,7 @@ from torch.utils.data import DataLoader
 from trainingrun_api import exit_codes
 from trainingrun_api.config import RunConfig
 
-from . import metrics, model_contract, tracking
+from . import metrics, model_contract, stragglers, tracking
 from .checkpoint import CheckpointInfo, DigestOfEntry, model_digest
 from .checkpoint_interval import SaveCosts
 from .context import RunContext
@@ -37,21 +35,13 @@ from .session import Run
 from .state import CHANGED_BY_OPTIMIZER_STEP, ModelState, OptimizerState, PerRank, TrainState
 from .step_values import LateValues, StepValues, found_inf, step_tensor
 from .timekeeping import ProcessClock
-from .trainer_setup import DataParts, ModelParts, build_data, build_model, init_device
+from .trainer_setup import DataParts, ModelParts, build_data, build_model, config_hash, init_device
 from .trainer_setup import batches as batches_of_run
 
 log = logging.getLogger("trainingrun.trainer")
 
 #: The most seconds between two progress reports the loop builds (half the reporter's interval when that is shorter).
 REPORT_PACE_SECONDS = 1.0
-
-
-def config_hash(config: RunConfig) -> str:
-    """Identifies the training recipe; the checkpoint URI is left out so a run can move buckets, the loggers
-    because where a run is tracked is not what it trains."""
-    recipe = config.trainer.to_wire()
-    recipe.pop("loggers", None)
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Trainer:
@@ -272,6 +262,7 @@ class Trainer:
         if self.parts.copy_before_forward:
             self._wait_for_checkpoint_copy()
         self.parts.optimizer.zero_grad(set_to_none=True)
+        self.compute_timer.start()  # this rank's own part, up to the agreement: stragglers.py
         total: Optional[torch.Tensor] = None
         agreement: Callable[[], tuple] = lambda: (False, False)  # noqa: E731 - replaced below
         for micro in range(accumulation):
@@ -290,7 +281,8 @@ class Trainer:
                 if last:  # completes during the backward pass
                     # numpy: host memory here (`loss_agreed` only on CPUs), nothing that could wait on a device
                     loss_flag = (not numpy.isfinite(total.numpy()),) if loss_agreed else ()
-                    agreement = self.session.agree_async(self.step + 1, *loss_flag)
+                    own = self.compute_timer.stop()
+                    agreement = self.session.agree_async(self.step + 1, *loss_flag, own_seconds=own)
                 self.parts.scaler.scale(loss).backward()
         assert total is not None  # grad_accumulation_steps >= 1
         self.data.sampler.advance(self.data.global_batch * accumulation)
@@ -377,6 +369,7 @@ class Trainer:
         seed_everything(cfg.seed, self.context.rank)
         use_deterministic_algorithms(cfg.deterministic)
         self.distributed, self.device = init_device(self.context, cfg, self.device_type)
+        self.compute_timer = stragglers.ComputeTimer(self.device)
         self.metrics = metrics.for_rank(self.context, self.device_type)
         self.clock.mark("init")
         self.parts = build_model(cfg, self.context, self.device, self.device_type, self.distributed)
@@ -557,6 +550,7 @@ class Trainer:
                 self._report_progress()
             if logs and newest is not None:
                 self.metrics.checkpoint_interval(self.session.interval_choice())
+                self.metrics.spread(self.compute_timer.latest, self.session.step_spread())
                 # Training time only: evaluation and checkpoints in the window are not throughput.
                 elapsed = time.monotonic() - window_start - (self._paused_seconds() - window_paused)
                 self.samples_per_second = (

@@ -5,6 +5,8 @@ and health guard (`build_model`), and the data: datasets, the resumable sampler 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Generator, Optional
@@ -14,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainingrun_api import components
-from trainingrun_api.config import TrainerConfig
+from trainingrun_api.config import RunConfig, TrainerConfig
 
 from . import chaos, efficiency, model_contract
 from .context import RunContext
@@ -187,3 +189,11 @@ def batches(
                 "the dataset yields no full batch: spec.trainer.data.batchSize x world size is larger "
                 "than the dataset; lower batchSize or use more samples"
             )
+
+
+def config_hash(config: RunConfig) -> str:
+    """Identifies the training recipe; the checkpoint URI is left out so a run can move buckets, the loggers
+    because where a run is tracked is not what it trains."""
+    recipe = config.trainer.to_wire()
+    recipe.pop("loggers", None)
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]

@@ -42,6 +42,9 @@ class LocalOptions:
     chaos_lose_node_step: Optional[int] = None
     #: KIND:STEP[:RANK]: after STEP, RANK (default the last) hangs (contract.CHAOS_HANG), the first worker group only.
     chaos_hang: Optional[str] = None
+    #: FACTOR[:RANK]: RANK (default the last) is FACTOR times slower before each step's first collective
+    #: (contract.CHAOS_SLOW_RANK), the first worker group only.
+    chaos_slow_rank: Optional[str] = None
     metrics_port: Optional[int] = None  #: TRAININGRUN_METRICS_PORT for the trainer
     env_file: str = ".env"  #: where secrets come from when not in the environment
     runs_dir: str = DEFAULT_RUNS_DIR
@@ -113,6 +116,9 @@ def check_options(run: api.TrainingRun, options: LocalOptions) -> None:
     if options.chaos_hang is not None:
         processes = (options.nproc or run.spec.nproc_per_node) * options.nodes
         check_chaos_hang(options.chaos_hang, last, run.spec.recovery.hang_timeout_seconds, processes)
+    if options.chaos_slow_rank is not None:
+        processes = (options.nproc or run.spec.nproc_per_node) * options.nodes
+        check_chaos_slow_rank(options.chaos_slow_rank, run.spec.recovery.slow_rank_factor, processes)
     if options.chaos_lose_node_step is not None and options.nodes < 2:
         raise LocalOptionError(
             "--chaos-lose-node loses one of several simulated nodes: add --nodes 2 (or more), or use --chaos-kill-step "
@@ -163,6 +169,34 @@ def check_chaos_hang(raw: str, last_step: int, hang_timeout: object, processes: 
         raise LocalOptionError(
             f"--chaos-hang {raw}: spec.recovery.hangTimeoutSeconds is 0 (off), so the hang would never be found; "
             "remove it or set it to auto"
+        )
+
+
+def check_chaos_slow_rank(raw: str, slow_rank_factor: float, processes: int) -> None:
+    factor, _, rank = raw.partition(":")
+    try:
+        parsed = (float(factor), int(rank) if rank else processes - 1)
+    except ValueError:
+        parsed = (0.0, -1)
+    if not (1 < parsed[0] <= 100 and parsed[1] >= 0):
+        raise LocalOptionError(
+            f"--chaos-slow-rank {raw}: write FACTOR or FACTOR:RANK with FACTOR above 1 and up to 100, "
+            "e.g. --chaos-slow-rank 3 or 3:0"
+        )
+    if processes < 2:
+        raise LocalOptionError(
+            f"--chaos-slow-rank {raw}: a straggler is slower than the other ranks, and this run has one process; "
+            "add --nproc 2"
+        )
+    if parsed[1] >= processes:
+        raise LocalOptionError(
+            f"--chaos-slow-rank {raw}: the run has ranks 0 to {processes - 1}; pick one of them, or leave RANK out "
+            "(the last)"
+        )
+    if slow_rank_factor == 0:
+        raise LocalOptionError(
+            f"--chaos-slow-rank {raw}: spec.recovery.slowRankFactor is 0 (off), so the slow rank would never be "
+            "named; remove it or set it to a factor such as 1.5"
         )
 
 

@@ -47,6 +47,8 @@ CHAOS_KILLED = re.compile(r"chaos: SIGKILL worker rank (\d+) at step (\d+)")
 NODE_LOST = re.compile(r"chaos: node lost at step (\d+)")
 #: The rank that diagnosed a hang says so (hangs.py); the detail lines that follow start with two more spaces.
 HANG_DIAGNOSIS = re.compile(r"hang diagnosis: (\S.*)$")
+#: Rank 0 names a straggler (stragglers.py).
+SLOW_RANK = re.compile(r"slow rank: (rank \d+ .*)$")
 
 
 @dataclass
@@ -130,6 +132,7 @@ class LocalRunner:
         self.random_kills = 0  #: by --chaos-kill-every
         self.node_replacements = 0  #: nodes lost and replaced by --chaos-lose-node
         self.hangs: list[str] = []  #: each hang's one-line diagnosis
+        self.slow_ranks: list[str] = []  #: each straggler named, in words
         self.backoff_seconds = 0.0  #: waited out between attempts in this invocation
         self.ledger = RunLedger.load(self.run_dir, self.spec.checkpoint.uri, uid=run.metadata.uid)
 
@@ -325,6 +328,11 @@ class LocalRunner:
             self.hangs.append(hang.group(1))
             print(f"{self.attempt_label()}: {hang.group(1)}", file=self.out, flush=True)
             return
+        slow = SLOW_RANK.search(line)
+        if slow:
+            self.slow_ranks.append(slow.group(1))
+            print(f"{self.attempt_label()}: slow {slow.group(1)}", file=self.out, flush=True)
+            return
         killed = CHAOS_KILLED.search(line)
         if killed:
             rank, step = int(killed.group(1)), int(killed.group(2))
@@ -369,6 +377,8 @@ class LocalRunner:
                 env = self._environment(number, status, config_path)
                 if self.options.chaos_hang and number == 1:
                     env[contract.CHAOS_HANG] = self.options.chaos_hang
+                if self.options.chaos_slow_rank and number == 1:
+                    env[contract.CHAOS_SLOW_RANK] = self.options.chaos_slow_rank
                 if self._kill_steps:
                     # The trainer kills one of its workers itself, right after this step: precise.
                     env[contract.CHAOS_KILL_AT_STEP] = ",".join(map(str, self._kill_steps))
@@ -528,6 +538,7 @@ class LocalRunner:
             eval_loss=progress.get("evalLoss"),
             eval_step=progress.get("evalStep"),
             hangs=self.hangs,
+            slow_ranks=self.slow_ranks,
         )
 
     def _chaos_that_never_fired(self, wall: float) -> list[str]:

@@ -40,6 +40,8 @@ class Summary:
     eval_step: Optional[int] = None
     #: Each hang's one-line diagnosis (`hang diagnosis:` in the trainer's log), in order.
     hangs: list[str] = field(default_factory=list)
+    #: Each straggler rank 0 named (`slow rank:` in the trainer's log), in words, in order.
+    slow_ranks: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -138,12 +140,17 @@ class Summary:
         """`hang 1 of 1: hang after step 40: ...; all_reduce #123 ... waited for rank 1 (...)`, one per hang."""
         return [f"hang {number} of {len(self.hangs)}: {words}" for number, words in enumerate(self.hangs, 1)]
 
+    def slow_rank_lines(self) -> list[str]:
+        """`slow rank 1 of 1: rank 1 (pod ...) takes 3.02x the other ranks' time ...`, one per straggler named."""
+        return [f"slow rank {n} of {len(self.slow_ranks)}: {words}" for n, words in enumerate(self.slow_ranks, 1)]
+
     def result_line(self) -> str:
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "nan"
         return (
             f"result: steps={self.steps} final_loss={loss} attempts={self.attempts} "
             f"restarts_in_place={self.restarts_in_place} lost_steps={self.lost_steps} goodput={self.goodput:.3f} wall_seconds={self.wall_seconds:.1f}"
             + (f" hangs={len(self.hangs)}" if self.hangs else "")
+            + (f" slow_ranks={len(self.slow_ranks)}" if self.slow_ranks else "")
         )
 
 

@@ -120,6 +120,12 @@ CEL_CASES = [
         "must be a whole number from 1 or one of 'auto'",
     ),
     (
+        "slow-rank-factor-between-off-and-on",
+        with_spec(recovery={"slowRankFactor": 1.05}),
+        "spec.recovery",
+        "recovery.slowRankFactor must be 0 (off) or from 1.1 to 100",
+    ),
+    (
         "hang-timeout-a-word",
         with_spec(recovery={"hangTimeoutSeconds": "soon"}),
         "spec.recovery.hangTimeoutSeconds",

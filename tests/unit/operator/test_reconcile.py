@@ -205,6 +205,33 @@ def test_a_diagnosed_hang_is_a_condition_and_one_event_until_the_run_trains_past
     assert not any(c["type"] == "Hung" for c in never.status.get("conditions", []))
 
 
+def test_a_named_straggler_is_a_condition_with_one_event_until_rank_0_says_none_is():
+    slow = {"rank": 3, "pod": "demo-a1-worker-1", "node": "gpu-7", "ratio": 2.5, "seconds": 0.5, "medianSeconds": 0.2,
+            "factor": 1.5, "step": 120}  # fmt: skip
+    plan = reconcile.decide(observe(status=running_status(slowRank=slow), jobs=[job(1, "Running")]))
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "SlowRank")
+    assert condition["status"] == "True" and condition["reason"] == "SlowerThanOthers"
+    assert "rank 3 (pod demo-a1-worker-1, node gpu-7) takes 2.5x" in condition["message"]
+    assert "since step 120" in condition["message"]
+    assert [e.reason for e in plan.events if e.type == "Warning"] == ["SlowRank"]
+    again = running_status(slowRank=slow, conditions=plan.status["conditions"])
+    plan = reconcile.decide(observe(status=again, jobs=[job(1, "Running")]))
+    assert [e.reason for e in plan.events if e.type == "Warning"] == []  # still named: no second Event
+    none = {"ratio": 1.1, "seconds": 0.21, "medianSeconds": 0.2, "factor": 1.5, "step": 300}
+    conditions = plan.status.get("conditions") or again["conditions"]
+    plan = reconcile.decide(
+        observe(status=running_status(slowRank=none, conditions=conditions), jobs=[job(1, "Running")])
+    )
+    condition = next(c for c in plan.status["conditions"] if c["type"] == "SlowRank")
+    assert (
+        condition["status"] == "False"
+        and condition["reason"] == "NoneSlow"
+        and "since step 300" in condition["message"]
+    )
+    never = reconcile.decide(observe(status=running_status(slowRank=none), jobs=[job(1, "Running")]))
+    assert not any(c["type"] == "SlowRank" for c in never.status.get("conditions", []))
+
+
 def test_old_attempts_are_deleted_and_the_last_failed_one_kept():
     status = running_status(3, phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z")
     plan = reconcile.decide(observe(status=status, jobs=[job(1, "Failed"), job(2, "Failed"), job(3, "Failed")]))

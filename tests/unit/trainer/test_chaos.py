@@ -55,3 +55,12 @@ def test_a_chaos_hang_is_parsed_or_refused_by_name():
     for bad in ("freeze:4", "stop", "stop:x", "stop:0", "stop:4:-1", "stop:4:1:2"):
         with pytest.raises(ContextError, match="TRAININGRUN_CHAOS_HANG"):
             ChaosHang.parse(bad)
+
+
+def test_a_slow_rank_waits_its_factor_of_the_steps_part_and_no_other_rank_does(tmp_path, monkeypatch):
+    slept = []
+    monkeypatch.setattr(chaos.time, "sleep", slept.append)
+    assert chaos.slow_down(context(tmp_path, chaos_slow_rank=(3.0, 1)), 0.5) == pytest.approx(1.0)
+    assert chaos.slow_down(context(tmp_path, chaos_slow_rank=(3.0, 0)), 0.5) == 0.0  # another rank
+    assert chaos.slow_down(context(tmp_path), 0.5) == 0.0  # not asked
+    assert slept == [pytest.approx(1.0)]

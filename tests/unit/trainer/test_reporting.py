@@ -378,6 +378,21 @@ def test_a_hang_is_sent_at_once_from_any_rank_and_goes_into_status(endpoint, tmp
     assert not reporting.send_now(report, env={})  # no endpoint: nothing to send to
 
 
+def test_a_slow_rank_goes_into_status_and_says_who_in_words():
+    slow = progress_report.SlowRank(
+        rank=1, pod="demo-a1-worker-0", ratio=3.0, seconds=0.3, median_seconds=0.1, factor=1.5, step=7
+    )
+    report = Report("team-a", "demo", "uid-1", 2, slow_rank=slow)
+    assert Report.from_json(report.to_json()).status_fields() == {"slowRank": slow.to_wire()}
+    assert slow.words().startswith("rank 1 (pod demo-a1-worker-0) takes 3x the other ranks' time")
+    none = progress_report.SlowRank(ratio=1.0, seconds=0.1, median_seconds=0.1, factor=1.5, step=9)
+    assert none.words() == "no rank is 1.5x slower than the others any more (since step 9)"
+    body = json.loads(report.to_json())
+    body["slowRank"]["ratio"] = float("inf")
+    with pytest.raises(progress_report.ReportError, match=r"slowRank\.ratio"):
+        Report.from_json(json.dumps(body).encode())
+
+
 @pytest.mark.parametrize("diagnosis", ["x" * (progress_report.MAX_DIAGNOSIS_LENGTH + 1), "rank 1 at caf\u00e9.py", ""])
 def test_a_hang_diagnosis_that_is_too_long_or_not_ascii_is_refused(diagnosis):
     body = {

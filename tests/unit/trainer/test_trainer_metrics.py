@@ -109,6 +109,20 @@ def test_eval_series_are_absent_until_the_first_evaluation(tmp_path):
     assert "trainingrun_eval_loss_ema{" not in after  # no EMA, no series
 
 
+def test_the_straggler_series_are_absent_until_measured_and_the_ratio_is_rank_zeros(tmp_path):
+    before, own, compared = expositions_after(
+        tmp_path,
+        "m.spread(None, None)",
+        "m.spread(0.25, None)",  # a rank other than 0, or rank 0 before the ranks compare
+        "from trainingrun_trainer.stragglers import Spread\nm.spread(0.25, Spread(3, 0.5, 0.2))",
+    )
+    assert "trainingrun_rank_compute_seconds{" not in before and "trainingrun_slowest_rank" not in before
+    assert 'trainingrun_rank_compute_seconds{namespace="default",rank="0",run="r"} 0.25' in own
+    assert "trainingrun_slowest_rank_ratio{" not in own
+    assert 'trainingrun_slowest_rank_ratio{namespace="default",rank="0",run="r"} 2.5' in compared
+    assert 'trainingrun_slowest_rank{namespace="default",rank="0",run="r"} 3.0' in compared
+
+
 def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
     fixed, early, measured = expositions_after(
         tmp_path,

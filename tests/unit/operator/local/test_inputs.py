@@ -3,6 +3,8 @@ name only (never a value in an error), and a run name that would point outside t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from local_documents import BODY, write_minimal
@@ -161,6 +163,25 @@ def test_options_that_could_never_work_are_refused_before_anything_starts(tmp_pa
         with pytest.raises(local.LocalOptionError, match=f"--metrics-port {port} is in use"):
             local.check_options(run, local.LocalOptions(metrics_port=port))
     local.check_options(run, local.LocalOptions(metrics_port=port))  # free again
+
+
+def test_a_chaos_slow_rank_that_cannot_work_is_refused_naming_the_fix(tmp_path):
+    run = local.load_run(str(write_minimal(tmp_path)), local.LocalOptions())
+    local.check_options(run, local.LocalOptions(nproc=2, chaos_slow_rank="3"))
+    local.check_options(run, local.LocalOptions(nproc=2, chaos_slow_rank="2.5:0"))
+    for raw, said in (
+        ("fast", "write FACTOR or FACTOR:RANK"),
+        ("1", "write FACTOR or FACTOR:RANK"),  # not slower
+        ("3:x", "write FACTOR or FACTOR:RANK"),
+        ("3:2", "the run has ranks 0 to 1"),
+    ):
+        with pytest.raises(local.LocalOptionError, match=re.escape(said)):
+            local.check_options(run, local.LocalOptions(nproc=2, chaos_slow_rank=raw))
+    with pytest.raises(local.LocalOptionError, match="this run has one process; add --nproc 2"):
+        local.check_options(run, local.LocalOptions(nproc=1, chaos_slow_rank="3"))
+    run.spec.recovery.slow_rank_factor = 0
+    with pytest.raises(local.LocalOptionError, match="slowRankFactor is 0 \\(off\\)"):
+        local.check_options(run, local.LocalOptions(nproc=2, chaos_slow_rank="3"))
 
 
 def test_nodes_beyond_what_a_machine_simulates_or_beside_a_metrics_port_are_refused(tmp_path):

@@ -28,6 +28,14 @@ def test_result_line_format():
     )
 
 
+def test_each_straggler_named_is_a_line_and_counted_in_the_result():
+    words = "rank 1 (pod localhost) takes 2.81x the other ranks' time before each step's collectives"
+    figures = summary(slow_ranks=[words])
+    assert figures.slow_rank_lines() == [f"slow rank 1 of 1: {words}"]
+    assert figures.result_line().endswith(" slow_ranks=1")
+    assert summary().slow_rank_lines() == [] and "slow_ranks" not in summary().result_line()
+
+
 def test_the_startup_line_breaks_down_the_time_lines_start_up_term():
     phases = {"imports": 2.0, "init": 0.25, "model": 0.5, "data": 0.25, "prepare": 0.5}
     figures = summary(
