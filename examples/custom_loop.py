@@ -14,6 +14,7 @@ yours to ignore: this script reads its own settings from the environment).
 import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,10 @@ def main() -> int:
 
     loss = torch.tensor(float("nan"))
     while step < TOTAL_STEPS:
+        began = time.perf_counter()
         x = torch.randn(64, 8)
         loss = nn.functional.mse_loss(ddp(x), x @ target)
+        own_seconds = time.perf_counter() - began  # data and forward: no collective inside, so a straggler's is longer
         optimizer.zero_grad()
         loss.backward()
         run.wait_for_commit()  # after a save: a lost pod then costs at most one checkpoint interval
@@ -58,7 +61,7 @@ def main() -> int:
         step += 1
         run.report(step, total_steps=TOTAL_STEPS, loss=loss.item())
 
-        stop, save = run.checkpoint_due(step)
+        stop, save = run.checkpoint_due(step, own_seconds=own_seconds)  # agreed by every rank; compares their times
         if stop or (save and step < TOTAL_STEPS):  # the last step is saved below, once
             run.save(step, {"model": model, "optim": optimizer}, {"step": step, "rng": rng_state()}, blocking=stop)
         if stop:

@@ -297,6 +297,11 @@ class Hang(ReportPart):
         max_length=MAX_PODS_NAMED,
         description="The ranks named as holding it up (none: every rank waited, the transport hangs).",
     )
+    nodes: list[Text] = Field(
+        default_factory=list,
+        max_length=MAX_PODS_NAMED,
+        description="The nodes of the ranks named, where known: a node named in two hangs in a row is avoided.",
+    )
 
 
 class SlowRank(ReportPart):

@@ -5,12 +5,14 @@ checked once and status cannot drift from it."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, create_model
 
 from trainingrun_api import progress_report
 from trainingrun_api.model_base import ApiModel
+
+from . import scheduling
 
 Phase = Literal["Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
 
@@ -54,6 +56,15 @@ CheckpointInMemoryRef = status_part(progress_report.CheckpointInMemory, "Checkpo
 MemoryShortRef = status_part(progress_report.MemoryShort, "MemoryShortRef")
 HangRef = status_part(progress_report.Hang, "HangRef")
 SlowRankRef = status_part(progress_report.SlowRank, "SlowRankRef")
+
+
+class HangNodes(ApiModel):
+    """The nodes of the last hang the operator looked at, to find a node named in two hangs in a row."""
+
+    time: Optional[str] = Field(default=None, description="lastHang.time of that hang.")
+    nodes: list[Annotated[str, Field(max_length=253)]] = Field(
+        default_factory=list, max_length=progress_report.MAX_PODS_NAMED, description="Its lastHang.nodes."
+    )
 
 
 class Restarts(ApiModel):
@@ -174,6 +185,16 @@ class TrainingRunStatus(ApiModel):
         description="A straggler rank 0 named: a rank whose part of each step before its first collective took "
         "recovery.slowRankFactor times the other ranks' or more, for 30 s in a row (condition SlowRank; `rank` "
         "absent: none is now). Cleared when an attempt starts.",
+    )
+    hang_nodes: Optional[HangNodes] = Field(
+        default=None, description="The nodes the last hang named, as the operator last looked at it (lastHang.time)."
+    )
+    avoided_nodes: list[Annotated[str, Field(max_length=253)]] = Field(
+        default_factory=list,
+        max_length=scheduling.MAX_AVOIDED_NODES,
+        description="Nodes named in two hangs in a row: the attempt then ended, and later attempts' pods do not run "
+        "there (a node affinity on metadata.name). Remove a node from it (kubectl edit --subresource status) once "
+        "it is repaired.",
     )
     last_report_time: Optional[str] = Field(
         default=None,

@@ -12,12 +12,12 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from trainingrun_api import contract
 from trainingrun_api.config import RunConfig, config_json
 
-from . import api, naming, pod_env
+from . import api, naming, pod_env, scheduling
 from .settings import Settings
 
 # torchrun's elastic agent, wrapped so the container's exit code keeps ExitCode semantics (launch.py).
@@ -161,10 +161,12 @@ def pod_template(
     resume_from: Optional[str],
     host_pod: Optional[str] = None,
     torchrun_env: Optional[dict[str, str]] = None,
+    avoid_nodes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A trainer pod of the attempt, as every backend runs it. `host_pod`: the pod hosting the rendezvous store (by
     name or hostname; default Kubeflow's worker 0); `torchrun_env`: torchrun's settings as PET_* variables, where the
-    backend does not set them itself (Kubeflow does)."""
+    backend does not set them itself (Kubeflow does); `avoid_nodes`: nodes the pods must not run on (status.avoidedNodes:
+    each named in two hangs in a row)."""
     spec = run.spec
     volumes, mounts = volumes_and_mounts(run, settings)
     env = pod_env.trainer_env(run, attempt, settings, resume_from, host_pod)
@@ -211,7 +213,7 @@ def pod_template(
     optional = {
         "nodeSelector": dict(spec.node_selector),
         "tolerations": tolerations(spec),
-        "affinity": spec.affinity.to_wire() if spec.affinity else None,
+        "affinity": scheduling.avoiding(spec.affinity.to_wire() if spec.affinity else None, avoid_nodes),
         "priorityClassName": spec.priority_class_name,
         "serviceAccountName": spec.service_account_name,  # else the namespace's default account
         # A name listed twice is listed once: the PyTorchJob CRD refuses duplicates, the run means the same.

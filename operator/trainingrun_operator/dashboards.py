@@ -70,6 +70,18 @@ RUN_PANELS = [
         unit="s",
     ),
     Panel(
+        "Stragglers: each rank's time before the step's collectives",
+        ((f"trainingrun_rank_compute_seconds{RUN}", "rank {{rank}}"),),
+        unit="s",
+    ),
+    Panel(
+        "Stragglers: slowest rank over the others' median",
+        (
+            (f"max(trainingrun_slowest_rank_ratio{RUN})", "ratio"),
+            (f"max(trainingrun_slowest_rank{RUN})", "slowest rank"),
+        ),
+    ),
+    Panel(
         "GPU utilization",
         ((f"trainingrun_gpu_utilization_ratio{RUN}", "rank {{rank}} gpu {{gpu}}"),),
         unit="percentunit",

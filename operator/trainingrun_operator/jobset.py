@@ -18,7 +18,7 @@ What Kubeflow's controller does for a PyTorchJob, the JobSet is told here:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from trainingrun_api import contract
 
@@ -72,6 +72,7 @@ def jobset(
     attempt: int,
     settings: Settings = Settings(),
     resume_from: Optional[str] = None,
+    avoid_nodes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The JobSet of one attempt, named, labelled and annotated as the PyTorchJob would be (`naming.job_name`)."""
     spec = run.spec
@@ -84,6 +85,7 @@ def jobset(
         resume_from,
         host_pod=worker_hostname(run.metadata.name, attempt, 0),
         torchrun_env=torchrun_env(run, attempt),
+        avoid_nodes=avoid_nodes,
     )
     template["spec"]["restartPolicy"] = "Never"  # the Job replaces a failed pod; podFailurePolicy needs Never
     job_spec: dict[str, Any] = {
@@ -137,6 +139,7 @@ def children(
     settings: Settings = Settings(),
     resume_from: Optional[str] = None,
     checkpoint_uri: Optional[str] = None,
+    avoid_nodes: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Everything one attempt needs on this backend: the rendezvous Service of a multi-pod run (selecting worker 0
     by its completion index) and the JobSet, last (as `builders.children` for a PyTorchJob)."""
@@ -144,7 +147,7 @@ def children(
     support = (
         [rendezvous_service(run, attempt, COMPLETION_INDEX_LABEL)] if naming.has_rendezvous_service(run.spec) else []
     )
-    return [*support, jobset(run, attempt, settings, resume_from)]
+    return [*support, jobset(run, attempt, settings, resume_from, avoid_nodes)]
 
 
 # ---------------------------------------------------------------- reading its state

@@ -44,6 +44,8 @@ OPERATOR_FIELDS = (
     "checkpointMemoryShort",
     "lastHang",
     "slowRank",
+    "hangNodes",
+    "avoidedNodes",
     "lastReportTime",
 )
 
@@ -116,7 +118,9 @@ async def _create_children(
     if held and held.generation == generation and time.monotonic() < held.retry_at:
         state.rechecks.at(key, held.retry_at)
         return False  # the server refused this spec's children: wait for the backoff or a spec change
-    *support, job = plan.backend.children(run, attempt, state.settings, plan.resume_from, plan.checkpoint_uri)
+    *support, job = plan.backend.children(
+        run, attempt, state.settings, plan.resume_from, plan.checkpoint_uri, avoid_nodes=plan.avoid_nodes
+    )
     # All at once: in a burst of runs, sending the ConfigMap first put every job behind every run's other
     # create (p50 create->job ~1 s against ~0.5 s). The Kubeflow operator creates pods only after it has seen
     # the job; a pod that finds no ConfigMap yet waits in ContainerCreating until it exists. Status is

@@ -8,7 +8,7 @@ condition) and fails the job on a permanent exit code (1-127).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from trainingrun_api import contract
 
@@ -33,6 +33,7 @@ def pytorch_job(
     attempt: int,
     settings: Settings = Settings(),
     resume_from: Optional[str] = None,
+    avoid_nodes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The kubeflow.org/v1 PyTorchJob of one attempt: elastic workers only, rendezvous over c10d."""
     spec = run.spec
@@ -67,7 +68,7 @@ def pytorch_job(
                 "Worker": {
                     "replicas": spec.replicas.effective_max,
                     "restartPolicy": "ExitCode",
-                    "template": pod_template(run, attempt, settings, resume_from),
+                    "template": pod_template(run, attempt, settings, resume_from, avoid_nodes=avoid_nodes),
                 }
             },
         },
@@ -80,13 +81,14 @@ def children(
     settings: Settings = Settings(),
     resume_from: Optional[str] = None,
     checkpoint_uri: Optional[str] = None,
+    avoid_nodes: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Everything one attempt of a run needs: its rendezvous Service (multi-pod runs) and its PyTorchJob, last (its
     pods carry the config: config_annotations). `checkpoint_uri` (default: the spec's) reaches the pods through the
     config file alone."""
     run = as_started(run, checkpoint_uri)
     support = [rendezvous_service(run, attempt)] if naming.has_rendezvous_service(run.spec) else []
-    return [*support, pytorch_job(run, attempt, settings, resume_from)]
+    return [*support, pytorch_job(run, attempt, settings, resume_from, avoid_nodes)]
 
 
 # ---------------------------------------------------------------- reading its state

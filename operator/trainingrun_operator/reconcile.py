@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from trainingrun_api import contract
 
-from . import api, naming, recovery
+from . import api, naming, recovery, scheduling
 from .backends import PYTORCHJOB, Backend
 from .builders import Note
 from .children import (
@@ -75,6 +75,7 @@ class Plan:
     status: dict[str, Any] = field(default_factory=dict)  #: merge patch for status
     start_attempt: Optional[int] = None  #: create (or adopt) the children of this attempt
     resume_from: Optional[str] = None  #: TRAININGRUN_RESUME_FROM of that attempt
+    avoid_nodes: list[str] = field(default_factory=list)  #: nodes that attempt's pods must not run on (avoidedNodes)
     checkpoint_uri: str = ""  #: the URI attempts use (the one the run started with); `decide` always sets it
     suspend_job: Optional[str] = None
     delete_jobs: list[str] = field(default_factory=list)
@@ -214,6 +215,8 @@ def decide(o: Observed) -> Plan:
         if state == "Running" and phase == "Pending":
             plan.status["phase"] = "Running"
             plan.events.append(Note("Normal", "Running", f"attempt {attempt} is running ({o.backend.names(job_name)})"))
+        if _hung_twice_on_a_node(plan, o, attempt, job_name, conditions):
+            return _finish(plan, o, conditions)
         if (plan.status.get("phase") or phase) == "Running" and not blocked:
             # Waiting for a node is not a stall: a new attempt would wait for the same node, charged as a failure.
             _check_stall(plan, o, attempt, job_name, conditions)
@@ -273,6 +276,7 @@ def _start(
 ) -> None:
     name = naming.job_name(o.run.metadata.name, number)
     plan.start_attempt, plan.resume_from, plan.attempt_cause = number, resume_from, cause
+    plan.avoid_nodes = list(plan.status.get("avoidedNodes", o.status.get("avoidedNodes")) or [])
     plan.status.update(
         phase="Pending",
         attempt=number,
@@ -361,6 +365,35 @@ def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Condit
     plan.events.append(Note("Warning", reason, message))
     # Here, not on the next reconcile: that one is the echo of this status write, which is skipped.
     plan.delete_jobs += _old_jobs(o, keep_after=int(o.status.get("attempt") or 0) - 1, keep=0)
+
+
+def _hung_twice_on_a_node(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> bool:
+    """A node named in a hang (status.lastHang.nodes) and in the hang before it (status.hangNodes) is avoided from
+    now on (status.avoidedNodes, a node affinity of every later attempt's pods) and the attempt ends, charged as a
+    failure, so that the next one runs elsewhere: restarting in place would keep it there. True when it ended."""
+    hang, before = o.status.get("lastHang") or {}, o.status.get("hangNodes") or {}
+    if not hang or hang.get("time") == before.get("time"):
+        return False  # no hang, or this one was looked at already
+    nodes = [node for node in hang.get("nodes") or [] if isinstance(node, str)]
+    plan.status["hangNodes"] = {"time": hang.get("time"), "nodes": nodes}
+    repeated = sorted(set(nodes) & set(before.get("nodes") or []))
+    if not repeated:
+        return False
+    kept = [node for node in o.status.get("avoidedNodes") or [] if node not in repeated]
+    plan.status["avoidedNodes"] = [*kept, *repeated][-scheduling.MAX_AVOIDED_NODES :]
+    named = ", ".join(repeated)
+    detail = f"node {named} held the run up in two hangs in a row (the last after step {hang.get('step')})"
+    plan.events.append(
+        Note(
+            "Warning",
+            "AvoidingNode",
+            f"attempt {attempt}: {detail}; it ends so that the next attempt runs elsewhere: its pods avoid {named} "
+            "(status.avoidedNodes)",
+        )
+    )
+    plan.delete_jobs.append(job_name)
+    _attempt_ended(plan, o, attempt, Failure("failure", detail), conditions)
+    return True
 
 
 def _check_stall(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> None:

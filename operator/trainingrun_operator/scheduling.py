@@ -10,9 +10,10 @@ and, where the API server's CEL can express it within its cost budget, as a CRD 
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Sequence
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -335,3 +336,23 @@ class Affinity(ApiModel):
     node_affinity: Optional[NodeAffinity] = Field(default=None, description="Node affinity.")
     pod_affinity: Optional[PodAffinity] = Field(default=None, description="Pod affinity.")
     pod_anti_affinity: Optional[PodAffinity] = Field(default=None, description="Pod anti-affinity.")
+
+
+#: The most nodes a run avoids (status.avoidedNodes); the oldest go first.
+MAX_AVOIDED_NODES = 16
+
+
+def avoiding(affinity: Optional[dict[str, Any]], nodes: Sequence[str]) -> Optional[dict[str, Any]]:
+    """`affinity` (a pod spec's, as the wire has it) that also keeps the pods off `nodes` (by node name): the
+    requirement is added to every required node selector term (terms are ORed), or is the one term."""
+    if not nodes:
+        return affinity
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": sorted(set(nodes))}
+    changed = copy.deepcopy(affinity or {})
+    node_affinity = changed.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        term["matchFields"] = [*(term.get("matchFields") or []), avoid]
+    required["nodeSelectorTerms"] = terms
+    return changed

@@ -28,8 +28,10 @@ HANG_AFTER = 25
         # restarting its group because a peer's failed, counts no restart: the new group must not hang again.
         ("block", 1, 2, r"waited for rank 1 \(pod demo-a1-worker-1\), at trainingrun_trainer/chaos\.py:\d+ in "
          r"block_forever"),
+        # Stopped on another node, with no pod-mate to end it: its own launcher kills it when asked.
+        ("stop", 1, 2, r"waited for rank 1 \(pod demo-a1-worker-1\), which did not answer"),
     ],
-    ids=["stop", "data", "block", "block-on-another-node"],
+    ids=["stop", "data", "block", "block-on-another-node", "stop-on-another-node"],
 )  # fmt: skip
 def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, nodes, blamed):
     body = training_run()
@@ -56,6 +58,8 @@ def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, nodes, b
     )
     if kind == "stop" and nodes == 1:  # the stopped rank is killed by its pod-mate, not left to torchrun's 30 s
         assert f"rank {rank} (pid " in log and "killing it so that the worker group restarts now" in log
+    if kind == "stop" and nodes == 2:  # by its pod's launcher, asked through the rendezvous store
+        assert "did not answer a hang: killing it so that the worker group restarts now" in log
 
 
 def test_a_chaos_hang_that_cannot_work_is_refused_before_anything_starts(tmp_path):

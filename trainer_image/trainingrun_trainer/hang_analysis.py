@@ -20,7 +20,7 @@ the fields below, capped in count and length.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 #: Caps on what one rank's dump may hold (it travels through the store and into logs and status).
@@ -145,6 +145,7 @@ class Diagnosis:
     details: tuple[str, ...]
     waited_for: tuple[int, ...]  #: the ranks named as holding it up (none: the transport, or unknown)
     collective: Optional[Collective] = None
+    nodes: tuple[str, ...] = ()  #: the nodes of the ranks named, where known (the operator avoids a repeat offender)
 
     def text(self) -> str:
         return "\n".join((self.summary, *("  " + line for line in self.details)))
@@ -190,6 +191,14 @@ def diagnose(
     """The diagnosis of a hang from the dumps of the ranks that answered (`identities`: rank -> (pod, node), as each
     rank said when it started, for those that did not answer)."""
     identities = identities or {}
+    found = _diagnose(world_size, dumps, identities, timeout_seconds)
+    nodes = {dumps[rank].node if rank in dumps else identities.get(rank, ("", ""))[1] for rank in found.waited_for}
+    return replace(found, nodes=tuple(sorted(node for node in nodes if node)))
+
+
+def _diagnose(
+    world_size: int, dumps: dict[int, RankDump], identities: dict[int, tuple[str, str]], timeout_seconds: float
+) -> Diagnosis:
     silent = [rank for rank in range(world_size) if rank not in dumps]
     step = max((d.step for d in dumps.values()), default=-1)
     waited = f"no progress for {timeout_seconds:.0f} s" if timeout_seconds else "no progress"

@@ -252,12 +252,16 @@ class HangWatch:
         pod: str,
         node: str,
         store: Any = None,
+        launchers: Any = None,
         on_hang: Optional[Callable[[Diagnosis], None]] = None,
         on_exit: Optional[Callable[[], None]] = None,
         exit: Callable[[int], None] = os._exit,
     ):
         self.watch, self.rank, self.world_size, self.pod, self.node = watch, rank, world_size, pod, node
         self.store = store
+        #: Where each pod's launcher reads the processes it is asked to kill (`LauncherKills`): the store's root
+        #: under KILL_PREFIX, which the launcher knows, unlike this group's key.
+        self.launchers = launchers
         self.on_hang = on_hang
         self.on_exit = on_exit  #: the process's last word before it exits (its time, counted as hang)
         self._exit = exit
@@ -311,6 +315,7 @@ class HangWatch:
             self.store.set(f"verdict/{self.round}", verdict)
             if not busy:
                 self._end_silent_pod_mates(silent)
+                self._ask_launchers_to_kill(silent)
                 return self._conclude(dumps, overdue or 0.0, answered=list(dumps))
         else:
             verdict = self._verdict()
@@ -395,6 +400,22 @@ class HangWatch:
             except OSError:
                 pass
 
+    def _ask_launchers_to_kill(self, silent: Collection[int]) -> None:
+        """Ask the launcher of each other pod to SIGKILL its ranks that did not answer (a stopped process with no
+        pod-mate to end it would hold its agent: torchrun waits 30 s on a stopped worker, and once an agent was seen
+        never to rejoin). Each launcher checks the process is its own worker, started when the rank said."""
+        if self.launchers is None or not silent:
+            return
+        by_pod: dict[str, list[list[int]]] = {}
+        for pod, _, pid, started in self._identities(sorted(silent)).values():
+            if pod != self.pod and pid > 1 and started:
+                by_pod.setdefault(pod, []).append([pid, started])
+        for pod, processes in by_pod.items():
+            try:
+                self.launchers.set(pod, json.dumps(processes[:MAX_KILLS]))
+            except Exception as error:  # the launcher's kill only saves time; the hang is diagnosed all the same
+                log.warning("could not ask pod %s's launcher to kill its silent ranks: %s", pod, error)
+
     def _verdict(self) -> str:
         """The asking rank's verdict; "hang" when it gives none in time (it may be the one that hangs now)."""
         key = f"verdict/{self.round}"
@@ -456,6 +477,85 @@ class HangWatch:
 
 #: Seconds a store operation of the hang watch may take (a store whose host is frozen does not answer).
 STORE_TIMEOUT_SECONDS = 10
+#: Below the hang store's root: per pod, the worker processes its launcher is asked to kill ([[pid, start], ...]).
+KILL_PREFIX = "trainingrun/hang-kill"
+#: The most processes one request names (a pod's workers).
+MAX_KILLS = 64
+
+
+class LauncherKills:
+    """The launcher's side of `HangWatch._ask_launchers_to_kill`: a thread that looks at this pod's key in the hang
+    store every POLL_SECONDS and SIGKILLs each named process that is its own worker (a descendant of this process)
+    and started when the request says (pid and start time name one process; a pid is reused). The request is
+    untrusted: anything else it names is left alone."""
+
+    def __init__(self, endpoint: str, pod: str, connect: Optional[Callable[[], Any]] = None):
+        self.endpoint, self.pod = endpoint, pod
+        self._connect = connect or self._tcp_store
+        self._stop = threading.Event()
+        self.killed: list[int] = []  #: pids killed so far
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="trainingrun-hang-kills", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _tcp_store(self) -> Any:
+        import torch.distributed as dist
+
+        host, _, port = self.endpoint.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_SECONDS))
+        return dist.PrefixStore(KILL_PREFIX, store)
+
+    def _run(self) -> None:
+        store = None
+        while not self._stop.wait(POLL_SECONDS):
+            try:
+                store = store or self._connect()
+                self.look(store)
+            except Exception:  # the store is not up yet, or went with its host: try again later
+                store = None
+                self._stop.wait(5 * POLL_SECONDS)
+
+    def look(self, store: Any) -> None:
+        """One look at this pod's key: kill what it names that may be killed, and clear it."""
+        if not store.check([self.pod]):
+            return
+        raw = store.get(self.pod)
+        store.delete_key(self.pod)
+        try:
+            asked = [(int(pid), int(started)) for pid, started in json.loads(raw[:4096])[:MAX_KILLS]]
+        except (ValueError, TypeError):
+            return
+        for pid, started in asked:
+            if pid > 1 and started and start_ticks(pid) == started and _descends_from(pid, os.getpid()):
+                print(
+                    f"trainingrun launch: worker pid {pid} did not answer a hang: killing it so that the worker group "
+                    "restarts now",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.append(pid)
+                except OSError:
+                    pass
+
+
+def _descends_from(pid: int, ancestor: int, depth: int = 4) -> bool:
+    """Whether `ancestor` is `pid`'s parent, or its parent's, within `depth` generations (/proc)."""
+    for _ in range(depth):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def group_key(process_group: Any = None) -> Optional[str]:
@@ -473,11 +573,11 @@ def group_key(process_group: Any = None) -> Optional[str]:
     return str(box[0])
 
 
-def shared_store(group: str) -> Any:
+def shared_store() -> Any:
     """A store every rank of this worker group reaches outside the process group (a connection of its own: the
     group's may be what hangs): the rendezvous store its host pod's agent serves (contract.HANG_STORE), which a
-    frozen worker cannot take down; else the workers' own (MASTER_ADDR: torchrun's agent's, or rank 0's process's).
-    Keys below `group` (`group_key`). None outside torchrun."""
+    frozen worker cannot take down, and each pod's launcher reads (`LauncherKills`); else the workers' own
+    (MASTER_ADDR: torchrun's agent's, or rank 0's process's). None outside torchrun."""
     env = os.environ
     if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return None
@@ -487,8 +587,7 @@ def shared_store(group: str) -> Any:
     if not (host and port.isdigit()):
         host, port = env["MASTER_ADDR"], env["MASTER_PORT"]
     timeout = timedelta(seconds=STORE_TIMEOUT_SECONDS)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"trainingrun/hangs/{group}", store)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
 
 
 def for_process(
@@ -503,9 +602,15 @@ def for_process(
     running = bool(os.environ.get("TORCHELASTIC_RUN_ID")) and context.hang_timeout_seconds != 0
     store = None
     group = group_key(process_group) if running else None
+    launchers = None
     if group is not None:
         try:
-            store = shared_store(group)
+            import torch.distributed as dist
+
+            root = shared_store()
+            if root is not None:  # keys below this group's (`group_key`), and the launchers' below KILL_PREFIX
+                store = dist.PrefixStore(f"trainingrun/hangs/{group}", root)
+                launchers = dist.PrefixStore(KILL_PREFIX, root) if os.environ.get(contract.HANG_STORE) else None
         except Exception as error:  # no store: each rank still finds and diagnoses a hang by itself
             log.warning(
                 "the hang watch has no store to ask the other ranks through (%s); each rank answers alone", error
@@ -517,6 +622,7 @@ def for_process(
         pod=context.pod_name,
         node=context.node_name,
         store=store,
+        launchers=launchers,
         on_hang=on_hang,
         on_exit=on_exit,
     )

@@ -420,13 +420,15 @@ class Run:
         to storage are not waited for: storage's pace would hold training back. The seconds waited."""
         return self.store.wait_committed() if self.store.persist_behind else 0.0
 
-    def checkpoint_due(self, step: int) -> tuple[bool, bool]:
+    def checkpoint_due(self, step: int, own_seconds: Optional[float] = None) -> tuple[bool, bool]:
         """(stop, save): whether to stop for preemption and whether a periodic save is due.
 
         Collective under torch.distributed: every rank must call it at the same step, and all get
         the same answer, so a SIGTERM that reaches one rank first still stops all of them together.
+        `own_seconds`: this rank's time on the step's part without a collective in it (its data and forward pass),
+        for naming a straggler (stragglers.py; None: this rank is not compared).
         """
-        stop, save = self.agree(step)
+        stop, save = self.agree(step, own_seconds=own_seconds)
         return stop, save
 
     def report_committed(self) -> Optional[CheckpointInfo]:
@@ -527,6 +529,7 @@ class Run:
                     time=contract.rfc3339(datetime.now(timezone.utc)),
                     diagnosis=summary if len(summary) <= limit else summary[: limit - 3] + "...",
                     ranks=list(diagnosis.waited_for[: progress_report.MAX_PODS_NAMED]),
+                    nodes=[node[:253] for node in diagnosis.nodes[: progress_report.MAX_PODS_NAMED]],
                 ),
             )
         )

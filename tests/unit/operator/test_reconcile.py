@@ -1,12 +1,13 @@
 """reconcile.decide and what it reads (children.py, run_status.py): the operator's decisions without a cluster."""
 
 import functools
+import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from trainingrun_api import progress_report
-from trainingrun_operator import api, api_status, naming, pytorchjob, reconcile, run_status, validation
+from trainingrun_operator import api, api_status, jobset, naming, pytorchjob, reconcile, run_status, validation
 from trainingrun_operator.indexes import merged_status
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
@@ -230,6 +231,46 @@ def test_a_named_straggler_is_a_condition_with_one_event_until_rank_0_says_none_
     )
     never = reconcile.decide(observe(status=running_status(slowRank=none), jobs=[job(1, "Running")]))
     assert not any(c["type"] == "SlowRank" for c in never.status.get("conditions", []))
+
+
+def hang_at(time, *nodes, step=40):
+    return {"step": step, "time": time, "diagnosis": "hang after step 40: ...", "ranks": [1], "nodes": list(nodes)}
+
+
+def test_a_node_named_in_two_hangs_in_a_row_ends_the_attempt_and_later_attempts_avoid_it():
+    first = running_status(lastHang=hang_at("2026-11-21T11:50:00Z", "gpu-7"))
+    plan = reconcile.decide(observe(status=first, jobs=[job(1, "Running")]))
+    assert plan.status["hangNodes"] == {"time": "2026-11-21T11:50:00Z", "nodes": ["gpu-7"]}
+    assert not plan.delete_jobs and "avoidedNodes" not in plan.status  # once is not yet a pattern
+
+    other = running_status(lastHang=hang_at("2026-11-21T11:55:00Z", "gpu-9"), hangNodes=plan.status["hangNodes"])
+    plan = reconcile.decide(observe(status=other, jobs=[job(1, "Running")]))
+    assert not plan.delete_jobs and plan.status["hangNodes"]["nodes"] == ["gpu-9"]  # another node: not in a row
+
+    again = running_status(
+        lastHang=hang_at("2026-11-21T11:58:00Z", "gpu-9", "gpu-3"), hangNodes=plan.status["hangNodes"]
+    )
+    plan = reconcile.decide(observe(status=again, jobs=[job(1, "Running")]))
+    assert plan.status["avoidedNodes"] == ["gpu-9"]
+    assert plan.delete_jobs == ["demo-a1"] and plan.status["phase"] == "Recovering"
+    assert plan.status["restarts"]["failures"] == 1  # charged as the hangs were
+    said = [e.message for e in plan.events if e.reason == "AvoidingNode"]
+    assert said and "node gpu-9 held the run up in two hangs in a row" in said[0] and "avoid gpu-9" in said[0]
+
+    # the same hang seen again (the echo of that status write) decides nothing more
+    seen = running_status(lastHang=again["lastHang"], hangNodes=plan.status["hangNodes"], avoidedNodes=["gpu-9"])
+    assert not reconcile.decide(observe(status=seen, jobs=[job(1, "Running")])).delete_jobs
+
+    # the next attempt's pods keep off the node, by name, in every pod template it builds
+    recovering = running_status(
+        phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z", avoidedNodes=["gpu-9"], lastHang=again["lastHang"]
+    )
+    plan = reconcile.decide(observe(status=recovering, jobs=[job(1, "Failed")]))
+    assert plan.start_attempt == 2 and plan.avoid_nodes == ["gpu-9"]
+    for backend in (pytorchjob, jobset):
+        *_, built = backend.children(run_of(), 2, avoid_nodes=plan.avoid_nodes)
+        text = json.dumps(built)
+        assert '"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-9"]}]' in text
 
 
 def test_old_attempts_are_deleted_and_the_last_failed_one_kept():

@@ -152,3 +152,34 @@ def test_affinity_checks_every_requirement_it_nests():
         scheduling.PreferredSchedulingTerm.model_validate({"weight": 101, "preference": {}})
     with pytest.raises(pydantic.ValidationError, match="at least 1 item"):
         scheduling.NodeSelector.model_validate({"nodeSelectorTerms": []})
+
+
+def test_avoided_nodes_are_kept_out_of_every_required_term_and_the_rest_of_the_affinity_stays():
+    from trainingrun_operator.scheduling import avoiding
+
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["gpu-3", "gpu-9"]}
+    alone = avoiding(None, ["gpu-9", "gpu-3", "gpu-9"])
+    assert alone == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchFields": [avoid]}]}}}  # fmt: skip
+    zone = {"key": "zone", "operator": "In", "values": ["a"]}
+    users = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [zone]}, {"matchFields": [zone]}]
+            },
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "preference": {"matchExpressions": [zone]}}
+            ],
+        },
+        "podAntiAffinity": {"x": 1},
+    }
+    merged = avoiding(users, ["gpu-9", "gpu-3"])
+    terms = merged["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [zone], "matchFields": [avoid]}, {"matchFields": [zone, avoid]}]  # ORed
+    assert (
+        merged["podAntiAffinity"] == {"x": 1}
+        and merged["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    )
+    assert "matchFields" not in users["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"][0]  # fmt: skip  # the spec's own is not changed
+    assert avoiding(users, []) is users

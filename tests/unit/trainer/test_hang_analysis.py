@@ -50,6 +50,7 @@ def test_a_rank_that_did_not_answer_is_named_with_its_pod_and_node():
     assert "all_reduce #125 of process group 0" in found.summary
     assert "rank 1 (pod run-a1-worker-1, node gpu-node-7), which did not answer" in found.summary
     assert "hang after step 40: no progress for 31 s" in found.summary
+    assert found.nodes == ("gpu-node-7",)  # from what it said at start: the operator avoids a repeat offender
 
 
 def test_a_rank_that_never_entered_the_collective_is_named_with_where_it_was():
@@ -59,6 +60,7 @@ def test_a_rank_that_never_entered_the_collective_is_named_with_where_it_was():
     assert "waited for rank 1 (pod pod-1, node node-1), at trainer_setup.py:183 in batches" in found.summary
     assert any("never entered it (its last was #124)" in line for line in found.details)
     assert sum("waiting in it" in line for line in found.details) == 2
+    assert found.nodes == ("node-1",)  # the node of the rank named, not of those that waited
 
 
 def test_a_rank_ahead_with_async_collectives_does_not_hide_the_one_behind():
@@ -76,6 +78,7 @@ def test_a_rank_ahead_with_async_collectives_does_not_hide_the_one_behind():
 
 def test_every_rank_in_the_same_collective_blames_the_transport_not_a_rank():
     found = diagnose(2, {0: waiting(0), 1: waiting(1)})
+    assert found.nodes == ()  # no rank named, no node to avoid
 
     assert found.waited_for == ()
     assert "every rank entered all_reduce #125" in found.summary and "network or transport" in found.summary
