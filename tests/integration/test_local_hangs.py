@@ -59,7 +59,8 @@ def test_a_hung_rank_is_named_and_the_run_goes_on(tmp_path, kind, rank, nodes, b
     if kind == "stop" and nodes == 1:  # the stopped rank is killed by its pod-mate, not left to torchrun's 30 s
         assert f"rank {rank} (pid " in log and "killing it so that the worker group restarts now" in log
     if kind == "stop" and nodes == 2:  # by its pod's launcher, asked through the rendezvous store
-        assert "did not answer a hang: killing it so that the worker group restarts now" in log
+        its_node = (tmp_path / "runs" / "demo" / "attempt-1-node-1.log").read_text()
+        assert "did not answer a hang: killing it so that the worker group restarts now" in its_node
 
 
 def test_a_chaos_hang_that_cannot_work_is_refused_before_anything_starts(tmp_path):

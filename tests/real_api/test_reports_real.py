@@ -225,3 +225,49 @@ def test_the_operator_keeps_the_processes_account_of_time_and_the_breakdown_in_s
     # 17 s of compute in both, 15 kept (second resumed at 11 and reached 15): 2 lost
     assert (parts["productiveSeconds"], parts["lostSeconds"]) == (pytest.approx(4.0 + 11.0), pytest.approx(2.0))
     assert parts["restoreSeconds"] == 0.5 and parts["checkpointSeconds"] == 1.5 and parts["dataWaitSeconds"] == 0.75
+
+
+def test_a_straggler_and_a_node_hung_on_twice_reach_status_and_the_next_attempt_keeps_off_that_node(  # noqa: F811
+    cluster, endpoint
+):
+    """A straggler rank 0 names is condition SlowRank; two hangs in a row naming one node end the attempt, and the
+    next attempt's pods carry a node affinity that keeps them off it (the real server keeps the new status fields:
+    the CRD has their schema)."""
+    plane, ns = cluster.plane, cluster.namespace
+    plane.kubectl("-n", ns, "create", "serviceaccount", ACCOUNT)
+    uid, pod, pod_uid = started(cluster, "shaky", serviceAccountName=ACCOUNT)
+    token = plane.token(ns, ACCOUNT, contract.REPORT_AUDIENCE, pod=(pod, pod_uid))
+
+    report = report_of(cluster, "shaky", uid, step=5)
+    report.slow_rank = progress_report.SlowRank(
+        rank=1, pod="shaky-a1-worker-1", node="node-b", ratio=2.5, seconds=0.5, median_seconds=0.2, factor=1.5, step=3
+    )
+    assert post(endpoint, report, token)[0] == 200
+    status = wait_for(
+        lambda: (
+            any(c["type"] == "SlowRank" for c in cluster.status("shaky").get("conditions") or [])
+            and cluster.status("shaky")
+        ),
+        what="condition SlowRank",
+    )
+    assert status["slowRank"] == report.slow_rank.to_wire()
+    slow = next(c for c in status["conditions"] if c["type"] == "SlowRank")
+    assert slow["status"] == "True" and "rank 1 (pod shaky-a1-worker-1, node node-b) takes 2.5x" in slow["message"]
+
+    for seconds in ("00", "40"):  # one hang, looked at, then another naming the same node
+        hang = progress_report.Hang(
+            step=5, time=f"2026-12-06T12:00:{seconds}Z", diagnosis="hang after step 5: ...", ranks=[1], nodes=["node-b"]
+        )
+        assert post(endpoint, Report(ns, "shaky", uid, 1, last_hang=hang), token)[0] == 200
+        wait_for(
+            lambda hang=hang: (cluster.status("shaky").get("hangNodes") or {}).get("time") == hang.time,
+            what="the operator looking at the hang",
+        )
+    status = wait_for(lambda: cluster.status("shaky").get("attempt") == 2 and cluster.status("shaky"), what="attempt 2")
+    assert status["avoidedNodes"] == ["node-b"] and status["restarts"]["failures"] == 1
+    job = wait_for(lambda: cluster.get(JOBS, "shaky-a2"), what="attempt 2's PyTorchJob")
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    terms = template["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["node-b"]}]}]
+    reasons = plane.kubectl("-n", ns, "get", "events", "-o", "jsonpath={.items[*].reason}").stdout.split()
+    assert "AvoidingNode" in reasons and "SlowRank" in reasons
