@@ -320,12 +320,12 @@ class Run:
         def result() -> tuple[bool, ...]:
             work.wait()  # host memory: no tensor call, so nothing that could wait on a GPU
             if slots and self.stragglers is not None:
-                self._observe_spread(step, stragglers.read_slots(agreed[len(local) :].tolist()))
+                self._observe_spread(step, stragglers.read_slots(agreed[len(local) :]))
             return tuple(bool(v) for v in agreed[: len(local)])
 
         return result
 
-    def _observe_spread(self, step: int, times: list[Optional[float]]) -> None:
+    def _observe_spread(self, step: int, times: numpy.ndarray) -> None:
         """Rank 0: the ranks' times of one step; a straggler named (or no longer) is logged and reported."""
         assert self.stragglers is not None
         was = self.stragglers.named

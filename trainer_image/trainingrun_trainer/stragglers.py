@@ -18,11 +18,12 @@ collection is not a straggler.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
+
+import numpy
 
 #: Steps whose times make each rank's typical time.
 WINDOW_STEPS = 16
@@ -32,6 +33,8 @@ SUSTAIN_SECONDS = 30.0
 MIN_GAP_SECONDS = 0.001
 #: Above this many ranks the agreement carries no times (its all-reduce would grow by 4 bytes a rank, every step).
 MAX_TIMED_RANKS = 4096
+#: The ranks are compared at most this often (rank 0, in the step's path).
+COMPARE_SECONDS = 1.0
 #: CUDA event pairs a `ComputeTimer` keeps while the device has not passed them yet.
 PENDING_EVENTS = 4
 
@@ -60,9 +63,11 @@ def agreement_slots(own_seconds: Optional[float], rank: int, world_size: int) ->
     return slots
 
 
-def read_slots(values: Sequence[float]) -> list[Optional[float]]:
-    """Every rank's time from the reduced slots (None: that rank measured none)."""
-    return [float(value) if value > 0 else None for value in values]
+def read_slots(values: Any) -> numpy.ndarray:
+    """Every rank's time from the reduced slots (NaN: that rank measured none)."""
+    times = numpy.array(values, dtype=numpy.float64)
+    times[~(times > 0)] = numpy.nan
+    return times
 
 
 class ComputeTimer:
@@ -117,7 +122,10 @@ class StragglerWatch:
         self.world_size = world_size
         self.factor = factor
         self._now = now
-        self._times: list[deque[float]] = [deque(maxlen=WINDOW_STEPS) for _ in range(world_size)]
+        #: The last WINDOW_STEPS steps' times, a row a step (NaN: not measured), filled in turn.
+        self._times = numpy.full((WINDOW_STEPS, world_size), numpy.nan)
+        self._row = 0
+        self._compared_at = -math.inf
         self.spread: Optional[Spread] = None  #: the newest comparison (None: fewer than two ranks measured)
         self.named: Optional[Spread] = None
         #: The step since which `named` is slow (or, when none is, the step at which the last stopped being named).
@@ -127,13 +135,18 @@ class StragglerWatch:
         self._candidate_step = 0
         self._calm_since: Optional[float] = None  #: while one is named: since when none has been past the factor
 
-    def observe(self, step: int, times: Sequence[Optional[float]]) -> bool:
-        """One step's times, by rank; True when `named` changed (a straggler named, another one, or none any more),
-        and at the first comparison, which says none is (a new worker group's rank 0 knows nothing of the last's)."""
-        for rank, seconds in enumerate(times[: self.world_size]):
-            if seconds is not None:
-                self._times[rank].append(seconds)
+    def observe(self, step: int, times: Any) -> bool:
+        """One step's times, by rank (`read_slots`'s, or a sequence with None for a rank that measured none); True
+        when `named` changed (a straggler named, another one, or none any more), and at the first comparison, which
+        says none is (a new worker group's rank 0 knows nothing of the last's). The ranks are compared at most once
+        every COMPARE_SECONDS: a comparison of thousands of ranks is not for every step."""
+        row = times if isinstance(times, numpy.ndarray) else numpy.array([numpy.nan if t is None else t for t in times])
+        self._times[self._row % WINDOW_STEPS, :] = row[: self.world_size]
+        self._row += 1
         first = self.spread is None
+        if not first and self._now() - self._compared_at < COMPARE_SECONDS:
+            return False
+        self._compared_at = self._now()
         self.spread = self._compare()
         if self.spread is None:
             return False
@@ -171,9 +184,10 @@ class StragglerWatch:
         )
 
     def _compare(self) -> Optional[Spread]:
-        typical = {rank: statistics.median(times) for rank, times in enumerate(self._times) if len(times) >= 3}
-        if len(typical) < 2:
+        measured = numpy.flatnonzero((~numpy.isnan(self._times)).sum(axis=0) >= 3)  # ranks with 3 times or more
+        if len(measured) < 2:
             return None
-        slowest = max(typical, key=lambda rank: typical[rank])
-        others = [seconds for rank, seconds in typical.items() if rank != slowest]
-        return Spread(slowest, typical[slowest], statistics.median(others))
+        typical = numpy.nanmedian(self._times[:, measured], axis=0)
+        slowest = int(numpy.argmax(typical))
+        others = numpy.delete(typical, slowest)
+        return Spread(int(measured[slowest]), float(typical[slowest]), float(numpy.median(others)))

@@ -11,6 +11,7 @@ import threading
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from trainingrun_api import exit_codes
@@ -248,3 +249,34 @@ def test_a_launcher_kills_only_its_own_worker_started_when_the_request_says(stor
     finally:
         worker.kill()
         worker.wait()
+
+
+NCCL_RECORDER = """
+import json, sys, torch, torch.distributed as dist
+from trainingrun_trainer import hangs
+hangs.enable_flight_recorder()
+store = dist.FileStore(sys.argv[1], 1)
+dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
+tensor = torch.ones(3, device="cuda")
+for _ in range(3):
+    dist.all_reduce(tensor)
+torch.cuda.synchronize()
+groups, in_flight, answered = hangs.flight_recorder()
+print(json.dumps([answered, {name: [g.enqueued, g.completed] for name, g in groups.items()}, len(in_flight)]))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_suite.py runs it)")
+def test_an_nccl_groups_collectives_are_read_from_torchs_flight_recorder(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", NCCL_RECORDER, str(tmp_path / "store")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answered, groups, in_flight = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answered, done.stdout  # NCCL's recorder answers where a hang would ask it
+    enqueued, completed = groups.get("0", [-1, -2])
+    assert enqueued >= 3 and completed == enqueued, (
+        done.stdout
+    )  # the three all-reduces, completed, on the default group
+    assert in_flight == 0

@@ -2,7 +2,10 @@
 for SUSTAIN_SECONDS (never one within noise, nor a blip), says when none is any more, and times without a device
 wait."""
 
+import math
+
 import pytest
+import torch
 
 from trainingrun_trainer import stragglers
 from trainingrun_trainer.stragglers import SUSTAIN_SECONDS, WINDOW_STEPS, ComputeTimer, StragglerWatch
@@ -29,7 +32,8 @@ def feed(watch: StragglerWatch, clock: Clock, times, steps: int, first_step: int
 def test_each_rank_fills_its_own_slot_and_the_max_reduce_gives_every_ranks_time():
     parts = [stragglers.agreement_slots(seconds, rank, 3) for rank, seconds in enumerate((0.2, None, 0.5))]
     reduced = [max(column) for column in zip(*parts)]  # what the all-reduce (MAX) does
-    assert stragglers.read_slots(reduced) == [0.2, None, 0.5]
+    read = stragglers.read_slots(reduced)
+    assert read[0] == 0.2 and math.isnan(read[1]) and read[2] == 0.5
     assert stragglers.agreement_slots(float("nan"), 0, 2) == [0.0, 0.0]  # never a poisoned slot
     assert stragglers.agreement_slots(0.1, 0, stragglers.MAX_TIMED_RANKS + 1) == []
 
@@ -107,3 +111,23 @@ def test_the_cpu_timer_measures_from_start_to_stop():
     timer.start()
     clock.now += 0.25
     assert timer.stop() == pytest.approx(0.25) and timer.latest == pytest.approx(0.25)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_suite.py runs it)")
+def test_the_cuda_timer_reads_the_devices_time_without_ever_waiting_for_it():
+    timer = ComputeTimer(torch.device("cuda"))
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any call that waits for the device raises
+    try:
+        for _ in range(20):
+            timer.start()
+            for _ in range(10):
+                x = (x @ x).tanh()
+            timer.stop()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    timer.start()
+    timer.stop()  # every earlier pair has been passed now
+    assert timer.latest is not None and timer.latest > 0
