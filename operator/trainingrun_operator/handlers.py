@@ -42,28 +42,13 @@ from .state import Key, OperatorState, Reconciled
 log = logging.getLogger("trainingrun.operator")
 
 
-class NoDiffBase(kopf.DiffBaseStorage):
-    """kopf keeps a copy of every body to diff for create/update handlers; this operator has none (it is level-
-    triggered: on.event and indexes), and that copy was a fifth of its CPU in a burst of runs."""
-
-    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
-        return {}
-
-    def fetch(self, *, body: Any) -> Any:
-        return None
-
-    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
-        pass
-
-
 def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
     """Add the operator's handlers to `registry`, bound to `state`."""
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        # The CRD's status schema is typed, so kopf keeps its own bookkeeping in annotations.
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-        settings.persistence.diffbase_storage = NoDiffBase()
+        # No resource handler is kopf's (the operator watches with runtime/informer.py), so kopf keeps no progress
+        # or diff-base of any object: its persistence settings would act on nothing.
         settings.posting.enabled = False  # Events are the operator's own, never copies of log lines
         settings.peering.name = state.settings.peering or "trainingrun-operator"
         settings.peering.lifetime = state.settings.peering_lifetime_seconds

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from trainingrun_api import contract, exit_codes
 
-from . import hangs
+from . import hang_store
 from .preloading import TRAINER_MODULE, preload, start_forkserver
 
 #: Agent restarts in this container after its rendezvous store was lost, before exiting retryable.
@@ -87,15 +87,15 @@ VERDICT_FILE = "permanent-exit-code"  #: in the launcher's scratch directory: a 
 COMMITTED_STEP_FILE = "committed-step"  #: in the launcher's scratch directory: the newest committed step
 
 
-def run_trainer_worker(scratch: str, hang_store: str, *argv: str) -> None:
+def run_trainer_worker(scratch: str, store_endpoint: str, *argv: str) -> None:
     """One worker of the built-in trainer, forked from the preloaded forkserver (whose environment is the
-    launcher's before it set `hang_store`, contract.HANG_STORE: "" for none)."""
+    launcher's before it set `store_endpoint`, contract.HANG_STORE: "" for none)."""
     verdict = Path(scratch) / VERDICT_FILE
     if verdict.exists():  # an earlier worker group of this attempt chose a permanent exit
         sys.exit(int(verdict.read_text()))
     os.environ[contract.COMMITTED_STEP_FILE] = str(Path(scratch) / COMMITTED_STEP_FILE)
-    if hang_store:
-        os.environ[contract.HANG_STORE] = hang_store
+    if store_endpoint:
+        os.environ[contract.HANG_STORE] = store_endpoint
     from .main import main as trainer_main
 
     code = trainer_main(argv)
@@ -237,13 +237,13 @@ def _launch(args: Any) -> None:
     from torch.distributed.run import config_from_args, run
 
     pod_rendezvous(args)
-    hang_store = ""
+    store_endpoint = ""
     if not args.standalone and args.rdzv_backend == "c10d" and args.rdzv_endpoint.rpartition(":")[2].isdigit():
-        hang_store = args.rdzv_endpoint
-        os.environ[contract.HANG_STORE] = hang_store  # workers started by torchrun inherit it; forked ones: below
+        store_endpoint = args.rdzv_endpoint
+        os.environ[contract.HANG_STORE] = store_endpoint  # workers started by torchrun inherit it; forked ones: below
         # A hung group's silent ranks on this pod, which no pod-mate answered for, are killed by this launcher.
-        hangs.LauncherKills(
-            hang_store, os.environ.get(contract.POD_NAME) or os.environ.get("HOSTNAME", "localhost")
+        hang_store.LauncherKills(
+            store_endpoint, os.environ.get(contract.POD_NAME) or os.environ.get("HOSTNAME", "localhost")
         ).start()
 
     if not (args.module and args.training_script == TRAINER_MODULE and not args.no_python):
@@ -267,7 +267,7 @@ def _launch(args: Any) -> None:
         )
         _rejoining(
             lambda: launcher_api.elastic_launch(config=config, entrypoint=run_trainer_worker)(
-                scratch, hang_store, *args.training_script_args
+                scratch, store_endpoint, *args.training_script_args
             ),
             standalone=args.standalone,
             endpoint=args.rdzv_endpoint,

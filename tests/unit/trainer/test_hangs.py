@@ -3,8 +3,6 @@ through a real TCPStore: the asking rank diagnoses, every rank that answered exi
 excuses the wait."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -15,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from trainingrun_api import exit_codes
-from trainingrun_trainer import hangs
+from trainingrun_trainer import hang_store, hangs
 from trainingrun_trainer.hangs import FLOOR_SECONDS, STEP_FACTOR, WARMUP_STEPS, HangWatch, StepWatch
-from trainingrun_trainer.timekeeping import ProcessClock, start_ticks
+from trainingrun_trainer.timekeeping import ProcessClock
 
 
 class FakeTime:
@@ -220,7 +218,7 @@ def test_the_asking_rank_asks_another_pods_launcher_to_kill_its_silent_rank(stor
     monkeypatch.setattr(hangs, "EXCHANGE_SECONDS", 1.0)
     time, exits = FakeTime(), []
     first = make(0, store, time, exits)
-    first.launchers = dist.PrefixStore(hangs.KILL_PREFIX, store())
+    first.launchers = dist.PrefixStore(hang_store.KILL_PREFIX, store())
     store().set("identity/1", '["pod-1", "node-1", 4242, 777]')  # rank 1, on another pod, never answers
     time.now += FLOOR_SECONDS + 1
     assert first.check() == "hang"
@@ -228,32 +226,9 @@ def test_the_asking_rank_asks_another_pods_launcher_to_kill_its_silent_rank(stor
     assert not first.launchers.check(["pod-0"])  # its own pod's silent ranks it kills itself
 
 
-def test_a_launcher_kills_only_its_own_worker_started_when_the_request_says(store):
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a child: as a worker is
-    try:
-        requests = dist.PrefixStore(hangs.KILL_PREFIX, store())
-        kills = hangs.LauncherKills("unused:0", "pod-1", connect=lambda: requests)
-        started = start_ticks(worker.pid)
-        requests.set("pod-1", json.dumps([[worker.pid, started + 1], [os.getppid(), start_ticks(os.getppid())]]))
-        kills.look(requests)  # a reused pid (another start time) and a process that is not its worker: left alone
-        assert kills.killed == [] and worker.poll() is None and not requests.check(["pod-1"])
-        requests.set("pod-1", "not json")
-        kills.look(requests)
-        assert kills.killed == [] and not requests.check(["pod-1"])
-        requests.set("pod-2", json.dumps([[worker.pid, started]]))
-        kills.look(requests)  # another pod's request
-        assert worker.poll() is None
-        requests.set("pod-1", json.dumps([[worker.pid, started]]))
-        kills.look(requests)
-        assert worker.wait(timeout=10) == -signal.SIGKILL and kills.killed == [worker.pid]
-    finally:
-        worker.kill()
-        worker.wait()
-
-
 NCCL_RECORDER = """
 import json, sys, torch, torch.distributed as dist
-from trainingrun_trainer import hangs
+from trainingrun_trainer import hang_store, hangs
 hangs.enable_flight_recorder()
 store = dist.FileStore(sys.argv[1], 1)
 dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
