@@ -226,6 +226,7 @@ def slim_pod(body: Any) -> dict[str, Any]:
             **{k: copy.deepcopy(meta.get(k)) for k in ("name", "uid", "labels", "deletionTimestamp")},
             "ownerReferences": [{"uid": controller_uid(body), "controller": True}],
         },
+        "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},  # a node a report names must be one of these
         "status": {
             k: copy.deepcopy(status.get(k)) for k in ("phase", "reason", "message", "conditions", "containerStatuses")
         },

@@ -16,6 +16,7 @@ from trainingrun_api import contract
 
 from . import api, builders, naming, reconcile, run_status, validation
 from .backends import JOB_KINDS
+from .builders import Note
 from .indexes import controller_uid, job_view, merged_status, run_owns_job, slim_job
 from .runtime import kube as kube_module
 from .runtime.kube import ApiError, Kube
@@ -98,9 +99,24 @@ async def carry_out(
             state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
         if any(note.reason == "Hung" for note in plan.events):  # a new hang turned the condition true
             state.metrics.hangs.labels(namespace, name).inc()
+    if state.settings.cordon_avoided_nodes:
+        plan.events += [await _cordon(kube, node) for node in plan.cordon_nodes]
     for note in plan.events:
         state.queue_event(body, note)
     return True
+
+
+async def _cordon(kube: Kube, node: str) -> Note:
+    """Mark `node` unschedulable, as `kubectl cordon` does (operator.cordonAvoidedNodes); an Event either way."""
+    try:
+        await kube.patch("v1", "Node", "", node, {"spec": {"unschedulable": True}})
+    except ApiError as error:
+        return Note("Warning", "NodeNotCordoned", f"could not cordon node {node} ({error.status} {error.reason})")
+    return Note(
+        "Warning",
+        "NodeCordoned",
+        f"node {node} is cordoned (operator.cordonAvoidedNodes): `kubectl uncordon {node}` once it is repaired",
+    )
 
 
 async def _create_children(

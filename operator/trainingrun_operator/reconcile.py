@@ -76,6 +76,8 @@ class Plan:
     start_attempt: Optional[int] = None  #: create (or adopt) the children of this attempt
     resume_from: Optional[str] = None  #: TRAININGRUN_RESUME_FROM of that attempt
     avoid_nodes: list[str] = field(default_factory=list)  #: nodes that attempt's pods must not run on (avoidedNodes)
+    #: Nodes newly named in two hangs in a row: cordoned where the chart allows it (operator.cordonAvoidedNodes).
+    cordon_nodes: list[str] = field(default_factory=list)
     checkpoint_uri: str = ""  #: the URI attempts use (the one the run started with); `decide` always sets it
     suspend_job: Optional[str] = None
     delete_jobs: list[str] = field(default_factory=list)
@@ -368,19 +370,23 @@ def _fail(plan: Plan, o: Observed, reason: str, message: str, conditions: Condit
 
 
 def _hung_twice_on_a_node(plan: Plan, o: Observed, attempt: int, job_name: str, conditions: Conditions) -> bool:
-    """A node named in a hang (status.lastHang.nodes) and in the hang before it (status.hangNodes) is avoided from
-    now on (status.avoidedNodes, a node affinity of every later attempt's pods) and the attempt ends, charged as a
-    failure, so that the next one runs elsewhere: restarting in place would keep it there. True when it ended."""
+    """A node named in a hang (status.lastHang.nodes) and in the hang before it (status.hangNodes), on which a pod of
+    the run ran, is avoided from now on (status.avoidedNodes, a node affinity of every later attempt's pods) and the
+    attempt ends, charged as a failure, so that the next one runs elsewhere: restarting in place would keep it there.
+    True when it ended."""
     hang, before = o.status.get("lastHang") or {}, o.status.get("hangNodes") or {}
     if not hang or hang.get("time") == before.get("time"):
         return False  # no hang, or this one was looked at already
     nodes = [node for node in hang.get("nodes") or [] if isinstance(node, str)]
     plan.status["hangNodes"] = {"time": hang.get("time"), "nodes": nodes}
-    repeated = sorted(set(nodes) & set(before.get("nodes") or []))
+    # Only a node the run's own pods ran on: a report is a pod's word, and must not move (or cordon) any other node.
+    ran_on = {(pod.get("spec") or {}).get("nodeName") for pod in o.pods}
+    repeated = sorted(set(nodes) & set(before.get("nodes") or []) & ran_on)
     if not repeated:
         return False
     kept = [node for node in o.status.get("avoidedNodes") or [] if node not in repeated]
     plan.status["avoidedNodes"] = [*kept, *repeated][-scheduling.MAX_AVOIDED_NODES :]
+    plan.cordon_nodes = repeated
     named = ", ".join(repeated)
     detail = f"node {named} held the run up in two hangs in a row (the last after step {hang.get('step')})"
     plan.events.append(

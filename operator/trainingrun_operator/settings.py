@@ -44,6 +44,9 @@ class Settings:
     #: limits what runs may ask for: PyTorchJob or JobSet allows only that backend (the chart grants the operator
     #: only its verbs); auto allows each one served at start (backends.py).
     backend: str = "auto"
+    #: Cordon a node named in two hangs in a row of a run (TRAININGRUN_CORDON_AVOIDED_NODES=true; the chart value
+    #: operator.cordonAvoidedNodes, which also grants `patch` on nodes). Off: the run's later pods only avoid it.
+    cordon_avoided_nodes: bool = False
     #: Namespaces to watch, comma-separated; empty means the whole cluster (TRAININGRUN_NAMESPACES).
     namespaces: tuple[str, ...] = ()
     #: kopf peering object shared by the replicas, of which one acts; empty runs standalone
@@ -192,6 +195,7 @@ class Settings:
             ),
             resync_seconds=number("TRAININGRUN_RESYNC_SECONDS", defaults.resync_seconds, float),
             keep_failed_attempts=number("TRAININGRUN_KEEP_FAILED_ATTEMPTS", defaults.keep_failed_attempts),
+            cordon_avoided_nodes=_flag(env, "TRAININGRUN_CORDON_AVOIDED_NODES"),
             crd_check_seconds=number("TRAININGRUN_CRD_CHECK_SECONDS", defaults.crd_check_seconds, float),
             child_rejected_backoff_seconds=number(
                 "TRAININGRUN_CHILD_REJECTED_BACKOFF_SECONDS", defaults.child_rejected_backoff_seconds, float
@@ -250,3 +254,11 @@ def signing_key(tls_key: Path) -> bytes:
     except OSError:
         return secrets.token_bytes(32)
     return hmac.new(material, b"trainingrun.dev job signature v1", hashlib.sha256).digest()
+
+
+def _flag(env: Any, name: str) -> bool:
+    """A true/false setting (empty: false); anything else is refused, naming it."""
+    raw = (env.get(name) or "false").strip().lower()
+    if raw not in ("true", "false"):
+        raise ValueError(f"{name}={env.get(name)!r} must be true or false")
+    return raw == "true"

@@ -9,12 +9,18 @@ TokenReview, the pod binding and the audience are the real server's. The test pl
 import datetime
 import json
 import ssl
+import subprocess
 import urllib.error
 import urllib.request
 
 import pytest
+import yaml
 from test_operator_real import (  # noqa: F401 - fixtures
+    HELM,
     JOBS,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    REPO,
     RUNS,
     RealCluster,
     cluster,
@@ -41,6 +47,7 @@ def endpoint(operator_kubeconfig, tmp_path):  # noqa: F811
     tls = certificate(tmp_path)
     url = f"https://127.0.0.1:{port}{contract.REPORT_PATH}"
     env = {"TRAININGRUN_REPORT_URL": url, "TRAININGRUN_REPORT_PORT": str(port), "TRAININGRUN_REPORT_TLS_DIR": str(tls)}
+    env["TRAININGRUN_CORDON_AVOIDED_NODES"] = "true"  # as the chart value sets it; its RBAC is the test's to grant
     for log in running_operator(operator_kubeconfig, tmp_path, **env):
         wait_for(lambda log=log: "report endpoint listening" in log.read_text(), what="the report endpoint")
         yield url, ssl.create_default_context(cafile=str(tls / "ca.crt"))
@@ -254,6 +261,15 @@ def test_a_straggler_and_a_node_hung_on_twice_reach_status_and_the_next_attempt_
     slow = next(c for c in status["conditions"] if c["type"] == "SlowRank")
     assert slow["status"] == "True" and "rank 1 (pod shaky-a1-worker-1, node node-b) takes 2.5x" in slow["message"]
 
+    plane.kubectl(
+        "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-b"}})
+    )
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod, "namespace": ns},
+               "target": {"apiVersion": "v1", "kind": "Node", "name": "node-b"}}  # fmt: skip
+    plane.kubectl("create", "-f", "-", input=json.dumps(binding))  # the pod runs there, as a scheduler would bind it
+    wait_for(lambda: cluster.get("pod", pod)["spec"].get("nodeName") == "node-b", what="the pod on node-b")
+    discovery = chart_cluster_role("operator.cordonAvoidedNodes=true")  # what the chart grants with the value on
+    plane.apply([discovery])
     for seconds in ("00", "40"):  # one hang, looked at, then another naming the same node
         hang = progress_report.Hang(
             step=5, time=f"2026-12-06T12:00:{seconds}Z", diagnosis="hang after step 5: ...", ranks=[1], nodes=["node-b"]
@@ -269,5 +285,34 @@ def test_a_straggler_and_a_node_hung_on_twice_reach_status_and_the_next_attempt_
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     terms = template["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["node-b"]}]}]
-    reasons = plane.kubectl("-n", ns, "get", "events", "-o", "jsonpath={.items[*].reason}").stdout.split()
-    assert "AvoidingNode" in reasons and "SlowRank" in reasons
+    try:
+        node = wait_for(
+            lambda: cluster.get("node", "node-b")["spec"].get("unschedulable") and cluster.get("node", "node-b")
+        )
+        # cordoned, nothing more: the only taint is the one Kubernetes' node controller gives an unschedulable node
+        assert {t["key"] for t in node["spec"].get("taints") or []} <= {"node.kubernetes.io/unschedulable"}
+        reasons = plane.kubectl("-n", ns, "get", "events", "-o", "jsonpath={.items[*].reason}").stdout.split()
+        assert {"AvoidingNode", "SlowRank", "NodeCordoned"} <= set(reasons)
+    finally:
+        plane.apply([chart_cluster_role()])  # the chart's default again: no access to nodes
+        plane.kubectl("delete", "node", "node-b", check=False)
+
+
+def chart_cluster_role(*values):
+    """The chart's cluster-wide role (discovery, TokenReviews; with operator.cordonAvoidedNodes, patch on nodes)."""
+    command = [
+        str(HELM),
+        "template",
+        RELEASE,
+        str(REPO / "charts/trainingrun-operator"),
+        "--namespace",
+        RELEASE_NAMESPACE,
+    ]
+    rendered = subprocess.run(
+        [*command, *(f"--set={value}" for value in values)], capture_output=True, text=True, check=True
+    )
+    return next(
+        d
+        for d in yaml.safe_load_all(rendered.stdout)
+        if d and d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-discovery")
+    )

@@ -50,6 +50,7 @@ PLURALS = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Event"): "events",
     ("v1", "Pod"): "pods",
+    ("v1", "Node"): "nodes",
     ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",

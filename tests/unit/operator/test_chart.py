@@ -330,3 +330,13 @@ def test_the_backend_value_grants_its_verbs_only_and_lets_its_pods_report(backen
     peers = [p for rule in policy["spec"]["ingress"] for p in rule["from"] if "podSelector" in p]
     selected = [{e["key"] for e in p["podSelector"]["matchExpressions"]} - {"trainingrun.dev/run"} for p in peers]
     assert selected == pod_labels
+
+
+@pytest.mark.parametrize("cordon", [False, True])
+def test_cordoning_avoided_nodes_is_off_unless_the_chart_turns_it_on_with_patch_on_nodes_only(cordon):
+    documents = render(None, f"operator.cordonAvoidedNodes={str(cordon).lower()}")
+    node_rules = {(group, resource, verb) for group, resource, verb in granted(documents) if resource == "nodes"}
+    assert node_rules == ({("", "nodes", "patch")} if cordon else set())  # never get, list, update or delete
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TRAININGRUN_CORDON_AVOIDED_NODES"] == str(cordon).lower()

@@ -237,40 +237,58 @@ def hang_at(time, *nodes, step=40):
     return {"step": step, "time": time, "diagnosis": "hang after step 40: ...", "ranks": [1], "nodes": list(nodes)}
 
 
+def on_nodes(*nodes):
+    """The run's pods, one on each node."""
+    return [
+        {**pod(1, {"phase": "Running"}, name=f"demo-a1-worker-{i}"), "spec": {"nodeName": n}}
+        for i, n in enumerate(nodes)
+    ]
+
+
 def test_a_node_named_in_two_hangs_in_a_row_ends_the_attempt_and_later_attempts_avoid_it():
     first = running_status(lastHang=hang_at("2026-11-21T11:50:00Z", "gpu-7"))
-    plan = reconcile.decide(observe(status=first, jobs=[job(1, "Running")]))
+    seen = functools.partial(observe, pods=on_nodes("gpu-7", "gpu-9"))
+    plan = reconcile.decide(seen(status=first, jobs=[job(1, "Running")]))
     assert plan.status["hangNodes"] == {"time": "2026-11-21T11:50:00Z", "nodes": ["gpu-7"]}
     assert not plan.delete_jobs and "avoidedNodes" not in plan.status  # once is not yet a pattern
 
     other = running_status(lastHang=hang_at("2026-11-21T11:55:00Z", "gpu-9"), hangNodes=plan.status["hangNodes"])
-    plan = reconcile.decide(observe(status=other, jobs=[job(1, "Running")]))
+    plan = reconcile.decide(seen(status=other, jobs=[job(1, "Running")]))
     assert not plan.delete_jobs and plan.status["hangNodes"]["nodes"] == ["gpu-9"]  # another node: not in a row
 
     again = running_status(
         lastHang=hang_at("2026-11-21T11:58:00Z", "gpu-9", "gpu-3"), hangNodes=plan.status["hangNodes"]
     )
-    plan = reconcile.decide(observe(status=again, jobs=[job(1, "Running")]))
+    plan = reconcile.decide(seen(status=again, jobs=[job(1, "Running")]))
     assert plan.status["avoidedNodes"] == ["gpu-9"]
+    assert plan.cordon_nodes == ["gpu-9"]  # cordoned where the chart allows it (plans.carry_out)
     assert plan.delete_jobs == ["demo-a1"] and plan.status["phase"] == "Recovering"
     assert plan.status["restarts"]["failures"] == 1  # charged as the hangs were
     said = [e.message for e in plan.events if e.reason == "AvoidingNode"]
     assert said and "node gpu-9 held the run up in two hangs in a row" in said[0] and "avoid gpu-9" in said[0]
 
     # the same hang seen again (the echo of that status write) decides nothing more
-    seen = running_status(lastHang=again["lastHang"], hangNodes=plan.status["hangNodes"], avoidedNodes=["gpu-9"])
-    assert not reconcile.decide(observe(status=seen, jobs=[job(1, "Running")])).delete_jobs
+    echo = running_status(lastHang=again["lastHang"], hangNodes=plan.status["hangNodes"], avoidedNodes=["gpu-9"])
+    assert not reconcile.decide(seen(status=echo, jobs=[job(1, "Running")])).delete_jobs
 
     # the next attempt's pods keep off the node, by name, in every pod template it builds
     recovering = running_status(
         phase="Recovering", nextAttemptTime="2026-11-21T11:00:00Z", avoidedNodes=["gpu-9"], lastHang=again["lastHang"]
     )
-    plan = reconcile.decide(observe(status=recovering, jobs=[job(1, "Failed")]))
+    plan = reconcile.decide(seen(status=recovering, jobs=[job(1, "Failed")]))
     assert plan.start_attempt == 2 and plan.avoid_nodes == ["gpu-9"]
     for backend in (pytorchjob, jobset):
         *_, built = backend.children(run_of(), 2, avoid_nodes=plan.avoid_nodes)
         text = json.dumps(built)
         assert '"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-9"]}]' in text
+
+
+def test_a_report_cannot_make_the_operator_avoid_a_node_the_runs_pods_never_ran_on():
+    """A hang report is a pod's word: naming another tenant's node twice moves (or cordons) nothing."""
+    before = {"time": "2026-11-21T11:50:00Z", "nodes": ["their-node"]}
+    again = running_status(lastHang=hang_at("2026-11-21T11:58:00Z", "their-node"), hangNodes=before)
+    plan = reconcile.decide(observe(status=again, jobs=[job(1, "Running")], pods=on_nodes("gpu-7")))
+    assert not plan.delete_jobs and not plan.cordon_nodes and "avoidedNodes" not in plan.status
 
 
 def test_old_attempts_are_deleted_and_the_last_failed_one_kept():
