@@ -9,11 +9,9 @@ the report Service's EndpointSlice while it acts, with a made-up pod IP each.
 import contextlib
 import json
 import socket
-import subprocess
 
 import pytest
-import yaml
-from test_operator_real import HELM, JOBS, RealCluster, running_operator, training_run, wait_for
+from test_operator_real import JOBS, RealCluster, rendered_chart, running_operator, training_run, wait_for
 
 from conftest import REPO
 from tls_files import certificate
@@ -27,26 +25,12 @@ PEERING_CRDS = REPO / "charts/trainingrun-operator/crds/kopf-peering.yaml"
 @pytest.fixture(scope="module")
 def ha_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
     plane = kube_cluster_with_crds
-    assert HELM.exists(), f"{HELM} missing: run scripts/install-helm.sh"
     plane.kubectl("apply", "--server-side", "-f", str(PEERING_CRDS))
     plane.wait_established("clusterkopfpeerings.kopf.dev")
-    rendered = subprocess.run(
-        [
-            str(HELM),
-            "template",
-            RELEASE,
-            str(REPO / "charts/trainingrun-operator"),
-            "--namespace",
-            RELEASE_NAMESPACE,
-            "-f",
-            str(REPO / "charts/trainingrun-operator/ci/ha-values.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "Deployment"]
-    deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
+    ha_values = REPO / "charts/trainingrun-operator/ci/ha-values.yaml"
+    rendered = rendered_chart("-f", str(ha_values), release=RELEASE, namespace=RELEASE_NAMESPACE)
+    documents = [d for d in rendered if d["kind"] != "Deployment"]
+    deployment = next(d for d in rendered if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     peering = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--peering="))
     report_service = next(e["value"] for e in container["env"] if e["name"] == "TRAININGRUN_REPORT_SERVICE")

@@ -167,20 +167,21 @@ class RealCluster:
         return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
+def rendered_chart(*options: str, release: str = RELEASE, namespace: str = RELEASE_NAMESPACE) -> list[dict]:
+    """The chart's objects as `helm template` renders them for a release, with these options (-f, --set)."""
+    assert HELM.exists(), f"{HELM} missing: run scripts/install-helm.sh"
+    command = [str(HELM), "template", release, str(REPO / "charts/trainingrun-operator"), "--namespace", namespace]
+    rendered = subprocess.run([*command, *options], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
 @pytest.fixture(scope="module")
 def operator_kubeconfig(kube_cluster_with_crds, tmp_path_factory):
     """The chart's identity for the operator (default values: cluster-wide), and a kubeconfig holding only its
     token, as the operator's pod would have."""
     plane = kube_cluster_with_crds
-    assert HELM.exists(), f"{HELM} missing: run scripts/install-helm.sh"
-    rendered = subprocess.run(
-        [str(HELM), "template", RELEASE, str(REPO / "charts/trainingrun-operator"), "--namespace", RELEASE_NAMESPACE],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
     # Everything but the Deployment: this test runs the operator itself, with the Deployment's identity.
-    documents = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] != "Deployment"]
+    documents = [d for d in rendered_chart() if d["kind"] != "Deployment"]
     plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
     plane.apply(documents)
     account = next(d for d in documents if d["kind"] == "ServiceAccount")["metadata"]["name"]

@@ -9,22 +9,17 @@ TokenReview, the pod binding and the audience are the real server's. The test pl
 import datetime
 import json
 import ssl
-import subprocess
 import urllib.error
 import urllib.request
 
 import pytest
-import yaml
 from test_operator_real import (  # noqa: F401 - fixtures
-    HELM,
     JOBS,
-    RELEASE,
-    RELEASE_NAMESPACE,
-    REPO,
     RUNS,
     RealCluster,
     cluster,
     operator_kubeconfig,
+    rendered_chart,
     running_operator,
     training_run,
     wait_for,
@@ -300,19 +295,8 @@ def test_a_straggler_and_a_node_hung_on_twice_reach_status_and_the_next_attempt_
 
 def chart_cluster_role(*values):
     """The chart's cluster-wide role (discovery, TokenReviews; with operator.cordonAvoidedNodes, patch on nodes)."""
-    command = [
-        str(HELM),
-        "template",
-        RELEASE,
-        str(REPO / "charts/trainingrun-operator"),
-        "--namespace",
-        RELEASE_NAMESPACE,
-    ]
-    rendered = subprocess.run(
-        [*command, *(f"--set={value}" for value in values)], capture_output=True, text=True, check=True
-    )
     return next(
         d
-        for d in yaml.safe_load_all(rendered.stdout)
-        if d and d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-discovery")
+        for d in rendered_chart(*(f"--set={value}" for value in values))
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-discovery")
     )

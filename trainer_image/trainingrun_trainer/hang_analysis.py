@@ -164,16 +164,19 @@ def _frame(dump: RankDump) -> str:
 
 def _pending(dumps: dict[int, RankDump]) -> Optional[Collective]:
     """The collective waited for: the oldest one that some rank entered and did not see complete, on the default
-    group ("0") when there is one there, else on the group that sorts first."""
-    oldest: dict[str, int] = {}
+    group ("0") when there is one there, else on the group that sorts first. The recorder's entries in flight win
+    over a group's counts: a rank's completed count may lag behind an entry it retired (an async collective it went
+    on from), and that count alone would point at a collective every rank is past."""
+    recorded: dict[str, int] = {}
+    counted: dict[str, int] = {}
     for dump in dumps.values():
+        for collective in dump.in_flight:
+            if collective.seq > 0:
+                recorded[collective.group] = min(recorded.get(collective.group, collective.seq), collective.seq)
         for name, state in dump.groups.items():
-            if state.enqueued <= state.completed:
-                continue
-            # The recorder's entries, where it has them: its groups' completed count may lag behind an entry retired.
-            recorded = [c.seq for c in dump.in_flight if c.group == name and c.seq > 0]
-            first = min(recorded) if recorded else state.completed + 1
-            oldest[name] = min(oldest.get(name, first), first)
+            if state.enqueued > state.completed:
+                counted[name] = min(counted.get(name, state.completed + 1), state.completed + 1)
+    oldest = {**counted, **recorded}
     if not oldest:
         return None
     group = min(oldest, key=lambda name: (name != "0", name))

@@ -146,3 +146,25 @@ def test_the_recorders_entries_win_over_a_completed_count_that_lags():
     found = diagnose(2, {0: lagging_count})
 
     assert found.collective == Collective("0", 56, ALL_REDUCE, "[[3]]")
+
+
+def test_a_rank_whose_count_lags_behind_an_async_collective_it_left_is_not_taken_as_waiting():
+    """Seen on CI (2 nodes, rank 1 blocked after its step): rank 1 had gone on from the step's async all_reduce #57,
+    whose completion its recorder had not counted yet, and rank 0 waited in #58; #57 alone read as "every rank
+    entered it: the transport hangs"."""
+    waiting_in_58 = waiting(0, seq=58, sizes="[[5]]")
+    went_on = RankDump(
+        rank=1,
+        step=25,
+        pod="pod-1",
+        node="node-1",
+        frames=("trainingrun_trainer/chaos.py:85 in after_step", "trainingrun_trainer/chaos.py:27 in block_forever"),
+        groups={"0": GroupState(57, 56)},  # #57 retired from its entries, its completion not counted yet
+    )
+    found = diagnose(2, {0: waiting_in_58, 1: went_on})
+
+    assert found.collective == Collective("0", 58, ALL_REDUCE, "[[5]]")
+    assert found.waited_for == (1,)
+    assert "waited for rank 1 (pod pod-1, node node-1), at trainingrun_trainer/chaos.py:27 in block_forever" in (
+        found.summary
+    )
