@@ -65,9 +65,27 @@ CHAOS_HANG_FIRED_FILE = "chaos-hang-fired"
 HANG_TIMEOUT_SECONDS = "TRAININGRUN_HANG_TIMEOUT_SECONDS"
 #: spec.recovery.slowRankFactor: a rank this many times slower than the others is named a straggler (0: off).
 SLOW_RANK_FACTOR = "TRAININGRUN_SLOW_RANK_FACTOR"
+#: Its default, and the factors it may be besides 0 (the CRD, the spec model and the trainer check the same).
+DEFAULT_SLOW_RANK_FACTOR = 1.5
+SLOW_RANK_FACTORS = (1.1, 100.0)
 #: `trainingrun local --chaos-slow-rank FACTOR[:RANK]`: RANK (the last by default) takes FACTOR times as long on each
 #: step's part before its first collective, in the first worker group.
 CHAOS_SLOW_RANK = "TRAININGRUN_CHAOS_SLOW_RANK"
+
+
+def chaos_slow_rank(raw: str, ranks: int) -> tuple[float, int]:
+    """(factor, rank) of `--chaos-slow-rank FACTOR[:RANK]` (CHAOS_SLOW_RANK), the last of `ranks` by default; ValueError
+    saying what to write when it is not FACTOR above 1 and up to 100, and RANK from 0."""
+    factor, _, rank = raw.partition(":")
+    try:
+        parsed = (float(factor), int(rank) if rank else ranks - 1)
+    except ValueError:
+        parsed = (0.0, -1)
+    if not (1 < parsed[0] <= 100 and parsed[1] >= 0):
+        raise ValueError("write FACTOR or FACTOR:RANK with FACTOR above 1 and up to 100, e.g. 3 or 3:0")
+    return parsed
+
+
 #: Set by the launcher for its workers when the rendezvous has a fixed endpoint (pods, `--nodes`): host:port of the
 #: rendezvous store, which the host pod's agent serves, so the hang watch's exchange outlives any worker (hangs.py).
 HANG_STORE = "TRAININGRUN_HANG_STORE"

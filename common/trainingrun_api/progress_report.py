@@ -76,7 +76,7 @@ Count = Annotated[int, _checked(lambda v: _is_integer(v, 0), "must be a whole nu
 Positive = Annotated[int, _checked(lambda v: _is_integer(v, 1), "must be a whole number from 1")]
 Seconds = Annotated[float, _checked(lambda v: _is_number(v, 0), "must be a finite number >= 0")]
 Finite = Annotated[float, _checked(lambda v: _is_number(v, None), "must be a finite number")]
-Ratio = Annotated[float, _checked(lambda v: _is_number(v, 0), "must be a finite number >= 0")]
+Ratio = Seconds  #: the same check (a finite number >= 0), for a quotient
 Time = Annotated[
     str,
     _checked(

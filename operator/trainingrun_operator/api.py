@@ -149,6 +149,9 @@ class Resources(ApiModel):
     )
 
 
+SLOW_LOW, SLOW_HIGH = contract.SLOW_RANK_FACTORS  #: spec.recovery.slowRankFactor's factors besides 0
+
+
 class Recovery(ApiModel):
     """Restart budgets and timing. Preemptions and failures are counted separately."""
 
@@ -158,8 +161,8 @@ class Recovery(ApiModel):
             "recovery.backoffSeconds must be <= recovery.maxBackoffSeconds",
         ),
         (
-            "!has(self.slowRankFactor) || self.slowRankFactor == 0.0 || self.slowRankFactor >= 1.1",
-            "recovery.slowRankFactor must be 0 (off) or from 1.1 to 100; write e.g. 1.5",
+            f"!has(self.slowRankFactor) || self.slowRankFactor == 0.0 || self.slowRankFactor >= {SLOW_LOW}",
+            f"recovery.slowRankFactor must be 0 (off) or from {SLOW_LOW} to {SLOW_HIGH:g}; write e.g. 1.5",
         ),
     )
 
@@ -195,9 +198,9 @@ class Recovery(ApiModel):
         "stallTimeoutSeconds stays the outer guard (a whole pod frozen).",
     )
     slow_rank_factor: float = Field(
-        default=1.5,
+        default=contract.DEFAULT_SLOW_RANK_FACTOR,
         ge=0,
-        le=100,
+        le=SLOW_HIGH,
         description="A straggler: a rank whose own part of each step (its data wait and forward passes, before the "
         "step's first collective) takes this many times the other ranks' median, for 30 s in a row, while the others "
         "wait for it. It is named in status.slowRank and the condition SlowRank (its rank, pod and node, and how much "
@@ -225,9 +228,11 @@ class Recovery(ApiModel):
     @classmethod
     def _factor_or_off(cls, value: Any) -> Any:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if number and (value == 0 or 1.1 <= value <= 100):
+        if number and (value == 0 or SLOW_LOW <= value <= SLOW_HIGH):
             return value
-        raise ValueError(f"{value!r} is neither 0 (off) nor a factor from 1.1 to 100; write e.g. 1.5, 3, or 0")
+        raise ValueError(
+            f"{value!r} is neither 0 (off) nor a factor from {SLOW_LOW} to {SLOW_HIGH:g}; write e.g. 1.5, 3, or 0"
+        )
 
     @model_validator(mode="after")
     def _backoff_ordered(self) -> "Recovery":

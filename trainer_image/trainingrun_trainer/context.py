@@ -45,9 +45,7 @@ def hang_timeout(raw: str) -> Optional[float]:
 
 
 CHAOS_HANG_KINDS = contract.CHAOS_HANG_KINDS
-#: spec.recovery.slowRankFactor's default, and its bounds besides 0 (off).
-DEFAULT_SLOW_RANK_FACTOR = 1.5
-SLOW_RANK_FACTORS = (1.1, 100.0)
+DEFAULT_SLOW_RANK_FACTOR = contract.DEFAULT_SLOW_RANK_FACTOR
 
 
 def slow_rank_factor(raw: str) -> float:
@@ -58,7 +56,7 @@ def slow_rank_factor(raw: str) -> float:
         factor = float(raw)
     except ValueError:
         factor = -1.0
-    low, high = SLOW_RANK_FACTORS
+    low, high = contract.SLOW_RANK_FACTORS
     if not (factor == 0 or low <= factor <= high):
         raise ContextError(
             f"{contract.SLOW_RANK_FACTOR}={raw!r} is neither 0 (off) nor a factor from {low} to {high:g} "
@@ -70,14 +68,10 @@ def slow_rank_factor(raw: str) -> float:
 def chaos_slow_rank(raw: str, world_size: int) -> Optional[tuple[float, int]]:
     """TRAININGRUN_CHAOS_SLOW_RANK FACTOR[:RANK] (`trainingrun local --chaos-slow-rank`): (factor, rank), the last
     rank by default."""
-    factor, _, rank = raw.partition(":")
     try:
-        parsed = (float(factor), int(rank) if rank else world_size - 1)
-    except ValueError:
-        raise ContextError(f"{contract.CHAOS_SLOW_RANK}={raw!r} is not FACTOR or FACTOR:RANK") from None
-    if not (1 <= parsed[0] <= 1000 and 0 <= parsed[1]):
-        raise ContextError(f"{contract.CHAOS_SLOW_RANK}={raw!r}: FACTOR from 1 to 1000, RANK from 0")
-    return parsed
+        return contract.chaos_slow_rank(raw, world_size)
+    except ValueError as error:
+        raise ContextError(f"{contract.CHAOS_SLOW_RANK}={raw!r}: {error}") from None
 
 
 @dataclass(frozen=True)

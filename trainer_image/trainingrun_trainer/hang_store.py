@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from trainingrun_api import contract
 
-from .timekeeping import start_ticks
+from .timekeeping import parent_pid, start_ticks
 
 #: How often a launcher looks for a request to kill.
 POLL_SECONDS = 1.0
@@ -93,13 +93,9 @@ class LauncherKills:
 def _descends_from(pid: int, ancestor: int, depth: int = 4) -> bool:
     """Whether `ancestor` is `pid`'s parent, or its parent's, within `depth` generations (/proc)."""
     for _ in range(depth):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                pid = int(stat.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if pid == ancestor:
-            return True
+        pid = parent_pid(pid)
+        if pid in (0, ancestor):
+            return pid == ancestor
     return False
 
 

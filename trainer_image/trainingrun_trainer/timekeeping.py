@@ -22,14 +22,25 @@ KINDS = ("startup", "restore", "checkpoint", "data_wait", "compute", "eval", "ha
 STARTUP_PHASES = ("imports", "init", "model", "data", "prepare")
 
 
+def _stat_field(pid: int | str, index: int) -> int:
+    """Field `index` of /proc/<pid>/stat counted after the command name (whose parentheses may hold spaces); 0 where
+    unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rpartition(")")[2].split()[index])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def start_ticks(pid: int | str = "self") -> int:
     """When a process started, in clock ticks since boot (Linux's /proc; the pair (pid, start) names one process, as
     a pid is reused); 0 where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rpartition(")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
+    return _stat_field(pid, 19)
+
+
+def parent_pid(pid: int | str) -> int:
+    """A process's parent (Linux's /proc); 0 where unknown."""
+    return _stat_field(pid, 1)
 
 
 def process_started() -> float:

@@ -173,16 +173,10 @@ def check_chaos_hang(raw: str, last_step: int, hang_timeout: object, processes: 
 
 
 def check_chaos_slow_rank(raw: str, slow_rank_factor: float, processes: int) -> None:
-    factor, _, rank = raw.partition(":")
     try:
-        parsed = (float(factor), int(rank) if rank else processes - 1)
-    except ValueError:
-        parsed = (0.0, -1)
-    if not (1 < parsed[0] <= 100 and parsed[1] >= 0):
-        raise LocalOptionError(
-            f"--chaos-slow-rank {raw}: write FACTOR or FACTOR:RANK with FACTOR above 1 and up to 100, "
-            "e.g. --chaos-slow-rank 3 or 3:0"
-        )
+        parsed = contract.chaos_slow_rank(raw, processes)
+    except ValueError as error:
+        raise LocalOptionError(f"--chaos-slow-rank {raw}: {error}") from None
     if processes < 2:
         raise LocalOptionError(
             f"--chaos-slow-rank {raw}: a straggler is slower than the other ranks, and this run has one process; "
