@@ -17,6 +17,7 @@ import yaml
 from environments import inherited
 from process_tree import descendants
 from tiny_runs import tiny_trainer
+from trainingrun_api import contract
 from trainingrun_operator.local.processes import remove_orphaned_semaphores
 from trainingrun_trainer.checkpoint import CheckpointStore
 
@@ -372,8 +373,9 @@ def two_nodes_and_their_reference(tmp_path, strategy="ddp", nodes=2):
     """A 40-step run for two (`nodes`) simulated nodes, checkpoints in memory every 10 steps and to storage every 20,
     run once uninterrupted into checkpoints "reference": (its file, the environment, the folder of the nodes'
     memory)."""
-    memory_root = tmp_path / "node-memory"
-    memory_root.mkdir()
+    # Below this session's folder in /dev/shm (tests/conftest.py), not tmp_path: the tier keeps a share of its volume
+    # free, and a share of this machine's disk is more than the disk has free on a busy CI machine.
+    memory_root = Path(tempfile.mkdtemp(prefix="node-memory-", dir=contract.memory_tier_root()))
     env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
     body = training_run(maxSteps=40, logIntervalSteps=5, strategy=strategy)
     body["spec"]["checkpoint"]["storageInterval"] = {"steps": 2 * INTERVAL}

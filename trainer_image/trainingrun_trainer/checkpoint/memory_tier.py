@@ -60,6 +60,12 @@ RESERVE_BYTES = 64 << 20
 ORIGIN_NAME = "origin"
 
 
+def reserve_bytes(total: int) -> int:
+    """What a volume of `total` bytes keeps free beside checkpoint copies. The tier, its spare and the other pods'
+    copies (`mirroring`) all ask this one function, read at each call, so one setting moves all three."""
+    return max(RESERVE_BYTES, int(total * RESERVE_SHARE))
+
+
 class MemoryTier:
     """The tier below `root` (created when first written). Used by `CheckpointStore` on its background thread
     (saving) and the training thread (restoring), never both at once."""
@@ -151,7 +157,7 @@ class MemoryTier:
         except OSError as error:
             self.turn_off(f"{type(error).__name__}: {error}")
             return None
-        reserve = max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE))
+        reserve = reserve_bytes(usage.total)
         self.short_of_room = usage.free + self._spare_bytes() < expected_bytes + reserve
         if self.short_of_room:
             self._remove_steps(lambda other: other < step and other not in keep)  # older than what comes: no use
@@ -253,7 +259,7 @@ class MemoryTier:
         partial = f"{spare}.{uuid.uuid4().hex}.partial"
         try:
             usage = shutil.disk_usage(self.root)
-            if usage.free < sum(sizes.values()) + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+            if usage.free < sum(sizes.values()) + reserve_bytes(usage.total):
                 return False
             os.makedirs(partial)
             for name, size in sizes.items():

@@ -39,7 +39,7 @@ import xxhash
 from ..torch_internals import flatten_state_dict
 from .context import StoreContext
 from .layout import FILE_DIGEST, METADATA_NAME, REPLICATED_SUFFIX, _describe, logger
-from .memory_tier import RESERVE_BYTES, RESERVE_SHARE
+from .memory_tier import reserve_bytes
 from .tensor_files import _byte_view
 from .tier_files import SEGMENTS_KEY, RecycledFile, SegmentHasher, remove_file
 from .tier_staging import ALIGN, StagedFile, plain_tensors, staged_at, staging_layout, tensors_of
@@ -253,7 +253,7 @@ class NodeMirror:
             return True
         usage = shutil.disk_usage(self._context.held_tier().root)
         needed = sum(f.size for f in wanted)
-        if usage.free >= needed + max(RESERVE_BYTES, int(usage.total * RESERVE_SHARE)):
+        if usage.free >= needed + reserve_bytes(usage.total):
             return True
         self.short_of_room = True
         self._tell(

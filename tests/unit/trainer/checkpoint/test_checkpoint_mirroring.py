@@ -52,7 +52,7 @@ def _behind_without_room_worker(
     from trainingrun_trainer.checkpoint import mirroring
 
     memory_tier.RESERVE_SHARE = 0.0
-    mirroring.RESERVE_BYTES = 1 << 60  # room for each rank's own files (tier.begin), not for the other node's
+    mirroring.reserve_bytes = lambda total: 1 << 60  # room for each rank's own files (tier.begin), not for the other node's
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
