@@ -1,5 +1,5 @@
 """Persisting behind: the cost of copying a memory checkpoint's file to file:// storage while checking it against the
-manifest's xxh3_128 as it streams (`_Storage.upload`, issue 77 item 2), against the unchecked kernel copy it replaced
+manifest's xxh3_128 as it streams (`Storage.upload`, issue 77 item 2), against the unchecked kernel copy it replaced
 (`shutil.copyfile`, sendfile on Linux) plus the same fsync.
 
 What is measured
@@ -24,7 +24,7 @@ import time
 
 import xxhash
 
-from trainingrun_trainer.checkpoint.storage import _Storage
+from trainingrun_trainer.checkpoint.storage import Storage
 
 
 def unchecked(source: str, target: str) -> None:
@@ -49,7 +49,7 @@ def main() -> None:
         with open(source, "wb") as out:
             out.write(data)
         digest = xxhash.xxh3_128(data).hexdigest()
-        storage = _Storage(f"file://{target}", {})
+        storage = Storage(f"file://{target}", {})
         times: dict[str, list[tuple[float, float]]] = {"checked": [], "unchecked": []}
         for repeat in range(args.repeats + 1):
             for side in ("unchecked", "checked"):

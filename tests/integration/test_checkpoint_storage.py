@@ -127,10 +127,10 @@ def test_partial_and_corrupt_checkpoints_fall_back(backend):
 
 def test_an_upload_gcs_received_damaged_fails_by_its_crc32c(gcs_server, gcs_bucket, tmp_path, monkeypatch):
     """Persisting behind copies files to storage unchanged; GCS's own CRC32C of what arrived must be what was sent."""
-    from trainingrun_trainer.checkpoint.storage import _Storage, _storage_options
+    from trainingrun_trainer.checkpoint.storage import Storage, fsspec_options
 
     uri = f"{gcs_bucket}/runs/demo/step-00000001/__0_0.distcp"
-    storage = _Storage(uri, _storage_options(uri, gcs_server.endpoint_url, None))
+    storage = Storage(uri, fsspec_options(uri, gcs_server.endpoint_url, None))
     local = tmp_path / "data"
     local.write_bytes(bytes(range(256)) * 4096)
     digest = ("xxh3_128", xxhash.xxh3_128(local.read_bytes()).hexdigest())
@@ -155,15 +155,15 @@ def test_an_upload_gcs_received_damaged_fails_by_its_crc32c(gcs_server, gcs_buck
 def test_an_upload_whose_source_is_not_the_manifests_bytes_is_refused_and_removed(server, request, tmp_path):
     """Issue 77 item 2: the copy to storage hashes what it sends against the manifest's digest, so a memory copy that
     changed under it (another save writing into its pages) is never committed with the old manifest."""
-    from trainingrun_trainer.checkpoint.storage import _Storage, _storage_options
+    from trainingrun_trainer.checkpoint.storage import Storage, fsspec_options
 
     if server == "file":
         uri, options = (tmp_path / "bucket" / "step-00000001" / "__0_0.distcp").as_uri(), {}
     else:
         running, bucket = request.getfixturevalue(f"{server}_server"), request.getfixturevalue(f"{server}_bucket")
         uri = f"{bucket}/runs/demo/step-00000001/__0_0.distcp"
-        options = _storage_options(uri, running.endpoint_url, running.store_kwargs.get("storage_options"))
-    storage = _Storage(uri, options)
+        options = fsspec_options(uri, running.endpoint_url, running.store_kwargs.get("storage_options"))
+    storage = Storage(uri, options)
     local = tmp_path / "data"
     local.write_bytes(bytes(range(256)) * 4096)
     committed = xxhash.xxh3_128(local.read_bytes()).hexdigest()
@@ -178,10 +178,10 @@ def test_s3_uploads_carry_a_checksum_the_server_verified(s3_server, s3_bucket, t
     asks of the store's own checksums, with nothing to add for S3."""
     import boto3
 
-    from trainingrun_trainer.checkpoint.storage import _Storage, _storage_options
+    from trainingrun_trainer.checkpoint.storage import Storage, fsspec_options
 
     uri = f"{s3_bucket}/runs/demo/step-00000001/__0_0.distcp"
-    storage = _Storage(uri, _storage_options(uri, s3_server.endpoint_url, s3_server.store_kwargs["storage_options"]))
+    storage = Storage(uri, fsspec_options(uri, s3_server.endpoint_url, s3_server.store_kwargs["storage_options"]))
     local = tmp_path / "data"
     local.write_bytes(bytes(range(256)) * 4096)
     storage.upload(str(local), uri, "xxh3_128", xxhash.xxh3_128(local.read_bytes()).hexdigest())

@@ -377,12 +377,12 @@ def test_clearing_a_step_directory_removes_links_not_what_they_point_at(bucket, 
 
 def test_deleting_through_a_step_directory_swapped_for_a_link_deletes_nothing_there(bucket):
     """The race the listing cannot see: the directory becomes a link between listing and deleting."""
-    from trainingrun_trainer.checkpoint.storage import _Storage
+    from trainingrun_trainer.checkpoint.storage import Storage
 
     other = saved(bucket.parent / "other-run", step=1)
     os.makedirs(bucket)
     os.symlink(other, bucket / "step-00000001")
-    storage = _Storage(f"file://{bucket}", {})
+    storage = Storage(f"file://{bucket}", {})
     with pytest.raises(OSError):
         storage.rm_file(f"file://{bucket}/step-00000001/{MANIFEST_NAME}")
     with pytest.raises(OSError):

@@ -257,59 +257,6 @@ def test_the_operators_runtime_does_not_import_what_a_run_is():
     assert "reconcile" in operator_modules_imported(runtime.parent / "handlers.py")
 
 
-#: `from .module import _name` reaches, each a module's inside used from another (issue 81 item 2: make each name
-#: public with a docstring, or move the code that needs it; then strike it here). The list may only shrink.
-PRIVATE_REACHES_LEFT = {
-    ("trainingrun_trainer.checkpoint.committing", "_SAVE_ERRORS"),
-    ("trainingrun_trainer.checkpoint.committing", "_Writer"),
-    ("trainingrun_trainer.checkpoint.committing", "_describe"),
-    ("trainingrun_trainer.checkpoint.committing", "_join"),
-    ("trainingrun_trainer.checkpoint.context", "_Storage"),
-    ("trainingrun_trainer.checkpoint.context", "_join"),
-    ("trainingrun_trainer.checkpoint.export", "_PlainLoadPlanner"),
-    ("trainingrun_trainer.checkpoint.export", "_PlainReader"),
-    ("trainingrun_trainer.checkpoint.export", "_SAVE_ERRORS"),
-    ("trainingrun_trainer.checkpoint.export", "_describe"),
-    ("trainingrun_trainer.checkpoint.export", "_storage_options"),
-    ("trainingrun_trainer.checkpoint.manifest", "_STEP_DIR"),
-    ("trainingrun_trainer.checkpoint.manifest", "_Storage"),
-    ("trainingrun_trainer.checkpoint.manifest", "_entry_time"),
-    ("trainingrun_trainer.checkpoint.manifest", "_is_dir"),
-    ("trainingrun_trainer.checkpoint.manifest", "_is_file"),
-    ("trainingrun_trainer.checkpoint.manifest", "_join"),
-    ("trainingrun_trainer.checkpoint.manifest", "_storage_options"),
-    ("trainingrun_trainer.checkpoint.memory_tier", "_STEP_DIR"),
-    ("trainingrun_trainer.checkpoint.mirroring", "_byte_view"),
-    ("trainingrun_trainer.checkpoint.mirroring", "_describe"),
-    ("trainingrun_trainer.checkpoint.peers", "_describe"),
-    ("trainingrun_trainer.checkpoint.peers", "_parse_manifest"),
-    ("trainingrun_trainer.checkpoint.persisting", "_describe"),
-    ("trainingrun_trainer.checkpoint.persisting", "_join"),
-    ("trainingrun_trainer.checkpoint.restoring", "_LEGACY_EXTRA_FILE"),
-    ("trainingrun_trainer.checkpoint.restoring", "_PlainLoadPlanner"),
-    ("trainingrun_trainer.checkpoint.restoring", "_PlainReader"),
-    ("trainingrun_trainer.checkpoint.restoring", "_STEP_DIR"),
-    ("trainingrun_trainer.checkpoint.restoring", "_Storage"),
-    ("trainingrun_trainer.checkpoint.restoring", "_cause"),
-    ("trainingrun_trainer.checkpoint.restoring", "_describe"),
-    ("trainingrun_trainer.checkpoint.restoring", "_inspect"),
-    ("trainingrun_trainer.checkpoint.restoring", "_join"),
-    ("trainingrun_trainer.checkpoint.restoring", "_step_dirs"),
-    ("trainingrun_trainer.checkpoint.rotation", "_inspect"),
-    ("trainingrun_trainer.checkpoint.rotation", "_is_dir"),
-    ("trainingrun_trainer.checkpoint.rotation", "_join"),
-    ("trainingrun_trainer.checkpoint.rotation", "_step_dirs"),
-    ("trainingrun_trainer.checkpoint.saving", "_describe"),
-    ("trainingrun_trainer.checkpoint.storage", "_HASH_CHUNK"),
-    ("trainingrun_trainer.checkpoint.store", "_Storage"),
-    ("trainingrun_trainer.checkpoint.store", "_join"),
-    ("trainingrun_trainer.checkpoint.store", "_storage_options"),
-    ("trainingrun_trainer.checkpoint.tier_staging", "_byte_view"),
-    ("trainingrun_trainer.prepare", "_storage_options"),
-    ("trainingrun_trainer.shards.tokens", "_storage_options"),
-}
-
-
 def private_reaches() -> set[tuple[str, str]]:
     """(importing module, name) for every `from <one of ours> import _name` (dunders aside)."""
     found = set()
@@ -330,6 +277,5 @@ def private_reaches() -> set[tuple[str, str]]:
 
 
 def test_no_new_module_reaches_into_another_ones_private_names():
-    found = private_reaches()
-    assert found - PRIVATE_REACHES_LEFT == set(), "a private name used from another module: make it public, or move"
-    assert PRIVATE_REACHES_LEFT - found == set(), "fixed: strike these from PRIVATE_REACHES_LEFT"
+    """A `_name` is its module's inside (issue 81 item 2): code another module needs is public, with a docstring."""
+    assert private_reaches() == set(), "a private name used from another module: make it public, or move the code"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .checkpoint.storage import _storage_options
+from .checkpoint.storage import fsspec_options
 
 SHARD_NAME = "shard-{:05d}.{}"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm")
@@ -68,7 +68,7 @@ class _Destination:
         from fsspec.core import url_to_fs
 
         self.destination, self.extension = destination, extension
-        self.fs, self.root = url_to_fs(destination, **_storage_options(destination, endpoint_url, None))
+        self.fs, self.root = url_to_fs(destination, **fsspec_options(destination, endpoint_url, None))
         self.scheme = destination.split("://", 1)[0] + "://" if "://" in destination else ""
         self.existing = self.fs.glob(posixpath.join(self.root, f"shard-*.{extension}"))
         if self.existing and not overwrite:

@@ -19,15 +19,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..torch_internals import StateDictStager, forget_save_plans
 from .context import StoreContext
 from .layout import (
-    _SAVE_ERRORS,
     EXTRA_ENTRY,
     FILE_DIGEST,
     FORMAT_VERSION,
     MANIFEST_NAME,
     METADATA_NAME,
+    SAVE_ERRORS,
     CheckpointInfo,
-    _describe,
-    _join,
+    describe_error,
+    join_uri,
     logger,
     now_rfc3339,
 )
@@ -38,7 +38,7 @@ from .rotation import Rotation
 from .save_planner import ReusingSavePlanner
 from .tier_files import SEGMENTS_KEY
 from .tier_staging import StagedFile, data_file_name, stageable, tensors_of
-from .writer import _Writer
+from .writer import CheckpointWriter
 
 #: Numbers the stores of this process: each keeps its own plans in DCP's process-wide plan cache.
 _STORES = itertools.count()
@@ -119,7 +119,7 @@ class Committer:
             in_memory, repeats = self._context.ranks.all(
                 tier_dir is not None, self._repeats(planner, {**job.state, **(job.later or {})})
             )
-        except _SAVE_ERRORS as exc:
+        except SAVE_ERRORS as exc:
             if job.later:
                 job.later = None
                 job.copied.set_result(None)  # nothing to copy: training goes on
@@ -149,7 +149,7 @@ class Committer:
             if in_memory:
                 try:
                     (in_memory,) = self._context.ranks.all(not (staged is not None and staged.failed))
-                except _SAVE_ERRORS as exc:
+                except SAVE_ERRORS as exc:
                     # What was staged there is no checkpoint: free its memory.
                     self._context.held_tier().discard(job.step)
                     self._lost_contact(job, exc)
@@ -169,7 +169,7 @@ class Committer:
         cannot take it (dcp.save then plans it, and raises what is wrong with it on every rank)."""
         try:
             return planner.repeats(state, is_coordinator=self._context.ranks.rank == 0)
-        except _SAVE_ERRORS:
+        except SAVE_ERRORS:
             return False
 
     def _fast_path_error(
@@ -220,7 +220,7 @@ class Committer:
                         job.step,
                         self._context.ranks.rank,
                         tier_dir,
-                        _describe(exc),
+                        describe_error(exc),
                     )
                     self.mirror.drop_staged()
             if tier_dir is not None and stageable(later):
@@ -237,7 +237,7 @@ class Committer:
                         job.step,
                         self._context.ranks.rank,
                         tier_dir,
-                        _describe(exc),
+                        describe_error(exc),
                         "fails" if planner is not None else "commits to storage",
                     )
                     staged.failed = True
@@ -282,15 +282,15 @@ class Committer:
             if callable(job.model_digest) and self._context.ranks.rank == 0 and error is None
             else None
         )
-        writer: Optional[_Writer] = None
+        writer: Optional[CheckpointWriter] = None
         if error is not None:
             logger.error("checkpoint step %d: %s", job.step, error)
             job.logged = True
         else:
             try:
                 writer, results = self._write(job, step_uri, record, tier_dir, in_memory, staged, planner)
-            except _SAVE_ERRORS as exc:
-                error = _describe(exc)
+            except SAVE_ERRORS as exc:
+                error = describe_error(exc)
                 logger.error(
                     "checkpoint step %d: rank %d could not write %s: %s",
                     job.step,
@@ -305,9 +305,9 @@ class Committer:
                 every_node_holds_all = self.mirror.exchange(
                     job.step, job.state, record, writer.results if writer else [], tier_dir if error is None else None
                 )
-            except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
+            except SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
                 job.lost_contact = exc
-                error = error or f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}"
+                error = error or f"rank {self._context.ranks.rank} lost contact with its peers: {describe_error(exc)}"
             else:
                 if in_memory and not every_node_holds_all:  # a restart there could not load it: no commit in memory
                     error = error or self._stop_persisting_behind(job.step)
@@ -344,9 +344,9 @@ class Committer:
                     else None,
                 )
             outcome = self._context.ranks.broadcast(outcome)
-        except _SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
+        except SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             job.lost_contact = exc
-            outcome = (None, _describe(exc), b"", None, None)
+            outcome = (None, describe_error(exc), b"", None, None)
             if not job.logged:
                 logger.error(
                     "checkpoint step %d: rank %d lost contact with its peers: %s",
@@ -446,12 +446,12 @@ class Committer:
         in_memory: bool,
         staged: Optional[StagedFile],
         planner: Optional[ReusingSavePlanner],
-    ) -> tuple[_Writer, Optional[list]]:
+    ) -> tuple[CheckpointWriter, Optional[list]]:
         """This rank's part of `_save`: its files written (their manifest entries into `record`); the writer, and this
         rank's write results when it wrote by `planner`'s last plan."""
         if in_memory:
             assert tier_dir is not None  # every rank has one when in_memory
-            writer = _Writer(
+            writer = CheckpointWriter(
                 tier_dir,
                 record,
                 on_global_plan=lambda: None,
@@ -461,7 +461,7 @@ class Committer:
                 replicated_apart_from=self._replicated_apart_from(),
             )
         else:
-            writer = _Writer(
+            writer = CheckpointWriter(
                 step_uri,
                 record,
                 on_global_plan=lambda: self._rotation.clear_step_dir(step_uri, job.step),
@@ -501,7 +501,7 @@ class Committer:
                 )
 
     def _finish_as_planned(
-        self, planner: ReusingSavePlanner, writer: _Writer, record: dict, sent: list, tier_dir: Optional[str]
+        self, planner: ReusingSavePlanner, writer: CheckpointWriter, record: dict, sent: list, tier_dir: Optional[str]
     ) -> tuple[Optional[str], Optional[list]]:
         """Rank 0, every rank having written by its last plan: write the checkpoint's metadata from the write results
         every rank `sent` (or referred to), as `dcp.save` would have before the gather (the writer records it in rank
@@ -511,9 +511,9 @@ class Committer:
             planner.finish_as_planned(writer, results)
             if tier_dir is not None:
                 self._write_digests(tier_dir, record)  # the metadata's: the data files' were written before
-        except _SAVE_ERRORS as exc:
-            logger.error("checkpoint: rank 0 could not write the metadata: %s", _describe(exc), exc_info=True)
-            return _describe(exc), None
+        except SAVE_ERRORS as exc:
+            logger.error("checkpoint: rank 0 could not write the metadata: %s", describe_error(exc), exc_info=True)
+            return describe_error(exc), None
         return None, results
 
     def planner(self) -> ReusingSavePlanner:
@@ -525,7 +525,7 @@ class Committer:
     def _lost_contact(self, job: SaveJob, exc: BaseException) -> None:
         """A collective of `job` failed: a peer is gone (or timed out); the save fails."""
         job.lost_contact = exc
-        self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {_describe(exc)}")
+        self._failed(job, f"rank {self._context.ranks.rank} lost contact with its peers: {describe_error(exc)}")
 
     def _failed(self, job: SaveJob, error: Optional[str]) -> None:
         self._context.metrics.failed_saves += 1
@@ -567,7 +567,7 @@ class Committer:
                 if tier.off is not None:
                     raise OSError(f"the memory tier is off: {tier.off}")
             else:
-                self._context.storage.write_bytes(_join(step_uri, MANIFEST_NAME), raw, atomic=True)
+                self._context.storage.write_bytes(join_uri(step_uri, MANIFEST_NAME), raw, atomic=True)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)

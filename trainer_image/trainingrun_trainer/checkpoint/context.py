@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .layout import CheckpointInfo, _join, step_dir_name
+from .layout import CheckpointInfo, join_uri, step_dir_name
 from .memory_tier import MemoryTier
 from .ranks import RankGroup
-from .storage import _Storage
+from .storage import Storage
 
 
 @dataclass
@@ -58,7 +58,7 @@ class StoreContext:
     uri: str
     #: The run's uid recorded in each manifest; checkpoints of another uid are never resumed, rotated or overwritten.
     run_uid: Optional[str]
-    storage: _Storage
+    storage: Storage
     #: The fsspec filesystem's keyword arguments (DCP's writer and reader take them too).
     options: dict[str, Any]
     #: This node's memory tier (None: none).
@@ -93,7 +93,7 @@ class StoreContext:
             self.trusted[info.uri] = info.manifest_sha256
 
     def step_uri(self, step: int) -> str:
-        return _join(self.uri, step_dir_name(step))
+        return join_uri(self.uri, step_dir_name(step))
 
     def another_runs(self, info: CheckpointInfo) -> bool:
         """Whether `info` is a checkpoint another run (another uid) wrote below the same uri."""

@@ -13,16 +13,16 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..torch_internals import EmptyStateDictLoadPlanner, load_state_dict_into
-from .layout import _SAVE_ERRORS, CheckpointLoadError, _describe
+from .layout import SAVE_ERRORS, CheckpointLoadError, describe_error
 from .manifest import verify
-from .safe_load import _PlainLoadPlanner, _PlainReader
-from .storage import _storage_options
+from .safe_load import PlainLoadPlanner, PlainReader
+from .storage import fsspec_options
 
 
 class _PlainEmptyPlanner(EmptyStateDictLoadPlanner):
     """DCP's planner that builds the state from the checkpoint's metadata, loading non-tensor values as plain values."""
 
-    load_bytes = _PlainLoadPlanner.load_bytes
+    load_bytes = PlainLoadPlanner.load_bytes
 
 
 def load_everything(
@@ -37,11 +37,11 @@ def load_everything(
     if not info.valid:
         raise CheckpointLoadError(f"{uri} is not a valid checkpoint: {info.reason}")
     state: dict[str, Any] = {}
-    reader = _PlainReader(uri, info.files, **_storage_options(uri, endpoint_url, storage_options))
+    reader = PlainReader(uri, info.files, **fsspec_options(uri, endpoint_url, storage_options))
     try:
         load_state_dict_into(state, storage_reader=reader, planner=_PlainEmptyPlanner(), no_dist=True)
-    except _SAVE_ERRORS as exc:  # DCP's CheckpointException is a BaseException: say what failed, in one line
-        raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+    except SAVE_ERRORS as exc:  # DCP's CheckpointException is a BaseException: say what failed, in one line
+        raise CheckpointLoadError(f"cannot load {uri}: {describe_error(exc)}") from None
     return state
 
 

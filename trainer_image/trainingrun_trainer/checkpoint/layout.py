@@ -55,7 +55,7 @@ REPLICATED_SUFFIX = "_replicated.distcp"
 STARTS_NAME = "starts.json"
 #: A step directory's name. Matched whole (`fullmatch`) and ASCII only: `\\d` alone also takes other scripts' digits,
 #: which int() reads, and `$` a trailing newline.
-_STEP_DIR = re.compile(r"step-([0-9]{1,19})", re.ASCII)
+STEP_DIR_NAME = re.compile(r"step-([0-9]{1,19})", re.ASCII)
 #: A file a manifest may list: a plain name inside its step directory (no separator, no "." or "..").
 _PLAIN_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,255}", re.ASCII)
 #: A DCP data file's name, by the rank that wrote it (``__<rank>_<n>.distcp``, ``__<rank>_replicated.distcp``).
@@ -63,25 +63,28 @@ _WRITTEN_BY = re.compile(r"__([0-9]{1,9})_[A-Za-z0-9_.-]*", re.ASCII)
 #: A rank's ``extra`` in DCP's state dict (format 2): one value, the bytes of torch.save, so that DCP needs
 #: nothing of its structure to load it and only that rank loads it.
 EXTRA_ENTRY = "extra-rank-{rank}"
-_LEGACY_EXTRA_FILE = "extra-rank-{rank}.pt"  # format 1
-_HASH_CHUNK = 8 * 1024 * 1024
-# DCP's CheckpointException derives from BaseException, not Exception: catch it by name.
-_SAVE_ERRORS = (Exception, CheckpointException)
+#: A rank's ``extra`` in format 1: its own file beside DCP's (still read, never written).
+LEGACY_EXTRA_FILE = "extra-rank-{rank}.pt"
+#: How much of a file one read hashes at a time.
+HASH_CHUNK_BYTES = 8 * 1024 * 1024
+#: What a save or a load may raise: DCP's CheckpointException derives from BaseException, not Exception, so it is
+#: caught by name.
+SAVE_ERRORS = (Exception, CheckpointException)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """One line about an error; for DCP's CheckpointException, the underlying error of each rank."""
     failures = getattr(exc, "failures", None)
     if isinstance(exc, CheckpointException) and isinstance(failures, dict):
         parts = []
         for rank, failure in sorted(failures.items()):
-            cause = _cause(failure)
+            cause = failure_cause(failure)
             parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
         return "; ".join(parts)
     return f"{type(exc).__name__}: {exc}"
 
 
-def _cause(failure: Any) -> Any:
+def failure_cause(failure: Any) -> Any:
     """The exception of one rank in a CheckpointException's failures (DCP keeps it with its traceback)."""
     return failure[0] if isinstance(failure, tuple) else failure
 
@@ -193,5 +196,6 @@ def is_plain_name(name: object) -> bool:
     return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None
 
 
-def _join(base: str, name: str) -> str:
+def join_uri(base: str, name: str) -> str:
+    """`name` below the URI `base` (one "/" between, whatever `base` ends with)."""
     return base.rstrip("/") + "/" + name

@@ -10,16 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional
 
 from .layout import (
-    _STEP_DIR,
     FILE_DIGEST_HEX,
     MANIFEST_NAME,
     READABLE_FORMATS,
+    STEP_DIR_NAME,
     CheckpointInfo,
-    _join,
     file_digest_name,
     is_plain_name,
+    join_uri,
 )
-from .storage import _entry_time, _is_dir, _is_file, _Storage, _storage_options
+from .storage import Storage, entry_time, fsspec_options, is_plain_dir, is_plain_file
 
 #: The largest manifest read (bytes); one of a 10,000-rank checkpoint is about 2 MB.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -34,7 +34,7 @@ def _is_count(value: object) -> bool:
     return type(value) is int and value >= 0  # bool is an int too
 
 
-def _parse_manifest(raw: bytes) -> dict:
+def parse_manifest(raw: bytes) -> dict:
     """The manifest's JSON, checked to be one this trainer wrote: every listed file a plain name of its directory, once,
     with a size and its format's file digest (anything else names what is wrong, and the checkpoint is not valid)."""
     if len(raw) > MAX_MANIFEST_BYTES:
@@ -79,8 +79,8 @@ def _parse_manifest(raw: bytes) -> dict:
     return manifest
 
 
-def _inspect(
-    storage: _Storage,
+def inspect_step(
+    storage: Storage,
     uri: str,
     step: int,
     deep: bool,
@@ -105,9 +105,9 @@ def _inspect(
             manifest_read = pool.submit(_read_manifest, storage, uri)
             listing = storage.listing(uri)
             raw, read_error = manifest_read.result()
-    files = {name: e for name, e in listing.items() if _is_file(e)}
+    files = {name: e for name, e in listing.items() if is_plain_file(e)}
     size = sum(int(e.get("size") or 0) for e in files.values())
-    newest = max((_entry_time(e) for e in files.values()), default="")
+    newest = max((entry_time(e) for e in files.values()), default="")
 
     def found(reason: Optional[str], manifest: Optional[dict] = None, manifest_sha: Optional[str] = None):
         """The directory as found: valid when there is no `reason` against it, then with the files it lists."""
@@ -133,7 +133,7 @@ def _inspect(
         return found(f"manifest unreadable: {read_error}")
     manifest_sha = hashlib.sha256(raw).hexdigest()
     try:
-        manifest = _parse_manifest(raw)
+        manifest = parse_manifest(raw)
     except Exception as exc:  # unreadable JSON, wrong format version
         return found(f"manifest unreadable: {exc}")
     if manifest["step"] != step:
@@ -173,22 +173,22 @@ def _inspect(
     return found(None, manifest, manifest_sha)
 
 
-def _read_manifest(storage: _Storage, uri: str) -> tuple[Optional[bytes], Optional[Exception]]:
+def _read_manifest(storage: Storage, uri: str) -> tuple[Optional[bytes], Optional[Exception]]:
     """(the manifest's bytes, None), (None, None) when there is none, or (None, the storage error)."""
     try:
-        return storage.read_bytes(_join(uri, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES + 1), None
+        return storage.read_bytes(join_uri(uri, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES + 1), None
     except FileNotFoundError:
         return None, None
-    except Exception as exc:  # said by _inspect when the listing holds a manifest
+    except Exception as exc:  # said by inspect_step when the listing holds a manifest
         return None, exc
 
 
-def _check(storage: _Storage, uri: str, entry: dict, digest: str, copy: Any) -> Optional[str]:
+def _check(storage: Storage, uri: str, entry: dict, digest: str, copy: Any) -> Optional[str]:
     """Why the file of a manifest entry does not match it by its size and its `digest` (None: it does); `copy` keeps
     what was read."""
     name = entry["path"]
     try:
-        got_size, got_digest = storage.digest(_join(uri, name), digest, copy, size=entry["size"])
+        got_size, got_digest = storage.digest(join_uri(uri, name), digest, copy, size=entry["size"])
     except FileNotFoundError:
         got_size, got_digest = None, None
     except BaseException:
@@ -209,13 +209,13 @@ def _check(storage: _Storage, uri: str, entry: dict, digest: str, copy: Any) -> 
     return None if reason is None else f"{reason} {name}"
 
 
-def _step_dirs(storage: _Storage, base_uri: str) -> list[tuple[int, str]]:
+def list_step_dirs(storage: Storage, base_uri: str) -> list[tuple[int, str]]:
     """(step, uri) of every step-* directory below base_uri, newest step first."""
     found = []
     for name, entry in storage.listing(base_uri).items():
-        match = _STEP_DIR.fullmatch(name)
-        if match and _is_dir(entry):
-            found.append((int(match.group(1)), _join(base_uri, name)))
+        match = STEP_DIR_NAME.fullmatch(name)
+        if match and is_plain_dir(entry):
+            found.append((int(match.group(1)), join_uri(base_uri, name)))
     return sorted(found, reverse=True)
 
 
@@ -225,11 +225,11 @@ def verify(
     """Re-hash the files of one checkpoint directory (``<base>/step-NNNNNNNN``) against its
     manifest and return what was found; ``valid`` False with a ``reason`` when they differ."""
     uri = uri.rstrip("/")
-    match = _STEP_DIR.fullmatch(posixpath.basename(uri))
+    match = STEP_DIR_NAME.fullmatch(posixpath.basename(uri))
     if not match:
         raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
-    storage = _Storage(uri, _storage_options(uri, endpoint_url, storage_options))
-    return _inspect(storage, uri, int(match.group(1)), deep=True)
+    storage = Storage(uri, fsspec_options(uri, endpoint_url, storage_options))
+    return inspect_step(storage, uri, int(match.group(1)), deep=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A restart inside the pod (torchrun restarting its worker group, Kubeflow restarting a container) finds them in
 the pod's memory-backed /dev/shm and loads them from there instead of reading object storage again. A new pod
 starts with an empty /dev/shm, so it reads storage: once, as rank 0 verifies the checkpoint, keeping what it reads
-here (`manifest._inspect`) for the load that follows and the restarts before the next save.
+here (`manifest.inspect_step`) for the load that follows and the restarts before the next save.
 
 Layout, below the tier's root (one per attempt of a run, see `contract.memory_tier_dir`)::
 
@@ -41,7 +41,7 @@ import uuid
 from typing import Any, Callable, Collection, Mapping, Optional
 
 from . import tier_files
-from .layout import _STEP_DIR, MANIFEST_NAME, file_digest_name, logger, step_dir_name
+from .layout import MANIFEST_NAME, STEP_DIR_NAME, file_digest_name, logger, step_dir_name
 from .tier_files import (
     DIGESTS_SUFFIX,
     SPARE_DIR,
@@ -234,7 +234,7 @@ class MemoryTier:
         doomed = sorted(
             (int(match.group(1)), name)
             for name in os.listdir(self.root)
-            if (match := _STEP_DIR.fullmatch(name)) and which(int(match.group(1)))
+            if (match := STEP_DIR_NAME.fullmatch(name)) and which(int(match.group(1)))
         )
         if doomed and self.recycle:
             _, newest = doomed.pop()
@@ -324,7 +324,7 @@ class MemoryTier:
         steps = [
             int(match.group(1))
             for name in names
-            if (match := _STEP_DIR.fullmatch(name)) and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
+            if (match := STEP_DIR_NAME.fullmatch(name)) and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME))
         ]
         return max(steps, default=None)
 

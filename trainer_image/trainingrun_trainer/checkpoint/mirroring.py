@@ -38,9 +38,9 @@ import xxhash
 
 from ..torch_internals import flatten_state_dict
 from .context import StoreContext
-from .layout import FILE_DIGEST, METADATA_NAME, REPLICATED_SUFFIX, _describe, logger
+from .layout import FILE_DIGEST, METADATA_NAME, REPLICATED_SUFFIX, describe_error, logger
 from .memory_tier import reserve_bytes
-from .tensor_files import _byte_view
+from .tensor_files import byte_view
 from .tier_files import SEGMENTS_KEY, RecycledFile, SegmentHasher, remove_file
 from .tier_staging import ALIGN, StagedFile, plain_tensors, staged_at, staging_layout, tensors_of
 from .transfer import FileTransfer
@@ -243,7 +243,7 @@ class NodeMirror:
             )
             return None
         except (OSError, ValueError) as exc:
-            return _describe(exc)
+            return describe_error(exc)
         finally:
             staged.close()
 
@@ -372,7 +372,7 @@ class NodeMirror:
                 )
                 return True
         except Exception as exc:  # never fail a save for a copy
-            why = _describe(exc)
+            why = describe_error(exc)
         self._left_out(step, written.name, path, why)
         return False
 
@@ -403,7 +403,7 @@ class NodeMirror:
                 if tensor is None or tensor.device.type != "cpu":
                     yield f"this pod holds no {item.fqn}"
                     return
-                view = _byte_view(tensor.contiguous())
+                view = byte_view(tensor.contiguous())
                 if view.nbytes != item.length:
                     yield f"{item.fqn} has {view.nbytes} bytes here, {item.length} there"
                     return

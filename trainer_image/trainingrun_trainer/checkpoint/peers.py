@@ -38,14 +38,14 @@ from .context import StoreContext
 from .layout import (
     FILE_DIGEST_HEX,
     MANIFEST_NAME,
-    _describe,
+    describe_error,
     file_digest_name,
     files_a_rank_reads,
     is_plain_name,
     logger,
 )
 from .listing import human_bytes
-from .manifest import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, _parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, parse_manifest
 from .transfer import FileTransfer
 
 
@@ -177,7 +177,7 @@ class PeerCopies:
         try:
             with open(os.path.join(tier.path(step), MANIFEST_NAME), "rb") as f:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
-            manifest = _parse_manifest(raw)
+            manifest = parse_manifest(raw)
         except (OSError, ValueError, KeyError, TypeError):
             return None
         sha = hashlib.sha256(raw).hexdigest()
@@ -203,7 +203,7 @@ class PeerCopies:
         transfer.put(torch.frombuffer(bytearray(raw), dtype=torch.uint8), target)
         if not transfer.get_flag(target):
             return
-        files = [entry for entry in _parse_manifest(raw)["files"] if entry["path"] in names]  # as the receiver does
+        files = [entry for entry in parse_manifest(raw)["files"] if entry["path"] in names]  # as the receiver does
         transfer.send_files([(os.path.join(directory, entry["path"]), entry["size"]) for entry in files], target)
 
     def _receive(self, offer: Offer, source: int, names: tuple[str, ...]) -> None:
@@ -224,11 +224,11 @@ class PeerCopies:
             why = "its manifest is not the one it offered"
         else:
             try:
-                manifest = _parse_manifest(manifest_bytes)
+                manifest = parse_manifest(manifest_bytes)
                 listed, digest_name = len(manifest["files"]), file_digest_name(manifest["format_version"])
                 files = [entry for entry in manifest["files"] if entry["path"] in names]
             except (ValueError, KeyError, TypeError) as exc:
-                why = f"its manifest is not valid: {_describe(exc)}"
+                why = f"its manifest is not valid: {describe_error(exc)}"
         if why is None:
             directory = tier.begin(offer.step, sum(entry["size"] for entry in files))
             if directory is None:

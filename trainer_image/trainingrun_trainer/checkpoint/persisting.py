@@ -28,9 +28,9 @@ from .context import StoreContext
 from .layout import (
     MANIFEST_NAME,
     CheckpointInfo,
-    _describe,
-    _join,
+    describe_error,
     file_digest_name,
+    join_uri,
     logger,
     writing_rank,
 )
@@ -275,9 +275,9 @@ class Persister:
             else:  # the other pods' leads copy their parts into the same directory meanwhile
                 self._rotation.drop_manifest(info.uri, info.step)
             for name in names:
-                context.storage.upload(os.path.join(directory, name), _join(info.uri, name), *digests[name])
+                context.storage.upload(os.path.join(directory, name), join_uri(info.uri, name), *digests[name])
             if part_of is None:
-                context.storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
+                context.storage.write_bytes(join_uri(info.uri, MANIFEST_NAME), manifest, atomic=True)
         except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
             if part_of is None:
                 metrics.failed_persists += 1
@@ -286,7 +286,7 @@ class Persister:
                 "checkpoint step %d (committed in memory) could not be copied to %s: %s",
                 info.step,
                 info.uri,
-                _describe(exc),
+                describe_error(exc),
                 exc_info=True,
             )
             return
@@ -315,14 +315,14 @@ class Persister:
         """Rank 0's persister thread, spread over the pods, once every pod's part of `info` is in storage: its
         manifest, the commit; rotate."""
         try:
-            self._context.storage.write_bytes(_join(info.uri, MANIFEST_NAME), manifest, atomic=True)
+            self._context.storage.write_bytes(join_uri(info.uri, MANIFEST_NAME), manifest, atomic=True)
         except Exception as exc:  # noqa: BLE001 - never into training: the next memory checkpoint tries again
             self._context.metrics.failed_persists += 1
             logger.error(
                 "checkpoint step %d: every pod copied its part to %s, but the manifest could not be written: %s",
                 info.step,
                 info.uri,
-                _describe(exc),
+                describe_error(exc),
                 exc_info=True,
             )
             return
@@ -342,7 +342,7 @@ class Persister:
 def _file_digests(info: CheckpointInfo, manifest: bytes, directory: str) -> dict[str, tuple[str, str]]:
     """{file name: (digest name, digest)} by the committed manifest of `info`: rank 0's own bytes, or (a pod's lead,
     spread over the pods) the memory tier's copy of it once its sha256 is the committed one's. The copy to storage
-    checks each file against these as it streams (`_Storage.upload`)."""
+    checks each file against these as it streams (`Storage.upload`)."""
     if not manifest:
         with open(os.path.join(directory, MANIFEST_NAME), "rb") as file:
             manifest = file.read(MAX_MANIFEST_BYTES + 1)

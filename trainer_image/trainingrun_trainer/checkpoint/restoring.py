@@ -16,21 +16,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .context import StoreContext
 from .layout import (
-    _LEGACY_EXTRA_FILE,
-    _STEP_DIR,
     EXTRA_ENTRY,
+    LEGACY_EXTRA_FILE,
+    STEP_DIR_NAME,
     CheckpointInfo,
     CheckpointLoadError,
-    _cause,
-    _describe,
-    _join,
+    describe_error,
+    failure_cause,
     files_a_rank_reads,
+    join_uri,
     logger,
 )
-from .manifest import _inspect, _step_dirs
+from .manifest import inspect_step, list_step_dirs
 from .peers import PeerCopies
-from .safe_load import StateMismatch, _PlainLoadPlanner, _PlainReader, listed, load_plain
-from .storage import _Storage
+from .safe_load import PlainLoadPlanner, PlainReader, StateMismatch, listed, load_plain
+from .storage import Storage
 from .tier_files import OWN_MEMORY, PEER, STORAGE, LocalFirstFileSystem, TierMismatch
 
 #: Every rank's extra state entry: each rank reads only its own (a strict load does not miss the others').
@@ -59,8 +59,8 @@ class Restorer:
         ``verify`` (default) every file is re-hashed; without, only presence and sizes are checked.
         Works on any single rank (no collective)."""
         return [
-            _inspect(self._context.storage, uri, step, deep=verify)
-            for step, uri in _step_dirs(self._context.storage, self._context.uri)
+            inspect_step(self._context.storage, uri, step, deep=verify)
+            for step, uri in list_step_dirs(self._context.storage, self._context.uri)
         ]
 
     def _find_latest_valid(self, in_memory: Optional[CheckpointInfo] = None) -> Optional[CheckpointInfo]:
@@ -70,8 +70,8 @@ class Restorer:
         if in_memory is not None:  # listed a moment ago, and every newer directory lacked a manifest or files
             self._context.trust(in_memory)
             return in_memory
-        for step, uri in _step_dirs(self._context.storage, self._context.uri):
-            info = _inspect(
+        for step, uri in list_step_dirs(self._context.storage, self._context.uri):
+            info = inspect_step(
                 self._context.storage, uri, step, deep=True, tier=self._context.tier, owner=self._context.run_uid
             )
             if info.valid:
@@ -184,8 +184,8 @@ class Restorer:
         directory = tier.path(step)
         # Every rank then checks that its pod's memory holds what it reads (`_holds_what_this_rank_reads`): on more
         # than two pods of a sharded state no pod's holds every file.
-        found = _inspect(
-            _Storage(directory, {}), directory, step, deep=False, owner=self._context.run_uid, partial=True
+        found = inspect_step(
+            Storage(directory, {}), directory, step, deep=False, owner=self._context.run_uid, partial=True
         )
         if not found.valid:
             logger.warning("the checkpoint of step %d kept in memory is not usable: %s", step, found.reason)
@@ -203,7 +203,7 @@ class Restorer:
                 None
                 if likely is None
                 else pool.submit(
-                    _inspect,
+                    inspect_step,
                     self._context.storage,
                     self._context.step_uri(likely),
                     likely,
@@ -211,11 +211,11 @@ class Restorer:
                     owner=self._context.run_uid,
                 )
             )
-            for step, uri in _step_dirs(self._context.storage, self._context.uri):
+            for step, uri in list_step_dirs(self._context.storage, self._context.uri):
                 info = (
                     early.result()
                     if early is not None and step == likely
-                    else _inspect(self._context.storage, uri, step, deep=False, owner=self._context.run_uid)
+                    else inspect_step(self._context.storage, uri, step, deep=False, owner=self._context.run_uid)
                 )
                 if info.valid:
                     return info
@@ -237,7 +237,7 @@ class Restorer:
         """
         began = time.perf_counter()
         uri = info_or_uri.uri if isinstance(info_or_uri, CheckpointInfo) else str(info_or_uri).rstrip("/")
-        match = _STEP_DIR.fullmatch(posixpath.basename(uri))
+        match = STEP_DIR_NAME.fullmatch(posixpath.basename(uri))
         if not match:
             raise ValueError(f"{uri!r} is not a checkpoint directory (expected .../step-NNNNNNNN)")
         if (
@@ -249,7 +249,9 @@ class Restorer:
         ):
             info = info_or_uri  # this process wrote or verified this very manifest: no storage round trips again
         else:
-            info = _inspect(self._context.storage, uri, int(match.group(1)), deep=True, trusted=self._context.trusted)
+            info = inspect_step(
+                self._context.storage, uri, int(match.group(1)), deep=True, trusted=self._context.trusted
+            )
         if not info.valid:
             raise ValueError(f"{uri} is not a valid checkpoint: {info.reason}")
         entry = EXTRA_ENTRY.format(rank=self._context.ranks.rank)
@@ -267,13 +269,15 @@ class Restorer:
             # A copy in memory that did not match, or was gone, on any rank (DCP's own fallbacks may hide the cause,
             # as its metadata read does): every rank reads it again from storage.
             mismatch = bool(reading.mismatched) or any(
-                isinstance(_cause(failure), TierMismatch) for failure in exc.failures.values()
+                isinstance(failure_cause(failure), TierMismatch) for failure in exc.failures.values()
             )
             if self._context.ranks.all(not mismatch)[0]:  # no rank's copy in memory failed
-                differs = next((c for c in map(_cause, exc.failures.values()) if isinstance(c, StateMismatch)), None)
+                differs = next(
+                    (c for c in map(failure_cause, exc.failures.values()) if isinstance(c, StateMismatch)), None
+                )
                 if differs is not None:
                     raise StateMismatch(f"cannot load {uri}: {differs}") from None
-                raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+                raise CheckpointLoadError(f"cannot load {uri}: {describe_error(exc)}") from None
             loading, planner = self._read_again_from_storage(uri, info, state, entry, legacy, exc, reading)
         if strict and planner.unread:
             raise StateMismatch(
@@ -287,7 +291,10 @@ class Restorer:
                 logger.info(
                     "%s (format 1) has no entries %s: left as they were", uri, ", ".join(sorted(planner.missing))
                 )
-            raw, source = self._legacy_extra(info), _join(uri, _LEGACY_EXTRA_FILE.format(rank=self._context.ranks.rank))
+            raw, source = (
+                self._legacy_extra(info),
+                join_uri(uri, LEGACY_EXTRA_FILE.format(rank=self._context.ranks.rank)),
+            )
         else:
             raw, source = (None if entry in planner.missing else loading[entry]), f"{uri} ({entry})"
         if raw is None:
@@ -323,15 +330,15 @@ class Restorer:
 
     def _read(
         self, info: CheckpointInfo, state: dict, entry: str, legacy: bool, reading: LocalFirstFileSystem
-    ) -> tuple[dict, _PlainLoadPlanner]:
+    ) -> tuple[dict, PlainLoadPlanner]:
         """dcp.load of the verified checkpoint `info`, reading only the files its manifest lists (`reading`: which files
         come from the memory tier; it records where it read): (what was loaded, the planner)."""
         loading = dict(state) if legacy else {**state, entry: b""}
         # Format 1 kept what its writer saved per rank outside DCP: entries such a checkpoint lacks stay as they are.
-        planner = _PlainLoadPlanner(
+        planner = PlainLoadPlanner(
             optional=set(state) if legacy else {entry}, ignored=lambda fqn: _EXTRA_ENTRIES.fullmatch(fqn) is not None
         )
-        reader = _PlainReader(info.uri, info.files, **self._context.options)
+        reader = PlainReader(info.uri, info.files, **self._context.options)
         reading.inner, reader.fs = reader.fs, reading  # type: ignore[assignment]  # serves what DCP's reader calls
         dcp.load(
             loading,
@@ -351,7 +358,7 @@ class Restorer:
         legacy: bool,
         failed: CheckpointException,
         reading: LocalFirstFileSystem,
-    ) -> tuple[dict, _PlainLoadPlanner]:
+    ) -> tuple[dict, PlainLoadPlanner]:
         """A rank found a file of its memory tier damaged as it loaded (every rank is here: DCP gathered the failure):
         rank 0 checks the checkpoint in storage, whose files were only listed when the tiers held it, keeping what it
         reads in its tier for the next restart; then every rank loads again, reading the files its tier failed
@@ -361,20 +368,20 @@ class Restorer:
         logger.warning(
             "rank %d: %s: reading it again, %s",
             self._context.ranks.rank,
-            _describe(failed),
+            describe_error(failed),
             f"{', '.join(sorted(bad))} from storage" if bad else "as another rank's memory copy was damaged",
         )
         checked: Any = None
         if self._context.ranks.rank == 0:
             try:
-                checked = _inspect(self._context.storage, uri, info.step, deep=True, tier=self._context.tier)
+                checked = inspect_step(self._context.storage, uri, info.step, deep=True, tier=self._context.tier)
             except Exception as exc:
                 checked = exc
         checked = self._context.ranks.broadcast(checked)
         if isinstance(checked, Exception) or not checked.valid:
             if self._context.tier is not None:  # damaged, and nowhere else: the restart must not find it again
                 self._context.tier.discard(info.step)
-            why = _describe(checked) if isinstance(checked, Exception) else checked.reason
+            why = describe_error(checked) if isinstance(checked, Exception) else checked.reason
             raise OSError(
                 f"cannot load {uri}: its copy in memory is damaged and storage is not readable or not "
                 f"valid ({why}); a restart resumes from the newest valid checkpoint"
@@ -389,7 +396,7 @@ class Restorer:
         try:
             loaded = self._read(checked, state, entry, legacy, again)
         except CheckpointException as exc:
-            raise CheckpointLoadError(f"cannot load {uri}: {_describe(exc)}") from None
+            raise CheckpointLoadError(f"cannot load {uri}: {describe_error(exc)}") from None
         reading.sources |= again.sources
         for source, read in again.read_bytes.items():
             reading.read_bytes[source] += read
@@ -397,11 +404,11 @@ class Restorer:
 
     def _legacy_extra(self, info: CheckpointInfo) -> Optional[bytes]:
         """This rank's extra state in a format 1 checkpoint: a file of its own (when its manifest lists one)."""
-        name = _LEGACY_EXTRA_FILE.format(rank=self._context.ranks.rank)
+        name = LEGACY_EXTRA_FILE.format(rank=self._context.ranks.rank)
         files = info.files or {}
         if name not in files:
             return None
         try:
-            return self._context.storage.read_bytes(_join(info.uri, name), limit=files[name])
+            return self._context.storage.read_bytes(join_uri(info.uri, name), limit=files[name])
         except FileNotFoundError:
             return None

@@ -9,11 +9,11 @@ from .context import StoreContext
 from .layout import (
     MANIFEST_NAME,
     CheckpointInfo,
-    _join,
+    join_uri,
     logger,
 )
-from .manifest import _inspect, _step_dirs
-from .storage import _is_dir
+from .manifest import inspect_step, list_step_dirs
+from .storage import is_plain_dir
 
 
 class Rotation:
@@ -50,19 +50,21 @@ class Rotation:
         context = self._context
         if context.ranks.rank != 0:
             return []
-        dirs = _step_dirs(context.storage, context.uri)
+        dirs = list_step_dirs(context.storage, context.uri)
         listed = {uri for _, uri in dirs}
         self._valid_before = {uri: info for uri, info in self._valid_before.items() if uri in listed}
         newest_valid: Optional[int] = None
         verdicts: list[tuple[int, str, bool]] = []
         for step, uri in dirs:
             if newest_valid is None:
-                info = _inspect(context.storage, uri, step, deep=True, trusted=context.trusted, owner=context.run_uid)
+                info = inspect_step(
+                    context.storage, uri, step, deep=True, trusted=context.trusted, owner=context.run_uid
+                )
                 if info.valid:
                     newest_valid = step
                     context.trust(info)
             else:
-                info = self._valid_before.get(uri) or _inspect(
+                info = self._valid_before.get(uri) or inspect_step(
                     context.storage, uri, step, deep=False, owner=context.run_uid
                 )
             if info.valid and self.keep_every and step % self.keep_every == 0:
@@ -84,7 +86,7 @@ class Rotation:
             doomed.append(uri)
         for uri in doomed:
             try:
-                context.storage.rm_file(_join(uri, MANIFEST_NAME))
+                context.storage.rm_file(join_uri(uri, MANIFEST_NAME))
             except FileNotFoundError:
                 pass
             self._forget(uri)
@@ -108,10 +110,10 @@ class Rotation:
         for name, entry in listing.items():
             if name == MANIFEST_NAME:
                 continue
-            if _is_dir(entry):
-                context.storage.rm_tree(_join(step_uri, name))
+            if is_plain_dir(entry):
+                context.storage.rm_tree(join_uri(step_uri, name))
             else:  # a file, or a link: the link goes, never what it points at
-                context.storage.rm_file(_join(step_uri, name))
+                context.storage.rm_file(join_uri(step_uri, name))
 
     def drop_manifest(self, step_uri: str, step: int) -> dict:
         """Uncommit what an earlier save of `step` left in its directory (its manifest deleted), before files of a new
@@ -120,7 +122,7 @@ class Rotation:
         context = self._context
         listing = context.storage.listing(step_uri)
         if MANIFEST_NAME in listing and context.run_uid:
-            found = _inspect(context.storage, step_uri, step, deep=False)
+            found = inspect_step(context.storage, step_uri, step, deep=False)
             if context.another_runs(found):
                 raise FileExistsError(
                     f"{step_uri} is a checkpoint of another run (uid {found.run_uid}): two runs "
@@ -128,7 +130,7 @@ class Rotation:
                 )
         if MANIFEST_NAME in listing:
             logger.warning("overwriting the committed checkpoint %s", step_uri)
-            context.storage.rm_file(_join(step_uri, MANIFEST_NAME))
+            context.storage.rm_file(join_uri(step_uri, MANIFEST_NAME))
             self._forget(step_uri)
         return listing
 

@@ -276,7 +276,7 @@ def _check_metadata(metadata: Any, files: Optional[Mapping[str, int]]) -> None:
                 raise wrong(f"the path of {str(fqn)[:100]!r} is not a short list of names and indexes")
 
 
-class _PlainReader(FsspecReader):
+class PlainReader(FsspecReader):
     """DCP's fsspec reader for every format: raw tensor items (format 3, `tensor_files`) are read here, the rest
     (torch.save items of formats 1 and 2, byte items) by DCP.
 
@@ -338,7 +338,7 @@ def _forms_hint(lacking: list[str], saved: list[str]) -> str:
     return ": the state passed is not the one that was saved (another model, or entries renamed)"
 
 
-class _PlainLoadPlanner(DefaultLoadPlanner):
+class PlainLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, loading non-tensor values (optimizer hyperparameters...) as plain values only.
 
     Top-level entries named in `optional` that the checkpoint lacks are left out of the load (and listed in

@@ -190,7 +190,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
 
     def finish_as_planned(self, writer: Any, results: Sequence[list[WriteResult]]) -> None:
         """The coordinator: write the checkpoint's metadata for every rank's `results`, as `dcp.save` does last (by
-        `writer.write_metadata`, a `checkpoint.writer._Writer`); pickled again only when it changed."""
+        `writer.write_metadata`, a `checkpoint.writer.CheckpointWriter`); pickled again only when it changed."""
         storage_data = {result.index: result.storage_data for rank_results in results for result in rank_results}
         cached = self._finished.get("metadata bytes")
         if cached is None or cached[0] != storage_data:

@@ -12,7 +12,7 @@ import torch
 
 from .committing import Committer, SaveJob, plain_state
 from .context import StoreContext
-from .layout import EXTRA_ENTRY, CheckpointInfo, PeersLost, PendingSave, _describe
+from .layout import EXTRA_ENTRY, CheckpointInfo, PeersLost, PendingSave, describe_error
 from .tier_staging import plain_tensors
 
 
@@ -152,7 +152,7 @@ class Saver:
         self._context.metrics.last_blocking_seconds += waited
         if job.lost_contact is not None:
             raise PeersLost(
-                f"checkpoint step {job.step} could not commit: {_describe(job.lost_contact)}"
+                f"checkpoint step {job.step} could not commit: {describe_error(job.lost_contact)}"
             ) from job.lost_contact
         return waited
 

@@ -18,15 +18,17 @@ from typing import Any, BinaryIO, Iterator, Mapping, Optional
 
 from fsspec.core import url_to_fs
 
-from .layout import _HASH_CHUNK, file_hasher
+from .layout import HASH_CHUNK_BYTES, file_hasher
 
-#: Ranges of one file in object storage fetched at once when it is hashed (each `_HASH_CHUNK` bytes).
+#: Ranges of one file in object storage fetched at once when it is hashed (each `HASH_CHUNK_BYTES` bytes).
 FETCH_AHEAD = 8
-#: Chunks read (each `_HASH_CHUNK` bytes) that may wait to be written to the memory tier's copy.
+#: Chunks read (each `HASH_CHUNK_BYTES` bytes) that may wait to be written to the memory tier's copy.
 COPY_AHEAD = 4
 
 
-def _storage_options(uri: str, endpoint_url: Optional[str], storage_options: Optional[Mapping]) -> dict:
+def fsspec_options(uri: str, endpoint_url: Optional[str], storage_options: Optional[Mapping]) -> dict:
+    """The fsspec options for `uri`: the spec's `storage_options`, with `endpoint_url` (else S3's
+    AWS_ENDPOINT_URL) for s3:// and gs://; an endpoint for another scheme is a ValueError."""
     opts = dict(storage_options or {})
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     if scheme in ("s3", "s3a"):
@@ -41,7 +43,7 @@ def _storage_options(uri: str, endpoint_url: Optional[str], storage_options: Opt
     return opts
 
 
-def _entry_time(entry: Mapping) -> str:
+def entry_time(entry: Mapping) -> str:
     """Best-effort modification time of an fsspec ls entry (local, gcsfs, s3fs) as RFC 3339."""
     for key in ("mtime", "updated", "LastModified", "last_modified"):
         value = entry.get(key)
@@ -84,7 +86,7 @@ def _crc32c() -> Any:
     return google_crc32c.Checksum()
 
 
-class _Storage:
+class Storage:
     """The few fsspec operations the store needs, on URIs below one base URI."""
 
     def __init__(self, uri: str, options: Mapping):
@@ -152,8 +154,8 @@ class _Storage:
 
     def _stream(self, uri: str) -> Iterator[bytes]:
         path = self._path(uri)
-        with _open_regular(path) if self.local else self.fs.open(path, "rb", block_size=_HASH_CHUNK) as f:
-            while chunk := f.read(_HASH_CHUNK):
+        with _open_regular(path) if self.local else self.fs.open(path, "rb", block_size=HASH_CHUNK_BYTES) as f:
+            while chunk := f.read(HASH_CHUNK_BYTES):
                 yield chunk
 
     def _ranges(self, uri: str, size: int) -> Iterator[bytes]:
@@ -161,11 +163,11 @@ class _Storage:
         round trip per block, with the link idle. Stops after a short range (the file is shorter than `size`), and
         ends with what lies beyond `size` (nothing, unless the file is longer)."""
         path = self._path(uri)
-        starts = iter(range(0, size, _HASH_CHUNK))
+        starts = iter(range(0, size, HASH_CHUNK_BYTES))
         with ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="checkpoint-fetch") as pool:
 
             def fetch(start: int) -> tuple[int, Future]:
-                end = min(start + _HASH_CHUNK, size)
+                end = min(start + HASH_CHUNK_BYTES, size)
                 return end - start, pool.submit(self.fs.cat_file, path, start=start, end=end)
 
             beyond = pool.submit(self.fs.cat_file, path, start=size, end=size + 1)
@@ -184,7 +186,7 @@ class _Storage:
             try:
                 yield beyond.result()
             except Exception:  # noqa: BLE001 - a range past the end is refused by some stores (S3: 416); the
-                pass  # listing's size, which _inspect compared before hashing, says the same
+                pass  # listing's size, which inspect_step compared before hashing, says the same
 
     def write_bytes(self, uri: str, data: bytes, atomic: bool = False) -> None:
         """Write a whole file. On file://, fsync it, and with atomic=True write a temp file and
@@ -207,7 +209,7 @@ class _Storage:
         and OSError raised, so no manifest is ever written over them."""
         target = self._path(uri)
         hasher, checksum = file_hasher(digest_name), _crc32c() if self.gcs else None
-        buffer = bytearray(_HASH_CHUNK)
+        buffer = bytearray(HASH_CHUNK_BYTES)
         if self.local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(path, "rb") as source, open(target, "wb") if self.local else self.fs.open(target, "wb") as out:
@@ -270,12 +272,12 @@ class _Storage:
             self.fs.rm(path, recursive=True)
 
 
-def _is_file(entry: Mapping) -> bool:
+def is_plain_file(entry: Mapping) -> bool:
     """A regular file: never a link (file:// lists one as "other"), whatever it points at."""
     return entry.get("type", "file") == "file" and not entry.get("islink")
 
 
-def _is_dir(entry: Mapping) -> bool:
+def is_plain_dir(entry: Mapping) -> bool:
     """A directory (an object store's prefix): never a link to one."""
     return entry.get("type") == "directory" and not entry.get("islink")
 
@@ -290,7 +292,7 @@ STORAGE_ID_NAME = "trainingrun-storage-id"
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
-def storage_identity(storage: _Storage, uri: str) -> Optional[str]:
+def storage_identity(storage: Storage, uri: str) -> Optional[str]:
     """The token of the storage at `uri`, made and written there when it has none (or an unreadable one); None when
     storage cannot be read or written (then nothing in memory can be trusted to be its)."""
     target = posixpath.join(uri.rstrip("/"), STORAGE_ID_NAME)

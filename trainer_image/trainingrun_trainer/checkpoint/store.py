@@ -14,14 +14,14 @@ from trainingrun_api import contract
 
 from .committing import Committer
 from .context import StoreContext, StoreMetrics
-from .layout import STARTS_NAME, CheckpointInfo, PendingSave, _join, logger
+from .layout import STARTS_NAME, CheckpointInfo, PendingSave, join_uri, logger
 from .memory_tier import MemoryTier
 from .persisting import Persister
 from .ranks import RankGroup
 from .restoring import Restorer
 from .rotation import Rotation
 from .saving import Saver
-from .storage import _Storage, _storage_options, storage_identity
+from .storage import Storage, fsspec_options, storage_identity
 from .tier_staging import release_locked_pages
 
 
@@ -85,10 +85,10 @@ class CheckpointStore:
         uri = uri.rstrip("/") if not uri.rstrip("/").endswith(":") else uri
         self.uri = uri
         self.memory_tier = memory_tier or None
-        options = _storage_options(uri, endpoint_url, storage_options)
+        options = fsspec_options(uri, endpoint_url, storage_options)
         tier = MemoryTier(memory_tier) if memory_tier else None
         ranks = RankGroup(process_group)
-        storage = _Storage(uri, options)
+        storage = Storage(uri, options)
         if tier is not None:  # the same on every rank: rank 0's read of storage's token (`storage_identity`)
             token = ranks.broadcast(storage_identity(storage, uri) if ranks.rank == 0 else None)
             if token is None:
@@ -277,7 +277,7 @@ class CheckpointStore:
         process started, processes started before this one). A file of another `run` (its uid) is started over.
         Call it from one process per start (rank 0); it reads, then writes, and raises what storage raises."""
         now = time.time() if now is None else now
-        uri = _join(self.uri, STARTS_NAME)
+        uri = join_uri(self.uri, STARTS_NAME)
         try:
             recorded = json.loads(self.context.storage.read_bytes(uri, limit=1 << 16))
         except FileNotFoundError:

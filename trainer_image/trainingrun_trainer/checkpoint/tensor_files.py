@@ -32,7 +32,7 @@ from .layout import REPLICATED_SUFFIX
 RAW_TENSOR = "trainingrun-raw-tensor/1"
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
 
@@ -84,7 +84,7 @@ def _write_items(
             else:
                 if data.device.type != "cpu":
                     raise ValueError(f"{item.index.fqn}: a staged tensor must be on the CPU, not {data.device}")
-                stream.write(_byte_view(data.contiguous()))
+                stream.write(byte_view(data.contiguous()))
                 info = StorageInfo(name, offset, stream.tell() - offset, transform_descriptors=[RAW_TENSOR])
             results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
         if sync:
@@ -192,7 +192,7 @@ def _read_items(fs: Any, path: Any, relative_path: str, items: list, state_dict_
                 and target.is_contiguous()
                 and target.size() == chunk.sizes
             ):
-                _read_into(stream, _byte_view(target), what)
+                _read_into(stream, byte_view(target), what)
             else:
                 buffer = bytearray(info.length)
                 _read_into(stream, memoryview(buffer), what)

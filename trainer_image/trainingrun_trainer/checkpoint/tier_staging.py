@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..torch_internals import StorageInfo
 from .layout import FILE_DIGEST, file_hasher
-from .tensor_files import RAW_TENSOR, _byte_view
+from .tensor_files import RAW_TENSOR, byte_view
 from .tier_files import SEGMENT_BYTES, SEGMENTS_KEY, SPARE_DIR
 
 #: Each staged tensor starts at a multiple of this many bytes: a cache line, and every dtype's alignment.
@@ -240,7 +240,7 @@ class StagedFile:
                 offset, descriptors = self._offset_of(data), [RAW_TENSOR]
                 if offset is None and data.device.type != "cpu":
                     raise ValueError(f"{item.index.fqn}: a staged tensor must be on the CPU, not {data.device}")
-                view = _byte_view(data.contiguous()) if offset is None else None  # a staged one lies there already
+                view = byte_view(data.contiguous()) if offset is None else None  # a staged one lies there already
             if view is not None:
                 offset = self.size
                 appended.append(view)

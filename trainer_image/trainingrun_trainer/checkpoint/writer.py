@@ -16,7 +16,7 @@ from .tensor_files import write_rank_file
 from .tier_staging import StagedFile
 
 
-class _Writer(FsspecWriter):
+class CheckpointWriter(FsspecWriter):
     """DCP's FsspecWriter writing format 3's data files (`tensor_files`), hashing every file written and, on the
     coordinator, removing a stale directory of the same step while planning (before any rank writes data). With a
     `staged` file (`tier_staging`), this rank's data file is the one its state was staged into, completed in place.

@@ -21,7 +21,7 @@ from trainingrun_api import builtin_args
 
 from ..background import give_way_to_training
 from ..checkpoint.layout import StorageUnavailable
-from ..checkpoint.storage import _storage_options
+from ..checkpoint.storage import fsspec_options
 from ..data import checked_index, split_id
 from .format import (
     CACHE_ENV,
@@ -97,7 +97,7 @@ class TokenShards(Dataset):
         #: Items' byte ranges the read-ahead found, until the item is read (choosing a window costs ~50 us).
         self._ranges: dict[int, tuple[Shard, int, int]] = {}
         self._split_id = split_id(split)
-        self._options = _storage_options(uri, endpoint_url, None)
+        self._options = fsspec_options(uri, endpoint_url, None)
         self._start_process_state()
         self.cache = Path(cache_dir or os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "trainingrun-data")
         self.shards = self._discover()

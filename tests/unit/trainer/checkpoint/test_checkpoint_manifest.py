@@ -1,4 +1,4 @@
-"""manifest._parse_manifest: a manifest read from storage is taken only in the shape this trainer writes (a bounded
+"""manifest.parse_manifest: a manifest read from storage is taken only in the shape this trainer writes (a bounded
 object, a known format, each file a plain name of its directory listed once with a size and a digest of its format's
 kind, short ASCII strings); anything else is a reason that names what is wrong, and the checkpoint is not valid."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from trainingrun_trainer.checkpoint.manifest import MAX_MANIFEST_BYTES, _parse_manifest
+from trainingrun_trainer.checkpoint.manifest import MAX_MANIFEST_BYTES, parse_manifest
 
 DIGEST = "0" * 32
 
@@ -29,9 +29,9 @@ def manifest(**changes) -> bytes:
 
 
 def test_a_manifest_this_trainer_writes_is_taken():
-    parsed = _parse_manifest(manifest())
+    parsed = parse_manifest(manifest())
     assert parsed["step"] == 10 and [f["path"] for f in parsed["files"]] == [".metadata", "__0_0.distcp"]
-    sha = _parse_manifest(manifest(format_version=3, files=[{"path": "a", "size": 1, "sha256": "a" * 64}]))
+    sha = parse_manifest(manifest(format_version=3, files=[{"path": "a", "size": 1, "sha256": "a" * 64}]))
     assert sha["format_version"] == 3
 
 
@@ -62,29 +62,29 @@ def test_a_manifest_this_trainer_writes_is_taken():
 )
 def test_anything_else_names_what_is_wrong(raw, reason):
     with pytest.raises(ValueError) as raised:
-        _parse_manifest(raw)
+        parse_manifest(raw)
     assert reason in str(raised.value)
 
 
 def test_a_manifest_past_the_size_cap_is_not_parsed():
     with pytest.raises(ValueError, match="larger than 64 MiB"):
-        _parse_manifest(b" " * (MAX_MANIFEST_BYTES + 1))
+        parse_manifest(b" " * (MAX_MANIFEST_BYTES + 1))
 
 
 def test_a_pods_partial_copy_is_valid_shallow_but_a_file_of_another_size_or_a_deep_check_is_not(tmp_path):
-    """`_inspect(partial=True)`: a pod's memory copy of a sharded state on more than two pods lacks the files its ranks
+    """`inspect_step(partial=True)`: a pod's memory copy of a sharded state on more than two pods lacks the files its ranks
     do not read; every file it does hold still has its listed size, and a deep check needs them all."""
-    from trainingrun_trainer.checkpoint.manifest import _inspect
-    from trainingrun_trainer.checkpoint.storage import _Storage
+    from trainingrun_trainer.checkpoint.manifest import inspect_step
+    from trainingrun_trainer.checkpoint.storage import Storage
 
     directory = tmp_path / "step-00000010"
     directory.mkdir()
     (directory / "manifest.json").write_bytes(manifest())
     (directory / ".metadata").write_bytes(b"m" * 10)  # __0_0.distcp is not held here
-    storage = _Storage(str(directory), {})
-    assert _inspect(storage, str(directory), 10, deep=False).reason == "missing file __0_0.distcp"
-    held = _inspect(storage, str(directory), 10, deep=False, partial=True)
+    storage = Storage(str(directory), {})
+    assert inspect_step(storage, str(directory), 10, deep=False).reason == "missing file __0_0.distcp"
+    held = inspect_step(storage, str(directory), 10, deep=False, partial=True)
     assert held.valid and held.files == {".metadata": 10, "__0_0.distcp": 0}
-    assert not _inspect(storage, str(directory), 10, deep=True, partial=True).valid
+    assert not inspect_step(storage, str(directory), 10, deep=True, partial=True).valid
     (directory / ".metadata").write_bytes(b"m" * 9)
-    assert _inspect(storage, str(directory), 10, deep=False, partial=True).reason == "size mismatch in .metadata"
+    assert inspect_step(storage, str(directory), 10, deep=False, partial=True).reason == "size mismatch in .metadata"

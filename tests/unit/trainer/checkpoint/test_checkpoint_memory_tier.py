@@ -528,18 +528,18 @@ def test_a_large_file_is_read_by_several_threads(storage, memory, monkeypatch, f
 def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_once(storage, memory, monkeypatch):
     """On an object store each request is a round trip: the base listing, the listing of the step the tier holds and
     its manifest go out together, so a restart from memory waits for one round trip, not three."""
-    from trainingrun_trainer.checkpoint.storage import STORAGE_ID_NAME, _Storage
+    from trainingrun_trainer.checkpoint.storage import STORAGE_ID_NAME, Storage
 
     _, digest = saved(storage, memory)
-    real_init = _Storage.__init__
+    real_init = Storage.__init__
 
     def as_an_object_store(self, *args, **kwargs):  # file:// storage is read one request after another
         real_init(self, *args, **kwargs)
         self.local = False
 
-    monkeypatch.setattr(_Storage, "__init__", as_an_object_store)
+    monkeypatch.setattr(Storage, "__init__", as_an_object_store)
     together = threading.Barrier(3, timeout=30)
-    real_listing, real_read = _Storage.listing, _Storage.read_bytes
+    real_listing, real_read = Storage.listing, Storage.read_bytes
 
     def waiting(real):
         def call(self, uri, **options):
@@ -552,8 +552,8 @@ def test_a_restart_asks_storage_for_its_listing_and_for_the_step_in_memory_at_on
         return call
 
     passed: list = []
-    monkeypatch.setattr(_Storage, "listing", waiting(real_listing))
-    monkeypatch.setattr(_Storage, "read_bytes", waiting(real_read))
+    monkeypatch.setattr(Storage, "listing", waiting(real_listing))
+    monkeypatch.setattr(Storage, "read_bytes", waiting(real_read))
     assert restored(storage, memory) == (5, digest, "memory")
     assert passed and not together.broken
 

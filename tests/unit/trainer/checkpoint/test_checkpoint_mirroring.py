@@ -52,7 +52,9 @@ def _behind_without_room_worker(
     from trainingrun_trainer.checkpoint import mirroring
 
     memory_tier.RESERVE_SHARE = 0.0
-    mirroring.reserve_bytes = lambda total: 1 << 60  # room for each rank's own files (tier.begin), not for the other node's
+    mirroring.reserve_bytes = lambda total: (
+        1 << 60
+    )  # room for each rank's own files (tier.begin), not for the other node's
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -156,13 +158,13 @@ def _ring_worker(rank: int, init_file: str, uri: str, tiers: list[str], out_dir:
     memory_tier.RESERVE_SHARE = 0.0
     torch.set_num_threads(1)
     uploaded: list[str] = []  # the files this pod's lead copied to storage
-    upload = storage_module._Storage.upload
+    upload = storage_module.Storage.upload
 
     def recording(storage, path: str, uri: str, *digest: str) -> None:
         uploaded.append(uri.rsplit("/", 1)[1])
         upload(storage, path, uri, *digest)
 
-    storage_module._Storage.upload = recording  # type: ignore[method-assign]
+    storage_module.Storage.upload = recording  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(tiers))
     try:
         model = wrapped(0, sharded=True)

@@ -44,7 +44,7 @@ def storage_unreachable(monkeypatch) -> None:
     def unreachable(storage, path, uri, *digest):
         raise OSError("storage unreachable")
 
-    monkeypatch.setattr(storage_module._Storage, "upload", unreachable)
+    monkeypatch.setattr(storage_module.Storage, "upload", unreachable)
 
 
 class GatedUploads:
@@ -52,14 +52,14 @@ class GatedUploads:
 
     def __init__(self, monkeypatch):
         self.entered, self.released = threading.Event(), threading.Event()
-        upload = storage_module._Storage.upload
+        upload = storage_module.Storage.upload
 
         def gated(storage, path, uri, *digest):
             self.entered.set()
             assert self.released.wait(60), "the test never released the upload"
             upload(storage, path, uri, *digest)
 
-        monkeypatch.setattr(storage_module._Storage, "upload", gated)
+        monkeypatch.setattr(storage_module.Storage, "upload", gated)
 
     def release(self) -> None:
         self.released.set()
@@ -140,7 +140,7 @@ def test_a_damaged_memory_checkpoint_that_storage_lacks_fails_once_then_the_rest
         store.save(1, app_state(model, opt), {"step": 1})
         assert store.flush().step == 1
         older = model_digest(model.state_dict())
-        monkeypatch.setattr(storage_module._Storage, "upload", lambda *_: (_ for _ in ()).throw(OSError("down")))
+        monkeypatch.setattr(storage_module.Storage, "upload", lambda *_: (_ for _ in ()).throw(OSError("down")))
         train_step(model, opt, seed=2)
         store.save(2, app_state(model, opt), {"step": 2}, copy_in_background=in_background)
         assert store.wait().step == 2
@@ -277,7 +277,7 @@ def test_a_checkpoint_only_in_memory_is_never_taken_by_a_store_of_another_uri(tm
     the second must not resume from the first one's checkpoint that only memory holds."""
     model, opt = trained()
     with behind(tmp_path / "first", memory) as store:
-        monkeypatch.setattr(storage_module._Storage, "upload", lambda *_: (_ for _ in ()).throw(OSError("down")))
+        monkeypatch.setattr(storage_module.Storage, "upload", lambda *_: (_ for _ in ()).throw(OSError("down")))
         store.save(1, app_state(model, opt), {"step": 1})
         assert store.wait().step == 1 and store.flush() is None  # in memory only
     monkeypatch.undo()
@@ -434,7 +434,7 @@ def _two_ranks_on_one_node_worker(rank: int, init_file: str, uri: str, tier: str
     full = [False]  # /dev/shm as a save finds it: without a byte free while set
     disk_usage = shutil.disk_usage
     memory_tier.shutil.disk_usage = lambda path: disk_usage(path)._replace(free=0) if full[0] else disk_usage(path)
-    upload = storage_module._Storage.upload
+    upload = storage_module.Storage.upload
 
     def held_in_the_first_copy(storage, path, target, *digest):
         if not entered.is_set():
@@ -443,7 +443,7 @@ def _two_ranks_on_one_node_worker(rank: int, init_file: str, uri: str, tier: str
         upload(storage, path, target, *digest)
 
     if rank == 0:
-        storage_module._Storage.upload = held_in_the_first_copy  # type: ignore[method-assign]
+        storage_module.Storage.upload = held_in_the_first_copy  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         model = wrapped(0, sharded=False)

@@ -53,14 +53,14 @@ def test_rotation_reads_each_older_checkpoint_once_not_at_every_save(root, monke
     from trainingrun_trainer.checkpoint import rotation
 
     shallow: list[str] = []
-    inspect = rotation._inspect
+    inspect = rotation.inspect_step
 
     def counted(storage, uri, step, deep, **kwargs):
         if not deep:
             shallow.append(uri.rsplit("/", 1)[-1])
         return inspect(storage, uri, step, deep, **kwargs)
 
-    monkeypatch.setattr(rotation, "_inspect", counted)
+    monkeypatch.setattr(rotation, "inspect_step", counted)
     model = make_model()
     with CheckpointStore(str(root), keep=1, keep_every=2) as store:
         for step in range(1, 10):

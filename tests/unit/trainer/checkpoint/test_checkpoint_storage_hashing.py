@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from trainingrun_trainer.checkpoint import storage as storage_module
-from trainingrun_trainer.checkpoint.storage import _Storage
+from trainingrun_trainer.checkpoint.storage import Storage
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
 
@@ -27,10 +27,10 @@ class Kept:
 
 @pytest.fixture
 def bucket(monkeypatch):
-    monkeypatch.setattr(storage_module, "_HASH_CHUNK", 1000)  # 11 ranges
+    monkeypatch.setattr(storage_module, "HASH_CHUNK_BYTES", 1000)  # 11 ranges
     monkeypatch.setattr(storage_module, "FETCH_AHEAD", 3)
     uri = f"memory://bucket-{uuid.uuid4().hex}/run"
-    store = _Storage(uri, {})
+    store = Storage(uri, {})
     assert not store.local
     store.fs.pipe_file(store._path(f"{uri}/file"), DATA)
     return store, f"{uri}/file"
@@ -73,7 +73,7 @@ def test_a_file_of_another_size_than_listed_reads_as_that_size(bucket, listed):
 
 def test_a_local_file_is_read_as_one_stream(tmp_path):
     (tmp_path / "file").write_bytes(DATA)
-    store = _Storage(tmp_path.as_uri(), {})
+    store = Storage(tmp_path.as_uri(), {})
     assert store.local
     assert store.digest((tmp_path / "file").as_uri(), "sha256", size=len(DATA)) == (
         len(DATA),

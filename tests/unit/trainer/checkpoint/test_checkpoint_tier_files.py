@@ -82,7 +82,7 @@ def test_a_tier_file_cut_short_fails_the_read(tmp_path, small_segments):
         read_at(stream, 40, 30)
 
 
-class _Storage:
+class Storage:
     """DCP's reader FileSystem, as LocalFirstFileSystem wraps it: streams of the files below a folder."""
 
     def __init__(self, root: Path):
@@ -100,7 +100,7 @@ def test_a_file_the_tier_lacks_is_read_from_storage_only_once_storage_is_verifie
     (tmp_path / "storage" / "__2_0.distcp").write_bytes(b"theirs")
     held = tier_file(tmp_path / "__1_0.distcp", b"mine")
     reading = tier_files.LocalFirstFileSystem({"__1_0.distcp": held}, storage_verified=verified)
-    reading.inner = _Storage(tmp_path / "storage")
+    reading.inner = Storage(tmp_path / "storage")
     with reading.create_stream("step/__1_0.distcp", "rb") as stream:
         assert stream.read() == b"mine"
     if verified:
