@@ -166,6 +166,7 @@ async def test_the_operator_is_blind_when_a_watch_ended_or_has_not_been_answered
         alive.cancel()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_run_the_operator_cannot_read_is_refused_and_the_others_go_on(kmock, monkeypatch):
     """Whatever raises about one run (here slim_run, made to fail for it): the run is named in a condition and never

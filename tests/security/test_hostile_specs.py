@@ -28,6 +28,7 @@ def validate(tmp_path, text: str, capsys) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [101, 20_000])
 @pytest.mark.parametrize("shape", ["flow", "block"])
 def test_yaml_nested_thousands_deep_is_one_line_not_a_traceback(tmp_path, capsys, depth, shape):

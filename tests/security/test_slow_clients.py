@@ -107,6 +107,7 @@ async def test_a_head_sent_a_byte_at_a_time_is_closed_before_it_ends(endpoint):
     await until(lambda: closed == ["no_request"])
 
 
+@pytest.mark.slow
 async def test_a_body_slower_than_the_minimum_rate_is_answered_408_and_closed(endpoint):
     port, closed, accepted = endpoint
     reader, writer = await connect(port)

@@ -13,6 +13,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
 def test_the_benchmark_starts_and_describes_its_arguments(script):
     done = subprocess.run(
@@ -22,6 +23,7 @@ def test_the_benchmark_starts_and_describes_its_arguments(script):
     assert "usage:" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_cpu_breakdown_times_the_operators_functions_and_garbage_collection(tmp_path):
     """cpu_breakdown's timers, installed in a process as operator_reconcile.py installs them in the operator: each
     timed function's calls are counted and its CPU summed, and the table puts the largest first."""
@@ -61,6 +63,7 @@ while cpu_breakdown.read({str(output)!r}) == before:
     assert parse.split()[3:5] == ["50.0", "200.0"]  # the warm and cold figures beside it
 
 
+@pytest.mark.slow
 def test_the_baseline_costs_are_of_timed_functions_so_each_lands_beside_its_burst_figure():
     sys.path.insert(0, str(BENCHMARKS))
     try:

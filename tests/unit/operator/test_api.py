@@ -25,6 +25,7 @@ def test_validate_rejects_with_field_and_fix(minimal_body, change, expected):
     assert all(": " in line for line in lines)  # every line names a path (or the document) first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change,crd_path", [(c[1], c[3]) for c in CASES], ids=[c[0] for c in CASES])
 def test_crd_rejects_the_same_documents(minimal_body, change, crd_path):
     change(minimal_body)

@@ -5,6 +5,7 @@ branches are exercised. The CRD (as the API server applies it) must agree with `
 """
 
 import kubernetes_validate
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_builders import K8S_VERSION, pytorchjob_problems
@@ -16,6 +17,7 @@ from trainingrun_operator import crd, pytorchjob, validation
 CRD = crd.crd()
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(documents(), st.integers(min_value=1, max_value=2001))
 def test_any_document_renders_valid_children_or_fails_validation(pytorchjob_schema, body, attempt):

@@ -207,6 +207,7 @@ def granted(documents) -> set:
     return out
 
 
+@pytest.mark.slow
 def test_rbac_covers_every_call_the_operator_makes_and_nothing_more(tmp_path):
     """Runs a lifecycle with the real operator against kmock (create, fail, recover, suspend, resume,
     succeed), records every API request it made, and compares with the chart's default rules."""

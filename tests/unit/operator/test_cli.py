@@ -19,6 +19,7 @@ def run_cli(*argv):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
     [[], ["crd"], ["validate"], ["render"], ["status"], ["logs"], ["checkpoints"], ["operator"], ["monitoring"]],
@@ -237,6 +238,7 @@ def test_render_rejects_invalid_input_and_bad_attempt(tmp_path, capsys):
     assert result.returncode == 2 and "must be 1 or more" in result.stderr
 
 
+@pytest.mark.slow
 def test_operator_without_credentials_says_why_and_exits_1(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
     env["HOME"] = str(tmp_path)  # no ~/.kube/config

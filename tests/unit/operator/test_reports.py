@@ -133,6 +133,7 @@ def test_a_new_process_s_first_step_is_written_at_once(process, with_progress, a
     assert reports.trains_again(report, status) is at_once
 
 
+@pytest.mark.slow
 def test_a_write_at_once_goes_ahead_of_the_wait_once_per_period_and_takes_what_waited():
     now = [0.0]
     written = []

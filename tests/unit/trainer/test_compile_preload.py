@@ -30,6 +30,7 @@ def test_the_compile_preload_leaves_its_costs_paid_and_no_thread_behind():
     assert isa_probed == ("0" if Path("/dev/nvidia0").exists() else "1")
 
 
+@pytest.mark.slow
 def test_a_failing_compile_preload_is_reported_and_leaves_the_forkserver_running():
     # The forkserver dies on any preload error but an ImportError; so would every worker it forks.
     script = (

@@ -156,6 +156,7 @@ def make(rank: int, store, time: FakeTime, exits: list, world: int = 2) -> HangW
     return hang_watch
 
 
+@pytest.mark.slow
 def test_the_asking_rank_diagnoses_and_every_answering_rank_exits_hung(store, monkeypatch):
     monkeypatch.setattr(hangs, "EXCHANGE_SECONDS", 5.0)
     time, exits = FakeTime(), []
@@ -214,6 +215,7 @@ def test_a_peer_in_a_long_phase_is_not_a_hang(store, monkeypatch):
     assert first.watch.overdue() is None  # a whole limit again
 
 
+@pytest.mark.slow
 def test_the_asking_rank_asks_another_pods_launcher_to_kill_its_silent_rank(store, monkeypatch):
     monkeypatch.setattr(hangs, "EXCHANGE_SECONDS", 1.0)
     time, exits = FakeTime(), []

@@ -49,6 +49,7 @@ def launch(**env):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env,expected",
     [
@@ -64,6 +65,7 @@ def test_real_agent_exit_codes(env, expected):
     assert result.returncode == expected, result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_built_in_trainer_permanent_exit_is_not_retried_in_place(tmp_path):
     # The built-in trainer runs in forkserver workers; torchrun would restart a bad config
     # --max-restarts times, but the restarted groups exit with the remembered code at once.

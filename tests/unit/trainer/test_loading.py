@@ -72,6 +72,7 @@ class NeedsTheLock(torch.utils.data.Dataset):
             return torch.tensor(index)
 
 
+@pytest.mark.slow
 def test_workers_start_from_a_forkserver_so_a_lock_held_by_a_trainer_thread_is_not_held_in_them():
     held, release = threading.Event(), threading.Event()
 
@@ -118,6 +119,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 def test_workers_and_their_forkserver_end_when_the_trainer_is_killed():
     trainer = subprocess.Popen(
         [sys.executable, "-c", KILLED_WITH_WORKERS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from environments import inherited
@@ -26,6 +27,7 @@ def run_trainer(tmp_path, trainer, checkpoint_uri, extra_env=None):
     )
 
 
+@pytest.mark.slow
 def test_trains_checkpoints_and_resumes_where_it_stopped(tmp_path):
     uri = f"file://{tmp_path}/ckpt"
     first = run_trainer(tmp_path, {**TINY, "maxSteps": 20}, uri)
@@ -38,6 +40,7 @@ def test_trains_checkpoints_and_resumes_where_it_stopped(tmp_path):
     assert max(i.step for i in CheckpointStore(uri).list() if i.valid) == 30
 
 
+@pytest.mark.slow
 def test_bad_class_path_fails_fast_with_a_permanent_code(tmp_path):
     trainer = {**TINY, "model": {"classPath": "trainingrun_trainer.models.NoSuchModel"}}
     result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/ckpt")
@@ -51,6 +54,7 @@ def test_missing_config_variable(tmp_path):
     assert result.returncode == exit_codes.CONFIG_ERROR and "TRAININGRUN_CONFIG is not set" in result.stderr
 
 
+@pytest.mark.slow
 def test_periodic_evaluation_on_the_held_out_split(tmp_path):
     trainer = {**TINY, "maxSteps": 20, "eval": {"intervalSteps": 10, "batches": 2}, "ema": {"enabled": True}}
     result = run_trainer(tmp_path, trainer, f"file://{tmp_path}/ckpt")
@@ -72,6 +76,7 @@ def test_a_dead_peer_is_retryable_not_a_bug():
     assert not peer_failure(ValueError("Connection reset by peer"))
 
 
+@pytest.mark.slow
 def test_checkpoint_storage_down_at_start_is_retryable_not_permanent(tmp_path):
     """An S3 endpoint that refuses connections (a port nothing listens on): exit 138, so the operator retries the
     attempt after its backoff instead of failing the run for a short outage; the message names the URI."""
@@ -113,6 +118,7 @@ def test_the_runs_checkpoint_uri_comes_from_the_config_file_alone(tmp_path, monk
     run.close()
 
 
+@pytest.mark.slow
 def test_the_log_line_of_a_step_shows_the_learning_rate_that_step_used(tmp_path):
     """On main the line of step k showed the rate of step k+1 (the schedule had already moved)."""
     import re
@@ -124,6 +130,7 @@ def test_the_log_line_of_a_step_shows_the_learning_rate_that_step_used(tmp_path)
     assert rates == {"5": "0.005", "10": "0.01"}  # warmup: step k (1-based) runs at 0.02 x k / 20
 
 
+@pytest.mark.slow
 def test_periodic_evaluation_on_a_dataset_of_its_own(tmp_path):
     """eval.dataset is what evaluation reads: a seeded synthetic set of another seed evaluates, one whose class
     is misspelt stops the trainer naming spec.trainer.eval.dataset before a step."""

@@ -57,6 +57,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_model,make_batch", CASES)
 def test_contract(make_model, make_batch):
     torch.manual_seed(0)

@@ -91,6 +91,7 @@ def test_more_than_one_model_is_refused_saying_what_to_do():
         OwnState({"a": nn.Linear(1, 1), "b": nn.Linear(1, 1)})
 
 
+@pytest.mark.slow
 def test_a_script_that_lets_the_mismatch_escape_exits_as_a_configuration_error_in_one_line(tmp_path):
     """Not retried: exit_codes.CONFIG_ERROR (2), which the launcher keeps for the rest of the attempt, not a
     traceback's 1."""

@@ -85,6 +85,7 @@ def test_heartbeats_repeat_the_last_values_and_a_rotated_token_is_used(endpoint,
     assert {report.progress.step for _, _, report in received if report.progress} == {7}
 
 
+@pytest.mark.slow
 def test_news_goes_at_once_the_restore_point_the_first_step_and_each_committed_checkpoint(endpoint, tmp_path):
     """With an interval of an hour, only news is sent before close: status shows a resumed run training at its first
     step, not a report interval later."""
@@ -107,6 +108,7 @@ def test_news_goes_at_once_the_restore_point_the_first_step_and_each_committed_c
     assert received[-1][2].progress.step == 120
 
 
+@pytest.mark.slow
 def test_a_checkpoint_in_memory_is_not_news_it_goes_with_the_next_report(endpoint, tmp_path):
     """Persisting behind, a checkpoint every few steps must not mean a report every few steps."""
     url, received, wait_until = endpoint

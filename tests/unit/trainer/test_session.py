@@ -453,6 +453,7 @@ def test_a_restore_says_where_its_bytes_came_from_in_words():
     assert words == "0 B from own memory, 5.0 MiB from peer, 0 B from storage"
 
 
+@pytest.mark.slow
 def test_a_script_that_configured_no_logging_sees_the_runs_lines(tmp_path):
     """Issue 78 item 6: on main Run.from_env's info lines (what a resume read, and from where) were invisible in a
     script that only prints: Python shows only warnings then. A script of its own, run as a user would."""

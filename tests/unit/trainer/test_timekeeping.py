@@ -5,9 +5,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from trainingrun_trainer import timekeeping
 
 
+@pytest.mark.slow
 def test_the_process_start_is_read_from_the_system_not_from_the_import():
     """A child that sleeps before importing the module still reports the time since it started."""
     code = (

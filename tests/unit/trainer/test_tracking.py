@@ -92,6 +92,7 @@ def context(rank):
     )
 
 
+@pytest.mark.slow
 def test_only_rank_zero_tracks():
     loggers = [
         LoggerConfig(kind="tensorboard", log_dir="/tmp/tb"),
@@ -141,6 +142,7 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
     assert scalars(tmp_path / "tb", "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
 
 
+@pytest.mark.slow
 def test_mlflow_keeps_one_run_per_trainingrun_and_each_step_once(tmp_path):
     """An attempt logs steps 1-5 and dies; the next resumes from step 3 and computes 4-7: the run (found by the
     TrainingRun's uid) keeps 4 and 5 as first logged, and gets 6 and 7."""
@@ -187,6 +189,7 @@ def offline_wandb_steps_once_written(directory, run_id, expected, deadline_s=60.
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_wandb_offline_keeps_one_run_id_per_trainingrun_and_each_step_once(tmp_path, monkeypatch):
     """An attempt logs steps 1-5 and stops; the next resumes from step 3 and computes 4-7. Offline, W&B writes a
     directory per process, both for the run's id: the second holds only steps 6 and 7."""

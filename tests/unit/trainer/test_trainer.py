@@ -86,6 +86,7 @@ def between_log_lines(by_step: dict[int, int]) -> dict[int, int]:
     return {step: by_step.get(step, 0) for step in range(2, 29) if step % 10 not in (0, 9)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "trainer",
     [
@@ -108,6 +109,7 @@ def test_a_step_on_a_gpu_never_waits_for_it_by_cudas_own_account(tmp_path):
     assert between_log_lines(by_step) == dict.fromkeys(between_log_lines(by_step), 0), by_step
 
 
+@pytest.mark.slow
 def test_an_optimizer_a_device_flag_cannot_skip_waits_once_a_step(tmp_path):
     """fused: false (the documented cost): the host reads the non-finite flag before each optimizer step."""
     steps = between_log_lines(count_calls_that_wait(tmp_path, optimizer={"fused": False}))
@@ -139,6 +141,7 @@ print(json.dumps({"saving": seen, "persist_behind": trainer.session.store.persis
 """
 
 
+@pytest.mark.slow
 def test_the_update_after_a_save_that_commits_in_memory_waits_for_its_commit(tmp_path):
     """A pod lost at any moment costs at most `checkpoint.interval` steps: the update of the step after a save
     (committing in memory) runs only once that save committed, though the commit takes longer than the step."""

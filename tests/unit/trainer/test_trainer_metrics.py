@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def run_python(script: str, **env) -> str:
     import os
@@ -137,6 +139,7 @@ def test_the_auto_intervals_series_appear_with_what_was_measured(tmp_path):
     assert 'trainingrun_checkpoint_save_cost_seconds{namespace="default",rank="0",run="r"} 0.05' in measured
 
 
+@pytest.mark.slow
 def test_the_persist_lag_is_what_memory_holds_beyond_storage_and_zero_where_saves_commit_to_storage(tmp_path):
     store = textwrap.dedent("""
         from trainingrun_trainer.checkpoint.context import StoreMetrics
@@ -213,6 +216,7 @@ def test_the_startup_series_has_every_phase_once_the_first_step_ran(tmp_path):
         assert f'trainingrun_startup_seconds{{namespace="default",phase="{phase}",rank="0",run="r"}} {seconds}' in after
 
 
+@pytest.mark.slow
 def test_restore_bytes_are_counted_by_source_from_the_stores_totals(tmp_path):
     store = textwrap.dedent("""
         from trainingrun_trainer.checkpoint import tier_files

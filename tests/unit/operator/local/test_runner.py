@@ -26,6 +26,7 @@ def test_one_attempt_numbering_with_in_place_restarts_named_apart(tmp_path):
     assert runner.attempt_label() == "attempt 2, restart 1 in place"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cpu,nproc,shell,user,expected",
     [

@@ -79,6 +79,7 @@ def status_line(connection: socket.socket) -> bytes:
         return connection.makefile("rb").readline()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [b"-1", b"12abc", b"\xd9\xa1\xd9\xa2", b"1" * 40])
 def test_a_content_length_that_is_not_a_plain_number_is_refused(server, length):
     head = b"POST " + urlsplit(server.url).path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + length
@@ -87,6 +88,7 @@ def test_a_content_length_that_is_not_a_plain_number_is_refused(server, length):
     assert status_line(connection).split()[1] in (b"400", b"413")
 
 
+@pytest.mark.slow
 def test_a_body_that_never_comes_is_answered_408_and_the_connection_closed(server):
     token = server.token_file.read_text().encode()
     head = (
@@ -97,6 +99,7 @@ def test_a_body_that_never_comes_is_answered_408_and_the_connection_closed(serve
     assert status_line(connection).split()[1] == b"408"
 
 
+@pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed_by_the_endpoint(server):
     with raw_request(server, b"POST /report HTTP/1.1\r\nHost: x") as idle:  # a head that never ends
         assert idle.makefile("rb").read() == b""  # closed by the endpoint (our side would time out after 30 s)

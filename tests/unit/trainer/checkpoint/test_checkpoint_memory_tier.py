@@ -582,6 +582,7 @@ def test_a_restore_counts_its_bytes_by_where_they_came_from(storage, memory):
     assert restored_bytes(storage, None) == new_pod
 
 
+@pytest.mark.slow
 def test_what_a_process_killed_while_preparing_the_spare_left_is_removed_at_the_next_ones_first_use(
     storage, memory, caplog
 ):

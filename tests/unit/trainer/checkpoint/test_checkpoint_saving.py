@@ -147,6 +147,7 @@ def _peer_gone_worker(rank: int, init_file: str, uri: str, tiers: list, out_dir:
         os._exit(0)  # the process group cannot be torn down without its peer
 
 
+@pytest.mark.slow
 def test_waiting_for_a_commit_a_peer_left_raises_peers_lost(tmp_path):
     """A save whose collectives fail because the other rank is gone: `wait_committed` raises `PeersLost` (main
     retries the attempt, as for any collective a dead peer broke), with the collective's error as its cause."""
