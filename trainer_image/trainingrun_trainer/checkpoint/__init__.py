@@ -95,11 +95,17 @@ Anything else fails the load with CheckpointLoadError (the trainer exits "checkp
 checkpoint invalid, and resume falls back to an older one. The digests in the manifest detect corruption, not
 tampering (which is why a fast digest does as well as sha256 did).
 
-The modules: `layout` (names, format, types), `storage` (fsspec), `writer` (hashing DCP writer), `manifest`
-(inspect, verify), `digest` (model digest), `safe_load` (loading without running code), `store` (`CheckpointStore`,
-composed of `saving.Saver`, `committing.Committer`, `persisting.Persister`, `restoring.Restorer` and
-`rotation.Rotation` over one `context.StoreContext`), `mirroring` and `peers` (several nodes; `transfer` moves their
-files), `listing` (the CLI's table).
+The modules, by what they hold (each opens with what it is for):
+
+- the format: `layout` (names, format version, digests, which files a rank reads), `records` (`CheckpointInfo`,
+  `PendingSave` and what the stages pass along), `errors`, `manifest` (inspect, verify), `digest` (model digest),
+  `tensor_files` (format 3's data files), `safe_load` (loading without running code), `export`, `listing`;
+- storage: `storage` (fsspec), `hashing_fs` and `writer` (DCP's writer, hashing each file), `save_planner`;
+- node memory: `memory_tier` (the newest commit kept in /dev/shm), `tier_files`, `tier_staging` (stage once);
+- several pods: `ranks` (the store's collectives), `mirroring` (each pod keeps the others' files), `peers` (a new pod
+  receives them), `transfer` (moves the files);
+- the stages on top: `store` (`CheckpointStore`) composes `saving.Saver` (1), `committing.Committer` (2-5),
+  `persisting.Persister`, `restoring.Restorer` and `rotation.Rotation` over one `context.StoreContext`.
 """
 
 from __future__ import annotations
@@ -116,20 +122,12 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 from .digest import DigestOfEntry, model_digest  # noqa: E402
+from .errors import CheckpointLoadError, PeersLost, StorageUnavailable  # noqa: E402
 from .export import load_everything, to_torch_save  # noqa: E402
-from .layout import (  # noqa: E402
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    CheckpointInfo,
-    CheckpointLoadError,
-    PeersLost,
-    PendingSave,
-    StorageUnavailable,
-    now_rfc3339,
-    step_dir_name,
-)
+from .layout import FORMAT_VERSION, MANIFEST_NAME, now_rfc3339, step_dir_name  # noqa: E402
 from .listing import format_table, to_json  # noqa: E402
 from .manifest import verify  # noqa: E402
+from .records import CheckpointInfo, PendingSave  # noqa: E402
 from .safe_load import StateMismatch, load_plain  # noqa: E402
 from .store import CheckpointStore  # noqa: E402
 

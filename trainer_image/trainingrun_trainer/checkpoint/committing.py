@@ -8,9 +8,9 @@ import itertools
 import json
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,15 +18,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..torch_internals import StateDictStager, forget_save_plans
 from .context import StoreContext
+from .errors import SAVE_ERRORS, describe_error
 from .layout import (
     EXTRA_ENTRY,
     FILE_DIGEST,
     FORMAT_VERSION,
     MANIFEST_NAME,
     METADATA_NAME,
-    SAVE_ERRORS,
-    CheckpointInfo,
-    describe_error,
     join_uri,
     logger,
     now_rfc3339,
@@ -34,6 +32,7 @@ from .layout import (
 from .manifest import MAX_MANIFEST_BYTES
 from .mirroring import NodeMirror
 from .persisting import Persister
+from .records import CheckpointInfo, CommitOutcome, RankPart, SaveJob
 from .rotation import Rotation
 from .save_planner import ReusingSavePlanner
 from .tier_files import SEGMENTS_KEY
@@ -42,21 +41,6 @@ from .writer import CheckpointWriter
 
 #: Numbers the stores of this process: each keeps its own plans in DCP's process-wide plan cache.
 _STORES = itertools.count()
-
-
-@dataclass
-class SaveJob:
-    step: int
-    state: Any
-    config_hash: str
-    model_digest: Union[str, Callable[[Mapping[str, Any]], str]]
-    started: float
-    expected_bytes: int  # about what this rank writes (for the memory tier's room)
-    logged: bool = False  # this rank already logged the failure
-    later: Optional[dict] = None  # entries of the plain state the background thread stages before writing
-    marks: list = field(default_factory=list)  # (phase, perf_counter at its end), for `last_save_phases`
-    copied: Future = field(default_factory=Future)  # done when `later` is staged; its exception if that failed
-    lost_contact: Optional[BaseException] = None  # the collective that failed when a peer was gone (`wait_committed`)
 
 
 def plain_state(state: Mapping[str, Any]) -> dict:
@@ -316,47 +300,49 @@ class Committer:
         job.state = None  # drop the staged copy
         job.marks.append(("model digest", time.perf_counter()))
 
-        outcome: Optional[
-            tuple[Optional[CheckpointInfo], Optional[str], bytes, Optional[bytes], Optional[CheckpointInfo]]
-        ] = None
+        outcome: Optional[CommitOutcome] = None
         gathered: Optional[list] = None  # rank 0: every rank's write results, when every rank wrote by its last plan
         try:
-            sent = planner.results_to_send(results) if planner is not None and results is not None else results
             tier = self._context.tier
-            short = tier is not None and (tier.short_of_room or self.mirror.short_of_room)
-            statuses = self._context.ranks.gather_to_first((error, record, sent, short, self._persister.part_done))
+            mine = RankPart(
+                error=error,
+                record=record,
+                sent=planner.results_to_send(results) if planner is not None and results is not None else results,
+                short_of_room=tier is not None and (tier.short_of_room or self.mirror.short_of_room),
+                part_done=self._persister.part_done,
+            )
+            parts: list[RankPart] = self._context.ranks.gather_to_first(mine)
             if self._context.ranks.rank == 0:
-                self._note_pods_short(job.step, [status[3] for status in statuses])
-                if planner is not None and not any(status[0] for status in statuses):
+                self._note_pods_short(job.step, [part.short_of_room for part in parts])
+                if planner is not None and not any(part.error for part in parts):
                     assert writer is not None  # rank 0 wrote its part
                     failed, gathered = self._finish_as_planned(
-                        planner, writer, record, [status[2] for status in statuses], tier_dir
+                        planner, writer, record, [part.sent for part in parts], tier_dir
                     )
-                    statuses[0] = (failed, record, None, short, statuses[0][4])  # the metadata's entry added
-                committed = self._commit(
-                    job, step_uri, [status[:2] for status in statuses], tier_dir if in_memory else None
-                )
-                outcome = (
-                    *committed,
-                    self._metadata_for_mirrors(tier_dir if in_memory and planner is not None else None),
-                    self._persister.plan_parts(committed[0], committed[2], [status[4] for status in statuses])
-                    if in_memory and committed[0] is not None and self._persister.spread
-                    else None,
-                )
+                    # Rank 0's own record, not the gathered copy: it now holds the metadata's entry too.
+                    parts[0] = replace(parts[0], error=failed, record=record)
+                outcome = self._commit(job, step_uri, parts, tier_dir if in_memory else None)
+                if outcome.info is not None and in_memory:
+                    outcome.metadata = self._metadata_for_mirrors(tier_dir if planner is not None else None)
+                    if self._persister.spread:
+                        outcome.copy_part = self._persister.plan_parts(
+                            outcome.info, outcome.manifest, [part.part_done for part in parts]
+                        )
             outcome = self._context.ranks.broadcast(outcome)
         except SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             job.lost_contact = exc
-            outcome = (None, describe_error(exc), b"", None, None)
+            outcome = CommitOutcome(info=None, error=describe_error(exc))
             if not job.logged:
                 logger.error(
                     "checkpoint step %d: rank %d lost contact with its peers: %s",
                     job.step,
                     self._context.ranks.rank,
-                    outcome[1],
+                    outcome.error,
                     exc_info=True,
                 )
                 job.logged = True
-        info, commit_error, manifest, metadata, copy_part = outcome
+        assert outcome is not None  # rank 0's, broadcast
+        info, manifest, metadata = outcome.info, outcome.manifest, outcome.metadata
         if planner is not None and info is not None and results is not None:
             planner.committed(job.step, results, gathered)
         elif planner is not None:
@@ -371,7 +357,7 @@ class Committer:
         elif tier_dir is not None and info is None:
             self._context.held_tier().discard(job.step)
         if info is None:
-            self._failed(job, commit_error)
+            self._failed(job, outcome.error)
             return None
 
         self._context.metrics.last_save_seconds = time.perf_counter() - job.started
@@ -399,8 +385,10 @@ class Committer:
                 self._persister.queue(info, manifest)
             elif not in_memory:
                 self._rotation.rotate_logging_errors()
-        if copy_part is not None and self.mirror.writes:  # spread over the pods: this pod's lead copies its part
-            self._persister.copy_part(copy_part)
+        if (
+            outcome.copy_part is not None and self.mirror.writes
+        ):  # spread over the pods: this pod's lead copies its part
+            self._persister.copy_part(outcome.copy_part)
         return info
 
     def _metadata_for_mirrors(self, tier_dir: Optional[str]) -> Optional[bytes]:
@@ -534,17 +522,16 @@ class Committer:
         return None
 
     def _commit(
-        self, job: SaveJob, step_uri: str, statuses: list, tier_dir: Optional[str] = None
-    ) -> tuple[Optional[CheckpointInfo], Optional[str], bytes]:
-        """Rank 0: write the manifest if every rank succeeded, to storage or (`tier_dir`) into the memory tier.
-        Returns (info, error, the manifest's bytes)."""
+        self, job: SaveJob, step_uri: str, parts: list[RankPart], tier_dir: Optional[str] = None
+    ) -> CommitOutcome:
+        """Rank 0: write the manifest if every rank succeeded, to storage or (`tier_dir`) into the memory tier."""
         self._manifest_bytes = 0
-        failed = [(rank, err) for rank, (err, _) in enumerate(statuses) if err is not None]
+        failed = [(rank, part.error) for rank, part in enumerate(parts) if part.error is not None]
         if failed:
-            return None, "; ".join(f"rank {rank}: {err}" for rank, err in failed), b""
+            return CommitOutcome(info=None, error="; ".join(f"rank {rank}: {err}" for rank, err in failed))
         files = {}
-        for _, record in statuses:
-            files.update(record)
+        for part in parts:
+            files.update(part.record)
         committed_at = now_rfc3339()
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -572,7 +559,7 @@ class Committer:
             error = f"{type(exc).__name__}: {exc}"
             logger.error("checkpoint step %d: writing the manifest failed: %s", job.step, error, exc_info=True)
             job.logged = True
-            return None, f"rank 0: {error}", b""
+            return CommitOutcome(info=None, error=f"rank 0: {error}")
         self._manifest_bytes = len(raw)
         manifest_sha = hashlib.sha256(raw).hexdigest()
         if tier_dir is None:
@@ -590,4 +577,4 @@ class Committer:
             run_uid=self._context.run_uid,
             files={name: entry["size"] for name, entry in files.items()},
         )
-        return info, None, raw
+        return CommitOutcome(info=info, manifest=raw)

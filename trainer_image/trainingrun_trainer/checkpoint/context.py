@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .layout import CheckpointInfo, join_uri, step_dir_name
+from .layout import join_uri, step_dir_name
 from .memory_tier import MemoryTier
 from .ranks import RankGroup
+from .records import CheckpointInfo
 from .storage import Storage
 
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..torch_internals import EmptyStateDictLoadPlanner, load_state_dict_into
-from .layout import SAVE_ERRORS, CheckpointLoadError, describe_error
+from .errors import SAVE_ERRORS, CheckpointLoadError, describe_error
 from .manifest import verify
 from .safe_load import PlainLoadPlanner, PlainReader
 from .storage import fsspec_options

@@ -1,17 +1,15 @@
-"""How a checkpoint looks on storage: names, the format version, and the types that describe one."""
+"""How a checkpoint looks on storage: its names, the format version and digests, and which of its files a rank
+reads. The records that describe one are in `records`, the errors in `errors`."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import re
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Collection, Optional
 
 import xxhash
-from torch.distributed.checkpoint.api import CheckpointException
 
 from trainingrun_api.contract import rfc3339
 
@@ -67,99 +65,6 @@ EXTRA_ENTRY = "extra-rank-{rank}"
 LEGACY_EXTRA_FILE = "extra-rank-{rank}.pt"
 #: How much of a file one read hashes at a time.
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
-#: What a save or a load may raise: DCP's CheckpointException derives from BaseException, not Exception, so it is
-#: caught by name.
-SAVE_ERRORS = (Exception, CheckpointException)
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line about an error; for DCP's CheckpointException, the underlying error of each rank."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, CheckpointException) and isinstance(failures, dict):
-        parts = []
-        for rank, failure in sorted(failures.items()):
-            cause = failure_cause(failure)
-            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-        return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def failure_cause(failure: Any) -> Any:
-    """The exception of one rank in a CheckpointException's failures (DCP keeps it with its traceback)."""
-    return failure[0] if isinstance(failure, tuple) else failure
-
-
-class CheckpointLoadError(Exception):
-    """A committed checkpoint that cannot be loaded (its content, not its files, is wrong)."""
-
-
-class StorageUnavailable(Exception):
-    """The checkpoint storage could not be read (unreachable, refused, timed out): a later attempt may succeed."""
-
-
-class PeersLost(RuntimeError):
-    """A save could not commit because a collective with the other ranks failed: a peer worker is gone (killed,
-    its node lost) or timed out. Training cannot go on with it either; a restart resumes from the newest commit."""
-
-
-@dataclass
-class CheckpointInfo:
-    """One checkpoint directory as found in storage.
-
-    ``valid`` is False when the directory has no manifest or its files do not match it; then
-    ``reason`` says why ("no manifest (partial save)", "missing file <f>", "size mismatch in <f>",
-    "sha256 mismatch in <f>", "manifest unreadable: ..."). ``time`` is the manifest's commit time
-    (RFC 3339, UTC); for a directory without a readable manifest, the newest file's modification
-    time when storage reports one, else "". ``size_bytes`` counts every file in the directory.
-    ``manifest_sha256`` (sha256 of manifest.json) identifies the committed checkpoint, e.g. in
-    the TrainingRun's ``status.lastGoodCheckpoint.sha256``.
-    """
-
-    step: int
-    uri: str
-    time: str
-    size_bytes: int
-    valid: bool
-    reason: Optional[str] = None
-    model_digest: Optional[str] = None
-    world_size: Optional[int] = None
-    manifest_sha256: Optional[str] = None
-    format_version: Optional[int] = None
-    #: The uid of the run that wrote it (None: not recorded, by trainers before it was).
-    run_uid: Optional[str] = None
-    #: {plain name: size} of every file the manifest lists (None when it has no readable manifest): the only files
-    #: a load of this checkpoint reads.
-    files: Optional[dict] = field(default=None, repr=False, compare=False)
-
-
-class PendingSave:
-    """Handle of one save returned by :meth:`CheckpointStore.save`.
-
-    ``step``: the step being saved. ``blocking_seconds``: how long ``save()`` (and
-    ``wait_copied()`` after it) blocked its caller.
-    ``done()``: whether the save finished (committed or failed). ``result(timeout=None)``: waits
-    and returns the committed :class:`CheckpointInfo`, or ``None`` when the save failed; it never
-    raises a storage error.
-    """
-
-    def __init__(self, step: int, future: "Future[Optional[CheckpointInfo]]", blocking_seconds: float):
-        self.step = step
-        self.blocking_seconds = blocking_seconds
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: Optional[float] = None) -> Optional[CheckpointInfo]:
-        return self._future.result(timeout)
-
-    def when_done(self, callback: Callable[[Optional[CheckpointInfo]], None]) -> None:
-        """Call `callback` with the outcome (as `result()` gives it) as soon as the save finishes, on the thread
-        that finished it (or now, on this one, when it already has)."""
-        self._future.add_done_callback(lambda future: callback(future.result()))
-
-    def __repr__(self) -> str:
-        return f"PendingSave(step={self.step}, done={self.done()})"
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Iterable
 
-from .layout import CheckpointInfo
+from .records import CheckpointInfo
 
 
 def human_bytes(size: int) -> str:

@@ -14,11 +14,11 @@ from .layout import (
     MANIFEST_NAME,
     READABLE_FORMATS,
     STEP_DIR_NAME,
-    CheckpointInfo,
     file_digest_name,
     is_plain_name,
     join_uri,
 )
+from .records import CheckpointInfo
 from .storage import Storage, entry_time, fsspec_options, is_plain_dir, is_plain_file
 
 #: The largest manifest read (bytes); one of a 10,000-rank checkpoint is about 2 MB.

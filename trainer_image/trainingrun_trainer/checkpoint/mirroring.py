@@ -38,7 +38,8 @@ import xxhash
 
 from ..torch_internals import flatten_state_dict
 from .context import StoreContext
-from .layout import FILE_DIGEST, METADATA_NAME, REPLICATED_SUFFIX, describe_error, logger
+from .errors import describe_error
+from .layout import FILE_DIGEST, METADATA_NAME, REPLICATED_SUFFIX, logger
 from .memory_tier import reserve_bytes
 from .tensor_files import byte_view
 from .tier_files import SEGMENTS_KEY, RecycledFile, SegmentHasher, remove_file

@@ -35,15 +35,8 @@ from typing import Any, Optional, TypeGuard
 import torch
 
 from .context import StoreContext
-from .layout import (
-    FILE_DIGEST_HEX,
-    MANIFEST_NAME,
-    describe_error,
-    file_digest_name,
-    files_a_rank_reads,
-    is_plain_name,
-    logger,
-)
+from .errors import describe_error
+from .layout import FILE_DIGEST_HEX, MANIFEST_NAME, file_digest_name, files_a_rank_reads, is_plain_name, logger
 from .listing import human_bytes
 from .manifest import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, parse_manifest
 from .transfer import FileTransfer

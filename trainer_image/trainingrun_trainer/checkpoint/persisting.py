@@ -25,16 +25,10 @@ from typing import Callable, Optional
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from .context import StoreContext
-from .layout import (
-    MANIFEST_NAME,
-    CheckpointInfo,
-    describe_error,
-    file_digest_name,
-    join_uri,
-    logger,
-    writing_rank,
-)
+from .errors import describe_error
+from .layout import MANIFEST_NAME, file_digest_name, join_uri, logger, writing_rank
 from .manifest import MAX_MANIFEST_BYTES
+from .records import CheckpointInfo
 from .rotation import Rotation
 
 

@@ -15,20 +15,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .context import StoreContext
-from .layout import (
-    EXTRA_ENTRY,
-    LEGACY_EXTRA_FILE,
-    STEP_DIR_NAME,
-    CheckpointInfo,
-    CheckpointLoadError,
-    describe_error,
-    failure_cause,
-    files_a_rank_reads,
-    join_uri,
-    logger,
-)
+from .errors import CheckpointLoadError, describe_error, failure_cause
+from .layout import EXTRA_ENTRY, LEGACY_EXTRA_FILE, STEP_DIR_NAME, files_a_rank_reads, join_uri, logger
 from .manifest import inspect_step, list_step_dirs
 from .peers import PeerCopies
+from .records import CheckpointInfo
 from .safe_load import PlainLoadPlanner, PlainReader, StateMismatch, listed, load_plain
 from .storage import Storage
 from .tier_files import OWN_MEMORY, PEER, STORAGE, LocalFirstFileSystem, TierMismatch

@@ -6,13 +6,9 @@ from __future__ import annotations
 from typing import Optional
 
 from .context import StoreContext
-from .layout import (
-    MANIFEST_NAME,
-    CheckpointInfo,
-    join_uri,
-    logger,
-)
+from .layout import MANIFEST_NAME, join_uri, logger
 from .manifest import inspect_step, list_step_dirs
+from .records import CheckpointInfo
 from .storage import is_plain_dir
 
 

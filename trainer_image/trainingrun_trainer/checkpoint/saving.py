@@ -10,9 +10,11 @@ from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 import torch
 
-from .committing import Committer, SaveJob, plain_state
+from .committing import Committer, plain_state
 from .context import StoreContext
-from .layout import EXTRA_ENTRY, CheckpointInfo, PeersLost, PendingSave, describe_error
+from .errors import PeersLost, describe_error
+from .layout import EXTRA_ENTRY
+from .records import CheckpointInfo, PendingSave, SaveJob
 from .tier_staging import plain_tensors
 
 

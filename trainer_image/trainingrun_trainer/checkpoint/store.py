@@ -14,10 +14,11 @@ from trainingrun_api import contract
 
 from .committing import Committer
 from .context import StoreContext, StoreMetrics
-from .layout import STARTS_NAME, CheckpointInfo, PendingSave, join_uri, logger
+from .layout import STARTS_NAME, join_uri, logger
 from .memory_tier import MemoryTier
 from .persisting import Persister
 from .ranks import RankGroup
+from .records import CheckpointInfo, PendingSave
 from .restoring import Restorer
 from .rotation import Rotation
 from .saving import Saver

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from trainingrun_api import builtin_args
 
 from ..background import give_way_to_training
-from ..checkpoint.layout import StorageUnavailable
+from ..checkpoint.errors import StorageUnavailable
 from ..checkpoint.storage import fsspec_options
 from ..data import checked_index, split_id
 from .format import (

@@ -10,8 +10,8 @@ import os
 from checkpoint_states import make_model, root, store  # noqa: F401 - fixtures
 
 from trainingrun_trainer.checkpoint import MANIFEST_NAME, model_digest
-from trainingrun_trainer.checkpoint.layout import CheckpointInfo
 from trainingrun_trainer.checkpoint.listing import format_table, to_json
+from trainingrun_trainer.checkpoint.records import CheckpointInfo
 
 GOOD = CheckpointInfo(
     step=1200,
