@@ -124,18 +124,8 @@ class Run:
         self.config_hash = config_hash
         for deprecation in checkpoint.deprecated_fields() if context.rank == 0 else []:
             log.warning("%s", deprecation)
-        storage = checkpoint.storage_interval
-        self.store = CheckpointStore(
-            checkpoint.uri,
-            keep=checkpoint.keep,
-            keep_every=checkpoint.keep_every,
-            endpoint_url=checkpoint.endpoint_url,
-            memory_tier=self._memory_tier(),
-            run_uid=context.uid or None,
-            persist_behind=checkpoint.persist_behind,
-            # storageInterval.steps: auto starts by copying every one, and `_time_step` sets the choice.
-            persist_every_steps=(storage.steps if storage is not None and isinstance(storage.steps, int) else None),
-            persist_every_seconds=storage.seconds if storage is not None else None,
+        self.store = CheckpointStore.from_config(
+            checkpoint, memory_tier=self._memory_tier(), run_uid=context.uid or None
         )
         if reporter is None:
             identity = Report.model_construct(
@@ -419,6 +409,22 @@ class Run:
         is gone, before the step is taken: let it end the process (the attempt's workers restart). Saves that commit
         to storage are not waited for: storage's pace would hold training back. The seconds waited."""
         return self.store.wait_committed() if self.store.persist_behind else 0.0
+
+    def wait_copied(self) -> float:
+        """Call before the weights change after a save: wait until the save in flight has copied the entries it
+        copies in the background (`save(copy_in_background=...)`). The seconds waited."""
+        return self.store.wait_copied()
+
+    def flush(self) -> Optional[CheckpointInfo]:
+        """Wait until storage holds the newest checkpoint (persisting behind, copying it now); the newest in
+        storage, or None."""
+        return self.store.flush()
+
+    def load_newest(self, state: dict[str, Any]) -> Optional[tuple[CheckpointInfo, Any]]:
+        """Load the newest valid checkpoint into `state` (a rollback within the run): (its info, this rank's extra), or
+        None when there is none."""
+        info = self.store.latest_valid()
+        return None if info is None else (info, self.store.load(info, state))
 
     def checkpoint_due(self, step: int, own_seconds: Optional[float] = None) -> tuple[bool, bool]:
         """(stop, save): whether to stop for preemption and whether a periodic save is due.

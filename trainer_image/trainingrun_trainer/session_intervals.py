@@ -129,7 +129,8 @@ class IntervalPolicy:
             self._choose_storage_interval(chooser)
 
     def _choose_storage_interval(self, chooser: AutoInterval) -> None:
-        self._store.persister.every_steps = chosen = chooser.storage_steps()
+        chosen = chooser.storage_steps()
+        self._store.set_storage_interval(chosen)
         if chosen == self._told_storage_steps:
             return
         self._told_storage_steps = chosen

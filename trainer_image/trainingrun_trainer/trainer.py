@@ -186,12 +186,12 @@ class Trainer:
         this process trained nothing (a finished run started again) and storage holds that step already."""
         if self.step == self.resumed_step:
             with self.clock.timing("checkpoint"):
-                committed = self.session.store.flush()
+                committed = self.session.flush()
             if committed is not None and committed.step == self.step:
                 return committed
         self._save(blocking=True)
         with self.clock.timing("checkpoint"):
-            return self.session.store.flush()
+            return self.session.flush()
 
     def _save(self, blocking: bool) -> None:
         with self.clock.timing("checkpoint"):
@@ -216,7 +216,7 @@ class Trainer:
 
     def _wait_for_checkpoint_copy(self) -> None:
         """Before the weights change: wait until the save in flight has copied them (it copies in the background)."""
-        self.copy_wait_seconds += self.session.store.wait_copied()
+        self.copy_wait_seconds += self.session.wait_copied()
 
     def _track_commit(self) -> None:
         committed = self.session.last_committed
@@ -226,12 +226,12 @@ class Trainer:
 
     def _rollback(self) -> bool:
         self.session.report_committed()
-        info = self.session.store.latest_valid()
-        if info is None:
+        rollbacks = self.parts.guard.rollbacks  # before the load, which restores the guard's count at that checkpoint
+        newest = self.session.load_newest(self._state())
+        if newest is None:
             log.error("non-finite steps and no checkpoint to roll back to: %s", self.parts.guard.abort_message())
             return False
-        rollbacks = self.parts.guard.rollbacks
-        self._apply_restored(self.session.store.load(info, self._state()))
+        self._apply_restored(newest[1])
         # The restored scheduler holds the LR scaled by the rollbacks made before that checkpoint
         # was saved (its guard state counts them); apply the scale of the ones made since.
         scaled_already = self.parts.guard.rollbacks

@@ -366,7 +366,7 @@ def test_the_storage_interval_of_the_spec_reaches_the_store(tmp_path):
     uri = f"file://{tmp_path}"
     run = run_with(CheckpointConfig.model_validate({"uri": uri, "storageInterval": {"seconds": 600}}))
     try:
-        assert (run.store.persister.every_steps, run.store.persister.every_seconds) == (None, 600)
+        assert run.store.storage_interval == (None, 600)
     finally:
         run.close()
     with pytest.raises(pydantic.ValidationError, match="checkpoint.storageInterval.steps, .seconds or both"):
@@ -395,7 +395,7 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
     try:
         chooser = run.intervals.auto
         assert chooser.storage_auto and not chooser.memory_auto
-        assert run.store.persister.every_steps is None  # every checkpoint, until a copy is measured
+        assert run.store.storage_interval[0] is None  # every checkpoint, until a copy is measured
         for step in range(1, 6):  # usual steps of 0.1 s; the fixed interval saves at 5
             clock.now += 0.1
             assert run.agree(step)[1] == (step == 5)
@@ -412,7 +412,7 @@ def test_an_auto_storage_interval_is_chosen_from_what_a_copy_cost_the_steps_besi
         cost = (0.2 + 0.2 + 0.0) * 4 / 3  # steps 7-9 alone, scaled to the four the copy ran beside
         young = round(math.sqrt(2 * cost * 3600) / 0.1)
         assert chooser.persist_cost == pytest.approx(cost)
-        assert run.store.persister.every_steps == young
+        assert run.store.storage_interval[0] == young
         choice = run.interval_choice()
         assert (choice.storage_steps, choice.failures, choice.steps) == (young, 2, None)
         assert any(f"storage interval (auto): every {young} steps" in r.getMessage() for r in caplog.records)

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 from trainingrun_api import contract
+from trainingrun_api.checkpoint_config import CheckpointConfig
 
 from .committing import Committer
 from .context import StoreContext, StoreMetrics
@@ -54,7 +55,10 @@ class CheckpointStore:
 
         persist_every_steps, persist_every_seconds: the storage interval (None and None: every memory checkpoint is
             copied): a memory checkpoint that comes sooner after the last one copied is held back; the next supersedes
-            it, or `flush` copies it. The trainer changes it as it runs (``store.persister.every_steps``).
+            it, or `flush` copies it. `set_storage_interval` changes it as the run goes (``storageInterval.steps:
+            auto``).
+
+    `from_config` builds one from a TrainingRun's ``spec.checkpoint`` (`CheckpointConfig`), the trainer's way.
 
     ``in_memory`` and ``in_storage`` are the newest checkpoint this process committed (or resumed) in memory and in
     storage (`latest_valid` sets both); ``persist_lag_steps`` the steps between them; `flush` waits for storage.
@@ -126,6 +130,42 @@ class CheckpointStore:
         # Whether rank 0, which verifies a checkpoint read from storage and keeps it in its tier, shares this one.
         self.restorer = Restorer(self.context, tier_of_rank0=bool(nodes) and nodes[0] == nodes[ranks.rank])
         self._closed = False
+
+    @classmethod
+    def from_config(
+        cls,
+        config: CheckpointConfig,
+        *,
+        memory_tier: Optional[str] = None,
+        run_uid: Optional[str] = None,
+        process_group: Any = None,
+    ) -> "CheckpointStore":
+        """The store of a TrainingRun's ``spec.checkpoint``: every setting read here, once. `memory_tier`: this
+        attempt's folder in node memory (None: off), which ``memoryTier`` and the node decide. ``storageInterval.steps:
+        auto`` starts by copying every checkpoint until `set_storage_interval` gives the choice."""
+        storage = config.storage_interval
+        return cls(
+            config.uri,
+            keep=config.keep,
+            keep_every=config.keep_every,
+            endpoint_url=config.endpoint_url,
+            process_group=process_group,
+            memory_tier=memory_tier,
+            run_uid=run_uid,
+            persist_behind=config.persist_behind,
+            persist_every_steps=storage.steps if storage is not None and isinstance(storage.steps, int) else None,
+            persist_every_seconds=storage.seconds if storage is not None else None,
+        )
+
+    def set_storage_interval(self, every_steps: Optional[int]) -> None:
+        """Persisting behind: copy a memory checkpoint to storage once `every_steps` steps passed since the last one
+        copied (None: every one, at storage's pace); the seconds of the interval stay as they were."""
+        self.persister.every_steps = every_steps
+
+    @property
+    def storage_interval(self) -> tuple[Optional[int], Optional[float]]:
+        """(steps, seconds) between the checkpoints copied to storage, persisting behind (None, None: every one)."""
+        return self.persister.every_steps, self.persister.every_seconds
 
     @property
     def persist_behind(self) -> bool:
