@@ -22,10 +22,10 @@ from trainingrun_api.checkpoint_config import CheckpointConfig
 from trainingrun_api.config import TrainerConfig
 from trainingrun_api.model_base import ApiModel
 
-from . import scheduling
+from . import kube_shapes
 from .api_env import LIST_MAP_BY_NAME, EnvVar, Secrets
 from .api_meta import ObjectMeta
-from .scheduling import (
+from .kube_shapes import (
     DNS_SUBDOMAIN,
     LABEL_VALUE,
     Affinity,
@@ -358,9 +358,9 @@ class TrainingRunSpec(ApiModel):
     )
     node_selector: NodeSelectorLabels = Field(
         default_factory=dict,
-        max_length=scheduling.MAX_MAP_ENTRIES,
+        max_length=kube_shapes.MAX_MAP_ENTRIES,
         description="Node labels the pods require.",
-        json_schema_extra=scheduling.label_map_schema("nodeSelector"),
+        json_schema_extra=kube_shapes.label_map_schema("nodeSelector"),
     )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Pod tolerations.")
     affinity: Optional[Affinity] = Field(default=None, description="Pod affinity, as in a pod spec.")
@@ -376,15 +376,15 @@ class TrainingRunSpec(ApiModel):
     )
     pod_labels: PodLabels = Field(
         default_factory=dict,
-        max_length=scheduling.MAX_MAP_ENTRIES,
+        max_length=kube_shapes.MAX_MAP_ENTRIES,
         description="Extra labels on the pods.",
-        json_schema_extra=scheduling.label_map_schema("podLabels", reserved=True),
+        json_schema_extra=kube_shapes.label_map_schema("podLabels", reserved=True),
     )
     pod_annotations: Annotations = Field(
         default_factory=dict,
-        max_length=scheduling.MAX_MAP_ENTRIES,
+        max_length=kube_shapes.MAX_MAP_ENTRIES,
         description="Extra annotations on the pods.",
-        json_schema_extra=scheduling.annotation_map_schema("podAnnotations"),
+        json_schema_extra=kube_shapes.annotation_map_schema("podAnnotations"),
     )
     termination_grace_period_seconds: int = Field(
         default=300,

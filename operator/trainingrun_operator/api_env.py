@@ -10,7 +10,7 @@ from pydantic.json_schema import JsonDict
 
 from trainingrun_api.model_base import ApiModel
 
-from .scheduling import DNS_SUBDOMAIN
+from .kube_shapes import DNS_SUBDOMAIN
 
 #: A Secret (or ConfigMap) key: letters, digits, '-', '_', '.'; not '.', '..' or anything starting with '..'.
 SECRET_KEY = r"^([-_a-zA-Z0-9]|\.[-_a-zA-Z0-9])[-._a-zA-Z0-9]*$"

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainingrun_api import contract
 
-from .scheduling import Annotations, Labels
+from .kube_shapes import Annotations, Labels
 
 # Children are named <run>-a<attempt> (PyTorchJob) and Kubeflow names pods and Services
 # <job>-worker-<index>; a Service name is a DNS-1035 label of at most 63 characters. 40 leaves room

@@ -12,7 +12,7 @@ from pydantic import Field, create_model
 from trainingrun_api import progress_report
 from trainingrun_api.model_base import ApiModel
 
-from . import scheduling
+from . import kube_shapes
 
 Phase = Literal["Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"]
 
@@ -191,7 +191,7 @@ class TrainingRunStatus(ApiModel):
     )
     avoided_nodes: list[Annotated[str, Field(max_length=253)]] = Field(
         default_factory=list,
-        max_length=scheduling.MAX_AVOIDED_NODES,
+        max_length=kube_shapes.MAX_AVOIDED_NODES,
         description="Nodes named in two hangs in a row: the attempt then ended, and later attempts' pods do not run "
         "there (a node affinity on metadata.name). Remove a node from it (kubectl edit --subresource status) once "
         "it is repaired.",

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 from trainingrun_api import contract
 from trainingrun_api.config import RunConfig, config_json
 
-from . import api, naming, pod_env, scheduling
+from . import api, kube_shapes, naming, pod_env
 from .settings import Settings
 
 # torchrun's elastic agent, wrapped so the container's exit code keeps ExitCode semantics (launch.py).
@@ -213,7 +213,7 @@ def pod_template(
     optional = {
         "nodeSelector": dict(spec.node_selector),
         "tolerations": tolerations(spec),
-        "affinity": scheduling.avoiding(spec.affinity.to_wire() if spec.affinity else None, avoid_nodes),
+        "affinity": kube_shapes.avoiding(spec.affinity.to_wire() if spec.affinity else None, avoid_nodes),
         "priorityClassName": spec.priority_class_name,
         "serviceAccountName": spec.service_account_name,  # else the namespace's default account
         # A name listed twice is listed once: the PyTorchJob CRD refuses duplicates, the run means the same.

@@ -34,7 +34,7 @@ from .backends import Backend
 from .indexes import merged_status, run_document, slim_job, slim_part, slim_pod, slim_run
 from .problems import Problem
 from .runtime import kube as kube_module
-from .runtime import leadership, rechecks
+from .runtime import leadership
 from .runtime.informer import Index, Informer
 from .runtime.kube import ApiError
 from .state import Key, OperatorState, Reconciled
@@ -62,7 +62,9 @@ def register(registry: kopf.OperatorRegistry, state: OperatorState) -> None:
         state.tasks.append(asyncio.create_task(serving.watch_crd(state), name="trainingrun-crd-check"))
         if state.settings.metrics_port:
             state.tasks.append(asyncio.create_task(serving.serve_metrics(state), name="trainingrun-metrics"))
-        state.tasks.append(asyncio.create_task(rechecks.run(state), name="trainingrun-rechecks"))
+        state.tasks.append(
+            asyncio.create_task(state.rechecks.run(state.recheck_ready, state.runs.keys), name="trainingrun-rechecks")
+        )
         state.tasks.append(asyncio.create_task(_inform(state), name="trainingrun-inform"))
         state.tasks += [
             asyncio.create_task(_reconcile_worker(state), name=f"trainingrun-reconcile-{n}")
@@ -335,7 +337,7 @@ async def reconcile_run(state: OperatorState, key: Key) -> None:
                 keep_failed_attempts=state.settings.keep_failed_attempts,
                 backend=backend,
                 parts=current_parts(state.indexes["parts"].get(key, []), owned, status.get("jobName")),
-                warnings=await rechecks.pending_warnings(state, key, status),
+                warnings=await state.rechecks.pending_warnings(key, status),
             )
             plan = reconcile.decide(observed)
             if plan.recheck_at is not None:

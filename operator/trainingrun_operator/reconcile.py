@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from trainingrun_api import contract
 
-from . import api, naming, recovery, scheduling
+from . import api, kube_shapes, naming, recovery
 from .backends import PYTORCHJOB, Backend
 from .builders import Note
 from .children import (
@@ -385,7 +385,7 @@ def _hung_twice_on_a_node(plan: Plan, o: Observed, attempt: int, job_name: str, 
     if not repeated:
         return False
     kept = [node for node in o.status.get("avoidedNodes") or [] if node not in repeated]
-    plan.status["avoidedNodes"] = [*kept, *repeated][-scheduling.MAX_AVOIDED_NODES :]
+    plan.status["avoidedNodes"] = [*kept, *repeated][-kube_shapes.MAX_AVOIDED_NODES :]
     plan.cordon_nodes = repeated
     named = ", ".join(repeated)
     detail = f"node {named} held the run up in two hangs in a row (the last after step {hang.get('step')})"

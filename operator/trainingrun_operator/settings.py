@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from trainingrun_api import contract
 
 from . import __version__, api
+from .runtime import kube
 
 if TYPE_CHECKING:
     from .report_connections import ReportLimits
@@ -111,7 +112,7 @@ class Settings:
     report_max_connections_per_address: int = 32
     #: The operator's own API requests in flight at once; more wait, children of new attempts first, then
     #: status, then Events (TRAININGRUN_API_REQUESTS_IN_FLIGHT). Watches (informer.py) are not counted, lists are.
-    api_requests_in_flight: int = 32
+    api_requests_in_flight: int = kube.REQUESTS_IN_FLIGHT
     #: Runs reconciled at once (TRAININGRUN_RECONCILE_WORKERS); every trigger queues its run, and a run
     #: queued several times is reconciled once. Each reconcile holds its run's parsed spec while it waits
     #: for the API server, so this bounds the operator's memory in a burst.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import heapq
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,11 +18,10 @@ from .metrics import OperatorMetrics
 from .runtime import leadership
 from .runtime.informer import BLIND_AFTER_SECONDS, Informer
 from .runtime.kube import Kube
+from .runtime.rechecks import WARNING_EVENTS_READ, Key, Rechecks
 from .settings import Settings
 
 log = logging.getLogger("trainingrun.operator")
-
-Key = tuple[str, str]  # (namespace, name) of a TrainingRun
 
 
 NO_CREDENTIALS = (
@@ -43,58 +41,6 @@ async def default_login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
 
 
 EVENTS_QUEUED_MAX = 10_000
-
-
-@dataclass
-class WarningsRead:
-    at: float  #: time.monotonic() of the read
-    events: list[dict[str, Any]]  #: what reconcile needs of each Warning Event
-    complete: bool = True  #: False when the namespace held more than were read (`rechecks.WARNING_EVENTS_READ`)
-
-
-@dataclass
-class Rechecks:
-    """Due times (time.monotonic()) of runs, earliest first, and the runs whose Warning Events are watched."""
-
-    _due: dict[Key, float] = field(default_factory=dict)
-    _heap: list[tuple[float, Key]] = field(default_factory=list)
-    #: namespace -> {run: its current attempt's job}: attempts Pending long enough to have their warnings read
-    watching_warnings: dict[str, dict[Key, str]] = field(default_factory=lambda: collections.defaultdict(dict))
-    #: run -> the warnings about its job its last reconcile saw (a fingerprint)
-    warnings_seen: dict[Key, int] = field(default_factory=dict)
-
-    def at(self, key: Key, when: float) -> None:
-        """Reconcile `key` at `when` (or earlier, if it is due earlier already: that reconcile says what comes next)."""
-        current = self._due.get(key)
-        if current is not None and current <= when:
-            return
-        self._due[key] = when
-        heapq.heappush(self._heap, (when, key))
-
-    def due(self, now: float) -> list[Key]:
-        """The runs due by `now`, each once; they are no longer scheduled."""
-        keys = []
-        while self._heap and self._heap[0][0] <= now:
-            when, key = heapq.heappop(self._heap)
-            if self._due.get(key) == when:  # else superseded by an earlier time, or forgotten
-                del self._due[key]
-                keys.append(key)
-        return keys
-
-    def scheduled(self, key: Key) -> Optional[float]:
-        return self._due.get(key)
-
-    def watch_warnings(self, key: Key, job_name: Optional[str]) -> None:
-        """Watch the Warning Events about `job_name` for `key` (None: stop watching)."""
-        if job_name:
-            self.watching_warnings[key[0]][key] = job_name
-        else:
-            self.watching_warnings.get(key[0], {}).pop(key, None)
-            self.warnings_seen.pop(key, None)
-
-    def forget(self, key: Key) -> None:
-        self._due.pop(key, None)  # its heap entries are skipped when they come up
-        self.watch_warnings(key, None)
 
 
 @dataclass
@@ -140,11 +86,8 @@ class OperatorState:
     #: Events waiting to be posted: a reconcile never waits for one (they have the lowest priority of all
     #: requests, and a reconcile waiting for its Event held up the runs behind it).
     events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(EVENTS_QUEUED_MAX))
-    #: Warning Events of each namespace with runs Pending for a while, see rechecks.namespace_warnings.
-    warnings: dict[str, WarningsRead] = field(default_factory=dict)
     #: When runs are reconciled without an event (rechecks.py).
-    rechecks: Rechecks = field(default_factory=Rechecks)
-    warnings_locks: dict[str, asyncio.Lock] = field(default_factory=lambda: collections.defaultdict(asyncio.Lock))
+    rechecks: Rechecks = field(init=False)
     #: Runs whose children the API server refused, until when they wait (see _children_refused).
     rejections: dict[Key, Rejection] = field(default_factory=dict)
     #: Jobs created by this process that the watch may not have shown yet: not created twice.
@@ -173,6 +116,23 @@ class OperatorState:
     informed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Each informer and the task running it (handlers._inform), for the liveness probe (`blind_watches`).
     watches: list[tuple[Informer, asyncio.Task]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rechecks = Rechecks(
+            enqueue=self.enqueue,
+            list_warnings=self._list_warnings,
+            settings=self.settings,
+            clock=lambda: self.clock(),  # looked up at each call: a test may set another
+        )
+
+    async def _list_warnings(self, namespace: str) -> tuple[list[dict[str, Any]], bool]:
+        return await self.client().list(
+            "v1", "Event", namespace, most=WARNING_EVENTS_READ, fieldSelector="type=Warning"
+        )
+
+    def recheck_ready(self) -> bool:
+        """Whether the rechecks act: this replica has seen the runs and acts (leads)."""
+        return self.indexes is not None and self.acting.is_set()
 
     def blind_watches(self) -> list[str]:
         """What makes this operator blind: a watch task that ended, or one the server has not answered for
@@ -228,7 +188,7 @@ class OperatorState:
         if not acting:
             self.written.clear()
             self.reconciled.clear()
-            self.rechecks = Rechecks()
+            self.rechecks.clear()
 
     def forget(self, key: Key) -> None:
         self.runs.pop(key, None)

@@ -105,7 +105,7 @@ def without_pruned_nulls(value: Any, schema: dict[str, Any]) -> Any:
 
 
 #: What the API server and etcd take: a pod's annotations, where it carries its trainer config, are at most
-#: scheduling.MAX_ANNOTATIONS_BYTES; etcd refuses a write over 1.5 MiB, and a run's job and the run itself are
+#: kube_shapes.MAX_ANNOTATIONS_BYTES; etcd refuses a write over 1.5 MiB, and a run's job and the run itself are
 #: kept under 1 MiB so they fit with room for status and managedFields.
 MAX_OBJECT_BYTES = 1024 * 1024
 
@@ -114,7 +114,7 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
     """Problems that show only once the children are rendered: sizes the API server or etcd refuse."""
     import json
 
-    from . import backends, builders, naming, scheduling
+    from . import backends, builders, kube_shapes, naming
     from .settings import Settings
 
     problems = []
@@ -129,15 +129,15 @@ def rendered_problems(document: dict[str, Any], run: api.TrainingRun) -> list[Pr
             )
         )
     annotations = builders.pod_template(run, 1, Settings(), None)["metadata"]["annotations"]
-    size = scheduling.annotations_bytes(annotations)
-    if size > scheduling.MAX_ANNOTATIONS_BYTES:
+    size = kube_shapes.annotations_bytes(annotations)
+    if size > kube_shapes.MAX_ANNOTATIONS_BYTES:
         config = len(annotations[naming.ANNOTATION_CONFIG].encode())
         problems.append(
             Problem(
                 "spec.trainer",
                 f"renders to a {config}-byte config, which its pods carry in an annotation: with "
                 f"spec.podAnnotations that is {size} bytes of annotations, and a pod takes at most "
-                f"{scheduling.MAX_ANNOTATIONS_BYTES}: move large initArgs into the image or storage",
+                f"{kube_shapes.MAX_ANNOTATIONS_BYTES}: move large initArgs into the image or storage",
             )
         )
     # Each backend the run may become (its spec.backend, else the operator's default, unknown here).

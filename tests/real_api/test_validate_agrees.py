@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kube_cluster import collection, refusal
 from run_documents import CASES, GAP_CASES, VALID_CASES, documents
-from trainingrun_operator import jobset, pytorchjob, scheduling, validation
+from trainingrun_operator import jobset, kube_shapes, pytorchjob, validation
 
 DRY_RUN = "?dryRun=All&fieldValidation=Strict"
 
@@ -187,7 +187,7 @@ def test_a_config_too_big_for_its_pods_annotations_is_refused_as_the_server_woul
     """Pods carry the trainer config in an annotation. The server takes an object's annotations up to 256 KiB, keys
     and values together (the same check for every kind: a ConfigMap here, which needs no ServiceAccount), and the
     operator refuses a run whose config would not fit, naming spec.trainer, before any pod is tried."""
-    limit = scheduling.MAX_ANNOTATIONS_BYTES
+    limit = kube_shapes.MAX_ANNOTATIONS_BYTES
     carrier = {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -28,8 +28,6 @@ import orjson
 
 from trainingrun_api import nesting
 
-from ..settings import Settings
-
 log = logging.getLogger("trainingrun.operator")
 
 #: The most bytes of one page of a list the operator reads: objects others write (an Event's message has no limit but
@@ -66,6 +64,10 @@ FIELD_MANAGER = "trainingrun-operator"
 #: Events (kubectl describe), which nothing waits for; TokenReviews of report tokens the operator has not seen
 #: (anyone who reaches the report endpoint can send one, so they never go ahead of the operator's own work).
 ACT, STATUS, EVENT, REVIEW = 0, 1, 2, 3
+
+
+#: Requests in flight at once by default (settings.Settings.api_requests_in_flight, which the operator passes).
+REQUESTS_IN_FLIGHT = 32
 
 
 class PriorityGate:
@@ -172,7 +174,7 @@ class Kube:
         on_error: Callable[[int], None] = lambda status: None,
         retries: int = 4,
         backoff_seconds: float = 0.2,
-        in_flight: int = Settings.api_requests_in_flight,
+        in_flight: int = REQUESTS_IN_FLIGHT,
     ):
         self.server = info.server.rstrip("/")
         self.gate = PriorityGate(in_flight)

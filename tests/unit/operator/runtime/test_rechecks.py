@@ -5,14 +5,24 @@ import time
 import pytest
 
 from trainingrun_operator.runtime import rechecks
+from trainingrun_operator.runtime.rechecks import Rechecks, WarningsRead
 from trainingrun_operator.settings import Settings
-from trainingrun_operator.state import OperatorState, Rechecks, WarningsRead
+from trainingrun_operator.state import OperatorState
 
 A, B = ("ns", "a"), ("ns", "b")
 
 
+async def no_warnings(namespace):
+    raise AssertionError(f"read {namespace}'s Warning Events")
+
+
+def rechecks_queuing_into(queued: set, list_warnings=no_warnings, **settings) -> Rechecks:
+    """Rechecks with only what they are given: no operator behind them."""
+    return Rechecks(queued.add, list_warnings, Settings(metrics_port=0, **settings), clock=lambda: None)
+
+
 def test_the_earliest_due_time_wins_and_each_run_comes_due_once():
-    due = Rechecks()
+    due = rechecks_queuing_into(set())
     due.at(A, 10.0)
     due.at(A, 5.0)  # earlier: replaces
     due.at(A, 20.0)  # later: the reconcile at 5 says what comes next
@@ -24,7 +34,7 @@ def test_the_earliest_due_time_wins_and_each_run_comes_due_once():
 
 
 def test_a_forgotten_run_never_comes_due():
-    due = Rechecks()
+    due = rechecks_queuing_into(set())
     due.at(A, 1.0)
     due.watch_warnings(A, "a-a1")
     due.warnings_seen[A] = 1
@@ -48,17 +58,18 @@ def warning(name, reason="FailedScheduling"):
 async def test_only_runs_whose_warnings_changed_are_reconciled():
     """One read per namespace; a run is queued when the warnings about its job differ from what its last reconcile
     saw, and only then (run-a1's are not run-a10's)."""
-    state = OperatorState(settings=Settings(metrics_port=0, reconcile_interval_seconds=60))
+    queued: set = set()
+    due = rechecks_queuing_into(queued, reconcile_interval_seconds=60)
     events = [warning("a-a1-worker-0"), warning("b-a10-worker-0"), warning("b-a10", "FailedCreate")]
-    state.warnings["ns"] = WarningsRead(time.monotonic(), events)  # fresh: no API call
-    state.rechecks.watch_warnings(A, "a-a1")
-    state.rechecks.watch_warnings(B, "b-a10")
-    state.rechecks.watch_warnings(("ns", "c"), "c-a1")
-    state.rechecks.warnings_seen[A] = rechecks.fingerprint([events[0]])  # A's reconcile saw them already
-    state.rechecks.warnings_seen[B] = rechecks.fingerprint([events[1]])  # B's saw one of its two
-    state.rechecks.warnings_seen[("ns", "c")] = rechecks.fingerprint([])
-    await rechecks._wake_on_warnings(state)
-    assert state.queued == {B}
+    due.warnings["ns"] = WarningsRead(time.monotonic(), events)  # fresh: no API call
+    due.watch_warnings(A, "a-a1")
+    due.watch_warnings(B, "b-a10")
+    due.watch_warnings(("ns", "c"), "c-a1")
+    due.warnings_seen[A] = rechecks.fingerprint([events[0]])  # A's reconcile saw them already
+    due.warnings_seen[B] = rechecks.fingerprint([events[1]])  # B's saw one of its two
+    due.warnings_seen[("ns", "c")] = rechecks.fingerprint([])
+    await due.wake_on_warnings()
+    assert queued == {B}
 
 
 class EventsOfOthers:
@@ -68,6 +79,7 @@ class EventsOfOthers:
         self.events, self.complete, self.reads = events, complete, 0
 
     async def list(self, api_version, kind, namespace, **params):
+        assert (api_version, kind, params) == ("v1", "Event", {"most": 2000, "fieldSelector": "type=Warning"})
         self.reads += 1
         return self.events, self.complete
 
@@ -83,10 +95,60 @@ async def test_what_is_kept_of_a_namespaces_warnings_is_cut_to_size(caplog):
     }
     state.kube = EventsOfOthers([huge, {"reason": 7, "message": None, "involvedObject": "not a dict"}], complete=False)
     with caplog.at_level("WARNING"):
-        kept = await rechecks.namespace_warnings(state, "ns")
-        await rechecks.namespace_warnings(state, "ns")  # read again (interval 0): told once while it lasts
+        kept = await state.rechecks.namespace_warnings("ns")
+        await state.rechecks.namespace_warnings("ns")  # read again (interval 0): told once while it lasts
     assert kept[0] == {"reason": "R" * 128, "message": "m" * 1024, "involvedObject": {"kind": "Pod", "name": "n" * 253}}
     assert kept[1] == {"reason": None, "message": None, "involvedObject": {"kind": None, "name": None}}
     assert state.kube.reads == 2
     told = [r.getMessage() for r in caplog.records if "more than 2000 Warning Events" in r.getMessage()]
     assert len(told) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_pending_attempt_has_its_warnings_read_once_it_waited_long_enough():
+    """Before pending_events_after_seconds: no read, a due time for when it has waited that long; after: the
+    namespace's warnings about its job, and the run watched."""
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime(2026, 12, 6, 12, 0, tzinfo=timezone.utc)
+    reads: list = []
+
+    async def list_warnings(namespace):
+        reads.append(namespace)
+        return [warning("a-a1-worker-0"), warning("b-a1-worker-0")], True
+
+    due = Rechecks(set().add, list_warnings, Settings(metrics_port=0, pending_events_after_seconds=15), lambda: now)
+    status = {"phase": "Pending", "jobName": "a-a1", "attemptStartTime": (now - timedelta(seconds=5)).isoformat()}
+    before = time.monotonic()
+    assert await due.pending_warnings(A, status) == [] and reads == []
+    assert before + 10 <= due.scheduled(A) <= time.monotonic() + 10
+    status["attemptStartTime"] = (now - timedelta(seconds=15)).isoformat()
+    assert await due.pending_warnings(A, status) == [warning("a-a1-worker-0")] and reads == ["ns"]
+    assert due.watching_warnings["ns"] == {A: "a-a1"}
+    assert await due.pending_warnings(A, {**status, "phase": "Running"}) == [] and due.watching_warnings["ns"] == {}
+
+
+@pytest.mark.asyncio
+async def test_the_loop_sweeps_every_run_once_it_acts_and_queues_due_ones():
+    import asyncio
+
+    queued: list = []
+    swept = asyncio.Event()
+    acting = False
+
+    def enqueue(key):
+        queued.append(key)
+        if len(queued) == 3:
+            swept.set()
+
+    due = Rechecks(enqueue, no_warnings, Settings(metrics_port=0, reconcile_interval_seconds=0.01), lambda: None)
+    due.at(B, 0.0)
+    loop = asyncio.create_task(due.run(lambda: acting, lambda: [A, B]))
+    try:
+        await asyncio.sleep(0.05)  # ticks while not acting
+        assert queued == []
+        acting = True
+        await asyncio.wait_for(swept.wait(), timeout=10)
+        assert queued == [A, B, B]  # the sweep on starting to act, then B's due time
+    finally:
+        loop.cancel()

@@ -192,3 +192,18 @@ def test_two_ranks_save_and_load_then_one_rank_loads(tmp_path):
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         assert extra["rank"] == 0
         assert model_digest(model.state_dict()) == info.model_digest
+
+
+@pytest.mark.slow
+def test_scripts_save_path_follows_a_save_onto_the_checkpoint_thread():
+    """scripts/save_path.py, the reader's map of one save: it sees the modules the background thread runs too (the
+    writer and the manifest's check come after the training thread returned)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("save_path", Path(__file__).parents[4] / "scripts" / "save_path.py")
+    assert spec is not None and spec.loader is not None
+    save_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(save_path)
+    path = save_path.save_path(persist_behind=False)
+    assert path[:2] == ["store", "saving"]
+    assert {"committing", "writer", "manifest", "rotation"} <= set(path)

@@ -1,11 +1,11 @@
-"""scheduling: Kubernetes' own rules for what a TrainingRun passes on to its pods (labels, annotations, tolerations,
+"""kube_shapes: Kubernetes' own rules for what a TrainingRun passes on to its pods (labels, annotations, tolerations,
 affinity), at their boundaries. tests/real_api/test_validate_agrees.py checks the same rules agree with a real API
 server; these name the boundary each rule draws."""
 
 import pydantic
 import pytest
 
-from trainingrun_operator import scheduling
+from trainingrun_operator import kube_shapes
 
 
 @pytest.mark.parametrize(
@@ -13,7 +13,7 @@ from trainingrun_operator import scheduling
     ["a", "app", "example.com/team", "a" * 63, f"{'d' * 253}/{'n' * 63}", "A_b.c-D", "x.y.z/Name_1"],
 )
 def test_qualified_names_kubernetes_takes_are_taken(key):
-    assert scheduling.qualified_name_problem(key) is None
+    assert kube_shapes.qualified_name_problem(key) is None
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_qualified_names_kubernetes_takes_are_taken(key):
     ],
 )
 def test_qualified_names_kubernetes_refuses_are_refused_naming_the_key(key):
-    problem = scheduling.qualified_name_problem(key)
+    problem = kube_shapes.qualified_name_problem(key)
     assert problem is not None and repr(key) in problem
 
 
@@ -51,26 +51,26 @@ def test_qualified_names_kubernetes_refuses_are_refused_naming_the_key(key):
     ],
 )
 def test_label_values_are_at_most_63_plain_characters_or_empty(value, ok):
-    assert (scheduling.label_value_problem("k", value) is None) is ok
+    assert (kube_shapes.label_value_problem("k", value) is None) is ok
 
 
 def test_pod_labels_refuse_the_keys_the_operators_set_and_other_maps_take_them():
     for key in ("trainingrun.dev/run", "training.kubeflow.org/job-name", "app.kubernetes.io/name"):
         with pytest.raises(ValueError, match="set by the operator"):
-            scheduling.check_labels({key: "x"}, reserved=True)
-        assert scheduling.check_labels({key: "x"}) == {key: "x"}
-    assert scheduling.check_labels({"app.kubernetes.io/part-of": "x"}, reserved=True)
+            kube_shapes.check_labels({key: "x"}, reserved=True)
+        assert kube_shapes.check_labels({key: "x"}) == {key: "x"}
+    assert kube_shapes.check_labels({"app.kubernetes.io/part-of": "x"}, reserved=True)
 
 
 def test_annotations_count_keys_and_values_in_bytes_against_the_api_servers_limit():
-    limit = scheduling.MAX_ANNOTATIONS_BYTES
+    limit = kube_shapes.MAX_ANNOTATIONS_BYTES
     exactly = {"k": "x" * (limit - 1)}
-    assert scheduling.annotations_bytes(exactly) == limit and scheduling.check_annotations(exactly)
+    assert kube_shapes.annotations_bytes(exactly) == limit and kube_shapes.check_annotations(exactly)
     with pytest.raises(ValueError, match=f"total {limit + 1} bytes"):
-        scheduling.check_annotations({"k": "x" * limit})
-    assert scheduling.annotations_bytes({"k": "\u00e9"}) == 3  # UTF-8 bytes, not characters
+        kube_shapes.check_annotations({"k": "x" * limit})
+    assert kube_shapes.annotations_bytes({"k": "\u00e9"}) == 3  # UTF-8 bytes, not characters
     with pytest.raises(ValueError, match="not a valid Kubernetes key"):
-        scheduling.check_annotations({"bad key": ""})
+        kube_shapes.check_annotations({"bad key": ""})
 
 
 @pytest.mark.parametrize(
@@ -91,10 +91,10 @@ def test_annotations_count_keys_and_values_in_bytes_against_the_api_servers_limi
 )
 def test_tolerations_follow_core_v1s_rules(toleration, refused):
     if refused is None:
-        scheduling.Toleration.model_validate(toleration)
+        kube_shapes.Toleration.model_validate(toleration)
         return
     with pytest.raises(pydantic.ValidationError, match=refused):
-        scheduling.Toleration.model_validate(toleration)
+        kube_shapes.Toleration.model_validate(toleration)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_tolerations_follow_core_v1s_rules(toleration, refused):
     ],
 )
 def test_selector_requirements_follow_core_v1s_rules(operator, values, refused):
-    problem = scheduling.requirement_problem("k", operator, values)
+    problem = kube_shapes.requirement_problem("k", operator, values)
     if refused is None:
         assert problem is None
     else:
@@ -143,19 +143,19 @@ def test_affinity_checks_every_requirement_it_nests():
             ]
         },
     }
-    scheduling.Affinity.model_validate(good)
+    kube_shapes.Affinity.model_validate(good)
     deep = good["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
     deep["labelSelector"]["matchExpressions"] = [{"key": "app", "operator": "In"}]
     with pytest.raises(pydantic.ValidationError, match="operator In needs values"):
-        scheduling.Affinity.model_validate(good)
+        kube_shapes.Affinity.model_validate(good)
     with pytest.raises(pydantic.ValidationError, match="less than or equal to 100"):
-        scheduling.PreferredSchedulingTerm.model_validate({"weight": 101, "preference": {}})
+        kube_shapes.PreferredSchedulingTerm.model_validate({"weight": 101, "preference": {}})
     with pytest.raises(pydantic.ValidationError, match="at least 1 item"):
-        scheduling.NodeSelector.model_validate({"nodeSelectorTerms": []})
+        kube_shapes.NodeSelector.model_validate({"nodeSelectorTerms": []})
 
 
 def test_avoided_nodes_are_kept_out_of_every_required_term_and_the_rest_of_the_affinity_stays():
-    from trainingrun_operator.scheduling import avoiding
+    from trainingrun_operator.kube_shapes import avoiding
 
     avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["gpu-3", "gpu-9"]}
     alone = avoiding(None, ["gpu-9", "gpu-3", "gpu-9"])

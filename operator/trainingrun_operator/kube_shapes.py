@@ -1,4 +1,5 @@
-"""Kubernetes' own shapes that a TrainingRun passes on to its pods, checked by Kubernetes' own rules.
+"""Kubernetes' own shapes that a TrainingRun passes on to its pods (labels, annotations, node selectors, tolerations,
+affinity), checked by Kubernetes' own rules, and the affinity that keeps a run off nodes it hung on.
 
 Labels, annotations, node selectors, tolerations and affinity end up in the pod template of every
 attempt. A value the API server refuses there would pass `validate`, pass the TrainingRun CRD and
