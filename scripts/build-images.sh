@@ -41,12 +41,25 @@ if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
   CA_ARGS=(-v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/host-ca.crt:ro --build-arg PIP_CERT=/etc/ssl/host-ca.crt)
 fi
 
-echo "== building localhost/trainingrun-operator:$VERSION"
-podman build --isolation chroot --layers=false -q "${CA_ARGS[@]}" -f Dockerfile.operator --build-arg BASE_IMAGE="$BASE" \
-  -t "localhost/trainingrun-operator:$VERSION" .
-echo "== building localhost/trainingrun-trainer:$VERSION"
-podman build --isolation chroot --layers=false -q "${CA_ARGS[@]}" -f Dockerfile.trainer --build-arg BASE_IMAGE="$BASE" \
-  -t "localhost/trainingrun-trainer:$VERSION" .
+# build IMAGE DOCKERFILE. Each RUN step re-executes a copy of the runtime sealed in a memfd; sealing it failed once on
+# CI with EBUSY ("Close_Fd sealing memfd copy: Device or resource busy", a step that ran twice before): the step, not
+# the image, was at fault, so such a failure builds the image once more. Any other failure fails at once.
+build() {
+  local log status
+  log=$(mktemp)
+  for try in 1 2; do
+    echo "== building $1"
+    status=0
+    podman build --isolation chroot --layers=false -q "${CA_ARGS[@]}" -f "$2" --build-arg BASE_IMAGE="$BASE" \
+      -t "$1" . 2>"$log" || status=$?
+    cat "$log" >&2
+    if [ "$status" = 0 ]; then rm -f "$log"; return 0; fi
+    if [ "$try" = 2 ] || ! grep -q "sealing memfd copy" "$log"; then rm -f "$log"; return "$status"; fi
+    echo "== $1: the runtime's memfd copy could not be sealed (EBUSY): building again"
+  done
+}
+build "localhost/trainingrun-operator:$VERSION" Dockerfile.operator
+build "localhost/trainingrun-trainer:$VERSION" Dockerfile.trainer
 podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep trainingrun
 
 fail() { echo "SMOKE FAILED: $*" >&2; exit 1; }
