@@ -65,7 +65,7 @@ def slow_rank_factor(raw: str) -> float:
     return factor
 
 
-def chaos_slow_rank(raw: str, world_size: int) -> Optional[tuple[float, int]]:
+def chaos_slow_rank(raw: str, world_size: int) -> tuple[float, int]:
     """TRAININGRUN_CHAOS_SLOW_RANK FACTOR[:RANK] (`trainingrun local --chaos-slow-rank`): (factor, rank), the last
     rank by default."""
     try:

@@ -231,7 +231,8 @@ class Trainer:
         if newest is None:
             log.error("non-finite steps and no checkpoint to roll back to: %s", self.parts.guard.abort_message())
             return False
-        self._apply_restored(newest[1])
+        _, extra = newest
+        self._apply_restored(extra)
         # The restored scheduler holds the LR scaled by the rollbacks made before that checkpoint
         # was saved (its guard state counts them); apply the scale of the ones made since.
         scaled_already = self.parts.guard.rollbacks
