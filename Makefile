@@ -35,8 +35,9 @@ K8S_ASSETS := $(if $(KUBEBUILDER_ASSETS),$(KUBEBUILDER_ASSETS),$(wildcard $(CURD
 # pytest's own temporary folders (tmp_path, kept for the last session to look at) in the clone's .pytest-tmp/, not /tmp:
 # `make test` changes nothing outside the clone (.ci/run checks with scripts/leftovers.py).
 PYTEST_TEMP := --basetemp=$(CURDIR)/.pytest-tmp
+# Each run ends with its 40 slowest tests (setup and teardown apart): where `make test` spends its time.
 test: setup
-	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest $(PYTEST_TEMP)
+	KUBEBUILDER_ASSETS=$(K8S_ASSETS) $(BIN)/pytest $(PYTEST_TEMP) --durations=40
 
 # A developer's loop: the unit and security tiers without their `slow` tests (each starts processes or servers, or
 # takes a second or more; `make test` runs them): under 3 minutes on 2 cores.

@@ -102,8 +102,10 @@ The modules, by what they hold (each opens with what it is for):
   `tensor_files` (format 3's data files), `safe_load` (loading without running code), `export`, `listing`;
 - storage: `storage` (fsspec), `hashing_fs` and `writer` (DCP's writer, hashing each file), `save_planner`;
 - node memory: `memory_tier` (the newest commit kept in /dev/shm), `tier_files`, `tier_staging` (stage once);
-- several pods: `ranks` (the store's collectives), `mirroring` (each pod keeps the others' files), `peers` (a new pod
-  receives them), `transfer` (moves the files);
+- several pods: `pods` (`PodHooks`: what a save does because the run has several pods, at the three points of the
+  commit where it acts -- before staging, after writing, after the commit -- and nothing on one pod), `ranks` (the
+  store's collectives), `mirroring` (each pod keeps the others' files), `peers` (a new pod receives them), `transfer`
+  (moves the files);
 - the stages on top: `store` (`CheckpointStore`) composes `saving.Saver` (1), `committing.Committer` (2-5),
   `persisting.Persister`, `restoring.Restorer` and `rotation.Rotation` over one `context.StoreContext`.
 """

@@ -1,5 +1,8 @@
 """`Committer`, the checkpoint thread: staging what a save left to it, writing the staged state (DCP, every rank) and
-committing it with rank 0's manifest, in node memory or in storage (steps 2-5 of the package's description)."""
+committing it with rank 0's manifest, in node memory or in storage (steps 2-5 of the package's description).
+
+Read in order: `run` (where the save goes, agreed by every rank, and the staging), `_save` (`_write_part`: step 2;
+`_decide`: steps 3 and 4; `_committed`: step 5). What several pods add is `pods.PodHooks`, called at its points."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -24,14 +27,12 @@ from .layout import (
     FILE_DIGEST,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    METADATA_NAME,
     join_uri,
     logger,
     now_rfc3339,
 )
-from .manifest import MAX_MANIFEST_BYTES
-from .mirroring import NodeMirror
 from .persisting import Persister
+from .pods import PodHooks, Staging
 from .records import CheckpointInfo, CommitOutcome, RankPart, SaveJob
 from .rotation import Rotation
 from .save_planner import ReusingSavePlanner
@@ -41,6 +42,20 @@ from .writer import CheckpointWriter
 
 #: Numbers the stores of this process: each keeps its own plans in DCP's process-wide plan cache.
 _STORES = itertools.count()
+
+
+@dataclass
+class WrittenPart:
+    """This rank's part of a save once written (`Committer._write_part`)."""
+
+    #: File name -> manifest entry (size, xxh3_128, ...) of each file this rank wrote.
+    record: dict[str, dict]
+    #: Why this rank's part is not written, or the save cannot commit (None: written).
+    error: Optional[str]
+    #: The writer it wrote with (None: it wrote nothing).
+    writer: Optional[CheckpointWriter] = None
+    #: Its DCP write results, for rank 0's metadata, when it wrote by its last plan.
+    results: Optional[list] = None
 
 
 def plain_state(state: Mapping[str, Any]) -> dict:
@@ -56,8 +71,8 @@ class Committer:
         self._context = context
         self._rotation = rotation
         self._persister = persister
-        #: With several pods, each pod's copy of the other pods' files (`mirroring`).
-        self.mirror = NodeMirror(context)
+        #: What a save does because the run has several pods (nothing on one pod).
+        self.pods = PodHooks(context, persister)
         # Staging copies tensors into CPU buffers that every save reuses (pinned with CUDA, for fast copies):
         # containers are rebuilt, other values deep-copied.
         self._state_stager = StateDictStager(pin_memory=torch.cuda.is_available())
@@ -79,9 +94,7 @@ class Committer:
         """Write and commit: in the memory tier when persisting behind and every rank has room there, else to
         storage. Runs on every rank (background thread unless blocking); never raises: errors become a None result, a
         log record and failed_saves."""
-        self.mirror.check_state({**job.state, **(job.later or {})})
-        if self.mirror.keeps_replicated_apart and self._context.persist_behind and not self._persister.spread:
-            self._persister.spread_over_pods(self.mirror.leads)  # no pod holds every file to copy
+        self.pods.before_staging({**job.state, **(job.later or {})})
         if not self._context.persist_behind:
             self._take_later(job)
             self._stage_later(job, None)
@@ -115,14 +128,8 @@ class Committer:
             self._context.held_tier().discard(job.step)
             tier_dir = None
         fast = in_memory and repeats
-        # Several nodes (DDP): each node's lowest rank writes the other nodes' files again from its own replica
-        # (`mirroring`). Saving by the last plan it stages them straight into its copies, where their ranks stage them
-        # (`stage_copies`), once it knows they lie so; until then it keeps a copy of the rest of the state beside its
-        # own file. A save DCP plans is staged whole by the stager, and every file written whole by DCP's writer.
-        once = not self.mirror.rebuilds or fast
-        copies = fast and tier_dir is not None and self.mirror.can_stage_copies(job.later or {})
-        whole = fast and self.mirror.rebuilds and self.mirror.writes and not copies
-        staged = self._stage_later(job, tier_dir if once else None, planner if fast else None, copies, whole)
+        staging = self.pods.staging(fast, tier_dir is not None, job.later or {})
+        staged = self._stage_later(job, tier_dir if staging.once else None, planner if fast else None, staging)
         job.marks.append(("staging", time.perf_counter()))
         try:
             if fast:
@@ -146,7 +153,7 @@ class Committer:
         finally:
             if staged is not None:
                 staged.close()
-            self.mirror.drop_staged()
+            self.pods.end_save()
 
     def _repeats(self, planner: ReusingSavePlanner, state: dict) -> bool:
         """Whether this rank may write `state` by its last plan (`ReusingSavePlanner.repeats`); False when the planner
@@ -181,39 +188,27 @@ class Committer:
         job: SaveJob,
         tier_dir: Optional[str],
         planner: Optional[ReusingSavePlanner] = None,
-        copies: bool = False,
-        whole: bool = False,
+        staging: Staging = Staging(),
     ) -> Optional[StagedFile]:
         """Stage the entries save() left to the background (`copy_in_background`), then tell the training thread it
         may change them. Into this rank's data file in `tier_dir` when they are CPU or CUDA tensors (stage once,
         `tier_staging`; returned), else by the stager. With `planner` (set up by its `repeats`), only the tensors this
-        rank's last plan writes go into the file, and rank 0 copies what its model digest reads besides (`whole`:
-        every other tensor). `copies`: also into this node's copies of the other nodes' files
-        (`mirroring.NodeMirror.stage_copies`)."""
+        rank's last plan writes go into the file, and rank 0 copies what its model digest reads besides (or every
+        other tensor, `staging.whole`); with `staging.copies`, the lead also stages the other pods' files."""
         later, job.later = job.later, None
         if not later:  # save() told the training thread
             return None
         staged: Optional[StagedFile] = None
         try:
-            if copies and tier_dir is not None:
-                try:
-                    self.mirror.stage_copies(later, tier_dir)
-                except OSError as exc:  # the exchange finds them missing, says so, and the save commits to storage
-                    logger.warning(
-                        "checkpoint step %d: rank %d cannot stage the other pods' files in %s (%s)",
-                        job.step,
-                        self._context.ranks.rank,
-                        tier_dir,
-                        describe_error(exc),
-                    )
-                    self.mirror.drop_staged()
+            if staging.copies and tier_dir is not None:
+                self.pods.stage_copies(job.step, later, tier_dir)
             if tier_dir is not None and stageable(later):
                 staged = StagedFile(os.path.join(tier_dir, data_file_name(self._context.ranks.rank)))
                 try:
                     if planner is None:
                         job.state.update(staged.stage(later))
                     else:
-                        beside = tensors_of(later) if whole else self._digest_reads(job, later)
+                        beside = tensors_of(later) if staging.whole else self._digest_reads(job, later)
                         job.state.update(staged.stage(later, planner.planned_tensors(), beside))
                 except OSError as exc:
                     logger.warning(
@@ -256,9 +251,40 @@ class Committer:
         `tier_dir` alone (completing this rank's `staged` data file, if any), rank 0 then queueing it to be
         persisted. With `planner` (every rank's `repeats`), each rank writes by its last plan, without `dcp.save`.
         `error`: this rank cannot write its part (by its last plan); it joins the commit, which then fails."""
+        part = self._write_part(job, tier_dir, in_memory, staged, planner, error)  # 2
+        outcome, gathered = self._decide(job, part, tier_dir, in_memory, planner)  # 3 and 4
+        if planner is not None and outcome.info is not None and part.results is not None:
+            planner.committed(job.step, part.results, gathered)
+        elif planner is not None:
+            planner.not_committed()
+        if outcome.info is None:
+            if tier_dir is not None:
+                self._context.held_tier().discard(job.step)
+            self._failed(job, outcome.error)
+            return None
+        if in_memory:
+            assert tier_dir is not None  # every rank has one when in_memory
+            self.pods.after_commit(job.step, outcome, tier_dir)
+        elif tier_dir is not None:  # this node's copy of what storage committed
+            self._context.held_tier().commit(job.step, outcome.manifest)
+        self._committed(job, outcome.info, part.record, in_memory)  # 5
+        if in_memory:
+            self.pods.persist(outcome)
+        return outcome.info
+
+    def _write_part(
+        self,
+        job: SaveJob,
+        tier_dir: Optional[str],
+        in_memory: bool,
+        staged: Optional[StagedFile],
+        planner: Optional[ReusingSavePlanner],
+        error: Optional[str],
+    ) -> WrittenPart:
+        """Step 2 on this rank: its files written (`_write`), the other pods' copies made (`PodHooks.after_writing`),
+        rank 0's model digest computed; the staged copy dropped. Errors become the part's."""
         step_uri = self._context.step_uri(job.step)
-        record: dict[str, dict] = {}  # file name -> its manifest entry (size, xxh3_128, ...)
-        results: Optional[list] = None  # this rank's DCP write results, for rank 0's metadata, when `planner`
+        part = WrittenPart(record={}, error=error)
         # From the staged copy, in the background, beside the write (both only read it), so training waits for
         # neither; rank 0 only writes the manifest, so only rank 0 computes it.
         digesting = (
@@ -266,142 +292,119 @@ class Committer:
             if callable(job.model_digest) and self._context.ranks.rank == 0 and error is None
             else None
         )
-        writer: Optional[CheckpointWriter] = None
-        if error is not None:
-            logger.error("checkpoint step %d: %s", job.step, error)
+        if part.error is not None:
+            logger.error("checkpoint step %d: %s", job.step, part.error)
             job.logged = True
         else:
             try:
-                writer, results = self._write(job, step_uri, record, tier_dir, in_memory, staged, planner)
+                part.writer, part.results = self._write(
+                    job, step_uri, part.record, tier_dir, in_memory, staged, planner
+                )
             except SAVE_ERRORS as exc:
-                error = describe_error(exc)
+                part.error = describe_error(exc)
                 logger.error(
                     "checkpoint step %d: rank %d could not write %s: %s",
                     job.step,
                     self._context.ranks.rank,
                     tier_dir if in_memory else step_uri,
-                    error,
+                    part.error,
                     exc_info=True,
                 )
                 job.logged = True
-        if self.mirror.active:
-            try:
-                every_node_holds_all = self.mirror.exchange(
-                    job.step, job.state, record, writer.results if writer else [], tier_dir if error is None else None
-                )
-            except SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
-                job.lost_contact = exc
-                error = error or f"rank {self._context.ranks.rank} lost contact with its peers: {describe_error(exc)}"
-            else:
-                if in_memory and not every_node_holds_all:  # a restart there could not load it: no commit in memory
-                    error = error or self._stop_persisting_behind(job.step)
+        results = part.writer.results if part.writer else []
+        try:
+            pods_error = self.pods.after_writing(
+                job.step, job.state, part.record, results, tier_dir if part.error is None else None, in_memory
+            )
+        except SAVE_ERRORS as exc:  # a collective failed (peer died, timeout): so does the commit's gather
+            job.lost_contact = exc
+            pods_error = f"rank {self._context.ranks.rank} lost contact with its peers: {describe_error(exc)}"
+        part.error = part.error or pods_error
         if callable(job.model_digest):
-            job.model_digest = digesting.result() if digesting is not None and error is None else ""
+            job.model_digest = digesting.result() if digesting is not None and part.error is None else ""
         job.state = None  # drop the staged copy
         job.marks.append(("model digest", time.perf_counter()))
+        return part
 
-        outcome: Optional[CommitOutcome] = None
-        gathered: Optional[list] = None  # rank 0: every rank's write results, when every rank wrote by its last plan
+    def _decide(
+        self,
+        job: SaveJob,
+        part: WrittenPart,
+        tier_dir: Optional[str],
+        in_memory: bool,
+        planner: Optional[ReusingSavePlanner],
+    ) -> tuple[CommitOutcome, Optional[list]]:
+        """Steps 3 and 4: every rank's part gathered to rank 0, which commits when every rank wrote (`_commit`) and
+        broadcasts the outcome. The outcome (the same on every rank), and rank 0's every rank's write results when
+        every rank wrote by its last plan."""
+        gathered: Optional[list] = None
         try:
             tier = self._context.tier
             mine = RankPart(
-                error=error,
-                record=record,
-                sent=planner.results_to_send(results) if planner is not None and results is not None else results,
-                short_of_room=tier is not None and (tier.short_of_room or self.mirror.short_of_room),
-                part_done=self._persister.part_done,
+                error=part.error,
+                record=part.record,
+                sent=planner.results_to_send(part.results)
+                if planner is not None and part.results is not None
+                else part.results,
+                short_of_room=tier is not None and (tier.short_of_room or self.pods.short_of_room),
+                part_done=self.pods.part_done,
             )
             parts: list[RankPart] = self._context.ranks.gather_to_first(mine)
+            outcome: Optional[CommitOutcome] = None
             if self._context.ranks.rank == 0:
-                self._note_pods_short(job.step, [part.short_of_room for part in parts])
-                if planner is not None and not any(part.error for part in parts):
-                    assert writer is not None  # rank 0 wrote its part
+                self._note_pods_short(job.step, [each.short_of_room for each in parts])
+                if planner is not None and not any(each.error for each in parts):
+                    assert part.writer is not None  # rank 0 wrote its part
                     failed, gathered = self._finish_as_planned(
-                        planner, writer, record, [part.sent for part in parts], tier_dir
+                        planner, part.writer, part.record, [each.sent for each in parts], tier_dir
                     )
                     # Rank 0's own record, not the gathered copy: it now holds the metadata's entry too.
-                    parts[0] = replace(parts[0], error=failed, record=record)
-                outcome = self._commit(job, step_uri, parts, tier_dir if in_memory else None)
-                if outcome.info is not None and in_memory:
-                    outcome.metadata = self._metadata_for_mirrors(tier_dir if planner is not None else None)
-                    if self._persister.spread:
-                        outcome.copy_part = self._persister.plan_parts(
-                            outcome.info, outcome.manifest, [part.part_done for part in parts]
-                        )
+                    parts[0] = replace(parts[0], error=failed, record=part.record)
+                outcome = self._commit(job, self._context.step_uri(job.step), parts, tier_dir if in_memory else None)
+                if in_memory:
+                    self.pods.at_commit(outcome, parts, tier_dir if planner is not None else None)
             outcome = self._context.ranks.broadcast(outcome)
+            assert outcome is not None  # rank 0's
+            return outcome, gathered
         except SAVE_ERRORS as exc:  # a collective failed (peer died, timeout)
             job.lost_contact = exc
-            outcome = CommitOutcome(info=None, error=describe_error(exc))
             if not job.logged:
                 logger.error(
                     "checkpoint step %d: rank %d lost contact with its peers: %s",
                     job.step,
                     self._context.ranks.rank,
-                    outcome.error,
+                    describe_error(exc),
                     exc_info=True,
                 )
                 job.logged = True
-        assert outcome is not None  # rank 0's, broadcast
-        info, manifest, metadata = outcome.info, outcome.manifest, outcome.metadata
-        if planner is not None and info is not None and results is not None:
-            planner.committed(job.step, results, gathered)
-        elif planner is not None:
-            planner.not_committed()
-        if tier_dir is not None and info is not None and not in_memory:
-            self._context.held_tier().commit(job.step, manifest)
-        elif in_memory and info is not None and self.mirror.writes and self._context.ranks.rank != 0:
-            if metadata is not None and tier_dir is not None:  # rank 0 wrote it by the last plan, after the exchange
-                self.mirror.write_metadata(job.step, metadata, manifest, tier_dir)
-            with self._persister.steps_held() as keep:  # this node's copy, as rank 0 committed its node's
-                self._context.held_tier().commit(job.step, manifest, keep=keep)
-        elif tier_dir is not None and info is None:
-            self._context.held_tier().discard(job.step)
-        if info is None:
-            self._failed(job, outcome.error)
-            return None
+            return CommitOutcome(info=None, error=describe_error(exc)), None
 
-        self._context.metrics.last_save_seconds = time.perf_counter() - job.started
+    def _committed(self, job: SaveJob, info: CheckpointInfo, record: dict, in_memory: bool) -> None:
+        """Step 5: `info` committed; its figures counted, rank 0 says so and rotates storage after a commit there."""
+        metrics = self._context.metrics
+        metrics.last_save_seconds = time.perf_counter() - job.started
         job.marks.append(("committing", time.perf_counter()))
-        self._context.metrics.last_save_phases = {
+        metrics.last_save_phases = {
             name: at - before for (name, at), (_, before) in zip(job.marks, [("started", job.started)] + job.marks)
         }
-        self._context.metrics.last_save_bytes = sum(entry["size"] for entry in record.values())
-        self._context.metrics.committed_saves += 1
+        metrics.last_save_bytes = sum(entry["size"] for entry in record.values())
+        metrics.committed_saves += 1
         if in_memory:
             self._context.in_memory = info
             self._context.trust(info)  # a load reads it from the tier, checked as it reads
         else:
             self._context.in_memory = self._context.in_storage = info
         if self._context.ranks.rank == 0:
-            self._context.metrics.last_save_bytes += self._manifest_bytes
+            metrics.last_save_bytes += self._manifest_bytes
             logger.info(
                 "committed checkpoint step %d %s (%d bytes, %.2f s)",
                 job.step,
                 "in memory" if in_memory else f"to {info.uri}",
                 info.size_bytes,
-                self._context.metrics.last_save_seconds,
+                metrics.last_save_seconds,
             )
-            if in_memory and not self._persister.spread:
-                self._persister.queue(info, manifest)
-            elif not in_memory:
+            if not in_memory:
                 self._rotation.rotate_logging_errors()
-        if (
-            outcome.copy_part is not None and self.mirror.writes
-        ):  # spread over the pods: this pod's lead copies its part
-            self._persister.copy_part(outcome.copy_part)
-        return info
-
-    def _metadata_for_mirrors(self, tier_dir: Optional[str]) -> Optional[bytes]:
-        """Rank 0, with several nodes, of a save in memory by the last plan: the metadata it wrote (after the exchange
-        of the files, `_finish_as_planned`), for the other nodes' lowest ranks; None otherwise, or when unreadable
-        (those nodes then lack it, and a restart there receives it from this node, `peers`)."""
-        if tier_dir is None or not self.mirror.active:
-            return None
-        try:
-            with open(os.path.join(tier_dir, METADATA_NAME), "rb") as f:
-                return f.read(MAX_MANIFEST_BYTES)
-        except OSError:
-            return None
 
     def _note_pods_short(self, step: int, short: list[bool]) -> None:
         """Rank 0: the pods whose memory had no room for `step` (by each rank's flag), for status; kept while none
@@ -411,19 +414,6 @@ class Committer:
         pods = sorted({self._context.pods[rank] for rank, flag in enumerate(short) if flag})
         if pods or self._context.memory_short is not None:
             self._context.memory_short = (step, pods)
-
-    def _stop_persisting_behind(self, step: int) -> str:
-        """Every rank, when a node could not keep every file of `step` in its memory (no room, a replica that is not
-        bitwise equal): this save fails, and the saves from now on commit to storage (each node's copies kept where
-        they can be). Storage first gets what memory committed before (`Persister.persist_newest`). The error."""
-        self._persister.persist_newest()
-        self._context.persist_behind = False
-        logger.warning(
-            "checkpoint step %d: not every pod could keep every file of it in memory (see the warnings above): "
-            "checkpoints commit to storage from now on",
-            step,
-        )
-        return "a pod could not keep every file of the checkpoint in memory"
 
     def _write(
         self,
@@ -477,7 +467,7 @@ class Committer:
 
     def _replicated_apart_from(self) -> Optional[str]:
         """This rank's own entry, when its replicated items go into a file of their own (`mirroring`); else None."""
-        return EXTRA_ENTRY.format(rank=self._context.ranks.rank) if self.mirror.keeps_replicated_apart else None
+        return EXTRA_ENTRY.format(rank=self._context.ranks.rank) if self.pods.keeps_replicated_apart else None
 
     def _write_digests(self, tier_dir: str, record: dict[str, dict]) -> None:
         """The digests file of each file of `record` written straight into the memory tier whose digests file is not
@@ -508,7 +498,7 @@ class Committer:
         """DCP's planner, reusing this store's last plans while the state's layout is unchanged (`save_planner`). A
         sharded state on several pods has rank 0 write every replicated item, into a file of its own that every pod
         keeps (`mirroring`)."""
-        return ReusingSavePlanner(self.plans_key, self._planned, replicated_to_rank0=self.mirror.keeps_replicated_apart)
+        return ReusingSavePlanner(self.plans_key, self._planned, replicated_to_rank0=self.pods.keeps_replicated_apart)
 
     def _lost_contact(self, job: SaveJob, exc: BaseException) -> None:
         """A collective of `job` failed: a peer is gone (or timed out); the save fails."""

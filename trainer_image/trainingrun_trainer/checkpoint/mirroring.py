@@ -167,19 +167,25 @@ class NodeMirror:
             staged.close()
         self._staged = {}
 
-    def exchange(self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]) -> bool:
+    def exchange(
+        self, step: int, state: Any, record: dict, results: list, tier_dir: Optional[str]
+    ) -> tuple[bool, bool]:
         """Every rank, after writing `step` (its files' manifest entries in `record`, its write `results`; `tier_dir`:
-        this node's copy, None when it keeps none): gather every rank's files, and on the lowest rank of each node
-        write the other nodes' files into `tier_dir` from `state`, this rank's staged copy. Whether every node now
-        holds every file (a second collective). Collective errors are raised (the save fails with them); anything
-        else only leaves a copy out."""
+        this node's copy, None when it keeps none or this rank could not write): gather every rank's files, and on the
+        lowest rank of each node write the other nodes' files into `tier_dir` from `state`, this rank's staged copy.
+        Whether every node now holds every file, and whether every rank had a `tier_dir` (one more collective: every
+        rank gets the same answers). Collective errors are raised (the save fails with them); anything else only
+        leaves a copy out."""
         if not self.active:
-            return True
+            return True, True
         self.short_of_room = False
         sent = self._files_of(record, results, tier_dir)
         gathered = self._context.ranks.gather(sent)
         kept = self._write_wanted(step, state, gathered, tier_dir) if self.writes else True
-        return self._context.ranks.all(kept and sent is not None)[0]
+        every_node_holds_all, every_rank_wrote = self._context.ranks.all(
+            kept and sent is not None, tier_dir is not None
+        )
+        return every_node_holds_all, every_rank_wrote
 
     def write_metadata(self, step: int, metadata: bytes, manifest: bytes, tier_dir: str) -> bool:
         """The lowest rank of a node but rank 0's, once `step` committed: rank 0's `.metadata`, which a save by the

@@ -1,12 +1,12 @@
 """The records the package's stages pass along: a committed checkpoint (`CheckpointInfo`), a save's handle
-(`PendingSave`), its job on the checkpoint thread (`SaveJob`), each rank's part of it (`RankPart`) and rank 0's decision
-(`CommitOutcome`)."""
+(`PendingSave`), how it is asked for (`SaveOptions`), its job on the checkpoint thread (`SaveJob`), each rank's part of it
+(`RankPart`) and rank 0's decision (`CommitOutcome`)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 
 @dataclass
@@ -67,6 +67,24 @@ class PendingSave:
 
     def __repr__(self) -> str:
         return f"PendingSave(step={self.step}, done={self.done()})"
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save is asked for, beside its step, state and extra (`CheckpointStore.save` takes them as keywords)."""
+
+    #: The run's configuration hash, recorded in the manifest ("": not recorded).
+    config_hash: str = ""
+    #: The model's digest for the manifest (`digest.model_digest`; "": not recorded), or a function of the staged
+    #: state that computes it: rank 0 then computes it in the background.
+    model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = ""
+    #: Write and commit before returning, on the calling thread (else on the checkpoint thread).
+    blocking: bool = False
+    #: Keys of the state whose tensors the caller leaves unchanged until it calls `wait_copied` (the trainer: model,
+    #: optimizer and EMA, which only the next optimizer step changes). The checkpoint thread copies them while
+    #: training goes on, and after the first such save (which shows them to be plain, unsharded tensors) also takes
+    #: their state_dict(): leave their structure unchanged too.
+    copy_in_background: Collection[str] = ()
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Collection, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -14,7 +14,7 @@ from .committing import Committer, plain_state
 from .context import StoreContext
 from .errors import PeersLost, describe_error
 from .layout import EXTRA_ENTRY
-from .records import CheckpointInfo, PendingSave, SaveJob
+from .records import CheckpointInfo, PendingSave, SaveJob, SaveOptions
 from .tier_staging import plain_tensors
 
 
@@ -51,29 +51,18 @@ class Saver:
         step: int,
         state: Mapping[str, Any],
         extra: Optional[Mapping[str, Any]] = None,
-        *,
-        config_hash: str = "",
-        model_digest: Union[str, Callable[[Mapping[str, Any]], str]] = "",
-        blocking: bool = False,
-        copy_in_background: Collection[str] = (),
+        options: SaveOptions = SaveOptions(),
     ) -> PendingSave:
         """Checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank.
 
         ``state``: a dict for DCP (tensors, DTensors, nested dicts, Stateful objects; use
         ``torch.distributed.checkpoint.state_dict.get_state_dict`` for model + optimizer).
         ``extra``: this rank's own small state of plain values (RNG states...), saved as this rank's
-        entry of the same DCP checkpoint (``extra-rank-<r>``). ``config_hash`` and ``model_digest``
-        (see :func:`model_digest`) are recorded in the manifest as given ("" = not recorded); ``model_digest`` may be a
-        function of the staged state, then rank 0 computes it in the background.
+        entry of the same DCP checkpoint (``extra-rank-<r>``). ``options``: `SaveOptions`, field by field.
 
         Finishes the previous save first, then stages (copies) state and extra and returns; the
-        write and commit run in the background unless ``blocking``. Never raises a storage error:
+        write and commit run in the background unless ``options.blocking``. Never raises a storage error:
         a failed save returns a handle whose ``result()`` is None and counts in ``failed_saves``.
-
-        ``copy_in_background``: keys of ``state`` whose tensors the caller leaves unchanged until it calls
-        :meth:`wait_copied` (the trainer: model, optimizer and EMA, which only the next optimizer step changes).
-        The background thread copies them while training goes on, and after the first such save (which shows them
-        to be plain, unsharded tensors) also takes their state_dict(): leave their structure unchanged too.
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -87,6 +76,7 @@ class Saver:
         # be plain tensors (not sharded: gathering those may be a collective, which only the training thread may run):
         # torch's get_state_dict walks every module and parameter, milliseconds per save, more the larger the model,
         # and nothing it reads changes before the optimizer step.
+        blocking, copy_in_background = options.blocking, options.copy_in_background
         deferred = (
             [key for key in copy_in_background if key in state] if not blocking and self._defer_state_dicts else []
         )
@@ -106,8 +96,8 @@ class Saver:
         job = SaveJob(
             step=step,
             state=staged,
-            config_hash=config_hash,
-            model_digest=model_digest,
+            config_hash=options.config_hash,
+            model_digest=options.model_digest,
             started=started,
             expected_bytes=expected_bytes,
             later=later or None,

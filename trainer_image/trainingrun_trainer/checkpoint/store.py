@@ -19,7 +19,7 @@ from .layout import STARTS_NAME, join_uri, logger
 from .memory_tier import MemoryTier
 from .persisting import Persister
 from .ranks import RankGroup
-from .records import CheckpointInfo, PendingSave
+from .records import CheckpointInfo, PendingSave, SaveOptions
 from .restoring import Restorer
 from .rotation import Rotation
 from .saving import Saver
@@ -230,18 +230,12 @@ class CheckpointStore:
         blocking: bool = False,
         copy_in_background: Collection[str] = (),
     ) -> PendingSave:
-        """`saving.Saver.save`: checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank."""
+        """`saving.Saver.save`: checkpoint ``state`` as ``<uri>/step-NNNNNNNN``; call on every rank. The keywords are
+        `records.SaveOptions`' fields."""
         if self._closed:
             raise RuntimeError("the checkpoint store is closed")
-        return self.saver.save(
-            step,
-            state,
-            extra,
-            config_hash=config_hash,
-            model_digest=model_digest,
-            blocking=blocking,
-            copy_in_background=copy_in_background,
-        )
+        options = SaveOptions(config_hash, model_digest, blocking, copy_in_background)
+        return self.saver.save(step, state, extra, options)
 
     def wait_copied(self) -> float:
         """`saving.Saver.wait_copied`."""

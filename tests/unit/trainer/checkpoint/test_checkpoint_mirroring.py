@@ -262,7 +262,7 @@ def _saves_by_the_last_plan_worker(rank: int, init_file: str, uri: str, tiers: l
                 store.save(step, app_state(model, opt), {"rank": rank}, copy_in_background=("model", "optim"))
                 info = store.wait()
                 committed.append(info is not None and store.persist_behind)
-            staged = store.committer.mirror.staged_copies_kept
+            staged = store.committer.pods.mirror.staged_copies_kept
         fresh = wrapped(1, sharded=False)
         state = app_state(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
         with CheckpointStore(uri, memory_tier=tier, persist_behind=True) as store:  # restarted in place
