@@ -65,6 +65,22 @@ def pytest_unconfigure(config):
         os.environ.pop("TMPDIR", None)
 
 
+#: Seconds each tier's tests took this session (setup, call and teardown), by the tier's folder.
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    tier = "/".join(report.nodeid.split("/")[:2])
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: where this session's time went, by tier (docs/development.md keeps the figures of `make test`)."""
+    if _TIER_SECONDS:
+        tiers = sorted(_TIER_SECONDS.items(), key=lambda item: -item[1])
+        terminalreporter.write_line("time by tier: " + ", ".join(f"{tier} {seconds:.0f} s" for tier, seconds in tiers))
+
+
 @pytest.fixture(autouse=True)
 def node_memory_left_clean():
     """Trainers a test kills leave their checkpoint copy in node memory (in a pod, the pod's volume goes with it):

@@ -2,13 +2,14 @@
 same model digest as an uninterrupted run (deterministic mode, CPU, gloo, file:// checkpoints)."""
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import yaml
@@ -99,6 +100,25 @@ def final_digest(tmp_path: Path, name: str, step: int) -> str:
     return infos[step].model_digest
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_digest(tmp_path_factory) -> Callable[[dict], str]:
+    """The model digest at step 40 of an uninterrupted run of a trainer: each trainer's run once a module, however
+    many tests compare against it (they are deterministic, so a second run would only repeat the first)."""
+    digests: dict[str, str] = {}
+
+    def digest(trainer: dict) -> str:
+        key = json.dumps(trainer, sort_keys=True)
+        if key not in digests:
+            root = tmp_path_factory.mktemp("reference")
+            reference = torchrun(root, "reference", trainer=trainer)
+            err = stderr_of(reference)
+            assert reference.returncode == 0, err[-3000:]
+            digests[key] = final_digest(root, "reference", 40)
+        return digests[key]
+
+    return digest
+
+
 def killed_at(tmp_path: Path, name: str, step: int, trainer: dict = TRAINER, env: Optional[dict] = None) -> str:
     """Run until one worker SIGKILLs itself right after `step` (the trainer's own fault injection, which first
     makes earlier checkpoints durable), and return the log. Killing from here by reading the log raced: on a
@@ -116,18 +136,14 @@ def killed_at(tmp_path: Path, name: str, step: int, trainer: dict = TRAINER, env
     [(11, TRAINER), (15, TRAINER), (15, MAE_TRAINER)],
     ids=["right-after-a-checkpoint", "between-checkpoints", "mae-with-eval-between-checkpoints"],
 )
-def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, kill_after_step, trainer):
-    reference = torchrun(tmp_path, "reference", trainer=trainer)
-    err = stderr_of(reference)
-    assert reference.returncode == 0, err[-3000:]
-
+def test_sigkilled_worker_resumes_to_the_same_model(tmp_path, uninterrupted_digest, kill_after_step, trainer):
     killed_at(tmp_path, "interrupted", kill_after_step, trainer=trainer)
 
     resumed = torchrun(tmp_path, "interrupted", trainer=trainer)
     err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 10" in err
-    assert final_digest(tmp_path, "interrupted", 40) == final_digest(tmp_path, "reference", 40)
+    assert final_digest(tmp_path, "interrupted", 40) == uninterrupted_digest(trainer)
 
 
 def as_format_1(step_dir: Path) -> None:
@@ -165,11 +181,8 @@ def as_format_1(step_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_from_before_format_2_resumes_to_the_same_model(tmp_path):
+def test_a_checkpoint_from_before_format_2_resumes_to_the_same_model(tmp_path, uninterrupted_digest):
     """An operator upgrade mid-run: the next attempt's trainer resumes from a checkpoint the older image wrote."""
-    reference = torchrun(tmp_path, "reference")
-    err = stderr_of(reference)
-    assert reference.returncode == 0, err[-3000:]
     older = torchrun(tmp_path, "older")
     err = stderr_of(older)
     assert older.returncode == 0, err[-3000:]
@@ -183,4 +196,4 @@ def test_a_checkpoint_from_before_format_2_resumes_to_the_same_model(tmp_path):
     err = stderr_of(resumed)
     assert resumed.returncode == 0, err[-3000:]
     assert "resumed from" in err and "at step 20" in err
-    assert final_digest(tmp_path, "older", 40) == final_digest(tmp_path, "reference", 40)
+    assert final_digest(tmp_path, "older", 40) == uninterrupted_digest(TRAINER)
