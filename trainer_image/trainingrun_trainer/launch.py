@@ -378,4 +378,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .main import exit_now
+
+    # Without the interpreter's teardown, as a worker ends: threads still inside torch's C++ then (the hang store's
+    # reconnect when the rendezvous host is gone, the agent's keep-alive) were seen to abort the launcher in CI
+    # ("terminate called without an active exception", exit -6 where 138 was chosen).
+    exit_now(main())

@@ -113,6 +113,46 @@ def test_a_taken_metrics_port_is_one_line_naming_it_and_a_config_error():
     ]
 
 
+@pytest.mark.slow
+def test_the_launcher_ends_without_the_interpreters_teardown_so_threads_in_torch_cannot_abort_it(tmp_path):
+    """CI once saw a launcher whose rendezvous host was gone abort at its end ("terminate called without an active
+    exception", exit -6 where 138 was chosen): its hang-kills thread was still inside torch's TCPStore connect while
+    the interpreter tore down. Here the store never answers, so that thread is retrying when `main` returns; the
+    container must still exit with the chosen code, and the teardown (whose atexit hooks would run) must not run."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    # Every Python process of the run (the forkserver and workers too) marks its teardown with its pid.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        f"atexit.register(lambda: open(os.path.join({str(tmp_path)!r}, f'teardown-{{os.getpid()}}'), 'w').close())\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainingrun_trainer.launch",
+            "--nnodes=1",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.2:{port}",  # not this machine's name: a client of a store that is not there
+            "--rdzv-conf=read_timeout=1,is_host=false",
+            "--module",
+            "trainingrun_trainer",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = launcher.communicate(timeout=180)
+    assert launcher.returncode == exit_codes.RETRYABLE, stderr[-3000:]
+    assert "rendezvous lost" in stderr
+    assert not (tmp_path / f"teardown-{launcher.pid}").exists()
+
+
 def agent_args(*argv: str):
     from torch.distributed.run import parse_args
 
