@@ -17,8 +17,10 @@ from trainingrun_api import contract
 
 from .timekeeping import parent_pid, start_ticks
 
-#: How often a launcher looks for a request to kill.
-POLL_SECONDS = 1.0
+#: How long one wait of a launcher for a request to kill lasts, in the store's server (nothing is sent meanwhile).
+WAIT_SECONDS = 30.0
+#: Seconds before a launcher connects again to a store that was not up yet or went with its host.
+RECONNECT_SECONDS = 5.0
 
 #: Seconds a store operation of the hang watch may take (a store whose host is frozen does not answer).
 STORE_TIMEOUT_SECONDS = 10
@@ -29,10 +31,11 @@ MAX_KILLS = 64
 
 
 class LauncherKills:
-    """The launcher's side of `HangWatch._ask_launchers_to_kill`: a thread that looks at this pod's key in the hang
-    store every POLL_SECONDS and SIGKILLs each named process that is its own worker (a descendant of this process)
-    and started when the request says (pid and start time name one process; a pid is reused). The request is
-    untrusted: anything else it names is left alone."""
+    """The launcher's side of `HangWatch._ask_launchers_to_kill`: a thread that waits in the hang store for this pod's
+    key and SIGKILLs each named process that is its own worker (a descendant of this process) and started when the
+    request says (pid and start time name one process; a pid is reused). The request is untrusted: anything else it
+    names is left alone. It waits (the store's server answers when the key is set) rather than polls: a kill then
+    comes at once, and a thousand pods do not send the rendezvous store a thousand requests a second."""
 
     def __init__(self, endpoint: str, pod: str, connect: Optional[Callable[[], Any]] = None):
         self.endpoint, self.pod = endpoint, pod
@@ -57,13 +60,24 @@ class LauncherKills:
 
     def _run(self) -> None:
         store = None
-        while not self._stop.wait(POLL_SECONDS):
+        while not self._stop.is_set():
             try:
                 store = store or self._connect()
-                self.look(store)
-            except Exception:  # the store is not up yet, or went with its host: try again later
+                if self.asked(store):
+                    self.look(store)
+            except Exception:  # the store is not up yet, or went with its host: connect again later
                 store = None
-                self._stop.wait(5 * POLL_SECONDS)
+                self._stop.wait(RECONNECT_SECONDS)
+
+    def asked(self, store: Any, seconds: float = WAIT_SECONDS) -> bool:
+        """Whether this pod's key is set within `seconds` (waiting in the store's server); raises when the store is
+        gone (a lost connection fails the wait and the check after it alike)."""
+        try:
+            store.wait([self.pod], timedelta(seconds=seconds))
+            return True
+        except Exception:  # timed out, or the store is gone: the check tells them apart
+            store.check([self.pod])
+            return False
 
     def look(self, store: Any) -> None:
         """One look at this pod's key: kill what it names that may be killed, and clear it."""
