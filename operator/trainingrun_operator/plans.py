@@ -14,7 +14,7 @@ from typing import Any, Optional, TypeGuard
 
 from trainingrun_api import contract
 
-from . import api, builders, naming, reconcile, run_status, validation
+from . import api, api_status, builders, naming, reconcile, run_status, validation
 from .backends import JOB_KINDS
 from .builders import Note
 from .indexes import controller_uid, job_view, merged_status, run_owns_job, slim_job
@@ -24,31 +24,16 @@ from .state import Key, OperatorState, Rejection
 
 log = logging.getLogger("trainingrun.operator")
 
-#: Status fields remembered from the operator's own writes until the watch shows them: all of them, as the
-#: operator alone writes status (progress and lastGoodCheckpoint as pods reported them, see reports.py).
-OPERATOR_FIELDS = (
-    "phase",
-    "attempt",
-    "jobName",
-    "startTime",
-    "attemptStartTime",
-    "nextAttemptTime",
-    "checkpointUri",
-    "completionTime",
-    "restarts",
-    "goodput",
-    "conditions",
-    "observedGeneration",
-    "progress",
-    "lastGoodCheckpoint",
-    "checkpointInMemory",
-    "checkpointMemoryShort",
-    "lastHang",
-    "slowRank",
-    "hangNodes",
-    "avoidedNodes",
-    "lastReportTime",
-)
+#: Status fields remembered from the operator's own writes until the watch shows them: every field of the status, as
+#: the operator alone writes status (progress and lastGoodCheckpoint as pods reported them, see reports.py). Written
+#: out by hand, the list once lacked `backend`: a JobSet run's next reconcile before the watch caught up read its
+#: remembered jobName without it, took the run for a PyTorchJob one, and suspended (or recreated) the wrong kind.
+OPERATOR_FIELDS = tuple(field.alias or name for name, field in api_status.TrainingRunStatus.model_fields.items())
+
+
+def remembered(status_patch: dict[str, Any]) -> dict[str, Any]:
+    """What of a status patch the operator remembers until the watch shows it."""
+    return {k: v for k, v in status_patch.items() if k in OPERATOR_FIELDS}
 
 
 async def carry_out(
@@ -73,7 +58,11 @@ async def carry_out(
     if plan.suspend_job:
         if (left := state.reconciled.get(key)) is not None:
             left.jobs.pop(plan.suspend_job, None)
-        await kube.patch(backend.api_version, backend.kind, namespace, plan.suspend_job, backend.suspend_patch())
+        try:
+            await kube.patch(backend.api_version, backend.kind, namespace, plan.suspend_job, backend.suspend_patch())
+        except ApiError as error:
+            if error.status != 404:  # no such job (removed by someone): nothing of it runs, nothing to suspend
+                raise
     for job_name in plan.delete_jobs:
         try:  # exactly the job this run owns: the name may belong to someone else's object by now
             await kube.delete(
@@ -94,7 +83,7 @@ async def carry_out(
             priority=kube_module.STATUS,
         )
         written = state.written.setdefault(key, {})
-        written.update({k: v for k, v in plan.status.items() if k in OPERATOR_FIELDS})
+        written.update(remembered(plan.status))
         if plan.restart_cause:
             state.metrics.restarts.labels(namespace, name, plan.restart_cause).inc()
         if any(note.reason == "Hung" for note in plan.events):  # a new hang turned the condition true

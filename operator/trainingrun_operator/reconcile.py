@@ -132,7 +132,8 @@ def decide(o: Observed) -> Plan:
 
     if spec.suspend:
         if phase != "Suspended":
-            if job is not None and o.backend.state(job, pods) not in TERMINAL:
+            # A job not seen yet is not absent: one created a moment ago (the watch not there yet) must stop too.
+            if job is None or o.backend.state(job, pods) not in TERMINAL:
                 plan.suspend_job = job_name
             plan.status["phase"] = "Suspended"
             plan.events.append(

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from operator_harness import (
+    NAMESPACE,
     PODS,
     RUNS,
     Cluster,
@@ -241,6 +242,20 @@ async def test_suspend_and_resume_from_the_last_good_checkpoint(kmock, cluster):
         assert cluster.job("demo-a2")["spec"]["runPolicy"]["suspend"] is False
         status = await eventually(lambda: cluster.status()["attempt"] == 2 and cluster.status())
         assert status["phase"] == "Pending" and "restarts" not in status  # suspending costs no budget
+
+
+async def test_a_suspend_whose_job_is_gone_leaves_the_run_suspended(kmock, cluster):
+    """Suspending reaches a job the operator has not seen yet (reconcile.py); when there is no such job after all
+    (removed by someone; kmock answers the suspend's patch with 404, as a server does for a job that is not there),
+    nothing of it runs: the run is Suspended, not retried forever."""
+    async with operator(kmock):
+        await cluster.create_run(training_run())
+        await eventually(lambda: cluster.job("demo-a1"))
+        await eventually(lambda: cluster.status().get("phase") == "Pending")
+        kmock[f"patch /apis/kubeflow.org/v1/namespaces/{NAMESPACE}/pytorchjobs/demo-a1"] << 404
+        await cluster.patch(RUNS, "demo", {"spec": {"suspend": True}})
+        await eventually(lambda: cluster.status().get("phase") == "Suspended", what=lambda: cluster.status())
+        await eventually(lambda: cluster.events("Suspended"))
 
 
 async def test_spec_change_applies_from_the_next_attempt(kmock, cluster):

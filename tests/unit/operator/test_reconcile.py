@@ -877,3 +877,16 @@ def test_a_jobsets_pods_not_created_are_said_from_its_jobs_events():
     ]
     condition = next(c for c in reconcile.decide(observed).status["conditions"] if c["type"] == "PodsNotCreated")
     assert condition["message"].startswith("Job demo-a1-worker-0 of JobSet demo-a1: Error creating")
+
+
+@pytest.mark.parametrize("backend", ["PyTorchJob", "JobSet"])
+def test_a_run_suspended_before_its_new_job_was_seen_suspends_that_job(backend):
+    """The job created a moment ago, the watch not yet there: suspending must still reach it (it did not: the run said
+    Suspended while its JobSet ran on, as a recorded lifecycle showed)."""
+    from trainingrun_operator import backends
+
+    status = {**pending_status(), "backend": backend}
+    observed = observe(run_of(suspend=True), status, jobs=[])
+    observed.backend = backends.JOBSET if backend == "JobSet" else backends.PYTORCHJOB
+    plan = reconcile.decide(observed)
+    assert plan.status["phase"] == "Suspended" and plan.suspend_job == "demo-a1"
