@@ -369,38 +369,67 @@ def test_a_taken_metrics_port_is_one_line_and_exit_2_before_anything_starts(tmp_
     assert not (tmp_path / "runs").exists()
 
 
-def two_nodes_and_their_reference(tmp_path, strategy="ddp", nodes=2):
-    """A 40-step run for two (`nodes`) simulated nodes, checkpoints in memory every 10 steps and to storage every 20,
-    run once uninterrupted into checkpoints "reference": (its file, the environment, the folder of the nodes'
-    memory)."""
+def node_memory():
+    """The folder of simulated nodes' memory, and the environment that gives it to a run."""
     # Below this session's folder in /dev/shm (tests/conftest.py), not tmp_path: the tier keeps a share of its volume
     # free, and a share of this machine's disk is more than the disk has free on a busy CI machine.
     memory_root = Path(tempfile.mkdtemp(prefix="node-memory-", dir=contract.memory_tier_root()))
     env = {"TRAININGRUN_MEMORY_TIER_ROOT": str(memory_root)}
+    return memory_root, env
+
+
+def nodes_run_file(tmp_path, strategy):
+    """A 40-step run, checkpoints in memory every 10 steps and to storage every 20."""
     body = training_run(maxSteps=40, logIntervalSteps=5, strategy=strategy)
     body["spec"]["checkpoint"]["storageInterval"] = {"steps": 2 * INTERVAL}
-    run_file = write_run(tmp_path, body)
-    reference = local(tmp_path, run_file, "--nodes", str(nodes), "--nproc", "1", checkpoints="reference", env=env)
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    return run_file, env, memory_root
+    return write_run(tmp_path, body)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_digest(tmp_path_factory):
+    """`uninterrupted_digest(strategy, nodes)`: the final model of that run for `nodes` simulated nodes run
+    uninterrupted, once a module (several tests compare against the same one)."""
+    digests: dict[tuple[str, int], str] = {}
+
+    def digest(strategy: str, nodes: int) -> str:
+        if (strategy, nodes) not in digests:
+            folder = tmp_path_factory.mktemp(f"uninterrupted-{strategy}-{nodes}")
+            memory_root, env = node_memory()
+            run_file = nodes_run_file(folder, strategy)
+            done = local(folder, run_file, "--nodes", str(nodes), "--nproc", "1", checkpoints="reference", env=env)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            assert list(memory_root.iterdir()) == []
+            digests[strategy, nodes] = final_digest(folder, "reference", 40)
+        return digests[strategy, nodes]
+
+    return digest
+
+
+def nodes_run_and_reference(tmp_path, uninterrupted_digest, strategy="ddp", nodes=2):
+    """The run of `nodes_run_file` for `nodes` simulated nodes, and the same run's final model uninterrupted: (its
+    file, the environment, the folder of the nodes' memory, that digest)."""
+    memory_root, env = node_memory()
+    return nodes_run_file(tmp_path, strategy), env, memory_root, uninterrupted_digest(strategy, nodes)
 
 
 @pytest.mark.slow
-def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothing_from_storage(tmp_path):
+def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothing_from_storage(
+    tmp_path, uninterrupted_digest
+):
     """`--nodes 2`: a launcher per node as in a PyTorchJob's pods (c10d rendezvous on 127.0.0.1, each node its own
     memory folder and log). Each node's memory holds every file of a checkpoint (its lowest rank writes the other
     node's files too, `checkpoint/mirroring.py`), so checkpoints commit in memory across both nodes and rank 0 copies
     one in two to storage (storageInterval 20). A worker killed at step 25 restarts both nodes' groups in place from
     step 20, which only memory holds, reading nothing from storage on either node; the model at the end is bitwise
     the one of the same run without the kill."""
-    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path)
+    run_file, env, memory_root, reference = nodes_run_and_reference(tmp_path, uninterrupted_digest)
     two = local(
         tmp_path, run_file, "--nodes", "2", "--nproc", "1", "--chaos-kill-step", "25", checkpoints="two", env=env
     )
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     result = result_of(two.stdout)
     assert (result["attempts"], result["restarts_in_place"], result["steps"]) == ("1", "1", "40")
-    assert final_digest(tmp_path, "two", 40) == final_digest(tmp_path, "reference", 40)
+    assert final_digest(tmp_path, "two", 40) == reference
     # This run's folder (another checkpoint URI is another run's folder: runs/demo/uri-...).
     (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/two/step-" in p.read_text()]
     log = (logs / "attempt-1.log").read_text() + (logs / "attempt-1-node-1.log").read_text()
@@ -419,7 +448,7 @@ def test_two_simulated_nodes_commit_in_memory_and_recover_exactly_reading_nothin
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_the_steps_since_the_last_commit(
-    tmp_path, strategy
+    tmp_path, uninterrupted_digest, strategy
 ):
     """`--chaos-lose-node 25`: after step 25 every process of node 1 is SIGKILLed at once and its node memory emptied,
     as a node failure loses a pod (no SIGTERM, no emergency checkpoint); a replacement launcher rejoins, as Kubeflow
@@ -427,7 +456,7 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
     (which only memory held: storage every 20 copied 10 and not yet 20) from node 0's memory (`checkpoint/peers.py`):
     no byte from storage on either node, 5 steps lost, and the model at the end is bitwise the uninterrupted run's.
     With FSDP2 node 0 holds node 1's shards because node 1 sent them after each save (`checkpoint/mirroring.py`)."""
-    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path, strategy)
+    run_file, env, memory_root, reference = nodes_run_and_reference(tmp_path, uninterrupted_digest, strategy)
     began = time.time() - 1
     # The machine's /tmp, as this run sees it: a short path, as /tmp is (Unix sockets are made below it).
     system_temp = Path(tempfile.mkdtemp(prefix="tmp-"))
@@ -447,7 +476,7 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
     assert "chaos: node 1 lost at step 25" in lost.stdout, lost.stdout[-3000:]
     result = result_of(lost.stdout)
     assert (result["attempts"], result["steps"], result["lost_steps"]) == ("1", "40", "5"), lost.stdout[-3000:]
-    assert final_digest(tmp_path, "lost", 40) == final_digest(tmp_path, "reference", 40)
+    assert final_digest(tmp_path, "lost", 40) == reference
     (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/lost/step-" in p.read_text()]
     replacement = (logs / "attempt-1-node-1-replacement-1.log").read_text()
     log = (logs / "attempt-1.log").read_text() + replacement
@@ -468,21 +497,23 @@ def test_a_lost_node_is_replaced_and_restores_from_its_peers_memory_losing_only_
 
 
 @pytest.mark.slow
-def test_three_simulated_nodes_of_a_sharded_state_restart_in_place_reading_only_their_own_memory(tmp_path):
+def test_three_simulated_nodes_of_a_sharded_state_restart_in_place_reading_only_their_own_memory(
+    tmp_path, uninterrupted_digest
+):
     """FSDP2 on `--nodes 3`: no pod holds every file (each keeps its own rank's shards, its neighbour's, the metadata
     and the replicated items, `checkpoint/mirroring.py`); checkpoints commit in memory all the same, and each pod
     copies its own rank's files to storage, rank 0 the manifest once all are there (`checkpoint/persisting.py`). A
     worker killed at step 25 restarts every node's group in place from step 20, which only memory holds, and every
     rank, rank 0 included, reads all of it from its own pod's memory: nothing from storage, not even to verify it. The
     model at the end is bitwise the uninterrupted run's."""
-    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path, "fsdp2", nodes=3)
+    run_file, env, memory_root, reference = nodes_run_and_reference(tmp_path, uninterrupted_digest, "fsdp2", 3)
     three = local(
         tmp_path, run_file, "--nodes", "3", "--nproc", "1", "--chaos-kill-step", "25", checkpoints="three", env=env
     )
     assert three.returncode == 0, three.stdout[-3000:] + three.stderr[-3000:]
     result = result_of(three.stdout)
     assert (result["attempts"], result["restarts_in_place"], result["steps"]) == ("1", "1", "40")
-    assert final_digest(tmp_path, "three", 40) == final_digest(tmp_path, "reference", 40)
+    assert final_digest(tmp_path, "three", 40) == reference
     (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/three/step-" in p.read_text()]
     log = "".join(
         (logs / name).read_text() for name in ("attempt-1.log", "attempt-1-node-1.log", "attempt-1-node-2.log")
@@ -513,19 +544,21 @@ def test_three_simulated_nodes_of_a_sharded_state_restart_in_place_reading_only_
 
 
 @pytest.mark.slow
-def test_a_lost_node_of_three_with_a_sharded_state_receives_its_shards_from_the_next_nodes_memory(tmp_path):
+def test_a_lost_node_of_three_with_a_sharded_state_receives_its_shards_from_the_next_nodes_memory(
+    tmp_path, uninterrupted_digest
+):
     """FSDP2 on `--nodes 3`, the last node (2) lost after step 25 (SIGKILL, memory emptied): the node after it in the
     ring, node 0, holds node 2's shards (sent after each save), the metadata and the replicated items, so the
     replacement receives what its rank reads from rank 0's memory (`checkpoint/peers.py`) and no rank reads storage;
     5 steps lost, and the model at the end is bitwise the uninterrupted run's."""
-    run_file, env, memory_root = two_nodes_and_their_reference(tmp_path, "fsdp2", nodes=3)
+    run_file, env, memory_root, reference = nodes_run_and_reference(tmp_path, uninterrupted_digest, "fsdp2", 3)
     lost = local(
         tmp_path, run_file, "--nodes", "3", "--nproc", "1", "--chaos-lose-node", "25", checkpoints="lost", env=env
     )
     assert lost.returncode == 0, lost.stdout[-3000:] + lost.stderr[-3000:]
     result = result_of(lost.stdout)
     assert (result["attempts"], result["steps"], result["lost_steps"]) == ("1", "40", "5"), lost.stdout[-3000:]
-    assert final_digest(tmp_path, "lost", 40) == final_digest(tmp_path, "reference", 40)
+    assert final_digest(tmp_path, "lost", 40) == reference
     (logs,) = [p.parent for p in (tmp_path / "runs").rglob("attempt-1.log") if "/lost/step-" in p.read_text()]
     replacement = (logs / "attempt-1-node-2-replacement-1.log").read_text()
     log = (logs / "attempt-1.log").read_text() + (logs / "attempt-1-node-1.log").read_text() + replacement
